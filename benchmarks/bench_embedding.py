@@ -1,0 +1,57 @@
+"""Embedding gather bandwidth against a device-to-device copy of the same bytes.
+
+Goal (issue 2): >= 0.85 of the copy's bandwidth at vocab 151936, hidden 4096, 16384 tokens.
+Rows: the copy (the anchor), stock ``F.embedding``, batchinv's kernel alone, and the
+whole op, which also reads the bad-id flag back (one synchronisation per call).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+import batchinv
+from batchinv.gpu.embedding import launch_forward
+
+from _common import median_ms, parse_args, report, require_cuda
+
+SHAPES = [
+    # (vocab, hidden, tokens, dtype)
+    (151936, 4096, 16384, torch.bfloat16),
+    (151936, 4096, 1024, torch.bfloat16),
+    (151936, 5120, 16384, torch.bfloat16),
+    (32000, 4096, 16384, torch.float32),
+]
+
+
+def main() -> None:
+    args = parse_args(__doc__.splitlines()[0])
+    device = require_cuda()
+    rows = []
+    for vocab, hidden, tokens, dtype in SHAPES:
+        gen = torch.Generator(device=device).manual_seed(0)
+        weight = torch.randn(vocab, hidden, device=device, generator=gen).to(dtype)
+        ids = torch.randint(0, vocab, (tokens,), device=device, generator=gen)
+        source = torch.randn(tokens, hidden, device=device, generator=gen).to(dtype)
+        target = torch.empty_like(source)
+        row_bytes = hidden * weight.element_size()
+        moved = 2 * tokens * row_bytes + ids.numel() * ids.element_size()
+        timings = {
+            "copy": median_ms(lambda: target.copy_(source)),
+            "torch F.embedding": median_ms(lambda: F.embedding(ids, weight)),
+            "batchinv kernel": median_ms(lambda: launch_forward(ids, weight)),
+            "batchinv op (+id check)": median_ms(lambda: batchinv.embedding(ids, weight)),
+        }
+        copy_tbs = 2 * tokens * row_bytes / timings["copy"] / 1e9  # bytes per ms / 1e9 = TB/s
+        for path, ms in timings.items():
+            bytes_moved = 2 * tokens * row_bytes if path == "copy" else moved
+            tbs = bytes_moved / ms / 1e9
+            rows.append({
+                "vocab": vocab, "hidden": hidden, "tokens": tokens, "dtype": str(dtype).removeprefix("torch."),
+                "path": path, "ms": ms, "TB/s": tbs, "vs_copy": tbs / copy_tbs,
+            })
+    report("embedding", rows, ["vocab", "hidden", "tokens", "dtype", "path", "ms", "TB/s", "vs_copy"], args.json)
+
+
+if __name__ == "__main__":
+    main()

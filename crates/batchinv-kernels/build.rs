@@ -1,0 +1,213 @@
+//! Compiles every `kernels_cu/<op>.cu` into an embedded image and writes the module table.
+//!
+//! Environment (all optional):
+//! - `BATCHINV_CUDA_ARCHS`  SASS targets, `;`-separated (default `80;90a`); PTX for the
+//!   lowest target is added so newer GPUs can JIT it.  Never probed from a GPU.
+//! - `BATCHINV_NVCC`        the nvcc to use (default: `nvcc` on PATH, `$CUDA_HOME/bin`, then
+//!   the `nvidia-cuda-nvcc` wheel of the Python that `PYO3_PYTHON` or `python3` names).
+//! - `BATCHINV_NO_CUDA=1`   build without CUDA images; GPU ops then raise at run time.
+//! - `BATCHINV_HIP_ARCHS`   also build AMD code objects with hipcc, e.g. `gfx90a`.
+//! - `BATCHINV_HIPCC`       the hipcc to use (default `hipcc` on PATH).
+
+#[path = "build_support/signatures.rs"]
+mod signatures;
+
+use std::env;
+use std::fmt::Write as _;
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+const DEFAULT_CUDA_ARCHS: &str = "80;90a";
+const NVCC_HELP: &str = "nvcc was not found. Install the pinned CUDA 13.0 compiler wheels:\n    \
+    pip install nvidia-cuda-nvcc==13.0.88 'nvidia-nvvm==13.0.*' 'nvidia-cuda-crt==13.0.*' \
+    'nvidia-cuda-runtime==13.0.*' 'nvidia-cuda-cccl==13.0.*'\n\
+    or point BATCHINV_NVCC at an nvcc, or set BATCHINV_NO_CUDA=1 for a CPU-only build.";
+
+struct Source {
+    op: String,
+    path: PathBuf,
+    kernels: Vec<signatures::KernelSignature>,
+}
+
+fn main() {
+    let manifest_dir = PathBuf::from(env::var("CARGO_MANIFEST_DIR").unwrap());
+    let kernels_dir = manifest_dir.join("../../kernels_cu").canonicalize().expect("kernels_cu/ not found");
+    let out_dir = PathBuf::from(env::var("OUT_DIR").unwrap());
+    for var in [
+        "BATCHINV_CUDA_ARCHS",
+        "BATCHINV_NVCC",
+        "BATCHINV_NO_CUDA",
+        "BATCHINV_HIP_ARCHS",
+        "BATCHINV_HIPCC",
+        "CUDA_HOME",
+        "PYO3_PYTHON",
+    ] {
+        println!("cargo:rerun-if-env-changed={var}");
+    }
+    println!("cargo:rerun-if-changed={}", kernels_dir.display());
+
+    let sources = read_sources(&kernels_dir);
+    let no_cuda = env::var("BATCHINV_NO_CUDA").map(|v| v == "1").unwrap_or(false);
+    let cuda_archs = env::var("BATCHINV_CUDA_ARCHS").unwrap_or_else(|_| DEFAULT_CUDA_ARCHS.to_string());
+    let hip_archs = env::var("BATCHINV_HIP_ARCHS").unwrap_or_default();
+
+    let (nvcc_version, cuda_images) = if no_cuda {
+        (String::new(), vec![None; sources.len()])
+    } else {
+        let nvcc = find_nvcc().unwrap_or_else(|| panic!("{NVCC_HELP}"));
+        let version = tool_version(&nvcc);
+        let args = cuda_arch_args(&cuda_archs);
+        let images = compile_all(&sources, |source| compile_cuda(&nvcc, &args, &kernels_dir, source, &out_dir));
+        (version, images.into_iter().map(Some).collect())
+    };
+    let hip_images = if hip_archs.trim().is_empty() {
+        vec![None; sources.len()]
+    } else {
+        let hipcc = env::var("BATCHINV_HIPCC").unwrap_or_else(|_| "hipcc".to_string());
+        let images = compile_all(&sources, |source| compile_hip(&hipcc, &hip_archs, &kernels_dir, source, &out_dir));
+        images.into_iter().map(Some).collect()
+    };
+
+    let table = module_table(&sources, &cuda_images, &hip_images, &BuildInfoText {
+        cuda_archs: if no_cuda { String::new() } else { cuda_archs },
+        nvcc_version,
+        hip_archs,
+    });
+    fs::write(out_dir.join("module_table.rs"), table).unwrap();
+}
+
+fn read_sources(kernels_dir: &Path) -> Vec<Source> {
+    let mut paths: Vec<PathBuf> = fs::read_dir(kernels_dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|e| e == "cu"))
+        .collect();
+    paths.sort();
+    paths
+        .into_iter()
+        .map(|path| {
+            let text = fs::read_to_string(&path).unwrap();
+            let kernels = signatures::parse_signatures(&text)
+                .unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+            let op = path.file_stem().unwrap().to_string_lossy().into_owned();
+            Source { op, path, kernels }
+        })
+        .collect()
+}
+
+fn find_nvcc() -> Option<PathBuf> {
+    if let Ok(path) = env::var("BATCHINV_NVCC") {
+        return Some(PathBuf::from(path));
+    }
+    if let Some(path) = env::var_os("PATH").and_then(|p| env::split_paths(&p).map(|d| d.join("nvcc")).find(|p| p.is_file())) {
+        return Some(path);
+    }
+    if let Ok(home) = env::var("CUDA_HOME") {
+        let path = Path::new(&home).join("bin/nvcc");
+        if path.is_file() {
+            return Some(path);
+        }
+    }
+    // The nvidia-cuda-nvcc wheel puts nvcc under site-packages/nvidia/cu13/bin.
+    let python = env::var("PYO3_PYTHON").unwrap_or_else(|_| "python3".to_string());
+    let script = "import nvidia, os\nfor p in nvidia.__path__:\n    c = os.path.join(p, 'cu13', 'bin', 'nvcc')\n    \
+                  if os.path.isfile(c): print(c); break";
+    let output = Command::new(python).args(["-c", script]).output().ok()?;
+    let path = String::from_utf8_lossy(&output.stdout).trim().to_string();
+    (!path.is_empty()).then(|| PathBuf::from(path))
+}
+
+fn tool_version(tool: &Path) -> String {
+    let output = Command::new(tool).arg("--version").output().unwrap_or_else(|e| panic!("cannot run {}: {e}", tool.display()));
+    let text = String::from_utf8_lossy(&output.stdout);
+    text.lines().find(|l| l.contains("release")).unwrap_or("unknown").trim().to_string()
+}
+
+/// `80;90a` -> SASS for sm_80 and sm_90a, plus compute_80 PTX (arch-specific `a` targets
+/// have no forward-compatible PTX).
+fn cuda_arch_args(archs: &str) -> Vec<String> {
+    let archs: Vec<&str> = archs.split([';', ',']).map(str::trim).filter(|a| !a.is_empty()).collect();
+    assert!(!archs.is_empty(), "BATCHINV_CUDA_ARCHS is empty");
+    let mut args: Vec<String> = archs.iter().map(|a| format!("-gencode=arch=compute_{a},code=sm_{a}")).collect();
+    if let Some(ptx) = archs.iter().find(|a| !a.ends_with('a')) {
+        args.push(format!("-gencode=arch=compute_{ptx},code=compute_{ptx}"));
+    }
+    args
+}
+
+fn compile_all(sources: &[Source], compile: impl Fn(&Source) -> PathBuf + Sync) -> Vec<PathBuf> {
+    std::thread::scope(|scope| {
+        let handles: Vec<_> = sources.iter().map(|s| scope.spawn(|| compile(s))).collect();
+        handles.into_iter().map(|h| h.join().expect("kernel compilation panicked")).collect()
+    })
+}
+
+fn run(command: &mut Command, what: &str, report: &Path) {
+    let output = command.output().unwrap_or_else(|e| panic!("cannot start the compiler for {what}: {e}"));
+    fs::write(report, [&output.stdout[..], &output.stderr[..]].concat()).unwrap();
+    if !output.status.success() {
+        panic!("compiling {what} failed:\n{}{}", String::from_utf8_lossy(&output.stdout), String::from_utf8_lossy(&output.stderr));
+    }
+}
+
+fn compile_cuda(nvcc: &Path, arch_args: &[String], kernels_dir: &Path, source: &Source, out_dir: &Path) -> PathBuf {
+    let image = out_dir.join(format!("{}.fatbin", source.op));
+    // No fast-math: every kernel keeps IEEE rounding so paths that must agree do.
+    let mut command = Command::new(nvcc);
+    command
+        .args(["-fatbin", "-O3", "-std=c++17", "-Xptxas", "-v", "-lineinfo"])
+        .args(arch_args)
+        .arg("-I")
+        .arg(kernels_dir)
+        .arg(&source.path)
+        .arg("-o")
+        .arg(&image);
+    run(&mut command, &source.path.display().to_string(), &out_dir.join(format!("{}.ptxas.txt", source.op)));
+    image
+}
+
+fn compile_hip(hipcc: &str, archs: &str, kernels_dir: &Path, source: &Source, out_dir: &Path) -> PathBuf {
+    let image = out_dir.join(format!("{}.hsaco", source.op));
+    let mut command = Command::new(hipcc);
+    command.env("HIP_PLATFORM", "amd").args(["--genco", "-O3", "-std=c++17", "-x", "hip"]);
+    for arch in archs.split([';', ',']).map(str::trim).filter(|a| !a.is_empty()) {
+        command.arg(format!("--offload-arch={arch}"));
+    }
+    command.arg("-I").arg(kernels_dir).arg(&source.path).arg("-o").arg(&image);
+    run(&mut command, &format!("{} for HIP", source.path.display()), &out_dir.join(format!("{}.hipcc.txt", source.op)));
+    image
+}
+
+struct BuildInfoText {
+    cuda_archs: String,
+    nvcc_version: String,
+    hip_archs: String,
+}
+
+fn image_expr(image: &Option<PathBuf>) -> String {
+    match image {
+        Some(path) => format!("Some(include_bytes!({:?}))", path.display().to_string()),
+        None => "None".to_string(),
+    }
+}
+
+fn module_table(sources: &[Source], cuda: &[Option<PathBuf>], hip: &[Option<PathBuf>], info: &BuildInfoText) -> String {
+    let mut out = String::from("// Generated by build.rs from kernels_cu/*.cu. Do not edit.\n");
+    writeln!(out, "pub static MODULES: &[EmbeddedModule] = &[").unwrap();
+    for ((source, cuda), hip) in sources.iter().zip(cuda).zip(hip) {
+        writeln!(out, "    EmbeddedModule {{ name: {:?}, cuda_image: {}, hip_image: {}, kernels: &[", source.op, image_expr(cuda), image_expr(hip)).unwrap();
+        for kernel in &source.kernels {
+            writeln!(out, "        EmbeddedKernel {{ name: {:?}, signature: {:?} }},", kernel.name, kernel.params.join(", ")).unwrap();
+        }
+        writeln!(out, "    ] }},").unwrap();
+    }
+    writeln!(out, "];").unwrap();
+    writeln!(
+        out,
+        "pub static BUILD_INFO: BuildInfo = BuildInfo {{ cuda_archs: {:?}, nvcc_version: {:?}, hip_archs: {:?} }};",
+        info.cuda_archs, info.nvcc_version, info.hip_archs
+    )
+    .unwrap();
+    out
+}

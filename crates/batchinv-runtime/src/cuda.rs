@@ -1,0 +1,395 @@
+//! The CUDA driver API, opened at run time from `libcuda.so.1`.
+//!
+//! Launches share PyTorch's context: the device's primary context is retained once and
+//! made current around each call, then the caller's context is restored.
+
+use crate::config::{DeviceLimits, FunctionLimits, LaunchConfig};
+use crate::driver::{Backend, Driver, FunctionHandle, ModuleHandle};
+use crate::error::{Error, Result};
+use libloading::Library;
+use std::collections::HashMap;
+use std::ffi::CStr;
+use std::os::raw::{c_char, c_int, c_uint, c_void};
+use std::sync::Mutex;
+
+type CuResult = c_int;
+type CuDevice = c_int;
+type CuContext = *mut c_void;
+type CuModule = *mut c_void;
+type CuFunction = *mut c_void;
+type CuStream = *mut c_void;
+
+const CUDA_SUCCESS: CuResult = 0;
+
+// CUdevice_attribute values (cuda.h).
+const ATTR_MAX_THREADS_PER_BLOCK: c_int = 1;
+const ATTR_MAX_BLOCK_DIM_X: c_int = 2;
+const ATTR_MAX_GRID_DIM_X: c_int = 5;
+const ATTR_COMPUTE_CAPABILITY_MAJOR: c_int = 75;
+const ATTR_COMPUTE_CAPABILITY_MINOR: c_int = 76;
+const ATTR_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN: c_int = 97;
+
+// CUfunction_attribute values.
+const FUNC_MAX_THREADS_PER_BLOCK: c_int = 0;
+const FUNC_SHARED_SIZE_BYTES: c_int = 1;
+const FUNC_MAX_DYNAMIC_SHARED_SIZE_BYTES: c_int = 8;
+
+struct Api {
+    cu_init: unsafe extern "C" fn(c_uint) -> CuResult,
+    cu_device_get_count: unsafe extern "C" fn(*mut c_int) -> CuResult,
+    cu_device_get: unsafe extern "C" fn(*mut CuDevice, c_int) -> CuResult,
+    cu_device_get_name: unsafe extern "C" fn(*mut c_char, c_int, CuDevice) -> CuResult,
+    cu_device_get_attribute: unsafe extern "C" fn(*mut c_int, c_int, CuDevice) -> CuResult,
+    cu_primary_ctx_retain: unsafe extern "C" fn(*mut CuContext, CuDevice) -> CuResult,
+    cu_ctx_get_current: unsafe extern "C" fn(*mut CuContext) -> CuResult,
+    cu_ctx_set_current: unsafe extern "C" fn(CuContext) -> CuResult,
+    cu_ctx_get_device: unsafe extern "C" fn(*mut CuDevice) -> CuResult,
+    cu_ctx_synchronize: unsafe extern "C" fn() -> CuResult,
+    cu_module_load_data: unsafe extern "C" fn(*mut CuModule, *const c_void) -> CuResult,
+    cu_module_unload: unsafe extern "C" fn(CuModule) -> CuResult,
+    cu_module_get_function: unsafe extern "C" fn(*mut CuFunction, CuModule, *const c_char) -> CuResult,
+    cu_func_get_attribute: unsafe extern "C" fn(*mut c_int, c_int, CuFunction) -> CuResult,
+    cu_func_set_attribute: unsafe extern "C" fn(CuFunction, c_int, c_int) -> CuResult,
+    #[allow(clippy::type_complexity)]
+    cu_launch_kernel: unsafe extern "C" fn(
+        CuFunction,
+        c_uint,
+        c_uint,
+        c_uint,
+        c_uint,
+        c_uint,
+        c_uint,
+        c_uint,
+        CuStream,
+        *mut *mut c_void,
+        *mut *mut c_void,
+    ) -> CuResult,
+    cu_get_error_name: unsafe extern "C" fn(CuResult, *mut *const c_char) -> CuResult,
+    cu_get_error_string: unsafe extern "C" fn(CuResult, *mut *const c_char) -> CuResult,
+}
+
+pub(crate) struct CudaDriver {
+    api: Api,
+    /// Retained primary contexts by device ordinal (never released: they live as long as
+    /// the process, like PyTorch's).
+    contexts: Mutex<HashMap<i32, usize>>,
+    _library: Library,
+}
+
+unsafe fn symbol<T: Copy>(library: &Library, name: &str) -> Result<T> {
+    let symbol = library.get::<T>(name.as_bytes()).map_err(|e| Error::Unavailable {
+        backend: "CUDA",
+        reason: format!("the driver library has no symbol {name}: {e}"),
+    })?;
+    Ok(*symbol)
+}
+
+impl CudaDriver {
+    pub(crate) fn load() -> Result<Self> {
+        let library = open_library()?;
+        let api = unsafe {
+            Api {
+                cu_init: symbol(&library, "cuInit")?,
+                cu_device_get_count: symbol(&library, "cuDeviceGetCount")?,
+                cu_device_get: symbol(&library, "cuDeviceGet")?,
+                cu_device_get_name: symbol(&library, "cuDeviceGetName")?,
+                cu_device_get_attribute: symbol(&library, "cuDeviceGetAttribute")?,
+                cu_primary_ctx_retain: symbol(&library, "cuDevicePrimaryCtxRetain")?,
+                cu_ctx_get_current: symbol(&library, "cuCtxGetCurrent")?,
+                cu_ctx_set_current: symbol(&library, "cuCtxSetCurrent")?,
+                cu_ctx_get_device: symbol(&library, "cuCtxGetDevice")?,
+                cu_ctx_synchronize: symbol(&library, "cuCtxSynchronize")?,
+                cu_module_load_data: symbol(&library, "cuModuleLoadData")?,
+                cu_module_unload: symbol(&library, "cuModuleUnload")?,
+                cu_module_get_function: symbol(&library, "cuModuleGetFunction")?,
+                cu_func_get_attribute: symbol(&library, "cuFuncGetAttribute")?,
+                cu_func_set_attribute: symbol(&library, "cuFuncSetAttribute")?,
+                cu_launch_kernel: symbol(&library, "cuLaunchKernel")?,
+                cu_get_error_name: symbol(&library, "cuGetErrorName")?,
+                cu_get_error_string: symbol(&library, "cuGetErrorString")?,
+            }
+        };
+        let driver = CudaDriver { api, contexts: Mutex::new(HashMap::new()), _library: library };
+        let code = unsafe { (driver.api.cu_init)(0) };
+        if code != CUDA_SUCCESS {
+            let err = driver.error("cuInit", code);
+            return Err(Error::Unavailable { backend: "CUDA", reason: err.to_string() });
+        }
+        Ok(driver)
+    }
+
+    fn error(&self, call: &'static str, code: CuResult) -> Error {
+        let read = |f: unsafe extern "C" fn(CuResult, *mut *const c_char) -> CuResult| {
+            let mut text: *const c_char = std::ptr::null();
+            if unsafe { f(code, &mut text) } == CUDA_SUCCESS && !text.is_null() {
+                unsafe { CStr::from_ptr(text) }.to_string_lossy().into_owned()
+            } else {
+                "unknown error".to_string()
+            }
+        };
+        Error::Driver {
+            backend: "CUDA",
+            call,
+            code,
+            name: read(self.api.cu_get_error_name),
+            message: read(self.api.cu_get_error_string),
+            kernel: None,
+        }
+    }
+
+    fn check(&self, call: &'static str, code: CuResult) -> Result<()> {
+        if code == CUDA_SUCCESS {
+            Ok(())
+        } else {
+            Err(self.error(call, code))
+        }
+    }
+
+    fn device(&self, ordinal: i32) -> Result<CuDevice> {
+        let count = self.device_count()?;
+        if ordinal < 0 || ordinal >= count {
+            return Err(Error::Invalid(format!(
+                "CUDA device {ordinal} does not exist ({count} device(s) visible)"
+            )));
+        }
+        let mut device: CuDevice = 0;
+        self.check("cuDeviceGet", unsafe { (self.api.cu_device_get)(&mut device, ordinal) })?;
+        Ok(device)
+    }
+
+    fn attribute(&self, device: CuDevice, attribute: c_int) -> Result<i32> {
+        let mut value: c_int = 0;
+        self.check("cuDeviceGetAttribute", unsafe {
+            (self.api.cu_device_get_attribute)(&mut value, attribute, device)
+        })?;
+        Ok(value)
+    }
+
+    fn primary_context(&self, ordinal: i32) -> Result<CuContext> {
+        let mut contexts = self.contexts.lock().expect("context cache poisoned");
+        if let Some(&ctx) = contexts.get(&ordinal) {
+            return Ok(ctx as CuContext);
+        }
+        let device = self.device(ordinal)?;
+        let mut ctx: CuContext = std::ptr::null_mut();
+        self.check("cuDevicePrimaryCtxRetain", unsafe { (self.api.cu_primary_ctx_retain)(&mut ctx, device) })?;
+        contexts.insert(ordinal, ctx as usize);
+        Ok(ctx)
+    }
+
+    /// Runs `body` with the device's primary context current, restoring the caller's after.
+    fn with_context<T>(&self, ordinal: i32, body: impl FnOnce() -> Result<T>) -> Result<T> {
+        let ctx = self.primary_context(ordinal)?;
+        let mut previous: CuContext = std::ptr::null_mut();
+        self.check("cuCtxGetCurrent", unsafe { (self.api.cu_ctx_get_current)(&mut previous) })?;
+        if previous == ctx {
+            return body();
+        }
+        self.check("cuCtxSetCurrent", unsafe { (self.api.cu_ctx_set_current)(ctx) })?;
+        let result = body();
+        let restored = self.check("cuCtxSetCurrent", unsafe { (self.api.cu_ctx_set_current)(previous) });
+        let value = result?;
+        restored?;
+        Ok(value)
+    }
+
+    fn function_attribute(&self, function: FunctionHandle, attribute: c_int) -> Result<i32> {
+        let mut value: c_int = 0;
+        self.check("cuFuncGetAttribute", unsafe {
+            (self.api.cu_func_get_attribute)(&mut value, attribute, function as CuFunction)
+        })?;
+        Ok(value)
+    }
+}
+
+fn open_library() -> Result<Library> {
+    let mut reasons = Vec::new();
+    for name in ["libcuda.so.1", "libcuda.so"] {
+        match unsafe { Library::new(name) } {
+            Ok(library) => return Ok(library),
+            Err(e) => reasons.push(format!("{name}: {e}")),
+        }
+    }
+    Err(Error::Unavailable {
+        backend: "CUDA",
+        reason: format!("the NVIDIA driver library could not be loaded ({})", reasons.join("; ")),
+    })
+}
+
+/// Module images handed to `cuModuleLoadData`: cubin and fatbin as they are, PTX text with
+/// the terminating NUL the driver expects.
+fn loadable_image(image: &[u8]) -> std::borrow::Cow<'_, [u8]> {
+    const ELF: &[u8] = b"\x7fELF";
+    const FATBIN: &[u8] = &0xBA55_ED50u32.to_le_bytes();
+    let binary = image.starts_with(ELF) || image.starts_with(FATBIN);
+    if binary || image.last() == Some(&0) {
+        std::borrow::Cow::Borrowed(image)
+    } else {
+        let mut text = image.to_vec();
+        text.push(0);
+        std::borrow::Cow::Owned(text)
+    }
+}
+
+impl Driver for CudaDriver {
+    fn backend(&self) -> Backend {
+        Backend::Cuda
+    }
+
+    fn device_count(&self) -> Result<i32> {
+        let mut count: c_int = 0;
+        self.check("cuDeviceGetCount", unsafe { (self.api.cu_device_get_count)(&mut count) })?;
+        Ok(count)
+    }
+
+    fn current_device(&self) -> Result<i32> {
+        let mut ctx: CuContext = std::ptr::null_mut();
+        self.check("cuCtxGetCurrent", unsafe { (self.api.cu_ctx_get_current)(&mut ctx) })?;
+        if ctx.is_null() {
+            return Ok(0);
+        }
+        let mut device: CuDevice = 0;
+        self.check("cuCtxGetDevice", unsafe { (self.api.cu_ctx_get_device)(&mut device) })?;
+        Ok(device)
+    }
+
+    fn device_name(&self, ordinal: i32) -> Result<String> {
+        let device = self.device(ordinal)?;
+        let mut buffer = [0 as c_char; 256];
+        self.check("cuDeviceGetName", unsafe {
+            (self.api.cu_device_get_name)(buffer.as_mut_ptr(), buffer.len() as c_int, device)
+        })?;
+        Ok(unsafe { CStr::from_ptr(buffer.as_ptr()) }.to_string_lossy().into_owned())
+    }
+
+    fn compute_capability(&self, ordinal: i32) -> Result<(i32, i32)> {
+        let device = self.device(ordinal)?;
+        Ok((
+            self.attribute(device, ATTR_COMPUTE_CAPABILITY_MAJOR)?,
+            self.attribute(device, ATTR_COMPUTE_CAPABILITY_MINOR)?,
+        ))
+    }
+
+    fn device_limits(&self, ordinal: i32) -> Result<DeviceLimits> {
+        let device = self.device(ordinal)?;
+        let mut max_block = [0u32; 3];
+        let mut max_grid = [0u32; 3];
+        for axis in 0..3 {
+            max_block[axis] = self.attribute(device, ATTR_MAX_BLOCK_DIM_X + axis as c_int)? as u32;
+            max_grid[axis] = self.attribute(device, ATTR_MAX_GRID_DIM_X + axis as c_int)? as u32;
+        }
+        Ok(DeviceLimits {
+            max_threads_per_block: self.attribute(device, ATTR_MAX_THREADS_PER_BLOCK)? as u32,
+            max_block,
+            max_grid,
+            max_shared_optin: self.attribute(device, ATTR_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)? as u32,
+        })
+    }
+
+    fn load_module(&self, ordinal: i32, image: &[u8]) -> Result<ModuleHandle> {
+        let image = loadable_image(image);
+        self.with_context(ordinal, || {
+            let mut module: CuModule = std::ptr::null_mut();
+            self.check("cuModuleLoadData", unsafe {
+                (self.api.cu_module_load_data)(&mut module, image.as_ptr() as *const c_void)
+            })?;
+            Ok(module as ModuleHandle)
+        })
+    }
+
+    fn unload_module(&self, ordinal: i32, module: ModuleHandle) {
+        // Best effort: at interpreter exit the context may already be gone.
+        let _ = self.with_context(ordinal, || {
+            self.check("cuModuleUnload", unsafe { (self.api.cu_module_unload)(module as CuModule) })
+        });
+    }
+
+    fn get_function(&self, ordinal: i32, module: ModuleHandle, name: &CStr) -> Result<FunctionHandle> {
+        self.with_context(ordinal, || {
+            let mut function: CuFunction = std::ptr::null_mut();
+            let code = unsafe {
+                (self.api.cu_module_get_function)(&mut function, module as CuModule, name.as_ptr())
+            };
+            if code != CUDA_SUCCESS {
+                let err = self.error("cuModuleGetFunction", code);
+                return Err(Error::Invalid(format!(
+                    "kernel '{}' is not in the module ({err})",
+                    name.to_string_lossy()
+                )));
+            }
+            Ok(function as FunctionHandle)
+        })
+    }
+
+    fn function_limits(&self, ordinal: i32, function: FunctionHandle) -> Result<FunctionLimits> {
+        self.with_context(ordinal, || {
+            Ok(FunctionLimits {
+                max_threads_per_block: self.function_attribute(function, FUNC_MAX_THREADS_PER_BLOCK)? as u32,
+                static_shared_bytes: self.function_attribute(function, FUNC_SHARED_SIZE_BYTES)? as u32,
+                max_dynamic_shared_bytes: self.function_attribute(function, FUNC_MAX_DYNAMIC_SHARED_SIZE_BYTES)?
+                    as u32,
+            })
+        })
+    }
+
+    fn set_max_dynamic_shared(&self, ordinal: i32, function: FunctionHandle, bytes: u32) -> Result<()> {
+        self.with_context(ordinal, || {
+            self.check("cuFuncSetAttribute", unsafe {
+                (self.api.cu_func_set_attribute)(
+                    function as CuFunction,
+                    FUNC_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    bytes as c_int,
+                )
+            })
+        })
+    }
+
+    fn launch(
+        &self,
+        ordinal: i32,
+        function: FunctionHandle,
+        config: &LaunchConfig,
+        params: &mut [*mut c_void],
+    ) -> Result<()> {
+        self.with_context(ordinal, || {
+            let params_ptr = if params.is_empty() { std::ptr::null_mut() } else { params.as_mut_ptr() };
+            self.check("cuLaunchKernel", unsafe {
+                (self.api.cu_launch_kernel)(
+                    function as CuFunction,
+                    config.grid[0],
+                    config.grid[1],
+                    config.grid[2],
+                    config.block[0],
+                    config.block[1],
+                    config.block[2],
+                    config.shared_mem_bytes,
+                    config.stream as CuStream,
+                    params_ptr,
+                    std::ptr::null_mut(),
+                )
+            })
+        })
+    }
+
+    fn synchronize(&self, ordinal: i32) -> Result<()> {
+        self.with_context(ordinal, || self.check("cuCtxSynchronize", unsafe { (self.api.cu_ctx_synchronize)() }))
+    }
+}
+
+// The raw handles are only used under the driver's own thread safety.
+unsafe impl Send for CudaDriver {}
+unsafe impl Sync for CudaDriver {}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ptx_gets_a_terminating_nul() {
+        assert_eq!(loadable_image(b".version 8.0").last(), Some(&0));
+        let elf = b"\x7fELF\x02rest";
+        assert_eq!(loadable_image(elf).len(), elf.len());
+        let fatbin = [0x50, 0xED, 0x55, 0xBA, 1, 2];
+        assert_eq!(loadable_image(&fatbin).len(), fatbin.len());
+    }
+}

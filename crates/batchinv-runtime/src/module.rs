@@ -1,0 +1,164 @@
+//! Modules and kernels: images loaded lazily per device, functions checked before launch.
+
+use crate::config::{check_static_limits, DeviceLimits, FunctionLimits, LaunchConfig, STATIC_LIMITS};
+use crate::driver::{driver_for, Backend, Driver, FunctionHandle, ModuleHandle};
+use crate::error::{Error, Result};
+use crate::signature::{ArgValue, PackedArgs, Signature};
+use std::collections::HashMap;
+use std::ffi::CString;
+use std::sync::{Arc, Mutex};
+
+/// A code image (cubin, fatbin, PTX or an AMD code object) and its per-device loads.
+///
+/// Creating a module touches no driver; the image is loaded into a device the first time
+/// a kernel of it runs there, and unloaded when the module is dropped.
+pub struct Module {
+    backend: Backend,
+    label: String,
+    image: Arc<[u8]>,
+    loaded: Mutex<HashMap<i32, ModuleHandle>>,
+}
+
+impl Module {
+    pub fn new(backend: Backend, label: impl Into<String>, image: Arc<[u8]>) -> Result<Self> {
+        if image.is_empty() {
+            return Err(Error::Invalid("the module image is empty".to_string()));
+        }
+        Ok(Module { backend, label: label.into(), image, loaded: Mutex::new(HashMap::new()) })
+    }
+
+    pub fn backend(&self) -> Backend {
+        self.backend
+    }
+
+    pub fn label(&self) -> &str {
+        &self.label
+    }
+
+    pub fn image(&self) -> &[u8] {
+        &self.image
+    }
+
+    fn handle(&self, driver: &dyn Driver, device: i32) -> Result<ModuleHandle> {
+        let mut loaded = self.loaded.lock().expect("module cache poisoned");
+        if let Some(&handle) = loaded.get(&device) {
+            return Ok(handle);
+        }
+        let handle = driver.load_module(device, &self.image).map_err(|e| match e {
+            Error::Driver { .. } => Error::Invalid(format!("module '{}' could not be loaded: {e}", self.label)),
+            other => other,
+        })?;
+        loaded.insert(device, handle);
+        Ok(handle)
+    }
+}
+
+impl Drop for Module {
+    fn drop(&mut self) {
+        let loaded = std::mem::take(&mut *self.loaded.lock().expect("module cache poisoned"));
+        if loaded.is_empty() {
+            return;
+        }
+        if let Ok(driver) = driver_for(self.backend) {
+            for (device, handle) in loaded {
+                driver.unload_module(device, handle);
+            }
+        }
+    }
+}
+
+struct Resolved {
+    function: FunctionHandle,
+    device_limits: DeviceLimits,
+    function_limits: FunctionLimits,
+}
+
+/// One kernel of a module with its declared signature.
+pub struct Kernel {
+    module: Arc<Module>,
+    name: String,
+    c_name: CString,
+    signature: Signature,
+    resolved: Mutex<HashMap<i32, Resolved>>,
+}
+
+impl Kernel {
+    /// Declares a kernel; nothing is looked up until the first launch on a device.
+    pub fn new(module: Arc<Module>, name: &str, signature: Signature) -> Result<Self> {
+        let c_name = CString::new(name)
+            .map_err(|_| Error::Invalid(format!("kernel name {name:?} contains a NUL byte")))?;
+        if name.is_empty() {
+            return Err(Error::Invalid("kernel name is empty".to_string()));
+        }
+        Ok(Kernel { module, name: name.to_string(), c_name, signature, resolved: Mutex::new(HashMap::new()) })
+    }
+
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    pub fn signature(&self) -> &Signature {
+        &self.signature
+    }
+
+    pub fn module(&self) -> &Arc<Module> {
+        &self.module
+    }
+
+    fn with_resolved<T>(&self, device: i32, body: impl FnOnce(&dyn Driver, &mut Resolved) -> Result<T>) -> Result<T> {
+        let driver = driver_for(self.module.backend)?;
+        let mut resolved = self.resolved.lock().expect("kernel cache poisoned");
+        if !resolved.contains_key(&device) {
+            let module = self.module.handle(driver.as_ref(), device)?;
+            let function = driver.get_function(device, module, &self.c_name)?;
+            let entry = Resolved {
+                function,
+                device_limits: driver.device_limits(device)?,
+                function_limits: driver.function_limits(device, function)?,
+            };
+            resolved.insert(device, entry);
+        }
+        let entry = resolved.get_mut(&device).expect("just inserted");
+        body(driver.as_ref(), entry).map_err(|e| e.for_kernel(&self.name))
+    }
+
+    /// Checks everything that can be checked without a device: the arguments against the
+    /// signature, and the launch shape against the limits all supported GPUs share.
+    pub fn check_call(&self, config: &LaunchConfig, args: &[ArgValue]) -> Result<()> {
+        self.signature.check(&self.name, args)?;
+        check_static_limits(&self.name, config, &STATIC_LIMITS)
+    }
+
+    /// Validates and launches on `device` (asynchronously, on `config.stream`).
+    pub fn launch(&self, device: i32, config: &LaunchConfig, args: &[ArgValue]) -> Result<()> {
+        self.check_call(config, args)?;
+        self.with_resolved(device, |driver, entry| {
+            config.check_device(&self.name, &entry.device_limits, &entry.function_limits)?;
+            let mut packed = PackedArgs::new(args);
+            let mut pointers = packed.pointers();
+            driver.launch(device, entry.function, config, &mut pointers)
+        })
+    }
+
+    /// The kernel's limits on `device` (loads the module there if needed).
+    pub fn limits(&self, device: i32) -> Result<FunctionLimits> {
+        self.with_resolved(device, |_, entry| Ok(entry.function_limits))
+    }
+
+    /// Raises the kernel's dynamic shared-memory limit on `device` (needed above 48 KiB).
+    pub fn set_max_dynamic_shared_memory(&self, device: i32, bytes: u32) -> Result<()> {
+        self.with_resolved(device, |driver, entry| {
+            let ceiling = entry.device_limits.max_shared_optin.saturating_sub(entry.function_limits.static_shared_bytes);
+            if bytes > ceiling {
+                return Err(Error::Config(format!(
+                    "kernel '{}': {bytes} bytes of dynamic shared memory exceed what this device allows \
+                     ({ceiling} bytes beside the kernel's {} static bytes)",
+                    self.name, entry.function_limits.static_shared_bytes
+                )));
+            }
+            driver.set_max_dynamic_shared(device, entry.function, bytes)?;
+            entry.function_limits = driver.function_limits(device, entry.function)?;
+            Ok(())
+        })
+    }
+}

@@ -1,0 +1,59 @@
+// The one place where CUDA and HIP differ for batchinv kernels.
+//
+// Kernels include only this header.  It gives them fixed-width integers, the half type,
+// bit-exact bf16 <-> fp32 conversions and warp primitives under one set of names, so a
+// kernel source compiles unchanged with nvcc and hipcc.  bf16 is handled as raw 16-bit
+// storage with our own conversions because the bf16 headers differ between CUDA and the
+// ROCm releases we build with; the conversions round to nearest even and produce the same
+// canonical NaN (0x7fc0) as PyTorch, so a kernel's bf16 output matches torch's `.to(bf16)`.
+#pragma once
+
+#if defined(__HIPCC__)
+#include <hip/hip_fp16.h>
+#include <hip/hip_runtime.h>
+#define BATCHINV_WARP_SIZE 64
+#define BATCHINV_SHFL_XOR(value, mask) __shfl_xor((value), (mask))
+#else
+#include <cuda_fp16.h>
+#include <stdint.h>
+#define BATCHINV_WARP_SIZE 32
+#define BATCHINV_SHFL_XOR(value, mask) __shfl_xor_sync(0xffffffffu, (value), (mask))
+#endif
+
+namespace batchinv {
+
+using bf16_bits = uint16_t;
+
+__device__ __forceinline__ float bf16_to_float(bf16_bits bits) {
+    return __uint_as_float(static_cast<uint32_t>(bits) << 16);
+}
+
+__device__ __forceinline__ bf16_bits float_to_bf16(float value) {
+    uint32_t bits = __float_as_uint(value);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) {
+        return 0x7fc0;  // PyTorch's canonical NaN
+    }
+    bits += 0x7fffu + ((bits >> 16) & 1u);  // round to nearest, ties to even
+    return static_cast<bf16_bits>(bits >> 16);
+}
+
+// Element codecs: how a storage type is read into fp32 and written back from it.
+struct Bf16Codec {
+    using storage = bf16_bits;
+    __device__ __forceinline__ static float load(storage v) { return bf16_to_float(v); }
+    __device__ __forceinline__ static storage store(float v) { return float_to_bf16(v); }
+};
+
+struct F16Codec {
+    using storage = __half;
+    __device__ __forceinline__ static float load(storage v) { return __half2float(v); }
+    __device__ __forceinline__ static storage store(float v) { return __float2half_rn(v); }
+};
+
+struct F32Codec {
+    using storage = float;
+    __device__ __forceinline__ static float load(storage v) { return v; }
+    __device__ __forceinline__ static storage store(float v) { return v; }
+};
+
+}  // namespace batchinv

@@ -1,0 +1,123 @@
+// Embedding: a row gather and its weight gradient.
+//
+// Forward  out[i, :] = weight[ids[i], :]
+//   out     [num_ids, row_bytes]  any dtype, viewed as bytes; contiguous
+//   weight  [vocab, row_bytes]    same dtype as out; contiguous
+//   ids     [num_ids]             int32 or int64 (one kernel each)
+//   first_bad_position  [1] u64, preset to UINT64_MAX by the caller; receives the smallest
+//                       position whose id is outside [0, vocab).  Such rows are not read.
+//   Launch: grid.x = num_ids (one CTA per output row), any block.x.
+//   Invariance: a copy, no arithmetic.  The access width (16/8/4/2/1 bytes) follows the
+//   pointers' alignment but moves the same bytes, so the output is weight[ids] bit for bit.
+//
+// Backward grad_weight[v, c] = sum over positions p with ids[p] == v of grad_out[p, c]
+//   sorted_positions [num_ids] i64   positions ordered by id, stable (equal ids keep
+//                                    increasing position order): torch.sort(stable=True)
+//   segment_offsets  [num_segments + 1] i64   segment s covers sorted_positions[off[s]:off[s+1]]
+//   segment_ids      [num_segments] i64       the id shared by segment s
+//   grad_out [num_ids, hidden], grad_weight [vocab, hidden] (zeroed by the caller), same dtype
+//   Launch: grid = (num_segments, ceil(hidden / block.x)), any block.x.
+//   Invariance: each output element is a sequential fp32 sum over its own occurrences in
+//   increasing position order, rounded once.  No atomics, so the result does not depend on
+//   scheduling, and no other id's occurrences change it.
+#include "common/portability.cuh"
+
+namespace batchinv {
+
+template <typename Word, typename Index>
+__device__ __forceinline__ void copy_row(uint8_t* out, const uint8_t* weight, const Index* ids,
+                                         int64_t row, int64_t row_bytes) {
+    const int64_t id = static_cast<int64_t>(ids[row]);
+    const Word* src = reinterpret_cast<const Word*>(weight + id * row_bytes);
+    Word* dst = reinterpret_cast<Word*>(out + row * row_bytes);
+    const int64_t words = row_bytes / static_cast<int64_t>(sizeof(Word));
+    constexpr int kUnroll = 4;
+    int64_t w = threadIdx.x;
+    // Issue several independent loads before the first store to keep memory busy.
+    for (; w + (kUnroll - 1) * blockDim.x < words; w += kUnroll * blockDim.x) {
+        Word buffer[kUnroll];
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) buffer[u] = src[w + u * blockDim.x];
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) dst[w + u * blockDim.x] = buffer[u];
+    }
+    for (; w < words; w += blockDim.x) dst[w] = src[w];
+}
+
+template <typename Index>
+__device__ __forceinline__ void embedding_forward(uint8_t* out, const uint8_t* weight,
+                                                  const Index* ids, int64_t num_ids,
+                                                  int64_t row_bytes, int64_t vocab,
+                                                  unsigned long long* first_bad_position) {
+    const int64_t row = blockIdx.x;
+    if (row >= num_ids) return;
+    const int64_t id = static_cast<int64_t>(ids[row]);
+    if (id < 0 || id >= vocab) {
+        if (threadIdx.x == 0) atomicMin(first_bad_position, static_cast<unsigned long long>(row));
+        return;
+    }
+    const uintptr_t alignment =
+        reinterpret_cast<uintptr_t>(out) | reinterpret_cast<uintptr_t>(weight) |
+        static_cast<uintptr_t>(row_bytes);
+    if ((alignment & 15) == 0) {
+        copy_row<uint4>(out, weight, ids, row, row_bytes);
+    } else if ((alignment & 7) == 0) {
+        copy_row<uint2>(out, weight, ids, row, row_bytes);
+    } else if ((alignment & 3) == 0) {
+        copy_row<uint32_t>(out, weight, ids, row, row_bytes);
+    } else if ((alignment & 1) == 0) {
+        copy_row<uint16_t>(out, weight, ids, row, row_bytes);
+    } else {
+        copy_row<uint8_t>(out, weight, ids, row, row_bytes);
+    }
+}
+
+template <typename Codec>
+__device__ __forceinline__ void embedding_backward(typename Codec::storage* grad_weight,
+                                                   const typename Codec::storage* grad_out,
+                                                   const int64_t* sorted_positions,
+                                                   const int64_t* segment_offsets,
+                                                   const int64_t* segment_ids, int64_t hidden) {
+    const int64_t segment = blockIdx.x;
+    const int64_t column = static_cast<int64_t>(blockIdx.y) * blockDim.x + threadIdx.x;
+    if (column >= hidden) return;
+    const int64_t begin = segment_offsets[segment];
+    const int64_t end = segment_offsets[segment + 1];
+    float sum = 0.0f;
+    for (int64_t k = begin; k < end; ++k) {
+        sum = __fadd_rn(sum, Codec::load(grad_out[sorted_positions[k] * hidden + column]));
+    }
+    grad_weight[segment_ids[segment] * hidden + column] = Codec::store(sum);
+}
+
+}  // namespace batchinv
+
+extern "C" __global__ void embedding_forward_i32(uint8_t* out, const uint8_t* weight,
+                                                 const int32_t* ids, int64_t num_ids,
+                                                 int64_t row_bytes, int64_t vocab,
+                                                 unsigned long long* first_bad_position) {
+    batchinv::embedding_forward(out, weight, ids, num_ids, row_bytes, vocab, first_bad_position);
+}
+
+extern "C" __global__ void embedding_forward_i64(uint8_t* out, const uint8_t* weight,
+                                                 const int64_t* ids, int64_t num_ids,
+                                                 int64_t row_bytes, int64_t vocab,
+                                                 unsigned long long* first_bad_position) {
+    batchinv::embedding_forward(out, weight, ids, num_ids, row_bytes, vocab, first_bad_position);
+}
+
+#define BATCHINV_EMBEDDING_BACKWARD(SUFFIX, CODEC)                                           \
+    extern "C" __global__ void embedding_backward_##SUFFIX(                                  \
+        CODEC::storage* grad_weight, const CODEC::storage* grad_out,                          \
+        const int64_t* sorted_positions, const int64_t* segment_offsets,                      \
+        const int64_t* segment_ids, int64_t hidden) {                                         \
+        batchinv::embedding_backward<CODEC>(grad_weight, grad_out, sorted_positions,          \
+                                            segment_offsets, segment_ids, hidden);            \
+    }
+
+// batchinv-signature: embedding_backward_bf16(ptr, ptr, ptr, ptr, ptr, i64)
+BATCHINV_EMBEDDING_BACKWARD(bf16, batchinv::Bf16Codec)
+// batchinv-signature: embedding_backward_f16(ptr, ptr, ptr, ptr, ptr, i64)
+BATCHINV_EMBEDDING_BACKWARD(f16, batchinv::F16Codec)
+// batchinv-signature: embedding_backward_f32(ptr, ptr, ptr, ptr, ptr, i64)
+BATCHINV_EMBEDDING_BACKWARD(f32, batchinv::F32Codec)

@@ -1,0 +1,163 @@
+"""Developer and CI sessions.  `nox --list` shows them; each is a thin wrapper over pytest,
+cargo or a script, so the same commands work without nox.
+
+CPU sessions build a virtualenv and install what they need (torch from PyPI, the pinned
+CUDA 13.0 compiler wheels).  `cuda_parity`, `sanitize` and `bench` run on GPU machines,
+which are offline with torch preinstalled: they use the current environment as it is.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import nox
+
+nox.options.sessions = ["lint", "tests"]
+nox.options.reuse_existing_virtualenvs = True
+nox.options.default_venv_backend = "venv"
+
+ROOT = Path(__file__).parent
+NVCC_WHEELS = [
+    "nvidia-cuda-nvcc==13.0.88",
+    "nvidia-nvvm==13.0.*",
+    "nvidia-cuda-crt==13.0.*",
+    "nvidia-cuda-runtime==13.0.*",
+    "nvidia-cuda-cccl==13.0.*",
+]
+TORCH = "torch>=2.4"
+TEST_DEPS = ["pytest>=8", "transformers>=4.51", "safetensors", "numpy"]
+HIP_TARGETS = ["gfx90a", "gfx942"]
+
+
+def _nvcc_env(session: nox.Session) -> dict[str, str]:
+    """Points the kernel build at the nvcc wheel installed in this session's venv."""
+    script = (
+        "import nvidia, os\n"
+        "for p in nvidia.__path__:\n"
+        "    c = os.path.join(p, 'cu13', 'bin', 'nvcc')\n"
+        "    if os.path.isfile(c): print(c); break"
+    )
+    nvcc = session.run("python", "-c", script, silent=True).strip()
+    if not nvcc:
+        session.error("nvcc from the nvidia-cuda-nvcc wheel was not found in the session")
+    return {"BATCHINV_NVCC": nvcc}
+
+
+def _install_batchinv(session: nox.Session, *extra: str) -> dict[str, str]:
+    session.install(TORCH, "maturin>=1.7,<2", *NVCC_WHEELS, *extra)
+    env = _nvcc_env(session)
+    session.run("pip", "install", "--no-build-isolation", "--no-deps", "-e", ".", env=env)
+    return env
+
+
+@nox.session
+def tests(session: nox.Session) -> None:
+    """CPU tests: cargo tests of the Rust crates, then pytest (GPU tests skip without a GPU)."""
+    env = _install_batchinv(session, *TEST_DEPS)
+    session.run("cargo", "test", "-p", "batchinv-runtime", "-p", "batchinv-kernels", external=True, env=env)
+    session.run("pytest", "tests", *session.posargs)
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    """ruff (lint and format) for Python; cargo fmt and clippy for Rust."""
+    session.install("ruff")
+    session.run("ruff", "check", ".")
+    session.run("ruff", "format", "--check", ".")
+    session.run("cargo", "fmt", "--all", "--check", external=True)
+    session.run(
+        "cargo", "clippy", "--workspace", "--all-targets", "--", "-D", "warnings",
+        external=True, env={"BATCHINV_NO_CUDA": "1"},
+    )
+
+
+@nox.session
+def build(session: nox.Session) -> None:
+    """Builds the abi3 wheel (CUDA fatbins embedded) into dist/."""
+    session.install("maturin>=1.7,<2", *NVCC_WHEELS)
+    session.run("maturin", "build", "--release", "--out", "dist", *session.posargs, env=_nvcc_env(session))
+
+
+@nox.session(venv_backend="none")
+def hip_compile(session: nox.Session) -> None:
+    """Compiles every kernels_cu/*.cu with hipcc for AMD targets and embeds them in a Rust build."""
+    hipcc = shutil.which("hipcc")
+    if hipcc is None:
+        session.error("hipcc is not installed (Debian: apt-get install hipcc)")
+    out = ROOT / "build" / "hip"
+    out.mkdir(parents=True, exist_ok=True)
+    env = {"HIP_PLATFORM": "amd"}
+    supported = []
+    for target in HIP_TARGETS:
+        probe = subprocess.run(
+            [hipcc, "--genco", f"--offload-arch={target}", "-x", "hip", "-", "-o", os.devnull],
+            input="__global__ void probe() {}\n", text=True, capture_output=True, env={**os.environ, **env},
+        )
+        if probe.returncode == 0:
+            supported.append(target)
+        else:
+            session.log(f"this hipcc cannot target {target}; skipping it ({probe.stderr.strip()[:200]})")
+    if not supported:
+        session.error("hipcc supports none of " + ", ".join(HIP_TARGETS))
+    for source in sorted(glob.glob(str(ROOT / "kernels_cu" / "*.cu"))):
+        name = Path(source).stem
+        arch_flags = [f"--offload-arch={t}" for t in supported]
+        session.run(
+            hipcc, "--genco", *arch_flags, "-O3", "-std=c++17", "-x", "hip", "-I", str(ROOT / "kernels_cu"),
+            source, "-o", str(out / f"{name}.hsaco"), env=env, external=True,
+        )
+    session.run(
+        "cargo", "build", "-p", "batchinv-kernels", external=True,
+        env={"BATCHINV_NO_CUDA": "1", "BATCHINV_HIP_ARCHS": ";".join(supported)},
+    )
+
+
+@nox.session
+def demo(session: nox.Session) -> None:
+    """The main job: batchinv's invariance demo (on CUDA when present, else CPU)."""
+    _install_batchinv(session)
+    session.run("batchinv", "demo", *session.posargs)
+
+
+def _require_gpu(session: nox.Session) -> None:
+    probe = "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"
+    if subprocess.run(["python", "-c", probe]).returncode != 0:
+        session.error("this session needs an NVIDIA GPU with PyTorch's CUDA build")
+
+
+@nox.session(venv_backend="none")
+def cuda_parity(session: nox.Session) -> None:
+    """On a GPU machine: the whole test suite; writes reports/cuda_parity/<gpu>.json."""
+    _require_gpu(session)
+    session.run(
+        "python", "-m", "pytest", "tests", "-p", "no:cacheprovider",
+        "--parity-report", "reports/cuda_parity/{gpu}.json", *session.posargs, external=True,
+    )
+
+
+@nox.session(venv_backend="none")
+def sanitize(session: nox.Session) -> None:
+    """On a GPU machine: the GPU tests under compute-sanitizer memcheck, then racecheck."""
+    _require_gpu(session)
+    sanitizer = shutil.which("compute-sanitizer")
+    if sanitizer is None:
+        session.error("compute-sanitizer is not on PATH")
+    for tool in ("memcheck", "racecheck"):
+        session.run(
+            sanitizer, "--tool", tool, "--error-exitcode", "1", "--target-processes", "all",
+            "python", "-m", "pytest", "tests/gpu", "-q", "-x", "-p", "no:cacheprovider", *session.posargs,
+            env={"BATCHINV_QUICK": "1"}, external=True,
+        )
+
+
+@nox.session(venv_backend="none")
+def bench(session: nox.Session) -> None:
+    """On a GPU machine: every benchmarks/bench_*.py; JSON results under benchmarks/results/."""
+    _require_gpu(session)
+    for script in sorted(glob.glob(str(ROOT / "benchmarks" / "bench_*.py"))):
+        name = Path(script).stem.removeprefix("bench_")
+        session.run("python", script, "--json", f"benchmarks/results/{name}.json", external=True)

@@ -1,0 +1,1 @@
+"""GPU implementations: argument marshalling and kernel launches, one module per op."""

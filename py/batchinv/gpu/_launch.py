@@ -1,0 +1,52 @@
+"""Loading batchinv's embedded kernels and launching them on PyTorch's stream."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from ..registry import backend_of
+
+try:
+    from .. import _native
+except ImportError as error:  # a source checkout that was never built
+    _native = None
+    _NATIVE_IMPORT_ERROR = error
+else:
+    _NATIVE_IMPORT_ERROR = None
+
+
+class NativeModuleMissingError(RuntimeError):
+    """batchinv was imported from sources without its compiled extension."""
+
+
+def native():
+    """The compiled extension, or a clear error if this install has none."""
+    if _native is None:
+        raise NativeModuleMissingError(
+            "batchinv's native module (batchinv._native) is not built, so GPU ops cannot run; "
+            f"install the wheel or run `maturin develop` ({_NATIVE_IMPORT_ERROR})"
+        )
+    return _native
+
+
+@functools.cache
+def _module(name: str, backend: str):
+    return native().RawModule(embedded=name, backend=backend)
+
+
+@functools.cache
+def _kernel(module: str, kernel: str, backend: str):
+    return _module(module, backend).get_function(kernel)
+
+
+def kernel_for(module: str, kernel: str, device: torch.device):
+    """The kernel ``kernel`` of ``kernels_cu/<module>.cu`` for ``device``'s backend."""
+    return _kernel(module, kernel, backend_of(device))
+
+
+def launch(kernel, device: torch.device, grid, block, args, shared_mem: int = 0) -> None:
+    """Launches on ``device`` on PyTorch's current stream there."""
+    stream = torch.cuda.current_stream(device)
+    kernel(grid, block, args, shared_mem=shared_mem, stream=stream.cuda_stream, device=device.index)

@@ -1,0 +1,86 @@
+"""Embedding on CUDA/HIP: launches ``kernels_cu/embedding.cu``.
+
+Out-of-range ids are found by the kernel itself (it skips their rows and records the
+first bad position), so a bad id becomes a Python IndexError and never an illegal memory
+access.  Reading that flag synchronises with the device once per call.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .._validate import report_bad_index
+from ..reference.embedding import check_embedding_args
+from ._launch import kernel_for, launch
+
+_MAX_GRID_X = 2**31 - 1
+_BACKWARD_KERNELS = {
+    torch.bfloat16: "embedding_backward_bf16",
+    torch.float16: "embedding_backward_f16",
+    torch.float32: "embedding_backward_f32",
+}
+
+
+def _threads_for(row_bytes: int) -> int:
+    # One CTA per row: enough threads for four 16-byte words each, 32 to 256.
+    words = -(-row_bytes // 16)
+    threads = -(-words // 4)
+    return min(256, max(32, -(-threads // 32) * 32))
+
+
+def launch_forward(ids: Tensor, weight: Tensor) -> tuple[Tensor, Tensor]:
+    """Launches the gather; returns ``(out [num_ids, hidden], first_bad_position [1])``
+    without reading the flag (no synchronisation).  ``forward`` is the checked op."""
+    check_embedding_args(ids, weight, check_values=False)
+    if not weight.is_contiguous():
+        raise ValueError("weight must be contiguous on the GPU (call .contiguous() first)")
+    flat_ids = ids.reshape(-1).contiguous()  # a copy only if ids is not contiguous
+    num_ids, (vocab, hidden) = flat_ids.numel(), weight.shape
+    if num_ids > _MAX_GRID_X:
+        raise ValueError(f"ids has {num_ids} elements; at most {_MAX_GRID_X} are supported")
+    out = torch.empty(num_ids, hidden, dtype=weight.dtype, device=weight.device)
+    first_bad = torch.full((1,), -1, dtype=torch.int64, device=weight.device)  # UINT64_MAX
+    if num_ids == 0 or hidden == 0:
+        return out, first_bad
+    name = "embedding_forward_i64" if flat_ids.dtype == torch.int64 else "embedding_forward_i32"
+    row_bytes = hidden * weight.element_size()
+    launch(
+        kernel_for("embedding", name, weight.device),
+        weight.device,
+        grid=(num_ids,),
+        block=(_threads_for(row_bytes),),
+        args=(out, weight, flat_ids, num_ids, row_bytes, vocab, first_bad),
+    )
+    return out, first_bad
+
+
+def forward(ids: Tensor, weight: Tensor) -> Tensor:
+    out, first_bad = launch_forward(ids, weight)
+    position = int(first_bad.item())  # the one synchronisation: bad ids must raise here
+    if position != -1:
+        report_bad_index("ids", ids, position, weight.shape[0])
+    return out.reshape(*ids.shape, weight.shape[1])
+
+
+def backward(ids: Tensor, grad_out: Tensor, num_embeddings: int, dtype: torch.dtype) -> Tensor:
+    flat_ids = ids.reshape(-1).long()
+    hidden = grad_out.shape[-1]
+    grad_rows = grad_out.reshape(flat_ids.numel(), hidden).to(dtype).contiguous()
+    grad_weight = torch.zeros(num_embeddings, hidden, dtype=dtype, device=grad_out.device)
+    if flat_ids.numel() == 0 or hidden == 0:
+        return grad_weight
+    # A stable sort keeps equal ids in increasing position order: the order of the sums.
+    sorted_ids, sorted_positions = torch.sort(flat_ids, stable=True)
+    segment_ids, counts = torch.unique_consecutive(sorted_ids, return_counts=True)
+    segment_offsets = torch.zeros(counts.numel() + 1, dtype=torch.int64, device=grad_out.device)
+    torch.cumsum(counts, 0, out=segment_offsets[1:])
+    threads = 128
+    launch(
+        kernel_for("embedding", _BACKWARD_KERNELS[dtype], grad_out.device),
+        grad_out.device,
+        grid=(segment_ids.numel(), -(-hidden // threads)),
+        block=(threads,),
+        args=(grad_weight, grad_rows, sorted_positions, segment_offsets, segment_ids, hidden),
+    )
+    return grad_weight

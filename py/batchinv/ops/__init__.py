@@ -1,0 +1,1 @@
+"""Public ops: validation, dispatch through the registry, autograd."""

@@ -1,0 +1,47 @@
+"""``batchinv.embedding``: ``weight[ids]`` with a deterministic weight gradient.
+
+The forward is a gather, bitwise equal to ``weight[ids]`` on every backend.  The weight
+gradient sums each id's rows in fp32 in increasing position order and rounds once, so it
+is bitwise identical run to run on its own, not through ``torch.use_deterministic_algorithms``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .. import registry
+from ..gpu import embedding as gpu_embedding
+from ..reference import embedding as reference
+
+for _backend in ("cuda", "hip"):
+    registry.register("embedding.forward", _backend)(gpu_embedding.forward)
+    registry.register("embedding.backward", _backend)(gpu_embedding.backward)
+registry.register("embedding.forward", "cpu")(reference.embedding)
+registry.register("embedding.backward", "cpu")(reference.embedding_backward)
+
+
+class _Embedding(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, ids: Tensor, weight: Tensor) -> Tensor:
+        out = registry.lookup("embedding.forward", weight.device)(ids, weight)
+        ctx.save_for_backward(ids)
+        ctx.num_embeddings = weight.shape[0]
+        ctx.weight_dtype = weight.dtype
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor):
+        (ids,) = ctx.saved_tensors
+        backward = registry.lookup("embedding.backward", grad_out.device)
+        return None, backward(ids, grad_out, ctx.num_embeddings, ctx.weight_dtype)
+
+
+def embedding(ids: Tensor, weight: Tensor) -> Tensor:
+    """Rows of ``weight`` ([vocab, hidden]; fp32, bf16 or fp16) picked by ``ids`` (int32/int64).
+
+    Returns ``[*ids.shape, hidden]`` in ``weight``'s dtype.  An id outside ``[0, vocab)``
+    raises ``IndexError`` naming its position.  Differentiable with respect to ``weight``.
+    """
+    reference.check_embedding_args(ids, weight, check_values=False)
+    return _Embedding.apply(ids, weight)

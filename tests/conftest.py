@@ -1,0 +1,50 @@
+"""Shared pytest setup: GPU tests are marked ``cuda`` and need a GPU plus built kernels."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs an NVIDIA GPU (run `nox -s cuda_parity` on one)")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)
+
+
+# --- the cuda_parity report -------------------------------------------------------------
+# `pytest --parity-report PATH` writes what ran where: commit, GPU, driver, versions and
+# every test's outcome.  `nox -s cuda_parity` uses it; the JSON is committed under reports/.
+
+
+def pytest_addoption(parser):
+    parser.addoption("--parity-report", default=None, help="write a JSON report of this run here")
+
+
+_OUTCOMES: dict[str, dict] = {}
+
+
+def pytest_runtest_logreport(report):
+    entry = _OUTCOMES.setdefault(report.nodeid, {"outcome": "passed", "duration_s": 0.0})
+    entry["duration_s"] = round(entry["duration_s"] + report.duration, 4)
+    if report.failed:
+        entry["outcome"] = "failed" if report.when == "call" else "error"
+    elif report.skipped:
+        entry["outcome"] = "skipped"
+        entry["reason"] = str(report.longrepr[-1]) if isinstance(report.longrepr, tuple) else ""
+
+
+def pytest_sessionfinish(session, exitstatus):
+    path = session.config.getoption("--parity-report")
+    if not path:
+        return
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from _parity_report import write_report
+
+    write_report(path, _OUTCOMES, int(exitstatus))
