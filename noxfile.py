@@ -131,11 +131,12 @@ def _require_gpu(session: nox.Session) -> None:
 
 @nox.session(venv_backend="none")
 def cuda_parity(session: nox.Session) -> None:
-    """On a GPU machine: the whole test suite; writes reports/cuda_parity/<gpu>.json."""
+    """On a GPU machine: the whole test suite (or the paths given); writes
+    reports/cuda_parity/<gpu>.json."""
     _require_gpu(session)
     session.run(
-        "python", "-m", "pytest", "tests", "-p", "no:cacheprovider",
-        "--parity-report", "reports/cuda_parity/{gpu}.json", *session.posargs, external=True,
+        "python", "-m", "pytest", *(session.posargs or ["tests"]), "-p", "no:cacheprovider",
+        "--parity-report", "reports/cuda_parity/{gpu}.json", external=True,
     )
 
 

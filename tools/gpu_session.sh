@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# One GPU-machine session: build check, cuda_parity, sanitize, benchmarks.
+#
+# Run from the repository root on a machine with an NVIDIA GPU and PyTorch, after
+# placing the built extension at py/batchinv/_native.abi3.so (from `nox -s build`:
+# unzip -j dist/batchinv-*.whl 'batchinv/_native*.so' -d py/batchinv).  Offline GPU
+# machines get nox from wheels in .whl/ if it is not installed.
+#   tools/gpu_session.sh [parity|sanitize|bench]...   (default: all three)
+# PARITY_TARGETS limits cuda_parity to some test paths.
+# Results go to reports/ and benchmarks/results/, and also to $OUT when that is set.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONPATH="$PWD/py${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+if ! python3 -c "import nox" 2>/dev/null && [ -d .whl ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/nox-site .whl/*.whl || exit 1
+  export PYTHONPATH="$PYTHONPATH:/tmp/nox-site"
+fi
+OUT="${OUT:-}"
+log() { if [ -n "$OUT" ]; then tee -a "$OUT/$1.log"; else cat; fi; }
+
+echo "== build check" | log session
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm --format=csv | log session
+python3 - <<'PY' 2>&1 | log session || exit 1
+import torch, batchinv, batchinv._native as n
+print("torch", torch.__version__, "cuda", torch.version.cuda, "gpu", torch.cuda.get_device_name(0))
+print("build", n.build_info())
+print("driver", n.driver_status("cuda"), "devices", n.device_count())
+PY
+
+status=0
+steps=("$@"); [ ${#steps[@]} -eq 0 ] && steps=(parity sanitize bench)
+for step in "${steps[@]}"; do
+  echo "== $step" | log session
+  case "$step" in
+    parity) python3 -m nox -s cuda_parity -- ${PARITY_TARGETS:-} 2>&1 | log parity || status=1 ;;
+    sanitize) python3 -m nox -s sanitize 2>&1 | log sanitize || status=1 ;;
+    bench) python3 -m nox -s bench 2>&1 | log bench || status=1 ;;
+    *) echo "unknown step $step"; status=1 ;;
+  esac
+done
+if [ -n "$OUT" ]; then
+  cp reports/cuda_parity/*.json "$OUT/" 2>/dev/null
+  mkdir -p "$OUT/results" && cp benchmarks/results/*.json "$OUT/results/" 2>/dev/null
+fi
+exit $status
