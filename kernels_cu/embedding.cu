@@ -5,7 +5,9 @@
 //   weight  [vocab, row_bytes]    same dtype as out; contiguous
 //   ids     [num_ids]             int32 or int64 (one kernel each)
 //   first_bad_position  [1] u64, preset to UINT64_MAX by the caller; receives the smallest
-//                       position whose id is outside [0, vocab).  Such rows are not read.
+//                       position whose id is outside [0, vocab).  Such rows are not read:
+//                       their output bytes are set to 0xFF, a NaN in fp32, bf16 and fp16,
+//                       so a caller that skips the check still cannot miss them.
 //   Launch: grid.x = num_ids (one CTA per output row), any block.x.
 //   Invariance: a copy, no arithmetic.  The access width (16/8/4/2/1 bytes) follows the
 //   pointers' alignment but moves the same bytes, so the output is weight[ids] bit for bit.
@@ -54,6 +56,8 @@ __device__ __forceinline__ void embedding_forward(uint8_t* out, const uint8_t* w
     const int64_t id = static_cast<int64_t>(ids[row]);
     if (id < 0 || id >= vocab) {
         if (threadIdx.x == 0) atomicMin(first_bad_position, static_cast<unsigned long long>(row));
+        uint8_t* dst = out + row * row_bytes;
+        for (int64_t b = threadIdx.x; b < row_bytes; b += blockDim.x) dst[b] = 0xFF;
         return;
     }
     const uintptr_t alignment =

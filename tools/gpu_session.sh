@@ -11,9 +11,9 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD/py${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-if ! python3 -c "import nox" 2>/dev/null && [ -d .whl ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/nox-site .whl/*.whl || exit 1
-  export PYTHONPATH="$PYTHONPATH:/tmp/nox-site"
+if [ -d .whl ]; then  # nox, Liger-Kernel, ... carried as wheels to an offline machine
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/carried-site .whl/*.whl || exit 1
+  export PYTHONPATH="$PYTHONPATH:/tmp/carried-site"
 fi
 OUT="${OUT:-}"
 log() { if [ -n "$OUT" ]; then tee -a "$OUT/$1.log"; else cat; fi; }

@@ -24,6 +24,12 @@ namespace batchinv {
 
 using bf16_bits = uint16_t;
 
+// A TMA descriptor (CUtensorMap) as a by-value kernel parameter; the launcher passes the
+// 128 bytes made by batchinv._native.tensor_map_2d.  Only CUDA kernels use it.
+struct alignas(64) TensorMap {
+    unsigned long long opaque[16];
+};
+
 __device__ __forceinline__ float bf16_to_float(bf16_bits bits) {
     return __uint_as_float(static_cast<uint32_t>(bits) << 16);
 }
@@ -40,18 +46,21 @@ __device__ __forceinline__ bf16_bits float_to_bf16(float value) {
 // Element codecs: how a storage type is read into fp32 and written back from it.
 struct Bf16Codec {
     using storage = bf16_bits;
+    static constexpr bool kIsBf16 = true;
     __device__ __forceinline__ static float load(storage v) { return bf16_to_float(v); }
     __device__ __forceinline__ static storage store(float v) { return float_to_bf16(v); }
 };
 
 struct F16Codec {
     using storage = __half;
+    static constexpr bool kIsBf16 = false;
     __device__ __forceinline__ static float load(storage v) { return __half2float(v); }
     __device__ __forceinline__ static storage store(float v) { return __float2half_rn(v); }
 };
 
 struct F32Codec {
     using storage = float;
+    static constexpr bool kIsBf16 = false;
     __device__ __forceinline__ static float load(storage v) { return v; }
     __device__ __forceinline__ static storage store(float v) { return v; }
 };

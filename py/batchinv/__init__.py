@@ -7,7 +7,8 @@ padding around it or the schedule that computed it.  ``batchinv.contract`` judge
 
 from . import contract, nn, reference, registry
 from .ops.embedding import embedding
+from .ops.linear import linear
 
 __version__ = "0.1.0"
 
-__all__ = ["contract", "embedding", "nn", "reference", "registry", "__version__"]
+__all__ = ["contract", "embedding", "linear", "nn", "reference", "registry", "__version__"]

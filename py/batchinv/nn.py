@@ -6,6 +6,7 @@ import torch
 from torch import Tensor, nn
 
 from .ops.embedding import embedding
+from .ops.linear import linear
 
 
 class Embedding(nn.Module):
@@ -45,3 +46,37 @@ class Embedding(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}"
+
+
+class Linear(nn.Module):
+    """A drop-in for ``nn.Linear`` whose rows do not depend on the batch."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        *,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ):
+        super().__init__()
+        reference_layer = nn.Linear(in_features, out_features, bias=bias, device=device, dtype=dtype)
+        self.in_features, self.out_features = in_features, out_features
+        self.weight = reference_layer.weight
+        self.bias = reference_layer.bias
+
+    @classmethod
+    def from_linear(cls, layer: nn.Linear) -> Linear:
+        """Shares the parameters of an existing ``nn.Linear``."""
+        module = cls.__new__(cls)
+        nn.Module.__init__(module)
+        module.in_features, module.out_features = layer.in_features, layer.out_features
+        module.weight, module.bias = layer.weight, layer.bias
+        return module
+
+    def forward(self, x: Tensor) -> Tensor:
+        return linear(x, self.weight, self.bias)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"

@@ -160,3 +160,12 @@ def test_inputs_are_not_mutated_on_gpu():
     batchinv.embedding(ids, weight)
     assert_bitwise_equal(ids, before[0])
     assert_bitwise_equal(weight, before[1])
+
+
+def test_unchecked_call_returns_nan_rows_for_bad_ids_without_reading_them():
+    ids, weight = _case(100, 33, torch.bfloat16, torch.int64, num_ids=8)
+    ids[2] = 100
+    out = batchinv.embedding(ids, weight, check_ids=False)
+    assert bool(out[2].isnan().all())
+    good = torch.tensor([0, 1, 3, 4, 5, 6, 7], device="cuda")
+    assert_bitwise_equal(out[good], weight[ids[good]])

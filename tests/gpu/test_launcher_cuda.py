@@ -68,6 +68,7 @@ def test_compile_error_carries_the_log():
         native.RawModule(code='extern "C" __global__ void k() { undefined_symbol(); }', device=0)
 
 
+@pytest.mark.provokes_driver_error  # the sanitizer would flag the deliberate error
 def test_missing_kernel_is_named():
     module = native.RawModule(code=SCALE_SOURCE, device=0)
     kernel = module.get_function("not_there", signature="ptr")

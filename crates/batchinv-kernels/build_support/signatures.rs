@@ -17,6 +17,9 @@ fn kind_of_c_type(param: &str) -> Result<&'static str, String> {
     if param.contains('*') {
         return Ok("ptr");
     }
+    if param.contains("TensorMap") {
+        return Ok("tmap"); // a __grid_constant__ TMA descriptor passed by value
+    }
     let words: Vec<&str> = param
         .split_whitespace()
         .filter(|w| !matches!(*w, "const" | "volatile" | "__restrict__" | "__grid_constant__"))
@@ -111,6 +114,7 @@ fn parse_comment(text: &str) -> Result<KernelSignature, String> {
             "u64" => "u64",
             "f32" => "f32",
             "f64" => "f64",
+            "tmap" => "tmap",
             other => return Err(format!("signature comment for {name}: unknown type '{other}'")),
         };
         params.push(kind);
@@ -152,12 +156,13 @@ mod tests {
     fn reads_plain_declarations() {
         let src = r#"
             extern "C" __global__ void __launch_bounds__(256) scale(float* __restrict__ out,
-                const __half* in, int64_t n, float alpha, unsigned int flags) { }
+                const __half* in, int64_t n, float alpha, unsigned int flags,
+                const __grid_constant__ batchinv::TensorMap map) { }
             extern "C" __global__ void nothing(void) {}
         "#;
         let kernels = parse_signatures(src).unwrap();
         assert_eq!(kernels[0].name, "scale");
-        assert_eq!(kernels[0].params, vec!["ptr", "ptr", "i64", "f32", "u32"]);
+        assert_eq!(kernels[0].params, vec!["ptr", "ptr", "i64", "f32", "u32", "tmap"]);
         assert_eq!(kernels[1], KernelSignature { name: "nothing".into(), params: vec![] });
     }
 

@@ -49,7 +49,6 @@ impl EmbeddedKernel {
     }
 }
 
-
 #[cfg(test)]
 #[path = "../build_support/signatures.rs"]
 mod signatures;

@@ -1,9 +1,9 @@
 //! Python values to launch parameters, with errors that name the argument.
 
-use batchinv_runtime::{ArgValue, ParamKind, Signature};
+use batchinv_runtime::{ArgValue, ParamKind, Signature, TENSOR_MAP_BYTES};
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::{PyBool, PyFloat, PyInt, PyTuple};
+use pyo3::types::{PyBool, PyBytes, PyFloat, PyInt, PyTuple};
 
 /// An int or a 1-3-tuple of ints as `[x, y, z]`, missing dimensions 1.
 pub fn dims(what: &str, value: &Bound<'_, PyAny>) -> PyResult<[u32; 3]> {
@@ -49,7 +49,12 @@ pub fn stream_handle(stream: Option<&Bound<'_, PyAny>>) -> PyResult<u64> {
     handle.extract::<u64>().map_err(|_| PyValueError::new_err("stream handle must be a non-negative int"))
 }
 
-fn int_arg<T: for<'a, 'py> FromPyObject<'a, 'py>>(kernel: &str, index: usize, kind: ParamKind, value: &Bound<'_, PyAny>) -> PyResult<T> {
+fn int_arg<T: for<'a, 'py> FromPyObject<'a, 'py>>(
+    kernel: &str,
+    index: usize,
+    kind: ParamKind,
+    value: &Bound<'_, PyAny>,
+) -> PyResult<T> {
     if value.is_instance_of::<PyBool>() || !value.is_instance_of::<PyInt>() {
         return Err(PyTypeError::new_err(format!(
             "kernel '{kernel}' argument {index} must be an int ({}), got {}",
@@ -86,12 +91,26 @@ fn float_arg(kernel: &str, index: usize, kind: ParamKind, value: &Bound<'_, PyAn
     )))
 }
 
+fn tensor_map_arg(kernel: &str, index: usize, value: &Bound<'_, PyAny>) -> PyResult<Box<[u8; TENSOR_MAP_BYTES]>> {
+    let bytes = value.cast::<PyBytes>().map_err(|_| {
+        PyTypeError::new_err(format!(
+            "kernel '{kernel}' argument {index} must be a tensor map (bytes from tensor_map_2d), got {}",
+            value.get_type().name().map(|n| n.to_string()).unwrap_or_default()
+        ))
+    })?;
+    let data: [u8; TENSOR_MAP_BYTES] = bytes.as_bytes().try_into().map_err(|_| {
+        PyValueError::new_err(format!(
+            "kernel '{kernel}' argument {index} must be {TENSOR_MAP_BYTES} bytes, got {}",
+            bytes.as_bytes().len()
+        ))
+    })?;
+    Ok(Box::new(data))
+}
+
 /// Converts a sequence of Python values according to `signature`; arity is checked first.
 pub fn kernel_args(kernel: &str, signature: &Signature, args: &Bound<'_, PyAny>) -> PyResult<Vec<ArgValue>> {
-    let items: Vec<Bound<'_, PyAny>> = args
-        .try_iter()
-        .map_err(|_| PyTypeError::new_err("args must be a tuple or list"))?
-        .collect::<PyResult<_>>()?;
+    let items: Vec<Bound<'_, PyAny>> =
+        args.try_iter().map_err(|_| PyTypeError::new_err("args must be a tuple or list"))?.collect::<PyResult<_>>()?;
     let params = signature.params();
     if items.len() != params.len() {
         return Err(PyTypeError::new_err(format!(
@@ -113,6 +132,7 @@ pub fn kernel_args(kernel: &str, signature: &Signature, args: &Bound<'_, PyAny>)
                 ParamKind::U64 => ArgValue::U64(int_arg(kernel, i, kind, value)?),
                 ParamKind::F32 => ArgValue::F32(float_arg(kernel, i, kind, value)? as f32),
                 ParamKind::F64 => ArgValue::F64(float_arg(kernel, i, kind, value)?),
+                ParamKind::TensorMap => ArgValue::TensorMap(tensor_map_arg(kernel, i, value)?),
             })
         })
         .collect()

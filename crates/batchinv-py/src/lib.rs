@@ -6,7 +6,9 @@
 mod convert;
 mod errors;
 
-use batchinv_runtime::{compile_cuda_source, driver_for, Backend, Kernel, LaunchConfig, Module, Signature};
+use batchinv_runtime::{
+    compile_cuda_source, driver_for, Backend, Kernel, LaunchConfig, Module, Signature, TensorMapSpec,
+};
 use convert::{dims, kernel_args, stream_handle};
 use errors::{to_py_err, BackendUnavailableError, BatchinvError, CompileError, DriverError, KernelsNotBuiltError};
 use pyo3::prelude::*;
@@ -112,7 +114,8 @@ impl RawModule {
     fn get_function(&self, name: &str, signature: Option<&str>) -> PyResult<RawKernel> {
         let signature = match (signature, self.declared.get(name)) {
             (Some(given), Some(declared)) => {
-                let (given, declared) = (Signature::parse(given).map_err(to_py_err)?, Signature::parse(declared).map_err(to_py_err)?);
+                let (given, declared) =
+                    (Signature::parse(given).map_err(to_py_err)?, Signature::parse(declared).map_err(to_py_err)?);
                 if given != declared {
                     return Err(pyo3::exceptions::PyTypeError::new_err(format!(
                         "signature {given} for '{name}' differs from the kernel's declared {declared}"
@@ -205,8 +208,19 @@ impl RawKernel {
 
     /// Validates a call without launching (no device needed).
     #[pyo3(signature = (grid, block, args, shared_mem=0))]
-    fn check(&self, grid: &Bound<'_, PyAny>, block: &Bound<'_, PyAny>, args: &Bound<'_, PyAny>, shared_mem: u32) -> PyResult<()> {
-        let config = LaunchConfig { grid: dims("grid", grid)?, block: dims("block", block)?, shared_mem_bytes: shared_mem, stream: 0 };
+    fn check(
+        &self,
+        grid: &Bound<'_, PyAny>,
+        block: &Bound<'_, PyAny>,
+        args: &Bound<'_, PyAny>,
+        shared_mem: u32,
+    ) -> PyResult<()> {
+        let config = LaunchConfig {
+            grid: dims("grid", grid)?,
+            block: dims("block", block)?,
+            shared_mem_bytes: shared_mem,
+            stream: 0,
+        };
         let values = kernel_args(self.kernel.name(), self.kernel.signature(), args)?;
         self.kernel.check_call(&config, &values).map_err(to_py_err)
     }
@@ -312,6 +326,48 @@ fn synchronize(device: i32, backend: &str) -> PyResult<()> {
     driver_for(backend).and_then(|d| d.synchronize(device)).map_err(to_py_err)
 }
 
+/// A 2-D TMA descriptor (128 bytes) for a row-major matrix at `address`, for kernels with a
+/// `tmap` parameter.  `dtype` is "bf16", "f16" or "f32"; the box is what one copy moves.
+#[pyfunction]
+#[pyo3(signature = (address, dtype, rows, cols, row_stride_bytes, box_rows, box_cols, swizzle_bytes=128))]
+#[allow(clippy::too_many_arguments)]
+fn tensor_map_2d<'py>(
+    py: Python<'py>,
+    address: u64,
+    dtype: &str,
+    rows: u64,
+    cols: u64,
+    row_stride_bytes: u64,
+    box_rows: u32,
+    box_cols: u32,
+    swizzle_bytes: u32,
+) -> PyResult<Bound<'py, PyBytes>> {
+    let (data_type, element_bytes) = match dtype {
+        "bf16" => (9, 2),
+        "f16" => (6, 2),
+        "f32" => (7, 4),
+        other => {
+            return Err(pyo3::exceptions::PyValueError::new_err(format!(
+                "tensor map dtype must be 'bf16', 'f16' or 'f32', got '{other}'"
+            )))
+        }
+    };
+    let spec = TensorMapSpec {
+        data_type,
+        element_bytes,
+        address,
+        rows,
+        cols,
+        row_stride_bytes,
+        box_rows,
+        box_cols,
+        swizzle_bytes,
+    };
+    spec.validate().map_err(to_py_err)?;
+    let map = driver_for(Backend::Cuda).and_then(|d| d.encode_tensor_map_2d(&spec)).map_err(to_py_err)?;
+    Ok(PyBytes::new(py, &map))
+}
+
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
@@ -324,6 +380,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(device_count, m)?)?;
     m.add_function(wrap_pyfunction!(device_properties, m)?)?;
     m.add_function(wrap_pyfunction!(synchronize, m)?)?;
+    m.add_function(wrap_pyfunction!(tensor_map_2d, m)?)?;
     m.add("BatchinvError", py.get_type::<BatchinvError>())?;
     m.add("BackendUnavailableError", py.get_type::<BackendUnavailableError>())?;
     m.add("DriverError", py.get_type::<DriverError>())?;

@@ -52,9 +52,7 @@ fn check_dims(kernel: &str, what: &str, dims: [u32; 3], max: [u32; 3]) -> Result
             )));
         }
         if d > m {
-            return Err(Error::Config(format!(
-                "kernel '{kernel}': {what}.{axis} = {d} exceeds the limit of {m}"
-            )));
+            return Err(Error::Config(format!("kernel '{kernel}': {what}.{axis} = {d} exceeds the limit of {m}")));
         }
     }
     Ok(())
@@ -82,12 +80,7 @@ pub fn check_static_limits(kernel: &str, config: &LaunchConfig, limits: &DeviceL
 
 impl LaunchConfig {
     /// The device- and kernel-specific checks, run just before the launch.
-    pub fn check_device(
-        &self,
-        kernel: &str,
-        device: &DeviceLimits,
-        function: &FunctionLimits,
-    ) -> Result<()> {
+    pub fn check_device(&self, kernel: &str, device: &DeviceLimits, function: &FunctionLimits) -> Result<()> {
         check_static_limits(kernel, self, device)?;
         let threads: u64 = self.block.iter().map(|&d| d as u64).product();
         if threads > function.max_threads_per_block as u64 {

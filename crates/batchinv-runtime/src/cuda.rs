@@ -4,8 +4,9 @@
 //! made current around each call, then the caller's context is restored.
 
 use crate::config::{DeviceLimits, FunctionLimits, LaunchConfig};
-use crate::driver::{Backend, Driver, FunctionHandle, ModuleHandle};
+use crate::driver::{Backend, Driver, FunctionHandle, ModuleHandle, TensorMapSpec};
 use crate::error::{Error, Result};
+use crate::signature::TENSOR_MAP_BYTES;
 use libloading::Library;
 use std::collections::HashMap;
 use std::ffi::CStr;
@@ -64,6 +65,24 @@ struct Api {
         *mut *mut c_void,
         *mut *mut c_void,
     ) -> CuResult,
+    /// Absent from drivers older than CUDA 12.
+    #[allow(clippy::type_complexity)]
+    cu_tensor_map_encode_tiled: Option<
+        unsafe extern "C" fn(
+            *mut c_void,
+            c_uint,
+            c_uint,
+            *mut c_void,
+            *const u64,
+            *const u64,
+            *const c_uint,
+            *const c_uint,
+            c_uint,
+            c_uint,
+            c_uint,
+            c_uint,
+        ) -> CuResult,
+    >,
     cu_get_error_name: unsafe extern "C" fn(CuResult, *mut *const c_char) -> CuResult,
     cu_get_error_string: unsafe extern "C" fn(CuResult, *mut *const c_char) -> CuResult,
 }
@@ -105,6 +124,7 @@ impl CudaDriver {
                 cu_func_get_attribute: symbol(&library, "cuFuncGetAttribute")?,
                 cu_func_set_attribute: symbol(&library, "cuFuncSetAttribute")?,
                 cu_launch_kernel: symbol(&library, "cuLaunchKernel")?,
+                cu_tensor_map_encode_tiled: symbol(&library, "cuTensorMapEncodeTiled").ok(),
                 cu_get_error_name: symbol(&library, "cuGetErrorName")?,
                 cu_get_error_string: symbol(&library, "cuGetErrorString")?,
             }
@@ -148,9 +168,7 @@ impl CudaDriver {
     fn device(&self, ordinal: i32) -> Result<CuDevice> {
         let count = self.device_count()?;
         if ordinal < 0 || ordinal >= count {
-            return Err(Error::Invalid(format!(
-                "CUDA device {ordinal} does not exist ({count} device(s) visible)"
-            )));
+            return Err(Error::Invalid(format!("CUDA device {ordinal} does not exist ({count} device(s) visible)")));
         }
         let mut device: CuDevice = 0;
         self.check("cuDeviceGet", unsafe { (self.api.cu_device_get)(&mut device, ordinal) })?;
@@ -215,6 +233,10 @@ fn open_library() -> Result<Library> {
         reason: format!("the NVIDIA driver library could not be loaded ({})", reasons.join("; ")),
     })
 }
+
+/// The driver writes the descriptor with 64-byte alignment.
+#[repr(C, align(64))]
+struct TensorMapStorage([u8; TENSOR_MAP_BYTES]);
 
 /// Module images handed to `cuModuleLoadData`: cubin and fatbin as they are, PTX text with
 /// the terminating NUL the driver expects.
@@ -307,9 +329,7 @@ impl Driver for CudaDriver {
     fn get_function(&self, ordinal: i32, module: ModuleHandle, name: &CStr) -> Result<FunctionHandle> {
         self.with_context(ordinal, || {
             let mut function: CuFunction = std::ptr::null_mut();
-            let code = unsafe {
-                (self.api.cu_module_get_function)(&mut function, module as CuModule, name.as_ptr())
-            };
+            let code = unsafe { (self.api.cu_module_get_function)(&mut function, module as CuModule, name.as_ptr()) };
             if code != CUDA_SUCCESS {
                 let err = self.error("cuModuleGetFunction", code);
                 return Err(Error::Invalid(format!(
@@ -326,8 +346,7 @@ impl Driver for CudaDriver {
             Ok(FunctionLimits {
                 max_threads_per_block: self.function_attribute(function, FUNC_MAX_THREADS_PER_BLOCK)? as u32,
                 static_shared_bytes: self.function_attribute(function, FUNC_SHARED_SIZE_BYTES)? as u32,
-                max_dynamic_shared_bytes: self.function_attribute(function, FUNC_MAX_DYNAMIC_SHARED_SIZE_BYTES)?
-                    as u32,
+                max_dynamic_shared_bytes: self.function_attribute(function, FUNC_MAX_DYNAMIC_SHARED_SIZE_BYTES)? as u32,
             })
         })
     }
@@ -369,6 +388,45 @@ impl Driver for CudaDriver {
                 )
             })
         })
+    }
+
+    fn encode_tensor_map_2d(&self, spec: &TensorMapSpec) -> Result<[u8; TENSOR_MAP_BYTES]> {
+        spec.validate()?;
+        let encode = self.api.cu_tensor_map_encode_tiled.ok_or_else(|| Error::Unavailable {
+            backend: "CUDA",
+            reason: "this driver has no cuTensorMapEncodeTiled (TMA needs CUDA 12 or newer)".to_string(),
+        })?;
+        // Dimension 0 is the contiguous one for the driver.
+        let dims = [spec.cols, spec.rows];
+        let strides = [spec.row_stride_bytes];
+        let boxes = [spec.box_cols, spec.box_rows];
+        let element_strides = [1u32, 1u32];
+        let swizzle = match spec.swizzle_bytes {
+            0 => 0,
+            32 => 1,
+            64 => 2,
+            _ => 3,
+        };
+        const L2_PROMOTION_256B: c_uint = 3;
+        const OOB_FILL_ZEROS: c_uint = 0;
+        let mut map = TensorMapStorage([0u8; TENSOR_MAP_BYTES]);
+        self.check("cuTensorMapEncodeTiled", unsafe {
+            encode(
+                map.0.as_mut_ptr() as *mut c_void,
+                spec.data_type,
+                2,
+                spec.address as *mut c_void,
+                dims.as_ptr(),
+                strides.as_ptr(),
+                boxes.as_ptr(),
+                element_strides.as_ptr(),
+                0,
+                swizzle,
+                L2_PROMOTION_256B,
+                OOB_FILL_ZEROS,
+            )
+        })?;
+        Ok(map.0)
     }
 
     fn synchronize(&self, ordinal: i32) -> Result<()> {

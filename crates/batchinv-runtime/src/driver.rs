@@ -30,6 +30,61 @@ impl Backend {
     }
 }
 
+/// A 2-D tiled TMA descriptor request: a row-major matrix and the box one copy moves.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TensorMapSpec {
+    /// `CUtensorMapDataType` value (e.g. 9 for bf16, 6 for fp16, 7 for fp32).
+    pub data_type: u32,
+    pub element_bytes: u32,
+    pub address: u64,
+    pub rows: u64,
+    /// Elements per row (the contiguous dimension).
+    pub cols: u64,
+    pub row_stride_bytes: u64,
+    pub box_rows: u32,
+    pub box_cols: u32,
+    /// 0, 32, 64 or 128 bytes.
+    pub swizzle_bytes: u32,
+}
+
+impl TensorMapSpec {
+    /// The rules `cuTensorMapEncodeTiled` enforces, checked first so errors name the field.
+    pub fn validate(&self) -> Result<()> {
+        let fail = |msg: String| Err(Error::Invalid(format!("tensor map: {msg}")));
+        if self.address % 16 != 0 {
+            return fail(format!("the base address {:#x} must be 16-byte aligned", self.address));
+        }
+        if self.row_stride_bytes % 16 != 0 {
+            return fail(format!("the row stride of {} bytes must be a multiple of 16", self.row_stride_bytes));
+        }
+        if self.rows == 0 || self.cols == 0 {
+            return fail("rows and cols must be positive".to_string());
+        }
+        if self.row_stride_bytes < self.cols * self.element_bytes as u64 {
+            return fail("the row stride is shorter than a row".to_string());
+        }
+        for (name, value) in [("box_rows", self.box_rows), ("box_cols", self.box_cols)] {
+            if value == 0 || value > 256 {
+                return fail(format!("{name} = {value} must be in 1..=256"));
+            }
+        }
+        if !matches!(self.swizzle_bytes, 0 | 32 | 64 | 128) {
+            return fail(format!("swizzle of {} bytes is not one of 0, 32, 64, 128", self.swizzle_bytes));
+        }
+        let inner_bytes = self.box_cols * self.element_bytes;
+        if self.swizzle_bytes != 0 && inner_bytes > self.swizzle_bytes {
+            return fail(format!(
+                "a box row of {inner_bytes} bytes exceeds the {}-byte swizzle span",
+                self.swizzle_bytes
+            ));
+        }
+        if inner_bytes % 16 != 0 {
+            return fail(format!("a box row of {inner_bytes} bytes must be a multiple of 16"));
+        }
+        Ok(())
+    }
+}
+
 /// Raw module and function handles, stored as integers so they can cross threads.
 pub type ModuleHandle = usize;
 pub type FunctionHandle = usize;
@@ -57,6 +112,8 @@ pub trait Driver: Send + Sync {
         params: &mut [*mut c_void],
     ) -> Result<()>;
     fn synchronize(&self, device: i32) -> Result<()>;
+    /// Encodes a TMA descriptor (Hopper and newer; an error where the driver has none).
+    fn encode_tensor_map_2d(&self, spec: &TensorMapSpec) -> Result<[u8; crate::signature::TENSOR_MAP_BYTES]>;
 }
 
 static CUDA: OnceLock<std::result::Result<Arc<dyn Driver>, Error>> = OnceLock::new();
@@ -69,4 +126,35 @@ pub fn driver_for(backend: Backend) -> Result<Arc<dyn Driver>> {
         Backend::Hip => HIP.get_or_init(|| crate::hip::HipDriver::load().map(|d| Arc::new(d) as Arc<dyn Driver>)),
     };
     slot.clone()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec() -> TensorMapSpec {
+        TensorMapSpec {
+            data_type: 9,
+            element_bytes: 2,
+            address: 0x1000,
+            rows: 4096,
+            cols: 4096,
+            row_stride_bytes: 8192,
+            box_rows: 128,
+            box_cols: 64,
+            swizzle_bytes: 128,
+        }
+    }
+
+    #[test]
+    fn tensor_map_spec_rules() {
+        spec().validate().unwrap();
+        let err = |s: TensorMapSpec| s.validate().unwrap_err().to_string();
+        assert!(err(TensorMapSpec { address: 0x1008, ..spec() }).contains("16-byte aligned"));
+        assert!(err(TensorMapSpec { row_stride_bytes: 8200, ..spec() }).contains("multiple of 16"));
+        assert!(err(TensorMapSpec { box_rows: 512, ..spec() }).contains("box_rows = 512"));
+        assert!(err(TensorMapSpec { box_cols: 128, ..spec() }).contains("exceeds the 128-byte swizzle span"));
+        assert!(err(TensorMapSpec { swizzle_bytes: 16, ..spec() }).contains("not one of"));
+        assert!(err(TensorMapSpec { row_stride_bytes: 4096, ..spec() }).contains("shorter than a row"));
+    }
 }

@@ -30,14 +30,9 @@ impl Error {
     /// Attaches the kernel's name to a driver error, so the message says which launch failed.
     pub fn for_kernel(self, kernel: &str) -> Self {
         match self {
-            Error::Driver { backend, call, code, name, message, kernel: None } => Error::Driver {
-                backend,
-                call,
-                code,
-                name,
-                message,
-                kernel: Some(kernel.to_string()),
-            },
+            Error::Driver { backend, call, code, name, message, kernel: None } => {
+                Error::Driver { backend, call, code, name, message, kernel: Some(kernel.to_string()) }
+            }
             other => other,
         }
     }

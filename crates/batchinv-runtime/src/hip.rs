@@ -7,8 +7,9 @@
 //! changed between ROCm releases.
 
 use crate::config::{DeviceLimits, FunctionLimits, LaunchConfig};
-use crate::driver::{Backend, Driver, FunctionHandle, ModuleHandle};
+use crate::driver::{Backend, Driver, FunctionHandle, ModuleHandle, TensorMapSpec};
 use crate::error::{Error, Result};
+use crate::signature::TENSOR_MAP_BYTES;
 use libloading::Library;
 use std::ffi::CStr;
 use std::os::raw::{c_char, c_int, c_uint, c_void};
@@ -230,12 +231,13 @@ impl Driver for HipDriver {
     fn get_function(&self, ordinal: i32, module: ModuleHandle, name: &CStr) -> Result<FunctionHandle> {
         self.with_device(ordinal, || {
             let mut function: HipFunction = std::ptr::null_mut();
-            let code = unsafe {
-                (self.api.hip_module_get_function)(&mut function, module as HipModule, name.as_ptr())
-            };
+            let code = unsafe { (self.api.hip_module_get_function)(&mut function, module as HipModule, name.as_ptr()) };
             if code != HIP_SUCCESS {
                 let err = self.error("hipModuleGetFunction", code);
-                return Err(Error::Invalid(format!("kernel '{}' is not in the module ({err})", name.to_string_lossy())));
+                return Err(Error::Invalid(format!(
+                    "kernel '{}' is not in the module ({err})",
+                    name.to_string_lossy()
+                )));
             }
             Ok(function as FunctionHandle)
         })
@@ -287,6 +289,10 @@ impl Driver for HipDriver {
                 )
             })
         })
+    }
+
+    fn encode_tensor_map_2d(&self, _spec: &TensorMapSpec) -> Result<[u8; TENSOR_MAP_BYTES]> {
+        Err(Error::Invalid("tensor maps (TMA) are a CUDA feature; HIP kernels do not take them".to_string()))
     }
 
     fn synchronize(&self, ordinal: i32) -> Result<()> {

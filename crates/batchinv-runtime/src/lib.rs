@@ -18,8 +18,8 @@ mod nvrtc;
 mod signature;
 
 pub use config::{check_static_limits, DeviceLimits, FunctionLimits, LaunchConfig};
-pub use driver::{driver_for, Backend, Driver};
+pub use driver::{driver_for, Backend, Driver, TensorMapSpec};
 pub use error::{Error, Result};
 pub use module::{Kernel, Module};
 pub use nvrtc::compile_cuda_source;
-pub use signature::{ArgValue, ParamKind, Signature};
+pub use signature::{ArgValue, ParamKind, Signature, TENSOR_MAP_BYTES};

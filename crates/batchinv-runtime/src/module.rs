@@ -85,8 +85,8 @@ pub struct Kernel {
 impl Kernel {
     /// Declares a kernel; nothing is looked up until the first launch on a device.
     pub fn new(module: Arc<Module>, name: &str, signature: Signature) -> Result<Self> {
-        let c_name = CString::new(name)
-            .map_err(|_| Error::Invalid(format!("kernel name {name:?} contains a NUL byte")))?;
+        let c_name =
+            CString::new(name).map_err(|_| Error::Invalid(format!("kernel name {name:?} contains a NUL byte")))?;
         if name.is_empty() {
             return Err(Error::Invalid("kernel name is empty".to_string()));
         }
@@ -108,17 +108,18 @@ impl Kernel {
     fn with_resolved<T>(&self, device: i32, body: impl FnOnce(&dyn Driver, &mut Resolved) -> Result<T>) -> Result<T> {
         let driver = driver_for(self.module.backend)?;
         let mut resolved = self.resolved.lock().expect("kernel cache poisoned");
-        if !resolved.contains_key(&device) {
-            let module = self.module.handle(driver.as_ref(), device)?;
-            let function = driver.get_function(device, module, &self.c_name)?;
-            let entry = Resolved {
-                function,
-                device_limits: driver.device_limits(device)?,
-                function_limits: driver.function_limits(device, function)?,
-            };
-            resolved.insert(device, entry);
-        }
-        let entry = resolved.get_mut(&device).expect("just inserted");
+        let entry = match resolved.entry(device) {
+            std::collections::hash_map::Entry::Occupied(slot) => slot.into_mut(),
+            std::collections::hash_map::Entry::Vacant(slot) => {
+                let module = self.module.handle(driver.as_ref(), device)?;
+                let function = driver.get_function(device, module, &self.c_name)?;
+                slot.insert(Resolved {
+                    function,
+                    device_limits: driver.device_limits(device)?,
+                    function_limits: driver.function_limits(device, function)?,
+                })
+            }
+        };
         body(driver.as_ref(), entry).map_err(|e| e.for_kernel(&self.name))
     }
 
@@ -148,7 +149,8 @@ impl Kernel {
     /// Raises the kernel's dynamic shared-memory limit on `device` (needed above 48 KiB).
     pub fn set_max_dynamic_shared_memory(&self, device: i32, bytes: u32) -> Result<()> {
         self.with_resolved(device, |driver, entry| {
-            let ceiling = entry.device_limits.max_shared_optin.saturating_sub(entry.function_limits.static_shared_bytes);
+            let ceiling =
+                entry.device_limits.max_shared_optin.saturating_sub(entry.function_limits.static_shared_bytes);
             if bytes > ceiling {
                 return Err(Error::Config(format!(
                     "kernel '{}': {bytes} bytes of dynamic shared memory exceed what this device allows \

@@ -35,7 +35,12 @@ fn open(path: Option<&str>) -> Result<Library> {
 }
 
 /// Compiles `source` to a cubin with NVRTC (`options` as for nvcc, e.g. `--gpu-architecture=sm_90`).
-pub fn compile_cuda_source(library_path: Option<&str>, source: &str, name: &str, options: &[String]) -> Result<Vec<u8>> {
+pub fn compile_cuda_source(
+    library_path: Option<&str>,
+    source: &str,
+    name: &str,
+    options: &[String],
+) -> Result<Vec<u8>> {
     let library = open(library_path)?;
     unsafe {
         let create: unsafe extern "C" fn(
@@ -50,8 +55,10 @@ pub fn compile_cuda_source(library_path: Option<&str>, source: &str, name: &str,
             symbol(&library, "nvrtcCompileProgram")?;
         let log_size: unsafe extern "C" fn(Program, *mut usize) -> NvrtcResult =
             symbol(&library, "nvrtcGetProgramLogSize")?;
-        let get_log: unsafe extern "C" fn(Program, *mut c_char) -> NvrtcResult = symbol(&library, "nvrtcGetProgramLog")?;
-        let cubin_size: unsafe extern "C" fn(Program, *mut usize) -> NvrtcResult = symbol(&library, "nvrtcGetCUBINSize")?;
+        let get_log: unsafe extern "C" fn(Program, *mut c_char) -> NvrtcResult =
+            symbol(&library, "nvrtcGetProgramLog")?;
+        let cubin_size: unsafe extern "C" fn(Program, *mut usize) -> NvrtcResult =
+            symbol(&library, "nvrtcGetCUBINSize")?;
         let get_cubin: unsafe extern "C" fn(Program, *mut c_char) -> NvrtcResult = symbol(&library, "nvrtcGetCUBIN")?;
         let destroy: unsafe extern "C" fn(*mut Program) -> NvrtcResult = symbol(&library, "nvrtcDestroyProgram")?;
         let error_string: unsafe extern "C" fn(NvrtcResult) -> *const c_char = symbol(&library, "nvrtcGetErrorString")?;

@@ -15,7 +15,12 @@ pub enum ParamKind {
     U64,
     F32,
     F64,
+    /// A 128-byte TMA descriptor (`CUtensorMap`) passed by value (`__grid_constant__`).
+    TensorMap,
 }
+
+/// Size of a `CUtensorMap`, the by-value kernel parameter behind [`ParamKind::TensorMap`].
+pub const TENSOR_MAP_BYTES: usize = 128;
 
 impl ParamKind {
     pub fn parse(text: &str) -> Result<Self> {
@@ -27,9 +32,10 @@ impl ParamKind {
             "u64" | "uint64" => ParamKind::U64,
             "f32" | "float32" => ParamKind::F32,
             "f64" | "float64" => ParamKind::F64,
+            "tmap" => ParamKind::TensorMap,
             other => {
                 return Err(Error::Invalid(format!(
-                    "unknown parameter type '{other}' (expected one of ptr, i32, u32, i64, u64, f32, f64)"
+                    "unknown parameter type '{other}' (expected one of ptr, i32, u32, i64, u64, f32, f64, tmap)"
                 )))
             }
         })
@@ -44,6 +50,7 @@ impl ParamKind {
             ParamKind::U64 => "u64",
             ParamKind::F32 => "f32",
             ParamKind::F64 => "f64",
+            ParamKind::TensorMap => "tmap",
         }
     }
 }
@@ -103,7 +110,7 @@ impl fmt::Display for Signature {
 }
 
 /// One argument value, tagged with its kind.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, PartialEq)]
 pub enum ArgValue {
     Ptr(u64),
     I32(i32),
@@ -112,6 +119,7 @@ pub enum ArgValue {
     U64(u64),
     F32(f32),
     F64(f64),
+    TensorMap(Box<[u8; TENSOR_MAP_BYTES]>),
 }
 
 impl ArgValue {
@@ -124,36 +132,43 @@ impl ArgValue {
             ArgValue::U64(_) => ParamKind::U64,
             ArgValue::F32(_) => ParamKind::F32,
             ArgValue::F64(_) => ParamKind::F64,
+            ArgValue::TensorMap(_) => ParamKind::TensorMap,
         }
     }
 
-    fn to_bytes(self) -> [u8; 8] {
-        let mut out = [0u8; 8];
-        match self {
-            ArgValue::Ptr(v) | ArgValue::U64(v) => out.copy_from_slice(&v.to_ne_bytes()),
-            ArgValue::I64(v) => out.copy_from_slice(&v.to_ne_bytes()),
-            ArgValue::F64(v) => out.copy_from_slice(&v.to_ne_bytes()),
+    fn to_slot(&self) -> Slot {
+        let mut slot = Slot([0u8; TENSOR_MAP_BYTES]);
+        let out = &mut slot.0;
+        match *self {
+            ArgValue::Ptr(v) | ArgValue::U64(v) => out[..8].copy_from_slice(&v.to_ne_bytes()),
+            ArgValue::I64(v) => out[..8].copy_from_slice(&v.to_ne_bytes()),
+            ArgValue::F64(v) => out[..8].copy_from_slice(&v.to_ne_bytes()),
             ArgValue::I32(v) => out[..4].copy_from_slice(&v.to_ne_bytes()),
             ArgValue::U32(v) => out[..4].copy_from_slice(&v.to_ne_bytes()),
             ArgValue::F32(v) => out[..4].copy_from_slice(&v.to_ne_bytes()),
+            ArgValue::TensorMap(ref bytes) => out.copy_from_slice(&bytes[..]),
         }
-        out
+        slot
     }
 }
 
+/// One parameter's bytes, large and aligned enough for any kind (a tensor map wants 64).
+#[repr(C, align(64))]
+struct Slot([u8; TENSOR_MAP_BYTES]);
+
 /// Argument storage in the form `cuLaunchKernel` wants: an array of pointers to values.
 pub(crate) struct PackedArgs {
-    values: Vec<[u8; 8]>,
+    values: Vec<Slot>,
 }
 
 impl PackedArgs {
     pub(crate) fn new(args: &[ArgValue]) -> Self {
-        PackedArgs { values: args.iter().map(|a| a.to_bytes()).collect() }
+        PackedArgs { values: args.iter().map(ArgValue::to_slot).collect() }
     }
 
     /// Pointers into `self`; valid while `self` is alive and unmoved.
     pub(crate) fn pointers(&mut self) -> Vec<*mut c_void> {
-        self.values.iter_mut().map(|v| v.as_mut_ptr() as *mut c_void).collect()
+        self.values.iter_mut().map(|v| v.0.as_mut_ptr() as *mut c_void).collect()
     }
 }
 
@@ -188,12 +203,16 @@ mod tests {
 
     #[test]
     fn packs_values_little_endian() {
-        let mut packed = PackedArgs::new(&[ArgValue::I32(-2), ArgValue::F32(1.5), ArgValue::Ptr(7)]);
+        let map = Box::new([7u8; TENSOR_MAP_BYTES]);
+        let mut packed =
+            PackedArgs::new(&[ArgValue::I32(-2), ArgValue::F32(1.5), ArgValue::Ptr(7), ArgValue::TensorMap(map)]);
         let ptrs = packed.pointers();
         unsafe {
             assert_eq!(*(ptrs[0] as *const i32), -2);
             assert_eq!(*(ptrs[1] as *const f32), 1.5);
             assert_eq!(*(ptrs[2] as *const u64), 7);
+            assert_eq!(*(ptrs[3] as *const [u8; TENSOR_MAP_BYTES]), [7u8; TENSOR_MAP_BYTES]);
+            assert_eq!(ptrs[3] as usize % 64, 0);
         }
     }
 }

@@ -1,8 +1,9 @@
 """Embedding on CUDA/HIP: launches ``kernels_cu/embedding.cu``.
 
-Out-of-range ids are found by the kernel itself (it skips their rows and records the
-first bad position), so a bad id becomes a Python IndexError and never an illegal memory
-access.  Reading that flag synchronises with the device once per call.
+Out-of-range ids are found by the kernel itself (it never reads their rows, fills them
+with NaN and records the first bad position), so a bad id becomes a Python IndexError and
+never an illegal memory access.  Reading that flag synchronises with the device once per
+call; ``check_ids=False`` skips the read (bad rows then come back as NaN).
 """
 
 from __future__ import annotations
@@ -55,11 +56,12 @@ def launch_forward(ids: Tensor, weight: Tensor) -> tuple[Tensor, Tensor]:
     return out, first_bad
 
 
-def forward(ids: Tensor, weight: Tensor) -> Tensor:
+def forward(ids: Tensor, weight: Tensor, check_ids: bool = True) -> Tensor:
     out, first_bad = launch_forward(ids, weight)
-    position = int(first_bad.item())  # the one synchronisation: bad ids must raise here
-    if position != -1:
-        report_bad_index("ids", ids, position, weight.shape[0])
+    if check_ids:
+        position = int(first_bad.item())  # the one synchronisation: bad ids must raise here
+        if position != -1:
+            report_bad_index("ids", ids, position, weight.shape[0])
     return out.reshape(*ids.shape, weight.shape[1])
 
 

@@ -23,8 +23,8 @@ registry.register("embedding.backward", "cpu")(reference.embedding_backward)
 
 class _Embedding(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, ids: Tensor, weight: Tensor) -> Tensor:
-        out = registry.lookup("embedding.forward", weight.device)(ids, weight)
+    def forward(ctx, ids: Tensor, weight: Tensor, check_ids: bool) -> Tensor:
+        out = registry.lookup("embedding.forward", weight.device)(ids, weight, check_ids)
         ctx.save_for_backward(ids)
         ctx.num_embeddings = weight.shape[0]
         ctx.weight_dtype = weight.dtype
@@ -34,14 +34,17 @@ class _Embedding(torch.autograd.Function):
     def backward(ctx, grad_out: Tensor):
         (ids,) = ctx.saved_tensors
         backward = registry.lookup("embedding.backward", grad_out.device)
-        return None, backward(ids, grad_out, ctx.num_embeddings, ctx.weight_dtype)
+        return None, backward(ids, grad_out, ctx.num_embeddings, ctx.weight_dtype), None
 
 
-def embedding(ids: Tensor, weight: Tensor) -> Tensor:
+def embedding(ids: Tensor, weight: Tensor, *, check_ids: bool = True) -> Tensor:
     """Rows of ``weight`` ([vocab, hidden]; fp32, bf16 or fp16) picked by ``ids`` (int32/int64).
 
     Returns ``[*ids.shape, hidden]`` in ``weight``'s dtype.  An id outside ``[0, vocab)``
-    raises ``IndexError`` naming its position.  Differentiable with respect to ``weight``.
+    raises ``IndexError`` naming its position.  On a GPU that check reads a flag back from
+    the device (one synchronisation per call); ``check_ids=False`` skips the read, and
+    rows of out-of-range ids then come back filled with NaN (never read from memory).
+    Differentiable with respect to ``weight``.
     """
     reference.check_embedding_args(ids, weight, check_values=False)
-    return _Embedding.apply(ids, weight)
+    return _Embedding.apply(ids, weight, check_ids)

@@ -30,8 +30,12 @@ def check_embedding_args(ids: Tensor, weight: Tensor, *, check_values: bool = Tr
         check_index_range("ids", ids, weight.shape[0])
 
 
-def embedding(ids: Tensor, weight: Tensor) -> Tensor:
-    """Low-precision path: ``weight[ids]`` in ``weight``'s dtype (any shape of ``ids``)."""
+def embedding(ids: Tensor, weight: Tensor, check_ids: bool = True) -> Tensor:
+    """Low-precision path: ``weight[ids]`` in ``weight``'s dtype (any shape of ``ids``).
+
+    On the CPU the ids are always checked (it costs no device synchronisation here);
+    ``check_ids`` exists so the signature matches the GPU implementation.
+    """
     check_embedding_args(ids, weight)
     return weight.index_select(0, ids.reshape(-1).long()).reshape(*ids.shape, weight.shape[1])
 

@@ -1,0 +1,78 @@
+"""batchinv.linear against cuBLAS (torch.mm) at the Qwen3-8B shapes, in the same run.
+
+Goals (issue 4): >= 0.9x cuBLAS at M = 4096, >= 0.8x at M = 64 and M = 1.  Small M is also
+timed as a CUDA-graph replay (both paths), which removes Python launch overhead from both.
+The Triton matmul of thinking-machines-lab/batch_invariant_ops is added when importable.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from batchinv.gpu.linear import choose_config, matmul_nt, uses_hopper
+from batchinv.shapes import LINEAR_BENCH_M, QWEN3_8B_LINEAR
+
+from _common import median_ms, parse_args, report, require_cuda
+
+
+def _graphed(fn):
+    """A callable replaying ``fn`` captured in a CUDA graph."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
+def _triton_batch_invariant():
+    try:
+        from batch_invariant_ops import matmul_persistent  # type: ignore[import-not-found]
+    except ImportError:
+        print("note: batch_invariant_ops is not importable; its row is skipped")
+        return None
+    return matmul_persistent
+
+
+def main() -> None:
+    args = parse_args(__doc__.splitlines()[0])
+    device = require_cuda()
+    triton_bi = _triton_batch_invariant()
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    rows = []
+    for name, k, n in QWEN3_8B_LINEAR:
+        weight = (torch.randn(n, k, device=device) / k**0.5).bfloat16()
+        weight_t = weight.t()
+        for m in LINEAR_BENCH_M:
+            x = torch.randn(m, k, device=device).bfloat16()
+            flops = 2 * m * n * k
+            paths = {
+                "cuBLAS": lambda x=x: torch.mm(x, weight_t),
+                "batchinv": lambda x=x: matmul_nt(x, weight),
+            }
+            if triton_bi is not None:
+                paths["batch_invariant_ops"] = lambda x=x: triton_bi(x, weight_t)
+            timing_modes = [("eager", lambda f: f)] + ([("graph", _graphed)] if m <= 64 else [])
+            for mode, wrap in timing_modes:
+                times = {path: median_ms(wrap(fn)) for path, fn in paths.items()}
+                for path, ms in times.items():
+                    rows.append({
+                        "layer": name, "M": m, "N": n, "K": k, "timing": mode, "path": path,
+                        "config": str(choose_config(m, n, sms)) if path == "batchinv" and uses_hopper(device) else "",
+                        "ms": ms, "TFLOP/s": flops / ms / 1e9, "vs_cuBLAS": times["cuBLAS"] / ms,
+                    })
+            del x
+        del weight, weight_t
+        torch.cuda.empty_cache()
+    report(
+        "linear (bf16)", rows,
+        ["layer", "M", "N", "K", "timing", "path", "ms", "TFLOP/s", "vs_cuBLAS", "config"], args.json,
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,220 @@
+"""Linear on CUDA: picks a tile configuration of ``kernels_cu/linear.cu`` and launches it.
+
+Every configuration reduces K in the same order (see the kernel's contract), so the choice
+below may follow M freely: it is a performance decision, not a numerical one.  Tests run
+the same inputs through every configuration and both kernel families and compare bits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import re
+
+import torch
+from torch import Tensor
+
+from ._launch import kernel_for, launch, native
+
+_DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "f16"}
+_HOPPER_NAME = re.compile(r"linear_hopper_(bf16|f16)_bm(\d+)_bn(\d+)_s(\d+)$")
+_MAX_DIM = 2**31 - 1
+
+
+@dataclasses.dataclass(frozen=True)
+class TileConfig:
+    """One compiled Hopper kernel: tile rows (BM), tile columns (BN), pipeline stages."""
+
+    block_m: int
+    block_n: int
+    stages: int
+
+    def kernel_name(self, dtype: torch.dtype) -> str:
+        return f"linear_hopper_{_DTYPE_NAMES[dtype]}_bm{self.block_m}_bn{self.block_n}_s{self.stages}"
+
+    @property
+    def threads(self) -> int:
+        return 128 * (self.block_m // 64 + 1)
+
+    @property
+    def shared_bytes(self) -> int:
+        # Stages of (BM + BN) rows x 64 elements x 2 bytes, two barriers per stage, and
+        # slack to align the tiles to 1024 bytes (kernels_cu/linear.cu).
+        return self.stages * (self.block_m + self.block_n) * 128 + 16 * self.stages + 1024
+
+
+@functools.cache
+def hopper_configs() -> tuple[TileConfig, ...]:
+    """The configurations built into this extension (read from the kernel names)."""
+    names = native().RawModule(embedded="linear").declared_kernels()
+    configs = {
+        TileConfig(int(m[2]), int(m[3]), int(m[4])) for name in names if (m := _HOPPER_NAME.match(name))
+    }
+    return tuple(sorted(configs, key=lambda c: (c.block_m, c.block_n)))
+
+
+@functools.cache
+def _multiprocessors(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def choose_config(m: int, n: int, multiprocessors: int) -> TileConfig:
+    """Small M: 64-row tiles and as wide as still fills the GPU; large M: 128-row tiles."""
+    configs = hopper_configs()
+    block_m = 64 if m <= 64 else 128
+    candidates = sorted((c for c in configs if c.block_m == block_m), key=lambda c: -c.block_n)
+    tiles_m = -(-m // block_m)
+    for config in candidates:
+        if tiles_m * -(-n // config.block_n) >= multiprocessors:
+            return config
+    return candidates[-1]
+
+
+def uses_hopper(device: torch.device) -> bool:
+    return torch.cuda.get_device_capability(device) == (9, 0) and "90a" in native().build_info()["cuda_archs"]
+
+
+@functools.lru_cache(maxsize=256)
+def _tensor_map(address: int, dtype_name: str, rows: int, cols: int, box_rows: int) -> bytes:
+    return native().tensor_map_2d(address, dtype_name, rows, cols, cols * 2, box_rows, 64, 128)
+
+
+def _aligned(t: Tensor) -> Tensor:
+    """``t`` itself when TMA can read it (16-byte aligned base), else an aligned copy."""
+    return t if t.data_ptr() % 16 == 0 else t.clone()
+
+
+def matmul_nt(
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor | None = None,
+    *,
+    family: str = "auto",
+    config: TileConfig | None = None,
+) -> Tensor:
+    """``x[M, K] @ weight[N, K]ᵀ (+ bias)`` for contiguous 2-D bf16/fp16 CUDA tensors.
+
+    ``family`` is ``"auto"`` (Hopper kernels on sm_90, else mma.sync), ``"hopper"`` or
+    ``"mma"``; ``config`` forces a Hopper tile configuration (tests use both to compare bits).
+    """
+    m, k = x.shape
+    n = weight.shape[0]
+    if k % 8 != 0:
+        raise ValueError(
+            f"the GPU linear needs in_features % 8 == 0 (rows must be 16-byte multiples), got {k}"
+        )
+    for name, value in (("rows of x", m), ("out_features", n), ("in_features", k)):
+        if value > _MAX_DIM:
+            raise ValueError(f"{name} = {value} exceeds {_MAX_DIM}")
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m == 0 or n == 0:
+        return out
+    if k == 0:
+        return out.zero_() if bias is None else out.copy_(bias.expand(m, n))
+    bias_arg = 0 if bias is None else bias
+    dtype_name = _DTYPE_NAMES[x.dtype]
+    if family == "auto":
+        family = "hopper" if uses_hopper(x.device) else "mma"
+    if family == "hopper":
+        if not uses_hopper(x.device):
+            raise RuntimeError("the Hopper linear kernels need an sm_90 GPU and a build with 90a")
+        config = config or choose_config(m, n, _multiprocessors(x.device.index))
+        x, weight = _aligned(x), _aligned(weight)
+        map_x = _tensor_map(x.data_ptr(), dtype_name, m, k, config.block_m)
+        map_w = _tensor_map(weight.data_ptr(), dtype_name, n, k, config.block_n)
+        kernel = kernel_for("linear", config.kernel_name(x.dtype), x.device)
+        if config.shared_bytes > 48 * 1024:
+            _raise_shared_limit(kernel, config.shared_bytes, x.device.index)
+        launch(
+            kernel,
+            x.device,
+            grid=(-(-n // config.block_n), -(-m // config.block_m)),
+            block=(config.threads,),
+            args=(map_x, map_w, out, bias_arg, m, n, k),
+            shared_mem=config.shared_bytes,
+        )
+    elif family == "mma":
+        if torch.cuda.get_device_capability(x.device) < (8, 0):
+            raise RuntimeError("the mma.sync linear kernel needs compute capability 8.0 or newer")
+        launch(
+            kernel_for("linear", f"linear_mma_{dtype_name}", x.device),
+            x.device,
+            grid=(-(-n // 32), -(-m // 64)),
+            block=(128,),
+            args=(x, weight, out, bias_arg, m, n, k),
+        )
+    else:
+        raise ValueError(f"family must be 'auto', 'hopper' or 'mma', got {family!r}")
+    return out
+
+
+_RAISED: set[tuple[int, int]] = set()
+
+
+def _raise_shared_limit(kernel, shared_bytes: int, device_index: int) -> None:
+    key = (id(kernel), device_index)
+    if key not in _RAISED:
+        kernel.set_max_dynamic_shared_memory(shared_bytes, device=device_index)
+        _RAISED.add(key)
+
+
+def _pad_columns(t: Tensor, multiple: int = 8) -> Tensor:
+    """``t`` with zero columns appended up to a multiple (TMA wants 16-byte rows).
+
+    Padding is in the reduced dimension only: each padded term adds an exact zero product.
+    """
+    extra = -t.shape[1] % multiple
+    return t if extra == 0 else torch.nn.functional.pad(t, (0, extra))
+
+
+def forward(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """The registry's ``linear.forward`` on CUDA: ``x [..., K]`` -> ``[..., N]``."""
+    _check_gpu_args(x, weight, bias)
+    rows = x.reshape(-1, x.shape[-1]).contiguous()
+    return matmul_nt(rows, weight, bias).reshape(*x.shape[:-1], weight.shape[0])
+
+
+def backward(
+    grad_out: Tensor,
+    x: Tensor,
+    weight: Tensor,
+    bias_dtype: torch.dtype | None,
+    needs_input_grad: tuple[bool, bool, bool] = (True, True, True),
+) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+    """``(grad_x, grad_weight, grad_bias)`` with the forward kernel and its fixed K order.
+
+    grad_x = grad_y · weight reduces over out_features (per row, so batch-invariant);
+    grad_weight = grad_yᵀ · x and grad_bias = 1ᵀ · grad_y reduce over the tokens in
+    increasing token order (64-token tiles, k16 steps), bitwise identical run to run.
+    """
+    n, k = weight.shape
+    grad_rows = grad_out.reshape(-1, n).to(x.dtype).contiguous()
+    grad_x = grad_weight = grad_bias = None
+    if needs_input_grad[0]:
+        weight_t = _pad_columns(weight.t().contiguous())  # [K, N]: out_features become the reduction
+        grad_x = matmul_nt(_pad_columns(grad_rows), weight_t).reshape(x.shape)
+    needs_tokens_major = needs_input_grad[1] or (bias_dtype is not None and needs_input_grad[2])
+    if needs_tokens_major:
+        grad_t = _pad_columns(grad_rows.t().contiguous())  # [N, M]: tokens become the reduction
+    if needs_input_grad[1]:
+        x_t = _pad_columns(x.reshape(-1, k).t().contiguous())  # [K, M]
+        grad_weight = matmul_nt(grad_t, x_t)
+    if bias_dtype is not None and needs_input_grad[2]:
+        ones = torch.ones(1, grad_t.shape[1], dtype=grad_t.dtype, device=grad_t.device)
+        grad_bias = matmul_nt(ones, grad_t).reshape(n).to(bias_dtype)
+    return grad_x, grad_weight, grad_bias
+
+
+def _check_gpu_args(x: Tensor, weight: Tensor, bias: Tensor | None) -> None:
+    from ..reference.linear import check_linear_args
+
+    check_linear_args(x, weight, bias)
+    if x.dtype not in _DTYPE_NAMES:
+        raise TypeError(
+            f"the GPU linear takes bf16 or fp16 inputs, got {x.dtype} "
+            "(use the fp32 reference batchinv.reference.linear.linear_fp32 on the CPU)"
+        )
+    if not weight.is_contiguous():
+        raise ValueError("weight must be contiguous on the GPU (call .contiguous() first)")
+    if bias is not None and not bias.is_contiguous():
+        raise ValueError("bias must be contiguous on the GPU")

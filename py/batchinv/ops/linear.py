@@ -1,0 +1,51 @@
+"""``batchinv.linear``: ``x · weightᵀ + bias`` with a K order that never depends on M.
+
+On CUDA each output element is reduced over K in 64-wide tiles of four k16 tensor-core
+steps, in increasing k, whatever the number of rows (kernels_cu/linear.cu); on the CPU the
+strict reference reduces K one element at a time.  Gradients use the same kernels: grad_x
+is a per-row reduction (batch-invariant), grad_weight and grad_bias reduce over tokens in
+increasing order (bitwise identical run to run).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .. import registry
+from ..gpu import linear as gpu_linear
+from ..reference import linear as reference
+
+
+def _reference_forward(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    return reference.linear_forward_fp32(x, weight, bias).to(x.dtype)
+
+
+registry.register("linear.forward", "cpu")(_reference_forward)
+registry.register("linear.backward", "cpu")(reference.linear_backward)
+registry.register("linear.forward", "cuda")(gpu_linear.forward)
+registry.register("linear.backward", "cuda")(gpu_linear.backward)
+
+
+class _Linear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+        ctx.save_for_backward(x, weight)
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        return registry.lookup("linear.forward", x.device)(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor):
+        x, weight = ctx.saved_tensors
+        backward = registry.lookup("linear.backward", grad_out.device)
+        return backward(grad_out, x, weight, ctx.bias_dtype, ctx.needs_input_grad)
+
+
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """``x [..., in] · weight[out, in]ᵀ (+ bias[out])`` in ``x``'s dtype, fp32 accumulation.
+
+    A row's result is bitwise the same whatever other rows are in the batch.  The GPU path
+    takes bf16/fp16 with ``in_features % 8 == 0``; the CPU path is the strict reference.
+    """
+    reference.check_linear_args(x, weight, bias)
+    return _Linear.apply(x, weight, bias)

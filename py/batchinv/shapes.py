@@ -1,0 +1,18 @@
+"""Shapes that tests and benchmarks share, kept as data in one place."""
+
+from __future__ import annotations
+
+# Qwen3-8B linear layers as (name, in_features K, out_features N).
+QWEN3_8B_LINEAR = (
+    ("qkv_proj", 4096, 6144),
+    ("o_proj", 4096, 4096),
+    ("gate_up_proj", 4096, 24576),
+    ("down_proj", 12288, 4096),
+    ("lm_head", 4096, 151936),
+)
+
+# Token counts of the bitwise M sweep (issue: 1, 2, 3, 17, 64, 65, 257, 1024, 4096, 8191).
+LINEAR_M_SWEEP = (1, 2, 3, 17, 64, 65, 257, 1024, 4096, 8191)
+
+# Token counts the linear benchmark reports (decode, small batch, prefill).
+LINEAR_BENCH_M = (1, 64, 4096)

@@ -1,0 +1,169 @@
+"""The CUDA linear: bitwise M-invariance at every Qwen3-8B shape, forward and grad_x;
+identical bits across tile configurations and instruction families; accuracy against the
+strict reference; deterministic weight gradients; bad input."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import batchinv
+from batchinv.contract import assert_bitwise_equal, assert_within_tolerance
+from batchinv.gpu import linear as gpu_linear
+from batchinv.reference.linear import linear_backward, linear_fp32
+from batchinv.shapes import LINEAR_M_SWEEP, QWEN3_8B_LINEAR
+
+pytestmark = pytest.mark.cuda
+
+QUICK = os.environ.get("BATCHINV_QUICK") == "1"
+SHAPES = QWEN3_8B_LINEAR[:2] if QUICK else QWEN3_8B_LINEAR
+M_SWEEP = (1, 3, 65, 257) if QUICK else LINEAR_M_SWEEP
+DTYPES = (torch.bfloat16,) if QUICK else (torch.bfloat16, torch.float16)
+PROBE_ROWS = (0, 1, 2, 16, 64, 256, 1023, 4095, 8190)
+
+
+def _inputs(m, k, n, dtype, seed=0, scale=1.0):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    x = (torch.randn(m, k, device="cuda", generator=gen) * scale).to(dtype)
+    w = (torch.randn(n, k, device="cuda", generator=gen) / k**0.5).to(dtype)
+    return x, w
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("name, k, n", SHAPES, ids=[s[0] for s in SHAPES])
+def test_forward_row_is_bitwise_the_same_for_every_m(name, k, n, dtype):
+    x, w = _inputs(max(M_SWEEP), k, n, dtype)
+    alone = {i: batchinv.linear(x[i : i + 1], w) for i in PROBE_ROWS if i < x.shape[0]}
+    for m in M_SWEEP:
+        out = batchinv.linear(x[:m], w)
+        for i, expected in alone.items():
+            if i < m:
+                assert_bitwise_equal(out[i : i + 1], expected, name=f"{name} row {i} of M={m}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("name, k, n", SHAPES, ids=[s[0] for s in SHAPES])
+def test_grad_x_row_is_bitwise_the_same_for_every_m(name, k, n, dtype):
+    m_max = max(M_SWEEP)
+    _, w = _inputs(1, k, n, dtype)
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    grad = torch.randn(m_max, n, device="cuda", generator=gen).to(dtype)
+    x_dummy = torch.empty(m_max, k, device="cuda", dtype=dtype)
+    needs = (True, False, False)
+    alone = {
+        i: gpu_linear.backward(grad[i : i + 1], x_dummy[i : i + 1], w, None, needs)[0]
+        for i in PROBE_ROWS
+        if i < m_max
+    }
+    for m in M_SWEEP:
+        grad_x = gpu_linear.backward(grad[:m], x_dummy[:m], w, None, needs)[0]
+        for i, expected in alone.items():
+            if i < m:
+                assert_bitwise_equal(grad_x[i : i + 1], expected, name=f"{name} grad_x row {i} of M={m}")
+
+
+@pytest.mark.parametrize("scale", (1.0, 2.0**40), ids=("unit", "wide-exponent"))
+@pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16), ids=str)
+def test_every_tile_config_and_instruction_family_gives_the_same_bits(dtype, scale):
+    if not gpu_linear.uses_hopper(torch.device("cuda")):
+        pytest.skip("compares Hopper tile configurations; this GPU has none")
+    if dtype == torch.float16 and scale > 1:
+        scale = 2.0**4  # fp16 overflows above 65504
+    x, w = _inputs(200, 4096, 1000, dtype, seed=3, scale=scale)
+    results = {}
+    for config in gpu_linear.hopper_configs():
+        results[f"hopper {config}"] = gpu_linear.matmul_nt(x, w, family="hopper", config=config)
+    results["mma.sync"] = gpu_linear.matmul_nt(x, w, family="mma")
+    first_name, first = next(iter(results.items()))
+    for name, out in results.items():
+        assert_bitwise_equal(out, first, name=f"{name} vs {first_name}")
+
+
+@pytest.mark.parametrize("m, k, n", [(1, 8, 1), (3, 24, 7), (65, 72, 1000), (130, 4104, 33), (257, 4096, 4097)])
+@pytest.mark.parametrize("with_bias", (False, True))
+def test_odd_shapes_match_the_strict_reference(m, k, n, with_bias):
+    x, w = _inputs(m, k, n, torch.bfloat16, seed=5)
+    bias = torch.randn(n, device="cuda").bfloat16() if with_bias else None
+    out = batchinv.linear(x, w, bias)
+    reference = linear_fp32(x, w, bias)  # strict fp32, fixed order (runs on the GPU tensors)
+    assert_within_tolerance(out, reference, op_class="reduction", name=f"linear {m}x{k}x{n}")
+
+
+@pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16), ids=str)
+@pytest.mark.parametrize("name, k, n", QWEN3_8B_LINEAR[:4], ids=[s[0] for s in QWEN3_8B_LINEAR[:4]])
+def test_qwen3_shapes_match_the_strict_reference(name, k, n, dtype):
+    x, w = _inputs(5, k, n, dtype, seed=6)
+    assert_within_tolerance(batchinv.linear(x, w), linear_fp32(x, w), op_class="reduction", name=name)
+
+
+def test_gradients_match_the_reference_and_repeat_bitwise():
+    m, k, n = 300, 256, 136
+    x, w = _inputs(m, k, n, torch.bfloat16, seed=7)
+    bias = torch.randn(n, device="cuda").bfloat16()
+    grad = torch.randn(m, n, device="cuda").bfloat16()
+    runs = []
+    for _ in range(2):
+        xg, wg, bg = (t.detach().clone().requires_grad_(True) for t in (x, w, bias))
+        batchinv.linear(xg, wg, bg).backward(grad)
+        runs.append((xg.grad, wg.grad, bg.grad))
+    for a, b in zip(runs[0], runs[1], strict=True):
+        assert_bitwise_equal(a, b)
+    expected = linear_backward(grad.float(), x.float(), w.float(), torch.float32)
+    for got, want, what in zip(runs[0], expected, ("grad_x", "grad_weight", "grad_bias"), strict=True):
+        assert_within_tolerance(got, want, op_class="reduction", kind="grad", name=what)
+
+
+def test_weight_gradient_with_token_count_not_a_multiple_of_8():
+    x, w = _inputs(13, 64, 24, torch.bfloat16, seed=8)
+    grad = torch.randn(13, 24, device="cuda").bfloat16()
+    _, grad_w, _ = gpu_linear.backward(grad, x, w, None, (False, True, False))
+    expected = linear_backward(grad.float(), x.float(), w.float(), None, (False, True, False))[1]
+    assert_within_tolerance(grad_w, expected, op_class="reduction", kind="grad")
+
+
+def test_batched_input_keeps_its_leading_dims():
+    x, w = _inputs(6, 64, 40, torch.bfloat16)
+    out = batchinv.linear(x.reshape(2, 3, 64), w)
+    assert out.shape == (2, 3, 40)
+    assert_bitwise_equal(out.reshape(6, 40), batchinv.linear(x, w))
+
+
+@pytest.mark.parametrize(
+    "make, error, message",
+    [
+        (lambda: (torch.randn(2, 8, device="cuda").bfloat16(), torch.randn(4, 8, device="cuda").half()),
+         TypeError, "mixed dtypes"),
+        (lambda: (torch.randn(2, 8, device="cuda").bfloat16(), torch.randn(4, 16, device="cuda").bfloat16()),
+         ValueError, r"x.shape\[-1\] must equal"),
+        (lambda: (torch.randn(2, 12, device="cuda").bfloat16(), torch.randn(4, 12, device="cuda").bfloat16()),
+         ValueError, "in_features % 8 == 0"),
+        (lambda: (torch.randn(2, 8, device="cuda"), torch.randn(4, 8, device="cuda")),
+         TypeError, "the GPU linear takes bf16 or fp16"),
+        (lambda: (torch.randn(2, 8, device="cuda").bfloat16(), torch.randn(8, 4, device="cuda").bfloat16().t()),
+         ValueError, "weight must be contiguous"),
+        (lambda: (torch.randn(2, 8).bfloat16(), torch.randn(4, 8, device="cuda").bfloat16()),
+         ValueError, "is on"),
+    ],
+)
+def test_bad_input_is_a_clear_error(make, error, message):
+    x, w = make()
+    with pytest.raises(error, match=message):
+        batchinv.linear(x, w)
+
+
+def test_inputs_are_not_mutated():
+    x, w = _inputs(70, 64, 48, torch.bfloat16)
+    before = (x.clone(), w.clone())
+    batchinv.linear(x, w)
+    assert_bitwise_equal(x, before[0])
+    assert_bitwise_equal(w, before[1])
+
+
+def test_misaligned_input_view_is_handled():
+    x, w = _inputs(10, 72, 16, torch.bfloat16)
+    storage = torch.empty(10 * 72 + 4, device="cuda", dtype=torch.bfloat16)
+    view = storage[4:].view(10, 72)  # 8-byte aligned, not 16
+    view.copy_(x)
+    assert_bitwise_equal(batchinv.linear(view, w), batchinv.linear(x, w))
