@@ -17,7 +17,8 @@
 // Two kernel families:
 // - linear_hopper_*: sm_90a.  TMA loads 64-wide k-tiles of x and weight into a ring of shared
 //   memory stages; one producer warpgroup issues the copies, BM/64 consumer warpgroups run
-//   wgmma m64nBNk16.  Grid (ceil(N/BN), ceil(M/BM)); block 128 * (BM/64 + 1) threads; dynamic
+//   wgmma m64nBNk16.  Grid ceil(M/BM) * ceil(N/BN) (1-D, grouped for L2 reuse); block
+//   128 * (BM/64 + 1) threads; dynamic
 //   shared memory STAGES * (BM + BN) * 128 + 16 * STAGES + 1024 bytes.
 // - linear_mma_*: sm_80 (mma.sync m16n8k16), the same k-step order; on HIP a SIMT loop (its
 //   own order, fixed the same way).  Grid (ceil(N/32), ceil(M/64)); block 128.
@@ -91,8 +92,17 @@ __device__ __forceinline__ void hopper_gemm(const TensorMap& map_x, const Tensor
     uint64_t* full = reinterpret_cast<uint64_t*>(tiles_w + STAGES * kTileWBytes);
     uint64_t* empty = full + STAGES;
 
-    const int m0 = blockIdx.y * BM;
-    const int n0 = blockIdx.x * BN;
+    // Tiles are numbered in groups of kGroupM tile rows, tile rows fastest, so the CTAs that
+    // run at the same time share a band of x and a band of weight small enough for L2.
+    constexpr int kGroupM = 16;
+    const int tiles_m = (M + BM - 1) / BM;
+    const int tiles_n = (N + BN - 1) / BN;
+    const int tiles_per_group = kGroupM * tiles_n;
+    const int first_tile_m = (static_cast<int>(blockIdx.x) / tiles_per_group) * kGroupM;
+    const int group_rows = min(tiles_m - first_tile_m, kGroupM);
+    const int in_group = static_cast<int>(blockIdx.x) % tiles_per_group;
+    const int m0 = (first_tile_m + in_group % group_rows) * BM;
+    const int n0 = (in_group / group_rows) * BN;
     const int k_tiles = (K + kTileK - 1) / kTileK;
     const int warpgroup = threadIdx.x / 128;
 
@@ -138,9 +148,12 @@ __device__ __forceinline__ void hopper_gemm(const TensorMap& map_x, const Tensor
             mma_k16<Codec, BN>(acc, smem_descriptor_128b(tile_x + 32 * k), smem_descriptor_128b(tile_w + 32 * k));
         }
         wgmma_commit();
-        wgmma_wait<0>();
-        if (threadIdx.x % 128 == 0) barrier_arrive(&empty[s]);
+        // Keep this tile's MMAs in flight; once the previous tile's have finished, its stage
+        // can be refilled.  (The MMAs still execute in issue order: the bits do not change.)
+        wgmma_wait<1>();
+        if (kt > 0 && threadIdx.x % 128 == 0) barrier_arrive(&empty[(kt - 1) % STAGES]);
     }
+    wgmma_wait<0>();
 
     const int lane = threadIdx.x % 32;
     const int warp = (threadIdx.x % 128) / 32;

@@ -128,7 +128,7 @@ def matmul_nt(
         launch(
             kernel,
             x.device,
-            grid=(-(-n // config.block_n), -(-m // config.block_m)),
+            grid=(-(-n // config.block_n) * -(-m // config.block_m),),
             block=(config.threads,),
             args=(map_x, map_w, out, bias_arg, m, n, k),
             shared_mem=config.shared_bytes,
