@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from batchinv.gpu.linear import choose_config, matmul_nt, uses_hopper
+from batchinv.gpu.linear import SKINNY_AUTO_MAX_M, choose_config, matmul_nt, uses_hopper
 from batchinv.shapes import LINEAR_BENCH_M, QWEN3_8B_LINEAR
 
 from _common import median_ms, parse_args, report, require_cuda
@@ -38,6 +38,15 @@ def _triton_batch_invariant():
     return matmul_persistent
 
 
+def _config_label(path: str, m: int, n: int, sms: int, device) -> str:
+    if path == "batchinv skinny" or (path == "batchinv" and m <= SKINNY_AUTO_MAX_M):
+        return "skinny mma.sync"
+    if path == "batchinv" and uses_hopper(device):
+        config = choose_config(m, n, sms)
+        return f"hopper bm{config.block_m} bn{config.block_n} s{config.stages}"
+    return ""
+
+
 def main() -> None:
     args = parse_args(__doc__.splitlines()[0])
     device = require_cuda()
@@ -54,15 +63,17 @@ def main() -> None:
                 "cuBLAS": lambda x=x: torch.mm(x, weight_t),
                 "batchinv": lambda x=x: matmul_nt(x, weight),
             }
+            if m <= 64:  # the decode kernel, for choosing where "auto" switches to it
+                paths["batchinv skinny"] = lambda x=x: matmul_nt(x, weight, family="skinny")
             if triton_bi is not None:
                 paths["batch_invariant_ops"] = lambda x=x: triton_bi(x, weight_t)
-            timing_modes = [("eager", lambda f: f)] + ([("graph", _graphed)] if m <= 64 else [])
+            timing_modes = [("eager", lambda f: f)] + ([("graph", _graphed)] if m == 1 else [])
             for mode, wrap in timing_modes:
                 times = {path: median_ms(wrap(fn)) for path, fn in paths.items()}
                 for path, ms in times.items():
                     rows.append({
                         "layer": name, "M": m, "N": n, "K": k, "timing": mode, "path": path,
-                        "config": str(choose_config(m, n, sms)) if path == "batchinv" and uses_hopper(device) else "",
+                        "config": _config_label(path, m, n, sms, device),
                         "ms": ms, "TFLOP/s": flops / ms / 1e9, "vs_cuBLAS": times["cuBLAS"] / ms,
                     })
             del x

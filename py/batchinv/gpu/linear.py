@@ -19,6 +19,9 @@ from ._launch import kernel_for, launch, native
 _DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "f16"}
 _HOPPER_NAME = re.compile(r"linear_hopper_(bf16|f16)_bm(\d+)_bn(\d+)_s(\d+)$")
 _MAX_DIM = 2**31 - 1
+_SKINNY_ROWS = (16, 32, 64)  # row capacities of the decode kernels (linear_skinny_*_m<rows>)
+# Up to this many rows "auto" takes the decode kernel (measured faster than the Hopper tiles).
+SKINNY_AUTO_MAX_M = 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,8 +97,9 @@ def matmul_nt(
 ) -> Tensor:
     """``x[M, K] @ weight[N, K]ᵀ (+ bias)`` for contiguous 2-D bf16/fp16 CUDA tensors.
 
-    ``family`` is ``"auto"`` (Hopper kernels on sm_90, else mma.sync), ``"hopper"`` or
-    ``"mma"``; ``config`` forces a Hopper tile configuration (tests use both to compare bits).
+    ``family`` is ``"auto"`` (the skinny mma.sync kernel for M <= 16, Hopper kernels on sm_90,
+    else mma.sync), ``"skinny"``, ``"hopper"`` or ``"mma"``; ``config`` forces a Hopper tile
+    configuration (tests use both to compare bits).
     """
     m, k = x.shape
     n = weight.shape[0]
@@ -114,7 +118,7 @@ def matmul_nt(
     bias_arg = 0 if bias is None else bias
     dtype_name = _DTYPE_NAMES[x.dtype]
     if family == "auto":
-        family = "hopper" if uses_hopper(x.device) else "mma"
+        family = "skinny" if m <= SKINNY_AUTO_MAX_M else "hopper" if uses_hopper(x.device) else "mma"
     if family == "hopper":
         if not uses_hopper(x.device):
             raise RuntimeError("the Hopper linear kernels need an sm_90 GPU and a build with 90a")
@@ -133,9 +137,20 @@ def matmul_nt(
             args=(map_x, map_w, out, bias_arg, m, n, k),
             shared_mem=config.shared_bytes,
         )
+    elif family == "skinny":
+        rows = next((r for r in _SKINNY_ROWS if m <= r), None)
+        if rows is None:
+            raise ValueError(f"the skinny linear kernels take at most {_SKINNY_ROWS[-1]} rows, got {m}")
+        _require_sm80(x.device)
+        launch(
+            kernel_for("linear", f"linear_skinny_{dtype_name}_m{rows}", x.device),
+            x.device,
+            grid=(-(-n // 32),),
+            block=(128,),
+            args=(x, weight, out, bias_arg, m, n, k),
+        )
     elif family == "mma":
-        if torch.cuda.get_device_capability(x.device) < (8, 0):
-            raise RuntimeError("the mma.sync linear kernel needs compute capability 8.0 or newer")
+        _require_sm80(x.device)
         launch(
             kernel_for("linear", f"linear_mma_{dtype_name}", x.device),
             x.device,
@@ -144,8 +159,13 @@ def matmul_nt(
             args=(x, weight, out, bias_arg, m, n, k),
         )
     else:
-        raise ValueError(f"family must be 'auto', 'hopper' or 'mma', got {family!r}")
+        raise ValueError(f"family must be 'auto', 'skinny', 'hopper' or 'mma', got {family!r}")
     return out
+
+
+def _require_sm80(device: torch.device) -> None:
+    if torch.cuda.get_device_capability(device) < (8, 0):
+        raise RuntimeError("the mma.sync linear kernels need compute capability 8.0 or newer")
 
 
 _RAISED: set[tuple[int, int]] = set()
