@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from batchinv.gpu.linear import SKINNY_AUTO_MAX_M, choose_config, matmul_nt, uses_hopper
+from batchinv.gpu.linear import SKINNY_MAX_M, choose_config, matmul_nt, uses_hopper
 from batchinv.shapes import LINEAR_BENCH_M, QWEN3_8B_LINEAR
 
 from _common import median_ms, parse_args, report, require_cuda
@@ -39,9 +39,9 @@ def _triton_batch_invariant():
 
 
 def _config_label(path: str, m: int, n: int, sms: int, device) -> str:
-    if path == "batchinv skinny" or (path == "batchinv" and m <= SKINNY_AUTO_MAX_M):
+    if path == "batchinv" and m <= SKINNY_MAX_M:
         return "skinny mma.sync"
-    if path == "batchinv" and uses_hopper(device):
+    if path in ("batchinv", "batchinv hopper") and uses_hopper(device):
         config = choose_config(m, n, sms)
         return f"hopper bm{config.block_m} bn{config.block_n} s{config.stages}"
     return ""
@@ -63,8 +63,8 @@ def main() -> None:
                 "cuBLAS": lambda x=x: torch.mm(x, weight_t),
                 "batchinv": lambda x=x: matmul_nt(x, weight),
             }
-            if m <= 64:  # the decode kernel, for choosing where "auto" switches to it
-                paths["batchinv skinny"] = lambda x=x: matmul_nt(x, weight, family="skinny")
+            if m <= SKINNY_MAX_M:  # the Hopper tiles too, to show why "auto" picks the decode kernel
+                paths["batchinv hopper"] = lambda x=x: matmul_nt(x, weight, family="hopper")
             if triton_bi is not None:
                 paths["batch_invariant_ops"] = lambda x=x: triton_bi(x, weight_t)
             timing_modes = [("eager", lambda f: f)] + ([("graph", _graphed)] if m == 1 else [])

@@ -79,7 +79,7 @@ def test_every_tile_config_and_instruction_family_gives_the_same_bits(dtype, sca
     first_name, first = next(iter(results.items()))
     for name, out in results.items():
         assert_bitwise_equal(out, first, name=f"{name} vs {first_name}")
-    for rows in (1, 5, 16, 17, 33, 64):  # the decode kernels cover up to 64 rows
+    for rows in (1, 5, 16):  # the decode kernel covers up to 16 rows
         skinny = gpu_linear.matmul_nt(x[:rows], w, family="skinny")
         assert_bitwise_equal(skinny, first[:rows], name=f"skinny M={rows} vs {first_name}")
 

@@ -19,9 +19,7 @@ from ._launch import kernel_for, launch, native
 _DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "f16"}
 _HOPPER_NAME = re.compile(r"linear_hopper_(bf16|f16)_bm(\d+)_bn(\d+)_s(\d+)$")
 _MAX_DIM = 2**31 - 1
-_SKINNY_ROWS = (16, 32, 64)  # row capacities of the decode kernels (linear_skinny_*_m<rows>)
-# Up to this many rows "auto" takes the decode kernel (measured faster than the Hopper tiles).
-SKINNY_AUTO_MAX_M = 16
+SKINNY_MAX_M = 16  # the decode kernel's rows: one m16 tile
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,7 +116,7 @@ def matmul_nt(
     bias_arg = 0 if bias is None else bias
     dtype_name = _DTYPE_NAMES[x.dtype]
     if family == "auto":
-        family = "skinny" if m <= SKINNY_AUTO_MAX_M else "hopper" if uses_hopper(x.device) else "mma"
+        family = "skinny" if m <= SKINNY_MAX_M else "hopper" if uses_hopper(x.device) else "mma"
     if family == "hopper":
         if not uses_hopper(x.device):
             raise RuntimeError("the Hopper linear kernels need an sm_90 GPU and a build with 90a")
@@ -138,12 +136,11 @@ def matmul_nt(
             shared_mem=config.shared_bytes,
         )
     elif family == "skinny":
-        rows = next((r for r in _SKINNY_ROWS if m <= r), None)
-        if rows is None:
-            raise ValueError(f"the skinny linear kernels take at most {_SKINNY_ROWS[-1]} rows, got {m}")
+        if m > SKINNY_MAX_M:
+            raise ValueError(f"the skinny linear kernel takes at most {SKINNY_MAX_M} rows, got {m}")
         _require_sm80(x.device)
         launch(
-            kernel_for("linear", f"linear_skinny_{dtype_name}_m{rows}", x.device),
+            kernel_for("linear", f"linear_skinny_{dtype_name}", x.device),
             x.device,
             grid=(-(-n // 32),),
             block=(128,),
