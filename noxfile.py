@@ -58,7 +58,9 @@ def _install_batchinv(session: nox.Session, *extra: str) -> dict[str, str]:
 def tests(session: nox.Session) -> None:
     """CPU tests: cargo tests of the Rust crates, then pytest (GPU tests skip without a GPU)."""
     env = _install_batchinv(session, *TEST_DEPS)
-    session.run("cargo", "test", "-p", "batchinv-runtime", "-p", "batchinv-kernels", external=True, env=env)
+    session.run(
+        "cargo", "test", "-p", "batchinv-runtime", "-p", "batchinv-kernels", external=True, env=env
+    )
     session.run("pytest", "tests", *session.posargs)
 
 
@@ -70,8 +72,15 @@ def lint(session: nox.Session) -> None:
     session.run("ruff", "format", "--check", ".")
     session.run("cargo", "fmt", "--all", "--check", external=True)
     session.run(
-        "cargo", "clippy", "--workspace", "--all-targets", "--", "-D", "warnings",
-        external=True, env={"BATCHINV_NO_CUDA": "1"},
+        "cargo",
+        "clippy",
+        "--workspace",
+        "--all-targets",
+        "--",
+        "-D",
+        "warnings",
+        external=True,
+        env={"BATCHINV_NO_CUDA": "1"},
     )
 
 
@@ -79,7 +88,9 @@ def lint(session: nox.Session) -> None:
 def build(session: nox.Session) -> None:
     """Builds the abi3 wheel (CUDA fatbins embedded) into dist/."""
     session.install("maturin>=1.7,<2", *NVCC_WHEELS)
-    session.run("maturin", "build", "--release", "--out", "dist", *session.posargs, env=_nvcc_env(session))
+    session.run(
+        "maturin", "build", "--release", "--out", "dist", *session.posargs, env=_nvcc_env(session)
+    )
 
 
 @nox.session(venv_backend="none")
@@ -95,23 +106,44 @@ def hip_compile(session: nox.Session) -> None:
     for target in HIP_TARGETS:
         probe = subprocess.run(
             [hipcc, "--genco", f"--offload-arch={target}", "-x", "hip", "-", "-o", os.devnull],
-            input="__global__ void probe() {}\n", text=True, capture_output=True, env={**os.environ, **env},
+            input="__global__ void probe() {}\n",
+            text=True,
+            capture_output=True,
+            env={**os.environ, **env},
         )
         if probe.returncode == 0:
             supported.append(target)
         else:
-            session.log(f"this hipcc cannot target {target}; skipping it ({probe.stderr.strip()[:200]})")
+            session.log(
+                f"this hipcc cannot target {target}; skipping it ({probe.stderr.strip()[:200]})"
+            )
     if not supported:
         session.error("hipcc supports none of " + ", ".join(HIP_TARGETS))
     for source in sorted(glob.glob(str(ROOT / "kernels_cu" / "*.cu"))):
         name = Path(source).stem
         arch_flags = [f"--offload-arch={t}" for t in supported]
         session.run(
-            hipcc, "--genco", *arch_flags, "-O3", "-std=c++17", "-x", "hip", "-I", str(ROOT / "kernels_cu"),
-            source, "-o", str(out / f"{name}.hsaco"), env=env, external=True,
+            hipcc,
+            "--genco",
+            *arch_flags,
+            "-O3",
+            "-std=c++17",
+            "-x",
+            "hip",
+            "-I",
+            str(ROOT / "kernels_cu"),
+            source,
+            "-o",
+            str(out / f"{name}.hsaco"),
+            env=env,
+            external=True,
         )
     session.run(
-        "cargo", "build", "-p", "batchinv-kernels", external=True,
+        "cargo",
+        "build",
+        "-p",
+        "batchinv-kernels",
+        external=True,
         env={"BATCHINV_NO_CUDA": "1", "BATCHINV_HIP_ARCHS": ";".join(supported)},
     )
 
@@ -135,8 +167,15 @@ def cuda_parity(session: nox.Session) -> None:
     reports/cuda_parity/<gpu>.json."""
     _require_gpu(session)
     session.run(
-        "python", "-m", "pytest", *(session.posargs or ["tests"]), "-p", "no:cacheprovider",
-        "--parity-report", "reports/cuda_parity/{gpu}.json", external=True,
+        "python",
+        "-m",
+        "pytest",
+        *(session.posargs or ["tests"]),
+        "-p",
+        "no:cacheprovider",
+        "--parity-report",
+        "reports/cuda_parity/{gpu}.json",
+        external=True,
     )
 
 
@@ -149,10 +188,26 @@ def sanitize(session: nox.Session) -> None:
         session.error("compute-sanitizer is not on PATH")
     for tool in ("memcheck", "racecheck"):
         session.run(
-            sanitizer, "--tool", tool, "--error-exitcode", "1", "--target-processes", "all",
-            "python", "-m", "pytest", "tests/gpu", "-q", "-x", "-p", "no:cacheprovider",
-            "-m", "not provokes_driver_error", *session.posargs,
-            env={"BATCHINV_QUICK": "1"}, external=True,
+            sanitizer,
+            "--tool",
+            tool,
+            "--error-exitcode",
+            "1",
+            "--target-processes",
+            "all",
+            "python",
+            "-m",
+            "pytest",
+            "tests/gpu",
+            "-q",
+            "-x",
+            "-p",
+            "no:cacheprovider",
+            "-m",
+            "not provokes_driver_error",
+            *session.posargs,
+            env={"BATCHINV_QUICK": "1"},
+            external=True,
         )
 
 

@@ -55,13 +55,23 @@ def median_ms(fn, *, warmup_ms: float = 100, rep_ms: float = 500) -> float:
 def environment() -> dict:
     props = torch.cuda.get_device_properties(0)
     try:
-        driver = subprocess.run(
-            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-            capture_output=True, text=True, check=True,
-        ).stdout.strip().split("\n")[0]
+        driver = (
+            subprocess.run(
+                ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                capture_output=True,
+                text=True,
+                check=True,
+            )
+            .stdout.strip()
+            .split("\n")[0]
+        )
     except (OSError, subprocess.CalledProcessError):
         driver = None
-    versions = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda}
+    versions = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+    }
     for name in ("triton", "liger_kernel"):
         try:
             versions[name] = __import__(name).__version__
@@ -87,7 +97,9 @@ def report(name: str, rows: list[dict], columns: list[str], json_path: Path | No
         print("  ".join(_fmt(row.get(c)).ljust(widths[c]) for c in columns))
     if json_path is not None:
         json_path.parent.mkdir(parents=True, exist_ok=True)
-        json_path.write_text(json.dumps({"benchmark": name, "environment": env, "rows": rows}, indent=1) + "\n")
+        json_path.write_text(
+            json.dumps({"benchmark": name, "environment": env, "rows": rows}, indent=1) + "\n"
+        )
 
 
 def _fmt(value) -> str:

@@ -9,11 +9,10 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from _common import median_ms, parse_args, report, require_cuda
 
 import batchinv
 from batchinv.gpu.embedding import launch_forward
-
-from _common import median_ms, parse_args, report, require_cuda
 
 SHAPES = [
     # (vocab, hidden, tokens, dtype)
@@ -36,21 +35,35 @@ def main() -> None:
         target = torch.empty_like(source)
         row_bytes = hidden * weight.element_size()
         moved = 2 * tokens * row_bytes + ids.numel() * ids.element_size()
-        timings = {
-            "copy": median_ms(lambda: target.copy_(source)),
-            "torch F.embedding": median_ms(lambda: F.embedding(ids, weight)),
-            "batchinv kernel": median_ms(lambda: launch_forward(ids, weight)),
-            "batchinv op (+id check)": median_ms(lambda: batchinv.embedding(ids, weight)),
+        paths = {
+            "copy": lambda s=source, t=target: t.copy_(s),
+            "torch F.embedding": lambda i=ids, w=weight: F.embedding(i, w),
+            "batchinv kernel": lambda i=ids, w=weight: launch_forward(i, w),
+            "batchinv op (+id check)": lambda i=ids, w=weight: batchinv.embedding(i, w),
         }
+        timings = {path: median_ms(fn) for path, fn in paths.items()}
         copy_tbs = 2 * tokens * row_bytes / timings["copy"] / 1e9  # bytes per ms / 1e9 = TB/s
         for path, ms in timings.items():
             bytes_moved = 2 * tokens * row_bytes if path == "copy" else moved
             tbs = bytes_moved / ms / 1e9
-            rows.append({
-                "vocab": vocab, "hidden": hidden, "tokens": tokens, "dtype": str(dtype).removeprefix("torch."),
-                "path": path, "ms": ms, "TB/s": tbs, "vs_copy": tbs / copy_tbs,
-            })
-    report("embedding", rows, ["vocab", "hidden", "tokens", "dtype", "path", "ms", "TB/s", "vs_copy"], args.json)
+            rows.append(
+                {
+                    "vocab": vocab,
+                    "hidden": hidden,
+                    "tokens": tokens,
+                    "dtype": str(dtype).removeprefix("torch."),
+                    "path": path,
+                    "ms": ms,
+                    "TB/s": tbs,
+                    "vs_copy": tbs / copy_tbs,
+                }
+            )
+    report(
+        "embedding",
+        rows,
+        ["vocab", "hidden", "tokens", "dtype", "path", "ms", "TB/s", "vs_copy"],
+        args.json,
+    )
 
 
 if __name__ == "__main__":

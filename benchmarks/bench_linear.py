@@ -8,11 +8,10 @@ The Triton matmul of thinking-machines-lab/batch_invariant_ops is added when imp
 from __future__ import annotations
 
 import torch
-
-from batchinv.gpu.linear import SKINNY_MAX_M, choose_config, matmul_nt, uses_hopper
-from batchinv.shapes import LINEAR_BENCH_M, QWEN3_8B_LINEAR
-
 from _common import median_ms, parse_args, report, require_cuda
+
+from batchinv.gpu.linear import choose_config, matmul_nt, uses_hopper
+from batchinv.shapes import LINEAR_BENCH_M, QWEN3_8B_LINEAR
 
 
 def _graphed(fn):
@@ -39,9 +38,7 @@ def _triton_batch_invariant():
 
 
 def _config_label(path: str, m: int, n: int, sms: int, device) -> str:
-    if path == "batchinv" and m <= SKINNY_MAX_M:
-        return "skinny mma.sync"
-    if path in ("batchinv", "batchinv hopper") and uses_hopper(device):
+    if path == "batchinv" and uses_hopper(device):
         config = choose_config(m, n, sms)
         return f"hopper bm{config.block_m} bn{config.block_n} s{config.stages}"
     return ""
@@ -60,28 +57,37 @@ def main() -> None:
             x = torch.randn(m, k, device=device).bfloat16()
             flops = 2 * m * n * k
             paths = {
-                "cuBLAS": lambda x=x: torch.mm(x, weight_t),
-                "batchinv": lambda x=x: matmul_nt(x, weight),
+                "cuBLAS": lambda x=x, w=weight_t: torch.mm(x, w),
+                "batchinv": lambda x=x, w=weight: matmul_nt(x, w),
             }
-            if m <= SKINNY_MAX_M:  # the Hopper tiles too, to show why "auto" picks the decode kernel
-                paths["batchinv hopper"] = lambda x=x: matmul_nt(x, weight, family="hopper")
             if triton_bi is not None:
-                paths["batch_invariant_ops"] = lambda x=x: triton_bi(x, weight_t)
+                paths["batch_invariant_ops"] = lambda x=x, w=weight_t: triton_bi(x, w)
             timing_modes = [("eager", lambda f: f)] + ([("graph", _graphed)] if m == 1 else [])
             for mode, wrap in timing_modes:
                 times = {path: median_ms(wrap(fn)) for path, fn in paths.items()}
                 for path, ms in times.items():
-                    rows.append({
-                        "layer": name, "M": m, "N": n, "K": k, "timing": mode, "path": path,
-                        "config": _config_label(path, m, n, sms, device),
-                        "ms": ms, "TFLOP/s": flops / ms / 1e9, "vs_cuBLAS": times["cuBLAS"] / ms,
-                    })
+                    rows.append(
+                        {
+                            "layer": name,
+                            "M": m,
+                            "N": n,
+                            "K": k,
+                            "timing": mode,
+                            "path": path,
+                            "config": _config_label(path, m, n, sms, device),
+                            "ms": ms,
+                            "TFLOP/s": flops / ms / 1e9,
+                            "vs_cuBLAS": times["cuBLAS"] / ms,
+                        }
+                    )
             del x
         del weight, weight_t
         torch.cuda.empty_cache()
     report(
-        "linear (bf16)", rows,
-        ["layer", "M", "N", "K", "timing", "path", "ms", "TFLOP/s", "vs_cuBLAS", "config"], args.json,
+        "linear (bf16)",
+        rows,
+        ["layer", "M", "N", "K", "timing", "path", "ms", "TFLOP/s", "vs_cuBLAS", "config"],
+        args.json,
     )
 
 

@@ -22,8 +22,6 @@
 //   shared memory STAGES * (BM + BN) * 128 + 16 * STAGES + 1024 bytes.
 // - linear_mma_*: sm_80 (mma.sync m16n8k16), the same k-step order; on HIP a SIMT loop (its
 //   own order, fixed the same way).  Grid (ceil(N/32), ceil(M/64)); block 128.
-// - linear_skinny_*: M <= 16 (decode), sm_80+: one warp per 8 columns, mma.sync, the same
-//   k-step order.  Grid ceil(N/32) (four warps of 8 columns); block 128.
 #include "common/hopper.cuh"
 #include "common/wgmma.cuh"
 
@@ -242,95 +240,6 @@ __device__ __forceinline__ void mma_gemm(const typename Codec::storage* x, const
 #endif
 }
 
-// ---- few rows (decode): one warp per 8 output columns --------------------------------
-//
-// For M <= 16 the work is streaming the weight once.  Each warp owns 8 weight rows and runs
-// mma.sync m16n8k16 over all of K in increasing k16 steps, the same steps as the kernels
-// above (identical bits, checked by the tests).  The fragments of the next kSkinnySteps
-// steps (weight and x) are loaded while the current ones multiply, so no MMA waits on a
-// load issued just before it.
-constexpr int kSkinnySteps = 8;
-
-#if !defined(__HIPCC__)
-template <typename Codec>
-struct SkinnyBatch {
-    uint32_t a[kSkinnySteps][4];
-    uint32_t b[kSkinnySteps][2];
-};
-
-template <typename Codec>
-__device__ __forceinline__ void skinny_load(SkinnyBatch<Codec>& batch, const typename Codec::storage* x,
-                                            const typename Codec::storage* w, int n, int group, int pair,
-                                            int k_base, int M, int N, int K) {
-#pragma unroll
-    for (int s = 0; s < kSkinnySteps; ++s) {
-        const int k = k_base + 16 * s + pair;
-        batch.b[s][0] = load_pair<Codec>(w, n, N, k, K);
-        batch.b[s][1] = load_pair<Codec>(w, n, N, k + 8, K);
-        batch.a[s][0] = load_pair<Codec>(x, group, M, k, K);
-        batch.a[s][1] = load_pair<Codec>(x, group + 8, M, k, K);
-        batch.a[s][2] = load_pair<Codec>(x, group, M, k + 8, K);
-        batch.a[s][3] = load_pair<Codec>(x, group + 8, M, k + 8, K);
-    }
-}
-
-template <typename Codec>
-__device__ __forceinline__ void skinny_multiply(float (&acc)[4], const SkinnyBatch<Codec>& batch, int k_base,
-                                                int K) {
-#pragma unroll
-    for (int s = 0; s < kSkinnySteps; ++s) {
-        if (k_base + 16 * s >= K) break;
-        if constexpr (Codec::kIsBf16) {
-            asm volatile(
-                "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
-                "{%8, %9}, {%0, %1, %2, %3};"
-                : "+f"(acc[0]), "+f"(acc[1]), "+f"(acc[2]), "+f"(acc[3])
-                : "r"(batch.a[s][0]), "r"(batch.a[s][1]), "r"(batch.a[s][2]), "r"(batch.a[s][3]),
-                  "r"(batch.b[s][0]), "r"(batch.b[s][1]));
-        } else {
-            asm volatile(
-                "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
-                "{%8, %9}, {%0, %1, %2, %3};"
-                : "+f"(acc[0]), "+f"(acc[1]), "+f"(acc[2]), "+f"(acc[3])
-                : "r"(batch.a[s][0]), "r"(batch.a[s][1]), "r"(batch.a[s][2]), "r"(batch.a[s][3]),
-                  "r"(batch.b[s][0]), "r"(batch.b[s][1]));
-        }
-    }
-}
-
-#endif
-
-template <typename Codec>
-__device__ __forceinline__ void skinny_gemm(const typename Codec::storage* x, const typename Codec::storage* w,
-                                            typename Codec::storage* out, const typename Codec::storage* bias,
-                                            int M, int N, int K) {
-#if !defined(__HIPCC__) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-    const int lane = threadIdx.x % 32;
-    const int n0 = (blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32) * 8;
-    if (n0 >= N) return;
-    const int group = lane / 4;
-    const int pair = (lane % 4) * 2;
-    const int n = n0 + group;
-    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    // Two batches used alternately, so every register index is a compile-time constant.
-    SkinnyBatch<Codec> even, odd;
-    constexpr int kBatchK = 16 * kSkinnySteps;
-    const int batches = (K + kBatchK - 1) / kBatchK;
-    skinny_load(even, x, w, n, group, pair, 0, M, N, K);
-    for (int b = 0; b < batches; b += 2) {
-        if (b + 1 < batches) skinny_load(odd, x, w, n, group, pair, (b + 1) * kBatchK, M, N, K);
-        skinny_multiply(acc, even, b * kBatchK, K);
-        if (b + 1 >= batches) break;
-        if (b + 2 < batches) skinny_load(even, x, w, n, group, pair, (b + 2) * kBatchK, M, N, K);
-        skinny_multiply(acc, odd, (b + 1) * kBatchK, K);
-    }
-    store_pair<Codec>(out, bias, group, n0 + pair, M, N, acc[0], acc[1]);
-    store_pair<Codec>(out, bias, group + 8, n0 + pair, M, N, acc[2], acc[3]);
-#else
-    mma_gemm<Codec>(x, w, out, bias, M, N, K);  // HIP: the SIMT loop (launched with its own grid)
-#endif
-}
-
 }  // namespace linear
 }  // namespace batchinv
 
@@ -350,19 +259,7 @@ __device__ __forceinline__ void skinny_gemm(const typename Codec::storage* x, co
         batchinv::linear::mma_gemm<CODEC>(x, w, out, bias, M, N, K);                                             \
     }
 
-#define BATCHINV_LINEAR_SKINNY(DTYPE, CODEC)                                                                      \
-    extern "C" __global__ void __launch_bounds__(128)                                                            \
-        linear_skinny_##DTYPE(const CODEC::storage* x, const CODEC::storage* w, CODEC::storage* out,             \
-                              const CODEC::storage* bias, int M, int N, int K) {                                 \
-        batchinv::linear::skinny_gemm<CODEC>(x, w, out, bias, M, N, K);                                          \
-    }
-
 #if !defined(__HIPCC__)
-// batchinv-signature: linear_skinny_bf16(ptr, ptr, ptr, ptr, i32, i32, i32)
-BATCHINV_LINEAR_SKINNY(bf16, batchinv::Bf16Codec)
-// batchinv-signature: linear_skinny_f16(ptr, ptr, ptr, ptr, i32, i32, i32)
-BATCHINV_LINEAR_SKINNY(f16, batchinv::F16Codec)
-
 // batchinv-signature: linear_hopper_bf16_bm64_bn32_s8(tmap, tmap, ptr, ptr, i32, i32, i32)
 BATCHINV_LINEAR_HOPPER(bf16, batchinv::Bf16Codec, 64, 32, 8)
 // batchinv-signature: linear_hopper_bf16_bm64_bn64_s8(tmap, tmap, ptr, ptr, i32, i32, i32)

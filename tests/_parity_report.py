@@ -21,7 +21,11 @@ def _run(command: list[str]) -> str:
 def _versions() -> dict:
     import torch
 
-    versions = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda}
+    versions = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+    }
     for name in ("triton", "cupy", "transformers"):
         try:
             versions[name] = __import__(name).__version__
@@ -41,7 +45,9 @@ def _gpu() -> dict:
         "compute_capability": f"{props.major}.{props.minor}",
         "multiprocessors": props.multi_processor_count,
         "memory_gib": round(props.total_memory / 2**30, 1),
-        "driver": _run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"]).split("\n")[0],
+        "driver": _run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"]).split(
+            "\n"
+        )[0],
     }
 
 
@@ -62,7 +68,9 @@ def write_report(path: str, outcomes: dict[str, dict], exitstatus: int) -> None:
     gpu = _gpu()
     target = Path(path.replace("{gpu}", gpu_slug(gpu["name"])))
     report = {
-        "commit": os.environ.get("BATCHINV_GIT_COMMIT") or _run(["git", "rev-parse", "HEAD"]) or None,
+        "commit": os.environ.get("BATCHINV_GIT_COMMIT")
+        or _run(["git", "rev-parse", "HEAD"])
+        or None,
         "date_utc": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "gpu": gpu,
         "versions": _versions(),

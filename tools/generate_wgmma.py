@@ -36,10 +36,12 @@ def wrapper(n: int, dtype: str) -> str:
     regs = n // 2
     outs = ", ".join(f"%{i}" for i in range(regs))
     constraints = ",\n          ".join(
-        ", ".join(f'"+f"(d[{i}])' for i in range(row, min(row + 8, regs))) for row in range(0, regs, 8)
+        ", ".join(f'"+f"(d[{i}])' for i in range(row, min(row + 8, regs)))
+        for row in range(0, regs, 8)
     )
+    signature = f"mma_m64n{n}k16_{dtype}(float (&d)[{regs}], uint64_t desc_a, uint64_t desc_b)"
     return f"""
-__device__ __forceinline__ void mma_m64n{n}k16_{dtype}(float (&d)[{regs}], uint64_t desc_a, uint64_t desc_b) {{
+__device__ __forceinline__ void {signature} {{
     asm volatile(
         "{{\\n"
         ".reg .pred accumulate;\\n"

@@ -50,7 +50,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="batchinv", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
     demo_parser = commands.add_parser("demo", help="show batch invariance of batchinv's ops")
-    demo_parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present)")
+    demo_parser.add_argument(
+        "--device", default=None, help="cpu or cuda (default: cuda if present)"
+    )
     demo_parser.set_defaults(run=demo)
     args = parser.parse_args(argv)
     return args.run(args)

@@ -58,7 +58,9 @@ def test_nan_and_signed_zero_payloads_are_copied_exactly():
 def test_bad_id_raises_and_the_context_survives(bad_id):
     ids, weight = _case(1000, 128, torch.bfloat16, torch.int64, num_ids=64)
     ids[37] = bad_id
-    with pytest.raises(IndexError, match=rf"ids\[37\] = {bad_id} is outside the valid range \[0, 1000\)"):
+    with pytest.raises(
+        IndexError, match=rf"ids\[37\] = {bad_id} is outside the valid range \[0, 1000\)"
+    ):
         batchinv.embedding(ids, weight)
     ids[37] = 5
     assert_bitwise_equal(batchinv.embedding(ids, weight), weight[ids])

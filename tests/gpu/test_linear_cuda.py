@@ -61,7 +61,9 @@ def test_grad_x_row_is_bitwise_the_same_for_every_m(name, k, n, dtype):
         grad_x = gpu_linear.backward(grad[:m], x_dummy[:m], w, None, needs)[0]
         for i, expected in alone.items():
             if i < m:
-                assert_bitwise_equal(grad_x[i : i + 1], expected, name=f"{name} grad_x row {i} of M={m}")
+                assert_bitwise_equal(
+                    grad_x[i : i + 1], expected, name=f"{name} grad_x row {i} of M={m}"
+                )
 
 
 @pytest.mark.parametrize("scale", (1.0, 2.0**40), ids=("unit", "wide-exponent"))
@@ -79,12 +81,15 @@ def test_every_tile_config_and_instruction_family_gives_the_same_bits(dtype, sca
     first_name, first = next(iter(results.items()))
     for name, out in results.items():
         assert_bitwise_equal(out, first, name=f"{name} vs {first_name}")
-    for rows in (1, 5, 16):  # the decode kernel covers up to 16 rows
-        skinny = gpu_linear.matmul_nt(x[:rows], w, family="skinny")
-        assert_bitwise_equal(skinny, first[:rows], name=f"skinny M={rows} vs {first_name}")
+    for rows in (1, 5, 64):  # few rows through the same families
+        for family in ("hopper", "mma"):
+            out = gpu_linear.matmul_nt(x[:rows], w, family=family)
+            assert_bitwise_equal(out, first[:rows], name=f"{family} M={rows} vs {first_name}")
 
 
-@pytest.mark.parametrize("m, k, n", [(1, 8, 1), (3, 24, 7), (65, 72, 1000), (130, 4104, 33), (257, 4096, 4097)])
+@pytest.mark.parametrize(
+    "m, k, n", [(1, 8, 1), (3, 24, 7), (65, 72, 1000), (130, 4104, 33), (257, 4096, 4097)]
+)
 @pytest.mark.parametrize("with_bias", (False, True))
 def test_odd_shapes_match_the_strict_reference(m, k, n, with_bias):
     x, w = _inputs(m, k, n, torch.bfloat16, seed=5)
@@ -98,7 +103,9 @@ def test_odd_shapes_match_the_strict_reference(m, k, n, with_bias):
 @pytest.mark.parametrize("name, k, n", QWEN3_8B_LINEAR[:4], ids=[s[0] for s in QWEN3_8B_LINEAR[:4]])
 def test_qwen3_shapes_match_the_strict_reference(name, k, n, dtype):
     x, w = _inputs(5, k, n, dtype, seed=6)
-    assert_within_tolerance(batchinv.linear(x, w), linear_fp32(x, w), op_class="reduction", name=name)
+    assert_within_tolerance(
+        batchinv.linear(x, w), linear_fp32(x, w), op_class="reduction", name=name
+    )
 
 
 def test_gradients_match_the_reference_and_repeat_bitwise():
@@ -114,7 +121,9 @@ def test_gradients_match_the_reference_and_repeat_bitwise():
     for a, b in zip(runs[0], runs[1], strict=True):
         assert_bitwise_equal(a, b)
     expected = linear_backward(grad.float(), x.float(), w.float(), torch.float32)
-    for got, want, what in zip(runs[0], expected, ("grad_x", "grad_weight", "grad_bias"), strict=True):
+    for got, want, what in zip(
+        runs[0], expected, ("grad_x", "grad_weight", "grad_bias"), strict=True
+    ):
         assert_within_tolerance(got, want, op_class="reduction", kind="grad", name=what)
 
 
@@ -136,18 +145,48 @@ def test_batched_input_keeps_its_leading_dims():
 @pytest.mark.parametrize(
     "make, error, message",
     [
-        (lambda: (torch.randn(2, 8, device="cuda").bfloat16(), torch.randn(4, 8, device="cuda").half()),
-         TypeError, "mixed dtypes"),
-        (lambda: (torch.randn(2, 8, device="cuda").bfloat16(), torch.randn(4, 16, device="cuda").bfloat16()),
-         ValueError, r"x.shape\[-1\] must equal"),
-        (lambda: (torch.randn(2, 12, device="cuda").bfloat16(), torch.randn(4, 12, device="cuda").bfloat16()),
-         ValueError, "in_features % 8 == 0"),
-        (lambda: (torch.randn(2, 8, device="cuda"), torch.randn(4, 8, device="cuda")),
-         TypeError, "the GPU linear takes bf16 or fp16"),
-        (lambda: (torch.randn(2, 8, device="cuda").bfloat16(), torch.randn(8, 4, device="cuda").bfloat16().t()),
-         ValueError, "weight must be contiguous"),
-        (lambda: (torch.randn(2, 8).bfloat16(), torch.randn(4, 8, device="cuda").bfloat16()),
-         ValueError, "is on"),
+        (
+            lambda: (
+                torch.randn(2, 8, device="cuda").bfloat16(),
+                torch.randn(4, 8, device="cuda").half(),
+            ),
+            TypeError,
+            "mixed dtypes",
+        ),
+        (
+            lambda: (
+                torch.randn(2, 8, device="cuda").bfloat16(),
+                torch.randn(4, 16, device="cuda").bfloat16(),
+            ),
+            ValueError,
+            r"x.shape\[-1\] must equal",
+        ),
+        (
+            lambda: (
+                torch.randn(2, 12, device="cuda").bfloat16(),
+                torch.randn(4, 12, device="cuda").bfloat16(),
+            ),
+            ValueError,
+            "in_features % 8 == 0",
+        ),
+        (
+            lambda: (torch.randn(2, 8, device="cuda"), torch.randn(4, 8, device="cuda")),
+            TypeError,
+            "the GPU linear takes bf16 or fp16",
+        ),
+        (
+            lambda: (
+                torch.randn(2, 8, device="cuda").bfloat16(),
+                torch.randn(8, 4, device="cuda").bfloat16().t(),
+            ),
+            ValueError,
+            "weight must be contiguous",
+        ),
+        (
+            lambda: (torch.randn(2, 8).bfloat16(), torch.randn(4, 8, device="cuda").bfloat16()),
+            ValueError,
+            "is on",
+        ),
     ],
 )
 def test_bad_input_is_a_clear_error(make, error, message):

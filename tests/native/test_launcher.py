@@ -91,7 +91,9 @@ def test_bad_grid_type(forward_kernel):
 
 
 def test_unknown_kernel_and_module_names():
-    with pytest.raises(ValueError, match=r"no embedded module named 'nope' \(built modules: .*embedding"):
+    with pytest.raises(
+        ValueError, match=r"no embedded module named 'nope' \(built modules: .*embedding"
+    ):
         native.RawModule(embedded="nope")
     module = native.RawModule(embedded="embedding")
     with pytest.raises(ValueError, match=r"has no kernel 'nope' \(it has: .*embedding_forward_i32"):
@@ -102,7 +104,9 @@ def test_declared_signature_must_match():
     module = native.RawModule(embedded="embedding")
     with pytest.raises(TypeError, match="differs from the kernel's declared"):
         module.get_function("embedding_forward_i64", signature="ptr, ptr")
-    kernel = module.get_function("embedding_forward_i64", signature="ptr, ptr, ptr, i64, i64, i64, ptr")
+    kernel = module.get_function(
+        "embedding_forward_i64", signature="ptr, ptr, ptr, i64, i64, i64, ptr"
+    )
     assert kernel.signature == FORWARD_SIGNATURE
 
 

@@ -103,14 +103,21 @@ def test_inputs_are_not_mutated():
 @pytest.mark.parametrize("bad_id", (-1, 6, 10**6))
 def test_out_of_range_id_names_its_position(bad_id):
     ids = torch.tensor([[0, 1], [2, bad_id]])
-    with pytest.raises(IndexError, match=rf"ids\[1, 1\] = {bad_id} is outside the valid range \[0, 6\)"):
+    with pytest.raises(
+        IndexError, match=rf"ids\[1, 1\] = {bad_id} is outside the valid range \[0, 6\)"
+    ):
         batchinv.embedding(ids, torch.randn(6, 3))
 
 
 @pytest.mark.parametrize(
     "ids, weight, error, message",
     [
-        (torch.tensor([0.0]), torch.randn(3, 2), TypeError, r"ids must have dtype in \(int32, int64\)"),
+        (
+            torch.tensor([0.0]),
+            torch.randn(3, 2),
+            TypeError,
+            r"ids must have dtype in \(int32, int64\)",
+        ),
         (torch.tensor([0]), torch.randn(3, 2).double(), TypeError, r"weight must have dtype in"),
         (torch.tensor([0]), torch.randn(3), ValueError, r"weight must have 2 dimensions"),
         ([0], torch.randn(3, 2), TypeError, r"ids must be a torch.Tensor, got list"),
@@ -130,7 +137,9 @@ def test_empty_ids_give_an_empty_result():
 def test_registry_has_no_silent_fallback():
     with pytest.raises(batchinv.registry.UnknownOpError, match="unknown op 'nope'"):
         batchinv.registry.lookup("nope", torch.device("cpu"))
-    with pytest.raises(batchinv.registry.BackendNotImplementedError, match="no backend for device type 'meta'"):
+    with pytest.raises(
+        batchinv.registry.BackendNotImplementedError, match="no backend for device type 'meta'"
+    ):
         batchinv.registry.lookup("embedding.forward", torch.device("meta"))
     with pytest.raises(ValueError, match="already has a cpu implementation"):
         batchinv.registry.register("embedding.forward", "cpu")(lambda *a: None)

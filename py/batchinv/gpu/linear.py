@@ -19,7 +19,6 @@ from ._launch import kernel_for, launch, native
 _DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "f16"}
 _HOPPER_NAME = re.compile(r"linear_hopper_(bf16|f16)_bm(\d+)_bn(\d+)_s(\d+)$")
 _MAX_DIM = 2**31 - 1
-SKINNY_MAX_M = 16  # the decode kernel's rows: one m16 tile
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,7 +30,9 @@ class TileConfig:
     stages: int
 
     def kernel_name(self, dtype: torch.dtype) -> str:
-        return f"linear_hopper_{_DTYPE_NAMES[dtype]}_bm{self.block_m}_bn{self.block_n}_s{self.stages}"
+        return (
+            f"linear_hopper_{_DTYPE_NAMES[dtype]}_bm{self.block_m}_bn{self.block_n}_s{self.stages}"
+        )
 
     @property
     def threads(self) -> int:
@@ -49,7 +50,9 @@ def hopper_configs() -> tuple[TileConfig, ...]:
     """The configurations built into this extension (read from the kernel names)."""
     names = native().RawModule(embedded="linear").declared_kernels()
     configs = {
-        TileConfig(int(m[2]), int(m[3]), int(m[4])) for name in names if (m := _HOPPER_NAME.match(name))
+        TileConfig(int(m[2]), int(m[3]), int(m[4]))
+        for name in names
+        if (m := _HOPPER_NAME.match(name))
     }
     return tuple(sorted(configs, key=lambda c: (c.block_m, c.block_n)))
 
@@ -72,7 +75,10 @@ def choose_config(m: int, n: int, multiprocessors: int) -> TileConfig:
 
 
 def uses_hopper(device: torch.device) -> bool:
-    return torch.cuda.get_device_capability(device) == (9, 0) and "90a" in native().build_info()["cuda_archs"]
+    return (
+        torch.cuda.get_device_capability(device) == (9, 0)
+        and "90a" in native().build_info()["cuda_archs"]
+    )
 
 
 @functools.lru_cache(maxsize=256)
@@ -95,9 +101,8 @@ def matmul_nt(
 ) -> Tensor:
     """``x[M, K] @ weight[N, K]ᵀ (+ bias)`` for contiguous 2-D bf16/fp16 CUDA tensors.
 
-    ``family`` is ``"auto"`` (the skinny mma.sync kernel for M <= 16, Hopper kernels on sm_90,
-    else mma.sync), ``"skinny"``, ``"hopper"`` or ``"mma"``; ``config`` forces a Hopper tile
-    configuration (tests use both to compare bits).
+    ``family`` is ``"auto"`` (Hopper kernels on sm_90, else mma.sync), ``"hopper"`` or
+    ``"mma"``; ``config`` forces a Hopper tile configuration (tests use both to compare bits).
     """
     m, k = x.shape
     n = weight.shape[0]
@@ -116,7 +121,7 @@ def matmul_nt(
     bias_arg = 0 if bias is None else bias
     dtype_name = _DTYPE_NAMES[x.dtype]
     if family == "auto":
-        family = "skinny" if m <= SKINNY_MAX_M else "hopper" if uses_hopper(x.device) else "mma"
+        family = "hopper" if uses_hopper(x.device) else "mma"
     if family == "hopper":
         if not uses_hopper(x.device):
             raise RuntimeError("the Hopper linear kernels need an sm_90 GPU and a build with 90a")
@@ -135,17 +140,6 @@ def matmul_nt(
             args=(map_x, map_w, out, bias_arg, m, n, k),
             shared_mem=config.shared_bytes,
         )
-    elif family == "skinny":
-        if m > SKINNY_MAX_M:
-            raise ValueError(f"the skinny linear kernel takes at most {SKINNY_MAX_M} rows, got {m}")
-        _require_sm80(x.device)
-        launch(
-            kernel_for("linear", f"linear_skinny_{dtype_name}", x.device),
-            x.device,
-            grid=(-(-n // 32),),
-            block=(128,),
-            args=(x, weight, out, bias_arg, m, n, k),
-        )
     elif family == "mma":
         _require_sm80(x.device)
         launch(
@@ -156,7 +150,7 @@ def matmul_nt(
             args=(x, weight, out, bias_arg, m, n, k),
         )
     else:
-        raise ValueError(f"family must be 'auto', 'skinny', 'hopper' or 'mma', got {family!r}")
+        raise ValueError(f"family must be 'auto', 'hopper' or 'mma', got {family!r}")
     return out
 
 
@@ -208,7 +202,9 @@ def backward(
     grad_rows = grad_out.reshape(-1, n).to(x.dtype).contiguous()
     grad_x = grad_weight = grad_bias = None
     if needs_input_grad[0]:
-        weight_t = _pad_columns(weight.t().contiguous())  # [K, N]: out_features become the reduction
+        weight_t = _pad_columns(
+            weight.t().contiguous()
+        )  # [K, N]: out_features become the reduction
         grad_x = matmul_nt(_pad_columns(grad_rows), weight_t).reshape(x.shape)
     needs_tokens_major = needs_input_grad[1] or (bias_dtype is not None and needs_input_grad[2])
     if needs_tokens_major:

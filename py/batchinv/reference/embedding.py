@@ -45,7 +45,9 @@ def embedding_fp32(ids: Tensor, weight: Tensor) -> Tensor:
     return embedding(ids, weight).float()
 
 
-def embedding_backward(ids: Tensor, grad_out: Tensor, num_embeddings: int, dtype: torch.dtype) -> Tensor:
+def embedding_backward(
+    ids: Tensor, grad_out: Tensor, num_embeddings: int, dtype: torch.dtype
+) -> Tensor:
     """``grad_weight`` with per-id sums in fp32 over increasing positions, rounded once.
 
     The adds are done in rounds: round r adds the r-th occurrence of every id that

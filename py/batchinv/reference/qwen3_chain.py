@@ -1,0 +1,364 @@
+"""The Qwen3 dense model as a chain of batchinv references (Hugging Face weight names).
+
+::
+
+    h = embedding(input_ids)
+    for each layer:
+        x = rms_norm(h, input_layernorm)
+        q, k, v = linear(x, q_proj), linear(x, k_proj), linear(x, v_proj)   # per-head views
+        q, k = rms_norm(q, q_norm), rms_norm(k, k_norm)                     # over head_dim
+        q, k = rope(q, k, position_ids)
+        h = h + linear(attention(q, k, v, causal), o_proj)
+        x = rms_norm(h, post_attention_layernorm)
+        h = h + linear(silu_mul(linear(x, gate_proj), linear(x, up_proj)), down_proj)
+    logits = linear(rms_norm(h, norm), lm_head)        # lm_head = embed_tokens when tied
+
+Every step is a batchinv reference with a fixed per-row order (see each module), the residual
+adds are elementwise (fp32 add, one rounding to the model dtype), and position ids are
+absolute.  So a sequence's logits are the same bits whatever batch, padding or schedule it
+is computed in: prefill, or token by token against per-layer ``KVCache``s.
+
+Padding: ``input_ids [B, S]`` with ``seqlens [B]`` holds sequence ``b`` in
+``input_ids[b, :seqlens[b]]`` (right padding).  Padded positions must hold valid token ids;
+their logits are computed but meaningless (their attention output is zero and no real
+token attends to them).
+
+Precision: ``forward`` keeps the weights' dtype between ops (each op computes in fp32 and
+rounds once, as its module documents); ``forward_fp32`` upcasts the weights and runs the same
+chain in fp32 inside ``deterministic_context``.  The chain is differentiable through each
+op's fixed-order backward.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, fields
+
+import torch
+from torch import Tensor, nn
+
+from .._validate import FLOAT_DTYPES, INDEX_DTYPES, check_tensor
+from .attention import attention, attention_with_kv_cache
+from .embedding import embedding_with_grad
+from .kv_cache import KVCache
+from .linear import linear
+from .rms_norm import rms_norm
+from .rope import rope
+from .silu_mul import silu_mul
+
+__all__ = [
+    "Qwen3ChainConfig",
+    "Qwen3Reference",
+    "check_qwen3_state_dict",
+    "make_kv_caches",
+    "qwen3_forward",
+    "qwen3_forward_fp32",
+    "qwen3_state_dict_shapes",
+]
+
+
+@dataclass(frozen=True)
+class Qwen3ChainConfig:
+    """The fields of a Hugging Face ``Qwen3Config`` that the dense chain uses."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1_000_000.0
+    max_position_embeddings: int = 40960
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.type in ("int",) and (not isinstance(value, int) or value <= 0):
+                raise ValueError(f"Qwen3ChainConfig.{f.name} must be a positive int, got {value!r}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads={self.num_attention_heads} must be a multiple of "
+                f"num_key_value_heads={self.num_key_value_heads}"
+            )
+
+    @classmethod
+    def from_hf(cls, config: Mapping | object) -> Qwen3ChainConfig:
+        """From a Hugging Face config dict (``config.json``) or a ``Qwen3Config`` object.
+
+        Reads ``rope_parameters["rope_theta"]`` (transformers 5) or ``rope_theta`` (4.x).
+        Raises ``ValueError`` for what the dense chain does not implement: another
+        ``model_type``, an activation other than SiLU, a RoPE type other than default, or
+        sliding-window layers.
+        """
+        d = dict(config) if isinstance(config, Mapping) else config.to_dict()
+        model_type = d.get("model_type", "qwen3")
+        if model_type != "qwen3":
+            raise ValueError(f"config model_type must be 'qwen3', got {model_type!r}")
+        act = d.get("hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"config hidden_act must be 'silu', got {act!r}")
+        rope_params = d.get("rope_parameters") or d.get("rope_scaling") or {}
+        rope_type = rope_params.get("rope_type", rope_params.get("type", "default"))
+        if rope_type != "default":
+            raise ValueError(f"only the default RoPE is implemented, got rope_type={rope_type!r}")
+        theta = rope_params.get("rope_theta", d.get("rope_theta", 10000.0))
+        layer_types = d.get("layer_types") or []
+        if d.get("use_sliding_window") or any(t != "full_attention" for t in layer_types):
+            raise ValueError("sliding-window attention layers are not implemented")
+        heads = d["num_attention_heads"]
+        return cls(
+            vocab_size=d["vocab_size"],
+            hidden_size=d["hidden_size"],
+            intermediate_size=d["intermediate_size"],
+            num_hidden_layers=d["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=d.get("num_key_value_heads") or heads,
+            head_dim=d.get("head_dim") or d["hidden_size"] // heads,
+            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(theta),
+            max_position_embeddings=d.get("max_position_embeddings", 40960),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            attention_bias=bool(d.get("attention_bias", False)),
+        )
+
+
+def qwen3_state_dict_shapes(config: Qwen3ChainConfig) -> dict[str, tuple[int, ...]]:
+    """The expected Hugging Face names and shapes (``lm_head.weight`` only when untied)."""
+    hidden, inter = config.hidden_size, config.intermediate_size
+    q_out = config.num_attention_heads * config.head_dim
+    kv_out = config.num_key_value_heads * config.head_dim
+    shapes: dict[str, tuple[int, ...]] = {
+        "model.embed_tokens.weight": (config.vocab_size, hidden),
+        "model.norm.weight": (hidden,),
+    }
+    for i in range(config.num_hidden_layers):
+        p = f"model.layers.{i}."
+        shapes |= {
+            p + "input_layernorm.weight": (hidden,),
+            p + "self_attn.q_proj.weight": (q_out, hidden),
+            p + "self_attn.k_proj.weight": (kv_out, hidden),
+            p + "self_attn.v_proj.weight": (kv_out, hidden),
+            p + "self_attn.o_proj.weight": (hidden, q_out),
+            p + "self_attn.q_norm.weight": (config.head_dim,),
+            p + "self_attn.k_norm.weight": (config.head_dim,),
+            p + "post_attention_layernorm.weight": (hidden,),
+            p + "mlp.gate_proj.weight": (inter, hidden),
+            p + "mlp.up_proj.weight": (inter, hidden),
+            p + "mlp.down_proj.weight": (hidden, inter),
+        }
+        if config.attention_bias:
+            shapes |= {
+                p + "self_attn.q_proj.bias": (q_out,),
+                p + "self_attn.k_proj.bias": (kv_out,),
+                p + "self_attn.v_proj.bias": (kv_out,),
+                p + "self_attn.o_proj.bias": (hidden,),
+            }
+    if not config.tie_word_embeddings:
+        shapes["lm_head.weight"] = (config.vocab_size, hidden)
+    return shapes
+
+
+def _is_ignorable(name: str) -> bool:
+    # Non-persistent buffers some versions save, and the tied lm_head copy.
+    return name.endswith("rotary_emb.inv_freq")
+
+
+def check_qwen3_state_dict(state_dict: Mapping[str, Tensor], config: Qwen3ChainConfig) -> None:
+    """Every expected name present with its shape, one float dtype, nothing unexpected."""
+    expected = qwen3_state_dict_shapes(config)
+    missing = [name for name in expected if name not in state_dict]
+    if missing:
+        raise KeyError(f"state_dict is missing {len(missing)} weights, first: {missing[:3]}")
+    allowed_extra = {"lm_head.weight"} if config.tie_word_embeddings else set()
+    unexpected = [
+        n
+        for n in state_dict
+        if n not in expected and n not in allowed_extra and not _is_ignorable(n)
+    ]
+    if unexpected:
+        raise ValueError(
+            f"state_dict has {len(unexpected)} weights the Qwen3 dense chain does not use, "
+            f"first: {unexpected[:3]}"
+        )
+    dtype = state_dict["model.embed_tokens.weight"].dtype
+    for name, shape in expected.items():
+        t = check_tensor(name, state_dict[name], dtypes=FLOAT_DTYPES)
+        if tuple(t.shape) != shape:
+            raise ValueError(f"{name} must have shape {shape}, got {tuple(t.shape)}")
+        if t.dtype != dtype:
+            raise TypeError(
+                f"{name} has dtype {t.dtype} but model.embed_tokens.weight has {dtype}; "
+                "all weights must share one dtype"
+            )
+
+
+def make_kv_caches(
+    config: Qwen3ChainConfig,
+    batch: int,
+    max_len: int,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+) -> list[KVCache]:
+    """One ``KVCache`` per layer, for ``qwen3_forward(..., caches=...)``."""
+    return [
+        KVCache(
+            batch,
+            max_len,
+            config.num_key_value_heads,
+            config.head_dim,
+            dtype,
+            device,
+            name=f"layer {i} kv_cache",
+        )
+        for i in range(config.num_hidden_layers)
+    ]
+
+
+def _residual_add(h: Tensor, delta: Tensor) -> Tensor:
+    """``h + delta`` in fp32, one rounding to the model dtype (elementwise, no reduction)."""
+    return (h.float() + delta.float()).to(h.dtype)
+
+
+def _check_forward_args(
+    input_ids: Tensor,
+    config: Qwen3ChainConfig,
+    seqlens: Tensor | None,
+    caches: Sequence[KVCache] | None,
+) -> None:
+    check_tensor("input_ids", input_ids, dtypes=INDEX_DTYPES, ndim=2)
+    if input_ids.shape[0] == 0:
+        raise ValueError(f"empty batch: input_ids has shape {tuple(input_ids.shape)}")
+    if seqlens is not None:
+        check_tensor("seqlens", seqlens, dtypes=INDEX_DTYPES, ndim=1)
+        if seqlens.shape[0] != input_ids.shape[0]:
+            raise ValueError(
+                f"seqlens must have one entry per row of input_ids ({input_ids.shape[0]}), "
+                f"got shape {tuple(seqlens.shape)}"
+            )
+    if caches is not None and len(caches) != config.num_hidden_layers:
+        raise ValueError(
+            f"caches must hold one KVCache per layer ({config.num_hidden_layers}), "
+            f"got {len(caches)}"
+        )
+
+
+def qwen3_forward(
+    input_ids: Tensor,
+    state_dict: Mapping[str, Tensor],
+    config: Qwen3ChainConfig,
+    *,
+    seqlens: Tensor | None = None,
+    caches: Sequence[KVCache] | None = None,
+    seq_ids: Tensor | None = None,
+    check_weights: bool = True,
+) -> Tensor:
+    """Logits ``[B, S, vocab]`` in the weights' dtype for ``input_ids [B, S]``.
+
+    Without ``caches``: a prefill, token ``i`` at position ``i``.  With ``caches`` (one
+    ``KVCache`` per layer, see ``make_kv_caches``): ``input_ids`` are the next tokens of
+    cache slots ``seq_ids`` (default all); token ``i`` of row ``b`` sits at position
+    ``cache length of b + i`` and its keys/values are appended to the caches.
+    """
+    _check_forward_args(input_ids, config, seqlens, caches)
+    if check_weights:
+        check_qwen3_state_dict(state_dict, config)
+    w = state_dict
+    batch, seq = input_ids.shape
+    heads, kv_heads, head_dim = (
+        config.num_attention_heads,
+        config.num_key_value_heads,
+        config.head_dim,
+    )
+    eps = config.rms_norm_eps
+    offsets = torch.arange(seq, device=input_ids.device)
+    if caches is None:
+        position_ids = offsets.expand(batch, seq)
+    else:
+        ids = seq_ids if seq_ids is not None else torch.arange(batch)
+        start = caches[0].lengths[ids.long()]
+        position_ids = start[:, None] + offsets[None, :]
+
+    def bias(name: str) -> Tensor | None:
+        return w[name] if config.attention_bias else None
+
+    h = embedding_with_grad(input_ids, w["model.embed_tokens.weight"])
+    for i in range(config.num_hidden_layers):
+        p = f"model.layers.{i}."
+        x = rms_norm(h, w[p + "input_layernorm.weight"], eps)
+        q = linear(x, w[p + "self_attn.q_proj.weight"], bias(p + "self_attn.q_proj.bias"))
+        k = linear(x, w[p + "self_attn.k_proj.weight"], bias(p + "self_attn.k_proj.bias"))
+        v = linear(x, w[p + "self_attn.v_proj.weight"], bias(p + "self_attn.v_proj.bias"))
+        q = rms_norm(q.reshape(batch, seq, heads, head_dim), w[p + "self_attn.q_norm.weight"], eps)
+        k = rms_norm(
+            k.reshape(batch, seq, kv_heads, head_dim), w[p + "self_attn.k_norm.weight"], eps
+        )
+        v = v.reshape(batch, seq, kv_heads, head_dim)
+        q, k = rope(
+            q,
+            k,
+            position_ids,
+            theta=config.rope_theta,
+            head_dim=head_dim,
+            max_position=config.max_position_embeddings,
+        )
+        if caches is None:
+            attn = attention(q, k, v, causal=True, seqlens_q=seqlens, seqlens_k=seqlens)
+        else:
+            attn = attention_with_kv_cache(
+                q, k.detach(), v.detach(), caches[i], seq_ids, seqlens_new=seqlens, causal=True
+            )
+        o = linear(
+            attn.reshape(batch, seq, heads * head_dim),
+            w[p + "self_attn.o_proj.weight"],
+            bias(p + "self_attn.o_proj.bias"),
+        )
+        h = _residual_add(h, o)
+        x = rms_norm(h, w[p + "post_attention_layernorm.weight"], eps)
+        gate = linear(x, w[p + "mlp.gate_proj.weight"])
+        up = linear(x, w[p + "mlp.up_proj.weight"])
+        h = _residual_add(h, linear(silu_mul(gate, up), w[p + "mlp.down_proj.weight"]))
+    h = rms_norm(h, w["model.norm.weight"], eps)
+    head = w["model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"]
+    return linear(h, head)
+
+
+def qwen3_forward_fp32(
+    input_ids: Tensor,
+    state_dict: Mapping[str, Tensor],
+    config: Qwen3ChainConfig,
+    **kwargs,
+) -> Tensor:
+    """Strict fp32 chain: weights upcast, same ops, inside ``deterministic_context``."""
+    from ..contract import deterministic_context
+
+    check_qwen3_state_dict(state_dict, config)
+    weights32 = {name: t.float() for name, t in state_dict.items()}
+    with deterministic_context():
+        return qwen3_forward(input_ids, weights32, config, check_weights=False, **kwargs)
+
+
+class Qwen3Reference(nn.Module):
+    """The chain as a module holding the weights as parameters (dots become ``__``)."""
+
+    def __init__(self, state_dict: Mapping[str, Tensor], config: Qwen3ChainConfig):
+        super().__init__()
+        check_qwen3_state_dict(state_dict, config)
+        self.config = config
+        self._names = list(qwen3_state_dict_shapes(config))
+        for name in self._names:
+            self.register_parameter(
+                name.replace(".", "__"), nn.Parameter(state_dict[name].detach().clone())
+            )
+
+    def hf_state_dict(self) -> dict[str, Tensor]:
+        return {name: getattr(self, name.replace(".", "__")) for name in self._names}
+
+    def forward(self, input_ids: Tensor, **kwargs) -> Tensor:
+        return qwen3_forward(input_ids, self.hf_state_dict(), self.config, **kwargs)
+
+    def forward_fp32(self, input_ids: Tensor, **kwargs) -> Tensor:
+        return qwen3_forward_fp32(input_ids, self.hf_state_dict(), self.config, **kwargs)
