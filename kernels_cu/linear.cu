@@ -16,10 +16,10 @@
 //
 // Two kernel families:
 // - linear_hopper_*: sm_90a.  TMA loads 64-wide k-tiles of x and weight into a ring of shared
-//   memory stages; one producer warpgroup issues the copies, BM/64 consumer warpgroups run
-//   wgmma m64nBNk16.  Grid ceil(M/BM) * ceil(N/BN) (1-D, grouped for L2 reuse); block
-//   128 * (BM/64 + 1) threads; dynamic
-//   shared memory STAGES * (BM + BN) * 128 + 16 * STAGES + 1024 bytes.
+//   memory stages (STAGE_K = 64 or 128 k-columns each, as 64-wide boxes); one producer
+//   warpgroup issues the copies, BM/64 consumer warpgroups run wgmma m64nBNk16.  Grid
+//   ceil(M/BM) * ceil(N/BN) (1-D, grouped for L2 reuse); block 128 * (BM/64 + 1) threads;
+//   dynamic shared memory STAGES * (BM + BN) * 2 * STAGE_K + 16 * STAGES + 1024 bytes.
 // - linear_mma_*: sm_80 (mma.sync m16n8k16), the same k-step order; on HIP a SIMT loop (its
 //   own order, fixed the same way).  Grid (ceil(N/32), ceil(M/64)); block 128.
 #include "common/hopper.cuh"
@@ -75,15 +75,19 @@ __device__ __forceinline__ void mma_k16(float (&acc)[BN / 2], uint64_t desc_x, u
 }
 #endif
 
-template <typename Codec, int BM, int BN, int STAGES>
+template <typename Codec, int BM, int BN, int STAGE_K, int STAGES>
 __device__ __forceinline__ void hopper_gemm(const TensorMap& map_x, const TensorMap& map_w,
                                             typename Codec::storage* out, const typename Codec::storage* bias,
                                             int M, int N, int K) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     using namespace hopper;
     constexpr int kConsumers = BM / 64;
-    constexpr int kTileXBytes = BM * kTileK * 2;
-    constexpr int kTileWBytes = BN * kTileK * 2;
+    // A stage holds STAGE_K / 64 boxes of 64 k-columns for each operand, box after box.
+    constexpr int kBoxes = STAGE_K / kTileK;
+    constexpr int kBoxXBytes = BM * kTileK * 2;
+    constexpr int kBoxWBytes = BN * kTileK * 2;
+    constexpr int kTileXBytes = kBoxes * kBoxXBytes;
+    constexpr int kTileWBytes = kBoxes * kBoxWBytes;
     extern __shared__ uint8_t shared_raw[];
     // 128-byte swizzled tiles must start on a 1024-byte boundary.
     uint8_t* shared = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(shared_raw) + 1023) & ~uintptr_t(1023));
@@ -103,7 +107,7 @@ __device__ __forceinline__ void hopper_gemm(const TensorMap& map_x, const Tensor
     const int in_group = static_cast<int>(blockIdx.x) % tiles_per_group;
     const int m0 = (first_tile_m + in_group % group_rows) * BM;
     const int n0 = (in_group / group_rows) * BN;
-    const int k_tiles = (K + kTileK - 1) / kTileK;
+    const int k_tiles = (K + STAGE_K - 1) / STAGE_K;
     const int warpgroup = threadIdx.x / 128;
 
     if (threadIdx.x == 0) {
@@ -123,8 +127,12 @@ __device__ __forceinline__ void hopper_gemm(const TensorMap& map_x, const Tensor
                 const int round = kt / STAGES;
                 if (round > 0) barrier_wait(&empty[s], (round - 1) & 1);
                 barrier_expect_bytes(&full[s], kTileXBytes + kTileWBytes);
-                tma_load_2d(tiles_x + s * kTileXBytes, map_x, &full[s], kt * kTileK, m0);
-                tma_load_2d(tiles_w + s * kTileWBytes, map_w, &full[s], kt * kTileK, n0);
+#pragma unroll
+                for (int b = 0; b < kBoxes; ++b) {
+                    const int k = kt * STAGE_K + b * kTileK;  // past K the box arrives as zeros
+                    tma_load_2d(tiles_x + s * kTileXBytes + b * kBoxXBytes, map_x, &full[s], k, m0);
+                    tma_load_2d(tiles_w + s * kTileWBytes + b * kBoxWBytes, map_w, &full[s], k, n0);
+                }
             }
         }
         return;
@@ -139,13 +147,20 @@ __device__ __forceinline__ void hopper_gemm(const TensorMap& map_x, const Tensor
     for (int kt = 0; kt < k_tiles; ++kt) {
         const int s = kt % STAGES;
         barrier_wait(&full[s], (kt / STAGES) & 1);
-        const uint8_t* tile_x = tiles_x + s * kTileXBytes + consumer * 64 * kTileK * 2;
-        const uint8_t* tile_w = tiles_w + s * kTileWBytes;
         wgmma_fence();
 #pragma unroll
-        for (int k = 0; k < kTileK / 16; ++k) {
-            // One k16 step is 32 bytes along a 128-byte swizzled row.
-            mma_k16<Codec, BN>(acc, smem_descriptor_128b(tile_x + 32 * k), smem_descriptor_128b(tile_w + 32 * k));
+        for (int b = 0; b < kBoxes; ++b) {
+            // Boxes wholly past K are skipped, so every configuration runs exactly the k16
+            // steps that cover K, in the same order.
+            if (kt * STAGE_K + b * kTileK >= K) break;
+            const uint8_t* tile_x = tiles_x + s * kTileXBytes + b * kBoxXBytes + consumer * 64 * kTileK * 2;
+            const uint8_t* tile_w = tiles_w + s * kTileWBytes + b * kBoxWBytes;
+#pragma unroll
+            for (int k = 0; k < kTileK / 16; ++k) {
+                // One k16 step is 32 bytes along a 128-byte swizzled row.
+                mma_k16<Codec, BN>(acc, smem_descriptor_128b(tile_x + 32 * k),
+                                   smem_descriptor_128b(tile_w + 32 * k));
+            }
         }
         wgmma_commit();
         // Keep this tile's MMAs in flight; once the previous tile's have finished, its stage
@@ -244,12 +259,12 @@ __device__ __forceinline__ void mma_gemm(const typename Codec::storage* x, const
 }  // namespace batchinv
 
 // Kernel names encode the configuration the host reads back: dtype, BM, BN, stages.
-#define BATCHINV_LINEAR_HOPPER(DTYPE, CODEC, BM, BN, STAGES)                                                    \
+#define BATCHINV_LINEAR_HOPPER(DTYPE, CODEC, BM, BN, STAGE_K, STAGES)                                           \
     extern "C" __global__ void __launch_bounds__(128 * (BM / 64 + 1), 1)                                         \
-        linear_hopper_##DTYPE##_bm##BM##_bn##BN##_s##STAGES(                                                   \
+        linear_hopper_##DTYPE##_bm##BM##_bn##BN##_k##STAGE_K##_s##STAGES(                                      \
             const __grid_constant__ batchinv::TensorMap map_x, const __grid_constant__ batchinv::TensorMap map_w, \
             CODEC::storage* out, const CODEC::storage* bias, int M, int N, int K) {                              \
-        batchinv::linear::hopper_gemm<CODEC, BM, BN, STAGES>(map_x, map_w, out, bias, M, N, K);                  \
+        batchinv::linear::hopper_gemm<CODEC, BM, BN, STAGE_K, STAGES>(map_x, map_w, out, bias, M, N, K);         \
     }
 
 #define BATCHINV_LINEAR_MMA(DTYPE, CODEC)                                                                         \
@@ -260,30 +275,38 @@ __device__ __forceinline__ void mma_gemm(const typename Codec::storage* x, const
     }
 
 #if !defined(__HIPCC__)
-// batchinv-signature: linear_hopper_bf16_bm64_bn32_s8(tmap, tmap, ptr, ptr, i32, i32, i32)
-BATCHINV_LINEAR_HOPPER(bf16, batchinv::Bf16Codec, 64, 32, 8)
-// batchinv-signature: linear_hopper_bf16_bm64_bn64_s8(tmap, tmap, ptr, ptr, i32, i32, i32)
-BATCHINV_LINEAR_HOPPER(bf16, batchinv::Bf16Codec, 64, 64, 8)
-// batchinv-signature: linear_hopper_bf16_bm64_bn128_s6(tmap, tmap, ptr, ptr, i32, i32, i32)
-BATCHINV_LINEAR_HOPPER(bf16, batchinv::Bf16Codec, 64, 128, 6)
-// batchinv-signature: linear_hopper_bf16_bm64_bn256_s4(tmap, tmap, ptr, ptr, i32, i32, i32)
-BATCHINV_LINEAR_HOPPER(bf16, batchinv::Bf16Codec, 64, 256, 4)
-// batchinv-signature: linear_hopper_bf16_bm128_bn128_s6(tmap, tmap, ptr, ptr, i32, i32, i32)
-BATCHINV_LINEAR_HOPPER(bf16, batchinv::Bf16Codec, 128, 128, 6)
-// batchinv-signature: linear_hopper_bf16_bm128_bn256_s4(tmap, tmap, ptr, ptr, i32, i32, i32)
-BATCHINV_LINEAR_HOPPER(bf16, batchinv::Bf16Codec, 128, 256, 4)
-// batchinv-signature: linear_hopper_f16_bm64_bn32_s8(tmap, tmap, ptr, ptr, i32, i32, i32)
-BATCHINV_LINEAR_HOPPER(f16, batchinv::F16Codec, 64, 32, 8)
-// batchinv-signature: linear_hopper_f16_bm64_bn64_s8(tmap, tmap, ptr, ptr, i32, i32, i32)
-BATCHINV_LINEAR_HOPPER(f16, batchinv::F16Codec, 64, 64, 8)
-// batchinv-signature: linear_hopper_f16_bm64_bn128_s6(tmap, tmap, ptr, ptr, i32, i32, i32)
-BATCHINV_LINEAR_HOPPER(f16, batchinv::F16Codec, 64, 128, 6)
-// batchinv-signature: linear_hopper_f16_bm64_bn256_s4(tmap, tmap, ptr, ptr, i32, i32, i32)
-BATCHINV_LINEAR_HOPPER(f16, batchinv::F16Codec, 64, 256, 4)
-// batchinv-signature: linear_hopper_f16_bm128_bn128_s6(tmap, tmap, ptr, ptr, i32, i32, i32)
-BATCHINV_LINEAR_HOPPER(f16, batchinv::F16Codec, 128, 128, 6)
-// batchinv-signature: linear_hopper_f16_bm128_bn256_s4(tmap, tmap, ptr, ptr, i32, i32, i32)
-BATCHINV_LINEAR_HOPPER(f16, batchinv::F16Codec, 128, 256, 4)
+// batchinv-signature: linear_hopper_bf16_bm64_bn32_k128_s8(tmap, tmap, ptr, ptr, i32, i32, i32)
+BATCHINV_LINEAR_HOPPER(bf16, batchinv::Bf16Codec, 64, 32, 128, 8)
+// batchinv-signature: linear_hopper_bf16_bm64_bn64_k128_s6(tmap, tmap, ptr, ptr, i32, i32, i32)
+BATCHINV_LINEAR_HOPPER(bf16, batchinv::Bf16Codec, 64, 64, 128, 6)
+// batchinv-signature: linear_hopper_bf16_bm64_bn128_k64_s6(tmap, tmap, ptr, ptr, i32, i32, i32)
+BATCHINV_LINEAR_HOPPER(bf16, batchinv::Bf16Codec, 64, 128, 64, 6)
+// batchinv-signature: linear_hopper_bf16_bm64_bn256_k64_s4(tmap, tmap, ptr, ptr, i32, i32, i32)
+BATCHINV_LINEAR_HOPPER(bf16, batchinv::Bf16Codec, 64, 256, 64, 4)
+// batchinv-signature: linear_hopper_bf16_bm128_bn128_k64_s6(tmap, tmap, ptr, ptr, i32, i32, i32)
+BATCHINV_LINEAR_HOPPER(bf16, batchinv::Bf16Codec, 128, 128, 64, 6)
+// batchinv-signature: linear_hopper_bf16_bm128_bn128_k64_s3(tmap, tmap, ptr, ptr, i32, i32, i32)
+BATCHINV_LINEAR_HOPPER(bf16, batchinv::Bf16Codec, 128, 128, 64, 3)
+// batchinv-signature: linear_hopper_bf16_bm128_bn256_k64_s4(tmap, tmap, ptr, ptr, i32, i32, i32)
+BATCHINV_LINEAR_HOPPER(bf16, batchinv::Bf16Codec, 128, 256, 64, 4)
+// batchinv-signature: linear_hopper_bf16_bm128_bn256_k64_s3(tmap, tmap, ptr, ptr, i32, i32, i32)
+BATCHINV_LINEAR_HOPPER(bf16, batchinv::Bf16Codec, 128, 256, 64, 3)
+// batchinv-signature: linear_hopper_f16_bm64_bn32_k128_s8(tmap, tmap, ptr, ptr, i32, i32, i32)
+BATCHINV_LINEAR_HOPPER(f16, batchinv::F16Codec, 64, 32, 128, 8)
+// batchinv-signature: linear_hopper_f16_bm64_bn64_k128_s6(tmap, tmap, ptr, ptr, i32, i32, i32)
+BATCHINV_LINEAR_HOPPER(f16, batchinv::F16Codec, 64, 64, 128, 6)
+// batchinv-signature: linear_hopper_f16_bm64_bn128_k64_s6(tmap, tmap, ptr, ptr, i32, i32, i32)
+BATCHINV_LINEAR_HOPPER(f16, batchinv::F16Codec, 64, 128, 64, 6)
+// batchinv-signature: linear_hopper_f16_bm64_bn256_k64_s4(tmap, tmap, ptr, ptr, i32, i32, i32)
+BATCHINV_LINEAR_HOPPER(f16, batchinv::F16Codec, 64, 256, 64, 4)
+// batchinv-signature: linear_hopper_f16_bm128_bn128_k64_s6(tmap, tmap, ptr, ptr, i32, i32, i32)
+BATCHINV_LINEAR_HOPPER(f16, batchinv::F16Codec, 128, 128, 64, 6)
+// batchinv-signature: linear_hopper_f16_bm128_bn128_k64_s3(tmap, tmap, ptr, ptr, i32, i32, i32)
+BATCHINV_LINEAR_HOPPER(f16, batchinv::F16Codec, 128, 128, 64, 3)
+// batchinv-signature: linear_hopper_f16_bm128_bn256_k64_s4(tmap, tmap, ptr, ptr, i32, i32, i32)
+BATCHINV_LINEAR_HOPPER(f16, batchinv::F16Codec, 128, 256, 64, 4)
+// batchinv-signature: linear_hopper_f16_bm128_bn256_k64_s3(tmap, tmap, ptr, ptr, i32, i32, i32)
+BATCHINV_LINEAR_HOPPER(f16, batchinv::F16Codec, 128, 256, 64, 3)
 #endif
 
 // batchinv-signature: linear_mma_bf16(ptr, ptr, ptr, ptr, i32, i32, i32)

@@ -17,7 +17,7 @@ from torch import Tensor
 from ._launch import kernel_for, launch, native
 
 _DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "f16"}
-_HOPPER_NAME = re.compile(r"linear_hopper_(bf16|f16)_bm(\d+)_bn(\d+)_s(\d+)$")
+_HOPPER_NAME = re.compile(r"linear_hopper_(bf16|f16)_bm(\d+)_bn(\d+)_k(\d+)_s(\d+)$")
 _MAX_DIM = 2**31 - 1
 
 
@@ -40,9 +40,10 @@ class TileConfig:
 
     @property
     def shared_bytes(self) -> int:
-        # Stages of (BM + BN) rows x 64 elements x 2 bytes, two barriers per stage, and
+        # Stages of (BM + BN) rows x stage_k elements x 2 bytes, two barriers per stage, and
         # slack to align the tiles to 1024 bytes (kernels_cu/linear.cu).
-        return self.stages * (self.block_m + self.block_n) * 128 + 16 * self.stages + 1024
+        stage_bytes = (self.block_m + self.block_n) * self.stage_k * 2
+        return self.stages * stage_bytes + 16 * self.stages + 1024
 
 
 @functools.cache
@@ -54,7 +55,7 @@ def hopper_configs() -> tuple[TileConfig, ...]:
         for name in names
         if (m := _HOPPER_NAME.match(name))
     }
-    return tuple(sorted(configs, key=lambda c: (c.block_m, c.block_n)))
+    return tuple(sorted(configs, key=lambda c: (c.block_m, c.block_n, c.stage_k, c.stages)))
 
 
 @functools.cache
@@ -66,7 +67,9 @@ def choose_config(m: int, n: int, multiprocessors: int) -> TileConfig:
     """Small M: 64-row tiles and as wide as still fills the GPU; large M: 128-row tiles."""
     configs = hopper_configs()
     block_m = 64 if m <= 64 else 128
-    candidates = sorted((c for c in configs if c.block_m == block_m), key=lambda c: -c.block_n)
+    candidates = sorted(
+        (c for c in configs if c.block_m == block_m), key=lambda c: (-c.block_n, -c.stages)
+    )
     tiles_m = -(-m // block_m)
     for config in candidates:
         if tiles_m * -(-n // config.block_n) >= multiprocessors:
