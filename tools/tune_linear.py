@@ -29,10 +29,12 @@ def main() -> None:
         w = (torch.randn(n, k, device="cuda") / k**0.5).bfloat16()
         for m in M_VALUES:
             x = torch.randn(m, k, device="cuda").bfloat16()
-            cublas = do_bench(lambda: torch.mm(x, w.t()), warmup=25, rep=100, return_mode="median")
+            cublas = do_bench(
+                lambda x=x, w=w: torch.mm(x, w.t()), warmup=25, rep=100, return_mode="median"
+            )
             timings = {}
             for config in hopper_configs():
-                fn = lambda c=config: matmul_nt(x, w, family="hopper", config=c)  # noqa: E731
+                fn = lambda c=config, x=x, w=w: matmul_nt(x, w, family="hopper", config=c)  # noqa: E731
                 timings[str(config)] = do_bench(fn, warmup=25, rep=100, return_mode="median")
             best = min(timings, key=timings.get)
             ranked = sorted(timings.items(), key=lambda kv: kv[1])[:3]

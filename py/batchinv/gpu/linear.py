@@ -23,16 +23,22 @@ _MAX_DIM = 2**31 - 1
 
 @dataclasses.dataclass(frozen=True)
 class TileConfig:
-    """One compiled Hopper kernel: tile rows (BM), tile columns (BN), pipeline stages."""
+    """One compiled Hopper kernel: tile rows (BM), tile columns (BN), k-columns per pipeline
+    stage, pipeline stages."""
 
     block_m: int
     block_n: int
+    stage_k: int
     stages: int
 
     def kernel_name(self, dtype: torch.dtype) -> str:
         return (
-            f"linear_hopper_{_DTYPE_NAMES[dtype]}_bm{self.block_m}_bn{self.block_n}_s{self.stages}"
+            f"linear_hopper_{_DTYPE_NAMES[dtype]}_bm{self.block_m}_bn{self.block_n}"
+            f"_k{self.stage_k}_s{self.stages}"
         )
+
+    def __str__(self) -> str:
+        return f"bm{self.block_m} bn{self.block_n} k{self.stage_k} s{self.stages}"
 
     @property
     def threads(self) -> int:
@@ -51,7 +57,7 @@ def hopper_configs() -> tuple[TileConfig, ...]:
     """The configurations built into this extension (read from the kernel names)."""
     names = native().RawModule(embedded="linear").declared_kernels()
     configs = {
-        TileConfig(int(m[2]), int(m[3]), int(m[4]))
+        TileConfig(int(m[2]), int(m[3]), int(m[4]), int(m[5]))
         for name in names
         if (m := _HOPPER_NAME.match(name))
     }
