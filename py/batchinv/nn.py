@@ -7,6 +7,10 @@ from torch import Tensor, nn
 
 from .ops.embedding import embedding
 from .ops.linear import linear
+from .ops.log_softmax import log_softmax
+from .ops.rms_norm import fused_add_rms_norm, rms_norm
+from .ops.rope import rope
+from .ops.silu_mul import silu_mul, silu_mul_fused
 
 
 class Embedding(nn.Module):
@@ -27,7 +31,9 @@ class Embedding(nn.Module):
             raise ValueError(f"embedding_dim must be positive, got {embedding_dim}")
         self.num_embeddings = num_embeddings
         self.embedding_dim = embedding_dim
-        self.weight = nn.Parameter(torch.empty(num_embeddings, embedding_dim, device=device, dtype=dtype))
+        self.weight = nn.Parameter(
+            torch.empty(num_embeddings, embedding_dim, device=device, dtype=dtype)
+        )
         nn.init.normal_(self.weight)
 
     @classmethod
@@ -61,7 +67,9 @@ class Linear(nn.Module):
         dtype: torch.dtype | None = None,
     ):
         super().__init__()
-        reference_layer = nn.Linear(in_features, out_features, bias=bias, device=device, dtype=dtype)
+        reference_layer = nn.Linear(
+            in_features, out_features, bias=bias, device=device, dtype=dtype
+        )
         self.in_features, self.out_features = in_features, out_features
         self.weight = reference_layer.weight
         self.bias = reference_layer.bias
@@ -79,4 +87,89 @@ class Linear(nn.Module):
         return linear(x, self.weight, self.bias)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+        has_bias = self.bias is not None
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={has_bias}"
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm over the last dim (Qwen3RMSNorm's formula, batch invariant on GPUs).
+
+    ``forward(x)`` is ``batchinv.rms_norm``; ``forward(x, residual)`` is the fused residual
+    add and returns ``(y, new_residual)``.  For the per-head q/k norm use ``RMSNorm(head_dim)``
+    on ``[..., heads, head_dim]``.  The weight starts at ones.
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        eps: float = 1e-6,
+        *,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ):
+        super().__init__()
+        if isinstance(hidden_size, bool) or not isinstance(hidden_size, int) or hidden_size <= 0:
+            raise ValueError(f"hidden_size must be a positive int, got {hidden_size!r}")
+        from .reference.rms_norm import check_eps
+
+        check_eps(eps)
+        self.hidden_size = hidden_size
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden_size, device=device, dtype=dtype))
+
+    def forward(self, x: Tensor, residual: Tensor | None = None):
+        if residual is None:
+            return rms_norm(x, self.weight, self.eps)
+        return fused_add_rms_norm(x, residual, self.weight, self.eps)
+
+    def extra_repr(self) -> str:
+        return f"{self.hidden_size}, eps={self.eps}"
+
+
+class SiluMul(nn.Module):
+    """SwiGLU's activation: ``forward(gate, up) = silu(gate) * up``; ``forward(gate_up)`` takes
+    the merged ``[..., 2I]`` projection (gate first) and returns ``[..., I]``."""
+
+    def forward(self, gate: Tensor, up: Tensor | None = None) -> Tensor:
+        return silu_mul_fused(gate) if up is None else silu_mul(gate, up)
+
+
+class RotaryEmbedding(nn.Module):
+    """Qwen3 RoPE (rotate-half) by absolute position ids; no parameters, no cached tables
+    (the GPU kernel computes cos/sin per token)."""
+
+    def __init__(self, head_dim: int, theta: float = 1_000_000.0, max_position: int = 40960):
+        super().__init__()
+        from .reference.rope import check_rope_params
+
+        check_rope_params(head_dim, theta, max_position)
+        self.head_dim = head_dim
+        self.theta = theta
+        self.max_position = max_position
+
+    def forward(self, q: Tensor, k: Tensor, position_ids: Tensor) -> tuple[Tensor, Tensor]:
+        return rope(
+            q,
+            k,
+            position_ids,
+            theta=self.theta,
+            head_dim=self.head_dim,
+            max_position=self.max_position,
+        )
+
+    def extra_repr(self) -> str:
+        return f"head_dim={self.head_dim}, theta={self.theta}, max_position={self.max_position}"
+
+
+class LogSoftmax(nn.Module):
+    """Log-softmax over the last dim with fp32 statistics; output in ``out_dtype`` (fp32)."""
+
+    def __init__(self, out_dtype: torch.dtype = torch.float32):
+        super().__init__()
+        self.out_dtype = out_dtype
+
+    def forward(self, x: Tensor) -> Tensor:
+        return log_softmax(x, -1, self.out_dtype)
+
+    def extra_repr(self) -> str:
+        return f"out_dtype={self.out_dtype}"

@@ -1,0 +1,71 @@
+"""Log-softmax over a large vocabulary against a copy of the same bytes.
+
+Goal (issue 6): >= 0.9 of the copy's bandwidth at 4096 rows x vocab 151936, bf16 in, fp32
+out.  Rows per shape: the copy (the anchor, measured in this run; it moves as many bytes as
+the op must: read x, write out), stock ``torch.log_softmax(x, -1, dtype=float32)`` and
+batchinv; forward and backward (reads dy and x, writes dx).  Liger-Kernel has no standalone
+log-softmax, so it has no row here.
+"""
+
+from __future__ import annotations
+
+import torch
+
+import batchinv
+
+from _common import median_ms, parse_args, report, require_cuda
+
+SHAPES = [
+    # (rows, vocab, input dtype)
+    (4096, 151936, torch.bfloat16),
+    (1024, 151936, torch.bfloat16),
+    (4096, 151936, torch.float32),
+    (4096, 32000, torch.bfloat16),
+]
+
+
+def _backward_ms(fn, x, grad):
+    x = x.detach().requires_grad_(True)
+    out = fn(x)
+    return median_ms(lambda: torch.autograd.grad(out, (x,), grad, retain_graph=True))
+
+
+def main() -> None:
+    args = parse_args(__doc__.splitlines()[0])
+    device = require_cuda()
+    print("note: Liger-Kernel has no standalone log-softmax; no Liger row")
+    rows_out = []
+    for rows, vocab, dtype in SHAPES:
+        gen = torch.Generator(device=device).manual_seed(0)
+        x = (4 * torch.randn(rows, vocab, device=device, generator=gen)).to(dtype)
+        grad = torch.randn(rows, vocab, device=device, generator=gen)
+        in_bytes = x.numel() * x.element_size()
+        out_bytes = x.numel() * 4
+        forward_bytes = in_bytes + out_bytes
+        backward_bytes = out_bytes + 2 * in_bytes  # read dy (fp32) and x, write dx
+        src = torch.empty(forward_bytes // 2, dtype=torch.uint8, device=device)
+        dst = torch.empty_like(src)
+        copy_ms = median_ms(lambda: dst.copy_(src))
+        copy_tbs = 2 * src.numel() / copy_ms / 1e9
+        stock = lambda a: torch.log_softmax(a, -1, dtype=torch.float32)  # noqa: E731
+        timings = [
+            ("forward", "torch log_softmax", forward_bytes, median_ms(lambda: stock(x))),
+            ("forward", "batchinv", forward_bytes, median_ms(lambda: batchinv.log_softmax(x))),
+            ("backward", "torch log_softmax", backward_bytes, _backward_ms(stock, x, grad)),
+            ("backward", "batchinv", backward_bytes, _backward_ms(batchinv.log_softmax, x, grad)),
+        ]
+        base = {"rows": rows, "vocab": vocab, "dtype": f"{str(dtype).removeprefix('torch.')}->float32"}
+        rows_out.append({**base, "direction": "-", "path": "copy (anchor)", "ms": copy_ms, "TB/s": copy_tbs, "vs_copy": 1.0})
+        for direction, path, moved, ms in timings:
+            tbs = moved / ms / 1e9
+            rows_out.append({**base, "direction": direction, "path": path, "ms": ms, "TB/s": tbs, "vs_copy": tbs / copy_tbs})
+    report(
+        "log_softmax",
+        rows_out,
+        ["rows", "vocab", "dtype", "direction", "path", "ms", "TB/s", "vs_copy"],
+        args.json,
+    )
+
+
+if __name__ == "__main__":
+    main()

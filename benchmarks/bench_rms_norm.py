@@ -1,0 +1,113 @@
+"""RMSNorm (plain, fused residual add, per-head q/k norm) against a copy of the same bytes.
+
+Goal (issue 6): >= 0.9 of the copy's bandwidth at 16384 tokens x hidden 4096, bf16.  Rows per
+shape: the copy (the anchor, measured in this run), stock ``F.rms_norm``, Liger-Kernel's
+``LigerRMSNormFunction`` when importable, and batchinv; forward and backward.  Bandwidth is
+counted from the bytes the op must move at least (read x, write y; the backward reads dy and
+x and writes dx), so a kernel that reads a tensor twice shows it as a lower ratio.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+import batchinv
+
+from _common import median_ms, parse_args, report, require_cuda
+
+SHAPES = [
+    # (rows, hidden, dtype, what)
+    (16384, 4096, torch.bfloat16, "hidden norm"),
+    (16384, 5120, torch.bfloat16, "hidden norm"),
+    (1024, 4096, torch.bfloat16, "hidden norm"),
+    (16384 * 32, 128, torch.bfloat16, "q/k norm (32 heads)"),
+]
+EPS = 1e-6
+
+
+def _liger():
+    try:
+        from liger_kernel.ops.rms_norm import LigerRMSNormFunction
+    except Exception as error:  # not installed, or no Triton
+        print(f"note: Liger-Kernel rows skipped ({type(error).__name__}: {error})")
+        return None
+    return LigerRMSNormFunction
+
+
+def _backward_ms(fn, x, weight, grad):
+    x = x.detach().requires_grad_(True)
+    w = weight.detach().requires_grad_(True)
+    y = fn(x, w)
+    return median_ms(lambda: torch.autograd.grad(y, (x, w), grad, retain_graph=True))
+
+
+def main() -> None:
+    args = parse_args(__doc__.splitlines()[0])
+    device = require_cuda()
+    liger = _liger()
+    rows_out = []
+    for rows, hidden, dtype, what in SHAPES:
+        gen = torch.Generator(device=device).manual_seed(0)
+        x = torch.randn(rows, hidden, device=device, generator=gen).to(dtype)
+        residual = torch.randn(rows, hidden, device=device, generator=gen).to(dtype)
+        weight = torch.randn(hidden, device=device, generator=gen).to(dtype)
+        grad = torch.randn(rows, hidden, device=device, generator=gen).to(dtype)
+        tensor_bytes = x.numel() * x.element_size()
+        copy_src = torch.empty(2 * tensor_bytes, dtype=torch.uint8, device=device)
+        copy_dst = torch.empty_like(copy_src)
+        one_copy = median_ms(lambda: copy_dst[:tensor_bytes].copy_(copy_src[:tensor_bytes]))
+        copy_tbs = 2 * tensor_bytes / one_copy / 1e9
+        candidates = {
+            "forward": (
+                2,
+                {
+                    "torch F.rms_norm": lambda: F.rms_norm(x, (hidden,), weight, EPS),
+                    "batchinv": lambda: batchinv.rms_norm(x, weight, EPS),
+                },
+            ),
+            "fused add forward": (
+                4,
+                {
+                    "torch add + F.rms_norm": lambda: F.rms_norm(x + residual, (hidden,), weight, EPS),
+                    "batchinv": lambda: batchinv.fused_add_rms_norm(x, residual, weight, EPS),
+                },
+            ),
+        }
+        if liger is not None:
+            candidates["forward"][1]["Liger-Kernel"] = lambda: liger.apply(x, weight, EPS)
+        timings = []
+        for direction, (tensors, fns) in candidates.items():
+            for path, fn in fns.items():
+                timings.append((direction, path, tensors, median_ms(fn)))
+        backward = {
+            "torch F.rms_norm": lambda a, w: F.rms_norm(a, (hidden,), w, EPS),
+            "batchinv": lambda a, w: batchinv.rms_norm(a, w, EPS),
+        }
+        if liger is not None:
+            backward["Liger-Kernel"] = lambda a, w: liger.apply(a, w, EPS)
+        for path, fn in backward.items():
+            try:
+                timings.append(("backward", path, 3, _backward_ms(fn, x, weight, grad)))
+            except Exception as error:
+                print(f"note: backward row {path!r} skipped ({type(error).__name__}: {error})")
+        rows_out.append({
+            "rows": rows, "hidden": hidden, "dtype": str(dtype).removeprefix("torch."), "what": what,
+            "direction": "-", "path": "copy (anchor)", "ms": one_copy, "TB/s": copy_tbs, "vs_copy": 1.0,
+        })
+        for direction, path, tensors, ms in timings:
+            tbs = tensors * tensor_bytes / ms / 1e9
+            rows_out.append({
+                "rows": rows, "hidden": hidden, "dtype": str(dtype).removeprefix("torch."), "what": what,
+                "direction": direction, "path": path, "ms": ms, "TB/s": tbs, "vs_copy": tbs / copy_tbs,
+            })
+    report(
+        "rms_norm",
+        rows_out,
+        ["rows", "hidden", "dtype", "what", "direction", "path", "ms", "TB/s", "vs_copy"],
+        args.json,
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,544 @@
+// RMSNorm and fused residual-add + RMSNorm, forward and backward (Qwen3 layer norms and the
+// per-head q/k norm, which is the same op over rows of length head_dim).
+//
+// Forward   inv_rms = 1 / sqrt(sum(h^2) / d + eps);  y = (h * inv_rms) * weight
+//           h = x                          (rms_norm_forward_*, residual == nullptr)
+//           h = round(x + residual)        (fused: the sum added in fp32, rounded once to the
+//                                           storage type, written to new_residual; the norm
+//                                           reads the rounded value)
+//   x, residual  [rows, d]  bf16/fp16/fp32, unit stride along d, row strides x_stride and
+//                           residual_stride (elements)
+//   weight       [d]        same dtype, contiguous
+//   y, new_residual [rows, d] same dtype, contiguous (new_residual only when fused)
+//   rstd         [rows] fp32: inv_rms of each row (nullptr: not written); the backward reads it
+//   eps          fp32 (the host rounds the Python float once)
+//   Arithmetic in fp32 with explicit IEEE intrinsics (no FMA contraction): squares rounded,
+//   sums rounded, sum / d, __fsqrt_rn, 1 / that, then two products, one rounding at the end.
+//
+// Backward  x_hat = h * inv_rms;  gw = grad_y * weight;
+//           grad_h = inv_rms * (gw - x_hat * (sum(gw * x_hat) / d))  [+ grad_residual]
+//           rounded once to the storage type (the fused backward adds the gradient reaching
+//           new_residual in fp32 before that rounding).
+//           grad_weight[c] = sum over rows of grad_y[r, c] * x_hat[r, c]: pass 1 sums each
+//           chunk of kWeightGradRows (64) consecutive rows in increasing row order into an
+//           fp32 partial row; while more than 64 partial rows remain, the same chunking sums
+//           them (rms_norm_weight_grad_reduce); the last pass adds the <= 64 left in order and
+//           rounds once.  A fixed tree whose shape depends on the row count only, no atomics:
+//           bitwise the same run to run.  Zero-gradient rows appended at the end add +0 to
+//           each sum and leave the bits unchanged.
+//
+// Launch geometry (the host picks it from d and the dtype only, never from rows):
+//   threads_per_row T in {4, 16, 32, 128, 256, 512, 1024}: the smallest T with
+//   T * kChunksPerThread 16-byte chunks >= the row; rows longer than that use the streaming
+//   form with T = 1024, which reads the row twice instead of keeping it in registers.
+//   CTA = max(T, 128) threads holding 128 / T rows (T < 128) or one row; grid.x = ceil(rows /
+//   rows per CTA).  The batch changes only grid.x.
+//
+// Why a row's bits cannot depend on the batch: element e of a row belongs to 16-byte chunk
+// c = e / (16 / sizeof(storage)), chunk c to thread c % T of the row's group, and a thread
+// adds its elements in increasing e.  The T per-thread partials are combined by a butterfly
+// (xor offsets T/2 .. 1 inside a warp, each step one commutative IEEE add, so every lane
+// ends with the same bits) and, for T above the warp size, the per-warp results are added in
+// warp order.  All of this is fixed by d; which CTA or group slot a row lands in, the rows
+// beside it and how many CTAs run do not enter.  Loads are 16-byte vectors when every base
+// pointer, row stride and d*sizeof are multiples of 16 (the same for all rows of a launch) and
+// element loads otherwise; both fill the same per-thread chunks, so the arithmetic, and the
+// bits, do not depend on the load width: a row alone in a fresh tensor and the same row at an
+// odd offset of a batch get the same result.
+#include "common/portability.cuh"
+
+namespace batchinv {
+namespace rms {
+
+constexpr int kChunkBytes = 16;
+constexpr int kChunksPerThread = 4;  // chunks each thread keeps in registers
+constexpr int kStreamingBackwardChunks = 2;
+constexpr int kMinCtaThreads = 128;
+constexpr int kMaxThreads = 1024;
+constexpr int kMaxWarps = kMaxThreads / BATCHINV_WARP_SIZE;
+constexpr int kWeightGradRows = 64;      // rows per pass-1 partial of grad_weight (a constant)
+constexpr int kWeightGradThreads = 256;  // columns per pass-1 / pass-2 CTA
+constexpr int kWeightGradUnroll = 8;     // rows loaded before they are added (loads in flight)
+
+template <typename Codec>
+struct alignas(kChunkBytes) Chunk {
+    static constexpr int kElems = kChunkBytes / static_cast<int>(sizeof(typename Codec::storage));
+    typename Codec::storage v[kElems];
+};
+
+template <typename Codec>
+__device__ __forceinline__ void load_chunk(Chunk<Codec>& out, const typename Codec::storage* row,
+                                           int64_t chunk, int64_t d, bool vector) {
+    constexpr int E = Chunk<Codec>::kElems;
+    const int64_t first = chunk * E;
+    if (vector) {
+        *reinterpret_cast<uint4*>(out.v) = *reinterpret_cast<const uint4*>(row + first);
+    } else {
+#pragma unroll
+        for (int e = 0; e < E; ++e) out.v[e] = first + e < d ? row[first + e] : Codec::store(0.0f);
+    }
+}
+
+template <typename Codec>
+__device__ __forceinline__ void store_chunk(typename Codec::storage* row, const Chunk<Codec>& in,
+                                            int64_t chunk, int64_t d, bool vector) {
+    constexpr int E = Chunk<Codec>::kElems;
+    const int64_t first = chunk * E;
+    if (vector) {
+        *reinterpret_cast<uint4*>(row + first) = *reinterpret_cast<const uint4*>(in.v);
+    } else {
+#pragma unroll
+        for (int e = 0; e < E; ++e) {
+            if (first + e < d) row[first + e] = in.v[e];
+        }
+    }
+}
+
+// Sum of one value per thread over the T threads of a row group (see the header).  Every
+// thread of the CTA must call it; all threads of a group get the same bits.
+template <int T>
+__device__ __forceinline__ float row_group_sum(float value, float* warp_partials) {
+    constexpr int W = BATCHINV_WARP_SIZE;
+    constexpr int kLanes = T < W ? T : W;
+#pragma unroll
+    for (int offset = kLanes / 2; offset > 0; offset >>= 1) {
+        value = __fadd_rn(value, BATCHINV_SHFL_XOR(value, offset));
+    }
+    if constexpr (T > W) {
+        constexpr int kWarpsPerRow = T / W;
+        const int warp = threadIdx.x / W;
+        const int first_warp = warp - warp % kWarpsPerRow;
+        if (threadIdx.x % W == 0) warp_partials[warp] = value;
+        __syncthreads();
+        value = warp_partials[first_warp];
+#pragma unroll
+        for (int w = 1; w < kWarpsPerRow; ++w) value = __fadd_rn(value, warp_partials[first_warp + w]);
+        __syncthreads();  // the partials may be reused by a later reduction
+    }
+    return value;
+}
+
+__device__ __forceinline__ float inv_rms_of(float sum_sq, int64_t d, float eps) {
+    const float mean_sq = __fdiv_rn(sum_sq, static_cast<float>(d));
+    return __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(mean_sq, eps)));
+}
+
+__device__ __forceinline__ bool aligned16(const void* p) {
+    return (reinterpret_cast<uintptr_t>(p) & (kChunkBytes - 1)) == 0;
+}
+
+template <typename Storage>
+__device__ __forceinline__ bool stride_aligned16(int64_t elements) {
+    return ((elements * static_cast<int64_t>(sizeof(Storage))) & (kChunkBytes - 1)) == 0;
+}
+
+struct ForwardArgs {
+    void* y;
+    void* new_residual;
+    float* rstd;
+    const void* x;
+    const void* residual;
+    const void* weight;
+    int64_t rows;
+    int64_t d;
+    int64_t x_stride;
+    int64_t residual_stride;
+    float eps;
+};
+
+// One row per group of T threads.  kStreaming: the row does not fit kChunksPerThread chunks
+// per thread; it is processed in rounds and read again for the output (for the fused form
+// the second read is of new_residual, which this thread wrote itself in the first).
+template <typename Codec, int T, bool kStreaming, bool kFusedAdd>
+__device__ __forceinline__ void forward_rows(const ForwardArgs& a, float* warp_partials) {
+    using S = typename Codec::storage;
+    constexpr int E = Chunk<Codec>::kElems;
+    constexpr int kCta = T < kMinCtaThreads ? kMinCtaThreads : T;
+    constexpr int kRowsPerCta = kCta / T;
+    constexpr int K = kChunksPerThread;
+    const int lane = threadIdx.x % T;
+    const int64_t row = static_cast<int64_t>(blockIdx.x) * kRowsPerCta + threadIdx.x / T;
+    const bool active = row < a.rows;
+    const int64_t d = a.d;
+    const int64_t chunks = (d + E - 1) / E;
+    const int64_t safe_row = active ? row : 0;
+    const S* x = static_cast<const S*>(a.x) + safe_row * a.x_stride;
+    const S* residual = kFusedAdd ? static_cast<const S*>(a.residual) + safe_row * a.residual_stride
+                                  : nullptr;
+    S* y = static_cast<S*>(a.y) + safe_row * d;
+    S* new_residual = kFusedAdd ? static_cast<S*>(a.new_residual) + safe_row * d : nullptr;
+    const S* weight = static_cast<const S*>(a.weight);
+    const bool vector = aligned16(a.x) && aligned16(a.y) && aligned16(a.weight) &&
+                        aligned16(a.residual) && aligned16(a.new_residual) &&
+                        stride_aligned16<S>(a.x_stride) && stride_aligned16<S>(a.residual_stride) &&
+                        stride_aligned16<S>(d);
+
+    Chunk<Codec> h[K];
+    float sum_sq = 0.0f;
+    // Pass 1: h (x, or round(x + residual)) and the thread's sum of squares in element order.
+    for (int64_t base = 0; base < (kStreaming ? chunks : 1); base += static_cast<int64_t>(K) * T) {
+        Chunk<Codec> r[kFusedAdd ? K : 1];
+#pragma unroll
+        for (int k = 0; k < K; ++k) {
+            const int64_t c = base + lane + static_cast<int64_t>(k) * T;
+            if (active && c < chunks) {
+                load_chunk(h[k], x, c, d, vector);
+                if constexpr (kFusedAdd) load_chunk(r[k], residual, c, d, vector);
+            }
+        }
+#pragma unroll
+        for (int k = 0; k < K; ++k) {
+            const int64_t c = base + lane + static_cast<int64_t>(k) * T;
+            if (!(active && c < chunks)) continue;
+#pragma unroll
+            for (int e = 0; e < E; ++e) {
+                if (c * E + e >= d) continue;
+                if constexpr (kFusedAdd) {
+                    h[k].v[e] = Codec::store(__fadd_rn(Codec::load(h[k].v[e]), Codec::load(r[k].v[e])));
+                }
+                const float v = Codec::load(h[k].v[e]);
+                sum_sq = __fadd_rn(sum_sq, __fmul_rn(v, v));
+            }
+            if constexpr (kFusedAdd) store_chunk(new_residual, h[k], c, d, vector);
+        }
+    }
+    const float inv_rms = inv_rms_of(row_group_sum<T>(sum_sq, warp_partials), d, a.eps);
+    if (!active) return;
+    if (a.rstd != nullptr && lane == 0) a.rstd[row] = inv_rms;
+    // Pass 2: y = (h * inv_rms) * weight.
+    for (int64_t base = 0; base < (kStreaming ? chunks : 1); base += static_cast<int64_t>(K) * T) {
+        if constexpr (kStreaming) {
+#pragma unroll
+            for (int k = 0; k < K; ++k) {
+                const int64_t c = base + lane + static_cast<int64_t>(k) * T;
+                if (c < chunks) load_chunk(h[k], kFusedAdd ? new_residual : x, c, d, vector);
+            }
+        }
+#pragma unroll
+        for (int k = 0; k < K; ++k) {
+            const int64_t c = base + lane + static_cast<int64_t>(k) * T;
+            if (c >= chunks) continue;
+            Chunk<Codec> w, out;
+            load_chunk(w, weight, c, d, vector);
+#pragma unroll
+            for (int e = 0; e < E; ++e) {
+                out.v[e] = Codec::store(
+                    __fmul_rn(__fmul_rn(Codec::load(h[k].v[e]), inv_rms), Codec::load(w.v[e])));
+            }
+            store_chunk(y, out, c, d, vector);
+        }
+    }
+}
+
+struct BackwardArgs {
+    void* grad_x;
+    const void* grad_y;
+    const void* x;
+    const void* weight;
+    const float* rstd;
+    const void* grad_residual;
+    int64_t rows;
+    int64_t d;
+    int64_t x_stride;
+};
+
+// grad_h of one row per group of T threads; the same layout and tree as the forward.
+// The streaming form holds two chunks of x and of grad_y per round: with four, the 64
+// registers a 1024-thread CTA allows would spill.
+template <typename Codec, int T, bool kStreaming>
+__device__ __forceinline__ void backward_rows(const BackwardArgs& a, float* warp_partials) {
+    using S = typename Codec::storage;
+    constexpr int E = Chunk<Codec>::kElems;
+    constexpr int kCta = T < kMinCtaThreads ? kMinCtaThreads : T;
+    constexpr int kRowsPerCta = kCta / T;
+    constexpr int K = kStreaming ? kStreamingBackwardChunks : kChunksPerThread;
+    const int lane = threadIdx.x % T;
+    const int64_t row = static_cast<int64_t>(blockIdx.x) * kRowsPerCta + threadIdx.x / T;
+    const bool active = row < a.rows;
+    const int64_t d = a.d;
+    const int64_t chunks = (d + E - 1) / E;
+    const int64_t safe_row = active ? row : 0;
+    const S* x = static_cast<const S*>(a.x) + safe_row * a.x_stride;
+    const S* grad_y = static_cast<const S*>(a.grad_y) + safe_row * d;
+    const S* grad_residual =
+        a.grad_residual != nullptr ? static_cast<const S*>(a.grad_residual) + safe_row * d : nullptr;
+    S* grad_x = static_cast<S*>(a.grad_x) + safe_row * d;
+    const S* weight = static_cast<const S*>(a.weight);
+    const bool vector = aligned16(a.x) && aligned16(a.grad_y) && aligned16(a.weight) &&
+                        aligned16(a.grad_residual) && aligned16(a.grad_x) &&
+                        stride_aligned16<S>(a.x_stride) && stride_aligned16<S>(d);
+    const float inv_rms = active ? a.rstd[row] : 0.0f;
+
+    Chunk<Codec> xs[K], gs[K];
+    float dot = 0.0f;
+    for (int64_t base = 0; base < (kStreaming ? chunks : 1); base += static_cast<int64_t>(K) * T) {
+#pragma unroll
+        for (int k = 0; k < K; ++k) {
+            const int64_t c = base + lane + static_cast<int64_t>(k) * T;
+            if (active && c < chunks) {
+                load_chunk(xs[k], x, c, d, vector);
+                load_chunk(gs[k], grad_y, c, d, vector);
+            }
+        }
+#pragma unroll
+        for (int k = 0; k < K; ++k) {
+            const int64_t c = base + lane + static_cast<int64_t>(k) * T;
+            if (!(active && c < chunks)) continue;
+            Chunk<Codec> w;
+            load_chunk(w, weight, c, d, vector);
+#pragma unroll
+            for (int e = 0; e < E; ++e) {
+                if (c * E + e >= d) continue;
+                const float gw = __fmul_rn(Codec::load(gs[k].v[e]), Codec::load(w.v[e]));
+                const float x_hat = __fmul_rn(Codec::load(xs[k].v[e]), inv_rms);
+                dot = __fadd_rn(dot, __fmul_rn(gw, x_hat));
+            }
+        }
+    }
+    const float mean_dot = __fdiv_rn(row_group_sum<T>(dot, warp_partials), static_cast<float>(d));
+    if (!active) return;
+    for (int64_t base = 0; base < (kStreaming ? chunks : 1); base += static_cast<int64_t>(K) * T) {
+        if constexpr (kStreaming) {
+#pragma unroll
+            for (int k = 0; k < K; ++k) {
+                const int64_t c = base + lane + static_cast<int64_t>(k) * T;
+                if (c < chunks) {
+                    load_chunk(xs[k], x, c, d, vector);
+                    load_chunk(gs[k], grad_y, c, d, vector);
+                }
+            }
+        }
+#pragma unroll
+        for (int k = 0; k < K; ++k) {
+            const int64_t c = base + lane + static_cast<int64_t>(k) * T;
+            if (c >= chunks) continue;
+            Chunk<Codec> w, extra, out;
+            load_chunk(w, weight, c, d, vector);
+            if (grad_residual != nullptr) load_chunk(extra, grad_residual, c, d, vector);
+#pragma unroll
+            for (int e = 0; e < E; ++e) {
+                const float gw = __fmul_rn(Codec::load(gs[k].v[e]), Codec::load(w.v[e]));
+                const float x_hat = __fmul_rn(Codec::load(xs[k].v[e]), inv_rms);
+                float g = __fmul_rn(inv_rms, __fsub_rn(gw, __fmul_rn(x_hat, mean_dot)));
+                if (grad_residual != nullptr) g = __fadd_rn(g, Codec::load(extra.v[e]));
+                out.v[e] = Codec::store(g);
+            }
+            store_chunk(grad_x, out, c, d, vector);
+        }
+    }
+}
+
+// One kernel entry per (dtype, geometry), so each gets its own register budget.
+template <int T>
+struct Cta {
+    static constexpr int kThreads = T < kMinCtaThreads ? kMinCtaThreads : T;
+};
+
+template <typename Codec, int T, bool kStreaming>
+__device__ __forceinline__ void forward_kernel(const ForwardArgs& a) {
+    __shared__ float warp_partials[kMaxWarps];
+    if (a.residual != nullptr) {
+        forward_rows<Codec, T, kStreaming, true>(a, warp_partials);
+    } else {
+        forward_rows<Codec, T, kStreaming, false>(a, warp_partials);
+    }
+}
+
+template <typename Codec, int T, bool kStreaming>
+__device__ __forceinline__ void backward_kernel(const BackwardArgs& a) {
+    __shared__ float warp_partials[kMaxWarps];
+    backward_rows<Codec, T, kStreaming>(a, warp_partials);
+}
+
+// grad_weight, pass 1: partials[chunk, col] = sum over rows [chunk * 64, min(rows, chunk * 64 + 64))
+// in increasing row order of grad_y[r, col] * (x[r, col] * rstd[r]), fp32.
+// Launch: grid = (ceil(rows / kWeightGradRows), ceil(d / kWeightGradThreads)), block = 256.
+template <typename Codec>
+__device__ __forceinline__ void weight_grad_partials(float* partials,
+                                                     const typename Codec::storage* grad_y,
+                                                     const typename Codec::storage* x,
+                                                     const float* rstd, int64_t rows, int64_t d,
+                                                     int64_t x_stride) {
+    const int64_t col = static_cast<int64_t>(blockIdx.y) * kWeightGradThreads + threadIdx.x;
+    if (col >= d) return;
+    const int64_t chunk = blockIdx.x;
+    const int64_t begin = chunk * kWeightGradRows;
+    const int64_t end = begin + kWeightGradRows < rows ? begin + kWeightGradRows : rows;
+    float sum = 0.0f;
+    int64_t r = begin;
+    for (; r + kWeightGradUnroll <= end; r += kWeightGradUnroll) {
+        float g[kWeightGradUnroll], xv[kWeightGradUnroll], inv[kWeightGradUnroll];
+#pragma unroll
+        for (int u = 0; u < kWeightGradUnroll; ++u) {
+            g[u] = Codec::load(grad_y[(r + u) * d + col]);
+            xv[u] = Codec::load(x[(r + u) * x_stride + col]);
+            inv[u] = rstd[r + u];
+        }
+#pragma unroll
+        for (int u = 0; u < kWeightGradUnroll; ++u) {
+            sum = __fadd_rn(sum, __fmul_rn(g[u], __fmul_rn(xv[u], inv[u])));
+        }
+    }
+    for (; r < end; ++r) {
+        const float g = Codec::load(grad_y[r * d + col]);
+        const float xv = Codec::load(x[r * x_stride + col]);
+        sum = __fadd_rn(sum, __fmul_rn(g, __fmul_rn(xv, rstd[r])));
+    }
+    partials[chunk * d + col] = sum;
+}
+
+// Sum of rows [begin, end) of an fp32 [*, d] matrix in increasing row order, column col.
+__device__ __forceinline__ float column_sum(const float* rows_in, int64_t begin, int64_t end,
+                                            int64_t d, int64_t col) {
+    float sum = 0.0f;
+    int64_t r = begin;
+    for (; r + kWeightGradUnroll <= end; r += kWeightGradUnroll) {
+        float v[kWeightGradUnroll];
+#pragma unroll
+        for (int u = 0; u < kWeightGradUnroll; ++u) v[u] = rows_in[(r + u) * d + col];
+#pragma unroll
+        for (int u = 0; u < kWeightGradUnroll; ++u) sum = __fadd_rn(sum, v[u]);
+    }
+    for (; r < end; ++r) sum = __fadd_rn(sum, rows_in[r * d + col]);
+    return sum;
+}
+
+// grad_weight, further levels while more than kWeightGradRows partial rows remain: the same
+// chunking applied to the partials (a fixed tree whose shape depends on rows only).
+// Launch: grid = (ceil(rows_in / kWeightGradRows), ceil(d / kWeightGradThreads)), block = 256.
+__device__ __forceinline__ void weight_grad_reduce(float* rows_out, const float* rows_in,
+                                                   int64_t num_rows_in, int64_t d) {
+    const int64_t col = static_cast<int64_t>(blockIdx.y) * kWeightGradThreads + threadIdx.x;
+    if (col >= d) return;
+    const int64_t chunk = blockIdx.x;
+    const int64_t begin = chunk * kWeightGradRows;
+    const int64_t end = begin + kWeightGradRows < num_rows_in ? begin + kWeightGradRows : num_rows_in;
+    rows_out[chunk * d + col] = column_sum(rows_in, begin, end, d, col);
+}
+
+// grad_weight, last level: the (at most kWeightGradRows) partial rows added in order, rounded once.
+// Launch: grid = ceil(d / kWeightGradThreads), block = 256.
+template <typename Codec>
+__device__ __forceinline__ void weight_grad_final(typename Codec::storage* grad_weight,
+                                                  const float* partials, int64_t num_partials,
+                                                  int64_t d) {
+    const int64_t col = static_cast<int64_t>(blockIdx.x) * kWeightGradThreads + threadIdx.x;
+    if (col >= d) return;
+    grad_weight[col] = Codec::store(column_sum(partials, 0, num_partials, d, col));
+}
+
+}  // namespace rms
+}  // namespace batchinv
+
+// Kernel entries.  Geometry names: t<T> keeps the row in registers with T threads per row;
+// stream is T = 1024 reading the row twice (rows longer than 1024 * kChunksPerThread chunks).
+#define BATCHINV_RMS_NORM_ROW_KERNELS(SUFFIX, CODEC, GEOMETRY, T, STREAMING)                     \
+    extern "C" __global__ void __launch_bounds__(batchinv::rms::Cta<T>::kThreads)               \
+        rms_norm_forward_##SUFFIX##_##GEOMETRY(                                                 \
+            CODEC::storage* y, CODEC::storage* new_residual, float* rstd,                       \
+            const CODEC::storage* x, const CODEC::storage* residual,                            \
+            const CODEC::storage* weight, int64_t rows, int64_t d, int64_t x_stride,            \
+            int64_t residual_stride, float eps) {                                               \
+        const batchinv::rms::ForwardArgs args{y,        new_residual, rstd, x,        residual, \
+                                              weight,   rows,         d,    x_stride,           \
+                                              residual_stride, eps};                            \
+        batchinv::rms::forward_kernel<CODEC, T, STREAMING>(args);                               \
+    }                                                                                           \
+    extern "C" __global__ void __launch_bounds__(batchinv::rms::Cta<T>::kThreads)               \
+        rms_norm_backward_##SUFFIX##_##GEOMETRY(                                                \
+            CODEC::storage* grad_x, const CODEC::storage* grad_y, const CODEC::storage* x,      \
+            const CODEC::storage* weight, const float* rstd,                                    \
+            const CODEC::storage* grad_residual, int64_t rows, int64_t d, int64_t x_stride) {   \
+        const batchinv::rms::BackwardArgs args{grad_x,        grad_y, x, weight,  rstd,         \
+                                               grad_residual, rows,   d, x_stride};             \
+        batchinv::rms::backward_kernel<CODEC, T, STREAMING>(args);                              \
+    }
+
+#define BATCHINV_RMS_NORM_WEIGHT_GRAD_KERNELS(SUFFIX, CODEC)                                   \
+    extern "C" __global__ void __launch_bounds__(256) rms_norm_weight_grad_partials_##SUFFIX( \
+        float* partials, const CODEC::storage* grad_y, const CODEC::storage* x,                \
+        const float* rstd, int64_t rows, int64_t d, int64_t x_stride) {                        \
+        batchinv::rms::weight_grad_partials<CODEC>(partials, grad_y, x, rstd, rows, d,         \
+                                                   x_stride);                                  \
+    }                                                                                          \
+    extern "C" __global__ void __launch_bounds__(256) rms_norm_weight_grad_final_##SUFFIX(    \
+        CODEC::storage* grad_weight, const float* partials, int64_t num_partials, int64_t d) { \
+        batchinv::rms::weight_grad_final<CODEC>(grad_weight, partials, num_partials, d);      \
+    }
+
+// The geometry list (keep in step with py/batchinv/gpu/rms_norm.py: THREADS_PER_ROW).
+#define BATCHINV_RMS_NORM_ALL_GEOMETRIES(SUFFIX, CODEC)            \
+    BATCHINV_RMS_NORM_ROW_KERNELS(SUFFIX, CODEC, t4, 4, false)     \
+    BATCHINV_RMS_NORM_ROW_KERNELS(SUFFIX, CODEC, t16, 16, false)   \
+    BATCHINV_RMS_NORM_ROW_KERNELS(SUFFIX, CODEC, t32, 32, false)   \
+    BATCHINV_RMS_NORM_ROW_KERNELS(SUFFIX, CODEC, t128, 128, false) \
+    BATCHINV_RMS_NORM_ROW_KERNELS(SUFFIX, CODEC, t256, 256, false) \
+    BATCHINV_RMS_NORM_ROW_KERNELS(SUFFIX, CODEC, t512, 512, false) \
+    BATCHINV_RMS_NORM_ROW_KERNELS(SUFFIX, CODEC, t1024, 1024, false) \
+    BATCHINV_RMS_NORM_ROW_KERNELS(SUFFIX, CODEC, stream, 1024, true) \
+    BATCHINV_RMS_NORM_WEIGHT_GRAD_KERNELS(SUFFIX, CODEC)
+
+extern "C" __global__ void __launch_bounds__(256) rms_norm_weight_grad_reduce(
+    float* rows_out, const float* rows_in, int64_t num_rows_in, int64_t d) {
+    batchinv::rms::weight_grad_reduce(rows_out, rows_in, num_rows_in, d);
+}
+
+BATCHINV_RMS_NORM_ALL_GEOMETRIES(bf16, batchinv::Bf16Codec)
+BATCHINV_RMS_NORM_ALL_GEOMETRIES(f16, batchinv::F16Codec)
+BATCHINV_RMS_NORM_ALL_GEOMETRIES(f32, batchinv::F32Codec)
+
+// Signatures of the entries above, for the launcher's argument checks.
+// batchinv-signature: rms_norm_forward_bf16_t4(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
+// batchinv-signature: rms_norm_backward_bf16_t4(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
+// batchinv-signature: rms_norm_forward_bf16_t16(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
+// batchinv-signature: rms_norm_backward_bf16_t16(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
+// batchinv-signature: rms_norm_forward_bf16_t32(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
+// batchinv-signature: rms_norm_backward_bf16_t32(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
+// batchinv-signature: rms_norm_forward_bf16_t128(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
+// batchinv-signature: rms_norm_backward_bf16_t128(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
+// batchinv-signature: rms_norm_forward_bf16_t256(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
+// batchinv-signature: rms_norm_backward_bf16_t256(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
+// batchinv-signature: rms_norm_forward_bf16_t512(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
+// batchinv-signature: rms_norm_backward_bf16_t512(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
+// batchinv-signature: rms_norm_forward_bf16_t1024(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
+// batchinv-signature: rms_norm_backward_bf16_t1024(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
+// batchinv-signature: rms_norm_forward_bf16_stream(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
+// batchinv-signature: rms_norm_backward_bf16_stream(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
+// batchinv-signature: rms_norm_weight_grad_partials_bf16(ptr, ptr, ptr, ptr, i64, i64, i64)
+// batchinv-signature: rms_norm_weight_grad_final_bf16(ptr, ptr, i64, i64)
+// batchinv-signature: rms_norm_forward_f16_t4(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
+// batchinv-signature: rms_norm_backward_f16_t4(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
+// batchinv-signature: rms_norm_forward_f16_t16(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
+// batchinv-signature: rms_norm_backward_f16_t16(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
+// batchinv-signature: rms_norm_forward_f16_t32(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
+// batchinv-signature: rms_norm_backward_f16_t32(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
+// batchinv-signature: rms_norm_forward_f16_t128(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
+// batchinv-signature: rms_norm_backward_f16_t128(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
+// batchinv-signature: rms_norm_forward_f16_t256(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
+// batchinv-signature: rms_norm_backward_f16_t256(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
+// batchinv-signature: rms_norm_forward_f16_t512(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
+// batchinv-signature: rms_norm_backward_f16_t512(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
+// batchinv-signature: rms_norm_forward_f16_t1024(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
+// batchinv-signature: rms_norm_backward_f16_t1024(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
+// batchinv-signature: rms_norm_forward_f16_stream(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
+// batchinv-signature: rms_norm_backward_f16_stream(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
+// batchinv-signature: rms_norm_weight_grad_partials_f16(ptr, ptr, ptr, ptr, i64, i64, i64)
+// batchinv-signature: rms_norm_weight_grad_final_f16(ptr, ptr, i64, i64)
+// batchinv-signature: rms_norm_forward_f32_t4(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
+// batchinv-signature: rms_norm_backward_f32_t4(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
+// batchinv-signature: rms_norm_forward_f32_t16(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
+// batchinv-signature: rms_norm_backward_f32_t16(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
+// batchinv-signature: rms_norm_forward_f32_t32(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
+// batchinv-signature: rms_norm_backward_f32_t32(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
+// batchinv-signature: rms_norm_forward_f32_t128(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
+// batchinv-signature: rms_norm_backward_f32_t128(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
+// batchinv-signature: rms_norm_forward_f32_t256(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
+// batchinv-signature: rms_norm_backward_f32_t256(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
+// batchinv-signature: rms_norm_forward_f32_t512(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
+// batchinv-signature: rms_norm_backward_f32_t512(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
+// batchinv-signature: rms_norm_forward_f32_t1024(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
+// batchinv-signature: rms_norm_backward_f32_t1024(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
+// batchinv-signature: rms_norm_forward_f32_stream(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
+// batchinv-signature: rms_norm_backward_f32_stream(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
+// batchinv-signature: rms_norm_weight_grad_partials_f32(ptr, ptr, ptr, ptr, i64, i64, i64)
+// batchinv-signature: rms_norm_weight_grad_final_f32(ptr, ptr, i64, i64)

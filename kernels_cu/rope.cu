@@ -1,0 +1,219 @@
+// Rotary position embedding, Qwen3 / Hugging Face rotate-half convention; forward and the
+// inverse rotation (the backward).
+//
+// For token t with position p = positions[t], half = head_dim / 2 and j in [0, half):
+//   angle = __fmul_rn(float(p), inv_freq[j])       (p < 2^24 converts exactly)
+//   c, s  = sincosf(angle)                          (the accurate one: no fast math)
+//   out[j]        = x[j] * c - x[j + half] * s
+//   out[j + half] = x[j + half] * c + x[j] * s
+// for every head of q and of k, each product and sum an explicit IEEE intrinsic, rounded once
+// to the storage type.  inverse = 1 (the backward) uses -s: the transpose of the rotation,
+// g1 * c + g2 * s and g2 * c - g1 * s bit for bit, since negation and x - (-y) = x + y are
+// exact.
+//
+//   q        [tokens, hq, head_dim]  bf16/fp16/fp32, unit stride along head_dim, strides
+//                                    q_token_stride, q_head_stride (elements)
+//   k        [tokens, hk, head_dim]  same dtype, strides k_token_stride, k_head_stride
+//   q_out, k_out                     contiguous [tokens, h, head_dim], same dtype
+//   positions [tokens]               int32 or int64 (one kernel each)
+//   inv_freq  [half] fp32            computed on the host exactly like the reference
+//   first_bad [1] u64                preset to UINT64_MAX; receives the smallest token whose
+//                                    position is outside [0, max_position).  Such tokens'
+//                                    outputs are NaN (their angle is never computed).
+//   Launch: grid.x = tokens (one CTA per token), block = 128, dynamic shared memory
+//   2 * half * 4 bytes (the token's cos and sin table).
+//
+// Why the bits cannot depend on the batch: there is no reduction.  An output element is the
+// function above of its own x pair and of cos/sin of its own token's position, computed by the
+// same code in every CTA; which tokens share the launch, the grid size and the load width
+// (16-byte vectors when pointers, strides and half * sizeof are multiples of 16, single
+// elements otherwise; each element gets the same per-pair arithmetic) do not enter.  The
+// positions are absolute, so prefill, chunked prefill and decode give a token the same bits.
+#include "common/portability.cuh"
+
+namespace batchinv {
+namespace rope {
+
+constexpr int kThreads = 128;
+constexpr int kUnroll = 2;
+
+template <typename Codec>
+struct alignas(16) Chunk {
+    static constexpr int kElems = 16 / static_cast<int>(sizeof(typename Codec::storage));
+    typename Codec::storage v[kElems];
+};
+
+__device__ __forceinline__ float rotate_first(float x1, float x2, float c, float s) {
+    return __fsub_rn(__fmul_rn(x1, c), __fmul_rn(x2, s));
+}
+
+__device__ __forceinline__ float rotate_second(float x1, float x2, float c, float s) {
+    return __fadd_rn(__fmul_rn(x2, c), __fmul_rn(x1, s));
+}
+
+__device__ __forceinline__ bool aligned16(const void* p) {
+    return (reinterpret_cast<uintptr_t>(p) & 15) == 0;
+}
+
+template <typename S>
+__device__ __forceinline__ bool stride_aligned16(int64_t elements) {
+    return ((elements * static_cast<int64_t>(sizeof(S))) & 15) == 0;
+}
+
+struct Args {
+    void* q_out;
+    void* k_out;
+    const void* q;
+    const void* k;
+    const void* positions;
+    const float* inv_freq;
+    unsigned long long* first_bad;
+    int64_t tokens;
+    int64_t hq;
+    int64_t hk;
+    int64_t head_dim;
+    int64_t q_token_stride;
+    int64_t q_head_stride;
+    int64_t k_token_stride;
+    int64_t k_head_stride;
+    int64_t max_position;
+    int32_t inverse;
+};
+
+// The source and destination of head `head` (q heads first, then k heads) of this token.
+template <typename S>
+__device__ __forceinline__ void head_pointers(const Args& a, int64_t token, int64_t head, const S*& src,
+                                              S*& dst) {
+    if (head < a.hq) {
+        src = static_cast<const S*>(a.q) + token * a.q_token_stride + head * a.q_head_stride;
+        dst = static_cast<S*>(a.q_out) + (token * a.hq + head) * a.head_dim;
+    } else {
+        const int64_t kh = head - a.hq;
+        src = static_cast<const S*>(a.k) + token * a.k_token_stride + kh * a.k_head_stride;
+        dst = static_cast<S*>(a.k_out) + (token * a.hk + kh) * a.head_dim;
+    }
+}
+
+template <typename Codec, typename Index>
+__device__ __forceinline__ void rope_token(const Args& a) {
+    using S = typename Codec::storage;
+    constexpr int E = Chunk<Codec>::kElems;
+    extern __shared__ float table[];  // cos[half], then sin[half]
+    const int64_t token = blockIdx.x;
+    if (token >= a.tokens) return;
+    const int64_t half = a.head_dim / 2;
+    const int64_t heads = a.hq + a.hk;
+    const int64_t position = static_cast<int64_t>(static_cast<const Index*>(a.positions)[token]);
+    if (position < 0 || position >= a.max_position) {
+        if (threadIdx.x == 0) atomicMin(a.first_bad, static_cast<unsigned long long>(token));
+        const S nan = Codec::store(__int_as_float(0x7fc00000));
+        for (int64_t i = threadIdx.x; i < heads * a.head_dim; i += kThreads) {
+            const int64_t head = i / a.head_dim;
+            const S* src;
+            S* dst;
+            head_pointers(a, token, head, src, dst);
+            dst[i - head * a.head_dim] = nan;
+        }
+        return;
+    }
+    float* cos_table = table;
+    float* sin_table = table + half;
+    const float p = static_cast<float>(position);
+    for (int64_t j = threadIdx.x; j < half; j += kThreads) {
+        float s, c;
+        sincosf(__fmul_rn(p, a.inv_freq[j]), &s, &c);
+        cos_table[j] = c;
+        sin_table[j] = a.inverse ? -s : s;
+    }
+    __syncthreads();
+
+    const bool vector = (half % E) == 0 && aligned16(a.q) && aligned16(a.k) && aligned16(a.q_out) &&
+                        aligned16(a.k_out) && stride_aligned16<S>(a.q_token_stride) &&
+                        stride_aligned16<S>(a.q_head_stride) && stride_aligned16<S>(a.k_token_stride) &&
+                        stride_aligned16<S>(a.k_head_stride);
+    if (vector) {
+        const int64_t units_per_head = half / E;
+        const int64_t units = heads * units_per_head;
+        for (int64_t base = threadIdx.x; base < units; base += static_cast<int64_t>(kThreads) * kUnroll) {
+            Chunk<Codec> x1[kUnroll], x2[kUnroll];
+#pragma unroll
+            for (int u = 0; u < kUnroll; ++u) {
+                const int64_t unit = base + static_cast<int64_t>(u) * kThreads;
+                if (unit >= units) continue;
+                const int64_t head = unit / units_per_head;
+                const int64_t j = (unit - head * units_per_head) * E;
+                const S* src;
+                S* dst;
+                head_pointers(a, token, head, src, dst);
+                *reinterpret_cast<uint4*>(x1[u].v) = *reinterpret_cast<const uint4*>(src + j);
+                *reinterpret_cast<uint4*>(x2[u].v) = *reinterpret_cast<const uint4*>(src + half + j);
+            }
+#pragma unroll
+            for (int u = 0; u < kUnroll; ++u) {
+                const int64_t unit = base + static_cast<int64_t>(u) * kThreads;
+                if (unit >= units) continue;
+                const int64_t head = unit / units_per_head;
+                const int64_t j = (unit - head * units_per_head) * E;
+                const S* src;
+                S* dst;
+                head_pointers(a, token, head, src, dst);
+                Chunk<Codec> o1, o2;
+#pragma unroll
+                for (int e = 0; e < E; ++e) {
+                    const float v1 = Codec::load(x1[u].v[e]);
+                    const float v2 = Codec::load(x2[u].v[e]);
+                    const float c = cos_table[j + e];
+                    const float s = sin_table[j + e];
+                    o1.v[e] = Codec::store(rotate_first(v1, v2, c, s));
+                    o2.v[e] = Codec::store(rotate_second(v1, v2, c, s));
+                }
+                *reinterpret_cast<uint4*>(dst + j) = *reinterpret_cast<const uint4*>(o1.v);
+                *reinterpret_cast<uint4*>(dst + half + j) = *reinterpret_cast<const uint4*>(o2.v);
+            }
+        }
+    } else {
+        const int64_t units = heads * half;
+        for (int64_t unit = threadIdx.x; unit < units; unit += kThreads) {
+            const int64_t head = unit / half;
+            const int64_t j = unit - head * half;
+            const S* src;
+            S* dst;
+            head_pointers(a, token, head, src, dst);
+            const float v1 = Codec::load(src[j]);
+            const float v2 = Codec::load(src[half + j]);
+            dst[j] = Codec::store(rotate_first(v1, v2, cos_table[j], sin_table[j]));
+            dst[half + j] = Codec::store(rotate_second(v1, v2, cos_table[j], sin_table[j]));
+        }
+    }
+}
+
+}  // namespace rope
+}  // namespace batchinv
+
+#define BATCHINV_ROPE_KERNEL(SUFFIX, CODEC, INDEX)                                                \
+    extern "C" __global__ void __launch_bounds__(batchinv::rope::kThreads) rope_##SUFFIX(       \
+        CODEC::storage* q_out, CODEC::storage* k_out, const CODEC::storage* q,                   \
+        const CODEC::storage* k, const INDEX* positions, const float* inv_freq,                  \
+        unsigned long long* first_bad, int64_t tokens, int64_t hq, int64_t hk, int64_t head_dim,  \
+        int64_t q_token_stride, int64_t q_head_stride, int64_t k_token_stride,                   \
+        int64_t k_head_stride, int64_t max_position, int32_t inverse) {                          \
+        const batchinv::rope::Args args{q_out,          k_out,          q,              k,       \
+                                        positions,      inv_freq,       first_bad,      tokens,  \
+                                        hq,             hk,             head_dim,       q_token_stride, \
+                                        q_head_stride,  k_token_stride, k_head_stride,  max_position, \
+                                        inverse};                                                \
+        batchinv::rope::rope_token<CODEC, INDEX>(args);                                          \
+    }
+
+// batchinv-signature: rope_bf16_i32(ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i64, i32)
+BATCHINV_ROPE_KERNEL(bf16_i32, batchinv::Bf16Codec, int32_t)
+// batchinv-signature: rope_bf16_i64(ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i64, i32)
+BATCHINV_ROPE_KERNEL(bf16_i64, batchinv::Bf16Codec, int64_t)
+// batchinv-signature: rope_f16_i32(ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i64, i32)
+BATCHINV_ROPE_KERNEL(f16_i32, batchinv::F16Codec, int32_t)
+// batchinv-signature: rope_f16_i64(ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i64, i32)
+BATCHINV_ROPE_KERNEL(f16_i64, batchinv::F16Codec, int64_t)
+// batchinv-signature: rope_f32_i32(ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i64, i32)
+BATCHINV_ROPE_KERNEL(f32_i32, batchinv::F32Codec, int32_t)
+// batchinv-signature: rope_f32_i64(ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i64, i32)
+BATCHINV_ROPE_KERNEL(f32_i64, batchinv::F32Codec, int64_t)

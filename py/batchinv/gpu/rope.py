@@ -1,0 +1,134 @@
+"""Rotary position embedding on CUDA/HIP: launches ``kernels_cu/rope.cu``.
+
+``inv_freq`` is computed on the host by the reference's ``rope_inv_freq`` (HF's fp32
+formula) and cached on the device, so both backends rotate by the same frequencies; the
+angle ``position * inv_freq`` and its cos/sin are computed in the kernel per token.
+
+Out-of-range position ids are found by the kernel itself (it never computes their angles,
+fills those tokens' outputs with NaN and records the first bad token), so a bad id becomes a
+Python IndexError.  Reading that flag synchronises with the device once per call;
+``check_positions=False`` skips the read (bad tokens then come back as NaN).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import Tensor
+
+from .._validate import report_bad_index
+from ..reference.rope import DEFAULT_MAX_POSITION, check_rope_args, rope_inv_freq
+from ._launch import kernel_for, launch
+
+THREADS = 128  # kThreads in kernels_cu/rope.cu
+_MAX_GRID_X = 2**31 - 1
+_MAX_SHARED_BYTES = 48 * 1024  # the cos/sin table of one token, without opting in
+_SUFFIX = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32"}
+_INDEX_SUFFIX = {torch.int32: "i32", torch.int64: "i64"}
+
+
+@functools.cache
+def inv_freq_on(device: torch.device, head_dim: int, theta: float) -> Tensor:
+    """The reference's fp32 ``inv_freq`` copied to ``device`` once."""
+    return rope_inv_freq(head_dim, theta).to(device)
+
+
+def _heads_view(t: Tensor, tokens: int) -> Tensor:
+    """``[tokens, heads, head_dim]`` with unit stride along head_dim (a copy only if needed)."""
+    view = t.reshape(tokens, t.shape[-2], t.shape[-1])
+    if view.shape[-1] > 1 and view.stride(-1) != 1:
+        view = view.contiguous()
+    return view
+
+
+def launch_rotation(
+    q: Tensor, k: Tensor, position_ids: Tensor, theta: float, max_position: int, inverse: bool
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Launches the rotation (``inverse``: its transpose, the backward); returns
+    ``(q_out, k_out, first_bad [1] int64)`` without reading the flag (no synchronisation)."""
+    head_dim = q.shape[-1]
+    tokens = position_ids.numel()
+    q3, k3 = _heads_view(q, tokens), _heads_view(k, tokens)
+    q_out = torch.empty(q3.shape, dtype=q.dtype, device=q.device)
+    k_out = torch.empty(k3.shape, dtype=k.dtype, device=k.device)
+    first_bad = torch.full((1,), -1, dtype=torch.int64, device=q.device)  # UINT64_MAX
+    if tokens > 0:
+        if tokens > _MAX_GRID_X:
+            raise ValueError(
+                f"position_ids has {tokens} tokens; at most {_MAX_GRID_X} are supported"
+            )
+        shared = 2 * (head_dim // 2) * 4
+        if shared > _MAX_SHARED_BYTES:
+            raise ValueError(
+                f"head_dim must be at most {_MAX_SHARED_BYTES // 4} on the GPU, got {head_dim}"
+            )
+        positions = position_ids.reshape(-1).contiguous()
+        name = f"rope_{_SUFFIX[q.dtype]}_{_INDEX_SUFFIX[positions.dtype]}"
+        launch(
+            kernel_for("rope", name, q.device),
+            q.device,
+            grid=(tokens,),
+            block=(THREADS,),
+            args=(
+                q_out,
+                k_out,
+                q3,
+                k3,
+                positions,
+                inv_freq_on(q.device, head_dim, float(theta)),
+                first_bad,
+                tokens,
+                q3.shape[1],
+                k3.shape[1],
+                head_dim,
+                q3.stride(0),
+                q3.stride(1),
+                k3.stride(0),
+                k3.stride(1),
+                max_position,
+                1 if inverse else 0,
+            ),
+            shared_mem=shared,
+        )
+    return q_out.reshape(q.shape), k_out.reshape(k.shape), first_bad
+
+
+def forward(
+    q: Tensor,
+    k: Tensor,
+    position_ids: Tensor,
+    *,
+    theta: float,
+    head_dim: int | None = None,
+    max_position: int = DEFAULT_MAX_POSITION,
+    check_positions: bool = True,
+) -> tuple[Tensor, Tensor]:
+    """``(q_rot, k_rot)``, new tensors; IndexError for a position outside [0, max_position)."""
+    check_rope_args(
+        q,
+        k,
+        position_ids,
+        theta=theta,
+        head_dim=head_dim,
+        max_position=max_position,
+        check_values=False,
+    )
+    q_rot, k_rot, first_bad = launch_rotation(
+        q, k, position_ids, theta, max_position, inverse=False
+    )
+    if check_positions and position_ids.numel() > 0:
+        token = int(first_bad.item())  # the one synchronisation: a bad position must raise here
+        if token != -1:
+            report_bad_index("position_ids", position_ids, token, max_position)
+    return q_rot, k_rot
+
+
+def backward(
+    grad_q_rot: Tensor, grad_k_rot: Tensor, position_ids: Tensor, theta: float, max_position: int
+) -> tuple[Tensor, Tensor]:
+    """``(grad_q, grad_k)``: the inverse rotation (positions were checked by the forward)."""
+    grad_q, grad_k, _ = launch_rotation(
+        grad_q_rot, grad_k_rot, position_ids, theta, max_position, inverse=True
+    )
+    return grad_q, grad_k

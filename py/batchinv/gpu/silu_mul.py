@@ -1,0 +1,133 @@
+"""SiLU-and-multiply on CUDA/HIP: launches ``kernels_cu/silu_mul.cu``.
+
+Elementwise: every output element is one function of its own inputs, computed by the same
+code on every path, so it is bitwise the same in any batch.  The fused ``[..., 2I]`` layout
+is read in place (gate and up are two strided views of it).  No call synchronises.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ..reference.silu_mul import check_silu_mul_args, check_silu_mul_fused_args
+from ._launch import kernel_for, launch
+from .rms_norm import as_rows
+
+THREADS = 256
+# A CTA covers at most this many elements of one row; tiles are multiples of TILE_QUANTUM
+# elements so that, on the vector path, they are whole 16-byte chunks for every dtype and
+# every thread gets work.  Elementwise: the tiling changes speed only, never bits.
+MAX_TILE_ELEMENTS = 8192
+TILE_QUANTUM = 8 * THREADS
+
+_MAX_GRID_X = 2**31 - 1
+_SUFFIX = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32"}
+
+
+def _tiling(rows: int, inter: int) -> tuple[int, int, int]:
+    """``(grid, tiles_per_row, tile_elements)``."""
+    tiles = -(-inter // MAX_TILE_ELEMENTS)
+    tile = -(-inter // tiles)
+    tile = -(-tile // TILE_QUANTUM) * TILE_QUANTUM
+    tiles = -(-inter // tile)
+    grid = rows * tiles
+    if grid > _MAX_GRID_X:
+        raise ValueError(f"{rows} rows of {inter} elements are more than one launch supports")
+    return grid, tiles, tile
+
+
+def _forward_rows(out: Tensor, gate: Tensor, up: Tensor, rows: int, inter: int) -> None:
+    if rows == 0:
+        return
+    grid, tiles, tile = _tiling(rows, inter)
+    launch(
+        kernel_for("silu_mul", f"silu_mul_forward_{_SUFFIX[gate.dtype]}", gate.device),
+        gate.device,
+        grid=(grid,),
+        block=(THREADS,),
+        args=(out, gate, up, rows, inter, out.stride(0), gate.stride(0), up.stride(0), tiles, tile),
+    )
+
+
+def forward(gate: Tensor, up: Tensor) -> Tensor:
+    """``silu(gate) * up``; gate and up ``[..., I]``, any strides (copied only if needed)."""
+    check_silu_mul_args(gate, up)
+    inter = gate.shape[-1]
+    gate_rows, up_rows = as_rows(gate, inter), as_rows(up, inter)
+    rows = gate_rows.shape[0]
+    out = torch.empty((rows, inter), dtype=gate.dtype, device=gate.device)
+    _forward_rows(out, gate_rows, up_rows, rows, inter)
+    return out.reshape(gate.shape)
+
+
+def forward_fused(gate_up: Tensor) -> Tensor:
+    """``silu(gate_up[..., :I]) * gate_up[..., I:]``, read in place."""
+    check_silu_mul_fused_args(gate_up)
+    inter = gate_up.shape[-1] // 2
+    both = as_rows(gate_up, 2 * inter)
+    rows = both.shape[0]
+    out = torch.empty((rows, inter), dtype=gate_up.dtype, device=gate_up.device)
+    _forward_rows(out, both[:, :inter], both[:, inter:], rows, inter)
+    return out.reshape(*gate_up.shape[:-1], inter)
+
+
+def _backward_rows(
+    grad_gate: Tensor,
+    grad_up: Tensor,
+    grad_out: Tensor,
+    gate: Tensor,
+    up: Tensor,
+    rows: int,
+    inter: int,
+) -> None:
+    if rows == 0:
+        return
+    grid, tiles, tile = _tiling(rows, inter)
+    launch(
+        kernel_for("silu_mul", f"silu_mul_backward_{_SUFFIX[gate.dtype]}", gate.device),
+        gate.device,
+        grid=(grid,),
+        block=(THREADS,),
+        args=(
+            grad_gate,
+            grad_up,
+            grad_out,
+            gate,
+            up,
+            rows,
+            inter,
+            grad_gate.stride(0),
+            grad_up.stride(0),
+            grad_out.stride(0),
+            gate.stride(0),
+            up.stride(0),
+            tiles,
+            tile,
+        ),
+    )
+
+
+def backward(grad_out: Tensor, gate: Tensor, up: Tensor) -> tuple[Tensor, Tensor]:
+    """``(grad_gate, grad_up)`` in the inputs' shape and dtype."""
+    inter = gate.shape[-1]
+    gate_rows, up_rows = as_rows(gate, inter), as_rows(up, inter)
+    rows = gate_rows.shape[0]
+    grad_rows = as_rows(grad_out.to(gate.dtype), inter)
+    grad_gate = torch.empty((rows, inter), dtype=gate.dtype, device=gate.device)
+    grad_up = torch.empty_like(grad_gate)
+    _backward_rows(grad_gate, grad_up, grad_rows, gate_rows, up_rows, rows, inter)
+    return grad_gate.reshape(gate.shape), grad_up.reshape(up.shape)
+
+
+def backward_fused(grad_out: Tensor, gate_up: Tensor) -> Tensor:
+    """The gradient of ``gate_up`` ``[..., 2I]``: grad_gate in the first half, grad_up after."""
+    inter = gate_up.shape[-1] // 2
+    both = as_rows(gate_up, 2 * inter)
+    rows = both.shape[0]
+    grad_rows = as_rows(grad_out.to(gate_up.dtype), inter)
+    grad = torch.empty((rows, 2 * inter), dtype=gate_up.dtype, device=gate_up.device)
+    _backward_rows(
+        grad[:, :inter], grad[:, inter:], grad_rows, both[:, :inter], both[:, inter:], rows, inter
+    )
+    return grad.reshape(gate_up.shape)

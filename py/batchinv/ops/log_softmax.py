@@ -1,0 +1,60 @@
+"""``batchinv.log_softmax``: log-softmax over the last dimension, fp32 statistics.
+
+On the CPU the op is the reference (``batchinv.reference.log_softmax``, the chunked online
+log-sum-exp in a fixed order); on CUDA/HIP it is ``kernels_cu/log_softmax.cu``: one CTA per
+row and a fixed tree chosen from the row length alone, so a row's output and input gradient
+are bitwise the same in any batch.  The two backends agree within the contract's logprob
+tolerance, not bitwise (different fixed orders).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .. import registry
+from ..gpu import log_softmax as gpu
+from ..reference import log_softmax as reference
+from ..reference.log_softmax import LSE_CHUNK
+
+
+class _LogSoftmaxGPU(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, out_dtype: torch.dtype) -> Tensor:
+        out, lse = gpu.forward(x, out_dtype)
+        ctx.save_for_backward(x, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor):
+        x, lse = ctx.saved_tensors
+        return gpu.backward(grad_out, x, lse), None
+
+
+def _gpu_log_softmax(x: Tensor, dim: int, out_dtype: torch.dtype, *, chunk_size: int) -> Tensor:
+    # chunk_size defines the CPU reference's order; the kernel's order is its own fixed tree.
+    return _LogSoftmaxGPU.apply(x, out_dtype)
+
+
+for _backend in ("cuda", "hip"):
+    registry.register("log_softmax", _backend)(_gpu_log_softmax)
+registry.register("log_softmax", "cpu")(reference.log_softmax)
+
+
+def log_softmax(
+    x: Tensor,
+    dim: int = -1,
+    out_dtype: torch.dtype = torch.float32,
+    *,
+    chunk_size: int = LSE_CHUNK,
+) -> Tensor:
+    """``x - logsumexp(x)`` over the last dimension with fp32 statistics, rounded once to
+    ``out_dtype`` (fp32 by default, also bf16/fp16).
+
+    ``x: [..., V]`` in bf16/fp16/fp32, any strides; ``dim`` must be the last dimension.  A row
+    of all ``-inf`` gives ``-inf`` everywhere and a zero gradient.  ``chunk_size`` sets the
+    CPU reference's summation order (see ``batchinv.reference.log_softmax``) and is validated
+    but unused on the GPU.  Differentiable: ``dx = dy - exp(out) * sum(dy)``.
+    """
+    reference.check_log_softmax_args(x, dim, out_dtype, chunk_size)
+    return registry.lookup("log_softmax", x.device)(x, dim, out_dtype, chunk_size=chunk_size)

@@ -1,0 +1,102 @@
+"""``batchinv.rope``: rotary position embedding (Qwen3 / HF rotate-half), batch invariant.
+
+On the CPU the op is the reference (``batchinv.reference.rope``); on CUDA/HIP it is
+``kernels_cu/rope.cu``.  There is no reduction: a token's rotation depends only on its own
+vectors and its absolute position id, so prefill, chunked prefill and decode give it the
+same bits.  The two backends agree within the contract's elementwise tolerance (their
+cos/sin differ by an ulp or two).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .. import registry
+from ..gpu import rope as gpu
+from ..reference import rope as reference
+from ..reference.rope import DEFAULT_MAX_POSITION
+
+
+class _RopeGPU(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, position_ids, theta, head_dim, max_position, check_positions):
+        q_rot, k_rot = gpu.forward(
+            q,
+            k,
+            position_ids,
+            theta=theta,
+            head_dim=head_dim,
+            max_position=max_position,
+            check_positions=check_positions,
+        )
+        ctx.save_for_backward(position_ids)
+        ctx.theta = theta
+        ctx.max_position = max_position
+        return q_rot, k_rot
+
+    @staticmethod
+    def backward(ctx, grad_q_rot: Tensor, grad_k_rot: Tensor):
+        (position_ids,) = ctx.saved_tensors
+        grad_q, grad_k = gpu.backward(
+            grad_q_rot, grad_k_rot, position_ids, ctx.theta, ctx.max_position
+        )
+        return grad_q, grad_k, None, None, None, None, None
+
+
+def _gpu_rope(q, k, position_ids, *, theta, head_dim, max_position, check_positions):
+    return _RopeGPU.apply(q, k, position_ids, theta, head_dim, max_position, check_positions)
+
+
+def _cpu_rope(q, k, position_ids, *, theta, head_dim, max_position, check_positions):
+    # The reference always checks the position ids (reading them costs nothing on the CPU).
+    return reference.rope(
+        q, k, position_ids, theta=theta, head_dim=head_dim, max_position=max_position
+    )
+
+
+for _backend in ("cuda", "hip"):
+    registry.register("rope", _backend)(_gpu_rope)
+registry.register("rope", "cpu")(_cpu_rope)
+
+
+def rope(
+    q: Tensor,
+    k: Tensor,
+    position_ids: Tensor,
+    *,
+    theta: float,
+    head_dim: int | None = None,
+    max_position: int = DEFAULT_MAX_POSITION,
+    check_positions: bool = True,
+) -> tuple[Tensor, Tensor]:
+    """Rotates ``q: [*tokens, Hq, d]`` and ``k: [*tokens, Hkv, d]`` by their tokens' absolute
+    ``position_ids: [*tokens]`` (int32/int64); returns new tensors ``(q_rot, k_rot)``.
+
+    ``inv_freq = 1 / theta^(2j/d)`` (HF's fp32 formula), ``angle = position * inv_freq`` in
+    fp32, ``out[:h] = x1*cos - x2*sin``, ``out[h:] = x2*cos + x1*sin`` in fp32, one rounding
+    to the inputs' dtype.  A position outside ``[0, max_position)`` raises IndexError naming
+    it; on a GPU that check reads a flag back from the device (one synchronisation per call),
+    and ``check_positions=False`` skips it (such tokens then come back as NaN).
+    Differentiable in q and k (the backward is the inverse rotation); inputs never modified.
+    """
+    reference.check_rope_args(
+        q,
+        k,
+        position_ids,
+        theta=theta,
+        head_dim=head_dim,
+        max_position=max_position,
+        check_values=False,
+    )
+    if not isinstance(check_positions, bool):
+        raise TypeError(f"check_positions must be a bool, got {type(check_positions).__name__}")
+    return registry.lookup("rope", q.device)(
+        q,
+        k,
+        position_ids,
+        theta=theta,
+        head_dim=head_dim,
+        max_position=max_position,
+        check_positions=check_positions,
+    )

@@ -1,0 +1,62 @@
+"""``batchinv.silu_mul`` and ``batchinv.silu_mul_fused``: SwiGLU's ``silu(gate) * up``.
+
+On the CPU the op is the reference (``batchinv.reference.silu_mul``); on CUDA/HIP it is
+``kernels_cu/silu_mul.cu``.  Elementwise, so every element is bitwise the same in any batch;
+the two backends agree within the contract's elementwise tolerance (their ``exp`` differ by
+an ulp or two).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .. import registry
+from ..gpu import silu_mul as gpu
+from ..reference import silu_mul as reference
+
+
+class _SiluMulGPU(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, gate: Tensor, up: Tensor) -> Tensor:
+        ctx.save_for_backward(gate, up)
+        return gpu.forward(gate, up)
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor):
+        gate, up = ctx.saved_tensors
+        return gpu.backward(grad_out, gate, up)
+
+
+class _SiluMulFusedGPU(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, gate_up: Tensor) -> Tensor:
+        ctx.save_for_backward(gate_up)
+        return gpu.forward_fused(gate_up)
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor):
+        (gate_up,) = ctx.saved_tensors
+        return gpu.backward_fused(grad_out, gate_up)
+
+
+for _backend in ("cuda", "hip"):
+    registry.register("silu_mul", _backend)(_SiluMulGPU.apply)
+    registry.register("silu_mul_fused", _backend)(_SiluMulFusedGPU.apply)
+registry.register("silu_mul", "cpu")(reference.silu_mul)
+registry.register("silu_mul_fused", "cpu")(reference.silu_mul_fused)
+
+
+def silu_mul(gate: Tensor, up: Tensor) -> Tensor:
+    """``silu(gate) * up`` elementwise in fp32 (``silu(g) = g / (1 + exp(-g))``), rounded once
+    to the inputs' dtype.  ``gate``, ``up``: the same shape ``[..., I]``, dtype (bf16, fp16,
+    fp32) and device; any strides.  Differentiable; the inputs are never modified."""
+    reference.check_silu_mul_args(gate, up)
+    return registry.lookup("silu_mul", gate.device)(gate, up)
+
+
+def silu_mul_fused(gate_up: Tensor) -> Tensor:
+    """``silu_mul(gate_up[..., :I], gate_up[..., I:])`` for ``gate_up: [..., 2 * I]`` (vLLM's
+    ``SiluAndMul`` order: a merged ``[gate_proj; up_proj]`` output).  Returns ``[..., I]``."""
+    reference.check_silu_mul_fused_args(gate_up)
+    return registry.lookup("silu_mul_fused", gate_up.device)(gate_up)

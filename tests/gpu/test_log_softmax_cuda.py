@@ -1,0 +1,237 @@
+"""The CUDA log-softmax kernels: rows bitwise invariant to the batch (forward and input
+gradient), bits independent of where the row is cached on chip, within the contract's logprob
+tolerance of the fp32 reference, -inf rows by definition, every output element written."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import batchinv
+from batchinv.contract import (
+    assert_bitwise_equal,
+    assert_no_drift,
+    assert_within_tolerance,
+    row_invariance_sweep,
+)
+from batchinv.gpu import log_softmax as gpu_log_softmax
+from batchinv.reference.log_softmax import log_softmax_fp32
+
+pytestmark = pytest.mark.cuda
+
+DEVICE = "cuda"
+QUICK = os.environ.get("BATCHINV_QUICK") == "1"
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+VOCABS = (1, 3, 111, 4097, 32000) if QUICK else (1, 3, 111, 4096, 4097, 32000, 151936)
+BATCH_SIZES = (1, 3, 17) if QUICK else (1, 3, 17, 33, 257)
+BIG_VOCAB = 151936
+
+
+def _logits(vocab: int, dtype: torch.dtype, *, grads: bool = False):
+    def make(n: int, gen: torch.Generator):
+        x = (4.0 * torch.randn(n, vocab, generator=gen)).to(dtype)
+        if not grads:
+            return x
+        return x, torch.randn(n, vocab, generator=gen)
+
+    return make
+
+
+def _grad_x(x, grad, out_dtype=torch.float32):
+    x = x.detach().to(DEVICE).requires_grad_(True)
+    batchinv.log_softmax(x, -1, out_dtype).backward(grad.to(DEVICE, out_dtype))
+    return x.grad
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("vocab", VOCABS)
+def test_rows_are_batch_invariant(vocab, dtype):
+    batch_sizes = BATCH_SIZES if vocab < BIG_VOCAB else (1, 3, 17)
+    reports = row_invariance_sweep(
+        lambda x: batchinv.log_softmax(x.to(DEVICE)), _logits(vocab, dtype), batch_sizes=batch_sizes
+    )
+    assert_no_drift(reports)
+
+
+@pytest.mark.parametrize("out_dtype", (torch.bfloat16, torch.float16))
+def test_low_precision_output_rows_are_batch_invariant(out_dtype):
+    reports = row_invariance_sweep(
+        lambda x: batchinv.log_softmax(x.to(DEVICE), -1, out_dtype),
+        _logits(4097, torch.bfloat16),
+        batch_sizes=BATCH_SIZES,
+    )
+    assert_no_drift(reports)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("vocab", VOCABS)
+def test_gradient_rows_are_batch_invariant(vocab, dtype):
+    batch_sizes = BATCH_SIZES if vocab < BIG_VOCAB else (1, 3, 17)
+    reports = row_invariance_sweep(
+        lambda rows: _grad_x(*rows), _logits(vocab, dtype, grads=True), batch_sizes=batch_sizes
+    )
+    assert_no_drift(reports)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("vocab", VOCABS)
+def test_forward_and_gradient_are_within_tolerance_of_fp32_reference(vocab, dtype):
+    gen = torch.Generator().manual_seed(1)
+    x = (4.0 * torch.randn(5, vocab, generator=gen)).to(dtype)
+    x[1, ::7] = float("-inf")  # masked logits
+    grad = torch.randn(5, vocab, generator=gen)
+    xd = x.detach().to(DEVICE).requires_grad_(True)
+    out = batchinv.log_softmax(xd)
+    out.backward(grad.to(DEVICE))
+    ref_x = x.detach().float().clone().requires_grad_(True)
+    ref = log_softmax_fp32(ref_x)
+    ref.backward(grad)
+    finite = ref.isfinite()
+    assert_bitwise_equal(out.detach().cpu().isinf(), ref.detach().isinf())
+    assert_within_tolerance(
+        out.detach().cpu()[finite], ref.detach()[finite], op_class="logprob", dtype=dtype
+    )
+    assert_within_tolerance(xd.grad.cpu(), ref_x.grad, op_class="logprob", kind="grad")
+
+
+@pytest.mark.parametrize("out_dtype", (torch.bfloat16, torch.float16))
+def test_low_precision_output_is_within_tolerance(out_dtype):
+    gen = torch.Generator().manual_seed(2)
+    x = (4.0 * torch.randn(7, 32000, generator=gen)).to(torch.bfloat16)
+    out = batchinv.log_softmax(x.to(DEVICE), -1, out_dtype)
+    assert out.dtype == out_dtype
+    assert_within_tolerance(
+        out.float().cpu(), log_softmax_fp32(x), op_class="logprob", dtype=out_dtype
+    )
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("vocab", (4097, 32000, BIG_VOCAB))
+@pytest.mark.parametrize("budget", (0, 4096, 40 * 1024))
+def test_bits_do_not_depend_on_where_the_row_is_cached(vocab, dtype, budget, monkeypatch):
+    # The shared-memory tier's size follows the device; a budget of 0 re-reads everything
+    # beyond the register tier from global memory.  The bits must not change.
+    gen = torch.Generator(device=DEVICE).manual_seed(3)
+    x = (4.0 * torch.randn(3, vocab, device=DEVICE, generator=gen)).to(dtype)
+    grad = torch.randn(3, vocab, device=DEVICE, generator=gen)
+    out = batchinv.log_softmax(x)
+    grad_x = _grad_x(x, grad)
+    monkeypatch.setattr(gpu_log_softmax, "_shared_budget", lambda index, threads, static: budget)
+    assert_bitwise_equal(batchinv.log_softmax(x), out)
+    assert_bitwise_equal(_grad_x(x, grad), grad_x)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("vocab", (8, 111, 4096, 4104))
+@pytest.mark.parametrize("offset", (1, 3, 8))
+def test_misaligned_and_strided_inputs_give_the_same_bits(vocab, dtype, offset):
+    rows = 5
+    gen = torch.Generator(device=DEVICE).manual_seed(4)
+    storage = (4.0 * torch.randn(rows * (vocab + 8) + 16, device=DEVICE, generator=gen)).to(dtype)
+    shifted = storage[offset : offset + rows * vocab].view(rows, vocab)
+    strided = storage[: rows * (vocab + 8)].view(rows, vocab + 8)[:, offset : offset + vocab]
+    grad = torch.randn(rows, vocab, device=DEVICE, generator=gen)
+    for x in (shifted, strided):
+        assert_bitwise_equal(batchinv.log_softmax(x), batchinv.log_softmax(x.contiguous()))
+        assert_bitwise_equal(_grad_x(x, grad), _grad_x(x.contiguous(), grad))
+
+
+def test_all_minus_inf_rows_are_minus_inf_with_zero_gradient():
+    x = torch.randn(4, 4097, device=DEVICE)
+    x[2] = float("-inf")
+    out = batchinv.log_softmax(x)
+    assert bool((out[2] == float("-inf")).all())
+    assert bool(out[[0, 1, 3]].isfinite().all())
+    grad_x = _grad_x(x, torch.randn(4, 4097, device=DEVICE))
+    assert_bitwise_equal(grad_x[2], torch.zeros(4097, device=DEVICE))
+    assert bool(grad_x.isfinite().all())
+
+
+def test_nan_and_inf_rows_do_not_leak_into_their_neighbours():
+    x = torch.randn(5, BIG_VOCAB, device=DEVICE).bfloat16()
+    alone = batchinv.log_softmax(x[2:3])
+    x[1, 17] = float("nan")
+    x[3, 5] = float("inf")
+    out = batchinv.log_softmax(x)
+    assert_bitwise_equal(out[2:3], alone)
+    assert bool(out[1].isnan().all()) and bool(out[3].isnan().all())  # as the reference
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("vocab", (5, 1024, 4097, BIG_VOCAB))
+def test_every_output_element_is_written(vocab, dtype):
+    rows = 3
+    gen = torch.Generator(device=DEVICE).manual_seed(5)
+    x = torch.randn(rows, vocab, device=DEVICE, generator=gen).to(dtype)
+    expected = batchinv.log_softmax(x)
+    poisoned = torch.full((rows, vocab), float("nan"), device=DEVICE)
+    out, lse = gpu_log_softmax.forward(x)
+    assert_bitwise_equal(out, expected)
+    threads = gpu_log_softmax.threads_for(vocab, dtype)
+    kernel = gpu_log_softmax.kernel_for(
+        "log_softmax",
+        f"log_softmax_forward_{gpu_log_softmax._SUFFIX[dtype]}_f32_t{threads}",
+        x.device,
+    )
+    smem_groups, shared = gpu_log_softmax._tiering(kernel, x.device, vocab, threads, dtype)
+    lse_out = torch.full((rows,), float("nan"), device=DEVICE)
+    gpu_log_softmax.launch(
+        kernel,
+        x.device,
+        grid=(rows,),
+        block=(threads,),
+        args=(poisoned, lse_out, x, rows, vocab, vocab, smem_groups),
+        shared_mem=shared,
+    )
+    assert not bool(poisoned.isnan().any()) and not bool(lse_out.isnan().any())
+    assert_bitwise_equal(poisoned, expected)
+    assert_bitwise_equal(lse_out, lse)
+    grad_x = torch.full((rows, vocab), float("nan"), dtype=dtype, device=DEVICE)
+    kernel = gpu_log_softmax.kernel_for(
+        "log_softmax",
+        f"log_softmax_backward_{gpu_log_softmax._SUFFIX[dtype]}_f32_t{threads}",
+        x.device,
+    )
+    smem_groups, shared = gpu_log_softmax._tiering(kernel, x.device, vocab, threads, torch.float32)
+    gpu_log_softmax.launch(
+        kernel,
+        x.device,
+        grid=(rows,),
+        block=(threads,),
+        args=(
+            grad_x,
+            torch.randn(rows, vocab, device=DEVICE),
+            x,
+            lse,
+            rows,
+            vocab,
+            vocab,
+            smem_groups,
+        ),
+        shared_mem=shared,
+    )
+    assert not bool(grad_x.isnan().any())
+
+
+def test_zero_rows_and_inputs_not_mutated():
+    assert batchinv.log_softmax(torch.empty(0, 7, device=DEVICE)).shape == (0, 7)
+    x = torch.randn(3, 111, device=DEVICE).bfloat16()
+    before = x.clone()
+    batchinv.log_softmax(x)
+    assert_bitwise_equal(x, before)
+
+
+def test_bad_input_raises_errors_that_name_the_argument():
+    x = torch.randn(3, 11, device=DEVICE)
+    with pytest.raises(ValueError, match="dim must be the last dimension"):
+        batchinv.log_softmax(x, 0)
+    with pytest.raises(TypeError, match="out_dtype must be one of"):
+        batchinv.log_softmax(x, -1, torch.float64)
+    with pytest.raises(ValueError, match="x.shape\\[-1\\] must be >= 1"):
+        batchinv.log_softmax(torch.empty(3, 0, device=DEVICE))
+    with pytest.raises(TypeError, match="x must have dtype"):
+        batchinv.log_softmax(x.double())
+    with pytest.raises(ValueError, match="chunk_size must be >= 1"):
+        batchinv.log_softmax(x, chunk_size=0)

@@ -1,0 +1,367 @@
+"""The CUDA RMSNorm kernels: rows bitwise invariant to the batch (forward and input
+gradients), within the contract's tolerance of the strict fp32 reference, a weight gradient
+that is bitwise the same run to run, every output element written, and clear errors."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import batchinv
+from batchinv.contract import (
+    assert_bitwise_equal,
+    assert_no_drift,
+    assert_within_tolerance,
+    row_invariance_sweep,
+)
+from batchinv.gpu import rms_norm as gpu_rms_norm
+from batchinv.reference.rms_norm import fused_add_rms_norm_fp32, rms_norm_fp32
+
+pytestmark = pytest.mark.cuda
+
+DEVICE = "cuda"
+QUICK = os.environ.get("BATCHINV_QUICK") == "1"  # the sanitizer runs a smaller sweep
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+HIDDENS = (1, 3, 111, 4097) if QUICK else (1, 3, 111, 4096, 4097, 5120)
+HEAD_DIMS = (64, 128)
+HEADS = 8
+BATCH_SIZES = (1, 3, 17) if QUICK else (1, 3, 17, 33, 257)
+# Rows too long for registers take the streaming kernel (bf16 > 32768, fp32 > 16384).
+STREAMING_CASES = ((torch.bfloat16, 40000), (torch.float32, 20000))
+EPS = 1e-6
+
+
+def _weight(hidden: int, dtype: torch.dtype, seed: int = 7) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return (1.0 + 0.5 * torch.randn(hidden, generator=gen)).to(dtype).to(DEVICE)
+
+
+def _rows(shape, dtype):
+    def make(n: int, gen: torch.Generator) -> torch.Tensor:
+        return (2.0 * torch.randn(n, *shape, generator=gen)).to(dtype)
+
+    return make
+
+
+def _pairs(shape, dtype):
+    def make(n: int, gen: torch.Generator):
+        return tuple((2.0 * torch.randn(n, *shape, generator=gen)).to(dtype) for _ in range(2))
+
+    return make
+
+
+def _input_grads(fn, inputs, grads):
+    """Gradients of ``fn(*inputs)`` for ``grads`` (one per output), w.r.t. every input."""
+    leaves = [t.detach().to(DEVICE).requires_grad_(True) for t in inputs]
+    outputs = fn(*leaves)
+    outputs = outputs if isinstance(outputs, tuple) else (outputs,)
+    torch.autograd.backward(outputs, [g.to(DEVICE) for g in grads])
+    return tuple(leaf.grad for leaf in leaves)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hidden", HIDDENS)
+def test_forward_rows_are_batch_invariant(hidden, dtype):
+    weight = _weight(hidden, dtype)
+    reports = row_invariance_sweep(
+        lambda x: batchinv.rms_norm(x.to(DEVICE), weight, EPS),
+        _rows((hidden,), dtype),
+        batch_sizes=BATCH_SIZES,
+    )
+    assert_no_drift(reports)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hidden", HIDDENS)
+def test_fused_add_rows_are_batch_invariant(hidden, dtype):
+    weight = _weight(hidden, dtype)
+    reports = row_invariance_sweep(
+        lambda pair: batchinv.fused_add_rms_norm(
+            pair[0].to(DEVICE), pair[1].to(DEVICE), weight, EPS
+        ),
+        _pairs((hidden,), dtype),
+        batch_sizes=BATCH_SIZES,
+    )
+    assert_no_drift(reports)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+def test_per_head_qk_norm_tokens_are_batch_invariant(head_dim, dtype):
+    weight = _weight(head_dim, dtype)
+    reports = row_invariance_sweep(
+        lambda x: batchinv.rms_norm(x.to(DEVICE), weight, EPS),
+        _rows((HEADS, head_dim), dtype),
+        batch_sizes=BATCH_SIZES,
+    )
+    assert_no_drift(reports)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hidden", HIDDENS + HEAD_DIMS)
+def test_input_gradient_rows_are_batch_invariant(hidden, dtype):
+    weight = _weight(hidden, dtype)
+
+    def grad_x(pair):
+        x, grad_y = pair
+        (gx,) = _input_grads(lambda t: batchinv.rms_norm(t, weight, EPS), (x,), (grad_y,))
+        return gx
+
+    reports = row_invariance_sweep(grad_x, _pairs((hidden,), dtype), batch_sizes=BATCH_SIZES)
+    assert_no_drift(reports)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hidden", HIDDENS)
+def test_fused_add_input_gradient_rows_are_batch_invariant(hidden, dtype):
+    weight = _weight(hidden, dtype)
+
+    def make(n, gen):
+        return tuple((2.0 * torch.randn(n, hidden, generator=gen)).to(dtype) for _ in range(4))
+
+    def grads(rows):
+        x, residual, grad_y, grad_residual = rows
+        return _input_grads(
+            lambda a, b: batchinv.fused_add_rms_norm(a, b, weight, EPS),
+            (x, residual),
+            (grad_y, grad_residual),
+        )
+
+    assert_no_drift(row_invariance_sweep(grads, make, batch_sizes=BATCH_SIZES))
+
+
+@pytest.mark.parametrize(("dtype", "hidden"), STREAMING_CASES)
+def test_streaming_rows_are_batch_invariant_forward_and_backward(dtype, hidden):
+    weight = _weight(hidden, dtype)
+
+    def both(pair):
+        x, grad_y = pair
+        y = batchinv.fused_add_rms_norm(x.to(DEVICE), grad_y.to(DEVICE), weight, EPS)
+        (gx,) = _input_grads(lambda t: batchinv.rms_norm(t, weight, EPS), (x,), (grad_y,))
+        return (*y, gx)
+
+    reports = row_invariance_sweep(both, _pairs((hidden,), dtype), batch_sizes=(1, 3, 5))
+    assert_no_drift(reports)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hidden", HIDDENS + HEAD_DIMS)
+def test_forward_and_gradients_are_within_tolerance_of_fp32_reference(hidden, dtype):
+    gen = torch.Generator().manual_seed(11)
+    x = (2.0 * torch.randn(33, hidden, generator=gen)).to(dtype)
+    x[5] *= 300.0  # a large-magnitude row
+    weight = _weight(hidden, dtype).cpu()
+    grad_y = torch.randn(33, hidden, generator=gen).to(dtype)
+    grad_x, grad_w = _input_grads(lambda a, w: batchinv.rms_norm(a, w, EPS), (x, weight), (grad_y,))
+    y = batchinv.rms_norm(x.to(DEVICE), weight.to(DEVICE), EPS)
+    ref_x, ref_w = (
+        x.detach().float().clone().requires_grad_(True),
+        weight.detach().float().clone().requires_grad_(True),
+    )
+    ref_y = rms_norm_fp32(ref_x, ref_w, EPS)
+    ref_y.backward(grad_y.float())
+    assert_within_tolerance(y.cpu(), ref_y.detach(), op_class="reduction", name="y")
+    assert_within_tolerance(
+        grad_x.cpu(), ref_x.grad, op_class="reduction", kind="grad", name="grad_x"
+    )
+    assert_within_tolerance(
+        grad_w.cpu(), ref_w.grad, op_class="reduction", kind="grad", name="grad_w"
+    )
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hidden", (3, 4097, 5120))
+def test_fused_add_is_within_tolerance_of_fp32_reference(hidden, dtype):
+    gen = torch.Generator().manual_seed(12)
+    x = torch.randn(17, hidden, generator=gen).to(dtype)
+    residual = (3.0 * torch.randn(17, hidden, generator=gen)).to(dtype)
+    weight = _weight(hidden, dtype)
+    y, new_residual = batchinv.fused_add_rms_norm(x.to(DEVICE), residual.to(DEVICE), weight, EPS)
+    ref_y, ref_residual = fused_add_rms_norm_fp32(x, residual, weight.cpu(), EPS)
+    assert_within_tolerance(y.cpu(), ref_y, op_class="reduction", name="y")
+    assert_within_tolerance(
+        new_residual.cpu(), ref_residual, op_class="elementwise", name="new_residual"
+    )
+    # The residual sum is added in fp32 and rounded once: the correctly rounded sum.
+    assert_bitwise_equal(new_residual.cpu(), (x.float() + residual.float()).to(dtype))
+
+
+def test_fused_add_backward_matches_reference_semantics():
+    # grad_x == grad_residual == round(fp32 grad through the norm + grad_new_residual).
+    gen = torch.Generator().manual_seed(13)
+    hidden = 111
+    x, residual, grad_y, grad_res = (torch.randn(9, hidden, generator=gen) for _ in range(4))
+    weight = _weight(hidden, torch.float32).cpu()
+    gx, gr, gw = _input_grads(
+        lambda a, b, w: batchinv.fused_add_rms_norm(a, b, w, EPS),
+        (x, residual, weight),
+        (grad_y, grad_res),
+    )
+    assert_bitwise_equal(gx, gr)
+    ref = [t.clone().requires_grad_(True) for t in (x, residual, weight)]
+    torch.autograd.backward(fused_add_rms_norm_fp32(*ref, EPS), [grad_y, grad_res])
+    for name, got, want in (("grad_x", gx, ref[0].grad), ("grad_w", gw, ref[2].grad)):
+        assert_within_tolerance(got.cpu(), want, op_class="reduction", kind="grad", name=name)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("rows", "hidden"), ((257, 4096), (5000, 64), (70000, 128)))
+def test_weight_gradient_is_bitwise_identical_run_to_run(rows, hidden, dtype):
+    # 5000 and 70000 rows take one and two extra levels of the fixed partial-sum tree.
+    gen = torch.Generator(device=DEVICE).manual_seed(3)
+    x = torch.randn(rows, hidden, device=DEVICE, generator=gen).to(dtype)
+    grad_y = torch.randn(rows, hidden, device=DEVICE, generator=gen).to(dtype)
+    weight = _weight(hidden, dtype).requires_grad_(True)
+    grads = []
+    for _ in range(3):
+        weight.grad = None
+        batchinv.rms_norm(x, weight, EPS).backward(grad_y)
+        grads.append(weight.grad.clone())
+    assert_bitwise_equal(grads[1], grads[0])
+    assert_bitwise_equal(grads[2], grads[0])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_weight_gradient_ignores_zero_gradient_rows_appended(dtype):
+    gen = torch.Generator(device=DEVICE).manual_seed(4)
+    hidden, rows = 384, 4200  # crosses the 64-row chunks and a second tree level
+    x = torch.randn(rows + 300, hidden, device=DEVICE, generator=gen).to(dtype)
+    grad_y = torch.randn(rows + 300, hidden, device=DEVICE, generator=gen).to(dtype)
+    grad_y[rows:] = 0
+    weight = _weight(hidden, dtype)
+    _, rstd = gpu_rms_norm.forward(x, weight, EPS)
+    _, padded = gpu_rms_norm.backward(grad_y, x, weight, rstd)
+    _, exact = gpu_rms_norm.backward(grad_y[:rows], x[:rows], weight, rstd[:rows])
+    assert_bitwise_equal(padded, exact)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hidden", (8, 64, 4096, 4104))
+@pytest.mark.parametrize("offset", (1, 3, 8))
+def test_misaligned_and_strided_inputs_take_a_narrower_path_with_the_same_bits(
+    hidden, dtype, offset
+):
+    rows = 19
+    gen = torch.Generator(device=DEVICE).manual_seed(5)
+    storage = torch.randn(rows * (hidden + 8) + 16, device=DEVICE, generator=gen).to(dtype)
+    shifted = storage[offset : offset + rows * hidden].view(rows, hidden)  # unaligned base
+    strided = storage[: rows * (hidden + 8)].view(rows, hidden + 8)[:, offset : offset + hidden]
+    weight = _weight(hidden, dtype)
+    for x in (shifted, strided):
+        aligned = x.contiguous()
+        assert_bitwise_equal(
+            batchinv.rms_norm(x, weight, EPS), batchinv.rms_norm(aligned, weight, EPS)
+        )
+        y, h = batchinv.fused_add_rms_norm(x, x.flip(0), weight, EPS)
+        y_ref, h_ref = batchinv.fused_add_rms_norm(
+            aligned, aligned.flip(0).contiguous(), weight, EPS
+        )
+        assert_bitwise_equal(y, y_ref)
+        assert_bitwise_equal(h, h_ref)
+        g = torch.randn(rows, hidden, device=DEVICE, generator=gen).to(dtype)
+        (gx,) = _input_grads(lambda t: batchinv.rms_norm(t, weight, EPS), (x,), (g,))
+        (gx_ref,) = _input_grads(lambda t: batchinv.rms_norm(t, weight, EPS), (aligned,), (g,))
+        assert_bitwise_equal(gx, gx_ref)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_every_output_element_is_written_in_every_geometry(dtype):
+    # One hidden size per kernel geometry (t4 ... t1024 and the streaming form), outputs
+    # pre-filled with NaN and launched directly: a NaN left over means an unwritten element.
+    elems = 16 // torch.empty((), dtype=dtype).element_size()
+    hiddens = [
+        max(1, t * gpu_rms_norm.CHUNKS_PER_THREAD * elems - 5) for t in gpu_rms_norm.THREADS_PER_ROW
+    ]
+    hiddens.append(gpu_rms_norm.THREADS_PER_ROW[-1] * gpu_rms_norm.CHUNKS_PER_THREAD * elems + 3)
+    names = {gpu_rms_norm.geometry(h, dtype)[0] for h in hiddens}
+    assert len(names) == len(gpu_rms_norm.THREADS_PER_ROW) + 1
+    gen = torch.Generator(device=DEVICE).manual_seed(6)
+    for hidden in hiddens:
+        rows = 37
+        x = torch.randn(rows, hidden, device=DEVICE, generator=gen).to(dtype)
+        residual = torch.randn(rows, hidden, device=DEVICE, generator=gen).to(dtype)
+        weight = _weight(hidden, dtype)
+        y = torch.full((rows, hidden), float("nan"), dtype=dtype, device=DEVICE)
+        new_residual = torch.full_like(y, float("nan"))
+        rstd = torch.full((rows,), float("nan"), device=DEVICE)
+        gpu_rms_norm._launch_rows(
+            "rms_norm_forward",
+            x.device,
+            hidden,
+            dtype,
+            rows,
+            (y, new_residual, rstd, x, residual, weight, rows, hidden, hidden, hidden, EPS),
+        )
+        assert not bool(y.isnan().any()), f"hidden {hidden}: y has unwritten elements"
+        assert not bool(new_residual.isnan().any()), f"hidden {hidden}: new_residual unwritten"
+        assert not bool(rstd.isnan().any()), f"hidden {hidden}: rstd unwritten"
+        ref_y, ref_h = batchinv.fused_add_rms_norm(x, residual, weight, EPS)
+        assert_bitwise_equal(y, ref_y)
+        assert_bitwise_equal(new_residual, ref_h)
+        grad_x = torch.full_like(y, float("nan"))
+        gpu_rms_norm._launch_rows(
+            "rms_norm_backward",
+            x.device,
+            hidden,
+            dtype,
+            rows,
+            (grad_x, y, x, weight, rstd, 0, rows, hidden, hidden),
+        )
+        assert not bool(grad_x.isnan().any()), f"hidden {hidden}: grad_x has unwritten elements"
+
+
+def test_nan_rows_do_not_leak_into_their_neighbours():
+    x = torch.randn(5, 4096, device=DEVICE).bfloat16()
+    weight = _weight(4096, torch.bfloat16)
+    alone = batchinv.rms_norm(x[2:3], weight, EPS)
+    poisoned = x.clone()
+    poisoned[1] = float("nan")
+    poisoned[3] = float("inf")
+    out = batchinv.rms_norm(poisoned, weight, EPS)
+    assert_bitwise_equal(out[2:3], alone)
+    assert bool(out[1].isnan().all())
+
+
+def test_zero_rows_and_an_all_zero_row():
+    weight = _weight(64, torch.float32).requires_grad_(True)
+    empty = torch.empty(0, 3, 64, device=DEVICE, requires_grad=True)
+    out = batchinv.rms_norm(empty, weight, EPS)
+    assert out.shape == (0, 3, 64)
+    out.sum().backward()
+    assert_bitwise_equal(weight.grad, torch.zeros(64, device=DEVICE))
+    zeros = torch.zeros(2, 64, device=DEVICE)
+    assert_bitwise_equal(batchinv.rms_norm(zeros, weight.detach(), EPS), zeros)
+
+
+def test_inputs_are_not_mutated():
+    x = torch.randn(7, 111, device=DEVICE).bfloat16()
+    residual = torch.randn(7, 111, device=DEVICE).bfloat16()
+    weight = _weight(111, torch.bfloat16)
+    before = [t.clone() for t in (x, residual, weight)]
+    batchinv.rms_norm(x, weight, EPS)
+    batchinv.fused_add_rms_norm(x, residual, weight, EPS)
+    for t, b in zip((x, residual, weight), before, strict=True):
+        assert_bitwise_equal(t, b)
+
+
+def test_bad_input_raises_errors_that_name_the_argument():
+    x = torch.randn(4, 64, device=DEVICE)
+    weight = torch.ones(64, device=DEVICE)
+    with pytest.raises(ValueError, match="eps must be a finite number > 0"):
+        batchinv.rms_norm(x, weight, 0.0)
+    with pytest.raises(ValueError, match="eps must be > 0 in float32"):
+        batchinv.rms_norm(x, weight, 1e-50)
+    with pytest.raises(ValueError, match="weight must have shape"):
+        batchinv.rms_norm(x, torch.ones(65, device=DEVICE), 1e-6)
+    with pytest.raises(TypeError, match="weight has dtype"):
+        batchinv.rms_norm(x, weight.bfloat16(), 1e-6)
+    with pytest.raises(TypeError, match="x must have dtype"):
+        batchinv.rms_norm(x.double(), weight, 1e-6)
+    with pytest.raises(ValueError, match="weight is on cpu but x is on cuda"):
+        batchinv.rms_norm(x, weight.cpu(), 1e-6)
+    with pytest.raises(ValueError, match="residual must have the shape of x"):
+        batchinv.fused_add_rms_norm(x, x[:2], weight, 1e-6)
+    with pytest.raises(ValueError, match="residual is on cpu"):
+        batchinv.fused_add_rms_norm(x, x.cpu(), weight, 1e-6)

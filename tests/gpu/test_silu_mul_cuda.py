@@ -1,0 +1,209 @@
+"""The CUDA SiLU-mul kernels: elementwise, so every row is bitwise the same in any batch and on
+any load path; within the contract's tolerance of the fp32 reference; fused layout equal to
+the two-tensor form bit for bit; every output element written; clear errors."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import batchinv
+from batchinv.contract import (
+    assert_bitwise_equal,
+    assert_no_drift,
+    assert_within_tolerance,
+    row_invariance_sweep,
+)
+from batchinv.gpu import silu_mul as gpu_silu_mul
+from batchinv.reference.silu_mul import silu_mul_fp32, silu_mul_fused_fp32
+
+pytestmark = pytest.mark.cuda
+
+DEVICE = "cuda"
+QUICK = os.environ.get("BATCHINV_QUICK") == "1"
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+WIDTHS = (1, 3, 111, 4097) if QUICK else (1, 3, 111, 4096, 4097, 12288)
+BATCH_SIZES = (1, 3, 17) if QUICK else (1, 3, 17, 33, 257)
+
+
+def _make(count: int, width: int, dtype: torch.dtype):
+    def make(n: int, gen: torch.Generator):
+        parts = tuple((3.0 * torch.randn(n, width, generator=gen)).to(dtype) for _ in range(count))
+        return parts if count > 1 else parts[0]
+
+    return make
+
+
+def _grads(fn, inputs, grad_out):
+    leaves = [t.detach().to(DEVICE).requires_grad_(True) for t in inputs]
+    fn(*leaves).backward(grad_out.to(DEVICE))
+    return tuple(leaf.grad for leaf in leaves)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("width", WIDTHS)
+def test_rows_are_batch_invariant(width, dtype):
+    reports = row_invariance_sweep(
+        lambda rows: batchinv.silu_mul(rows[0].to(DEVICE), rows[1].to(DEVICE)),
+        _make(2, width, dtype),
+        batch_sizes=BATCH_SIZES,
+    )
+    assert_no_drift(reports)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("width", WIDTHS)
+def test_fused_rows_are_batch_invariant(width, dtype):
+    reports = row_invariance_sweep(
+        lambda gate_up: batchinv.silu_mul_fused(gate_up.to(DEVICE)),
+        _make(1, 2 * width, dtype),
+        batch_sizes=BATCH_SIZES,
+    )
+    assert_no_drift(reports)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("width", WIDTHS)
+def test_gradient_rows_are_batch_invariant(width, dtype):
+    def both(rows):
+        gate, up, grad = rows
+        fused = torch.cat((gate, up), dim=-1)
+        return (
+            *_grads(batchinv.silu_mul, (gate, up), grad),
+            *_grads(batchinv.silu_mul_fused, (fused,), grad),
+        )
+
+    reports = row_invariance_sweep(both, _make(3, width, dtype), batch_sizes=BATCH_SIZES)
+    assert_no_drift(reports)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("width", WIDTHS)
+def test_forward_and_gradients_are_within_tolerance_of_fp32_reference(width, dtype):
+    gen = torch.Generator().manual_seed(1)
+    gate, up, grad = (3.0 * torch.randn(3, 9, width, generator=gen) for _ in range(3))
+    gate, up, grad = gate.to(dtype), up.to(dtype), grad.to(dtype)
+    out = batchinv.silu_mul(gate.to(DEVICE), up.to(DEVICE))
+    grad_gate, grad_up = _grads(batchinv.silu_mul, (gate, up), grad)
+    ref_gate, ref_up = (
+        gate.detach().float().clone().requires_grad_(True),
+        up.detach().float().clone().requires_grad_(True),
+    )
+    ref = silu_mul_fp32(ref_gate, ref_up)
+    ref.backward(grad.float())
+    assert_within_tolerance(out.cpu(), ref.detach(), op_class="elementwise", name="out")
+    assert_within_tolerance(
+        grad_gate.cpu(), ref_gate.grad, op_class="elementwise", kind="grad", name="grad_gate"
+    )
+    assert_within_tolerance(
+        grad_up.cpu(), ref_up.grad, op_class="elementwise", kind="grad", name="grad_up"
+    )
+    fused = torch.cat((gate, up), dim=-1)
+    assert_within_tolerance(
+        batchinv.silu_mul_fused(fused.to(DEVICE)).cpu(),
+        silu_mul_fused_fp32(fused),
+        op_class="elementwise",
+    )
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("width", (1, 8, 111, 4096))
+def test_fused_layout_equals_the_two_tensor_form_bitwise(width, dtype):
+    gen = torch.Generator(device=DEVICE).manual_seed(2)
+    gate_up = (3.0 * torch.randn(17, 2 * width, device=DEVICE, generator=gen)).to(dtype)
+    gate, up = gate_up[:, :width].contiguous(), gate_up[:, width:].contiguous()
+    assert_bitwise_equal(batchinv.silu_mul_fused(gate_up), batchinv.silu_mul(gate, up))
+    grad = torch.randn(17, width, device=DEVICE, generator=gen).to(dtype)
+    (grad_fused,) = _grads(batchinv.silu_mul_fused, (gate_up,), grad)
+    grad_gate, grad_up = _grads(batchinv.silu_mul, (gate, up), grad)
+    assert_bitwise_equal(grad_fused, torch.cat((grad_gate, grad_up), dim=-1))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("width", (8, 64, 12288))
+@pytest.mark.parametrize("offset", (1, 3, 8))
+def test_misaligned_and_strided_inputs_give_the_same_bits(width, dtype, offset):
+    rows = 9
+    gen = torch.Generator(device=DEVICE).manual_seed(3)
+    storage = (3.0 * torch.randn(2 * rows * (width + 8) + 16, device=DEVICE, generator=gen)).to(
+        dtype
+    )
+    gate = storage[offset : offset + rows * width].view(rows, width)
+    up = (
+        storage[rows * (width + 8) :]
+        .narrow(0, 0, rows * (width + 8))
+        .view(rows, width + 8)[:, :width]
+    )
+    expected = batchinv.silu_mul(gate.contiguous(), up.contiguous())
+    assert_bitwise_equal(batchinv.silu_mul(gate, up), expected)
+    grad = torch.randn(rows, width, device=DEVICE, generator=gen).to(dtype)
+    got = _grads(batchinv.silu_mul, (gate, up), grad)
+    want = _grads(batchinv.silu_mul, (gate.contiguous(), up.contiguous()), grad)
+    assert_bitwise_equal(list(got), list(want))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("width", (5, 2048, 8192, 8200, 12288, 20000))
+def test_every_output_element_is_written(width, dtype):
+    # Outputs pre-filled with NaN and the kernels launched directly, over tilings with one,
+    # two and three tiles per row on both load paths.
+    rows = 5
+    gen = torch.Generator(device=DEVICE).manual_seed(4)
+    gate, up, grad = (
+        torch.randn(rows, width, device=DEVICE, generator=gen).to(dtype) for _ in range(3)
+    )
+    out = torch.full((rows, width), float("nan"), dtype=dtype, device=DEVICE)
+    gpu_silu_mul._forward_rows(out, gate, up, rows, width)
+    assert not bool(out.isnan().any())
+    assert_bitwise_equal(out, batchinv.silu_mul(gate, up))
+    grad_gate, grad_up = torch.full_like(out, float("nan")), torch.full_like(out, float("nan"))
+    gpu_silu_mul._backward_rows(grad_gate, grad_up, grad, gate, up, rows, width)
+    assert not bool(grad_gate.isnan().any()) and not bool(grad_up.isnan().any())
+
+
+def test_special_values_follow_the_reference():
+    gate = torch.tensor(
+        [[float("-inf"), float("inf"), 0.0, -0.0, 100.0, -100.0, 1e-40, float("nan")]]
+    )
+    up = torch.tensor([[1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0]])
+    got = batchinv.silu_mul(gate.to(DEVICE), up.to(DEVICE)).cpu()
+    want = silu_mul_fp32(gate, up)
+    assert_bitwise_equal(got.isnan(), want.isnan())
+    finite = ~want.isnan()
+    assert_bitwise_equal(got[finite], want[finite])  # exact here: exp is 0, inf or ~1
+
+
+def test_nan_rows_do_not_leak_into_their_neighbours():
+    gate = torch.randn(5, 4096, device=DEVICE).bfloat16()
+    up = torch.randn(5, 4096, device=DEVICE).bfloat16()
+    alone = batchinv.silu_mul(gate[2:3], up[2:3])
+    gate[1] = float("nan")
+    up[3] = float("inf")
+    assert_bitwise_equal(batchinv.silu_mul(gate, up)[2:3], alone)
+
+
+def test_zero_rows_and_inputs_not_mutated():
+    empty = torch.empty(0, 4, 16, device=DEVICE)
+    assert batchinv.silu_mul(empty, empty).shape == (0, 4, 16)
+    assert batchinv.silu_mul_fused(empty).shape == (0, 4, 8)
+    gate_up = torch.randn(3, 22, device=DEVICE).bfloat16()
+    before = gate_up.clone()
+    batchinv.silu_mul_fused(gate_up)
+    batchinv.silu_mul(gate_up[:, :11], gate_up[:, 11:])
+    assert_bitwise_equal(gate_up, before)
+
+
+def test_bad_input_raises_errors_that_name_the_argument():
+    gate = torch.randn(4, 8, device=DEVICE)
+    with pytest.raises(ValueError, match="up must have the shape of gate"):
+        batchinv.silu_mul(gate, gate[:, :4])
+    with pytest.raises(TypeError, match="up has dtype"):
+        batchinv.silu_mul(gate, gate.half())
+    with pytest.raises(ValueError, match="up is on cpu but gate is on cuda"):
+        batchinv.silu_mul(gate, gate.cpu())
+    with pytest.raises(ValueError, match="gate_up must have an even"):
+        batchinv.silu_mul_fused(gate[:, :7])
+    with pytest.raises(TypeError, match="gate must have dtype"):
+        batchinv.silu_mul(gate.double(), gate.double())

@@ -1,0 +1,72 @@
+"""batchinv.log_softmax on CPU: the registry, the reference path, autograd, the module, bad
+input; and the GPU block size, which must follow the row length and dtype only."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import batchinv
+from batchinv import registry
+from batchinv.contract import assert_bitwise_equal
+from batchinv.gpu import log_softmax as gpu_log_softmax
+from batchinv.reference import log_softmax as reference
+
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def test_every_backend_is_registered():
+    assert registry.registered_ops()["log_softmax"] == ("cpu", "cuda", "hip")
+
+
+@pytest.mark.parametrize("out_dtype", DTYPES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_cpu_forward_and_gradient_are_the_reference(dtype, out_dtype):
+    gen = torch.Generator().manual_seed(0)
+    x = (3 * torch.randn(2, 3, 50, generator=gen)).to(dtype)
+    got = batchinv.log_softmax(x, -1, out_dtype, chunk_size=16)
+    assert_bitwise_equal(got, reference.log_softmax(x, -1, out_dtype, chunk_size=16))
+    xl = x.clone().requires_grad_(True)
+    grad = torch.randn(2, 3, 50, generator=gen).to(out_dtype)
+    batchinv.log_softmax(xl, -1, out_dtype).backward(grad)
+    xr = x.clone().requires_grad_(True)
+    reference.log_softmax(xr, -1, out_dtype).backward(grad)
+    assert_bitwise_equal(xl.grad, xr.grad)
+
+
+def test_module():
+    x = torch.randn(3, 10)
+    assert_bitwise_equal(batchinv.nn.LogSoftmax()(x), reference.log_softmax(x))
+    assert batchinv.nn.LogSoftmax(torch.bfloat16)(x).dtype == torch.bfloat16
+
+
+def test_bad_input_names_the_argument():
+    x = torch.randn(3, 10)
+    with pytest.raises(ValueError, match="dim must be the last dimension"):
+        batchinv.log_softmax(x, 0)
+    with pytest.raises(TypeError, match="out_dtype must be one of"):
+        batchinv.log_softmax(x, -1, torch.int32)
+    with pytest.raises(TypeError, match="x must have dtype"):
+        batchinv.log_softmax(x.long())
+    with pytest.raises(ValueError, match="must be >= 1"):
+        batchinv.log_softmax(torch.empty(2, 0))
+    with pytest.raises(TypeError, match="chunk_size must be an int"):
+        batchinv.log_softmax(x, chunk_size=2.0)
+
+
+def test_inputs_are_not_mutated():
+    x = torch.randn(3, 10).bfloat16()
+    before = x.clone()
+    batchinv.log_softmax(x)
+    assert_bitwise_equal(x, before)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gpu_block_size_follows_the_row_length_only(dtype):
+    sizes = set()
+    for vocab in (1, 7, 111, 2048, 4096, 4097, 8192, 8193, 32000, 151936, 262144):
+        threads = gpu_log_softmax.threads_for(vocab, dtype)
+        assert threads == gpu_log_softmax.threads_for(vocab, dtype)
+        assert threads in (gpu_log_softmax.SMALL_ROW_THREADS, gpu_log_softmax.LARGE_ROW_THREADS)
+        sizes.add(threads)
+    assert sizes == {gpu_log_softmax.SMALL_ROW_THREADS, gpu_log_softmax.LARGE_ROW_THREADS}

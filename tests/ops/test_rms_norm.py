@@ -1,0 +1,128 @@
+"""batchinv.rms_norm / fused_add_rms_norm on CPU: the registry, the reference path,
+autograd, the module, bad input; and the GPU launch geometry, which must follow the row
+length and dtype only."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import batchinv
+from batchinv import registry
+from batchinv.contract import assert_bitwise_equal
+from batchinv.gpu import rms_norm as gpu_rms_norm
+from batchinv.reference import rms_norm as reference
+
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+EPS = 1e-6
+
+
+def _case(shape, dtype, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    x = (2 * torch.randn(*shape, generator=gen)).to(dtype)
+    weight = (1 + 0.3 * torch.randn(shape[-1], generator=gen)).to(dtype)
+    return x, weight
+
+
+def test_every_backend_is_registered():
+    ops = registry.registered_ops()
+    assert ops["rms_norm"] == ("cpu", "cuda", "hip")
+    assert ops["fused_add_rms_norm"] == ("cpu", "cuda", "hip")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_cpu_forward_is_the_reference(dtype):
+    x, weight = _case((3, 5, 37), dtype)
+    assert_bitwise_equal(batchinv.rms_norm(x, weight, EPS), reference.rms_norm(x, weight, EPS))
+    residual, _ = _case((3, 5, 37), dtype, seed=1)
+    got = batchinv.fused_add_rms_norm(x, residual, weight, EPS)
+    assert_bitwise_equal(list(got), list(reference.fused_add_rms_norm(x, residual, weight, EPS)))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_cpu_gradients_are_the_reference_backward(dtype):
+    x, weight = _case((4, 19), dtype)
+    grad = torch.randn(4, 19, generator=torch.Generator().manual_seed(2)).to(dtype)
+    xl, wl = x.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+    batchinv.rms_norm(xl, wl, EPS).backward(grad)
+    grad_x, grad_w = reference.rms_norm_backward(grad, x, weight, EPS)
+    assert_bitwise_equal(xl.grad, grad_x)
+    assert_bitwise_equal(wl.grad, grad_w)
+
+
+def test_fused_gradient_reaches_x_and_residual_equally():
+    x, weight = _case((4, 19), torch.float32)
+    residual, _ = _case((4, 19), torch.float32, seed=3)
+    xl, rl = x.clone().requires_grad_(True), residual.clone().requires_grad_(True)
+    y, h = batchinv.fused_add_rms_norm(xl, rl, weight, EPS)
+    (y.sum() + 2 * h.sum()).backward()
+    assert_bitwise_equal(xl.grad, rl.grad)
+
+
+def test_module_plain_and_fused():
+    norm = batchinv.nn.RMSNorm(16, eps=1e-5)
+    assert_bitwise_equal(norm.weight.detach(), torch.ones(16))
+    x, _ = _case((2, 16), torch.float32)
+    assert_bitwise_equal(norm(x), reference.rms_norm(x, norm.weight, 1e-5))
+    y, h = norm(x, x)
+    assert_bitwise_equal(h, x + x)
+    with pytest.raises(ValueError, match="eps must be a finite number > 0"):
+        batchinv.nn.RMSNorm(16, eps=-1.0)
+    with pytest.raises(ValueError, match="hidden_size must be a positive int"):
+        batchinv.nn.RMSNorm(0)
+
+
+def test_bad_input_names_the_argument():
+    x, weight = _case((2, 8), torch.float32)
+    with pytest.raises(ValueError, match="eps must be a finite number > 0"):
+        batchinv.rms_norm(x, weight, 0.0)
+    with pytest.raises(TypeError, match="eps must be a Python float"):
+        batchinv.rms_norm(x, weight, torch.tensor(1e-6))
+    with pytest.raises(ValueError, match="weight must have shape"):
+        batchinv.rms_norm(x, weight[:4], EPS)
+    with pytest.raises(TypeError, match="weight has dtype"):
+        batchinv.rms_norm(x, weight.half(), EPS)
+    with pytest.raises(TypeError, match="x must be a torch.Tensor"):
+        batchinv.rms_norm([1.0], weight, EPS)
+    with pytest.raises(ValueError, match="weight is on meta but x is on cpu"):
+        batchinv.rms_norm(x, weight.to("meta"), EPS)
+    with pytest.raises(ValueError, match="residual must have the shape of x"):
+        batchinv.fused_add_rms_norm(x, x[:1], weight, EPS)
+
+
+def test_inputs_are_not_mutated():
+    x, weight = _case((3, 8), torch.bfloat16)
+    residual = x.flip(0)
+    before = [t.clone() for t in (x, residual, weight)]
+    batchinv.fused_add_rms_norm(x, residual, weight, EPS)
+    for t, b in zip((x, residual, weight), before, strict=True):
+        assert_bitwise_equal(t, b)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gpu_geometry_follows_the_row_length_only(dtype):
+    elems = 16 // torch.empty((), dtype=dtype).element_size()
+    seen = set()
+    for d in list(range(1, 600)) + [4095, 4096, 4097, 5120, 8192, 16384, 32768, 32769, 70000]:
+        name, threads, cta = gpu_rms_norm.geometry(d, dtype)
+        assert (name, threads, cta) == gpu_rms_norm.geometry(d, dtype)
+        chunks = -(-d // elems)
+        if name == "stream":
+            assert chunks > gpu_rms_norm.THREADS_PER_ROW[-1] * gpu_rms_norm.CHUNKS_PER_THREAD
+        else:
+            assert name == f"t{threads}" and threads * gpu_rms_norm.CHUNKS_PER_THREAD >= chunks
+            smaller = [t for t in gpu_rms_norm.THREADS_PER_ROW if t < threads]
+            assert all(t * gpu_rms_norm.CHUNKS_PER_THREAD < chunks for t in smaller)
+        assert cta % threads == 0 and cta >= 128
+        seen.add(name)
+    assert seen == {f"t{t}" for t in gpu_rms_norm.THREADS_PER_ROW} | {"stream"}
+
+
+def test_as_rows_views_when_it_can_and_copies_when_it_must():
+    base = torch.randn(4, 6, 10)
+    view = gpu_rms_norm.as_rows(base[:, :, :8], 8)
+    assert view.shape == (24, 8) and view.stride() == (10, 1)
+    assert view.data_ptr() == base.data_ptr()
+    transposed = gpu_rms_norm.as_rows(base.transpose(1, 2), 6)
+    assert transposed.stride(1) == 1
+    assert_bitwise_equal(transposed, base.transpose(1, 2).reshape(-1, 6))
