@@ -39,8 +39,7 @@ def _triton_batch_invariant():
 
 def _config_label(path: str, m: int, n: int, sms: int, device) -> str:
     if path == "batchinv" and uses_hopper(device):
-        config = choose_config(m, n, sms)
-        return f"hopper bm{config.block_m} bn{config.block_n} s{config.stages}"
+        return f"hopper {choose_config(m, n, sms)}"
     return ""
 
 
