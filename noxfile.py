@@ -67,7 +67,7 @@ def tests(session: nox.Session) -> None:
 @nox.session
 def lint(session: nox.Session) -> None:
     """ruff (lint and format) for Python; cargo fmt and clippy for Rust."""
-    session.install("ruff")
+    session.install("ruff==0.17.6")
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")
     session.run("cargo", "fmt", "--all", "--check", external=True)

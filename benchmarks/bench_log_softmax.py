@@ -10,10 +10,9 @@ log-softmax, so it has no row here.
 from __future__ import annotations
 
 import torch
+from _common import median_ms, parse_args, report, require_cuda
 
 import batchinv
-
-from _common import median_ms, parse_args, report, require_cuda
 
 SHAPES = [
     # (rows, vocab, input dtype)
@@ -54,11 +53,33 @@ def main() -> None:
             ("backward", "torch log_softmax", backward_bytes, _backward_ms(stock, x, grad)),
             ("backward", "batchinv", backward_bytes, _backward_ms(batchinv.log_softmax, x, grad)),
         ]
-        base = {"rows": rows, "vocab": vocab, "dtype": f"{str(dtype).removeprefix('torch.')}->float32"}
-        rows_out.append({**base, "direction": "-", "path": "copy (anchor)", "ms": copy_ms, "TB/s": copy_tbs, "vs_copy": 1.0})
+        base = {
+            "rows": rows,
+            "vocab": vocab,
+            "dtype": f"{str(dtype).removeprefix('torch.')}->float32",
+        }
+        rows_out.append(
+            {
+                **base,
+                "direction": "-",
+                "path": "copy (anchor)",
+                "ms": copy_ms,
+                "TB/s": copy_tbs,
+                "vs_copy": 1.0,
+            }
+        )
         for direction, path, moved, ms in timings:
             tbs = moved / ms / 1e9
-            rows_out.append({**base, "direction": direction, "path": path, "ms": ms, "TB/s": tbs, "vs_copy": tbs / copy_tbs})
+            rows_out.append(
+                {
+                    **base,
+                    "direction": direction,
+                    "path": path,
+                    "ms": ms,
+                    "TB/s": tbs,
+                    "vs_copy": tbs / copy_tbs,
+                }
+            )
     report(
         "log_softmax",
         rows_out,

@@ -11,10 +11,9 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from _common import median_ms, parse_args, report, require_cuda
 
 import batchinv
-
-from _common import median_ms, parse_args, report, require_cuda
 
 SHAPES = [
     # (rows, hidden, dtype, what)
@@ -69,7 +68,9 @@ def main() -> None:
             "fused add forward": (
                 4,
                 {
-                    "torch add + F.rms_norm": lambda: F.rms_norm(x + residual, (hidden,), weight, EPS),
+                    "torch add + F.rms_norm": lambda: F.rms_norm(
+                        x + residual, (hidden,), weight, EPS
+                    ),
                     "batchinv": lambda: batchinv.fused_add_rms_norm(x, residual, weight, EPS),
                 },
             ),
@@ -91,16 +92,34 @@ def main() -> None:
                 timings.append(("backward", path, 3, _backward_ms(fn, x, weight, grad)))
             except Exception as error:
                 print(f"note: backward row {path!r} skipped ({type(error).__name__}: {error})")
-        rows_out.append({
-            "rows": rows, "hidden": hidden, "dtype": str(dtype).removeprefix("torch."), "what": what,
-            "direction": "-", "path": "copy (anchor)", "ms": one_copy, "TB/s": copy_tbs, "vs_copy": 1.0,
-        })
+        rows_out.append(
+            {
+                "rows": rows,
+                "hidden": hidden,
+                "dtype": str(dtype).removeprefix("torch."),
+                "what": what,
+                "direction": "-",
+                "path": "copy (anchor)",
+                "ms": one_copy,
+                "TB/s": copy_tbs,
+                "vs_copy": 1.0,
+            }
+        )
         for direction, path, tensors, ms in timings:
             tbs = tensors * tensor_bytes / ms / 1e9
-            rows_out.append({
-                "rows": rows, "hidden": hidden, "dtype": str(dtype).removeprefix("torch."), "what": what,
-                "direction": direction, "path": path, "ms": ms, "TB/s": tbs, "vs_copy": tbs / copy_tbs,
-            })
+            rows_out.append(
+                {
+                    "rows": rows,
+                    "hidden": hidden,
+                    "dtype": str(dtype).removeprefix("torch."),
+                    "what": what,
+                    "direction": direction,
+                    "path": path,
+                    "ms": ms,
+                    "TB/s": tbs,
+                    "vs_copy": tbs / copy_tbs,
+                }
+            )
     report(
         "rms_norm",
         rows_out,

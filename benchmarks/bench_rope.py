@@ -11,10 +11,9 @@ and k, write their rotations.
 from __future__ import annotations
 
 import torch
+from _common import median_ms, parse_args, report, require_cuda
 
 import batchinv
-
-from _common import median_ms, parse_args, report, require_cuda
 
 SHAPES = [
     # (tokens, query heads, kv heads, head_dim, dtype)
@@ -36,7 +35,9 @@ def _liger():
 
 
 def _tables(head_dim, dtype, device):
-    inv_freq = 1.0 / (THETA ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim))
+    inv_freq = 1.0 / (
+        THETA ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim)
+    )
     angles = torch.arange(MAX_POSITION, device=device, dtype=torch.float32)[:, None] * inv_freq
     emb = torch.cat((angles, angles), dim=-1)
     return emb.cos().to(dtype), emb.sin().to(dtype)
@@ -77,30 +78,76 @@ def main() -> None:
         copy_tbs = 2 * moved / copy_ms / 1e9
 
         def ours(a, b, check=False):
-            return batchinv.rope(a, b, positions, theta=THETA, max_position=MAX_POSITION, check_positions=check)
+            return batchinv.rope(
+                a, b, positions, theta=THETA, max_position=MAX_POSITION, check_positions=check
+            )
 
         timings = [
-            ("forward", "torch HF-style", median_ms(lambda: _hf_rope(q, k, cos_table, sin_table, positions))),
+            (
+                "forward",
+                "torch HF-style",
+                median_ms(lambda: _hf_rope(q, k, cos_table, sin_table, positions)),
+            ),
             ("forward", "batchinv kernel (no check)", median_ms(lambda: ours(q, k))),
             ("forward", "batchinv op (+position check)", median_ms(lambda: ours(q, k, True))),
-            ("backward", "torch HF-style", _backward_ms(lambda a, b: _hf_rope(a, b, cos_table, sin_table, positions), q, k, grads)),
+            (
+                "backward",
+                "torch HF-style",
+                _backward_ms(
+                    lambda a, b: _hf_rope(a, b, cos_table, sin_table, positions), q, k, grads
+                ),
+            ),
             ("backward", "batchinv", _backward_ms(ours, q, k, grads)),
         ]
         if liger is not None:
             try:
                 # Liger's layout: q [1, H, S, d], cos/sin [1, S, d] gathered by position.
-                ql, kl = q.transpose(0, 1).unsqueeze(0).contiguous(), k.transpose(0, 1).unsqueeze(0).contiguous()
+                ql, kl = (
+                    q.transpose(0, 1).unsqueeze(0).contiguous(),
+                    k.transpose(0, 1).unsqueeze(0).contiguous(),
+                )
                 cos, sin = cos_table[positions].unsqueeze(0), sin_table[positions].unsqueeze(0)
-                timings.append(("forward", "Liger-Kernel", median_ms(lambda: liger.apply(ql, kl, cos, sin))))
+                timings.append(
+                    ("forward", "Liger-Kernel", median_ms(lambda: liger.apply(ql, kl, cos, sin)))
+                )
                 grads_l = (torch.randn_like(ql), torch.randn_like(kl))
-                timings.append(("backward", "Liger-Kernel", _backward_ms(lambda a, b: liger.apply(a, b, cos, sin), ql, kl, grads_l)))
+                timings.append(
+                    (
+                        "backward",
+                        "Liger-Kernel",
+                        _backward_ms(lambda a, b: liger.apply(a, b, cos, sin), ql, kl, grads_l),
+                    )
+                )
             except Exception as error:
                 print(f"note: Liger-Kernel row failed ({type(error).__name__}: {error})")
-        base = {"tokens": tokens, "heads": f"{hq}/{hk}", "head_dim": head_dim, "dtype": str(dtype).removeprefix("torch.")}
-        rows_out.append({**base, "direction": "-", "path": "copy (anchor)", "ms": copy_ms, "TB/s": copy_tbs, "vs_copy": 1.0})
+        base = {
+            "tokens": tokens,
+            "heads": f"{hq}/{hk}",
+            "head_dim": head_dim,
+            "dtype": str(dtype).removeprefix("torch."),
+        }
+        rows_out.append(
+            {
+                **base,
+                "direction": "-",
+                "path": "copy (anchor)",
+                "ms": copy_ms,
+                "TB/s": copy_tbs,
+                "vs_copy": 1.0,
+            }
+        )
         for direction, path, ms in timings:
             tbs = 2 * moved / ms / 1e9
-            rows_out.append({**base, "direction": direction, "path": path, "ms": ms, "TB/s": tbs, "vs_copy": tbs / copy_tbs})
+            rows_out.append(
+                {
+                    **base,
+                    "direction": direction,
+                    "path": path,
+                    "ms": ms,
+                    "TB/s": tbs,
+                    "vs_copy": tbs / copy_tbs,
+                }
+            )
     report(
         "rope",
         rows_out,

@@ -11,10 +11,9 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from _common import median_ms, parse_args, report, require_cuda
 
 import batchinv
-
-from _common import median_ms, parse_args, report, require_cuda
 
 SHAPES = [
     # (tokens, intermediate, dtype)
@@ -57,22 +56,59 @@ def main() -> None:
         timings = [
             ("forward", "torch F.silu(g) * u", 3, median_ms(lambda: F.silu(gate) * up)),
             ("forward", "batchinv silu_mul", 3, median_ms(lambda: batchinv.silu_mul(gate, up))),
-            ("forward", "batchinv silu_mul_fused", 3, median_ms(lambda: batchinv.silu_mul_fused(gate_up))),
-            ("backward", "torch F.silu(g) * u", 5, _backward_ms(lambda g, u: F.silu(g) * u, (gate, up), grad)),
+            (
+                "forward",
+                "batchinv silu_mul_fused",
+                3,
+                median_ms(lambda: batchinv.silu_mul_fused(gate_up)),
+            ),
+            (
+                "backward",
+                "torch F.silu(g) * u",
+                5,
+                _backward_ms(lambda g, u: F.silu(g) * u, (gate, up), grad),
+            ),
             ("backward", "batchinv silu_mul", 5, _backward_ms(batchinv.silu_mul, (gate, up), grad)),
-            ("backward", "batchinv silu_mul_fused", 5, _backward_ms(batchinv.silu_mul_fused, (gate_up,), grad)),
+            (
+                "backward",
+                "batchinv silu_mul_fused",
+                5,
+                _backward_ms(batchinv.silu_mul_fused, (gate_up,), grad),
+            ),
         ]
         if liger is not None:
             try:
-                timings.append(("forward", "Liger-Kernel", 3, median_ms(lambda: liger.apply(gate, up))))
-                timings.append(("backward", "Liger-Kernel", 5, _backward_ms(liger.apply, (gate, up), grad)))
+                timings.append(
+                    ("forward", "Liger-Kernel", 3, median_ms(lambda: liger.apply(gate, up)))
+                )
+                timings.append(
+                    ("backward", "Liger-Kernel", 5, _backward_ms(liger.apply, (gate, up), grad))
+                )
             except Exception as error:
                 print(f"note: Liger-Kernel row failed ({type(error).__name__}: {error})")
         base = {"tokens": tokens, "intermediate": inter, "dtype": str(dtype).removeprefix("torch.")}
-        rows_out.append({**base, "direction": "-", "path": "copy (anchor)", "ms": copy_ms, "TB/s": copy_tbs, "vs_copy": 1.0})
+        rows_out.append(
+            {
+                **base,
+                "direction": "-",
+                "path": "copy (anchor)",
+                "ms": copy_ms,
+                "TB/s": copy_tbs,
+                "vs_copy": 1.0,
+            }
+        )
         for direction, path, tensors, ms in timings:
             tbs = tensors * tensor_bytes / ms / 1e9
-            rows_out.append({**base, "direction": direction, "path": path, "ms": ms, "TB/s": tbs, "vs_copy": tbs / copy_tbs})
+            rows_out.append(
+                {
+                    **base,
+                    "direction": direction,
+                    "path": path,
+                    "ms": ms,
+                    "TB/s": tbs,
+                    "vs_copy": tbs / copy_tbs,
+                }
+            )
     report(
         "silu_mul",
         rows_out,

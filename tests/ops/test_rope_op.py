@@ -52,7 +52,9 @@ def test_module_uses_qwen3_defaults():
 
 def test_bad_input_names_the_argument():
     q, k, positions = _case(torch.float32)
-    with pytest.raises(IndexError, match=r"position_ids\[1, 2\] = -1 is outside the valid range \[0, 100\)"):
+    with pytest.raises(
+        IndexError, match=r"position_ids\[1, 2\] = -1 is outside the valid range \[0, 100\)"
+    ):
         bad = positions.clone() % 100
         bad[1, 2] = -1
         batchinv.rope(q, k, bad, theta=THETA, max_position=100)

@@ -60,5 +60,7 @@ def test_gpu_tiling_covers_every_element_once():
     for inter in [1, 3, 8, 111, 2047, 2048, 4096, 8191, 8192, 8193, 12288, 14336, 20000, 100000]:
         grid, tiles, tile = gpu_silu_mul._tiling(7, inter)
         assert grid == 7 * tiles
-        assert tile % gpu_silu_mul.TILE_QUANTUM == 0 and tile <= max(gpu_silu_mul.MAX_TILE_ELEMENTS, gpu_silu_mul.TILE_QUANTUM)
+        assert tile % gpu_silu_mul.TILE_QUANTUM == 0 and tile <= max(
+            gpu_silu_mul.MAX_TILE_ELEMENTS, gpu_silu_mul.TILE_QUANTUM
+        )
         assert (tiles - 1) * tile < inter <= tiles * tile
