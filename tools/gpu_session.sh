@@ -40,6 +40,7 @@ for step in "${steps[@]}"; do
 done
 if [ -n "$OUT" ]; then
   cp reports/cuda_parity/*.json "$OUT/" 2>/dev/null
-  mkdir -p "$OUT/results" && cp benchmarks/results/*.json "$OUT/results/" 2>/dev/null
+  # One archive: the device tool returns at most 8 files.
+  tar -cf "$OUT/bench_results.tar" benchmarks/results/*.json 2>/dev/null
 fi
 exit $status
