@@ -194,7 +194,7 @@ def sanitize(session: nox.Session) -> None:
         # racecheck tracks shared memory on the host for every kernel; over the whole suite,
         # PyTorch's kernels included, it ran out of 128 GB on an H200 machine, so it checks
         # batchinv's own kernels only.
-        only_ours = ["--kernel-name", f"kre={OUR_KERNELS}"] if tool == "racecheck" else []
+        only_ours = ["--kernel-name", f"regex={OUR_KERNELS}"] if tool == "racecheck" else []
         session.run(
             sanitizer,
             "--tool",
