@@ -4,7 +4,9 @@ Goal (issue 6): >= 0.9 of the copy's bandwidth at 4096 rows x vocab 151936, bf16
 out.  Rows per shape: the copy (the anchor, measured in this run; it moves as many bytes as
 the op must: read x, write out), stock ``torch.log_softmax(x, -1, dtype=float32)`` and
 batchinv; forward and backward (reads dy and x, writes dx).  Liger-Kernel has no standalone
-log-softmax, so it has no row here.
+log-softmax, so it has no row here.  Tuning rows ("T=1024 ...") rerun batchinv with another
+block size for long rows; that changes the reduction tree (other bits), so they are for
+choosing ``LARGE_ROW_THREADS``, not a mode to ship.
 """
 
 from __future__ import annotations
@@ -13,7 +15,9 @@ import torch
 from _common import median_ms, parse_args, report, require_cuda
 
 import batchinv
+from batchinv.gpu import log_softmax as gpu_log_softmax
 
+TUNING_THREADS = (1024,)  # compared with gpu_log_softmax.LARGE_ROW_THREADS in the same run
 SHAPES = [
     # (rows, vocab, input dtype)
     (4096, 151936, torch.bfloat16),
@@ -53,6 +57,21 @@ def main() -> None:
             ("backward", "torch log_softmax", backward_bytes, _backward_ms(stock, x, grad)),
             ("backward", "batchinv", backward_bytes, _backward_ms(batchinv.log_softmax, x, grad)),
         ]
+        default_threads = gpu_log_softmax.LARGE_ROW_THREADS
+        for threads in TUNING_THREADS:
+            if gpu_log_softmax.threads_for(vocab, dtype) != default_threads:
+                continue  # a short row: the tuning knob does not apply
+            gpu_log_softmax.LARGE_ROW_THREADS = threads
+            try:
+                path = f"batchinv T={threads} (tuning, other bits)"
+                fwd = median_ms(lambda: batchinv.log_softmax(x))
+                bwd = _backward_ms(batchinv.log_softmax, x, grad)
+            finally:
+                gpu_log_softmax.LARGE_ROW_THREADS = default_threads
+            timings += [
+                ("forward", path, forward_bytes, fwd),
+                ("backward", path, backward_bytes, bwd),
+            ]
         base = {
             "rows": rows,
             "vocab": vocab,

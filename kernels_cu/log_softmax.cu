@@ -37,8 +37,42 @@
 // layout follow from V only, and nothing a CTA computes reads another row.
 #include "common/portability.cuh"
 
+#if defined(__HIPCC__)
+// hipcc fuses a * b + c into an FMA by default, and its __fadd_rn / __fmul_rn are plain + and *
+// (they would fuse too, differently at different call sites).  Contraction is off for this
+// file, and the steps below are plain IEEE operations there; CUDA never fuses its _rn
+// intrinsics.
+#pragma clang fp contract(off)
+#endif
+
 namespace batchinv {
 namespace lsm {
+
+// One IEEE fp32 operation each, never fused with a neighbour (see the pragma above).
+__device__ __forceinline__ float ieee_add(float a, float b) {
+#if defined(__HIPCC__)
+    return a + b;
+#else
+    return __fadd_rn(a, b);
+#endif
+}
+
+__device__ __forceinline__ float ieee_sub(float a, float b) {
+#if defined(__HIPCC__)
+    return a - b;
+#else
+    return __fsub_rn(a, b);
+#endif
+}
+
+__device__ __forceinline__ float ieee_mul(float a, float b) {
+#if defined(__HIPCC__)
+    return a * b;
+#else
+    return __fmul_rn(a, b);
+#endif
+}
+
 
 constexpr int kGroup = 8;
 // Groups loaded before use in the shared-memory and global tiers: 64 bytes per thread.
@@ -72,8 +106,8 @@ __device__ __forceinline__ float shift_of(float m) { return m == -INFINITY ? 0.0
 __device__ __forceinline__ State merge(State a, State b) {
     const float m = fmaxf(a.m, b.m);
     const float shift = shift_of(m);
-    const float l = __fadd_rn(__fmul_rn(a.l, expf(__fsub_rn(a.m, shift))),
-                              __fmul_rn(b.l, expf(__fsub_rn(b.m, shift))));
+    const float l = ieee_add(ieee_mul(a.l, expf(ieee_sub(a.m, shift))),
+                              ieee_mul(b.l, expf(ieee_sub(b.m, shift))));
     return {m, l};
 }
 
@@ -84,12 +118,12 @@ __device__ __forceinline__ State group_state(const Group<Codec>& g, int valid) {
     for (int e = 0; e < kGroup; ++e) {
         if (e < valid) m = fmaxf(m, Codec::load(g.v[e]));
     }
-    m = __fadd_rn(m, 0.0f);  // -0 -> +0: the sign of a zero maximum is canonical
+    m = ieee_add(m, 0.0f);  // -0 -> +0: the sign of a zero maximum is canonical
     const float shift = shift_of(m);
     float l = 0.0f;
 #pragma unroll
     for (int e = 0; e < kGroup; ++e) {
-        if (e < valid) l = __fadd_rn(l, expf(__fsub_rn(Codec::load(g.v[e]), shift)));
+        if (e < valid) l = ieee_add(l, expf(ieee_sub(Codec::load(g.v[e]), shift)));
     }
     return {m, l};
 }
@@ -98,7 +132,7 @@ template <typename Codec>
 __device__ __forceinline__ float group_sum(const Group<Codec>& g, int valid, float sum) {
 #pragma unroll
     for (int e = 0; e < kGroup; ++e) {
-        if (e < valid) sum = __fadd_rn(sum, Codec::load(g.v[e]));
+        if (e < valid) sum = ieee_add(sum, Codec::load(g.v[e]));
     }
     return sum;
 }
@@ -180,14 +214,14 @@ template <int T>
 __device__ __forceinline__ float block_sum(float v, float* warp_sums) {
     constexpr int W = BATCHINV_WARP_SIZE;
 #pragma unroll
-    for (int offset = W / 2; offset > 0; offset >>= 1) v = __fadd_rn(v, BATCHINV_SHFL_XOR(v, offset));
+    for (int offset = W / 2; offset > 0; offset >>= 1) v = ieee_add(v, BATCHINV_SHFL_XOR(v, offset));
     constexpr int kWarps = T / W;
     if constexpr (kWarps > 1) {
         if (threadIdx.x % W == 0) warp_sums[threadIdx.x / W] = v;
         __syncthreads();
         v = warp_sums[0];
 #pragma unroll
-        for (int w = 1; w < kWarps; ++w) v = __fadd_rn(v, warp_sums[w]);
+        for (int w = 1; w < kWarps; ++w) v = ieee_add(v, warp_sums[w]);
     }
     return v;
 }
@@ -208,7 +242,7 @@ __device__ __forceinline__ void write_output(typename OutCodec::storage* out, co
     const bool empty_row = lse == -INFINITY;
 #pragma unroll
     for (int e = 0; e < kGroup; ++e) {
-        o.v[e] = OutCodec::store(empty_row ? -INFINITY : __fsub_rn(InCodec::load(g.v[e]), lse));
+        o.v[e] = OutCodec::store(empty_row ? -INFINITY : ieee_sub(InCodec::load(g.v[e]), lse));
     }
     store_group(out, o, group, vocab, vector);
 }
@@ -272,7 +306,7 @@ __device__ __forceinline__ void forward(const ForwardArgs& a) {
         }
     }
     st = block_merge<T>(st, warp_states);
-    const float lse = __fadd_rn(st.m, logf(st.l));
+    const float lse = ieee_add(st.m, logf(st.l));
     if (a.lse != nullptr && t == 0) a.lse[row] = lse;
 
     // Pass 2: out = x - lse from wherever each group lives.
@@ -321,8 +355,8 @@ __device__ __forceinline__ void write_grad(typename InCodec::storage* grad_x, co
     const bool empty_row = lse == -INFINITY;
 #pragma unroll
     for (int e = 0; e < kGroup; ++e) {
-        const float p = expf(__fsub_rn(InCodec::load(x.v[e]), lse));
-        o.v[e] = InCodec::store(empty_row ? 0.0f : __fsub_rn(OutCodec::load(dy.v[e]), __fmul_rn(p, dy_sum)));
+        const float p = expf(ieee_sub(InCodec::load(x.v[e]), lse));
+        o.v[e] = InCodec::store(empty_row ? 0.0f : ieee_sub(OutCodec::load(dy.v[e]), ieee_mul(p, dy_sum)));
     }
     store_group(grad_x, o, group, vocab, vector);
 }

@@ -2,17 +2,17 @@
 // per-head q/k norm, which is the same op over rows of length head_dim).
 //
 // Forward   inv_rms = 1 / sqrt(sum(h^2) / d + eps);  y = (h * inv_rms) * weight
-//           h = x                          (rms_norm_forward_*, residual == nullptr)
-//           h = round(x + residual)        (fused: the sum added in fp32, rounded once to the
-//                                           storage type, written to new_residual; the norm
-//                                           reads the rounded value)
+//           h = x                          (rms_norm_forward_*; residual is not read)
+//           h = round(x + residual)        (rms_norm_fused_forward_*: the sum added in fp32,
+//                                           rounded once to the storage type, written to
+//                                           new_residual; the norm reads the rounded value)
 //   x, residual  [rows, d]  bf16/fp16/fp32, unit stride along d, row strides x_stride and
 //                           residual_stride (elements)
 //   weight       [d]        same dtype, contiguous
 //   y, new_residual [rows, d] same dtype, contiguous (new_residual only when fused)
 //   rstd         [rows] fp32: inv_rms of each row (nullptr: not written); the backward reads it
 //   eps          fp32 (the host rounds the Python float once)
-//   Arithmetic in fp32 with explicit IEEE intrinsics (no FMA contraction): squares rounded,
+//   Arithmetic in fp32, every step one IEEE operation (no FMA contraction): squares rounded,
 //   sums rounded, sum / d, __fsqrt_rn, 1 / that, then two products, one rounding at the end.
 //
 // Backward  x_hat = h * inv_rms;  gw = grad_y * weight;
@@ -27,12 +27,13 @@
 //           bitwise the same run to run.  Zero-gradient rows appended at the end add +0 to
 //           each sum and leave the bits unchanged.
 //
-// Launch geometry (the host picks it from d and the dtype only, never from rows):
-//   threads_per_row T in {4, 16, 32, 128, 256, 512, 1024}: the smallest T with
-//   T * kChunksPerThread 16-byte chunks >= the row; rows longer than that use the streaming
-//   form with T = 1024, which reads the row twice instead of keeping it in registers.
-//   CTA = max(T, 128) threads holding 128 / T rows (T < 128) or one row; grid.x = ceil(rows /
-//   rows per CTA).  The batch changes only grid.x.
+// Launch geometry (the host picks it from d and the dtype only, never from rows): the first
+//   (T threads per row, K chunks per thread) of (4, 4), (16, 4), (32, 4), (64, 8), (128, 8),
+//   (256, 8), (512, 8) with T * K 16-byte chunks >= the row, each thread keeping its chunks in
+//   registers (the row is read once); longer rows (bf16 d > 32768, fp32 d > 16384) use the
+//   streaming form, T = 1024, which reads the row twice.  CTA = max(T, 128) threads holding
+//   128 / T rows (T < 128) or one row; grid.x = ceil(rows / rows per CTA).  The batch changes
+//   only grid.x.  The backward uses the forward's geometry.
 //
 // Why a row's bits cannot depend on the batch: element e of a row belongs to 16-byte chunk
 // c = e / (16 / sizeof(storage)), chunk c to thread c % T of the row's group, and a thread
@@ -47,15 +48,49 @@
 // odd offset of a batch get the same result.
 #include "common/portability.cuh"
 
+#if defined(__HIPCC__)
+// hipcc fuses a * b + c into an FMA by default, and its __fadd_rn / __fmul_rn are plain + and *
+// (they would fuse too, differently at different call sites).  Contraction is off for this
+// file, and the steps below are plain IEEE operations there; CUDA never fuses its _rn
+// intrinsics.
+#pragma clang fp contract(off)
+#endif
+
 namespace batchinv {
 namespace rms {
 
+// One IEEE fp32 operation each, never fused with a neighbour (see the pragma above).
+__device__ __forceinline__ float ieee_add(float a, float b) {
+#if defined(__HIPCC__)
+    return a + b;
+#else
+    return __fadd_rn(a, b);
+#endif
+}
+
+__device__ __forceinline__ float ieee_sub(float a, float b) {
+#if defined(__HIPCC__)
+    return a - b;
+#else
+    return __fsub_rn(a, b);
+#endif
+}
+
+__device__ __forceinline__ float ieee_mul(float a, float b) {
+#if defined(__HIPCC__)
+    return a * b;
+#else
+    return __fmul_rn(a, b);
+#endif
+}
+
+
 constexpr int kChunkBytes = 16;
-constexpr int kChunksPerThread = 4;  // chunks each thread keeps in registers
-constexpr int kStreamingBackwardChunks = 2;
+constexpr int kStreamingThreads = 1024;
+constexpr int kStreamingChunks = 4;          // chunks per thread and round, streaming forward
+constexpr int kStreamingBackwardChunks = 2;  // and backward (four would spill at 64 registers)
 constexpr int kMinCtaThreads = 128;
-constexpr int kMaxThreads = 1024;
-constexpr int kMaxWarps = kMaxThreads / BATCHINV_WARP_SIZE;
+constexpr int kMaxWarps = 1024 / BATCHINV_WARP_SIZE;
 constexpr int kWeightGradRows = 64;      // rows per pass-1 partial of grad_weight (a constant)
 constexpr int kWeightGradThreads = 256;  // columns per pass-1 / pass-2 CTA
 constexpr int kWeightGradUnroll = 8;     // rows loaded before they are added (loads in flight)
@@ -102,7 +137,7 @@ __device__ __forceinline__ float row_group_sum(float value, float* warp_partials
     constexpr int kLanes = T < W ? T : W;
 #pragma unroll
     for (int offset = kLanes / 2; offset > 0; offset >>= 1) {
-        value = __fadd_rn(value, BATCHINV_SHFL_XOR(value, offset));
+        value = ieee_add(value, BATCHINV_SHFL_XOR(value, offset));
     }
     if constexpr (T > W) {
         constexpr int kWarpsPerRow = T / W;
@@ -112,7 +147,7 @@ __device__ __forceinline__ float row_group_sum(float value, float* warp_partials
         __syncthreads();
         value = warp_partials[first_warp];
 #pragma unroll
-        for (int w = 1; w < kWarpsPerRow; ++w) value = __fadd_rn(value, warp_partials[first_warp + w]);
+        for (int w = 1; w < kWarpsPerRow; ++w) value = ieee_add(value, warp_partials[first_warp + w]);
         __syncthreads();  // the partials may be reused by a later reduction
     }
     return value;
@@ -120,7 +155,7 @@ __device__ __forceinline__ float row_group_sum(float value, float* warp_partials
 
 __device__ __forceinline__ float inv_rms_of(float sum_sq, int64_t d, float eps) {
     const float mean_sq = __fdiv_rn(sum_sq, static_cast<float>(d));
-    return __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(mean_sq, eps)));
+    return __fdiv_rn(1.0f, __fsqrt_rn(ieee_add(mean_sq, eps)));
 }
 
 __device__ __forceinline__ bool aligned16(const void* p) {
@@ -146,16 +181,15 @@ struct ForwardArgs {
     float eps;
 };
 
-// One row per group of T threads.  kStreaming: the row does not fit kChunksPerThread chunks
+// One row per group of T threads, each holding up to K chunks.  kStreaming: the row does not fit
 // per thread; it is processed in rounds and read again for the output (for the fused form
 // the second read is of new_residual, which this thread wrote itself in the first).
-template <typename Codec, int T, bool kStreaming, bool kFusedAdd>
+template <typename Codec, int T, int K, bool kStreaming, bool kFusedAdd>
 __device__ __forceinline__ void forward_rows(const ForwardArgs& a, float* warp_partials) {
     using S = typename Codec::storage;
     constexpr int E = Chunk<Codec>::kElems;
     constexpr int kCta = T < kMinCtaThreads ? kMinCtaThreads : T;
     constexpr int kRowsPerCta = kCta / T;
-    constexpr int K = kChunksPerThread;
     const int lane = threadIdx.x % T;
     const int64_t row = static_cast<int64_t>(blockIdx.x) * kRowsPerCta + threadIdx.x / T;
     const bool active = row < a.rows;
@@ -194,10 +228,10 @@ __device__ __forceinline__ void forward_rows(const ForwardArgs& a, float* warp_p
             for (int e = 0; e < E; ++e) {
                 if (c * E + e >= d) continue;
                 if constexpr (kFusedAdd) {
-                    h[k].v[e] = Codec::store(__fadd_rn(Codec::load(h[k].v[e]), Codec::load(r[k].v[e])));
+                    h[k].v[e] = Codec::store(ieee_add(Codec::load(h[k].v[e]), Codec::load(r[k].v[e])));
                 }
                 const float v = Codec::load(h[k].v[e]);
-                sum_sq = __fadd_rn(sum_sq, __fmul_rn(v, v));
+                sum_sq = ieee_add(sum_sq, ieee_mul(v, v));
             }
             if constexpr (kFusedAdd) store_chunk(new_residual, h[k], c, d, vector);
         }
@@ -223,7 +257,7 @@ __device__ __forceinline__ void forward_rows(const ForwardArgs& a, float* warp_p
 #pragma unroll
             for (int e = 0; e < E; ++e) {
                 out.v[e] = Codec::store(
-                    __fmul_rn(__fmul_rn(Codec::load(h[k].v[e]), inv_rms), Codec::load(w.v[e])));
+                    ieee_mul(ieee_mul(Codec::load(h[k].v[e]), inv_rms), Codec::load(w.v[e])));
             }
             store_chunk(y, out, c, d, vector);
         }
@@ -243,15 +277,12 @@ struct BackwardArgs {
 };
 
 // grad_h of one row per group of T threads; the same layout and tree as the forward.
-// The streaming form holds two chunks of x and of grad_y per round: with four, the 64
-// registers a 1024-thread CTA allows would spill.
-template <typename Codec, int T, bool kStreaming>
+template <typename Codec, int T, int K, bool kStreaming>
 __device__ __forceinline__ void backward_rows(const BackwardArgs& a, float* warp_partials) {
     using S = typename Codec::storage;
     constexpr int E = Chunk<Codec>::kElems;
     constexpr int kCta = T < kMinCtaThreads ? kMinCtaThreads : T;
     constexpr int kRowsPerCta = kCta / T;
-    constexpr int K = kStreaming ? kStreamingBackwardChunks : kChunksPerThread;
     const int lane = threadIdx.x % T;
     const int64_t row = static_cast<int64_t>(blockIdx.x) * kRowsPerCta + threadIdx.x / T;
     const bool active = row < a.rows;
@@ -289,9 +320,9 @@ __device__ __forceinline__ void backward_rows(const BackwardArgs& a, float* warp
 #pragma unroll
             for (int e = 0; e < E; ++e) {
                 if (c * E + e >= d) continue;
-                const float gw = __fmul_rn(Codec::load(gs[k].v[e]), Codec::load(w.v[e]));
-                const float x_hat = __fmul_rn(Codec::load(xs[k].v[e]), inv_rms);
-                dot = __fadd_rn(dot, __fmul_rn(gw, x_hat));
+                const float gw = ieee_mul(Codec::load(gs[k].v[e]), Codec::load(w.v[e]));
+                const float x_hat = ieee_mul(Codec::load(xs[k].v[e]), inv_rms);
+                dot = ieee_add(dot, ieee_mul(gw, x_hat));
             }
         }
     }
@@ -317,10 +348,10 @@ __device__ __forceinline__ void backward_rows(const BackwardArgs& a, float* warp
             if (grad_residual != nullptr) load_chunk(extra, grad_residual, c, d, vector);
 #pragma unroll
             for (int e = 0; e < E; ++e) {
-                const float gw = __fmul_rn(Codec::load(gs[k].v[e]), Codec::load(w.v[e]));
-                const float x_hat = __fmul_rn(Codec::load(xs[k].v[e]), inv_rms);
-                float g = __fmul_rn(inv_rms, __fsub_rn(gw, __fmul_rn(x_hat, mean_dot)));
-                if (grad_residual != nullptr) g = __fadd_rn(g, Codec::load(extra.v[e]));
+                const float gw = ieee_mul(Codec::load(gs[k].v[e]), Codec::load(w.v[e]));
+                const float x_hat = ieee_mul(Codec::load(xs[k].v[e]), inv_rms);
+                float g = ieee_mul(inv_rms, ieee_sub(gw, ieee_mul(x_hat, mean_dot)));
+                if (grad_residual != nullptr) g = ieee_add(g, Codec::load(extra.v[e]));
                 out.v[e] = Codec::store(g);
             }
             store_chunk(grad_x, out, c, d, vector);
@@ -334,20 +365,19 @@ struct Cta {
     static constexpr int kThreads = T < kMinCtaThreads ? kMinCtaThreads : T;
 };
 
-template <typename Codec, int T, bool kStreaming>
+// The plain and the fused forward are separate entries: the plain one then needs fewer
+// registers (more CTAs per SM, more bytes in flight).  They share T and K, so
+// fused_add_rms_norm's y is bitwise rms_norm of its new_residual.
+template <typename Codec, int T, int K, bool kStreaming, bool kFusedAdd>
 __device__ __forceinline__ void forward_kernel(const ForwardArgs& a) {
     __shared__ float warp_partials[kMaxWarps];
-    if (a.residual != nullptr) {
-        forward_rows<Codec, T, kStreaming, true>(a, warp_partials);
-    } else {
-        forward_rows<Codec, T, kStreaming, false>(a, warp_partials);
-    }
+    forward_rows<Codec, T, K, kStreaming, kFusedAdd>(a, warp_partials);
 }
 
-template <typename Codec, int T, bool kStreaming>
+template <typename Codec, int T, int K, bool kStreaming>
 __device__ __forceinline__ void backward_kernel(const BackwardArgs& a) {
     __shared__ float warp_partials[kMaxWarps];
-    backward_rows<Codec, T, kStreaming>(a, warp_partials);
+    backward_rows<Codec, T, K, kStreaming>(a, warp_partials);
 }
 
 // grad_weight, pass 1: partials[chunk, col] = sum over rows [chunk * 64, min(rows, chunk * 64 + 64))
@@ -376,13 +406,13 @@ __device__ __forceinline__ void weight_grad_partials(float* partials,
         }
 #pragma unroll
         for (int u = 0; u < kWeightGradUnroll; ++u) {
-            sum = __fadd_rn(sum, __fmul_rn(g[u], __fmul_rn(xv[u], inv[u])));
+            sum = ieee_add(sum, ieee_mul(g[u], ieee_mul(xv[u], inv[u])));
         }
     }
     for (; r < end; ++r) {
         const float g = Codec::load(grad_y[r * d + col]);
         const float xv = Codec::load(x[r * x_stride + col]);
-        sum = __fadd_rn(sum, __fmul_rn(g, __fmul_rn(xv, rstd[r])));
+        sum = ieee_add(sum, ieee_mul(g, ieee_mul(xv, rstd[r])));
     }
     partials[chunk * d + col] = sum;
 }
@@ -397,9 +427,9 @@ __device__ __forceinline__ float column_sum(const float* rows_in, int64_t begin,
 #pragma unroll
         for (int u = 0; u < kWeightGradUnroll; ++u) v[u] = rows_in[(r + u) * d + col];
 #pragma unroll
-        for (int u = 0; u < kWeightGradUnroll; ++u) sum = __fadd_rn(sum, v[u]);
+        for (int u = 0; u < kWeightGradUnroll; ++u) sum = ieee_add(sum, v[u]);
     }
-    for (; r < end; ++r) sum = __fadd_rn(sum, rows_in[r * d + col]);
+    for (; r < end; ++r) sum = ieee_add(sum, rows_in[r * d + col]);
     return sum;
 }
 
@@ -430,28 +460,31 @@ __device__ __forceinline__ void weight_grad_final(typename Codec::storage* grad_
 }  // namespace rms
 }  // namespace batchinv
 
-// Kernel entries.  Geometry names: t<T> keeps the row in registers with T threads per row;
-// stream is T = 1024 reading the row twice (rows longer than 1024 * kChunksPerThread chunks).
-#define BATCHINV_RMS_NORM_ROW_KERNELS(SUFFIX, CODEC, GEOMETRY, T, STREAMING)                     \
-    extern "C" __global__ void __launch_bounds__(batchinv::rms::Cta<T>::kThreads)               \
-        rms_norm_forward_##SUFFIX##_##GEOMETRY(                                                 \
-            CODEC::storage* y, CODEC::storage* new_residual, float* rstd,                       \
-            const CODEC::storage* x, const CODEC::storage* residual,                            \
-            const CODEC::storage* weight, int64_t rows, int64_t d, int64_t x_stride,            \
-            int64_t residual_stride, float eps) {                                               \
-        const batchinv::rms::ForwardArgs args{y,        new_residual, rstd, x,        residual, \
-                                              weight,   rows,         d,    x_stride,           \
-                                              residual_stride, eps};                            \
-        batchinv::rms::forward_kernel<CODEC, T, STREAMING>(args);                               \
-    }                                                                                           \
-    extern "C" __global__ void __launch_bounds__(batchinv::rms::Cta<T>::kThreads)               \
-        rms_norm_backward_##SUFFIX##_##GEOMETRY(                                                \
-            CODEC::storage* grad_x, const CODEC::storage* grad_y, const CODEC::storage* x,      \
-            const CODEC::storage* weight, const float* rstd,                                    \
-            const CODEC::storage* grad_residual, int64_t rows, int64_t d, int64_t x_stride) {   \
-        const batchinv::rms::BackwardArgs args{grad_x,        grad_y, x, weight,  rstd,         \
-                                               grad_residual, rows,   d, x_stride};             \
-        batchinv::rms::backward_kernel<CODEC, T, STREAMING>(args);                              \
+// Kernel entries.  Geometry names: t<T> keeps the row in registers, T threads per row and up
+// to K chunks per thread; stream is T = 1024 reading the row twice.
+#define BATCHINV_RMS_NORM_FORWARD_ENTRY(KIND, SUFFIX, GEOMETRY, CODEC, T, K, STREAMING, FUSED) \
+    extern "C" __global__ void __launch_bounds__(batchinv::rms::Cta<T>::kThreads)                \
+        rms_norm_##KIND##_##SUFFIX##_##GEOMETRY(                                                 \
+        CODEC::storage* y, CODEC::storage* new_residual, float* rstd, const CODEC::storage* x,   \
+        const CODEC::storage* residual, const CODEC::storage* weight, int64_t rows, int64_t d,   \
+        int64_t x_stride, int64_t residual_stride, float eps) {                                  \
+        const batchinv::rms::ForwardArgs args{y,        new_residual, rstd, x,        residual,  \
+                                              weight,   rows,         d,    x_stride,            \
+                                              residual_stride, eps};                             \
+        batchinv::rms::forward_kernel<CODEC, T, K, STREAMING, FUSED>(args);                      \
+    }
+
+#define BATCHINV_RMS_NORM_ROW_KERNELS(SUFFIX, CODEC, GEOMETRY, T, K, BACKWARD_K, STREAMING)      \
+    BATCHINV_RMS_NORM_FORWARD_ENTRY(forward, SUFFIX, GEOMETRY, CODEC, T, K, STREAMING, false)     \
+    BATCHINV_RMS_NORM_FORWARD_ENTRY(fused_forward, SUFFIX, GEOMETRY, CODEC, T, K, STREAMING, true) \
+    extern "C" __global__ void __launch_bounds__(batchinv::rms::Cta<T>::kThreads)                \
+        rms_norm_backward_##SUFFIX##_##GEOMETRY(                                                 \
+            CODEC::storage* grad_x, const CODEC::storage* grad_y, const CODEC::storage* x,       \
+            const CODEC::storage* weight, const float* rstd,                                     \
+            const CODEC::storage* grad_residual, int64_t rows, int64_t d, int64_t x_stride) {    \
+        const batchinv::rms::BackwardArgs args{grad_x,        grad_y, x, weight,  rstd,          \
+                                               grad_residual, rows,   d, x_stride};              \
+        batchinv::rms::backward_kernel<CODEC, T, BACKWARD_K, STREAMING>(args);                   \
     }
 
 #define BATCHINV_RMS_NORM_WEIGHT_GRAD_KERNELS(SUFFIX, CODEC)                                   \
@@ -466,16 +499,21 @@ __device__ __forceinline__ void weight_grad_final(typename Codec::storage* grad_
         batchinv::rms::weight_grad_final<CODEC>(grad_weight, partials, num_partials, d);      \
     }
 
-// The geometry list (keep in step with py/batchinv/gpu/rms_norm.py: THREADS_PER_ROW).
-#define BATCHINV_RMS_NORM_ALL_GEOMETRIES(SUFFIX, CODEC)            \
-    BATCHINV_RMS_NORM_ROW_KERNELS(SUFFIX, CODEC, t4, 4, false)     \
-    BATCHINV_RMS_NORM_ROW_KERNELS(SUFFIX, CODEC, t16, 16, false)   \
-    BATCHINV_RMS_NORM_ROW_KERNELS(SUFFIX, CODEC, t32, 32, false)   \
-    BATCHINV_RMS_NORM_ROW_KERNELS(SUFFIX, CODEC, t128, 128, false) \
-    BATCHINV_RMS_NORM_ROW_KERNELS(SUFFIX, CODEC, t256, 256, false) \
-    BATCHINV_RMS_NORM_ROW_KERNELS(SUFFIX, CODEC, t512, 512, false) \
-    BATCHINV_RMS_NORM_ROW_KERNELS(SUFFIX, CODEC, t1024, 1024, false) \
-    BATCHINV_RMS_NORM_ROW_KERNELS(SUFFIX, CODEC, stream, 1024, true) \
+// The geometry list: (name, threads per row T, chunks per thread K, backward K).  Keep in step
+// with GEOMETRIES in py/batchinv/gpu/rms_norm.py.  Four chunks for the sub-warp rows (q/k
+// norm); eight from 64 threads up, so that each thread has 128 bytes in flight before the
+// reduction (a row-per-CTA kernel with less was latency bound on an H200).
+#define BATCHINV_RMS_NORM_ALL_GEOMETRIES(SUFFIX, CODEC)                    \
+    BATCHINV_RMS_NORM_ROW_KERNELS(SUFFIX, CODEC, t4, 4, 4, 4, false)       \
+    BATCHINV_RMS_NORM_ROW_KERNELS(SUFFIX, CODEC, t16, 16, 4, 4, false)     \
+    BATCHINV_RMS_NORM_ROW_KERNELS(SUFFIX, CODEC, t32, 32, 4, 4, false)     \
+    BATCHINV_RMS_NORM_ROW_KERNELS(SUFFIX, CODEC, t64, 64, 8, 8, false)     \
+    BATCHINV_RMS_NORM_ROW_KERNELS(SUFFIX, CODEC, t128, 128, 8, 8, false)   \
+    BATCHINV_RMS_NORM_ROW_KERNELS(SUFFIX, CODEC, t256, 256, 8, 8, false)   \
+    BATCHINV_RMS_NORM_ROW_KERNELS(SUFFIX, CODEC, t512, 512, 8, 8, false)   \
+    BATCHINV_RMS_NORM_ROW_KERNELS(SUFFIX, CODEC, stream, batchinv::rms::kStreamingThreads, \
+                                  batchinv::rms::kStreamingChunks,         \
+                                  batchinv::rms::kStreamingBackwardChunks, true) \
     BATCHINV_RMS_NORM_WEIGHT_GRAD_KERNELS(SUFFIX, CODEC)
 
 extern "C" __global__ void __launch_bounds__(256) rms_norm_weight_grad_reduce(
@@ -489,56 +527,80 @@ BATCHINV_RMS_NORM_ALL_GEOMETRIES(f32, batchinv::F32Codec)
 
 // Signatures of the entries above, for the launcher's argument checks.
 // batchinv-signature: rms_norm_forward_bf16_t4(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
+// batchinv-signature: rms_norm_fused_forward_bf16_t4(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_backward_bf16_t4(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
 // batchinv-signature: rms_norm_forward_bf16_t16(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
+// batchinv-signature: rms_norm_fused_forward_bf16_t16(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_backward_bf16_t16(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
 // batchinv-signature: rms_norm_forward_bf16_t32(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
+// batchinv-signature: rms_norm_fused_forward_bf16_t32(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_backward_bf16_t32(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
+// batchinv-signature: rms_norm_forward_bf16_t64(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
+// batchinv-signature: rms_norm_fused_forward_bf16_t64(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
+// batchinv-signature: rms_norm_backward_bf16_t64(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
 // batchinv-signature: rms_norm_forward_bf16_t128(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
+// batchinv-signature: rms_norm_fused_forward_bf16_t128(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_backward_bf16_t128(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
 // batchinv-signature: rms_norm_forward_bf16_t256(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
+// batchinv-signature: rms_norm_fused_forward_bf16_t256(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_backward_bf16_t256(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
 // batchinv-signature: rms_norm_forward_bf16_t512(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
+// batchinv-signature: rms_norm_fused_forward_bf16_t512(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_backward_bf16_t512(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
-// batchinv-signature: rms_norm_forward_bf16_t1024(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
-// batchinv-signature: rms_norm_backward_bf16_t1024(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
 // batchinv-signature: rms_norm_forward_bf16_stream(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
+// batchinv-signature: rms_norm_fused_forward_bf16_stream(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_backward_bf16_stream(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
 // batchinv-signature: rms_norm_weight_grad_partials_bf16(ptr, ptr, ptr, ptr, i64, i64, i64)
 // batchinv-signature: rms_norm_weight_grad_final_bf16(ptr, ptr, i64, i64)
 // batchinv-signature: rms_norm_forward_f16_t4(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
+// batchinv-signature: rms_norm_fused_forward_f16_t4(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_backward_f16_t4(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
 // batchinv-signature: rms_norm_forward_f16_t16(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
+// batchinv-signature: rms_norm_fused_forward_f16_t16(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_backward_f16_t16(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
 // batchinv-signature: rms_norm_forward_f16_t32(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
+// batchinv-signature: rms_norm_fused_forward_f16_t32(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_backward_f16_t32(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
+// batchinv-signature: rms_norm_forward_f16_t64(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
+// batchinv-signature: rms_norm_fused_forward_f16_t64(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
+// batchinv-signature: rms_norm_backward_f16_t64(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
 // batchinv-signature: rms_norm_forward_f16_t128(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
+// batchinv-signature: rms_norm_fused_forward_f16_t128(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_backward_f16_t128(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
 // batchinv-signature: rms_norm_forward_f16_t256(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
+// batchinv-signature: rms_norm_fused_forward_f16_t256(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_backward_f16_t256(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
 // batchinv-signature: rms_norm_forward_f16_t512(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
+// batchinv-signature: rms_norm_fused_forward_f16_t512(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_backward_f16_t512(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
-// batchinv-signature: rms_norm_forward_f16_t1024(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
-// batchinv-signature: rms_norm_backward_f16_t1024(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
 // batchinv-signature: rms_norm_forward_f16_stream(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
+// batchinv-signature: rms_norm_fused_forward_f16_stream(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_backward_f16_stream(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
 // batchinv-signature: rms_norm_weight_grad_partials_f16(ptr, ptr, ptr, ptr, i64, i64, i64)
 // batchinv-signature: rms_norm_weight_grad_final_f16(ptr, ptr, i64, i64)
 // batchinv-signature: rms_norm_forward_f32_t4(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
+// batchinv-signature: rms_norm_fused_forward_f32_t4(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_backward_f32_t4(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
 // batchinv-signature: rms_norm_forward_f32_t16(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
+// batchinv-signature: rms_norm_fused_forward_f32_t16(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_backward_f32_t16(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
 // batchinv-signature: rms_norm_forward_f32_t32(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
+// batchinv-signature: rms_norm_fused_forward_f32_t32(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_backward_f32_t32(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
+// batchinv-signature: rms_norm_forward_f32_t64(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
+// batchinv-signature: rms_norm_fused_forward_f32_t64(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
+// batchinv-signature: rms_norm_backward_f32_t64(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
 // batchinv-signature: rms_norm_forward_f32_t128(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
+// batchinv-signature: rms_norm_fused_forward_f32_t128(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_backward_f32_t128(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
 // batchinv-signature: rms_norm_forward_f32_t256(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
+// batchinv-signature: rms_norm_fused_forward_f32_t256(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_backward_f32_t256(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
 // batchinv-signature: rms_norm_forward_f32_t512(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
+// batchinv-signature: rms_norm_fused_forward_f32_t512(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_backward_f32_t512(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
-// batchinv-signature: rms_norm_forward_f32_t1024(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
-// batchinv-signature: rms_norm_backward_f32_t1024(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
 // batchinv-signature: rms_norm_forward_f32_stream(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
+// batchinv-signature: rms_norm_fused_forward_f32_stream(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_backward_f32_stream(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
 // batchinv-signature: rms_norm_weight_grad_partials_f32(ptr, ptr, ptr, ptr, i64, i64, i64)
 // batchinv-signature: rms_norm_weight_grad_final_f32(ptr, ptr, i64, i64)

@@ -31,8 +31,42 @@
 // positions are absolute, so prefill, chunked prefill and decode give a token the same bits.
 #include "common/portability.cuh"
 
+#if defined(__HIPCC__)
+// hipcc fuses a * b + c into an FMA by default, and its __fadd_rn / __fmul_rn are plain + and *
+// (they would fuse too, differently at different call sites).  Contraction is off for this
+// file, and the steps below are plain IEEE operations there; CUDA never fuses its _rn
+// intrinsics.
+#pragma clang fp contract(off)
+#endif
+
 namespace batchinv {
 namespace rope {
+
+// One IEEE fp32 operation each, never fused with a neighbour (see the pragma above).
+__device__ __forceinline__ float ieee_add(float a, float b) {
+#if defined(__HIPCC__)
+    return a + b;
+#else
+    return __fadd_rn(a, b);
+#endif
+}
+
+__device__ __forceinline__ float ieee_sub(float a, float b) {
+#if defined(__HIPCC__)
+    return a - b;
+#else
+    return __fsub_rn(a, b);
+#endif
+}
+
+__device__ __forceinline__ float ieee_mul(float a, float b) {
+#if defined(__HIPCC__)
+    return a * b;
+#else
+    return __fmul_rn(a, b);
+#endif
+}
+
 
 constexpr int kThreads = 128;
 constexpr int kUnroll = 2;
@@ -44,11 +78,11 @@ struct alignas(16) Chunk {
 };
 
 __device__ __forceinline__ float rotate_first(float x1, float x2, float c, float s) {
-    return __fsub_rn(__fmul_rn(x1, c), __fmul_rn(x2, s));
+    return ieee_sub(ieee_mul(x1, c), ieee_mul(x2, s));
 }
 
 __device__ __forceinline__ float rotate_second(float x1, float x2, float c, float s) {
-    return __fadd_rn(__fmul_rn(x2, c), __fmul_rn(x1, s));
+    return ieee_add(ieee_mul(x2, c), ieee_mul(x1, s));
 }
 
 __device__ __forceinline__ bool aligned16(const void* p) {
@@ -121,7 +155,7 @@ __device__ __forceinline__ void rope_token(const Args& a) {
     const float p = static_cast<float>(position);
     for (int64_t j = threadIdx.x; j < half; j += kThreads) {
         float s, c;
-        sincosf(__fmul_rn(p, a.inv_freq[j]), &s, &c);
+        sincosf(ieee_mul(p, a.inv_freq[j]), &s, &c);
         cos_table[j] = c;
         sin_table[j] = a.inverse ? -s : s;
     }

@@ -14,9 +14,10 @@
 //   grad_out [rows, I] (stride grad_stride), gate/up as above; grad_gate and grad_up written
 //   with their own row strides (the fused backward writes both halves of one [rows, 2I]).
 //
-// Launch: block = 256 threads; grid.x = rows * tiles_per_row.  CTA b works on row
+// Launch: block = 128 threads; grid.x = rows * tiles_per_row.  CTA b works on row
 // b / tiles_per_row, elements [tile * tile_elements, (tile + 1) * tile_elements) of it
-// (tile_elements a multiple of 8 * 256, so a tile is whole 16-byte chunks for every dtype),
+// (tile_elements a multiple of 8 * 128, so a tile is whole 16-byte chunks for every dtype;
+// at most 4096, so that a bf16 thread loads its four chunks of each input at once),
 // processed in 16-byte chunks on the vector path and one element at a time otherwise.
 //
 // Why the bits cannot depend on the batch: there is no reduction.  Every output element is
@@ -27,10 +28,44 @@
 // computes the same per-element function.
 #include "common/portability.cuh"
 
+#if defined(__HIPCC__)
+// hipcc fuses a * b + c into an FMA by default, and its __fadd_rn / __fmul_rn are plain + and *
+// (they would fuse too, differently at different call sites).  Contraction is off for this
+// file, and the steps below are plain IEEE operations there; CUDA never fuses its _rn
+// intrinsics.
+#pragma clang fp contract(off)
+#endif
+
 namespace batchinv {
 namespace silu {
 
-constexpr int kThreads = 256;
+// One IEEE fp32 operation each, never fused with a neighbour (see the pragma above).
+__device__ __forceinline__ float ieee_add(float a, float b) {
+#if defined(__HIPCC__)
+    return a + b;
+#else
+    return __fadd_rn(a, b);
+#endif
+}
+
+__device__ __forceinline__ float ieee_sub(float a, float b) {
+#if defined(__HIPCC__)
+    return a - b;
+#else
+    return __fsub_rn(a, b);
+#endif
+}
+
+__device__ __forceinline__ float ieee_mul(float a, float b) {
+#if defined(__HIPCC__)
+    return a * b;
+#else
+    return __fmul_rn(a, b);
+#endif
+}
+
+
+constexpr int kThreads = 128;
 constexpr int kUnroll = 4;  // 16-byte chunks per thread loaded before use
 
 template <typename Codec>
@@ -41,16 +76,16 @@ struct alignas(16) Chunk {
 
 __device__ __forceinline__ float silu_mul_value(float g, float u) {
     const float e = expf(-g);
-    return __fmul_rn(__fdiv_rn(g, __fadd_rn(1.0f, e)), u);
+    return ieee_mul(__fdiv_rn(g, ieee_add(1.0f, e)), u);
 }
 
 __device__ __forceinline__ void silu_mul_grads(float grad, float g, float u, float& grad_gate,
                                                float& grad_up) {
-    const float one_plus_e = __fadd_rn(1.0f, expf(-g));
+    const float one_plus_e = ieee_add(1.0f, expf(-g));
     const float s = __fdiv_rn(1.0f, one_plus_e);
-    const float dsilu = __fmul_rn(s, __fadd_rn(1.0f, __fmul_rn(g, __fsub_rn(1.0f, s))));
-    grad_gate = __fmul_rn(__fmul_rn(grad, u), dsilu);
-    grad_up = __fmul_rn(grad, __fdiv_rn(g, one_plus_e));
+    const float dsilu = ieee_mul(s, ieee_add(1.0f, ieee_mul(g, ieee_sub(1.0f, s))));
+    grad_gate = ieee_mul(ieee_mul(grad, u), dsilu);
+    grad_up = ieee_mul(grad, __fdiv_rn(g, one_plus_e));
 }
 
 __device__ __forceinline__ bool aligned16(const void* p) {
@@ -238,7 +273,7 @@ __device__ __forceinline__ void backward(const BackwardArgs& a) {
 }  // namespace batchinv
 
 #define BATCHINV_SILU_MUL_KERNELS(SUFFIX, CODEC)                                              \
-    extern "C" __global__ void __launch_bounds__(256) silu_mul_forward_##SUFFIX(               \
+    extern "C" __global__ void __launch_bounds__(batchinv::silu::kThreads) silu_mul_forward_##SUFFIX(               \
         CODEC::storage* out, const CODEC::storage* gate, const CODEC::storage* up, int64_t rows, \
         int64_t inter, int64_t out_stride, int64_t gate_stride, int64_t up_stride,              \
         int64_t tiles_per_row, int64_t tile_elements) {                                            \
@@ -247,7 +282,7 @@ __device__ __forceinline__ void backward(const BackwardArgs& a) {
                                                tiles_per_row, tile_elements};                      \
         batchinv::silu::forward<CODEC>(args);                                                   \
     }                                                                                           \
-    extern "C" __global__ void __launch_bounds__(256) silu_mul_backward_##SUFFIX(              \
+    extern "C" __global__ void __launch_bounds__(batchinv::silu::kThreads) silu_mul_backward_##SUFFIX(              \
         CODEC::storage* grad_gate, CODEC::storage* grad_up, const CODEC::storage* grad_out,      \
         const CODEC::storage* gate, const CODEC::storage* up, int64_t rows, int64_t inter,       \
         int64_t grad_gate_stride, int64_t grad_up_stride, int64_t grad_out_stride,               \

@@ -235,3 +235,14 @@ def test_bad_input_raises_errors_that_name_the_argument():
         batchinv.log_softmax(x.double())
     with pytest.raises(ValueError, match="chunk_size must be >= 1"):
         batchinv.log_softmax(x, chunk_size=0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("vocab", (4096, BIG_VOCAB))
+def test_inference_path_gives_the_bits_of_the_autograd_path(vocab, dtype):
+    gen = torch.Generator(device=DEVICE).manual_seed(11)
+    x = (4.0 * torch.randn(3, vocab, device=DEVICE, generator=gen)).to(dtype)
+    with torch.no_grad():
+        expected = batchinv.log_softmax(x)
+    got = batchinv.log_softmax(x.detach().clone().requires_grad_(True))
+    assert_bitwise_equal(got.detach(), expected)

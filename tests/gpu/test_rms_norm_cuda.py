@@ -268,15 +268,13 @@ def test_misaligned_and_strided_inputs_take_a_narrower_path_with_the_same_bits(
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_every_output_element_is_written_in_every_geometry(dtype):
-    # One hidden size per kernel geometry (t4 ... t1024 and the streaming form), outputs
+    # One hidden size per kernel geometry (t4 ... t512 and the streaming form), outputs
     # pre-filled with NaN and launched directly: a NaN left over means an unwritten element.
-    elems = 16 // torch.empty((), dtype=dtype).element_size()
-    hiddens = [
-        max(1, t * gpu_rms_norm.CHUNKS_PER_THREAD * elems - 5) for t in gpu_rms_norm.THREADS_PER_ROW
-    ]
-    hiddens.append(gpu_rms_norm.THREADS_PER_ROW[-1] * gpu_rms_norm.CHUNKS_PER_THREAD * elems + 3)
+    elems = 16 // dtype.itemsize
+    hiddens = [max(1, t * k * elems - 5) for t, k in gpu_rms_norm.GEOMETRIES]
+    hiddens.append(max(t * k for t, k in gpu_rms_norm.GEOMETRIES) * elems + 3)
     names = {gpu_rms_norm.geometry(h, dtype)[0] for h in hiddens}
-    assert len(names) == len(gpu_rms_norm.THREADS_PER_ROW) + 1
+    assert len(names) == len(gpu_rms_norm.GEOMETRIES) + 1
     gen = torch.Generator(device=DEVICE).manual_seed(6)
     for hidden in hiddens:
         rows = 37
@@ -286,8 +284,19 @@ def test_every_output_element_is_written_in_every_geometry(dtype):
         y = torch.full((rows, hidden), float("nan"), dtype=dtype, device=DEVICE)
         new_residual = torch.full_like(y, float("nan"))
         rstd = torch.full((rows,), float("nan"), device=DEVICE)
+        plain_y = torch.full_like(y, float("nan"))
         gpu_rms_norm._launch_rows(
             "rms_norm_forward",
+            x.device,
+            hidden,
+            dtype,
+            rows,
+            (plain_y, 0, 0, x, 0, weight, rows, hidden, hidden, 0, EPS),
+        )
+        assert not bool(plain_y.isnan().any()), f"hidden {hidden}: y has unwritten elements"
+        assert_bitwise_equal(plain_y, batchinv.rms_norm(x, weight, EPS))
+        gpu_rms_norm._launch_rows(
+            "rms_norm_fused_forward",
             x.device,
             hidden,
             dtype,
@@ -300,6 +309,7 @@ def test_every_output_element_is_written_in_every_geometry(dtype):
         ref_y, ref_h = batchinv.fused_add_rms_norm(x, residual, weight, EPS)
         assert_bitwise_equal(y, ref_y)
         assert_bitwise_equal(new_residual, ref_h)
+        assert_bitwise_equal(y, batchinv.rms_norm(new_residual, weight, EPS))
         grad_x = torch.full_like(y, float("nan"))
         gpu_rms_norm._launch_rows(
             "rms_norm_backward",
@@ -366,3 +376,21 @@ def test_bad_input_raises_errors_that_name_the_argument():
         batchinv.fused_add_rms_norm(x, x[:2], weight, 1e-6)
     with pytest.raises(ValueError, match="residual is on cpu"):
         batchinv.fused_add_rms_norm(x, x.cpu(), weight, 1e-6)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hidden", (128, 4096))
+def test_inference_path_gives_the_bits_of_the_autograd_path(hidden, dtype):
+    # Without gradients the op skips autograd and the saved inv_rms: same kernels, same bits.
+    gen = torch.Generator(device=DEVICE).manual_seed(8)
+    x, residual = (
+        torch.randn(33, hidden, device=DEVICE, generator=gen).to(dtype) for _ in range(2)
+    )
+    weight = _weight(hidden, dtype)
+    with torch.no_grad():
+        y = batchinv.rms_norm(x, weight, EPS)
+        fused = batchinv.fused_add_rms_norm(x, residual, weight, EPS)
+    x_grad = x.detach().clone().requires_grad_(True)
+    assert_bitwise_equal(batchinv.rms_norm(x_grad, weight, EPS).detach(), y)
+    fused_grad = batchinv.fused_add_rms_norm(x_grad, residual, weight, EPS)
+    assert_bitwise_equal([t.detach() for t in fused_grad], list(fused))

@@ -311,3 +311,17 @@ def test_bad_input_raises_errors_that_name_the_argument():
         batchinv.rope(q, q.half(), positions, theta=THETA)
     with pytest.raises(ValueError, match=r"k.shape\[-1\] must equal head_dim"):
         batchinv.rope(q, q[..., :32], positions, theta=THETA)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_inference_path_gives_the_bits_of_the_autograd_path(dtype):
+    gen = torch.Generator(device=DEVICE).manual_seed(10)
+    q = torch.randn(33, 8, 128, device=DEVICE, generator=gen).to(dtype)
+    k = torch.randn(33, 2, 128, device=DEVICE, generator=gen).to(dtype)
+    positions = torch.randint(0, MAX_POSITION, (33,), device=DEVICE, generator=gen)
+    with torch.no_grad():
+        expected = _rope(q, k, positions)
+    got = _rope(q.detach().clone().requires_grad_(True), k, positions)
+    assert_bitwise_equal([t.detach() for t in got], list(expected))
+    unchecked = _rope(q, k, positions, check_positions=False)
+    assert_bitwise_equal(list(unchecked), list(expected))

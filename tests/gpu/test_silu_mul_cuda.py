@@ -211,3 +211,15 @@ def test_bad_input_raises_errors_that_name_the_argument():
         batchinv.silu_mul_fused(gate[:, :7])
     with pytest.raises(TypeError, match="gate must have dtype"):
         batchinv.silu_mul(gate.double(), gate.double())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_inference_path_gives_the_bits_of_the_autograd_path(dtype):
+    gen = torch.Generator(device=DEVICE).manual_seed(9)
+    gate_up = (3.0 * torch.randn(17, 2 * 4096, device=DEVICE, generator=gen)).to(dtype)
+    gate, up = gate_up[:, :4096], gate_up[:, 4096:]
+    with torch.no_grad():
+        plain, fused = batchinv.silu_mul(gate, up), batchinv.silu_mul_fused(gate_up)
+    leaf = gate_up.detach().clone().requires_grad_(True)
+    assert_bitwise_equal(batchinv.silu_mul_fused(leaf).detach(), fused)
+    assert_bitwise_equal(batchinv.silu_mul(leaf[:, :4096], leaf[:, 4096:]).detach(), plain)

@@ -101,21 +101,22 @@ def test_inputs_are_not_mutated():
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_gpu_geometry_follows_the_row_length_only(dtype):
-    elems = 16 // torch.empty((), dtype=dtype).element_size()
+    elems = 16 // dtype.itemsize
+    capacity = {t: t * k for t, k in gpu_rms_norm.GEOMETRIES}
     seen = set()
     for d in list(range(1, 600)) + [4095, 4096, 4097, 5120, 8192, 16384, 32768, 32769, 70000]:
         name, threads, cta = gpu_rms_norm.geometry(d, dtype)
         assert (name, threads, cta) == gpu_rms_norm.geometry(d, dtype)
         chunks = -(-d // elems)
         if name == "stream":
-            assert chunks > gpu_rms_norm.THREADS_PER_ROW[-1] * gpu_rms_norm.CHUNKS_PER_THREAD
+            assert chunks > max(capacity.values())
+            assert threads == cta == gpu_rms_norm.STREAMING_THREADS
         else:
-            assert name == f"t{threads}" and threads * gpu_rms_norm.CHUNKS_PER_THREAD >= chunks
-            smaller = [t for t in gpu_rms_norm.THREADS_PER_ROW if t < threads]
-            assert all(t * gpu_rms_norm.CHUNKS_PER_THREAD < chunks for t in smaller)
+            assert name == f"t{threads}" and capacity[threads] >= chunks
+            assert all(c < chunks for t, c in capacity.items() if t < threads)
         assert cta % threads == 0 and cta >= 128
         seen.add(name)
-    assert seen == {f"t{t}" for t in gpu_rms_norm.THREADS_PER_ROW} | {"stream"}
+    assert seen == {f"t{t}" for t in capacity} | {"stream"}
 
 
 def test_as_rows_views_when_it_can_and_copies_when_it_must():

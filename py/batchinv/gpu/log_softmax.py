@@ -32,7 +32,7 @@ _SUFFIX = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32"}
 
 
 def _register_groups(dtype: torch.dtype) -> int:
-    return REGISTER_BYTES // (GROUP * torch.empty((), dtype=dtype).element_size())
+    return REGISTER_BYTES // (GROUP * dtype.itemsize)
 
 
 def threads_for(vocab: int, dtype: torch.dtype) -> int:
@@ -56,6 +56,14 @@ def _shared_budget(device_index: int, threads: int, static_bytes: int) -> int:
 
 
 _RAISED_LIMITS: set[tuple[str, int]] = set()
+_STATIC_SHARED: dict[tuple[str, int], int] = {}
+
+
+def _static_shared(kernel, device_index: int) -> int:
+    key = (kernel.name, device_index)
+    if key not in _STATIC_SHARED:
+        _STATIC_SHARED[key] = int(kernel.attributes(device_index)["static_shared_bytes"])
+    return _STATIC_SHARED[key]
 
 
 def _raise_shared_limit(kernel, device_index: int, bytes_: int) -> None:
@@ -70,14 +78,14 @@ def _tiering(
     kernel, device: torch.device, vocab: int, threads: int, dtype: torch.dtype
 ) -> tuple[int, int]:
     """``(smem_groups, shared bytes)``: groups per thread cached in shared memory."""
-    group_bytes = GROUP * torch.empty((), dtype=dtype).element_size()
+    group_bytes = GROUP * dtype.itemsize
     groups_in_row = -(-vocab // GROUP)
     per_thread = -(-groups_in_row // threads)
     wanted = per_thread - _register_groups(dtype)
     if wanted <= 0:
         return 0, 0
     index = device.index if device.index is not None else torch.cuda.current_device()
-    static = int(kernel.attributes(index)["static_shared_bytes"])
+    static = _static_shared(kernel, index)
     budget = _shared_budget(index, threads, static)
     groups = min(wanted, budget // (threads * group_bytes))
     shared = groups * threads * group_bytes
@@ -86,14 +94,17 @@ def _tiering(
     return groups, shared
 
 
-def forward(x: Tensor, out_dtype: torch.dtype = torch.float32) -> tuple[Tensor, Tensor]:
+def forward(
+    x: Tensor, out_dtype: torch.dtype = torch.float32, *, need_lse: bool = True
+) -> tuple[Tensor, Tensor | None]:
     """``(out, lse)``: out in x's shape and ``out_dtype``, lse the fp32 ``[rows]`` for the
-    backward (x viewed as ``[rows, V]``).  Arguments are validated by the caller."""
+    backward (x viewed as ``[rows, V]``; None unless ``need_lse``).  Arguments are validated by
+    the caller."""
     vocab = x.shape[-1]
     rows_view = as_rows(x, vocab)
     rows = rows_view.shape[0]
     out = torch.empty((rows, vocab), dtype=out_dtype, device=x.device)
-    lse = torch.empty(rows, dtype=torch.float32, device=x.device)
+    lse = torch.empty(rows, dtype=torch.float32, device=x.device) if need_lse else None
     if rows > 0:
         if rows > _MAX_GRID_X:
             raise ValueError(f"x has {rows} rows; at most {_MAX_GRID_X} are supported")
@@ -109,10 +120,18 @@ def forward(x: Tensor, out_dtype: torch.dtype = torch.float32) -> tuple[Tensor, 
             x.device,
             grid=(rows,),
             block=(threads,),
-            args=(out, lse, rows_view, rows, vocab, rows_view.stride(0), smem_groups),
+            args=(
+                out,
+                lse if lse is not None else 0,
+                rows_view,
+                rows,
+                vocab,
+                rows_view.stride(0),
+                smem_groups,
+            ),
             shared_mem=shared,
         )
-    return out.reshape(x.shape), lse
+    return out.view(x.shape), lse
 
 
 def backward(grad_out: Tensor, x: Tensor, lse: Tensor) -> Tensor:

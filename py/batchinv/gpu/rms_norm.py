@@ -1,13 +1,18 @@
 """RMSNorm and fused residual-add + RMSNorm on CUDA/HIP: launches ``kernels_cu/rms_norm.cu``.
 
-The launch geometry (threads per row, rows per CTA, kept in registers or streamed) is chosen
-from the row length ``d`` and the dtype alone (``geometry``), never from the number of rows, so
-a row's reduction order, and its bits, are the same in any batch.  The forward also writes
-``inv_rms`` per row (fp32), which the backward reads instead of recomputing it.  No call
-synchronises with the device.
+The launch geometry (threads per row, chunks per thread, rows per CTA, kept in registers or
+streamed) is chosen from the row length ``d`` and the dtype alone (``geometry``), never from
+the number of rows, so a row's reduction order, and its bits, are the same in any batch.  The
+forward can also write ``inv_rms`` per row (fp32), which the backward reads instead of
+recomputing it.  No call synchronises with the device.
+
+``forward``/``fused_add_forward``/``backward`` validate their arguments; the ``*_unchecked``
+variants are for callers that already did (the ops), to keep the host path short.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 from torch import Tensor
@@ -15,9 +20,8 @@ from torch import Tensor
 from ..reference.rms_norm import check_fused_add_rms_norm_args, check_rms_norm_args
 from ._launch import kernel_for, launch
 
-# Keep in step with kernels_cu/rms_norm.cu.
-THREADS_PER_ROW = (4, 16, 32, 128, 256, 512, 1024)
-CHUNKS_PER_THREAD = 4  # kChunksPerThread: 16-byte chunks a thread keeps in registers
+# Keep in step with kernels_cu/rms_norm.cu: (threads per row, 16-byte chunks per thread).
+GEOMETRIES = ((4, 4), (16, 4), (32, 4), (64, 8), (128, 8), (256, 8), (512, 8))
 STREAMING_THREADS = 1024
 MIN_CTA_THREADS = 128
 WEIGHT_GRAD_ROWS = 64  # rows per partial of grad_weight (a constant, not a tuning knob)
@@ -28,12 +32,13 @@ _MAX_GRID_Y = 65535
 _SUFFIX = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32"}
 
 
+@functools.cache
 def geometry(d: int, dtype: torch.dtype) -> tuple[str, int, int]:
     """``(kernel geometry name, threads per row, CTA threads)`` for rows of ``d`` elements."""
-    chunk_elems = 16 // torch.empty((), dtype=dtype).element_size()
+    chunk_elems = 16 // dtype.itemsize
     chunks = -(-d // chunk_elems)
-    for threads in THREADS_PER_ROW:
-        if threads * CHUNKS_PER_THREAD >= chunks:
+    for threads, per_thread in GEOMETRIES:
+        if threads * per_thread >= chunks:
             return f"t{threads}", threads, max(threads, MIN_CTA_THREADS)
     return "stream", STREAMING_THREADS, STREAMING_THREADS
 
@@ -66,19 +71,27 @@ def _launch_rows(
     )
 
 
-def _forward(
-    x: Tensor, weight: Tensor, eps: float, residual: Tensor | None
-) -> tuple[Tensor, Tensor | None, Tensor]:
+def forward_unchecked(
+    x: Tensor,
+    weight: Tensor,
+    eps: float,
+    residual: Tensor | None = None,
+    *,
+    need_rstd: bool = True,
+) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    """``(y, new_residual, rstd)`` for already validated arguments; ``new_residual`` is None
+    without a residual, ``rstd`` None when ``need_rstd`` is False (nothing saved for a
+    backward: one allocation less)."""
     d = x.shape[-1]
     x_rows = as_rows(x, d)
     rows = x_rows.shape[0]
     residual_rows = as_rows(residual, d) if residual is not None else None
     y = torch.empty((rows, d), dtype=x.dtype, device=x.device)
     new_residual = torch.empty_like(y) if residual is not None else None
-    rstd = torch.empty(rows, dtype=torch.float32, device=x.device)
+    rstd = torch.empty(rows, dtype=torch.float32, device=x.device) if need_rstd else None
     if rows > 0:
         _launch_rows(
-            "rms_norm_forward",
+            "rms_norm_forward" if residual is None else "rms_norm_fused_forward",
             x.device,
             d,
             x.dtype,
@@ -86,10 +99,10 @@ def _forward(
             (
                 y,
                 new_residual if new_residual is not None else 0,
-                rstd,
+                rstd if rstd is not None else 0,
                 x_rows,
                 residual_rows if residual_rows is not None else 0,
-                weight.contiguous(),
+                weight if weight.is_contiguous() else weight.contiguous(),
                 rows,
                 d,
                 x_rows.stride(0),
@@ -97,16 +110,16 @@ def _forward(
                 float(eps),
             ),
         )
-    y = y.reshape(x.shape)
+    y = y.view(x.shape)
     if new_residual is not None:
-        new_residual = new_residual.reshape(x.shape)
+        new_residual = new_residual.view(x.shape)
     return y, new_residual, rstd
 
 
 def forward(x: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
     """``(y, rstd)``: y in x's shape and dtype, rstd the fp32 ``inv_rms`` of each row."""
     check_rms_norm_args(x, weight, eps)
-    y, _, rstd = _forward(x, weight, eps, None)
+    y, _, rstd = forward_unchecked(x, weight, eps)
     return y, rstd
 
 
@@ -115,8 +128,7 @@ def fused_add_forward(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``(y, new_residual, rstd)`` with ``new_residual = round(x + residual)``."""
     check_fused_add_rms_norm_args(x, residual, weight, eps)
-    y, new_residual, rstd = _forward(x, weight, eps, residual)
-    return y, new_residual, rstd
+    return forward_unchecked(x, weight, eps, residual)
 
 
 def _weight_grad(grad_rows: Tensor, x_rows: Tensor, rstd: Tensor, dtype: torch.dtype) -> Tensor:

@@ -42,17 +42,35 @@ def _heads_view(t: Tensor, tokens: int) -> Tensor:
     return view
 
 
+@functools.cache
+def _unread_flag(device: torch.device) -> Tensor:
+    """A flag the kernel may write but nobody reads (calls that skip the position check)."""
+    return torch.full((1,), -1, dtype=torch.int64, device=device)
+
+
 def launch_rotation(
-    q: Tensor, k: Tensor, position_ids: Tensor, theta: float, max_position: int, inverse: bool
+    q: Tensor,
+    k: Tensor,
+    position_ids: Tensor,
+    theta: float,
+    max_position: int,
+    inverse: bool,
+    *,
+    want_flag: bool = True,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Launches the rotation (``inverse``: its transpose, the backward); returns
-    ``(q_out, k_out, first_bad [1] int64)`` without reading the flag (no synchronisation)."""
+    ``(q_out, k_out, first_bad [1] int64)`` without reading the flag (no synchronisation).
+    ``want_flag=False`` passes a shared scratch flag instead of a fresh one (one fill kernel
+    less); its value is then meaningless."""
     head_dim = q.shape[-1]
     tokens = position_ids.numel()
     q3, k3 = _heads_view(q, tokens), _heads_view(k, tokens)
     q_out = torch.empty(q3.shape, dtype=q.dtype, device=q.device)
     k_out = torch.empty(k3.shape, dtype=k.dtype, device=k.device)
-    first_bad = torch.full((1,), -1, dtype=torch.int64, device=q.device)  # UINT64_MAX
+    if want_flag:
+        first_bad = torch.full((1,), -1, dtype=torch.int64, device=q.device)  # UINT64_MAX
+    else:
+        first_bad = _unread_flag(q.device)
     if tokens > 0:
         if tokens > _MAX_GRID_X:
             raise ValueError(
@@ -114,8 +132,20 @@ def forward(
         max_position=max_position,
         check_values=False,
     )
+    return forward_unchecked(q, k, position_ids, theta, max_position, check_positions)
+
+
+def forward_unchecked(
+    q: Tensor,
+    k: Tensor,
+    position_ids: Tensor,
+    theta: float,
+    max_position: int,
+    check_positions: bool,
+) -> tuple[Tensor, Tensor]:
+    """``forward`` for already validated arguments."""
     q_rot, k_rot, first_bad = launch_rotation(
-        q, k, position_ids, theta, max_position, inverse=False
+        q, k, position_ids, theta, max_position, inverse=False, want_flag=check_positions
     )
     if check_positions and position_ids.numel() > 0:
         token = int(first_bad.item())  # the one synchronisation: a bad position must raise here
@@ -129,6 +159,6 @@ def backward(
 ) -> tuple[Tensor, Tensor]:
     """``(grad_q, grad_k)``: the inverse rotation (positions were checked by the forward)."""
     grad_q, grad_k, _ = launch_rotation(
-        grad_q_rot, grad_k_rot, position_ids, theta, max_position, inverse=True
+        grad_q_rot, grad_k_rot, position_ids, theta, max_position, inverse=True, want_flag=False
     )
     return grad_q, grad_k

@@ -14,11 +14,12 @@ from ..reference.silu_mul import check_silu_mul_args, check_silu_mul_fused_args
 from ._launch import kernel_for, launch
 from .rms_norm import as_rows
 
-THREADS = 256
-# A CTA covers at most this many elements of one row; tiles are multiples of TILE_QUANTUM
-# elements so that, on the vector path, they are whole 16-byte chunks for every dtype and
-# every thread gets work.  Elementwise: the tiling changes speed only, never bits.
-MAX_TILE_ELEMENTS = 8192
+THREADS = 128  # kThreads in kernels_cu/silu_mul.cu
+# A CTA covers at most this many elements of one row: 128 threads x 4 chunks x 8 bf16, so each
+# thread issues all its loads before it computes (enough bytes in flight); tiles are multiples
+# of TILE_QUANTUM elements so that, on the vector path, they are whole 16-byte chunks for every
+# dtype and every thread gets work.  Elementwise: the tiling changes speed only, never bits.
+MAX_TILE_ELEMENTS = 4096
 TILE_QUANTUM = 8 * THREADS
 
 _MAX_GRID_X = 2**31 - 1
@@ -53,6 +54,10 @@ def _forward_rows(out: Tensor, gate: Tensor, up: Tensor, rows: int, inter: int) 
 def forward(gate: Tensor, up: Tensor) -> Tensor:
     """``silu(gate) * up``; gate and up ``[..., I]``, any strides (copied only if needed)."""
     check_silu_mul_args(gate, up)
+    return forward_unchecked(gate, up)
+
+
+def forward_unchecked(gate: Tensor, up: Tensor) -> Tensor:
     inter = gate.shape[-1]
     gate_rows, up_rows = as_rows(gate, inter), as_rows(up, inter)
     rows = gate_rows.shape[0]
@@ -64,6 +69,10 @@ def forward(gate: Tensor, up: Tensor) -> Tensor:
 def forward_fused(gate_up: Tensor) -> Tensor:
     """``silu(gate_up[..., :I]) * gate_up[..., I:]``, read in place."""
     check_silu_mul_fused_args(gate_up)
+    return forward_fused_unchecked(gate_up)
+
+
+def forward_fused_unchecked(gate_up: Tensor) -> Tensor:
     inter = gate_up.shape[-1] // 2
     both = as_rows(gate_up, 2 * inter)
     rows = both.shape[0]

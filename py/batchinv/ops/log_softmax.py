@@ -33,7 +33,9 @@ class _LogSoftmaxGPU(torch.autograd.Function):
 
 def _gpu_log_softmax(x: Tensor, dim: int, out_dtype: torch.dtype, *, chunk_size: int) -> Tensor:
     # chunk_size defines the CPU reference's order; the kernel's order is its own fixed tree.
-    return _LogSoftmaxGPU.apply(x, out_dtype)
+    if torch.is_grad_enabled() and x.requires_grad:
+        return _LogSoftmaxGPU.apply(x, out_dtype)
+    return gpu.forward(x, out_dtype, need_lse=False)[0]  # the same kernel, no autograd node
 
 
 for _backend in ("cuda", "hip"):

@@ -21,7 +21,7 @@ from ..reference import rms_norm as reference
 class _RMSNormGPU(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor, eps: float) -> Tensor:
-        y, rstd = gpu.forward(x, weight, eps)
+        y, _, rstd = gpu.forward_unchecked(x, weight, eps)
         ctx.save_for_backward(x, weight, rstd)
         return y
 
@@ -36,7 +36,7 @@ class _RMSNormGPU(torch.autograd.Function):
 class _FusedAddRMSNormGPU(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, residual: Tensor, weight: Tensor, eps: float):
-        y, new_residual, rstd = gpu.fused_add_forward(x, residual, weight, eps)
+        y, new_residual, rstd = gpu.forward_unchecked(x, weight, eps, residual)
         ctx.save_for_backward(new_residual, weight, rstd)
         return y, new_residual
 
@@ -52,12 +52,23 @@ class _FusedAddRMSNormGPU(torch.autograd.Function):
         return grad_h, grad_h.clone(), grad_weight, None
 
 
+def _needs_grad(*tensors: Tensor) -> bool:
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
+# Without gradients the kernels run directly: no autograd node and no saved inv_rms (the same
+# kernels, so the same bits), which keeps the host path of an inference call short.
 def _gpu_rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    return _RMSNormGPU.apply(x, weight, eps)
+    if _needs_grad(x, weight):
+        return _RMSNormGPU.apply(x, weight, eps)
+    return gpu.forward_unchecked(x, weight, eps, need_rstd=False)[0]
 
 
 def _gpu_fused_add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float):
-    return _FusedAddRMSNormGPU.apply(x, residual, weight, eps)
+    if _needs_grad(x, residual, weight):
+        return _FusedAddRMSNormGPU.apply(x, residual, weight, eps)
+    y, new_residual, _ = gpu.forward_unchecked(x, weight, eps, residual, need_rstd=False)
+    return y, new_residual
 
 
 for _backend in ("cuda", "hip"):

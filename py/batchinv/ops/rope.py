@@ -20,15 +20,9 @@ from ..reference.rope import DEFAULT_MAX_POSITION
 
 class _RopeGPU(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, position_ids, theta, head_dim, max_position, check_positions):
-        q_rot, k_rot = gpu.forward(
-            q,
-            k,
-            position_ids,
-            theta=theta,
-            head_dim=head_dim,
-            max_position=max_position,
-            check_positions=check_positions,
+    def forward(ctx, q, k, position_ids, theta, max_position, check_positions):
+        q_rot, k_rot = gpu.forward_unchecked(
+            q, k, position_ids, theta, max_position, check_positions
         )
         ctx.save_for_backward(position_ids)
         ctx.theta = theta
@@ -41,11 +35,15 @@ class _RopeGPU(torch.autograd.Function):
         grad_q, grad_k = gpu.backward(
             grad_q_rot, grad_k_rot, position_ids, ctx.theta, ctx.max_position
         )
-        return grad_q, grad_k, None, None, None, None, None
+        return grad_q, grad_k, None, None, None, None
 
 
 def _gpu_rope(q, k, position_ids, *, theta, head_dim, max_position, check_positions):
-    return _RopeGPU.apply(q, k, position_ids, theta, head_dim, max_position, check_positions)
+    # Arguments were validated by ``rope``; head_dim only states the expected last dimension.
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad):
+        return _RopeGPU.apply(q, k, position_ids, theta, max_position, check_positions)
+    # No gradient wanted: the same kernel without an autograd node.
+    return gpu.forward_unchecked(q, k, position_ids, theta, max_position, check_positions)
 
 
 def _cpu_rope(q, k, position_ids, *, theta, head_dim, max_position, check_positions):

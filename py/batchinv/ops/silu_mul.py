@@ -20,7 +20,7 @@ class _SiluMulGPU(torch.autograd.Function):
     @staticmethod
     def forward(ctx, gate: Tensor, up: Tensor) -> Tensor:
         ctx.save_for_backward(gate, up)
-        return gpu.forward(gate, up)
+        return gpu.forward_unchecked(gate, up)
 
     @staticmethod
     def backward(ctx, grad_out: Tensor):
@@ -32,7 +32,7 @@ class _SiluMulFusedGPU(torch.autograd.Function):
     @staticmethod
     def forward(ctx, gate_up: Tensor) -> Tensor:
         ctx.save_for_backward(gate_up)
-        return gpu.forward_fused(gate_up)
+        return gpu.forward_fused_unchecked(gate_up)
 
     @staticmethod
     def backward(ctx, grad_out: Tensor):
@@ -40,9 +40,22 @@ class _SiluMulFusedGPU(torch.autograd.Function):
         return gpu.backward_fused(grad_out, gate_up)
 
 
+# Without gradients the kernel runs directly (no autograd node): the same kernel and bits.
+def _gpu_silu_mul(gate: Tensor, up: Tensor) -> Tensor:
+    if torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad):
+        return _SiluMulGPU.apply(gate, up)
+    return gpu.forward_unchecked(gate, up)
+
+
+def _gpu_silu_mul_fused(gate_up: Tensor) -> Tensor:
+    if torch.is_grad_enabled() and gate_up.requires_grad:
+        return _SiluMulFusedGPU.apply(gate_up)
+    return gpu.forward_fused_unchecked(gate_up)
+
+
 for _backend in ("cuda", "hip"):
-    registry.register("silu_mul", _backend)(_SiluMulGPU.apply)
-    registry.register("silu_mul_fused", _backend)(_SiluMulFusedGPU.apply)
+    registry.register("silu_mul", _backend)(_gpu_silu_mul)
+    registry.register("silu_mul_fused", _backend)(_gpu_silu_mul_fused)
 registry.register("silu_mul", "cpu")(reference.silu_mul)
 registry.register("silu_mul_fused", "cpu")(reference.silu_mul_fused)
 
