@@ -28,41 +28,9 @@
 // computes the same per-element function.
 #include "common/portability.cuh"
 
-#if defined(__HIPCC__)
-// hipcc fuses a * b + c into an FMA by default, and its __fadd_rn / __fmul_rn are plain + and *
-// (they would fuse too, differently at different call sites).  Contraction is off for this
-// file, and the steps below are plain IEEE operations there; CUDA never fuses its _rn
-// intrinsics.
-#pragma clang fp contract(off)
-#endif
 
 namespace batchinv {
 namespace silu {
-
-// One IEEE fp32 operation each, never fused with a neighbour (see the pragma above).
-__device__ __forceinline__ float ieee_add(float a, float b) {
-#if defined(__HIPCC__)
-    return a + b;
-#else
-    return __fadd_rn(a, b);
-#endif
-}
-
-__device__ __forceinline__ float ieee_sub(float a, float b) {
-#if defined(__HIPCC__)
-    return a - b;
-#else
-    return __fsub_rn(a, b);
-#endif
-}
-
-__device__ __forceinline__ float ieee_mul(float a, float b) {
-#if defined(__HIPCC__)
-    return a * b;
-#else
-    return __fmul_rn(a, b);
-#endif
-}
 
 
 constexpr int kThreads = 128;

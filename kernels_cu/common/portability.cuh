@@ -9,6 +9,11 @@
 #pragma once
 
 #if defined(__HIPCC__)
+// hipcc fuses a * b + c into an FMA by default, and its __fadd_rn / __fmul_rn are plain + and *
+// (they would fuse too, differently at different call sites).  Contraction is off in every
+// kernel file, and ieee_add/sub/mul below are plain IEEE operations there; CUDA never fuses
+// its _rn intrinsics.
+#pragma clang fp contract(off)
 #include <hip/hip_fp16.h>
 #include <hip/hip_runtime.h>
 #define BATCHINV_WARP_SIZE 64
@@ -41,6 +46,31 @@ __device__ __forceinline__ bf16_bits float_to_bf16(float value) {
     }
     bits += 0x7fffu + ((bits >> 16) & 1u);  // round to nearest, ties to even
     return static_cast<bf16_bits>(bits >> 16);
+}
+
+// One IEEE fp32 operation each, never fused with a neighbour (see the pragma above).
+__device__ __forceinline__ float ieee_add(float a, float b) {
+#if defined(__HIPCC__)
+    return a + b;
+#else
+    return __fadd_rn(a, b);
+#endif
+}
+
+__device__ __forceinline__ float ieee_sub(float a, float b) {
+#if defined(__HIPCC__)
+    return a - b;
+#else
+    return __fsub_rn(a, b);
+#endif
+}
+
+__device__ __forceinline__ float ieee_mul(float a, float b) {
+#if defined(__HIPCC__)
+    return a * b;
+#else
+    return __fmul_rn(a, b);
+#endif
 }
 
 // Element codecs: how a storage type is read into fp32 and written back from it.
