@@ -12,7 +12,6 @@ import torch
 from torch import Tensor
 
 from .._validate import report_bad_index
-from ..reference.embedding import check_embedding_args
 from ._launch import kernel_for, launch
 
 _MAX_GRID_X = 2**31 - 1
@@ -32,8 +31,8 @@ def _threads_for(row_bytes: int) -> int:
 
 def launch_forward(ids: Tensor, weight: Tensor) -> tuple[Tensor, Tensor]:
     """Launches the gather; returns ``(out [num_ids, hidden], first_bad_position [1])``
-    without reading the flag (no synchronisation).  ``forward`` is the checked op."""
-    check_embedding_args(ids, weight, check_values=False)
+    without reading the flag (no synchronisation).  ``forward`` is the checked op; the
+    arguments were validated by ``batchinv.embedding``."""
     if not weight.is_contiguous():
         raise ValueError("weight must be contiguous on the GPU (call .contiguous() first)")
     flat_ids = ids.reshape(-1).contiguous()  # a copy only if ids is not contiguous
