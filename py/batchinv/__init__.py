@@ -15,8 +15,21 @@ from .ops.rope import rope
 from .ops.silu_mul import silu_mul, silu_mul_fused
 from .reference.kv_cache import KVCache
 
+# Registers the torch.ops.batchinv.* custom ops (about 0.1 s); after the ops, which it wraps.
+from .integrations import torch_library  # noqa: E402, F401, I001
+from .integrations.enable import enable  # noqa: E402, I001
+
 __version__ = "0.1.0"
 
-__all__ = ["contract", "embedding", "linear", "nn", "reference", "registry", "__version__"]
+__all__ = [
+    "contract",
+    "embedding",
+    "enable",
+    "linear",
+    "nn",
+    "reference",
+    "registry",
+    "__version__",
+]
 __all__ += ["KVCache", "attention", "attention_varlen", "attention_with_kv_cache"]
 __all__ += ["fused_add_rms_norm", "log_softmax", "rms_norm", "rope", "silu_mul", "silu_mul_fused"]

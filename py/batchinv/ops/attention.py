@@ -9,6 +9,7 @@ tensor to the reference.
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor
 
 from .. import registry
@@ -40,6 +41,10 @@ def attention(
     (True = keep) drops keys.  With ``return_lse``: ``(out, lse [B, Hq, Sq] fp32)``.
     The full definition and its fixed order: ``batchinv.reference.attention``.
     """
+    if torch.compiler.is_compiling():  # one opaque node (integrations/torch_library.py)
+        args = (causal, softmax_scale, seqlens_q, seqlens_k, key_padding_mask)
+        out, lse = torch.ops.batchinv.attention(q, k, v, *args)
+        return (out, lse) if return_lse else out
     reference.check_attention_args(
         q,
         k,
@@ -79,6 +84,10 @@ def attention_varlen(
     Sequence ``b`` owns query rows ``cu_seqlens_q[b]:cu_seqlens_q[b+1]`` and key rows
     ``cu_seqlens_k[b]:cu_seqlens_k[b+1]``.  With ``return_lse``: ``(out, lse [Hq, Tq])``.
     """
+    if torch.compiler.is_compiling():  # cu_seqlens values are checked when the op runs
+        args = (cu_seqlens_q, cu_seqlens_k, causal, softmax_scale)
+        out, lse = torch.ops.batchinv.attention_varlen(q, k, v, *args)
+        return (out, lse) if return_lse else out
     reference.check_attention_args(
         q,
         k,

@@ -58,5 +58,7 @@ def log_softmax(
     CPU reference's summation order (see ``batchinv.reference.log_softmax``) and is validated
     but unused on the GPU.  Differentiable: ``dx = dy - exp(out) * sum(dy)``.
     """
+    if torch.compiler.is_compiling():  # one opaque node (integrations/torch_library.py)
+        return torch.ops.batchinv.log_softmax(x, dim, out_dtype, chunk_size)
     reference.check_log_softmax_args(x, dim, out_dtype, chunk_size)
     return registry.lookup("log_softmax", x.device)(x, dim, out_dtype, chunk_size=chunk_size)

@@ -78,6 +78,9 @@ def rope(
     and ``check_positions=False`` skips it (such tokens then come back as NaN).
     Differentiable in q and k (the backward is the inverse rotation); inputs never modified.
     """
+    if torch.compiler.is_compiling():  # one opaque node (integrations/torch_library.py)
+        args = (theta, head_dim, max_position, check_positions)
+        return torch.ops.batchinv.rope(q, k, position_ids, *args)
     reference.check_rope_args(
         q,
         k,

@@ -64,6 +64,8 @@ def silu_mul(gate: Tensor, up: Tensor) -> Tensor:
     """``silu(gate) * up`` elementwise in fp32 (``silu(g) = g / (1 + exp(-g))``), rounded once
     to the inputs' dtype.  ``gate``, ``up``: the same shape ``[..., I]``, dtype (bf16, fp16,
     fp32) and device; any strides.  Differentiable; the inputs are never modified."""
+    if torch.compiler.is_compiling():  # one opaque node (integrations/torch_library.py)
+        return torch.ops.batchinv.silu_mul(gate, up)
     reference.check_silu_mul_args(gate, up)
     return registry.lookup("silu_mul", gate.device)(gate, up)
 
@@ -71,5 +73,7 @@ def silu_mul(gate: Tensor, up: Tensor) -> Tensor:
 def silu_mul_fused(gate_up: Tensor) -> Tensor:
     """``silu_mul(gate_up[..., :I], gate_up[..., I:])`` for ``gate_up: [..., 2 * I]`` (vLLM's
     ``SiluAndMul`` order: a merged ``[gate_proj; up_proj]`` output).  Returns ``[..., I]``."""
+    if torch.compiler.is_compiling():
+        return torch.ops.batchinv.silu_mul_fused(gate_up)
     reference.check_silu_mul_fused_args(gate_up)
     return registry.lookup("silu_mul_fused", gate_up.device)(gate_up)

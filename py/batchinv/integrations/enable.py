@@ -1,0 +1,2 @@
+def enable():
+    raise NotImplementedError
