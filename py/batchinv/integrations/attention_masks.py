@@ -1,0 +1,170 @@
+"""Attention under a boolean or additive mask, routed to batchinv's attention exactly or refused.
+
+Stock attention APIs (``F.scaled_dot_product_attention``, Hugging Face's attention interface)
+describe visibility with a mask ``[B, 1 or H, Sq, Sk]``.  batchinv's attention takes lengths:
+a sequence's queries are its last tokens and query ``r`` of ``Lq`` sees the first
+``Lk - Lq + r + 1`` of its ``Lk`` keys (causal, bottom-right) or all of them.  This module
+reads a mask back into that form:
+
+- a *kept key* is one that some query of its batch row sees;
+- every query must see a prefix of its row's kept keys (``c`` of them, ``c = 0`` allowed):
+  right or left padding, causal or not, decode and chunked prefill against a cache all
+  have this form.  Anything else (sliding windows, several sequences packed in one row, a
+  per-head mask, an additive bias other than 0 / -inf) raises ``ValueError``; it is never
+  sent to a stock kernel;
+- consecutive queries whose counts grow by one form a causal run (``Lq`` queries, the first
+  ``Lk`` = last count keys); consecutive other queries with equal counts form a non-causal
+  run.  A sequence's real tokens are one causal run, so they are computed exactly as the
+  sequence alone; the padded queries HF lets see the real keys are computed as the mask says.
+
+The runs are packed and run through ``batchinv.attention_varlen`` (one call for the causal
+runs, one for the others); a query that sees no key gives zeros (stock SDPA gives NaN
+there).  Without a mask the call goes to ``batchinv.attention`` directly.  Reading the mask
+needs its values: a host sync per call.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ..ops.attention import attention, attention_varlen
+
+
+def visible_keys(mask: Tensor, batch: int, sq: int, sk: int) -> Tensor:
+    """``[B, Sq, Sk]`` bool (True = the query sees the key) from a bool or additive mask
+    broadcastable to ``[B, H, Sq, Sk]``; one mask for all heads."""
+    if not isinstance(mask, Tensor):
+        raise TypeError(f"attention mask must be a torch.Tensor or None, got {type(mask).__name__}")
+    if mask.dtype == torch.bool:
+        visible = mask
+    elif mask.is_floating_point():
+        # HF's eager masks use finfo.min for "masked"; anything else is a bias we cannot route.
+        masked = (mask == float("-inf")) | (mask <= torch.finfo(mask.dtype).min)
+        if not bool(((mask == 0) | masked).all()):
+            raise ValueError(
+                "attention mask holds values other than 0 and -inf (an additive bias); "
+                "batchinv routes only masks that select keys"
+            )
+        visible = mask == 0
+    else:
+        raise TypeError(f"attention mask must be bool or floating point, got {mask.dtype}")
+    if visible.dim() > 4:
+        raise ValueError(f"attention mask must have at most 4 dimensions, got {tuple(mask.shape)}")
+    while visible.dim() < 4:
+        visible = visible.unsqueeze(0)
+    try:
+        visible = visible.expand(batch, visible.shape[1], sq, sk)
+    except RuntimeError as err:
+        raise ValueError(
+            f"attention mask of shape {tuple(mask.shape)} does not broadcast to "
+            f"[B={batch}, H, Sq={sq}, Sk={sk}]"
+        ) from err
+    if visible.shape[1] > 1 and not bool((visible == visible[:, :1]).all()):
+        raise ValueError("attention mask differs between heads; batchinv needs one mask per row")
+    return visible[:, 0]
+
+
+def _link_to_previous(flags: Tensor) -> Tensor:
+    """``[B, Sq-1]`` flags about pairs ``(i-1, i)`` shifted to ``[B, Sq]`` (False at ``i = 0``)."""
+    return torch.cat([torch.zeros_like(flags[:, :1]), flags], dim=1)
+
+
+def query_runs(visible: Tensor) -> dict[str, Tensor]:
+    """Splits the queries of ``visible [B, Sq, Sk]`` into runs (module docstring), or raises.
+
+    Returns flat query rows (``b * Sq + i``) in order, each row's run, and per run its batch
+    row, ``lq``, ``lk`` and whether it is causal; and the flat kept keys (``b * Sk + j``).
+    """
+    batch, sq, sk = visible.shape
+    counts = visible.sum(dim=-1)
+    kept = visible.any(dim=-2)
+    key_rank = kept.cumsum(dim=-1) - 1
+    prefix = kept[:, None, :] & (key_rank[:, None, :] < counts[:, :, None])
+    if not torch.equal(visible, prefix):
+        raise ValueError(
+            "attention mask is not padding / causal: some query sees keys that are not the "
+            "first ones of its row's visible keys (sliding windows, packed block-diagonal "
+            "masks and arbitrary masks are not routed to batchinv)"
+        )
+    real = counts > 0
+    both_real = real[:, 1:] & real[:, :-1]
+    step = counts[:, 1:] - counts[:, :-1]
+    causal_link = _link_to_previous(both_real & (step == 1))
+    in_causal = causal_link | torch.cat([causal_link[:, 1:], torch.zeros_like(real[:, :1])], 1)
+    prev_in_causal = _link_to_previous(in_causal[:, :-1])
+    same_link = _link_to_previous(both_real & (step == 0)) & ~in_causal & ~prev_in_causal
+    starts = (real & ~causal_link & ~same_link).flatten()
+    rows = real.flatten().nonzero().squeeze(1)
+    run = (starts.cumsum(0) - 1)[rows]
+    num_runs = int(starts.sum())
+    first_rows = starts.nonzero().squeeze(1)
+    row_counts = counts.flatten()[rows]
+    lk = torch.zeros(num_runs, dtype=counts.dtype, device=counts.device)
+    lk = lk.scatter_reduce(0, run, row_counts, reduce="amax")
+    causal = torch.zeros(num_runs, dtype=torch.int64, device=counts.device)
+    causal = causal.scatter_reduce(0, run, causal_link.flatten()[rows].long(), reduce="amax")
+    return {
+        "rows": rows,
+        "run": run,
+        "run_batch": first_rows // sq,
+        "lq": torch.bincount(run, minlength=num_runs),
+        "lk": lk,
+        "causal": causal.bool(),
+        "kept_keys": kept.flatten().nonzero().squeeze(1),
+        "kept_start": torch.cat([kept.new_zeros(1, dtype=torch.int64), kept.sum(-1).cumsum(0)]),
+    }
+
+
+def _exclusive_cumsum(x: Tensor) -> Tensor:
+    return torch.cat([x.new_zeros(1), x.cumsum(0)])
+
+
+def attention_with_mask(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask: Tensor | None,
+    *,
+    causal: bool,
+    softmax_scale: float | None,
+) -> Tensor:
+    """``q [B, Sq, Hq, d]``, ``k, v [B, Sk, Hkv, d]`` -> ``[B, Sq, Hq, d]``.
+
+    ``mask`` None: batchinv's attention with ``causal`` (bottom-right).  Otherwise the mask
+    alone decides (``causal`` must be False): see the module docstring.
+    """
+    if mask is None:
+        return attention(q, k, v, causal=causal, softmax_scale=softmax_scale)
+    if causal:
+        raise ValueError("pass either an attention mask or causal=True, not both")
+    batch, sq, hq, d = q.shape
+    sk = k.shape[1]
+    runs = query_runs(visible_keys(mask.to(q.device), batch, sq, sk))
+    q_rows = q.reshape(batch * sq, hq, d)
+    k_rows, v_rows = (t.reshape(batch * sk, *t.shape[2:]) for t in (k, v))
+    out = q.new_zeros(batch * sq, hq, d)
+    for run_is_causal in (True, False):
+        selected = (runs["causal"] == run_is_causal).nonzero().squeeze(1)
+        if selected.numel() == 0:
+            continue
+        rows = runs["rows"][runs["causal"][runs["run"]] == run_is_causal]
+        lq, lk = runs["lq"][selected], runs["lk"][selected]
+        cu_q, cu_k = _exclusive_cumsum(lq), _exclusive_cumsum(lk)
+        # Run r reads the first lk[r] kept keys of its batch row.
+        first_key = runs["kept_start"][runs["run_batch"][selected]]
+        offset = torch.arange(int(cu_k[-1]), device=q.device)
+        offset = offset - torch.repeat_interleave(cu_k[:-1], lk)
+        keys = runs["kept_keys"][torch.repeat_interleave(first_key, lk) + offset]
+        packed = attention_varlen(
+            q_rows[rows],
+            k_rows[keys],
+            v_rows[keys],
+            cu_q,
+            cu_k,
+            causal=run_is_causal,
+            softmax_scale=softmax_scale,
+        )
+        # index_put (not in place) keeps the gradient path to ``packed``.
+        out = out.index_put((rows,), packed)
+    return out.reshape(batch, sq, hq, d)
