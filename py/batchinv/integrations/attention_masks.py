@@ -67,7 +67,7 @@ def visible_keys(mask: Tensor, batch: int, sq: int, sk: int) -> Tensor:
 
 def _link_to_previous(flags: Tensor) -> Tensor:
     """``[B, Sq-1]`` flags about pairs ``(i-1, i)`` shifted to ``[B, Sq]`` (False at ``i = 0``)."""
-    return torch.cat([torch.zeros_like(flags[:, :1]), flags], dim=1)
+    return torch.cat([flags.new_zeros((flags.shape[0], 1)), flags], dim=1)
 
 
 def query_runs(visible: Tensor) -> dict[str, Tensor]:
@@ -91,7 +91,7 @@ def query_runs(visible: Tensor) -> dict[str, Tensor]:
     both_real = real[:, 1:] & real[:, :-1]
     step = counts[:, 1:] - counts[:, :-1]
     causal_link = _link_to_previous(both_real & (step == 1))
-    in_causal = causal_link | torch.cat([causal_link[:, 1:], torch.zeros_like(real[:, :1])], 1)
+    in_causal = causal_link | torch.cat([causal_link[:, 1:], real.new_zeros((batch, 1))], 1)
     prev_in_causal = _link_to_previous(in_causal[:, :-1])
     same_link = _link_to_previous(both_real & (step == 0)) & ~in_causal & ~prev_in_causal
     starts = (real & ~causal_link & ~same_link).flatten()

@@ -1,0 +1,76 @@
+"""A tiny random Hugging Face Qwen3ForCausalLM and the batch-invariance sweep used by the
+integration tests (the configuration of tests/chain/test_hf_qwen3_parity.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+TINY_CONFIG = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    rope_theta=10000.0,
+    max_position_embeddings=512,
+    initializer_range=0.2,
+)
+
+
+def make_hf_model(attn_implementation: str = "sdpa", seed: int = 0, **overrides):
+    import transformers
+
+    torch.manual_seed(seed)
+    config = transformers.Qwen3Config(
+        **(TINY_CONFIG | overrides), attn_implementation=attn_implementation
+    )
+    model = transformers.Qwen3ForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.add_(0.3 * torch.randn_like(param))
+    return model
+
+
+def token_ids(batch: int, seq: int, seed: int) -> torch.Tensor:
+    return torch.randint(0, 256, (batch, seq), generator=torch.Generator().manual_seed(seed))
+
+
+@dataclass
+class Case:
+    name: str
+    ids: torch.Tensor  # [B, S]
+    mask: torch.Tensor | None  # [B, S] (1 = token) or None
+    row: int  # where the target sequence sits
+
+
+def sweep_cases(target: torch.Tensor) -> list[Case]:
+    """The target ``[L]`` in batches of 1, 3 and 5 at different rows, with different
+    neighbours, and right-padded (attention mask) among longer and shorter sequences."""
+    length = target.numel()
+    cases = []
+    for batch, row, seed in ((3, 0, 10), (3, 2, 11), (3, 1, 12), (5, 3, 13)):
+        ids = token_ids(batch, length, seed)
+        ids[row] = target
+        cases.append(Case(f"batch {batch}, row {row}, neighbours {seed}", ids, None, row))
+    for batch, row, lengths, seed in (
+        (1, 0, [length + 5], 20),
+        (3, 1, [length + 4, length, 3], 21),
+        (5, 2, [2, length + 7, length, length - 4, length + 1], 22),
+    ):
+        width = max(lengths)
+        ids = token_ids(batch, width, seed)
+        ids[row, :length] = target
+        mask = (torch.arange(width)[None, :] < torch.tensor(lengths)[:, None]).long()
+        mask[row, length:] = 0
+        cases.append(Case(f"padded batch {batch}, row {row}, lengths {lengths}", ids, mask, row))
+    return cases
+
+
+def logits(model, ids, mask=None) -> torch.Tensor:
+    with torch.no_grad():
+        return model(input_ids=ids, attention_mask=mask).logits
