@@ -65,6 +65,11 @@ _STATE = threading.local()
 # ----------------------------------------------------------------------------- products
 
 
+def _weight_layout(b: Tensor) -> Tensor:
+    """``b [K, N]`` as a linear weight ``[N, K]``; contiguous, as the GPU kernel requires."""
+    return b.t().contiguous()
+
+
 def _matmul(a: Tensor, b: Tensor) -> Tensor:
     """``torch.matmul`` semantics; every output element reduced over K in batchinv's order."""
     if not (a.is_floating_point() and b.is_floating_point()):
@@ -76,12 +81,12 @@ def _matmul(a: Tensor, b: Tensor) -> Tensor:
     if a.dim() == 1:
         return _matmul(a.unsqueeze(0), b).squeeze(-2)
     if b.dim() == 2:
-        return linear(a, b.t())
+        return linear(a, _weight_layout(b))
     batch = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
     a3 = a.expand(*batch, *a.shape[-2:]).reshape(-1, *a.shape[-2:])
     b3 = b.expand(*batch, *b.shape[-2:]).reshape(-1, *b.shape[-2:])
     # One fixed-order GEMM per batch element: no element's order depends on the others.
-    out = torch.stack([linear(a3[i], b3[i].t()) for i in range(a3.shape[0])])
+    out = torch.stack([linear(a3[i], _weight_layout(b3[i])) for i in range(a3.shape[0])])
     return out.reshape(*batch, a.shape[-2], b.shape[-1])
 
 
@@ -103,7 +108,7 @@ def _addmm(bias: Tensor, a: Tensor, b: Tensor, *, beta=1, alpha=1) -> Tensor:
     product = _mm(a, b)
     if beta == 1 and alpha == 1 and bias.dim() == 1 and bias.dtype == product.dtype:
         # nn.Linear's addmm: the bias added in fp32 before the one rounding, like F.linear.
-        return linear(a, b.t(), bias)
+        return linear(a, _weight_layout(b), bias)
     if alpha != 1:
         product = product * alpha
     return product + (bias if beta == 1 else bias * beta)  # elementwise: row-local
