@@ -16,6 +16,7 @@ from .sweep import AUDIT_PATHS, AUDIT_SEQ_LEN, AuditResult, count_cases, run_aud
 
 __all__ = [
     "AUDIT_PATHS",
+    "QUICK_SWEEP",
     "AuditResult",
     "add_arguments",
     "audit_json",
@@ -26,6 +27,18 @@ __all__ = [
     "run_audit",
     "write_json",
 ]
+
+# ``--quick``: a smaller sweep (short probe and neighbours, fewer sizes) for smoke checks;
+# every transform still runs.  The default is the contract's full sweep.
+QUICK_SWEEP = {
+    "seq_len": 20,
+    "neighbour_lengths": (25, 7, 1, 13),
+    "batch_sizes": (1, 3),
+    "chunk_sizes": (1, 7),
+    "irregular_chunks": (3, 1, 5),
+    "prompt_lengths": (10,),
+    "prefix_lengths": (10,),
+}
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -45,7 +58,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", default=None, metavar="OUT", help="also write the result here")
     parser.add_argument("--seed", type=int, default=0, help="weights (built-in) and probe seed")
     parser.add_argument(
-        "--seq-len", type=int, default=AUDIT_SEQ_LEN, help="probe length in tokens (67)"
+        "--quick", action="store_true", help="a smaller sweep (20-token probe) for smoke checks"
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
 
@@ -73,9 +86,7 @@ def run(args: argparse.Namespace) -> int:
     arguments, the checkpoint or the device/dtype pair are unusable (before any work)."""
     from .progress import ProgressBar
 
-    if args.seq_len < 2:
-        print("batchinv audit: error: --seq-len must be at least 2", file=sys.stderr)
-        return 2
+    sweep = dict(QUICK_SWEEP) if args.quick else {"seq_len": AUDIT_SEQ_LEN}
     try:
         model, label = _load_model(args)
     except (OSError, KeyError, TypeError, ValueError) as err:
@@ -84,16 +95,14 @@ def run(args: argparse.Namespace) -> int:
     bar = None
     progress = None
     if not args.no_progress:
-        total = count_cases(args.seq_len) * len(AUDIT_PATHS)
+        total = count_cases(**sweep) * len(AUDIT_PATHS)
         bar = ProgressBar(total)
 
         def progress(label: str, _done: int) -> None:
             bar.advance(label)
 
     try:
-        result = run_audit(
-            model, seq_len=args.seq_len, seed=args.seed, model_label=label, progress=progress
-        )
+        result = run_audit(model, seed=args.seed, model_label=label, progress=progress, **sweep)
     finally:
         if bar is not None:
             bar.close()

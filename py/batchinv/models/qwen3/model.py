@@ -355,4 +355,3 @@ class Qwen3(nn.Module):
             start = int(cu_seqlens[i])
             out.append(logprobs[start + p - 1 : start + s.numel() - 1])
         return out
-
