@@ -200,13 +200,18 @@ def _stock_attention_with_kv_cache(q, k_new, v_new, cache, seq_ids, *, seqlens_n
     ids = seq_ids if seq_ids is not None else torch.arange(cache.batch, device=cache.k.device)
     before = cache.lengths[ids.to(cache.k.device).long()].clone()
     cache.append(k_new, v_new, seq_ids, seqlens_new)
-    k, v, lengths = cache.read(seq_ids)
+    lengths = cache.lengths[ids.to(cache.k.device).long()]
     longest = max(int(lengths.max()), 1)
-    k, v = k[:, :longest], v[:, :longest]
-    # Unwritten storage holds NaN; a stock engine never reads it, so zero it out.
-    valid = (torch.arange(longest, device=k.device)[None, :] < lengths[:, None])[..., None, None]
-    k = torch.where(valid, k, torch.zeros((), dtype=k.dtype, device=k.device))
-    v = torch.where(valid, v, torch.zeros((), dtype=v.dtype, device=v.device))
+    if seq_ids is None:  # every slot: views of the storage, no gather
+        k, v = cache.k[:, :longest], cache.v[:, :longest]
+    else:
+        k, v = cache.k[ids, :longest], cache.v[ids, :longest]
+    if bool((lengths < longest).any()):
+        # Unwritten storage holds NaN; a stock engine never reads it, so zero it out.
+        keys = torch.arange(longest, device=k.device)
+        valid = (keys[None, :] < lengths[:, None])[..., None, None]
+        k = torch.where(valid, k, torch.zeros((), dtype=k.dtype, device=k.device))
+        v = torch.where(valid, v, torch.zeros((), dtype=v.dtype, device=v.device))
     positions = before[:, None] + torch.arange(q.shape[1], device=q.device)[None, :]
     return _sdpa(q, k, v, _visibility_mask(positions, lengths, longest, causal), causal)
 
