@@ -305,6 +305,9 @@ def test_checkpoint_checked_before_any_tensor_is_read(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="lm_head.weight has shape"):
         Qwen3.from_pretrained(path)
     assert reads == []
+    # the spy sees reads when the checkpoint is good (it is not vacuous)
+    Qwen3.from_pretrained(write_checkpoint(tmp_path / "good"))
+    assert "lm_head.weight" in reads
 
 
 def test_dtype_the_device_cannot_run(monkeypatch):

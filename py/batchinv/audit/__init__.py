@@ -89,8 +89,9 @@ def run(args: argparse.Namespace) -> int:
     sweep = dict(QUICK_SWEEP) if args.quick else {"seq_len": AUDIT_SEQ_LEN}
     try:
         model, label = _load_model(args)
-    except (OSError, KeyError, TypeError, ValueError) as err:
-        print(f"batchinv audit: error: {err}", file=sys.stderr)
+    except (ImportError, OSError, KeyError, TypeError, ValueError) as err:
+        message = err.args[0] if isinstance(err, KeyError) and err.args else err
+        print(f"batchinv audit: error: {message}", file=sys.stderr)
         return 2
     bar = None
     progress = None

@@ -25,6 +25,18 @@ INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 
 
+def _safetensors():
+    try:
+        import safetensors
+        import safetensors.torch  # noqa: F401  (save_file)
+    except ImportError as err:
+        raise ImportError(
+            "reading and writing Qwen3 checkpoints needs the safetensors package "
+            "(pip install safetensors)"
+        ) from err
+    return safetensors
+
+
 def _ignorable(name: str) -> bool:
     # A non-persistent buffer some exports keep; the chain recomputes it.
     return name.endswith("rotary_emb.inv_freq")
@@ -33,8 +45,7 @@ def _ignorable(name: str) -> bool:
 def checkpoint_files(path: str | Path) -> dict[str, Path]:
     """Tensor name -> the safetensors file holding it, for a checkpoint directory (single file
     or sharded with an index) or a single ``.safetensors`` file."""
-    from safetensors import safe_open
-
+    safe_open = _safetensors().safe_open
     path = Path(path)
     if path.is_file():
         files = [path]
@@ -61,8 +72,7 @@ def checkpoint_files(path: str | Path) -> dict[str, Path]:
 
 def _header_shapes(located: Mapping[str, Path]) -> dict[str, tuple[tuple[int, ...], str]]:
     """(shape, safetensors dtype) of every tensor, read from the file headers only."""
-    from safetensors import safe_open
-
+    safe_open = _safetensors().safe_open
     by_file: dict[Path, list[str]] = {}
     for name, file in located.items():
         by_file.setdefault(file, []).append(name)
@@ -115,8 +125,7 @@ def load_safetensors(
     device: torch.device | str = "cpu",
 ) -> dict[str, Tensor]:
     """The checked state dict (only the tensors ``config`` needs), cast to ``dtype``."""
-    from safetensors import safe_open
-
+    safe_open = _safetensors().safe_open
     located = checkpoint_files(path)
     check_checkpoint(located, config)
     state: dict[str, Tensor] = {}
@@ -133,8 +142,7 @@ def load_safetensors(
 
 def save_safetensors(state_dict: Mapping[str, Tensor], directory: str | Path) -> Path:
     """Writes ``model.safetensors`` (contiguous CPU copies) into ``directory``."""
-    from safetensors.torch import save_file
-
+    save_file = _safetensors().torch.save_file
     target = Path(directory) / SINGLE_FILE
     save_file({n: t.detach().cpu().contiguous() for n, t in state_dict.items()}, str(target))
     return target
