@@ -51,7 +51,8 @@ def format_audit(result: AuditResult) -> str:
             if path.error is None or path.transform_cases(transform.id)
         }
         cases = max((s["cases"] for s in summaries.values()), default=0)
-        lines.append(f"{transform.id} {transform.name} ({cases} cases)")
+        plural = "" if cases == 1 else "s"
+        lines.append(f"{transform.id} {transform.name} ({cases} case{plural})")
         lines.append(f"  {'path':<{width}}  {'max |Δ logprob|':>15}  {'bitwise':<22}  time")
         for name in result.paths:
             if name not in summaries:

@@ -68,7 +68,9 @@ class Qwen3Config(Qwen3ChainConfig):
 
     @classmethod
     def tiny(cls) -> Qwen3Config:
-        """The built-in random configuration: 2 layers, GQA 4/2, vocab 512 (runs on a CPU)."""
+        """The built-in random configuration: 2 layers, hidden 64, GQA 4/2 heads of 64 (a head
+        dim the GPU attention kernels support; q/o projections 64 <-> 256 as in Qwen3, where
+        heads x head_dim need not equal hidden), vocab 512.  Small enough for a CPU."""
         return cls(
             vocab_size=512,
             hidden_size=64,
@@ -76,7 +78,7 @@ class Qwen3Config(Qwen3ChainConfig):
             num_hidden_layers=2,
             num_attention_heads=4,
             num_key_value_heads=2,
-            head_dim=16,
+            head_dim=64,
             rms_norm_eps=1e-6,
             rope_theta=10000.0,
             max_position_embeddings=512,
