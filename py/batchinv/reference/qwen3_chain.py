@@ -23,6 +23,14 @@ Padding: ``input_ids [B, S]`` with ``seqlens [B]`` holds sequence ``b`` in
 their logits are computed but meaningless (their attention output is zero and no real
 token attends to them).
 
+Varlen: ``input_ids [T]`` with ``cu_seqlens [n+1]`` holds ``n`` sequences packed back to back;
+positions restart at 0 for each sequence and attention is ``attention_varlen``.
+
+One chain, several backends: every step goes through an op table (``Qwen3Ops``).  The default,
+``REFERENCE_OPS``, is the strict references; ``batchinv.models.qwen3.ops`` defines the batchinv
+table (public ops: CPU references, CUDA kernels) and the stock PyTorch table the audit compares
+against, so the model, the audit and these references share this one implementation.
+
 Precision: ``forward`` keeps the weights' dtype between ops (each op computes in fp32 and
 rounds once, as its module documents); ``forward_fp32`` upcasts the weights and runs the same
 chain in fp32 inside ``deterministic_context``.  The chain is differentiable through each
