@@ -83,7 +83,9 @@ class ModelAdapter:
     def prefill_padded(self, seqs: list[Tensor], padding: str) -> list[Tensor]:
         def run():
             ids, lengths = self._padded(seqs, padding)
-            out = self._logprobs(self._forward(ids, seqlens=lengths))
+            # Like a stock engine: no mask when nothing is padded (SDPA's causal fast path).
+            padded = bool((lengths < ids.shape[1]).any())
+            out = self._logprobs(self._forward(ids, seqlens=lengths if padded else None))
             return [out[b, : int(n)] for b, n in enumerate(lengths.tolist())]
 
         return self._run("prefill_padded", run)

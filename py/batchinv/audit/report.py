@@ -24,7 +24,8 @@ def _diff(summary: dict) -> str:
 def _bitwise(summary: dict) -> str:
     if summary["bitwise"]:
         return "yes"
-    detail = f"{summary['bitwise_cases']}/{summary['cases']} cases"
+    drifting = summary["cases"] - summary["bitwise_cases"] - summary["not_applicable"]
+    detail = f"{drifting} of {summary['cases']} drift"
     if summary["not_applicable"]:
         detail += f", {summary['not_applicable']} n/a"
     return f"NO ({detail})"
