@@ -348,3 +348,16 @@ def test_bad_call_arguments():
         model.token_logprobs([[1, 2, 3]], [5])
     with pytest.raises(ValueError, match="ops must be one of"):
         model(torch.zeros(1, 3, dtype=torch.int64), ops="cublas")
+
+
+def test_batchinv_table_on_cpu_is_the_reference_chain():
+    """On the CPU batchinv's ops are the references: the model's logits are bitwise those of
+    ``qwen3_forward`` with the reference table (one chain, two tables, the same bits)."""
+    from batchinv.reference.qwen3_chain import qwen3_forward
+
+    weights = random_state_dict(CONFIG, seed=6, dtype=torch.bfloat16)
+    ids = token_ids(2, 20, seed=6)
+    with torch.no_grad():
+        got = Qwen3(CONFIG, weights)(ids, seqlens=torch.tensor([20, 13]))
+    expected = qwen3_forward(ids, weights, CONFIG, seqlens=torch.tensor([20, 13]))
+    assert_bitwise_equal(got, expected, name="batchinv table vs reference table")
