@@ -154,9 +154,10 @@ def hip_compile(session: nox.Session) -> None:
 
 @nox.session
 def demo(session: nox.Session) -> None:
-    """The main job: batchinv's invariance demo (on CUDA when present, else CPU)."""
-    _install_batchinv(session)
-    session.run("batchinv", "demo", *session.posargs)
+    """The main job: `batchinv audit`, the transform sweep on the built-in Qwen3, stock PyTorch
+    vs batchinv (on CUDA when present, else CPU); exits 1 if batchinv breaks invariance."""
+    _install_batchinv(session, "safetensors")
+    session.run("batchinv", "audit", *session.posargs)
 
 
 def _require_gpu(session: nox.Session) -> None:

@@ -23,6 +23,14 @@ Padding: ``input_ids [B, S]`` with ``seqlens [B]`` holds sequence ``b`` in
 their logits are computed but meaningless (their attention output is zero and no real
 token attends to them).
 
+Varlen: ``input_ids [T]`` with ``cu_seqlens [n+1]`` holds ``n`` sequences packed back to back;
+positions restart at 0 for each sequence and attention is ``attention_varlen``.
+
+One chain, several backends: every step goes through an op table (``Qwen3Ops``).  The default,
+``REFERENCE_OPS``, is the strict references; ``batchinv.models.qwen3.ops`` defines the batchinv
+table (public ops: CPU references, CUDA kernels) and the stock PyTorch table the audit compares
+against, so the model, the audit and these references share this one implementation.
+
 Precision: ``forward`` keeps the weights' dtype between ops (each op computes in fp32 and
 rounds once, as its module documents); ``forward_fp32`` upcasts the weights and runs the same
 chain in fp32 inside ``deterministic_context``.  The chain is differentiable through each
@@ -31,26 +39,32 @@ op's fixed-order backward.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields
 
 import torch
 from torch import Tensor, nn
 
 from .._validate import FLOAT_DTYPES, INDEX_DTYPES, check_tensor
-from .attention import attention, attention_with_kv_cache
+from .attention import attention, attention_varlen, attention_with_kv_cache
 from .embedding import embedding_with_grad
 from .kv_cache import KVCache
 from .linear import linear
+from .log_softmax import log_softmax as reference_log_softmax
 from .rms_norm import rms_norm
 from .rope import rope
 from .silu_mul import silu_mul
+from .token_logprobs import token_logprobs as reference_token_logprobs
 
 __all__ = [
+    "REFERENCE_OPS",
     "Qwen3ChainConfig",
+    "Qwen3Ops",
     "Qwen3Reference",
     "check_qwen3_state_dict",
+    "lm_head_weight",
     "make_kv_caches",
+    "qwen3_final_hidden",
     "qwen3_forward",
     "qwen3_forward_fp32",
     "qwen3_state_dict_shapes",
@@ -223,12 +237,72 @@ def _residual_add(h: Tensor, delta: Tensor) -> Tensor:
     return (h.float() + delta.float()).to(h.dtype)
 
 
+@dataclass(frozen=True)
+class Qwen3Ops:
+    """The ops one Qwen3 forward is written in, so one chain runs on several backends.
+
+    ``REFERENCE_OPS`` (below) are the strict references; ``batchinv.models.qwen3.ops`` adds
+    batchinv's public ops and stock PyTorch ops (what the audit compares).  Signatures:
+
+    - ``embedding(ids, weight)``; ``linear(x, weight, bias)``; ``rms_norm(x, weight, eps)``;
+      ``silu_mul(gate, up)``; ``residual_add(h, delta)``;
+    - ``rope(q, k, position_ids, theta=, head_dim=, max_position=) -> (q, k)``;
+    - ``attention(q, k, v, causal=, seqlens_q=, seqlens_k=)`` (padded),
+      ``attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, causal=)`` (packed),
+      ``attention_with_kv_cache(q, k_new, v_new, cache, seq_ids, seqlens_new=, causal=)``;
+    - ``log_softmax(x) -> fp32`` over the last dim;
+    - ``token_logprobs(hidden, lm_head_weight, target_ids, ignore_index) -> fp32``.
+    """
+
+    name: str
+    embedding: Callable
+    linear: Callable
+    rms_norm: Callable
+    rope: Callable
+    attention: Callable
+    attention_varlen: Callable
+    attention_with_kv_cache: Callable
+    silu_mul: Callable
+    residual_add: Callable
+    log_softmax: Callable
+    token_logprobs: Callable
+
+
+def _reference_log_softmax(x: Tensor) -> Tensor:
+    return reference_log_softmax(x, -1, torch.float32)
+
+
+REFERENCE_OPS = Qwen3Ops(
+    name="reference",
+    embedding=embedding_with_grad,
+    linear=linear,
+    rms_norm=rms_norm,
+    rope=rope,
+    attention=attention,
+    attention_varlen=attention_varlen,
+    attention_with_kv_cache=attention_with_kv_cache,
+    silu_mul=silu_mul,
+    residual_add=_residual_add,
+    log_softmax=_reference_log_softmax,
+    token_logprobs=reference_token_logprobs,
+)
+
+
 def _check_forward_args(
     input_ids: Tensor,
     config: Qwen3ChainConfig,
     seqlens: Tensor | None,
     caches: Sequence[KVCache] | None,
+    cu_seqlens: Tensor | None = None,
 ) -> None:
+    if cu_seqlens is not None:
+        check_tensor("input_ids", input_ids, dtypes=INDEX_DTYPES, ndim=1)
+        check_tensor("cu_seqlens", cu_seqlens, dtypes=INDEX_DTYPES, ndim=1)
+        if seqlens is not None or caches is not None:
+            raise ValueError("cu_seqlens (packed varlen) cannot be combined with seqlens or caches")
+        if input_ids.shape[0] == 0:
+            raise ValueError("empty batch: input_ids has no tokens")
+        return
     check_tensor("input_ids", input_ids, dtypes=INDEX_DTYPES, ndim=2)
     if input_ids.shape[0] == 0:
         raise ValueError(f"empty batch: input_ids has shape {tuple(input_ids.shape)}")
@@ -246,6 +320,107 @@ def _check_forward_args(
         )
 
 
+def _position_ids(
+    input_ids: Tensor,
+    caches: Sequence[KVCache] | None,
+    seq_ids: Tensor | None,
+    cu_seqlens: Tensor | None,
+) -> Tensor:
+    """Absolute positions: from 0 in a prefill, after the cached prefix with caches."""
+    device = input_ids.device
+    if cu_seqlens is not None:
+        total = input_ids.shape[0]
+        cu = cu_seqlens.to(device, torch.int64)
+        owner = torch.searchsorted(cu[1:], torch.arange(total, device=device), right=True)
+        return torch.arange(total, device=device) - cu[owner.clamp(max=cu.numel() - 1)]
+    batch, seq = input_ids.shape
+    offsets = torch.arange(seq, device=device)
+    if caches is None:
+        return offsets.expand(batch, seq)
+    ids = seq_ids if seq_ids is not None else torch.arange(batch)
+    start = caches[0].lengths[ids.long()]
+    return start[:, None] + offsets[None, :]
+
+
+def lm_head_weight(state_dict: Mapping[str, Tensor], config: Qwen3ChainConfig) -> Tensor:
+    """The lm_head weight (``embed_tokens`` when the embeddings are tied)."""
+    tied = config.tie_word_embeddings
+    return state_dict["model.embed_tokens.weight" if tied else "lm_head.weight"]
+
+
+def qwen3_final_hidden(
+    input_ids: Tensor,
+    state_dict: Mapping[str, Tensor],
+    config: Qwen3ChainConfig,
+    *,
+    seqlens: Tensor | None = None,
+    caches: Sequence[KVCache] | None = None,
+    seq_ids: Tensor | None = None,
+    cu_seqlens: Tensor | None = None,
+    check_weights: bool = True,
+    ops: Qwen3Ops = REFERENCE_OPS,
+) -> Tensor:
+    """The final-normed hidden states ``[*input_ids.shape, hidden]``: ``qwen3_forward``
+    without the lm_head (what ``token_logprobs`` consumes).  Arguments as there."""
+    _check_forward_args(input_ids, config, seqlens, caches, cu_seqlens)
+    if check_weights:
+        check_qwen3_state_dict(state_dict, config)
+    w = state_dict
+    tokens = tuple(input_ids.shape)
+    heads, kv_heads, head_dim = (
+        config.num_attention_heads,
+        config.num_key_value_heads,
+        config.head_dim,
+    )
+    eps = config.rms_norm_eps
+    position_ids = _position_ids(input_ids, caches, seq_ids, cu_seqlens)
+
+    def bias(name: str) -> Tensor | None:
+        return w[name] if config.attention_bias else None
+
+    h = ops.embedding(input_ids, w["model.embed_tokens.weight"])
+    for i in range(config.num_hidden_layers):
+        p = f"model.layers.{i}."
+        x = ops.rms_norm(h, w[p + "input_layernorm.weight"], eps)
+        q = ops.linear(x, w[p + "self_attn.q_proj.weight"], bias(p + "self_attn.q_proj.bias"))
+        k = ops.linear(x, w[p + "self_attn.k_proj.weight"], bias(p + "self_attn.k_proj.bias"))
+        v = ops.linear(x, w[p + "self_attn.v_proj.weight"], bias(p + "self_attn.v_proj.bias"))
+        q = ops.rms_norm(q.reshape(*tokens, heads, head_dim), w[p + "self_attn.q_norm.weight"], eps)
+        k = ops.rms_norm(
+            k.reshape(*tokens, kv_heads, head_dim), w[p + "self_attn.k_norm.weight"], eps
+        )
+        v = v.reshape(*tokens, kv_heads, head_dim)
+        q, k = ops.rope(
+            q,
+            k,
+            position_ids,
+            theta=config.rope_theta,
+            head_dim=head_dim,
+            max_position=config.max_position_embeddings,
+        )
+        if cu_seqlens is not None:
+            attn = ops.attention_varlen(q, k, v, cu_seqlens, cu_seqlens, causal=True)
+        elif caches is None:
+            attn = ops.attention(q, k, v, causal=True, seqlens_q=seqlens, seqlens_k=seqlens)
+        else:
+            attn = ops.attention_with_kv_cache(
+                q, k.detach(), v.detach(), caches[i], seq_ids, seqlens_new=seqlens, causal=True
+            )
+        o = ops.linear(
+            attn.reshape(*tokens, heads * head_dim),
+            w[p + "self_attn.o_proj.weight"],
+            bias(p + "self_attn.o_proj.bias"),
+        )
+        h = ops.residual_add(h, o)
+        x = ops.rms_norm(h, w[p + "post_attention_layernorm.weight"], eps)
+        gate = ops.linear(x, w[p + "mlp.gate_proj.weight"], None)
+        up = ops.linear(x, w[p + "mlp.up_proj.weight"], None)
+        h = ops.residual_add(
+            h, ops.linear(ops.silu_mul(gate, up), w[p + "mlp.down_proj.weight"], None)
+        )
+    return ops.rms_norm(h, w["model.norm.weight"], eps)
+
+
 def qwen3_forward(
     input_ids: Tensor,
     state_dict: Mapping[str, Tensor],
@@ -254,76 +429,32 @@ def qwen3_forward(
     seqlens: Tensor | None = None,
     caches: Sequence[KVCache] | None = None,
     seq_ids: Tensor | None = None,
+    cu_seqlens: Tensor | None = None,
     check_weights: bool = True,
+    ops: Qwen3Ops = REFERENCE_OPS,
 ) -> Tensor:
     """Logits ``[B, S, vocab]`` in the weights' dtype for ``input_ids [B, S]``.
 
     Without ``caches``: a prefill, token ``i`` at position ``i``.  With ``caches`` (one
     ``KVCache`` per layer, see ``make_kv_caches``): ``input_ids`` are the next tokens of
     cache slots ``seq_ids`` (default all); token ``i`` of row ``b`` sits at position
-    ``cache length of b + i`` and its keys/values are appended to the caches.
+    ``cache length of b + i`` and its keys/values are appended to the caches.  With
+    ``cu_seqlens [n+1]``: ``input_ids [T]`` holds ``n`` sequences packed back to back
+    (varlen), and the logits are ``[T, vocab]``.  ``ops`` picks the implementation of
+    every step (default: the strict references).
     """
-    _check_forward_args(input_ids, config, seqlens, caches)
-    if check_weights:
-        check_qwen3_state_dict(state_dict, config)
-    w = state_dict
-    batch, seq = input_ids.shape
-    heads, kv_heads, head_dim = (
-        config.num_attention_heads,
-        config.num_key_value_heads,
-        config.head_dim,
+    h = qwen3_final_hidden(
+        input_ids,
+        state_dict,
+        config,
+        seqlens=seqlens,
+        caches=caches,
+        seq_ids=seq_ids,
+        cu_seqlens=cu_seqlens,
+        check_weights=check_weights,
+        ops=ops,
     )
-    eps = config.rms_norm_eps
-    offsets = torch.arange(seq, device=input_ids.device)
-    if caches is None:
-        position_ids = offsets.expand(batch, seq)
-    else:
-        ids = seq_ids if seq_ids is not None else torch.arange(batch)
-        start = caches[0].lengths[ids.long()]
-        position_ids = start[:, None] + offsets[None, :]
-
-    def bias(name: str) -> Tensor | None:
-        return w[name] if config.attention_bias else None
-
-    h = embedding_with_grad(input_ids, w["model.embed_tokens.weight"])
-    for i in range(config.num_hidden_layers):
-        p = f"model.layers.{i}."
-        x = rms_norm(h, w[p + "input_layernorm.weight"], eps)
-        q = linear(x, w[p + "self_attn.q_proj.weight"], bias(p + "self_attn.q_proj.bias"))
-        k = linear(x, w[p + "self_attn.k_proj.weight"], bias(p + "self_attn.k_proj.bias"))
-        v = linear(x, w[p + "self_attn.v_proj.weight"], bias(p + "self_attn.v_proj.bias"))
-        q = rms_norm(q.reshape(batch, seq, heads, head_dim), w[p + "self_attn.q_norm.weight"], eps)
-        k = rms_norm(
-            k.reshape(batch, seq, kv_heads, head_dim), w[p + "self_attn.k_norm.weight"], eps
-        )
-        v = v.reshape(batch, seq, kv_heads, head_dim)
-        q, k = rope(
-            q,
-            k,
-            position_ids,
-            theta=config.rope_theta,
-            head_dim=head_dim,
-            max_position=config.max_position_embeddings,
-        )
-        if caches is None:
-            attn = attention(q, k, v, causal=True, seqlens_q=seqlens, seqlens_k=seqlens)
-        else:
-            attn = attention_with_kv_cache(
-                q, k.detach(), v.detach(), caches[i], seq_ids, seqlens_new=seqlens, causal=True
-            )
-        o = linear(
-            attn.reshape(batch, seq, heads * head_dim),
-            w[p + "self_attn.o_proj.weight"],
-            bias(p + "self_attn.o_proj.bias"),
-        )
-        h = _residual_add(h, o)
-        x = rms_norm(h, w[p + "post_attention_layernorm.weight"], eps)
-        gate = linear(x, w[p + "mlp.gate_proj.weight"])
-        up = linear(x, w[p + "mlp.up_proj.weight"])
-        h = _residual_add(h, linear(silu_mul(gate, up), w[p + "mlp.down_proj.weight"]))
-    h = rms_norm(h, w["model.norm.weight"], eps)
-    head = w["model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"]
-    return linear(h, head)
+    return ops.linear(h, lm_head_weight(state_dict, config), None)
 
 
 def qwen3_forward_fp32(

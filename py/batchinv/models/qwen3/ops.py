@@ -1,0 +1,262 @@
+"""The two op tables the Qwen3 model runs with besides the references: batchinv and stock.
+
+``BATCHINV_OPS`` calls batchinv's public ops, which dispatch through the registry (CPU: the
+strict references; CUDA: the batch-invariant kernels; a missing kernel raises
+``BackendNotImplementedError``, never a fallback).  ``STOCK_OPS`` is what a stock PyTorch /
+Hugging Face stack runs: ``F.linear`` (cuBLAS / CPU BLAS), ``F.scaled_dot_product_attention``
+with ``enable_gqa`` and a boolean mask for padding, packing and KV caches, HF's RMSNorm and
+RoPE formulas, ``F.silu(g) * u`` and ``torch.log_softmax``.  The audit compares the two;
+stock drift across batches is expected and shown, never a failure.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+import batchinv
+
+from ...reference.kv_cache import KVCache
+from ...reference.qwen3_chain import REFERENCE_OPS, Qwen3Ops
+
+__all__ = ["BATCHINV_OPS", "OPS_BY_NAME", "REFERENCE_OPS", "STOCK_OPS", "ops_by_name"]
+
+
+# ----- batchinv ------------------------------------------------------------------------------
+
+
+def _batchinv_embedding(ids: Tensor, weight: Tensor) -> Tensor:
+    return batchinv.embedding(ids, weight)
+
+
+def _batchinv_log_softmax(x: Tensor) -> Tensor:
+    return batchinv.log_softmax(x, -1, torch.float32)
+
+
+def _unfused_token_logprobs(
+    hidden: Tensor,
+    lm_head_weight: Tensor,
+    target_ids: Tensor,
+    ignore_index: int,
+    *,
+    linear,
+    log_softmax,
+) -> Tensor:
+    """``log_softmax(hidden @ W.T)[target]`` (0.0 where ignored), fp32, differentiable."""
+    logprobs = log_softmax(linear(hidden, lm_head_weight, None))
+    keep = target_ids != ignore_index
+    safe = torch.where(keep, target_ids, torch.zeros_like(target_ids)).long()
+    picked = logprobs.gather(-1, safe.unsqueeze(-1)).squeeze(-1)
+    return torch.where(keep, picked, torch.zeros_like(picked))
+
+
+def _batchinv_token_logprobs(
+    hidden: Tensor, lm_head_weight: Tensor, target_ids: Tensor, ignore_index: int
+) -> Tensor:
+    # The fused op is being added to batchinv; until then the unfused chain of batchinv ops
+    # (linear, fp32 log_softmax, gather) computes the same definition.
+    fused = getattr(batchinv, "token_logprobs", None)
+    if fused is not None:
+        return fused(hidden, lm_head_weight, target_ids, ignore_index)
+    return _unfused_token_logprobs(
+        hidden,
+        lm_head_weight,
+        target_ids,
+        ignore_index,
+        linear=batchinv.linear,
+        log_softmax=_batchinv_log_softmax,
+    )
+
+
+def _batchinv_linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    return batchinv.linear(x, weight, bias)
+
+
+def _batchinv_rope(q, k, position_ids, *, theta, head_dim, max_position):
+    return batchinv.rope(
+        q, k, position_ids, theta=theta, head_dim=head_dim, max_position=max_position
+    )
+
+
+def _batchinv_attention(q, k, v, *, causal, seqlens_q, seqlens_k):
+    return batchinv.attention(q, k, v, causal=causal, seqlens_q=seqlens_q, seqlens_k=seqlens_k)
+
+
+def _batchinv_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal):
+    return batchinv.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, causal=causal)
+
+
+def _batchinv_attention_with_kv_cache(q, k_new, v_new, cache, seq_ids, *, seqlens_new, causal):
+    return batchinv.attention_with_kv_cache(
+        q, k_new, v_new, cache, seq_ids, seqlens_new=seqlens_new, causal=causal
+    )
+
+
+BATCHINV_OPS = Qwen3Ops(
+    name="batchinv",
+    embedding=_batchinv_embedding,
+    linear=_batchinv_linear,
+    rms_norm=lambda x, weight, eps: batchinv.rms_norm(x, weight, eps),
+    rope=_batchinv_rope,
+    attention=_batchinv_attention,
+    attention_varlen=_batchinv_attention_varlen,
+    attention_with_kv_cache=_batchinv_attention_with_kv_cache,
+    silu_mul=lambda gate, up: batchinv.silu_mul(gate, up),
+    residual_add=REFERENCE_OPS.residual_add,  # fp32 add, one rounding: elementwise
+    log_softmax=_batchinv_log_softmax,
+    token_logprobs=_batchinv_token_logprobs,
+)
+
+
+# ----- stock PyTorch -------------------------------------------------------------------------
+
+
+def _stock_rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """Hugging Face's Qwen3RMSNorm."""
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+def _rotate_half(x: Tensor) -> Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _stock_rope(q, k, position_ids, *, theta, head_dim, max_position):
+    """Hugging Face's default RoPE: fp32 angles, cos/sin rounded to the model dtype."""
+    del max_position  # stock RoPE does not check positions
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device=q.device).float()
+    inv_freq = 1.0 / (theta ** (exponents / head_dim))
+    freqs = position_ids.float()[..., None] * inv_freq
+    angles = torch.cat((freqs, freqs), dim=-1)
+    cos = angles.cos().to(q.dtype).unsqueeze(-2)  # broadcast over heads
+    sin = angles.sin().to(q.dtype).unsqueeze(-2)
+    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool) -> Tensor:
+    """SDPA on ``[B, S, H, d]`` layouts (GQA through ``enable_gqa``)."""
+    out = F.scaled_dot_product_attention(
+        q.transpose(1, 2),
+        k.transpose(1, 2),
+        v.transpose(1, 2),
+        attn_mask=mask,
+        is_causal=causal and mask is None,
+        enable_gqa=True,
+    )
+    return out.transpose(1, 2)
+
+
+def _visibility_mask(
+    query_positions: Tensor, key_lengths: Tensor, num_keys: int, causal: bool
+) -> Tensor:
+    """``[B, 1, Sq, Sk]`` bool: key ``j`` visible to a query at position ``p`` iff
+    ``j < length`` (and ``j <= p`` when causal)."""
+    keys = torch.arange(num_keys, device=key_lengths.device)
+    mask = keys[None, None, :] < key_lengths[:, None, None]
+    if causal:
+        mask = mask & (keys[None, None, :] <= query_positions[:, :, None])
+    return mask[:, None]
+
+
+def _stock_attention(q, k, v, *, causal, seqlens_q, seqlens_k):
+    batch, sq, sk = q.shape[0], q.shape[1], k.shape[1]
+    if seqlens_k is None and seqlens_q is None:
+        if causal and sq != sk:
+            raise NotImplementedError("stock attention: causal with Sq != Sk needs seqlens")
+        return _sdpa(q, k, v, None, causal)
+    device = q.device
+    lengths_k = (
+        seqlens_k.to(device).long()
+        if seqlens_k is not None
+        else torch.full((batch,), sk, device=device)
+    )
+    lengths_q = seqlens_q.to(device).long() if seqlens_q is not None else lengths_k
+    positions = (lengths_k - lengths_q)[:, None] + torch.arange(sq, device=device)[None, :]
+    return _sdpa(q, k, v, _visibility_mask(positions, lengths_k, sk, causal), causal)
+
+
+def _stock_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal):
+    """Packing as stock stacks do it: one sequence of all tokens with a block-diagonal mask."""
+    if not torch.equal(cu_seqlens_q, cu_seqlens_k):
+        raise NotImplementedError("stock varlen attention: cu_seqlens_q must equal cu_seqlens_k")
+    total = q.shape[0]
+    cu = cu_seqlens_q.to(q.device).long()
+    tokens = torch.arange(total, device=q.device)
+    owner = torch.searchsorted(cu[1:], tokens, right=True)
+    mask = owner[:, None] == owner[None, :]
+    if causal:
+        mask = mask & (tokens[None, :] <= tokens[:, None])
+    out = _sdpa(q[None], k[None], v[None], mask[None, None], causal)
+    return out[0]
+
+
+def _stock_attention_with_kv_cache(q, k_new, v_new, cache, seq_ids, *, seqlens_new, causal):
+    """Append to the cache, then SDPA over the cached keys with a length/causal mask."""
+    if not isinstance(cache, KVCache):
+        raise TypeError(f"cache must be a batchinv KVCache, got {type(cache).__name__}")
+    ids = seq_ids if seq_ids is not None else torch.arange(cache.batch, device=cache.k.device)
+    before = cache.lengths[ids.to(cache.k.device).long()].clone()
+    cache.append(k_new, v_new, seq_ids, seqlens_new)
+    lengths = cache.lengths[ids.to(cache.k.device).long()]
+    longest = max(int(lengths.max()), 1)
+    if seq_ids is None:  # every slot: views of the storage, no gather
+        k, v = cache.k[:, :longest], cache.v[:, :longest]
+    else:
+        k, v = cache.k[ids, :longest], cache.v[ids, :longest]
+    if bool((lengths < longest).any()):
+        # Unwritten storage holds NaN; a stock engine never reads it, so zero it out.
+        keys = torch.arange(longest, device=k.device)
+        valid = (keys[None, :] < lengths[:, None])[..., None, None]
+        k = torch.where(valid, k, torch.zeros((), dtype=k.dtype, device=k.device))
+        v = torch.where(valid, v, torch.zeros((), dtype=v.dtype, device=v.device))
+    positions = before[:, None] + torch.arange(q.shape[1], device=q.device)[None, :]
+    return _sdpa(q, k, v, _visibility_mask(positions, lengths, longest, causal), causal)
+
+
+def _stock_linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    return F.linear(x, weight, bias)
+
+
+def _stock_log_softmax(x: Tensor) -> Tensor:
+    return torch.log_softmax(x.float(), dim=-1)
+
+
+def _stock_token_logprobs(hidden, lm_head_weight, target_ids, ignore_index):
+    return _unfused_token_logprobs(
+        hidden,
+        lm_head_weight,
+        target_ids,
+        ignore_index,
+        linear=_stock_linear,
+        log_softmax=_stock_log_softmax,
+    )
+
+
+STOCK_OPS = Qwen3Ops(
+    name="stock",
+    embedding=lambda ids, weight: F.embedding(ids, weight),
+    linear=_stock_linear,
+    rms_norm=_stock_rms_norm,
+    rope=_stock_rope,
+    attention=_stock_attention,
+    attention_varlen=_stock_attention_varlen,
+    attention_with_kv_cache=_stock_attention_with_kv_cache,
+    silu_mul=lambda gate, up: F.silu(gate) * up,
+    residual_add=lambda h, delta: h + delta,
+    log_softmax=_stock_log_softmax,
+    token_logprobs=_stock_token_logprobs,
+)
+
+OPS_BY_NAME = {ops.name: ops for ops in (REFERENCE_OPS, BATCHINV_OPS, STOCK_OPS)}
+
+
+def ops_by_name(name: str | Qwen3Ops) -> Qwen3Ops:
+    """An op table by name ("batchinv", "stock", "reference"), or the table itself."""
+    if isinstance(name, Qwen3Ops):
+        return name
+    if name not in OPS_BY_NAME:
+        raise ValueError(f"ops must be one of {sorted(OPS_BY_NAME)}, got {name!r}")
+    return OPS_BY_NAME[name]
