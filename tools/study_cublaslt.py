@@ -1,12 +1,14 @@
 """Issue 4 study: can cuBLASLt with one pinned algorithm serve as a batch-invariant linear?
 
-For each Qwen3-8B linear shape and dtype: ask cuBLASLt's heuristic (no workspace) for its top
-algorithm at M = 4096, pin it (algo id, tile, stages, swizzle, custom option, inner and
-cluster shape as the heuristic chose; split-K 1, reduction scheme none, workspace 0), then run
-that one algorithm at every M of the sweep.  ``cublasLtMatmulAlgoCheck`` decides whether the
-pinned algorithm can serve an M at all; where it can, every probe row computed alone must be
-bitwise equal to the same row inside the batch (the contract's comparator), and every row of
-the batch must be bitwise equal to the same row of the M = 8191 batch.  Stock ``torch.mm`` gets
+For each Qwen3-8B linear shape and dtype: ask cuBLASLt's heuristic (no workspace allowed) for
+its top algorithm at M = 4096, pin it (algo id, tile, stages, swizzle, custom option, inner and
+cluster shape as the heuristic chose; split-K 1, reduction scheme none), then run that one
+algorithm at every M of the sweep.  ``cublasLtMatmulAlgoCheck`` decides whether the pinned
+algorithm can serve an M at all, and with how much workspace (0 is the goal; where it asks for
+some, the run gets exactly that much and the table says so).  Where it can, every probe row
+computed alone must be bitwise equal to the same row inside the batch (the contract's
+comparator), and every row of the batch must be bitwise equal to the same row of the M = 8191
+batch.  Stock ``torch.mm`` gets
 the same checks for contrast.  bf16 is also timed against ``torch.mm`` and
 ``batchinv.linear`` (the same kernel, ``matmul_nt``) in the same run.
 
@@ -32,12 +34,15 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from _common import environment, median_ms  # noqa: E402
 
-from batchinv.contract import assert_bitwise_equal  # noqa: E402
+from batchinv.contract import assert_bitwise_equal, assert_within_tolerance  # noqa: E402
 from batchinv.gpu.linear import matmul_nt  # noqa: E402
-from batchinv.shapes import LINEAR_M_SWEEP, QWEN3_8B_LINEAR  # noqa: E402
+from batchinv.shapes import LINEAR_BENCH_M, LINEAR_M_SWEEP, QWEN3_8B_LINEAR  # noqa: E402
 
 PROBE_ROWS = (0, 1, 2, 16, 64, 256, 1023, 4095, 8190)
 PIN_AT_M = 4096
+# Pinnings tried: the heuristic's configuration as it is, and the same with custom option 0
+# (the heuristic's custom option may select a tile scheduler that adapts to the grid).
+VARIANTS = (("heuristic", {}), ("custom option 0", {"custom_option": 0}))
 
 # Values from cublasLt.h, cublas_api.h and library_types.h (CUDA 13.0).
 CUBLAS_COMPUTE_32F = 68
@@ -315,12 +320,13 @@ class CublasLt:
             self.destroy(desc, [a, b, c])
         return status, int(result.workspace_size)
 
-    def matmul_fn(self, algo: Algo, x: torch.Tensor, weight: torch.Tensor):
-        """A callable writing ``x · weightᵀ`` with ``algo`` and no workspace; returns the
-        output tensor.  Descriptors are built once per call site (the timing loop reuses them)."""
+    def matmul_fn(self, algo: Algo, x: torch.Tensor, weight: torch.Tensor, workspace: int = 0):
+        """A callable writing ``x · weightᵀ`` with ``algo`` and ``workspace`` bytes of
+        workspace; returns the output tensor.  Descriptors are built once (timing reuses them)."""
         m, k = x.shape
         n = weight.shape[0]
         out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+        scratch = torch.empty(max(workspace, 1), dtype=torch.uint8, device=x.device)
         desc, (a, b, c) = self.descriptors(m, n, k, x.dtype)
         alpha, beta = ctypes.c_float(1.0), ctypes.c_float(0.0)
         stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
@@ -338,12 +344,11 @@ class CublasLt:
             ctypes.c_void_p(out.data_ptr()),
             c,
             ctypes.byref(algo),
-            None,
-            ctypes.c_size_t(0),
+            ctypes.c_void_p(scratch.data_ptr()) if workspace else None,
+            ctypes.c_size_t(workspace),
             stream,
         )
-
-        operands = (x, weight)  # the raw pointers in ``args`` must outlive every call
+        operands = (x, weight, scratch)  # the raw pointers in ``args`` must outlive every call
 
         def run() -> torch.Tensor:
             assert operands
@@ -370,13 +375,16 @@ def _probe_failures(batch: torch.Tensor, alone: dict[int, torch.Tensor], label: 
     return failures
 
 
-def study_shape(lt: CublasLt, name, k, n, dtype, sweep, timed: bool, rep_ms: float) -> dict:
+def study_shape(
+    lt: CublasLt, name, k, n, dtype, sweep, variant, timed_m: tuple, rep_ms: float
+) -> dict:
     gen = torch.Generator(device="cuda").manual_seed(0)
     m_max = max(sweep)
     x = torch.randn(m_max, k, device="cuda", generator=gen).to(dtype)
     weight = (torch.randn(n, k, device="cuda", generator=gen) / k**0.5).to(dtype)
     top = lt.heuristic_top(PIN_AT_M, n, k, dtype)
     heuristic_config = lt.read_config(top.algo)
+    heuristic_check = lt.check(top.algo, PIN_AT_M, n, k, dtype)
     entry = {
         "layer": name,
         "N": n,
@@ -384,9 +392,17 @@ def study_shape(lt: CublasLt, name, k, n, dtype, sweep, timed: bool, rep_ms: flo
         "dtype": str(dtype).removeprefix("torch."),
         "heuristic_at_m": PIN_AT_M,
         "heuristic_config": heuristic_config,
+        "heuristic_workspace_bytes": int(top.workspace_size),
+        "heuristic_waves": float(top.waves_count),
+        "heuristic_algo_check": {
+            "status": STATUS_NAMES.get(heuristic_check[0], heuristic_check[0]),
+            "workspace_bytes": heuristic_check[1],
+        },
+        "variant": variant[0],
         "pinned_from": "cublasLtMatmulAlgoInit + the heuristic's configuration",
     }
-    algo = lt.pinned_algo(heuristic_config, dtype)
+    overrides = variant[1]
+    algo = lt.pinned_algo({**heuristic_config, **overrides}, dtype)
     status, _ = lt.check(algo, PIN_AT_M, n, k, dtype)
     if status != 0:  # the rebuilt descriptor is refused: pin the heuristic's own struct
         entry["pinned_from"] = (
@@ -394,7 +410,11 @@ def study_shape(lt: CublasLt, name, k, n, dtype, sweep, timed: bool, rep_ms: flo
             f"{STATUS_NAMES.get(status, status)})"
         )
         algo = top.algo
-        for attr, value in ((2, ctypes.c_int32(1)), (3, ctypes.c_uint32(0))):
+        pins = {"splitk_num": 1, "reduction_scheme": 0, **overrides}
+        for attr, name_, ctype in ALGO_CONFIG:
+            if name_ not in pins:
+                continue
+            value = ctype(pins[name_])
             lt._call(
                 "cublasLtMatmulAlgoConfigSetAttribute",
                 ctypes.byref(algo),
@@ -404,12 +424,27 @@ def study_shape(lt: CublasLt, name, k, n, dtype, sweep, timed: bool, rep_ms: flo
             )
     entry["pinned_config"] = lt.read_config(algo)
 
-    def run_lt(rows: torch.Tensor) -> torch.Tensor:
-        return lt.matmul_fn(algo, rows, weight)()
-
     checks = {m: lt.check(algo, m, n, k, dtype) for m in sweep}
-    served = [m for m in sweep if checks[m] == (0, 0)]
+    served = [m for m in sweep if checks[m][0] == 0]
+
+    def run_lt(rows: torch.Tensor) -> torch.Tensor:
+        return lt.matmul_fn(algo, rows, weight, checks[rows.shape[0]][1])()
+
     alone_lt = {i: run_lt(x[i : i + 1]).clone() for i in PROBE_ROWS if 1 in served}
+    if alone_lt:  # bits that never change are worthless if wrong: Axis-B on the probe rows
+        probes = list(alone_lt)
+        reference = torch.mm(x[probes].float(), weight.float().t())  # fp32, TF32 off
+        try:
+            assert_within_tolerance(
+                torch.cat([alone_lt[i] for i in probes]),
+                reference,
+                op_class="reduction",
+                name=f"cuBLASLt pinned {name}",
+            )
+            entry["probe_rows_within_tolerance"] = True
+        except AssertionError as error:
+            entry["probe_rows_within_tolerance"] = False
+            entry["tolerance_failure"] = str(error).splitlines()[0]
     alone_mm = {i: torch.mm(x[i : i + 1], weight.t()) for i in PROBE_ROWS}
     full_lt = run_lt(x).clone() if m_max in served else None
     full_mm = torch.mm(x, weight.t())
@@ -424,7 +459,7 @@ def study_shape(lt: CublasLt, name, k, n, dtype, sweep, timed: bool, rep_ms: flo
         mm = torch.mm(x[:m], weight.t())
         row["torch_mm_probe_failures"] = len(_probe_failures(mm, alone_mm, f"torch.mm M={m}"))
         row["torch_mm_rows_differing_from_M_max"] = _mismatching_rows(mm, full_mm[:m])
-        if (status, workspace) == (0, 0):
+        if status == 0:
             try:
                 out = run_lt(x[:m])
             except CublasLtError as error:  # the check passed but the launch did not
@@ -443,23 +478,27 @@ def study_shape(lt: CublasLt, name, k, n, dtype, sweep, timed: bool, rep_ms: flo
                 if not alone_lt or full_lt is None
                 else not failures and row["lt_rows_differing_from_M_max"] == 0
             )
-            if timed:
-                lt_fn = lt.matmul_fn(algo, x[:m].contiguous(), weight)
+            if m in timed_m:
+                lt_fn = lt.matmul_fn(algo, x[:m].contiguous(), weight, workspace)
                 row["lt_ms"] = median_ms(lt_fn, warmup_ms=25, rep_ms=rep_ms)
         else:
             row["lt_bitwise_invariant"] = None  # not served: nothing to compare
-        if timed:
+        if m in timed_m:
             xm = x[:m].contiguous()
             row["torch_mm_ms"] = median_ms(
                 lambda a=xm: torch.mm(a, weight.t()), warmup_ms=25, rep_ms=rep_ms
             )
-            row["batchinv_ms"] = median_ms(
-                lambda a=xm: matmul_nt(a, weight), warmup_ms=25, rep_ms=rep_ms
-            )
+            try:
+                row["batchinv_ms"] = median_ms(
+                    lambda a=xm: matmul_nt(a, weight), warmup_ms=25, rep_ms=rep_ms
+                )
+            except Exception as error:  # batchinv's own failure must not hide cuBLASLt's data
+                row["batchinv_error"] = f"{type(error).__name__}: {error}"
         per_m.append(row)
         del mm
     entry["per_m"] = per_m
     entry["served_every_m"] = len(served) == len(sweep)
+    entry["served_every_m_without_workspace"] = all(checks[m] == (0, 0) for m in sweep)
     entry["bitwise_at_every_m"] = all(r["lt_bitwise_invariant"] for r in per_m)
     return entry
 
@@ -472,12 +511,14 @@ def _markdown(result: dict) -> str:
         f"{env['gpu']}, driver {env['driver']}, torch {env['versions']['torch']}, "
         f"cuBLASLt {result['cublaslt_version']}, commit {env['commit']}, {env['date_utc']}.",
         f"Produced by `tools/study_cublaslt.py`. Algorithm pinned from the heuristic's top "
-        f"choice at M = {PIN_AT_M} (workspace 0), split-K 1, reduction none. `served` = "
-        "`cublasLtMatmulAlgoCheck` accepts it with no workspace; `bitwise` = every probe row "
+        f"choice at M = {PIN_AT_M} (heuristic allowed no workspace), split-K 1, reduction none. "
+        "`AlgoCheck` = `cublasLtMatmulAlgoCheck` for that M, with the workspace it asks for "
+        "(`ws`, bytes; the run gets exactly that); `bitwise` = every probe row "
         "alone equals the row in the batch and every row equals the same row at M = 8191. "
         "Times: medians in ms (bf16 only); ratio = torch.mm time / time.",
         "",
-        f"Adoptable (served and bitwise at every M of every shape): **{result['adoptable']}**"
+        "Adoptable (served and bitwise at every M of every shape), by pinning: "
+        + ", ".join(f"{v}: **{ok}**" for v, ok in result["adoptable_by_variant"].items())
         + ("" if result["complete"] else " (incomplete run)"),
         "",
         *(f"- error: {error}" for error in result["errors"]),
@@ -486,13 +527,16 @@ def _markdown(result: dict) -> str:
     for entry in result["shapes"]:
         cfg = entry["pinned_config"]
         lines += [
-            f"## {entry['layer']} (N = {entry['N']}, K = {entry['K']}, {entry['dtype']})",
+            f"## {entry['layer']} (N = {entry['N']}, K = {entry['K']}, {entry['dtype']}), "
+            f"pinning: {entry['variant']}",
             "",
             f"Pinned: algo {cfg['algo_id']}, tile {cfg['tile_id']}, stages {cfg['stages_id']}, "
             f"swizzle {cfg['cta_swizzling']}, custom {cfg['custom_option']}, inner "
             f"{cfg['inner_shape_id']}, cluster {cfg['cluster_shape_id']}, split-K "
             f"{cfg['splitk_num']} (heuristic had {entry['heuristic_config']['splitk_num']}); "
-            f"{entry['pinned_from']}.",
+            f"{entry['pinned_from']}. Probe rows within the `reduction` tolerance of fp32: "
+            f"{entry.get('probe_rows_within_tolerance')}. Heuristic's own descriptor at "
+            f"M = {PIN_AT_M}: {entry['heuristic_algo_check']}.",
             "",
             "| M | AlgoCheck | cuBLASLt bitwise | torch.mm rows off | cuBLASLt ms | torch.mm ms "
             "| batchinv ms | cuBLASLt ratio | batchinv ratio |",
@@ -504,6 +548,8 @@ def _markdown(result: dict) -> str:
                 f"| {row['M']} | {row['algo_check']}"
                 + (f" (ws {row['workspace_bytes']})" if row["workspace_bytes"] else "")
                 + f" | {_yes_no(row['lt_bitwise_invariant'])}"
+                + f" ({_count(row.get('lt_rows_differing_from_M_max'))} rows off,"
+                + f" {_count(row.get('lt_probe_failures'))} probes off)"
                 + f" | {row['torch_mm_rows_differing_from_M_max']}"
                 + f" | {_num(lt_ms)} | {_num(mm_ms)} | {_num(bi_ms)}"
                 + f" | {_ratio(mm_ms, lt_ms)} | {_ratio(mm_ms, bi_ms)} |"
@@ -514,6 +560,12 @@ def _markdown(result: dict) -> str:
 
 def _yes_no(value) -> str:
     return "not served" if value is None else ("yes" if value else "**no**")
+
+
+def _count(value) -> str:
+    if value is None:
+        return "-"
+    return str(len(value)) if isinstance(value, list) else str(value)
 
 
 def _num(value) -> str:
@@ -549,33 +601,42 @@ def main() -> None:
         "errors": [],
         "complete": False,
     }
-    for name, k, n in shapes:
-        for dtype in dtypes:
-            timed = dtype == torch.bfloat16
-            try:
-                entry = study_shape(lt, name, k, n, dtype, sweep, timed, args.rep_ms)
-            except (CublasLtError, RuntimeError) as error:  # recorded, the study goes on
-                print(f"{name} {dtype}: {type(error).__name__}: {error}", flush=True)
-                result["errors"].append(f"{name} {dtype}: {type(error).__name__}: {error}")
-                continue
-            result["shapes"].append(entry)
-            torch.cuda.empty_cache()  # the lm_head batches are large
-            _write(args, result)  # after every shape, so a time limit keeps what ran
-            print(
-                f"{name} {entry['dtype']}: served every M {entry['served_every_m']}, "
-                f"bitwise at every M {entry['bitwise_at_every_m']}, "
-                f"pinned {entry['pinned_config']}",
-                flush=True,
-            )
+    runs = [(v, s, d) for v in VARIANTS for s in shapes for d in dtypes]
+    for variant, (name, k, n), dtype in runs:  # the heuristic's pinning first, every shape
+        # bf16 is timed: every M for the heuristic's pinning, the benchmark's M for the other.
+        timed = (
+            () if dtype != torch.bfloat16 else sweep if variant is VARIANTS[0] else LINEAR_BENCH_M
+        )
+        label = f"{variant[0]}: {name} {dtype}"
+        try:
+            entry = study_shape(lt, name, k, n, dtype, sweep, variant, timed, args.rep_ms)
+        except (CublasLtError, RuntimeError) as error:  # recorded, the study goes on
+            print(f"{label}: {type(error).__name__}: {error}", flush=True)
+            result["errors"].append(f"{label}: {type(error).__name__}: {error}")
+            continue
+        result["shapes"].append(entry)
+        torch.cuda.empty_cache()  # the lm_head batches are large
+        _write(args, result)  # after every shape, so a time limit keeps what ran
+        print(
+            f"{label}: served every M {entry['served_every_m']}, "
+            f"bitwise at every M {entry['bitwise_at_every_m']}, "
+            f"pinned {entry['pinned_config']}",
+            flush=True,
+        )
     result["complete"] = True
     _write(args, result)
     print(_markdown(result))
 
 
 def _write(args: argparse.Namespace, result: dict) -> None:
-    result["adoptable"] = not result["errors"] and all(
-        e["served_every_m"] and e["bitwise_at_every_m"] for e in result["shapes"]
-    )
+    # A pinning is adoptable if it serves and is bitwise at every M of every shape run.
+    result["adoptable_by_variant"] = {
+        variant: bool(entries)
+        and all(e["served_every_m"] and e["bitwise_at_every_m"] for e in entries)
+        for variant, _ in VARIANTS
+        for entries in [[e for e in result["shapes"] if e["variant"] == variant]]
+    }
+    result["adoptable"] = any(result["adoptable_by_variant"].values())
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(result, indent=1) + "\n")
     args.markdown.parent.mkdir(parents=True, exist_ok=True)
