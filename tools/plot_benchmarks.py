@@ -100,7 +100,7 @@ def plot(rows: list[dict], title: str, out: Path) -> None:
     ax.set_xlabel("ratio = anchor time / batchinv time for the same work (copy anchors: bandwidth)")
     ax.set_title(title, fontsize=10)
     ax.grid(axis="x", linewidth=0.3)
-    ax.legend(loc="lower right", fontsize=8)
+    ax.legend(loc="best", fontsize=8)
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=110)
