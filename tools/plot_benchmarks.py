@@ -70,6 +70,8 @@ def plot(rows: list[dict], title: str, out: Path) -> None:
         ) from error
     matplotlib.use("Agg")  # files only, no display
     import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
 
     ops = list(dict.fromkeys(row["op"] for row in rows))
     colors = {op: plt.cm.tab10(i % 10) for i, op in enumerate(ops)}
@@ -80,6 +82,10 @@ def plot(rows: list[dict], title: str, out: Path) -> None:
     height = 1.2 + 0.24 * len(rows)
     fig, ax = plt.subplots(figsize=(13, height))
     ax.barh(positions, ratios, color=[colors[row["op"]] for row in rows], height=0.7)
+    handles = []
+    for op in ops:  # one legend entry per op, naming its anchor(s)
+        anchors = dict.fromkeys(row["anchor"] for row in rows if row["op"] == op)
+        handles.append(Patch(color=colors[op], label=f"{op} vs {' / '.join(anchors)}"))
     for y, ratio in zip(positions, ratios, strict=True):
         ax.text(ratio + 0.01, y, f"{ratio:.2f}", va="center", fontsize=7)
     goals = [(y, row["goal"]) for y, row in zip(positions, rows, strict=True) if row.get("goal")]
@@ -91,19 +97,28 @@ def plot(rows: list[dict], title: str, out: Path) -> None:
             s=140,
             color="black",
             zorder=3,
-            label="goal",
         )
-    ax.axvline(1.0, color="grey", linestyle="--", linewidth=1, label="anchor (1.0)")
+        handles.append(
+            Line2D([], [], marker="|", color="black", linestyle="", markersize=10, label="goal")
+        )
+    ax.axvline(1.0, color="grey", linestyle="--", linewidth=1)
+    handles.append(Line2D([], [], color="grey", linestyle="--", label="as fast as the anchor"))
     ax.set_yticks(positions, labels, fontsize=7)
     ax.set_ylim(-0.7, len(rows) - 0.3)
     ax.set_xlim(0, max(max(ratios), 1.0) * 1.12)
     ax.set_xlabel("ratio = anchor time / batchinv time for the same work (copy anchors: bandwidth)")
     ax.set_title(title, fontsize=10)
     ax.grid(axis="x", linewidth=0.3)
-    ax.legend(loc="best", fontsize=8)
+    ax.legend(
+        handles=handles,
+        loc="upper center",
+        bbox_to_anchor=(0.5, -0.55 / (height - 1.0)),  # below the x label, in axes units
+        ncol=2,
+        fontsize=8,
+    )
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110)
+    fig.savefig(out, dpi=110, bbox_inches="tight")
     plt.close(fig)
 
 
