@@ -223,8 +223,19 @@ def sanitize(session: nox.Session) -> None:
 
 @nox.session(venv_backend="none")
 def bench(session: nox.Session) -> None:
-    """On a GPU machine: every benchmarks/bench_*.py; JSON results under benchmarks/results/."""
+    """On a GPU machine: every benchmarks/bench_*.py -> benchmarks/results/<op>.json (GPU,
+    versions, commit, a uniform summary of ratios), then tools/plot_benchmarks.py draws
+    benchmarks/results/ratios.png (needs matplotlib)."""
     _require_gpu(session)
+    failed = []
     for script in sorted(glob.glob(str(ROOT / "benchmarks" / "bench_*.py"))):
         name = Path(script).stem.removeprefix("bench_")
-        session.run("python", script, "--json", f"benchmarks/results/{name}.json", external=True)
+        try:
+            session.run(
+                "python", script, "--json", f"benchmarks/results/{name}.json", external=True
+            )
+        except nox.command.CommandFailed:
+            failed.append(name)  # the other benchmarks still run; the session fails below
+    session.run("python", str(ROOT / "tools" / "plot_benchmarks.py"), external=True)
+    if failed:
+        session.error(f"benchmarks failed: {', '.join(failed)}")

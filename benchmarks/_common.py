@@ -2,12 +2,26 @@
 
 Every benchmark measures its stock anchor in the same run and prints the ratio with the
 GPU's name; numbers from different cards are never compared.
+
+Result file (``--json``), schema ``batchinv-bench/1``::
+
+    {"schema": "batchinv-bench/1", "benchmark": str,
+     "environment": {"gpu", "multiprocessors", "driver", "versions": {...}, "commit",
+                     "date_utc"},
+     "ratio_convention": str,
+     "summary": [{"op", "case", "variant", "batchinv_ms", "anchor", "anchor_ms", "ratio",
+                  "goal"}, ...],
+     "rows": [...]}          # every measured path, columns specific to the benchmark
+
+``summary`` holds one row per batchinv measurement against its anchor (see
+``RATIO_CONVENTION``); ``goal`` is the issue's target ratio for that row, or null.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.metadata
 import json
 import os
 import platform
@@ -15,6 +29,13 @@ import subprocess
 from pathlib import Path
 
 import torch
+
+SCHEMA = "batchinv-bench/1"
+RATIO_CONVENTION = (
+    "ratio = anchor_ms / batchinv_ms for the same work; higher is better, 1.0 = as fast as "
+    "the anchor. For a copy anchor, anchor_ms is the copy time measured in the same run "
+    "scaled to the bytes the op must move, so the ratio is batchinv's bandwidth over the copy's."
+)
 
 
 def parse_args(description: str) -> argparse.Namespace:
@@ -73,33 +94,92 @@ def environment() -> dict:
         "cuda": torch.version.cuda,
     }
     for name in ("triton", "liger_kernel"):
-        try:
-            versions[name] = __import__(name).__version__
-        except Exception:
+        try:  # the distribution's version: liger_kernel has no __version__
+            versions[name] = importlib.metadata.version(name.replace("_", "-"))
+        except importlib.metadata.PackageNotFoundError:
             versions[name] = None
     return {
         "gpu": props.name,
         "multiprocessors": props.multi_processor_count,
         "driver": driver,
         "versions": versions,
-        "commit": os.environ.get("BATCHINV_GIT_COMMIT"),
+        "commit": os.environ.get("BATCHINV_GIT_COMMIT") or _git_commit(),
         "date_utc": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
     }
 
 
-def report(name: str, rows: list[dict], columns: list[str], json_path: Path | None) -> None:
-    """Prints ``rows`` as a table with the card, and writes them as JSON if asked."""
+def _git_commit() -> str | None:
+    try:
+        return subprocess.run(
+            ["git", "rev-parse", "HEAD"],
+            cwd=Path(__file__).parent,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None  # a copy without .git: set BATCHINV_GIT_COMMIT
+
+
+def summary_row(
+    op: str,
+    case: str,
+    variant: str,
+    batchinv_ms: float,
+    anchor: str,
+    anchor_ms: float,
+    goal: float | None = None,
+) -> dict:
+    """One row of the uniform ``summary`` list (``anchor_ms`` already for the same work)."""
+    return {
+        "op": op,
+        "case": case,
+        "variant": variant,
+        "batchinv_ms": batchinv_ms,
+        "anchor": anchor,
+        "anchor_ms": anchor_ms,
+        "ratio": anchor_ms / batchinv_ms,
+        "goal": goal,
+    }
+
+
+def copy_ms_for(copy_ms: float, copy_bytes: int, op_bytes: int) -> float:
+    """The measured copy's time scaled to ``op_bytes`` (a copy's time is linear in bytes
+    at these sizes), so that anchor_ms / batchinv_ms is the bandwidth ratio."""
+    return copy_ms * op_bytes / copy_bytes
+
+
+def report(
+    name: str,
+    rows: list[dict],
+    columns: list[str],
+    json_path: Path | None,
+    summary: list[dict],
+) -> None:
+    """Prints ``rows`` and ``summary`` as tables with the card; writes the JSON if asked."""
     env = environment()
     print(f"\n{name} on {env['gpu']} (torch {env['versions']['torch']})")
-    widths = {c: max(len(c), *(len(_fmt(r.get(c))) for r in rows)) for c in columns}
+    _print_table(rows, columns)
+    print(f"\nsummary ({RATIO_CONVENTION})")
+    _print_table(summary, ["op", "case", "variant", "batchinv_ms", "anchor", "ratio", "goal"])
+    if json_path is not None:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        result = {
+            "schema": SCHEMA,
+            "benchmark": name,
+            "environment": env,
+            "ratio_convention": RATIO_CONVENTION,
+            "summary": summary,
+            "rows": rows,
+        }
+        json_path.write_text(json.dumps(result, indent=1) + "\n")
+
+
+def _print_table(rows: list[dict], columns: list[str]) -> None:
+    widths = {c: max([len(c)] + [len(_fmt(r.get(c))) for r in rows]) for c in columns}
     print("  ".join(c.ljust(widths[c]) for c in columns))
     for row in rows:
         print("  ".join(_fmt(row.get(c)).ljust(widths[c]) for c in columns))
-    if json_path is not None:
-        json_path.parent.mkdir(parents=True, exist_ok=True)
-        json_path.write_text(
-            json.dumps({"benchmark": name, "environment": env, "rows": rows}, indent=1) + "\n"
-        )
 
 
 def _fmt(value) -> str:

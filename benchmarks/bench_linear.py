@@ -8,7 +8,7 @@ The Triton matmul of thinking-machines-lab/batch_invariant_ops is added when imp
 from __future__ import annotations
 
 import torch
-from _common import median_ms, parse_args, report, require_cuda
+from _common import median_ms, parse_args, report, require_cuda, summary_row
 
 from batchinv.gpu.linear import choose_config, matmul_nt, uses_hopper
 from batchinv.shapes import LINEAR_BENCH_M, QWEN3_8B_LINEAR
@@ -26,6 +26,9 @@ def _graphed(fn):
     with torch.cuda.graph(graph):
         fn()
     return graph.replay
+
+
+GOALS = {1: 0.8, 64: 0.8, 4096: 0.9}  # of cuBLAS, by M (issue 4)
 
 
 def _triton_batch_invariant():
@@ -48,7 +51,7 @@ def main() -> None:
     device = require_cuda()
     triton_bi = _triton_batch_invariant()
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    rows = []
+    rows, summary = [], []
     for name, k, n in QWEN3_8B_LINEAR:
         weight = (torch.randn(n, k, device=device) / k**0.5).bfloat16()
         weight_t = weight.t()
@@ -64,6 +67,18 @@ def main() -> None:
             timing_modes = [("eager", lambda f: f)] + ([("graph", _graphed)] if m == 1 else [])
             for mode, wrap in timing_modes:
                 times = {path: median_ms(wrap(fn)) for path, fn in paths.items()}
+                suffix = "" if mode == "eager" else ", CUDA graph"
+                summary.append(
+                    summary_row(
+                        "linear",
+                        f"{name} M={m} (N={n}, K={k}), bf16",
+                        "forward" + suffix,
+                        times["batchinv"],
+                        "cuBLAS (torch.mm)" + suffix,
+                        times["cuBLAS"],
+                        GOALS.get(m),
+                    )
+                )
                 for path, ms in times.items():
                     rows.append(
                         {
@@ -87,6 +102,7 @@ def main() -> None:
         rows,
         ["layer", "M", "N", "K", "timing", "path", "ms", "TFLOP/s", "vs_cuBLAS", "config"],
         args.json,
+        summary,
     )
 
 

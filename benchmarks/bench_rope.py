@@ -11,7 +11,7 @@ and k, write their rotations.
 from __future__ import annotations
 
 import torch
-from _common import median_ms, parse_args, report, require_cuda
+from _common import copy_ms_for, median_ms, parse_args, report, require_cuda, summary_row
 
 import batchinv
 
@@ -23,6 +23,7 @@ SHAPES = [
 ]
 THETA = 1_000_000.0
 MAX_POSITION = 40960
+GOAL = 0.9  # of the copy's bandwidth (issue 6)
 
 
 def _liger():
@@ -63,7 +64,7 @@ def main() -> None:
     args = parse_args(__doc__.splitlines()[0])
     device = require_cuda()
     liger = _liger()
-    rows_out = []
+    rows_out, summary = [], []
     for tokens, hq, hk, head_dim, dtype in SHAPES:
         gen = torch.Generator(device=device).manual_seed(0)
         q = torch.randn(tokens, hq, head_dim, device=device, generator=gen).to(dtype)
@@ -136,7 +137,14 @@ def main() -> None:
                 "vs_copy": 1.0,
             }
         )
+        case = f"{tokens} tokens, {hq}/{hk} heads x {head_dim}, {base['dtype']}"
         for direction, path, ms in timings:
+            if path.startswith("batchinv"):
+                variant = direction + path.removeprefix("batchinv")
+                anchor_ms = copy_ms_for(copy_ms, 2 * moved, 2 * moved)
+                summary.append(
+                    summary_row("rope", case, variant, ms, "device copy", anchor_ms, GOAL)
+                )
             tbs = 2 * moved / ms / 1e9
             rows_out.append(
                 {
@@ -153,6 +161,7 @@ def main() -> None:
         rows_out,
         ["tokens", "heads", "head_dim", "dtype", "direction", "path", "ms", "TB/s", "vs_copy"],
         args.json,
+        summary,
     )
 
 
