@@ -3,9 +3,10 @@
 Shape (issue 5): B=8 sequences of S=4096, Hq=32, Hkv=8 (GQA), d=128, causal, bf16.  Rows:
 SDPA's backward with the default backend and with the flash backend when it is selectable
 (GQA through ``enable_gqa``; if a backend refuses it, k/v are expanded to Hq heads and the row
-says so), then batchinv's ``attention_backward.backward`` with ldmatrix fragment loads (the
-default) and with plain shared loads.  The SDPA rows time ``autograd.grad`` of a forward
-recorded once (backward only); batchinv's rows time the backward call, whose inputs (out,
+says so), then batchinv's ``attention_backward.backward`` in each kernel variant (same bits,
+different speed; ``KERNEL_VARIANT`` is the default).  The SDPA rows time ``autograd.grad`` of
+a forward recorded once (backward only); batchinv's rows time the backward call (argument
+checks with their one host sync, zeroed outputs and the three launches), whose inputs (out,
 lse) come from one fp32 forward computed per sequence here.
 
 TFLOP/s use the 2.5x-forward convention: forward = 4 * B * Hq * S^2 * d (two matmuls), halved
@@ -59,12 +60,17 @@ def _forward_stats(q, k, v, batch, seq_len, causal, scale):
     return out, lse
 
 
-def _sdpa_backward_ms(q, k, v, grad, causal, backend):
+def _batched(t, batch, seq_len):
+    """[B * S, H, d] rows -> SDPA's [B, H, S, d] (a view)."""
+    return t.view(batch, seq_len, *t.shape[1:]).transpose(1, 2)
+
+
+def _sdpa_backward_ms(q, k, v, grad, batch, seq_len, causal, backend):
     """Median ms of SDPA's backward; (ms, note)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     backends = {"default": None, "flash": SDPBackend.FLASH_ATTENTION}
-    qs, ks, vs = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))  # [1, H, T, d] views
+    qs, ks, vs = (_batched(t, batch, seq_len) for t in (q, k, v))
     note = "enable_gqa"
 
     def run(expand: bool):
@@ -83,7 +89,7 @@ def _sdpa_backward_ms(q, k, v, grad, causal, backend):
         else:
             with sdpa_kernel(backends[backend]):
                 out = F.scaled_dot_product_attention(qq, kk, vv, is_causal=causal, **kwargs)
-        g = grad.transpose(0, 1).unsqueeze(0)
+        g = _batched(grad, batch, seq_len)
         return median_ms(lambda: torch.autograd.grad(out, (qq, kk, vv), g, retain_graph=True))
 
     try:
@@ -96,6 +102,7 @@ def main() -> None:
     args = parse_args(__doc__.splitlines()[0])
     device = require_cuda()
     rows_out = []
+    default_variant = gpu_attention_backward.KERNEL_VARIANT
     for batch, seq_len, hq, hkv, d, causal, dtype in SHAPES:
         gen = torch.Generator(device=device).manual_seed(0)
         total = batch * seq_len
@@ -119,21 +126,21 @@ def main() -> None:
         timings = []
         for backend in ("default", "flash"):
             try:
-                ms, note = _sdpa_backward_ms(q, k, v, grad, causal, backend)
+                ms, note = _sdpa_backward_ms(q, k, v, grad, batch, seq_len, causal, backend)
             except RuntimeError as error:
                 print(f"SDPA {backend} backend not selectable here: {str(error)[:200]}")
                 continue
             timings.append((f"SDPA {backend} ({note})", ms))
-        for loads in ("ldsm", "lds"):
-            gpu_attention_backward.FRAGMENT_LOADS = loads
+        for variant in gpu_attention_backward.VARIANTS:
+            gpu_attention_backward.KERNEL_VARIANT = variant
             call = (q, k, v, out, lse, grad, starts, lengths, starts, lengths)
             ms = median_ms(
                 lambda call=call: gpu_attention_backward.backward(
                     *call, seq_len, seq_len, causal, scale
                 )
             )
-            timings.append((f"batchinv ({loads})", ms))
-        gpu_attention_backward.FRAGMENT_LOADS = "ldsm"
+            timings.append((f"batchinv ({variant})", ms))
+        gpu_attention_backward.KERNEL_VARIANT = default_variant
         anchor = next((ms for path, ms in timings if path.startswith("SDPA default")), None)
         for path, ms in timings:
             rows_out.append(

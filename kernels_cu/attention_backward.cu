@@ -69,16 +69,17 @@ struct TileBytes {
     static constexpr int value = Rows * (D + kPad) * 2;
 };
 
-// Dynamic shared memory of each kernel (the host computes the same numbers).
-template <int D>
+// Dynamic shared memory of each kernel (the host computes the same numbers).  kBuffers = 2
+// double-buffers the tiles a CTA streams (cp.async prefetch of the next step), 1 does not.
+template <int D, int kBuffers>
 struct DkdvShared {
     static constexpr int kRows = KvQueryRows<D>::value;
     static constexpr int value =
-        2 * TileBytes<D, kKeyBlock>::value + 2 * TileBytes<D, kRows>::value + 2 * kRows * 4;
+        2 * TileBytes<D, kKeyBlock>::value + kBuffers * (2 * TileBytes<D, kRows>::value + 2 * kRows * 4);
 };
-template <int D>
+template <int D, int kBuffers>
 struct DqShared {
-    static constexpr int value = 2 * TileBytes<D, kKeyBlock>::value +
+    static constexpr int value = kBuffers * 2 * TileBytes<D, kKeyBlock>::value +
                                  2 * TileBytes<D, kDqQueryRows>::value + 2 * kDqQueryRows * 4;
 };
 
@@ -215,21 +216,35 @@ __device__ __forceinline__ void a_from_acc(uint32_t (&a)[4], const float (&lo)[4
 
 // ---- global -> shared ---------------------------------------------------------------------
 
+__device__ __forceinline__ void cp_async16(uint16_t* dst, const uint16_t* src) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(shared_address(dst)), "l"(src));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;" ::"n"(N));
+}
+
 // Rows [first_row, first_row + valid) of a [rows, heads, D] tensor (base points at the head's
 // first element, row_stride = heads * D) into a Rows x (D + kPad) tile; slots of rows >= valid
-// are zero-filled, never read from global memory.
-template <int D, int Rows>
+// are zero-filled, never read from global memory.  kAsync: cp.async copies (the caller
+// commits and waits), else plain loads.  Either way the tile holds the same bits.
+template <int D, int Rows, bool kAsync>
 __device__ __forceinline__ void load_tile(uint16_t* tile, const uint16_t* base, int64_t row_stride,
                                           int first_row, int valid) {
     constexpr int kVectors = D / 8;
     for (int idx = threadIdx.x; idx < Rows * kVectors; idx += kThreads) {
         const int r = idx / kVectors;
         const int col = (idx % kVectors) * 8;
-        uint4 value = make_uint4(0u, 0u, 0u, 0u);
-        if (r < valid) {
-            value = *reinterpret_cast<const uint4*>(base + static_cast<int64_t>(first_row + r) * row_stride + col);
+        uint16_t* dst = tile + r * (D + kPad) + col;
+        const uint16_t* src = base + static_cast<int64_t>(first_row + r) * row_stride + col;
+        if (r >= valid) {
+            *reinterpret_cast<uint4*>(dst) = make_uint4(0u, 0u, 0u, 0u);
+        } else if constexpr (kAsync) {
+            cp_async16(dst, src);
+        } else {
+            *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
         }
-        *reinterpret_cast<uint4*>(tile + r * (D + kPad) + col) = value;
     }
 }
 
@@ -283,7 +298,69 @@ __device__ __forceinline__ void delta_kernel(const uint16_t* out, const uint16_t
 
 // ---- dK, dV ------------------------------------------------------------------------------------
 
+// One step of the dK/dV kernel: this warp's 16 keys against kRows queries of one head.
 template <typename Codec, int D, bool kLdmatrix>
+__device__ __forceinline__ void dkdv_step(float (&acc_dk)[D / 8][4], float (&acc_dv)[D / 8][4], const uint16_t* s_k,
+                                          const uint16_t* s_v, const uint16_t* s_q, const uint16_t* s_do,
+                                          const float* s_lse, const float* s_delta, int key0, int i0, int k_len,
+                                          int offset, int causal, float scale) {
+    constexpr int kRows = KvQueryRows<D>::value;
+    constexpr int S = D + kPad;
+    const int lane = threadIdx.x % 32;
+    const int m0 = (threadIdx.x / 32) * 16;  // this warp's 16 keys within the block
+    const int g = lane / 4, c = 2 * (lane % 4);
+
+    // S^T = K Q^T and dP^T = V dO^T for this warp's 16 keys x kRows queries.
+    float st[kRows / 8][4] = {};
+    float dpt[kRows / 8][4] = {};
+#pragma unroll
+    for (int k0 = 0; k0 < D; k0 += 16) {
+        uint32_t a_k[4], a_v[4];
+        load_a<kLdmatrix, S>(a_k, s_k, m0, k0, lane);
+        load_a<kLdmatrix, S>(a_v, s_v, m0, k0, lane);
+#pragma unroll
+        for (int n = 0; n < kRows / 8; n += 2) {
+            uint32_t b[4];
+            load_b_nk<kLdmatrix, S>(b, s_q, n * 8, k0, lane);
+            mma<Codec>(st[n], a_k, b[0], b[1]);
+            mma<Codec>(st[n + 1], a_k, b[2], b[3]);
+            load_b_nk<kLdmatrix, S>(b, s_do, n * 8, k0, lane);
+            mma<Codec>(dpt[n], a_v, b[0], b[1]);
+            mma<Codec>(dpt[n + 1], a_v, b[2], b[3]);
+        }
+    }
+    // P^T and dS^T in place.
+#pragma unroll
+    for (int n = 0; n < kRows / 8; ++n) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int key = key0 + m0 + g + (e >= 2 ? 8 : 0);
+            const int r = n * 8 + c + (e & 1);
+            const float row_lse = s_lse[r];
+            const bool visible = key < k_len && row_lse != -INFINITY && (!causal || key <= offset + i0 + r);
+            probability_and_grad(st[n][e], dpt[n][e], visible, row_lse, s_delta[r], scale);
+        }
+    }
+    // dV += P^T dO, dK += dS^T Q over the block's queries, k16 step by k16 step.
+#pragma unroll
+    for (int t = 0; t < kRows / 16; ++t) {
+        uint32_t a_p[4], a_ds[4];
+        a_from_acc<Codec>(a_p, st[2 * t], st[2 * t + 1]);
+        a_from_acc<Codec>(a_ds, dpt[2 * t], dpt[2 * t + 1]);
+#pragma unroll
+        for (int n = 0; n < D / 8; n += 2) {
+            uint32_t b[4];
+            load_b_kn<kLdmatrix, S>(b, s_do, n * 8, t * 16, lane);
+            mma<Codec>(acc_dv[n], a_p, b[0], b[1]);
+            mma<Codec>(acc_dv[n + 1], a_p, b[2], b[3]);
+            load_b_kn<kLdmatrix, S>(b, s_q, n * 8, t * 16, lane);
+            mma<Codec>(acc_dk[n], a_ds, b[0], b[1]);
+            mma<Codec>(acc_dk[n + 1], a_ds, b[2], b[3]);
+        }
+    }
+}
+
+template <typename Codec, int D, bool kLdmatrix, bool kAsync>
 __device__ __forceinline__ void dkdv_kernel(const uint16_t* q, const uint16_t* k, const uint16_t* v,
                                             const uint16_t* dout, const float* lse, const float* delta,
                                             const int* q_start_of, const int* q_len_of, const int* k_start_of,
@@ -292,6 +369,7 @@ __device__ __forceinline__ void dkdv_kernel(const uint16_t* q, const uint16_t* k
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
     constexpr int kRows = KvQueryRows<D>::value;
     constexpr int S = D + kPad;
+    constexpr int kBuffers = kAsync ? 2 : 1;
     const int seq = blockIdx.z;
     const int kv_head = blockIdx.y;
     const int key_block = gridDim.x - 1 - blockIdx.x;  // most work first (causal); speed only
@@ -309,89 +387,60 @@ __device__ __forceinline__ void dkdv_kernel(const uint16_t* q, const uint16_t* k
     extern __shared__ __align__(16) uint16_t smem[];
     uint16_t* s_k = smem;
     uint16_t* s_v = s_k + kKeyBlock * S;
-    uint16_t* s_q = s_v + kKeyBlock * S;
-    uint16_t* s_do = s_q + kRows * S;
-    float* s_lse = reinterpret_cast<float*>(s_do + kRows * S);
-    float* s_delta = s_lse + kRows;
-
-    const int lane = threadIdx.x % 32;
-    const int m0 = (threadIdx.x / 32) * 16;  // this warp's 16 keys within the block
-    const int g = lane / 4, c = 2 * (lane % 4);
+    uint16_t* s_q = s_v + kKeyBlock * S;        // kBuffers tiles
+    uint16_t* s_do = s_q + kBuffers * kRows * S;  // kBuffers tiles
+    float* s_lse = reinterpret_cast<float*>(s_do + kBuffers * kRows * S);
+    float* s_delta = s_lse + kBuffers * kRows;
 
     const int key_rows = min(kKeyBlock, k_len - key0);
-    load_tile<D, kKeyBlock>(s_k, k + kv_head * D, kv_stride, k_start + key0, key_rows);
-    load_tile<D, kKeyBlock>(s_v, v + kv_head * D, kv_stride, k_start + key0, key_rows);
+    load_tile<D, kKeyBlock, kAsync>(s_k, k + kv_head * D, kv_stride, k_start + key0, key_rows);
+    load_tile<D, kKeyBlock, kAsync>(s_v, v + kv_head * D, kv_stride, k_start + key0, key_rows);
 
-    // Causal: queries before position key0 see none of these keys; their blocks are skipped.
+    // Steps: the group's query heads in increasing order, for each the query blocks from the
+    // first that can see key0 (causal; queries before position key0 see none of these keys).
     const int first_query = causal ? max(0, key0 - offset) : 0;
     const int first_block = first_query / kRows;
-    const int num_blocks = (q_len + kRows - 1) / kRows;
+    const int blocks_per_head = max(0, (q_len + kRows - 1) / kRows - first_block);
+    const int steps = group * blocks_per_head;
+
+    // Stage step `step` into buffer `buffer`: its Q and dO tiles, lse and delta.
+    auto stage = [&](int step, int buffer) {
+        const int head = kv_head * group + step / blocks_per_head;
+        const int i0 = (first_block + step % blocks_per_head) * kRows;
+        const int rows = min(kRows, q_len - i0);
+        load_tile<D, kRows, kAsync>(s_q + buffer * kRows * S, q + head * D, q_stride, q_start + i0, rows);
+        load_tile<D, kRows, kAsync>(s_do + buffer * kRows * S, dout + head * D, q_stride, q_start + i0, rows);
+        load_row_stats<kRows>(s_lse + buffer * kRows, s_delta + buffer * kRows, lse, delta, head * total_q,
+                              q_start + i0, rows);
+    };
 
     float acc_dk[D / 8][4] = {};
     float acc_dv[D / 8][4] = {};
-    for (int head_in_group = 0; head_in_group < group; ++head_in_group) {
-        const int head = kv_head * group + head_in_group;
-        for (int block = first_block; block < num_blocks; ++block) {
-            const int i0 = block * kRows;
-            const int rows = min(kRows, q_len - i0);
-            __syncthreads();  // the previous step is done with s_q, s_do, s_lse, s_delta
-            load_tile<D, kRows>(s_q, q + head * D, q_stride, q_start + i0, rows);
-            load_tile<D, kRows>(s_do, dout + head * D, q_stride, q_start + i0, rows);
-            load_row_stats<kRows>(s_lse, s_delta, lse, delta, head * total_q, q_start + i0, rows);
-            __syncthreads();
-
-            // S^T = K Q^T and dP^T = V dO^T for this warp's 16 keys x kRows queries.
-            float st[kRows / 8][4] = {};
-            float dpt[kRows / 8][4] = {};
-#pragma unroll
-            for (int k0 = 0; k0 < D; k0 += 16) {
-                uint32_t a_k[4], a_v[4];
-                load_a<kLdmatrix, S>(a_k, s_k, m0, k0, lane);
-                load_a<kLdmatrix, S>(a_v, s_v, m0, k0, lane);
-#pragma unroll
-                for (int n = 0; n < kRows / 8; n += 2) {
-                    uint32_t b[4];
-                    load_b_nk<kLdmatrix, S>(b, s_q, n * 8, k0, lane);
-                    mma<Codec>(st[n], a_k, b[0], b[1]);
-                    mma<Codec>(st[n + 1], a_k, b[2], b[3]);
-                    load_b_nk<kLdmatrix, S>(b, s_do, n * 8, k0, lane);
-                    mma<Codec>(dpt[n], a_v, b[0], b[1]);
-                    mma<Codec>(dpt[n + 1], a_v, b[2], b[3]);
-                }
-            }
-            // P^T and dS^T in place.
-#pragma unroll
-            for (int n = 0; n < kRows / 8; ++n) {
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int key = key0 + m0 + g + (e >= 2 ? 8 : 0);
-                    const int r = n * 8 + c + (e & 1);
-                    const float row_lse = s_lse[r];
-                    const bool visible =
-                        key < k_len && row_lse != -INFINITY && (!causal || key <= offset + i0 + r);
-                    probability_and_grad(st[n][e], dpt[n][e], visible, row_lse, s_delta[r], scale);
-                }
-            }
-            // dV += P^T dO, dK += dS^T Q over the block's queries, k16 step by k16 step.
-#pragma unroll
-            for (int t = 0; t < kRows / 16; ++t) {
-                uint32_t a_p[4], a_ds[4];
-                a_from_acc<Codec>(a_p, st[2 * t], st[2 * t + 1]);
-                a_from_acc<Codec>(a_ds, dpt[2 * t], dpt[2 * t + 1]);
-#pragma unroll
-                for (int n = 0; n < D / 8; n += 2) {
-                    uint32_t b[4];
-                    load_b_kn<kLdmatrix, S>(b, s_do, n * 8, t * 16, lane);
-                    mma<Codec>(acc_dv[n], a_p, b[0], b[1]);
-                    mma<Codec>(acc_dv[n + 1], a_p, b[2], b[3]);
-                    load_b_kn<kLdmatrix, S>(b, s_q, n * 8, t * 16, lane);
-                    mma<Codec>(acc_dk[n], a_ds, b[0], b[1]);
-                    mma<Codec>(acc_dk[n + 1], a_ds, b[2], b[3]);
-                }
-            }
-        }
+    if constexpr (kAsync) {
+        if (steps > 0) stage(0, 0);
+        cp_async_commit();
     }
+    for (int step = 0; step < steps; ++step) {
+        const int buffer = kAsync ? (step & 1) : 0;
+        if constexpr (kAsync) {
+            if (step + 1 < steps) stage(step + 1, buffer ^ 1);  // prefetch during this step
+            cp_async_commit();
+            cp_async_wait<1>();  // everything but the prefetch has landed
+        } else {
+            stage(step, 0);
+        }
+        __syncthreads();
+        const int i0 = (first_block + step % blocks_per_head) * kRows;
+        dkdv_step<Codec, D, kLdmatrix>(acc_dk, acc_dv, s_k, s_v, s_q + buffer * kRows * S,
+                                       s_do + buffer * kRows * S, s_lse + buffer * kRows,
+                                       s_delta + buffer * kRows, key0, i0, k_len, offset, causal, scale);
+        __syncthreads();  // this buffer is restaged next (or in two steps)
+    }
+    if constexpr (kAsync) cp_async_wait<0>();
 
+    const int lane = threadIdx.x % 32;
+    const int m0 = (threadIdx.x / 32) * 16;
+    const int g = lane / 4, c = 2 * (lane % 4);
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
         const int key = key0 + m0 + g + half * 8;
@@ -413,7 +462,62 @@ __device__ __forceinline__ void dkdv_kernel(const uint16_t* q, const uint16_t* k
 
 // ---- dQ ------------------------------------------------------------------------------------------
 
+// One step of the dQ kernel: this warp's 16 queries against one block of 64 keys.
 template <typename Codec, int D, bool kLdmatrix>
+__device__ __forceinline__ void dq_step(float (&acc_dq)[D / 8][4], const uint16_t* s_q, const uint16_t* s_do,
+                                        const uint16_t* s_k, const uint16_t* s_v, const float* s_lse,
+                                        const float* s_delta, int key0, int i0, int k_len, int offset, int causal,
+                                        float scale) {
+    constexpr int S = D + kPad;
+    const int lane = threadIdx.x % 32;
+    const int m0 = (threadIdx.x / 32) * 16;  // this warp's 16 query rows within the block
+    const int g = lane / 4, c = 2 * (lane % 4);
+
+    float s[kKeyBlock / 8][4] = {};
+    float dp[kKeyBlock / 8][4] = {};
+#pragma unroll
+    for (int k0 = 0; k0 < D; k0 += 16) {
+        uint32_t a_q[4], a_do[4];
+        load_a<kLdmatrix, S>(a_q, s_q, m0, k0, lane);
+        load_a<kLdmatrix, S>(a_do, s_do, m0, k0, lane);
+#pragma unroll
+        for (int n = 0; n < kKeyBlock / 8; n += 2) {
+            uint32_t b[4];
+            load_b_nk<kLdmatrix, S>(b, s_k, n * 8, k0, lane);
+            mma<Codec>(s[n], a_q, b[0], b[1]);
+            mma<Codec>(s[n + 1], a_q, b[2], b[3]);
+            load_b_nk<kLdmatrix, S>(b, s_v, n * 8, k0, lane);
+            mma<Codec>(dp[n], a_do, b[0], b[1]);
+            mma<Codec>(dp[n + 1], a_do, b[2], b[3]);
+        }
+    }
+#pragma unroll
+    for (int n = 0; n < kKeyBlock / 8; ++n) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int r = m0 + g + (e >= 2 ? 8 : 0);
+            const int key = key0 + n * 8 + c + (e & 1);
+            const float row_lse = s_lse[r];
+            const bool visible = key < k_len && row_lse != -INFINITY && (!causal || key <= offset + i0 + r);
+            probability_and_grad(s[n][e], dp[n][e], visible, row_lse, s_delta[r], scale);
+        }
+    }
+    // dQ += dS K over the block's keys, k16 step by k16 step.
+#pragma unroll
+    for (int t = 0; t < kKeyBlock / 16; ++t) {
+        uint32_t a_ds[4];
+        a_from_acc<Codec>(a_ds, dp[2 * t], dp[2 * t + 1]);
+#pragma unroll
+        for (int n = 0; n < D / 8; n += 2) {
+            uint32_t b[4];
+            load_b_kn<kLdmatrix, S>(b, s_k, n * 8, t * 16, lane);
+            mma<Codec>(acc_dq[n], a_ds, b[0], b[1]);
+            mma<Codec>(acc_dq[n + 1], a_ds, b[2], b[3]);
+        }
+    }
+}
+
+template <typename Codec, int D, bool kLdmatrix, bool kAsync>
 __device__ __forceinline__ void dq_kernel(const uint16_t* q, const uint16_t* k, const uint16_t* v,
                                           const uint16_t* dout, const float* lse, const float* delta,
                                           const int* q_start_of, const int* q_len_of, const int* k_start_of,
@@ -422,6 +526,7 @@ __device__ __forceinline__ void dq_kernel(const uint16_t* q, const uint16_t* k, 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
     constexpr int kRows = kDqQueryRows;
     constexpr int S = D + kPad;
+    constexpr int kBuffers = kAsync ? 2 : 1;
     const int seq = blockIdx.z;
     const int head = blockIdx.y;
     const int query_block = gridDim.x - 1 - blockIdx.x;  // most work first (causal); speed only
@@ -440,78 +545,54 @@ __device__ __forceinline__ void dq_kernel(const uint16_t* q, const uint16_t* k, 
     extern __shared__ __align__(16) uint16_t smem[];
     uint16_t* s_q = smem;
     uint16_t* s_do = s_q + kRows * S;
-    uint16_t* s_k = s_do + kRows * S;
-    uint16_t* s_v = s_k + kKeyBlock * S;
-    float* s_lse = reinterpret_cast<float*>(s_v + kKeyBlock * S);
+    uint16_t* s_k = s_do + kRows * S;                // kBuffers tiles
+    uint16_t* s_v = s_k + kBuffers * kKeyBlock * S;  // kBuffers tiles
+    float* s_lse = reinterpret_cast<float*>(s_v + kBuffers * kKeyBlock * S);
     float* s_delta = s_lse + kRows;
 
-    const int lane = threadIdx.x % 32;
-    const int m0 = (threadIdx.x / 32) * 16;  // this warp's 16 query rows within the block
-    const int g = lane / 4, c = 2 * (lane % 4);
-
-    load_tile<D, kRows>(s_q, q + head * D, q_stride, q_start + i0, rows);
-    load_tile<D, kRows>(s_do, dout + head * D, q_stride, q_start + i0, rows);
+    load_tile<D, kRows, kAsync>(s_q, q + head * D, q_stride, q_start + i0, rows);
+    load_tile<D, kRows, kAsync>(s_do, dout + head * D, q_stride, q_start + i0, rows);
     load_row_stats<kRows>(s_lse, s_delta, lse, delta, head * total_q, q_start + i0, rows);
 
     // Key blocks in increasing position, up to the last one any row of the block can see.
-    int num_key_blocks = (k_len + kKeyBlock - 1) / kKeyBlock;
+    int steps = (k_len + kKeyBlock - 1) / kKeyBlock;
     if (causal) {
         const int last_position = offset + i0 + rows - 1;
-        num_key_blocks = last_position < 0 ? 0 : min(num_key_blocks, last_position / kKeyBlock + 1);
+        steps = last_position < 0 ? 0 : min(steps, last_position / kKeyBlock + 1);
     }
+    auto stage = [&](int step, int buffer) {
+        const int key0 = step * kKeyBlock;
+        const int valid = min(kKeyBlock, k_len - key0);
+        load_tile<D, kKeyBlock, kAsync>(s_k + buffer * kKeyBlock * S, k + kv_head * D, kv_stride, k_start + key0,
+                                        valid);
+        load_tile<D, kKeyBlock, kAsync>(s_v + buffer * kKeyBlock * S, v + kv_head * D, kv_stride, k_start + key0,
+                                        valid);
+    };
 
     float acc_dq[D / 8][4] = {};
-    for (int key_block = 0; key_block < num_key_blocks; ++key_block) {
-        const int key0 = key_block * kKeyBlock;
-        __syncthreads();  // the previous step is done with s_k, s_v
-        load_tile<D, kKeyBlock>(s_k, k + kv_head * D, kv_stride, k_start + key0, min(kKeyBlock, k_len - key0));
-        load_tile<D, kKeyBlock>(s_v, v + kv_head * D, kv_stride, k_start + key0, min(kKeyBlock, k_len - key0));
-        __syncthreads();
-
-        float s[kKeyBlock / 8][4] = {};
-        float dp[kKeyBlock / 8][4] = {};
-#pragma unroll
-        for (int k0 = 0; k0 < D; k0 += 16) {
-            uint32_t a_q[4], a_do[4];
-            load_a<kLdmatrix, S>(a_q, s_q, m0, k0, lane);
-            load_a<kLdmatrix, S>(a_do, s_do, m0, k0, lane);
-#pragma unroll
-            for (int n = 0; n < kKeyBlock / 8; n += 2) {
-                uint32_t b[4];
-                load_b_nk<kLdmatrix, S>(b, s_k, n * 8, k0, lane);
-                mma<Codec>(s[n], a_q, b[0], b[1]);
-                mma<Codec>(s[n + 1], a_q, b[2], b[3]);
-                load_b_nk<kLdmatrix, S>(b, s_v, n * 8, k0, lane);
-                mma<Codec>(dp[n], a_do, b[0], b[1]);
-                mma<Codec>(dp[n + 1], a_do, b[2], b[3]);
-            }
-        }
-#pragma unroll
-        for (int n = 0; n < kKeyBlock / 8; ++n) {
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int r = m0 + g + (e >= 2 ? 8 : 0);
-                const int key = key0 + n * 8 + c + (e & 1);
-                const float row_lse = s_lse[r];
-                const bool visible = key < k_len && row_lse != -INFINITY && (!causal || key <= offset + i0 + r);
-                probability_and_grad(s[n][e], dp[n][e], visible, row_lse, s_delta[r], scale);
-            }
-        }
-        // dQ += dS K over the block's keys, k16 step by k16 step.
-#pragma unroll
-        for (int t = 0; t < kKeyBlock / 16; ++t) {
-            uint32_t a_ds[4];
-            a_from_acc<Codec>(a_ds, dp[2 * t], dp[2 * t + 1]);
-#pragma unroll
-            for (int n = 0; n < D / 8; n += 2) {
-                uint32_t b[4];
-                load_b_kn<kLdmatrix, S>(b, s_k, n * 8, t * 16, lane);
-                mma<Codec>(acc_dq[n], a_ds, b[0], b[1]);
-                mma<Codec>(acc_dq[n + 1], a_ds, b[2], b[3]);
-            }
-        }
+    if constexpr (kAsync) {
+        if (steps > 0) stage(0, 0);
+        cp_async_commit();
     }
+    for (int step = 0; step < steps; ++step) {
+        const int buffer = kAsync ? (step & 1) : 0;
+        if constexpr (kAsync) {
+            if (step + 1 < steps) stage(step + 1, buffer ^ 1);  // prefetch during this step
+            cp_async_commit();
+            cp_async_wait<1>();
+        } else {
+            stage(step, 0);
+        }
+        __syncthreads();
+        dq_step<Codec, D, kLdmatrix>(acc_dq, s_q, s_do, s_k + buffer * kKeyBlock * S, s_v + buffer * kKeyBlock * S,
+                                     s_lse, s_delta, step * kKeyBlock, i0, k_len, offset, causal, scale);
+        __syncthreads();  // this buffer is restaged next (or in two steps)
+    }
+    if constexpr (kAsync) cp_async_wait<0>();
 
+    const int lane = threadIdx.x % 32;
+    const int m0 = (threadIdx.x / 32) * 16;
+    const int g = lane / 4, c = 2 * (lane % 4);
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
         const int r = m0 + g + half * 8;
@@ -538,61 +619,72 @@ __device__ __forceinline__ void dq_kernel(const uint16_t* q, const uint16_t* k, 
         batchinv::attn_bwd::delta_kernel<CODEC, D>(out, dout, q_start, q_len, delta, num_q_heads, total_q);    \
     }
 
-#define BATCHINV_ATTN_BWD_DKDV(DTYPE, CODEC, D, SUFFIX, LDMATRIX)                                               \
+#define BATCHINV_ATTN_BWD_DKDV(DTYPE, CODEC, D, SUFFIX, LDMATRIX, ASYNC)                                               \
     extern "C" __global__ void __launch_bounds__(batchinv::attn_bwd::kThreads)                                \
         attention_bwd_dkdv_##DTYPE##_d##D##SUFFIX(                                                              \
         const uint16_t* q, const uint16_t* k, const uint16_t* v, const uint16_t* dout, const float* lse,        \
         const float* delta, const int* q_start, const int* q_len, const int* k_start, const int* k_len,         \
         uint16_t* dk, uint16_t* dv, int num_q_heads, int num_kv_heads, int64_t total_q, int causal,             \
         float scale) {                                                                                          \
-        batchinv::attn_bwd::dkdv_kernel<CODEC, D, LDMATRIX>(q, k, v, dout, lse, delta, q_start, q_len, k_start,  \
+        batchinv::attn_bwd::dkdv_kernel<CODEC, D, LDMATRIX, ASYNC>(q, k, v, dout, lse, delta, q_start, q_len, k_start,  \
                                                             k_len, dk, dv, num_q_heads, num_kv_heads, total_q,   \
                                                             causal, scale);                                     \
     }
 
-#define BATCHINV_ATTN_BWD_DQ(DTYPE, CODEC, D, SUFFIX, LDMATRIX)                                                 \
+#define BATCHINV_ATTN_BWD_DQ(DTYPE, CODEC, D, SUFFIX, LDMATRIX, ASYNC)                                                 \
     extern "C" __global__ void __launch_bounds__(batchinv::attn_bwd::kThreads)                                \
         attention_bwd_dq_##DTYPE##_d##D##SUFFIX(                                                                \
         const uint16_t* q, const uint16_t* k, const uint16_t* v, const uint16_t* dout, const float* lse,        \
         const float* delta, const int* q_start, const int* q_len, const int* k_start, const int* k_len,         \
         uint16_t* dq, int num_q_heads, int num_kv_heads, int64_t total_q, int causal, float scale) {            \
-        batchinv::attn_bwd::dq_kernel<CODEC, D, LDMATRIX>(q, k, v, dout, lse, delta, q_start, q_len, k_start,    \
+        batchinv::attn_bwd::dq_kernel<CODEC, D, LDMATRIX, ASYNC>(q, k, v, dout, lse, delta, q_start, q_len, k_start,    \
                                                           k_len, dq, num_q_heads, num_kv_heads, total_q, causal, \
                                                           scale);                                               \
     }
 
-// Variants: dtype x head dim x fragment loads ("_ldsm": ldmatrix; "_lds": plain loads, kept to
-// check that both give the same bits).
-#define BATCHINV_ATTN_BWD_ALL(DTYPE, CODEC, D)                                                  \
-    BATCHINV_ATTN_BWD_DELTA(DTYPE, CODEC, D)                                                    \
-    BATCHINV_ATTN_BWD_DKDV(DTYPE, CODEC, D, _ldsm, true)                                        \
-    BATCHINV_ATTN_BWD_DKDV(DTYPE, CODEC, D, _lds, false)                                        \
-    BATCHINV_ATTN_BWD_DQ(DTYPE, CODEC, D, _ldsm, true)                                          \
-    BATCHINV_ATTN_BWD_DQ(DTYPE, CODEC, D, _lds, false)
+// Variants: dtype x head dim x how tiles reach the mma ("_ldsm": ldmatrix; "_lds": plain shared
+// loads; "_async": ldmatrix with cp.async double buffering).  All give the mma the same operand
+// bits in the same order, so the same results (tested); they differ in speed only.
+#define BATCHINV_ATTN_BWD_ALL(DTYPE, CODEC, D)                                  \
+    BATCHINV_ATTN_BWD_DELTA(DTYPE, CODEC, D)                                    \
+    BATCHINV_ATTN_BWD_DKDV(DTYPE, CODEC, D, _ldsm, true, false)                 \
+    BATCHINV_ATTN_BWD_DKDV(DTYPE, CODEC, D, _lds, false, false)                 \
+    BATCHINV_ATTN_BWD_DKDV(DTYPE, CODEC, D, _async, true, true)                 \
+    BATCHINV_ATTN_BWD_DQ(DTYPE, CODEC, D, _ldsm, true, false)                   \
+    BATCHINV_ATTN_BWD_DQ(DTYPE, CODEC, D, _lds, false, false)                   \
+    BATCHINV_ATTN_BWD_DQ(DTYPE, CODEC, D, _async, true, true)
 
 // batchinv-signature: attention_bwd_delta_bf16_d64(ptr, ptr, ptr, ptr, ptr, i32, i64)
 // batchinv-signature: attention_bwd_dkdv_bf16_d64_ldsm(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
 // batchinv-signature: attention_bwd_dkdv_bf16_d64_lds(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
+// batchinv-signature: attention_bwd_dkdv_bf16_d64_async(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
 // batchinv-signature: attention_bwd_dq_bf16_d64_ldsm(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
 // batchinv-signature: attention_bwd_dq_bf16_d64_lds(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
+// batchinv-signature: attention_bwd_dq_bf16_d64_async(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
 BATCHINV_ATTN_BWD_ALL(bf16, batchinv::Bf16Codec, 64)
 // batchinv-signature: attention_bwd_delta_bf16_d128(ptr, ptr, ptr, ptr, ptr, i32, i64)
 // batchinv-signature: attention_bwd_dkdv_bf16_d128_ldsm(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
 // batchinv-signature: attention_bwd_dkdv_bf16_d128_lds(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
+// batchinv-signature: attention_bwd_dkdv_bf16_d128_async(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
 // batchinv-signature: attention_bwd_dq_bf16_d128_ldsm(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
 // batchinv-signature: attention_bwd_dq_bf16_d128_lds(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
+// batchinv-signature: attention_bwd_dq_bf16_d128_async(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
 BATCHINV_ATTN_BWD_ALL(bf16, batchinv::Bf16Codec, 128)
 // batchinv-signature: attention_bwd_delta_f16_d64(ptr, ptr, ptr, ptr, ptr, i32, i64)
 // batchinv-signature: attention_bwd_dkdv_f16_d64_ldsm(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
 // batchinv-signature: attention_bwd_dkdv_f16_d64_lds(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
+// batchinv-signature: attention_bwd_dkdv_f16_d64_async(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
 // batchinv-signature: attention_bwd_dq_f16_d64_ldsm(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
 // batchinv-signature: attention_bwd_dq_f16_d64_lds(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
+// batchinv-signature: attention_bwd_dq_f16_d64_async(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
 BATCHINV_ATTN_BWD_ALL(f16, batchinv::F16Codec, 64)
 // batchinv-signature: attention_bwd_delta_f16_d128(ptr, ptr, ptr, ptr, ptr, i32, i64)
 // batchinv-signature: attention_bwd_dkdv_f16_d128_ldsm(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
 // batchinv-signature: attention_bwd_dkdv_f16_d128_lds(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
+// batchinv-signature: attention_bwd_dkdv_f16_d128_async(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
 // batchinv-signature: attention_bwd_dq_f16_d128_ldsm(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
 // batchinv-signature: attention_bwd_dq_f16_d128_lds(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
+// batchinv-signature: attention_bwd_dq_f16_d128_async(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
 BATCHINV_ATTN_BWD_ALL(f16, batchinv::F16Codec, 128)
 
 #endif  // !__HIPCC__

@@ -5,7 +5,8 @@
 - Axis-A: a sequence's dq/dk/dv bitwise the same alone and packed with 2 or 7 other
   sequences, at different places in the pack, with NaN padding rows between sequences; the
   rows no sequence covers get exact zeros; bitwise the same run to run; ldmatrix and plain
-  shared loads give the same bits.
+  shared loads, with or without cp.async double buffering (``KERNEL_VARIANT``), give the same
+  bits, and every GPU test runs on each variant.
 - Bad inputs: clear errors (the type/shape checks run on CPU tensors, without a GPU).
 """
 
@@ -40,6 +41,13 @@ NEIGHBOUR_SEQUENCES = ((90, 90), (29, 29), (1, 1), (67, 130), (13, 13), (200, 20
 PACK_BATCH_SIZES = (1, 3, 8)  # sequences in a pack, the probe included
 PAD_ROWS = (0, 3, 17)  # NaN rows between sequences, cycled
 CUSTOM_SCALE = 0.3
+
+
+@pytest.fixture(params=gpu_attention_backward.VARIANTS, autouse=True)
+def kernel_variant(request, monkeypatch):
+    """Every test runs on each kernel variant (the CPU-only tests never reach a kernel)."""
+    monkeypatch.setattr(gpu_attention_backward, "KERNEL_VARIANT", request.param)
+    return request.param
 
 
 @dataclass
@@ -297,7 +305,7 @@ def test_backward_is_deterministic_run_to_run(config):
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("config", CONFIGS, ids=_config_id)
-def test_ldmatrix_and_plain_loads_give_the_same_bits(config, monkeypatch):
+def test_kernel_variants_give_the_same_bits(config, kernel_variant, monkeypatch):
     dtype, head_dim, heads, causal = config
     scale = 1.0 / math.sqrt(head_dim)
     seqs = [
@@ -305,10 +313,11 @@ def test_ldmatrix_and_plain_loads_give_the_same_bits(config, monkeypatch):
         for i, (lq, lk) in enumerate(NEIGHBOUR_SEQUENCES[:4])
     ]
     pack = _pack(seqs, [0, 1, 2, 3, 0], [1, 0, 5, 0, 2])
-    monkeypatch.setattr(gpu_attention_backward, "FRAGMENT_LOADS", "ldsm")
-    with_ldmatrix = _backward(pack, causal, scale)
-    monkeypatch.setattr(gpu_attention_backward, "FRAGMENT_LOADS", "lds")
-    assert_bitwise_equal(_backward(pack, causal, scale), with_ldmatrix, name="lds vs ldsm")
+    mine = _backward(pack, causal, scale)
+    for other in gpu_attention_backward.VARIANTS:
+        monkeypatch.setattr(gpu_attention_backward, "KERNEL_VARIANT", other)
+        theirs = _backward(pack, causal, scale)
+        assert_bitwise_equal(mine, theirs, name=f"{kernel_variant} vs {other}")
 
 
 @pytest.mark.cuda

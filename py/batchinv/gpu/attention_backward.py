@@ -37,9 +37,11 @@ DQ_QUERY_ROWS = 64  # query rows per dQ CTA
 _PAD = 8  # shared-memory row padding, elements
 _FLOAT_BYTES = 4
 
-# "ldsm" (ldmatrix) or "lds" (plain shared loads): the same operand bits, so the same
-# results (tested); ldmatrix is the faster one.
-FRAGMENT_LOADS = "ldsm"
+# How tiles reach the mma: "async" (cp.async double buffering + ldmatrix), "ldsm" (plain
+# global loads + ldmatrix), "lds" (plain loads throughout).  Same operand bits in the same
+# order, so the same results (tested bitwise); speed differs.
+VARIANTS = ("async", "ldsm", "lds")
+KERNEL_VARIANT = "async"
 
 _DTYPES = (torch.bfloat16, torch.float16)
 _SUFFIX = {torch.bfloat16: "bf16", torch.float16: "f16"}
@@ -57,18 +59,21 @@ def _tile_bytes(head_dim: int, rows: int) -> int:
     return rows * (head_dim + _PAD) * 2
 
 
-def dkdv_shared_bytes(head_dim: int) -> int:
+def _buffers(variant: str) -> int:
+    return 2 if variant == "async" else 1
+
+
+def dkdv_shared_bytes(head_dim: int, variant: str) -> int:
+    """K and V tiles, then per buffer the Q and dO tiles and the rows' lse and delta."""
     rows = kv_query_rows(head_dim)
-    return (
-        2 * _tile_bytes(head_dim, KEY_BLOCK)
-        + 2 * _tile_bytes(head_dim, rows)
-        + 2 * rows * _FLOAT_BYTES
-    )
+    per_buffer = 2 * _tile_bytes(head_dim, rows) + 2 * rows * _FLOAT_BYTES
+    return 2 * _tile_bytes(head_dim, KEY_BLOCK) + _buffers(variant) * per_buffer
 
 
-def dq_shared_bytes(head_dim: int) -> int:
+def dq_shared_bytes(head_dim: int, variant: str) -> int:
+    """Q and dO tiles, per buffer the K and V tiles, and the rows' lse and delta."""
     return (
-        2 * _tile_bytes(head_dim, KEY_BLOCK)
+        _buffers(variant) * 2 * _tile_bytes(head_dim, KEY_BLOCK)
         + 2 * _tile_bytes(head_dim, DQ_QUERY_ROWS)
         + 2 * DQ_QUERY_ROWS * _FLOAT_BYTES
     )
@@ -244,9 +249,11 @@ def _opt_in_shared(kernel, name: str, device_index: int, bytes_: int) -> None:
 
 
 @functools.cache
-def _kernel_name(stage: str, dtype: torch.dtype, head_dim: int, loads: str) -> str:
+def _kernel_name(stage: str, dtype: torch.dtype, head_dim: int, variant: str) -> str:
+    if variant not in VARIANTS:
+        raise ValueError(f"unknown kernel variant {variant!r}; expected one of {VARIANTS}")
     base = f"attention_bwd_{stage}_{_SUFFIX[dtype]}_d{head_dim}"
-    return base if stage == "delta" else f"{base}_{loads}"
+    return base if stage == "delta" else f"{base}_{variant}"
 
 
 def backward(
@@ -284,11 +291,12 @@ def backward(
     device = q.device
     index = device.index if device.index is not None else torch.cuda.current_device()
     delta = torch.empty((num_q_heads, total_q), dtype=torch.float32, device=device)
+    variant = KERNEL_VARIANT
     inputs = (q, k, v, grad_out, lse, delta, q_start, q_len, k_start, k_len)
     shape_args = (num_q_heads, num_kv_heads, total_q, 1 if causal else 0, float(scale))
 
     if max_q_len > 0:
-        name = _kernel_name("delta", q.dtype, head_dim, FRAGMENT_LOADS)
+        name = _kernel_name("delta", q.dtype, head_dim, variant)
         blocks = -(-max_q_len * num_q_heads // THREADS)
         if blocks > _MAX_GRID_X:
             raise ValueError(f"max_q_len * Hq = {max_q_len * num_q_heads} is too large")
@@ -300,9 +308,9 @@ def backward(
             args=(out, grad_out, q_start, q_len, delta, num_q_heads, total_q),
         )
     if max_k_len > 0:
-        name = _kernel_name("dkdv", q.dtype, head_dim, FRAGMENT_LOADS)
+        name = _kernel_name("dkdv", q.dtype, head_dim, variant)
         kernel = kernel_for("attention_backward", name, device)
-        shared = dkdv_shared_bytes(head_dim)
+        shared = dkdv_shared_bytes(head_dim, variant)
         _opt_in_shared(kernel, name, index, shared)
         launch(
             kernel,
@@ -313,9 +321,9 @@ def backward(
             shared_mem=shared,
         )
     if max_q_len > 0:
-        name = _kernel_name("dq", q.dtype, head_dim, FRAGMENT_LOADS)
+        name = _kernel_name("dq", q.dtype, head_dim, variant)
         kernel = kernel_for("attention_backward", name, device)
-        shared = dq_shared_bytes(head_dim)
+        shared = dq_shared_bytes(head_dim, variant)
         _opt_in_shared(kernel, name, index, shared)
         launch(
             kernel,
