@@ -1,0 +1,690 @@
+// Attention backward (FlashAttention-2 style, deterministic: no atomics, no split reductions).
+//
+// Layout (the canonical layout of the forward, all contiguous):
+//   q, out, dout, dq  [Tq, Hq, D]    bf16/fp16 (one dtype per launch)
+//   k, v, dk, dv      [Tk, Hkv, D]   same dtype; D in {64, 128}; Hq % Hkv == 0, G = Hq / Hkv
+//   lse, delta        [Hq, Tq]       fp32; lse = natural-log sum-exp of the scaled scores
+//   q_start, q_len, k_start, k_len   int32 [B]
+// Query i of sequence b is row q_start[b] + i at absolute position p = (k_len[b] - q_len[b]) + i;
+// its keys are rows k_start[b] + j, j < k_len[b] (causal: j <= p).  q head h reads kv head h / G.
+//
+// Formula (fp32 throughout, each step an explicit IEEE operation, no fast math):
+//   delta[h, r] = sum over d = 0..D-1 in order of dout[r, h, d] * out[r, h, d]
+//   s  = (q . k) * scale            mma.sync m16n8k16, fp32 accumulation over d in k16 steps
+//   p  = expf(s - lse)              on visible keys of rows with lse != -inf; exactly 0 elsewhere
+//   dp = dout . v                   mma, as s
+//   ds = p * (dp - delta)           0 where p is 0 by selection (never a product with a mask)
+//   dv = sum of p * dout,  dk = (sum of ds * q) * scale,  dq = (sum of ds * k) * scale
+// p and ds are rounded to the input dtype before they enter an mma (as FlashAttention does);
+// every other operand is an input.  Rows and keys outside a sequence are never read (their
+// tile slots are zero-filled in shared memory), so NaN padding cannot leak in.
+//
+// Kernels and launch geometry:
+//   attention_bwd_delta_*: grid (ceil(max_q_len * Hq / 128), B), block 128; one thread per
+//     (query row, head) of a sequence, sums over d sequentially.
+//   attention_bwd_dkdv_*: grid (ceil(max_k_len / 64), Hkv, B), block 128 (4 warps).  One CTA
+//     owns the 64 keys [64 j, 64 j + 64) of a sequence (absolute key positions; warp w owns 16)
+//     for one kv head, and walks the group's query heads in increasing order, and for each the
+//     sequence's query blocks of kKvQueryRows rows (aligned to the sequence's first query) in
+//     increasing position, skipping only the leading blocks that see none of its keys (causal).
+//     dV += P^T dO and dK += dS^T Q accumulate in registers, one mma k16 step after another.
+//   attention_bwd_dq_*: grid (ceil(max_q_len / 64), Hq, B), block 128.  One CTA owns 64 query
+//     rows of a sequence (aligned to its first query) for one head and walks the key blocks of
+//     64 absolute positions in increasing order, up to the last one its rows can see;
+//     dQ += dS K accumulates in registers.
+//
+// Invariance contract: a sequence's dq, dk and dv are bitwise the same whatever batch it is in,
+// wherever its rows sit in the packed tensors, whatever its neighbours and the padding hold,
+// and run to run.  Why: every output element is owned by exactly one CTA (no atomics, no
+// partial sums), and that CTA's sequence of floating-point operations is a function of the
+// sequence's own lengths, its own rows and constants of the build (D, the block sizes, the
+// instruction): the query blocks start at the sequence's first query, the key blocks at
+// absolute key position 0, the loops run in a fixed order, and the blocks that are skipped
+// are chosen from the sequence's lengths alone.  The batch size, B, max_q_len / max_k_len
+// and the other sequences only change how many CTAs run (and the order the hardware schedules
+// them in, which no result depends on).  Shared-memory fragment loads use ldmatrix or plain
+// loads (kLdmatrix); both give the mma the same operand bits, so the same results.
+#include "common/portability.cuh"
+
+#if !defined(__HIPCC__)
+
+namespace batchinv {
+namespace attn_bwd {
+
+constexpr int kThreads = 128;
+constexpr int kKeyBlock = 64;   // keys per dK/dV CTA and per dQ step; absolute positions
+constexpr int kDqQueryRows = 64;  // query rows per dQ CTA (16 per warp)
+constexpr int kPad = 8;         // shared-memory row padding (elements): conflict-free fragments
+
+// Query rows per step of the dK/dV kernel: fewer for D = 128 to keep the dK and dV
+// accumulators (2 * D / 8 * 4 fp32 per thread) in registers.  Changes speed, not bits: the
+// mma k16 steps over queries are the same sequence for any multiple of 16.
+template <int D>
+struct KvQueryRows {
+    static constexpr int value = D >= 128 ? 32 : 64;
+};
+
+template <int D, int Rows>
+struct TileBytes {
+    static constexpr int value = Rows * (D + kPad) * 2;
+};
+
+// Dynamic shared memory of each kernel (the host computes the same numbers).  kBuffers = 2
+// double-buffers the tiles a CTA streams (cp.async prefetch of the next step), 1 does not.
+template <int D, int kBuffers>
+struct DkdvShared {
+    static constexpr int kRows = KvQueryRows<D>::value;
+    static constexpr int value =
+        2 * TileBytes<D, kKeyBlock>::value + kBuffers * (2 * TileBytes<D, kRows>::value + 2 * kRows * 4);
+};
+template <int D, int kBuffers>
+struct DqShared {
+    static constexpr int value = kBuffers * 2 * TileBytes<D, kKeyBlock>::value +
+                                 2 * TileBytes<D, kDqQueryRows>::value + 2 * kDqQueryRows * 4;
+};
+
+// ---- elements ---------------------------------------------------------------------------
+
+template <typename Codec>
+__device__ __forceinline__ float load_bits(uint16_t bits) {
+    if constexpr (Codec::kIsBf16) {
+        return bf16_to_float(bits);
+    } else {
+        return __half2float(__ushort_as_half(bits));
+    }
+}
+
+template <typename Codec>
+__device__ __forceinline__ uint16_t store_bits(float value) {
+    if constexpr (Codec::kIsBf16) {
+        return float_to_bf16(value);
+    } else {
+        return __half_as_ushort(__float2half_rn(value));
+    }
+}
+
+__device__ __forceinline__ uint32_t pack(uint16_t lo, uint16_t hi) {
+    return static_cast<uint32_t>(lo) | (static_cast<uint32_t>(hi) << 16);
+}
+
+template <typename Codec>
+__device__ __forceinline__ uint32_t pack_floats(float lo, float hi) {
+    return pack(store_bits<Codec>(lo), store_bits<Codec>(hi));
+}
+
+// ---- mma.sync m16n8k16, fp32 accumulation ----------------------------------------------
+//
+// Fragments (g = lane / 4, c = 2 * (lane % 4)):
+//   A 16x16 row-major: a0 (g, c..c+1), a1 (g+8, c..), a2 (g, c+8..), a3 (g+8, c+8..)
+//   B 16x8 (k x n):    b0 (k = c..c+1, n = g), b1 (k = c+8..c+9, n = g)
+//   C 16x8:            c0, c1 (g, c..c+1), c2, c3 (g+8, c..c+1)
+
+template <typename Codec>
+__device__ __forceinline__ void mma(float (&acc)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+    if constexpr (Codec::kIsBf16) {
+        asm volatile(
+            "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+            "{%8, %9}, {%0, %1, %2, %3};"
+            : "+f"(acc[0]), "+f"(acc[1]), "+f"(acc[2]), "+f"(acc[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    } else {
+        asm volatile(
+            "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+            "{%8, %9}, {%0, %1, %2, %3};"
+            : "+f"(acc[0]), "+f"(acc[1]), "+f"(acc[2]), "+f"(acc[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    }
+}
+
+// ---- fragment loads from shared memory (row stride S elements) -----------------------------
+
+__device__ __forceinline__ uint32_t lds32(const uint16_t* p) { return *reinterpret_cast<const uint32_t*>(p); }
+
+__device__ __forceinline__ uint32_t shared_address(const void* p) {
+    return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const uint16_t* row) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(shared_address(row)));
+}
+
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const uint16_t* row) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(shared_address(row)));
+}
+
+// A operand, rows m0..m0+15 and columns k0..k0+15 of a row-major [m][k] tile.
+template <bool kLdmatrix, int S>
+__device__ __forceinline__ void load_a(uint32_t (&a)[4], const uint16_t* tile, int m0, int k0, int lane) {
+    if constexpr (kLdmatrix) {
+        const int j = lane / 8;
+        ldmatrix_x4(a, tile + (m0 + lane % 8 + (j & 1) * 8) * S + k0 + (j >> 1) * 8);
+    } else {
+        const int g = lane / 4, c = 2 * (lane % 4);
+        a[0] = lds32(tile + (m0 + g) * S + k0 + c);
+        a[1] = lds32(tile + (m0 + g + 8) * S + k0 + c);
+        a[2] = lds32(tile + (m0 + g) * S + k0 + c + 8);
+        a[3] = lds32(tile + (m0 + g + 8) * S + k0 + c + 8);
+    }
+}
+
+// B operands of two n8 tiles (n0 and n0 + 8), k0..k0+15, from a tile stored [n][k]:
+// b[0], b[1] for tile n0, b[2], b[3] for tile n0 + 8.
+template <bool kLdmatrix, int S>
+__device__ __forceinline__ void load_b_nk(uint32_t (&b)[4], const uint16_t* tile, int n0, int k0, int lane) {
+    if constexpr (kLdmatrix) {
+        const int j = lane / 8;
+        ldmatrix_x4(b, tile + (n0 + lane % 8 + (j >> 1) * 8) * S + k0 + (j & 1) * 8);
+    } else {
+        const int g = lane / 4, c = 2 * (lane % 4);
+        b[0] = lds32(tile + (n0 + g) * S + k0 + c);
+        b[1] = lds32(tile + (n0 + g) * S + k0 + c + 8);
+        b[2] = lds32(tile + (n0 + 8 + g) * S + k0 + c);
+        b[3] = lds32(tile + (n0 + 8 + g) * S + k0 + c + 8);
+    }
+}
+
+// The same from a tile stored [k][n] (transposed reads).
+template <bool kLdmatrix, int S>
+__device__ __forceinline__ void load_b_kn(uint32_t (&b)[4], const uint16_t* tile, int n0, int k0, int lane) {
+    if constexpr (kLdmatrix) {
+        const int j = lane / 8;
+        ldmatrix_x4_trans(b, tile + (k0 + lane % 8 + (j & 1) * 8) * S + n0 + (j >> 1) * 8);
+    } else {
+        const int g = lane / 4, c = 2 * (lane % 4);
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const uint16_t* col = tile + n0 + half * 8 + g;
+            b[2 * half] = pack(col[(k0 + c) * S], col[(k0 + c + 1) * S]);
+            b[2 * half + 1] = pack(col[(k0 + c + 8) * S], col[(k0 + c + 9) * S]);
+        }
+    }
+}
+
+// A operand of k-step t from accumulator tiles n = 2t and 2t + 1 (C layout -> A layout),
+// rounded to the input dtype.
+template <typename Codec>
+__device__ __forceinline__ void a_from_acc(uint32_t (&a)[4], const float (&lo)[4], const float (&hi)[4]) {
+    a[0] = pack_floats<Codec>(lo[0], lo[1]);
+    a[1] = pack_floats<Codec>(lo[2], lo[3]);
+    a[2] = pack_floats<Codec>(hi[0], hi[1]);
+    a[3] = pack_floats<Codec>(hi[2], hi[3]);
+}
+
+// ---- global -> shared ---------------------------------------------------------------------
+
+__device__ __forceinline__ void cp_async16(uint16_t* dst, const uint16_t* src) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(shared_address(dst)), "l"(src));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;" ::"n"(N));
+}
+
+// Rows [first_row, first_row + valid) of a [rows, heads, D] tensor (base points at the head's
+// first element, row_stride = heads * D) into a Rows x (D + kPad) tile; slots of rows >= valid
+// are zero-filled, never read from global memory.  kAsync: cp.async copies (the caller
+// commits and waits), else plain loads.  Either way the tile holds the same bits.
+template <int D, int Rows, bool kAsync>
+__device__ __forceinline__ void load_tile(uint16_t* tile, const uint16_t* base, int64_t row_stride,
+                                          int first_row, int valid) {
+    constexpr int kVectors = D / 8;
+    for (int idx = threadIdx.x; idx < Rows * kVectors; idx += kThreads) {
+        const int r = idx / kVectors;
+        const int col = (idx % kVectors) * 8;
+        uint16_t* dst = tile + r * (D + kPad) + col;
+        const uint16_t* src = base + static_cast<int64_t>(first_row + r) * row_stride + col;
+        if (r >= valid) {
+            *reinterpret_cast<uint4*>(dst) = make_uint4(0u, 0u, 0u, 0u);
+        } else if constexpr (kAsync) {
+            cp_async16(dst, src);
+        } else {
+            *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
+        }
+    }
+}
+
+// lse and delta of rows [first_row, first_row + valid) of head `head`; -inf / 0 past valid,
+// so "lse != -inf" is the test for a row that takes part.
+template <int Rows>
+__device__ __forceinline__ void load_row_stats(float* s_lse, float* s_delta, const float* lse,
+                                               const float* delta, int64_t head_offset, int first_row,
+                                               int valid) {
+    for (int r = threadIdx.x; r < Rows; r += kThreads) {
+        const bool ok = r < valid;
+        s_lse[r] = ok ? lse[head_offset + first_row + r] : -INFINITY;
+        s_delta[r] = ok ? delta[head_offset + first_row + r] : 0.0f;
+    }
+}
+
+// p and ds of one score, the one formula both kernels use.
+__device__ __forceinline__ void probability_and_grad(float& s_in_p_out, float& dp_in_ds_out, bool visible,
+                                                     float lse, float delta, float scale) {
+    const float p = visible ? expf(ieee_sub(ieee_mul(s_in_p_out, scale), lse)) : 0.0f;
+    dp_in_ds_out = visible ? ieee_mul(p, ieee_sub(dp_in_ds_out, delta)) : 0.0f;
+    s_in_p_out = p;
+}
+
+// ---- delta = rowsum(dO * O) ------------------------------------------------------------------
+
+template <typename Codec, int D>
+__device__ __forceinline__ void delta_kernel(const uint16_t* out, const uint16_t* dout, const int* q_start,
+                                             const int* q_len, float* delta, int num_q_heads, int64_t total_q) {
+    const int seq = blockIdx.y;
+    const int64_t idx = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
+    const int64_t i = idx / num_q_heads;
+    const int head = static_cast<int>(idx % num_q_heads);
+    if (i >= q_len[seq]) return;
+    const int64_t row = q_start[seq] + i;
+    const int64_t base = (row * num_q_heads + head) * D;
+    float sum = 0.0f;
+#pragma unroll 4
+    for (int col = 0; col < D; col += 8) {
+        const uint4 o4 = *reinterpret_cast<const uint4*>(out + base + col);
+        const uint4 g4 = *reinterpret_cast<const uint4*>(dout + base + col);
+        const uint16_t* o = reinterpret_cast<const uint16_t*>(&o4);
+        const uint16_t* g = reinterpret_cast<const uint16_t*>(&g4);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+            sum = ieee_add(sum, ieee_mul(load_bits<Codec>(g[e]), load_bits<Codec>(o[e])));
+        }
+    }
+    delta[head * total_q + row] = sum;
+}
+
+// ---- dK, dV ------------------------------------------------------------------------------------
+
+// One step of the dK/dV kernel: this warp's 16 keys against kRows queries of one head.
+template <typename Codec, int D, bool kLdmatrix>
+__device__ __forceinline__ void dkdv_step(float (&acc_dk)[D / 8][4], float (&acc_dv)[D / 8][4], const uint16_t* s_k,
+                                          const uint16_t* s_v, const uint16_t* s_q, const uint16_t* s_do,
+                                          const float* s_lse, const float* s_delta, int key0, int i0, int k_len,
+                                          int offset, int causal, float scale) {
+    constexpr int kRows = KvQueryRows<D>::value;
+    constexpr int S = D + kPad;
+    const int lane = threadIdx.x % 32;
+    const int m0 = (threadIdx.x / 32) * 16;  // this warp's 16 keys within the block
+    const int g = lane / 4, c = 2 * (lane % 4);
+
+    // S^T = K Q^T and dP^T = V dO^T for this warp's 16 keys x kRows queries.
+    float st[kRows / 8][4] = {};
+    float dpt[kRows / 8][4] = {};
+#pragma unroll
+    for (int k0 = 0; k0 < D; k0 += 16) {
+        uint32_t a_k[4], a_v[4];
+        load_a<kLdmatrix, S>(a_k, s_k, m0, k0, lane);
+        load_a<kLdmatrix, S>(a_v, s_v, m0, k0, lane);
+#pragma unroll
+        for (int n = 0; n < kRows / 8; n += 2) {
+            uint32_t b[4];
+            load_b_nk<kLdmatrix, S>(b, s_q, n * 8, k0, lane);
+            mma<Codec>(st[n], a_k, b[0], b[1]);
+            mma<Codec>(st[n + 1], a_k, b[2], b[3]);
+            load_b_nk<kLdmatrix, S>(b, s_do, n * 8, k0, lane);
+            mma<Codec>(dpt[n], a_v, b[0], b[1]);
+            mma<Codec>(dpt[n + 1], a_v, b[2], b[3]);
+        }
+    }
+    // P^T and dS^T in place.
+#pragma unroll
+    for (int n = 0; n < kRows / 8; ++n) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int key = key0 + m0 + g + (e >= 2 ? 8 : 0);
+            const int r = n * 8 + c + (e & 1);
+            const float row_lse = s_lse[r];
+            const bool visible = key < k_len && row_lse != -INFINITY && (!causal || key <= offset + i0 + r);
+            probability_and_grad(st[n][e], dpt[n][e], visible, row_lse, s_delta[r], scale);
+        }
+    }
+    // dV += P^T dO, dK += dS^T Q over the block's queries, k16 step by k16 step.
+#pragma unroll
+    for (int t = 0; t < kRows / 16; ++t) {
+        uint32_t a_p[4], a_ds[4];
+        a_from_acc<Codec>(a_p, st[2 * t], st[2 * t + 1]);
+        a_from_acc<Codec>(a_ds, dpt[2 * t], dpt[2 * t + 1]);
+#pragma unroll
+        for (int n = 0; n < D / 8; n += 2) {
+            uint32_t b[4];
+            load_b_kn<kLdmatrix, S>(b, s_do, n * 8, t * 16, lane);
+            mma<Codec>(acc_dv[n], a_p, b[0], b[1]);
+            mma<Codec>(acc_dv[n + 1], a_p, b[2], b[3]);
+            load_b_kn<kLdmatrix, S>(b, s_q, n * 8, t * 16, lane);
+            mma<Codec>(acc_dk[n], a_ds, b[0], b[1]);
+            mma<Codec>(acc_dk[n + 1], a_ds, b[2], b[3]);
+        }
+    }
+}
+
+template <typename Codec, int D, bool kLdmatrix, bool kAsync>
+__device__ __forceinline__ void dkdv_kernel(const uint16_t* q, const uint16_t* k, const uint16_t* v,
+                                            const uint16_t* dout, const float* lse, const float* delta,
+                                            const int* q_start_of, const int* q_len_of, const int* k_start_of,
+                                            const int* k_len_of, uint16_t* dk, uint16_t* dv, int num_q_heads,
+                                            int num_kv_heads, int64_t total_q, int causal, float scale) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    constexpr int kRows = KvQueryRows<D>::value;
+    constexpr int S = D + kPad;
+    constexpr int kBuffers = kAsync ? 2 : 1;
+    const int seq = blockIdx.z;
+    const int kv_head = blockIdx.y;
+    const int key_block = gridDim.x - 1 - blockIdx.x;  // most work first (causal); speed only
+    const int k_len = k_len_of[seq];
+    const int key0 = key_block * kKeyBlock;
+    if (key0 >= k_len) return;
+    const int q_len = q_len_of[seq];
+    const int q_start = q_start_of[seq];
+    const int k_start = k_start_of[seq];
+    const int offset = k_len - q_len;  // absolute position of query 0
+    const int group = num_q_heads / num_kv_heads;
+    const int64_t q_stride = static_cast<int64_t>(num_q_heads) * D;
+    const int64_t kv_stride = static_cast<int64_t>(num_kv_heads) * D;
+
+    extern __shared__ __align__(16) uint16_t smem[];
+    uint16_t* s_k = smem;
+    uint16_t* s_v = s_k + kKeyBlock * S;
+    uint16_t* s_q = s_v + kKeyBlock * S;        // kBuffers tiles
+    uint16_t* s_do = s_q + kBuffers * kRows * S;  // kBuffers tiles
+    float* s_lse = reinterpret_cast<float*>(s_do + kBuffers * kRows * S);
+    float* s_delta = s_lse + kBuffers * kRows;
+
+    const int key_rows = min(kKeyBlock, k_len - key0);
+    load_tile<D, kKeyBlock, kAsync>(s_k, k + kv_head * D, kv_stride, k_start + key0, key_rows);
+    load_tile<D, kKeyBlock, kAsync>(s_v, v + kv_head * D, kv_stride, k_start + key0, key_rows);
+
+    // Steps: the group's query heads in increasing order, for each the query blocks from the
+    // first that can see key0 (causal; queries before position key0 see none of these keys).
+    const int first_query = causal ? max(0, key0 - offset) : 0;
+    const int first_block = first_query / kRows;
+    const int blocks_per_head = max(0, (q_len + kRows - 1) / kRows - first_block);
+    const int steps = group * blocks_per_head;
+
+    // Stage step `step` into buffer `buffer`: its Q and dO tiles, lse and delta.
+    auto stage = [&](int step, int buffer) {
+        const int head = kv_head * group + step / blocks_per_head;
+        const int i0 = (first_block + step % blocks_per_head) * kRows;
+        const int rows = min(kRows, q_len - i0);
+        load_tile<D, kRows, kAsync>(s_q + buffer * kRows * S, q + head * D, q_stride, q_start + i0, rows);
+        load_tile<D, kRows, kAsync>(s_do + buffer * kRows * S, dout + head * D, q_stride, q_start + i0, rows);
+        load_row_stats<kRows>(s_lse + buffer * kRows, s_delta + buffer * kRows, lse, delta, head * total_q,
+                              q_start + i0, rows);
+    };
+
+    float acc_dk[D / 8][4] = {};
+    float acc_dv[D / 8][4] = {};
+    if constexpr (kAsync) {
+        if (steps > 0) stage(0, 0);
+        cp_async_commit();
+    }
+    for (int step = 0; step < steps; ++step) {
+        const int buffer = kAsync ? (step & 1) : 0;
+        if constexpr (kAsync) {
+            if (step + 1 < steps) stage(step + 1, buffer ^ 1);  // prefetch during this step
+            cp_async_commit();
+            cp_async_wait<1>();  // everything but the prefetch has landed
+        } else {
+            stage(step, 0);
+        }
+        __syncthreads();
+        const int i0 = (first_block + step % blocks_per_head) * kRows;
+        dkdv_step<Codec, D, kLdmatrix>(acc_dk, acc_dv, s_k, s_v, s_q + buffer * kRows * S,
+                                       s_do + buffer * kRows * S, s_lse + buffer * kRows,
+                                       s_delta + buffer * kRows, key0, i0, k_len, offset, causal, scale);
+        __syncthreads();  // this buffer is restaged next (or in two steps)
+    }
+    if constexpr (kAsync) cp_async_wait<0>();
+
+    const int lane = threadIdx.x % 32;
+    const int m0 = (threadIdx.x / 32) * 16;
+    const int g = lane / 4, c = 2 * (lane % 4);
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        const int key = key0 + m0 + g + half * 8;
+        if (key >= k_len) continue;
+        const int64_t row = (static_cast<int64_t>(k_start) + key) * kv_stride + kv_head * D;
+#pragma unroll
+        for (int n = 0; n < D / 8; ++n) {
+            const int col = n * 8 + c;
+            *reinterpret_cast<uint32_t*>(dk + row + col) = pack_floats<Codec>(
+                ieee_mul(acc_dk[n][2 * half], scale), ieee_mul(acc_dk[n][2 * half + 1], scale));
+            *reinterpret_cast<uint32_t*>(dv + row + col) =
+                pack_floats<Codec>(acc_dv[n][2 * half], acc_dv[n][2 * half + 1]);
+        }
+    }
+#else
+    __trap();  // mma.sync needs sm_80; the host refuses older devices
+#endif
+}
+
+// ---- dQ ------------------------------------------------------------------------------------------
+
+// One step of the dQ kernel: this warp's 16 queries against one block of 64 keys.
+template <typename Codec, int D, bool kLdmatrix>
+__device__ __forceinline__ void dq_step(float (&acc_dq)[D / 8][4], const uint16_t* s_q, const uint16_t* s_do,
+                                        const uint16_t* s_k, const uint16_t* s_v, const float* s_lse,
+                                        const float* s_delta, int key0, int i0, int k_len, int offset, int causal,
+                                        float scale) {
+    constexpr int S = D + kPad;
+    const int lane = threadIdx.x % 32;
+    const int m0 = (threadIdx.x / 32) * 16;  // this warp's 16 query rows within the block
+    const int g = lane / 4, c = 2 * (lane % 4);
+
+    float s[kKeyBlock / 8][4] = {};
+    float dp[kKeyBlock / 8][4] = {};
+#pragma unroll
+    for (int k0 = 0; k0 < D; k0 += 16) {
+        uint32_t a_q[4], a_do[4];
+        load_a<kLdmatrix, S>(a_q, s_q, m0, k0, lane);
+        load_a<kLdmatrix, S>(a_do, s_do, m0, k0, lane);
+#pragma unroll
+        for (int n = 0; n < kKeyBlock / 8; n += 2) {
+            uint32_t b[4];
+            load_b_nk<kLdmatrix, S>(b, s_k, n * 8, k0, lane);
+            mma<Codec>(s[n], a_q, b[0], b[1]);
+            mma<Codec>(s[n + 1], a_q, b[2], b[3]);
+            load_b_nk<kLdmatrix, S>(b, s_v, n * 8, k0, lane);
+            mma<Codec>(dp[n], a_do, b[0], b[1]);
+            mma<Codec>(dp[n + 1], a_do, b[2], b[3]);
+        }
+    }
+#pragma unroll
+    for (int n = 0; n < kKeyBlock / 8; ++n) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int r = m0 + g + (e >= 2 ? 8 : 0);
+            const int key = key0 + n * 8 + c + (e & 1);
+            const float row_lse = s_lse[r];
+            const bool visible = key < k_len && row_lse != -INFINITY && (!causal || key <= offset + i0 + r);
+            probability_and_grad(s[n][e], dp[n][e], visible, row_lse, s_delta[r], scale);
+        }
+    }
+    // dQ += dS K over the block's keys, k16 step by k16 step.
+#pragma unroll
+    for (int t = 0; t < kKeyBlock / 16; ++t) {
+        uint32_t a_ds[4];
+        a_from_acc<Codec>(a_ds, dp[2 * t], dp[2 * t + 1]);
+#pragma unroll
+        for (int n = 0; n < D / 8; n += 2) {
+            uint32_t b[4];
+            load_b_kn<kLdmatrix, S>(b, s_k, n * 8, t * 16, lane);
+            mma<Codec>(acc_dq[n], a_ds, b[0], b[1]);
+            mma<Codec>(acc_dq[n + 1], a_ds, b[2], b[3]);
+        }
+    }
+}
+
+template <typename Codec, int D, bool kLdmatrix, bool kAsync>
+__device__ __forceinline__ void dq_kernel(const uint16_t* q, const uint16_t* k, const uint16_t* v,
+                                          const uint16_t* dout, const float* lse, const float* delta,
+                                          const int* q_start_of, const int* q_len_of, const int* k_start_of,
+                                          const int* k_len_of, uint16_t* dq, int num_q_heads, int num_kv_heads,
+                                          int64_t total_q, int causal, float scale) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    constexpr int kRows = kDqQueryRows;
+    constexpr int S = D + kPad;
+    constexpr int kBuffers = kAsync ? 2 : 1;
+    const int seq = blockIdx.z;
+    const int head = blockIdx.y;
+    const int query_block = gridDim.x - 1 - blockIdx.x;  // most work first (causal); speed only
+    const int q_len = q_len_of[seq];
+    const int i0 = query_block * kRows;
+    if (i0 >= q_len) return;
+    const int k_len = k_len_of[seq];
+    const int q_start = q_start_of[seq];
+    const int k_start = k_start_of[seq];
+    const int offset = k_len - q_len;
+    const int kv_head = head / (num_q_heads / num_kv_heads);
+    const int64_t q_stride = static_cast<int64_t>(num_q_heads) * D;
+    const int64_t kv_stride = static_cast<int64_t>(num_kv_heads) * D;
+    const int rows = min(kRows, q_len - i0);
+
+    extern __shared__ __align__(16) uint16_t smem[];
+    uint16_t* s_q = smem;
+    uint16_t* s_do = s_q + kRows * S;
+    uint16_t* s_k = s_do + kRows * S;                // kBuffers tiles
+    uint16_t* s_v = s_k + kBuffers * kKeyBlock * S;  // kBuffers tiles
+    float* s_lse = reinterpret_cast<float*>(s_v + kBuffers * kKeyBlock * S);
+    float* s_delta = s_lse + kRows;
+
+    load_tile<D, kRows, kAsync>(s_q, q + head * D, q_stride, q_start + i0, rows);
+    load_tile<D, kRows, kAsync>(s_do, dout + head * D, q_stride, q_start + i0, rows);
+    load_row_stats<kRows>(s_lse, s_delta, lse, delta, head * total_q, q_start + i0, rows);
+
+    // Key blocks in increasing position, up to the last one any row of the block can see.
+    int steps = (k_len + kKeyBlock - 1) / kKeyBlock;
+    if (causal) {
+        const int last_position = offset + i0 + rows - 1;
+        steps = last_position < 0 ? 0 : min(steps, last_position / kKeyBlock + 1);
+    }
+    auto stage = [&](int step, int buffer) {
+        const int key0 = step * kKeyBlock;
+        const int valid = min(kKeyBlock, k_len - key0);
+        load_tile<D, kKeyBlock, kAsync>(s_k + buffer * kKeyBlock * S, k + kv_head * D, kv_stride, k_start + key0,
+                                        valid);
+        load_tile<D, kKeyBlock, kAsync>(s_v + buffer * kKeyBlock * S, v + kv_head * D, kv_stride, k_start + key0,
+                                        valid);
+    };
+
+    float acc_dq[D / 8][4] = {};
+    if constexpr (kAsync) {
+        if (steps > 0) stage(0, 0);
+        cp_async_commit();
+    }
+    for (int step = 0; step < steps; ++step) {
+        const int buffer = kAsync ? (step & 1) : 0;
+        if constexpr (kAsync) {
+            if (step + 1 < steps) stage(step + 1, buffer ^ 1);  // prefetch during this step
+            cp_async_commit();
+            cp_async_wait<1>();
+        } else {
+            stage(step, 0);
+        }
+        __syncthreads();
+        dq_step<Codec, D, kLdmatrix>(acc_dq, s_q, s_do, s_k + buffer * kKeyBlock * S, s_v + buffer * kKeyBlock * S,
+                                     s_lse, s_delta, step * kKeyBlock, i0, k_len, offset, causal, scale);
+        __syncthreads();  // this buffer is restaged next (or in two steps)
+    }
+    if constexpr (kAsync) cp_async_wait<0>();
+
+    const int lane = threadIdx.x % 32;
+    const int m0 = (threadIdx.x / 32) * 16;
+    const int g = lane / 4, c = 2 * (lane % 4);
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        const int r = m0 + g + half * 8;
+        if (r >= rows) continue;
+        const int64_t row = (static_cast<int64_t>(q_start) + i0 + r) * q_stride + head * D;
+#pragma unroll
+        for (int n = 0; n < D / 8; ++n) {
+            *reinterpret_cast<uint32_t*>(dq + row + n * 8 + c) = pack_floats<Codec>(
+                ieee_mul(acc_dq[n][2 * half], scale), ieee_mul(acc_dq[n][2 * half + 1], scale));
+        }
+    }
+#else
+    __trap();
+#endif
+}
+
+}  // namespace attn_bwd
+}  // namespace batchinv
+
+#define BATCHINV_ATTN_BWD_DELTA(DTYPE, CODEC, D)                                                              \
+    extern "C" __global__ void __launch_bounds__(batchinv::attn_bwd::kThreads)                                \
+        attention_bwd_delta_##DTYPE##_d##D(const uint16_t* out, const uint16_t* dout, const int* q_start,      \
+                                           const int* q_len, float* delta, int num_q_heads, int64_t total_q) { \
+        batchinv::attn_bwd::delta_kernel<CODEC, D>(out, dout, q_start, q_len, delta, num_q_heads, total_q);    \
+    }
+
+#define BATCHINV_ATTN_BWD_DKDV(DTYPE, CODEC, D, SUFFIX, LDMATRIX, ASYNC)                                               \
+    extern "C" __global__ void __launch_bounds__(batchinv::attn_bwd::kThreads)                                \
+        attention_bwd_dkdv_##DTYPE##_d##D##SUFFIX(                                                              \
+        const uint16_t* q, const uint16_t* k, const uint16_t* v, const uint16_t* dout, const float* lse,        \
+        const float* delta, const int* q_start, const int* q_len, const int* k_start, const int* k_len,         \
+        uint16_t* dk, uint16_t* dv, int num_q_heads, int num_kv_heads, int64_t total_q, int causal,             \
+        float scale) {                                                                                          \
+        batchinv::attn_bwd::dkdv_kernel<CODEC, D, LDMATRIX, ASYNC>(q, k, v, dout, lse, delta, q_start, q_len, k_start,  \
+                                                            k_len, dk, dv, num_q_heads, num_kv_heads, total_q,   \
+                                                            causal, scale);                                     \
+    }
+
+#define BATCHINV_ATTN_BWD_DQ(DTYPE, CODEC, D, SUFFIX, LDMATRIX, ASYNC)                                                 \
+    extern "C" __global__ void __launch_bounds__(batchinv::attn_bwd::kThreads)                                \
+        attention_bwd_dq_##DTYPE##_d##D##SUFFIX(                                                                \
+        const uint16_t* q, const uint16_t* k, const uint16_t* v, const uint16_t* dout, const float* lse,        \
+        const float* delta, const int* q_start, const int* q_len, const int* k_start, const int* k_len,         \
+        uint16_t* dq, int num_q_heads, int num_kv_heads, int64_t total_q, int causal, float scale) {            \
+        batchinv::attn_bwd::dq_kernel<CODEC, D, LDMATRIX, ASYNC>(q, k, v, dout, lse, delta, q_start, q_len, k_start,    \
+                                                          k_len, dq, num_q_heads, num_kv_heads, total_q, causal, \
+                                                          scale);                                               \
+    }
+
+// Variants: dtype x head dim x how tiles reach the mma ("_ldsm": ldmatrix; "_lds": plain shared
+// loads; "_async": ldmatrix with cp.async double buffering).  All give the mma the same operand
+// bits in the same order, so the same results (tested); they differ in speed only.
+#define BATCHINV_ATTN_BWD_ALL(DTYPE, CODEC, D)                                  \
+    BATCHINV_ATTN_BWD_DELTA(DTYPE, CODEC, D)                                    \
+    BATCHINV_ATTN_BWD_DKDV(DTYPE, CODEC, D, _ldsm, true, false)                 \
+    BATCHINV_ATTN_BWD_DKDV(DTYPE, CODEC, D, _lds, false, false)                 \
+    BATCHINV_ATTN_BWD_DKDV(DTYPE, CODEC, D, _async, true, true)                 \
+    BATCHINV_ATTN_BWD_DQ(DTYPE, CODEC, D, _ldsm, true, false)                   \
+    BATCHINV_ATTN_BWD_DQ(DTYPE, CODEC, D, _lds, false, false)                   \
+    BATCHINV_ATTN_BWD_DQ(DTYPE, CODEC, D, _async, true, true)
+
+// batchinv-signature: attention_bwd_delta_bf16_d64(ptr, ptr, ptr, ptr, ptr, i32, i64)
+// batchinv-signature: attention_bwd_dkdv_bf16_d64_ldsm(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
+// batchinv-signature: attention_bwd_dkdv_bf16_d64_lds(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
+// batchinv-signature: attention_bwd_dkdv_bf16_d64_async(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
+// batchinv-signature: attention_bwd_dq_bf16_d64_ldsm(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
+// batchinv-signature: attention_bwd_dq_bf16_d64_lds(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
+// batchinv-signature: attention_bwd_dq_bf16_d64_async(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
+BATCHINV_ATTN_BWD_ALL(bf16, batchinv::Bf16Codec, 64)
+// batchinv-signature: attention_bwd_delta_bf16_d128(ptr, ptr, ptr, ptr, ptr, i32, i64)
+// batchinv-signature: attention_bwd_dkdv_bf16_d128_ldsm(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
+// batchinv-signature: attention_bwd_dkdv_bf16_d128_lds(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
+// batchinv-signature: attention_bwd_dkdv_bf16_d128_async(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
+// batchinv-signature: attention_bwd_dq_bf16_d128_ldsm(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
+// batchinv-signature: attention_bwd_dq_bf16_d128_lds(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
+// batchinv-signature: attention_bwd_dq_bf16_d128_async(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
+BATCHINV_ATTN_BWD_ALL(bf16, batchinv::Bf16Codec, 128)
+// batchinv-signature: attention_bwd_delta_f16_d64(ptr, ptr, ptr, ptr, ptr, i32, i64)
+// batchinv-signature: attention_bwd_dkdv_f16_d64_ldsm(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
+// batchinv-signature: attention_bwd_dkdv_f16_d64_lds(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
+// batchinv-signature: attention_bwd_dkdv_f16_d64_async(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
+// batchinv-signature: attention_bwd_dq_f16_d64_ldsm(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
+// batchinv-signature: attention_bwd_dq_f16_d64_lds(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
+// batchinv-signature: attention_bwd_dq_f16_d64_async(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
+BATCHINV_ATTN_BWD_ALL(f16, batchinv::F16Codec, 64)
+// batchinv-signature: attention_bwd_delta_f16_d128(ptr, ptr, ptr, ptr, ptr, i32, i64)
+// batchinv-signature: attention_bwd_dkdv_f16_d128_ldsm(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
+// batchinv-signature: attention_bwd_dkdv_f16_d128_lds(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
+// batchinv-signature: attention_bwd_dkdv_f16_d128_async(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
+// batchinv-signature: attention_bwd_dq_f16_d128_ldsm(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
+// batchinv-signature: attention_bwd_dq_f16_d128_lds(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
+// batchinv-signature: attention_bwd_dq_f16_d128_async(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
+BATCHINV_ATTN_BWD_ALL(f16, batchinv::F16Codec, 128)
+
+#endif  // !__HIPCC__

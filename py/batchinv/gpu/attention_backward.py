@@ -1,0 +1,336 @@
+"""Attention backward on CUDA: launches ``kernels_cu/attention_backward.cu``.
+
+``backward(q, k, v, out, lse, grad_out, q_start, q_len, k_start, k_len, max_q_len, max_k_len,
+causal, scale) -> (dq, dk, dv)`` on the canonical layout of the forward: ``q, out, grad_out
+[Tq, Hq, d]``, ``k, v [Tk, Hkv, d]`` (contiguous, one dtype: bf16 or fp16), ``lse [Hq, Tq]``
+fp32 natural log, int32 ``q_start, q_len, k_start, k_len [B]`` on the same GPU.  Query ``i``
+of sequence ``b`` is row ``q_start[b] + i`` at absolute position ``k_len[b] - q_len[b] + i``;
+its keys are rows ``k_start[b] + j``, ``j < k_len[b]`` (causal: ``j <=`` the position).
+
+Three launches (see the kernel file for the formula and the invariance contract): ``delta =
+rowsum(dO * O)``, then dK/dV (one CTA per sequence, kv head and 64 absolute key positions) and
+dQ (one CTA per sequence, query head and 64 queries of the sequence).  The grids grow with
+the batch; a sequence's arithmetic does not.  Rows covered by no sequence get zero gradients.
+
+One host synchronisation per call: the lengths are read once to check that every sequence's
+rows lie inside the tensors, fit ``max_q_len`` / ``max_k_len``, and do not overlap another
+sequence's rows (each gradient row has one owner: no atomics).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import numbers
+
+import torch
+from torch import Tensor
+
+from .._validate import check_same_device, check_same_dtype, check_tensor
+from ._launch import kernel_for, launch
+
+# Keep in step with kernels_cu/attention_backward.cu.
+SUPPORTED_HEAD_DIMS = (64, 128)
+THREADS = 128
+KEY_BLOCK = 64  # keys per dK/dV CTA and per dQ step, at absolute key positions
+DQ_QUERY_ROWS = 64  # query rows per dQ CTA
+_PAD = 8  # shared-memory row padding, elements
+_FLOAT_BYTES = 4
+
+# How tiles reach the mma: "async" (cp.async double buffering + ldmatrix), "ldsm" (plain
+# global loads + ldmatrix), "lds" (plain loads throughout).  Same operand bits in the same
+# order, so the same results (tested bitwise); speed differs.
+VARIANTS = ("async", "ldsm", "lds")
+KERNEL_VARIANT = "async"
+
+_DTYPES = (torch.bfloat16, torch.float16)
+_SUFFIX = {torch.bfloat16: "bf16", torch.float16: "f16"}
+_MAX_GRID_YZ = 65535
+_MAX_GRID_X = 2**31 - 1
+_DEFAULT_SHARED = 48 * 1024
+
+
+def kv_query_rows(head_dim: int) -> int:
+    """Query rows per step of the dK/dV kernel (speed only; see the kernel's KvQueryRows)."""
+    return 32 if head_dim >= 128 else 64
+
+
+def _tile_bytes(head_dim: int, rows: int) -> int:
+    return rows * (head_dim + _PAD) * 2
+
+
+def _buffers(variant: str) -> int:
+    return 2 if variant == "async" else 1
+
+
+def dkdv_shared_bytes(head_dim: int, variant: str) -> int:
+    """K and V tiles, then per buffer the Q and dO tiles and the rows' lse and delta."""
+    rows = kv_query_rows(head_dim)
+    per_buffer = 2 * _tile_bytes(head_dim, rows) + 2 * rows * _FLOAT_BYTES
+    return 2 * _tile_bytes(head_dim, KEY_BLOCK) + _buffers(variant) * per_buffer
+
+
+def dq_shared_bytes(head_dim: int, variant: str) -> int:
+    """Q and dO tiles, per buffer the K and V tiles, and the rows' lse and delta."""
+    return (
+        _buffers(variant) * 2 * _tile_bytes(head_dim, KEY_BLOCK)
+        + 2 * _tile_bytes(head_dim, DQ_QUERY_ROWS)
+        + 2 * DQ_QUERY_ROWS * _FLOAT_BYTES
+    )
+
+
+# ----------------------------------------------------------------------------- validation
+
+
+def _check_length_arg(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value < 0:
+        raise ValueError(f"{name} must be >= 0, got {value}")
+    return int(value)
+
+
+def _check_aligned(name: str, t: Tensor) -> None:
+    if t.data_ptr() % 16 != 0:
+        raise ValueError(
+            f"{name} must start at a 16-byte aligned address (the kernel loads 16-byte "
+            f"vectors); got a view at offset {t.storage_offset()} elements: pass a fresh "
+            ".contiguous() copy"
+        )
+
+
+def check_backward_args(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    grad_out: Tensor,
+    q_start: Tensor,
+    q_len: Tensor,
+    k_start: Tensor,
+    k_len: Tensor,
+    max_q_len: int,
+    max_k_len: int,
+    causal: bool,
+    scale: float,
+) -> None:
+    """Type, shape, layout and device checks (no device synchronisation)."""
+    named = {"q": q, "k": k, "v": v, "out": out, "grad_out": grad_out}
+    for name, t in named.items():
+        check_tensor(name, t, dtypes=_DTYPES, ndim=3)
+    check_same_dtype(**named)
+    check_tensor("lse", lse, dtypes=(torch.float32,), ndim=2)
+    lengths = {"q_start": q_start, "q_len": q_len, "k_start": k_start, "k_len": k_len}
+    for name, t in lengths.items():
+        check_tensor(name, t, dtypes=(torch.int32,), ndim=1)
+    _check_length_arg("max_q_len", max_q_len)
+    _check_length_arg("max_k_len", max_k_len)
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+        raise TypeError(f"scale must be a float, got {type(scale).__name__}")
+    if not math.isfinite(float(scale)):
+        raise ValueError(f"scale must be finite, got {scale}")
+
+    total_q, num_q_heads, head_dim = q.shape
+    total_k, num_kv_heads = k.shape[0], k.shape[1]
+    if head_dim not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(
+            f"head dim d={head_dim} is not supported by the CUDA attention backward "
+            f"(supported: {', '.join(map(str, SUPPORTED_HEAD_DIMS))})"
+        )
+    if k.shape[2] != head_dim:
+        raise ValueError(
+            f"q and k must have the same head dim, got d={head_dim} (q) and d={k.shape[2]} (k)"
+        )
+    if v.shape != k.shape:
+        raise ValueError(f"v must have k's shape {tuple(k.shape)}, got {tuple(v.shape)}")
+    for name in ("out", "grad_out"):
+        if named[name].shape != q.shape:
+            raise ValueError(
+                f"{name} must have q's shape {tuple(q.shape)}, got {tuple(named[name].shape)}"
+            )
+    if num_kv_heads == 0 or num_q_heads % num_kv_heads != 0:
+        raise ValueError(
+            f"the number of query heads Hq={num_q_heads} must be a positive multiple of the "
+            f"number of kv heads Hkv={num_kv_heads}"
+        )
+    if tuple(lse.shape) != (num_q_heads, total_q):
+        raise ValueError(
+            f"lse must be [Hq, Tq] = [{num_q_heads}, {total_q}], got {tuple(lse.shape)}"
+        )
+    batch = q_start.shape[0]
+    for name, t in lengths.items():
+        if t.shape[0] != batch:
+            raise ValueError(
+                f"{name} must have one entry per sequence ({batch}, from q_start), got shape "
+                f"{tuple(t.shape)}"
+            )
+    if batch > _MAX_GRID_YZ:
+        raise ValueError(f"at most {_MAX_GRID_YZ} sequences are supported, got {batch}")
+    for name, t in {**named, "lse": lse, **lengths}.items():
+        if not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous (call .contiguous() first)")
+    device = check_same_device(**named, lse=lse, **lengths)
+    if device.type != "cuda":
+        raise ValueError(f"the CUDA attention backward needs CUDA tensors, got q on {device}")
+    if torch.version.hip:
+        raise RuntimeError("the attention backward has no HIP kernel (mma.sync is CUDA only)")
+    if torch.cuda.get_device_capability(device) < (8, 0):
+        raise RuntimeError(
+            f"the attention backward needs an sm_80+ GPU (mma.sync bf16/fp16); {device} is "
+            f"sm_{''.join(map(str, torch.cuda.get_device_capability(device)))}"
+        )
+    for name, t in named.items():
+        _check_aligned(name, t)
+    del total_k
+
+
+def _range_problems(start: Tensor, length: Tensor, total: int, max_len: int) -> list[Tensor]:
+    """Masks of sequences whose length is outside ``[0, max_len]``, whose rows ``[start,
+    start + length)`` leave ``[0, total)``, and (in start order) that overlap the next one."""
+    s, n = start.long(), length.long()
+    bad_length = (n < 0) | (n > max_len)
+    bad_range = (s < 0) | (s + n > total)
+    # Empty ranges sort last and overlap nothing.
+    order = torch.argsort(torch.where(n > 0, s, s.new_full((), 2**62)), stable=True)
+    s_sorted, n_sorted = s[order], n[order]
+    overlap = (n_sorted[1:] > 0) & (s_sorted[:-1] + n_sorted[:-1] > s_sorted[1:])
+    return [bad_length, bad_range, overlap, order]
+
+
+def _check_ranges(
+    q_start: Tensor, q_len: Tensor, k_start: Tensor, k_len: Tensor, sizes: dict[str, int]
+) -> None:
+    """One device synchronisation; the error names the first offending sequence."""
+    problems = {
+        "q": _range_problems(q_start, q_len, sizes["Tq"], sizes["max_q_len"]),
+        "k": _range_problems(k_start, k_len, sizes["Tk"], sizes["max_k_len"]),
+    }
+    flags = torch.stack([m.any() for p in problems.values() for m in p[:3]]).tolist()
+    if not any(flags):
+        return
+    starts = {"q": q_start, "k": k_start}
+    lengths = {"q": q_len, "k": k_len}
+    for i, (kind, (bad_length, bad_range, overlap, order)) in enumerate(problems.items()):
+        total, max_len = sizes[f"T{kind}"], sizes[f"max_{kind}_len"]
+        s, n = starts[kind], lengths[kind]
+        if flags[3 * i]:
+            b = int(bad_length.nonzero()[0, 0])
+            raise ValueError(
+                f"{kind}_len[{b}] = {int(n[b])} is outside [0, max_{kind}_len = {max_len}]"
+            )
+        if flags[3 * i + 1]:
+            b = int(bad_range.nonzero()[0, 0])
+            raise IndexError(
+                f"sequence {b}'s {kind} rows [{int(s[b])}, {int(s[b]) + int(n[b])}) "
+                f"({kind}_start[{b}], {kind}_len[{b}]) are outside the {total} rows of {kind}"
+            )
+        if flags[3 * i + 2]:
+            j = int(overlap.nonzero()[0, 0])
+            a, b = sorted((int(order[j]), int(order[j + 1])))
+            raise ValueError(
+                f"sequences {a} and {b} share {kind} rows ({kind}_start/{kind}_len): each row "
+                "belongs to at most one sequence (its gradient has one owner)"
+            )
+
+
+# ----------------------------------------------------------------------------- launch
+
+
+_RAISED_LIMITS: set[tuple[str, int]] = set()
+
+
+def _opt_in_shared(kernel, name: str, device_index: int, bytes_: int) -> None:
+    if bytes_ > _DEFAULT_SHARED and (name, device_index) not in _RAISED_LIMITS:
+        kernel.set_max_dynamic_shared_memory(bytes_, device=device_index)
+        _RAISED_LIMITS.add((name, device_index))
+
+
+@functools.cache
+def _kernel_name(stage: str, dtype: torch.dtype, head_dim: int, variant: str) -> str:
+    if variant not in VARIANTS:
+        raise ValueError(f"unknown kernel variant {variant!r}; expected one of {VARIANTS}")
+    base = f"attention_bwd_{stage}_{_SUFFIX[dtype]}_d{head_dim}"
+    return base if stage == "delta" else f"{base}_{variant}"
+
+
+def backward(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    grad_out: Tensor,
+    q_start: Tensor,
+    q_len: Tensor,
+    k_start: Tensor,
+    k_len: Tensor,
+    max_q_len: int,
+    max_k_len: int,
+    causal: bool,
+    scale: float,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``(dq, dk, dv)`` in the input dtype (fp32 accumulation); see the module docstring."""
+    check_backward_args(
+        *(q, k, v, out, lse, grad_out, q_start, q_len, k_start, k_len),
+        *(max_q_len, max_k_len, causal, scale),
+    )
+    total_q, num_q_heads, head_dim = q.shape
+    total_k, num_kv_heads = k.shape[0], k.shape[1]
+    sizes = {"Tq": total_q, "Tk": total_k, "max_q_len": max_q_len, "max_k_len": max_k_len}
+    _check_ranges(q_start, q_len, k_start, k_len, sizes)
+
+    dq = torch.zeros_like(q)
+    dk = torch.zeros_like(k)
+    dv = torch.zeros_like(v)
+    batch = q_start.shape[0]
+    if batch == 0 or (max_q_len == 0 and max_k_len == 0):
+        return dq, dk, dv
+    device = q.device
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    delta = torch.empty((num_q_heads, total_q), dtype=torch.float32, device=device)
+    variant = KERNEL_VARIANT
+    inputs = (q, k, v, grad_out, lse, delta, q_start, q_len, k_start, k_len)
+    shape_args = (num_q_heads, num_kv_heads, total_q, 1 if causal else 0, float(scale))
+
+    if max_q_len > 0:
+        name = _kernel_name("delta", q.dtype, head_dim, variant)
+        blocks = -(-max_q_len * num_q_heads // THREADS)
+        if blocks > _MAX_GRID_X:
+            raise ValueError(f"max_q_len * Hq = {max_q_len * num_q_heads} is too large")
+        launch(
+            kernel_for("attention_backward", name, device),
+            device,
+            grid=(blocks, batch),
+            block=(THREADS,),
+            args=(out, grad_out, q_start, q_len, delta, num_q_heads, total_q),
+        )
+    if max_k_len > 0:
+        name = _kernel_name("dkdv", q.dtype, head_dim, variant)
+        kernel = kernel_for("attention_backward", name, device)
+        shared = dkdv_shared_bytes(head_dim, variant)
+        _opt_in_shared(kernel, name, index, shared)
+        launch(
+            kernel,
+            device,
+            grid=(-(-max_k_len // KEY_BLOCK), num_kv_heads, batch),
+            block=(THREADS,),
+            args=(*inputs, dk, dv, *shape_args),
+            shared_mem=shared,
+        )
+    if max_q_len > 0:
+        name = _kernel_name("dq", q.dtype, head_dim, variant)
+        kernel = kernel_for("attention_backward", name, device)
+        shared = dq_shared_bytes(head_dim, variant)
+        _opt_in_shared(kernel, name, index, shared)
+        launch(
+            kernel,
+            device,
+            grid=(-(-max_q_len // DQ_QUERY_ROWS), num_q_heads, batch),
+            block=(THREADS,),
+            args=(*inputs, dq, *shape_args),
+            shared_mem=shared,
+        )
+    return dq, dk, dv
