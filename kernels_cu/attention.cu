@@ -185,8 +185,9 @@ __device__ __forceinline__ void attn_tile(const Params& p) {
     extern __shared__ __align__(16) unsigned char smem_raw[];
     T* sk = reinterpret_cast<T*>(smem_raw);       // [2 stages][64][kStride]
     T* sv = sk + 2 * kTile;                       // [2 stages][64][kStride]
+    // Q is read into registers once, before any running state is written: the two share memory.
     T* sq = sv + 2 * kTile;                       // [M][kStride]
-    float* srun = reinterpret_cast<float*>(sq + M * kStride);  // mode (a): [NT*4][kThreads]
+    float* srun = reinterpret_cast<float*>(sq);   // mode (a): [NT*4][kThreads]
 
     const int tid = threadIdx.x;
     const int lane = tid % 32;

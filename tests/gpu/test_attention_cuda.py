@@ -58,7 +58,7 @@ def test_shared_bytes_fit_the_sm80_limit():
         for warps in gpu.WARP_CHOICES:
             for split in (False, True):
                 assert gpu.shared_bytes(d, warps, split) <= 163 * 1024
-    assert gpu.shared_bytes(128, 4, False) == 4 * 64 * 136 * 2 + 64 * 136 * 2 + 64 * 128 * 4
+    assert gpu.shared_bytes(128, 4, False) == 4 * 64 * 136 * 2 + 64 * 128 * 4
 
 
 def test_make_layout_is_int32_and_keeps_bounds():

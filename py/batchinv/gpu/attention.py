@@ -110,8 +110,8 @@ def shared_bytes(d: int, warps: int, split: bool) -> int:
     stride = d + 8
     kv = 4 * BLOCK_KEYS * stride * 2  # K and V, two stages
     q = 16 * warps * stride * 2
-    run = 0 if split else (d // 8) * 4 * 32 * warps * 4
-    return kv + q + run
+    run = 0 if split else (d // 8) * 4 * 32 * warps * 4  # shares memory with q
+    return kv + max(q, run)
 
 
 @functools.cache
@@ -146,7 +146,10 @@ def choose(
         qpt = 16 * warps // pack
         tiles = -(-layout.max_q_len // qpt) * (hq // pack) * layout.batch
         long_rows = layout.max_k_len > SPLIT_KEYS
-        mode = "split" if long_rows and tiles < 2 * _sm_count(device.index or 0) else "tile"
+        # Decode-like launches (one-warp tiles) and launches that would not fill the GPU
+        # twice over spread each row's splits over CTAs.
+        few_tiles = tiles < 2 * _sm_count(device.index or 0)
+        mode = "split" if long_rows and (few_tiles or warps == 1) else "tile"
     return mode, warps
 
 
