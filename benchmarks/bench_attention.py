@@ -46,6 +46,23 @@ def _time_or_none(fn):
     return median_ms(fn)
 
 
+def _graphed(fn):
+    """``fn`` replayed from a CUDA graph: the GPU time without the Python launch overhead."""
+    try:
+        stream = torch.cuda.Stream()
+        with torch.cuda.stream(stream):
+            for _ in range(3):
+                fn()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+    except RuntimeError as error:
+        print(f"note: graph capture failed ({error.__class__.__name__}: {str(error)[:100]})")
+        return None
+    return graph.replay
+
+
 def main() -> None:
     args = parse_args(__doc__.splitlines()[0])
     device = require_cuda()
@@ -101,6 +118,13 @@ def main() -> None:
                 lambda: gpu.forward(q_rows, k_rows, v_rows, layout, True, scale, prefill_zero=False)
             ),
         }
+        batchinv_graph = _graphed(
+            lambda: gpu.forward(q_rows, k_rows, v_rows, layout, True, scale, prefill_zero=False)
+        )
+        sdpa_graph = _graphed(_sdpa(qt, kt, vt, False))
+        if batchinv_graph is not None and sdpa_graph is not None:
+            paths["SDPA default (CUDA graph)"] = median_ms(sdpa_graph)
+            paths[f"batchinv ({mode}, CUDA graph)"] = median_ms(batchinv_graph)
         for other in ("tile", "split"):
             if other != mode:
                 paths[f"batchinv ({other}, forced)"] = median_ms(
