@@ -125,6 +125,20 @@ def main() -> None:
         if batchinv_graph is not None and sdpa_graph is not None:
             paths["SDPA default (CUDA graph)"] = median_ms(sdpa_graph)
             paths[f"batchinv ({mode}, CUDA graph)"] = median_ms(batchinv_graph)
+        if mode == "split":
+            for stages in (1, 2):
+                paths[f"batchinv (split, {stages} stage, forced)"] = median_ms(
+                    lambda stages=stages: gpu.forward(
+                        q_rows,
+                        k_rows,
+                        v_rows,
+                        layout,
+                        True,
+                        scale,
+                        prefill_zero=False,
+                        stages=stages,
+                    )
+                )
         for other in ("tile", "split"):
             if other != mode:
                 paths[f"batchinv ({other}, forced)"] = median_ms(

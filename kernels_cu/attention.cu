@@ -171,7 +171,7 @@ struct Smem {
     static constexpr int kTileElems = kBlockKeys * kStride;
 };
 
-template <typename Codec, int D, int NWARPS, bool SPLIT>
+template <typename Codec, int D, int NWARPS, bool SPLIT, int STAGES>
 __device__ __forceinline__ void attn_tile(const Params& p) {
     using T = typename Codec::storage;
     constexpr int M = 16 * NWARPS;
@@ -181,12 +181,16 @@ __device__ __forceinline__ void attn_tile(const Params& p) {
     constexpr int NT = D / 8;  // n8 tiles of the output
     constexpr int KS = D / 16; // k16 steps of QK^T
     constexpr int kChunksPerRow = D / 8;  // 16-byte chunks per row
+    // K/V pipeline depth (blocks in flight + 1): 2 (prefetch the next block) or 1 (no
+    // prefetch, half the shared memory, so more one-warp CTAs per SM hide the latency
+    // instead).  It changes only the load schedule, never the arithmetic.
+    constexpr int kStages = STAGES;
 
     extern __shared__ __align__(16) unsigned char smem_raw[];
-    T* sk = reinterpret_cast<T*>(smem_raw);       // [2 stages][64][kStride]
-    T* sv = sk + 2 * kTile;                       // [2 stages][64][kStride]
+    T* sk = reinterpret_cast<T*>(smem_raw);       // [kStages][64][kStride]
+    T* sv = sk + kStages * kTile;                 // [kStages][64][kStride]
     // Q is read into registers once, before any running state is written: the two share memory.
-    T* sq = sv + 2 * kTile;                       // [M][kStride]
+    T* sq = sv + kStages * kTile;                 // [M][kStride]
     float* srun = reinterpret_cast<float*>(sq);   // mode (a): [NT*4][kThreads]
 
     const int tid = threadIdx.x;
@@ -268,9 +272,12 @@ __device__ __forceinline__ void attn_tile(const Params& p) {
         }
     };
 
-    load_kv(blk_begin, 0);
-    cp_async_commit();
-    cp_async_wait<1>();
+#pragma unroll
+    for (int i = 0; i < kStages - 1; ++i) {
+        if (blk_begin + i < blk_end) load_kv(blk_begin + i, i);
+        cp_async_commit();  // possibly empty: one group per block keeps the counting uniform
+    }
+    cp_async_wait<kStages - 1>();  // the Q group is complete
     __syncthreads();
 
     uint32_t qf[KS][4];
@@ -290,14 +297,11 @@ __device__ __forceinline__ void attn_tile(const Params& p) {
     float run_l[2] = {0.0f, 0.0f};
 
     for (int blk = blk_begin; blk < blk_end; ++blk) {
-        const int stage = (blk - blk_begin) % 2;
-        if (blk + 1 < blk_end) {
-            load_kv(blk + 1, stage ^ 1);
-            cp_async_commit();
-            cp_async_wait<1>();
-        } else {
-            cp_async_wait<0>();
-        }
+        const int stage = (blk - blk_begin) % kStages;
+        const int ahead = blk + kStages - 1;
+        if (ahead < blk_end) load_kv(ahead, (ahead - blk_begin) % kStages);
+        cp_async_commit();
+        cp_async_wait<kStages - 1>();  // this block's group is complete
         __syncthreads();
         const T* tk = sk + stage * kTile;
         const T* tv = sv + stage * kTile;
@@ -377,7 +381,9 @@ __device__ __forceinline__ void attn_tile(const Params& p) {
         }
         // A row with no visible key here adds only zero products; P = 0 could still turn an
         // acc of -0 into +0, so those signs are remembered and restored (warp-uniform branch).
-        const bool any_empty = __any_sync(0xffffffffu, empty[0] || empty[1]);
+        // (Padding rows are always empty and never written: they do not need the fix-up.)
+        const bool any_empty =
+            __any_sync(0xffffffffu, (empty[0] && row_q[0] >= 0) || (empty[1] && row_q[1] >= 0));
         uint32_t negzero[(NT * 4 + 31) / 32] = {};
         if (any_empty) {
 #pragma unroll
@@ -517,12 +523,18 @@ __device__ __forceinline__ void attn_combine(const float* ws, void* out, float* 
 #define BATCHINV_ATTN_KERNELS(DTYPE, CODEC, D, NW)                                                             \
     extern "C" __global__ void __launch_bounds__(32 * NW) attn_fwd_##DTYPE##_d##D##_w##NW(BATCHINV_ATTN_PARAMS) { \
         BATCHINV_ATTN_MAKE_PARAMS;                                                                              \
-        batchinv::attn::attn_tile<CODEC, D, NW, false>(p);                                                      \
+        batchinv::attn::attn_tile<CODEC, D, NW, false, 2>(p);                                                      \
     }                                                                                                           \
     extern "C" __global__ void __launch_bounds__(32 * NW)                                                       \
         attn_split_##DTYPE##_d##D##_w##NW(BATCHINV_ATTN_PARAMS) {                                               \
         BATCHINV_ATTN_MAKE_PARAMS;                                                                              \
-        batchinv::attn::attn_tile<CODEC, D, NW, true>(p);                                                       \
+        batchinv::attn::attn_tile<CODEC, D, NW, true, 2>(p);                                                    \
+    }
+
+#define BATCHINV_ATTN_SPLIT_ONE_STAGE(DTYPE, CODEC, D)                                                          \
+    extern "C" __global__ void __launch_bounds__(32) attn_split_##DTYPE##_d##D##_w1_s1(BATCHINV_ATTN_PARAMS) {   \
+        BATCHINV_ATTN_MAKE_PARAMS;                                                                              \
+        batchinv::attn::attn_tile<CODEC, D, 1, true, 1>(p);                                                     \
     }
 
 #define BATCHINV_ATTN_COMBINE(DTYPE, CODEC, D)                                                                  \
@@ -560,6 +572,14 @@ BATCHINV_ATTN_KERNELS(f16, batchinv::F16Codec, 128, 1)
 // batchinv-signature: attn_fwd_f16_d128_w4(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32)
 // batchinv-signature: attn_split_f16_d128_w4(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32)
 BATCHINV_ATTN_KERNELS(f16, batchinv::F16Codec, 128, 4)
+// batchinv-signature: attn_split_bf16_d64_w1_s1(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32)
+BATCHINV_ATTN_SPLIT_ONE_STAGE(bf16, batchinv::Bf16Codec, 64)
+// batchinv-signature: attn_split_bf16_d128_w1_s1(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32)
+BATCHINV_ATTN_SPLIT_ONE_STAGE(bf16, batchinv::Bf16Codec, 128)
+// batchinv-signature: attn_split_f16_d64_w1_s1(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32)
+BATCHINV_ATTN_SPLIT_ONE_STAGE(f16, batchinv::F16Codec, 64)
+// batchinv-signature: attn_split_f16_d128_w1_s1(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32)
+BATCHINV_ATTN_SPLIT_ONE_STAGE(f16, batchinv::F16Codec, 128)
 // batchinv-signature: attn_combine_bf16_d64(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i32, i32, i32)
 BATCHINV_ATTN_COMBINE(bf16, batchinv::Bf16Codec, 64)
 // batchinv-signature: attn_combine_bf16_d128(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i32, i32, i32)

@@ -154,9 +154,15 @@ def test_modes_and_tile_heights_give_the_same_bits(dtype, d, causal):
         return_lse=True,
     )
     base = gpu.attention(q, k, v, mode="tile", warps=4, **kwargs)
-    for mode, warps in (("tile", 1), ("split", 4), ("split", 1)):
-        got = gpu.attention(q, k, v, mode=mode, warps=warps, **kwargs)
-        assert_bitwise_equal(got, base, name=f"{mode}/{warps} warps vs tile/4 warps")
+    for mode, warps, stages in (
+        ("tile", 1, 2),
+        ("split", 4, 2),
+        ("split", 1, 2),
+        ("split", 1, 1),
+    ):
+        got = gpu.attention(q, k, v, mode=mode, warps=warps, stages=stages, **kwargs)
+        name = f"{mode}/{warps} warps/{stages} stages vs tile/4 warps"
+        assert_bitwise_equal(got, base, name=name)
 
 
 # ----------------------------------------------------------------------------- Axis-A, T1-T4, T6

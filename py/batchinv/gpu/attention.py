@@ -36,6 +36,8 @@ HEAD_DIMS = (64, 128)
 WARP_CHOICES = (1, 4)
 MODES = ("auto", "tile", "split")
 MAX_PACKED_HEADS = 16  # query heads of one kv head packed in a tile's rows
+# One-warp split launches (decode) without K/V prefetch: half the shared memory, more CTAs.
+ONE_STAGE_DECODE_DEFAULT = 1
 
 _SUFFIX = {torch.bfloat16: "bf16", torch.float16: "f16"}
 _LOG2E = 1.4426950408889634
@@ -83,7 +85,7 @@ def check_supported(q: Tensor, k: Tensor, v: Tensor) -> None:
             f"head dim d={d} is not supported by the CUDA attention kernels (supported: "
             f"{', '.join(map(str, HEAD_DIMS))})"
         )
-    if torch.cuda.get_device_capability(q.device) < (8, 0):
+    if _capability(q.device.index or 0) < (8, 0):
         raise RuntimeError("the CUDA attention kernels need compute capability 8.0 or newer")
 
 
@@ -105,13 +107,18 @@ def packed_heads(hq: int, hkv: int) -> int:
     return max(p for p in range(1, min(group, MAX_PACKED_HEADS) + 1) if group % p == 0)
 
 
-def shared_bytes(d: int, warps: int, split: bool) -> int:
+def shared_bytes(d: int, warps: int, split: bool, stages: int = 2) -> int:
     """Dynamic shared memory of a tile kernel (kernels_cu/attention.cu attn_tile)."""
     stride = d + 8
-    kv = 4 * BLOCK_KEYS * stride * 2  # K and V, two stages
+    kv = 2 * stages * BLOCK_KEYS * stride * 2  # K and V
     q = 16 * warps * stride * 2
     run = 0 if split else (d // 8) * 4 * 32 * warps * 4  # shares memory with q
     return kv + max(q, run)
+
+
+@functools.cache
+def _capability(device_index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device_index)
 
 
 @functools.cache
@@ -163,6 +170,7 @@ def forward(
     *,
     mode: str = "auto",
     warps: int | None = None,
+    stages: int | None = None,
     prefill_zero: bool = True,
 ) -> tuple[Tensor, Tensor]:
     """``(out [Tq, Hq, d], lse [Hq, Tq] fp32)`` on the canonical layout.
@@ -201,9 +209,15 @@ def forward(
         if split
         else None
     )
+    one_stage_ok = split and warps == 1
+    if stages is None:
+        stages = ONE_STAGE_DECODE_DEFAULT if one_stage_ok else 2
+    if stages not in (1, 2) or (stages == 1 and not one_stage_ok):
+        raise ValueError(f"stages must be 2, or 1 for one-warp split launches; got {stages!r}")
     suffix = f"{_SUFFIX[q.dtype]}_d{d}"
-    shared = shared_bytes(d, warps, split)
-    kernel = _kernel(f"attn_{'split' if split else 'fwd'}_{suffix}_w{warps}", device, shared)
+    shared = shared_bytes(d, warps, split, stages)
+    name = f"attn_{'split' if split else 'fwd'}_{suffix}_w{warps}" + ("_s1" if stages == 1 else "")
+    kernel = _kernel(name, device, shared)
     launch(
         kernel,
         device,
