@@ -36,8 +36,11 @@ HEAD_DIMS = (64, 128)
 WARP_CHOICES = (1, 4)
 MODES = ("auto", "tile", "split")
 MAX_PACKED_HEADS = 16  # query heads of one kv head packed in a tile's rows
-# One-warp split launches (decode) without K/V prefetch: half the shared memory, more CTAs.
-ONE_STAGE_DECODE_DEFAULT = 1
+# One-warp split launches (decode) with at least this many CTAs per SM run without K/V
+# prefetch (half the shared memory, more CTAs per SM); fewer CTAs keep the prefetch.  H200:
+# B=64 @ 4096 (2048 CTAs) 0.357 ms with 1 stage vs 0.418 ms with 2; B=1 @ 32768 (256 CTAs)
+# 0.104 ms vs 0.089 ms.
+ONE_STAGE_MIN_CTAS_PER_SM = 4
 
 _SUFFIX = {torch.bfloat16: "bf16", torch.float16: "f16"}
 _LOG2E = 1.4426950408889634
@@ -211,7 +214,9 @@ def forward(
     )
     one_stage_ok = split and warps == 1
     if stages is None:
-        stages = ONE_STAGE_DECODE_DEFAULT if one_stage_ok else 2
+        ctas = q_tiles * (hq // pack) * grid_z
+        many = ctas >= ONE_STAGE_MIN_CTAS_PER_SM * _sm_count(device.index or 0)
+        stages = 1 if one_stage_ok and many else 2
     if stages not in (1, 2) or (stages == 1 and not one_stage_ok):
         raise ValueError(f"stages must be 2, or 1 for one-warp split launches; got {stages!r}")
     suffix = f"{_SUFFIX[q.dtype]}_d{d}"
