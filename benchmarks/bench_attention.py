@@ -1,0 +1,170 @@
+"""Attention forward (prefill and KV-cache decode) against torch SDPA in the same run.
+
+Goals (issue 5): prefill >= 0.9x SDPA default, decode B=64 @ 4096 >= 0.9x, decode B=1 @ 32768
+>= 0.8x.  Anchors: SDPA's default backend (cuDNN on Hopper) and, where selectable, its flash
+backend.  Decode times batchinv's kernels on the cache storage (the append is a copy, not
+timed); SDPA decode uses a length-1 query against the same keys (enable_gqa=True).  Decode
+bandwidth counts the K and V bytes that must be read.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from _common import median_ms, parse_args, report, require_cuda
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from batchinv.gpu import attention as gpu
+
+HQ, HKV, D = 32, 8, 128
+PREFILL = [(8, 4096)]  # (batch, sequence length), causal
+DECODE = [(64, 4096), (1, 32768)]  # (batch, context)
+DTYPE = torch.bfloat16
+
+
+def _sdpa(q, k, v, causal, backend=None):
+    def run():
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
+
+    if backend is None:
+        return run
+
+    def with_backend():
+        with sdpa_kernel(backend):
+            return run()
+
+    return with_backend
+
+
+def _time_or_none(fn):
+    try:
+        fn()
+        torch.cuda.synchronize()
+    except RuntimeError as error:
+        print(f"note: skipped ({error.__class__.__name__}: {str(error)[:100]})")
+        return None
+    return median_ms(fn)
+
+
+def _graphed(fn):
+    """``fn`` replayed from a CUDA graph: the GPU time without the Python launch overhead."""
+    try:
+        stream = torch.cuda.Stream()
+        with torch.cuda.stream(stream):
+            for _ in range(3):
+                fn()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+    except RuntimeError as error:
+        print(f"note: graph capture failed ({error.__class__.__name__}: {str(error)[:100]})")
+        return None
+    return graph.replay
+
+
+def main() -> None:
+    args = parse_args(__doc__.splitlines()[0])
+    device = require_cuda()
+    gen = torch.Generator(device=device).manual_seed(0)
+    rows = []
+    for batch, seq in PREFILL:
+        q = torch.randn(batch, seq, HQ, D, device=device, generator=gen).to(DTYPE)
+        k = torch.randn(batch, seq, HKV, D, device=device, generator=gen).to(DTYPE)
+        v = torch.randn(batch, seq, HKV, D, device=device, generator=gen).to(DTYPE)
+        qt, kt, vt = (t.transpose(1, 2).contiguous() for t in (q, k, v))
+        flops = 4 * batch * HQ * seq * seq * D / 2  # causal: half of the score matrix
+        anchor = median_ms(_sdpa(qt, kt, vt, True))
+        paths = {
+            "SDPA default": anchor,
+            "SDPA flash": _time_or_none(_sdpa(qt, kt, vt, True, SDPBackend.FLASH_ATTENTION)),
+            "batchinv": median_ms(lambda: gpu.attention(q, k, v, causal=True)),
+        }
+        for path, ms in paths.items():
+            if ms is None:
+                continue
+            rows.append(
+                {
+                    "case": f"prefill B={batch} S={seq}",
+                    "path": path,
+                    "ms": ms,
+                    "TFLOP/s": flops / ms / 1e9,
+                    "ratio_vs_sdpa": anchor / ms,
+                }
+            )
+    for batch, ctx in DECODE:
+        k = torch.randn(batch, ctx, HKV, D, device=device, generator=gen).to(DTYPE)
+        v = torch.randn(batch, ctx, HKV, D, device=device, generator=gen).to(DTYPE)
+        q = torch.randn(batch, 1, HQ, D, device=device, generator=gen).to(DTYPE)
+        qt, kt, vt = (t.transpose(1, 2).contiguous() for t in (q, k, v))
+        kv_bytes = 2 * k.numel() * k.element_size()
+        layout = gpu.make_layout(
+            torch.arange(batch, device=device),
+            torch.ones(batch, device=device),
+            torch.arange(batch, device=device) * ctx,
+            torch.full((batch,), ctx, device=device),
+            1,
+            ctx,
+        )
+        scale = gpu.scale_of(None, D)
+        q_rows = q.view(batch, HQ, D)
+        k_rows, v_rows = k.view(batch * ctx, HKV, D), v.view(batch * ctx, HKV, D)
+        mode, warps = gpu.choose(layout, HQ, HKV, device, "auto", None)
+        anchor = median_ms(_sdpa(qt, kt, vt, False))
+        paths = {
+            "SDPA default": anchor,
+            "SDPA flash": _time_or_none(_sdpa(qt, kt, vt, False, SDPBackend.FLASH_ATTENTION)),
+            f"batchinv ({mode}, {warps} warp)": median_ms(
+                lambda: gpu.forward(q_rows, k_rows, v_rows, layout, True, scale, prefill_zero=False)
+            ),
+        }
+        batchinv_graph = _graphed(
+            lambda: gpu.forward(q_rows, k_rows, v_rows, layout, True, scale, prefill_zero=False)
+        )
+        sdpa_graph = _graphed(_sdpa(qt, kt, vt, False))
+        if batchinv_graph is not None and sdpa_graph is not None:
+            paths["SDPA default (CUDA graph)"] = median_ms(sdpa_graph)
+            paths[f"batchinv ({mode}, CUDA graph)"] = median_ms(batchinv_graph)
+        if mode == "split":
+            for stages in (1, 2):
+                paths[f"batchinv (split, {stages} stage, forced)"] = median_ms(
+                    lambda stages=stages: gpu.forward(
+                        q_rows,
+                        k_rows,
+                        v_rows,
+                        layout,
+                        True,
+                        scale,
+                        prefill_zero=False,
+                        stages=stages,
+                    )
+                )
+        for other in ("tile", "split"):
+            if other != mode:
+                paths[f"batchinv ({other}, forced)"] = median_ms(
+                    lambda other=other: gpu.forward(
+                        q_rows, k_rows, v_rows, layout, True, scale, prefill_zero=False, mode=other
+                    )
+                )
+        for path, ms in paths.items():
+            if ms is None:
+                continue
+            rows.append(
+                {
+                    "case": f"decode B={batch} ctx={ctx}",
+                    "path": path,
+                    "ms": ms,
+                    "TB/s": kv_bytes / ms / 1e9,
+                    "ratio_vs_sdpa": anchor / ms,
+                }
+            )
+    report(
+        "attention forward (GQA 32/8, d=128, bf16)",
+        rows,
+        ["case", "path", "ms", "TFLOP/s", "TB/s", "ratio_vs_sdpa"],
+        args.json,
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,591 @@
+// Attention forward (prefill, chunked prefill, varlen, KV-cache decode with split-KV):
+// FlashAttention-2 style, mma.sync m16n8k16 (bf16/fp16 in, fp32 accumulate), sm_80+.
+//
+// Canonical layout (the host reduces padded, varlen and KV-cache calls to it):
+//   q    [Tq rows, Hq, D]   bf16/fp16, unit stride along D, row stride q_row, head stride q_head
+//   k, v [Tk rows, Hkv, D]  same dtype, strides k_row/k_head, v_row/v_head (16-byte aligned)
+//   out  [Tq, Hq, D]        strides out_row/out_head;  lse [Hq, Tq] fp32, natural log
+//   q_start, q_len, k_start, k_len  int32 [B]: query i < q_len[b] of sequence b is row
+//   q_start[b] + i at absolute position k_len[b] - q_len[b] + i; its keys are rows
+//   k_start[b] + j, j < k_len[b] (causal: j <= position).  Rows covered by no sequence are
+//   not written (the host pre-fills out = 0, lse = -inf).
+//
+// Per-row arithmetic (the same for every schedule; log2 domain, x = (q . k) * scale * log2 e):
+//   Keys are processed in blocks of kBlockKeys = 64 at fixed ABSOLUTE positions [64j, 64j+64),
+//   grouped in splits of kSplitKeys = 1024 keys (16 blocks), also at absolute positions.
+//   1. Each split is reduced from the empty state (m, l, acc) = (-inf, 0, 0) by an online
+//      softmax over its blocks in increasing order (update_with_block): S by mma over d in
+//      k16 steps in increasing order; invisible keys get x = -inf by selection; the block max
+//      and sum are a per-thread scan in fixed column order plus a fixed quad butterfly; P is
+//      rounded to the input dtype for the PV mma.  A block with no visible key for a row leaves
+//      that row's state exactly unchanged (selection; the sign of a zero acc is restored).
+//   2. Split partials are merged left to right by ONE function (merge_weights/merge_value);
+//      an empty partial is skipped by selection.
+//   3. finalize_out/finalize_lse: out = acc / l, lse = (m + log2 l) * ln 2; a row with no
+//      visible key gets out = 0, lse = -inf.
+//   Every fp32 step outside the mma is an explicit _rn intrinsic (no FMA contraction), exp2f and
+//   log2f are used everywhere (no fast math).
+//
+// Execution modes (same arithmetic, only the number of CTAs changes):
+//   (a) attn_fwd_*: one CTA per (query tile, head group, sequence) walks all splits of its tile
+//       and merges them as it goes (running state in shared memory); writes out and lse.
+//   (b) attn_split_*: one CTA per (query tile, head group, sequence x split) writes its split's
+//       fp32 partial (m, l, acc) to a workspace [splits, Tq, Hq, D + 2]; attn_combine_* merges a
+//       row's partials in split order with the same merge/finalize functions.
+//   Tile rows: M = 16 * NWARPS rows; row r = (query qtile * QPT + r / P, head hg * P + r % P),
+//   P query heads sharing one kv head packed in M (QPT = M / P).  mma rows are independent and
+//   a warp's quad butterfly has the same shape for every row, so which tile slot a row lands
+//   in, the rows beside it (other heads, other positions, padding), NWARPS and the mode change
+//   nothing in that row's bits.  Never read: key/value rows at j >= k_len (zero-filled in
+//   shared memory), query rows past q_len.
+#include "common/portability.cuh"
+
+#if !defined(__HIPCC__)
+#include <cuda_bf16.h>
+
+namespace batchinv {
+namespace attn {
+
+constexpr int kBlockKeys = 64;
+constexpr int kSplitKeys = 1024;
+constexpr int kBlocksPerSplit = kSplitKeys / kBlockKeys;
+constexpr float kLn2 = 0.693147180559945309f;
+constexpr float kNegInf = -__builtin_huge_valf();
+
+// ---- the shared arithmetic: merge and finalize (used by both modes) ------------------------
+
+// pick: 0 = weighted combination, 1 = keep a (b empty), 2 = take b (a empty).
+__device__ __forceinline__ void merge_weights(float ma, float la, float mb, float lb, float& m, float& l,
+                                              float& wa, float& wb, int& pick) {
+    if (mb == kNegInf) {
+        pick = 1;
+        m = ma;
+        l = la;
+        wa = 1.0f;
+        wb = 0.0f;
+    } else if (ma == kNegInf) {
+        pick = 2;
+        m = mb;
+        l = lb;
+        wa = 0.0f;
+        wb = 1.0f;
+    } else {
+        pick = 0;
+        m = mb > ma ? mb : ma;
+        wa = exp2f(__fsub_rn(ma, m));
+        wb = exp2f(__fsub_rn(mb, m));
+        l = __fadd_rn(__fmul_rn(la, wa), __fmul_rn(lb, wb));
+    }
+}
+
+__device__ __forceinline__ float merge_value(float a, float b, float wa, float wb, int pick) {
+    if (pick == 1) return a;
+    if (pick == 2) return b;
+    return __fadd_rn(__fmul_rn(a, wa), __fmul_rn(b, wb));
+}
+
+__device__ __forceinline__ float finalize_out(float acc, float l) { return l > 0.0f ? __fdiv_rn(acc, l) : 0.0f; }
+
+__device__ __forceinline__ float finalize_lse(float m, float l) {
+    return l > 0.0f ? __fmul_rn(__fadd_rn(m, log2f(l)), kLn2) : kNegInf;
+}
+
+// ---- small PTX helpers ---------------------------------------------------------------------
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+    return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// 16 bytes global -> shared; src_bytes = 0 writes zeros and reads nothing.
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src),
+                 "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(smem_addr(p)));
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(smem_addr(p)));
+}
+
+template <typename Codec>
+__device__ __forceinline__ void mma16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+    if constexpr (Codec::kIsBf16) {
+        asm volatile(
+            "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+            "{%8, %9}, {%0, %1, %2, %3};\n"
+            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    } else {
+        asm volatile(
+            "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+            "{%8, %9}, {%0, %1, %2, %3};\n"
+            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    }
+}
+
+// Two fp32 probabilities rounded to nearest-even into the input dtype, packed for the mma.
+template <typename Codec>
+__device__ __forceinline__ uint32_t pack_pair(float lo, float hi) {
+    if constexpr (Codec::kIsBf16) {
+        __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+        return *reinterpret_cast<uint32_t*>(&v);
+    } else {
+        __half2 v = __floats2half2_rn(lo, hi);
+        return *reinterpret_cast<uint32_t*>(&v);
+    }
+}
+
+// ---- the tile kernel ----------------------------------------------------------------------
+
+struct Params {
+    const void* q;
+    const void* k;
+    const void* v;
+    void* out;
+    float* lse;
+    float* ws;  // mode (b): [splits, Tq, Hq, D + 2] partials (acc[D], m, l)
+    const int* q_start;
+    const int* q_len;
+    const int* k_start;
+    const int* k_len;
+    int64_t q_row, q_head, k_row, k_head, v_row, v_head, out_row, out_head;
+    int tq, hq, hkv, pack, causal, split_grid;
+    float scale_log2;
+};
+
+template <int D>
+struct Smem {
+    static constexpr int kStride = D + 8;  // elements; 16-byte pad: conflict-free ldmatrix rows
+    static constexpr int kTileElems = kBlockKeys * kStride;
+};
+
+template <typename Codec, int D, int NWARPS, bool SPLIT, int STAGES>
+__device__ __forceinline__ void attn_tile(const Params& p) {
+    using T = typename Codec::storage;
+    constexpr int M = 16 * NWARPS;
+    constexpr int kThreads = 32 * NWARPS;
+    constexpr int kStride = Smem<D>::kStride;
+    constexpr int kTile = Smem<D>::kTileElems;
+    constexpr int NT = D / 8;  // n8 tiles of the output
+    constexpr int KS = D / 16; // k16 steps of QK^T
+    constexpr int kChunksPerRow = D / 8;  // 16-byte chunks per row
+    // K/V pipeline depth (blocks in flight + 1): 2 (prefetch the next block) or 1 (no
+    // prefetch, half the shared memory, so more one-warp CTAs per SM hide the latency
+    // instead).  It changes only the load schedule, never the arithmetic.
+    constexpr int kStages = STAGES;
+
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    T* sk = reinterpret_cast<T*>(smem_raw);       // [kStages][64][kStride]
+    T* sv = sk + kStages * kTile;                 // [kStages][64][kStride]
+    // Q is read into registers once, before any running state is written: the two share memory.
+    T* sq = sv + kStages * kTile;                 // [M][kStride]
+    float* srun = reinterpret_cast<float*>(sq);   // mode (a): [NT*4][kThreads]
+
+    const int tid = threadIdx.x;
+    const int lane = tid % 32;
+    const int warp = tid / 32;
+    const int g = lane / 4;
+    const int c = lane % 4;
+
+    const int b = SPLIT ? blockIdx.z / p.split_grid : blockIdx.z;
+    const int split = SPLIT ? blockIdx.z % p.split_grid : 0;
+    const int hg = blockIdx.y;
+    const int qpt = M / p.pack;
+    const int qtile = gridDim.x - 1 - blockIdx.x;  // heavy (late) causal tiles first
+    const int q_len = p.q_len[b];
+    const int k_len = p.k_len[b];
+    const int q0 = qtile * qpt;
+    if (q0 >= q_len) return;
+    const int q_last = min(q_len - 1, q0 + qpt - 1);
+    const int offset = k_len - q_len;
+    // Visible keys of the tile's last row bound the tile's key range.
+    const int tile_end = p.causal ? max(0, min(k_len, offset + q_last + 1)) : k_len;
+    const int group = p.hq / p.hkv;
+    const int kvh = (hg * p.pack) / group;
+    const int64_t q_base = p.q_start[b];
+    const int64_t k_base = p.k_start[b];
+
+    int blk_begin, blk_end;
+    if (SPLIT) {
+        blk_begin = split * kBlocksPerSplit;
+        blk_end = min(blk_begin + kBlocksPerSplit, (tile_end + kBlockKeys - 1) / kBlockKeys);
+        if (blk_begin >= blk_end) return;  // no row of the tile sees this split
+    } else {
+        blk_begin = 0;
+        blk_end = (tile_end + kBlockKeys - 1) / kBlockKeys;
+    }
+
+    // This thread's two rows (g and g + 8 of its warp): visible key count (0 = padding row).
+    int vis_end[2];
+    int row_q[2], row_h[2];
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+        const int r = warp * 16 + g + 8 * i;
+        const int qi = q0 + r / p.pack;
+        const bool valid = r < qpt * p.pack && qi < q_len;
+        row_q[i] = valid ? qi : -1;
+        row_h[i] = hg * p.pack + r % p.pack;
+        vis_end[i] = !valid ? 0 : (p.causal ? max(0, min(k_len, offset + qi + 1)) : k_len);
+    }
+
+    const T* qp = static_cast<const T*>(p.q);
+    const T* kp = static_cast<const T*>(p.k);
+    const T* vp = static_cast<const T*>(p.v);
+
+    // Q tile -> shared (zeros for rows that are not a query).
+    for (int idx = tid; idx < M * kChunksPerRow; idx += kThreads) {
+        const int r = idx / kChunksPerRow;
+        const int ch = idx % kChunksPerRow;
+        const int qi = q0 + r / p.pack;
+        const bool valid = r < qpt * p.pack && qi < q_len;
+        const int h = hg * p.pack + r % p.pack;
+        const T* src = valid ? qp + (q_base + qi) * p.q_row + h * p.q_head + ch * 8 : qp;
+        cp_async16(sq + r * kStride + ch * 8, src, valid);
+    }
+    cp_async_commit();
+
+    auto load_kv = [&](int blk, int stage) {
+        T* dk = sk + stage * kTile;
+        T* dv = sv + stage * kTile;
+        for (int idx = tid; idx < kBlockKeys * kChunksPerRow; idx += kThreads) {
+            const int r = idx / kChunksPerRow;
+            const int ch = idx % kChunksPerRow;
+            const int j = blk * kBlockKeys + r;
+            const bool valid = j < k_len;
+            const int64_t row = k_base + j;
+            const T* srck = valid ? kp + row * p.k_row + kvh * p.k_head + ch * 8 : kp;
+            const T* srcv = valid ? vp + row * p.v_row + kvh * p.v_head + ch * 8 : vp;
+            cp_async16(dk + r * kStride + ch * 8, srck, valid);
+            cp_async16(dv + r * kStride + ch * 8, srcv, valid);
+        }
+    };
+
+#pragma unroll
+    for (int i = 0; i < kStages - 1; ++i) {
+        if (blk_begin + i < blk_end) load_kv(blk_begin + i, i);
+        cp_async_commit();  // possibly empty: one group per block keeps the counting uniform
+    }
+    cp_async_wait<kStages - 1>();  // the Q group is complete
+    __syncthreads();
+
+    uint32_t qf[KS][4];
+#pragma unroll
+    for (int ks = 0; ks < KS; ++ks) {
+        const int r = warp * 16 + (lane % 8) + 8 * ((lane / 8) % 2);
+        const int col = ks * 16 + 8 * (lane / 16);
+        ldmatrix_x4(qf[ks], sq + r * kStride + col);
+    }
+
+    float m[2] = {kNegInf, kNegInf};
+    float l[2] = {0.0f, 0.0f};
+    float acc[NT][4];
+#pragma unroll
+    for (int t = 0; t < NT; ++t) acc[t][0] = acc[t][1] = acc[t][2] = acc[t][3] = 0.0f;
+    float run_m[2] = {kNegInf, kNegInf};
+    float run_l[2] = {0.0f, 0.0f};
+
+    for (int blk = blk_begin; blk < blk_end; ++blk) {
+        const int stage = (blk - blk_begin) % kStages;
+        const int ahead = blk + kStages - 1;
+        if (ahead < blk_end) load_kv(ahead, (ahead - blk_begin) % kStages);
+        cp_async_commit();
+        cp_async_wait<kStages - 1>();  // this block's group is complete
+        __syncthreads();
+        const T* tk = sk + stage * kTile;
+        const T* tv = sv + stage * kTile;
+        const int key0 = blk * kBlockKeys;
+
+        // S = Q K^T over d in increasing k16 steps.
+        float s[8][4];
+#pragma unroll
+        for (int t = 0; t < 8; ++t) s[t][0] = s[t][1] = s[t][2] = s[t][3] = 0.0f;
+#pragma unroll
+        for (int ks = 0; ks < KS; ++ks) {
+#pragma unroll
+            for (int tp = 0; tp < 4; ++tp) {
+                uint32_t bk[4];
+                const int key = tp * 16 + (lane % 8) + 8 * (lane / 16);
+                const int col = ks * 16 + 8 * ((lane / 8) % 2);
+                ldmatrix_x4(bk, tk + key * kStride + col);
+                mma16816<Codec>(s[2 * tp], qf[ks], bk[0], bk[1]);
+                mma16816<Codec>(s[2 * tp + 1], qf[ks], bk[2], bk[3]);
+            }
+        }
+
+        // Online softmax of the block, row by row (rows g and g + 8).
+        bool empty[2];
+        float alpha[2];
+        uint32_t pa[4][4];  // P as A fragments of the four k16 steps of PV
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+            float mx = kNegInf;
+#pragma unroll
+            for (int t = 0; t < 8; ++t) {
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const int j = key0 + t * 8 + 2 * c + e;
+                    const float x = j < vis_end[i] ? __fmul_rn(s[t][2 * i + e], p.scale_log2) : kNegInf;
+                    s[t][2 * i + e] = x;
+                    mx = x > mx ? x : mx;
+                }
+            }
+            float o = __shfl_xor_sync(0xffffffffu, mx, 1);
+            mx = o > mx ? o : mx;
+            o = __shfl_xor_sync(0xffffffffu, mx, 2);
+            mx = o > mx ? o : mx;
+            mx = mx == 0.0f ? 0.0f : mx;  // one zero (+0) whatever the lanes' order
+            empty[i] = mx == kNegInf;
+            const float m_new = empty[i] ? m[i] : (mx > m[i] ? mx : m[i]);
+            alpha[i] = empty[i] ? 1.0f : (m[i] == kNegInf ? 0.0f : exp2f(__fsub_rn(m[i], m_new)));
+            float sum = 0.0f;
+#pragma unroll
+            for (int t = 0; t < 8; ++t) {
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const float x = s[t][2 * i + e];
+                    const float pe = (empty[i] || x == kNegInf) ? 0.0f : exp2f(__fsub_rn(x, m_new));
+                    s[t][2 * i + e] = pe;
+                    sum = __fadd_rn(sum, pe);
+                }
+            }
+            sum = __fadd_rn(sum, __shfl_xor_sync(0xffffffffu, sum, 1));
+            sum = __fadd_rn(sum, __shfl_xor_sync(0xffffffffu, sum, 2));
+            l[i] = empty[i] ? l[i] : __fadd_rn(__fmul_rn(l[i], alpha[i]), sum);
+            m[i] = m_new;
+        }
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk) {
+            pa[kk][0] = pack_pair<Codec>(s[2 * kk][0], s[2 * kk][1]);
+            pa[kk][1] = pack_pair<Codec>(s[2 * kk][2], s[2 * kk][3]);
+            pa[kk][2] = pack_pair<Codec>(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+            pa[kk][3] = pack_pair<Codec>(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+        }
+#pragma unroll
+        for (int t = 0; t < NT; ++t) {
+            acc[t][0] = __fmul_rn(acc[t][0], alpha[0]);
+            acc[t][1] = __fmul_rn(acc[t][1], alpha[0]);
+            acc[t][2] = __fmul_rn(acc[t][2], alpha[1]);
+            acc[t][3] = __fmul_rn(acc[t][3], alpha[1]);
+        }
+        // A row with no visible key here adds only zero products; P = 0 could still turn an
+        // acc of -0 into +0, so those signs are remembered and restored (warp-uniform branch).
+        // (Padding rows are always empty and never written: they do not need the fix-up.)
+        const bool any_empty =
+            __any_sync(0xffffffffu, (empty[0] && row_q[0] >= 0) || (empty[1] && row_q[1] >= 0));
+        uint32_t negzero[(NT * 4 + 31) / 32] = {};
+        if (any_empty) {
+#pragma unroll
+            for (int t = 0; t < NT; ++t)
+#pragma unroll
+                for (int e = 0; e < 4; ++e)
+                    if (__float_as_uint(acc[t][e]) == 0x80000000u) negzero[(t * 4 + e) / 32] |= 1u << ((t * 4 + e) % 32);
+        }
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk) {
+#pragma unroll
+            for (int dp = 0; dp < NT / 2; ++dp) {
+                uint32_t bv[4];
+                const int key = kk * 16 + (lane % 8) + 8 * ((lane / 8) % 2);
+                const int col = dp * 16 + 8 * (lane / 16);
+                ldmatrix_x4_trans(bv, tv + key * kStride + col);
+                mma16816<Codec>(acc[2 * dp], pa[kk], bv[0], bv[1]);
+                mma16816<Codec>(acc[2 * dp + 1], pa[kk], bv[2], bv[3]);
+            }
+        }
+        if (any_empty) {
+#pragma unroll
+            for (int t = 0; t < NT; ++t)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const bool was_neg_zero = (negzero[(t * 4 + e) / 32] >> ((t * 4 + e) % 32)) & 1u;
+                    if (empty[e / 2] && acc[t][e] == 0.0f) acc[t][e] = was_neg_zero ? -0.0f : 0.0f;
+                }
+        }
+
+        // End of a split: mode (b) stores the partial; mode (a) merges it into the running state.
+        const bool split_end = (blk + 1) % kBlocksPerSplit == 0 || blk + 1 == blk_end;
+        if (!SPLIT && split_end) {
+#pragma unroll
+            for (int i = 0; i < 2; ++i) {
+                float mm, ll, wa, wb;
+                int pick;
+                merge_weights(run_m[i], run_l[i], m[i], l[i], mm, ll, wa, wb, pick);
+#pragma unroll
+                for (int t = 0; t < NT; ++t)
+#pragma unroll
+                    for (int e = 0; e < 2; ++e) {
+                        float& slot = srun[(t * 4 + 2 * i + e) * kThreads + tid];
+                        const float prev = blk + 1 <= kBlocksPerSplit ? 0.0f : slot;  // first split
+                        slot = merge_value(prev, acc[t][2 * i + e], wa, wb, pick);
+                        acc[t][2 * i + e] = 0.0f;
+                    }
+                run_m[i] = mm;
+                run_l[i] = ll;
+                m[i] = kNegInf;
+                l[i] = 0.0f;
+            }
+        }
+        __syncthreads();  // the stage just read is the next load's target
+    }
+    cp_async_wait<0>();  // a tile with no visible key still has its first (zero) load in flight
+
+    if (SPLIT) {
+        float* ws = p.ws;
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+            if (row_q[i] < 0) continue;
+            const int64_t row = ((static_cast<int64_t>(split) * p.tq + q_base + row_q[i]) * p.hq + row_h[i]) * (D + 2);
+#pragma unroll
+            for (int t = 0; t < NT; ++t) {
+                *reinterpret_cast<float2*>(ws + row + t * 8 + 2 * c) = make_float2(acc[t][2 * i], acc[t][2 * i + 1]);
+            }
+            if (c == 0) {
+                ws[row + D] = m[i];
+                ws[row + D + 1] = l[i];
+            }
+        }
+        return;
+    }
+
+    T* op = static_cast<T*>(p.out);
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+        if (row_q[i] < 0) continue;
+        const int64_t t_row = q_base + row_q[i];
+        T* dst = op + t_row * p.out_row + row_h[i] * p.out_head;
+#pragma unroll
+        for (int t = 0; t < NT; ++t) {
+            const float a0 = srun[(t * 4 + 2 * i) * kThreads + tid];
+            const float a1 = srun[(t * 4 + 2 * i + 1) * kThreads + tid];
+            T pair[2] = {Codec::store(finalize_out(a0, run_l[i])), Codec::store(finalize_out(a1, run_l[i]))};
+            *reinterpret_cast<uint32_t*>(dst + t * 8 + 2 * c) = *reinterpret_cast<uint32_t*>(pair);
+        }
+        if (c == 0) p.lse[static_cast<int64_t>(row_h[i]) * p.tq + t_row] = finalize_lse(run_m[i], run_l[i]);
+    }
+}
+
+// Mode (b)'s second kernel: CTA (query i, head h, sequence b), thread e = element of d.
+template <typename Codec, int D>
+__device__ __forceinline__ void attn_combine(const float* ws, void* out, float* lse, const int* q_start,
+                                             const int* q_len, const int* k_len, int64_t out_row, int64_t out_head,
+                                             int tq, int hq, int causal) {
+    const int qi = blockIdx.x;
+    const int h = blockIdx.y;
+    const int b = blockIdx.z;
+    const int e = threadIdx.x;
+    const int lq = q_len[b];
+    if (qi >= lq) return;
+    const int lk = k_len[b];
+    const int vis = causal ? max(0, min(lk, lk - lq + qi + 1)) : lk;
+    const int splits = (vis + kSplitKeys - 1) / kSplitKeys;
+    const int64_t t_row = q_start[b] + qi;
+    float m = kNegInf, l = 0.0f, acc = 0.0f;
+    for (int s = 0; s < splits; ++s) {
+        const float* part = ws + ((static_cast<int64_t>(s) * tq + t_row) * hq + h) * (D + 2);
+        float mm, ll, wa, wb;
+        int pick;
+        merge_weights(m, l, part[D], part[D + 1], mm, ll, wa, wb, pick);
+        acc = merge_value(acc, part[e], wa, wb, pick);
+        m = mm;
+        l = ll;
+    }
+    using T = typename Codec::storage;
+    static_cast<T*>(out)[t_row * out_row + h * out_head + e] = Codec::store(finalize_out(acc, l));
+    if (e == 0) lse[static_cast<int64_t>(h) * tq + t_row] = finalize_lse(m, l);
+}
+
+}  // namespace attn
+}  // namespace batchinv
+
+#define BATCHINV_ATTN_PARAMS                                                                                   \
+    const void *q, const void *k, const void *v, void *out, float *lse, float *ws, const int *q_start,        \
+        const int *q_len, const int *k_start, const int *k_len, int64_t q_row, int64_t q_head, int64_t k_row, \
+        int64_t k_head, int64_t v_row, int64_t v_head, int64_t out_row, int64_t out_head, int tq, int hq,     \
+        int hkv, int pack, int causal, int split_grid, float scale_log2
+
+#define BATCHINV_ATTN_MAKE_PARAMS                                                                               \
+    batchinv::attn::Params p{q,     k,      v,      out,   lse,    ws,      q_start, q_len,   k_start,           \
+                             k_len, q_row,  q_head, k_row, k_head, v_row,   v_head,  out_row, out_head,          \
+                             tq,    hq,     hkv,    pack,  causal, split_grid, scale_log2}
+
+#define BATCHINV_ATTN_KERNELS(DTYPE, CODEC, D, NW)                                                             \
+    extern "C" __global__ void __launch_bounds__(32 * NW) attn_fwd_##DTYPE##_d##D##_w##NW(BATCHINV_ATTN_PARAMS) { \
+        BATCHINV_ATTN_MAKE_PARAMS;                                                                              \
+        batchinv::attn::attn_tile<CODEC, D, NW, false, 2>(p);                                                      \
+    }                                                                                                           \
+    extern "C" __global__ void __launch_bounds__(32 * NW)                                                       \
+        attn_split_##DTYPE##_d##D##_w##NW(BATCHINV_ATTN_PARAMS) {                                               \
+        BATCHINV_ATTN_MAKE_PARAMS;                                                                              \
+        batchinv::attn::attn_tile<CODEC, D, NW, true, 2>(p);                                                    \
+    }
+
+#define BATCHINV_ATTN_SPLIT_ONE_STAGE(DTYPE, CODEC, D)                                                          \
+    extern "C" __global__ void __launch_bounds__(32) attn_split_##DTYPE##_d##D##_w1_s1(BATCHINV_ATTN_PARAMS) {   \
+        BATCHINV_ATTN_MAKE_PARAMS;                                                                              \
+        batchinv::attn::attn_tile<CODEC, D, 1, true, 1>(p);                                                     \
+    }
+
+#define BATCHINV_ATTN_COMBINE(DTYPE, CODEC, D)                                                                  \
+    extern "C" __global__ void __launch_bounds__(D) attn_combine_##DTYPE##_d##D(                                \
+        const float* ws, void* out, float* lse, const int* q_start, const int* q_len, const int* k_len,         \
+        int64_t out_row, int64_t out_head, int tq, int hq, int causal) {                                        \
+        batchinv::attn::attn_combine<CODEC, D>(ws, out, lse, q_start, q_len, k_len, out_row, out_head, tq, hq,  \
+                                               causal);                                                         \
+    }
+
+// Signature of every attn_fwd_* / attn_split_* kernel:
+//   (q, k, v, out, lse, ws, q_start, q_len, k_start, k_len, q_row, q_head, k_row, k_head, v_row,
+//    v_head, out_row, out_head, tq, hq, hkv, pack, causal, split_grid, scale_log2)
+// batchinv-signature: attn_fwd_bf16_d64_w1(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32)
+// batchinv-signature: attn_split_bf16_d64_w1(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32)
+BATCHINV_ATTN_KERNELS(bf16, batchinv::Bf16Codec, 64, 1)
+// batchinv-signature: attn_fwd_bf16_d64_w4(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32)
+// batchinv-signature: attn_split_bf16_d64_w4(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32)
+BATCHINV_ATTN_KERNELS(bf16, batchinv::Bf16Codec, 64, 4)
+// batchinv-signature: attn_fwd_bf16_d128_w1(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32)
+// batchinv-signature: attn_split_bf16_d128_w1(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32)
+BATCHINV_ATTN_KERNELS(bf16, batchinv::Bf16Codec, 128, 1)
+// batchinv-signature: attn_fwd_bf16_d128_w4(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32)
+// batchinv-signature: attn_split_bf16_d128_w4(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32)
+BATCHINV_ATTN_KERNELS(bf16, batchinv::Bf16Codec, 128, 4)
+// batchinv-signature: attn_fwd_f16_d64_w1(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32)
+// batchinv-signature: attn_split_f16_d64_w1(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32)
+BATCHINV_ATTN_KERNELS(f16, batchinv::F16Codec, 64, 1)
+// batchinv-signature: attn_fwd_f16_d64_w4(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32)
+// batchinv-signature: attn_split_f16_d64_w4(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32)
+BATCHINV_ATTN_KERNELS(f16, batchinv::F16Codec, 64, 4)
+// batchinv-signature: attn_fwd_f16_d128_w1(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32)
+// batchinv-signature: attn_split_f16_d128_w1(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32)
+BATCHINV_ATTN_KERNELS(f16, batchinv::F16Codec, 128, 1)
+// batchinv-signature: attn_fwd_f16_d128_w4(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32)
+// batchinv-signature: attn_split_f16_d128_w4(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32)
+BATCHINV_ATTN_KERNELS(f16, batchinv::F16Codec, 128, 4)
+// batchinv-signature: attn_split_bf16_d64_w1_s1(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32)
+BATCHINV_ATTN_SPLIT_ONE_STAGE(bf16, batchinv::Bf16Codec, 64)
+// batchinv-signature: attn_split_bf16_d128_w1_s1(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32)
+BATCHINV_ATTN_SPLIT_ONE_STAGE(bf16, batchinv::Bf16Codec, 128)
+// batchinv-signature: attn_split_f16_d64_w1_s1(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32)
+BATCHINV_ATTN_SPLIT_ONE_STAGE(f16, batchinv::F16Codec, 64)
+// batchinv-signature: attn_split_f16_d128_w1_s1(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32)
+BATCHINV_ATTN_SPLIT_ONE_STAGE(f16, batchinv::F16Codec, 128)
+// batchinv-signature: attn_combine_bf16_d64(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i32, i32, i32)
+BATCHINV_ATTN_COMBINE(bf16, batchinv::Bf16Codec, 64)
+// batchinv-signature: attn_combine_bf16_d128(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i32, i32, i32)
+BATCHINV_ATTN_COMBINE(bf16, batchinv::Bf16Codec, 128)
+// batchinv-signature: attn_combine_f16_d64(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i32, i32, i32)
+BATCHINV_ATTN_COMBINE(f16, batchinv::F16Codec, 64)
+// batchinv-signature: attn_combine_f16_d128(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i32, i32, i32)
+BATCHINV_ATTN_COMBINE(f16, batchinv::F16Codec, 128)
+#endif

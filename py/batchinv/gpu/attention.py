@@ -1,0 +1,499 @@
+"""Attention forward on CUDA: launches ``kernels_cu/attention.cu`` on the canonical layout.
+
+Every entry point (padded, varlen, KV cache) is reduced to one canonical layout, which the
+backward (``attention_backward``, when present) consumes as well:
+
+- ``q [Tq, Hq, d]``, ``k, v [Tk, Hkv, d]``: flat token rows, unit stride along ``d``, 16-byte
+  aligned row and head strides (otherwise a contiguous copy is made; inputs are never changed);
+- ``q_start, q_len, k_start, k_len``: int32 CUDA tensors ``[B]``; query ``i < q_len[b]`` is row
+  ``q_start[b] + i`` at absolute position ``k_len[b] - q_len[b] + i`` and sees key rows
+  ``k_start[b] + j``, ``j < k_len[b]`` (causal: ``j <=`` its position);
+- ``max_q_len, max_k_len``: Python ints (bounds of the launch grid);
+- ``out [Tq, Hq, d]`` in the input dtype and ``lse [Hq, Tq]`` fp32 (natural log); rows covered
+  by no sequence get ``out = 0``, ``lse = -inf``.
+
+Two execution modes with the same per-row arithmetic (see the kernel's header): ``"tile"``
+(one CTA walks all KV splits of its query tile) and ``"split"`` (one CTA per KV split, then a
+combine kernel).  ``mode="auto"`` picks ``"split"`` when the tile launch would not fill the GPU
+and a row spans more than one split; ``warps`` (1 or 4 warps, 16 or 64 tile rows) follows the
+number of query rows per sequence.  Neither choice changes a row's bits.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from ._launch import kernel_for, launch
+
+BLOCK_KEYS = 64  # keys per block, at absolute positions [64j, 64j + 64)
+SPLIT_KEYS = 1024  # keys per split, at absolute positions (kernels_cu/attention.cu kSplitKeys)
+HEAD_DIMS = (64, 128)
+WARP_CHOICES = (1, 4)
+MODES = ("auto", "tile", "split")
+MAX_PACKED_HEADS = 16  # query heads of one kv head packed in a tile's rows
+# One-warp split launches (decode) with at least this many CTAs per SM run without K/V
+# prefetch (half the shared memory, more CTAs per SM); fewer CTAs keep the prefetch.  H200:
+# B=64 @ 4096 (2048 CTAs) 0.357 ms with 1 stage vs 0.418 ms with 2; B=1 @ 32768 (256 CTAs)
+# 0.104 ms vs 0.089 ms.
+ONE_STAGE_MIN_CTAS_PER_SM = 4
+
+_SUFFIX = {torch.bfloat16: "bf16", torch.float16: "f16"}
+_LOG2E = 1.4426950408889634
+_MAX_GRID_YZ = 65535
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Per-sequence row ranges of the canonical layout (int32 CUDA tensors) and their bounds."""
+
+    q_start: Tensor
+    q_len: Tensor
+    k_start: Tensor
+    k_len: Tensor
+    max_q_len: int
+    max_k_len: int
+
+    @property
+    def batch(self) -> int:
+        return self.q_start.numel()
+
+
+def make_layout(
+    q_start: Tensor, q_len: Tensor, k_start: Tensor, k_len: Tensor, max_q_len: int, max_k_len: int
+) -> Layout:
+    """A ``Layout`` with int32 contiguous copies of the four per-sequence tensors."""
+    return Layout(
+        *(t.to(torch.int32).contiguous() for t in (q_start, q_len, k_start, k_len)),
+        int(max_q_len),
+        int(max_k_len),
+    )
+
+
+def check_supported(q: Tensor, k: Tensor, v: Tensor) -> None:
+    """Raises for what the CUDA kernels do not cover (the reference covers more)."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dtype not in _SUFFIX:
+            raise TypeError(
+                f"{name} has dtype {t.dtype}; the CUDA attention kernels take bfloat16 or "
+                "float16 (use the CPU reference for float32)"
+            )
+    d = q.shape[-1]
+    if d not in HEAD_DIMS:
+        raise ValueError(
+            f"head dim d={d} is not supported by the CUDA attention kernels (supported: "
+            f"{', '.join(map(str, HEAD_DIMS))})"
+        )
+    if _capability(q.device.index or 0) < (8, 0):
+        raise RuntimeError("the CUDA attention kernels need compute capability 8.0 or newer")
+
+
+def as_rows(t: Tensor) -> Tensor:
+    """``t [rows, H, d]`` usable by the kernel: unit stride along d, 16-byte aligned strides
+    and base; a view when it already is, else a contiguous copy."""
+    ok = (
+        t.stride(-1) == 1
+        and t.stride(0) % 8 == 0
+        and t.stride(1) % 8 == 0
+        and t.data_ptr() % 16 == 0
+    )
+    return t if ok else t.contiguous()
+
+
+def packed_heads(hq: int, hkv: int) -> int:
+    """Query heads of one kv head that share a tile: the largest divisor of the group <= 16."""
+    group = hq // hkv
+    return max(p for p in range(1, min(group, MAX_PACKED_HEADS) + 1) if group % p == 0)
+
+
+def shared_bytes(d: int, warps: int, split: bool, stages: int = 2) -> int:
+    """Dynamic shared memory of a tile kernel (kernels_cu/attention.cu attn_tile)."""
+    stride = d + 8
+    kv = 2 * stages * BLOCK_KEYS * stride * 2  # K and V
+    q = 16 * warps * stride * 2
+    run = 0 if split else (d // 8) * 4 * 32 * warps * 4  # shares memory with q
+    return kv + max(q, run)
+
+
+@functools.cache
+def _capability(device_index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device_index)
+
+
+@functools.cache
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+_RAISED: set[tuple[int, int]] = set()
+
+
+def _kernel(name: str, device: torch.device, shared: int):
+    kernel = kernel_for("attention", name, device)
+    key = (id(kernel), device.index or 0)
+    if shared > 48 * 1024 and key not in _RAISED:
+        kernel.set_max_dynamic_shared_memory(shared, device=device.index or 0)
+        _RAISED.add(key)
+    return kernel
+
+
+def choose(
+    layout: Layout, hq: int, hkv: int, device: torch.device, mode: str, warps: int | None
+) -> tuple[str, int]:
+    """``(mode, warps)`` from the shapes; only the number of CTAs depends on them."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    if warps is not None and warps not in WARP_CHOICES:
+        raise ValueError(f"warps must be one of {WARP_CHOICES} or None, got {warps!r}")
+    pack = packed_heads(hq, hkv)
+    if warps is None:
+        warps = 1 if layout.max_q_len * pack <= 16 else 4
+    if mode == "auto":
+        qpt = 16 * warps // pack
+        tiles = -(-layout.max_q_len // qpt) * (hq // pack) * layout.batch
+        long_rows = layout.max_k_len > SPLIT_KEYS
+        # Decode-like launches (one-warp tiles) and launches that would not fill the GPU
+        # twice over spread each row's splits over CTAs.
+        few_tiles = tiles < 2 * _sm_count(device.index or 0)
+        mode = "split" if long_rows and (few_tiles or warps == 1) else "tile"
+    return mode, warps
+
+
+def forward(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    layout: Layout,
+    causal: bool,
+    scale: float,
+    *,
+    mode: str = "auto",
+    warps: int | None = None,
+    stages: int | None = None,
+    prefill_zero: bool = True,
+) -> tuple[Tensor, Tensor]:
+    """``(out [Tq, Hq, d], lse [Hq, Tq] fp32)`` on the canonical layout.
+
+    ``prefill_zero`` fills out/lse with 0/-inf first (needed when some rows belong to no
+    sequence; the caller may pass False when every row is covered).
+    """
+    check_supported(q, k, v)
+    q, k, v = as_rows(q), as_rows(k), as_rows(v)
+    tq, hq, d = q.shape
+    hkv = k.shape[1]
+    device = q.device
+    mode, warps = choose(layout, hq, hkv, device, mode, warps)
+    if prefill_zero:
+        out = torch.zeros((tq, hq, d), dtype=q.dtype, device=device)
+        lse = torch.full((hq, tq), float("-inf"), dtype=torch.float32, device=device)
+    else:
+        out = torch.empty((tq, hq, d), dtype=q.dtype, device=device)
+        lse = torch.empty((hq, tq), dtype=torch.float32, device=device)
+    batch = layout.batch
+    if tq == 0 or batch == 0 or layout.max_q_len == 0:
+        return out, lse
+    pack = packed_heads(hq, hkv)
+    qpt = 16 * warps // pack
+    q_tiles = -(-layout.max_q_len // qpt)
+    split_grid = max(1, -(-layout.max_k_len // SPLIT_KEYS))
+    split = mode == "split"
+    grid_z = batch * split_grid if split else batch
+    if grid_z > _MAX_GRID_YZ or hq // pack > _MAX_GRID_YZ:
+        raise ValueError(
+            f"attention launch too large: {batch} sequences x {split_grid if split else 1} "
+            f"splits (at most {_MAX_GRID_YZ})"
+        )
+    ws = (
+        torch.empty((split_grid, tq, hq, d + 2), dtype=torch.float32, device=device)
+        if split
+        else None
+    )
+    one_stage_ok = split and warps == 1
+    if stages is None:
+        ctas = q_tiles * (hq // pack) * grid_z
+        many = ctas >= ONE_STAGE_MIN_CTAS_PER_SM * _sm_count(device.index or 0)
+        stages = 1 if one_stage_ok and many else 2
+    if stages not in (1, 2) or (stages == 1 and not one_stage_ok):
+        raise ValueError(f"stages must be 2, or 1 for one-warp split launches; got {stages!r}")
+    suffix = f"{_SUFFIX[q.dtype]}_d{d}"
+    shared = shared_bytes(d, warps, split, stages)
+    name = f"attn_{'split' if split else 'fwd'}_{suffix}_w{warps}" + ("_s1" if stages == 1 else "")
+    kernel = _kernel(name, device, shared)
+    launch(
+        kernel,
+        device,
+        grid=(q_tiles, hq // pack, grid_z),
+        block=(32 * warps,),
+        args=(
+            q,
+            k,
+            v,
+            out,
+            lse,
+            ws if ws is not None else 0,
+            layout.q_start,
+            layout.q_len,
+            layout.k_start,
+            layout.k_len,
+            q.stride(0),
+            q.stride(1),
+            k.stride(0),
+            k.stride(1),
+            v.stride(0),
+            v.stride(1),
+            out.stride(0),
+            out.stride(1),
+            tq,
+            hq,
+            hkv,
+            pack,
+            int(causal),
+            split_grid,
+            float(scale) * _LOG2E,
+        ),
+        shared_mem=shared,
+    )
+    if split:
+        launch(
+            _kernel(f"attn_combine_{suffix}", device, 0),
+            device,
+            grid=(layout.max_q_len, hq, batch),
+            block=(d,),
+            args=(
+                ws,
+                out,
+                lse,
+                layout.q_start,
+                layout.q_len,
+                layout.k_len,
+                out.stride(0),
+                out.stride(1),
+                tq,
+                hq,
+                int(causal),
+            ),
+        )
+    return out, lse
+
+
+def scale_of(softmax_scale: float | None, head_dim: int) -> float:
+    """The softmax scale rounded once to fp32 (as the reference does)."""
+    value = 1.0 / math.sqrt(head_dim) if softmax_scale is None else float(softmax_scale)
+    return float(torch.tensor(value, dtype=torch.float32))
+
+
+# ----------------------------------------------------------------------------- autograd
+
+
+def _backward_module():
+    try:
+        from . import attention_backward
+    except ImportError:
+        return None
+    return attention_backward
+
+
+class _AttentionFunction(torch.autograd.Function):
+    """Forward on the canonical layout; backward by ``attention_backward`` when it exists."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, layout: Layout, causal: bool, scale: float, prefill_zero: bool):
+        out, lse = forward(q, k, v, layout, causal, scale, prefill_zero=prefill_zero)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.layout = layout
+        ctx.causal = causal
+        ctx.scale = scale
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, grad_out, _grad_lse):
+        module = _backward_module()
+        if module is None:
+            raise NotImplementedError(
+                "the CUDA attention backward is not available yet "
+                "(batchinv.gpu.attention_backward is missing)"
+            )
+        q, k, v, out, lse = ctx.saved_tensors
+        lay = ctx.layout
+        dq, dk, dv = module.backward(
+            q,
+            k,
+            v,
+            out,
+            lse,
+            grad_out.contiguous(),
+            lay.q_start,
+            lay.q_len,
+            lay.k_start,
+            lay.k_len,
+            lay.max_q_len,
+            lay.max_k_len,
+            causal=ctx.causal,
+            scale=ctx.scale,
+        )
+        return dq, dk, dv, None, None, None, None
+
+
+def _run(q, k, v, layout: Layout, causal: bool, scale: float, prefill_zero: bool, **tuning):
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+        if tuning:
+            raise ValueError("mode/warps overrides are for the no-grad path")
+        q, k, v = (as_rows(t.contiguous()) for t in (q, k, v))
+        return _AttentionFunction.apply(q, k, v, layout, causal, scale, prefill_zero)
+    return forward(q, k, v, layout, causal, scale, prefill_zero=prefill_zero, **tuning)
+
+
+# ----------------------------------------------------------------------------- entry points
+# Arguments are validated by batchinv.ops.attention (the reference's check_attention_args);
+# what only the kernels lack (dtype, head dim, capability) is checked here.
+
+
+def _full(batch: int, value: int, device) -> Tensor:
+    return torch.full((batch,), value, dtype=torch.int32, device=device)
+
+
+def _compact_kept_keys(k, v, key_padding_mask, k_len):
+    """Kept keys moved to the front of each sequence, in storage order (the mask's definition:
+    kept keys are renumbered 0, 1, ...); returns ``(k, v, kept counts)``."""
+    sk = k.shape[1]
+    positions = torch.arange(sk, device=k.device)
+    kept = key_padding_mask & (positions[None, :] < k_len[:, None])
+    order = torch.sort((~kept).to(torch.int8), dim=1, stable=True).indices
+    index = order[:, :, None, None].expand(-1, -1, k.shape[2], k.shape[3])
+    return torch.gather(k, 1, index), torch.gather(v, 1, index), kept.sum(dim=1)
+
+
+def attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    causal: bool = False,
+    softmax_scale: float | None = None,
+    seqlens_q: Tensor | None = None,
+    seqlens_k: Tensor | None = None,
+    key_padding_mask: Tensor | None = None,
+    return_lse: bool = False,
+    **tuning,
+):
+    """CUDA ``batchinv.attention`` (padded layout); ``tuning``: ``mode``/``warps`` (tests)."""
+    check_supported(q, k, v)
+    batch, sq, hq, d = q.shape
+    sk, hkv = k.shape[1], k.shape[2]
+    device = q.device
+    q_len = _full(batch, sq, device) if seqlens_q is None else seqlens_q
+    k_len = _full(batch, sk, device) if seqlens_k is None else seqlens_k
+    if key_padding_mask is not None:
+        k, v, k_len = _compact_kept_keys(k, v, key_padding_mask, k_len)
+    layout = make_layout(
+        torch.arange(batch, device=device) * sq,
+        q_len,
+        torch.arange(batch, device=device) * sk,
+        k_len,
+        sq,
+        sk,
+    )
+    out, lse = _run(
+        q.reshape(batch * sq, hq, d),
+        k.reshape(batch * sk, hkv, d),
+        v.reshape(batch * sk, hkv, d),
+        layout,
+        causal,
+        scale_of(softmax_scale, d),
+        seqlens_q is not None,
+        **tuning,
+    )
+    out = out.view(batch, sq, hq, d)
+    if not return_lse:
+        return out
+    return out, lse.view(hq, batch, sq).permute(1, 0, 2).contiguous()
+
+
+def attention_varlen(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_seqlens_q: Tensor,
+    cu_seqlens_k: Tensor,
+    *,
+    causal: bool = False,
+    softmax_scale: float | None = None,
+    return_lse: bool = False,
+    **tuning,
+):
+    """CUDA ``batchinv.attention_varlen`` (packed rows; ``lse [Hq, Tq]``)."""
+    check_supported(q, k, v)
+    q_len = cu_seqlens_q[1:] - cu_seqlens_q[:-1]
+    k_len = cu_seqlens_k[1:] - cu_seqlens_k[:-1]
+    bounds = torch.stack([q_len.max(), k_len.max()]).tolist()  # one sync for both bounds
+    layout = make_layout(cu_seqlens_q[:-1], q_len, cu_seqlens_k[:-1], k_len, *bounds)
+    out, lse = _run(q, k, v, layout, causal, scale_of(softmax_scale, q.shape[-1]), False, **tuning)
+    return (out, lse) if return_lse else out
+
+
+def attention_with_kv_cache(
+    q: Tensor,
+    k_new: Tensor,
+    v_new: Tensor,
+    cache,
+    seq_ids: Tensor | None = None,
+    *,
+    seqlens_new: Tensor | None = None,
+    causal: bool = True,
+    softmax_scale: float | None = None,
+    return_lse: bool = False,
+    **tuning,
+):
+    """CUDA ``batchinv.attention_with_kv_cache``: append, then attend straight from the cache
+    storage (no copy); inference only."""
+    from ..reference.attention import check_attention_args
+
+    check_attention_args(
+        q, k_new, v_new, seqlens_q=seqlens_new, softmax_scale=softmax_scale, causal=causal
+    )
+    check_supported(q, k_new, v_new)
+    if q.dtype != cache.dtype:
+        raise TypeError(f"q has dtype {q.dtype} but {cache.name} holds {cache.dtype}")
+    if cache.k.device != q.device:
+        raise ValueError(f"q is on {q.device} but {cache.name} is on {cache.k.device}")
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k_new, v_new)):
+        raise RuntimeError(
+            "attention_with_kv_cache on CUDA is inference-only: call it under torch.no_grad() "
+            "or with inputs that do not require grad"
+        )
+    n, s_new, hq, d = q.shape
+    k_len = cache.append(k_new, v_new, seq_ids, seqlens_new)
+    ids = (
+        torch.arange(cache.batch, device=q.device)
+        if seq_ids is None
+        else seq_ids.to(q.device, torch.int64)
+    )
+    q_len = _full(n, s_new, q.device) if seqlens_new is None else seqlens_new
+    layout = make_layout(
+        torch.arange(n, device=q.device) * s_new,
+        q_len,
+        ids * cache.max_len,
+        k_len,
+        s_new,
+        cache.max_len,
+    )
+    storage = (cache.batch * cache.max_len, cache.num_kv_heads, cache.head_dim)
+    out, lse = forward(
+        q.reshape(n * s_new, hq, d),
+        cache.k.view(storage),
+        cache.v.view(storage),
+        layout,
+        causal,
+        scale_of(softmax_scale, d),
+        prefill_zero=seqlens_new is not None,
+        **tuning,
+    )
+    out = out.view(n, s_new, hq, d)
+    if not return_lse:
+        return out
+    return out, lse.view(hq, n, s_new).permute(1, 0, 2).contiguous()

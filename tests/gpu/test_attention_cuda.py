@@ -1,0 +1,457 @@
+"""The CUDA attention forward: within the contract's tolerance of the strict fp32 reference,
+bitwise invariant (out AND lse) to batch, row position, neighbours, padding, chunked prefill,
+decode, varlen packing and prefix reuse; both execution modes and both tile heights give the
+same bits; clear errors for what the kernels do not take.
+
+Tests without the ``cuda`` mark check the host-side layout logic and run anywhere.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import batchinv
+from batchinv.contract import assert_bitwise_equal, assert_within_tolerance
+from batchinv.gpu import attention as gpu
+from batchinv.reference.attention import attention_fp32, attention_varlen_fp32
+from batchinv.reference.kv_cache import KVCache
+
+DEVICE = "cuda"
+QUICK = os.environ.get("BATCHINV_QUICK") == "1"
+DTYPES = (torch.bfloat16, torch.float16)
+HEAD_DIMS = (64, 128)
+HEADS = ((8, 2), (2, 2))  # (Hq, Hkv): GQA 4:1 (Qwen3's 32/8 scaled down) and MHA
+LONG_CONTEXT = 2500  # > 2 splits of 1024 keys: split merges are exercised
+CHUNK_SIZES = (1, 7, 64, 100)
+
+cuda = pytest.mark.cuda
+
+
+def _randn(*shape, dtype, seed, scale=1.0):
+    gen = torch.Generator().manual_seed(seed)
+    return (scale * torch.randn(*shape, generator=gen)).to(dtype).to(DEVICE)
+
+
+def _qkv(batch, sq, sk, hq, hkv, d, dtype, seed=0):
+    q = _randn(batch, sq, hq, d, dtype=dtype, seed=seed, scale=1.5)
+    k = _randn(batch, sk, hkv, d, dtype=dtype, seed=seed + 1, scale=1.5)
+    v = _randn(batch, sk, hkv, d, dtype=dtype, seed=seed + 2)
+    return q, k, v
+
+
+# ----------------------------------------------------------------------------- host logic (CPU)
+
+
+def test_packed_heads_divide_the_group():
+    assert gpu.packed_heads(32, 8) == 4
+    assert gpu.packed_heads(8, 8) == 1
+    assert gpu.packed_heads(64, 2) == 16  # group 32: at most 16 heads per tile
+    assert gpu.packed_heads(24, 1) == 12
+    assert gpu.packed_heads(34, 1) == 2  # group 34 = 2 * 17
+
+
+def test_shared_bytes_fit_the_sm80_limit():
+    for d in gpu.HEAD_DIMS:
+        for warps in gpu.WARP_CHOICES:
+            for split in (False, True):
+                assert gpu.shared_bytes(d, warps, split) <= 163 * 1024
+    assert gpu.shared_bytes(128, 4, False) == 4 * 64 * 136 * 2 + 64 * 128 * 4
+
+
+def test_make_layout_is_int32_and_keeps_bounds():
+    lay = gpu.make_layout(
+        torch.tensor([0, 5]), torch.tensor([5, 3]), torch.tensor([0, 9]), torch.tensor([9, 4]), 5, 9
+    )
+    assert all(t.dtype == torch.int32 for t in (lay.q_start, lay.q_len, lay.k_start, lay.k_len))
+    assert (lay.batch, lay.max_q_len, lay.max_k_len) == (2, 5, 9)
+
+
+def test_choose_rejects_unknown_mode_and_warps():
+    lay = gpu.make_layout(*(torch.zeros(1, dtype=torch.int32),) * 4, 1, 1)
+    with pytest.raises(ValueError, match="mode"):
+        gpu.choose(lay, 8, 2, torch.device("cpu"), "fast", None)
+    with pytest.raises(ValueError, match="warps"):
+        gpu.choose(lay, 8, 2, torch.device("cpu"), "tile", 2)
+
+
+def test_as_rows_copies_only_misaligned_layouts():
+    t = torch.zeros(4, 2, 64)
+    assert gpu.as_rows(t) is t
+    odd = torch.zeros(4, 2, 66)[..., :64]  # head stride 66: not 16-byte aligned for bf16 rows
+    assert gpu.as_rows(odd).is_contiguous()
+
+
+def test_scale_is_rounded_to_fp32_once():
+    assert gpu.scale_of(None, 128) == float(torch.tensor(128**-0.5, dtype=torch.float32))
+    assert gpu.scale_of(0.1, 64) == float(torch.tensor(0.1, dtype=torch.float32))
+
+
+# ----------------------------------------------------------------------------- Axis-B
+
+
+@cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("d", HEAD_DIMS)
+@pytest.mark.parametrize("heads", HEADS)
+@pytest.mark.parametrize("causal", (True, False))
+def test_padded_within_tolerance_of_fp32_reference(dtype, d, heads, causal):
+    hq, hkv = heads
+    q, k, v = _qkv(3, 77, 150, hq, hkv, d, dtype, seed=d + hq)
+    seqlens_q = torch.tensor([77, 40, 1], device=DEVICE)
+    seqlens_k = torch.tensor([150, 91, 64], device=DEVICE)
+    kwargs = dict(causal=causal, seqlens_q=seqlens_q, seqlens_k=seqlens_k, return_lse=True)
+    out, lse = batchinv.attention(q, k, v, **kwargs)
+    ref_out, ref_lse = attention_fp32(q, k, v, **kwargs)
+    assert_within_tolerance(out, ref_out, op_class="attention", name="out")
+    assert_within_tolerance(lse, ref_lse, op_class="attention", name="lse", dtype=dtype)
+
+
+@cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("d", HEAD_DIMS)
+def test_long_context_decode_within_tolerance(dtype, d):
+    q, k, v = _qkv(2, 3, LONG_CONTEXT, 8, 2, d, dtype, seed=11)
+    for mode in ("tile", "split"):
+        out, lse = gpu.attention(q, k, v, causal=True, return_lse=True, mode=mode)
+        ref_out, ref_lse = attention_fp32(q, k, v, causal=True, return_lse=True)
+        assert_within_tolerance(out, ref_out, op_class="attention", name=f"out ({mode})")
+        assert_within_tolerance(lse, ref_lse, op_class="attention", name="lse", dtype=dtype)
+
+
+@cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_varlen_within_tolerance_and_softmax_scale(dtype):
+    cu_q = torch.tensor([0, 5, 5, 70], device=DEVICE, dtype=torch.int32)
+    cu_k = torch.tensor([0, 130, 131, 200], device=DEVICE, dtype=torch.int32)
+    q = _randn(70, 8, 128, dtype=dtype, seed=3)
+    k = _randn(200, 2, 128, dtype=dtype, seed=4)
+    v = _randn(200, 2, 128, dtype=dtype, seed=5)
+    kwargs = dict(causal=True, softmax_scale=0.05, return_lse=True)
+    out, lse = batchinv.attention_varlen(q, k, v, cu_q, cu_k, **kwargs)
+    ref_out, ref_lse = attention_varlen_fp32(q, k, v, cu_q, cu_k, **kwargs)
+    assert_within_tolerance(out, ref_out, op_class="attention", name="out")
+    assert_within_tolerance(lse, ref_lse, op_class="attention", name="lse", dtype=dtype)
+
+
+# ----------------------------------------------------------------------------- modes and tiles
+
+
+@cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("d", HEAD_DIMS)
+@pytest.mark.parametrize("causal", (True, False))
+def test_modes_and_tile_heights_give_the_same_bits(dtype, d, causal):
+    # 3 sequences of different lengths, queries at the end of long contexts: split merges,
+    # empty splits and blocks for some rows of a tile, and partial blocks.
+    q, k, v = _qkv(3, 37, LONG_CONTEXT, 8, 2, d, dtype, seed=21)
+    kwargs = dict(
+        causal=causal,
+        seqlens_q=torch.tensor([37, 5, 20], device=DEVICE),
+        seqlens_k=torch.tensor([LONG_CONTEXT, 1100, 2049], device=DEVICE),
+        return_lse=True,
+    )
+    base = gpu.attention(q, k, v, mode="tile", warps=4, **kwargs)
+    for mode, warps, stages in (
+        ("tile", 1, 2),
+        ("split", 4, 2),
+        ("split", 1, 2),
+        ("split", 1, 1),
+    ):
+        got = gpu.attention(q, k, v, mode=mode, warps=warps, stages=stages, **kwargs)
+        name = f"{mode}/{warps} warps/{stages} stages vs tile/4 warps"
+        assert_bitwise_equal(got, base, name=name)
+
+
+# ----------------------------------------------------------------------------- Axis-A, T1-T4, T6
+
+
+def _alone(q, k, v, b, lq, lk, **kwargs):
+    """Sequence ``b`` computed alone (its own padded batch of 1, trimmed to its lengths)."""
+    return batchinv.attention(
+        q[b : b + 1, :lq].contiguous(),
+        k[b : b + 1, :lk].contiguous(),
+        v[b : b + 1, :lk].contiguous(),
+        return_lse=True,
+        **kwargs,
+    )
+
+
+@cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("d", HEAD_DIMS)
+@pytest.mark.parametrize("heads", HEADS)
+def test_row_bits_independent_of_batch_position_neighbours_and_padding(dtype, d, heads):
+    hq, hkv = heads
+    sq, sk = 70, 140
+    lq, lk = 45, 133  # the sequence under test
+    for batch in (1, 3, 8):  # T1 (odd sizes) and T2 (it sits last)
+        q, k, v = _qkv(batch, sq, sk, hq, hkv, d, dtype, seed=batch)
+        b = batch - 1
+        q[b, lq:] = float("nan")  # T4: padding is NaN, never read
+        k[b, lk:] = float("nan")
+        v[b, lk:] = float("nan")
+        lens_q = torch.randint(1, sq + 1, (batch,), generator=torch.Generator().manual_seed(batch))
+        lens_k = torch.randint(1, sk + 1, (batch,), generator=torch.Generator().manual_seed(7))
+        lens_q[b], lens_k[b] = lq, lk
+        out, lse = batchinv.attention(
+            q,
+            k,
+            v,
+            causal=True,
+            seqlens_q=lens_q.to(DEVICE),
+            seqlens_k=lens_k.to(DEVICE),
+            return_lse=True,
+        )
+        alone_out, alone_lse = _alone(q, k, v, b, lq, lk, causal=True)
+        assert_bitwise_equal(out[b : b + 1, :lq], alone_out, name=f"out, batch {batch}")
+        assert_bitwise_equal(lse[b : b + 1, :, :lq], alone_lse, name=f"lse, batch {batch}")
+        assert bool((out[b, lq:] == 0).all()) and bool((lse[b, :, lq:] == float("-inf")).all())
+        if batch > 1:  # T3: other content in the neighbours
+            q2, k2, v2 = q.clone(), k.clone(), v.clone()
+            q2[0] = _randn(sq, hq, d, dtype=dtype, seed=99)
+            k2[0] = _randn(sk, hkv, d, dtype=dtype, seed=98)
+            out2, lse2 = batchinv.attention(
+                q2,
+                k2,
+                v2,
+                causal=True,
+                seqlens_q=lens_q.to(DEVICE),
+                seqlens_k=lens_k.to(DEVICE),
+                return_lse=True,
+            )
+            assert_bitwise_equal(out2[b, :lq], out[b, :lq], name="out, neighbours changed")
+            assert_bitwise_equal(lse2[b, :, :lq], lse[b, :, :lq], name="lse, neighbours changed")
+
+
+@cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_key_padding_mask_equals_compacted_keys(dtype):
+    q, k, v = _qkv(2, 30, 150, 8, 2, 128, dtype, seed=5)
+    mask = (torch.rand(2, 150, generator=torch.Generator().manual_seed(1)) > 0.3).to(DEVICE)
+    k[~mask] = float("nan")
+    v[~mask] = float("nan")
+    out, lse = batchinv.attention(q, k, v, causal=True, key_padding_mask=mask, return_lse=True)
+    for b in range(2):
+        kept = mask[b].nonzero().squeeze(1)
+        alone = batchinv.attention(
+            q[b : b + 1], k[b : b + 1, kept], v[b : b + 1, kept], causal=True, return_lse=True
+        )
+        assert_bitwise_equal((out[b : b + 1], lse[b : b + 1]), alone, name=f"sequence {b}")
+    ref_out = attention_fp32(q, k, v, causal=True, key_padding_mask=mask)
+    assert_within_tolerance(out, ref_out, op_class="attention", name="masked out")
+
+
+@cuda
+def test_fully_masked_rows_give_zero_and_minus_inf():
+    q, k, v = _qkv(2, 40, 20, 8, 2, 64, torch.bfloat16, seed=8)
+    # causal with more queries than keys: the first 20 rows see no key; sequence 1 has none.
+    out, lse = batchinv.attention(
+        q, k, v, causal=True, seqlens_k=torch.tensor([20, 0], device=DEVICE), return_lse=True
+    )
+    assert bool((out[0, :20] == 0).all()) and bool((lse[0, :, :20] == float("-inf")).all())
+    assert bool((out[1] == 0).all()) and bool((lse[1] == float("-inf")).all())
+    assert not bool(torch.signbit(out[0, :20].float()).any())  # +0, not -0
+    ref = attention_fp32(q, k, v, causal=True, seqlens_k=torch.tensor([20, 0], device=DEVICE))
+    assert_within_tolerance(out, ref, op_class="attention", name="out")
+
+
+@cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_varlen_equals_padded(dtype):
+    lens_q, lens_k = [33, 1, 64], [130, 65, 64]
+    q, k, v = _qkv(3, 64, 130, 8, 2, 128, dtype, seed=9)
+    padded = batchinv.attention(
+        q,
+        k,
+        v,
+        causal=True,
+        seqlens_q=torch.tensor(lens_q, device=DEVICE),
+        seqlens_k=torch.tensor(lens_k, device=DEVICE),
+        return_lse=True,
+    )
+    qp = torch.cat([q[b, : lens_q[b]] for b in range(3)])
+    kp = torch.cat([k[b, : lens_k[b]] for b in range(3)])
+    vp = torch.cat([v[b, : lens_k[b]] for b in range(3)])
+    cu_q = torch.tensor([0, 33, 34, 98], device=DEVICE)
+    cu_k = torch.tensor([0, 130, 195, 259], device=DEVICE)
+    out, lse = batchinv.attention_varlen(qp, kp, vp, cu_q, cu_k, causal=True, return_lse=True)
+    for b in range(3):
+        rows = slice(int(cu_q[b]), int(cu_q[b + 1]))
+        assert_bitwise_equal(out[rows], padded[0][b, : lens_q[b]], name=f"out {b}")
+        assert_bitwise_equal(lse[:, rows], padded[1][b, :, : lens_q[b]], name=f"lse {b}")
+
+
+@cuda
+def test_strided_inputs_equal_contiguous():
+    q, k, v = _qkv(2, 50, 90, 8, 2, 64, torch.float16, seed=10)
+    qt = q.transpose(1, 2).contiguous().transpose(1, 2)  # [B, S, H, d] view of [B, H, S, d]
+    kt = k.transpose(1, 2).contiguous().transpose(1, 2)
+    got = batchinv.attention(qt, kt, v, causal=True, return_lse=True)
+    want = batchinv.attention(q, k, v, causal=True, return_lse=True)
+    assert_bitwise_equal(got, want, name="transposed vs contiguous")
+    # padded rows and heads: strides the kernel reads directly (no copy)
+    qw = torch.zeros(2, 50, 8, 72, dtype=q.dtype, device=DEVICE)
+    kw = torch.zeros(2, 90, 2, 80, dtype=q.dtype, device=DEVICE)
+    qw[..., :64], kw[..., :64] = q, k
+    got = batchinv.attention(qw[..., :64], kw[..., :64], v, causal=True, return_lse=True)
+    assert_bitwise_equal(got, want, name="row/head strided vs contiguous")
+
+
+# ----------------------------------------------------------------------------- T5, T7: KV cache
+
+
+def _prefill(q, k, v):
+    return batchinv.attention(q, k, v, causal=True, return_lse=True)
+
+
+@cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("d", HEAD_DIMS)
+def test_chunked_prefill_and_decode_equal_one_prefill(dtype, d):
+    total = 1300 if QUICK else LONG_CONTEXT
+    q, k, v = _qkv(1, total, total, 8, 2, d, dtype, seed=12)
+    full_out, full_lse = _prefill(q, k, v)
+    for chunk in CHUNK_SIZES:
+        # chunk 1 decodes the last 40 tokens one by one, after one big chunk.
+        starts = [0, *range(total - 40, total)] if chunk == 1 else list(range(0, total, chunk))
+        cache = KVCache(1, total, 2, d, dtype=dtype, device=DEVICE)
+        for i, s in enumerate(starts):
+            e = starts[i + 1] if i + 1 < len(starts) else total
+            out, lse = batchinv.attention_with_kv_cache(
+                q[:, s:e], k[:, s:e], v[:, s:e], cache, return_lse=True
+            )
+            assert_bitwise_equal(out, full_out[:, s:e], name=f"chunk {chunk}, out [{s}, {e})")
+            assert_bitwise_equal(lse, full_lse[:, :, s:e], name=f"chunk {chunk}, lse [{s}, {e})")
+
+
+@cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_decode_batch_one_equals_batch_eight(dtype):
+    d, lens = 128, [2100, 5, 1024, 1025, 64, 700, 3, 2047]
+    ctx = max(lens) + 1
+    q, k, v = _qkv(8, ctx, ctx, 8, 2, d, dtype, seed=13)
+    big = KVCache(8, ctx, 2, d, dtype=dtype, device=DEVICE)
+    for b, n in enumerate(lens):
+        big.append(k[b : b + 1, :n], v[b : b + 1, :n], torch.tensor([b], device=DEVICE))
+    q_new = torch.stack([q[b, lens[b]] for b in range(8)])[:, None]
+    k_new = torch.stack([k[b, lens[b]] for b in range(8)])[:, None]
+    v_new = torch.stack([v[b, lens[b]] for b in range(8)])[:, None]
+    out8, lse8 = batchinv.attention_with_kv_cache(q_new, k_new, v_new, big, return_lse=True)
+    for b in (0, 3, 7):
+        one = KVCache(1, ctx, 2, d, dtype=dtype, device=DEVICE)
+        one.copy_prefix(b, 0, lens[b], source=big)  # T7: a prefix written by another batch
+        out1, lse1 = batchinv.attention_with_kv_cache(
+            q_new[b : b + 1], k_new[b : b + 1], v_new[b : b + 1], one, return_lse=True
+        )
+        assert_bitwise_equal((out1, lse1), (out8[b : b + 1], lse8[b : b + 1]), name=f"seq {b}")
+        # and both equal the row of a one-shot prefill of the whole sequence
+        n = lens[b] + 1
+        full = _prefill(q[b : b + 1, :n], k[b : b + 1, :n], v[b : b + 1, :n])
+        assert_bitwise_equal(out1, full[0][:, -1:], name=f"decode vs prefill {b}")
+        assert_bitwise_equal(lse1, full[1][:, :, -1:], name=f"decode lse vs prefill {b}")
+
+
+@cuda
+def test_prefix_reuse_across_caches():
+    d, dtype, n = 64, torch.bfloat16, 1500
+    q, k, v = _qkv(1, n + 5, n + 5, 8, 2, d, dtype, seed=14)
+    a = KVCache(2, n + 5, 2, d, dtype=dtype, device=DEVICE)
+    a.append(k[:, :n], v[:, :n], torch.tensor([1], device=DEVICE))
+    b = KVCache(3, n + 5, 2, d, dtype=dtype, device=DEVICE)
+    b.copy_prefix(1, 2, source=a)
+    got_a = batchinv.attention_with_kv_cache(
+        q[:, n:], k[:, n:], v[:, n:], a, torch.tensor([1], device=DEVICE), return_lse=True
+    )
+    got_b = batchinv.attention_with_kv_cache(
+        q[:, n:], k[:, n:], v[:, n:], b, torch.tensor([2], device=DEVICE), return_lse=True
+    )
+    assert_bitwise_equal(got_b, got_a, name="prefix copied into another cache")
+
+
+@cuda
+def test_kv_cache_seqlens_new_pads_and_matches_reference():
+    d, dtype = 64, torch.float16
+    cache = KVCache(2, 300, 2, d, dtype=dtype, device=DEVICE)
+    ref_cache = KVCache(2, 300, 2, d, dtype=torch.float32, device="cpu")
+    q, k, v = _qkv(2, 100, 100, 8, 2, d, dtype, seed=15)
+    lens = torch.tensor([100, 37], device=DEVICE)
+    out, lse = batchinv.attention_with_kv_cache(q, k, v, cache, seqlens_new=lens, return_lse=True)
+    ref_out, _ = batchinv.attention_with_kv_cache(
+        q.float().cpu(),
+        k.float().cpu(),
+        v.float().cpu(),
+        ref_cache,
+        seqlens_new=lens.cpu(),
+        return_lse=True,
+    )
+    assert_within_tolerance(out, ref_out.to(DEVICE), op_class="attention", name="out", dtype=dtype)
+    assert bool((out[1, 37:] == 0).all()) and bool((lse[1, :, 37:] == float("-inf")).all())
+
+
+# ----------------------------------------------------------------------------- autograd
+
+
+@cuda
+def test_requires_grad_forward_has_the_same_bits_and_backward_is_clear():
+    q, k, v = _qkv(2, 20, 30, 8, 2, 64, torch.bfloat16, seed=16)
+    want = batchinv.attention(q, k, v, causal=True)
+    leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    got = batchinv.attention(*leaves, causal=True)
+    assert_bitwise_equal(got.detach(), want, name="autograd forward")
+    if gpu._backward_module() is None:
+        with pytest.raises(NotImplementedError, match="attention_backward"):
+            got.sum().backward()
+    else:
+        got.sum().backward()  # the backward helper's own tests judge its values
+        assert all(t.grad is not None for t in leaves)
+
+
+@cuda
+def test_kv_cache_refuses_requires_grad():
+    cache = KVCache(1, 10, 2, 64, dtype=torch.bfloat16, device=DEVICE)
+    q, k, v = _qkv(1, 2, 2, 8, 2, 64, torch.bfloat16, seed=17)
+    with pytest.raises(RuntimeError, match="inference-only"):
+        batchinv.attention_with_kv_cache(q.requires_grad_(True), k, v, cache)
+
+
+# ----------------------------------------------------------------------------- bad inputs
+
+
+@cuda
+@pytest.mark.parametrize("d", (80, 96, 256))
+def test_unsupported_head_dim_is_a_clear_error(d):
+    q, k, v = _qkv(1, 4, 4, 2, 2, d, torch.bfloat16, seed=18)
+    with pytest.raises(ValueError, match=f"head dim d={d}"):
+        batchinv.attention(q, k, v)
+
+
+@cuda
+def test_float32_on_gpu_is_a_clear_error():
+    q, k, v = _qkv(1, 4, 4, 2, 2, 64, torch.float32, seed=19)
+    with pytest.raises(TypeError, match="bfloat16 or float16"):
+        batchinv.attention(q, k, v)
+
+
+@cuda
+def test_mixed_dtypes_shapes_and_devices_are_clear_errors():
+    q, k, v = _qkv(1, 4, 4, 2, 2, 64, torch.bfloat16, seed=20)
+    with pytest.raises(TypeError):
+        batchinv.attention(q, k.half(), v)
+    with pytest.raises(ValueError, match="same shape"):
+        batchinv.attention(q, k, v[:, :3])
+    with pytest.raises(ValueError, match="Hq=2"):
+        batchinv.attention(q, torch.cat([k, k, k], dim=2), torch.cat([v, v, v], dim=2))
+    with pytest.raises(ValueError, match="device"):
+        batchinv.attention(q, k.cpu(), v)
+
+
+@cuda
+def test_cache_overflow_is_a_clear_error():
+    cache = KVCache(1, 4, 2, 64, dtype=torch.bfloat16, device=DEVICE)
+    q, k, v = _qkv(1, 5, 5, 2, 2, 64, torch.bfloat16, seed=21)
+    with pytest.raises(ValueError, match="max_len=4"):
+        batchinv.attention_with_kv_cache(q, k, v, cache)
+    assert int(cache.lengths[0]) == 0  # nothing was written
