@@ -1,7 +1,7 @@
 """Attention forward on CUDA: launches ``kernels_cu/attention.cu`` on the canonical layout.
 
 Every entry point (padded, varlen, KV cache) is reduced to one canonical layout, which the
-backward (``attention_backward``, when present) consumes as well:
+backward (``attention_backward``) consumes as well:
 
 - ``q [Tq, Hq, d]``, ``k, v [Tk, Hkv, d]``: flat token rows, unit stride along ``d``, 16-byte
   aligned row and head strides (otherwise a contiguous copy is made; inputs are never changed);
@@ -28,10 +28,11 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from . import attention_backward
 from ._launch import kernel_for, launch
 
 BLOCK_KEYS = 64  # keys per block, at absolute positions [64j, 64j + 64)
-SPLIT_KEYS = 1024  # keys per split, at absolute positions (kernels_cu/attention.cu kSplitKeys)
+SPLIT_KEYS = 256  # keys per split, at absolute positions (kernels_cu/attention.cu kSplitKeys)
 HEAD_DIMS = (64, 128)
 WARP_CHOICES = (1, 4)
 MODES = ("auto", "tile", "split")
@@ -289,16 +290,8 @@ def scale_of(softmax_scale: float | None, head_dim: int) -> float:
 # ----------------------------------------------------------------------------- autograd
 
 
-def _backward_module():
-    try:
-        from . import attention_backward
-    except ImportError:
-        return None
-    return attention_backward
-
-
 class _AttentionFunction(torch.autograd.Function):
-    """Forward on the canonical layout; backward by ``attention_backward`` when it exists."""
+    """Forward on the canonical layout; backward by ``attention_backward``'s kernels."""
 
     @staticmethod
     def forward(ctx, q, k, v, layout: Layout, causal: bool, scale: float, prefill_zero: bool):
@@ -312,18 +305,13 @@ class _AttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out, _grad_lse):
-        module = _backward_module()
-        if module is None:
-            raise NotImplementedError(
-                "the CUDA attention backward is not available yet "
-                "(batchinv.gpu.attention_backward is missing)"
-            )
         q, k, v, out, lse = ctx.saved_tensors
         lay = ctx.layout
-        dq, dk, dv = module.backward(
-            q,
-            k,
-            v,
+        # The backward kernels take dense rows; the forward also accepts strided views.
+        dq, dk, dv = attention_backward.backward(
+            q.contiguous(),
+            k.contiguous(),
+            v.contiguous(),
             out,
             lse,
             grad_out.contiguous(),
