@@ -32,7 +32,7 @@ TORCH = "torch>=2.4"
 TEST_DEPS = ["pytest>=8", "transformers>=4.51", "safetensors", "numpy"]
 HIP_TARGETS = ["gfx90a", "gfx942"]
 # Names of every kernel in kernels_cu/, for compute-sanitizer's kernel filter.
-OUR_KERNELS = "^(embedding|linear|rms_norm|rope|silu_mul|log_softmax)_"
+OUR_KERNELS = "^(embedding|linear|rms_norm|rope|silu_mul|log_softmax|attn|attention_bwd|token_logprobs)_"
 
 
 def _nvcc_env(session: nox.Session) -> dict[str, str]:
