@@ -165,26 +165,35 @@ struct GradLogitsEpilogue {
 
     template <int kAcc>
     __device__ __forceinline__ void operator()(const float (&acc)[kAcc], int row, int n0, int lane) const {
+        using storage = typename Codec::storage;
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
             const int r = row + 8 * half;
             if (r >= M) continue;
 #pragma unroll
             for (int j = 0; j < kAcc / 4; ++j) {
-#pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    const int col = n0 + j * 8 + (lane % 4) * 2 + e;
-                    if (col >= N) continue;
-                    const typename Codec::storage d = Codec::store(grad_at(acc[4 * j + 2 * half + e], r, col));
-                    grad_z[r * grad_z_stride + col] = d;
-                    grad_z_t[col * grad_z_t_stride + r] = d;
+                const int col = n0 + j * 8 + (lane % 4) * 2;
+                if (col >= N) continue;
+                const storage d0 = Codec::store(grad_at(acc[4 * j + 2 * half], r, col));
+                grad_z_t[col * grad_z_t_stride + r] = d0;
+                storage* dst = grad_z + r * grad_z_stride + col;
+                if (col + 1 < N) {
+                    const storage d1 = Codec::store(grad_at(acc[4 * j + 2 * half + 1], r, col + 1));
+                    grad_z_t[(col + 1) * grad_z_t_stride + r] = d1;
+                    // grad_z_stride is even, so the pair is 4-byte aligned.
+                    *reinterpret_cast<uint32_t*>(dst) =
+                        static_cast<uint32_t>(linear::storage_bits<Codec>(d0)) |
+                        (static_cast<uint32_t>(linear::storage_bits<Codec>(d1)) << 16);
+                } else {
+                    dst[0] = d0;
                 }
             }
         }
     }
 };
 
-// Backward epilogue: out[r, col] += acc in fp32 (one add per element and chunk).
+// Backward epilogue: out[r, col] += acc in fp32 (one add per element and chunk).  Adjacent
+// column pairs move as one 8-byte access when aligned; the arithmetic is the same either way.
 struct AccumulateEpilogue {
     float* out;  // [M, N]
     int M, N;
@@ -197,12 +206,18 @@ struct AccumulateEpilogue {
             if (r >= M) continue;
 #pragma unroll
             for (int j = 0; j < kAcc / 4; ++j) {
-#pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    const int col = n0 + j * 8 + (lane % 4) * 2 + e;
-                    if (col >= N) continue;
-                    float* dst = out + static_cast<int64_t>(r) * N + col;
-                    *dst = ieee_add(*dst, acc[4 * j + 2 * half + e]);
+                const int col = n0 + j * 8 + (lane % 4) * 2;
+                if (col >= N) continue;
+                float* dst = out + static_cast<int64_t>(r) * N + col;
+                const float a0 = acc[4 * j + 2 * half], a1 = acc[4 * j + 2 * half + 1];
+                if (col + 1 < N && N % 2 == 0) {
+                    float2 v = *reinterpret_cast<float2*>(dst);
+                    v.x = ieee_add(v.x, a0);
+                    v.y = ieee_add(v.y, a1);
+                    *reinterpret_cast<float2*>(dst) = v;
+                } else {
+                    dst[0] = ieee_add(dst[0], a0);
+                    if (col + 1 < N) dst[1] = ieee_add(dst[1], a1);
                 }
             }
         }
