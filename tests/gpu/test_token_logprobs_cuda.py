@@ -116,20 +116,24 @@ def test_rows_are_batch_invariant(dtype):
     assert_no_drift(reports)
 
 
-def _row_grad(hidden, weight, targets, g):
+def _row_grad(hidden, weight, targets, g, g_ent):
     hidden = hidden.detach().clone().requires_grad_(True)
-    _batchinv(hidden, weight, targets).backward(g)
+    outputs = _batchinv(hidden, weight, targets, return_entropy=True)
+    torch.autograd.backward(outputs, (g, g_ent))
     return hidden.grad
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_hidden_gradient_rows_are_batch_invariant(dtype):
+    """Logprob and entropy cotangents; rows alone, in slices and in the full batch."""
     tokens, hidden_size, vocab = 257, 128, 9000
     hidden, weight, targets = _inputs(tokens, hidden_size, vocab, dtype, seed=4, ignored=(7,))
-    g = torch.randn(tokens, generator=torch.Generator().manual_seed(5)).to(DEVICE)
-    full = _row_grad(hidden, weight, targets, g)
+    gen = torch.Generator().manual_seed(5)
+    g, g_ent = torch.randn(2, tokens, generator=gen).to(DEVICE)
+    full = _row_grad(hidden, weight, targets, g, g_ent)
     for start, stop in ((0, 1), (100, 101), (256, 257), (3, 20), (90, 257)):
-        part = _row_grad(hidden[start:stop], weight, targets[start:stop], g[start:stop])
+        rows = slice(start, stop)
+        part = _row_grad(hidden[rows], weight, targets[rows], g[rows], g_ent[rows])
         assert_bitwise_equal(part, full[start:stop], name=f"d_hidden rows {start}:{stop}")
 
 

@@ -261,6 +261,7 @@ def backward(
             )
         if needs_weight:
             matmul_nt(grad_z_t[:width], hidden_t, out=grad_weight[start : start + width])
+    del grad_z, grad_z_t, weight_t, hidden_t  # freed before the rounded copy of d_hidden
     return _finish(grad_hidden, hidden), grad_weight
 
 
