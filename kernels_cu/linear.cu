@@ -75,10 +75,30 @@ __device__ __forceinline__ void mma_k16(float (&acc)[BN / 2], uint64_t desc_x, u
 }
 #endif
 
-template <typename Codec, int BM, int BN, int STAGE_K, int STAGES>
-__device__ __forceinline__ void hopper_gemm(const TensorMap& map_x, const TensorMap& map_w,
-                                            typename Codec::storage* out, const typename Codec::storage* bias,
-                                            int M, int N, int K) {
+// The linear's epilogue: bias added in fp32, each element rounded once and stored.  Other
+// ops (token_logprobs.cu) pass their own epilogue to hopper_gemm_tiles and so reuse the same
+// main loop, hence the same K order and the same bits for every product.
+template <typename Codec>
+struct StoreEpilogue {
+    typename Codec::storage* out;
+    const typename Codec::storage* bias;
+    int M, N;
+    // acc: the wgmma accumulators of one thread; row: its first row (the other is row + 8);
+    // n0: the tile's first column; lane: the thread's lane (see common/wgmma.cuh's layout).
+    template <int kAcc>
+    __device__ __forceinline__ void operator()(const float (&acc)[kAcc], int row, int n0, int lane) const {
+#pragma unroll
+        for (int j = 0; j < kAcc / 4; ++j) {
+            const int col = n0 + j * 8 + (lane % 4) * 2;
+            store_pair<Codec>(out, bias, row, col, M, N, acc[4 * j], acc[4 * j + 1]);
+            store_pair<Codec>(out, bias, row + 8, col, M, N, acc[4 * j + 2], acc[4 * j + 3]);
+        }
+    }
+};
+
+template <typename Codec, int BM, int BN, int STAGE_K, int STAGES, typename Epilogue>
+__device__ __forceinline__ void hopper_gemm_tiles(const TensorMap& map_x, const TensorMap& map_w, int M, int N,
+                                                  int K, const Epilogue& epilogue) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     using namespace hopper;
     constexpr int kConsumers = BM / 64;
@@ -173,15 +193,18 @@ __device__ __forceinline__ void hopper_gemm(const TensorMap& map_x, const Tensor
     const int lane = threadIdx.x % 32;
     const int warp = (threadIdx.x % 128) / 32;
     const int row = m0 + consumer * 64 + warp * 16 + lane / 4;
-#pragma unroll
-    for (int j = 0; j < BN / 8; ++j) {
-        const int col = n0 + j * 8 + (lane % 4) * 2;
-        store_pair<Codec>(out, bias, row, col, M, N, acc[4 * j], acc[4 * j + 1]);
-        store_pair<Codec>(out, bias, row + 8, col, M, N, acc[4 * j + 2], acc[4 * j + 3]);
-    }
+    epilogue(acc, row, n0, lane);
 #elif defined(__CUDA_ARCH__)
     __trap();  // built only into sm_90a images; the host never launches it elsewhere
 #endif
+}
+
+template <typename Codec, int BM, int BN, int STAGE_K, int STAGES>
+__device__ __forceinline__ void hopper_gemm(const TensorMap& map_x, const TensorMap& map_w,
+                                            typename Codec::storage* out, const typename Codec::storage* bias,
+                                            int M, int N, int K) {
+    const StoreEpilogue<Codec> epilogue{out, bias, M, N};
+    hopper_gemm_tiles<Codec, BM, BN, STAGE_K, STAGES>(map_x, map_w, M, N, K, epilogue);
 }
 
 // ---- the sm_80 / HIP kernel -----------------------------------------------------------
@@ -274,6 +297,9 @@ __device__ __forceinline__ void mma_gemm(const typename Codec::storage* x, const
         batchinv::linear::mma_gemm<CODEC>(x, w, out, bias, M, N, K);                                             \
     }
 
+// token_logprobs.cu includes this file for hopper_gemm_tiles and defines this to leave the
+// linear's own kernels out of its module.
+#if !defined(BATCHINV_LINEAR_NO_KERNELS)
 #if !defined(__HIPCC__)
 // batchinv-signature: linear_hopper_bf16_bm64_bn32_k128_s8(tmap, tmap, ptr, ptr, i32, i32, i32)
 BATCHINV_LINEAR_HOPPER(bf16, batchinv::Bf16Codec, 64, 32, 128, 8)
@@ -305,3 +331,4 @@ BATCHINV_LINEAR_HOPPER(f16, batchinv::F16Codec, 128, 256, 64, 4)
 BATCHINV_LINEAR_MMA(bf16, batchinv::Bf16Codec)
 // batchinv-signature: linear_mma_f16(ptr, ptr, ptr, ptr, i32, i32, i32)
 BATCHINV_LINEAR_MMA(f16, batchinv::F16Codec)
+#endif  // BATCHINV_LINEAR_NO_KERNELS

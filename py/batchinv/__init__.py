@@ -17,6 +17,7 @@ from .ops.log_softmax import log_softmax
 from .ops.rms_norm import fused_add_rms_norm, rms_norm
 from .ops.rope import rope
 from .ops.silu_mul import silu_mul, silu_mul_fused
+from .ops.token_logprobs import token_logprobs
 from .reference.kv_cache import KVCache
 
 __version__ = "0.1.0"
@@ -33,3 +34,4 @@ __all__ = [
 ]
 __all__ += ["KVCache", "attention", "attention_varlen", "attention_with_kv_cache"]
 __all__ += ["fused_add_rms_norm", "log_softmax", "rms_norm", "rope", "silu_mul", "silu_mul_fused"]
+__all__ += ["token_logprobs"]

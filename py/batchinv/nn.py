@@ -11,6 +11,7 @@ from .ops.log_softmax import log_softmax
 from .ops.rms_norm import fused_add_rms_norm, rms_norm
 from .ops.rope import rope
 from .ops.silu_mul import silu_mul, silu_mul_fused
+from .ops.token_logprobs import token_logprobs
 
 
 class Embedding(nn.Module):
@@ -173,3 +174,31 @@ class LogSoftmax(nn.Module):
 
     def extra_repr(self) -> str:
         return f"out_dtype={self.out_dtype}"
+
+
+class TokenLogprobs(nn.Module):
+    """Target-token logprobs through an lm_head (``nn.Linear`` or ``batchinv.nn.Linear``
+    without bias, whose weight is shared, not copied): ``forward(hidden, target_ids)``."""
+
+    def __init__(self, lm_head: nn.Module, ignore_index: int = -100):
+        super().__init__()
+        if getattr(lm_head, "bias", None) is not None:
+            raise ValueError("lm_head must have no bias (token_logprobs has no bias term)")
+        if not isinstance(getattr(lm_head, "weight", None), Tensor):
+            raise TypeError(f"lm_head must have a weight tensor, got {type(lm_head).__name__}")
+        self.lm_head = lm_head
+        self.ignore_index = ignore_index
+
+    def forward(
+        self, hidden: Tensor, target_ids: Tensor, *, return_entropy: bool = False
+    ) -> Tensor | tuple[Tensor, Tensor]:
+        return token_logprobs(
+            hidden,
+            self.lm_head.weight,
+            target_ids,
+            self.ignore_index,
+            return_entropy=return_entropy,
+        )
+
+    def extra_repr(self) -> str:
+        return f"ignore_index={self.ignore_index}"

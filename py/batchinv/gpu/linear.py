@@ -117,11 +117,13 @@ def matmul_nt(
     *,
     family: str = "auto",
     config: TileConfig | None = None,
+    out: Tensor | None = None,
 ) -> Tensor:
     """``x[M, K] @ weight[N, K]ᵀ (+ bias)`` for contiguous 2-D bf16/fp16 CUDA tensors.
 
     ``family`` is ``"auto"`` (Hopper kernels on sm_90, else mma.sync), ``"hopper"`` or
     ``"mma"``; ``config`` forces a Hopper tile configuration (tests use both to compare bits).
+    ``out``: a contiguous ``[M, N]`` tensor of ``x``'s dtype to write into (else a new one).
     """
     m, k = x.shape
     n = weight.shape[0]
@@ -132,7 +134,10 @@ def matmul_nt(
     for name, value in (("rows of x", m), ("out_features", n), ("in_features", k)):
         if value > _MAX_DIM:
             raise ValueError(f"{name} = {value} exceeds {_MAX_DIM}")
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if out is None:
+        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    elif out.shape != (m, n) or out.dtype != x.dtype or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous [{m}, {n}] {x.dtype} tensor")
     if m == 0 or n == 0:
         return out
     if k == 0:

@@ -1,0 +1,269 @@
+"""Token logprobs on CUDA: launches ``kernels_cu/token_logprobs.cu`` (sm_90a only).
+
+Forward: one GEMM pass whose epilogue reduces each 256-column vocabulary tile to an online
+log-sum-exp state ``(m, l, s)`` per token (``[T, ceil(V/256)]`` fp32, never the ``[T, V]``
+logits), then one warp per token merges the states in a fixed order.  Backward: per
+vocabulary chunk of ``GRAD_VOCAB_CHUNK`` columns, recompute the logits and write ``d_z``
+(rounded once to the input dtype), add ``d_z @ W_chunk`` to an fp32 ``[T, H]`` buffer, and
+compute ``d_W_chunk = d_zᵀ @ hidden`` with the linear kernel (tokens reduced in order).
+
+Target ids are checked on the device (``prepare_targets``): a bad id is replaced by "ignored"
+for the kernels and its first position is read back once, after the forward's launches, to
+raise ``IndexError`` (one synchronisation per forward call).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .._validate import report_bad_index
+from ._launch import kernel_for, launch, native
+from .linear import matmul_nt, uses_hopper
+
+VOCAB_TILE = 256  # kVocabTile in the kernel: part of the forward's definition (bits)
+GRAD_VOCAB_CHUNK = 4096  # vocabulary columns per backward step: part of d_hidden's definition
+_STAGE_K = 64
+_STAGES = 4
+_MAX_DIM = 2**31 - 1
+_DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "f16"}
+_RAISED: set[tuple[str, int]] = set()
+
+
+def _block_m(tokens: int) -> int:
+    """Tile rows: a speed choice only (a row's arithmetic does not depend on its tile)."""
+    return 128 if tokens >= 1024 else 64
+
+
+def _threads(block_m: int) -> int:
+    return 128 * (block_m // 64 + 1)
+
+
+def _shared_bytes(block_m: int) -> int:
+    # Same layout as linear.cu: stages of (BM + BN) x 64 k-columns, barriers, 1024 alignment.
+    return _STAGES * (block_m + VOCAB_TILE) * _STAGE_K * 2 + 16 * _STAGES + 1024
+
+
+def _kernel(name: str, device: torch.device, shared_bytes: int):
+    kernel = kernel_for("token_logprobs", name, device)
+    key = (name, device.index)
+    if key not in _RAISED:
+        kernel.set_max_dynamic_shared_memory(shared_bytes, device=device.index)
+        _RAISED.add(key)
+    return kernel
+
+
+def _tensor_map(t: Tensor, rows: int, cols: int, row_stride: int, box_rows: int) -> bytes:
+    """A TMA map of ``rows x cols`` elements of ``t`` (rows ``row_stride`` elements apart);
+    reads past ``cols`` or ``rows`` arrive as zeros."""
+    name = _DTYPE_NAMES[t.dtype]
+    return native().tensor_map_2d(t.data_ptr(), name, rows, cols, row_stride * 2, box_rows, 64, 128)
+
+
+def _aligned(t: Tensor) -> Tensor:
+    """``t`` itself when TMA can read it (16-byte aligned base), else an aligned copy."""
+    return t if t.data_ptr() % 16 == 0 else t.clone()
+
+
+def check_gpu_args(hidden: Tensor, weight: Tensor) -> None:
+    """What only the GPU path needs; the op has already run check_token_logprobs_args."""
+    if hidden.dtype not in _DTYPE_NAMES:
+        raise TypeError(
+            f"the GPU token_logprobs takes bf16 or fp16 hidden and lm_head_weight, got "
+            f"{hidden.dtype} (use batchinv.reference.token_logprobs on the CPU for fp32)"
+        )
+    hidden_size = weight.shape[1]
+    if hidden_size == 0 or hidden_size % 8 != 0:
+        raise ValueError(
+            "the GPU token_logprobs needs H = lm_head_weight.shape[1] to be a positive multiple "
+            f"of 8 (16-byte rows), got {hidden_size}"
+        )
+    if not weight.is_contiguous():
+        raise ValueError("lm_head_weight must be contiguous on the GPU (call .contiguous() first)")
+    for name, value in (("tokens", hidden.numel() // hidden_size), ("vocabulary", weight.shape[0])):
+        if value > _MAX_DIM:
+            raise ValueError(f"{name} = {value} exceeds {_MAX_DIM}")
+    if not uses_hopper(hidden.device):
+        raise RuntimeError(
+            "the GPU token_logprobs needs an sm_90 (Hopper) GPU and a build with 90a; "
+            "batchinv does not fall back to another backend"
+        )
+
+
+def prepare_targets(target_ids: Tensor, ignore_index: int, vocab: int) -> tuple[Tensor, Tensor]:
+    """``(targets [T] int32 with -1 for ignored or bad ids, first bad position [] or T)``;
+    no synchronisation."""
+    targets = target_ids.reshape(-1)
+    ignored = targets == ignore_index
+    bad = ~ignored & ((targets < 0) | (targets >= vocab))
+    targets32 = torch.where(ignored | bad, -1, targets).to(torch.int32)
+    positions = torch.arange(targets.numel(), device=targets.device)
+    first_bad = torch.where(bad, positions, targets.numel()).min()
+    return targets32, first_bad
+
+
+def forward(
+    hidden: Tensor, weight: Tensor, target_ids: Tensor, ignore_index: int, with_entropy: bool
+) -> tuple[Tensor, Tensor, Tensor | None, Tensor]:
+    """``(logprob [T], lse [T], entropy [T] or None, targets32 [T])``, fp32, flat over tokens."""
+    check_gpu_args(hidden, weight)
+    vocab, hidden_size = weight.shape
+    rows = hidden.reshape(-1, hidden_size)
+    tokens = rows.shape[0]
+    device = hidden.device
+    logprob = torch.zeros(tokens, dtype=torch.float32, device=device)
+    lse = torch.zeros(tokens, dtype=torch.float32, device=device)
+    entropy = torch.zeros(tokens, dtype=torch.float32, device=device) if with_entropy else None
+    targets32 = torch.empty(0, dtype=torch.int32, device=device)
+    if tokens == 0:
+        return logprob, lse, entropy, targets32
+    targets32, first_bad = prepare_targets(target_ids, ignore_index, vocab)
+    rows, weight = _aligned(rows.contiguous()), _aligned(weight)
+    tiles = -(-vocab // VOCAB_TILE)
+    part_m = torch.empty(tokens, tiles, dtype=torch.float32, device=device)
+    part_l = torch.empty_like(part_m)
+    part_s = torch.empty_like(part_m) if with_entropy else None
+    target_logit = torch.zeros(tokens, dtype=torch.float32, device=device)
+    block_m = _block_m(tokens)
+    dtype_name = _DTYPE_NAMES[rows.dtype]
+    shared = _shared_bytes(block_m)
+    launch(
+        _kernel(f"token_logprobs_partials_{dtype_name}_bm{block_m}", device, shared),
+        device,
+        grid=(-(-tokens // block_m) * tiles,),
+        block=(_threads(block_m),),
+        args=(
+            _tensor_map(rows, tokens, hidden_size, hidden_size, block_m),
+            _tensor_map(weight, vocab, hidden_size, hidden_size, VOCAB_TILE),
+            targets32,
+            target_logit,
+            part_m,
+            part_l,
+            0 if part_s is None else part_s,
+            tokens,
+            vocab,
+            hidden_size,
+            tiles,
+        ),
+        shared_mem=shared,
+    )
+    launch(
+        kernel_for("token_logprobs", "token_logprobs_finalize", device),
+        device,
+        grid=(-(-tokens // 4),),
+        block=(128,),
+        args=(
+            part_m,
+            part_l,
+            0 if part_s is None else part_s,
+            target_logit,
+            targets32,
+            tiles,
+            tokens,
+            logprob,
+            lse,
+            0 if entropy is None else entropy,
+        ),
+    )
+    position = int(first_bad.item())  # the one synchronisation: a bad id must raise here
+    if position != tokens:
+        report_bad_index("target_ids", target_ids, position, vocab)
+    return logprob, lse, entropy, targets32
+
+
+def backward(
+    grad_logprob: Tensor | None,
+    grad_entropy: Tensor | None,
+    hidden: Tensor,
+    weight: Tensor,
+    targets32: Tensor,
+    lse: Tensor,
+    entropy: Tensor | None,
+    needs_hidden: bool,
+    needs_weight: bool,
+) -> tuple[Tensor | None, Tensor | None]:
+    """``(d_hidden like hidden, d_weight like weight)``, either None when not needed."""
+    vocab, hidden_size = weight.shape
+    rows = hidden.reshape(-1, hidden_size)
+    tokens, device, dtype = rows.shape[0], hidden.device, hidden.dtype
+    grad_hidden = (
+        torch.zeros(tokens, hidden_size, dtype=torch.float32, device=device)
+        if needs_hidden
+        else None
+    )
+    grad_weight = torch.zeros_like(weight) if needs_weight else None
+    if tokens == 0 or not (needs_hidden or needs_weight):
+        return _finish(grad_hidden, hidden), grad_weight
+    rows, weight = _aligned(rows.contiguous()), _aligned(weight)
+    zero = torch.zeros(tokens, dtype=torch.float32, device=device)
+    g = zero if grad_logprob is None else grad_logprob.reshape(-1).float().contiguous()
+    g_ent = None if grad_entropy is None else grad_entropy.reshape(-1).float().contiguous()
+    chunk = min(GRAD_VOCAB_CHUNK, -(-vocab // 8) * 8)
+    padded_tokens = -(-tokens // 8) * 8  # TMA rows are 16-byte multiples; the pad stays 0
+    grad_z = torch.empty(tokens, chunk, dtype=dtype, device=device)
+    grad_z_t = torch.zeros(chunk, padded_tokens, dtype=dtype, device=device)
+    weight_t = torch.empty(hidden_size, chunk, dtype=dtype, device=device) if needs_hidden else None
+    hidden_t = None
+    if needs_weight:
+        # Ignored tokens (anything, even NaN, in their rows) get exact zeros in d_W's reduction.
+        valid = (targets32 >= 0).unsqueeze(-1)
+        hidden_t = torch.zeros(hidden_size, padded_tokens, dtype=dtype, device=device)
+        hidden_t[:, :tokens] = torch.where(valid, rows, torch.zeros_like(rows)).t()
+    block_m = _block_m(tokens)
+    dtype_name = _DTYPE_NAMES[dtype]
+    shared = _shared_bytes(block_m)
+    grad_logits = _kernel(f"token_logprobs_grad_logits_{dtype_name}_bm{block_m}", device, shared)
+    accumulate = _kernel(f"token_logprobs_accumulate_{dtype_name}_bm{block_m}", device, shared)
+    map_rows = _tensor_map(rows, tokens, hidden_size, hidden_size, block_m)
+    for start in range(0, vocab, chunk):
+        width = min(chunk, vocab - start)
+        weight_chunk = weight[start : start + width]
+        launch(
+            grad_logits,
+            device,
+            grid=(-(-tokens // block_m) * -(-width // VOCAB_TILE),),
+            block=(_threads(block_m),),
+            args=(
+                map_rows,
+                _tensor_map(weight_chunk, width, hidden_size, hidden_size, VOCAB_TILE),
+                targets32,
+                lse,
+                g,
+                0 if g_ent is None else g_ent,
+                0 if g_ent is None else entropy,
+                grad_z,
+                grad_z_t,
+                chunk,
+                padded_tokens,
+                tokens,
+                width,
+                hidden_size,
+                start,
+            ),
+            shared_mem=shared,
+        )
+        if needs_hidden:
+            weight_t[:, :width].copy_(weight_chunk.t())
+            launch(
+                accumulate,
+                device,
+                grid=(-(-tokens // block_m) * -(-hidden_size // VOCAB_TILE),),
+                block=(_threads(block_m),),
+                args=(
+                    _tensor_map(grad_z, tokens, width, chunk, block_m),
+                    _tensor_map(weight_t, hidden_size, width, chunk, VOCAB_TILE),
+                    grad_hidden,
+                    tokens,
+                    hidden_size,
+                    width,
+                ),
+                shared_mem=shared,
+            )
+        if needs_weight:
+            matmul_nt(grad_z_t[:width], hidden_t, out=grad_weight[start : start + width])
+    del grad_z, grad_z_t, weight_t, hidden_t  # freed before the rounded copy of d_hidden
+    return _finish(grad_hidden, hidden), grad_weight
+
+
+def _finish(grad_hidden: Tensor | None, hidden: Tensor) -> Tensor | None:
+    return None if grad_hidden is None else grad_hidden.to(hidden.dtype).reshape(hidden.shape)
