@@ -246,3 +246,78 @@ def test_inference_path_gives_the_bits_of_the_autograd_path(vocab, dtype):
         expected = batchinv.log_softmax(x)
     got = batchinv.log_softmax(x.detach().clone().requires_grad_(True))
     assert_bitwise_equal(got.detach(), expected)
+
+
+# The Hopper form (a row split over a thread-block cluster, kept in shared memory) must give
+# the bits of the one-CTA form with the same block size; it runs on sm_90 GPUs only.
+CLUSTER_VOCABS = (4104, 32000, 40008, BIG_VOCAB)
+
+
+def _require_cluster_form():
+    index = torch.cuda.current_device()
+    if not gpu_log_softmax._cluster_capable(index):
+        pytest.skip("the cluster form needs an sm_90 GPU and a build with sm_90a")
+
+
+def _forward_and_grad(x, grad, out_dtype=torch.float32):
+    out, lse = gpu_log_softmax.forward(x, out_dtype)
+    grad_x = gpu_log_softmax.backward(grad.to(out_dtype), x, lse)
+    return out, lse, grad_x
+
+
+def test_cluster_form_is_chosen_for_long_aligned_rows():
+    _require_cluster_form()
+    for dtype in DTYPES:
+        x = torch.zeros(2, BIG_VOCAB, dtype=dtype, device=DEVICE)
+        out = torch.empty(2, BIG_VOCAB, device=DEVICE)
+        threads = gpu_log_softmax.threads_for(BIG_VOCAB, dtype)
+        suffix = f"{gpu_log_softmax._SUFFIX[dtype]}_f32_c8_t{threads // 8}"
+        for name, cached, tensors in (
+            (f"log_softmax_cluster_forward_{suffix}", x, (x, out)),
+            (f"log_softmax_cluster_backward_{suffix}", out, (x, out, x)),
+        ):
+            plan = gpu_log_softmax._cluster_plan(
+                name, x.device, BIG_VOCAB, threads, cached, tensors, 2
+            )
+            assert plan is not None, (name, dtype)
+
+
+@pytest.mark.parametrize("threads", gpu_log_softmax.CLUSTER_THREADS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("vocab", CLUSTER_VOCABS)
+def test_cluster_form_gives_the_bits_of_the_one_cta_form(vocab, dtype, threads, monkeypatch):
+    _require_cluster_form()
+    monkeypatch.setattr(gpu_log_softmax, "LARGE_ROW_THREADS", threads)
+    assert gpu_log_softmax.threads_for(vocab, dtype) == threads
+    gen = torch.Generator(device=DEVICE).manual_seed(21)
+    x = (4.0 * torch.randn(6, vocab, device=DEVICE, generator=gen)).to(dtype)
+    x[1, ::5] = float("-inf")  # masked logits
+    x[3] = float("-inf")  # a row with no distribution
+    x[4, -1] = 80.0  # the maximum in the last group of the row
+    grad = torch.randn(6, vocab, device=DEVICE, generator=gen)
+    for out_dtype in (torch.float32, torch.bfloat16):
+        cluster = _forward_and_grad(x, grad, out_dtype)
+        monkeypatch.setattr(gpu_log_softmax, "USE_CLUSTER", False)
+        one_cta = _forward_and_grad(x, grad, out_dtype)
+        monkeypatch.setattr(gpu_log_softmax, "USE_CLUSTER", True)
+        for got, expected in zip(cluster, one_cta, strict=True):
+            assert_bitwise_equal(got, expected)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("vocab", (4104, BIG_VOCAB))
+def test_cluster_form_writes_every_output_element(vocab, dtype):
+    _require_cluster_form()
+    rows = 3
+    gen = torch.Generator(device=DEVICE).manual_seed(22)
+    x = torch.randn(rows, vocab, device=DEVICE, generator=gen).to(dtype)
+    grad = torch.randn(rows, vocab, device=DEVICE, generator=gen)
+    out, lse, grad_x = _forward_and_grad(x, grad)
+    poisoned = torch.full((rows, vocab), float("nan"), device=DEVICE)
+    lse_out = torch.full((rows,), float("nan"), device=DEVICE)
+    gpu_log_softmax._forward_into(poisoned, lse_out, x)
+    assert_bitwise_equal(poisoned, out)
+    assert_bitwise_equal(lse_out, lse)
+    poisoned_grad = torch.full((rows, vocab), float("nan"), dtype=dtype, device=DEVICE)
+    gpu_log_softmax._backward_into(poisoned_grad, grad, x, lse)
+    assert_bitwise_equal(poisoned_grad, grad_x)
