@@ -35,6 +35,11 @@
 //
 // Why a row's bits cannot depend on the batch: the grid is one CTA per row, T and the group
 // layout follow from V only, and nothing a CTA computes reads another row.
+//
+// On sm_90a the host launches the cluster form below instead (one 8-CTA cluster per row, the
+// row read once into shared memory) wherever V % 8 == 0, the rows are 16-byte aligned and the
+// slice fits: for the same T it performs the same operations in the same order, so which form
+// runs changes speed, never bits.  A cluster exchanges state only inside itself (its one row).
 #include "common/hopper.cuh"
 
 
@@ -714,14 +719,14 @@ BATCHINV_LOG_SOFTMAX_ALL_THREADS(f32_f16, batchinv::F32Codec, batchinv::F16Codec
 
 #if !defined(__HIPCC__)
 #define BATCHINV_LOG_SOFTMAX_CLUSTER_KERNELS(SUFFIX, IN, OUT, C, TC)                                   \
-    extern "C" __global__ void BATCHINV_LSM_CLUSTER_DIMS(C) __launch_bounds__(TC)                             \
+    extern "C" BATCHINV_LSM_CLUSTER_DIMS(C) __global__ void __launch_bounds__(TC)                             \
         log_softmax_cluster_forward_##SUFFIX##_c##C##_t##TC(OUT::storage* out, float* lse,               \
                                                             const IN::storage* x, int64_t rows,          \
                                                             int64_t vocab, int64_t x_stride) {           \
         BATCHINV_LSM_HOPPER_ONLY((batchinv::lsm::cluster::forward<IN, OUT, C, TC>(                      \
             batchinv::lsm::ForwardArgs{out, lse, x, rows, vocab, x_stride, 0})));                       \
     }                                                                                                   \
-    extern "C" __global__ void BATCHINV_LSM_CLUSTER_DIMS(C) __launch_bounds__(TC)                             \
+    extern "C" BATCHINV_LSM_CLUSTER_DIMS(C) __global__ void __launch_bounds__(TC)                             \
         log_softmax_cluster_backward_##SUFFIX##_c##C##_t##TC(                                            \
             IN::storage* grad_x, const OUT::storage* grad_out, const IN::storage* x, const float* lse,  \
             int64_t rows, int64_t vocab, int64_t x_stride) {                                            \

@@ -265,21 +265,41 @@ def _forward_and_grad(x, grad, out_dtype=torch.float32):
     return out, lse, grad_x
 
 
-def test_cluster_form_is_chosen_for_long_aligned_rows():
+def test_cluster_form_is_chosen_for_long_bf16_rows():
+    # The benchmark's shape (bf16 logits, V = 151936, fp32 logprobs) takes the Hopper form in
+    # the forward; its T follows V, the dtypes and the device only.
     _require_cluster_form()
-    for dtype in DTYPES:
+    device = torch.device(DEVICE)
+    for dtype in (torch.bfloat16, torch.float16):
+        threads = gpu_log_softmax.threads_for(BIG_VOCAB, dtype, device)
+        assert threads == gpu_log_softmax.HOPPER_LONG_ROW_THREADS
         x = torch.zeros(2, BIG_VOCAB, dtype=dtype, device=DEVICE)
         out = torch.empty(2, BIG_VOCAB, device=DEVICE)
-        threads = gpu_log_softmax.threads_for(BIG_VOCAB, dtype)
         suffix = f"{gpu_log_softmax._SUFFIX[dtype]}_f32_c8_t{threads // 8}"
-        for name, cached, tensors in (
-            (f"log_softmax_cluster_forward_{suffix}", x, (x, out)),
-            (f"log_softmax_cluster_backward_{suffix}", out, (x, out, x)),
-        ):
-            plan = gpu_log_softmax._cluster_plan(
-                name, x.device, BIG_VOCAB, threads, cached, tensors, 2
-            )
-            assert plan is not None, (name, dtype)
+        plan = gpu_log_softmax._cluster_plan(
+            f"log_softmax_cluster_forward_{suffix}", device, BIG_VOCAB, threads, x, (x, out), 2
+        )
+        assert plan is not None, dtype
+        # a misaligned row start takes the one-CTA form with the same T
+        shifted = torch.zeros(2 * BIG_VOCAB + 1, dtype=dtype, device=DEVICE)[1:].view(2, -1)
+        plan = gpu_log_softmax._cluster_plan(
+            f"log_softmax_cluster_forward_{suffix}",
+            device,
+            BIG_VOCAB,
+            threads,
+            shifted,
+            (shifted, out),
+            2,
+        )
+        assert plan is None
+    # short rows keep the one-CTA form's T, as on other GPUs
+    assert gpu_log_softmax.threads_for(32000, torch.bfloat16, device) == 512
+
+
+def _force_cluster_form(monkeypatch, threads: int) -> None:
+    monkeypatch.setattr(gpu_log_softmax, "LARGE_ROW_THREADS", threads)
+    monkeypatch.setattr(gpu_log_softmax, "HOPPER_LONG_ROW_THREADS", threads)
+    monkeypatch.setattr(gpu_log_softmax, "_hopper_form_pays", lambda *args: True)
 
 
 @pytest.mark.parametrize("threads", gpu_log_softmax.CLUSTER_THREADS)
@@ -287,8 +307,8 @@ def test_cluster_form_is_chosen_for_long_aligned_rows():
 @pytest.mark.parametrize("vocab", CLUSTER_VOCABS)
 def test_cluster_form_gives_the_bits_of_the_one_cta_form(vocab, dtype, threads, monkeypatch):
     _require_cluster_form()
-    monkeypatch.setattr(gpu_log_softmax, "LARGE_ROW_THREADS", threads)
-    assert gpu_log_softmax.threads_for(vocab, dtype) == threads
+    _force_cluster_form(monkeypatch, threads)
+    assert gpu_log_softmax.threads_for(vocab, dtype, torch.device(DEVICE)) == threads
     gen = torch.Generator(device=DEVICE).manual_seed(21)
     x = (4.0 * torch.randn(6, vocab, device=DEVICE, generator=gen)).to(dtype)
     x[1, ::5] = float("-inf")  # masked logits
@@ -306,8 +326,9 @@ def test_cluster_form_gives_the_bits_of_the_one_cta_form(vocab, dtype, threads, 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("vocab", (4104, BIG_VOCAB))
-def test_cluster_form_writes_every_output_element(vocab, dtype):
+def test_cluster_form_writes_every_output_element(vocab, dtype, monkeypatch):
     _require_cluster_form()
+    _force_cluster_form(monkeypatch, gpu_log_softmax.HOPPER_LONG_ROW_THREADS)
     rows = 3
     gen = torch.Generator(device=DEVICE).manual_seed(22)
     x = torch.randn(rows, vocab, device=DEVICE, generator=gen).to(dtype)

@@ -394,3 +394,64 @@ def test_inference_path_gives_the_bits_of_the_autograd_path(hidden, dtype):
     assert_bitwise_equal(batchinv.rms_norm(x_grad, weight, EPS).detach(), y)
     fused_grad = batchinv.fused_add_rms_norm(x_grad, residual, weight, EPS)
     assert_bitwise_equal([t.detach() for t in fused_grad], list(fused))
+
+
+# Geometries t32..t256 compute grad_weight's first level inside the backward (x and grad_y read
+# once); it must give the bits of the two-kernel path, for grad_x and grad_weight.
+FUSED_WEIGHT_GRAD_CASES = (
+    (torch.bfloat16, 999),  # t32, element loads
+    (torch.bfloat16, 4096),  # t64
+    (torch.float16, 5120),  # t128
+    (torch.float32, 4100),  # t256 in fp32
+    (torch.bfloat16, 12000),  # t256
+)
+
+
+@pytest.mark.parametrize(("dtype", "hidden"), FUSED_WEIGHT_GRAD_CASES)
+@pytest.mark.parametrize("rows", (1, 65, 200))
+@pytest.mark.parametrize("with_residual", (False, True))
+def test_fused_weight_gradient_gives_the_bits_of_the_two_kernel_path(
+    dtype, hidden, rows, with_residual, monkeypatch
+):
+    name = gpu_rms_norm.geometry(hidden, dtype)[0]
+    assert name in gpu_rms_norm.WEIGHT_GRAD_FUSED_GEOMETRIES
+    gen = torch.Generator(device=DEVICE).manual_seed(31)
+    storage = torch.randn(rows, hidden + 8, device=DEVICE, generator=gen).to(dtype)
+    x = storage[:, :hidden]  # a strided view (row stride hidden + 8)
+    grad_y = torch.randn(rows, hidden, device=DEVICE, generator=gen).to(dtype)
+    extra = (
+        torch.randn(rows, hidden, device=DEVICE, generator=gen).to(dtype) if with_residual else None
+    )
+    weight = _weight(hidden, dtype)
+    _, rstd = gpu_rms_norm.forward(x, weight, EPS)
+    for x_in in (x, x.contiguous()):
+        fused = gpu_rms_norm.backward(grad_y, x_in, weight, rstd, extra)
+        monkeypatch.setattr(gpu_rms_norm, "FUSE_WEIGHT_GRAD", False)
+        two_kernels = gpu_rms_norm.backward(grad_y, x_in, weight, rstd, extra)
+        monkeypatch.setattr(gpu_rms_norm, "FUSE_WEIGHT_GRAD", True)
+        assert_bitwise_equal(fused[0], two_kernels[0])
+        assert_bitwise_equal(fused[1], two_kernels[1])
+
+
+def test_fused_weight_gradient_writes_every_partial():
+    # A poisoned partials buffer: the fused kernel must overwrite every element.
+    dtype, hidden, rows = torch.bfloat16, 4096, 130
+    gen = torch.Generator(device=DEVICE).manual_seed(32)
+    x = torch.randn(rows, hidden, device=DEVICE, generator=gen).to(dtype)
+    grad_y = torch.randn(rows, hidden, device=DEVICE, generator=gen).to(dtype)
+    weight = _weight(hidden, dtype)
+    _, rstd = gpu_rms_norm.forward(x, weight, EPS)
+    name, threads, _ = gpu_rms_norm.geometry(hidden, dtype)
+    partials = torch.full((3, hidden), float("nan"), device=DEVICE)
+    grad_x = torch.full((rows, hidden), float("nan"), device=DEVICE).to(dtype)
+    gpu_rms_norm.launch(
+        gpu_rms_norm.kernel_for("rms_norm", f"rms_norm_backward_wgrad_bf16_{name}", x.device),
+        x.device,
+        grid=(3,),
+        block=(threads,),
+        args=(grad_x, grad_y, x, weight, rstd, 0, rows, hidden, hidden, partials),
+    )
+    assert not bool(partials.isnan().any()) and not bool(grad_x.isnan().any())
+    expected_x, expected_w = gpu_rms_norm.backward(grad_y, x, weight, rstd)
+    assert_bitwise_equal(grad_x, expected_x)
+    assert_bitwise_equal(gpu_rms_norm._reduce_weight_grad_partials(partials, dtype), expected_w)

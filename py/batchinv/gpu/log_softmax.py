@@ -31,22 +31,62 @@ _MAX_GRID_X = 2**31 - 1
 _SUFFIX = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32"}
 CLUSTER_CTAS = 8  # CTAs per row in the Hopper form; T / CLUSTER_CTAS threads each
 CLUSTER_THREADS = (512, 1024)  # the T compiled in the Hopper form (kernels_cu/log_softmax.cu)
+HOPPER_LONG_ROW_THREADS = 1024  # T on sm_90 for rows the Hopper form pays for (see threads_for)
 USE_CLUSTER = True  # the Hopper form where it applies (tests switch it off to compare bits)
 _BARRIER_BYTES = 8  # one mbarrier per shared-memory segment
+# The Hopper form was faster than the one-CTA form (H200, bf16 V = 151936 forward: 0.70 vs
+# 0.62 of a copy) only where the one-CTA form cannot keep the row on chip and at least this many
+# cluster CTAs share an SM (fewer left too few warps: fp32 rows, fp32 grad_out, 0.56-0.64).
+_MIN_CLUSTER_CTAS_PER_SM = 4
 
 
 def _register_groups(dtype: torch.dtype) -> int:
     return REGISTER_BYTES // (GROUP * dtype.itemsize)
 
 
-def threads_for(vocab: int, dtype: torch.dtype) -> int:
-    """The block size for rows of ``vocab`` elements of ``dtype`` (the input's dtype)."""
+def threads_for(
+    vocab: int,
+    dtype: torch.dtype,
+    device: torch.device | None = None,
+    cached_dtype: torch.dtype | None = None,
+) -> int:
+    """The block size (the reduction tree) for rows of ``vocab`` elements of ``dtype`` (the
+    input's dtype) on ``device``: a function of V, the dtypes and the device, never the batch.
+    ``cached_dtype`` is the dtype of the tensor the kernel keeps on chip (x in the forward,
+    grad_out in the backward; default ``dtype``)."""
     groups = -(-vocab // GROUP)
-    return (
-        SMALL_ROW_THREADS
-        if groups <= SMALL_ROW_THREADS * _register_groups(dtype)
-        else LARGE_ROW_THREADS
+    if groups <= SMALL_ROW_THREADS * _register_groups(dtype):
+        return SMALL_ROW_THREADS
+    if device is not None and _hopper_form_pays(device, vocab, cached_dtype or dtype):
+        return HOPPER_LONG_ROW_THREADS
+    return LARGE_ROW_THREADS
+
+
+def _device_index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+def _hopper_form_pays(device: torch.device, vocab: int, cached_dtype: torch.dtype) -> bool:
+    """Whether rows of ``vocab`` (kept on chip in ``cached_dtype``) take the Hopper form's T on
+    this device; decided from V, the dtype and the device's limits only."""
+    if device.type != "cuda" or vocab % GROUP != 0:
+        return False
+    index = _device_index(device)
+    if not _cluster_capable(index):
+        return False
+    props = torch.cuda.get_device_properties(index)
+    per_sm = props.shared_memory_per_multiprocessor
+    one_cta_on_chip = (
+        LARGE_ROW_THREADS * REGISTER_BYTES
+        + per_sm // _CTAS_PER_SM[LARGE_ROW_THREADS]
+        - _DRIVER_RESERVED_SHARED
     )
+    if vocab * cached_dtype.itemsize <= one_cta_on_chip:
+        return False
+    per_cta = (
+        cluster_shared_bytes(vocab, HOPPER_LONG_ROW_THREADS, cached_dtype) + _DRIVER_RESERVED_SHARED
+    )
+    return per_sm // per_cta >= _MIN_CLUSTER_CTAS_PER_SM
 
 
 @functools.cache
@@ -103,16 +143,17 @@ def _cluster_plan(
     rows: int,
 ) -> tuple[object, int] | None:
     """``(kernel, shared bytes)`` of the Hopper form for this call, or None where it does not
-    apply: not sm_90, a short row (one CTA holds it in registers), V not a multiple of 8, a
-    row start not 16-byte aligned, or the slice (of ``cached``'s dtype) above the limit."""
-    if not USE_CLUSTER or threads not in CLUSTER_THREADS or vocab % GROUP != 0:
+    apply: not sm_90, a row the form does not pay for (``threads_for`` then chose another T),
+    a row start not 16-byte aligned, or the slice (of ``cached``'s dtype) above the limit.
+    Where it does not apply the one-CTA form runs with the same T: the same bits."""
+    if not USE_CLUSTER or threads != HOPPER_LONG_ROW_THREADS or vocab % GROUP != 0:
         return None
     if rows * CLUSTER_CTAS > _MAX_GRID_X:
         return None
     if any(t.data_ptr() % 16 != 0 or (t.stride(0) * t.element_size()) % 16 != 0 for t in tensors):
         return None
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if not _cluster_capable(index):
+    index = _device_index(device)
+    if not _cluster_capable(index) or not _hopper_form_pays(device, vocab, cached.dtype):
         return None
     kernel = kernel_for("log_softmax", kernel_name, device)
     static = _static_shared(kernel, index)
@@ -166,7 +207,7 @@ def forward(
 def _forward_into(out: Tensor, lse: Tensor | None, rows_view: Tensor) -> None:
     """Launches the forward of ``rows_view`` ``[rows, V]`` into ``out`` (and ``lse``)."""
     rows, vocab = rows_view.shape
-    threads = threads_for(vocab, rows_view.dtype)
+    threads = threads_for(vocab, rows_view.dtype, rows_view.device)
     suffix = f"{_SUFFIX[rows_view.dtype]}_{_SUFFIX[out.dtype]}"
     lse_arg = lse if lse is not None else 0
     plan = _cluster_plan(
@@ -216,7 +257,7 @@ def backward(grad_out: Tensor, x: Tensor, lse: Tensor) -> Tensor:
 def _backward_into(grad_x: Tensor, grad_rows: Tensor, rows_view: Tensor, lse: Tensor) -> None:
     """Launches the backward of ``rows_view`` ``[rows, V]`` into ``grad_x``."""
     rows, vocab = rows_view.shape
-    threads = threads_for(vocab, rows_view.dtype)
+    threads = threads_for(vocab, rows_view.dtype, rows_view.device, grad_rows.dtype)
     suffix = f"{_SUFFIX[rows_view.dtype]}_{_SUFFIX[grad_rows.dtype]}"
     plan = _cluster_plan(
         f"log_softmax_cluster_backward_{suffix}_c{CLUSTER_CTAS}_t{threads // CLUSTER_CTAS}",
