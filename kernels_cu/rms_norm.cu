@@ -25,9 +25,7 @@
 //           them (rms_norm_weight_grad_reduce); the last pass adds the <= 64 left in order and
 //           rounds once.  A fixed tree whose shape depends on the row count only, no atomics:
 //           bitwise the same run to run.  Zero-gradient rows appended at the end add +0 to
-//           each sum and leave the bits unchanged.  For T in 32..256 the backward computes
-//           pass 1 itself (rms_norm_backward_wgrad_*: one CTA per 64-row chunk, its rows in
-//           order), reading x and grad_y once; same operations, same bits.
+//           each sum and leave the bits unchanged.
 //
 // Launch geometry (the host picks it from d and the dtype only, never from rows): the first
 //   (T threads per row, K chunks per thread) of (4, 4), (16, 4), (32, 4), (64, 8), (128, 8),
@@ -427,114 +425,6 @@ __device__ __forceinline__ void weight_grad_final(typename Codec::storage* grad_
     grad_weight[col] = Codec::store(column_sum(partials, 0, num_partials, d, col));
 }
 
-// Backward with grad_weight's first level fused into it, so x and grad_y are read once: a CTA
-// is the T threads of one row group and handles the kWeightGradRows (64) consecutive rows of
-// chunk blockIdx.x one after the other, the next row's loads in flight while this row is
-// reduced.  grad_x: the operations of backward_rows with the same T and K (same layout, same
-// tree), so the same bits.  partials[chunk, col]: over the chunk's rows in increasing order,
-// sum = sum + grad_y * (x * rstd), starting from 0 - the operations of weight_grad_partials, so
-// the same partials and the same grad_weight.  Register geometries with T >= 32 only.
-// Launch: grid.x = ceil(rows / 64), block = T.
-template <typename Codec, int T, int K>
-__device__ __forceinline__ void backward_with_weight_grad(const BackwardArgs& a, float* partials) {
-    using S = typename Codec::storage;
-    constexpr int E = Chunk<Codec>::kElems;
-    static_assert(T >= BATCHINV_WARP_SIZE, "one row group per CTA");
-    __shared__ float warp_partials[kMaxWarps];
-    const int lane = threadIdx.x;
-    const int64_t d = a.d;
-    const int64_t chunks = (d + E - 1) / E;
-    const int64_t chunk = blockIdx.x;
-    const int64_t begin = chunk * kWeightGradRows;
-    const int64_t end = begin + kWeightGradRows < a.rows ? begin + kWeightGradRows : a.rows;
-    const S* weight = static_cast<const S*>(a.weight);
-    const bool vector = aligned16(a.x) && aligned16(a.grad_y) && aligned16(a.weight) &&
-                        aligned16(a.grad_residual) && aligned16(a.grad_x) &&
-                        stride_aligned16<S>(a.x_stride) && stride_aligned16<S>(d);
-
-    float weight_sums[K][E];
-#pragma unroll
-    for (int k = 0; k < K; ++k) {
-#pragma unroll
-        for (int e = 0; e < E; ++e) weight_sums[k][e] = 0.0f;
-    }
-    Chunk<Codec> xs[K], gs[K];
-#pragma unroll
-    for (int k = 0; k < K; ++k) {
-        const int64_t c = lane + static_cast<int64_t>(k) * T;
-        if (c < chunks) {
-            load_chunk(xs[k], static_cast<const S*>(a.x) + begin * a.x_stride, c, d, vector);
-            load_chunk(gs[k], static_cast<const S*>(a.grad_y) + begin * d, c, d, vector);
-        }
-    }
-    for (int64_t row = begin; row < end; ++row) {
-        Chunk<Codec> x_next[K], g_next[K];
-        if (row + 1 < end) {
-#pragma unroll
-            for (int k = 0; k < K; ++k) {
-                const int64_t c = lane + static_cast<int64_t>(k) * T;
-                if (c < chunks) {
-                    load_chunk(x_next[k], static_cast<const S*>(a.x) + (row + 1) * a.x_stride, c, d, vector);
-                    load_chunk(g_next[k], static_cast<const S*>(a.grad_y) + (row + 1) * d, c, d, vector);
-                }
-            }
-        }
-        const float inv_rms = a.rstd[row];
-        float dot = 0.0f;
-#pragma unroll
-        for (int k = 0; k < K; ++k) {
-            const int64_t c = lane + static_cast<int64_t>(k) * T;
-            if (c >= chunks) continue;
-            Chunk<Codec> w;
-            load_chunk(w, weight, c, d, vector);
-#pragma unroll
-            for (int e = 0; e < E; ++e) {
-                if (c * E + e >= d) continue;
-                const float gw = ieee_mul(Codec::load(gs[k].v[e]), Codec::load(w.v[e]));
-                const float x_hat = ieee_mul(Codec::load(xs[k].v[e]), inv_rms);
-                dot = ieee_add(dot, ieee_mul(gw, x_hat));
-            }
-        }
-        const float mean_dot = __fdiv_rn(row_group_sum<T>(dot, warp_partials), static_cast<float>(d));
-        const S* grad_residual =
-            a.grad_residual != nullptr ? static_cast<const S*>(a.grad_residual) + row * d : nullptr;
-        S* grad_x = static_cast<S*>(a.grad_x) + row * d;
-#pragma unroll
-        for (int k = 0; k < K; ++k) {
-            const int64_t c = lane + static_cast<int64_t>(k) * T;
-            if (c >= chunks) continue;
-            Chunk<Codec> w, extra, out;
-            load_chunk(w, weight, c, d, vector);
-            if (grad_residual != nullptr) load_chunk(extra, grad_residual, c, d, vector);
-#pragma unroll
-            for (int e = 0; e < E; ++e) {
-                const float g_y = Codec::load(gs[k].v[e]);
-                const float gw = ieee_mul(g_y, Codec::load(w.v[e]));
-                const float x_hat = ieee_mul(Codec::load(xs[k].v[e]), inv_rms);
-                float g = ieee_mul(inv_rms, ieee_sub(gw, ieee_mul(x_hat, mean_dot)));
-                if (grad_residual != nullptr) g = ieee_add(g, Codec::load(extra.v[e]));
-                out.v[e] = Codec::store(g);
-                weight_sums[k][e] = ieee_add(weight_sums[k][e], ieee_mul(g_y, x_hat));
-            }
-            store_chunk(grad_x, out, c, d, vector);
-        }
-#pragma unroll
-        for (int k = 0; k < K; ++k) {
-            xs[k] = x_next[k];
-            gs[k] = g_next[k];
-        }
-    }
-#pragma unroll
-    for (int k = 0; k < K; ++k) {
-        const int64_t c = lane + static_cast<int64_t>(k) * T;
-        if (c >= chunks) continue;
-#pragma unroll
-        for (int e = 0; e < E; ++e) {
-            if (c * E + e < d) partials[chunk * d + c * E + e] = weight_sums[k][e];
-        }
-    }
-}
-
 }  // namespace rms
 }  // namespace batchinv
 
@@ -602,29 +492,6 @@ extern "C" __global__ void __launch_bounds__(256) rms_norm_weight_grad_reduce(
 BATCHINV_RMS_NORM_ALL_GEOMETRIES(bf16, batchinv::Bf16Codec)
 BATCHINV_RMS_NORM_ALL_GEOMETRIES(f16, batchinv::F16Codec)
 BATCHINV_RMS_NORM_ALL_GEOMETRIES(f32, batchinv::F32Codec)
-
-#define BATCHINV_RMS_NORM_WEIGHT_GRAD_FUSED_KERNEL(SUFFIX, CODEC, GEOMETRY, T, K)                  \
-    extern "C" __global__ void __launch_bounds__(T) rms_norm_backward_wgrad_##SUFFIX##_##GEOMETRY(  \
-        CODEC::storage* grad_x, const CODEC::storage* grad_y, const CODEC::storage* x,             \
-        const CODEC::storage* weight, const float* rstd, const CODEC::storage* grad_residual,       \
-        int64_t rows, int64_t d, int64_t x_stride, float* partials) {                              \
-        const batchinv::rms::BackwardArgs args{grad_x,        grad_y, x, weight,  rstd,             \
-                                               grad_residual, rows,   d, x_stride};                 \
-        batchinv::rms::backward_with_weight_grad<CODEC, T, K>(args, partials);                     \
-    }
-
-// The row-group geometries of at least a warp (keep in step with WEIGHT_GRAD_FUSED_GEOMETRIES
-// in py/batchinv/gpu/rms_norm.py); T and K as in the backward entries of the same name.  Not
-// t512: its two rows in flight and the column sums need more than 128 registers (spills).
-#define BATCHINV_RMS_NORM_ALL_WEIGHT_GRAD_FUSED(SUFFIX, CODEC)                 \
-    BATCHINV_RMS_NORM_WEIGHT_GRAD_FUSED_KERNEL(SUFFIX, CODEC, t32, 32, 4)       \
-    BATCHINV_RMS_NORM_WEIGHT_GRAD_FUSED_KERNEL(SUFFIX, CODEC, t64, 64, 8)       \
-    BATCHINV_RMS_NORM_WEIGHT_GRAD_FUSED_KERNEL(SUFFIX, CODEC, t128, 128, 8)     \
-    BATCHINV_RMS_NORM_WEIGHT_GRAD_FUSED_KERNEL(SUFFIX, CODEC, t256, 256, 8)
-
-BATCHINV_RMS_NORM_ALL_WEIGHT_GRAD_FUSED(bf16, batchinv::Bf16Codec)
-BATCHINV_RMS_NORM_ALL_WEIGHT_GRAD_FUSED(f16, batchinv::F16Codec)
-BATCHINV_RMS_NORM_ALL_WEIGHT_GRAD_FUSED(f32, batchinv::F32Codec)
 
 // Signatures of the entries above, for the launcher's argument checks.
 // batchinv-signature: rms_norm_forward_bf16_t4(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
@@ -705,16 +572,3 @@ BATCHINV_RMS_NORM_ALL_WEIGHT_GRAD_FUSED(f32, batchinv::F32Codec)
 // batchinv-signature: rms_norm_backward_f32_stream(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
 // batchinv-signature: rms_norm_weight_grad_partials_f32(ptr, ptr, ptr, ptr, i64, i64, i64)
 // batchinv-signature: rms_norm_weight_grad_final_f32(ptr, ptr, i64, i64)
-// batchinv-signature: rms_norm_backward_wgrad_bf16_t32(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, ptr)
-// batchinv-signature: rms_norm_backward_wgrad_bf16_t64(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, ptr)
-// batchinv-signature: rms_norm_backward_wgrad_bf16_t128(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, ptr)
-// batchinv-signature: rms_norm_backward_wgrad_bf16_t256(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, ptr)
-// batchinv-signature: rms_norm_backward_wgrad_f16_t32(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, ptr)
-// batchinv-signature: rms_norm_backward_wgrad_f16_t64(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, ptr)
-// batchinv-signature: rms_norm_backward_wgrad_f16_t128(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, ptr)
-// batchinv-signature: rms_norm_backward_wgrad_f16_t256(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, ptr)
-// batchinv-signature: rms_norm_backward_wgrad_f32_t32(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, ptr)
-// batchinv-signature: rms_norm_backward_wgrad_f32_t64(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, ptr)
-// batchinv-signature: rms_norm_backward_wgrad_f32_t128(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, ptr)
-// batchinv-signature: rms_norm_backward_wgrad_f32_t256(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, ptr)
-

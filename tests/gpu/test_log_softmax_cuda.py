@@ -169,7 +169,8 @@ def test_every_output_element_is_written(vocab, dtype):
     poisoned = torch.full((rows, vocab), float("nan"), device=DEVICE)
     out, lse = gpu_log_softmax.forward(x)
     assert_bitwise_equal(out, expected)
-    threads = gpu_log_softmax.threads_for(vocab, dtype)
+    # the one-CTA kernel with the T the op uses on this device (the same bits in either form)
+    threads = gpu_log_softmax.threads_for(vocab, dtype, x.device, torch.float32)
     kernel = gpu_log_softmax.kernel_for(
         "log_softmax",
         f"log_softmax_forward_{gpu_log_softmax._SUFFIX[dtype]}_f32_t{threads}",
@@ -265,35 +266,35 @@ def _forward_and_grad(x, grad, out_dtype=torch.float32):
     return out, lse, grad_x
 
 
-def test_cluster_form_is_chosen_for_long_bf16_rows():
-    # The benchmark's shape (bf16 logits, V = 151936, fp32 logprobs) takes the Hopper form in
-    # the forward; its T follows V, the dtypes and the device only.
+def test_cluster_form_is_chosen_where_it_was_measured_faster():
+    # bf16 logits -> fp32 logprobs and the bf16 backward at V = 151936 take the Hopper form; its
+    # T follows V, the dtypes and the device only.  Other cases keep the one-CTA form's T.
     _require_cluster_form()
     device = torch.device(DEVICE)
-    for dtype in (torch.bfloat16, torch.float16):
-        threads = gpu_log_softmax.threads_for(BIG_VOCAB, dtype, device)
-        assert threads == gpu_log_softmax.HOPPER_LONG_ROW_THREADS
-        x = torch.zeros(2, BIG_VOCAB, dtype=dtype, device=DEVICE)
-        out = torch.empty(2, BIG_VOCAB, device=DEVICE)
-        suffix = f"{gpu_log_softmax._SUFFIX[dtype]}_f32_c8_t{threads // 8}"
-        plan = gpu_log_softmax._cluster_plan(
-            f"log_softmax_cluster_forward_{suffix}", device, BIG_VOCAB, threads, x, (x, out), 2
-        )
-        assert plan is not None, dtype
-        # a misaligned row start takes the one-CTA form with the same T
-        shifted = torch.zeros(2 * BIG_VOCAB + 1, dtype=dtype, device=DEVICE)[1:].view(2, -1)
-        plan = gpu_log_softmax._cluster_plan(
-            f"log_softmax_cluster_forward_{suffix}",
-            device,
-            BIG_VOCAB,
-            threads,
-            shifted,
-            (shifted, out),
-            2,
-        )
-        assert plan is None
-    # short rows keep the one-CTA form's T, as on other GPUs
-    assert gpu_log_softmax.threads_for(32000, torch.bfloat16, device) == 512
+    f32, bf16 = torch.float32, torch.bfloat16
+    hopper = gpu_log_softmax.HOPPER_LONG_ROW_THREADS
+    one_cta = gpu_log_softmax.LARGE_ROW_THREADS
+    threads_for = gpu_log_softmax.threads_for
+    assert threads_for(BIG_VOCAB, bf16, device, f32) == hopper
+    assert threads_for(BIG_VOCAB, bf16, device, bf16, backward=True) == hopper
+    for dtype, out_dtype, backward in (
+        (bf16, bf16, False),
+        (bf16, f32, True),
+        (f32, f32, False),
+        (torch.float16, f32, False),
+    ):
+        assert threads_for(BIG_VOCAB, dtype, device, out_dtype, backward=backward) == one_cta
+    assert threads_for(32000, bf16, device, f32) == one_cta
+    x = torch.zeros(2, BIG_VOCAB, dtype=bf16, device=DEVICE)
+    out = torch.empty(2, BIG_VOCAB, device=DEVICE)
+    name = f"log_softmax_cluster_forward_bf16_f32_c8_t{hopper // 8}"
+    dtypes = (bf16, f32, False)
+    plan = gpu_log_softmax._cluster_plan(name, device, BIG_VOCAB, hopper, dtypes, (x, out), 2)
+    assert plan is not None
+    # a misaligned row start takes the one-CTA form with the same T
+    shifted = torch.zeros(2 * BIG_VOCAB + 1, dtype=bf16, device=DEVICE)[1:].view(2, -1)
+    plan = gpu_log_softmax._cluster_plan(name, device, BIG_VOCAB, hopper, dtypes, (shifted, out), 2)
+    assert plan is None
 
 
 def _force_cluster_form(monkeypatch, threads: int) -> None:

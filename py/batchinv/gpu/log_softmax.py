@@ -34,10 +34,18 @@ CLUSTER_THREADS = (512, 1024)  # the T compiled in the Hopper form (kernels_cu/l
 HOPPER_LONG_ROW_THREADS = 1024  # T on sm_90 for rows the Hopper form pays for (see threads_for)
 USE_CLUSTER = True  # the Hopper form where it applies (tests switch it off to compare bits)
 _BARRIER_BYTES = 8  # one mbarrier per shared-memory segment
-# The Hopper form was faster than the one-CTA form (H200, bf16 V = 151936 forward: 0.70 vs
-# 0.62 of a copy) only where the one-CTA form cannot keep the row on chip and at least this many
-# cluster CTAs share an SM (fewer left too few warps: fp32 rows, fp32 grad_out, 0.56-0.64).
-_MIN_CLUSTER_CTAS_PER_SM = 4
+# Where the Hopper form is used: (direction, x dtype, out / grad_out dtype) for which it measured
+# faster than the one-CTA form on an H200 at V = 151936: forward bf16 -> fp32 1.25 vs 1.44 ms,
+# backward bf16 x and bf16 grad_out 1.09 vs 1.16 ms (4096 rows).  It was slower for forward
+# bf16 -> bf16 (1.41 vs 1.10 ms), fp32 x, fp32 grad_out (2 CTAs per SM: too few warps) and
+# V = 32000 (where one CTA already keeps the row on chip); other cases were not measured.
+_HOPPER_FORM_CASES = frozenset(
+    {
+        ("forward", torch.bfloat16, torch.float32),
+        ("backward", torch.bfloat16, torch.bfloat16),
+    }
+)
+_MIN_CLUSTER_CTAS_PER_SM = 4  # a guard for rows far longer than measured
 
 
 def _register_groups(dtype: torch.dtype) -> int:
@@ -48,16 +56,19 @@ def threads_for(
     vocab: int,
     dtype: torch.dtype,
     device: torch.device | None = None,
-    cached_dtype: torch.dtype | None = None,
+    out_dtype: torch.dtype | None = None,
+    *,
+    backward: bool = False,
 ) -> int:
     """The block size (the reduction tree) for rows of ``vocab`` elements of ``dtype`` (the
-    input's dtype) on ``device``: a function of V, the dtypes and the device, never the batch.
-    ``cached_dtype`` is the dtype of the tensor the kernel keeps on chip (x in the forward,
-    grad_out in the backward; default ``dtype``)."""
+    input's dtype) with output (forward) or grad_out (``backward``) of ``out_dtype`` on
+    ``device``: a function of V, the dtypes and the device, never of the batch."""
     groups = -(-vocab // GROUP)
     if groups <= SMALL_ROW_THREADS * _register_groups(dtype):
         return SMALL_ROW_THREADS
-    if device is not None and _hopper_form_pays(device, vocab, cached_dtype or dtype):
+    if device is not None and _hopper_form_pays(
+        device, vocab, dtype, out_dtype or torch.float32, backward
+    ):
         return HOPPER_LONG_ROW_THREADS
     return LARGE_ROW_THREADS
 
@@ -66,16 +77,23 @@ def _device_index(device: torch.device) -> int:
     return device.index if device.index is not None else torch.cuda.current_device()
 
 
-def _hopper_form_pays(device: torch.device, vocab: int, cached_dtype: torch.dtype) -> bool:
-    """Whether rows of ``vocab`` (kept on chip in ``cached_dtype``) take the Hopper form's T on
-    this device; decided from V, the dtype and the device's limits only."""
-    if device.type != "cuda" or vocab % GROUP != 0:
+def _hopper_form_pays(
+    device: torch.device,
+    vocab: int,
+    dtype: torch.dtype,
+    out_dtype: torch.dtype,
+    backward: bool,
+) -> bool:
+    """Whether these rows take the Hopper form's T on this device (see _HOPPER_FORM_CASES);
+    decided from V, the dtypes and the device's limits only."""
+    case = ("backward" if backward else "forward", dtype, out_dtype)
+    if case not in _HOPPER_FORM_CASES or device.type != "cuda" or vocab % GROUP != 0:
         return False
     index = _device_index(device)
     if not _cluster_capable(index):
         return False
-    props = torch.cuda.get_device_properties(index)
-    per_sm = props.shared_memory_per_multiprocessor
+    cached_dtype = out_dtype if backward else dtype  # what the kernel keeps on chip
+    per_sm = torch.cuda.get_device_properties(index).shared_memory_per_multiprocessor
     one_cta_on_chip = (
         LARGE_ROW_THREADS * REGISTER_BYTES
         + per_sm // _CTAS_PER_SM[LARGE_ROW_THREADS]
@@ -138,14 +156,16 @@ def _cluster_plan(
     device: torch.device,
     vocab: int,
     threads: int,
-    cached: Tensor,
+    dtypes: tuple[torch.dtype, torch.dtype, bool],
     tensors: tuple[Tensor, ...],
     rows: int,
 ) -> tuple[object, int] | None:
     """``(kernel, shared bytes)`` of the Hopper form for this call, or None where it does not
-    apply: not sm_90, a row the form does not pay for (``threads_for`` then chose another T),
-    a row start not 16-byte aligned, or the slice (of ``cached``'s dtype) above the limit.
-    Where it does not apply the one-CTA form runs with the same T: the same bits."""
+    apply: not sm_90, a case the form does not pay for (``threads_for`` then chose another T),
+    a row start not 16-byte aligned, or the slice above the limit.  ``dtypes`` is
+    ``(x dtype, out or grad_out dtype, backward)``.  Where the form does not apply, the one-CTA
+    form runs with the same T: the same bits."""
+    dtype, out_dtype, backward = dtypes
     if not USE_CLUSTER or threads != HOPPER_LONG_ROW_THREADS or vocab % GROUP != 0:
         return None
     if rows * CLUSTER_CTAS > _MAX_GRID_X:
@@ -153,12 +173,13 @@ def _cluster_plan(
     if any(t.data_ptr() % 16 != 0 or (t.stride(0) * t.element_size()) % 16 != 0 for t in tensors):
         return None
     index = _device_index(device)
-    if not _cluster_capable(index) or not _hopper_form_pays(device, vocab, cached.dtype):
+    if not _hopper_form_pays(device, vocab, dtype, out_dtype, backward):
         return None
+    cached_dtype = out_dtype if backward else dtype
     kernel = kernel_for("log_softmax", kernel_name, device)
     static = _static_shared(kernel, index)
     limit = torch.cuda.get_device_properties(index).shared_memory_per_block_optin - static
-    shared = cluster_shared_bytes(vocab, threads, cached.dtype)
+    shared = cluster_shared_bytes(vocab, threads, cached_dtype)
     if shared > limit:
         return None
     if shared > _DEFAULT_SHARED - static:
@@ -207,7 +228,7 @@ def forward(
 def _forward_into(out: Tensor, lse: Tensor | None, rows_view: Tensor) -> None:
     """Launches the forward of ``rows_view`` ``[rows, V]`` into ``out`` (and ``lse``)."""
     rows, vocab = rows_view.shape
-    threads = threads_for(vocab, rows_view.dtype, rows_view.device)
+    threads = threads_for(vocab, rows_view.dtype, rows_view.device, out.dtype)
     suffix = f"{_SUFFIX[rows_view.dtype]}_{_SUFFIX[out.dtype]}"
     lse_arg = lse if lse is not None else 0
     plan = _cluster_plan(
@@ -215,7 +236,7 @@ def _forward_into(out: Tensor, lse: Tensor | None, rows_view: Tensor) -> None:
         rows_view.device,
         vocab,
         threads,
-        rows_view,
+        (rows_view.dtype, out.dtype, False),
         (rows_view, out),
         rows,
     )
@@ -257,14 +278,14 @@ def backward(grad_out: Tensor, x: Tensor, lse: Tensor) -> Tensor:
 def _backward_into(grad_x: Tensor, grad_rows: Tensor, rows_view: Tensor, lse: Tensor) -> None:
     """Launches the backward of ``rows_view`` ``[rows, V]`` into ``grad_x``."""
     rows, vocab = rows_view.shape
-    threads = threads_for(vocab, rows_view.dtype, rows_view.device, grad_rows.dtype)
+    threads = threads_for(vocab, rows_view.dtype, rows_view.device, grad_rows.dtype, backward=True)
     suffix = f"{_SUFFIX[rows_view.dtype]}_{_SUFFIX[grad_rows.dtype]}"
     plan = _cluster_plan(
         f"log_softmax_cluster_backward_{suffix}_c{CLUSTER_CTAS}_t{threads // CLUSTER_CTAS}",
         rows_view.device,
         vocab,
         threads,
-        grad_rows,
+        (rows_view.dtype, grad_rows.dtype, True),
         (rows_view, grad_rows, grad_x),
         rows,
     )

@@ -26,10 +26,6 @@ STREAMING_THREADS = 1024
 MIN_CTA_THREADS = 128
 WEIGHT_GRAD_ROWS = 64  # rows per partial of grad_weight (a constant, not a tuning knob)
 WEIGHT_GRAD_THREADS = 256
-# Geometries whose backward also computes grad_weight's first level (kernels_cu/rms_norm.cu:
-# rms_norm_backward_wgrad_*), reading x and grad_y once; the same bits as the two-kernel path.
-WEIGHT_GRAD_FUSED_GEOMETRIES = ("t32", "t64", "t128", "t256")
-FUSE_WEIGHT_GRAD = True  # tests switch it off to compare the two paths bit for bit
 
 _MAX_GRID_X = 2**31 - 1
 _MAX_GRID_Y = 65535
@@ -139,9 +135,12 @@ def _weight_grad(grad_rows: Tensor, x_rows: Tensor, rstd: Tensor, dtype: torch.d
     """``sum over rows of grad_y * x_hat`` by the fixed tree of kernels_cu/rms_norm.cu."""
     rows, d = grad_rows.shape
     device = grad_rows.device
+    grad_weight = torch.empty(d, dtype=dtype, device=device)
     if rows == 0:
-        return torch.zeros(d, dtype=dtype, device=device)
-    col_blocks = _weight_grad_col_blocks(d)
+        return grad_weight.zero_()
+    col_blocks = -(-d // WEIGHT_GRAD_THREADS)
+    if col_blocks > _MAX_GRID_Y:
+        raise ValueError(f"x.shape[-1] = {d} is too large for the weight gradient kernel")
     chunks = -(-rows // WEIGHT_GRAD_ROWS)
     partials = torch.empty((chunks, d), dtype=torch.float32, device=device)
     launch(
@@ -151,22 +150,6 @@ def _weight_grad(grad_rows: Tensor, x_rows: Tensor, rstd: Tensor, dtype: torch.d
         block=(WEIGHT_GRAD_THREADS,),
         args=(partials, grad_rows, x_rows, rstd, rows, d, x_rows.stride(0)),
     )
-    return _reduce_weight_grad_partials(partials, dtype)
-
-
-def _weight_grad_col_blocks(d: int) -> int:
-    col_blocks = -(-d // WEIGHT_GRAD_THREADS)
-    if col_blocks > _MAX_GRID_Y:
-        raise ValueError(f"x.shape[-1] = {d} is too large for the weight gradient kernel")
-    return col_blocks
-
-
-def _reduce_weight_grad_partials(partials: Tensor, dtype: torch.dtype) -> Tensor:
-    """grad_weight from the first level's ``[ceil(rows / 64), d]`` fp32 partial rows."""
-    d = partials.shape[1]
-    device = partials.device
-    col_blocks = _weight_grad_col_blocks(d)
-    grad_weight = torch.empty(d, dtype=dtype, device=device)
     while partials.shape[0] > WEIGHT_GRAD_ROWS:
         count = partials.shape[0]
         chunks = -(-count // WEIGHT_GRAD_ROWS)
@@ -211,31 +194,6 @@ def backward(
         else None
     )
     grad_x = torch.empty((rows, d), dtype=x.dtype, device=x.device)
-    name, threads, _ = geometry(d, x.dtype)
-    if rows > 0 and weight_grad and FUSE_WEIGHT_GRAD and name in WEIGHT_GRAD_FUSED_GEOMETRIES:
-        _weight_grad_col_blocks(d)  # the same limit as the two-kernel path
-        chunks = -(-rows // WEIGHT_GRAD_ROWS)
-        partials = torch.empty((chunks, d), dtype=torch.float32, device=x.device)
-        launch(
-            kernel_for("rms_norm", f"rms_norm_backward_wgrad_{_SUFFIX[x.dtype]}_{name}", x.device),
-            x.device,
-            grid=(partials.shape[0],),
-            block=(threads,),
-            args=(
-                grad_x,
-                grad_rows,
-                x_rows,
-                weight.contiguous(),
-                rstd,
-                extra if extra is not None else 0,
-                rows,
-                d,
-                x_rows.stride(0),
-                partials,
-            ),
-        )
-        grad_weight = _reduce_weight_grad_partials(partials, weight.dtype)
-        return grad_x.reshape(x.shape), grad_weight
     if rows > 0:
         _launch_rows(
             "rms_norm_backward",
