@@ -35,7 +35,12 @@
 //
 // Why a row's bits cannot depend on the batch: the grid is one CTA per row, T and the group
 // layout follow from V only, and nothing a CTA computes reads another row.
-#include "common/portability.cuh"
+//
+// On sm_90a the host launches the cluster form below instead (one 8-CTA cluster per row, the
+// row read once into shared memory) wherever V % 8 == 0, the rows are 16-byte aligned and the
+// slice fits: for the same T it performs the same operations in the same order, so which form
+// runs changes speed, never bits.  A cluster exchanges state only inside itself (its one row).
+#include "common/hopper.cuh"
 
 
 namespace batchinv {
@@ -412,6 +417,261 @@ __device__ __forceinline__ void backward(const BackwardArgs& a) {
     }
 }
 
+
+// ---------------------------------------------------------------------------------------------
+// Hopper (sm_90a) form: the row is split over a thread-block cluster of C CTAs of T / C threads
+// and kept entirely in shared memory, so x (forward) or grad_out (backward) is read from global
+// memory once.  Thread i = rank * (T / C) + threadIdx.x of the cluster plays thread i of the
+// one-CTA form above: it owns groups g = i + k * T and visits them in increasing k, the warp
+// butterfly is the same, and the 32-lane warps' states are merged in global warp order (warp w
+// lives in CTA w / (T / C / 32)) after an exchange through distributed shared memory.  So for
+// equal T the two forms compute the same operations in the same order: the same bits (tested).
+// Shared memory of CTA `rank`: segment k = the T / C groups [k * T + rank * T / C, + T / C),
+// contiguous in the row, copied by one bulk async copy (cp.async.bulk) with its own mbarrier,
+// so a thread can start on segment 0 while later segments are still in flight.  The segments
+// come first, then one 8-byte mbarrier per segment.  Needs V % 8 == 0 and 16-byte aligned row
+// starts (the host checks; otherwise it uses the one-CTA form with the same T: same bits).
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+namespace cluster {
+
+__device__ __forceinline__ uint32_t cta_rank() {
+    uint32_t rank;
+    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(rank));
+    return rank;
+}
+
+__device__ __forceinline__ void cluster_arrive() {
+    asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
+}
+
+__device__ __forceinline__ void cluster_wait() {
+    asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+
+// The address of `local` (a shared variable of this CTA) in the CTA of cluster rank `rank`.
+__device__ __forceinline__ uint32_t remote_address(const void* local, uint32_t rank) {
+    uint32_t remote;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;"
+                 : "=r"(remote)
+                 : "r"(hopper::smem_address(local)), "r"(rank));
+    return remote;
+}
+
+__device__ __forceinline__ float2 load_remote_float2(uint32_t address) {
+    float2 v;
+    asm volatile("ld.shared::cluster.v2.f32 {%0, %1}, [%2];" : "=f"(v.x), "=f"(v.y) : "r"(address) : "memory");
+    return v;
+}
+
+__device__ __forceinline__ float load_remote_float(uint32_t address) {
+    float v;
+    asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(address) : "memory");
+    return v;
+}
+
+__device__ __forceinline__ void bulk_load(void* destination, const void* source, uint32_t bytes,
+                                          uint64_t* barrier) {
+    asm volatile(
+        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+            hopper::smem_address(destination)),
+        "l"(reinterpret_cast<uint64_t>(source)), "r"(bytes), "r"(hopper::smem_address(barrier))
+        : "memory");
+}
+
+// Row layout seen by one CTA of the cluster.
+template <typename S, int C, int TC>
+struct Slice {
+    static constexpr int kSegmentBytes = TC * kGroup * static_cast<int>(sizeof(S));
+    int segments;  // k = 0 .. segments - 1
+    int groups;    // groups in the row
+    uint32_t rank;
+
+    __device__ __forceinline__ int group_of(int k) const {
+        return k * C * TC + static_cast<int>(rank) * TC + static_cast<int>(threadIdx.x);
+    }
+    __device__ __forceinline__ uint32_t bytes_of(int k, int64_t vocab) const {
+        const int64_t first = static_cast<int64_t>(k * C * TC + static_cast<int>(rank) * TC) * kGroup;
+        const int64_t left = vocab - first;
+        const int64_t n = left < TC * kGroup ? left : TC * kGroup;
+        return n > 0 ? static_cast<uint32_t>(n * static_cast<int64_t>(sizeof(S))) : 0u;
+    }
+};
+
+// Warp 0 starts every segment's copy; each segment completes on its own barrier.
+template <typename S, int C, int TC>
+__device__ __forceinline__ void start_row_copies(const Slice<S, C, TC>& slice, const S* row, int64_t vocab,
+                                                 uint8_t* segments, uint64_t* barriers) {
+    const int lane = static_cast<int>(threadIdx.x);
+    if (lane < BATCHINV_WARP_SIZE) {
+        for (int k = lane; k < slice.segments; k += BATCHINV_WARP_SIZE) hopper::barrier_init(&barriers[k], 1);
+        hopper::fence_barrier_init();
+    }
+    __syncthreads();
+    if (lane < BATCHINV_WARP_SIZE) {
+        for (int k = lane; k < slice.segments; k += BATCHINV_WARP_SIZE) {
+            const uint32_t bytes = slice.bytes_of(k, vocab);
+            if (bytes == 0) continue;  // nobody waits on it: its groups are past the row
+            hopper::barrier_expect_bytes(&barriers[k], bytes);
+            const int64_t first = static_cast<int64_t>(k * C * TC + static_cast<int>(slice.rank) * TC) * kGroup;
+            bulk_load(segments + static_cast<int64_t>(k) * Slice<S, C, TC>::kSegmentBytes, row + first, bytes,
+                      &barriers[k]);
+        }
+    }
+}
+
+template <typename Codec, int C, int TC>
+__device__ __forceinline__ void read_group(Group<Codec>& g, const uint8_t* segments, int k) {
+    using S = typename Codec::storage;
+    smem_get(g, reinterpret_cast<const uint4*>(segments + static_cast<int64_t>(k) * Slice<S, C, TC>::kSegmentBytes),
+             static_cast<int>(threadIdx.x));
+}
+
+// The cluster's merged state, every thread of every CTA getting the same bits; `warp_states`
+// holds this CTA's TC / 32 warps.  Leaves the cluster barrier armed: call cluster_wait() before
+// the CTA exits (other CTAs read this CTA's warp_states until they arrive).
+template <int C, int TC>
+__device__ __forceinline__ State cluster_merge(State s, float2* warp_states) {
+    constexpr int W = BATCHINV_WARP_SIZE;
+    constexpr int kLocalWarps = TC / W;
+#pragma unroll
+    for (int offset = W / 2; offset > 0; offset >>= 1) {
+        const State other{BATCHINV_SHFL_XOR(s.m, offset), BATCHINV_SHFL_XOR(s.l, offset)};
+        s = merge(s, other);
+    }
+    if (threadIdx.x % W == 0) warp_states[threadIdx.x / W] = make_float2(s.m, s.l);
+    cluster_arrive();
+    cluster_wait();
+    float2 all[C * kLocalWarps];
+#pragma unroll
+    for (int w = 0; w < C * kLocalWarps; ++w) {
+        all[w] = load_remote_float2(remote_address(&warp_states[w % kLocalWarps], w / kLocalWarps));
+    }
+    cluster_arrive();  // this CTA is done reading the others
+    s = {all[0].x, all[0].y};
+#pragma unroll
+    for (int w = 1; w < C * kLocalWarps; ++w) s = merge(s, State{all[w].x, all[w].y});
+    return s;
+}
+
+template <int C, int TC>
+__device__ __forceinline__ float cluster_sum(float v, float* warp_sums) {
+    constexpr int W = BATCHINV_WARP_SIZE;
+    constexpr int kLocalWarps = TC / W;
+#pragma unroll
+    for (int offset = W / 2; offset > 0; offset >>= 1) v = ieee_add(v, BATCHINV_SHFL_XOR(v, offset));
+    if (threadIdx.x % W == 0) warp_sums[threadIdx.x / W] = v;
+    cluster_arrive();
+    cluster_wait();
+    float all[C * kLocalWarps];
+#pragma unroll
+    for (int w = 0; w < C * kLocalWarps; ++w) {
+        all[w] = load_remote_float(remote_address(&warp_sums[w % kLocalWarps], w / kLocalWarps));
+    }
+    cluster_arrive();
+    v = all[0];
+#pragma unroll
+    for (int w = 1; w < C * kLocalWarps; ++w) v = ieee_add(v, all[w]);
+    return v;
+}
+
+template <typename InCodec, typename OutCodec, int C, int TC>
+__device__ __forceinline__ void forward(const ForwardArgs& a) {
+    using S = typename InCodec::storage;
+    using O = typename OutCodec::storage;
+    static_assert(TC % BATCHINV_WARP_SIZE == 0, "whole warps per CTA");
+    extern __shared__ __align__(16) uint8_t shared_row[];
+    __shared__ float2 warp_states[TC / BATCHINV_WARP_SIZE];
+    const int64_t vocab = a.vocab;
+    const int64_t row = blockIdx.x / C;  // grid.x = rows * C exactly: every CTA has a row
+    Slice<S, C, TC> slice;
+    slice.rank = cta_rank();
+    slice.groups = static_cast<int>((vocab + kGroup - 1) / kGroup);
+    slice.segments = (slice.groups + C * TC - 1) / (C * TC);
+    uint64_t* barriers = reinterpret_cast<uint64_t*>(shared_row + static_cast<int64_t>(slice.segments) *
+                                                                      Slice<S, C, TC>::kSegmentBytes);
+    const S* x = static_cast<const S*>(a.x) + row * a.x_stride;
+    O* out = static_cast<O*>(a.out) + row * vocab;
+    start_row_copies(slice, x, vocab, shared_row, barriers);
+
+    State st{-INFINITY, 0.0f};
+    for (int k = 0; k < slice.segments; ++k) {
+        const int g = slice.group_of(k);
+        if (g >= slice.groups) break;
+        hopper::barrier_wait(&barriers[k], 0);
+        Group<InCodec> grp;
+        read_group<InCodec, C, TC>(grp, shared_row, k);
+        st = merge(st, group_state(grp, valid_in(g, vocab)));
+    }
+    st = cluster_merge<C, TC>(st, warp_states);
+    const float lse = ieee_add(st.m, logf(st.l));
+    if (a.lse != nullptr && slice.rank == 0 && threadIdx.x == 0) a.lse[row] = lse;
+
+    for (int k = 0; k < slice.segments; ++k) {
+        const int g = slice.group_of(k);
+        if (g >= slice.groups) break;
+        Group<InCodec> grp;
+        read_group<InCodec, C, TC>(grp, shared_row, k);
+        write_output<InCodec, OutCodec>(out, grp, g, vocab, lse, true);
+    }
+    cluster_wait();
+}
+
+constexpr int kXUnroll = 4;  // x groups loaded before use in the backward's second pass
+
+template <typename InCodec, typename OutCodec, int C, int TC>
+__device__ __forceinline__ void backward(const BackwardArgs& a) {
+    using S = typename InCodec::storage;
+    using O = typename OutCodec::storage;
+    static_assert(TC % BATCHINV_WARP_SIZE == 0, "whole warps per CTA");
+    extern __shared__ __align__(16) uint8_t shared_row[];
+    __shared__ float warp_sums[TC / BATCHINV_WARP_SIZE];
+    const int64_t vocab = a.vocab;
+    const int64_t row = blockIdx.x / C;
+    Slice<O, C, TC> slice;
+    slice.rank = cta_rank();
+    slice.groups = static_cast<int>((vocab + kGroup - 1) / kGroup);
+    slice.segments = (slice.groups + C * TC - 1) / (C * TC);
+    uint64_t* barriers = reinterpret_cast<uint64_t*>(shared_row + static_cast<int64_t>(slice.segments) *
+                                                                      Slice<O, C, TC>::kSegmentBytes);
+    const S* x = static_cast<const S*>(a.x) + row * a.x_stride;
+    const O* grad_out = static_cast<const O*>(a.grad_out) + row * vocab;
+    S* grad_x = static_cast<S*>(a.grad_x) + row * vocab;
+    start_row_copies(slice, grad_out, vocab, shared_row, barriers);
+    const float lse = a.lse[row];
+
+    float sum = 0.0f;
+    for (int k = 0; k < slice.segments; ++k) {
+        const int g = slice.group_of(k);
+        if (g >= slice.groups) break;
+        hopper::barrier_wait(&barriers[k], 0);
+        Group<OutCodec> dy;
+        read_group<OutCodec, C, TC>(dy, shared_row, k);
+        sum = group_sum(dy, valid_in(g, vocab), sum);
+    }
+    const float dy_sum = cluster_sum<C, TC>(sum, warp_sums);
+
+    for (int k0 = 0; k0 < slice.segments; k0 += kXUnroll) {
+        Group<InCodec> xg[kXUnroll];
+#pragma unroll
+        for (int u = 0; u < kXUnroll; ++u) {
+            const int g = slice.group_of(k0 + u);
+            if (k0 + u < slice.segments && g < slice.groups) load_group(xg[u], x, g, vocab, true);
+        }
+#pragma unroll
+        for (int u = 0; u < kXUnroll; ++u) {
+            const int g = slice.group_of(k0 + u);
+            if (k0 + u >= slice.segments || g >= slice.groups) continue;
+            Group<OutCodec> dy;
+            read_group<OutCodec, C, TC>(dy, shared_row, k0 + u);
+            write_grad<InCodec, OutCodec>(grad_x, dy, xg[u], g, vocab, lse, dy_sum, true);
+        }
+    }
+    cluster_wait();
+}
+
+}  // namespace cluster
+#endif  // __CUDA_ARCH_FEAT_SM90_ALL
+
 }  // namespace lsm
 }  // namespace batchinv
 
@@ -445,6 +705,51 @@ BATCHINV_LOG_SOFTMAX_ALL_THREADS(f16_f16, batchinv::F16Codec, batchinv::F16Codec
 BATCHINV_LOG_SOFTMAX_ALL_THREADS(f32_f32, batchinv::F32Codec, batchinv::F32Codec)
 BATCHINV_LOG_SOFTMAX_ALL_THREADS(f32_bf16, batchinv::F32Codec, batchinv::Bf16Codec)
 BATCHINV_LOG_SOFTMAX_ALL_THREADS(f32_f16, batchinv::F32Codec, batchinv::F16Codec)
+
+// Hopper cluster entries: C CTAs of TC threads per row (T = C * TC), grid.x = rows * C; dynamic
+// shared memory = segments * (TC * 8 * sizeof(storage) + 8) bytes (see "Hopper (sm_90a) form").
+// Other architectures get an entry that traps: the host launches these on sm_90 only.
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define BATCHINV_LSM_HOPPER_ONLY(call) call
+#define BATCHINV_LSM_CLUSTER_DIMS(C) __cluster_dims__(C, 1, 1)
+#else
+#define BATCHINV_LSM_HOPPER_ONLY(call) __trap()
+#define BATCHINV_LSM_CLUSTER_DIMS(C)
+#endif
+
+#if !defined(__HIPCC__)
+#define BATCHINV_LOG_SOFTMAX_CLUSTER_KERNELS(SUFFIX, IN, OUT, C, TC)                                   \
+    extern "C" BATCHINV_LSM_CLUSTER_DIMS(C) __global__ void __launch_bounds__(TC)                             \
+        log_softmax_cluster_forward_##SUFFIX##_c##C##_t##TC(OUT::storage* out, float* lse,               \
+                                                            const IN::storage* x, int64_t rows,          \
+                                                            int64_t vocab, int64_t x_stride) {           \
+        BATCHINV_LSM_HOPPER_ONLY((batchinv::lsm::cluster::forward<IN, OUT, C, TC>(                      \
+            batchinv::lsm::ForwardArgs{out, lse, x, rows, vocab, x_stride, 0})));                       \
+    }                                                                                                   \
+    extern "C" BATCHINV_LSM_CLUSTER_DIMS(C) __global__ void __launch_bounds__(TC)                             \
+        log_softmax_cluster_backward_##SUFFIX##_c##C##_t##TC(                                            \
+            IN::storage* grad_x, const OUT::storage* grad_out, const IN::storage* x, const float* lse,  \
+            int64_t rows, int64_t vocab, int64_t x_stride) {                                            \
+        BATCHINV_LSM_HOPPER_ONLY((batchinv::lsm::cluster::backward<IN, OUT, C, TC>(                     \
+            batchinv::lsm::BackwardArgs{grad_x, grad_out, x, lse, rows, vocab, x_stride, 0})));         \
+    }
+
+// Cluster shapes (keep in step with py/batchinv/gpu/log_softmax.py: CLUSTER_SHAPES):
+// 8 CTAs of 64 threads (T = 512) and 8 CTAs of 128 threads (T = 1024).
+#define BATCHINV_LOG_SOFTMAX_ALL_CLUSTERS(SUFFIX, IN, OUT)         \
+    BATCHINV_LOG_SOFTMAX_CLUSTER_KERNELS(SUFFIX, IN, OUT, 8, 64)   \
+    BATCHINV_LOG_SOFTMAX_CLUSTER_KERNELS(SUFFIX, IN, OUT, 8, 128)
+
+BATCHINV_LOG_SOFTMAX_ALL_CLUSTERS(bf16_f32, batchinv::Bf16Codec, batchinv::F32Codec)
+BATCHINV_LOG_SOFTMAX_ALL_CLUSTERS(bf16_bf16, batchinv::Bf16Codec, batchinv::Bf16Codec)
+BATCHINV_LOG_SOFTMAX_ALL_CLUSTERS(bf16_f16, batchinv::Bf16Codec, batchinv::F16Codec)
+BATCHINV_LOG_SOFTMAX_ALL_CLUSTERS(f16_f32, batchinv::F16Codec, batchinv::F32Codec)
+BATCHINV_LOG_SOFTMAX_ALL_CLUSTERS(f16_bf16, batchinv::F16Codec, batchinv::Bf16Codec)
+BATCHINV_LOG_SOFTMAX_ALL_CLUSTERS(f16_f16, batchinv::F16Codec, batchinv::F16Codec)
+BATCHINV_LOG_SOFTMAX_ALL_CLUSTERS(f32_f32, batchinv::F32Codec, batchinv::F32Codec)
+BATCHINV_LOG_SOFTMAX_ALL_CLUSTERS(f32_bf16, batchinv::F32Codec, batchinv::Bf16Codec)
+BATCHINV_LOG_SOFTMAX_ALL_CLUSTERS(f32_f16, batchinv::F32Codec, batchinv::F16Codec)
+#endif  // !__HIPCC__
 
 // Signatures of the entries above (<in>_<out>_t<T>), for the launcher's argument checks.
 // batchinv-signature: log_softmax_forward_bf16_f32_t128(ptr, ptr, ptr, i64, i64, i64, i64)
@@ -501,3 +806,39 @@ BATCHINV_LOG_SOFTMAX_ALL_THREADS(f32_f16, batchinv::F32Codec, batchinv::F16Codec
 // batchinv-signature: log_softmax_backward_f32_f16_t512(ptr, ptr, ptr, ptr, i64, i64, i64, i64)
 // batchinv-signature: log_softmax_forward_f32_f16_t1024(ptr, ptr, ptr, i64, i64, i64, i64)
 // batchinv-signature: log_softmax_backward_f32_f16_t1024(ptr, ptr, ptr, ptr, i64, i64, i64, i64)
+// batchinv-signature: log_softmax_cluster_forward_bf16_f32_c8_t64(ptr, ptr, ptr, i64, i64, i64)
+// batchinv-signature: log_softmax_cluster_backward_bf16_f32_c8_t64(ptr, ptr, ptr, ptr, i64, i64, i64)
+// batchinv-signature: log_softmax_cluster_forward_bf16_f32_c8_t128(ptr, ptr, ptr, i64, i64, i64)
+// batchinv-signature: log_softmax_cluster_backward_bf16_f32_c8_t128(ptr, ptr, ptr, ptr, i64, i64, i64)
+// batchinv-signature: log_softmax_cluster_forward_bf16_bf16_c8_t64(ptr, ptr, ptr, i64, i64, i64)
+// batchinv-signature: log_softmax_cluster_backward_bf16_bf16_c8_t64(ptr, ptr, ptr, ptr, i64, i64, i64)
+// batchinv-signature: log_softmax_cluster_forward_bf16_bf16_c8_t128(ptr, ptr, ptr, i64, i64, i64)
+// batchinv-signature: log_softmax_cluster_backward_bf16_bf16_c8_t128(ptr, ptr, ptr, ptr, i64, i64, i64)
+// batchinv-signature: log_softmax_cluster_forward_bf16_f16_c8_t64(ptr, ptr, ptr, i64, i64, i64)
+// batchinv-signature: log_softmax_cluster_backward_bf16_f16_c8_t64(ptr, ptr, ptr, ptr, i64, i64, i64)
+// batchinv-signature: log_softmax_cluster_forward_bf16_f16_c8_t128(ptr, ptr, ptr, i64, i64, i64)
+// batchinv-signature: log_softmax_cluster_backward_bf16_f16_c8_t128(ptr, ptr, ptr, ptr, i64, i64, i64)
+// batchinv-signature: log_softmax_cluster_forward_f16_f32_c8_t64(ptr, ptr, ptr, i64, i64, i64)
+// batchinv-signature: log_softmax_cluster_backward_f16_f32_c8_t64(ptr, ptr, ptr, ptr, i64, i64, i64)
+// batchinv-signature: log_softmax_cluster_forward_f16_f32_c8_t128(ptr, ptr, ptr, i64, i64, i64)
+// batchinv-signature: log_softmax_cluster_backward_f16_f32_c8_t128(ptr, ptr, ptr, ptr, i64, i64, i64)
+// batchinv-signature: log_softmax_cluster_forward_f16_bf16_c8_t64(ptr, ptr, ptr, i64, i64, i64)
+// batchinv-signature: log_softmax_cluster_backward_f16_bf16_c8_t64(ptr, ptr, ptr, ptr, i64, i64, i64)
+// batchinv-signature: log_softmax_cluster_forward_f16_bf16_c8_t128(ptr, ptr, ptr, i64, i64, i64)
+// batchinv-signature: log_softmax_cluster_backward_f16_bf16_c8_t128(ptr, ptr, ptr, ptr, i64, i64, i64)
+// batchinv-signature: log_softmax_cluster_forward_f16_f16_c8_t64(ptr, ptr, ptr, i64, i64, i64)
+// batchinv-signature: log_softmax_cluster_backward_f16_f16_c8_t64(ptr, ptr, ptr, ptr, i64, i64, i64)
+// batchinv-signature: log_softmax_cluster_forward_f16_f16_c8_t128(ptr, ptr, ptr, i64, i64, i64)
+// batchinv-signature: log_softmax_cluster_backward_f16_f16_c8_t128(ptr, ptr, ptr, ptr, i64, i64, i64)
+// batchinv-signature: log_softmax_cluster_forward_f32_f32_c8_t64(ptr, ptr, ptr, i64, i64, i64)
+// batchinv-signature: log_softmax_cluster_backward_f32_f32_c8_t64(ptr, ptr, ptr, ptr, i64, i64, i64)
+// batchinv-signature: log_softmax_cluster_forward_f32_f32_c8_t128(ptr, ptr, ptr, i64, i64, i64)
+// batchinv-signature: log_softmax_cluster_backward_f32_f32_c8_t128(ptr, ptr, ptr, ptr, i64, i64, i64)
+// batchinv-signature: log_softmax_cluster_forward_f32_bf16_c8_t64(ptr, ptr, ptr, i64, i64, i64)
+// batchinv-signature: log_softmax_cluster_backward_f32_bf16_c8_t64(ptr, ptr, ptr, ptr, i64, i64, i64)
+// batchinv-signature: log_softmax_cluster_forward_f32_bf16_c8_t128(ptr, ptr, ptr, i64, i64, i64)
+// batchinv-signature: log_softmax_cluster_backward_f32_bf16_c8_t128(ptr, ptr, ptr, ptr, i64, i64, i64)
+// batchinv-signature: log_softmax_cluster_forward_f32_f16_c8_t64(ptr, ptr, ptr, i64, i64, i64)
+// batchinv-signature: log_softmax_cluster_backward_f32_f16_c8_t64(ptr, ptr, ptr, ptr, i64, i64, i64)
+// batchinv-signature: log_softmax_cluster_forward_f32_f16_c8_t128(ptr, ptr, ptr, i64, i64, i64)
+// batchinv-signature: log_softmax_cluster_backward_f32_f16_c8_t128(ptr, ptr, ptr, ptr, i64, i64, i64)

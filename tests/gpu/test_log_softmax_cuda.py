@@ -169,7 +169,8 @@ def test_every_output_element_is_written(vocab, dtype):
     poisoned = torch.full((rows, vocab), float("nan"), device=DEVICE)
     out, lse = gpu_log_softmax.forward(x)
     assert_bitwise_equal(out, expected)
-    threads = gpu_log_softmax.threads_for(vocab, dtype)
+    # the one-CTA kernel with the T the op uses on this device (the same bits in either form)
+    threads = gpu_log_softmax.threads_for(vocab, dtype, x.device, torch.float32)
     kernel = gpu_log_softmax.kernel_for(
         "log_softmax",
         f"log_softmax_forward_{gpu_log_softmax._SUFFIX[dtype]}_f32_t{threads}",
@@ -246,3 +247,99 @@ def test_inference_path_gives_the_bits_of_the_autograd_path(vocab, dtype):
         expected = batchinv.log_softmax(x)
     got = batchinv.log_softmax(x.detach().clone().requires_grad_(True))
     assert_bitwise_equal(got.detach(), expected)
+
+
+# The Hopper form (a row split over a thread-block cluster, kept in shared memory) must give
+# the bits of the one-CTA form with the same block size; it runs on sm_90 GPUs only.
+CLUSTER_VOCABS = (4104, 32000, 40008, BIG_VOCAB)
+
+
+def _require_cluster_form():
+    index = torch.cuda.current_device()
+    if not gpu_log_softmax._cluster_capable(index):
+        pytest.skip("the cluster form needs an sm_90 GPU and a build with sm_90a")
+
+
+def _forward_and_grad(x, grad, out_dtype=torch.float32):
+    out, lse = gpu_log_softmax.forward(x, out_dtype)
+    grad_x = gpu_log_softmax.backward(grad.to(out_dtype), x, lse)
+    return out, lse, grad_x
+
+
+def test_cluster_form_is_chosen_where_it_was_measured_faster():
+    # bf16 logits -> fp32 logprobs and the bf16 backward at V = 151936 take the Hopper form; its
+    # T follows V, the dtypes and the device only.  Other cases keep the one-CTA form's T.
+    _require_cluster_form()
+    device = torch.device(DEVICE)
+    f32, bf16 = torch.float32, torch.bfloat16
+    hopper = gpu_log_softmax.HOPPER_LONG_ROW_THREADS
+    one_cta = gpu_log_softmax.LARGE_ROW_THREADS
+    threads_for = gpu_log_softmax.threads_for
+    assert threads_for(BIG_VOCAB, bf16, device, f32) == hopper
+    assert threads_for(BIG_VOCAB, bf16, device, bf16, backward=True) == hopper
+    for dtype, out_dtype, backward in (
+        (bf16, bf16, False),
+        (bf16, f32, True),
+        (f32, f32, False),
+        (torch.float16, f32, False),
+    ):
+        assert threads_for(BIG_VOCAB, dtype, device, out_dtype, backward=backward) == one_cta
+    assert threads_for(32000, bf16, device, f32) == one_cta
+    x = torch.zeros(2, BIG_VOCAB, dtype=bf16, device=DEVICE)
+    out = torch.empty(2, BIG_VOCAB, device=DEVICE)
+    name = f"log_softmax_cluster_forward_bf16_f32_c8_t{hopper // 8}"
+    dtypes = (bf16, f32, False)
+    plan = gpu_log_softmax._cluster_plan(name, device, BIG_VOCAB, hopper, dtypes, (x, out), 2)
+    assert plan is not None
+    # a misaligned row start takes the one-CTA form with the same T
+    shifted = torch.zeros(2 * BIG_VOCAB + 1, dtype=bf16, device=DEVICE)[1:].view(2, -1)
+    plan = gpu_log_softmax._cluster_plan(name, device, BIG_VOCAB, hopper, dtypes, (shifted, out), 2)
+    assert plan is None
+
+
+def _force_cluster_form(monkeypatch, threads: int) -> None:
+    monkeypatch.setattr(gpu_log_softmax, "LARGE_ROW_THREADS", threads)
+    monkeypatch.setattr(gpu_log_softmax, "HOPPER_LONG_ROW_THREADS", threads)
+    monkeypatch.setattr(gpu_log_softmax, "_hopper_form_pays", lambda *args: True)
+
+
+@pytest.mark.parametrize("threads", gpu_log_softmax.CLUSTER_THREADS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("vocab", CLUSTER_VOCABS)
+def test_cluster_form_gives_the_bits_of_the_one_cta_form(vocab, dtype, threads, monkeypatch):
+    _require_cluster_form()
+    _force_cluster_form(monkeypatch, threads)
+    assert gpu_log_softmax.threads_for(vocab, dtype, torch.device(DEVICE)) == threads
+    gen = torch.Generator(device=DEVICE).manual_seed(21)
+    x = (4.0 * torch.randn(6, vocab, device=DEVICE, generator=gen)).to(dtype)
+    x[1, ::5] = float("-inf")  # masked logits
+    x[3] = float("-inf")  # a row with no distribution
+    x[4, -1] = 80.0  # the maximum in the last group of the row
+    grad = torch.randn(6, vocab, device=DEVICE, generator=gen)
+    for out_dtype in (torch.float32, torch.bfloat16):
+        cluster = _forward_and_grad(x, grad, out_dtype)
+        monkeypatch.setattr(gpu_log_softmax, "USE_CLUSTER", False)
+        one_cta = _forward_and_grad(x, grad, out_dtype)
+        monkeypatch.setattr(gpu_log_softmax, "USE_CLUSTER", True)
+        for got, expected in zip(cluster, one_cta, strict=True):
+            assert_bitwise_equal(got, expected)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("vocab", (4104, BIG_VOCAB))
+def test_cluster_form_writes_every_output_element(vocab, dtype, monkeypatch):
+    _require_cluster_form()
+    _force_cluster_form(monkeypatch, gpu_log_softmax.HOPPER_LONG_ROW_THREADS)
+    rows = 3
+    gen = torch.Generator(device=DEVICE).manual_seed(22)
+    x = torch.randn(rows, vocab, device=DEVICE, generator=gen).to(dtype)
+    grad = torch.randn(rows, vocab, device=DEVICE, generator=gen)
+    out, lse, grad_x = _forward_and_grad(x, grad)
+    poisoned = torch.full((rows, vocab), float("nan"), device=DEVICE)
+    lse_out = torch.full((rows,), float("nan"), device=DEVICE)
+    gpu_log_softmax._forward_into(poisoned, lse_out, x)
+    assert_bitwise_equal(poisoned, out)
+    assert_bitwise_equal(lse_out, lse)
+    poisoned_grad = torch.full((rows, vocab), float("nan"), dtype=dtype, device=DEVICE)
+    gpu_log_softmax._backward_into(poisoned_grad, grad, x, lse)
+    assert_bitwise_equal(poisoned_grad, grad_x)

@@ -16,7 +16,7 @@ import functools
 import torch
 from torch import Tensor
 
-from ._launch import kernel_for, launch
+from ._launch import kernel_for, launch, native
 from .rms_norm import as_rows
 
 # Keep in step with kernels_cu/log_softmax.cu.
@@ -29,20 +29,82 @@ _DRIVER_RESERVED_SHARED = 1024  # per CTA on sm_80+
 _DEFAULT_SHARED = 48 * 1024
 _MAX_GRID_X = 2**31 - 1
 _SUFFIX = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32"}
+CLUSTER_CTAS = 8  # CTAs per row in the Hopper form; T / CLUSTER_CTAS threads each
+CLUSTER_THREADS = (512, 1024)  # the T compiled in the Hopper form (kernels_cu/log_softmax.cu)
+HOPPER_LONG_ROW_THREADS = 1024  # T on sm_90 for rows the Hopper form pays for (see threads_for)
+USE_CLUSTER = True  # the Hopper form where it applies (tests switch it off to compare bits)
+_BARRIER_BYTES = 8  # one mbarrier per shared-memory segment
+# Where the Hopper form is used: (direction, x dtype, out / grad_out dtype) for which it measured
+# faster than the one-CTA form on an H200 at V = 151936: forward bf16 -> fp32 1.25 vs 1.44 ms,
+# backward bf16 x and bf16 grad_out 1.09 vs 1.16 ms (4096 rows).  It was slower for forward
+# bf16 -> bf16 (1.41 vs 1.10 ms), fp32 x, fp32 grad_out (2 CTAs per SM: too few warps) and
+# V = 32000 (where one CTA already keeps the row on chip); other cases were not measured.
+_HOPPER_FORM_CASES = frozenset(
+    {
+        ("forward", torch.bfloat16, torch.float32),
+        ("backward", torch.bfloat16, torch.bfloat16),
+    }
+)
+_MIN_CLUSTER_CTAS_PER_SM = 4  # a guard for rows far longer than measured
 
 
 def _register_groups(dtype: torch.dtype) -> int:
     return REGISTER_BYTES // (GROUP * dtype.itemsize)
 
 
-def threads_for(vocab: int, dtype: torch.dtype) -> int:
-    """The block size for rows of ``vocab`` elements of ``dtype`` (the input's dtype)."""
+def threads_for(
+    vocab: int,
+    dtype: torch.dtype,
+    device: torch.device | None = None,
+    out_dtype: torch.dtype | None = None,
+    *,
+    backward: bool = False,
+) -> int:
+    """The block size (the reduction tree) for rows of ``vocab`` elements of ``dtype`` (the
+    input's dtype) with output (forward) or grad_out (``backward``) of ``out_dtype`` on
+    ``device``: a function of V, the dtypes and the device, never of the batch."""
     groups = -(-vocab // GROUP)
-    return (
-        SMALL_ROW_THREADS
-        if groups <= SMALL_ROW_THREADS * _register_groups(dtype)
-        else LARGE_ROW_THREADS
+    if groups <= SMALL_ROW_THREADS * _register_groups(dtype):
+        return SMALL_ROW_THREADS
+    if device is not None and _hopper_form_pays(
+        device, vocab, dtype, out_dtype or torch.float32, backward
+    ):
+        return HOPPER_LONG_ROW_THREADS
+    return LARGE_ROW_THREADS
+
+
+def _device_index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+def _hopper_form_pays(
+    device: torch.device,
+    vocab: int,
+    dtype: torch.dtype,
+    out_dtype: torch.dtype,
+    backward: bool,
+) -> bool:
+    """Whether these rows take the Hopper form's T on this device (see _HOPPER_FORM_CASES);
+    decided from V, the dtypes and the device's limits only."""
+    case = ("backward" if backward else "forward", dtype, out_dtype)
+    if case not in _HOPPER_FORM_CASES or device.type != "cuda" or vocab % GROUP != 0:
+        return False
+    index = _device_index(device)
+    if not _cluster_capable(index):
+        return False
+    cached_dtype = out_dtype if backward else dtype  # what the kernel keeps on chip
+    per_sm = torch.cuda.get_device_properties(index).shared_memory_per_multiprocessor
+    one_cta_on_chip = (
+        LARGE_ROW_THREADS * REGISTER_BYTES
+        + per_sm // _CTAS_PER_SM[LARGE_ROW_THREADS]
+        - _DRIVER_RESERVED_SHARED
     )
+    if vocab * cached_dtype.itemsize <= one_cta_on_chip:
+        return False
+    per_cta = (
+        cluster_shared_bytes(vocab, HOPPER_LONG_ROW_THREADS, cached_dtype) + _DRIVER_RESERVED_SHARED
+    )
+    return per_sm // per_cta >= _MIN_CLUSTER_CTAS_PER_SM
 
 
 @functools.cache
@@ -72,6 +134,57 @@ def _raise_shared_limit(kernel, device_index: int, bytes_: int) -> None:
     if key not in _RAISED_LIMITS:
         kernel.set_max_dynamic_shared_memory(bytes_, device=device_index)
         _RAISED_LIMITS.add(key)
+
+
+@functools.cache
+def _cluster_capable(device_index: int) -> bool:
+    return (
+        torch.cuda.get_device_capability(device_index) == (9, 0)
+        and "90a" in native().build_info()["cuda_archs"]
+    )
+
+
+def cluster_shared_bytes(vocab: int, threads: int, dtype: torch.dtype) -> int:
+    """Dynamic shared memory of one CTA of the Hopper form: its slice of a row of ``dtype``."""
+    groups = -(-vocab // GROUP)
+    segments = -(-groups // threads)
+    return segments * ((threads // CLUSTER_CTAS) * GROUP * dtype.itemsize + _BARRIER_BYTES)
+
+
+def _cluster_plan(
+    kernel_name: str,
+    device: torch.device,
+    vocab: int,
+    threads: int,
+    dtypes: tuple[torch.dtype, torch.dtype, bool],
+    tensors: tuple[Tensor, ...],
+    rows: int,
+) -> tuple[object, int] | None:
+    """``(kernel, shared bytes)`` of the Hopper form for this call, or None where it does not
+    apply: not sm_90, a case the form does not pay for (``threads_for`` then chose another T),
+    a row start not 16-byte aligned, or the slice above the limit.  ``dtypes`` is
+    ``(x dtype, out or grad_out dtype, backward)``.  Where the form does not apply, the one-CTA
+    form runs with the same T: the same bits."""
+    dtype, out_dtype, backward = dtypes
+    if not USE_CLUSTER or threads != HOPPER_LONG_ROW_THREADS or vocab % GROUP != 0:
+        return None
+    if rows * CLUSTER_CTAS > _MAX_GRID_X:
+        return None
+    if any(t.data_ptr() % 16 != 0 or (t.stride(0) * t.element_size()) % 16 != 0 for t in tensors):
+        return None
+    index = _device_index(device)
+    if not _hopper_form_pays(device, vocab, dtype, out_dtype, backward):
+        return None
+    cached_dtype = out_dtype if backward else dtype
+    kernel = kernel_for("log_softmax", kernel_name, device)
+    static = _static_shared(kernel, index)
+    limit = torch.cuda.get_device_properties(index).shared_memory_per_block_optin - static
+    shared = cluster_shared_bytes(vocab, threads, cached_dtype)
+    if shared > limit:
+        return None
+    if shared > _DEFAULT_SHARED - static:
+        _raise_shared_limit(kernel, index, limit)
+    return kernel, shared
 
 
 def _tiering(
@@ -108,30 +221,46 @@ def forward(
     if rows > 0:
         if rows > _MAX_GRID_X:
             raise ValueError(f"x has {rows} rows; at most {_MAX_GRID_X} are supported")
-        threads = threads_for(vocab, x.dtype)
-        kernel = kernel_for(
-            "log_softmax",
-            f"log_softmax_forward_{_SUFFIX[x.dtype]}_{_SUFFIX[out_dtype]}_t{threads}",
-            x.device,
-        )
-        smem_groups, shared = _tiering(kernel, x.device, vocab, threads, x.dtype)
+        _forward_into(out, lse, rows_view)
+    return out.view(x.shape), lse
+
+
+def _forward_into(out: Tensor, lse: Tensor | None, rows_view: Tensor) -> None:
+    """Launches the forward of ``rows_view`` ``[rows, V]`` into ``out`` (and ``lse``)."""
+    rows, vocab = rows_view.shape
+    threads = threads_for(vocab, rows_view.dtype, rows_view.device, out.dtype)
+    suffix = f"{_SUFFIX[rows_view.dtype]}_{_SUFFIX[out.dtype]}"
+    lse_arg = lse if lse is not None else 0
+    plan = _cluster_plan(
+        f"log_softmax_cluster_forward_{suffix}_c{CLUSTER_CTAS}_t{threads // CLUSTER_CTAS}",
+        rows_view.device,
+        vocab,
+        threads,
+        (rows_view.dtype, out.dtype, False),
+        (rows_view, out),
+        rows,
+    )
+    if plan is not None:
+        kernel, shared = plan
         launch(
             kernel,
-            x.device,
-            grid=(rows,),
-            block=(threads,),
-            args=(
-                out,
-                lse if lse is not None else 0,
-                rows_view,
-                rows,
-                vocab,
-                rows_view.stride(0),
-                smem_groups,
-            ),
+            rows_view.device,
+            grid=(rows * CLUSTER_CTAS,),
+            block=(threads // CLUSTER_CTAS,),
+            args=(out, lse_arg, rows_view, rows, vocab, rows_view.stride(0)),
             shared_mem=shared,
         )
-    return out.view(x.shape), lse
+        return
+    kernel = kernel_for("log_softmax", f"log_softmax_forward_{suffix}_t{threads}", rows_view.device)
+    smem_groups, shared = _tiering(kernel, rows_view.device, vocab, threads, rows_view.dtype)
+    launch(
+        kernel,
+        rows_view.device,
+        grid=(rows,),
+        block=(threads,),
+        args=(out, lse_arg, rows_view, rows, vocab, rows_view.stride(0), smem_groups),
+        shared_mem=shared,
+    )
 
 
 def backward(grad_out: Tensor, x: Tensor, lse: Tensor) -> Tensor:
@@ -142,16 +271,43 @@ def backward(grad_out: Tensor, x: Tensor, lse: Tensor) -> Tensor:
     grad_rows = grad_out.reshape(rows, vocab).contiguous()
     grad_x = torch.empty((rows, vocab), dtype=x.dtype, device=x.device)
     if rows > 0:
-        threads = threads_for(vocab, x.dtype)
-        name = f"log_softmax_backward_{_SUFFIX[x.dtype]}_{_SUFFIX[grad_rows.dtype]}_t{threads}"
-        kernel = kernel_for("log_softmax", name, x.device)
-        smem_groups, shared = _tiering(kernel, x.device, vocab, threads, grad_rows.dtype)
+        _backward_into(grad_x, grad_rows, rows_view, lse)
+    return grad_x.reshape(x.shape)
+
+
+def _backward_into(grad_x: Tensor, grad_rows: Tensor, rows_view: Tensor, lse: Tensor) -> None:
+    """Launches the backward of ``rows_view`` ``[rows, V]`` into ``grad_x``."""
+    rows, vocab = rows_view.shape
+    threads = threads_for(vocab, rows_view.dtype, rows_view.device, grad_rows.dtype, backward=True)
+    suffix = f"{_SUFFIX[rows_view.dtype]}_{_SUFFIX[grad_rows.dtype]}"
+    plan = _cluster_plan(
+        f"log_softmax_cluster_backward_{suffix}_c{CLUSTER_CTAS}_t{threads // CLUSTER_CTAS}",
+        rows_view.device,
+        vocab,
+        threads,
+        (rows_view.dtype, grad_rows.dtype, True),
+        (rows_view, grad_rows, grad_x),
+        rows,
+    )
+    if plan is not None:
+        kernel, shared = plan
         launch(
             kernel,
-            x.device,
-            grid=(rows,),
-            block=(threads,),
-            args=(grad_x, grad_rows, rows_view, lse, rows, vocab, rows_view.stride(0), smem_groups),
+            rows_view.device,
+            grid=(rows * CLUSTER_CTAS,),
+            block=(threads // CLUSTER_CTAS,),
+            args=(grad_x, grad_rows, rows_view, lse, rows, vocab, rows_view.stride(0)),
             shared_mem=shared,
         )
-    return grad_x.reshape(x.shape)
+        return
+    name = f"log_softmax_backward_{suffix}_t{threads}"
+    kernel = kernel_for("log_softmax", name, rows_view.device)
+    smem_groups, shared = _tiering(kernel, rows_view.device, vocab, threads, grad_rows.dtype)
+    launch(
+        kernel,
+        rows_view.device,
+        grid=(rows,),
+        block=(threads,),
+        args=(grad_x, grad_rows, rows_view, lse, rows, vocab, rows_view.stride(0), smem_groups),
+        shared_mem=shared,
+    )
