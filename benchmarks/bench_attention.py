@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from _common import median_ms, parse_args, report, require_cuda
+from _common import median_ms, parse_args, report, require_cuda, summary_row
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from batchinv.gpu import attention as gpu
@@ -20,6 +20,37 @@ HQ, HKV, D = 32, 8, 128
 PREFILL = [(8, 4096)]  # (batch, sequence length), causal
 DECODE = [(64, 4096), (1, 32768)]  # (batch, context)
 DTYPE = torch.bfloat16
+GOALS = {  # of SDPA's default backend, by (phase, batch, sequence length or context) (issue 5)
+    ("prefill", 8, 4096): 0.9,
+    ("decode", 64, 4096): 0.9,
+    ("decode", 1, 32768): 0.8,
+}
+
+
+def summary_rows(results: list[dict]) -> list[dict]:
+    """The uniform summary: batchinv's default path against SDPA's default backend.
+
+    ``results`` holds one dict per comparison: ``phase`` ("prefill" or "decode"), ``batch``,
+    ``length`` (sequence length or context), ``timing`` ("eager" or "CUDA graph"),
+    ``batchinv_ms`` and ``sdpa_ms`` (SDPA default, timed the same way).  The forced kernel
+    modes and the flash backend stay in the detailed rows only.
+    """
+    rows = []
+    for r in results:
+        suffix = "" if r["timing"] == "eager" else f", {r['timing']}"
+        length = "S" if r["phase"] == "prefill" else "ctx"
+        rows.append(
+            summary_row(
+                "attention",
+                f"B={r['batch']} {length}={r['length']} (GQA {HQ}/{HKV}, d={D}, bf16)",
+                ("prefill (causal)" if r["phase"] == "prefill" else "decode") + suffix,
+                r["batchinv_ms"],
+                "SDPA default" + suffix,
+                r["sdpa_ms"],
+                GOALS.get((r["phase"], r["batch"], r["length"])),
+            )
+        )
+    return rows
 
 
 def _sdpa(q, k, v, causal, backend=None):
@@ -67,7 +98,7 @@ def main() -> None:
     args = parse_args(__doc__.splitlines()[0])
     device = require_cuda()
     gen = torch.Generator(device=device).manual_seed(0)
-    rows = []
+    rows, results = [], []
     for batch, seq in PREFILL:
         q = torch.randn(batch, seq, HQ, D, device=device, generator=gen).to(DTYPE)
         k = torch.randn(batch, seq, HKV, D, device=device, generator=gen).to(DTYPE)
@@ -80,6 +111,16 @@ def main() -> None:
             "SDPA flash": _time_or_none(_sdpa(qt, kt, vt, True, SDPBackend.FLASH_ATTENTION)),
             "batchinv": median_ms(lambda: gpu.attention(q, k, v, causal=True)),
         }
+        results.append(
+            {
+                "phase": "prefill",
+                "batch": batch,
+                "length": seq,
+                "timing": "eager",
+                "batchinv_ms": paths["batchinv"],
+                "sdpa_ms": anchor,
+            }
+        )
         for path, ms in paths.items():
             if ms is None:
                 continue
@@ -111,13 +152,18 @@ def main() -> None:
         k_rows, v_rows = k.view(batch * ctx, HKV, D), v.view(batch * ctx, HKV, D)
         mode, warps = gpu.choose(layout, HQ, HKV, device, "auto", None)
         anchor = median_ms(_sdpa(qt, kt, vt, False))
+        default_path = f"batchinv ({mode}, {warps} warp)"
         paths = {
             "SDPA default": anchor,
             "SDPA flash": _time_or_none(_sdpa(qt, kt, vt, False, SDPBackend.FLASH_ATTENTION)),
-            f"batchinv ({mode}, {warps} warp)": median_ms(
+            default_path: median_ms(
                 lambda: gpu.forward(q_rows, k_rows, v_rows, layout, True, scale, prefill_zero=False)
             ),
         }
+        decode = {"phase": "decode", "batch": batch, "length": ctx}
+        results.append(
+            {**decode, "timing": "eager", "batchinv_ms": paths[default_path], "sdpa_ms": anchor}
+        )
         batchinv_graph = _graphed(
             lambda: gpu.forward(q_rows, k_rows, v_rows, layout, True, scale, prefill_zero=False)
         )
@@ -125,6 +171,14 @@ def main() -> None:
         if batchinv_graph is not None and sdpa_graph is not None:
             paths["SDPA default (CUDA graph)"] = median_ms(sdpa_graph)
             paths[f"batchinv ({mode}, CUDA graph)"] = median_ms(batchinv_graph)
+            results.append(
+                {
+                    **decode,
+                    "timing": "CUDA graph",
+                    "batchinv_ms": paths[f"batchinv ({mode}, CUDA graph)"],
+                    "sdpa_ms": paths["SDPA default (CUDA graph)"],
+                }
+            )
         if mode == "split":
             for stages in (1, 2):
                 paths[f"batchinv (split, {stages} stage, forced)"] = median_ms(
@@ -163,6 +217,7 @@ def main() -> None:
         rows,
         ["case", "path", "ms", "TFLOP/s", "TB/s", "ratio_vs_sdpa"],
         args.json,
+        summary_rows(results),
     )
 
 

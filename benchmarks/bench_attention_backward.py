@@ -19,7 +19,7 @@ import math
 
 import torch
 import torch.nn.functional as F
-from _common import median_ms, parse_args, report, require_cuda
+from _common import median_ms, parse_args, report, require_cuda, summary_row
 
 from batchinv.gpu import attention_backward as gpu_attention_backward
 
@@ -27,6 +27,35 @@ SHAPES = [
     # (batch, seq_len, Hq, Hkv, d, causal, dtype)
     (8, 4096, 32, 8, 128, True, torch.bfloat16),
 ]
+
+
+def summary_rows(rows: list[dict], variant: str) -> list[dict]:
+    """The uniform summary from the detailed ``rows``: per shape, batchinv's backward with
+    the default kernel ``variant`` against SDPA's default backend (no goal in issue 5).  A
+    shape without an SDPA default row or without that variant's row has no summary row."""
+    cases: dict[tuple, dict[str, dict]] = {}
+    for row in rows:
+        key = (row["B"], row["S"], row["Hq/Hkv"], row["d"], row["causal"], row["dtype"])
+        cases.setdefault(key, {})[row["path"]] = row
+    summary = []
+    for (batch, seq_len, heads, d, causal, dtype), paths in cases.items():
+        anchor = next((p for p in paths if p.startswith("SDPA default")), None)
+        mine = paths.get(f"batchinv ({variant})")
+        if anchor is None or mine is None:
+            continue
+        mask = "causal, " if causal else ""
+        summary.append(
+            summary_row(
+                "attention_backward",
+                f"B={batch} S={seq_len} (GQA {heads}, d={d}, {mask}{dtype})",
+                f"backward ({variant} kernels)",
+                mine["ms"],
+                anchor,
+                paths[anchor]["ms"],
+                None,
+            )
+        )
+    return summary
 
 
 def _backward_flops(batch, seq_len, hq, d, causal) -> float:
@@ -157,6 +186,7 @@ def main() -> None:
         rows_out,
         ["B", "S", "Hq/Hkv", "d", "causal", "dtype", "path", "ms", "TFLOP/s", "vs_sdpa_default"],
         args.json,
+        summary_rows(rows_out, default_variant),
     )
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from _common import median_ms, parse_args, report, require_cuda, summary_row
 
-from batchinv.gpu.linear import choose_config, matmul_nt, uses_hopper
+from batchinv.gpu.linear import choose_config, matmul_rows, uses_hopper
 from batchinv.shapes import LINEAR_BENCH_M, QWEN3_8B_LINEAR
 
 
@@ -60,7 +60,7 @@ def main() -> None:
             flops = 2 * m * n * k
             paths = {
                 "cuBLAS": lambda x=x, w=weight_t: torch.mm(x, w),
-                "batchinv": lambda x=x, w=weight: matmul_nt(x, w),
+                "batchinv": lambda x=x, w=weight: matmul_rows(x, w),
             }
             if triton_bi is not None:
                 paths["batch_invariant_ops"] = lambda x=x, w=weight_t: triton_bi(x, w)

@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 PATHS = ("stock", "batchinv")
+GOAL = 1 / 1.10  # batchinv <= 1.10x the stock time (issue 7, item 4), as stock / batchinv
 QWEN3_8B = dict(
     vocab_size=151936,
     hidden_size=4096,
@@ -62,6 +63,36 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.context + 1 > QWEN3_8B["max_position_embeddings"]:
         parser.error("--context exceeds max_position_embeddings (40960)")
     return args
+
+
+def summary_rows(rows: list[dict], args: argparse.Namespace) -> list[dict]:
+    """The uniform summary from the detailed ``rows``: per phase, batchinv's total (layers +
+    lm_head) against stock PyTorch's, goal 1 / 1.10."""
+    from _common import summary_row
+
+    cases = {
+        "prefill": f"B={args.prefill_batch} S={args.prefill_len}",
+        "decode": f"B={args.decode_batch} ctx={args.context}",
+    }
+    totals: dict[str, dict[str, float]] = {}
+    for row in rows:
+        totals.setdefault(row["phase"], {})[row["path"]] = row["total_ms"]
+    summary = []
+    for phase, by_path in totals.items():
+        if "stock" not in by_path or "batchinv" not in by_path:
+            continue
+        summary.append(
+            summary_row(
+                "qwen3_e2e",
+                f"{cases.get(phase, phase)}, {args.layers} layers + lm_head (Qwen3-8B shapes)",
+                phase,
+                by_path["batchinv"],
+                "stock PyTorch",
+                by_path["stock"],
+                GOAL,
+            )
+        )
+    return summary
 
 
 def random_weights(config, device: torch.device, seed: int) -> dict[str, torch.Tensor]:
@@ -167,6 +198,7 @@ def main(argv: list[str] | None = None) -> None:
             "per_layer_vs_stock",
         ],
         args.json,
+        summary_rows(rows, args),
     )
     print("goal: vs_stock <= 1.10 for both phases")
 

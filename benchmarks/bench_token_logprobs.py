@@ -16,7 +16,7 @@ The ratios are time(anchor or Liger) / time(batchinv): above 1 means batchinv is
 from __future__ import annotations
 
 import torch
-from _common import median_ms, parse_args, report, require_cuda
+from _common import median_ms, parse_args, report, require_cuda, summary_row
 
 import batchinv
 
@@ -26,6 +26,44 @@ SHAPES = [
     (1024, 4096, 151936),
 ]
 IGNORE = -100
+GOALS = {(8192, 4096, 151936): 1.0}  # of Liger's fused time, by (tokens, H, V) (issue 6)
+
+
+def summary_rows(rows: list[dict]) -> list[dict]:
+    """The uniform summary from the detailed ``rows``: per shape, batchinv's forward and
+    forward+backward against Liger's fused linear cross-entropy (goal at the issue's shape),
+    or against the stock unfused chain (no goal) when Liger was not importable."""
+    shapes: dict[tuple, dict[str, dict]] = {}
+    for row in rows:
+        shapes.setdefault((row["tokens"], row["H"], row["V"]), {})[row["path"]] = row
+    summary = []
+    for shape, paths in shapes.items():
+        if "batchinv" not in paths:
+            continue
+        if "liger fused" in paths:
+            anchor, name, goal = (
+                paths["liger fused"],
+                "Liger fused linear cross-entropy",
+                GOALS.get(shape),
+            )
+        elif "stock (anchor)" in paths:
+            anchor, name, goal = paths["stock (anchor)"], "stock (mm, log_softmax, gather)", None
+        else:
+            continue
+        case = "{} tokens, H {}, V {}, bf16".format(*shape)
+        for variant, column in (("forward", "fwd ms"), ("forward+backward", "fwd+bwd ms")):
+            summary.append(
+                summary_row(
+                    "token_logprobs",
+                    case,
+                    variant,
+                    paths["batchinv"][column],
+                    name,
+                    anchor[column],
+                    goal,
+                )
+            )
+    return summary
 
 
 def stock(hidden, weight, targets):
@@ -135,7 +173,7 @@ def main() -> None:
         "fwd liger/bi",
         "f+b liger/bi",
     ]
-    report("token_logprobs", rows_out, columns, args.json)
+    report("token_logprobs", rows_out, columns, args.json, summary_rows(rows_out))
 
 
 if __name__ == "__main__":

@@ -45,3 +45,29 @@ def test_config_is_qwen3_8b_shaped(bench):
 def test_refuses_to_run_without_a_gpu(bench):
     with pytest.raises(SystemExit, match="needs an NVIDIA GPU"):
         bench.main(["--layers", "1"])
+
+
+def test_summary_rows(bench):
+    args = bench.parse_args(["--layers", "3"])
+    rows = [
+        {"phase": phase, "path": path, "total_ms": ms}
+        for phase, path, ms in (
+            ("prefill", "stock", 100.0),
+            ("prefill", "batchinv", 110.0),
+            ("decode", "stock", 4.0),
+            ("decode", "batchinv", 5.0),
+        )
+    ]
+    summary = bench.summary_rows(rows, args)
+    assert [(r["variant"], r["anchor"]) for r in summary] == [
+        ("prefill", "stock PyTorch"),
+        ("decode", "stock PyTorch"),
+    ]
+    assert summary[0]["case"].startswith("B=8 S=4096, 3 layers")
+    assert summary[1]["case"].startswith("B=64 ctx=4096, 3 layers")
+    assert summary[0]["ratio"] == pytest.approx(bench.GOAL)  # exactly 1.10x stock: on the goal
+    assert summary[1]["ratio"] == pytest.approx(0.8)
+    assert summary[1]["ratio"] < summary[1]["goal"]
+    assert {"op", "case", "variant", "batchinv_ms", "anchor", "anchor_ms", "ratio", "goal"} == set(
+        summary[0]
+    )

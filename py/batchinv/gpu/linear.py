@@ -14,6 +14,7 @@ import re
 import torch
 from torch import Tensor
 
+from . import linear_cublaslt
 from ._launch import kernel_for, launch, native
 
 _DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "f16"}
@@ -206,7 +207,19 @@ def forward(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """The registry's ``linear.forward`` on CUDA: ``x [..., K]`` -> ``[..., N]``."""
     _check_gpu_args(x, weight, bias)
     rows = x.reshape(-1, x.shape[-1]).contiguous()
-    return matmul_nt(rows, weight, bias).reshape(*x.shape[:-1], weight.shape[0])
+    return matmul_rows(rows, weight, bias).reshape(*x.shape[:-1], weight.shape[0])
+
+
+def matmul_rows(rows: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """``matmul_nt`` for products whose rows are tokens (the forward and grad_x): on sm_90,
+    batches of ``linear_cublaslt.MIN_ROWS`` rows or more take cuBLASLt's pinned algorithm,
+    which gives the same bits as batchinv's kernels (checked on first use, see that module)."""
+    if uses_hopper(rows.device) and rows.shape[0] >= linear_cublaslt.MIN_ROWS:
+        rows, weight = _aligned(rows), _aligned(weight)
+        out = torch.empty(rows.shape[0], weight.shape[0], dtype=rows.dtype, device=rows.device)
+        if linear_cublaslt.serves(rows, weight, bias, out):
+            return linear_cublaslt.matmul_nt(rows, weight, out)
+    return matmul_nt(rows, weight, bias)
 
 
 def backward(
@@ -229,7 +242,7 @@ def backward(
         weight_t = _pad_columns(
             weight.t().contiguous()
         )  # [K, N]: out_features become the reduction
-        grad_x = matmul_nt(_pad_columns(grad_rows), weight_t).reshape(x.shape)
+        grad_x = matmul_rows(_pad_columns(grad_rows), weight_t).reshape(x.shape)
     needs_tokens_major = needs_input_grad[1] or (bias_dtype is not None and needs_input_grad[2])
     if needs_tokens_major:
         grad_t = _pad_columns(grad_rows.t().contiguous())  # [N, M]: tokens become the reduction
