@@ -32,7 +32,9 @@ TORCH = "torch>=2.4"
 TEST_DEPS = ["pytest>=8", "transformers>=4.51", "safetensors", "numpy"]
 HIP_TARGETS = ["gfx90a", "gfx942"]
 # Names of every kernel in kernels_cu/, for compute-sanitizer's kernel filter.
-OUR_KERNELS = "^(embedding|linear|rms_norm|rope|silu_mul|log_softmax|attn|attention_bwd|token_logprobs)_"
+OUR_KERNELS = (
+    "^(embedding|linear|rms_norm|rope|silu_mul|log_softmax|attn|attention_bwd|token_logprobs)_"
+)
 
 
 def _nvcc_env(session: nox.Session) -> dict[str, str]:
@@ -186,7 +188,8 @@ def cuda_parity(session: nox.Session) -> None:
 
 @nox.session(venv_backend="none")
 def sanitize(session: nox.Session) -> None:
-    """On a GPU machine: the GPU tests under compute-sanitizer memcheck, then racecheck."""
+    """On a GPU machine: the GPU tests (or the paths given) under compute-sanitizer memcheck,
+    then racecheck."""
     _require_gpu(session)
     sanitizer = shutil.which("compute-sanitizer")
     if sanitizer is None:
@@ -208,14 +211,13 @@ def sanitize(session: nox.Session) -> None:
             "python",
             "-m",
             "pytest",
-            "tests/gpu",
+            *(session.posargs or ["tests/gpu"]),
             "-q",
             "-x",
             "-p",
             "no:cacheprovider",
             "-m",
             "not provokes_driver_error",
-            *session.posargs,
             env={"BATCHINV_QUICK": "1"},
             external=True,
         )

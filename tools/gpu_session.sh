@@ -5,8 +5,8 @@
 # placing the built extension at py/batchinv/_native.abi3.so (from `nox -s build`:
 # unzip -j dist/batchinv-*.whl 'batchinv/_native*.so' -d py/batchinv).  Offline GPU
 # machines get nox from wheels in .whl/ if it is not installed.
-#   tools/gpu_session.sh [parity|sanitize|bench]...   (default: all three)
-# PARITY_TARGETS limits cuda_parity to some test paths.
+#   tools/gpu_session.sh [parity|sanitize|bench|audit]...   (default: all four)
+# PARITY_TARGETS limits cuda_parity, SANITIZE_TARGETS the sanitizer, to some test paths.
 # Results go to reports/ and benchmarks/results/, and also to $OUT when that is set.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -28,19 +28,22 @@ print("driver", n.driver_status("cuda"), "devices", n.device_count())
 PY
 
 status=0
-steps=("$@"); [ ${#steps[@]} -eq 0 ] && steps=(parity sanitize bench)
+steps=("$@"); [ ${#steps[@]} -eq 0 ] && steps=(parity sanitize bench audit)
 for step in "${steps[@]}"; do
   echo "== $step" | log session
   case "$step" in
     parity) python3 -m nox -s cuda_parity -- ${PARITY_TARGETS:-} 2>&1 | log parity || status=1 ;;
-    sanitize) python3 -m nox -s sanitize 2>&1 | log sanitize || status=1 ;;
+    sanitize) python3 -m nox -s sanitize -- ${SANITIZE_TARGETS:-} 2>&1 | log sanitize || status=1 ;;
     bench) python3 -m nox -s bench 2>&1 | log bench || status=1 ;;
+    audit)
+      mkdir -p reports/audit
+      gpu=$(python3 -c "import torch; print(torch.cuda.get_device_name(0).lower().replace(' ', '-'))")
+      python3 -m batchinv audit --device cuda --json "reports/audit/$gpu.json" 2>&1 | log audit || status=1 ;;
     *) echo "unknown step $step"; status=1 ;;
   esac
 done
 if [ -n "$OUT" ]; then
-  cp reports/cuda_parity/*.json "$OUT/" 2>/dev/null
   # One archive: the device tool returns at most 8 files.
-  tar -cf "$OUT/bench_results.tar" benchmarks/results/*.json 2>/dev/null
+  tar -cf "$OUT/results.tar" reports/cuda_parity/*.json reports/audit/*.json benchmarks/results/*.json 2>/dev/null
 fi
 exit $status
