@@ -55,7 +55,8 @@ def test_default_audit_passes_on_builtin_config(tmp_path, capsys):
     assert "PASS: batchinv is bitwise invariant in every case" in printed
     report = json.loads(out.read_text())
     assert report["passed"] is True
-    assert report["device"] == "cpu" and report["dtype"] == "bfloat16"
+    default_device = "cuda:0" if torch.cuda.is_available() else "cpu"  # the audit's default
+    assert report["device"] == default_device and report["dtype"] == "bfloat16"
     assert report["seq_len"] == 67 and report["config"]["vocab_size"] == 512
     assert [t["id"] for t in report["transforms"]] == TRANSFORM_IDS
     cases = report["paths"]["batchinv"]["cases"]
