@@ -12,7 +12,7 @@
 //
 // Per-row arithmetic (the same for every schedule; log2 domain, x = (q . k) * scale * log2 e):
 //   Keys are processed in blocks of kBlockKeys = 64 at fixed ABSOLUTE positions [64j, 64j+64),
-//   grouped in splits of kSplitKeys = 256 keys (4 blocks), also at absolute positions.
+//   grouped in splits of kSplitKeys = 1024 keys (16 blocks), also at absolute positions.
 //   1. Each split is reduced from the empty state (m, l, acc) = (-inf, 0, 0) by an online
 //      softmax over its blocks in increasing order (update_with_block): S by mma over d in
 //      k16 steps in increasing order; invisible keys get x = -inf by selection; the block max
@@ -47,7 +47,7 @@ namespace batchinv {
 namespace attn {
 
 constexpr int kBlockKeys = 64;
-constexpr int kSplitKeys = 256;
+constexpr int kSplitKeys = 1024;
 constexpr int kBlocksPerSplit = kSplitKeys / kBlockKeys;
 constexpr float kLn2 = 0.693147180559945309f;
 constexpr float kNegInf = -__builtin_huge_valf();

@@ -24,7 +24,7 @@ QUICK = os.environ.get("BATCHINV_QUICK") == "1"
 DTYPES = (torch.bfloat16, torch.float16)
 HEAD_DIMS = (64, 128)
 HEADS = ((8, 2), (2, 2))  # (Hq, Hkv): GQA 4:1 (Qwen3's 32/8 scaled down) and MHA
-LONG_CONTEXT = 2500  # > 2 splits of 256 keys: split merges are exercised
+LONG_CONTEXT = 2500  # > 2 splits of 1024 keys: split merges are exercised
 CHUNK_SIZES = (1, 7, 64, 100)
 
 cuda = pytest.mark.cuda

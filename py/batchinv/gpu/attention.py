@@ -32,7 +32,7 @@ from . import attention_backward
 from ._launch import kernel_for, launch
 
 BLOCK_KEYS = 64  # keys per block, at absolute positions [64j, 64j + 64)
-SPLIT_KEYS = 256  # keys per split, at absolute positions (kernels_cu/attention.cu kSplitKeys)
+SPLIT_KEYS = 1024  # keys per split, at absolute positions (kernels_cu/attention.cu kSplitKeys)
 HEAD_DIMS = (64, 128)
 WARP_CHOICES = (1, 4)
 MODES = ("auto", "tile", "split")

@@ -148,11 +148,14 @@ class KVCache:
                 f"beyond the cache capacity max_len={self.max_len}"
             )
         with torch.no_grad():
-            for row, (slot, count) in enumerate(zip(ids.tolist(), counts.tolist(), strict=True)):
-                start = int(self.lengths[slot])
-                self.k[slot, start : start + count] = k_new[row, :count]
-                self.v[slot, start : start + count] = v_new[row, :count]
-                self.lengths[slot] = start + count
+            # One scatter for all rows (slots never repeat): no per-slot host round trips.
+            offsets = torch.arange(s_new, device=ids.device)
+            kept = offsets[None, :] < counts[:, None]  # [n, S_new]: positions to copy
+            slots = ids[:, None].expand(-1, s_new)[kept]
+            positions = (self.lengths[ids][:, None] + offsets[None, :])[kept]
+            self.k[slots, positions] = k_new[kept]
+            self.v[slots, positions] = v_new[kept]
+            self.lengths[ids] = grown
         return self.lengths[ids].clone()
 
     def read(self, seq_ids: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
