@@ -32,6 +32,7 @@ TORCH = "torch>=2.4"
 TEST_DEPS = ["pytest>=8", "transformers>=4.51", "safetensors", "numpy"]
 HIP_TARGETS = ["gfx90a", "gfx942"]
 # Names of every kernel in kernels_cu/, for compute-sanitizer's kernel filter.
+CUBLASLT_TESTS = "tests/gpu/test_linear_cublaslt_cuda.py"
 OUR_KERNELS = (
     "^(embedding|linear|rms_norm|rope|silu_mul|log_softmax|attn|attention_bwd|token_logprobs)_"
 )
@@ -199,6 +200,9 @@ def sanitize(session: nox.Session) -> None:
         # PyTorch's kernels included, it ran out of 128 GB on an H200 machine, so it checks
         # batchinv's own kernels only.
         only_ours = ["--kernel-name", f"regex={OUR_KERNELS}"] if tool == "racecheck" else []
+        # racecheck fails inside cuBLASLt's own cluster kernel (reports/sanitize/
+        # nvidia-h200-cublaslt.md), so the pinned-cuBLASLt tests run under memcheck only.
+        skip = ["--ignore", CUBLASLT_TESTS] if tool == "racecheck" else []
         session.run(
             sanitizer,
             "--tool",
@@ -218,6 +222,7 @@ def sanitize(session: nox.Session) -> None:
             "no:cacheprovider",
             "-m",
             "not provokes_driver_error",
+            *skip,
             env={"BATCHINV_QUICK": "1"},
             external=True,
         )
