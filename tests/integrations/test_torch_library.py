@@ -226,3 +226,19 @@ def test_compiled_block_fullgraph_same_bits_as_eager():
     graph_ops = {str(n.target) for n in counter.graphs[0].graph.nodes if n.op == "call_function"}
     assert any("batchinv.attention" in t for t in graph_ops), graph_ops
     assert any("batchinv.linear" in t for t in graph_ops), graph_ops
+
+
+@pytest.mark.parametrize("padded", (False, True))
+def test_qwen3_model_forward_compiles_fullgraph_with_eager_bits(padded):
+    """Issue 7: torch.compile(fullgraph=True) works on the Qwen3 forward (aot_eager on CPU)."""
+    from batchinv.models import Qwen3
+
+    model = Qwen3.from_config(seed=0)
+    ids = torch.randint(
+        0, model.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(1)
+    )
+    kwargs = {"seqlens": torch.tensor([9, 5])} if padded else {}
+    eager = model(ids, **kwargs)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    assert_bitwise_equal(compiled(ids, **kwargs), eager, name="compiled Qwen3 forward")
