@@ -54,19 +54,8 @@ def _unfused_token_logprobs(
 def _batchinv_token_logprobs(
     hidden: Tensor, lm_head_weight: Tensor, target_ids: Tensor, ignore_index: int
 ) -> Tensor:
-    # The fused op is being added to batchinv; until then the unfused chain of batchinv ops
-    # (linear, fp32 log_softmax, gather) computes the same definition.
-    fused = getattr(batchinv, "token_logprobs", None)
-    if fused is not None:
-        return fused(hidden, lm_head_weight, target_ids, ignore_index)
-    return _unfused_token_logprobs(
-        hidden,
-        lm_head_weight,
-        target_ids,
-        ignore_index,
-        linear=batchinv.linear,
-        log_softmax=_batchinv_log_softmax,
-    )
+    # Fused: the [tokens, vocab] logits are never materialised (fp32 logits inside).
+    return batchinv.token_logprobs(hidden, lm_head_weight, target_ids, ignore_index)
 
 
 def _batchinv_linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
