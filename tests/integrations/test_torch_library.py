@@ -35,6 +35,7 @@ def _opcheck_cases():
     seqlens = torch.tensor([3, 2])
     keep = torch.tensor([[True, True, False, True], [True, False, True, True]])
     cu = torch.tensor([0, 3, 5])
+    targets = torch.tensor([[3, -100, 10], [0, 7, 7]])
     return {
         "linear": (OPS.linear.default, (_randn(2, 3, 8, seed=0), _randn(5, 8, seed=1), None)),
         "linear_bias": (
@@ -87,6 +88,14 @@ def _opcheck_cases():
                 0.3,
             ),
         ),
+        "token_logprobs": (
+            OPS.token_logprobs.default,
+            (_randn(2, 3, 8, seed=21), _randn(11, 8, seed=22), targets, -100, 4, False),
+        ),
+        "token_logprobs_entropy": (
+            OPS.token_logprobs.default,
+            (_randn(6, 8, seed=23), _randn(11, 8, seed=24), targets.reshape(6), -100, 4, True),
+        ),
     }
 
 
@@ -115,6 +124,13 @@ def test_custom_op_equals_public_op_bitwise(case):
         ),
         "attention_varlen": lambda a: batchinv.attention_varlen(
             *a[:5], causal=a[5], softmax_scale=a[6], return_lse=True
+        ),
+        "token_logprobs": lambda a: (  # the op's second output is empty without entropy
+            batchinv.token_logprobs(*a[:4], vocab_chunk=a[4]),
+            torch.empty(0),
+        ),
+        "token_logprobs_entropy": lambda a: batchinv.token_logprobs(
+            *a[:4], vocab_chunk=a[4], return_entropy=True
         ),
     }[case]
 
@@ -242,3 +258,17 @@ def test_qwen3_model_forward_compiles_fullgraph_with_eager_bits(padded):
     torch._dynamo.reset()
     compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
     assert_bitwise_equal(compiled(ids, **kwargs), eager, name="compiled Qwen3 forward")
+
+
+def test_token_logprobs_compiles_fullgraph_with_eager_bits():
+    hidden = _randn(5, 8, seed=30, requires_grad=False)
+    weight = _randn(13, 8, seed=31, requires_grad=False)
+    targets = torch.tensor([0, 12, -100, 4, 4])
+
+    def fn(h, w, t):
+        logprobs, entropy = batchinv.token_logprobs(h, w, t, return_entropy=True)
+        return logprobs - 0.1 * entropy
+
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
+    assert_bitwise_equal(compiled(hidden, weight, targets), fn(hidden, weight, targets))

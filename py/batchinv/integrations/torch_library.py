@@ -40,12 +40,14 @@ from ..ops import log_softmax as log_softmax_ops
 from ..ops import rms_norm as rms_norm_ops
 from ..ops import rope as rope_ops
 from ..ops import silu_mul as silu_mul_ops
+from ..ops import token_logprobs as token_logprobs_ops
 from ..reference import attention as attention_reference
 from ..reference import embedding as embedding_reference
 from ..reference import linear as linear_reference
 from ..reference import log_softmax as log_softmax_reference
 from ..reference import rope as rope_reference
 from ..reference import silu_mul as silu_mul_reference
+from ..reference import token_logprobs as token_logprobs_reference
 from ..reference.rms_norm import check_fused_add_rms_norm_args, check_rms_norm_args
 
 NAMESPACE = "batchinv"
@@ -262,6 +264,14 @@ def _attention_varlen_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, softmax_
     return q.new_empty(q.shape), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
 
 
+def _token_logprobs_fake(hidden, lm_head_weight, target_ids, ignore_index, vocab_chunk, entropy):
+    token_logprobs_reference.check_token_logprobs_args(
+        hidden, lm_head_weight, target_ids, ignore_index, vocab_chunk, check_values=False
+    )
+    logprobs = hidden.new_empty(target_ids.shape, dtype=torch.float32)
+    return logprobs, torch.empty_like(logprobs) if entropy else logprobs.new_empty((0,))
+
+
 # ----------------------------------------------------------------------------- eager bodies
 # Each calls the public function outside of compilation: validation, registry dispatch and
 # the eager autograd exactly as a direct call.  (Inside a custom op's forward, autograd is
@@ -315,6 +325,23 @@ def _attention_varlen_eager(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, softmax
     )
 
 
+def _token_logprobs_eager(hidden, lm_head_weight, target_ids, ignore_index, vocab_chunk, entropy):
+    # A custom op has a fixed number of outputs: without entropy the second is empty.
+    out = token_logprobs_ops.token_logprobs(
+        hidden,
+        lm_head_weight,
+        target_ids,
+        ignore_index,
+        vocab_chunk=vocab_chunk,
+        return_entropy=entropy,
+    )
+    return out if entropy else (out, out.new_empty((0,)))
+
+
+_TOKEN_LOGPROBS_SCHEMA = (
+    "(Tensor hidden, Tensor lm_head_weight, Tensor target_ids, int ignore_index, "
+    "int vocab_chunk, bool entropy) -> (Tensor, Tensor)"
+)
 _ATTENTION_SCHEMA = (
     "(Tensor q, Tensor k, Tensor v, bool causal, float? softmax_scale, Tensor? seqlens_q, "
     "Tensor? seqlens_k, Tensor? key_padding_mask) -> (Tensor, Tensor)"
@@ -389,6 +416,13 @@ OPS: dict[str, _OpSpec] = {
             _attention_varlen_eager,
             _attention_varlen_fake,
             (0, 1, 2),
+        ),
+        _OpSpec(
+            "token_logprobs",
+            _TOKEN_LOGPROBS_SCHEMA,
+            _token_logprobs_eager,
+            _token_logprobs_fake,
+            (0, 1),
         ),
     )
 }

@@ -96,6 +96,12 @@ def token_logprobs(
     reference's order and is validated but unused on the GPU.  Differentiable in ``hidden``
     (per token, batch-invariant) and ``lm_head_weight`` (tokens reduced in a fixed order).
     """
+    if torch.compiler.is_compiling():  # one opaque node (integrations/torch_library.py)
+        args = (ignore_index, vocab_chunk, bool(return_entropy))
+        logprobs, entropy = torch.ops.batchinv.token_logprobs(
+            hidden, lm_head_weight, target_ids, *args
+        )
+        return (logprobs, entropy) if return_entropy else logprobs
     reference.check_token_logprobs_args(
         hidden, lm_head_weight, target_ids, ignore_index, vocab_chunk, check_values=False
     )
