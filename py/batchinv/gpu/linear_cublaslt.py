@@ -86,17 +86,15 @@ def _plan(device_index: int, m: int, n: int, k: int, dtype: torch.dtype) -> _Pla
     return _Plan(desc, layouts, workspace)
 
 
-@functools.cache
-def _workspace(device_index: int, nbytes: int) -> Tensor:
-    return torch.empty(max(nbytes, 1), dtype=torch.uint8, device=f"cuda:{device_index}")
-
-
 def _run(x: Tensor, weight: Tensor, out: Tensor, plan: _Plan) -> Tensor:
     index = x.device.index
     lt = _library(index)
     a, b, c = plan.layouts
     alpha, beta = ctypes.c_float(1.0), ctypes.c_float(0.0)
-    scratch = _workspace(index, plan.workspace_bytes) if plan.workspace_bytes else None
+    # A fresh workspace from torch's stream-ordered allocator per call: two streams never
+    # share one (the pinned algorithm asks for a few bytes, likely a tile-scheduler counter).
+    nbytes = plan.workspace_bytes
+    scratch = torch.empty(nbytes, dtype=torch.uint8, device=x.device) if nbytes else None
     lt._call(
         "cublasLtMatmul",
         lt.handle,
@@ -113,7 +111,7 @@ def _run(x: Tensor, weight: Tensor, out: Tensor, plan: _Plan) -> Tensor:
         c,
         ctypes.byref(_algorithm(index, weight.shape[0], x.dtype)),
         None if scratch is None else ctypes.c_void_p(scratch.data_ptr()),
-        ctypes.c_size_t(plan.workspace_bytes),
+        ctypes.c_size_t(nbytes),
         ctypes.c_void_p(torch.cuda.current_stream(x.device).cuda_stream),
     )
     return out
