@@ -214,7 +214,8 @@ def matmul_rows(rows: Tensor, weight: Tensor, bias: Tensor | None = None) -> Ten
     """``matmul_nt`` for products whose rows are tokens (the forward and grad_x): on sm_90,
     batches of ``linear_cublaslt.MIN_ROWS`` rows or more take cuBLASLt's pinned algorithm,
     which gives the same bits as batchinv's kernels (checked on first use, see that module)."""
-    if uses_hopper(rows.device) and rows.shape[0] >= linear_cublaslt.MIN_ROWS:
+    large = rows.shape[0] >= linear_cublaslt.MIN_ROWS
+    if large and bias is None and linear_cublaslt.enabled() and uses_hopper(rows.device):
         rows, weight = _aligned(rows), _aligned(weight)
         out = torch.empty(rows.shape[0], weight.shape[0], dtype=rows.dtype, device=rows.device)
         if linear_cublaslt.serves(rows, weight, bias, out):
