@@ -95,8 +95,14 @@ def choose_config(m: int, n: int, multiprocessors: int) -> TileConfig:
 
 
 def uses_hopper(device: torch.device) -> bool:
+    return _hopper_device(torch.cuda.current_device() if device.index is None else device.index)
+
+
+@functools.cache
+def _hopper_device(index: int) -> bool:
+    # Asked on every linear call: the capability and the build do not change within a process.
     return (
-        torch.cuda.get_device_capability(device) == (9, 0)
+        torch.cuda.get_device_capability(index) == (9, 0)
         and "90a" in native().build_info()["cuda_archs"]
     )
 
