@@ -289,17 +289,23 @@ class CublasLt:
             self.destroy(desc, [a, b, c])
         return status, int(result.workspace_size)
 
-    def matmul_fn(self, algo: Algo, x: torch.Tensor, weight: torch.Tensor, workspace: int = 0):
-        """A callable writing ``x · weightᵀ`` with ``algo`` and ``workspace`` bytes of
-        workspace; returns the output tensor.  Descriptors are built once (timing reuses them)."""
-        m, k = x.shape
-        n = weight.shape[0]
-        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-        scratch = torch.empty(max(workspace, 1), dtype=torch.uint8, device=x.device)
-        desc, (a, b, c) = self.descriptors(m, n, k, x.dtype)
+    def matmul(
+        self,
+        desc,
+        layouts,
+        algo: Algo,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        out: torch.Tensor,
+        workspace: torch.Tensor | None,
+        stream: int,
+    ) -> None:
+        """``out = x · weightᵀ`` (one ``cublasLtMatmul``) with descriptors from ``descriptors``
+        and ``workspace``'s bytes (none if None) on ``stream``."""
+        a, b, c = layouts
         alpha, beta = ctypes.c_float(1.0), ctypes.c_float(0.0)
-        stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
-        args = (
+        self._call(
+            "cublasLtMatmul",
             self.handle,
             desc,
             ctypes.byref(alpha),
@@ -313,15 +319,23 @@ class CublasLt:
             ctypes.c_void_p(out.data_ptr()),
             c,
             ctypes.byref(algo),
-            ctypes.c_void_p(scratch.data_ptr()) if workspace else None,
-            ctypes.c_size_t(workspace),
-            stream,
+            None if workspace is None else ctypes.c_void_p(workspace.data_ptr()),
+            ctypes.c_size_t(0 if workspace is None else workspace.numel()),
+            ctypes.c_void_p(stream),
         )
-        operands = (x, weight, scratch)  # the raw pointers in ``args`` must outlive every call
+
+    def matmul_fn(self, algo: Algo, x: torch.Tensor, weight: torch.Tensor, workspace: int = 0):
+        """A callable writing ``x · weightᵀ`` with ``algo`` and ``workspace`` bytes of
+        workspace; returns the output tensor.  Descriptors are built once (timing reuses them)."""
+        m, k = x.shape
+        n = weight.shape[0]
+        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+        scratch = torch.empty(workspace, dtype=torch.uint8, device=x.device) if workspace else None
+        desc, layouts = self.descriptors(m, n, k, x.dtype)
+        stream = torch.cuda.current_stream().cuda_stream
 
         def run() -> torch.Tensor:
-            assert operands
-            self._call("cublasLtMatmul", *args)
+            self.matmul(desc, layouts, algo, x, weight, out, scratch, stream)
             return out
 
         return run

@@ -88,31 +88,19 @@ def _plan(device_index: int, m: int, n: int, k: int, dtype: torch.dtype) -> _Pla
 
 def _run(x: Tensor, weight: Tensor, out: Tensor, plan: _Plan) -> Tensor:
     index = x.device.index
-    lt = _library(index)
-    a, b, c = plan.layouts
-    alpha, beta = ctypes.c_float(1.0), ctypes.c_float(0.0)
     # A fresh workspace from torch's stream-ordered allocator per call: two streams never
     # share one (the pinned algorithm asks for a few bytes, likely a tile-scheduler counter).
     nbytes = plan.workspace_bytes
     scratch = torch.empty(nbytes, dtype=torch.uint8, device=x.device) if nbytes else None
-    lt._call(
-        "cublasLtMatmul",
-        lt.handle,
+    _library(index).matmul(
         plan.desc,
-        ctypes.byref(alpha),
-        ctypes.c_void_p(weight.data_ptr()),
-        a,
-        ctypes.c_void_p(x.data_ptr()),
-        b,
-        ctypes.byref(beta),
-        ctypes.c_void_p(out.data_ptr()),
-        c,
-        ctypes.c_void_p(out.data_ptr()),
-        c,
-        ctypes.byref(_algorithm(index, weight.shape[0], x.dtype)),
-        None if scratch is None else ctypes.c_void_p(scratch.data_ptr()),
-        ctypes.c_size_t(nbytes),
-        ctypes.c_void_p(torch.cuda.current_stream(x.device).cuda_stream),
+        plan.layouts,
+        _algorithm(index, weight.shape[0], x.dtype),
+        x,
+        weight,
+        out,
+        scratch,
+        torch.cuda.current_stream(x.device).cuda_stream,
     )
     return out
 
