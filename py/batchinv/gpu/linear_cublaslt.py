@@ -3,9 +3,10 @@
 Why it may serve a batch-invariant op: the issue 4 study (``reports/cublaslt/study.md``,
 ``tools/study_cublaslt.py``) found on an H200 that cuBLASLt's algorithm 66, pinned with
 split-K 1 and no reduction scheme, gives bitwise the same row whatever M (1 ... 8191) at every
-Qwen3-8B shape, bf16 and fp16, and that its bits equal batchinv's own wgmma kernels' (both
-reduce K in order with fp32 wgmma accumulation).  At M >= 1024 it runs at 0.98-1.12x
-``torch.mm`` where batchinv's kernels reach 0.85-0.94x.  So batches of at least
+Qwen3-8B shape, bf16 and fp16, and a probe in the same session found its bits equal to
+batchinv's own wgmma kernels' at M = 1, 64 and 4096 (measured, not documented by NVIDIA).  At
+M >= 1024 it ran at 0.98-1.12x ``torch.mm`` (qkv_proj at M = 1024: 0.78) where batchinv's
+kernels reached 0.75-0.94x.  So batches of at least
 ``MIN_ROWS`` rows take it, smaller ones take batchinv's kernels, and a row's bits are the same
 either way.
 
