@@ -23,19 +23,9 @@ from batchinv.reference.qwen3_chain import (
 
 transformers = pytest.importorskip("transformers")
 
-TINY_CONFIG = dict(
-    vocab_size=256,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    rope_theta=10000.0,
-    max_position_embeddings=512,
-    # Larger than HF's 0.02 so attention is far from uniform and every weight matters.
-    initializer_range=0.2,
-)
+from _hf_tiny_qwen3 import make_hf_model as make_tiny_hf_model  # noqa: E402
+from _hf_tiny_qwen3 import token_ids  # noqa: E402
+
 # Logit parity uses the fp32 "reduction" class.  The logits are the end of a chain of fp32
 # reductions (linears, RMSNorms, attention's PV sum) ending in the lm_head linear, and the gap
 # to HF is summation order (BLAS and torch's softmax vs the fixed orders); measured here at
@@ -47,24 +37,12 @@ LOGITS_CLASS = "reduction"
 
 
 def make_hf_model(seed: int = 0, **overrides):
-    torch.manual_seed(seed)
-    config = transformers.Qwen3Config(**(TINY_CONFIG | overrides), attn_implementation="eager")
-    model = transformers.Qwen3ForCausalLM(config).eval()
-    with torch.no_grad():
-        # HF initialises norm weights to 1; random ones check that each is applied.
-        for name, param in model.named_parameters():
-            if name.endswith("norm.weight"):
-                param.add_(0.3 * torch.randn_like(param))
-    return model
+    return make_tiny_hf_model("eager", seed, **overrides)
 
 
 def hf_logits(model, input_ids, attention_mask=None):
     with torch.no_grad(), deterministic_context():
         return model(input_ids=input_ids, attention_mask=attention_mask).logits
-
-
-def token_ids(batch: int, seq: int, seed: int) -> torch.Tensor:
-    return torch.randint(0, 256, (batch, seq), generator=torch.Generator().manual_seed(seed))
 
 
 @pytest.mark.parametrize("tied", [False, True])

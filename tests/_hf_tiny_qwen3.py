@@ -1,5 +1,5 @@
-"""A tiny random Hugging Face Qwen3ForCausalLM and the batch-invariance sweep used by the
-integration tests (the configuration of tests/chain/test_hf_qwen3_parity.py)."""
+"""A tiny random Hugging Face Qwen3ForCausalLM and the batch-invariance sweep, shared by the
+chain parity tests (tests/chain) and the integration tests (tests/integrations)."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ TINY_CONFIG = dict(
     head_dim=16,
     rope_theta=10000.0,
     max_position_embeddings=512,
+    # Larger than HF's 0.02 so attention is far from uniform and every weight matters.
     initializer_range=0.2,
 )
 
@@ -31,6 +32,7 @@ def make_hf_model(attn_implementation: str = "sdpa", seed: int = 0, **overrides)
     model = transformers.Qwen3ForCausalLM(config).eval()
     with torch.no_grad():
         for name, param in model.named_parameters():
+            # HF initialises norm weights to 1; random ones check that each is applied.
             if name.endswith("norm.weight"):
                 param.add_(0.3 * torch.randn_like(param))
     return model
