@@ -177,7 +177,7 @@ def forward(
 def _weight_gradient_rows(rows: Tensor, targets32: Tensor) -> Tensor:
     """The hidden rows d_W reduces over: ``rows`` itself, unless an ignored row holds inf or NaN
     (its d_z is 0, but 0 * inf is NaN), then a copy with the ignored rows zeroed.  Finite
-    garbage is harmless: its products are exact zeros.  One synchronisation."""
+    garbage is harmless: its products are exact zeros.  Two small synchronisations."""
     ignored = (targets32 < 0).nonzero().squeeze(1)
     if ignored.numel() == 0 or torch.isfinite(rows.index_select(0, ignored)).all():
         return rows
