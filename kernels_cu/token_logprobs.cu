@@ -153,15 +153,29 @@ struct GradLogitsEpilogue {
     int64_t grad_z_stride;
     int M, N, vocab_offset;
 
-    __device__ __forceinline__ float grad_at(float z, int r, int col) const {
-        const int target = targets[r];
-        if (target < 0) return 0.0f;  // ignored token
-        const float log_p = ieee_sub(z, lse[r]);
-        const float p = expf(log_p);
-        const float onehot = (col + vocab_offset == target) ? 1.0f : 0.0f;
-        float d = ieee_mul(grad_logprob[r], ieee_sub(onehot, p));
+    // One token's inputs to d_z, loaded once per row rather than once per element.
+    struct Row {
+        int target;  // -1: ignored
+        float lse, g, g_ent, entropy;
+    };
+
+    __device__ __forceinline__ Row load_row(int r) const {
+        Row row{targets[r], lse[r], grad_logprob[r], 0.0f, 0.0f};
         if (grad_entropy != nullptr) {
-            d = ieee_sub(d, ieee_mul(grad_entropy[r], ieee_mul(p, ieee_add(log_p, entropy[r]))));
+            row.g_ent = grad_entropy[r];
+            row.entropy = entropy[r];
+        }
+        return row;
+    }
+
+    __device__ __forceinline__ float grad_at(float z, const Row& row, int col) const {
+        if (row.target < 0) return 0.0f;  // ignored token
+        const float log_p = ieee_sub(z, row.lse);
+        const float p = expf(log_p);
+        const float onehot = (col + vocab_offset == row.target) ? 1.0f : 0.0f;
+        float d = ieee_mul(row.g, ieee_sub(onehot, p));
+        if (grad_entropy != nullptr) {
+            d = ieee_sub(d, ieee_mul(row.g_ent, ieee_mul(p, ieee_add(log_p, row.entropy))));
         }
         return d;
     }
@@ -173,14 +187,15 @@ struct GradLogitsEpilogue {
         for (int half = 0; half < 2; ++half) {
             const int r = row + 8 * half;
             if (r >= M) continue;
+            const Row inputs = load_row(r);
 #pragma unroll
             for (int j = 0; j < kAcc / 4; ++j) {
                 const int col = n0 + j * 8 + (lane % 4) * 2;
                 if (col >= N) continue;
-                const storage d0 = Codec::store(grad_at(acc[4 * j + 2 * half], r, col));
+                const storage d0 = Codec::store(grad_at(acc[4 * j + 2 * half], inputs, col));
                 storage* dst = grad_z + r * grad_z_stride + col;
                 if (col + 1 < N) {
-                    const storage d1 = Codec::store(grad_at(acc[4 * j + 2 * half + 1], r, col + 1));
+                    const storage d1 = Codec::store(grad_at(acc[4 * j + 2 * half + 1], inputs, col + 1));
                     // grad_z_stride is even, so the pair is 4-byte aligned.
                     *reinterpret_cast<uint32_t*>(dst) =
                         static_cast<uint32_t>(linear::storage_bits<Codec>(d0)) |
