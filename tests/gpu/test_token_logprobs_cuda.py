@@ -1,7 +1,9 @@
 """The CUDA token_logprobs kernels: within the contract's logprob tolerance of the strict fp32
 reference (forward, entropy and both gradients), rows bitwise invariant to the batch
 (logprob, entropy and hidden gradient, up to 8191 tokens at the Qwen3-8B lm_head shape), the
-weight gradient bitwise identical run to run and untouched by ignored rows, bad input errors."""
+gradients within tolerance of float64 across backward chunks and token tiles, the weight
+gradient bitwise identical run to run and untouched by ignored rows (NaN or finite garbage),
+bad input errors."""
 
 from __future__ import annotations
 
@@ -96,6 +98,41 @@ def test_gradients_match_reference(case, with_entropy, dtype):
     assert_bitwise_equal(grad_h[2:3], torch.zeros_like(grad_h[2:3]))
 
 
+def _float64_grads(hidden, weight, targets, g):
+    """Dense float64 autograd of sum(g * logprob) on the same rounded inputs."""
+    hidden = hidden.double().requires_grad_(True)
+    weight = weight.double().requires_grad_(True)
+    valid = targets != IGNORE
+    logp = torch.log_softmax(hidden @ weight.t(), -1)
+    picked = logp.gather(-1, torch.where(valid, targets, 0).unsqueeze(-1)).squeeze(-1)
+    (torch.where(valid, picked, 0.0) * g).sum().backward()
+    return hidden.grad, weight.grad
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gradients_match_float64_across_chunks_and_token_tiles(dtype):
+    """300 tokens (five 64-token k-tiles of the weight gradient, the last partial), H 320 (a
+    partial 256-column tile and a partial 64-column box of the N-major operands), V 9000
+    (three backward chunks, the last 808 wide).  The cotangent is scaled by 8 so that more of
+    the weight gradient stands above the tolerance's absolute floor (17% of its bf16 entries
+    instead of 5%): an operand laid out wrongly could not hide under it.  (At 64 the bf16
+    rounding of d_z alone, which the GPU path shares with Liger, exceeds the tolerance; a CPU
+    model of that rounding gives 0.2 of the allowed error at 8, and the GPU's values matched
+    the model's.)"""
+    tokens, hidden_size, vocab = 300, 320, 9000
+    ignored = (0, 63, 64, 299)
+    hidden, weight, targets = _inputs(tokens, hidden_size, vocab, dtype, seed=11, ignored=ignored)
+    g = 8 * torch.randn(tokens, generator=torch.Generator().manual_seed(12)).to(DEVICE)
+    _, grad_h, grad_w = _grads(_batchinv, hidden, weight, targets, g)
+    ref_h, ref_w = _float64_grads(hidden, weight, targets, g)
+    assert grad_w.abs().max() > 1.0  # the scaling worked: rows far above the tolerance
+    opts = {"op_class": "logprob", "kind": "grad", "dtype": dtype}
+    assert_within_tolerance(grad_h.float(), ref_h, name="d_hidden", **opts)
+    assert_within_tolerance(grad_w.float(), ref_w, name="d_weight", **opts)
+    zeros = torch.zeros(len(ignored), hidden_size, dtype=dtype, device=DEVICE)
+    assert_bitwise_equal(grad_h[list(ignored)], zeros)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_rows_are_batch_invariant(dtype):
     hidden_size, vocab = 128, 5000
@@ -181,6 +218,16 @@ def test_weight_gradient_is_deterministic_and_ignores_padding(dtype):
     assert torch.isfinite(grad_h).all()
     assert_bitwise_equal(out[[5, 77]], torch.zeros(2, device=DEVICE))
     assert_bitwise_equal(grad_h[[5, 77]], torch.zeros_like(grad_h[[5, 77]]))
+    # Finite garbage in the ignored rows (read as they are, no cleaned copy) gives the same
+    # weight gradient as zero rows: its products with d_z = 0 are exact zeros.
+    zero_hidden, garbage_hidden = hidden.clone(), hidden.clone()
+    zero_hidden[[5, 77]] = 0
+    garbage = 1000 * torch.randn(2, hidden_size, generator=torch.Generator().manual_seed(10))
+    garbage_hidden[[5, 77]] = garbage.to(dtype).to(DEVICE)
+    _, _, zero_w = _grads(_batchinv, zero_hidden, weight, padded_targets, g)
+    _, _, garbage_w = _grads(_batchinv, garbage_hidden, weight, padded_targets, g)
+    assert_bitwise_equal(garbage_w, zero_w, name="d_weight, garbage vs zero ignored rows")
+    assert_bitwise_equal(grad_w, zero_w, name="d_weight, NaN vs zero ignored rows")
 
 
 def test_empty_batch():

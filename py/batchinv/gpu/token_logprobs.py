@@ -5,7 +5,9 @@ log-sum-exp state ``(m, l, s)`` per token (``[T, ceil(V/256)]`` fp32, never the 
 logits), then one warp per token merges the states in a fixed order.  Backward: per
 vocabulary chunk of ``GRAD_VOCAB_CHUNK`` columns, recompute the logits and write ``d_z``
 (rounded once to the input dtype), add ``d_z @ W_chunk`` to an fp32 ``[T, H]`` buffer, and
-compute ``d_W_chunk = d_zᵀ @ hidden`` with the linear kernel (tokens reduced in order).
+compute ``d_W_chunk = d_zᵀ @ hidden`` (tokens reduced in order) straight into ``d_W``; the
+last two GEMMs read ``W_chunk``, ``d_z`` and ``hidden`` through wgmma's transpose flags, so no
+transposed copy is made.
 
 Target ids are checked on the device (``prepare_targets``): a bad id is replaced by "ignored"
 for the kernels and its first position is read back once, after the forward's launches, to
@@ -19,10 +21,11 @@ from torch import Tensor
 
 from .._validate import report_bad_index
 from ._launch import kernel_for, launch, native
-from .linear import matmul_nt, uses_hopper
+from .linear import uses_hopper
 
 VOCAB_TILE = 256  # kVocabTile in the kernel: part of the forward's definition (bits)
 GRAD_VOCAB_CHUNK = 4096  # vocabulary columns per backward step: part of d_hidden's definition
+_WEIGHT_GRAD_BLOCK_M = 128  # d_W rows per CTA (token_logprobs_weight_grad_*: BM 128, BN 256)
 _STAGE_K = 64
 _STAGES = 4
 _MAX_DIM = 2**31 - 1
@@ -171,6 +174,18 @@ def forward(
     return logprob, lse, entropy, targets32
 
 
+def _weight_gradient_rows(rows: Tensor, targets32: Tensor) -> Tensor:
+    """The hidden rows d_W reduces over: ``rows`` itself, unless an ignored row holds inf or NaN
+    (its d_z is 0, but 0 * inf is NaN), then a copy with the ignored rows zeroed.  Finite
+    garbage is harmless: its products are exact zeros.  Two small synchronisations."""
+    ignored = (targets32 < 0).nonzero().squeeze(1)
+    if ignored.numel() == 0 or torch.isfinite(rows.index_select(0, ignored)).all():
+        return rows
+    clean = rows.clone()
+    clean[ignored] = 0
+    return clean
+
+
 def backward(
     grad_logprob: Tensor | None,
     grad_entropy: Tensor | None,
@@ -182,39 +197,43 @@ def backward(
     needs_hidden: bool,
     needs_weight: bool,
 ) -> tuple[Tensor | None, Tensor | None]:
-    """``(d_hidden like hidden, d_weight like weight)``, either None when not needed."""
+    """``(d_hidden like hidden, d_weight like weight)``, either None when not needed.
+
+    Live memory besides the inputs: ``d_W`` itself (``[V, H]``, the weight dtype), the fp32
+    ``d_hidden`` accumulator (``[T, H]``) and one ``[T, GRAD_VOCAB_CHUNK]`` ``d_z`` buffer;
+    both GEMMs read ``W``, ``d_z`` and ``hidden`` as they lie (no transposed copies)."""
     vocab, hidden_size = weight.shape
     rows = hidden.reshape(-1, hidden_size)
     tokens, device, dtype = rows.shape[0], hidden.device, hidden.dtype
+    if tokens == 0 or not (needs_hidden or needs_weight):
+        grad_hidden = torch.zeros_like(hidden) if needs_hidden else None
+        return grad_hidden, torch.zeros_like(weight) if needs_weight else None
+    rows, weight = _aligned(rows.contiguous()), _aligned(weight)
+    # Before the large allocations, so its temporaries never add to the peak.
+    weight_rows = _weight_gradient_rows(rows, targets32) if needs_weight else None
     grad_hidden = (
         torch.zeros(tokens, hidden_size, dtype=torch.float32, device=device)
         if needs_hidden
         else None
     )
-    grad_weight = torch.zeros_like(weight) if needs_weight else None
-    if tokens == 0 or not (needs_hidden or needs_weight):
-        return _finish(grad_hidden, hidden), grad_weight
-    rows, weight = _aligned(rows.contiguous()), _aligned(weight)
+    grad_weight = torch.empty_like(weight) if needs_weight else None  # every row is written
     zero = torch.zeros(tokens, dtype=torch.float32, device=device)
     g = zero if grad_logprob is None else grad_logprob.reshape(-1).float().contiguous()
     g_ent = None if grad_entropy is None else grad_entropy.reshape(-1).float().contiguous()
     chunk = min(GRAD_VOCAB_CHUNK, -(-vocab // 8) * 8)
-    padded_tokens = -(-tokens // 8) * 8  # TMA rows are 16-byte multiples; the pad stays 0
     grad_z = torch.empty(tokens, chunk, dtype=dtype, device=device)
-    grad_z_t = torch.zeros(chunk, padded_tokens, dtype=dtype, device=device)
-    weight_t = torch.empty(hidden_size, chunk, dtype=dtype, device=device) if needs_hidden else None
-    hidden_t = None
-    if needs_weight:
-        # Ignored tokens (anything, even NaN, in their rows) get exact zeros in d_W's reduction.
-        valid = (targets32 >= 0).unsqueeze(-1)
-        hidden_t = torch.zeros(hidden_size, padded_tokens, dtype=dtype, device=device)
-        hidden_t[:, :tokens] = torch.where(valid, rows, torch.zeros_like(rows)).t()
     block_m = _block_m(tokens)
     dtype_name = _DTYPE_NAMES[dtype]
     shared = _shared_bytes(block_m)
     grad_logits = _kernel(f"token_logprobs_grad_logits_{dtype_name}_bm{block_m}", device, shared)
-    accumulate = _kernel(f"token_logprobs_accumulate_{dtype_name}_bm{block_m}", device, shared)
     map_rows = _tensor_map(rows, tokens, hidden_size, hidden_size, block_m)
+    if needs_hidden:
+        accumulate = _kernel(f"token_logprobs_accumulate_{dtype_name}_bm{block_m}", device, shared)
+    if needs_weight:
+        weight_shared = _shared_bytes(_WEIGHT_GRAD_BLOCK_M)
+        weight_grad = _kernel(f"token_logprobs_weight_grad_{dtype_name}", device, weight_shared)
+        # hidden [T, H] as the N-major B operand: k = token rows, boxes of 64 x 64.
+        map_weight_rows = _tensor_map(weight_rows, tokens, hidden_size, hidden_size, 64)
     for start in range(0, vocab, chunk):
         width = min(chunk, vocab - start)
         weight_chunk = weight[start : start + width]
@@ -232,9 +251,7 @@ def backward(
                 0 if g_ent is None else g_ent,
                 0 if g_ent is None else entropy,
                 grad_z,
-                grad_z_t,
                 chunk,
-                padded_tokens,
                 tokens,
                 width,
                 hidden_size,
@@ -243,7 +260,7 @@ def backward(
             shared_mem=shared,
         )
         if needs_hidden:
-            weight_t[:, :width].copy_(weight_chunk.t())
+            # d_z [T, width] K-major; W_chunk [width, H] as the N-major B operand.
             launch(
                 accumulate,
                 device,
@@ -251,7 +268,7 @@ def backward(
                 block=(_threads(block_m),),
                 args=(
                     _tensor_map(grad_z, tokens, width, chunk, block_m),
-                    _tensor_map(weight_t, hidden_size, width, chunk, VOCAB_TILE),
+                    _tensor_map(weight_chunk, width, hidden_size, hidden_size, 64),
                     grad_hidden,
                     tokens,
                     hidden_size,
@@ -260,8 +277,23 @@ def backward(
                 shared_mem=shared,
             )
         if needs_weight:
-            matmul_nt(grad_z_t[:width], hidden_t, out=grad_weight[start : start + width])
-    del grad_z, grad_z_t, weight_t, hidden_t  # freed before the rounded copy of d_hidden
+            # d_z [T, width] as the M-major A operand (k = tokens); rows start..start+width of d_W.
+            launch(
+                weight_grad,
+                device,
+                grid=(-(-width // _WEIGHT_GRAD_BLOCK_M) * -(-hidden_size // VOCAB_TILE),),
+                block=(_threads(_WEIGHT_GRAD_BLOCK_M),),
+                args=(
+                    _tensor_map(grad_z, tokens, width, chunk, 64),
+                    map_weight_rows,
+                    grad_weight[start : start + width],
+                    width,
+                    hidden_size,
+                    tokens,
+                ),
+                shared_mem=weight_shared,
+            )
+    del grad_z, weight_rows  # freed before the rounded copy of d_hidden
     return _finish(grad_hidden, hidden), grad_weight
 
 
