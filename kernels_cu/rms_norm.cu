@@ -59,7 +59,8 @@ constexpr int kStreamingChunks = 4;          // chunks per thread and round, str
 constexpr int kStreamingBackwardChunks = 2;  // and backward (four would spill at 64 registers)
 constexpr int kMinCtaThreads = 128;
 constexpr int kMaxWarps = 1024 / BATCHINV_WARP_SIZE;
-constexpr int kWeightGradRows = 64;      // rows per pass-1 partial of grad_weight (a constant)
+constexpr int kWeightGradChunkRows = 16;  // rows per first-level partial of grad_weight, at least
+constexpr int kWeightGradReduceRows = 64;  // partial rows per sum of the further levels
 constexpr int kWeightGradThreads = 256;  // columns per pass-1 / pass-2 CTA
 constexpr int kWeightGradUnroll = 8;     // rows loaded before they are added (loads in flight)
 
@@ -244,15 +245,39 @@ struct BackwardArgs {
     int64_t x_stride;
 };
 
-// grad_h of one row per group of T threads; the same layout and tree as the forward.
-template <typename Codec, int T, int K, bool kStreaming>
-__device__ __forceinline__ void backward_rows(const BackwardArgs& a, float* warp_partials) {
+template <int T>
+struct Cta {
+    static constexpr int kThreads = T < kMinCtaThreads ? kMinCtaThreads : T;
+    static constexpr int kRowGroups = kThreads / T;
+};
+
+// grad_weight's first level for a row kept in registers: a CTA owns kRows consecutive rows,
+// its kRowGroups row groups kRowsInSequence consecutive rows each (see the header).
+template <int T, int kTargetRows = kWeightGradChunkRows>
+struct WeightGradChunk {
+    static constexpr int kGroups = Cta<T>::kRowGroups;
+    static constexpr int kRowsInSequence = kTargetRows > kGroups ? kTargetRows / kGroups : 1;
+    static constexpr int kRows = kGroups * kRowsInSequence;
+};
+
+template <typename S>
+__device__ __forceinline__ bool backward_vector_ok(const BackwardArgs& a) {
+    return aligned16(a.x) && aligned16(a.grad_y) && aligned16(a.weight) &&
+           aligned16(a.grad_residual) && aligned16(a.grad_x) && stride_aligned16<S>(a.x_stride) &&
+           stride_aligned16<S>(a.d);
+}
+
+// grad_h of `row` by the T threads of its group (`lane` = this thread's index in it), with the
+// forward's layout and tree.  kWeightGrad (rows held in registers only): also adds
+// grad_y * x_hat of each of the thread's elements to acc[k][e]; a row past the end adds nothing.
+// Every thread of the CTA must call it (row_group_sum synchronises the CTA when T > warp size).
+template <typename Codec, int T, int K, bool kStreaming, bool kWeightGrad>
+__device__ __forceinline__ void backward_row(const BackwardArgs& a, int64_t row, int lane,
+                                             bool vector, float* warp_partials,
+                                             float (&acc)[K][Chunk<Codec>::kElems]) {
     using S = typename Codec::storage;
     constexpr int E = Chunk<Codec>::kElems;
-    constexpr int kCta = T < kMinCtaThreads ? kMinCtaThreads : T;
-    constexpr int kRowsPerCta = kCta / T;
-    const int lane = threadIdx.x % T;
-    const int64_t row = static_cast<int64_t>(blockIdx.x) * kRowsPerCta + threadIdx.x / T;
+    static_assert(!(kStreaming && kWeightGrad), "the streaming form keeps no per-column sums");
     const bool active = row < a.rows;
     const int64_t d = a.d;
     const int64_t chunks = (d + E - 1) / E;
@@ -263,9 +288,6 @@ __device__ __forceinline__ void backward_rows(const BackwardArgs& a, float* warp
         a.grad_residual != nullptr ? static_cast<const S*>(a.grad_residual) + safe_row * d : nullptr;
     S* grad_x = static_cast<S*>(a.grad_x) + safe_row * d;
     const S* weight = static_cast<const S*>(a.weight);
-    const bool vector = aligned16(a.x) && aligned16(a.grad_y) && aligned16(a.weight) &&
-                        aligned16(a.grad_residual) && aligned16(a.grad_x) &&
-                        stride_aligned16<S>(a.x_stride) && stride_aligned16<S>(d);
     const float inv_rms = active ? a.rstd[row] : 0.0f;
 
     Chunk<Codec> xs[K], gs[K];
@@ -316,22 +338,91 @@ __device__ __forceinline__ void backward_rows(const BackwardArgs& a, float* warp
             if (grad_residual != nullptr) load_chunk(extra, grad_residual, c, d, vector);
 #pragma unroll
             for (int e = 0; e < E; ++e) {
-                const float gw = ieee_mul(Codec::load(gs[k].v[e]), Codec::load(w.v[e]));
+                const float dy = Codec::load(gs[k].v[e]);
+                const float gw = ieee_mul(dy, Codec::load(w.v[e]));
                 const float x_hat = ieee_mul(Codec::load(xs[k].v[e]), inv_rms);
                 float g = ieee_mul(inv_rms, ieee_sub(gw, ieee_mul(x_hat, mean_dot)));
                 if (grad_residual != nullptr) g = ieee_add(g, Codec::load(extra.v[e]));
                 out.v[e] = Codec::store(g);
+                // Elements past d in the last chunk were loaded as zeros: they add +0.
+                if constexpr (kWeightGrad) acc[k][e] = ieee_add(acc[k][e], ieee_mul(dy, x_hat));
             }
             store_chunk(grad_x, out, c, d, vector);
         }
     }
 }
 
-// One kernel entry per (dtype, geometry), so each gets its own register budget.
-template <int T>
-struct Cta {
-    static constexpr int kThreads = T < kMinCtaThreads ? kMinCtaThreads : T;
-};
+// grad_h only (grad_weight not wanted, or the streaming form): one row per group of T threads.
+template <typename Codec, int T, int K, bool kStreaming>
+__device__ __forceinline__ void backward_rows(const BackwardArgs& a, float* warp_partials) {
+    const int64_t row = static_cast<int64_t>(blockIdx.x) * Cta<T>::kRowGroups + threadIdx.x / T;
+    float unused[K][Chunk<Codec>::kElems];
+    backward_row<Codec, T, K, kStreaming, false>(
+        a, row, threadIdx.x % T, backward_vector_ok<typename Codec::storage>(a), warp_partials,
+        unused);
+}
+
+// grad_h and grad_weight's first level: CTA b owns rows [b * kRows, (b + 1) * kRows); row group
+// g takes rows b * kRows + g * kRowsInSequence + s, s = 0, 1, ... in order, summing
+// grad_y * x_hat per column from +0; the groups' sums are then added in group order from +0
+// (through shared memory, one column per thread) into partials[b, :] (fp32, [blocks, d]).
+template <typename Codec, int T, int K, int kTargetRows>
+__device__ __forceinline__ void backward_weight_grad_rows(const BackwardArgs& a, float* partials,
+                                                          float* warp_partials,
+                                                          float* group_sums) {
+    constexpr int E = Chunk<Codec>::kElems;
+    using Chunking = WeightGradChunk<T, kTargetRows>;
+    constexpr int kGroups = Chunking::kGroups;
+    constexpr int kSequence = Chunking::kRowsInSequence;
+    constexpr int kColumns = T * K * E;  // the longest row this geometry holds
+    const int lane = threadIdx.x % T;
+    const int group = threadIdx.x / T;
+    const int64_t d = a.d;
+    const int64_t chunks = (d + E - 1) / E;
+    const int64_t first_row =
+        static_cast<int64_t>(blockIdx.x) * Chunking::kRows + group * kSequence;
+    const bool vector = backward_vector_ok<typename Codec::storage>(a);
+    float acc[K][E];
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+#pragma unroll
+        for (int e = 0; e < E; ++e) acc[k][e] = 0.0f;
+    }
+    for (int s = 0; s < kSequence; ++s) {
+        backward_row<Codec, T, K, false, true>(a, first_row + s, lane, vector, warp_partials, acc);
+    }
+    float* out = partials + static_cast<int64_t>(blockIdx.x) * d;
+    if constexpr (kGroups == 1) {
+        // One group: its sums are the partial row (+0 + s = s: a sum from +0 is never -0).
+#pragma unroll
+        for (int k = 0; k < K; ++k) {
+            const int64_t c = lane + static_cast<int64_t>(k) * T;
+#pragma unroll
+            for (int e = 0; e < E; ++e) {
+                if (c < chunks && c * E + e < d) out[c * E + e] = acc[k][e];
+            }
+        }
+    } else {
+#pragma unroll
+        for (int k = 0; k < K; ++k) {
+            const int c = lane + k * T;
+            if (c >= chunks) continue;
+            float4* slot = reinterpret_cast<float4*>(group_sums + group * kColumns + c * E);
+#pragma unroll
+            for (int q = 0; q < E / 4; ++q) {
+                slot[q] = make_float4(acc[k][4 * q], acc[k][4 * q + 1], acc[k][4 * q + 2],
+                                      acc[k][4 * q + 3]);
+            }
+        }
+        __syncthreads();
+        for (int64_t col = threadIdx.x; col < d; col += Cta<T>::kThreads) {
+            float sum = 0.0f;
+#pragma unroll
+            for (int g = 0; g < kGroups; ++g) sum = ieee_add(sum, group_sums[g * kColumns + col]);
+            out[col] = sum;
+        }
+    }
+}
 
 // The plain and the fused forward are separate entries: the plain one then needs fewer
 // registers (more CTAs per SM, more bytes in flight).  They share T and K, so
@@ -348,9 +439,21 @@ __device__ __forceinline__ void backward_kernel(const BackwardArgs& a) {
     backward_rows<Codec, T, K, kStreaming>(a, warp_partials);
 }
 
-// grad_weight, pass 1: partials[chunk, col] = sum over rows [chunk * 64, min(rows, chunk * 64 + 64))
-// in increasing row order of grad_y[r, col] * (x[r, col] * rstd[r]), fp32.
-// Launch: grid = (ceil(rows / kWeightGradRows), ceil(d / kWeightGradThreads)), block = 256.
+template <typename Codec, int T, int K, int kTargetRows = kWeightGradChunkRows>
+__device__ __forceinline__ void backward_weight_grad_kernel(const BackwardArgs& a,
+                                                            float* partials) {
+    constexpr int kGroups = WeightGradChunk<T, kTargetRows>::kGroups;
+    constexpr int kSums = kGroups > 1 ? kGroups * T * K * Chunk<Codec>::kElems : 4;
+    __shared__ float warp_partials[kMaxWarps];
+    __shared__ alignas(16) float group_sums[kSums];
+    backward_weight_grad_rows<Codec, T, K, kTargetRows>(a, partials, warp_partials, group_sums);
+}
+
+// grad_weight's first level for the streaming form (whose rows are not held in registers):
+// partials[b, col] = sum over rows [b * 16, min(rows, b * 16 + 16)) in increasing row order of
+// grad_y[r, col] * (x[r, col] * rstd[r]), fp32 from +0: the tree of backward_weight_grad_rows
+// with one row group (T = 1024) of 16 rows.  It reads grad_y and x a second time.
+// Launch: grid = (ceil(rows / kWeightGradChunkRows), ceil(d / kWeightGradThreads)), block = 256.
 template <typename Codec>
 __device__ __forceinline__ void weight_grad_partials(float* partials,
                                                      const typename Codec::storage* grad_y,
@@ -360,8 +463,8 @@ __device__ __forceinline__ void weight_grad_partials(float* partials,
     const int64_t col = static_cast<int64_t>(blockIdx.y) * kWeightGradThreads + threadIdx.x;
     if (col >= d) return;
     const int64_t chunk = blockIdx.x;
-    const int64_t begin = chunk * kWeightGradRows;
-    const int64_t end = begin + kWeightGradRows < rows ? begin + kWeightGradRows : rows;
+    const int64_t begin = chunk * kWeightGradChunkRows;
+    const int64_t end = begin + kWeightGradChunkRows < rows ? begin + kWeightGradChunkRows : rows;
     float sum = 0.0f;
     int64_t r = begin;
     for (; r + kWeightGradUnroll <= end; r += kWeightGradUnroll) {
@@ -401,20 +504,22 @@ __device__ __forceinline__ float column_sum(const float* rows_in, int64_t begin,
     return sum;
 }
 
-// grad_weight, further levels while more than kWeightGradRows partial rows remain: the same
-// chunking applied to the partials (a fixed tree whose shape depends on rows only).
-// Launch: grid = (ceil(rows_in / kWeightGradRows), ceil(d / kWeightGradThreads)), block = 256.
+// grad_weight, further levels while more than kWeightGradReduceRows (64) partial rows remain:
+// each run of 64 consecutive partial rows summed in order (a fixed tree whose shape depends on
+// the row count only).
+// Launch: grid = (ceil(rows_in / kWeightGradReduceRows), ceil(d / kWeightGradThreads)), block = 256.
 __device__ __forceinline__ void weight_grad_reduce(float* rows_out, const float* rows_in,
                                                    int64_t num_rows_in, int64_t d) {
     const int64_t col = static_cast<int64_t>(blockIdx.y) * kWeightGradThreads + threadIdx.x;
     if (col >= d) return;
     const int64_t chunk = blockIdx.x;
-    const int64_t begin = chunk * kWeightGradRows;
-    const int64_t end = begin + kWeightGradRows < num_rows_in ? begin + kWeightGradRows : num_rows_in;
+    const int64_t begin = chunk * kWeightGradReduceRows;
+    const int64_t end =
+        begin + kWeightGradReduceRows < num_rows_in ? begin + kWeightGradReduceRows : num_rows_in;
     rows_out[chunk * d + col] = column_sum(rows_in, begin, end, d, col);
 }
 
-// grad_weight, last level: the (at most kWeightGradRows) partial rows added in order, rounded once.
+// grad_weight, last level: the (at most 64) partial rows added in order, rounded once.
 // Launch: grid = ceil(d / kWeightGradThreads), block = 256.
 template <typename Codec>
 __device__ __forceinline__ void weight_grad_final(typename Codec::storage* grad_weight,
@@ -455,6 +560,18 @@ __device__ __forceinline__ void weight_grad_final(typename Codec::storage* grad_
         batchinv::rms::backward_kernel<CODEC, T, BACKWARD_K, STREAMING>(args);                   \
     }
 
+// grad_x and grad_weight's first level in one pass (rows held in registers; see the header).
+#define BATCHINV_RMS_NORM_BACKWARD_WEIGHT_GRAD_ENTRY(SUFFIX, CODEC, GEOMETRY, T, K, TARGET_ROWS)  \
+    extern "C" __global__ void __launch_bounds__(batchinv::rms::Cta<T>::kThreads)                \
+        rms_norm_backward_weight_grad_##SUFFIX##_##GEOMETRY(                                     \
+            CODEC::storage* grad_x, float* partials, const CODEC::storage* grad_y,               \
+            const CODEC::storage* x, const CODEC::storage* weight, const float* rstd,            \
+            const CODEC::storage* grad_residual, int64_t rows, int64_t d, int64_t x_stride) {    \
+        const batchinv::rms::BackwardArgs args{grad_x,        grad_y, x, weight,  rstd,          \
+                                               grad_residual, rows,   d, x_stride};              \
+        batchinv::rms::backward_weight_grad_kernel<CODEC, T, K, TARGET_ROWS>(args, partials);   \
+    }
+
 #define BATCHINV_RMS_NORM_WEIGHT_GRAD_KERNELS(SUFFIX, CODEC)                                   \
     extern "C" __global__ void __launch_bounds__(256) rms_norm_weight_grad_partials_##SUFFIX( \
         float* partials, const CODEC::storage* grad_y, const CODEC::storage* x,                \
@@ -467,18 +584,23 @@ __device__ __forceinline__ void weight_grad_final(typename Codec::storage* grad_
         batchinv::rms::weight_grad_final<CODEC>(grad_weight, partials, num_partials, d);      \
     }
 
+#define BATCHINV_RMS_NORM_IN_REGISTERS(SUFFIX, CODEC, GEOMETRY, T, K)                        \
+    BATCHINV_RMS_NORM_ROW_KERNELS(SUFFIX, CODEC, GEOMETRY, T, K, K, false)                     \
+    BATCHINV_RMS_NORM_BACKWARD_WEIGHT_GRAD_ENTRY(SUFFIX, CODEC, GEOMETRY, T, K,                \
+                                                 batchinv::rms::kWeightGradChunkRows)
+
 // The geometry list: (name, threads per row T, chunks per thread K, backward K).  Keep in step
 // with GEOMETRIES in py/batchinv/gpu/rms_norm.py.  Four chunks for the sub-warp rows (q/k
 // norm); eight from 64 threads up, so that each thread has 128 bytes in flight before the
 // reduction (a row-per-CTA kernel with less was latency bound on an H200).
 #define BATCHINV_RMS_NORM_ALL_GEOMETRIES(SUFFIX, CODEC)                    \
-    BATCHINV_RMS_NORM_ROW_KERNELS(SUFFIX, CODEC, t4, 4, 4, 4, false)       \
-    BATCHINV_RMS_NORM_ROW_KERNELS(SUFFIX, CODEC, t16, 16, 4, 4, false)     \
-    BATCHINV_RMS_NORM_ROW_KERNELS(SUFFIX, CODEC, t32, 32, 4, 4, false)     \
-    BATCHINV_RMS_NORM_ROW_KERNELS(SUFFIX, CODEC, t64, 64, 8, 8, false)     \
-    BATCHINV_RMS_NORM_ROW_KERNELS(SUFFIX, CODEC, t128, 128, 8, 8, false)   \
-    BATCHINV_RMS_NORM_ROW_KERNELS(SUFFIX, CODEC, t256, 256, 8, 8, false)   \
-    BATCHINV_RMS_NORM_ROW_KERNELS(SUFFIX, CODEC, t512, 512, 8, 8, false)   \
+    BATCHINV_RMS_NORM_IN_REGISTERS(SUFFIX, CODEC, t4, 4, 4)                \
+    BATCHINV_RMS_NORM_IN_REGISTERS(SUFFIX, CODEC, t16, 16, 4)              \
+    BATCHINV_RMS_NORM_IN_REGISTERS(SUFFIX, CODEC, t32, 32, 4)              \
+    BATCHINV_RMS_NORM_IN_REGISTERS(SUFFIX, CODEC, t64, 64, 8)              \
+    BATCHINV_RMS_NORM_IN_REGISTERS(SUFFIX, CODEC, t128, 128, 8)            \
+    BATCHINV_RMS_NORM_IN_REGISTERS(SUFFIX, CODEC, t256, 256, 8)            \
+    BATCHINV_RMS_NORM_IN_REGISTERS(SUFFIX, CODEC, t512, 512, 8)            \
     BATCHINV_RMS_NORM_ROW_KERNELS(SUFFIX, CODEC, stream, batchinv::rms::kStreamingThreads, \
                                   batchinv::rms::kStreamingChunks,         \
                                   batchinv::rms::kStreamingBackwardChunks, true) \
@@ -490,6 +612,22 @@ extern "C" __global__ void __launch_bounds__(256) rms_norm_weight_grad_reduce(
 }
 
 BATCHINV_RMS_NORM_ALL_GEOMETRIES(bf16, batchinv::Bf16Codec)
+
+// EXPERIMENT (removed before merge): other first-level chunk sizes and forward geometries.
+BATCHINV_RMS_NORM_BACKWARD_WEIGHT_GRAD_ENTRY(bf16, batchinv::Bf16Codec, t4_r64, 4, 4, 64)
+BATCHINV_RMS_NORM_BACKWARD_WEIGHT_GRAD_ENTRY(bf16, batchinv::Bf16Codec, t64_r8, 64, 8, 8)
+BATCHINV_RMS_NORM_BACKWARD_WEIGHT_GRAD_ENTRY(bf16, batchinv::Bf16Codec, t64_r32, 64, 8, 32)
+BATCHINV_RMS_NORM_BACKWARD_WEIGHT_GRAD_ENTRY(bf16, batchinv::Bf16Codec, t128_r8, 128, 8, 8)
+BATCHINV_RMS_NORM_BACKWARD_WEIGHT_GRAD_ENTRY(bf16, batchinv::Bf16Codec, t128_r32, 128, 8, 32)
+BATCHINV_RMS_NORM_FORWARD_ENTRY(forward, bf16, t64k10, batchinv::Bf16Codec, 64, 10, false, false)
+BATCHINV_RMS_NORM_FORWARD_ENTRY(forward, bf16, t2k8, batchinv::Bf16Codec, 2, 8, false, false)
+// batchinv-signature: rms_norm_backward_weight_grad_bf16_t4_r64(ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
+// batchinv-signature: rms_norm_backward_weight_grad_bf16_t64_r8(ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
+// batchinv-signature: rms_norm_backward_weight_grad_bf16_t64_r32(ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
+// batchinv-signature: rms_norm_backward_weight_grad_bf16_t128_r8(ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
+// batchinv-signature: rms_norm_backward_weight_grad_bf16_t128_r32(ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
+// batchinv-signature: rms_norm_forward_bf16_t64k10(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
+// batchinv-signature: rms_norm_forward_bf16_t2k8(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 BATCHINV_RMS_NORM_ALL_GEOMETRIES(f16, batchinv::F16Codec)
 BATCHINV_RMS_NORM_ALL_GEOMETRIES(f32, batchinv::F32Codec)
 
@@ -497,24 +635,31 @@ BATCHINV_RMS_NORM_ALL_GEOMETRIES(f32, batchinv::F32Codec)
 // batchinv-signature: rms_norm_forward_bf16_t4(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_fused_forward_bf16_t4(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_backward_bf16_t4(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
+// batchinv-signature: rms_norm_backward_weight_grad_bf16_t4(ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
 // batchinv-signature: rms_norm_forward_bf16_t16(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_fused_forward_bf16_t16(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_backward_bf16_t16(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
+// batchinv-signature: rms_norm_backward_weight_grad_bf16_t16(ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
 // batchinv-signature: rms_norm_forward_bf16_t32(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_fused_forward_bf16_t32(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_backward_bf16_t32(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
+// batchinv-signature: rms_norm_backward_weight_grad_bf16_t32(ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
 // batchinv-signature: rms_norm_forward_bf16_t64(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_fused_forward_bf16_t64(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_backward_bf16_t64(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
+// batchinv-signature: rms_norm_backward_weight_grad_bf16_t64(ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
 // batchinv-signature: rms_norm_forward_bf16_t128(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_fused_forward_bf16_t128(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_backward_bf16_t128(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
+// batchinv-signature: rms_norm_backward_weight_grad_bf16_t128(ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
 // batchinv-signature: rms_norm_forward_bf16_t256(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_fused_forward_bf16_t256(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_backward_bf16_t256(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
+// batchinv-signature: rms_norm_backward_weight_grad_bf16_t256(ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
 // batchinv-signature: rms_norm_forward_bf16_t512(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_fused_forward_bf16_t512(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_backward_bf16_t512(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
+// batchinv-signature: rms_norm_backward_weight_grad_bf16_t512(ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
 // batchinv-signature: rms_norm_forward_bf16_stream(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_fused_forward_bf16_stream(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_backward_bf16_stream(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
@@ -523,24 +668,31 @@ BATCHINV_RMS_NORM_ALL_GEOMETRIES(f32, batchinv::F32Codec)
 // batchinv-signature: rms_norm_forward_f16_t4(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_fused_forward_f16_t4(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_backward_f16_t4(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
+// batchinv-signature: rms_norm_backward_weight_grad_f16_t4(ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
 // batchinv-signature: rms_norm_forward_f16_t16(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_fused_forward_f16_t16(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_backward_f16_t16(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
+// batchinv-signature: rms_norm_backward_weight_grad_f16_t16(ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
 // batchinv-signature: rms_norm_forward_f16_t32(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_fused_forward_f16_t32(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_backward_f16_t32(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
+// batchinv-signature: rms_norm_backward_weight_grad_f16_t32(ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
 // batchinv-signature: rms_norm_forward_f16_t64(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_fused_forward_f16_t64(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_backward_f16_t64(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
+// batchinv-signature: rms_norm_backward_weight_grad_f16_t64(ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
 // batchinv-signature: rms_norm_forward_f16_t128(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_fused_forward_f16_t128(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_backward_f16_t128(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
+// batchinv-signature: rms_norm_backward_weight_grad_f16_t128(ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
 // batchinv-signature: rms_norm_forward_f16_t256(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_fused_forward_f16_t256(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_backward_f16_t256(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
+// batchinv-signature: rms_norm_backward_weight_grad_f16_t256(ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
 // batchinv-signature: rms_norm_forward_f16_t512(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_fused_forward_f16_t512(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_backward_f16_t512(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
+// batchinv-signature: rms_norm_backward_weight_grad_f16_t512(ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
 // batchinv-signature: rms_norm_forward_f16_stream(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_fused_forward_f16_stream(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_backward_f16_stream(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
@@ -549,24 +701,31 @@ BATCHINV_RMS_NORM_ALL_GEOMETRIES(f32, batchinv::F32Codec)
 // batchinv-signature: rms_norm_forward_f32_t4(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_fused_forward_f32_t4(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_backward_f32_t4(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
+// batchinv-signature: rms_norm_backward_weight_grad_f32_t4(ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
 // batchinv-signature: rms_norm_forward_f32_t16(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_fused_forward_f32_t16(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_backward_f32_t16(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
+// batchinv-signature: rms_norm_backward_weight_grad_f32_t16(ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
 // batchinv-signature: rms_norm_forward_f32_t32(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_fused_forward_f32_t32(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_backward_f32_t32(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
+// batchinv-signature: rms_norm_backward_weight_grad_f32_t32(ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
 // batchinv-signature: rms_norm_forward_f32_t64(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_fused_forward_f32_t64(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_backward_f32_t64(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
+// batchinv-signature: rms_norm_backward_weight_grad_f32_t64(ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
 // batchinv-signature: rms_norm_forward_f32_t128(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_fused_forward_f32_t128(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_backward_f32_t128(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
+// batchinv-signature: rms_norm_backward_weight_grad_f32_t128(ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
 // batchinv-signature: rms_norm_forward_f32_t256(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_fused_forward_f32_t256(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_backward_f32_t256(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
+// batchinv-signature: rms_norm_backward_weight_grad_f32_t256(ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
 // batchinv-signature: rms_norm_forward_f32_t512(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_fused_forward_f32_t512(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_backward_f32_t512(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
+// batchinv-signature: rms_norm_backward_weight_grad_f32_t512(ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
 // batchinv-signature: rms_norm_forward_f32_stream(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_fused_forward_f32_stream(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_backward_f32_stream(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
