@@ -61,6 +61,7 @@ constexpr int kMinCtaThreads = 128;
 constexpr int kMaxWarps = 1024 / BATCHINV_WARP_SIZE;
 constexpr int kWeightGradChunkRows = 16;  // rows per first-level partial of grad_weight, at least
 constexpr int kWeightGradReduceRows = 64;  // partial rows per sum of the further levels
+constexpr int kWeightGradSharedBytes = 32768;  // per-column sums of a CTA in the fused backward
 constexpr int kWeightGradThreads = 256;  // columns per pass-1 / pass-2 CTA
 constexpr int kWeightGradUnroll = 8;     // rows loaded before they are added (loads in flight)
 
@@ -253,10 +254,11 @@ struct Cta {
 
 // grad_weight's first level for a row kept in registers: a CTA owns kRows consecutive rows,
 // its kRowGroups row groups kRowsInSequence consecutive rows each (see the header).
-template <int T, int kTargetRows = kWeightGradChunkRows>
+template <int T>
 struct WeightGradChunk {
     static constexpr int kGroups = Cta<T>::kRowGroups;
-    static constexpr int kRowsInSequence = kTargetRows > kGroups ? kTargetRows / kGroups : 1;
+    static constexpr int kRowsInSequence =
+        kWeightGradChunkRows > kGroups ? kWeightGradChunkRows / kGroups : 1;
     static constexpr int kRows = kGroups * kRowsInSequence;
 };
 
@@ -267,14 +269,31 @@ __device__ __forceinline__ bool backward_vector_ok(const BackwardArgs& a) {
            stride_aligned16<S>(a.d);
 }
 
+// A row group's per-column sums of grad_y * x_hat live in shared memory (T * K * E floats; in
+// registers they cost a third of the CTAs per SM): float4 number (k * E / 4 + q) * T + lane
+// holds elements 4q .. 4q + 3 of the thread's chunk k, so a warp's accesses are contiguous.
+template <int T, int E>
+__device__ __forceinline__ int group_sums_slot(int lane, int k, int q) {
+    return (k * (E / 4) + q) * T + lane;
+}
+
+// The float index of column col (element col of the row) in a row group's sums.
+template <int T, int E>
+__device__ __forceinline__ int group_sums_index(int64_t col) {
+    const int c = static_cast<int>(col / E);
+    const int e = static_cast<int>(col % E);
+    return group_sums_slot<T, E>(c % T, c / T, e / 4) * 4 + e % 4;
+}
+
 // grad_h of `row` by the T threads of its group (`lane` = this thread's index in it), with the
 // forward's layout and tree.  kWeightGrad (rows held in registers only): also adds
-// grad_y * x_hat of each of the thread's elements to acc[k][e]; a row past the end adds nothing.
+// grad_y * x_hat of each of the thread's elements to its slots of the row group's sums in
+// shared memory (group_sums_slot); a row past the end adds nothing.
 // Every thread of the CTA must call it (row_group_sum synchronises the CTA when T > warp size).
 template <typename Codec, int T, int K, bool kStreaming, bool kWeightGrad>
 __device__ __forceinline__ void backward_row(const BackwardArgs& a, int64_t row, int lane,
                                              bool vector, float* warp_partials,
-                                             float (&acc)[K][Chunk<Codec>::kElems]) {
+                                             float4* group_sums) {
     using S = typename Codec::storage;
     constexpr int E = Chunk<Codec>::kElems;
     static_assert(!(kStreaming && kWeightGrad), "the streaming form keeps no per-column sums");
@@ -336,6 +355,7 @@ __device__ __forceinline__ void backward_row(const BackwardArgs& a, int64_t row,
             Chunk<Codec> w, extra, out;
             load_chunk(w, weight, c, d, vector);
             if (grad_residual != nullptr) load_chunk(extra, grad_residual, c, d, vector);
+            float product[E];
 #pragma unroll
             for (int e = 0; e < E; ++e) {
                 const float dy = Codec::load(gs[k].v[e]);
@@ -344,10 +364,22 @@ __device__ __forceinline__ void backward_row(const BackwardArgs& a, int64_t row,
                 float g = ieee_mul(inv_rms, ieee_sub(gw, ieee_mul(x_hat, mean_dot)));
                 if (grad_residual != nullptr) g = ieee_add(g, Codec::load(extra.v[e]));
                 out.v[e] = Codec::store(g);
-                // Elements past d in the last chunk were loaded as zeros: they add +0.
-                if constexpr (kWeightGrad) acc[k][e] = ieee_add(acc[k][e], ieee_mul(dy, x_hat));
+                product[e] = ieee_mul(dy, x_hat);
             }
             store_chunk(grad_x, out, c, d, vector);
+            if constexpr (kWeightGrad) {
+                // Elements past d in the last chunk were loaded as zeros: they add +0.
+#pragma unroll
+                for (int q = 0; q < E / 4; ++q) {
+                    float4* slot = group_sums + group_sums_slot<T, E>(lane, k, q);
+                    float4 sum = *slot;
+                    sum.x = ieee_add(sum.x, product[4 * q]);
+                    sum.y = ieee_add(sum.y, product[4 * q + 1]);
+                    sum.z = ieee_add(sum.z, product[4 * q + 2]);
+                    sum.w = ieee_add(sum.w, product[4 * q + 3]);
+                    *slot = sum;
+                }
+            }
         }
     }
 }
@@ -356,71 +388,49 @@ __device__ __forceinline__ void backward_row(const BackwardArgs& a, int64_t row,
 template <typename Codec, int T, int K, bool kStreaming>
 __device__ __forceinline__ void backward_rows(const BackwardArgs& a, float* warp_partials) {
     const int64_t row = static_cast<int64_t>(blockIdx.x) * Cta<T>::kRowGroups + threadIdx.x / T;
-    float unused[K][Chunk<Codec>::kElems];
     backward_row<Codec, T, K, kStreaming, false>(
         a, row, threadIdx.x % T, backward_vector_ok<typename Codec::storage>(a), warp_partials,
-        unused);
+        nullptr);
 }
 
 // grad_h and grad_weight's first level: CTA b owns rows [b * kRows, (b + 1) * kRows); row group
 // g takes rows b * kRows + g * kRowsInSequence + s, s = 0, 1, ... in order, summing
 // grad_y * x_hat per column from +0; the groups' sums are then added in group order from +0
-// (through shared memory, one column per thread) into partials[b, :] (fp32, [blocks, d]).
-template <typename Codec, int T, int K, int kTargetRows>
+// (one column per thread) into partials[b, :] (fp32, [blocks, d]).
+template <typename Codec, int T, int K>
 __device__ __forceinline__ void backward_weight_grad_rows(const BackwardArgs& a, float* partials,
                                                           float* warp_partials,
-                                                          float* group_sums) {
+                                                          float4* group_sums) {
     constexpr int E = Chunk<Codec>::kElems;
-    using Chunking = WeightGradChunk<T, kTargetRows>;
+    using Chunking = WeightGradChunk<T>;
     constexpr int kGroups = Chunking::kGroups;
     constexpr int kSequence = Chunking::kRowsInSequence;
-    constexpr int kColumns = T * K * E;  // the longest row this geometry holds
+    constexpr int kGroupFloat4s = T * K * E / 4;
     const int lane = threadIdx.x % T;
     const int group = threadIdx.x / T;
-    const int64_t d = a.d;
-    const int64_t chunks = (d + E - 1) / E;
     const int64_t first_row =
         static_cast<int64_t>(blockIdx.x) * Chunking::kRows + group * kSequence;
     const bool vector = backward_vector_ok<typename Codec::storage>(a);
-    float acc[K][E];
+    float4* mine = group_sums + group * kGroupFloat4s;
 #pragma unroll
     for (int k = 0; k < K; ++k) {
 #pragma unroll
-        for (int e = 0; e < E; ++e) acc[k][e] = 0.0f;
+        for (int q = 0; q < E / 4; ++q) {
+            mine[group_sums_slot<T, E>(lane, k, q)] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        }
     }
     for (int s = 0; s < kSequence; ++s) {
-        backward_row<Codec, T, K, false, true>(a, first_row + s, lane, vector, warp_partials, acc);
+        backward_row<Codec, T, K, false, true>(a, first_row + s, lane, vector, warp_partials, mine);
     }
-    float* out = partials + static_cast<int64_t>(blockIdx.x) * d;
-    if constexpr (kGroups == 1) {
-        // One group: its sums are the partial row (+0 + s = s: a sum from +0 is never -0).
+    __syncthreads();
+    const float* sums = reinterpret_cast<const float*>(group_sums);
+    float* out = partials + static_cast<int64_t>(blockIdx.x) * a.d;
+    for (int64_t col = threadIdx.x; col < a.d; col += Cta<T>::kThreads) {
+        const int index = group_sums_index<T, E>(col);
+        float sum = 0.0f;
 #pragma unroll
-        for (int k = 0; k < K; ++k) {
-            const int64_t c = lane + static_cast<int64_t>(k) * T;
-#pragma unroll
-            for (int e = 0; e < E; ++e) {
-                if (c < chunks && c * E + e < d) out[c * E + e] = acc[k][e];
-            }
-        }
-    } else {
-#pragma unroll
-        for (int k = 0; k < K; ++k) {
-            const int c = lane + k * T;
-            if (c >= chunks) continue;
-            float4* slot = reinterpret_cast<float4*>(group_sums + group * kColumns + c * E);
-#pragma unroll
-            for (int q = 0; q < E / 4; ++q) {
-                slot[q] = make_float4(acc[k][4 * q], acc[k][4 * q + 1], acc[k][4 * q + 2],
-                                      acc[k][4 * q + 3]);
-            }
-        }
-        __syncthreads();
-        for (int64_t col = threadIdx.x; col < d; col += Cta<T>::kThreads) {
-            float sum = 0.0f;
-#pragma unroll
-            for (int g = 0; g < kGroups; ++g) sum = ieee_add(sum, group_sums[g * kColumns + col]);
-            out[col] = sum;
-        }
+        for (int g = 0; g < kGroups; ++g) sum = ieee_add(sum, sums[g * kGroupFloat4s * 4 + index]);
+        out[col] = sum;
     }
 }
 
@@ -439,53 +449,60 @@ __device__ __forceinline__ void backward_kernel(const BackwardArgs& a) {
     backward_rows<Codec, T, K, kStreaming>(a, warp_partials);
 }
 
-template <typename Codec, int T, int K, int kTargetRows = kWeightGradChunkRows>
+template <typename Codec, int T, int K>
 __device__ __forceinline__ void backward_weight_grad_kernel(const BackwardArgs& a,
                                                             float* partials) {
-    constexpr int kGroups = WeightGradChunk<T, kTargetRows>::kGroups;
-    constexpr int kSums = kGroups > 1 ? kGroups * T * K * Chunk<Codec>::kElems : 4;
+    constexpr int kSumBytes = Cta<T>::kThreads * K * Chunk<Codec>::kElems * 4;
+    static_assert(kSumBytes <= kWeightGradSharedBytes, "instantiate only geometries that fit");
     __shared__ float warp_partials[kMaxWarps];
-    __shared__ alignas(16) float group_sums[kSums];
-    backward_weight_grad_rows<Codec, T, K, kTargetRows>(a, partials, warp_partials, group_sums);
+    __shared__ float4 group_sums[kSumBytes / 16];
+    backward_weight_grad_rows<Codec, T, K>(a, partials, warp_partials, group_sums);
 }
 
-// grad_weight's first level for the streaming form (whose rows are not held in registers):
-// partials[b, col] = sum over rows [b * 16, min(rows, b * 16 + 16)) in increasing row order of
-// grad_y[r, col] * (x[r, col] * rstd[r]), fp32 from +0: the tree of backward_weight_grad_rows
-// with one row group (T = 1024) of 16 rows.  It reads grad_y and x a second time.
-// Launch: grid = (ceil(rows / kWeightGradChunkRows), ceil(d / kWeightGradThreads)), block = 256.
+// grad_weight's first level as a separate pass over columns, for rows whose sums do not fit
+// the fused backward (and for few rows, where that one has too few CTAs): the same tree,
+// partials[b, col] = sum over g < groups (in order, from +0) of the sum over rows
+// b * groups * in_sequence + g * in_sequence + s, s < in_sequence (in order, from +0; rows
+// past the end skipped) of grad_y[r, col] * (x[r, col] * rstd[r]), fp32.  It reads grad_y and
+// x a second time.
+// Launch: grid = (ceil(rows / (groups * in_sequence)), ceil(d / kWeightGradThreads)), block = 256.
 template <typename Codec>
 __device__ __forceinline__ void weight_grad_partials(float* partials,
                                                      const typename Codec::storage* grad_y,
                                                      const typename Codec::storage* x,
                                                      const float* rstd, int64_t rows, int64_t d,
-                                                     int64_t x_stride) {
+                                                     int64_t x_stride, int64_t groups,
+                                                     int64_t in_sequence) {
     const int64_t col = static_cast<int64_t>(blockIdx.y) * kWeightGradThreads + threadIdx.x;
     if (col >= d) return;
     const int64_t chunk = blockIdx.x;
-    const int64_t begin = chunk * kWeightGradChunkRows;
-    const int64_t end = begin + kWeightGradChunkRows < rows ? begin + kWeightGradChunkRows : rows;
-    float sum = 0.0f;
-    int64_t r = begin;
-    for (; r + kWeightGradUnroll <= end; r += kWeightGradUnroll) {
-        float g[kWeightGradUnroll], xv[kWeightGradUnroll], inv[kWeightGradUnroll];
+    float total = 0.0f;
+    for (int64_t g = 0; g < groups; ++g) {
+        const int64_t begin = (chunk * groups + g) * in_sequence;
+        const int64_t end = begin + in_sequence < rows ? begin + in_sequence : rows;
+        float sum = 0.0f;
+        int64_t r = begin;
+        for (; r + kWeightGradUnroll <= end; r += kWeightGradUnroll) {
+            float gv[kWeightGradUnroll], xv[kWeightGradUnroll], inv[kWeightGradUnroll];
 #pragma unroll
-        for (int u = 0; u < kWeightGradUnroll; ++u) {
-            g[u] = Codec::load(grad_y[(r + u) * d + col]);
-            xv[u] = Codec::load(x[(r + u) * x_stride + col]);
-            inv[u] = rstd[r + u];
-        }
+            for (int u = 0; u < kWeightGradUnroll; ++u) {
+                gv[u] = Codec::load(grad_y[(r + u) * d + col]);
+                xv[u] = Codec::load(x[(r + u) * x_stride + col]);
+                inv[u] = rstd[r + u];
+            }
 #pragma unroll
-        for (int u = 0; u < kWeightGradUnroll; ++u) {
-            sum = ieee_add(sum, ieee_mul(g[u], ieee_mul(xv[u], inv[u])));
+            for (int u = 0; u < kWeightGradUnroll; ++u) {
+                sum = ieee_add(sum, ieee_mul(gv[u], ieee_mul(xv[u], inv[u])));
+            }
         }
+        for (; r < end; ++r) {
+            const float gv = Codec::load(grad_y[r * d + col]);
+            const float xv = Codec::load(x[r * x_stride + col]);
+            sum = ieee_add(sum, ieee_mul(gv, ieee_mul(xv, rstd[r])));
+        }
+        total = ieee_add(total, sum);
     }
-    for (; r < end; ++r) {
-        const float g = Codec::load(grad_y[r * d + col]);
-        const float xv = Codec::load(x[r * x_stride + col]);
-        sum = ieee_add(sum, ieee_mul(g, ieee_mul(xv, rstd[r])));
-    }
-    partials[chunk * d + col] = sum;
+    partials[chunk * d + col] = total;
 }
 
 // Sum of rows [begin, end) of an fp32 [*, d] matrix in increasing row order, column col.
@@ -561,7 +578,7 @@ __device__ __forceinline__ void weight_grad_final(typename Codec::storage* grad_
     }
 
 // grad_x and grad_weight's first level in one pass (rows held in registers; see the header).
-#define BATCHINV_RMS_NORM_BACKWARD_WEIGHT_GRAD_ENTRY(SUFFIX, CODEC, GEOMETRY, T, K, TARGET_ROWS)  \
+#define BATCHINV_RMS_NORM_BACKWARD_WEIGHT_GRAD_ENTRY(SUFFIX, CODEC, GEOMETRY, T, K)              \
     extern "C" __global__ void __launch_bounds__(batchinv::rms::Cta<T>::kThreads)                \
         rms_norm_backward_weight_grad_##SUFFIX##_##GEOMETRY(                                     \
             CODEC::storage* grad_x, float* partials, const CODEC::storage* grad_y,               \
@@ -569,15 +586,16 @@ __device__ __forceinline__ void weight_grad_final(typename Codec::storage* grad_
             const CODEC::storage* grad_residual, int64_t rows, int64_t d, int64_t x_stride) {    \
         const batchinv::rms::BackwardArgs args{grad_x,        grad_y, x, weight,  rstd,          \
                                                grad_residual, rows,   d, x_stride};              \
-        batchinv::rms::backward_weight_grad_kernel<CODEC, T, K, TARGET_ROWS>(args, partials);   \
+        batchinv::rms::backward_weight_grad_kernel<CODEC, T, K>(args, partials);                \
     }
 
 #define BATCHINV_RMS_NORM_WEIGHT_GRAD_KERNELS(SUFFIX, CODEC)                                   \
     extern "C" __global__ void __launch_bounds__(256) rms_norm_weight_grad_partials_##SUFFIX( \
         float* partials, const CODEC::storage* grad_y, const CODEC::storage* x,                \
-        const float* rstd, int64_t rows, int64_t d, int64_t x_stride) {                        \
+        const float* rstd, int64_t rows, int64_t d, int64_t x_stride, int64_t groups,          \
+        int64_t in_sequence) {                                                                 \
         batchinv::rms::weight_grad_partials<CODEC>(partials, grad_y, x, rstd, rows, d,         \
-                                                   x_stride);                                  \
+                                                   x_stride, groups, in_sequence);             \
     }                                                                                          \
     extern "C" __global__ void __launch_bounds__(256) rms_norm_weight_grad_final_##SUFFIX(    \
         CODEC::storage* grad_weight, const float* partials, int64_t num_partials, int64_t d) { \
@@ -585,9 +603,7 @@ __device__ __forceinline__ void weight_grad_final(typename Codec::storage* grad_
     }
 
 #define BATCHINV_RMS_NORM_IN_REGISTERS(SUFFIX, CODEC, GEOMETRY, T, K)                        \
-    BATCHINV_RMS_NORM_ROW_KERNELS(SUFFIX, CODEC, GEOMETRY, T, K, K, false)                     \
-    BATCHINV_RMS_NORM_BACKWARD_WEIGHT_GRAD_ENTRY(SUFFIX, CODEC, GEOMETRY, T, K,                \
-                                                 batchinv::rms::kWeightGradChunkRows)
+    BATCHINV_RMS_NORM_ROW_KERNELS(SUFFIX, CODEC, GEOMETRY, T, K, K, false)
 
 // The geometry list: (name, threads per row T, chunks per thread K, backward K).  Keep in step
 // with GEOMETRIES in py/batchinv/gpu/rms_norm.py.  Four chunks for the sub-warp rows (q/k
@@ -612,24 +628,22 @@ extern "C" __global__ void __launch_bounds__(256) rms_norm_weight_grad_reduce(
 }
 
 BATCHINV_RMS_NORM_ALL_GEOMETRIES(bf16, batchinv::Bf16Codec)
-
-// EXPERIMENT (removed before merge): other first-level chunk sizes and forward geometries.
-BATCHINV_RMS_NORM_BACKWARD_WEIGHT_GRAD_ENTRY(bf16, batchinv::Bf16Codec, t4_r64, 4, 4, 64)
-BATCHINV_RMS_NORM_BACKWARD_WEIGHT_GRAD_ENTRY(bf16, batchinv::Bf16Codec, t64_r8, 64, 8, 8)
-BATCHINV_RMS_NORM_BACKWARD_WEIGHT_GRAD_ENTRY(bf16, batchinv::Bf16Codec, t64_r32, 64, 8, 32)
-BATCHINV_RMS_NORM_BACKWARD_WEIGHT_GRAD_ENTRY(bf16, batchinv::Bf16Codec, t128_r8, 128, 8, 8)
-BATCHINV_RMS_NORM_BACKWARD_WEIGHT_GRAD_ENTRY(bf16, batchinv::Bf16Codec, t128_r32, 128, 8, 32)
-BATCHINV_RMS_NORM_FORWARD_ENTRY(forward, bf16, t64k10, batchinv::Bf16Codec, 64, 10, false, false)
-BATCHINV_RMS_NORM_FORWARD_ENTRY(forward, bf16, t2k8, batchinv::Bf16Codec, 2, 8, false, false)
-// batchinv-signature: rms_norm_backward_weight_grad_bf16_t4_r64(ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
-// batchinv-signature: rms_norm_backward_weight_grad_bf16_t64_r8(ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
-// batchinv-signature: rms_norm_backward_weight_grad_bf16_t64_r32(ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
-// batchinv-signature: rms_norm_backward_weight_grad_bf16_t128_r8(ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
-// batchinv-signature: rms_norm_backward_weight_grad_bf16_t128_r32(ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
-// batchinv-signature: rms_norm_forward_bf16_t64k10(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
-// batchinv-signature: rms_norm_forward_bf16_t2k8(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 BATCHINV_RMS_NORM_ALL_GEOMETRIES(f16, batchinv::F16Codec)
 BATCHINV_RMS_NORM_ALL_GEOMETRIES(f32, batchinv::F32Codec)
+
+// The fused backward for the geometries whose per-column sums fit kWeightGradSharedBytes
+// (CTA threads * K * 16 bytes); longer rows take grad_x and the column pass separately.
+#define BATCHINV_RMS_NORM_FUSED_BACKWARD_UP_TO_T128(SUFFIX, CODEC)                     \
+    BATCHINV_RMS_NORM_BACKWARD_WEIGHT_GRAD_ENTRY(SUFFIX, CODEC, t4, 4, 4)              \
+    BATCHINV_RMS_NORM_BACKWARD_WEIGHT_GRAD_ENTRY(SUFFIX, CODEC, t16, 16, 4)            \
+    BATCHINV_RMS_NORM_BACKWARD_WEIGHT_GRAD_ENTRY(SUFFIX, CODEC, t32, 32, 4)            \
+    BATCHINV_RMS_NORM_BACKWARD_WEIGHT_GRAD_ENTRY(SUFFIX, CODEC, t64, 64, 8)            \
+    BATCHINV_RMS_NORM_BACKWARD_WEIGHT_GRAD_ENTRY(SUFFIX, CODEC, t128, 128, 8)
+
+BATCHINV_RMS_NORM_FUSED_BACKWARD_UP_TO_T128(bf16, batchinv::Bf16Codec)
+BATCHINV_RMS_NORM_FUSED_BACKWARD_UP_TO_T128(f16, batchinv::F16Codec)
+BATCHINV_RMS_NORM_FUSED_BACKWARD_UP_TO_T128(f32, batchinv::F32Codec)
+BATCHINV_RMS_NORM_BACKWARD_WEIGHT_GRAD_ENTRY(f32, batchinv::F32Codec, t256, 256, 8)
 
 // Signatures of the entries above, for the launcher's argument checks.
 // batchinv-signature: rms_norm_forward_bf16_t4(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
@@ -655,15 +669,13 @@ BATCHINV_RMS_NORM_ALL_GEOMETRIES(f32, batchinv::F32Codec)
 // batchinv-signature: rms_norm_forward_bf16_t256(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_fused_forward_bf16_t256(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_backward_bf16_t256(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
-// batchinv-signature: rms_norm_backward_weight_grad_bf16_t256(ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
 // batchinv-signature: rms_norm_forward_bf16_t512(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_fused_forward_bf16_t512(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_backward_bf16_t512(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
-// batchinv-signature: rms_norm_backward_weight_grad_bf16_t512(ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
 // batchinv-signature: rms_norm_forward_bf16_stream(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_fused_forward_bf16_stream(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_backward_bf16_stream(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
-// batchinv-signature: rms_norm_weight_grad_partials_bf16(ptr, ptr, ptr, ptr, i64, i64, i64)
+// batchinv-signature: rms_norm_weight_grad_partials_bf16(ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64)
 // batchinv-signature: rms_norm_weight_grad_final_bf16(ptr, ptr, i64, i64)
 // batchinv-signature: rms_norm_forward_f16_t4(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_fused_forward_f16_t4(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
@@ -688,15 +700,13 @@ BATCHINV_RMS_NORM_ALL_GEOMETRIES(f32, batchinv::F32Codec)
 // batchinv-signature: rms_norm_forward_f16_t256(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_fused_forward_f16_t256(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_backward_f16_t256(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
-// batchinv-signature: rms_norm_backward_weight_grad_f16_t256(ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
 // batchinv-signature: rms_norm_forward_f16_t512(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_fused_forward_f16_t512(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_backward_f16_t512(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
-// batchinv-signature: rms_norm_backward_weight_grad_f16_t512(ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
 // batchinv-signature: rms_norm_forward_f16_stream(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_fused_forward_f16_stream(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_backward_f16_stream(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
-// batchinv-signature: rms_norm_weight_grad_partials_f16(ptr, ptr, ptr, ptr, i64, i64, i64)
+// batchinv-signature: rms_norm_weight_grad_partials_f16(ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64)
 // batchinv-signature: rms_norm_weight_grad_final_f16(ptr, ptr, i64, i64)
 // batchinv-signature: rms_norm_forward_f32_t4(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_fused_forward_f32_t4(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
@@ -725,9 +735,8 @@ BATCHINV_RMS_NORM_ALL_GEOMETRIES(f32, batchinv::F32Codec)
 // batchinv-signature: rms_norm_forward_f32_t512(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_fused_forward_f32_t512(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_backward_f32_t512(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
-// batchinv-signature: rms_norm_backward_weight_grad_f32_t512(ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
 // batchinv-signature: rms_norm_forward_f32_stream(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_fused_forward_f32_stream(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_backward_f32_stream(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
-// batchinv-signature: rms_norm_weight_grad_partials_f32(ptr, ptr, ptr, ptr, i64, i64, i64)
+// batchinv-signature: rms_norm_weight_grad_partials_f32(ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64)
 // batchinv-signature: rms_norm_weight_grad_final_f32(ptr, ptr, i64, i64)

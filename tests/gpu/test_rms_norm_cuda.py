@@ -236,14 +236,20 @@ def _weight_grad_by_the_documented_tree(grad_y, x, rstd, groups, in_sequence):
 
 
 # One hidden size per first-level shape: q/k norm (32 row groups of 1 row), 4 and 2 groups,
-# one group in registers (5120, 12000 bf16), and the separate column pass (t512, streaming).
+# one group (5120), and rows whose sums do not fit the fused kernel (12000 bf16, t512, stream).
 TREE_HIDDENS = (128, 1000, 4096, 5120, 12000, 20000, 40000)
+# Enough rows for the fused kernel (at least FUSED_WEIGHT_GRAD_MIN_BLOCKS CTAs of up to 32 rows);
+# fewer take grad_x and the column pass.
+FUSED_ROWS = 9000
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("hidden", TREE_HIDDENS)
-def test_weight_gradient_is_the_documented_fixed_tree(hidden, dtype):
-    rows = 70 if hidden > 10000 else 4500  # 4500: a second level (more than 64 partials)
+@pytest.mark.parametrize("many_rows", (False, True))
+def test_weight_gradient_is_the_documented_fixed_tree(hidden, dtype, many_rows):
+    if many_rows and not gpu_rms_norm.fused_backward_fits(hidden, dtype):
+        pytest.skip("no fused kernel for this row length: the few-rows case covers its path")
+    rows = FUSED_ROWS if many_rows else 300  # 9000: more than 64 partial rows (a second level)
     gen = torch.Generator(device=DEVICE).manual_seed(9)
     x = torch.randn(rows, hidden, device=DEVICE, generator=gen).to(dtype)
     grad_y = torch.randn(rows, hidden, device=DEVICE, generator=gen).to(dtype)
@@ -256,15 +262,33 @@ def test_weight_gradient_is_the_documented_fixed_tree(hidden, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hidden", (128, 1000, 4096, 5120))
+def test_fused_and_two_pass_weight_gradients_have_the_same_bits(hidden, dtype):
+    # The backward picks the path from the row count; the bits must not depend on it.
+    gen = torch.Generator(device=DEVICE).manual_seed(14)
+    x, grad_y = (
+        torch.randn(FUSED_ROWS, hidden, device=DEVICE, generator=gen).to(dtype) for _ in range(2)
+    )
+    weight = _weight(hidden, dtype)
+    _, rstd = gpu_rms_norm.forward(x, weight, EPS)
+    _, fused = gpu_rms_norm.backward(grad_y, x, weight, rstd)
+    groups, in_sequence = gpu_rms_norm.weight_grad_chunking(hidden, dtype)
+    partials = gpu_rms_norm._weight_grad_separately(grad_y, x, rstd, groups, in_sequence)
+    assert_bitwise_equal(fused, gpu_rms_norm._reduce_partials(partials, dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("hidden", (128, 1000, 4096, 5120, 20000))
 @pytest.mark.parametrize("with_residual_grad", (False, True))
 def test_input_gradient_bits_do_not_depend_on_computing_the_weight_gradient(
     hidden, dtype, with_residual_grad
 ):
-    # With grad_weight the row is reduced inside the fused kernel; without, by the grad_x one.
+    # With grad_weight (and enough rows) the row is reduced inside the fused kernel; without,
+    # by the grad_x kernel.
+    rows = FUSED_ROWS if hidden < 10000 else 77
     gen = torch.Generator(device=DEVICE).manual_seed(10)
     x, grad_y, extra = (
-        torch.randn(77, hidden, device=DEVICE, generator=gen).to(dtype) for _ in range(3)
+        torch.randn(rows, hidden, device=DEVICE, generator=gen).to(dtype) for _ in range(3)
     )
     weight = _weight(hidden, dtype)
     _, rstd = gpu_rms_norm.forward(x, weight, EPS)
@@ -389,9 +413,9 @@ def test_every_output_element_is_written_in_every_geometry(dtype):
             (grad_x, y, x, weight, rstd, 0, rows, hidden, hidden),
         )
         assert not bool(grad_x.isnan().any()), f"hidden {hidden}: grad_x has unwritten elements"
-        name, threads, cta = gpu_rms_norm.geometry(hidden, dtype)
-        if name == "stream" or threads > gpu_rms_norm.FUSED_WEIGHT_GRAD_MAX_THREADS:
+        if not gpu_rms_norm.fused_backward_fits(hidden, dtype):
             continue
+        name, _, cta = gpu_rms_norm.geometry(hidden, dtype)
         groups, in_sequence = gpu_rms_norm.weight_grad_chunking(hidden, dtype)
         blocks = -(-rows // (groups * in_sequence))
         fused_grad_x = torch.full_like(y, float("nan"))

@@ -29,9 +29,13 @@ MIN_CTA_THREADS = 128
 WEIGHT_GRAD_CHUNK_ROWS = 16
 WEIGHT_GRAD_REDUCE_ROWS = 64
 WEIGHT_GRAD_THREADS = 256
-# Above this many threads per row the per-column sums do not fit in registers beside the row:
-# grad_x and the first level are then separate kernels (the same tree, with one row group).
-FUSED_WEIGHT_GRAD_MAX_THREADS = 256
+# The fused backward keeps a CTA's per-column sums in shared memory (fp32, CTA threads * chunks
+# per thread * elements per chunk), at most this many bytes; longer rows take grad_x and a
+# column pass for the first level separately (the same tree, so the same bits).
+FUSED_WEIGHT_GRAD_SHARED_BYTES = 32768
+# Below this many CTAs the fused backward leaves SMs idle (1024 x 4096 bf16: 64 CTAs, about
+# twice the time of the two passes); the two passes then run instead, with the same bits.
+FUSED_WEIGHT_GRAD_MIN_BLOCKS = 256
 
 _MAX_GRID_X = 2**31 - 1
 _MAX_GRID_Y = 65535
@@ -137,6 +141,7 @@ def fused_add_forward(
     return forward_unchecked(x, weight, eps, residual)
 
 
+@functools.cache
 def weight_grad_chunking(d: int, dtype: torch.dtype) -> tuple[int, int]:
     """``(row groups, rows in sequence per group)`` of grad_weight's first level for rows of
     ``d`` elements: a partial row sums ``groups * rows_in_sequence`` consecutive rows, each
@@ -181,21 +186,34 @@ def _check_weight_grad_width(d: int) -> None:
         raise ValueError(f"x.shape[-1] = {d} is too large for the weight gradient kernel")
 
 
-def _weight_grad_separately(grad_rows: Tensor, x_rows: Tensor, rstd: Tensor) -> Tensor:
-    """First-level partials of 16 rows by a column kernel that reads grad_y and x again (for
-    rows too long to keep per-column sums in registers; one row group of 16 rows)."""
+def _weight_grad_separately(
+    grad_rows: Tensor, x_rows: Tensor, rstd: Tensor, groups: int, in_sequence: int
+) -> Tensor:
+    """First-level partials by a column kernel that reads grad_y and x again, in the fused
+    kernel's tree (``groups`` runs of ``in_sequence`` rows per partial row)."""
     rows, d = grad_rows.shape
     device = grad_rows.device
-    chunks = -(-rows // WEIGHT_GRAD_CHUNK_ROWS)
+    chunks = -(-rows // (groups * in_sequence))
     partials = torch.empty((chunks, d), dtype=torch.float32, device=device)
     launch(
         kernel_for("rms_norm", f"rms_norm_weight_grad_partials_{_SUFFIX[grad_rows.dtype]}", device),
         device,
         grid=(chunks, -(-d // WEIGHT_GRAD_THREADS)),
         block=(WEIGHT_GRAD_THREADS,),
-        args=(partials, grad_rows, x_rows, rstd, rows, d, x_rows.stride(0)),
+        args=(partials, grad_rows, x_rows, rstd, rows, d, x_rows.stride(0), groups, in_sequence),
     )
     return partials
+
+
+@functools.cache
+def fused_backward_fits(d: int, dtype: torch.dtype) -> bool:
+    """Whether rows of ``d`` elements have a fused grad_x + grad_weight kernel."""
+    name, threads, cta = geometry(d, dtype)
+    if name == "stream":
+        return False
+    per_thread = dict(GEOMETRIES)[threads]
+    sums_per_chunk = 16 // dtype.itemsize  # one fp32 sum per element
+    return cta * per_thread * sums_per_chunk * 4 <= FUSED_WEIGHT_GRAD_SHARED_BYTES
 
 
 def backward(
@@ -231,13 +249,13 @@ def backward(
         d,
         x_rows.stride(0),
     )
-    name, threads, cta = geometry(d, dtype)
+    name, _, cta = geometry(d, dtype)
+    groups, in_sequence = weight_grad_chunking(d, dtype)
+    blocks = -(-rows // (groups * in_sequence))
     grad_weight = None
     if rows == 0:
         grad_weight = torch.zeros(d, dtype=weight.dtype, device=x.device) if weight_grad else None
-    elif weight_grad and name != "stream" and threads <= FUSED_WEIGHT_GRAD_MAX_THREADS:
-        groups, in_sequence = weight_grad_chunking(d, dtype)
-        blocks = -(-rows // (groups * in_sequence))
+    elif weight_grad and fused_backward_fits(d, dtype) and blocks >= FUSED_WEIGHT_GRAD_MIN_BLOCKS:
         if blocks > _MAX_GRID_X:
             raise ValueError(f"x has {rows} rows; too many for the weight gradient kernel")
         partials = torch.empty((blocks, d), dtype=torch.float32, device=x.device)
@@ -254,6 +272,6 @@ def backward(
     else:
         _launch_rows("rms_norm_backward", x.device, d, dtype, rows, (grad_x, *args))
         if weight_grad:
-            partials = _weight_grad_separately(grad_rows, x_rows, rstd)
+            partials = _weight_grad_separately(grad_rows, x_rows, rstd, groups, in_sequence)
             grad_weight = _reduce_partials(partials, weight.dtype)
     return grad_x.reshape(x.shape), grad_weight
