@@ -19,21 +19,35 @@
 //           grad_h = inv_rms * (gw - x_hat * (sum(gw * x_hat) / d))  [+ grad_residual]
 //           rounded once to the storage type (the fused backward adds the gradient reaching
 //           new_residual in fp32 before that rounding).
-//           grad_weight[c] = sum over rows of grad_y[r, c] * x_hat[r, c]: pass 1 sums each
-//           chunk of kWeightGradRows (64) consecutive rows in increasing row order into an
-//           fp32 partial row; while more than 64 partial rows remain, the same chunking sums
-//           them (rms_norm_weight_grad_reduce); the last pass adds the <= 64 left in order and
-//           rounds once.  A fixed tree whose shape depends on the row count only, no atomics:
-//           bitwise the same run to run.  Zero-gradient rows appended at the end add +0 to
-//           each sum and leave the bits unchanged.
+//           grad_weight[c] = sum over rows of grad_y[r, c] * x_hat[r, c], fp32, by a fixed tree
+//           whose shape depends on the row count and d only (never the SM count), no atomics:
+//           level 1: partial row b sums rows [b * R, (b + 1) * R), R = G * S, as G runs of S
+//             consecutive rows: run g = rows b * R + g * S + s, s = 0 .. S - 1, added in order
+//             from +0, then the G run sums added in order g = 0 .. G - 1 from +0 (rows past the
+//             end are skipped).  G = the geometry's row groups per CTA (128 / T, or 1 for
+//             T >= 128), S = max(1, 16 / G): q/k norm (T = 4) G = 32, S = 1; T = 16: 8 x 2;
+//             T = 32: 4 x 4; T = 64 (hidden 4096 bf16): 2 x 8; T >= 128 and streaming: 1 x 16.
+//           level 2+: while more than 64 partial rows remain, each run of 64 consecutive ones is
+//             summed in order (rms_norm_weight_grad_reduce); the last <= 64 are added in order
+//             and rounded once (rms_norm_weight_grad_final).
+//           Bitwise the same run to run; zero-gradient rows appended at the end add +0 to sums
+//           that start at +0 (never -0) and leave the bits unchanged.  Level 1 is computed by
+//           rms_norm_backward_weight_grad_* (grad_x and the partials in one pass: CTA b's row
+//           groups take their S rows in sequence, each thread adding grad_y * x_hat of its
+//           elements to fp32 sums in shared memory, which the CTA then adds over groups, one
+//           column per thread), or, for rows whose sums exceed kWeightGradSharedBytes and for
+//           few rows (fewer than 256 CTAs, decided by the host), by the grad_x kernel plus the
+//           column pass rms_norm_weight_grad_partials_* in the same order: the same bits.
+//           grad_x is per row and does not depend on which kernel computed it (tested).
 //
 // Launch geometry (the host picks it from d and the dtype only, never from rows): the first
 //   (T threads per row, K chunks per thread) of (4, 4), (16, 4), (32, 4), (64, 8), (128, 8),
 //   (256, 8), (512, 8) with T * K 16-byte chunks >= the row, each thread keeping its chunks in
 //   registers (the row is read once); longer rows (bf16 d > 32768, fp32 d > 16384) use the
 //   streaming form, T = 1024, which reads the row twice.  CTA = max(T, 128) threads holding
-//   128 / T rows (T < 128) or one row; grid.x = ceil(rows / rows per CTA).  The batch changes
-//   only grid.x.  The backward uses the forward's geometry.
+//   128 / T rows (T < 128) or one row; grid.x = ceil(rows / rows per CTA).  The backward uses
+//   the forward's geometry; its fused form gives a CTA R = G * S rows (above), grid.x =
+//   ceil(rows / R).  The batch changes only grid.x.
 //
 // Why a row's bits cannot depend on the batch: element e of a row belongs to 16-byte chunk
 // c = e / (16 / sizeof(storage)), chunk c to thread c % T of the row's group, and a thread
