@@ -19,21 +19,35 @@
 //           grad_h = inv_rms * (gw - x_hat * (sum(gw * x_hat) / d))  [+ grad_residual]
 //           rounded once to the storage type (the fused backward adds the gradient reaching
 //           new_residual in fp32 before that rounding).
-//           grad_weight[c] = sum over rows of grad_y[r, c] * x_hat[r, c]: pass 1 sums each
-//           chunk of kWeightGradRows (64) consecutive rows in increasing row order into an
-//           fp32 partial row; while more than 64 partial rows remain, the same chunking sums
-//           them (rms_norm_weight_grad_reduce); the last pass adds the <= 64 left in order and
-//           rounds once.  A fixed tree whose shape depends on the row count only, no atomics:
-//           bitwise the same run to run.  Zero-gradient rows appended at the end add +0 to
-//           each sum and leave the bits unchanged.
+//           grad_weight[c] = sum over rows of grad_y[r, c] * x_hat[r, c], fp32, by a fixed tree
+//           whose shape depends on the row count and d only (never the SM count), no atomics:
+//           level 1: partial row b sums rows [b * R, (b + 1) * R), R = G * S, as G runs of S
+//             consecutive rows: run g = rows b * R + g * S + s, s = 0 .. S - 1, added in order
+//             from +0, then the G run sums added in order g = 0 .. G - 1 from +0 (rows past the
+//             end are skipped).  G = the geometry's row groups per CTA (128 / T, or 1 for
+//             T >= 128), S = max(1, 16 / G): q/k norm (T = 4) G = 32, S = 1; T = 16: 8 x 2;
+//             T = 32: 4 x 4; T = 64 (hidden 4096 bf16): 2 x 8; T >= 128 and streaming: 1 x 16.
+//           level 2+: while more than 64 partial rows remain, each run of 64 consecutive ones is
+//             summed in order (rms_norm_weight_grad_reduce); the last <= 64 are added in order
+//             and rounded once (rms_norm_weight_grad_final).
+//           Bitwise the same run to run; zero-gradient rows appended at the end add +0 to sums
+//           that start at +0 (never -0) and leave the bits unchanged.  Level 1 is computed by
+//           rms_norm_backward_weight_grad_* (grad_x and the partials in one pass: CTA b's row
+//           groups take their S rows in sequence, each thread adding grad_y * x_hat of its
+//           elements to fp32 sums in shared memory, which the CTA then adds over groups, one
+//           column per thread), or, for rows whose sums exceed kWeightGradSharedBytes and for
+//           few rows (fewer than 256 CTAs, decided by the host), by the grad_x kernel plus the
+//           column pass rms_norm_weight_grad_partials_* in the same order: the same bits.
+//           grad_x is per row and does not depend on which kernel computed it (tested).
 //
 // Launch geometry (the host picks it from d and the dtype only, never from rows): the first
 //   (T threads per row, K chunks per thread) of (4, 4), (16, 4), (32, 4), (64, 8), (128, 8),
 //   (256, 8), (512, 8) with T * K 16-byte chunks >= the row, each thread keeping its chunks in
 //   registers (the row is read once); longer rows (bf16 d > 32768, fp32 d > 16384) use the
 //   streaming form, T = 1024, which reads the row twice.  CTA = max(T, 128) threads holding
-//   128 / T rows (T < 128) or one row; grid.x = ceil(rows / rows per CTA).  The batch changes
-//   only grid.x.  The backward uses the forward's geometry.
+//   128 / T rows (T < 128) or one row; grid.x = ceil(rows / rows per CTA).  The backward uses
+//   the forward's geometry; its fused form gives a CTA R = G * S rows (above), grid.x =
+//   ceil(rows / R).  The batch changes only grid.x.
 //
 // Why a row's bits cannot depend on the batch: element e of a row belongs to 16-byte chunk
 // c = e / (16 / sizeof(storage)), chunk c to thread c % T of the row's group, and a thread
@@ -59,7 +73,9 @@ constexpr int kStreamingChunks = 4;          // chunks per thread and round, str
 constexpr int kStreamingBackwardChunks = 2;  // and backward (four would spill at 64 registers)
 constexpr int kMinCtaThreads = 128;
 constexpr int kMaxWarps = 1024 / BATCHINV_WARP_SIZE;
-constexpr int kWeightGradRows = 64;      // rows per pass-1 partial of grad_weight (a constant)
+constexpr int kWeightGradChunkRows = 16;  // rows per first-level partial of grad_weight, at least
+constexpr int kWeightGradReduceRows = 64;  // partial rows per sum of the further levels
+constexpr int kWeightGradSharedBytes = 32768;  // per-column sums of a CTA in the fused backward
 constexpr int kWeightGradThreads = 256;  // columns per pass-1 / pass-2 CTA
 constexpr int kWeightGradUnroll = 8;     // rows loaded before they are added (loads in flight)
 
@@ -244,15 +260,57 @@ struct BackwardArgs {
     int64_t x_stride;
 };
 
-// grad_h of one row per group of T threads; the same layout and tree as the forward.
-template <typename Codec, int T, int K, bool kStreaming>
-__device__ __forceinline__ void backward_rows(const BackwardArgs& a, float* warp_partials) {
+template <int T>
+struct Cta {
+    static constexpr int kThreads = T < kMinCtaThreads ? kMinCtaThreads : T;
+    static constexpr int kRowGroups = kThreads / T;
+};
+
+// grad_weight's first level for a row kept in registers: a CTA owns kRows consecutive rows,
+// its kRowGroups row groups kRowsInSequence consecutive rows each (see the header).
+template <int T>
+struct WeightGradChunk {
+    static constexpr int kGroups = Cta<T>::kRowGroups;
+    static constexpr int kRowsInSequence =
+        kWeightGradChunkRows > kGroups ? kWeightGradChunkRows / kGroups : 1;
+    static constexpr int kRows = kGroups * kRowsInSequence;
+};
+
+template <typename S>
+__device__ __forceinline__ bool backward_vector_ok(const BackwardArgs& a) {
+    return aligned16(a.x) && aligned16(a.grad_y) && aligned16(a.weight) &&
+           aligned16(a.grad_residual) && aligned16(a.grad_x) && stride_aligned16<S>(a.x_stride) &&
+           stride_aligned16<S>(a.d);
+}
+
+// A row group's per-column sums of grad_y * x_hat live in shared memory (T * K * E floats; in
+// registers they cost a third of the CTAs per SM): float4 number (k * E / 4 + q) * T + lane
+// holds elements 4q .. 4q + 3 of the thread's chunk k, so a warp's accesses are contiguous.
+template <int T, int E>
+__device__ __forceinline__ int group_sums_slot(int lane, int k, int q) {
+    return (k * (E / 4) + q) * T + lane;
+}
+
+// The float index of column col (element col of the row) in a row group's sums.
+template <int T, int E>
+__device__ __forceinline__ int group_sums_index(int64_t col) {
+    const int c = static_cast<int>(col / E);
+    const int e = static_cast<int>(col % E);
+    return group_sums_slot<T, E>(c % T, c / T, e / 4) * 4 + e % 4;
+}
+
+// grad_h of `row` by the T threads of its group (`lane` = this thread's index in it), with the
+// forward's layout and tree.  kWeightGrad (rows held in registers only): also adds
+// grad_y * x_hat of each of the thread's elements to its slots of the row group's sums in
+// shared memory (group_sums_slot); a row past the end adds nothing.
+// Every thread of the CTA must call it (row_group_sum synchronises the CTA when T > warp size).
+template <typename Codec, int T, int K, bool kStreaming, bool kWeightGrad>
+__device__ __forceinline__ void backward_row(const BackwardArgs& a, int64_t row, int lane,
+                                             bool vector, float* warp_partials,
+                                             float4* group_sums) {
     using S = typename Codec::storage;
     constexpr int E = Chunk<Codec>::kElems;
-    constexpr int kCta = T < kMinCtaThreads ? kMinCtaThreads : T;
-    constexpr int kRowsPerCta = kCta / T;
-    const int lane = threadIdx.x % T;
-    const int64_t row = static_cast<int64_t>(blockIdx.x) * kRowsPerCta + threadIdx.x / T;
+    static_assert(!(kStreaming && kWeightGrad), "the streaming form keeps no per-column sums");
     const bool active = row < a.rows;
     const int64_t d = a.d;
     const int64_t chunks = (d + E - 1) / E;
@@ -263,9 +321,6 @@ __device__ __forceinline__ void backward_rows(const BackwardArgs& a, float* warp
         a.grad_residual != nullptr ? static_cast<const S*>(a.grad_residual) + safe_row * d : nullptr;
     S* grad_x = static_cast<S*>(a.grad_x) + safe_row * d;
     const S* weight = static_cast<const S*>(a.weight);
-    const bool vector = aligned16(a.x) && aligned16(a.grad_y) && aligned16(a.weight) &&
-                        aligned16(a.grad_residual) && aligned16(a.grad_x) &&
-                        stride_aligned16<S>(a.x_stride) && stride_aligned16<S>(d);
     const float inv_rms = active ? a.rstd[row] : 0.0f;
 
     Chunk<Codec> xs[K], gs[K];
@@ -314,24 +369,84 @@ __device__ __forceinline__ void backward_rows(const BackwardArgs& a, float* warp
             Chunk<Codec> w, extra, out;
             load_chunk(w, weight, c, d, vector);
             if (grad_residual != nullptr) load_chunk(extra, grad_residual, c, d, vector);
+            float product[E];
 #pragma unroll
             for (int e = 0; e < E; ++e) {
-                const float gw = ieee_mul(Codec::load(gs[k].v[e]), Codec::load(w.v[e]));
+                const float dy = Codec::load(gs[k].v[e]);
+                const float gw = ieee_mul(dy, Codec::load(w.v[e]));
                 const float x_hat = ieee_mul(Codec::load(xs[k].v[e]), inv_rms);
                 float g = ieee_mul(inv_rms, ieee_sub(gw, ieee_mul(x_hat, mean_dot)));
                 if (grad_residual != nullptr) g = ieee_add(g, Codec::load(extra.v[e]));
                 out.v[e] = Codec::store(g);
+                product[e] = ieee_mul(dy, x_hat);
             }
             store_chunk(grad_x, out, c, d, vector);
+            if constexpr (kWeightGrad) {
+                // Elements past d in the last chunk were loaded as zeros: they add +0.
+#pragma unroll
+                for (int q = 0; q < E / 4; ++q) {
+                    float4* slot = group_sums + group_sums_slot<T, E>(lane, k, q);
+                    float4 sum = *slot;
+                    sum.x = ieee_add(sum.x, product[4 * q]);
+                    sum.y = ieee_add(sum.y, product[4 * q + 1]);
+                    sum.z = ieee_add(sum.z, product[4 * q + 2]);
+                    sum.w = ieee_add(sum.w, product[4 * q + 3]);
+                    *slot = sum;
+                }
+            }
         }
     }
 }
 
-// One kernel entry per (dtype, geometry), so each gets its own register budget.
-template <int T>
-struct Cta {
-    static constexpr int kThreads = T < kMinCtaThreads ? kMinCtaThreads : T;
-};
+// grad_h only (grad_weight not wanted, or the streaming form): one row per group of T threads.
+template <typename Codec, int T, int K, bool kStreaming>
+__device__ __forceinline__ void backward_rows(const BackwardArgs& a, float* warp_partials) {
+    const int64_t row = static_cast<int64_t>(blockIdx.x) * Cta<T>::kRowGroups + threadIdx.x / T;
+    backward_row<Codec, T, K, kStreaming, false>(
+        a, row, threadIdx.x % T, backward_vector_ok<typename Codec::storage>(a), warp_partials,
+        nullptr);
+}
+
+// grad_h and grad_weight's first level: CTA b owns rows [b * kRows, (b + 1) * kRows); row group
+// g takes rows b * kRows + g * kRowsInSequence + s, s = 0, 1, ... in order, summing
+// grad_y * x_hat per column from +0; the groups' sums are then added in group order from +0
+// (one column per thread) into partials[b, :] (fp32, [blocks, d]).
+template <typename Codec, int T, int K>
+__device__ __forceinline__ void backward_weight_grad_rows(const BackwardArgs& a, float* partials,
+                                                          float* warp_partials,
+                                                          float4* group_sums) {
+    constexpr int E = Chunk<Codec>::kElems;
+    using Chunking = WeightGradChunk<T>;
+    constexpr int kGroups = Chunking::kGroups;
+    constexpr int kSequence = Chunking::kRowsInSequence;
+    constexpr int kGroupFloat4s = T * K * E / 4;
+    const int lane = threadIdx.x % T;
+    const int group = threadIdx.x / T;
+    const int64_t first_row =
+        static_cast<int64_t>(blockIdx.x) * Chunking::kRows + group * kSequence;
+    const bool vector = backward_vector_ok<typename Codec::storage>(a);
+    float4* mine = group_sums + group * kGroupFloat4s;
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+#pragma unroll
+        for (int q = 0; q < E / 4; ++q) {
+            mine[group_sums_slot<T, E>(lane, k, q)] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        }
+    }
+    for (int s = 0; s < kSequence; ++s) {
+        backward_row<Codec, T, K, false, true>(a, first_row + s, lane, vector, warp_partials, mine);
+    }
+    __syncthreads();
+    const float* sums = reinterpret_cast<const float*>(group_sums);
+    float* out = partials + static_cast<int64_t>(blockIdx.x) * a.d;
+    for (int64_t col = threadIdx.x; col < a.d; col += Cta<T>::kThreads) {
+        const int index = group_sums_index<T, E>(col);
+        float sum = 0.0f;
+#pragma unroll
+        for (int g = 0; g < kGroups; ++g) sum = ieee_add(sum, sums[g * kGroupFloat4s * 4 + index]);
+        out[col] = sum;
+    }
+}
 
 // The plain and the fused forward are separate entries: the plain one then needs fewer
 // registers (more CTAs per SM, more bytes in flight).  They share T and K, so
@@ -348,41 +463,60 @@ __device__ __forceinline__ void backward_kernel(const BackwardArgs& a) {
     backward_rows<Codec, T, K, kStreaming>(a, warp_partials);
 }
 
-// grad_weight, pass 1: partials[chunk, col] = sum over rows [chunk * 64, min(rows, chunk * 64 + 64))
-// in increasing row order of grad_y[r, col] * (x[r, col] * rstd[r]), fp32.
-// Launch: grid = (ceil(rows / kWeightGradRows), ceil(d / kWeightGradThreads)), block = 256.
+template <typename Codec, int T, int K>
+__device__ __forceinline__ void backward_weight_grad_kernel(const BackwardArgs& a,
+                                                            float* partials) {
+    constexpr int kSumBytes = Cta<T>::kThreads * K * Chunk<Codec>::kElems * 4;
+    static_assert(kSumBytes <= kWeightGradSharedBytes, "instantiate only geometries that fit");
+    __shared__ float warp_partials[kMaxWarps];
+    __shared__ float4 group_sums[kSumBytes / 16];
+    backward_weight_grad_rows<Codec, T, K>(a, partials, warp_partials, group_sums);
+}
+
+// grad_weight's first level as a separate pass over columns, for rows whose sums do not fit
+// the fused backward (and for few rows, where that one has too few CTAs): the same tree,
+// partials[b, col] = sum over g < groups (in order, from +0) of the sum over rows
+// b * groups * in_sequence + g * in_sequence + s, s < in_sequence (in order, from +0; rows
+// past the end skipped) of grad_y[r, col] * (x[r, col] * rstd[r]), fp32.  It reads grad_y and
+// x a second time.
+// Launch: grid = (ceil(rows / (groups * in_sequence)), ceil(d / kWeightGradThreads)), block = 256.
 template <typename Codec>
 __device__ __forceinline__ void weight_grad_partials(float* partials,
                                                      const typename Codec::storage* grad_y,
                                                      const typename Codec::storage* x,
                                                      const float* rstd, int64_t rows, int64_t d,
-                                                     int64_t x_stride) {
+                                                     int64_t x_stride, int64_t groups,
+                                                     int64_t in_sequence) {
     const int64_t col = static_cast<int64_t>(blockIdx.y) * kWeightGradThreads + threadIdx.x;
     if (col >= d) return;
     const int64_t chunk = blockIdx.x;
-    const int64_t begin = chunk * kWeightGradRows;
-    const int64_t end = begin + kWeightGradRows < rows ? begin + kWeightGradRows : rows;
-    float sum = 0.0f;
-    int64_t r = begin;
-    for (; r + kWeightGradUnroll <= end; r += kWeightGradUnroll) {
-        float g[kWeightGradUnroll], xv[kWeightGradUnroll], inv[kWeightGradUnroll];
+    float total = 0.0f;
+    for (int64_t g = 0; g < groups; ++g) {
+        const int64_t begin = (chunk * groups + g) * in_sequence;
+        const int64_t end = begin + in_sequence < rows ? begin + in_sequence : rows;
+        float sum = 0.0f;
+        int64_t r = begin;
+        for (; r + kWeightGradUnroll <= end; r += kWeightGradUnroll) {
+            float gv[kWeightGradUnroll], xv[kWeightGradUnroll], inv[kWeightGradUnroll];
 #pragma unroll
-        for (int u = 0; u < kWeightGradUnroll; ++u) {
-            g[u] = Codec::load(grad_y[(r + u) * d + col]);
-            xv[u] = Codec::load(x[(r + u) * x_stride + col]);
-            inv[u] = rstd[r + u];
-        }
+            for (int u = 0; u < kWeightGradUnroll; ++u) {
+                gv[u] = Codec::load(grad_y[(r + u) * d + col]);
+                xv[u] = Codec::load(x[(r + u) * x_stride + col]);
+                inv[u] = rstd[r + u];
+            }
 #pragma unroll
-        for (int u = 0; u < kWeightGradUnroll; ++u) {
-            sum = ieee_add(sum, ieee_mul(g[u], ieee_mul(xv[u], inv[u])));
+            for (int u = 0; u < kWeightGradUnroll; ++u) {
+                sum = ieee_add(sum, ieee_mul(gv[u], ieee_mul(xv[u], inv[u])));
+            }
         }
+        for (; r < end; ++r) {
+            const float gv = Codec::load(grad_y[r * d + col]);
+            const float xv = Codec::load(x[r * x_stride + col]);
+            sum = ieee_add(sum, ieee_mul(gv, ieee_mul(xv, rstd[r])));
+        }
+        total = ieee_add(total, sum);
     }
-    for (; r < end; ++r) {
-        const float g = Codec::load(grad_y[r * d + col]);
-        const float xv = Codec::load(x[r * x_stride + col]);
-        sum = ieee_add(sum, ieee_mul(g, ieee_mul(xv, rstd[r])));
-    }
-    partials[chunk * d + col] = sum;
+    partials[chunk * d + col] = total;
 }
 
 // Sum of rows [begin, end) of an fp32 [*, d] matrix in increasing row order, column col.
@@ -401,20 +535,22 @@ __device__ __forceinline__ float column_sum(const float* rows_in, int64_t begin,
     return sum;
 }
 
-// grad_weight, further levels while more than kWeightGradRows partial rows remain: the same
-// chunking applied to the partials (a fixed tree whose shape depends on rows only).
-// Launch: grid = (ceil(rows_in / kWeightGradRows), ceil(d / kWeightGradThreads)), block = 256.
+// grad_weight, further levels while more than kWeightGradReduceRows (64) partial rows remain:
+// each run of 64 consecutive partial rows summed in order (a fixed tree whose shape depends on
+// the row count only).
+// Launch: grid = (ceil(rows_in / kWeightGradReduceRows), ceil(d / kWeightGradThreads)), block = 256.
 __device__ __forceinline__ void weight_grad_reduce(float* rows_out, const float* rows_in,
                                                    int64_t num_rows_in, int64_t d) {
     const int64_t col = static_cast<int64_t>(blockIdx.y) * kWeightGradThreads + threadIdx.x;
     if (col >= d) return;
     const int64_t chunk = blockIdx.x;
-    const int64_t begin = chunk * kWeightGradRows;
-    const int64_t end = begin + kWeightGradRows < num_rows_in ? begin + kWeightGradRows : num_rows_in;
+    const int64_t begin = chunk * kWeightGradReduceRows;
+    const int64_t end =
+        begin + kWeightGradReduceRows < num_rows_in ? begin + kWeightGradReduceRows : num_rows_in;
     rows_out[chunk * d + col] = column_sum(rows_in, begin, end, d, col);
 }
 
-// grad_weight, last level: the (at most kWeightGradRows) partial rows added in order, rounded once.
+// grad_weight, last level: the (at most 64) partial rows added in order, rounded once.
 // Launch: grid = ceil(d / kWeightGradThreads), block = 256.
 template <typename Codec>
 __device__ __forceinline__ void weight_grad_final(typename Codec::storage* grad_weight,
@@ -455,30 +591,46 @@ __device__ __forceinline__ void weight_grad_final(typename Codec::storage* grad_
         batchinv::rms::backward_kernel<CODEC, T, BACKWARD_K, STREAMING>(args);                   \
     }
 
+// grad_x and grad_weight's first level in one pass (rows held in registers; see the header).
+#define BATCHINV_RMS_NORM_BACKWARD_WEIGHT_GRAD_ENTRY(SUFFIX, CODEC, GEOMETRY, T, K)              \
+    extern "C" __global__ void __launch_bounds__(batchinv::rms::Cta<T>::kThreads)                \
+        rms_norm_backward_weight_grad_##SUFFIX##_##GEOMETRY(                                     \
+            CODEC::storage* grad_x, float* partials, const CODEC::storage* grad_y,               \
+            const CODEC::storage* x, const CODEC::storage* weight, const float* rstd,            \
+            const CODEC::storage* grad_residual, int64_t rows, int64_t d, int64_t x_stride) {    \
+        const batchinv::rms::BackwardArgs args{grad_x,        grad_y, x, weight,  rstd,          \
+                                               grad_residual, rows,   d, x_stride};              \
+        batchinv::rms::backward_weight_grad_kernel<CODEC, T, K>(args, partials);                \
+    }
+
 #define BATCHINV_RMS_NORM_WEIGHT_GRAD_KERNELS(SUFFIX, CODEC)                                   \
     extern "C" __global__ void __launch_bounds__(256) rms_norm_weight_grad_partials_##SUFFIX( \
         float* partials, const CODEC::storage* grad_y, const CODEC::storage* x,                \
-        const float* rstd, int64_t rows, int64_t d, int64_t x_stride) {                        \
+        const float* rstd, int64_t rows, int64_t d, int64_t x_stride, int64_t groups,          \
+        int64_t in_sequence) {                                                                 \
         batchinv::rms::weight_grad_partials<CODEC>(partials, grad_y, x, rstd, rows, d,         \
-                                                   x_stride);                                  \
+                                                   x_stride, groups, in_sequence);             \
     }                                                                                          \
     extern "C" __global__ void __launch_bounds__(256) rms_norm_weight_grad_final_##SUFFIX(    \
         CODEC::storage* grad_weight, const float* partials, int64_t num_partials, int64_t d) { \
         batchinv::rms::weight_grad_final<CODEC>(grad_weight, partials, num_partials, d);      \
     }
 
+#define BATCHINV_RMS_NORM_IN_REGISTERS(SUFFIX, CODEC, GEOMETRY, T, K)                        \
+    BATCHINV_RMS_NORM_ROW_KERNELS(SUFFIX, CODEC, GEOMETRY, T, K, K, false)
+
 // The geometry list: (name, threads per row T, chunks per thread K, backward K).  Keep in step
 // with GEOMETRIES in py/batchinv/gpu/rms_norm.py.  Four chunks for the sub-warp rows (q/k
 // norm); eight from 64 threads up, so that each thread has 128 bytes in flight before the
 // reduction (a row-per-CTA kernel with less was latency bound on an H200).
 #define BATCHINV_RMS_NORM_ALL_GEOMETRIES(SUFFIX, CODEC)                    \
-    BATCHINV_RMS_NORM_ROW_KERNELS(SUFFIX, CODEC, t4, 4, 4, 4, false)       \
-    BATCHINV_RMS_NORM_ROW_KERNELS(SUFFIX, CODEC, t16, 16, 4, 4, false)     \
-    BATCHINV_RMS_NORM_ROW_KERNELS(SUFFIX, CODEC, t32, 32, 4, 4, false)     \
-    BATCHINV_RMS_NORM_ROW_KERNELS(SUFFIX, CODEC, t64, 64, 8, 8, false)     \
-    BATCHINV_RMS_NORM_ROW_KERNELS(SUFFIX, CODEC, t128, 128, 8, 8, false)   \
-    BATCHINV_RMS_NORM_ROW_KERNELS(SUFFIX, CODEC, t256, 256, 8, 8, false)   \
-    BATCHINV_RMS_NORM_ROW_KERNELS(SUFFIX, CODEC, t512, 512, 8, 8, false)   \
+    BATCHINV_RMS_NORM_IN_REGISTERS(SUFFIX, CODEC, t4, 4, 4)                \
+    BATCHINV_RMS_NORM_IN_REGISTERS(SUFFIX, CODEC, t16, 16, 4)              \
+    BATCHINV_RMS_NORM_IN_REGISTERS(SUFFIX, CODEC, t32, 32, 4)              \
+    BATCHINV_RMS_NORM_IN_REGISTERS(SUFFIX, CODEC, t64, 64, 8)              \
+    BATCHINV_RMS_NORM_IN_REGISTERS(SUFFIX, CODEC, t128, 128, 8)            \
+    BATCHINV_RMS_NORM_IN_REGISTERS(SUFFIX, CODEC, t256, 256, 8)            \
+    BATCHINV_RMS_NORM_IN_REGISTERS(SUFFIX, CODEC, t512, 512, 8)            \
     BATCHINV_RMS_NORM_ROW_KERNELS(SUFFIX, CODEC, stream, batchinv::rms::kStreamingThreads, \
                                   batchinv::rms::kStreamingChunks,         \
                                   batchinv::rms::kStreamingBackwardChunks, true) \
@@ -493,22 +645,41 @@ BATCHINV_RMS_NORM_ALL_GEOMETRIES(bf16, batchinv::Bf16Codec)
 BATCHINV_RMS_NORM_ALL_GEOMETRIES(f16, batchinv::F16Codec)
 BATCHINV_RMS_NORM_ALL_GEOMETRIES(f32, batchinv::F32Codec)
 
+// The fused backward for the geometries whose per-column sums fit kWeightGradSharedBytes
+// (CTA threads * K * 16 bytes); longer rows take grad_x and the column pass separately.
+#define BATCHINV_RMS_NORM_FUSED_BACKWARD_UP_TO_T128(SUFFIX, CODEC)                     \
+    BATCHINV_RMS_NORM_BACKWARD_WEIGHT_GRAD_ENTRY(SUFFIX, CODEC, t4, 4, 4)              \
+    BATCHINV_RMS_NORM_BACKWARD_WEIGHT_GRAD_ENTRY(SUFFIX, CODEC, t16, 16, 4)            \
+    BATCHINV_RMS_NORM_BACKWARD_WEIGHT_GRAD_ENTRY(SUFFIX, CODEC, t32, 32, 4)            \
+    BATCHINV_RMS_NORM_BACKWARD_WEIGHT_GRAD_ENTRY(SUFFIX, CODEC, t64, 64, 8)            \
+    BATCHINV_RMS_NORM_BACKWARD_WEIGHT_GRAD_ENTRY(SUFFIX, CODEC, t128, 128, 8)
+
+BATCHINV_RMS_NORM_FUSED_BACKWARD_UP_TO_T128(bf16, batchinv::Bf16Codec)
+BATCHINV_RMS_NORM_FUSED_BACKWARD_UP_TO_T128(f16, batchinv::F16Codec)
+BATCHINV_RMS_NORM_FUSED_BACKWARD_UP_TO_T128(f32, batchinv::F32Codec)
+BATCHINV_RMS_NORM_BACKWARD_WEIGHT_GRAD_ENTRY(f32, batchinv::F32Codec, t256, 256, 8)
+
 // Signatures of the entries above, for the launcher's argument checks.
 // batchinv-signature: rms_norm_forward_bf16_t4(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_fused_forward_bf16_t4(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_backward_bf16_t4(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
+// batchinv-signature: rms_norm_backward_weight_grad_bf16_t4(ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
 // batchinv-signature: rms_norm_forward_bf16_t16(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_fused_forward_bf16_t16(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_backward_bf16_t16(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
+// batchinv-signature: rms_norm_backward_weight_grad_bf16_t16(ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
 // batchinv-signature: rms_norm_forward_bf16_t32(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_fused_forward_bf16_t32(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_backward_bf16_t32(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
+// batchinv-signature: rms_norm_backward_weight_grad_bf16_t32(ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
 // batchinv-signature: rms_norm_forward_bf16_t64(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_fused_forward_bf16_t64(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_backward_bf16_t64(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
+// batchinv-signature: rms_norm_backward_weight_grad_bf16_t64(ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
 // batchinv-signature: rms_norm_forward_bf16_t128(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_fused_forward_bf16_t128(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_backward_bf16_t128(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
+// batchinv-signature: rms_norm_backward_weight_grad_bf16_t128(ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
 // batchinv-signature: rms_norm_forward_bf16_t256(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_fused_forward_bf16_t256(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_backward_bf16_t256(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
@@ -518,23 +689,28 @@ BATCHINV_RMS_NORM_ALL_GEOMETRIES(f32, batchinv::F32Codec)
 // batchinv-signature: rms_norm_forward_bf16_stream(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_fused_forward_bf16_stream(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_backward_bf16_stream(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
-// batchinv-signature: rms_norm_weight_grad_partials_bf16(ptr, ptr, ptr, ptr, i64, i64, i64)
+// batchinv-signature: rms_norm_weight_grad_partials_bf16(ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64)
 // batchinv-signature: rms_norm_weight_grad_final_bf16(ptr, ptr, i64, i64)
 // batchinv-signature: rms_norm_forward_f16_t4(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_fused_forward_f16_t4(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_backward_f16_t4(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
+// batchinv-signature: rms_norm_backward_weight_grad_f16_t4(ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
 // batchinv-signature: rms_norm_forward_f16_t16(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_fused_forward_f16_t16(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_backward_f16_t16(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
+// batchinv-signature: rms_norm_backward_weight_grad_f16_t16(ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
 // batchinv-signature: rms_norm_forward_f16_t32(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_fused_forward_f16_t32(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_backward_f16_t32(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
+// batchinv-signature: rms_norm_backward_weight_grad_f16_t32(ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
 // batchinv-signature: rms_norm_forward_f16_t64(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_fused_forward_f16_t64(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_backward_f16_t64(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
+// batchinv-signature: rms_norm_backward_weight_grad_f16_t64(ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
 // batchinv-signature: rms_norm_forward_f16_t128(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_fused_forward_f16_t128(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_backward_f16_t128(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
+// batchinv-signature: rms_norm_backward_weight_grad_f16_t128(ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
 // batchinv-signature: rms_norm_forward_f16_t256(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_fused_forward_f16_t256(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_backward_f16_t256(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
@@ -544,31 +720,37 @@ BATCHINV_RMS_NORM_ALL_GEOMETRIES(f32, batchinv::F32Codec)
 // batchinv-signature: rms_norm_forward_f16_stream(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_fused_forward_f16_stream(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_backward_f16_stream(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
-// batchinv-signature: rms_norm_weight_grad_partials_f16(ptr, ptr, ptr, ptr, i64, i64, i64)
+// batchinv-signature: rms_norm_weight_grad_partials_f16(ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64)
 // batchinv-signature: rms_norm_weight_grad_final_f16(ptr, ptr, i64, i64)
 // batchinv-signature: rms_norm_forward_f32_t4(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_fused_forward_f32_t4(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_backward_f32_t4(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
+// batchinv-signature: rms_norm_backward_weight_grad_f32_t4(ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
 // batchinv-signature: rms_norm_forward_f32_t16(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_fused_forward_f32_t16(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_backward_f32_t16(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
+// batchinv-signature: rms_norm_backward_weight_grad_f32_t16(ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
 // batchinv-signature: rms_norm_forward_f32_t32(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_fused_forward_f32_t32(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_backward_f32_t32(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
+// batchinv-signature: rms_norm_backward_weight_grad_f32_t32(ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
 // batchinv-signature: rms_norm_forward_f32_t64(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_fused_forward_f32_t64(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_backward_f32_t64(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
+// batchinv-signature: rms_norm_backward_weight_grad_f32_t64(ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
 // batchinv-signature: rms_norm_forward_f32_t128(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_fused_forward_f32_t128(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_backward_f32_t128(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
+// batchinv-signature: rms_norm_backward_weight_grad_f32_t128(ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
 // batchinv-signature: rms_norm_forward_f32_t256(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_fused_forward_f32_t256(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_backward_f32_t256(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
+// batchinv-signature: rms_norm_backward_weight_grad_f32_t256(ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
 // batchinv-signature: rms_norm_forward_f32_t512(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_fused_forward_f32_t512(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_backward_f32_t512(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
 // batchinv-signature: rms_norm_forward_f32_stream(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_fused_forward_f32_stream(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_backward_f32_stream(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
-// batchinv-signature: rms_norm_weight_grad_partials_f32(ptr, ptr, ptr, ptr, i64, i64, i64)
+// batchinv-signature: rms_norm_weight_grad_partials_f32(ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64)
 // batchinv-signature: rms_norm_weight_grad_final_f32(ptr, ptr, i64, i64)

@@ -206,10 +206,105 @@ def test_fused_add_backward_matches_reference_semantics():
         assert_within_tolerance(got.cpu(), want, op_class="reduction", kind="grad", name=name)
 
 
+def _weight_grad_by_the_documented_tree(grad_y, x, rstd, groups, in_sequence):
+    """grad_weight as docs/operators/rms_norm.md defines it, from torch's elementwise fp32
+    operations (one rounding each): the first-level partial of ``groups * in_sequence``
+    consecutive rows (each group's run in order from +0, then the groups in order from +0),
+    then runs of 64 partial rows while more than 64 remain, then the rest in order; rounded
+    once.  Missing rows at the end are zeros (+0 leaves a sum from +0 unchanged)."""
+    rows, d = grad_y.shape
+    products = grad_y.float() * (x.float() * rstd[:, None])
+
+    def in_order(blocks: torch.Tensor) -> torch.Tensor:  # [n, k, d] -> sum over k in order
+        total = torch.zeros(blocks.shape[0], d, device=blocks.device)
+        for i in range(blocks.shape[1]):
+            total = total + blocks[:, i]
+        return total
+
+    def padded(t: torch.Tensor, run: int) -> torch.Tensor:
+        n = -(-t.shape[0] // run)
+        out = torch.zeros(n * run, d, device=t.device)
+        out[: t.shape[0]] = t
+        return out.view(n, run, d)
+
+    chunk = groups * in_sequence
+    runs = padded(products, chunk).view(-1, in_sequence, d)  # [blocks * groups, S, d]
+    partials = in_order(in_order(runs).view(-1, groups, d))
+    while partials.shape[0] > gpu_rms_norm.WEIGHT_GRAD_REDUCE_ROWS:
+        partials = in_order(padded(partials, gpu_rms_norm.WEIGHT_GRAD_REDUCE_ROWS))
+    return in_order(partials[None])[0].to(grad_y.dtype)
+
+
+# One hidden size per first-level shape: q/k norm (32 row groups of 1 row), 4 and 2 groups,
+# one group (5120), and rows whose sums do not fit the fused kernel (12000 bf16, t512, stream).
+TREE_HIDDENS = (128, 1000, 4096, 5120, 12000, 20000, 40000)
+# Enough rows for the fused kernel (at least FUSED_WEIGHT_GRAD_MIN_BLOCKS CTAs of up to 32 rows);
+# fewer take grad_x and the column pass.
+FUSED_ROWS = 9000
+
+
+# Few rows take grad_x and the column pass; many rows the fused kernel, where one exists.
+TREE_CASES = [(h, t, False) for t in DTYPES for h in TREE_HIDDENS] + [
+    (h, t, True) for t in DTYPES for h in TREE_HIDDENS if gpu_rms_norm.fused_backward_fits(h, t)
+]
+
+
+@pytest.mark.parametrize(("hidden", "dtype", "many_rows"), TREE_CASES)
+def test_weight_gradient_is_the_documented_fixed_tree(hidden, dtype, many_rows):
+    rows = FUSED_ROWS if many_rows else 300  # 9000: more than 64 partial rows (a second level)
+    gen = torch.Generator(device=DEVICE).manual_seed(9)
+    x = torch.randn(rows, hidden, device=DEVICE, generator=gen).to(dtype)
+    grad_y = torch.randn(rows, hidden, device=DEVICE, generator=gen).to(dtype)
+    weight = _weight(hidden, dtype)
+    _, rstd = gpu_rms_norm.forward(x, weight, EPS)
+    _, grad_weight = gpu_rms_norm.backward(grad_y, x, weight, rstd)
+    groups, in_sequence = gpu_rms_norm.weight_grad_chunking(hidden, dtype)
+    want = _weight_grad_by_the_documented_tree(grad_y, x, rstd, groups, in_sequence)
+    assert_bitwise_equal(grad_weight, want, name=f"grad_weight ({groups}x{in_sequence} rows)")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hidden", (128, 1000, 4096, 5120))
+def test_fused_and_two_pass_weight_gradients_have_the_same_bits(hidden, dtype):
+    # The backward picks the path from the row count; the bits must not depend on it.
+    gen = torch.Generator(device=DEVICE).manual_seed(14)
+    x, grad_y = (
+        torch.randn(FUSED_ROWS, hidden, device=DEVICE, generator=gen).to(dtype) for _ in range(2)
+    )
+    weight = _weight(hidden, dtype)
+    _, rstd = gpu_rms_norm.forward(x, weight, EPS)
+    _, fused = gpu_rms_norm.backward(grad_y, x, weight, rstd)
+    groups, in_sequence = gpu_rms_norm.weight_grad_chunking(hidden, dtype)
+    partials = gpu_rms_norm._weight_grad_separately(grad_y, x, rstd, groups, in_sequence)
+    assert_bitwise_equal(fused, gpu_rms_norm._reduce_partials(partials, dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hidden", (128, 1000, 4096, 5120, 20000))
+@pytest.mark.parametrize("with_residual_grad", (False, True))
+def test_input_gradient_bits_do_not_depend_on_computing_the_weight_gradient(
+    hidden, dtype, with_residual_grad
+):
+    # With grad_weight (and enough rows) the row is reduced inside the fused kernel; without,
+    # by the grad_x kernel.
+    rows = FUSED_ROWS if hidden < 10000 else 77
+    gen = torch.Generator(device=DEVICE).manual_seed(10)
+    x, grad_y, extra = (
+        torch.randn(rows, hidden, device=DEVICE, generator=gen).to(dtype) for _ in range(3)
+    )
+    weight = _weight(hidden, dtype)
+    _, rstd = gpu_rms_norm.forward(x, weight, EPS)
+    extra = extra if with_residual_grad else None
+    with_weight, _ = gpu_rms_norm.backward(grad_y, x, weight, rstd, extra)
+    alone, none = gpu_rms_norm.backward(grad_y, x, weight, rstd, extra, weight_grad=False)
+    assert none is None
+    assert_bitwise_equal(with_weight, alone)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("rows", "hidden"), ((257, 4096), (5000, 64), (70000, 128)))
 def test_weight_gradient_is_bitwise_identical_run_to_run(rows, hidden, dtype):
-    # 5000 and 70000 rows take one and two extra levels of the fixed partial-sum tree.
+    # 5000 and 70000 rows take one and two levels of the fixed tree above the first.
     gen = torch.Generator(device=DEVICE).manual_seed(3)
     x = torch.randn(rows, hidden, device=DEVICE, generator=gen).to(dtype)
     grad_y = torch.randn(rows, hidden, device=DEVICE, generator=gen).to(dtype)
@@ -226,7 +321,7 @@ def test_weight_gradient_is_bitwise_identical_run_to_run(rows, hidden, dtype):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_weight_gradient_ignores_zero_gradient_rows_appended(dtype):
     gen = torch.Generator(device=DEVICE).manual_seed(4)
-    hidden, rows = 384, 4200  # crosses the 64-row chunks and a second tree level
+    hidden, rows = 384, 4200  # crosses first-level chunks and a second tree level
     x = torch.randn(rows + 300, hidden, device=DEVICE, generator=gen).to(dtype)
     grad_y = torch.randn(rows + 300, hidden, device=DEVICE, generator=gen).to(dtype)
     grad_y[rows:] = 0
@@ -320,6 +415,26 @@ def test_every_output_element_is_written_in_every_geometry(dtype):
             (grad_x, y, x, weight, rstd, 0, rows, hidden, hidden),
         )
         assert not bool(grad_x.isnan().any()), f"hidden {hidden}: grad_x has unwritten elements"
+        if not gpu_rms_norm.fused_backward_fits(hidden, dtype):
+            continue
+        name, _, cta = gpu_rms_norm.geometry(hidden, dtype)
+        groups, in_sequence = gpu_rms_norm.weight_grad_chunking(hidden, dtype)
+        blocks = -(-rows // (groups * in_sequence))
+        fused_grad_x = torch.full_like(y, float("nan"))
+        partials = torch.full((blocks, hidden), float("nan"), device=DEVICE)
+        gpu_rms_norm.launch(
+            gpu_rms_norm.kernel_for(
+                "rms_norm",
+                f"rms_norm_backward_weight_grad_{gpu_rms_norm._SUFFIX[dtype]}_{name}",
+                x.device,
+            ),
+            x.device,
+            grid=(blocks,),
+            block=(cta,),
+            args=(fused_grad_x, partials, y, x, weight, rstd, 0, rows, hidden, hidden),
+        )
+        assert not bool(partials.isnan().any()), f"hidden {hidden}: partials unwritten"
+        assert_bitwise_equal(fused_grad_x, grad_x)
 
 
 def test_nan_rows_do_not_leak_into_their_neighbours():

@@ -24,8 +24,18 @@ from ._launch import kernel_for, launch
 GEOMETRIES = ((4, 4), (16, 4), (32, 4), (64, 8), (128, 8), (256, 8), (512, 8))
 STREAMING_THREADS = 1024
 MIN_CTA_THREADS = 128
-WEIGHT_GRAD_ROWS = 64  # rows per partial of grad_weight (a constant, not a tuning knob)
+# grad_weight's tree (kernels_cu/rms_norm.cu): first-level partials of at least this many rows
+# (a constant, not a tuning knob), then sums of 64 consecutive partial rows.
+WEIGHT_GRAD_CHUNK_ROWS = 16
+WEIGHT_GRAD_REDUCE_ROWS = 64
 WEIGHT_GRAD_THREADS = 256
+# The fused backward keeps a CTA's per-column sums in shared memory (fp32, CTA threads * chunks
+# per thread * elements per chunk), at most this many bytes; longer rows take grad_x and a
+# column pass for the first level separately (the same tree, so the same bits).
+FUSED_WEIGHT_GRAD_SHARED_BYTES = 32768
+# Below this many CTAs the fused backward leaves SMs idle (1024 x 4096 bf16: 64 CTAs, about
+# twice the time of the two passes); the two passes then run instead, with the same bits.
+FUSED_WEIGHT_GRAD_MIN_BLOCKS = 256
 
 _MAX_GRID_X = 2**31 - 1
 _MAX_GRID_Y = 65535
@@ -131,28 +141,26 @@ def fused_add_forward(
     return forward_unchecked(x, weight, eps, residual)
 
 
-def _weight_grad(grad_rows: Tensor, x_rows: Tensor, rstd: Tensor, dtype: torch.dtype) -> Tensor:
-    """``sum over rows of grad_y * x_hat`` by the fixed tree of kernels_cu/rms_norm.cu."""
-    rows, d = grad_rows.shape
-    device = grad_rows.device
-    grad_weight = torch.empty(d, dtype=dtype, device=device)
-    if rows == 0:
-        return grad_weight.zero_()
+@functools.cache
+def weight_grad_chunking(d: int, dtype: torch.dtype) -> tuple[int, int]:
+    """``(row groups, rows in sequence per group)`` of grad_weight's first level for rows of
+    ``d`` elements: a partial row sums ``groups * rows_in_sequence`` consecutive rows, each
+    group its own consecutive run in order, then the groups in order (a function of ``d``
+    and the dtype only)."""
+    _, threads, cta = geometry(d, dtype)
+    groups = cta // threads
+    return groups, max(1, WEIGHT_GRAD_CHUNK_ROWS // groups)
+
+
+def _reduce_partials(partials: Tensor, dtype: torch.dtype) -> Tensor:
+    """grad_weight from first-level partial rows: sums of 64 consecutive partial rows while
+    more than 64 remain, then the rest added in order and rounded once to ``dtype``."""
+    d = partials.shape[1]
+    device = partials.device
     col_blocks = -(-d // WEIGHT_GRAD_THREADS)
-    if col_blocks > _MAX_GRID_Y:
-        raise ValueError(f"x.shape[-1] = {d} is too large for the weight gradient kernel")
-    chunks = -(-rows // WEIGHT_GRAD_ROWS)
-    partials = torch.empty((chunks, d), dtype=torch.float32, device=device)
-    launch(
-        kernel_for("rms_norm", f"rms_norm_weight_grad_partials_{_SUFFIX[dtype]}", device),
-        device,
-        grid=(chunks, col_blocks),
-        block=(WEIGHT_GRAD_THREADS,),
-        args=(partials, grad_rows, x_rows, rstd, rows, d, x_rows.stride(0)),
-    )
-    while partials.shape[0] > WEIGHT_GRAD_ROWS:
+    while partials.shape[0] > WEIGHT_GRAD_REDUCE_ROWS:
         count = partials.shape[0]
-        chunks = -(-count // WEIGHT_GRAD_ROWS)
+        chunks = -(-count // WEIGHT_GRAD_REDUCE_ROWS)
         reduced = torch.empty((chunks, d), dtype=torch.float32, device=device)
         launch(
             kernel_for("rms_norm", "rms_norm_weight_grad_reduce", device),
@@ -162,6 +170,7 @@ def _weight_grad(grad_rows: Tensor, x_rows: Tensor, rstd: Tensor, dtype: torch.d
             args=(reduced, partials, count, d),
         )
         partials = reduced
+    grad_weight = torch.empty(d, dtype=dtype, device=device)
     launch(
         kernel_for("rms_norm", f"rms_norm_weight_grad_final_{_SUFFIX[dtype]}", device),
         device,
@@ -170,6 +179,41 @@ def _weight_grad(grad_rows: Tensor, x_rows: Tensor, rstd: Tensor, dtype: torch.d
         args=(grad_weight, partials, partials.shape[0], d),
     )
     return grad_weight
+
+
+def _check_weight_grad_width(d: int) -> None:
+    if -(-d // WEIGHT_GRAD_THREADS) > _MAX_GRID_Y:
+        raise ValueError(f"x.shape[-1] = {d} is too large for the weight gradient kernel")
+
+
+def _weight_grad_separately(
+    grad_rows: Tensor, x_rows: Tensor, rstd: Tensor, groups: int, in_sequence: int
+) -> Tensor:
+    """First-level partials by a column kernel that reads grad_y and x again, in the fused
+    kernel's tree (``groups`` runs of ``in_sequence`` rows per partial row)."""
+    rows, d = grad_rows.shape
+    device = grad_rows.device
+    chunks = -(-rows // (groups * in_sequence))
+    partials = torch.empty((chunks, d), dtype=torch.float32, device=device)
+    launch(
+        kernel_for("rms_norm", f"rms_norm_weight_grad_partials_{_SUFFIX[grad_rows.dtype]}", device),
+        device,
+        grid=(chunks, -(-d // WEIGHT_GRAD_THREADS)),
+        block=(WEIGHT_GRAD_THREADS,),
+        args=(partials, grad_rows, x_rows, rstd, rows, d, x_rows.stride(0), groups, in_sequence),
+    )
+    return partials
+
+
+@functools.cache
+def fused_backward_fits(d: int, dtype: torch.dtype) -> bool:
+    """Whether rows of ``d`` elements have a fused grad_x + grad_weight kernel."""
+    name, threads, cta = geometry(d, dtype)
+    if name == "stream":
+        return False
+    per_thread = dict(GEOMETRIES)[threads]
+    sums_per_chunk = 16 // dtype.itemsize  # one fp32 sum per element
+    return cta * per_thread * sums_per_chunk * 4 <= FUSED_WEIGHT_GRAD_SHARED_BYTES
 
 
 def backward(
@@ -187,31 +231,47 @@ def backward(
     d = x.shape[-1]
     x_rows = as_rows(x, d)
     rows = x_rows.shape[0]
-    grad_rows = grad_y.to(x.dtype).reshape(rows, d).contiguous()
+    dtype = x.dtype
+    grad_rows = grad_y.to(dtype).reshape(rows, d).contiguous()
     extra = (
-        grad_residual.to(x.dtype).reshape(rows, d).contiguous()
-        if grad_residual is not None
-        else None
+        grad_residual.to(dtype).reshape(rows, d).contiguous() if grad_residual is not None else None
     )
-    grad_x = torch.empty((rows, d), dtype=x.dtype, device=x.device)
-    if rows > 0:
-        _launch_rows(
-            "rms_norm_backward",
-            x.device,
-            d,
-            x.dtype,
-            rows,
-            (
-                grad_x,
-                grad_rows,
-                x_rows,
-                weight.contiguous(),
-                rstd,
-                extra if extra is not None else 0,
-                rows,
-                d,
-                x_rows.stride(0),
+    grad_x = torch.empty((rows, d), dtype=dtype, device=x.device)
+    if weight_grad:
+        _check_weight_grad_width(d)
+    args = (
+        grad_rows,
+        x_rows,
+        weight.contiguous(),
+        rstd,
+        extra if extra is not None else 0,
+        rows,
+        d,
+        x_rows.stride(0),
+    )
+    name, _, cta = geometry(d, dtype)
+    groups, in_sequence = weight_grad_chunking(d, dtype)
+    blocks = -(-rows // (groups * in_sequence))
+    grad_weight = None
+    if rows == 0:
+        grad_weight = torch.zeros(d, dtype=weight.dtype, device=x.device) if weight_grad else None
+    elif weight_grad and fused_backward_fits(d, dtype) and blocks >= FUSED_WEIGHT_GRAD_MIN_BLOCKS:
+        if blocks > _MAX_GRID_X:
+            raise ValueError(f"x has {rows} rows; too many for the weight gradient kernel")
+        partials = torch.empty((blocks, d), dtype=torch.float32, device=x.device)
+        launch(
+            kernel_for(
+                "rms_norm", f"rms_norm_backward_weight_grad_{_SUFFIX[dtype]}_{name}", x.device
             ),
+            x.device,
+            grid=(blocks,),
+            block=(cta,),
+            args=(grad_x, partials, *args),
         )
-    grad_weight = _weight_grad(grad_rows, x_rows, rstd, weight.dtype) if weight_grad else None
+        grad_weight = _reduce_partials(partials, weight.dtype)
+    else:
+        _launch_rows("rms_norm_backward", x.device, d, dtype, rows, (grad_x, *args))
+        if weight_grad:
+            partials = _weight_grad_separately(grad_rows, x_rows, rstd, groups, in_sequence)
+            grad_weight = _reduce_partials(partials, weight.dtype)
     return grad_x.reshape(x.shape), grad_weight
