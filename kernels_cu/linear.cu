@@ -104,9 +104,11 @@ struct StoreEpilogue {
     }
 };
 
+// The main loop over the k-columns [k_begin, k_end) (k_begin a multiple of 64); the linear
+// reduces [0, K), the experimental K-group kernels one group each.
 template <typename Codec, int BM, int BN, int STAGE_K, int STAGES, typename Epilogue>
-__device__ __forceinline__ void hopper_gemm_tiles(const TensorMap& map_x, const TensorMap& map_w, int M, int N,
-                                                  int K, const Epilogue& epilogue) {
+__device__ __forceinline__ void hopper_gemm_k_range(const TensorMap& map_x, const TensorMap& map_w, int M, int N,
+                                                    int k_begin, int k_end, const Epilogue& epilogue) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     using namespace hopper;
     constexpr int kConsumers = BM / 64;
@@ -135,7 +137,7 @@ __device__ __forceinline__ void hopper_gemm_tiles(const TensorMap& map_x, const 
     const int in_group = static_cast<int>(blockIdx.x) % tiles_per_group;
     const int m0 = (first_tile_m + in_group % group_rows) * BM;
     const int n0 = (in_group / group_rows) * BN;
-    const int k_tiles = (K + STAGE_K - 1) / STAGE_K;
+    const int k_tiles = (k_end - k_begin + STAGE_K - 1) / STAGE_K;
     const int warpgroup = threadIdx.x / 128;
 
     if (threadIdx.x == 0) {
@@ -157,7 +159,7 @@ __device__ __forceinline__ void hopper_gemm_tiles(const TensorMap& map_x, const 
                 barrier_expect_bytes(&full[s], kTileXBytes + kTileWBytes);
 #pragma unroll
                 for (int b = 0; b < kBoxes; ++b) {
-                    const int k = kt * STAGE_K + b * kTileK;  // past K the box arrives as zeros
+                    const int k = k_begin + kt * STAGE_K + b * kTileK;  // past K the box arrives as zeros
                     tma_load_2d(tiles_x + s * kTileXBytes + b * kBoxXBytes, map_x, &full[s], k, m0);
                     tma_load_2d(tiles_w + s * kTileWBytes + b * kBoxWBytes, map_w, &full[s], k, n0);
                 }
@@ -178,9 +180,9 @@ __device__ __forceinline__ void hopper_gemm_tiles(const TensorMap& map_x, const 
         wgmma_fence();
 #pragma unroll
         for (int b = 0; b < kBoxes; ++b) {
-            // Boxes wholly past K are skipped, so every configuration runs exactly the k16
-            // steps that cover K, in the same order.
-            if (kt * STAGE_K + b * kTileK >= K) break;
+            // Boxes wholly past k_end are skipped, so every configuration runs exactly the k16
+            // steps that cover [k_begin, k_end), in the same order.
+            if (k_begin + kt * STAGE_K + b * kTileK >= k_end) break;
             const uint8_t* tile_x = tiles_x + s * kTileXBytes + b * kBoxXBytes + consumer * 64 * kTileK * 2;
             const uint8_t* tile_w = tiles_w + s * kTileWBytes + b * kBoxWBytes;
 #pragma unroll
@@ -205,6 +207,12 @@ __device__ __forceinline__ void hopper_gemm_tiles(const TensorMap& map_x, const 
 #elif defined(__CUDA_ARCH__)
     __trap();  // built only into sm_90a images; the host never launches it elsewhere
 #endif
+}
+
+template <typename Codec, int BM, int BN, int STAGE_K, int STAGES, typename Epilogue>
+__device__ __forceinline__ void hopper_gemm_tiles(const TensorMap& map_x, const TensorMap& map_w, int M, int N,
+                                                  int K, const Epilogue& epilogue) {
+    hopper_gemm_k_range<Codec, BM, BN, STAGE_K, STAGES>(map_x, map_w, M, N, 0, K, epilogue);
 }
 
 template <typename Codec, int BM, int BN, int STAGE_K, int STAGES>
@@ -258,10 +266,9 @@ __device__ __forceinline__ void ldmatrix_x2(uint32_t& r0, uint32_t& r1, uint32_t
 // rows (BN/16 consumer warps, 16 rows each) by 8 tokens per CTA; the K order is that of the
 // Hopper kernels: 64-wide boxes in increasing k, four k16 steps each, every box that starts
 // below K run whole (zeros past K), one fp32 accumulator chain per element.
-template <typename Codec, int BN, int STAGE_K, int STAGES>
-__device__ __forceinline__ void small_m_gemm(const TensorMap& map_x, const TensorMap& map_w,
-                                             typename Codec::storage* out, const typename Codec::storage* bias,
-                                             int M, int N, int K) {
+template <typename Codec, int BN, int STAGE_K, int STAGES, typename ElementEpilogue>
+__device__ __forceinline__ void small_m_k_range(const TensorMap& map_x, const TensorMap& map_w, int M, int N,
+                                                int k_begin, int k_end, const ElementEpilogue& epilogue) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     using namespace hopper;
     constexpr int kWarps = BN / 16;
@@ -284,7 +291,7 @@ __device__ __forceinline__ void small_m_gemm(const TensorMap& map_x, const Tenso
     const int tiles_m = (M + kTokens - 1) / kTokens;
     const int n0 = (static_cast<int>(blockIdx.x) / tiles_m) * BN;
     const int m0 = (static_cast<int>(blockIdx.x) % tiles_m) * kTokens;
-    const int k_tiles = (K + STAGE_K - 1) / STAGE_K;
+    const int k_tiles = (k_end - k_begin + STAGE_K - 1) / STAGE_K;
     const int warp = threadIdx.x / 32;
     const int lane = threadIdx.x % 32;
 
@@ -306,7 +313,7 @@ __device__ __forceinline__ void small_m_gemm(const TensorMap& map_x, const Tenso
                 barrier_expect_bytes(&full[s], kStageWBytes + kStageXBytes);
 #pragma unroll
                 for (int b = 0; b < kBoxes; ++b) {
-                    const int k = kt * STAGE_K + b * kTileK;  // past K the box arrives as zeros
+                    const int k = k_begin + kt * STAGE_K + b * kTileK;  // past K the box arrives as zeros
                     tma_load_2d(tiles_w + s * kStageWBytes + b * kBoxWBytes, map_w, &full[s], k, n0);
                     tma_load_2d(tiles_x + s * kStageXBytes + b * kBoxXBytes, map_x, &full[s], k, m0);
                 }
@@ -329,7 +336,7 @@ __device__ __forceinline__ void small_m_gemm(const TensorMap& map_x, const Tenso
         const uint32_t stage_x = smem_address(tiles_x + s * kStageXBytes);
 #pragma unroll
         for (int b = 0; b < kBoxes; ++b) {
-            if (kt * STAGE_K + b * kTileK >= K) break;  // the same boxes as the Hopper kernels
+            if (k_begin + kt * STAGE_K + b * kTileK >= k_end) break;  // the same boxes as the Hopper kernels
             uint32_t a[kTileK / 16][4], b0[kTileK / 16], b1[kTileK / 16];
 #pragma unroll
             for (int k = 0; k < kTileK / 16; ++k) {
@@ -349,14 +356,92 @@ __device__ __forceinline__ void small_m_gemm(const TensorMap& map_x, const Tenso
     for (int i = 0; i < 4; ++i) {
         const int col = n0 + warp * 16 + lane / 4 + 8 * (i / 2);
         const int row = m0 + 2 * (lane % 4) + i % 2;
-        if (row >= M || col >= N) continue;
-        float v = acc[i];
-        if (bias != nullptr) v = __fadd_rn(v, Codec::load(bias[col]));  // as store_pair does
-        out[static_cast<int64_t>(row) * N + col] = Codec::store(v);
+        if (row < M && col < N) epilogue(row, col, acc[i]);
     }
 #elif defined(__CUDA_ARCH__)
     __trap();  // built only into sm_90a images; the host never launches it elsewhere
 #endif
+}
+
+// The linear's epilogue for one element: bias added in fp32 (as store_pair does), rounded once.
+template <typename Codec>
+struct StoreElement {
+    typename Codec::storage* out;
+    const typename Codec::storage* bias;
+    int N;
+    __device__ __forceinline__ void operator()(int row, int col, float v) const {
+        if (bias != nullptr) v = __fadd_rn(v, Codec::load(bias[col]));
+        out[static_cast<int64_t>(row) * N + col] = Codec::store(v);
+    }
+};
+
+template <typename Codec, int BN, int STAGE_K, int STAGES>
+__device__ __forceinline__ void small_m_gemm(const TensorMap& map_x, const TensorMap& map_w,
+                                             typename Codec::storage* out, const typename Codec::storage* bias,
+                                             int M, int N, int K) {
+    const StoreElement<Codec> epilogue{out, bias, N};
+    small_m_k_range<Codec, BN, STAGE_K, STAGES>(map_x, map_w, M, N, 0, K, epilogue);
+}
+
+// ---- EXPERIMENTAL: the K-group tree (issue 4; not used by batchinv.linear) ----------------
+// K is cut into kKGroups groups of whole 64-wide boxes (group width a function of K only);
+// each group is reduced as above from a zero accumulator into an fp32 partial
+// partial[g][M][N], and the partials are combined in one fixed tree, ((p0 + p1) + (p2 + p3)),
+// then the bias, then one rounding.  Every M gives the same bits (the tree follows K alone),
+// but they differ from the sequential kernels' bits; a row-parallel layer on 2 or 4 GPUs
+// could reproduce them by giving each rank whole groups.
+constexpr int kKGroups = 4;
+
+__host__ __device__ __forceinline__ int k_group_width(int K) {
+    const int boxes = (K + 63) / 64;
+    return ((boxes + kKGroups - 1) / kKGroups) * 64;
+}
+
+struct PartialElement {
+    float* partial;  // this group's [M, N] slice
+    int N;
+    __device__ __forceinline__ void operator()(int row, int col, float v) const {
+        partial[static_cast<int64_t>(row) * N + col] = v;
+    }
+};
+
+// The same element layout as StoreEpilogue, fp32 values, no bias.
+struct PartialTileEpilogue {
+    float* partial;
+    int M, N;
+    template <int kAcc>
+    __device__ __forceinline__ void operator()(const float (&acc)[kAcc], int row, int n0, int lane) const {
+#pragma unroll
+        for (int j = 0; j < kAcc / 4; ++j) {
+            const int col = n0 + j * 8 + (lane % 4) * 2;
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const int r = row + 8 * (i / 2);
+                const int c = col + i % 2;
+                if (r < M && c < N) partial[static_cast<int64_t>(r) * N + c] = acc[4 * j + i];
+            }
+        }
+    }
+};
+
+// Group g = blockIdx.y; empty groups (K small) write zeros, which the tree adds exactly.
+__device__ __forceinline__ void k_group_bounds(int K, int& k_begin, int& k_end) {
+    const int width = k_group_width(K);
+    k_begin = min(static_cast<int>(blockIdx.y) * width, K);
+    k_end = min(k_begin + width, K);
+}
+
+template <typename Codec>
+__device__ __forceinline__ void k_group_combine(const float* partial, const typename Codec::storage* bias,
+                                                typename Codec::storage* out, int64_t elements, int N) {
+    const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+    for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < elements; i += stride) {
+        const float left = __fadd_rn(partial[i], partial[elements + i]);
+        const float right = __fadd_rn(partial[2 * elements + i], partial[3 * elements + i]);
+        float v = __fadd_rn(left, right);
+        if (bias != nullptr) v = __fadd_rn(v, Codec::load(bias[i % N]));
+        out[i] = Codec::store(v);
+    }
 }
 
 // ---- the sm_80 / HIP kernel -----------------------------------------------------------
@@ -438,6 +523,38 @@ __device__ __forceinline__ void mma_gemm(const typename Codec::storage* x, const
         batchinv::linear::small_m_gemm<CODEC, BN, STAGE_K, STAGES>(map_x, map_w, out, bias, M, N, K);            \
     }
 
+// EXPERIMENTAL K-group tree kernels (partials: grid (tiles, kKGroups); then the combine).
+#define BATCHINV_LINEAR_KGROUP_HOPPER(DTYPE, CODEC, BM, BN, STAGE_K, STAGES)                                   \
+    extern "C" __global__ void __launch_bounds__(128 * (BM / 64 + 1), 1)                                         \
+        linear_kgroup_hopper_##DTYPE##_bm##BM##_bn##BN##_k##STAGE_K##_s##STAGES(                               \
+            const __grid_constant__ batchinv::TensorMap map_x, const __grid_constant__ batchinv::TensorMap map_w, \
+            float* partial, int M, int N, int K) {                                                               \
+        int k_begin, k_end;                                                                                      \
+        batchinv::linear::k_group_bounds(K, k_begin, k_end);                                                     \
+        const batchinv::linear::PartialTileEpilogue epilogue{                                                    \
+            partial + static_cast<int64_t>(blockIdx.y) * M * N, M, N};                                           \
+        batchinv::linear::hopper_gemm_k_range<CODEC, BM, BN, STAGE_K, STAGES>(map_x, map_w, M, N, k_begin,      \
+                                                                              k_end, epilogue);                  \
+    }
+
+#define BATCHINV_LINEAR_KGROUP_SMALL_M(DTYPE, CODEC, BN, STAGE_K, STAGES)                                     \
+    extern "C" __global__ void __launch_bounds__(32 * (BN / 16 + 1))                                           \
+        linear_kgroup_small_m_##DTYPE##_bn##BN##_k##STAGE_K##_s##STAGES(                                       \
+            const __grid_constant__ batchinv::TensorMap map_x, const __grid_constant__ batchinv::TensorMap map_w, \
+            float* partial, int M, int N, int K) {                                                               \
+        int k_begin, k_end;                                                                                      \
+        batchinv::linear::k_group_bounds(K, k_begin, k_end);                                                     \
+        const batchinv::linear::PartialElement epilogue{partial + static_cast<int64_t>(blockIdx.y) * M * N, N};  \
+        batchinv::linear::small_m_k_range<CODEC, BN, STAGE_K, STAGES>(map_x, map_w, M, N, k_begin, k_end,       \
+                                                                      epilogue);                                 \
+    }
+
+#define BATCHINV_LINEAR_KGROUP_COMBINE(DTYPE, CODEC)                                                             \
+    extern "C" __global__ void __launch_bounds__(256) linear_kgroup_combine_##DTYPE(                             \
+        const float* partial, const CODEC::storage* bias, CODEC::storage* out, long long elements, int N) {     \
+        batchinv::linear::k_group_combine<CODEC>(partial, bias, out, elements, N);                               \
+    }
+
 #define BATCHINV_LINEAR_MMA(DTYPE, CODEC)                                                                         \
     extern "C" __global__ void __launch_bounds__(128)                                                            \
         linear_mma_##DTYPE(const CODEC::storage* x, const CODEC::storage* w, CODEC::storage* out,                \
@@ -485,6 +602,12 @@ BATCHINV_LINEAR_SMALL_M(f16, batchinv::F16Codec, 16, 128, 8)
 BATCHINV_LINEAR_SMALL_M(f16, batchinv::F16Codec, 32, 128, 8)
 // batchinv-signature: linear_small_m_f16_bn64_k128_s6(tmap, tmap, ptr, ptr, i32, i32, i32)
 BATCHINV_LINEAR_SMALL_M(f16, batchinv::F16Codec, 64, 128, 6)
+// batchinv-signature: linear_kgroup_hopper_bf16_bm128_bn256_k64_s4(tmap, tmap, ptr, i32, i32, i32)
+BATCHINV_LINEAR_KGROUP_HOPPER(bf16, batchinv::Bf16Codec, 128, 256, 64, 4)
+// batchinv-signature: linear_kgroup_small_m_bf16_bn32_k128_s8(tmap, tmap, ptr, i32, i32, i32)
+BATCHINV_LINEAR_KGROUP_SMALL_M(bf16, batchinv::Bf16Codec, 32, 128, 8)
+// batchinv-signature: linear_kgroup_combine_bf16(ptr, ptr, ptr, i64, i32)
+BATCHINV_LINEAR_KGROUP_COMBINE(bf16, batchinv::Bf16Codec)
 #endif
 
 // batchinv-signature: linear_mma_bf16(ptr, ptr, ptr, ptr, i32, i32, i32)

@@ -34,13 +34,14 @@ def _ms(fn) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", default=None)
+    parser.add_argument("--m", type=int, nargs="+", default=M_VALUES, help="token counts")
     args = parser.parse_args()
     sms = _multiprocessors(torch.cuda.current_device())
     print(f"GPU: {torch.cuda.get_device_name()} ({sms} SMs)")
     results = []
     for name, k, n in QWEN3_8B_LINEAR:
         w = (torch.randn(n, k, device="cuda") / k**0.5).bfloat16()
-        for m in M_VALUES:
+        for m in args.m:
             x = torch.randn(m, k, device="cuda").bfloat16()
             big = matmul_nt(x, w, family="hopper", config=BIG_M_TILE)
             cublas = _ms(lambda x=x, w=w: torch.mm(x, w.t()))

@@ -354,3 +354,59 @@ def _check_gpu_args(x: Tensor, weight: Tensor, bias: Tensor | None) -> None:
         raise ValueError("weight must be contiguous on the GPU (call .contiguous() first)")
     if bias is not None and not bias.is_contiguous():
         raise ValueError("bias must be contiguous on the GPU")
+
+
+# ---- EXPERIMENTAL: the K-group tree of issue 4 (not used by batchinv.linear) ---------------
+K_GROUPS = 4  # kKGroups in kernels_cu/linear.cu
+_K_GROUP_BIG_TILE = TileConfig(128, 256, 64, 4)
+_K_GROUP_SMALL_M = SmallMConfig(32, 128, 8)
+
+
+def matmul_nt_k_groups(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """EXPERIMENTAL, bf16, sm_90 only: ``x @ weight.T (+ bias)`` with K cut into ``K_GROUPS``
+    groups of whole 64-wide boxes (the width follows K alone), each reduced in order into an
+    fp32 partial, combined as ``((p0 + p1) + (p2 + p3)) + bias`` and rounded once.
+
+    Its bits are the same for every M, but not those of ``matmul_nt`` (a different K order),
+    so ``batchinv.linear`` does not use it; it exists to measure the design's cost and gain.
+    """
+    if x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16:
+        raise TypeError(f"the K-group experiment is built for bf16 only, got {x.dtype}")
+    if not uses_hopper(x.device):
+        raise RuntimeError("the K-group experiment needs an sm_90 GPU and a build with 90a")
+    m, k = x.shape
+    n = weight.shape[0]
+    if k % 8 != 0 or k == 0 or m == 0 or n == 0:
+        raise ValueError(f"the K-group experiment needs K % 8 == 0 and non-empty shapes, got {k}")
+    x, weight = _aligned(x), _aligned(weight)
+    partial = torch.empty(K_GROUPS, m, n, dtype=torch.float32, device=x.device)
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m <= SMALL_M_MAX_ROWS:
+        config, name = _K_GROUP_SMALL_M, "linear_kgroup_small_m_bf16_bn32_k128_s8"
+        box_rows_x = config.TOKENS_PER_CTA
+        tiles = -(-n // config.block_n) * -(-m // config.TOKENS_PER_CTA)
+    else:
+        config, name = _K_GROUP_BIG_TILE, "linear_kgroup_hopper_bf16_bm128_bn256_k64_s4"
+        box_rows_x, tiles = config.block_m, -(-n // config.block_n) * -(-m // config.block_m)
+    map_x = _tensor_map(x.data_ptr(), "bf16", m, k, box_rows_x)
+    map_w = _tensor_map(weight.data_ptr(), "bf16", n, k, config.block_n)
+    kernel = kernel_for("linear", name, x.device)
+    _raise_shared_limit(kernel, config.shared_bytes, x.device.index)
+    launch(
+        kernel,
+        x.device,
+        grid=(tiles, K_GROUPS),
+        block=(config.threads,),
+        args=(map_x, map_w, partial, m, n, k),
+        shared_mem=config.shared_bytes,
+    )
+    combine = kernel_for("linear", "linear_kgroup_combine_bf16", x.device)
+    elements = m * n
+    launch(
+        combine,
+        x.device,
+        grid=(min(-(-elements // 256), 8 * _multiprocessors(x.device.index)),),
+        block=(256,),
+        args=(partial, 0 if bias is None else bias, out, elements, n),
+    )
+    return out
