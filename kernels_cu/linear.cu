@@ -14,7 +14,8 @@
 // wgmma (any BM/BN) and mma.sync give identical bits for the same k16 step sequence is a
 // measured property of the GPU, checked by tests/gpu/test_linear_cuda.py on every run.
 //
-// Two kernel families:
+// Kernel families (plus, at the end, the EXPERIMENTAL K-group tree kernels, which batchinv.linear
+// does not use):
 // - linear_hopper_*: sm_90a.  TMA loads 64-wide k-tiles of x and weight into a ring of shared
 //   memory stages (STAGE_K = 64 or 128 k-columns each, as 64-wide boxes); one producer
 //   warpgroup issues the copies, BM/64 consumer warpgroups run wgmma m64nBNk16.  Grid
