@@ -10,7 +10,13 @@ from __future__ import annotations
 import torch
 from _common import median_ms, parse_args, report, require_cuda, summary_row
 
-from batchinv.gpu.linear import choose_config, matmul_rows, uses_hopper
+from batchinv.gpu.linear import (
+    SMALL_M_MAX_ROWS,
+    choose_config,
+    choose_small_m_config,
+    matmul_rows,
+    uses_hopper,
+)
 from batchinv.shapes import LINEAR_BENCH_M, QWEN3_8B_LINEAR
 
 
@@ -42,6 +48,8 @@ def _triton_batch_invariant():
 
 def _config_label(path: str, m: int, n: int, sms: int, device) -> str:
     if path == "batchinv" and uses_hopper(device):
+        if m <= SMALL_M_MAX_ROWS:
+            return str(choose_small_m_config(n))
         return f"hopper {choose_config(m, n, sms)}"
     return ""
 

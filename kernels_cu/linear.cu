@@ -14,12 +14,21 @@
 // wgmma (any BM/BN) and mma.sync give identical bits for the same k16 step sequence is a
 // measured property of the GPU, checked by tests/gpu/test_linear_cuda.py on every run.
 //
-// Two kernel families:
+// Kernel families (plus, at the end, the EXPERIMENTAL K-group tree kernels, which batchinv.linear
+// does not use):
 // - linear_hopper_*: sm_90a.  TMA loads 64-wide k-tiles of x and weight into a ring of shared
 //   memory stages (STAGE_K = 64 or 128 k-columns each, as 64-wide boxes); one producer
 //   warpgroup issues the copies, BM/64 consumer warpgroups run wgmma m64nBNk16.  Grid
 //   ceil(M/BM) * ceil(N/BN) (1-D, grouped for L2 reuse); block 128 * (BM/64 + 1) threads;
 //   dynamic shared memory STAGES * (BM + BN) * 2 * STAGE_K + 16 * STAGES + 1024 bytes.
+// - linear_small_m_*: sm_90a, for decode-sized M.  The weight is the MMA's M side
+//   (out^T = W x^T): mma.sync m16n8k16 with 16 weight rows (output columns) per consumer warp
+//   and 8 tokens per CTA, so almost no tensor-core work is spent on padding rows and a CTA
+//   covers as few as 16 output columns (many CTAs even at N = 4096).  The same TMA ring as
+//   the Hopper kernels (STAGE_K k-columns per stage, 64-wide boxes, 128-byte swizzle), read
+//   with ldmatrix; the same k16 steps in the same order.  Grid ceil(N/BN) * ceil(M/8); block
+//   32 * (BN/16 + 1) threads (the last warp issues the copies); dynamic shared memory
+//   STAGES * (BN + 8) * 2 * STAGE_K + 16 * STAGES + 1024 bytes.
 // - linear_mma_*: sm_80 (mma.sync m16n8k16), the same k-step order; on HIP a SIMT loop (its
 //   own order, fixed the same way).  Grid (ceil(N/32), ceil(M/64)); block 128.
 #include "common/hopper.cuh"
@@ -96,9 +105,11 @@ struct StoreEpilogue {
     }
 };
 
+// The main loop over the k-columns [k_begin, k_end) (k_begin a multiple of 64); the linear
+// reduces [0, K), the experimental K-group kernels one group each.
 template <typename Codec, int BM, int BN, int STAGE_K, int STAGES, typename Epilogue>
-__device__ __forceinline__ void hopper_gemm_tiles(const TensorMap& map_x, const TensorMap& map_w, int M, int N,
-                                                  int K, const Epilogue& epilogue) {
+__device__ __forceinline__ void hopper_gemm_k_range(const TensorMap& map_x, const TensorMap& map_w, int M, int N,
+                                                    int k_begin, int k_end, const Epilogue& epilogue) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     using namespace hopper;
     constexpr int kConsumers = BM / 64;
@@ -127,7 +138,7 @@ __device__ __forceinline__ void hopper_gemm_tiles(const TensorMap& map_x, const 
     const int in_group = static_cast<int>(blockIdx.x) % tiles_per_group;
     const int m0 = (first_tile_m + in_group % group_rows) * BM;
     const int n0 = (in_group / group_rows) * BN;
-    const int k_tiles = (K + STAGE_K - 1) / STAGE_K;
+    const int k_tiles = (k_end - k_begin + STAGE_K - 1) / STAGE_K;
     const int warpgroup = threadIdx.x / 128;
 
     if (threadIdx.x == 0) {
@@ -149,7 +160,7 @@ __device__ __forceinline__ void hopper_gemm_tiles(const TensorMap& map_x, const 
                 barrier_expect_bytes(&full[s], kTileXBytes + kTileWBytes);
 #pragma unroll
                 for (int b = 0; b < kBoxes; ++b) {
-                    const int k = kt * STAGE_K + b * kTileK;  // past K the box arrives as zeros
+                    const int k = k_begin + kt * STAGE_K + b * kTileK;  // past K the box arrives as zeros
                     tma_load_2d(tiles_x + s * kTileXBytes + b * kBoxXBytes, map_x, &full[s], k, m0);
                     tma_load_2d(tiles_w + s * kTileWBytes + b * kBoxWBytes, map_w, &full[s], k, n0);
                 }
@@ -170,9 +181,9 @@ __device__ __forceinline__ void hopper_gemm_tiles(const TensorMap& map_x, const 
         wgmma_fence();
 #pragma unroll
         for (int b = 0; b < kBoxes; ++b) {
-            // Boxes wholly past K are skipped, so every configuration runs exactly the k16
-            // steps that cover K, in the same order.
-            if (kt * STAGE_K + b * kTileK >= K) break;
+            // Boxes wholly past k_end are skipped, so every configuration runs exactly the k16
+            // steps that cover [k_begin, k_end), in the same order.
+            if (k_begin + kt * STAGE_K + b * kTileK >= k_end) break;
             const uint8_t* tile_x = tiles_x + s * kTileXBytes + b * kBoxXBytes + consumer * 64 * kTileK * 2;
             const uint8_t* tile_w = tiles_w + s * kTileWBytes + b * kBoxWBytes;
 #pragma unroll
@@ -199,12 +210,239 @@ __device__ __forceinline__ void hopper_gemm_tiles(const TensorMap& map_x, const 
 #endif
 }
 
+template <typename Codec, int BM, int BN, int STAGE_K, int STAGES, typename Epilogue>
+__device__ __forceinline__ void hopper_gemm_tiles(const TensorMap& map_x, const TensorMap& map_w, int M, int N,
+                                                  int K, const Epilogue& epilogue) {
+    hopper_gemm_k_range<Codec, BM, BN, STAGE_K, STAGES>(map_x, map_w, M, N, 0, K, epilogue);
+}
+
 template <typename Codec, int BM, int BN, int STAGE_K, int STAGES>
 __device__ __forceinline__ void hopper_gemm(const TensorMap& map_x, const TensorMap& map_w,
                                             typename Codec::storage* out, const typename Codec::storage* bias,
                                             int M, int N, int K) {
     const StoreEpilogue<Codec> epilogue{out, bias, M, N};
     hopper_gemm_tiles<Codec, BM, BN, STAGE_K, STAGES>(map_x, map_w, M, N, K, epilogue);
+}
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800 && !defined(__HIPCC__)
+// One mma.sync m16n8k16 step, d += a * b, fp32 accumulators.  Shared by every mma.sync
+// kernel so that they issue the same instruction.
+template <typename Codec>
+__device__ __forceinline__ void mma_m16n8k16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+    if constexpr (Codec::kIsBf16) {
+        asm volatile(
+            "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+            "{%8, %9}, {%0, %1, %2, %3};"
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    } else {
+        asm volatile(
+            "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+            "{%8, %9}, {%0, %1, %2, %3};"
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    }
+}
+#endif
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+// Byte offset of the 16-byte chunk `chunk` (8 elements) of row `row` inside a TMA box of
+// 64-element rows written with the 128-byte swizzle (box base 1024-byte aligned).
+__device__ __forceinline__ uint32_t swizzled_128b(int row, int chunk) {
+    return static_cast<uint32_t>(row * 128 + ((chunk ^ (row % 8)) << 4));
+}
+
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t address) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(address));
+}
+
+__device__ __forceinline__ void ldmatrix_x2(uint32_t& r0, uint32_t& r1, uint32_t address) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0, %1}, [%2];" : "=r"(r0), "=r"(r1) : "r"(address));
+}
+#endif
+
+// The small-M kernel: out^T[N, M] = W[N, K] x^T, the weight on the MMA's M side.  BN weight
+// rows (BN/16 consumer warps, 16 rows each) by 8 tokens per CTA; the K order is that of the
+// Hopper kernels: 64-wide boxes in increasing k, four k16 steps each, every box that starts
+// below K run whole (zeros past K), one fp32 accumulator chain per element.
+template <typename Codec, int BN, int STAGE_K, int STAGES, typename ElementEpilogue>
+__device__ __forceinline__ void small_m_k_range(const TensorMap& map_x, const TensorMap& map_w, int M, int N,
+                                                int k_begin, int k_end, const ElementEpilogue& epilogue) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    using namespace hopper;
+    constexpr int kWarps = BN / 16;
+    constexpr int kTokens = 8;
+    constexpr int kBoxes = STAGE_K / kTileK;
+    constexpr int kBoxWBytes = BN * kTileK * 2;
+    constexpr int kBoxXBytes = kTokens * kTileK * 2;
+    constexpr int kStageWBytes = kBoxes * kBoxWBytes;
+    constexpr int kStageXBytes = kBoxes * kBoxXBytes;
+    static_assert(kBoxWBytes % 1024 == 0 && kBoxXBytes % 1024 == 0, "boxes must keep 1024-byte alignment");
+    extern __shared__ uint8_t shared_raw[];
+    uint8_t* shared = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(shared_raw) + 1023) & ~uintptr_t(1023));
+    uint8_t* tiles_w = shared;
+    uint8_t* tiles_x = shared + STAGES * kStageWBytes;
+    uint64_t* full = reinterpret_cast<uint64_t*>(tiles_x + STAGES * kStageXBytes);
+    uint64_t* empty = full + STAGES;
+
+    // Token tiles of the same weight rows are neighbours in launch order, so with more than
+    // 8 tokens the weight is read from HBM once and from L2 by the other token tiles.
+    const int tiles_m = (M + kTokens - 1) / kTokens;
+    const int n0 = (static_cast<int>(blockIdx.x) / tiles_m) * BN;
+    const int m0 = (static_cast<int>(blockIdx.x) % tiles_m) * kTokens;
+    const int k_tiles = (k_end - k_begin + STAGE_K - 1) / STAGE_K;
+    const int warp = threadIdx.x / 32;
+    const int lane = threadIdx.x % 32;
+
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < STAGES; ++s) {
+            barrier_init(&full[s], 1);
+            barrier_init(&empty[s], kWarps);
+        }
+        fence_barrier_init();
+    }
+    __syncthreads();
+
+    if (warp == kWarps) {  // the producer warp
+        if (lane == 0) {
+            for (int kt = 0; kt < k_tiles; ++kt) {
+                const int s = kt % STAGES;
+                const int round = kt / STAGES;
+                if (round > 0) barrier_wait(&empty[s], (round - 1) & 1);
+                barrier_expect_bytes(&full[s], kStageWBytes + kStageXBytes);
+#pragma unroll
+                for (int b = 0; b < kBoxes; ++b) {
+                    const int k = k_begin + kt * STAGE_K + b * kTileK;  // past K the box arrives as zeros
+                    tma_load_2d(tiles_w + s * kStageWBytes + b * kBoxWBytes, map_w, &full[s], k, n0);
+                    tma_load_2d(tiles_x + s * kStageXBytes + b * kBoxXBytes, map_x, &full[s], k, m0);
+                }
+            }
+        }
+        return;
+    }
+
+    // ldmatrix addresses: x4 gives the A fragment (rows 0-7 / 8-15 by k 0-7 / 8-15 of the
+    // warp's 16 weight rows), x2 the B fragment (8 tokens by k 0-7 / 8-15).
+    const int a_row = warp * 16 + (lane % 8) + 8 * ((lane / 8) % 2);
+    const int a_half = lane / 16;
+    const int b_row = lane % 8;
+    const int b_half = (lane / 8) % 2;
+    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    for (int kt = 0; kt < k_tiles; ++kt) {
+        const int s = kt % STAGES;
+        barrier_wait(&full[s], (kt / STAGES) & 1);
+        const uint32_t stage_w = smem_address(tiles_w + s * kStageWBytes);
+        const uint32_t stage_x = smem_address(tiles_x + s * kStageXBytes);
+#pragma unroll
+        for (int b = 0; b < kBoxes; ++b) {
+            if (k_begin + kt * STAGE_K + b * kTileK >= k_end) break;  // the same boxes as the Hopper kernels
+            uint32_t a[kTileK / 16][4], b0[kTileK / 16], b1[kTileK / 16];
+#pragma unroll
+            for (int k = 0; k < kTileK / 16; ++k) {
+                ldmatrix_x4(a[k], stage_w + b * kBoxWBytes + swizzled_128b(a_row, 2 * k + a_half));
+                ldmatrix_x2(b0[k], b1[k], stage_x + b * kBoxXBytes + swizzled_128b(b_row, 2 * k + b_half));
+            }
+#pragma unroll
+            for (int k = 0; k < kTileK / 16; ++k) mma_m16n8k16<Codec>(acc, a[k], b0[k], b1[k]);
+        }
+        __syncwarp();
+        if (lane == 0) barrier_arrive(&empty[s]);
+    }
+
+    // acc: rows (weight rows = output columns) n0 + 16 warp + lane / 4 (+ 8 for acc[2], acc[3]),
+    // columns (tokens) m0 + 2 (lane % 4) (+ 1 for acc[1], acc[3]).
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const int col = n0 + warp * 16 + lane / 4 + 8 * (i / 2);
+        const int row = m0 + 2 * (lane % 4) + i % 2;
+        if (row < M && col < N) epilogue(row, col, acc[i]);
+    }
+#elif defined(__CUDA_ARCH__)
+    __trap();  // built only into sm_90a images; the host never launches it elsewhere
+#endif
+}
+
+// The linear's epilogue for one element: bias added in fp32 (as store_pair does), rounded once.
+template <typename Codec>
+struct StoreElement {
+    typename Codec::storage* out;
+    const typename Codec::storage* bias;
+    int N;
+    __device__ __forceinline__ void operator()(int row, int col, float v) const {
+        if (bias != nullptr) v = __fadd_rn(v, Codec::load(bias[col]));
+        out[static_cast<int64_t>(row) * N + col] = Codec::store(v);
+    }
+};
+
+template <typename Codec, int BN, int STAGE_K, int STAGES>
+__device__ __forceinline__ void small_m_gemm(const TensorMap& map_x, const TensorMap& map_w,
+                                             typename Codec::storage* out, const typename Codec::storage* bias,
+                                             int M, int N, int K) {
+    const StoreElement<Codec> epilogue{out, bias, N};
+    small_m_k_range<Codec, BN, STAGE_K, STAGES>(map_x, map_w, M, N, 0, K, epilogue);
+}
+
+// ---- EXPERIMENTAL: the K-group tree (issue 4; not used by batchinv.linear) ----------------
+// K is cut into kKGroups groups of whole 64-wide boxes (group width a function of K only);
+// each group is reduced as above from a zero accumulator into an fp32 partial
+// partial[g][M][N], and the partials are combined in one fixed tree, ((p0 + p1) + (p2 + p3)),
+// then the bias, then one rounding.  Every M gives the same bits (the tree follows K alone),
+// but they differ from the sequential kernels' bits; a row-parallel layer on 2 or 4 GPUs
+// could reproduce them by giving each rank whole groups.
+constexpr int kKGroups = 4;
+
+__host__ __device__ __forceinline__ int k_group_width(int K) {
+    const int boxes = (K + 63) / 64;
+    return ((boxes + kKGroups - 1) / kKGroups) * 64;
+}
+
+struct PartialElement {
+    float* partial;  // this group's [M, N] slice
+    int N;
+    __device__ __forceinline__ void operator()(int row, int col, float v) const {
+        partial[static_cast<int64_t>(row) * N + col] = v;
+    }
+};
+
+// The same element layout as StoreEpilogue, fp32 values, no bias.
+struct PartialTileEpilogue {
+    float* partial;
+    int M, N;
+    template <int kAcc>
+    __device__ __forceinline__ void operator()(const float (&acc)[kAcc], int row, int n0, int lane) const {
+#pragma unroll
+        for (int j = 0; j < kAcc / 4; ++j) {
+            const int col = n0 + j * 8 + (lane % 4) * 2;
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const int r = row + 8 * (i / 2);
+                const int c = col + i % 2;
+                if (r < M && c < N) partial[static_cast<int64_t>(r) * N + c] = acc[4 * j + i];
+            }
+        }
+    }
+};
+
+// Group g = blockIdx.y; empty groups (K small) write zeros, which the tree adds exactly.
+__device__ __forceinline__ void k_group_bounds(int K, int& k_begin, int& k_end) {
+    const int width = k_group_width(K);
+    k_begin = min(static_cast<int>(blockIdx.y) * width, K);
+    k_end = min(k_begin + width, K);
+}
+
+template <typename Codec>
+__device__ __forceinline__ void k_group_combine(const float* partial, const typename Codec::storage* bias,
+                                                typename Codec::storage* out, int64_t elements, int N) {
+    const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+    for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < elements; i += stride) {
+        const float left = __fadd_rn(partial[i], partial[elements + i]);
+        const float right = __fadd_rn(partial[2 * elements + i], partial[3 * elements + i]);
+        float v = __fadd_rn(left, right);
+        if (bias != nullptr) v = __fadd_rn(v, Codec::load(bias[i % N]));
+        out[i] = Codec::store(v);
+    }
 }
 
 // ---- the sm_80 / HIP kernel -----------------------------------------------------------
@@ -254,19 +492,7 @@ __device__ __forceinline__ void mma_gemm(const typename Codec::storage* x, const
             const int n = col0 + t * 8 + group;
             const uint32_t b0 = load_pair<Codec>(w, n, N, k0 + pair, K);
             const uint32_t b1 = load_pair<Codec>(w, n, N, k0 + pair + 8, K);
-            if constexpr (Codec::kIsBf16) {
-                asm volatile(
-                    "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
-                    "{%8, %9}, {%0, %1, %2, %3};"
-                    : "+f"(acc[t][0]), "+f"(acc[t][1]), "+f"(acc[t][2]), "+f"(acc[t][3])
-                    : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-            } else {
-                asm volatile(
-                    "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
-                    "{%8, %9}, {%0, %1, %2, %3};"
-                    : "+f"(acc[t][0]), "+f"(acc[t][1]), "+f"(acc[t][2]), "+f"(acc[t][3])
-                    : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-            }
+            mma_m16n8k16<Codec>(acc[t], a, b0, b1);
         }
     }
 #pragma unroll
@@ -288,6 +514,46 @@ __device__ __forceinline__ void mma_gemm(const typename Codec::storage* x, const
             const __grid_constant__ batchinv::TensorMap map_x, const __grid_constant__ batchinv::TensorMap map_w, \
             CODEC::storage* out, const CODEC::storage* bias, int M, int N, int K) {                              \
         batchinv::linear::hopper_gemm<CODEC, BM, BN, STAGE_K, STAGES>(map_x, map_w, out, bias, M, N, K);         \
+    }
+
+#define BATCHINV_LINEAR_SMALL_M(DTYPE, CODEC, BN, STAGE_K, STAGES)                                            \
+    extern "C" __global__ void __launch_bounds__(32 * (BN / 16 + 1))                                           \
+        linear_small_m_##DTYPE##_bn##BN##_k##STAGE_K##_s##STAGES(                                              \
+            const __grid_constant__ batchinv::TensorMap map_x, const __grid_constant__ batchinv::TensorMap map_w, \
+            CODEC::storage* out, const CODEC::storage* bias, int M, int N, int K) {                              \
+        batchinv::linear::small_m_gemm<CODEC, BN, STAGE_K, STAGES>(map_x, map_w, out, bias, M, N, K);            \
+    }
+
+// EXPERIMENTAL K-group tree kernels (partials: grid (tiles, kKGroups); then the combine).
+#define BATCHINV_LINEAR_KGROUP_HOPPER(DTYPE, CODEC, BM, BN, STAGE_K, STAGES)                                   \
+    extern "C" __global__ void __launch_bounds__(128 * (BM / 64 + 1), 1)                                         \
+        linear_kgroup_hopper_##DTYPE##_bm##BM##_bn##BN##_k##STAGE_K##_s##STAGES(                               \
+            const __grid_constant__ batchinv::TensorMap map_x, const __grid_constant__ batchinv::TensorMap map_w, \
+            float* partial, int M, int N, int K) {                                                               \
+        int k_begin, k_end;                                                                                      \
+        batchinv::linear::k_group_bounds(K, k_begin, k_end);                                                     \
+        const batchinv::linear::PartialTileEpilogue epilogue{                                                    \
+            partial + static_cast<int64_t>(blockIdx.y) * M * N, M, N};                                           \
+        batchinv::linear::hopper_gemm_k_range<CODEC, BM, BN, STAGE_K, STAGES>(map_x, map_w, M, N, k_begin,      \
+                                                                              k_end, epilogue);                  \
+    }
+
+#define BATCHINV_LINEAR_KGROUP_SMALL_M(DTYPE, CODEC, BN, STAGE_K, STAGES)                                     \
+    extern "C" __global__ void __launch_bounds__(32 * (BN / 16 + 1))                                           \
+        linear_kgroup_small_m_##DTYPE##_bn##BN##_k##STAGE_K##_s##STAGES(                                       \
+            const __grid_constant__ batchinv::TensorMap map_x, const __grid_constant__ batchinv::TensorMap map_w, \
+            float* partial, int M, int N, int K) {                                                               \
+        int k_begin, k_end;                                                                                      \
+        batchinv::linear::k_group_bounds(K, k_begin, k_end);                                                     \
+        const batchinv::linear::PartialElement epilogue{partial + static_cast<int64_t>(blockIdx.y) * M * N, N};  \
+        batchinv::linear::small_m_k_range<CODEC, BN, STAGE_K, STAGES>(map_x, map_w, M, N, k_begin, k_end,       \
+                                                                      epilogue);                                 \
+    }
+
+#define BATCHINV_LINEAR_KGROUP_COMBINE(DTYPE, CODEC)                                                             \
+    extern "C" __global__ void __launch_bounds__(256) linear_kgroup_combine_##DTYPE(                             \
+        const float* partial, const CODEC::storage* bias, CODEC::storage* out, long long elements, int N) {     \
+        batchinv::linear::k_group_combine<CODEC>(partial, bias, out, elements, N);                               \
     }
 
 #define BATCHINV_LINEAR_MMA(DTYPE, CODEC)                                                                         \
@@ -325,6 +591,24 @@ BATCHINV_LINEAR_HOPPER(f16, batchinv::F16Codec, 64, 256, 64, 4)
 BATCHINV_LINEAR_HOPPER(f16, batchinv::F16Codec, 128, 128, 64, 6)
 // batchinv-signature: linear_hopper_f16_bm128_bn256_k64_s4(tmap, tmap, ptr, ptr, i32, i32, i32)
 BATCHINV_LINEAR_HOPPER(f16, batchinv::F16Codec, 128, 256, 64, 4)
+// batchinv-signature: linear_small_m_bf16_bn16_k128_s8(tmap, tmap, ptr, ptr, i32, i32, i32)
+BATCHINV_LINEAR_SMALL_M(bf16, batchinv::Bf16Codec, 16, 128, 8)
+// batchinv-signature: linear_small_m_bf16_bn32_k128_s8(tmap, tmap, ptr, ptr, i32, i32, i32)
+BATCHINV_LINEAR_SMALL_M(bf16, batchinv::Bf16Codec, 32, 128, 8)
+// batchinv-signature: linear_small_m_bf16_bn64_k128_s6(tmap, tmap, ptr, ptr, i32, i32, i32)
+BATCHINV_LINEAR_SMALL_M(bf16, batchinv::Bf16Codec, 64, 128, 6)
+// batchinv-signature: linear_small_m_f16_bn16_k128_s8(tmap, tmap, ptr, ptr, i32, i32, i32)
+BATCHINV_LINEAR_SMALL_M(f16, batchinv::F16Codec, 16, 128, 8)
+// batchinv-signature: linear_small_m_f16_bn32_k128_s8(tmap, tmap, ptr, ptr, i32, i32, i32)
+BATCHINV_LINEAR_SMALL_M(f16, batchinv::F16Codec, 32, 128, 8)
+// batchinv-signature: linear_small_m_f16_bn64_k128_s6(tmap, tmap, ptr, ptr, i32, i32, i32)
+BATCHINV_LINEAR_SMALL_M(f16, batchinv::F16Codec, 64, 128, 6)
+// batchinv-signature: linear_kgroup_hopper_bf16_bm128_bn256_k64_s4(tmap, tmap, ptr, i32, i32, i32)
+BATCHINV_LINEAR_KGROUP_HOPPER(bf16, batchinv::Bf16Codec, 128, 256, 64, 4)
+// batchinv-signature: linear_kgroup_small_m_bf16_bn32_k128_s8(tmap, tmap, ptr, i32, i32, i32)
+BATCHINV_LINEAR_KGROUP_SMALL_M(bf16, batchinv::Bf16Codec, 32, 128, 8)
+// batchinv-signature: linear_kgroup_combine_bf16(ptr, ptr, ptr, i64, i32)
+BATCHINV_LINEAR_KGROUP_COMBINE(bf16, batchinv::Bf16Codec)
 #endif
 
 // batchinv-signature: linear_mma_bf16(ptr, ptr, ptr, ptr, i32, i32, i32)

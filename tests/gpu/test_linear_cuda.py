@@ -77,14 +77,64 @@ def test_every_tile_config_and_instruction_family_gives_the_same_bits(dtype, sca
     results = {}
     for config in gpu_linear.hopper_configs():
         results[f"hopper {config}"] = gpu_linear.matmul_nt(x, w, family="hopper", config=config)
+    for config in gpu_linear.small_m_configs():
+        results[str(config)] = gpu_linear.matmul_nt(x, w, family="small_m", config=config)
     results["mma.sync"] = gpu_linear.matmul_nt(x, w, family="mma")
     first_name, first = next(iter(results.items()))
     for name, out in results.items():
         assert_bitwise_equal(out, first, name=f"{name} vs {first_name}")
     for rows in (1, 5, 64):  # few rows through the same families
-        for family in ("hopper", "mma"):
+        for family in ("hopper", "small_m", "mma"):
             out = gpu_linear.matmul_nt(x[:rows], w, family=family)
             assert_bitwise_equal(out, first[:rows], name=f"{family} M={rows} vs {first_name}")
+
+
+# The tile of the largest batches batchinv's own kernels serve; the small-M kernel is pinned
+# against it explicitly (decode rows must equal the same rows computed in a prefill).
+BIG_M_TILE = gpu_linear.TileConfig(128, 256, 64, 4)
+
+
+def _require_small_m_kernels():
+    if not gpu_linear.uses_hopper(torch.device("cuda")):
+        pytest.skip("the small-M kernel is built for sm_90a only; this GPU has none")
+    if not gpu_linear.small_m_configs():
+        pytest.fail("this build has no linear_small_m_* kernels")
+
+
+@pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16), ids=str)
+@pytest.mark.parametrize("name, k, n", QWEN3_8B_LINEAR, ids=[s[0] for s in QWEN3_8B_LINEAR])
+def test_small_m_kernel_gives_the_big_m_tile_bits_at_qwen3_shapes(name, k, n, dtype):
+    _require_small_m_kernels()
+    x, w = _inputs(17, k, n, dtype, seed=13)
+    big = gpu_linear.matmul_nt(x, w, family="hopper", config=BIG_M_TILE)
+    for config in gpu_linear.small_m_configs():
+        for m in (1, 3, 8, 17):  # one partial, one full and three token tiles
+            small = gpu_linear.matmul_nt(x[:m], w, family="small_m", config=config)
+            assert_bitwise_equal(small, big[:m], name=f"{name} {config} M={m} vs {BIG_M_TILE}")
+    auto = batchinv.linear(x[:1], w)  # what decode runs
+    assert_bitwise_equal(auto, big[:1], name=f"{name} batchinv.linear M=1 vs {BIG_M_TILE}")
+
+
+@pytest.mark.parametrize("m, k, n", [(1, 8, 1), (3, 72, 1000), (5, 4104, 33), (9, 200, 40)])
+def test_small_m_kernel_matches_the_big_m_tile_on_odd_shapes_with_bias(m, k, n):
+    # K not a multiple of 64 (a partial last box), N not a multiple of 16, bias added.
+    _require_small_m_kernels()
+    x, w = _inputs(m, k, n, torch.bfloat16, seed=14)
+    bias = torch.randn(n, device="cuda").bfloat16()
+    big = gpu_linear.matmul_nt(x, w, bias, family="hopper", config=BIG_M_TILE)
+    for config in gpu_linear.small_m_configs():
+        small = gpu_linear.matmul_nt(x, w, bias, family="small_m", config=config)
+        assert_bitwise_equal(small, big, name=f"{m}x{k}x{n} {config} vs {BIG_M_TILE}")
+
+
+def test_family_and_config_mismatch_is_a_clear_error():
+    if not gpu_linear.uses_hopper(torch.device("cuda")):
+        pytest.skip("the Hopper families exist on sm_90 only")
+    x, w = _inputs(2, 64, 32, torch.bfloat16)
+    with pytest.raises(TypeError, match="family 'small_m' takes a SmallMConfig"):
+        gpu_linear.matmul_nt(x, w, family="small_m", config=BIG_M_TILE)
+    with pytest.raises(TypeError, match="family 'hopper' takes a TileConfig"):
+        gpu_linear.matmul_nt(x, w, family="hopper", config=gpu_linear.SmallMConfig(16, 128, 8))
 
 
 @pytest.mark.parametrize(
@@ -249,3 +299,27 @@ def test_misaligned_input_view_is_handled():
     view = storage[4:].view(10, 72)  # 8-byte aligned, not 16
     view.copy_(x)
     assert_bitwise_equal(batchinv.linear(view, w), batchinv.linear(x, w))
+
+
+@pytest.mark.parametrize(
+    "m, k, n, with_bias",
+    [(257, 4096, 4096, False), (257, 12288, 4096, False), (9, 72, 40, True), (9, 200, 1000, True)],
+)
+def test_k_group_experiment_is_m_invariant_and_within_tolerance(m, k, n, with_bias):
+    # EXPERIMENTAL (not batchinv.linear): the small-M partial kernel serves M <= 8, the tile
+    # kernel above; both must give one row the same bits (K = 72: two of four groups empty).
+    if not gpu_linear.uses_hopper(torch.device("cuda")):
+        pytest.skip("the K-group experiment is built for sm_90a only")
+    x, w = _inputs(m, k, n, torch.bfloat16, seed=15)
+    bias = torch.randn(n, device="cuda").bfloat16() if with_bias else None
+    batch = gpu_linear.matmul_nt_k_groups(x, w, bias)
+    for i in (0, 5, m - 1):
+        alone = gpu_linear.matmul_nt_k_groups(x[i : i + 1], w, bias)
+        assert_bitwise_equal(alone, batch[i : i + 1], name=f"k-group row {i} alone vs M={m}")
+    rows = x[:3]
+    assert_within_tolerance(
+        gpu_linear.matmul_nt_k_groups(rows, w, bias),
+        linear_fp32(rows, w, bias),
+        op_class="reduction",
+        name=f"k-group {k}x{n}",
+    )

@@ -19,6 +19,7 @@ from ._launch import kernel_for, launch, native
 
 _DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "f16"}
 _HOPPER_NAME = re.compile(r"linear_hopper_(bf16|f16)_bm(\d+)_bn(\d+)_k(\d+)_s(\d+)$")
+_SMALL_M_NAME = re.compile(r"linear_small_m_(bf16|f16)_bn(\d+)_k(\d+)_s(\d+)$")
 _MAX_DIM = 2**31 - 1
 
 
@@ -63,6 +64,60 @@ def hopper_configs() -> tuple[TileConfig, ...]:
         if (m := _HOPPER_NAME.match(name))
     }
     return tuple(sorted(configs, key=lambda c: (c.block_m, c.block_n, c.stage_k, c.stages)))
+
+
+@dataclasses.dataclass(frozen=True)
+class SmallMConfig:
+    """One compiled small-M kernel: weight rows (output columns) per CTA, k-columns per
+    pipeline stage, pipeline stages.  Each CTA covers 8 tokens (the mma's n8)."""
+
+    block_n: int
+    stage_k: int
+    stages: int
+
+    TOKENS_PER_CTA = 8
+
+    def kernel_name(self, dtype: torch.dtype) -> str:
+        return (
+            f"linear_small_m_{_DTYPE_NAMES[dtype]}_bn{self.block_n}_k{self.stage_k}_s{self.stages}"
+        )
+
+    def __str__(self) -> str:
+        return f"small-m bn{self.block_n} k{self.stage_k} s{self.stages}"
+
+    @property
+    def threads(self) -> int:
+        return 32 * (self.block_n // 16 + 1)  # one warp per 16 weight rows, one producer
+
+    @property
+    def shared_bytes(self) -> int:
+        stage_bytes = (self.block_n + self.TOKENS_PER_CTA) * self.stage_k * 2
+        return self.stages * stage_bytes + 16 * self.stages + 1024
+
+
+@functools.cache
+def small_m_configs() -> tuple[SmallMConfig, ...]:
+    """The small-M configurations built into this extension (read from the kernel names)."""
+    names = native().RawModule(embedded="linear").declared_kernels()
+    configs = {
+        SmallMConfig(int(m[2]), int(m[3]), int(m[4]))
+        for name in names
+        if (m := _SMALL_M_NAME.match(name))
+    }
+    return tuple(sorted(configs, key=lambda c: (c.block_n, c.stage_k, c.stages)))
+
+
+# Batches of at most this many rows take the small-M kernel on sm_90 (a speed choice: it
+# gives the bits of every other configuration).  tools/tune_linear_small_m.py on an H200:
+# at M <= 8 it beats the Hopper tiles at every Qwen3-8B shape (0.93-1.09x cuBLAS against
+# 0.64-0.97x); at M >= 32 the tiles win everywhere.
+SMALL_M_MAX_ROWS = 8
+
+
+def choose_small_m_config(n: int) -> SmallMConfig:
+    """32 weight rows per CTA (two consumer warps), 128-wide stages, 8 stages: within the
+    noise of the best small-M configuration at every Qwen3-8B shape (same tuning run)."""
+    return SmallMConfig(32, 128, 8)
 
 
 @functools.cache
@@ -123,13 +178,14 @@ def matmul_nt(
     bias: Tensor | None = None,
     *,
     family: str = "auto",
-    config: TileConfig | None = None,
+    config: TileConfig | SmallMConfig | None = None,
     out: Tensor | None = None,
 ) -> Tensor:
     """``x[M, K] @ weight[N, K]ᵀ (+ bias)`` for contiguous 2-D bf16/fp16 CUDA tensors.
 
-    ``family`` is ``"auto"`` (Hopper kernels on sm_90, else mma.sync), ``"hopper"`` or
-    ``"mma"``; ``config`` forces a Hopper tile configuration (tests use both to compare bits).
+    ``family`` is ``"auto"`` (on sm_90 the small-M kernel up to ``SMALL_M_MAX_ROWS`` rows and
+    the Hopper tile kernels above, else mma.sync), ``"hopper"``, ``"small_m"`` or ``"mma"``;
+    ``config`` forces a configuration of that family (tests use both to compare bits).
     ``out``: a contiguous ``[M, N]`` tensor of ``x``'s dtype to write into (else a new one).
     """
     m, k = x.shape
@@ -152,11 +208,36 @@ def matmul_nt(
     bias_arg = 0 if bias is None else bias
     dtype_name = _DTYPE_NAMES[x.dtype]
     if family == "auto":
-        family = "hopper" if uses_hopper(x.device) else "mma"
-    if family == "hopper":
         if not uses_hopper(x.device):
-            raise RuntimeError("the Hopper linear kernels need an sm_90 GPU and a build with 90a")
+            family = "mma"
+        elif isinstance(config, SmallMConfig) or (config is None and m <= SMALL_M_MAX_ROWS):
+            family = "small_m"
+        else:
+            family = "hopper"
+    if family in ("hopper", "small_m") and not uses_hopper(x.device):
+        raise RuntimeError("the Hopper linear kernels need an sm_90 GPU and a build with 90a")
+    if family == "small_m":
+        config = config or choose_small_m_config(n)
+        if not isinstance(config, SmallMConfig):
+            raise TypeError(f"family 'small_m' takes a SmallMConfig, got {type(config).__name__}")
+        x, weight = _aligned(x), _aligned(weight)
+        map_x = _tensor_map(x.data_ptr(), dtype_name, m, k, config.TOKENS_PER_CTA)
+        map_w = _tensor_map(weight.data_ptr(), dtype_name, n, k, config.block_n)
+        kernel = kernel_for("linear", config.kernel_name(x.dtype), x.device)
+        if config.shared_bytes > 48 * 1024:
+            _raise_shared_limit(kernel, config.shared_bytes, x.device.index)
+        launch(
+            kernel,
+            x.device,
+            grid=(-(-n // config.block_n) * -(-m // config.TOKENS_PER_CTA),),
+            block=(config.threads,),
+            args=(map_x, map_w, out, bias_arg, m, n, k),
+            shared_mem=config.shared_bytes,
+        )
+    elif family == "hopper":
         config = config or choose_config(m, n, _multiprocessors(x.device.index))
+        if not isinstance(config, TileConfig):
+            raise TypeError(f"family 'hopper' takes a TileConfig, got {type(config).__name__}")
         x, weight = _aligned(x), _aligned(weight)
         map_x = _tensor_map(x.data_ptr(), dtype_name, m, k, config.block_m)
         map_w = _tensor_map(weight.data_ptr(), dtype_name, n, k, config.block_n)
@@ -181,7 +262,7 @@ def matmul_nt(
             args=(x, weight, out, bias_arg, m, n, k),
         )
     else:
-        raise ValueError(f"family must be 'auto', 'hopper' or 'mma', got {family!r}")
+        raise ValueError(f"family must be 'auto', 'hopper', 'small_m' or 'mma', got {family!r}")
     return out
 
 
@@ -273,3 +354,59 @@ def _check_gpu_args(x: Tensor, weight: Tensor, bias: Tensor | None) -> None:
         raise ValueError("weight must be contiguous on the GPU (call .contiguous() first)")
     if bias is not None and not bias.is_contiguous():
         raise ValueError("bias must be contiguous on the GPU")
+
+
+# ---- EXPERIMENTAL: the K-group tree of issue 4 (not used by batchinv.linear) ---------------
+K_GROUPS = 4  # kKGroups in kernels_cu/linear.cu
+_K_GROUP_BIG_TILE = TileConfig(128, 256, 64, 4)
+_K_GROUP_SMALL_M = SmallMConfig(32, 128, 8)
+
+
+def matmul_nt_k_groups(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """EXPERIMENTAL, bf16, sm_90 only: ``x @ weight.T (+ bias)`` with K cut into ``K_GROUPS``
+    groups of whole 64-wide boxes (the width follows K alone), each reduced in order into an
+    fp32 partial, combined as ``((p0 + p1) + (p2 + p3)) + bias`` and rounded once.
+
+    Its bits are the same for every M, but not those of ``matmul_nt`` (a different K order),
+    so ``batchinv.linear`` does not use it; it exists to measure the design's cost and gain.
+    """
+    if x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16:
+        raise TypeError(f"the K-group experiment is built for bf16 only, got {x.dtype}")
+    if not uses_hopper(x.device):
+        raise RuntimeError("the K-group experiment needs an sm_90 GPU and a build with 90a")
+    m, k = x.shape
+    n = weight.shape[0]
+    if k % 8 != 0 or k == 0 or m == 0 or n == 0:
+        raise ValueError(f"the K-group experiment needs K % 8 == 0 and non-empty shapes, got {k}")
+    x, weight = _aligned(x), _aligned(weight)
+    partial = torch.empty(K_GROUPS, m, n, dtype=torch.float32, device=x.device)
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m <= SMALL_M_MAX_ROWS:
+        config, name = _K_GROUP_SMALL_M, "linear_kgroup_small_m_bf16_bn32_k128_s8"
+        box_rows_x = config.TOKENS_PER_CTA
+        tiles = -(-n // config.block_n) * -(-m // config.TOKENS_PER_CTA)
+    else:
+        config, name = _K_GROUP_BIG_TILE, "linear_kgroup_hopper_bf16_bm128_bn256_k64_s4"
+        box_rows_x, tiles = config.block_m, -(-n // config.block_n) * -(-m // config.block_m)
+    map_x = _tensor_map(x.data_ptr(), "bf16", m, k, box_rows_x)
+    map_w = _tensor_map(weight.data_ptr(), "bf16", n, k, config.block_n)
+    kernel = kernel_for("linear", name, x.device)
+    _raise_shared_limit(kernel, config.shared_bytes, x.device.index)
+    launch(
+        kernel,
+        x.device,
+        grid=(tiles, K_GROUPS),
+        block=(config.threads,),
+        args=(map_x, map_w, partial, m, n, k),
+        shared_mem=config.shared_bytes,
+    )
+    combine = kernel_for("linear", "linear_kgroup_combine_bf16", x.device)
+    elements = m * n
+    launch(
+        combine,
+        x.device,
+        grid=(min(-(-elements // 256), 8 * _multiprocessors(x.device.index)),),
+        block=(256,),
+        args=(partial, 0 if bias is None else bias, out, elements, n),
+    )
+    return out
