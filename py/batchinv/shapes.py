@@ -11,8 +11,9 @@ QWEN3_8B_LINEAR = (
     ("lm_head", 4096, 151936),
 )
 
-# Token counts of the bitwise M sweep (issue: 1, 2, 3, 17, 64, 65, 257, 1024, 4096, 8191).
-LINEAR_M_SWEEP = (1, 2, 3, 17, 64, 65, 257, 1024, 4096, 8191)
+# Token counts of the bitwise M sweep: the issue's 1, 2, 3, 17, 64, 65, 257, 1024, 4096, 8191,
+# plus 9 and 16, which sit on either side of the small-M kernel's switches (gpu/linear.py).
+LINEAR_M_SWEEP = (1, 2, 3, 9, 16, 17, 64, 65, 257, 1024, 4096, 8191)
 
 # Token counts the linear benchmark reports (decode, small batch, prefill).
-LINEAR_BENCH_M = (1, 64, 4096)
+LINEAR_BENCH_M = (1, 16, 64, 4096)

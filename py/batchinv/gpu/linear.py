@@ -107,17 +107,27 @@ def small_m_configs() -> tuple[SmallMConfig, ...]:
     return tuple(sorted(configs, key=lambda c: (c.block_n, c.stage_k, c.stages)))
 
 
-# Batches of at most this many rows take the small-M kernel on sm_90 (a speed choice: it
-# gives the bits of every other configuration).  tools/tune_linear_small_m.py on an H200:
+# Which batches take the small-M kernel on sm_90 (a speed choice: it gives the bits of every
+# other configuration).  tools/tune_linear_small_m.py on an H200 (reports/linear_small_m/):
 # at M <= 8 it beats the Hopper tiles at every Qwen3-8B shape (0.93-1.09x cuBLAS against
-# 0.64-0.97x); at M >= 32 the tiles win everywhere.
+# 0.64-0.97x); at M = 16 its 64-row CTAs do where N <= 32768 (qkv 0.96 vs 0.81, o 1.03 vs
+# 0.85, gate_up 0.96 vs 0.94, down 1.00 vs 0.69) and lose at the lm_head (0.88 vs 0.97); at
+# M = 32 the tiles win at three of five shapes, so from 17 rows on the tiles run.
 SMALL_M_MAX_ROWS = 8
+SMALL_M_WIDE_MAX_ROWS = 16
+SMALL_M_WIDE_MAX_N = 32768
 
 
-def choose_small_m_config(n: int) -> SmallMConfig:
-    """32 weight rows per CTA (two consumer warps), 128-wide stages, 8 stages: within the
-    noise of the best small-M configuration at every Qwen3-8B shape (same tuning run)."""
-    return SmallMConfig(32, 128, 8)
+def takes_small_m(m: int, n: int) -> bool:
+    """Whether ``batchinv.linear`` runs an ``[m, k] x [n, k]^T`` product on the small-M kernel."""
+    return m <= SMALL_M_MAX_ROWS or (m <= SMALL_M_WIDE_MAX_ROWS and n <= SMALL_M_WIDE_MAX_N)
+
+
+def choose_small_m_config(m: int) -> SmallMConfig:
+    """Up to 8 rows: 32 weight rows per CTA (two consumer warps), 128-wide stages, 8 stages,
+    within the noise of the best small-M configuration at every Qwen3-8B shape; 9-16 rows:
+    64 weight rows per CTA, 6 stages (the same tuning runs)."""
+    return SmallMConfig(32, 128, 8) if m <= SMALL_M_MAX_ROWS else SmallMConfig(64, 128, 6)
 
 
 @functools.cache
@@ -183,8 +193,8 @@ def matmul_nt(
 ) -> Tensor:
     """``x[M, K] @ weight[N, K]ᵀ (+ bias)`` for contiguous 2-D bf16/fp16 CUDA tensors.
 
-    ``family`` is ``"auto"`` (on sm_90 the small-M kernel up to ``SMALL_M_MAX_ROWS`` rows and
-    the Hopper tile kernels above, else mma.sync), ``"hopper"``, ``"small_m"`` or ``"mma"``;
+    ``family`` is ``"auto"`` (on sm_90 the small-M kernel where ``takes_small_m`` says so and
+    the Hopper tile kernels otherwise, else mma.sync), ``"hopper"``, ``"small_m"`` or ``"mma"``;
     ``config`` forces a configuration of that family (tests use both to compare bits).
     ``out``: a contiguous ``[M, N]`` tensor of ``x``'s dtype to write into (else a new one).
     """
@@ -210,14 +220,14 @@ def matmul_nt(
     if family == "auto":
         if not uses_hopper(x.device):
             family = "mma"
-        elif isinstance(config, SmallMConfig) or (config is None and m <= SMALL_M_MAX_ROWS):
+        elif isinstance(config, SmallMConfig) or (config is None and takes_small_m(m, n)):
             family = "small_m"
         else:
             family = "hopper"
     if family in ("hopper", "small_m") and not uses_hopper(x.device):
         raise RuntimeError("the Hopper linear kernels need an sm_90 GPU and a build with 90a")
     if family == "small_m":
-        config = config or choose_small_m_config(n)
+        config = config or choose_small_m_config(m)
         if not isinstance(config, SmallMConfig):
             raise TypeError(f"family 'small_m' takes a SmallMConfig, got {type(config).__name__}")
         x, weight = _aligned(x), _aligned(weight)
