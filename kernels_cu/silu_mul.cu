@@ -26,7 +26,8 @@
 // path (vector body or element loop, any CTA, any grid size), written with explicit IEEE
 // intrinsics so that no path can contract a multiply and an add differently.  The vector path
 // is taken when all pointers, row strides and I*sizeof are multiples of 16 bytes; either path
-// computes the same per-element function.
+// computes the same per-element function.  The vector path rounds bf16 with the hardware
+// conversion, the element path with float_to_bf16: the same bits (common/chunk16.cuh).
 #include "common/chunk16.cuh"
 #include "common/portability.cuh"
 
