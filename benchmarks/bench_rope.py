@@ -4,8 +4,8 @@ Goal (issue 6): >= 0.9 of the copy's bandwidth.  Rows per shape: the copy (the a
 measured in this run), stock HF-style ``q * cos + rotate_half(q) * sin`` with cos/sin tables
 gathered by position, Liger-Kernel's ``LigerRopeFunction`` when importable (its own
 ``[B, H, S, d]`` layout), batchinv with ``check_positions=False`` (the kernel alone) and the
-checked op (one flag read, a synchronisation, per call); forward and backward.  Bytes: read q
-and k, write their rotations.
+checked op (one flag read, a synchronisation, per call); forward and backward (through autograd,
+and the backward kernel alone).  Bytes: read q and k, write their rotations.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import torch
 from _common import copy_ms_for, median_ms, parse_args, report, require_cuda, summary_row
 
 import batchinv
+from batchinv.gpu import rope as gpu_rope
 
 SHAPES = [
     # (tokens, query heads, kv heads, head_dim, dtype)
@@ -99,6 +100,15 @@ def main() -> None:
                 ),
             ),
             ("backward", "batchinv", _backward_ms(ours, q, k, grads)),
+            # The same inverse-rotation kernel without the autograd engine, whose host time per
+            # call (about 0.12 ms measured on an H200 host) can exceed the kernel's.
+            (
+                "backward",
+                "batchinv kernel (no autograd)",
+                median_ms(
+                    lambda: gpu_rope.backward(grads[0], grads[1], positions, THETA, MAX_POSITION)
+                ),
+            ),
         ]
         if liger is not None:
             try:

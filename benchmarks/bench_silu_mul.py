@@ -82,8 +82,10 @@ def main() -> None:
                 timings.append(
                     ("forward", "Liger-Kernel", 3, median_ms(lambda: liger.apply(gate, up)))
                 )
+                # Liger's backward writes its gradients into its inputs' storage: give it copies.
+                liger_inputs = (gate.clone(), up.clone())
                 timings.append(
-                    ("backward", "Liger-Kernel", 5, _backward_ms(liger.apply, (gate, up), grad))
+                    ("backward", "Liger-Kernel", 5, _backward_ms(liger.apply, liger_inputs, grad))
                 )
             except Exception as error:
                 print(f"note: Liger-Kernel row failed ({type(error).__name__}: {error})")

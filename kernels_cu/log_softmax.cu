@@ -84,30 +84,43 @@ __device__ __forceinline__ State merge(State a, State b) {
     return {m, l};
 }
 
-template <typename Codec>
-__device__ __forceinline__ State group_state(const Group<Codec>& g, int valid) {
+// kFull: every element is valid (all groups but a row's last when V % 8 != 0).  The full form
+// is the same operations in the same order without the per-element `e < valid` tests, which
+// cost a branch and a reconvergence per element (speed only, never bits).
+template <typename Codec, bool kFull>
+__device__ __forceinline__ State group_state_of(const Group<Codec>& g, int valid) {
     float m = -INFINITY;
 #pragma unroll
     for (int e = 0; e < kGroup; ++e) {
-        if (e < valid) m = fmaxf(m, Codec::load(g.v[e]));
+        if (kFull || e < valid) m = fmaxf(m, Codec::load(g.v[e]));
     }
     m = ieee_add(m, 0.0f);  // -0 -> +0: the sign of a zero maximum is canonical
     const float shift = shift_of(m);
     float l = 0.0f;
 #pragma unroll
     for (int e = 0; e < kGroup; ++e) {
-        if (e < valid) l = ieee_add(l, expf(ieee_sub(Codec::load(g.v[e]), shift)));
+        if (kFull || e < valid) l = ieee_add(l, expf(ieee_sub(Codec::load(g.v[e]), shift)));
     }
     return {m, l};
 }
 
 template <typename Codec>
-__device__ __forceinline__ float group_sum(const Group<Codec>& g, int valid, float sum) {
+__device__ __forceinline__ State group_state(const Group<Codec>& g, int valid) {
+    return valid == kGroup ? group_state_of<Codec, true>(g, valid) : group_state_of<Codec, false>(g, valid);
+}
+
+template <typename Codec, bool kFull>
+__device__ __forceinline__ float group_sum_of(const Group<Codec>& g, int valid, float sum) {
 #pragma unroll
     for (int e = 0; e < kGroup; ++e) {
-        if (e < valid) sum = ieee_add(sum, Codec::load(g.v[e]));
+        if (kFull || e < valid) sum = ieee_add(sum, Codec::load(g.v[e]));
     }
     return sum;
+}
+
+template <typename Codec>
+__device__ __forceinline__ float group_sum(const Group<Codec>& g, int valid, float sum) {
+    return valid == kGroup ? group_sum_of<Codec, true>(g, valid, sum) : group_sum_of<Codec, false>(g, valid, sum);
 }
 
 __device__ __forceinline__ int valid_in(int group, int64_t vocab) {

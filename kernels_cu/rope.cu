@@ -27,8 +27,11 @@
 // function above of its own x pair and of cos/sin of its own token's position, computed by the
 // same code in every CTA; which tokens share the launch, the grid size and the load width
 // (16-byte vectors when pointers, strides and half * sizeof are multiples of 16, single
-// elements otherwise; each element gets the same per-pair arithmetic) do not enter.  The
+// elements otherwise; each element gets the same per-pair arithmetic) do not enter.  The vector
+// path rounds bf16 with the hardware conversion, the element path with float_to_bf16: the same
+// bits (common/chunk16.cuh).  The
 // positions are absolute, so prefill, chunked prefill and decode give a token the same bits.
+#include "common/chunk16.cuh"
 #include "common/portability.cuh"
 
 
@@ -37,13 +40,7 @@ namespace rope {
 
 
 constexpr int kThreads = 128;
-constexpr int kUnroll = 2;
-
-template <typename Codec>
-struct alignas(16) Chunk {
-    static constexpr int kElems = 16 / static_cast<int>(sizeof(typename Codec::storage));
-    typename Codec::storage v[kElems];
-};
+constexpr int kUnroll = 3;  // 16-byte pairs per thread in flight: 320 units of 32/8 heads in one pass
 
 __device__ __forceinline__ float rotate_first(float x1, float x2, float c, float s) {
     return ieee_sub(ieee_mul(x1, c), ieee_mul(x2, s));
@@ -99,7 +96,7 @@ __device__ __forceinline__ void head_pointers(const Args& a, int64_t token, int6
 template <typename Codec, typename Index>
 __device__ __forceinline__ void rope_token(const Args& a) {
     using S = typename Codec::storage;
-    constexpr int E = Chunk<Codec>::kElems;
+    constexpr int E = Chunk16<Codec>::kElems;
     extern __shared__ float table[];  // cos[half], then sin[half]
     const int64_t token = blockIdx.x;
     if (token >= a.tokens) return;
@@ -134,43 +131,44 @@ __device__ __forceinline__ void rope_token(const Args& a) {
                         stride_aligned16<S>(a.q_head_stride) && stride_aligned16<S>(a.k_token_stride) &&
                         stride_aligned16<S>(a.k_head_stride);
     if (vector) {
-        const int64_t units_per_head = half / E;
-        const int64_t units = heads * units_per_head;
-        for (int64_t base = threadIdx.x; base < units; base += static_cast<int64_t>(kThreads) * kUnroll) {
-            Chunk<Codec> x1[kUnroll], x2[kUnroll];
+        // int indices: heads * half / E is far below 2^31 (half <= 6144, a CTA's table).
+        const int units_per_head = static_cast<int>(half / E);
+        const int units = static_cast<int>(heads) * units_per_head;
+        for (int base = threadIdx.x; base < units; base += kThreads * kUnroll) {
+            Chunk16<Codec> x1[kUnroll], x2[kUnroll];
 #pragma unroll
             for (int u = 0; u < kUnroll; ++u) {
-                const int64_t unit = base + static_cast<int64_t>(u) * kThreads;
+                const int unit = base + u * kThreads;
                 if (unit >= units) continue;
-                const int64_t head = unit / units_per_head;
-                const int64_t j = (unit - head * units_per_head) * E;
+                const int head = unit / units_per_head;
+                const int j = (unit - head * units_per_head) * E;
                 const S* src;
                 S* dst;
                 head_pointers(a, token, head, src, dst);
-                *reinterpret_cast<uint4*>(x1[u].v) = *reinterpret_cast<const uint4*>(src + j);
-                *reinterpret_cast<uint4*>(x2[u].v) = *reinterpret_cast<const uint4*>(src + half + j);
+                load_chunk(x1[u], src + j);
+                load_chunk(x2[u], src + half + j);
             }
 #pragma unroll
             for (int u = 0; u < kUnroll; ++u) {
-                const int64_t unit = base + static_cast<int64_t>(u) * kThreads;
+                const int unit = base + u * kThreads;
                 if (unit >= units) continue;
-                const int64_t head = unit / units_per_head;
-                const int64_t j = (unit - head * units_per_head) * E;
+                const int head = unit / units_per_head;
+                const int j = (unit - head * units_per_head) * E;
                 const S* src;
                 S* dst;
                 head_pointers(a, token, head, src, dst);
-                Chunk<Codec> o1, o2;
+                float o1[E], o2[E];
 #pragma unroll
                 for (int e = 0; e < E; ++e) {
                     const float v1 = Codec::load(x1[u].v[e]);
                     const float v2 = Codec::load(x2[u].v[e]);
                     const float c = cos_table[j + e];
                     const float s = sin_table[j + e];
-                    o1.v[e] = Codec::store(rotate_first(v1, v2, c, s));
-                    o2.v[e] = Codec::store(rotate_second(v1, v2, c, s));
+                    o1[e] = rotate_first(v1, v2, c, s);
+                    o2[e] = rotate_second(v1, v2, c, s);
                 }
-                *reinterpret_cast<uint4*>(dst + j) = *reinterpret_cast<const uint4*>(o1.v);
-                *reinterpret_cast<uint4*>(dst + half + j) = *reinterpret_cast<const uint4*>(o2.v);
+                store_chunk<Codec>(dst + j, o1);
+                store_chunk<Codec>(dst + half + j, o2);
             }
         }
     } else {

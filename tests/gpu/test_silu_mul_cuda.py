@@ -167,6 +167,36 @@ def test_every_output_element_is_written(width, dtype):
     assert not bool(grad_gate.isnan().any()) and not bool(grad_up.isnan().any())
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rounding_to_the_storage_type_matches_torch_on_both_load_paths(dtype):
+    # For gate >= 20, exp(-gate) < 2^-25, so 1 + e rounds to 1 and silu(gate) is gate exactly:
+    # the output is gate * up (exact in fp32 for bf16/fp16 inputs) rounded once to the dtype,
+    # which torch's CPU conversion gives independently.  up spans subnormal to huge values so
+    # that the rounding meets ties, overflow to inf, subnormal results and NaN/inf inputs; the
+    # aligned tensors take the 16-byte vector path, the shifted views the element path.
+    rows, width = 6, 4096
+    gen = torch.Generator().manual_seed(11)
+    gate = torch.empty(rows, width).uniform_(20.0, 300.0, generator=gen)
+    exponents = torch.randint(-140, 125, (rows, width), generator=gen).float()
+    up = torch.randn(rows, width, generator=gen) * torch.exp2(exponents)
+    up[0, :6] = torch.tensor([float("nan"), float("inf"), float("-inf"), 3e38, -3e38, 0.0])
+    gate[1, :2] = torch.tensor([float("nan"), float("inf")])
+    gate, up = gate.to(dtype), up.to(dtype)
+    want = (gate.float() * up.float()).to(dtype)
+    vector = batchinv.silu_mul(gate.to(DEVICE), up.to(DEVICE)).cpu()
+    storage = torch.empty(2 * rows * width + 2, dtype=dtype, device=DEVICE)
+    gate_shifted = storage[1 : 1 + rows * width].view(rows, width)
+    up_shifted = storage[rows * width + 2 :].view(rows, width)
+    gate_shifted.copy_(gate.to(DEVICE))
+    up_shifted.copy_(up.to(DEVICE))
+    element = batchinv.silu_mul(gate_shifted, up_shifted).cpu()
+    assert_bitwise_equal(vector, element)
+    # NaN where torch has NaN (payloads differ between CPU and GPU), torch's bits elsewhere.
+    assert_bitwise_equal(vector.isnan(), want.isnan())
+    finite = ~want.isnan()
+    assert_bitwise_equal(vector[finite], want[finite])
+
+
 def test_special_values_follow_the_reference():
     gate = torch.tensor(
         [[float("-inf"), float("inf"), 0.0, -0.0, 100.0, -100.0, 1e-40, float("nan")]]

@@ -15,20 +15,22 @@ from ._launch import kernel_for, launch
 from .rms_norm import as_rows
 
 THREADS = 128  # kThreads in kernels_cu/silu_mul.cu
-# A CTA covers at most this many elements of one row: 128 threads x 4 chunks x 8 bf16, so each
-# thread issues all its loads before it computes (enough bytes in flight); tiles are multiples
-# of TILE_QUANTUM elements so that, on the vector path, they are whole 16-byte chunks for every
-# dtype and every thread gets work.  Elementwise: the tiling changes speed only, never bits.
+# A CTA covers at most this many elements of one row: 128 threads x 4 chunks (forward; 2 in the
+# backward, which loads 3 inputs) x 8 bf16, so each thread issues all its loads before it
+# computes (enough bytes in flight); tiles are multiples of TILE_QUANTUM elements so that, on the
+# vector path, they are whole 16-byte chunks for every dtype and every thread gets work.
+# Elementwise: the tiling changes speed only, never bits.
 MAX_TILE_ELEMENTS = 4096
+MAX_BACKWARD_TILE_ELEMENTS = 2048
 TILE_QUANTUM = 8 * THREADS
 
 _MAX_GRID_X = 2**31 - 1
 _SUFFIX = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32"}
 
 
-def _tiling(rows: int, inter: int) -> tuple[int, int, int]:
-    """``(grid, tiles_per_row, tile_elements)``."""
-    tiles = -(-inter // MAX_TILE_ELEMENTS)
+def _tiling(rows: int, inter: int, max_tile: int = MAX_TILE_ELEMENTS) -> tuple[int, int, int]:
+    """``(grid, tiles_per_row, tile_elements)``, tiles of at most ``max_tile`` elements."""
+    tiles = -(-inter // max_tile)
     tile = -(-inter // tiles)
     tile = -(-tile // TILE_QUANTUM) * TILE_QUANTUM
     tiles = -(-inter // tile)
@@ -92,7 +94,7 @@ def _backward_rows(
 ) -> None:
     if rows == 0:
         return
-    grid, tiles, tile = _tiling(rows, inter)
+    grid, tiles, tile = _tiling(rows, inter, MAX_BACKWARD_TILE_ELEMENTS)
     launch(
         kernel_for("silu_mul", f"silu_mul_backward_{_SUFFIX[gate.dtype]}", gate.device),
         gate.device,
