@@ -1,8 +1,10 @@
-"""Every kernel variant added for attention, token logprobs and the cluster log-softmax, run
-once on small odd shapes with NaN in the padding, and checked for finite results and exact
-zeros where nothing may be written.  The value and invariance checks live in each op's own
-test file; this file is the short target that `nox -s sanitize` runs under compute-sanitizer
-(memcheck is ~50x slower than a plain run, so the full op files do not fit a session)."""
+"""Every kernel variant added for attention, token logprobs, the cluster log-softmax, the
+small-M and K-group linear kernels, the fused RMSNorm backward and the reworked RoPE and SiLU-mul
+bodies, run once on small odd shapes (NaN in the padding where there is padding), and checked
+for finite results and exact zeros where nothing may be written.  The value and invariance
+checks live in each op's own test file; this file is the short target that `nox -s sanitize`
+runs under compute-sanitizer (memcheck is ~50x slower than a plain run, so the full op files do
+not fit a session)."""
 
 from __future__ import annotations
 
@@ -11,7 +13,9 @@ import torch
 
 import batchinv
 from batchinv.gpu import attention as gpu_attention
+from batchinv.gpu import linear as gpu_linear
 from batchinv.gpu import log_softmax as gpu_log_softmax
+from batchinv.gpu import rms_norm as gpu_rms_norm
 from batchinv.reference.kv_cache import KVCache
 
 pytestmark = pytest.mark.cuda
@@ -92,3 +96,74 @@ def test_log_softmax_cluster_form(backward):
     if backward:
         out.sum().backward()
         assert torch.isfinite(x.grad).all()
+
+
+def _hopper() -> bool:
+    return gpu_linear.uses_hopper(torch.device(DEVICE))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m", (1, 9, 17))
+def test_linear_small_m_variants(dtype, m):
+    if not _hopper():
+        pytest.skip("the small-M kernels are sm_90a only")
+    x = _randn(m, 200, dtype=dtype, seed=8)  # K not a multiple of the 64-wide box
+    weight = _randn(40, 200, dtype=dtype, seed=9)  # N not a multiple of a CTA's rows
+    bias = _randn(40, dtype=dtype, seed=10)
+    for config in gpu_linear.small_m_configs():
+        out = gpu_linear.matmul_nt(x, weight, bias, family="small_m", config=config)
+        assert out.shape == (m, 40) and torch.isfinite(out).all(), config
+
+
+@pytest.mark.parametrize("m", (3, 70))
+def test_linear_k_group_experiment(m):
+    if not _hopper():
+        pytest.skip("the K-group experiment is sm_90a only")
+    x = _randn(m, 200, dtype=torch.bfloat16, seed=11)
+    weight = _randn(300, 200, dtype=torch.bfloat16, seed=12)
+    assert torch.isfinite(gpu_linear.matmul_nt_k_groups(x, weight)).all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows, d", ((8192, 128), (4096, 4096), (70, 999)))
+def test_rms_norm_fused_and_two_pass_backward(dtype, rows, d):
+    x = _randn(rows, d, dtype=dtype, seed=13).requires_grad_(True)
+    residual = _randn(rows, d, dtype=dtype, seed=14).requires_grad_(True)
+    weight = (1 + _randn(d, dtype=torch.float32, seed=15) / 4).to(dtype).requires_grad_(True)
+    y, new_residual = batchinv.fused_add_rms_norm(x, residual, weight, 1e-6)
+    (y.float().sum() + new_residual.float().sum()).backward()
+    assert all(torch.isfinite(t.grad).all() for t in (x, residual, weight))
+
+
+def test_rms_norm_backward_shapes_cover_both_paths():
+    """The shapes above reach the fused kernel (>= 256 CTAs of 16-32 rows) and the two-pass
+    fallback (70 rows); so the sanitizer sees both."""
+    assert gpu_rms_norm.fused_backward_fits(128, torch.bfloat16)
+    assert gpu_rms_norm.fused_backward_fits(4096, torch.float16)
+    assert gpu_rms_norm.FUSED_WEIGHT_GRAD_MIN_BLOCKS > 70
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("offset", (0, 1))  # 16-byte vector path, element path
+def test_rope_and_silu_mul_load_paths(dtype, offset):
+    tokens, d = 37, 128
+    storage = _randn(tokens * 6 * d + 8, dtype=dtype, seed=16)
+    q = storage[offset : offset + tokens * 4 * d].view(tokens, 4, d).requires_grad_(True)
+    k = _randn(tokens, 2, d, dtype=dtype, seed=17).requires_grad_(True)
+    positions = torch.arange(tokens, device=DEVICE) * 7
+    q_rot, k_rot = batchinv.rope(q, k, positions, theta=1e6)
+    (q_rot.float().sum() + k_rot.float().sum()).backward()
+    assert torch.isfinite(q.grad).all() and torch.isfinite(k.grad).all()
+    gate = storage[offset : offset + tokens * 300].view(tokens, 300).detach().requires_grad_(True)
+    up = _randn(tokens, 300, dtype=dtype, seed=18).requires_grad_(True)
+    out = batchinv.silu_mul(gate, up)
+    out.float().sum().backward()
+    assert torch.isfinite(out).all() and torch.isfinite(gate.grad).all()
+
+
+@pytest.mark.parametrize("vocab", (32000, 151937))
+def test_log_softmax_one_cta_and_cluster_forms(vocab):
+    x = _randn(3, vocab, dtype=torch.bfloat16, seed=19).requires_grad_(True)
+    out = batchinv.log_softmax(x)
+    out.sum().backward()
+    assert torch.isfinite(out).all() and torch.isfinite(x.grad).all()
