@@ -632,19 +632,44 @@ __device__ __forceinline__ void dq_kernel(const uint16_t* q, const uint16_t* k, 
 // expression everywhere; a warp whose whole tile is inside the sequence and below the causal
 // diagonal skips the position tests (they would all pass), not the selection on lse.
 
-constexpr int kTiledKeys = 128;       // keys per dK/dV CTA
-constexpr int kTiledKvRows = 64;      // queries per dK/dV step
-constexpr int kTiledKvThreads = 256;  // 8 warps: 4 key groups x 2
 constexpr int kTiledDqRows = 128;     // queries per dQ CTA
 constexpr int kTiledDqKeys = 32;      // keys per dQ step
 constexpr int kTiledDqThreads = 128;  // 4 warps of 32 queries
 
-template <int D>
-struct TiledDkdvShared {
-    static constexpr int value = 2 * TileBytes<D, kTiledKeys>::value +
-                                 2 * (2 * TileBytes<D, kTiledKvRows>::value + 2 * kTiledKvRows * 4) +
-                                 2 * kTiledKeys * (kTiledKvRows + kPad) * 2;
+// Shapes of a dK/dV CTA with P^T / dS^T through shared memory.  Phase 1 (S^T, dP^T) splits
+// the kKeys x kRows tile over kWarpsK1 x (warps / kWarpsK1) warps, phase 2 (dK, dV) splits the
+// kKeys x D accumulators over kWarpsK2 x (warps / kWarpsK2) warps.  kBuffers = 2 prefetches the
+// next step's Q/dO with cp.async, 1 loads them at the top of each step (less shared memory,
+// so that two CTAs fit an SM).
+template <int D, int Keys, int Rows, int Threads, int WarpsK1, int WarpsK2, int Buffers, int MinBlocks>
+struct KvShape {
+    static constexpr int kKeys = Keys, kRows = Rows, kThreadCount = Threads, kBuffers = Buffers;
+    static constexpr int kMinBlocks = MinBlocks;
+    static constexpr int kWarps = Threads / 32;
+    static constexpr int kKeysPerWarp1 = Keys / WarpsK1;
+    static constexpr int kRowsPerWarp1 = Rows / (kWarps / WarpsK1);
+    static constexpr int kQueryWarps1 = kWarps / WarpsK1;
+    static constexpr int kKeysPerWarp2 = Keys / WarpsK2;
+    static constexpr int kColsPerWarp2 = D / (kWarps / WarpsK2);
+    static constexpr int kColWarps2 = kWarps / WarpsK2;
+    static constexpr int kMt1 = kKeysPerWarp1 / 16, kNt1 = kRowsPerWarp1 / 8;
+    static constexpr int kMt2 = kKeysPerWarp2 / 16, kNt2 = kColsPerWarp2 / 8;
+    static constexpr int kScoreStride = Rows + kPad;
+    static_assert(kMt1 >= 1 && kNt1 % 2 == 0 && kMt2 >= 1 && kNt2 % 2 == 0, "warp tiles of m16 x n16");
+    static constexpr int kSharedBytes = 2 * TileBytes<D, Keys>::value +
+                                        Buffers * (2 * TileBytes<D, Rows>::value + 2 * Rows * 4) +
+                                        2 * Keys * kScoreStride * 2;
 };
+// "tiled": 128 keys, 8 warps of 32 x 32 (phase 1) and 32 keys x D/2 (phase 2), prefetch.
+template <int D>
+using TiledKv = KvShape<D, 128, 64, 256, 4, 4, 2, 1>;
+// "wide": 64 keys, 8 warps of 32 x 16 and 32 keys x D/4, no prefetch: two CTAs per SM.
+template <int D>
+using WideKv = KvShape<D, 64, 64, 256, 2, 2, 1, 2>;
+// "wide_async": 64 keys, 8 warps of 16 x 16 and 32 keys x D/2, 32-query steps, prefetch.
+template <int D>
+using WideAsyncKv = KvShape<D, 64, 32, 256, 4, 2, 2, 2>;
+
 template <int D>
 struct TiledDqShared {
     static constexpr int value = 2 * TileBytes<D, kTiledDqRows>::value + 2 * 2 * TileBytes<D, kTiledDqKeys>::value +
@@ -652,51 +677,52 @@ struct TiledDqShared {
 };
 
 // Phase 1 of a dK/dV step: this warp's P^T and dS^T tile into s_pt / s_dst ([key][query]).
-template <typename Codec, int D>
+template <typename Codec, int D, typename Shape>
 __device__ __forceinline__ void dkdv_tiled_scores(uint16_t* s_pt, uint16_t* s_dst, const uint16_t* s_k,
                                                   const uint16_t* s_v, const uint16_t* s_q, const uint16_t* s_do,
                                                   const float* s_lse, const float* s_delta, int key0, int i0,
                                                   int k_len, int offset, int causal, float scale) {
     constexpr int S = D + kPad;
-    constexpr int SP = kTiledKvRows + kPad;
+    constexpr int SP = Shape::kScoreStride;
+    constexpr int kMt = Shape::kMt1, kNt = Shape::kNt1;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const int k_base = (warp >> 1) * 32;  // this warp's keys within the block
-    const int q_base = (warp & 1) * 32;   // its queries within the step
+    const int k_base = (warp / Shape::kQueryWarps1) * Shape::kKeysPerWarp1;  // keys within the block
+    const int q_base = (warp % Shape::kQueryWarps1) * Shape::kRowsPerWarp1;  // queries within the step
     const int g = lane / 4, c = 2 * (lane % 4);
 
-    float st[2][4][4] = {};
-    float dpt[2][4][4] = {};
+    float st[kMt][kNt][4] = {};
+    float dpt[kMt][kNt][4] = {};
 #pragma unroll
     for (int k0 = 0; k0 < D; k0 += 16) {
-        uint32_t a_k[2][4], a_v[2][4];
+        uint32_t a_k[kMt][4], a_v[kMt][4];
 #pragma unroll
-        for (int mi = 0; mi < 2; ++mi) {
+        for (int mi = 0; mi < kMt; ++mi) {
             load_a<true, S>(a_k[mi], s_k, k_base + 16 * mi, k0, lane);
             load_a<true, S>(a_v[mi], s_v, k_base + 16 * mi, k0, lane);
         }
 #pragma unroll
-        for (int np = 0; np < 2; ++np) {
+        for (int np = 0; np < kNt / 2; ++np) {
             uint32_t b[4];
             load_b_nk<true, S>(b, s_q, q_base + 16 * np, k0, lane);
 #pragma unroll
-            for (int mi = 0; mi < 2; ++mi) {
+            for (int mi = 0; mi < kMt; ++mi) {
                 mma<Codec>(st[mi][2 * np], a_k[mi], b[0], b[1]);
                 mma<Codec>(st[mi][2 * np + 1], a_k[mi], b[2], b[3]);
             }
             load_b_nk<true, S>(b, s_do, q_base + 16 * np, k0, lane);
 #pragma unroll
-            for (int mi = 0; mi < 2; ++mi) {
+            for (int mi = 0; mi < kMt; ++mi) {
                 mma<Codec>(dpt[mi][2 * np], a_v[mi], b[0], b[1]);
                 mma<Codec>(dpt[mi][2 * np + 1], a_v[mi], b[2], b[3]);
             }
         }
     }
-    const int last_key = key0 + k_base + 31;
+    const int last_key = key0 + k_base + Shape::kKeysPerWarp1 - 1;
     const bool interior = last_key < k_len && (!causal || last_key <= offset + i0 + q_base);
 #pragma unroll
-    for (int mi = 0; mi < 2; ++mi) {
+    for (int mi = 0; mi < kMt; ++mi) {
 #pragma unroll
-        for (int ni = 0; ni < 4; ++ni) {
+        for (int ni = 0; ni < kNt; ++ni) {
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const int key = key0 + k_base + 16 * mi + g + (e >= 2 ? 8 : 0);
@@ -718,36 +744,38 @@ __device__ __forceinline__ void dkdv_tiled_scores(uint16_t* s_pt, uint16_t* s_ds
     }
 }
 
-// Phase 2: dV += P^T dO and dK += dS^T Q for this warp's 32 keys x D/2 columns.
-template <typename Codec, int D>
-__device__ __forceinline__ void dkdv_tiled_accumulate(float (&acc_dk)[2][D / 16][4], float (&acc_dv)[2][D / 16][4],
+// Phase 2: dV += P^T dO and dK += dS^T Q for this warp's keys x columns, k16 query steps.
+template <typename Codec, int D, typename Shape>
+__device__ __forceinline__ void dkdv_tiled_accumulate(float (&acc_dk)[Shape::kMt2][Shape::kNt2][4],
+                                                      float (&acc_dv)[Shape::kMt2][Shape::kNt2][4],
                                                       const uint16_t* s_pt, const uint16_t* s_dst,
                                                       const uint16_t* s_q, const uint16_t* s_do) {
     constexpr int S = D + kPad;
-    constexpr int SP = kTiledKvRows + kPad;
+    constexpr int SP = Shape::kScoreStride;
+    constexpr int kMt = Shape::kMt2, kNt = Shape::kNt2;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const int k_base = (warp >> 1) * 32;
-    const int d_base = (warp & 1) * (D / 2);
+    const int k_base = (warp / Shape::kColWarps2) * Shape::kKeysPerWarp2;
+    const int d_base = (warp % Shape::kColWarps2) * Shape::kColsPerWarp2;
 #pragma unroll
-    for (int t = 0; t < kTiledKvRows / 16; ++t) {
-        uint32_t a_p[2][4], a_ds[2][4];
+    for (int t = 0; t < Shape::kRows / 16; ++t) {
+        uint32_t a_p[kMt][4], a_ds[kMt][4];
 #pragma unroll
-        for (int mi = 0; mi < 2; ++mi) {
+        for (int mi = 0; mi < kMt; ++mi) {
             load_a<true, SP>(a_p[mi], s_pt, k_base + 16 * mi, 16 * t, lane);
             load_a<true, SP>(a_ds[mi], s_dst, k_base + 16 * mi, 16 * t, lane);
         }
 #pragma unroll
-        for (int np = 0; np < D / 32; ++np) {
+        for (int np = 0; np < kNt / 2; ++np) {
             uint32_t b[4];
             load_b_kn<true, S>(b, s_do, d_base + 16 * np, 16 * t, lane);
 #pragma unroll
-            for (int mi = 0; mi < 2; ++mi) {
+            for (int mi = 0; mi < kMt; ++mi) {
                 mma<Codec>(acc_dv[mi][2 * np], a_p[mi], b[0], b[1]);
                 mma<Codec>(acc_dv[mi][2 * np + 1], a_p[mi], b[2], b[3]);
             }
             load_b_kn<true, S>(b, s_q, d_base + 16 * np, 16 * t, lane);
 #pragma unroll
-            for (int mi = 0; mi < 2; ++mi) {
+            for (int mi = 0; mi < kMt; ++mi) {
                 mma<Codec>(acc_dk[mi][2 * np], a_ds[mi], b[0], b[1]);
                 mma<Codec>(acc_dk[mi][2 * np + 1], a_ds[mi], b[2], b[3]);
             }
@@ -755,18 +783,19 @@ __device__ __forceinline__ void dkdv_tiled_accumulate(float (&acc_dk)[2][D / 16]
     }
 }
 
-template <typename Codec, int D>
+template <typename Codec, int D, typename Shape>
 __device__ __forceinline__ void dkdv_tiled_kernel(const uint16_t* q, const uint16_t* k, const uint16_t* v,
                                                   const uint16_t* dout, const float* lse, const float* delta,
                                                   const int* q_start_of, const int* q_len_of, const int* k_start_of,
                                                   const int* k_len_of, uint16_t* dk, uint16_t* dv, int num_q_heads,
                                                   int num_kv_heads, int64_t total_q, int causal, float scale) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-    constexpr int kKeys = kTiledKeys;
-    constexpr int kRows = kTiledKvRows;
-    constexpr int kNT = kTiledKvThreads;
+    constexpr int kKeys = Shape::kKeys;
+    constexpr int kRows = Shape::kRows;
+    constexpr int kNT = Shape::kThreadCount;
+    constexpr int kBuffers = Shape::kBuffers;
     constexpr int S = D + kPad;
-    constexpr int SP = kRows + kPad;
+    constexpr int SP = Shape::kScoreStride;
     const int seq = blockIdx.z;
     const int kv_head = blockIdx.y;
     const int key_block = gridDim.x - 1 - blockIdx.x;  // most work first (causal); speed only
@@ -784,12 +813,12 @@ __device__ __forceinline__ void dkdv_tiled_kernel(const uint16_t* q, const uint1
     extern __shared__ __align__(16) uint16_t smem[];
     uint16_t* s_k = smem;
     uint16_t* s_v = s_k + kKeys * S;
-    uint16_t* s_q = s_v + kKeys * S;          // 2 tiles
-    uint16_t* s_do = s_q + 2 * kRows * S;     // 2 tiles
-    uint16_t* s_pt = s_do + 2 * kRows * S;    // [kKeys][SP]
-    uint16_t* s_dst = s_pt + kKeys * SP;      // [kKeys][SP]
-    float* s_lse = reinterpret_cast<float*>(s_dst + kKeys * SP);  // 2 x kRows
-    float* s_delta = s_lse + 2 * kRows;                            // 2 x kRows
+    uint16_t* s_q = s_v + kKeys * S;                 // kBuffers tiles
+    uint16_t* s_do = s_q + kBuffers * kRows * S;     // kBuffers tiles
+    uint16_t* s_pt = s_do + kBuffers * kRows * S;    // [kKeys][SP]
+    uint16_t* s_dst = s_pt + kKeys * SP;             // [kKeys][SP]
+    float* s_lse = reinterpret_cast<float*>(s_dst + kKeys * SP);  // kBuffers x kRows
+    float* s_delta = s_lse + kBuffers * kRows;                     // kBuffers x kRows
 
     const int key_rows = min(kKeys, k_len - key0);
     load_tile<D, kKeys, true, kNT>(s_k, k + kv_head * D, kv_stride, k_start + key0, key_rows);
@@ -812,40 +841,46 @@ __device__ __forceinline__ void dkdv_tiled_kernel(const uint16_t* q, const uint1
                                    q_start + i0, rows);
     };
 
-    float acc_dk[2][D / 16][4] = {};
-    float acc_dv[2][D / 16][4] = {};
-    if (steps > 0) stage(0, 0);
+    float acc_dk[Shape::kMt2][Shape::kNt2][4] = {};
+    float acc_dv[Shape::kMt2][Shape::kNt2][4] = {};
+    if (kBuffers == 2 && steps > 0) stage(0, 0);
     cp_async_commit();
     for (int step = 0; step < steps; ++step) {
-        const int buffer = step & 1;
-        if (step + 1 < steps) stage(step + 1, buffer ^ 1);  // prefetch during this step
-        cp_async_commit();
-        cp_async_wait<1>();
+        const int buffer = kBuffers == 2 ? (step & 1) : 0;
+        if constexpr (kBuffers == 2) {
+            if (step + 1 < steps) stage(step + 1, buffer ^ 1);  // prefetch during this step
+            cp_async_commit();
+            cp_async_wait<1>();
+        } else {
+            stage(step, 0);
+            cp_async_commit();
+            cp_async_wait<0>();
+        }
         __syncthreads();
         const int i0 = (first_block + step % blocks_per_head) * kRows;
-        dkdv_tiled_scores<Codec, D>(s_pt, s_dst, s_k, s_v, s_q + buffer * kRows * S, s_do + buffer * kRows * S,
-                                    s_lse + buffer * kRows, s_delta + buffer * kRows, key0, i0, k_len, offset,
-                                    causal, scale);
+        dkdv_tiled_scores<Codec, D, Shape>(s_pt, s_dst, s_k, s_v, s_q + buffer * kRows * S,
+                                           s_do + buffer * kRows * S, s_lse + buffer * kRows,
+                                           s_delta + buffer * kRows, key0, i0, k_len, offset, causal, scale);
         __syncthreads();  // P^T and dS^T are complete
-        dkdv_tiled_accumulate<Codec, D>(acc_dk, acc_dv, s_pt, s_dst, s_q + buffer * kRows * S,
-                                        s_do + buffer * kRows * S);
+        dkdv_tiled_accumulate<Codec, D, Shape>(acc_dk, acc_dv, s_pt, s_dst, s_q + buffer * kRows * S,
+                                               s_do + buffer * kRows * S);
         __syncthreads();  // s_pt/s_dst and this buffer are rewritten next
     }
     cp_async_wait<0>();
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const int k_base = (warp >> 1) * 32;
-    const int d_base = (warp & 1) * (D / 2);
+    const int k_base = (warp / Shape::kColWarps2) * Shape::kKeysPerWarp2;
+    const int d_base = (warp % Shape::kColWarps2) * Shape::kColsPerWarp2;
     const int g = lane / 4, c = 2 * (lane % 4);
 #pragma unroll
-    for (int mi = 0; mi < 2; ++mi) {
+    for (int mi = 0; mi < Shape::kMt2; ++mi) {
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
             const int key = key0 + k_base + 16 * mi + g + 8 * half;
             if (key >= k_len) continue;
             const int64_t row = (static_cast<int64_t>(k_start) + key) * kv_stride + kv_head * D;
 #pragma unroll
-            for (int j = 0; j < D / 16; ++j) {
+            for (int j = 0; j < Shape::kNt2; ++j) {
                 const int col = d_base + 8 * j + c;
                 *reinterpret_cast<uint32_t*>(dk + row + col) = pack_floats<Codec>(
                     ieee_mul(acc_dk[mi][j][2 * half], scale), ieee_mul(acc_dk[mi][j][2 * half + 1], scale));
@@ -1057,17 +1092,22 @@ __device__ __forceinline__ void dq_tiled_kernel(const uint16_t* q, const uint16_
                                                           scale);                                               \
     }
 
-#define BATCHINV_ATTN_BWD_TILED(DTYPE, CODEC, D)                                                               \
-    extern "C" __global__ void __launch_bounds__(batchinv::attn_bwd::kTiledKvThreads)                          \
-        attention_bwd_dkdv_##DTYPE##_d##D##_tiled(                                                              \
+#define BATCHINV_ATTN_BWD_DKDV_SHAPED(DTYPE, CODEC, D, SUFFIX, SHAPE)                                         \
+    extern "C" __global__ void __launch_bounds__(SHAPE<D>::kThreadCount, SHAPE<D>::kMinBlocks)                \
+        attention_bwd_dkdv_##DTYPE##_d##D##SUFFIX(                                                              \
         const uint16_t* q, const uint16_t* k, const uint16_t* v, const uint16_t* dout, const float* lse,        \
         const float* delta, const int* q_start, const int* q_len, const int* k_start, const int* k_len,         \
         uint16_t* dk, uint16_t* dv, int num_q_heads, int num_kv_heads, int64_t total_q, int causal,             \
         float scale) {                                                                                          \
-        batchinv::attn_bwd::dkdv_tiled_kernel<CODEC, D>(q, k, v, dout, lse, delta, q_start, q_len, k_start,     \
-                                                        k_len, dk, dv, num_q_heads, num_kv_heads, total_q,      \
-                                                        causal, scale);                                         \
-    }                                                                                                           \
+        batchinv::attn_bwd::dkdv_tiled_kernel<CODEC, D, SHAPE<D>>(q, k, v, dout, lse, delta, q_start, q_len,    \
+                                                                  k_start, k_len, dk, dv, num_q_heads,          \
+                                                                  num_kv_heads, total_q, causal, scale);        \
+    }
+
+#define BATCHINV_ATTN_BWD_TILED(DTYPE, CODEC, D)                                                               \
+    BATCHINV_ATTN_BWD_DKDV_SHAPED(DTYPE, CODEC, D, _tiled, batchinv::attn_bwd::TiledKv)                        \
+    BATCHINV_ATTN_BWD_DKDV_SHAPED(DTYPE, CODEC, D, _wide, batchinv::attn_bwd::WideKv)                          \
+    BATCHINV_ATTN_BWD_DKDV_SHAPED(DTYPE, CODEC, D, _wide_async, batchinv::attn_bwd::WideAsyncKv)              \
     extern "C" __global__ void __launch_bounds__(batchinv::attn_bwd::kTiledDqThreads)                          \
         attention_bwd_dq_##DTYPE##_d##D##_tiled(                                                                \
         const uint16_t* q, const uint16_t* k, const uint16_t* v, const uint16_t* dout, const float* lse,        \
@@ -1096,6 +1136,8 @@ __device__ __forceinline__ void dq_tiled_kernel(const uint16_t* q, const uint16_
 // batchinv-signature: attention_bwd_dkdv_bf16_d64_lds(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
 // batchinv-signature: attention_bwd_dkdv_bf16_d64_async(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
 // batchinv-signature: attention_bwd_dkdv_bf16_d64_tiled(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
+// batchinv-signature: attention_bwd_dkdv_bf16_d64_wide(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
+// batchinv-signature: attention_bwd_dkdv_bf16_d64_wide_async(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
 // batchinv-signature: attention_bwd_dq_bf16_d64_ldsm(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
 // batchinv-signature: attention_bwd_dq_bf16_d64_lds(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
 // batchinv-signature: attention_bwd_dq_bf16_d64_async(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
@@ -1106,6 +1148,8 @@ BATCHINV_ATTN_BWD_ALL(bf16, batchinv::Bf16Codec, 64)
 // batchinv-signature: attention_bwd_dkdv_bf16_d128_lds(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
 // batchinv-signature: attention_bwd_dkdv_bf16_d128_async(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
 // batchinv-signature: attention_bwd_dkdv_bf16_d128_tiled(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
+// batchinv-signature: attention_bwd_dkdv_bf16_d128_wide(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
+// batchinv-signature: attention_bwd_dkdv_bf16_d128_wide_async(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
 // batchinv-signature: attention_bwd_dq_bf16_d128_ldsm(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
 // batchinv-signature: attention_bwd_dq_bf16_d128_lds(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
 // batchinv-signature: attention_bwd_dq_bf16_d128_async(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
@@ -1116,6 +1160,8 @@ BATCHINV_ATTN_BWD_ALL(bf16, batchinv::Bf16Codec, 128)
 // batchinv-signature: attention_bwd_dkdv_f16_d64_lds(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
 // batchinv-signature: attention_bwd_dkdv_f16_d64_async(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
 // batchinv-signature: attention_bwd_dkdv_f16_d64_tiled(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
+// batchinv-signature: attention_bwd_dkdv_f16_d64_wide(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
+// batchinv-signature: attention_bwd_dkdv_f16_d64_wide_async(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
 // batchinv-signature: attention_bwd_dq_f16_d64_ldsm(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
 // batchinv-signature: attention_bwd_dq_f16_d64_lds(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
 // batchinv-signature: attention_bwd_dq_f16_d64_async(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
@@ -1126,6 +1172,8 @@ BATCHINV_ATTN_BWD_ALL(f16, batchinv::F16Codec, 64)
 // batchinv-signature: attention_bwd_dkdv_f16_d128_lds(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
 // batchinv-signature: attention_bwd_dkdv_f16_d128_async(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
 // batchinv-signature: attention_bwd_dkdv_f16_d128_tiled(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
+// batchinv-signature: attention_bwd_dkdv_f16_d128_wide(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
+// batchinv-signature: attention_bwd_dkdv_f16_d128_wide_async(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
 // batchinv-signature: attention_bwd_dq_f16_d128_ldsm(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
 // batchinv-signature: attention_bwd_dq_f16_d128_lds(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
 // batchinv-signature: attention_bwd_dq_f16_d128_async(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)

@@ -23,6 +23,7 @@ import functools
 import math
 import numbers
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -32,23 +33,38 @@ from ._launch import kernel_for, launch
 
 # Keep in step with kernels_cu/attention_backward.cu.
 SUPPORTED_HEAD_DIMS = (64, 128)
-THREADS = 128  # delta kernel, and the dK/dV and dQ kernels of the 16-row variants
+THREADS = 128  # delta and dQ kernels, and the dK/dV kernels of the 16-row variants
 KEY_BLOCK = 64  # 16-row variants: keys per dK/dV CTA and per dQ step, at absolute positions
 DQ_QUERY_ROWS = 64  # 16-row variants: query rows per dQ CTA
-TILED_KEYS = 128  # "tiled": keys per dK/dV CTA
-TILED_KV_ROWS = 64  # "tiled": queries per dK/dV step
-TILED_KV_THREADS = 256
-TILED_DQ_ROWS = 128  # "tiled": query rows per dQ CTA
-TILED_DQ_KEYS = 32  # "tiled": keys per dQ step
-TILED_DQ_THREADS = 128
+TILED_DQ_ROWS = 128  # "tiled" dQ: query rows per CTA (4 warps of 32)
+TILED_DQ_KEYS = 32  # "tiled" dQ: keys per step
 _PAD = 8  # shared-memory row padding, elements
 _FLOAT_BYTES = 4
 
-# How tiles reach the mma: "tiled" (default: 32-row warp tiles, cp.async double buffering,
-# ldmatrix), "async" (16-row warp tiles, cp.async double buffering + ldmatrix), "ldsm" (plain
-# global loads + ldmatrix), "lds" (plain loads throughout).  Same arithmetic for every
-# element (tested bitwise); speed differs.
-VARIANTS = ("tiled", "async", "ldsm", "lds")
+
+@dataclass(frozen=True)
+class _KvShape:
+    """A dK/dV kernel with P^T and dS^T through shared memory (the kernel's KvShape)."""
+
+    keys: int  # keys per CTA
+    rows: int  # queries per step
+    threads: int
+    buffers: int  # 2: the next step's Q/dO is prefetched with cp.async
+
+
+# The variants whose dK/dV kernel has 32-row warp tiles, and its shape (all use the "tiled" dQ).
+_KV_SHAPES = {
+    "tiled": _KvShape(keys=128, rows=64, threads=256, buffers=2),
+    "wide": _KvShape(keys=64, rows=64, threads=256, buffers=1),
+    "wide_async": _KvShape(keys=64, rows=32, threads=256, buffers=2),
+}
+
+# How tiles reach the mma.  "tiled", "wide", "wide_async": 32-row warp tiles (P^T / dS^T of the
+# dK/dV kernel through shared memory, its shapes in _KV_SHAPES; the dQ kernel of "tiled").
+# "async": 16-row warp tiles, cp.async double buffering + ldmatrix; "ldsm": plain global loads
+# + ldmatrix; "lds": plain loads throughout.  Same arithmetic for every element (tested
+# bitwise); speed differs.
+VARIANTS = ("tiled", "wide", "wide_async", "async", "ldsm", "lds")
 KERNEL_VARIANT = "tiled"
 
 _DTYPES = (torch.bfloat16, torch.float16)
@@ -68,24 +84,29 @@ def _tile_bytes(head_dim: int, rows: int) -> int:
 
 
 def _buffers(variant: str) -> int:
-    return 2 if variant in ("async", "tiled") else 1
+    return 1 if variant in ("ldsm", "lds") else 2
 
 
 def dkdv_shared_bytes(head_dim: int, variant: str) -> int:
-    """K and V tiles, then per buffer the Q and dO tiles and the rows' lse and delta ("tiled":
-    plus the P^T and dS^T tiles)."""
-    if variant == "tiled":
-        per_buffer = 2 * _tile_bytes(head_dim, TILED_KV_ROWS) + 2 * TILED_KV_ROWS * _FLOAT_BYTES
-        scores = 2 * TILED_KEYS * (TILED_KV_ROWS + _PAD) * 2
-        return 2 * _tile_bytes(head_dim, TILED_KEYS) + 2 * per_buffer + scores
+    """K and V tiles, then per buffer the Q and dO tiles and the rows' lse and delta (shaped
+    kernels: plus the P^T and dS^T tiles)."""
+    shape = _KV_SHAPES.get(variant)
+    if shape is not None:
+        per_buffer = 2 * _tile_bytes(head_dim, shape.rows) + 2 * shape.rows * _FLOAT_BYTES
+        scores = 2 * shape.keys * (shape.rows + _PAD) * 2
+        return 2 * _tile_bytes(head_dim, shape.keys) + shape.buffers * per_buffer + scores
     rows = kv_query_rows(head_dim)
     per_buffer = 2 * _tile_bytes(head_dim, rows) + 2 * rows * _FLOAT_BYTES
     return 2 * _tile_bytes(head_dim, KEY_BLOCK) + _buffers(variant) * per_buffer
 
 
+def _dq_suffix(variant: str) -> str:
+    return "tiled" if variant in _KV_SHAPES else variant
+
+
 def dq_shared_bytes(head_dim: int, variant: str) -> int:
     """Q and dO tiles, per buffer the K and V tiles, and the rows' lse and delta."""
-    tiled = variant == "tiled"
+    tiled = _dq_suffix(variant) == "tiled"
     rows, keys = (TILED_DQ_ROWS, TILED_DQ_KEYS) if tiled else (DQ_QUERY_ROWS, KEY_BLOCK)
     return (
         _buffers(variant) * 2 * _tile_bytes(head_dim, keys)
@@ -96,14 +117,10 @@ def dq_shared_bytes(head_dim: int, variant: str) -> int:
 
 def _geometry(variant: str) -> dict[str, int]:
     """Keys per dK/dV CTA and its threads, query rows per dQ CTA and its threads."""
-    if variant == "tiled":
-        return {
-            "keys": TILED_KEYS,
-            "kv_threads": TILED_KV_THREADS,
-            "rows": TILED_DQ_ROWS,
-            "dq_threads": TILED_DQ_THREADS,
-        }
-    return {"keys": KEY_BLOCK, "kv_threads": THREADS, "rows": DQ_QUERY_ROWS, "dq_threads": THREADS}
+    shape = _KV_SHAPES.get(variant)
+    kv = (shape.keys, shape.threads) if shape else (KEY_BLOCK, THREADS)
+    dq_rows = TILED_DQ_ROWS if _dq_suffix(variant) == "tiled" else DQ_QUERY_ROWS
+    return {"keys": kv[0], "kv_threads": kv[1], "rows": dq_rows, "dq_threads": THREADS}
 
 
 # ----------------------------------------------------------------------------- validation
@@ -280,7 +297,9 @@ def _kernel_name(stage: str, dtype: torch.dtype, head_dim: int, variant: str) ->
     if variant not in VARIANTS:
         raise ValueError(f"unknown kernel variant {variant!r}; expected one of {VARIANTS}")
     base = f"attention_bwd_{stage}_{_SUFFIX[dtype]}_d{head_dim}"
-    return base if stage == "delta" else f"{base}_{variant}"
+    if stage == "delta":
+        return base
+    return f"{base}_{_dq_suffix(variant) if stage == 'dq' else variant}"
 
 
 def kernel_launches(
