@@ -660,15 +660,9 @@ struct KvShape {
                                         Buffers * (2 * TileBytes<D, Rows>::value + 2 * Rows * 4) +
                                         2 * Keys * kScoreStride * 2;
 };
-// "tiled": 128 keys, 8 warps of 32 x 32 (phase 1) and 32 keys x D/2 (phase 2), prefetch.
-template <int D>
-using TiledKv = KvShape<D, 128, 64, 256, 4, 4, 2, 1>;
 // "wide": 64 keys, 8 warps of 32 x 16 and 32 keys x D/4, no prefetch: two CTAs per SM.
 template <int D>
 using WideKv = KvShape<D, 64, 64, 256, 2, 2, 1, 2>;
-// "wide_async": 64 keys, 8 warps of 16 x 16 and 32 keys x D/2, 32-query steps, prefetch.
-template <int D>
-using WideAsyncKv = KvShape<D, 64, 32, 256, 4, 2, 2, 2>;
 
 template <int D>
 struct TiledDqShared {
@@ -1059,6 +1053,194 @@ __device__ __forceinline__ void dq_tiled_kernel(const uint16_t* q, const uint16_
 #endif
 }
 
+// ---- "wide" dQ: 128 queries, 8 warps, dS through shared memory, two CTAs per SM -------------
+//
+// Phase 1: warp w computes S and dP for queries [32 (w / 2), +32) x keys [16 (w % 2), +16) of a
+// 32-key step and writes dS (rounded to the input dtype, the bits a_from_acc would give) to
+// shared memory; phase 2: dQ += dS K for its 32 queries x the d-half [D/2 (w % 2), +D/2).  The
+// K/V tiles are loaded at the top of each step (no prefetch) so that two CTAs fit an SM.
+
+constexpr int kWideDqRows = 128;
+constexpr int kWideDqKeys = 32;
+constexpr int kWideDqThreads = 256;
+constexpr int kWideDsStride = kWideDqKeys + kPad;
+
+template <int D>
+struct WideDqShared {
+    static constexpr int value = 2 * TileBytes<D, kWideDqRows>::value + 2 * TileBytes<D, kWideDqKeys>::value +
+                                 kWideDqRows * kWideDsStride * 2 + 2 * kWideDqRows * 4;
+};
+
+template <typename Codec, int D>
+__device__ __forceinline__ void dq_wide_scores(uint16_t* s_ds, const uint16_t* s_q, const uint16_t* s_do,
+                                               const uint16_t* s_k, const uint16_t* s_v, const float* s_lse,
+                                               const float* s_delta, int key0, int i0, int k_len, int offset,
+                                               int causal, float scale) {
+    constexpr int S = D + kPad;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int q_base = (warp >> 1) * 32;
+    const int k_base = (warp & 1) * 16;
+    const int g = lane / 4, c = 2 * (lane % 4);
+
+    float s[2][2][4] = {};
+    float dp[2][2][4] = {};
+#pragma unroll
+    for (int k0 = 0; k0 < D; k0 += 16) {
+        uint32_t a[2][4], b[4];
+#pragma unroll
+        for (int mi = 0; mi < 2; ++mi) load_a<true, S>(a[mi], s_q, q_base + 16 * mi, k0, lane);
+        load_b_nk<true, S>(b, s_k, k_base, k0, lane);
+#pragma unroll
+        for (int mi = 0; mi < 2; ++mi) {
+            mma<Codec>(s[mi][0], a[mi], b[0], b[1]);
+            mma<Codec>(s[mi][1], a[mi], b[2], b[3]);
+        }
+#pragma unroll
+        for (int mi = 0; mi < 2; ++mi) load_a<true, S>(a[mi], s_do, q_base + 16 * mi, k0, lane);
+        load_b_nk<true, S>(b, s_v, k_base, k0, lane);
+#pragma unroll
+        for (int mi = 0; mi < 2; ++mi) {
+            mma<Codec>(dp[mi][0], a[mi], b[0], b[1]);
+            mma<Codec>(dp[mi][1], a[mi], b[2], b[3]);
+        }
+    }
+    const int last_key = key0 + k_base + 15;
+    const bool interior = last_key < k_len && (!causal || last_key <= offset + i0 + q_base);
+#pragma unroll
+    for (int mi = 0; mi < 2; ++mi) {
+#pragma unroll
+        for (int ni = 0; ni < 2; ++ni) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int r = q_base + 16 * mi + g + (e >= 2 ? 8 : 0);
+                const int key = key0 + k_base + 8 * ni + c + (e & 1);
+                const float row_lse = s_lse[r];
+                const bool visible =
+                    row_lse != -INFINITY && (interior || (key < k_len && (!causal || key <= offset + i0 + r)));
+                probability_and_grad(s[mi][ni][e], dp[mi][ni][e], visible, row_lse, s_delta[r], scale);
+            }
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                const int at = (q_base + 16 * mi + g + 8 * half) * kWideDsStride + k_base + 8 * ni + c;
+                *reinterpret_cast<uint32_t*>(s_ds + at) =
+                    pack_floats<Codec>(dp[mi][ni][2 * half], dp[mi][ni][2 * half + 1]);
+            }
+        }
+    }
+}
+
+template <typename Codec, int D>
+__device__ __forceinline__ void dq_wide_accumulate(float (&acc_dq)[2][D / 16][4], const uint16_t* s_ds,
+                                                   const uint16_t* s_k) {
+    constexpr int S = D + kPad;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int q_base = (warp >> 1) * 32;
+    const int d_base = (warp & 1) * (D / 2);
+#pragma unroll
+    for (int t = 0; t < kWideDqKeys / 16; ++t) {
+        uint32_t a_ds[2][4];
+#pragma unroll
+        for (int mi = 0; mi < 2; ++mi) load_a<true, kWideDsStride>(a_ds[mi], s_ds, q_base + 16 * mi, 16 * t, lane);
+#pragma unroll
+        for (int np = 0; np < D / 32; ++np) {
+            uint32_t b[4];
+            load_b_kn<true, S>(b, s_k, d_base + 16 * np, 16 * t, lane);
+#pragma unroll
+            for (int mi = 0; mi < 2; ++mi) {
+                mma<Codec>(acc_dq[mi][2 * np], a_ds[mi], b[0], b[1]);
+                mma<Codec>(acc_dq[mi][2 * np + 1], a_ds[mi], b[2], b[3]);
+            }
+        }
+    }
+}
+
+template <typename Codec, int D>
+__device__ __forceinline__ void dq_wide_kernel(const uint16_t* q, const uint16_t* k, const uint16_t* v,
+                                               const uint16_t* dout, const float* lse, const float* delta,
+                                               const int* q_start_of, const int* q_len_of, const int* k_start_of,
+                                               const int* k_len_of, uint16_t* dq, int num_q_heads, int num_kv_heads,
+                                               int64_t total_q, int causal, float scale) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    constexpr int kRows = kWideDqRows;
+    constexpr int kKeys = kWideDqKeys;
+    constexpr int kNT = kWideDqThreads;
+    constexpr int S = D + kPad;
+    const int seq = blockIdx.z;
+    const int head = blockIdx.y;
+    const int query_block = gridDim.x - 1 - blockIdx.x;  // most work first (causal); speed only
+    const int q_len = q_len_of[seq];
+    const int i0 = query_block * kRows;
+    if (i0 >= q_len) return;
+    const int k_len = k_len_of[seq];
+    const int q_start = q_start_of[seq];
+    const int k_start = k_start_of[seq];
+    const int offset = k_len - q_len;
+    const int kv_head = head / (num_q_heads / num_kv_heads);
+    const int64_t q_stride = static_cast<int64_t>(num_q_heads) * D;
+    const int64_t kv_stride = static_cast<int64_t>(num_kv_heads) * D;
+    const int rows = min(kRows, q_len - i0);
+
+    extern __shared__ __align__(16) uint16_t smem[];
+    uint16_t* s_q = smem;
+    uint16_t* s_do = s_q + kRows * S;
+    uint16_t* s_k = s_do + kRows * S;
+    uint16_t* s_v = s_k + kKeys * S;
+    uint16_t* s_ds = s_v + kKeys * S;  // [kRows][kWideDsStride]
+    float* s_lse = reinterpret_cast<float*>(s_ds + kRows * kWideDsStride);
+    float* s_delta = s_lse + kRows;
+
+    load_tile<D, kRows, true, kNT>(s_q, q + head * D, q_stride, q_start + i0, rows);
+    load_tile<D, kRows, true, kNT>(s_do, dout + head * D, q_stride, q_start + i0, rows);
+    load_row_stats<kRows, kNT>(s_lse, s_delta, lse, delta, head * total_q, q_start + i0, rows);
+
+    // Key blocks in increasing position, up to the last one any row of the block can see.
+    int steps = (k_len + kKeys - 1) / kKeys;
+    if (causal) {
+        const int last_position = offset + i0 + rows - 1;
+        steps = last_position < 0 ? 0 : min(steps, last_position / kKeys + 1);
+    }
+
+    float acc_dq[2][D / 16][4] = {};
+    for (int step = 0; step < steps; ++step) {
+        const int key0 = step * kKeys;
+        const int valid = min(kKeys, k_len - key0);
+        load_tile<D, kKeys, true, kNT>(s_k, k + kv_head * D, kv_stride, k_start + key0, valid);
+        load_tile<D, kKeys, true, kNT>(s_v, v + kv_head * D, kv_stride, k_start + key0, valid);
+        cp_async_commit();
+        cp_async_wait<0>();
+        __syncthreads();
+        dq_wide_scores<Codec, D>(s_ds, s_q, s_do, s_k, s_v, s_lse, s_delta, key0, i0, k_len, offset, causal,
+                                 scale);
+        __syncthreads();  // dS is complete
+        dq_wide_accumulate<Codec, D>(acc_dq, s_ds, s_k);
+        __syncthreads();  // K, V and dS are rewritten next
+    }
+    cp_async_wait<0>();
+
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int q_base = (warp >> 1) * 32;
+    const int d_base = (warp & 1) * (D / 2);
+    const int g = lane / 4, c = 2 * (lane % 4);
+#pragma unroll
+    for (int mi = 0; mi < 2; ++mi) {
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const int r = q_base + 16 * mi + g + 8 * half;
+            if (r >= rows) continue;
+            const int64_t row = (static_cast<int64_t>(q_start) + i0 + r) * q_stride + head * D;
+#pragma unroll
+            for (int j = 0; j < D / 16; ++j) {
+                const int col = d_base + 8 * j + c;
+                *reinterpret_cast<uint32_t*>(dq + row + col) = pack_floats<Codec>(
+                    ieee_mul(acc_dq[mi][j][2 * half], scale), ieee_mul(acc_dq[mi][j][2 * half + 1], scale));
+            }
+        }
+    }
+#else
+    __trap();
+#endif
+}
+
 }  // namespace attn_bwd
 }  // namespace batchinv
 
@@ -1105,9 +1287,7 @@ __device__ __forceinline__ void dq_tiled_kernel(const uint16_t* q, const uint16_
     }
 
 #define BATCHINV_ATTN_BWD_TILED(DTYPE, CODEC, D)                                                               \
-    BATCHINV_ATTN_BWD_DKDV_SHAPED(DTYPE, CODEC, D, _tiled, batchinv::attn_bwd::TiledKv)                        \
     BATCHINV_ATTN_BWD_DKDV_SHAPED(DTYPE, CODEC, D, _wide, batchinv::attn_bwd::WideKv)                          \
-    BATCHINV_ATTN_BWD_DKDV_SHAPED(DTYPE, CODEC, D, _wide_async, batchinv::attn_bwd::WideAsyncKv)              \
     extern "C" __global__ void __launch_bounds__(batchinv::attn_bwd::kTiledDqThreads)                          \
         attention_bwd_dq_##DTYPE##_d##D##_tiled(                                                                \
         const uint16_t* q, const uint16_t* k, const uint16_t* v, const uint16_t* dout, const float* lse,        \
@@ -1116,6 +1296,15 @@ __device__ __forceinline__ void dq_tiled_kernel(const uint16_t* q, const uint16_
         batchinv::attn_bwd::dq_tiled_kernel<CODEC, D>(q, k, v, dout, lse, delta, q_start, q_len, k_start,       \
                                                       k_len, dq, num_q_heads, num_kv_heads, total_q, causal,    \
                                                       scale);                                                   \
+    }                                                                                                           \
+    extern "C" __global__ void __launch_bounds__(batchinv::attn_bwd::kWideDqThreads, 2)                        \
+        attention_bwd_dq_##DTYPE##_d##D##_wide(                                                                 \
+        const uint16_t* q, const uint16_t* k, const uint16_t* v, const uint16_t* dout, const float* lse,        \
+        const float* delta, const int* q_start, const int* q_len, const int* k_start, const int* k_len,         \
+        uint16_t* dq, int num_q_heads, int num_kv_heads, int64_t total_q, int causal, float scale) {            \
+        batchinv::attn_bwd::dq_wide_kernel<CODEC, D>(q, k, v, dout, lse, delta, q_start, q_len, k_start,        \
+                                                     k_len, dq, num_q_heads, num_kv_heads, total_q, causal,     \
+                                                     scale);                                                    \
     }
 
 // Variants: dtype x head dim x how tiles reach the mma ("_ldsm": ldmatrix; "_lds": plain shared
@@ -1135,49 +1324,45 @@ __device__ __forceinline__ void dq_tiled_kernel(const uint16_t* q, const uint16_
 // batchinv-signature: attention_bwd_dkdv_bf16_d64_ldsm(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
 // batchinv-signature: attention_bwd_dkdv_bf16_d64_lds(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
 // batchinv-signature: attention_bwd_dkdv_bf16_d64_async(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
-// batchinv-signature: attention_bwd_dkdv_bf16_d64_tiled(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
 // batchinv-signature: attention_bwd_dkdv_bf16_d64_wide(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
-// batchinv-signature: attention_bwd_dkdv_bf16_d64_wide_async(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
 // batchinv-signature: attention_bwd_dq_bf16_d64_ldsm(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
 // batchinv-signature: attention_bwd_dq_bf16_d64_lds(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
 // batchinv-signature: attention_bwd_dq_bf16_d64_async(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
 // batchinv-signature: attention_bwd_dq_bf16_d64_tiled(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
+// batchinv-signature: attention_bwd_dq_bf16_d64_wide(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
 BATCHINV_ATTN_BWD_ALL(bf16, batchinv::Bf16Codec, 64)
 // batchinv-signature: attention_bwd_delta_bf16_d128(ptr, ptr, ptr, ptr, ptr, i32, i64)
 // batchinv-signature: attention_bwd_dkdv_bf16_d128_ldsm(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
 // batchinv-signature: attention_bwd_dkdv_bf16_d128_lds(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
 // batchinv-signature: attention_bwd_dkdv_bf16_d128_async(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
-// batchinv-signature: attention_bwd_dkdv_bf16_d128_tiled(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
 // batchinv-signature: attention_bwd_dkdv_bf16_d128_wide(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
-// batchinv-signature: attention_bwd_dkdv_bf16_d128_wide_async(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
 // batchinv-signature: attention_bwd_dq_bf16_d128_ldsm(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
 // batchinv-signature: attention_bwd_dq_bf16_d128_lds(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
 // batchinv-signature: attention_bwd_dq_bf16_d128_async(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
 // batchinv-signature: attention_bwd_dq_bf16_d128_tiled(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
+// batchinv-signature: attention_bwd_dq_bf16_d128_wide(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
 BATCHINV_ATTN_BWD_ALL(bf16, batchinv::Bf16Codec, 128)
 // batchinv-signature: attention_bwd_delta_f16_d64(ptr, ptr, ptr, ptr, ptr, i32, i64)
 // batchinv-signature: attention_bwd_dkdv_f16_d64_ldsm(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
 // batchinv-signature: attention_bwd_dkdv_f16_d64_lds(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
 // batchinv-signature: attention_bwd_dkdv_f16_d64_async(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
-// batchinv-signature: attention_bwd_dkdv_f16_d64_tiled(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
 // batchinv-signature: attention_bwd_dkdv_f16_d64_wide(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
-// batchinv-signature: attention_bwd_dkdv_f16_d64_wide_async(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
 // batchinv-signature: attention_bwd_dq_f16_d64_ldsm(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
 // batchinv-signature: attention_bwd_dq_f16_d64_lds(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
 // batchinv-signature: attention_bwd_dq_f16_d64_async(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
 // batchinv-signature: attention_bwd_dq_f16_d64_tiled(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
+// batchinv-signature: attention_bwd_dq_f16_d64_wide(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
 BATCHINV_ATTN_BWD_ALL(f16, batchinv::F16Codec, 64)
 // batchinv-signature: attention_bwd_delta_f16_d128(ptr, ptr, ptr, ptr, ptr, i32, i64)
 // batchinv-signature: attention_bwd_dkdv_f16_d128_ldsm(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
 // batchinv-signature: attention_bwd_dkdv_f16_d128_lds(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
 // batchinv-signature: attention_bwd_dkdv_f16_d128_async(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
-// batchinv-signature: attention_bwd_dkdv_f16_d128_tiled(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
 // batchinv-signature: attention_bwd_dkdv_f16_d128_wide(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
-// batchinv-signature: attention_bwd_dkdv_f16_d128_wide_async(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
 // batchinv-signature: attention_bwd_dq_f16_d128_ldsm(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
 // batchinv-signature: attention_bwd_dq_f16_d128_lds(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
 // batchinv-signature: attention_bwd_dq_f16_d128_async(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
 // batchinv-signature: attention_bwd_dq_f16_d128_tiled(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
+// batchinv-signature: attention_bwd_dq_f16_d128_wide(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
 BATCHINV_ATTN_BWD_ALL(f16, batchinv::F16Codec, 128)
 
 #endif  // !__HIPCC__

@@ -23,7 +23,6 @@ import functools
 import math
 import numbers
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -33,39 +32,33 @@ from ._launch import kernel_for, launch
 
 # Keep in step with kernels_cu/attention_backward.cu.
 SUPPORTED_HEAD_DIMS = (64, 128)
-THREADS = 128  # delta and dQ kernels, and the dK/dV kernels of the 16-row variants
+THREADS = 128  # delta kernel and the 16-row and "tiled" kernels
 KEY_BLOCK = 64  # 16-row variants: keys per dK/dV CTA and per dQ step, at absolute positions
 DQ_QUERY_ROWS = 64  # 16-row variants: query rows per dQ CTA
-TILED_DQ_ROWS = 128  # "tiled" dQ: query rows per CTA (4 warps of 32)
-TILED_DQ_KEYS = 32  # "tiled" dQ: keys per step
+WIDE_KEYS = 64  # "wide" dK/dV: keys per CTA (8 warps)
+WIDE_KV_ROWS = 64  # "wide" dK/dV: queries per step
+DQ_ROWS_32 = 128  # "wide" and "tiled" dQ: query rows per CTA
+WIDE_DQ_KEYS = 32  # "wide" dQ: keys per step (8 warps)
+TILED_DQ_KEYS = 32  # "tiled" dQ: keys per step (4 warps of 32 queries)
+WIDE_THREADS = 256
 _PAD = 8  # shared-memory row padding, elements
 _FLOAT_BYTES = 4
 
-
-@dataclass(frozen=True)
-class _KvShape:
-    """A dK/dV kernel with P^T and dS^T through shared memory (the kernel's KvShape)."""
-
-    keys: int  # keys per CTA
-    rows: int  # queries per step
-    threads: int
-    buffers: int  # 2: the next step's Q/dO is prefetched with cp.async
-
-
-# The variants whose dK/dV kernel has 32-row warp tiles, and its shape (all use the "tiled" dQ).
-_KV_SHAPES = {
-    "tiled": _KvShape(keys=128, rows=64, threads=256, buffers=2),
-    "wide": _KvShape(keys=64, rows=64, threads=256, buffers=1),
-    "wide_async": _KvShape(keys=64, rows=32, threads=256, buffers=2),
-}
-
-# How tiles reach the mma.  "tiled", "wide", "wide_async": 32-row warp tiles (P^T / dS^T of the
-# dK/dV kernel through shared memory, its shapes in _KV_SHAPES; the dQ kernel of "tiled").
+# How tiles reach the mma, per variant: (dK/dV kernel, dQ kernel).  "wide" kernels: 8 warps
+# with 32-row warp tiles, P^T / dS^T (dS) through shared memory, two CTAs per SM, tiles loaded
+# at the top of each step.  "tiled" dQ: 4 warps of 32 query rows, cp.async double buffering.
 # "async": 16-row warp tiles, cp.async double buffering + ldmatrix; "ldsm": plain global loads
 # + ldmatrix; "lds": plain loads throughout.  Same arithmetic for every element (tested
 # bitwise); speed differs.
-VARIANTS = ("tiled", "wide", "wide_async", "async", "ldsm", "lds")
-KERNEL_VARIANT = "tiled"
+_KERNELS = {
+    "wide": ("wide", "wide"),
+    "tiled": ("wide", "tiled"),
+    "async": ("async", "async"),
+    "ldsm": ("ldsm", "ldsm"),
+    "lds": ("lds", "lds"),
+}
+VARIANTS = tuple(_KERNELS)
+KERNEL_VARIANT = "wide"
 
 _DTYPES = (torch.bfloat16, torch.float16)
 _SUFFIX = {torch.bfloat16: "bf16", torch.float16: "f16"}
@@ -83,44 +76,47 @@ def _tile_bytes(head_dim: int, rows: int) -> int:
     return rows * (head_dim + _PAD) * 2
 
 
-def _buffers(variant: str) -> int:
-    return 1 if variant in ("ldsm", "lds") else 2
+def _buffers(kernel: str) -> int:
+    return 2 if kernel in ("async", "tiled") else 1
 
 
 def dkdv_shared_bytes(head_dim: int, variant: str) -> int:
-    """K and V tiles, then per buffer the Q and dO tiles and the rows' lse and delta (shaped
-    kernels: plus the P^T and dS^T tiles)."""
-    shape = _KV_SHAPES.get(variant)
-    if shape is not None:
-        per_buffer = 2 * _tile_bytes(head_dim, shape.rows) + 2 * shape.rows * _FLOAT_BYTES
-        scores = 2 * shape.keys * (shape.rows + _PAD) * 2
-        return 2 * _tile_bytes(head_dim, shape.keys) + shape.buffers * per_buffer + scores
+    """K and V tiles, then per buffer the Q and dO tiles and the rows' lse and delta ("wide":
+    plus the P^T and dS^T tiles)."""
+    kernel = _KERNELS[variant][0]
+    if kernel == "wide":
+        per_step = 2 * _tile_bytes(head_dim, WIDE_KV_ROWS) + 2 * WIDE_KV_ROWS * _FLOAT_BYTES
+        scores = 2 * WIDE_KEYS * (WIDE_KV_ROWS + _PAD) * 2
+        return 2 * _tile_bytes(head_dim, WIDE_KEYS) + per_step + scores
     rows = kv_query_rows(head_dim)
     per_buffer = 2 * _tile_bytes(head_dim, rows) + 2 * rows * _FLOAT_BYTES
-    return 2 * _tile_bytes(head_dim, KEY_BLOCK) + _buffers(variant) * per_buffer
-
-
-def _dq_suffix(variant: str) -> str:
-    return "tiled" if variant in _KV_SHAPES else variant
+    return 2 * _tile_bytes(head_dim, KEY_BLOCK) + _buffers(kernel) * per_buffer
 
 
 def dq_shared_bytes(head_dim: int, variant: str) -> int:
-    """Q and dO tiles, per buffer the K and V tiles, and the rows' lse and delta."""
-    tiled = _dq_suffix(variant) == "tiled"
-    rows, keys = (TILED_DQ_ROWS, TILED_DQ_KEYS) if tiled else (DQ_QUERY_ROWS, KEY_BLOCK)
+    """Q and dO tiles, per buffer the K and V tiles, the rows' lse and delta ("wide": plus
+    the dS tile)."""
+    kernel = _KERNELS[variant][1]
+    rows = DQ_QUERY_ROWS if kernel in ("async", "ldsm", "lds") else DQ_ROWS_32
+    keys = {"wide": WIDE_DQ_KEYS, "tiled": TILED_DQ_KEYS}.get(kernel, KEY_BLOCK)
+    scores = rows * (WIDE_DQ_KEYS + _PAD) * 2 if kernel == "wide" else 0
     return (
-        _buffers(variant) * 2 * _tile_bytes(head_dim, keys)
+        _buffers(kernel) * 2 * _tile_bytes(head_dim, keys)
         + 2 * _tile_bytes(head_dim, rows)
         + 2 * rows * _FLOAT_BYTES
+        + scores
     )
 
 
 def _geometry(variant: str) -> dict[str, int]:
     """Keys per dK/dV CTA and its threads, query rows per dQ CTA and its threads."""
-    shape = _KV_SHAPES.get(variant)
-    kv = (shape.keys, shape.threads) if shape else (KEY_BLOCK, THREADS)
-    dq_rows = TILED_DQ_ROWS if _dq_suffix(variant) == "tiled" else DQ_QUERY_ROWS
-    return {"keys": kv[0], "kv_threads": kv[1], "rows": dq_rows, "dq_threads": THREADS}
+    kv, dq = _KERNELS[variant]
+    return {
+        "keys": WIDE_KEYS if kv == "wide" else KEY_BLOCK,
+        "kv_threads": WIDE_THREADS if kv == "wide" else THREADS,
+        "rows": DQ_QUERY_ROWS if dq in ("async", "ldsm", "lds") else DQ_ROWS_32,
+        "dq_threads": WIDE_THREADS if dq == "wide" else THREADS,
+    }
 
 
 # ----------------------------------------------------------------------------- validation
@@ -299,7 +295,7 @@ def _kernel_name(stage: str, dtype: torch.dtype, head_dim: int, variant: str) ->
     base = f"attention_bwd_{stage}_{_SUFFIX[dtype]}_d{head_dim}"
     if stage == "delta":
         return base
-    return f"{base}_{_dq_suffix(variant) if stage == 'dq' else variant}"
+    return f"{base}_{_KERNELS[variant][0 if stage == 'dkdv' else 1]}"
 
 
 def kernel_launches(
