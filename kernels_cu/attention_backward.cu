@@ -32,6 +32,11 @@
 //     rows of a sequence (aligned to its first query) for one head and walks the key blocks of
 //     64 absolute positions in increasing order, up to the last one its rows can see;
 //     dQ += dS K accumulates in registers.
+//   The default ("tiled") variant launches attention_bwd_dkdv_*_wide: grid
+//     (ceil(max_k_len / 64), Hkv, B), block 256, the same 64 keys per CTA and walk, with
+//     32-row warp tiles and P^T / dS^T through shared memory; and attention_bwd_dq_*_tiled:
+//     grid (ceil(max_q_len / 128), Hq, B), block 128, 128 query rows per CTA (32 per warp) and
+//     key blocks of 32 absolute positions.  See the "tiled" section below.
 //
 // Invariance contract: a sequence's dq, dk and dv are bitwise the same whatever batch it is in,
 // wherever its rows sit in the packed tensors, whatever its neighbours and the padding hold,
@@ -610,27 +615,29 @@ __device__ __forceinline__ void dq_kernel(const uint16_t* q, const uint16_t* k, 
 }
 
 
-// ---- "tiled" variant: 32 x 32 warp tiles ------------------------------------------------------
+// ---- "tiled" variant (the default): 32-row warp tiles, more warps per SM ---------------------
 //
-// The kernels above give each warp 16 rows of every product, so every warp reads the whole
-// opposite tile from shared memory for each mma row it owns; shared-memory bandwidth, not the
-// tensor cores, bounds them.  Here each warp owns 32 rows (two m16 tiles share every B
-// fragment it loads):
-//   dK/dV: a CTA owns 128 keys (8 warps).  Per step of 64 queries, warp w computes S^T and
-//     dP^T for keys [32 (w / 2), +32) x queries [32 (w % 2), +32), writes P^T and dS^T (rounded
-//     to the input dtype, exactly the bits the other kernels feed the mma from registers) to
-//     shared memory, and after a barrier accumulates dV and dK for its 32 keys x the d-half
-//     [D/2 (w % 2), +D/2), over the step's queries in k16 steps.
-//   dQ: a CTA owns 128 queries (4 warps of 32) and walks the keys in blocks of 32.
+// The kernels above give each warp 16 rows of every product and, for the dK/dV kernel at
+// D = 128, 236 registers per thread: two CTAs of 4 warps per SM, too few warps to hide the
+// latency of the mma / ldmatrix chains behind the exp-heavy elementwise work.  Here:
+//   dK/dV ("_wide" kernels, WideKv): a CTA owns the same 64 keys with 8 warps.  Per step of 64
+//     queries, warp w computes S^T and dP^T for keys [32 (w / 4), +32) x queries
+//     [16 (w % 4), +16), writes P^T and dS^T (rounded to the input dtype: exactly the bits the
+//     other kernels feed the mma from registers) to shared memory, and after a barrier
+//     accumulates dV and dK for keys [32 (w / 4), +32) x columns [D/4 (w % 4), +D/4) over the
+//     step's queries in k16 steps.  125 registers and 88 KB of shared memory (Q/dO loaded at
+//     the top of each step, no prefetch): two CTAs, 16 warps per SM.
+//   dQ ("_tiled" kernels): a CTA owns 128 queries (4 warps of 32 rows: two m16 tiles share every
+//     K/V fragment a warp loads) and walks the keys in blocks of 32, cp.async double buffered.
 // Every element's arithmetic is the one of the other variants: s and dp are mma chains over d
 // in k16 steps from zero, p and ds come from probability_and_grad with the same visibility,
 // and dk/dv (dq) accumulate over the same k16 chunks of queries (keys) in the same order.  The
 // only difference is how many chunks that are entirely invisible to an element (p = ds = +0
-// by selection, so the mma adds exact zeros) run before the first or after the last visible one;
-// that is a function of the sequence's lengths and the build constants, never of the batch,
-// and the tests check that all variants give the same bits.  Selection is the same
+// by selection, so the mma adds exact zeros) run before its first or after its last visible
+// one; that is a function of the sequence's lengths and the build constants, never of the
+// batch, and the tests check that all variants give the same bits.  Selection is the same
 // expression everywhere; a warp whose whole tile is inside the sequence and below the causal
-// diagonal skips the position tests (they would all pass), not the selection on lse.
+// diagonal skips the position tests (they would all pass), never the selection on lse.
 
 constexpr int kTiledDqRows = 128;     // queries per dQ CTA
 constexpr int kTiledDqKeys = 32;      // keys per dQ step
@@ -660,7 +667,9 @@ struct KvShape {
                                         Buffers * (2 * TileBytes<D, Rows>::value + 2 * Rows * 4) +
                                         2 * Keys * kScoreStride * 2;
 };
-// "wide": 64 keys, 8 warps of 32 x 16 and 32 keys x D/4, no prefetch: two CTAs per SM.
+// 64 keys, 8 warps of 32 x 16 (phase 1) and 32 keys x D/4 (phase 2), no prefetch: two CTAs per
+// SM.  (Measured slower on an H200: 128 keys with 8 warps of 32 x 32 and prefetch, one CTA per
+// SM; 64 keys with 32-query steps and prefetch; see docs/operators/attention_backward.md.)
 template <int D>
 using WideKv = KvShape<D, 64, 64, 256, 2, 2, 1, 2>;
 
@@ -1053,194 +1062,6 @@ __device__ __forceinline__ void dq_tiled_kernel(const uint16_t* q, const uint16_
 #endif
 }
 
-// ---- "wide" dQ: 128 queries, 8 warps, dS through shared memory, two CTAs per SM -------------
-//
-// Phase 1: warp w computes S and dP for queries [32 (w / 2), +32) x keys [16 (w % 2), +16) of a
-// 32-key step and writes dS (rounded to the input dtype, the bits a_from_acc would give) to
-// shared memory; phase 2: dQ += dS K for its 32 queries x the d-half [D/2 (w % 2), +D/2).  The
-// K/V tiles are loaded at the top of each step (no prefetch) so that two CTAs fit an SM.
-
-constexpr int kWideDqRows = 128;
-constexpr int kWideDqKeys = 32;
-constexpr int kWideDqThreads = 256;
-constexpr int kWideDsStride = kWideDqKeys + kPad;
-
-template <int D>
-struct WideDqShared {
-    static constexpr int value = 2 * TileBytes<D, kWideDqRows>::value + 2 * TileBytes<D, kWideDqKeys>::value +
-                                 kWideDqRows * kWideDsStride * 2 + 2 * kWideDqRows * 4;
-};
-
-template <typename Codec, int D>
-__device__ __forceinline__ void dq_wide_scores(uint16_t* s_ds, const uint16_t* s_q, const uint16_t* s_do,
-                                               const uint16_t* s_k, const uint16_t* s_v, const float* s_lse,
-                                               const float* s_delta, int key0, int i0, int k_len, int offset,
-                                               int causal, float scale) {
-    constexpr int S = D + kPad;
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const int q_base = (warp >> 1) * 32;
-    const int k_base = (warp & 1) * 16;
-    const int g = lane / 4, c = 2 * (lane % 4);
-
-    float s[2][2][4] = {};
-    float dp[2][2][4] = {};
-#pragma unroll
-    for (int k0 = 0; k0 < D; k0 += 16) {
-        uint32_t a[2][4], b[4];
-#pragma unroll
-        for (int mi = 0; mi < 2; ++mi) load_a<true, S>(a[mi], s_q, q_base + 16 * mi, k0, lane);
-        load_b_nk<true, S>(b, s_k, k_base, k0, lane);
-#pragma unroll
-        for (int mi = 0; mi < 2; ++mi) {
-            mma<Codec>(s[mi][0], a[mi], b[0], b[1]);
-            mma<Codec>(s[mi][1], a[mi], b[2], b[3]);
-        }
-#pragma unroll
-        for (int mi = 0; mi < 2; ++mi) load_a<true, S>(a[mi], s_do, q_base + 16 * mi, k0, lane);
-        load_b_nk<true, S>(b, s_v, k_base, k0, lane);
-#pragma unroll
-        for (int mi = 0; mi < 2; ++mi) {
-            mma<Codec>(dp[mi][0], a[mi], b[0], b[1]);
-            mma<Codec>(dp[mi][1], a[mi], b[2], b[3]);
-        }
-    }
-    const int last_key = key0 + k_base + 15;
-    const bool interior = last_key < k_len && (!causal || last_key <= offset + i0 + q_base);
-#pragma unroll
-    for (int mi = 0; mi < 2; ++mi) {
-#pragma unroll
-        for (int ni = 0; ni < 2; ++ni) {
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int r = q_base + 16 * mi + g + (e >= 2 ? 8 : 0);
-                const int key = key0 + k_base + 8 * ni + c + (e & 1);
-                const float row_lse = s_lse[r];
-                const bool visible =
-                    row_lse != -INFINITY && (interior || (key < k_len && (!causal || key <= offset + i0 + r)));
-                probability_and_grad(s[mi][ni][e], dp[mi][ni][e], visible, row_lse, s_delta[r], scale);
-            }
-#pragma unroll
-            for (int half = 0; half < 2; ++half) {
-                const int at = (q_base + 16 * mi + g + 8 * half) * kWideDsStride + k_base + 8 * ni + c;
-                *reinterpret_cast<uint32_t*>(s_ds + at) =
-                    pack_floats<Codec>(dp[mi][ni][2 * half], dp[mi][ni][2 * half + 1]);
-            }
-        }
-    }
-}
-
-template <typename Codec, int D>
-__device__ __forceinline__ void dq_wide_accumulate(float (&acc_dq)[2][D / 16][4], const uint16_t* s_ds,
-                                                   const uint16_t* s_k) {
-    constexpr int S = D + kPad;
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const int q_base = (warp >> 1) * 32;
-    const int d_base = (warp & 1) * (D / 2);
-#pragma unroll
-    for (int t = 0; t < kWideDqKeys / 16; ++t) {
-        uint32_t a_ds[2][4];
-#pragma unroll
-        for (int mi = 0; mi < 2; ++mi) load_a<true, kWideDsStride>(a_ds[mi], s_ds, q_base + 16 * mi, 16 * t, lane);
-#pragma unroll
-        for (int np = 0; np < D / 32; ++np) {
-            uint32_t b[4];
-            load_b_kn<true, S>(b, s_k, d_base + 16 * np, 16 * t, lane);
-#pragma unroll
-            for (int mi = 0; mi < 2; ++mi) {
-                mma<Codec>(acc_dq[mi][2 * np], a_ds[mi], b[0], b[1]);
-                mma<Codec>(acc_dq[mi][2 * np + 1], a_ds[mi], b[2], b[3]);
-            }
-        }
-    }
-}
-
-template <typename Codec, int D>
-__device__ __forceinline__ void dq_wide_kernel(const uint16_t* q, const uint16_t* k, const uint16_t* v,
-                                               const uint16_t* dout, const float* lse, const float* delta,
-                                               const int* q_start_of, const int* q_len_of, const int* k_start_of,
-                                               const int* k_len_of, uint16_t* dq, int num_q_heads, int num_kv_heads,
-                                               int64_t total_q, int causal, float scale) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-    constexpr int kRows = kWideDqRows;
-    constexpr int kKeys = kWideDqKeys;
-    constexpr int kNT = kWideDqThreads;
-    constexpr int S = D + kPad;
-    const int seq = blockIdx.z;
-    const int head = blockIdx.y;
-    const int query_block = gridDim.x - 1 - blockIdx.x;  // most work first (causal); speed only
-    const int q_len = q_len_of[seq];
-    const int i0 = query_block * kRows;
-    if (i0 >= q_len) return;
-    const int k_len = k_len_of[seq];
-    const int q_start = q_start_of[seq];
-    const int k_start = k_start_of[seq];
-    const int offset = k_len - q_len;
-    const int kv_head = head / (num_q_heads / num_kv_heads);
-    const int64_t q_stride = static_cast<int64_t>(num_q_heads) * D;
-    const int64_t kv_stride = static_cast<int64_t>(num_kv_heads) * D;
-    const int rows = min(kRows, q_len - i0);
-
-    extern __shared__ __align__(16) uint16_t smem[];
-    uint16_t* s_q = smem;
-    uint16_t* s_do = s_q + kRows * S;
-    uint16_t* s_k = s_do + kRows * S;
-    uint16_t* s_v = s_k + kKeys * S;
-    uint16_t* s_ds = s_v + kKeys * S;  // [kRows][kWideDsStride]
-    float* s_lse = reinterpret_cast<float*>(s_ds + kRows * kWideDsStride);
-    float* s_delta = s_lse + kRows;
-
-    load_tile<D, kRows, true, kNT>(s_q, q + head * D, q_stride, q_start + i0, rows);
-    load_tile<D, kRows, true, kNT>(s_do, dout + head * D, q_stride, q_start + i0, rows);
-    load_row_stats<kRows, kNT>(s_lse, s_delta, lse, delta, head * total_q, q_start + i0, rows);
-
-    // Key blocks in increasing position, up to the last one any row of the block can see.
-    int steps = (k_len + kKeys - 1) / kKeys;
-    if (causal) {
-        const int last_position = offset + i0 + rows - 1;
-        steps = last_position < 0 ? 0 : min(steps, last_position / kKeys + 1);
-    }
-
-    float acc_dq[2][D / 16][4] = {};
-    for (int step = 0; step < steps; ++step) {
-        const int key0 = step * kKeys;
-        const int valid = min(kKeys, k_len - key0);
-        load_tile<D, kKeys, true, kNT>(s_k, k + kv_head * D, kv_stride, k_start + key0, valid);
-        load_tile<D, kKeys, true, kNT>(s_v, v + kv_head * D, kv_stride, k_start + key0, valid);
-        cp_async_commit();
-        cp_async_wait<0>();
-        __syncthreads();
-        dq_wide_scores<Codec, D>(s_ds, s_q, s_do, s_k, s_v, s_lse, s_delta, key0, i0, k_len, offset, causal,
-                                 scale);
-        __syncthreads();  // dS is complete
-        dq_wide_accumulate<Codec, D>(acc_dq, s_ds, s_k);
-        __syncthreads();  // K, V and dS are rewritten next
-    }
-    cp_async_wait<0>();
-
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const int q_base = (warp >> 1) * 32;
-    const int d_base = (warp & 1) * (D / 2);
-    const int g = lane / 4, c = 2 * (lane % 4);
-#pragma unroll
-    for (int mi = 0; mi < 2; ++mi) {
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-            const int r = q_base + 16 * mi + g + 8 * half;
-            if (r >= rows) continue;
-            const int64_t row = (static_cast<int64_t>(q_start) + i0 + r) * q_stride + head * D;
-#pragma unroll
-            for (int j = 0; j < D / 16; ++j) {
-                const int col = d_base + 8 * j + c;
-                *reinterpret_cast<uint32_t*>(dq + row + col) = pack_floats<Codec>(
-                    ieee_mul(acc_dq[mi][j][2 * half], scale), ieee_mul(acc_dq[mi][j][2 * half + 1], scale));
-            }
-        }
-    }
-#else
-    __trap();
-#endif
-}
-
 }  // namespace attn_bwd
 }  // namespace batchinv
 
@@ -1296,15 +1117,6 @@ __device__ __forceinline__ void dq_wide_kernel(const uint16_t* q, const uint16_t
         batchinv::attn_bwd::dq_tiled_kernel<CODEC, D>(q, k, v, dout, lse, delta, q_start, q_len, k_start,       \
                                                       k_len, dq, num_q_heads, num_kv_heads, total_q, causal,    \
                                                       scale);                                                   \
-    }                                                                                                           \
-    extern "C" __global__ void __launch_bounds__(batchinv::attn_bwd::kWideDqThreads, 2)                        \
-        attention_bwd_dq_##DTYPE##_d##D##_wide(                                                                 \
-        const uint16_t* q, const uint16_t* k, const uint16_t* v, const uint16_t* dout, const float* lse,        \
-        const float* delta, const int* q_start, const int* q_len, const int* k_start, const int* k_len,         \
-        uint16_t* dq, int num_q_heads, int num_kv_heads, int64_t total_q, int causal, float scale) {            \
-        batchinv::attn_bwd::dq_wide_kernel<CODEC, D>(q, k, v, dout, lse, delta, q_start, q_len, k_start,        \
-                                                     k_len, dq, num_q_heads, num_kv_heads, total_q, causal,     \
-                                                     scale);                                                    \
     }
 
 // Variants: dtype x head dim x how tiles reach the mma ("_ldsm": ldmatrix; "_lds": plain shared
@@ -1329,7 +1141,6 @@ __device__ __forceinline__ void dq_wide_kernel(const uint16_t* q, const uint16_t
 // batchinv-signature: attention_bwd_dq_bf16_d64_lds(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
 // batchinv-signature: attention_bwd_dq_bf16_d64_async(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
 // batchinv-signature: attention_bwd_dq_bf16_d64_tiled(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
-// batchinv-signature: attention_bwd_dq_bf16_d64_wide(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
 BATCHINV_ATTN_BWD_ALL(bf16, batchinv::Bf16Codec, 64)
 // batchinv-signature: attention_bwd_delta_bf16_d128(ptr, ptr, ptr, ptr, ptr, i32, i64)
 // batchinv-signature: attention_bwd_dkdv_bf16_d128_ldsm(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
@@ -1340,7 +1151,6 @@ BATCHINV_ATTN_BWD_ALL(bf16, batchinv::Bf16Codec, 64)
 // batchinv-signature: attention_bwd_dq_bf16_d128_lds(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
 // batchinv-signature: attention_bwd_dq_bf16_d128_async(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
 // batchinv-signature: attention_bwd_dq_bf16_d128_tiled(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
-// batchinv-signature: attention_bwd_dq_bf16_d128_wide(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
 BATCHINV_ATTN_BWD_ALL(bf16, batchinv::Bf16Codec, 128)
 // batchinv-signature: attention_bwd_delta_f16_d64(ptr, ptr, ptr, ptr, ptr, i32, i64)
 // batchinv-signature: attention_bwd_dkdv_f16_d64_ldsm(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
@@ -1351,7 +1161,6 @@ BATCHINV_ATTN_BWD_ALL(bf16, batchinv::Bf16Codec, 128)
 // batchinv-signature: attention_bwd_dq_f16_d64_lds(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
 // batchinv-signature: attention_bwd_dq_f16_d64_async(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
 // batchinv-signature: attention_bwd_dq_f16_d64_tiled(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
-// batchinv-signature: attention_bwd_dq_f16_d64_wide(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
 BATCHINV_ATTN_BWD_ALL(f16, batchinv::F16Codec, 64)
 // batchinv-signature: attention_bwd_delta_f16_d128(ptr, ptr, ptr, ptr, ptr, i32, i64)
 // batchinv-signature: attention_bwd_dkdv_f16_d128_ldsm(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
@@ -1362,7 +1171,6 @@ BATCHINV_ATTN_BWD_ALL(f16, batchinv::F16Codec, 64)
 // batchinv-signature: attention_bwd_dq_f16_d128_lds(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
 // batchinv-signature: attention_bwd_dq_f16_d128_async(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
 // batchinv-signature: attention_bwd_dq_f16_d128_tiled(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
-// batchinv-signature: attention_bwd_dq_f16_d128_wide(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
 BATCHINV_ATTN_BWD_ALL(f16, batchinv::F16Codec, 128)
 
 #endif  // !__HIPCC__

@@ -9,8 +9,9 @@ its keys are rows ``k_start[b] + j``, ``j < k_len[b]`` (causal: ``j <=`` the pos
 
 Three launches (see the kernel file for the formula and the invariance contract): ``delta =
 rowsum(dO * O)``, then dK/dV (one CTA per sequence, kv head and 64 absolute key positions) and
-dQ (one CTA per sequence, query head and 64 queries of the sequence).  The grids grow with
-the batch; a sequence's arithmetic does not.  Rows covered by no sequence get zero gradients.
+dQ (one CTA per sequence, query head and 128 queries of the sequence; 64 in the 16-row
+variants).  The grids grow with the batch; a sequence's arithmetic does not.  Rows covered by
+no sequence get zero gradients.
 
 One host synchronisation per call: the lengths are read once to check that every sequence's
 rows lie inside the tensors, fit ``max_q_len`` / ``max_k_len``, and do not overlap another
@@ -35,30 +36,28 @@ SUPPORTED_HEAD_DIMS = (64, 128)
 THREADS = 128  # delta kernel and the 16-row and "tiled" kernels
 KEY_BLOCK = 64  # 16-row variants: keys per dK/dV CTA and per dQ step, at absolute positions
 DQ_QUERY_ROWS = 64  # 16-row variants: query rows per dQ CTA
-WIDE_KEYS = 64  # "wide" dK/dV: keys per CTA (8 warps)
-WIDE_KV_ROWS = 64  # "wide" dK/dV: queries per step
-DQ_ROWS_32 = 128  # "wide" and "tiled" dQ: query rows per CTA
-WIDE_DQ_KEYS = 32  # "wide" dQ: keys per step (8 warps)
-TILED_DQ_KEYS = 32  # "tiled" dQ: keys per step (4 warps of 32 queries)
+WIDE_KEYS = 64  # "tiled" dK/dV (kernel "_wide"): keys per CTA, 8 warps
+WIDE_KV_ROWS = 64  # "tiled" dK/dV: queries per step
 WIDE_THREADS = 256
+TILED_DQ_ROWS = 128  # "tiled" dQ: query rows per CTA (4 warps of 32)
+TILED_DQ_KEYS = 32  # "tiled" dQ: keys per step
 _PAD = 8  # shared-memory row padding, elements
 _FLOAT_BYTES = 4
 
-# How tiles reach the mma, per variant: (dK/dV kernel, dQ kernel).  "wide" kernels: 8 warps
-# with 32-row warp tiles, P^T / dS^T (dS) through shared memory, two CTAs per SM, tiles loaded
-# at the top of each step.  "tiled" dQ: 4 warps of 32 query rows, cp.async double buffering.
-# "async": 16-row warp tiles, cp.async double buffering + ldmatrix; "ldsm": plain global loads
-# + ldmatrix; "lds": plain loads throughout.  Same arithmetic for every element (tested
-# bitwise); speed differs.
+# How tiles reach the mma, per variant: (dK/dV kernel, dQ kernel).  "tiled" (default): the
+# dK/dV kernel "_wide" (8 warps with 32-row warp tiles, P^T / dS^T through shared memory, two
+# CTAs per SM) and the dQ kernel "_tiled" (4 warps of 32 query rows, cp.async double
+# buffering).  "async": 16-row warp tiles, cp.async double buffering + ldmatrix; "ldsm": plain
+# global loads + ldmatrix; "lds": plain loads throughout.  Same arithmetic for every element
+# (tested bitwise); speed differs.
 _KERNELS = {
-    "wide": ("wide", "wide"),
     "tiled": ("wide", "tiled"),
     "async": ("async", "async"),
     "ldsm": ("ldsm", "ldsm"),
     "lds": ("lds", "lds"),
 }
 VARIANTS = tuple(_KERNELS)
-KERNEL_VARIANT = "wide"
+KERNEL_VARIANT = "tiled"
 
 _DTYPES = (torch.bfloat16, torch.float16)
 _SUFFIX = {torch.bfloat16: "bf16", torch.float16: "f16"}
@@ -81,8 +80,8 @@ def _buffers(kernel: str) -> int:
 
 
 def dkdv_shared_bytes(head_dim: int, variant: str) -> int:
-    """K and V tiles, then per buffer the Q and dO tiles and the rows' lse and delta ("wide":
-    plus the P^T and dS^T tiles)."""
+    """K and V tiles, then per buffer the Q and dO tiles and the rows' lse and delta ("_wide"
+    kernel: one buffer, plus the P^T and dS^T tiles)."""
     kernel = _KERNELS[variant][0]
     if kernel == "wide":
         per_step = 2 * _tile_bytes(head_dim, WIDE_KV_ROWS) + 2 * WIDE_KV_ROWS * _FLOAT_BYTES
@@ -94,17 +93,13 @@ def dkdv_shared_bytes(head_dim: int, variant: str) -> int:
 
 
 def dq_shared_bytes(head_dim: int, variant: str) -> int:
-    """Q and dO tiles, per buffer the K and V tiles, the rows' lse and delta ("wide": plus
-    the dS tile)."""
+    """Q and dO tiles, per buffer the K and V tiles, and the rows' lse and delta."""
     kernel = _KERNELS[variant][1]
-    rows = DQ_QUERY_ROWS if kernel in ("async", "ldsm", "lds") else DQ_ROWS_32
-    keys = {"wide": WIDE_DQ_KEYS, "tiled": TILED_DQ_KEYS}.get(kernel, KEY_BLOCK)
-    scores = rows * (WIDE_DQ_KEYS + _PAD) * 2 if kernel == "wide" else 0
+    rows, keys = (TILED_DQ_ROWS, TILED_DQ_KEYS) if kernel == "tiled" else (DQ_QUERY_ROWS, KEY_BLOCK)
     return (
         _buffers(kernel) * 2 * _tile_bytes(head_dim, keys)
         + 2 * _tile_bytes(head_dim, rows)
         + 2 * rows * _FLOAT_BYTES
-        + scores
     )
 
 
@@ -114,8 +109,8 @@ def _geometry(variant: str) -> dict[str, int]:
     return {
         "keys": WIDE_KEYS if kv == "wide" else KEY_BLOCK,
         "kv_threads": WIDE_THREADS if kv == "wide" else THREADS,
-        "rows": DQ_QUERY_ROWS if dq in ("async", "ldsm", "lds") else DQ_ROWS_32,
-        "dq_threads": WIDE_THREADS if dq == "wide" else THREADS,
+        "rows": TILED_DQ_ROWS if dq == "tiled" else DQ_QUERY_ROWS,
+        "dq_threads": THREADS,
     }
 
 
