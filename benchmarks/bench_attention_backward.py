@@ -4,7 +4,8 @@ Shape (issue 5): B=8 sequences of S=4096, Hq=32, Hkv=8 (GQA), d=128, causal, bf1
 SDPA's backward with the default backend and with the flash backend when it is selectable
 (GQA through ``enable_gqa``; if a backend refuses it, k/v are expanded to Hq heads and the row
 says so), then batchinv's ``attention_backward.backward`` in each kernel variant (same bits,
-different speed; ``KERNEL_VARIANT`` is the default).  The SDPA rows time ``autograd.grad`` of
+different speed; ``KERNEL_VARIANT`` is the default), and each of its three kernels timed alone
+(rows ending in "kernel").  The SDPA rows time ``autograd.grad`` of
 a forward recorded once (backward only); batchinv's rows time the backward call (argument
 checks with their one host sync, zeroed outputs and the three launches), whose inputs (out,
 lse) come from one fp32 forward computed per sequence here.
@@ -89,6 +90,13 @@ def _forward_stats(q, k, v, batch, seq_len, causal, scale):
     return out, lse
 
 
+def _kernel_split_ms(call, seq_len, causal, scale, variant):
+    """Median ms of each launch of batchinv's backward alone (delta, dK/dV, dQ), CUDA events;
+    the argument checks and the zeroing of the outputs are not in these rows."""
+    _, launches = gpu_attention_backward.kernel_launches(*call, seq_len, seq_len, causal, scale)
+    return [(f"batchinv ({variant}) {stage} kernel", median_ms(run)) for stage, run in launches]
+
+
 def _batched(t, batch, seq_len):
     """[B * S, H, d] rows -> SDPA's [B, H, S, d] (a view)."""
     return t.view(batch, seq_len, *t.shape[1:]).transpose(1, 2)
@@ -169,16 +177,18 @@ def main() -> None:
                 )
             )
             timings.append((f"batchinv ({variant})", ms))
+            timings.extend(_kernel_split_ms(call, seq_len, causal, scale, variant))
         gpu_attention_backward.KERNEL_VARIANT = default_variant
         anchor = next((ms for path, ms in timings if path.startswith("SDPA default")), None)
         for path, ms in timings:
+            whole = not path.endswith(" kernel")
             rows_out.append(
                 {
                     **base,
                     "path": path,
                     "ms": ms,
-                    "TFLOP/s": flops / ms / 1e9,
-                    "vs_sdpa_default": (anchor / ms) if anchor else None,
+                    "TFLOP/s": flops / ms / 1e9 if whole else None,
+                    "vs_sdpa_default": (anchor / ms) if anchor and whole else None,
                 }
             )
     report(

@@ -32,6 +32,11 @@
 //     rows of a sequence (aligned to its first query) for one head and walks the key blocks of
 //     64 absolute positions in increasing order, up to the last one its rows can see;
 //     dQ += dS K accumulates in registers.
+//   The default ("tiled") variant launches attention_bwd_dkdv_*_wide: grid
+//     (ceil(max_k_len / 64), Hkv, B), block 256, the same 64 keys per CTA and walk, with
+//     32-row warp tiles and P^T / dS^T through shared memory; and attention_bwd_dq_*_tiled:
+//     grid (ceil(max_q_len / 128), Hq, B), block 128, 128 query rows per CTA (32 per warp) and
+//     key blocks of 32 absolute positions.  See the "tiled" section below.
 //
 // Invariance contract: a sequence's dq, dk and dv are bitwise the same whatever batch it is in,
 // wherever its rows sit in the packed tensors, whatever its neighbours and the padding hold,
@@ -229,11 +234,11 @@ __device__ __forceinline__ void cp_async_wait() {
 // first element, row_stride = heads * D) into a Rows x (D + kPad) tile; slots of rows >= valid
 // are zero-filled, never read from global memory.  kAsync: cp.async copies (the caller
 // commits and waits), else plain loads.  Either way the tile holds the same bits.
-template <int D, int Rows, bool kAsync>
+template <int D, int Rows, bool kAsync, int kThreadCount = kThreads>
 __device__ __forceinline__ void load_tile(uint16_t* tile, const uint16_t* base, int64_t row_stride,
                                           int first_row, int valid) {
     constexpr int kVectors = D / 8;
-    for (int idx = threadIdx.x; idx < Rows * kVectors; idx += kThreads) {
+    for (int idx = threadIdx.x; idx < Rows * kVectors; idx += kThreadCount) {
         const int r = idx / kVectors;
         const int col = (idx % kVectors) * 8;
         uint16_t* dst = tile + r * (D + kPad) + col;
@@ -250,11 +255,11 @@ __device__ __forceinline__ void load_tile(uint16_t* tile, const uint16_t* base, 
 
 // lse and delta of rows [first_row, first_row + valid) of head `head`; -inf / 0 past valid,
 // so "lse != -inf" is the test for a row that takes part.
-template <int Rows>
+template <int Rows, int kThreadCount = kThreads>
 __device__ __forceinline__ void load_row_stats(float* s_lse, float* s_delta, const float* lse,
                                                const float* delta, int64_t head_offset, int first_row,
                                                int valid) {
-    for (int r = threadIdx.x; r < Rows; r += kThreads) {
+    for (int r = threadIdx.x; r < Rows; r += kThreadCount) {
         const bool ok = r < valid;
         s_lse[r] = ok ? lse[head_offset + first_row + r] : -INFINITY;
         s_delta[r] = ok ? delta[head_offset + first_row + r] : 0.0f;
@@ -609,6 +614,454 @@ __device__ __forceinline__ void dq_kernel(const uint16_t* q, const uint16_t* k, 
 #endif
 }
 
+
+// ---- "tiled" variant (the default): 32-row warp tiles, more warps per SM ---------------------
+//
+// The kernels above give each warp 16 rows of every product and, for the dK/dV kernel at
+// D = 128, 236 registers per thread: two CTAs of 4 warps per SM, too few warps to hide the
+// latency of the mma / ldmatrix chains behind the exp-heavy elementwise work.  Here:
+//   dK/dV ("_wide" kernels, WideKv): a CTA owns the same 64 keys with 8 warps.  Per step of 64
+//     queries, warp w computes S^T and dP^T for keys [32 (w / 4), +32) x queries
+//     [16 (w % 4), +16), writes P^T and dS^T (rounded to the input dtype: exactly the bits the
+//     other kernels feed the mma from registers) to shared memory, and after a barrier
+//     accumulates dV and dK for keys [32 (w / 4), +32) x columns [D/4 (w % 4), +D/4) over the
+//     step's queries in k16 steps.  125 registers and 88 KB of shared memory (Q/dO loaded at
+//     the top of each step, no prefetch): two CTAs, 16 warps per SM.
+//   dQ ("_tiled" kernels): a CTA owns 128 queries (4 warps of 32 rows: two m16 tiles share every
+//     K/V fragment a warp loads) and walks the keys in blocks of 32, cp.async double buffered.
+// Every element's arithmetic is the one of the other variants: s and dp are mma chains over d
+// in k16 steps from zero, p and ds come from probability_and_grad with the same visibility,
+// and dk/dv (dq) accumulate over the same k16 chunks of queries (keys) in the same order.  The
+// only difference is how many chunks that are entirely invisible to an element (p = ds = +0
+// by selection, so the mma adds exact zeros) run before its first or after its last visible
+// one; that is a function of the sequence's lengths and the build constants, never of the
+// batch, and the tests check that all variants give the same bits.  Selection is the same
+// expression everywhere; a warp whose whole tile is inside the sequence and below the causal
+// diagonal skips the position tests (they would all pass), never the selection on lse.
+
+constexpr int kTiledDqRows = 128;     // queries per dQ CTA
+constexpr int kTiledDqKeys = 32;      // keys per dQ step
+constexpr int kTiledDqThreads = 128;  // 4 warps of 32 queries
+
+// Shapes of a dK/dV CTA with P^T / dS^T through shared memory.  Phase 1 (S^T, dP^T) splits
+// the kKeys x kRows tile over kWarpsK1 x (warps / kWarpsK1) warps, phase 2 (dK, dV) splits the
+// kKeys x D accumulators over kWarpsK2 x (warps / kWarpsK2) warps.  kBuffers = 2 prefetches the
+// next step's Q/dO with cp.async, 1 loads them at the top of each step (less shared memory,
+// so that two CTAs fit an SM).
+template <int D, int Keys, int Rows, int Threads, int WarpsK1, int WarpsK2, int Buffers, int MinBlocks>
+struct KvShape {
+    static constexpr int kKeys = Keys, kRows = Rows, kThreadCount = Threads, kBuffers = Buffers;
+    static constexpr int kMinBlocks = MinBlocks;
+    static constexpr int kWarps = Threads / 32;
+    static constexpr int kKeysPerWarp1 = Keys / WarpsK1;
+    static constexpr int kRowsPerWarp1 = Rows / (kWarps / WarpsK1);
+    static constexpr int kQueryWarps1 = kWarps / WarpsK1;
+    static constexpr int kKeysPerWarp2 = Keys / WarpsK2;
+    static constexpr int kColsPerWarp2 = D / (kWarps / WarpsK2);
+    static constexpr int kColWarps2 = kWarps / WarpsK2;
+    static constexpr int kMt1 = kKeysPerWarp1 / 16, kNt1 = kRowsPerWarp1 / 8;
+    static constexpr int kMt2 = kKeysPerWarp2 / 16, kNt2 = kColsPerWarp2 / 8;
+    static constexpr int kScoreStride = Rows + kPad;
+    static_assert(kMt1 >= 1 && kNt1 % 2 == 0 && kMt2 >= 1 && kNt2 % 2 == 0, "warp tiles of m16 x n16");
+    static constexpr int kSharedBytes = 2 * TileBytes<D, Keys>::value +
+                                        Buffers * (2 * TileBytes<D, Rows>::value + 2 * Rows * 4) +
+                                        2 * Keys * kScoreStride * 2;
+};
+// 64 keys, 8 warps of 32 x 16 (phase 1) and 32 keys x D/4 (phase 2), no prefetch: two CTAs per
+// SM.  (Measured slower on an H200: 128 keys with 8 warps of 32 x 32 and prefetch, one CTA per
+// SM; 64 keys with 32-query steps and prefetch; see docs/operators/attention_backward.md.)
+template <int D>
+using WideKv = KvShape<D, 64, 64, 256, 2, 2, 1, 2>;
+
+template <int D>
+struct TiledDqShared {
+    static constexpr int value = 2 * TileBytes<D, kTiledDqRows>::value + 2 * 2 * TileBytes<D, kTiledDqKeys>::value +
+                                 2 * kTiledDqRows * 4;
+};
+
+// Phase 1 of a dK/dV step: this warp's P^T and dS^T tile into s_pt / s_dst ([key][query]).
+template <typename Codec, int D, typename Shape>
+__device__ __forceinline__ void dkdv_tiled_scores(uint16_t* s_pt, uint16_t* s_dst, const uint16_t* s_k,
+                                                  const uint16_t* s_v, const uint16_t* s_q, const uint16_t* s_do,
+                                                  const float* s_lse, const float* s_delta, int key0, int i0,
+                                                  int k_len, int offset, int causal, float scale) {
+    constexpr int S = D + kPad;
+    constexpr int SP = Shape::kScoreStride;
+    constexpr int kMt = Shape::kMt1, kNt = Shape::kNt1;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int k_base = (warp / Shape::kQueryWarps1) * Shape::kKeysPerWarp1;  // keys within the block
+    const int q_base = (warp % Shape::kQueryWarps1) * Shape::kRowsPerWarp1;  // queries within the step
+    const int g = lane / 4, c = 2 * (lane % 4);
+
+    float st[kMt][kNt][4] = {};
+    float dpt[kMt][kNt][4] = {};
+#pragma unroll
+    for (int k0 = 0; k0 < D; k0 += 16) {
+        uint32_t a_k[kMt][4], a_v[kMt][4];
+#pragma unroll
+        for (int mi = 0; mi < kMt; ++mi) {
+            load_a<true, S>(a_k[mi], s_k, k_base + 16 * mi, k0, lane);
+            load_a<true, S>(a_v[mi], s_v, k_base + 16 * mi, k0, lane);
+        }
+#pragma unroll
+        for (int np = 0; np < kNt / 2; ++np) {
+            uint32_t b[4];
+            load_b_nk<true, S>(b, s_q, q_base + 16 * np, k0, lane);
+#pragma unroll
+            for (int mi = 0; mi < kMt; ++mi) {
+                mma<Codec>(st[mi][2 * np], a_k[mi], b[0], b[1]);
+                mma<Codec>(st[mi][2 * np + 1], a_k[mi], b[2], b[3]);
+            }
+            load_b_nk<true, S>(b, s_do, q_base + 16 * np, k0, lane);
+#pragma unroll
+            for (int mi = 0; mi < kMt; ++mi) {
+                mma<Codec>(dpt[mi][2 * np], a_v[mi], b[0], b[1]);
+                mma<Codec>(dpt[mi][2 * np + 1], a_v[mi], b[2], b[3]);
+            }
+        }
+    }
+    const int last_key = key0 + k_base + Shape::kKeysPerWarp1 - 1;
+    const bool interior = last_key < k_len && (!causal || last_key <= offset + i0 + q_base);
+#pragma unroll
+    for (int mi = 0; mi < kMt; ++mi) {
+#pragma unroll
+        for (int ni = 0; ni < kNt; ++ni) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int key = key0 + k_base + 16 * mi + g + (e >= 2 ? 8 : 0);
+                const int r = q_base + 8 * ni + c + (e & 1);
+                const float row_lse = s_lse[r];
+                const bool visible =
+                    row_lse != -INFINITY && (interior || (key < k_len && (!causal || key <= offset + i0 + r)));
+                probability_and_grad(st[mi][ni][e], dpt[mi][ni][e], visible, row_lse, s_delta[r], scale);
+            }
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                const int at = (k_base + 16 * mi + g + 8 * half) * SP + q_base + 8 * ni + c;
+                *reinterpret_cast<uint32_t*>(s_pt + at) =
+                    pack_floats<Codec>(st[mi][ni][2 * half], st[mi][ni][2 * half + 1]);
+                *reinterpret_cast<uint32_t*>(s_dst + at) =
+                    pack_floats<Codec>(dpt[mi][ni][2 * half], dpt[mi][ni][2 * half + 1]);
+            }
+        }
+    }
+}
+
+// Phase 2: dV += P^T dO and dK += dS^T Q for this warp's keys x columns, k16 query steps.
+template <typename Codec, int D, typename Shape>
+__device__ __forceinline__ void dkdv_tiled_accumulate(float (&acc_dk)[Shape::kMt2][Shape::kNt2][4],
+                                                      float (&acc_dv)[Shape::kMt2][Shape::kNt2][4],
+                                                      const uint16_t* s_pt, const uint16_t* s_dst,
+                                                      const uint16_t* s_q, const uint16_t* s_do) {
+    constexpr int S = D + kPad;
+    constexpr int SP = Shape::kScoreStride;
+    constexpr int kMt = Shape::kMt2, kNt = Shape::kNt2;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int k_base = (warp / Shape::kColWarps2) * Shape::kKeysPerWarp2;
+    const int d_base = (warp % Shape::kColWarps2) * Shape::kColsPerWarp2;
+#pragma unroll
+    for (int t = 0; t < Shape::kRows / 16; ++t) {
+        uint32_t a_p[kMt][4], a_ds[kMt][4];
+#pragma unroll
+        for (int mi = 0; mi < kMt; ++mi) {
+            load_a<true, SP>(a_p[mi], s_pt, k_base + 16 * mi, 16 * t, lane);
+            load_a<true, SP>(a_ds[mi], s_dst, k_base + 16 * mi, 16 * t, lane);
+        }
+#pragma unroll
+        for (int np = 0; np < kNt / 2; ++np) {
+            uint32_t b[4];
+            load_b_kn<true, S>(b, s_do, d_base + 16 * np, 16 * t, lane);
+#pragma unroll
+            for (int mi = 0; mi < kMt; ++mi) {
+                mma<Codec>(acc_dv[mi][2 * np], a_p[mi], b[0], b[1]);
+                mma<Codec>(acc_dv[mi][2 * np + 1], a_p[mi], b[2], b[3]);
+            }
+            load_b_kn<true, S>(b, s_q, d_base + 16 * np, 16 * t, lane);
+#pragma unroll
+            for (int mi = 0; mi < kMt; ++mi) {
+                mma<Codec>(acc_dk[mi][2 * np], a_ds[mi], b[0], b[1]);
+                mma<Codec>(acc_dk[mi][2 * np + 1], a_ds[mi], b[2], b[3]);
+            }
+        }
+    }
+}
+
+template <typename Codec, int D, typename Shape>
+__device__ __forceinline__ void dkdv_tiled_kernel(const uint16_t* q, const uint16_t* k, const uint16_t* v,
+                                                  const uint16_t* dout, const float* lse, const float* delta,
+                                                  const int* q_start_of, const int* q_len_of, const int* k_start_of,
+                                                  const int* k_len_of, uint16_t* dk, uint16_t* dv, int num_q_heads,
+                                                  int num_kv_heads, int64_t total_q, int causal, float scale) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    constexpr int kKeys = Shape::kKeys;
+    constexpr int kRows = Shape::kRows;
+    constexpr int kNT = Shape::kThreadCount;
+    constexpr int kBuffers = Shape::kBuffers;
+    constexpr int S = D + kPad;
+    constexpr int SP = Shape::kScoreStride;
+    const int seq = blockIdx.z;
+    const int kv_head = blockIdx.y;
+    const int key_block = gridDim.x - 1 - blockIdx.x;  // most work first (causal); speed only
+    const int k_len = k_len_of[seq];
+    const int key0 = key_block * kKeys;
+    if (key0 >= k_len) return;
+    const int q_len = q_len_of[seq];
+    const int q_start = q_start_of[seq];
+    const int k_start = k_start_of[seq];
+    const int offset = k_len - q_len;  // absolute position of query 0
+    const int group = num_q_heads / num_kv_heads;
+    const int64_t q_stride = static_cast<int64_t>(num_q_heads) * D;
+    const int64_t kv_stride = static_cast<int64_t>(num_kv_heads) * D;
+
+    extern __shared__ __align__(16) uint16_t smem[];
+    uint16_t* s_k = smem;
+    uint16_t* s_v = s_k + kKeys * S;
+    uint16_t* s_q = s_v + kKeys * S;                 // kBuffers tiles
+    uint16_t* s_do = s_q + kBuffers * kRows * S;     // kBuffers tiles
+    uint16_t* s_pt = s_do + kBuffers * kRows * S;    // [kKeys][SP]
+    uint16_t* s_dst = s_pt + kKeys * SP;             // [kKeys][SP]
+    float* s_lse = reinterpret_cast<float*>(s_dst + kKeys * SP);  // kBuffers x kRows
+    float* s_delta = s_lse + kBuffers * kRows;                     // kBuffers x kRows
+
+    const int key_rows = min(kKeys, k_len - key0);
+    load_tile<D, kKeys, true, kNT>(s_k, k + kv_head * D, kv_stride, k_start + key0, key_rows);
+    load_tile<D, kKeys, true, kNT>(s_v, v + kv_head * D, kv_stride, k_start + key0, key_rows);
+
+    // The group's query heads in increasing order, for each the query blocks from the first
+    // that can see key0 (causal).
+    const int first_query = causal ? max(0, key0 - offset) : 0;
+    const int first_block = first_query / kRows;
+    const int blocks_per_head = max(0, (q_len + kRows - 1) / kRows - first_block);
+    const int steps = group * blocks_per_head;
+
+    auto stage = [&](int step, int buffer) {
+        const int head = kv_head * group + step / blocks_per_head;
+        const int i0 = (first_block + step % blocks_per_head) * kRows;
+        const int rows = min(kRows, q_len - i0);
+        load_tile<D, kRows, true, kNT>(s_q + buffer * kRows * S, q + head * D, q_stride, q_start + i0, rows);
+        load_tile<D, kRows, true, kNT>(s_do + buffer * kRows * S, dout + head * D, q_stride, q_start + i0, rows);
+        load_row_stats<kRows, kNT>(s_lse + buffer * kRows, s_delta + buffer * kRows, lse, delta, head * total_q,
+                                   q_start + i0, rows);
+    };
+
+    float acc_dk[Shape::kMt2][Shape::kNt2][4] = {};
+    float acc_dv[Shape::kMt2][Shape::kNt2][4] = {};
+    if (kBuffers == 2 && steps > 0) stage(0, 0);
+    cp_async_commit();
+    for (int step = 0; step < steps; ++step) {
+        const int buffer = kBuffers == 2 ? (step & 1) : 0;
+        if constexpr (kBuffers == 2) {
+            if (step + 1 < steps) stage(step + 1, buffer ^ 1);  // prefetch during this step
+            cp_async_commit();
+            cp_async_wait<1>();
+        } else {
+            stage(step, 0);
+            cp_async_commit();
+            cp_async_wait<0>();
+        }
+        __syncthreads();
+        const int i0 = (first_block + step % blocks_per_head) * kRows;
+        dkdv_tiled_scores<Codec, D, Shape>(s_pt, s_dst, s_k, s_v, s_q + buffer * kRows * S,
+                                           s_do + buffer * kRows * S, s_lse + buffer * kRows,
+                                           s_delta + buffer * kRows, key0, i0, k_len, offset, causal, scale);
+        __syncthreads();  // P^T and dS^T are complete
+        dkdv_tiled_accumulate<Codec, D, Shape>(acc_dk, acc_dv, s_pt, s_dst, s_q + buffer * kRows * S,
+                                               s_do + buffer * kRows * S);
+        __syncthreads();  // s_pt/s_dst and this buffer are rewritten next
+    }
+    cp_async_wait<0>();
+
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int k_base = (warp / Shape::kColWarps2) * Shape::kKeysPerWarp2;
+    const int d_base = (warp % Shape::kColWarps2) * Shape::kColsPerWarp2;
+    const int g = lane / 4, c = 2 * (lane % 4);
+#pragma unroll
+    for (int mi = 0; mi < Shape::kMt2; ++mi) {
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const int key = key0 + k_base + 16 * mi + g + 8 * half;
+            if (key >= k_len) continue;
+            const int64_t row = (static_cast<int64_t>(k_start) + key) * kv_stride + kv_head * D;
+#pragma unroll
+            for (int j = 0; j < Shape::kNt2; ++j) {
+                const int col = d_base + 8 * j + c;
+                *reinterpret_cast<uint32_t*>(dk + row + col) = pack_floats<Codec>(
+                    ieee_mul(acc_dk[mi][j][2 * half], scale), ieee_mul(acc_dk[mi][j][2 * half + 1], scale));
+                *reinterpret_cast<uint32_t*>(dv + row + col) =
+                    pack_floats<Codec>(acc_dv[mi][j][2 * half], acc_dv[mi][j][2 * half + 1]);
+            }
+        }
+    }
+#else
+    __trap();
+#endif
+}
+
+// One dQ step: this warp's 32 queries against one block of 32 keys.
+template <typename Codec, int D>
+__device__ __forceinline__ void dq_tiled_step(float (&acc_dq)[2][D / 8][4], const uint16_t* s_q,
+                                              const uint16_t* s_do, const uint16_t* s_k, const uint16_t* s_v,
+                                              const float* s_lse, const float* s_delta, int key0, int i0,
+                                              int k_len, int offset, int causal, float scale) {
+    constexpr int S = D + kPad;
+    const int lane = threadIdx.x % 32;
+    const int q_base = (threadIdx.x / 32) * 32;
+    const int g = lane / 4, c = 2 * (lane % 4);
+
+    float s[2][4][4] = {};
+    float dp[2][4][4] = {};
+#pragma unroll
+    for (int k0 = 0; k0 < D; k0 += 16) {
+        uint32_t a[2][4];
+#pragma unroll
+        for (int mi = 0; mi < 2; ++mi) load_a<true, S>(a[mi], s_q, q_base + 16 * mi, k0, lane);
+#pragma unroll
+        for (int np = 0; np < 2; ++np) {
+            uint32_t b[4];
+            load_b_nk<true, S>(b, s_k, 16 * np, k0, lane);
+#pragma unroll
+            for (int mi = 0; mi < 2; ++mi) {
+                mma<Codec>(s[mi][2 * np], a[mi], b[0], b[1]);
+                mma<Codec>(s[mi][2 * np + 1], a[mi], b[2], b[3]);
+            }
+        }
+#pragma unroll
+        for (int mi = 0; mi < 2; ++mi) load_a<true, S>(a[mi], s_do, q_base + 16 * mi, k0, lane);
+#pragma unroll
+        for (int np = 0; np < 2; ++np) {
+            uint32_t b[4];
+            load_b_nk<true, S>(b, s_v, 16 * np, k0, lane);
+#pragma unroll
+            for (int mi = 0; mi < 2; ++mi) {
+                mma<Codec>(dp[mi][2 * np], a[mi], b[0], b[1]);
+                mma<Codec>(dp[mi][2 * np + 1], a[mi], b[2], b[3]);
+            }
+        }
+    }
+    const int last_key = key0 + kTiledDqKeys - 1;
+    const bool interior = last_key < k_len && (!causal || last_key <= offset + i0 + q_base);
+#pragma unroll
+    for (int mi = 0; mi < 2; ++mi) {
+#pragma unroll
+        for (int ni = 0; ni < 4; ++ni) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int r = q_base + 16 * mi + g + (e >= 2 ? 8 : 0);
+                const int key = key0 + 8 * ni + c + (e & 1);
+                const float row_lse = s_lse[r];
+                const bool visible =
+                    row_lse != -INFINITY && (interior || (key < k_len && (!causal || key <= offset + i0 + r)));
+                probability_and_grad(s[mi][ni][e], dp[mi][ni][e], visible, row_lse, s_delta[r], scale);
+            }
+        }
+    }
+    // dQ += dS K over the block's keys, k16 step by k16 step.
+#pragma unroll
+    for (int t = 0; t < kTiledDqKeys / 16; ++t) {
+        uint32_t a_ds[2][4];
+#pragma unroll
+        for (int mi = 0; mi < 2; ++mi) a_from_acc<Codec>(a_ds[mi], dp[mi][2 * t], dp[mi][2 * t + 1]);
+#pragma unroll
+        for (int np = 0; np < D / 16; ++np) {
+            uint32_t b[4];
+            load_b_kn<true, S>(b, s_k, 16 * np, 16 * t, lane);
+#pragma unroll
+            for (int mi = 0; mi < 2; ++mi) {
+                mma<Codec>(acc_dq[mi][2 * np], a_ds[mi], b[0], b[1]);
+                mma<Codec>(acc_dq[mi][2 * np + 1], a_ds[mi], b[2], b[3]);
+            }
+        }
+    }
+}
+
+template <typename Codec, int D>
+__device__ __forceinline__ void dq_tiled_kernel(const uint16_t* q, const uint16_t* k, const uint16_t* v,
+                                                const uint16_t* dout, const float* lse, const float* delta,
+                                                const int* q_start_of, const int* q_len_of, const int* k_start_of,
+                                                const int* k_len_of, uint16_t* dq, int num_q_heads,
+                                                int num_kv_heads, int64_t total_q, int causal, float scale) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    constexpr int kRows = kTiledDqRows;
+    constexpr int kKeys = kTiledDqKeys;
+    constexpr int kNT = kTiledDqThreads;
+    constexpr int S = D + kPad;
+    const int seq = blockIdx.z;
+    const int head = blockIdx.y;
+    const int query_block = gridDim.x - 1 - blockIdx.x;  // most work first (causal); speed only
+    const int q_len = q_len_of[seq];
+    const int i0 = query_block * kRows;
+    if (i0 >= q_len) return;
+    const int k_len = k_len_of[seq];
+    const int q_start = q_start_of[seq];
+    const int k_start = k_start_of[seq];
+    const int offset = k_len - q_len;
+    const int kv_head = head / (num_q_heads / num_kv_heads);
+    const int64_t q_stride = static_cast<int64_t>(num_q_heads) * D;
+    const int64_t kv_stride = static_cast<int64_t>(num_kv_heads) * D;
+    const int rows = min(kRows, q_len - i0);
+
+    extern __shared__ __align__(16) uint16_t smem[];
+    uint16_t* s_q = smem;
+    uint16_t* s_do = s_q + kRows * S;
+    uint16_t* s_k = s_do + kRows * S;      // 2 tiles
+    uint16_t* s_v = s_k + 2 * kKeys * S;  // 2 tiles
+    float* s_lse = reinterpret_cast<float*>(s_v + 2 * kKeys * S);
+    float* s_delta = s_lse + kRows;
+
+    load_tile<D, kRows, true, kNT>(s_q, q + head * D, q_stride, q_start + i0, rows);
+    load_tile<D, kRows, true, kNT>(s_do, dout + head * D, q_stride, q_start + i0, rows);
+    load_row_stats<kRows, kNT>(s_lse, s_delta, lse, delta, head * total_q, q_start + i0, rows);
+
+    // Key blocks in increasing position, up to the last one any row of the block can see.
+    int steps = (k_len + kKeys - 1) / kKeys;
+    if (causal) {
+        const int last_position = offset + i0 + rows - 1;
+        steps = last_position < 0 ? 0 : min(steps, last_position / kKeys + 1);
+    }
+    auto stage = [&](int step, int buffer) {
+        const int key0 = step * kKeys;
+        const int valid = min(kKeys, k_len - key0);
+        load_tile<D, kKeys, true, kNT>(s_k + buffer * kKeys * S, k + kv_head * D, kv_stride, k_start + key0, valid);
+        load_tile<D, kKeys, true, kNT>(s_v + buffer * kKeys * S, v + kv_head * D, kv_stride, k_start + key0, valid);
+    };
+
+    float acc_dq[2][D / 8][4] = {};
+    if (steps > 0) stage(0, 0);
+    cp_async_commit();
+    for (int step = 0; step < steps; ++step) {
+        const int buffer = step & 1;
+        if (step + 1 < steps) stage(step + 1, buffer ^ 1);  // prefetch during this step
+        cp_async_commit();
+        cp_async_wait<1>();
+        __syncthreads();
+        dq_tiled_step<Codec, D>(acc_dq, s_q, s_do, s_k + buffer * kKeys * S, s_v + buffer * kKeys * S, s_lse,
+                                s_delta, step * kKeys, i0, k_len, offset, causal, scale);
+        __syncthreads();  // this buffer is restaged next
+    }
+    cp_async_wait<0>();
+
+    const int lane = threadIdx.x % 32;
+    const int q_base = (threadIdx.x / 32) * 32;
+    const int g = lane / 4, c = 2 * (lane % 4);
+#pragma unroll
+    for (int mi = 0; mi < 2; ++mi) {
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const int r = q_base + 16 * mi + g + 8 * half;
+            if (r >= rows) continue;
+            const int64_t row = (static_cast<int64_t>(q_start) + i0 + r) * q_stride + head * D;
+#pragma unroll
+            for (int n = 0; n < D / 8; ++n) {
+                *reinterpret_cast<uint32_t*>(dq + row + n * 8 + c) = pack_floats<Codec>(
+                    ieee_mul(acc_dq[mi][n][2 * half], scale), ieee_mul(acc_dq[mi][n][2 * half + 1], scale));
+            }
+        }
+    }
+#else
+    __trap();
+#endif
+}
+
 }  // namespace attn_bwd
 }  // namespace batchinv
 
@@ -642,6 +1095,30 @@ __device__ __forceinline__ void dq_kernel(const uint16_t* q, const uint16_t* k, 
                                                           scale);                                               \
     }
 
+#define BATCHINV_ATTN_BWD_DKDV_SHAPED(DTYPE, CODEC, D, SUFFIX, SHAPE)                                         \
+    extern "C" __global__ void __launch_bounds__(SHAPE<D>::kThreadCount, SHAPE<D>::kMinBlocks)                \
+        attention_bwd_dkdv_##DTYPE##_d##D##SUFFIX(                                                              \
+        const uint16_t* q, const uint16_t* k, const uint16_t* v, const uint16_t* dout, const float* lse,        \
+        const float* delta, const int* q_start, const int* q_len, const int* k_start, const int* k_len,         \
+        uint16_t* dk, uint16_t* dv, int num_q_heads, int num_kv_heads, int64_t total_q, int causal,             \
+        float scale) {                                                                                          \
+        batchinv::attn_bwd::dkdv_tiled_kernel<CODEC, D, SHAPE<D>>(q, k, v, dout, lse, delta, q_start, q_len,    \
+                                                                  k_start, k_len, dk, dv, num_q_heads,          \
+                                                                  num_kv_heads, total_q, causal, scale);        \
+    }
+
+#define BATCHINV_ATTN_BWD_TILED(DTYPE, CODEC, D)                                                               \
+    BATCHINV_ATTN_BWD_DKDV_SHAPED(DTYPE, CODEC, D, _wide, batchinv::attn_bwd::WideKv)                          \
+    extern "C" __global__ void __launch_bounds__(batchinv::attn_bwd::kTiledDqThreads)                          \
+        attention_bwd_dq_##DTYPE##_d##D##_tiled(                                                                \
+        const uint16_t* q, const uint16_t* k, const uint16_t* v, const uint16_t* dout, const float* lse,        \
+        const float* delta, const int* q_start, const int* q_len, const int* k_start, const int* k_len,         \
+        uint16_t* dq, int num_q_heads, int num_kv_heads, int64_t total_q, int causal, float scale) {            \
+        batchinv::attn_bwd::dq_tiled_kernel<CODEC, D>(q, k, v, dout, lse, delta, q_start, q_len, k_start,       \
+                                                      k_len, dq, num_q_heads, num_kv_heads, total_q, causal,    \
+                                                      scale);                                                   \
+    }
+
 // Variants: dtype x head dim x how tiles reach the mma ("_ldsm": ldmatrix; "_lds": plain shared
 // loads; "_async": ldmatrix with cp.async double buffering).  All give the mma the same operand
 // bits in the same order, so the same results (tested); they differ in speed only.
@@ -652,39 +1129,48 @@ __device__ __forceinline__ void dq_kernel(const uint16_t* q, const uint16_t* k, 
     BATCHINV_ATTN_BWD_DKDV(DTYPE, CODEC, D, _async, true, true)                 \
     BATCHINV_ATTN_BWD_DQ(DTYPE, CODEC, D, _ldsm, true, false)                   \
     BATCHINV_ATTN_BWD_DQ(DTYPE, CODEC, D, _lds, false, false)                   \
-    BATCHINV_ATTN_BWD_DQ(DTYPE, CODEC, D, _async, true, true)
+    BATCHINV_ATTN_BWD_DQ(DTYPE, CODEC, D, _async, true, true)                   \
+    BATCHINV_ATTN_BWD_TILED(DTYPE, CODEC, D)
 
 // batchinv-signature: attention_bwd_delta_bf16_d64(ptr, ptr, ptr, ptr, ptr, i32, i64)
 // batchinv-signature: attention_bwd_dkdv_bf16_d64_ldsm(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
 // batchinv-signature: attention_bwd_dkdv_bf16_d64_lds(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
 // batchinv-signature: attention_bwd_dkdv_bf16_d64_async(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
+// batchinv-signature: attention_bwd_dkdv_bf16_d64_wide(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
 // batchinv-signature: attention_bwd_dq_bf16_d64_ldsm(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
 // batchinv-signature: attention_bwd_dq_bf16_d64_lds(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
 // batchinv-signature: attention_bwd_dq_bf16_d64_async(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
+// batchinv-signature: attention_bwd_dq_bf16_d64_tiled(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
 BATCHINV_ATTN_BWD_ALL(bf16, batchinv::Bf16Codec, 64)
 // batchinv-signature: attention_bwd_delta_bf16_d128(ptr, ptr, ptr, ptr, ptr, i32, i64)
 // batchinv-signature: attention_bwd_dkdv_bf16_d128_ldsm(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
 // batchinv-signature: attention_bwd_dkdv_bf16_d128_lds(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
 // batchinv-signature: attention_bwd_dkdv_bf16_d128_async(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
+// batchinv-signature: attention_bwd_dkdv_bf16_d128_wide(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
 // batchinv-signature: attention_bwd_dq_bf16_d128_ldsm(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
 // batchinv-signature: attention_bwd_dq_bf16_d128_lds(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
 // batchinv-signature: attention_bwd_dq_bf16_d128_async(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
+// batchinv-signature: attention_bwd_dq_bf16_d128_tiled(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
 BATCHINV_ATTN_BWD_ALL(bf16, batchinv::Bf16Codec, 128)
 // batchinv-signature: attention_bwd_delta_f16_d64(ptr, ptr, ptr, ptr, ptr, i32, i64)
 // batchinv-signature: attention_bwd_dkdv_f16_d64_ldsm(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
 // batchinv-signature: attention_bwd_dkdv_f16_d64_lds(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
 // batchinv-signature: attention_bwd_dkdv_f16_d64_async(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
+// batchinv-signature: attention_bwd_dkdv_f16_d64_wide(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
 // batchinv-signature: attention_bwd_dq_f16_d64_ldsm(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
 // batchinv-signature: attention_bwd_dq_f16_d64_lds(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
 // batchinv-signature: attention_bwd_dq_f16_d64_async(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
+// batchinv-signature: attention_bwd_dq_f16_d64_tiled(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
 BATCHINV_ATTN_BWD_ALL(f16, batchinv::F16Codec, 64)
 // batchinv-signature: attention_bwd_delta_f16_d128(ptr, ptr, ptr, ptr, ptr, i32, i64)
 // batchinv-signature: attention_bwd_dkdv_f16_d128_ldsm(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
 // batchinv-signature: attention_bwd_dkdv_f16_d128_lds(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
 // batchinv-signature: attention_bwd_dkdv_f16_d128_async(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
+// batchinv-signature: attention_bwd_dkdv_f16_d128_wide(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
 // batchinv-signature: attention_bwd_dq_f16_d128_ldsm(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
 // batchinv-signature: attention_bwd_dq_f16_d128_lds(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
 // batchinv-signature: attention_bwd_dq_f16_d128_async(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
+// batchinv-signature: attention_bwd_dq_f16_d128_tiled(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
 BATCHINV_ATTN_BWD_ALL(f16, batchinv::F16Codec, 128)
 
 #endif  // !__HIPCC__

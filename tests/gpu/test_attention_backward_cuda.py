@@ -4,9 +4,10 @@
   reference's gradients (autograd through ``attention_varlen_fp32``, run on the GPU).
 - Axis-A: a sequence's dq/dk/dv bitwise the same alone and packed with 2 or 7 other
   sequences, at different places in the pack, with NaN padding rows between sequences; the
-  rows no sequence covers get exact zeros; bitwise the same run to run; ldmatrix and plain
-  shared loads, with or without cp.async double buffering (``KERNEL_VARIANT``), give the same
-  bits, and every GPU test runs on each variant.
+  rows no sequence covers get exact zeros; bitwise the same run to run; the kernel variants
+  (``KERNEL_VARIANT``: 32-row warp tiles with P^T / dS^T through shared memory, 16-row warp
+  tiles with ldmatrix or plain shared loads, with or without cp.async double buffering) give
+  the same bits, and every GPU test runs on each variant.
 - Bad inputs: clear errors (the type/shape checks run on CPU tensors, without a GPU).
 """
 

@@ -9,8 +9,9 @@ its keys are rows ``k_start[b] + j``, ``j < k_len[b]`` (causal: ``j <=`` the pos
 
 Three launches (see the kernel file for the formula and the invariance contract): ``delta =
 rowsum(dO * O)``, then dK/dV (one CTA per sequence, kv head and 64 absolute key positions) and
-dQ (one CTA per sequence, query head and 64 queries of the sequence).  The grids grow with
-the batch; a sequence's arithmetic does not.  Rows covered by no sequence get zero gradients.
+dQ (one CTA per sequence, query head and 128 queries of the sequence; 64 in the 16-row
+variants).  The grids grow with the batch; a sequence's arithmetic does not.  Rows covered by
+no sequence get zero gradients.
 
 One host synchronisation per call: the lengths are read once to check that every sequence's
 rows lie inside the tensors, fit ``max_q_len`` / ``max_k_len``, and do not overlap another
@@ -22,6 +23,7 @@ from __future__ import annotations
 import functools
 import math
 import numbers
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -31,17 +33,31 @@ from ._launch import kernel_for, launch
 
 # Keep in step with kernels_cu/attention_backward.cu.
 SUPPORTED_HEAD_DIMS = (64, 128)
-THREADS = 128
-KEY_BLOCK = 64  # keys per dK/dV CTA and per dQ step, at absolute key positions
-DQ_QUERY_ROWS = 64  # query rows per dQ CTA
+THREADS = 128  # delta kernel and the 16-row and "tiled" kernels
+KEY_BLOCK = 64  # 16-row variants: keys per dK/dV CTA and per dQ step, at absolute positions
+DQ_QUERY_ROWS = 64  # 16-row variants: query rows per dQ CTA
+WIDE_KEYS = 64  # "tiled" dK/dV (kernel "_wide"): keys per CTA, 8 warps
+WIDE_KV_ROWS = 64  # "tiled" dK/dV: queries per step
+WIDE_THREADS = 256
+TILED_DQ_ROWS = 128  # "tiled" dQ: query rows per CTA (4 warps of 32)
+TILED_DQ_KEYS = 32  # "tiled" dQ: keys per step
 _PAD = 8  # shared-memory row padding, elements
 _FLOAT_BYTES = 4
 
-# How tiles reach the mma: "async" (cp.async double buffering + ldmatrix), "ldsm" (plain
-# global loads + ldmatrix), "lds" (plain loads throughout).  Same operand bits in the same
-# order, so the same results (tested bitwise); speed differs.
-VARIANTS = ("async", "ldsm", "lds")
-KERNEL_VARIANT = "async"
+# How tiles reach the mma, per variant: (dK/dV kernel, dQ kernel).  "tiled" (default): the
+# dK/dV kernel "_wide" (8 warps with 32-row warp tiles, P^T / dS^T through shared memory, two
+# CTAs per SM) and the dQ kernel "_tiled" (4 warps of 32 query rows, cp.async double
+# buffering).  "async": 16-row warp tiles, cp.async double buffering + ldmatrix; "ldsm": plain
+# global loads + ldmatrix; "lds": plain loads throughout.  Same arithmetic for every element
+# (tested bitwise); speed differs.
+_KERNELS = {
+    "tiled": ("wide", "tiled"),
+    "async": ("async", "async"),
+    "ldsm": ("ldsm", "ldsm"),
+    "lds": ("lds", "lds"),
+}
+VARIANTS = tuple(_KERNELS)
+KERNEL_VARIANT = "tiled"
 
 _DTYPES = (torch.bfloat16, torch.float16)
 _SUFFIX = {torch.bfloat16: "bf16", torch.float16: "f16"}
@@ -51,7 +67,7 @@ _DEFAULT_SHARED = 48 * 1024
 
 
 def kv_query_rows(head_dim: int) -> int:
-    """Query rows per step of the dK/dV kernel (speed only; see the kernel's KvQueryRows)."""
+    """Query rows per step of the 16-row dK/dV kernels (speed only; the kernel's KvQueryRows)."""
     return 32 if head_dim >= 128 else 64
 
 
@@ -59,24 +75,43 @@ def _tile_bytes(head_dim: int, rows: int) -> int:
     return rows * (head_dim + _PAD) * 2
 
 
-def _buffers(variant: str) -> int:
-    return 2 if variant == "async" else 1
+def _buffers(kernel: str) -> int:
+    return 2 if kernel in ("async", "tiled") else 1
 
 
 def dkdv_shared_bytes(head_dim: int, variant: str) -> int:
-    """K and V tiles, then per buffer the Q and dO tiles and the rows' lse and delta."""
+    """K and V tiles, then per buffer the Q and dO tiles and the rows' lse and delta ("_wide"
+    kernel: one buffer, plus the P^T and dS^T tiles)."""
+    kernel = _KERNELS[variant][0]
+    if kernel == "wide":
+        per_step = 2 * _tile_bytes(head_dim, WIDE_KV_ROWS) + 2 * WIDE_KV_ROWS * _FLOAT_BYTES
+        scores = 2 * WIDE_KEYS * (WIDE_KV_ROWS + _PAD) * 2
+        return 2 * _tile_bytes(head_dim, WIDE_KEYS) + per_step + scores
     rows = kv_query_rows(head_dim)
     per_buffer = 2 * _tile_bytes(head_dim, rows) + 2 * rows * _FLOAT_BYTES
-    return 2 * _tile_bytes(head_dim, KEY_BLOCK) + _buffers(variant) * per_buffer
+    return 2 * _tile_bytes(head_dim, KEY_BLOCK) + _buffers(kernel) * per_buffer
 
 
 def dq_shared_bytes(head_dim: int, variant: str) -> int:
     """Q and dO tiles, per buffer the K and V tiles, and the rows' lse and delta."""
+    kernel = _KERNELS[variant][1]
+    rows, keys = (TILED_DQ_ROWS, TILED_DQ_KEYS) if kernel == "tiled" else (DQ_QUERY_ROWS, KEY_BLOCK)
     return (
-        _buffers(variant) * 2 * _tile_bytes(head_dim, KEY_BLOCK)
-        + 2 * _tile_bytes(head_dim, DQ_QUERY_ROWS)
-        + 2 * DQ_QUERY_ROWS * _FLOAT_BYTES
+        _buffers(kernel) * 2 * _tile_bytes(head_dim, keys)
+        + 2 * _tile_bytes(head_dim, rows)
+        + 2 * rows * _FLOAT_BYTES
     )
+
+
+def _geometry(variant: str) -> dict[str, int]:
+    """Keys per dK/dV CTA and its threads, query rows per dQ CTA and its threads."""
+    kv, dq = _KERNELS[variant]
+    return {
+        "keys": WIDE_KEYS if kv == "wide" else KEY_BLOCK,
+        "kv_threads": WIDE_THREADS if kv == "wide" else THREADS,
+        "rows": TILED_DQ_ROWS if dq == "tiled" else DQ_QUERY_ROWS,
+        "dq_threads": THREADS,
+    }
 
 
 # ----------------------------------------------------------------------------- validation
@@ -253,7 +288,111 @@ def _kernel_name(stage: str, dtype: torch.dtype, head_dim: int, variant: str) ->
     if variant not in VARIANTS:
         raise ValueError(f"unknown kernel variant {variant!r}; expected one of {VARIANTS}")
     base = f"attention_bwd_{stage}_{_SUFFIX[dtype]}_d{head_dim}"
-    return base if stage == "delta" else f"{base}_{variant}"
+    if stage == "delta":
+        return base
+    return f"{base}_{_KERNELS[variant][0 if stage == 'dkdv' else 1]}"
+
+
+def kernel_launches(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    grad_out: Tensor,
+    q_start: Tensor,
+    q_len: Tensor,
+    k_start: Tensor,
+    k_len: Tensor,
+    max_q_len: int,
+    max_k_len: int,
+    causal: bool,
+    scale: float,
+) -> tuple[tuple[Tensor, Tensor, Tensor], list[tuple[str, Callable[[], None]]]]:
+    """Checks the arguments, allocates ``(dq, dk, dv)`` (zeroed) and returns them with the
+    launches that fill them, in order: ``[("delta", fn), ("dkdv", fn), ("dq", fn)]`` (a stage
+    with nothing to do is left out).  ``backward`` runs them all; the benchmark times each."""
+    check_backward_args(
+        *(q, k, v, out, lse, grad_out, q_start, q_len, k_start, k_len),
+        *(max_q_len, max_k_len, causal, scale),
+    )
+    total_q, num_q_heads, head_dim = q.shape
+    total_k, num_kv_heads = k.shape[0], k.shape[1]
+    sizes = {"Tq": total_q, "Tk": total_k, "max_q_len": max_q_len, "max_k_len": max_k_len}
+    _check_ranges(q_start, q_len, k_start, k_len, sizes)
+
+    dq = torch.zeros_like(q)
+    dk = torch.zeros_like(k)
+    dv = torch.zeros_like(v)
+    batch = q_start.shape[0]
+    launches: list[tuple[str, Callable[[], None]]] = []
+    if batch == 0 or (max_q_len == 0 and max_k_len == 0):
+        return (dq, dk, dv), launches
+    device = q.device
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    delta = torch.empty((num_q_heads, total_q), dtype=torch.float32, device=device)
+    variant = KERNEL_VARIANT
+    geometry = _geometry(variant)
+    inputs = (q, k, v, grad_out, lse, delta, q_start, q_len, k_start, k_len)
+    shape_args = (num_q_heads, num_kv_heads, total_q, 1 if causal else 0, float(scale))
+
+    if max_q_len > 0:
+        name = _kernel_name("delta", q.dtype, head_dim, variant)
+        blocks = -(-max_q_len * num_q_heads // THREADS)
+        if blocks > _MAX_GRID_X:
+            raise ValueError(f"max_q_len * Hq = {max_q_len * num_q_heads} is too large")
+        launches.append(
+            (
+                "delta",
+                functools.partial(
+                    launch,
+                    kernel_for("attention_backward", name, device),
+                    device,
+                    grid=(blocks, batch),
+                    block=(THREADS,),
+                    args=(out, grad_out, q_start, q_len, delta, num_q_heads, total_q),
+                ),
+            )
+        )
+    if max_k_len > 0:
+        name = _kernel_name("dkdv", q.dtype, head_dim, variant)
+        kernel = kernel_for("attention_backward", name, device)
+        shared = dkdv_shared_bytes(head_dim, variant)
+        _opt_in_shared(kernel, name, index, shared)
+        launches.append(
+            (
+                "dkdv",
+                functools.partial(
+                    launch,
+                    kernel,
+                    device,
+                    grid=(-(-max_k_len // geometry["keys"]), num_kv_heads, batch),
+                    block=(geometry["kv_threads"],),
+                    args=(*inputs, dk, dv, *shape_args),
+                    shared_mem=shared,
+                ),
+            )
+        )
+    if max_q_len > 0:
+        name = _kernel_name("dq", q.dtype, head_dim, variant)
+        kernel = kernel_for("attention_backward", name, device)
+        shared = dq_shared_bytes(head_dim, variant)
+        _opt_in_shared(kernel, name, index, shared)
+        launches.append(
+            (
+                "dq",
+                functools.partial(
+                    launch,
+                    kernel,
+                    device,
+                    grid=(-(-max_q_len // geometry["rows"]), num_q_heads, batch),
+                    block=(geometry["dq_threads"],),
+                    args=(*inputs, dq, *shape_args),
+                    shared_mem=shared,
+                ),
+            )
+        )
+    return (dq, dk, dv), launches
 
 
 def backward(
@@ -273,64 +412,10 @@ def backward(
     scale: float,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``(dq, dk, dv)`` in the input dtype (fp32 accumulation); see the module docstring."""
-    check_backward_args(
+    grads, launches = kernel_launches(
         *(q, k, v, out, lse, grad_out, q_start, q_len, k_start, k_len),
         *(max_q_len, max_k_len, causal, scale),
     )
-    total_q, num_q_heads, head_dim = q.shape
-    total_k, num_kv_heads = k.shape[0], k.shape[1]
-    sizes = {"Tq": total_q, "Tk": total_k, "max_q_len": max_q_len, "max_k_len": max_k_len}
-    _check_ranges(q_start, q_len, k_start, k_len, sizes)
-
-    dq = torch.zeros_like(q)
-    dk = torch.zeros_like(k)
-    dv = torch.zeros_like(v)
-    batch = q_start.shape[0]
-    if batch == 0 or (max_q_len == 0 and max_k_len == 0):
-        return dq, dk, dv
-    device = q.device
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    delta = torch.empty((num_q_heads, total_q), dtype=torch.float32, device=device)
-    variant = KERNEL_VARIANT
-    inputs = (q, k, v, grad_out, lse, delta, q_start, q_len, k_start, k_len)
-    shape_args = (num_q_heads, num_kv_heads, total_q, 1 if causal else 0, float(scale))
-
-    if max_q_len > 0:
-        name = _kernel_name("delta", q.dtype, head_dim, variant)
-        blocks = -(-max_q_len * num_q_heads // THREADS)
-        if blocks > _MAX_GRID_X:
-            raise ValueError(f"max_q_len * Hq = {max_q_len * num_q_heads} is too large")
-        launch(
-            kernel_for("attention_backward", name, device),
-            device,
-            grid=(blocks, batch),
-            block=(THREADS,),
-            args=(out, grad_out, q_start, q_len, delta, num_q_heads, total_q),
-        )
-    if max_k_len > 0:
-        name = _kernel_name("dkdv", q.dtype, head_dim, variant)
-        kernel = kernel_for("attention_backward", name, device)
-        shared = dkdv_shared_bytes(head_dim, variant)
-        _opt_in_shared(kernel, name, index, shared)
-        launch(
-            kernel,
-            device,
-            grid=(-(-max_k_len // KEY_BLOCK), num_kv_heads, batch),
-            block=(THREADS,),
-            args=(*inputs, dk, dv, *shape_args),
-            shared_mem=shared,
-        )
-    if max_q_len > 0:
-        name = _kernel_name("dq", q.dtype, head_dim, variant)
-        kernel = kernel_for("attention_backward", name, device)
-        shared = dq_shared_bytes(head_dim, variant)
-        _opt_in_shared(kernel, name, index, shared)
-        launch(
-            kernel,
-            device,
-            grid=(-(-max_q_len // DQ_QUERY_ROWS), num_q_heads, batch),
-            block=(THREADS,),
-            args=(*inputs, dq, *shape_args),
-            shared_mem=shared,
-        )
-    return dq, dk, dv
+    for _, run in launches:
+        run()
+    return grads
