@@ -111,6 +111,10 @@ def main() -> None:
             "SDPA flash": _time_or_none(_sdpa(qt, kt, vt, True, SDPBackend.FLASH_ATTENTION)),
             "batchinv": median_ms(lambda: gpu.attention(q, k, v, causal=True)),
         }
+        for warps in gpu.WARP_CHOICES[1:]:
+            paths[f"batchinv (tile, {warps} warps, forced)"] = median_ms(
+                lambda warps=warps: gpu.attention(q, k, v, causal=True, mode="tile", warps=warps)
+            )
         results.append(
             {
                 "phase": "prefill",
@@ -180,7 +184,7 @@ def main() -> None:
                 }
             )
         if mode == "split":
-            for stages in (1, 2):
+            for stages in (1, 2, 3):
                 paths[f"batchinv (split, {stages} stage, forced)"] = median_ms(
                     lambda stages=stages: gpu.forward(
                         q_rows,
