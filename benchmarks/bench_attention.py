@@ -111,9 +111,11 @@ def main() -> None:
             "SDPA flash": _time_or_none(_sdpa(qt, kt, vt, True, SDPBackend.FLASH_ATTENTION)),
             "batchinv": median_ms(lambda: gpu.attention(q, k, v, causal=True)),
         }
-        for warps in gpu.WARP_CHOICES[1:]:
-            paths[f"batchinv (tile, {warps} warps, forced)"] = median_ms(
-                lambda warps=warps: gpu.attention(q, k, v, causal=True, mode="tile", warps=warps)
+        for wgmma in (False, True):
+            paths[f"batchinv (tile, 4 warps, wgmma={wgmma}, forced)"] = _time_or_none(
+                lambda wgmma=wgmma: gpu.attention(
+                    q, k, v, causal=True, mode="tile", warps=4, wgmma=wgmma
+                )
             )
         results.append(
             {
@@ -184,7 +186,7 @@ def main() -> None:
                 }
             )
         if mode == "split":
-            for stages in (1, 2, 3):
+            for stages in (1, 2):
                 paths[f"batchinv (split, {stages} stage, forced)"] = median_ms(
                     lambda stages=stages: gpu.forward(
                         q_rows,

@@ -23,12 +23,17 @@
 //      an empty partial is skipped by selection.
 //   3. finalize_out/finalize_lse: out = acc / l, lse = (m + log2 l) * ln 2; a row with no
 //      visible key gets out = 0, lse = -inf.
-//   Every fp32 step outside the mma is an explicit _rn intrinsic (no FMA contraction), exp2f and
-//   log2f are used everywhere (no fast math).
+//   Every fp32 step outside the mma is an explicit _rn intrinsic (no FMA contraction); exp2f,
+//   exp2_ftz (P only, see below) and log2f, no fast math.  A block that every real row of a
+//   warp sees in full skips the selection (it would select every score).
+//
+// P uses exp2_ftz (ex2.approx.ftz: a result below 2^-126 is +0; equal to exp2f elsewhere) in
+// every mode; the merge and alpha factors use exp2f.
 //
 // Execution modes (same arithmetic, only the number of CTAs changes):
 //   (a) attn_fwd_*: one CTA per (query tile, head group, sequence) walks all splits of its tile
 //       and merges them as it goes (running state in shared memory); writes out and lse.
+//       attn_fwd_*_d128_wg is the same 4-warp tile with both products as wgmma (sm_90a image).
 //   (b) attn_split_*: one CTA per (query tile, head group, sequence x split) writes its split's
 //       fp32 partial (m, l, acc) to a workspace [splits, Tq, Hq, D + 2]; attn_combine_* merges a
 //       row's partials in split order with the same merge/finalize functions.
@@ -156,13 +161,16 @@ __device__ __forceinline__ uint32_t pack_pair(float lo, float hi) {
 }
 
 
-// ---- Hopper wgmma (sm_90a): the 4-warp tiles' two products, A from registers ----------------
+// ---- Hopper wgmma (sm_90a): attn_fwd_*_d128_wg's two products, A from registers -------------
 // One warpgroup (the 4 warps of a 64-row tile) issues wgmma m64nNk16 with A = the same
 // register fragments mma.sync takes (Q, then P) and B from shared memory; accumulator i of a
 // thread is element (i / 4, i % 4) of mma.sync's n8 tiles.  Every k16 step is one instruction,
-// in the same increasing order as the mma.sync path (D += A * B on zeroed or running
-// accumulators), so a row's bits are the same: tests/gpu/test_attention_cuda.py compares
-// 4-warp (wgmma) tiles with 1- and 8-warp (mma.sync) tiles bitwise on every run.
+// in the same increasing order as the mma.sync path (D += A * B; the first S step may skip
+// adding the zero accumulator, which can change only the sign of an exactly-zero score, and
+// that sign reaches no result: x - m and exp2 treat +-0 alike, the block max normalises it).
+// That the bits equal mma.sync's is a measured property of the GPU, not a documented one:
+// tests/gpu/test_attention_cuda.py compares the wgmma tile kernel with the mma.sync kernels
+// bitwise on every run.  (d = 64 is not wired: its first try gave wrong results; see the doc.)
 // K and V sit in shared memory as 8x8 core matrices (128 contiguous bytes: 8 rows x 16 bytes),
 // core (row / 8, chunk) at ((row / 8) * D / 8 + chunk) * 128 bytes, no swizzle.
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -179,6 +187,13 @@ __device__ __forceinline__ void wg_commit_wait() {
 }
 // cp.async wrote the tiles through the generic proxy; wgmma reads them through the async one.
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+// Pins accumulator values in place around a wgmma stage: without it the compiler sinks their
+// initialisation past wgmma.fence and ptxas serialises the wgmma pipeline.
+template <int N>
+__device__ __forceinline__ void fence_operands(float* r) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i])::"memory");
+}
 
 // S (64 keys, B = K rows, K-major) and O (N = D, B = V rows read transposed, MN-major).
 __device__ __forceinline__ void wg_s_bf16(float* d, const uint32_t (&a)[4], uint64_t desc) {
@@ -296,7 +311,7 @@ struct Smem {
     static constexpr int kTileElems = kBlockKeys * kStride;
 };
 
-template <typename Codec, int D, int NWARPS, bool SPLIT, int STAGES>
+template <typename Codec, int D, int NWARPS, bool SPLIT, int STAGES, bool WG = false>
 __device__ __forceinline__ void attn_tile(const Params& p) {
     using T = typename Codec::storage;
     constexpr int M = 16 * NWARPS;
@@ -306,13 +321,13 @@ __device__ __forceinline__ void attn_tile(const Params& p) {
     constexpr int NT = D / 8;  // n8 tiles of the output
     constexpr int KS = D / 16; // k16 steps of QK^T
     constexpr int kChunksPerRow = D / 8;  // 16-byte chunks per row
-    // K/V pipeline depth (blocks in flight + 1): 2 (prefetch the next block), 1 (no
+    // K/V pipeline depth (blocks in flight + 1): 2 (prefetch the next block) or 1 (no
     // prefetch, half the shared memory, so more one-warp CTAs per SM hide the latency
-    // instead) or 3 (two blocks ahead, for one-warp launches with few CTAs per SM).  It
-    // changes only the load schedule, never the arithmetic.
+    // instead).  It changes only the load schedule, never the arithmetic.
     constexpr int kStages = STAGES;
-    // 4-warp tiles on sm_90a: one warpgroup, both products by wgmma (K/V in core-matrix order).
-    constexpr bool kWg = kHasWgmma && NWARPS == 4;
+    // The wgmma variant (sm_90a, 4 warps = one warpgroup, d = 128): both products by wgmma,
+    // K/V in core-matrix order.  Elsewhere (the sm_80 image) it is the mma.sync kernel.
+    constexpr bool kWg = kHasWgmma && WG && NWARPS == 4 && D == 128;
 
     extern __shared__ __align__(16) unsigned char smem_raw[];
     T* sk = reinterpret_cast<T*>(smem_raw);       // [kStages][64][kStride]
@@ -455,11 +470,13 @@ __device__ __forceinline__ void attn_tile(const Params& p) {
         for (int t = 0; t < 8; ++t) s[t][0] = s[t][1] = s[t][2] = s[t][3] = 0.0f;
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
         if constexpr (kWg) {
+            fence_operands<32>(&s[0][0]);
             wg_fence();
 #pragma unroll
             for (int ks = 0; ks < KS; ++ks)  // k16 step ks: core matrices 2ks, 2ks + 1 along d
                 wg_qk<Codec>(&s[0][0], qf[ks], wg_desc(tk + ks * 128, 128, D * 16));
             wg_commit_wait();
+            fence_operands<32>(&s[0][0]);
         } else
 #endif
         {
@@ -574,11 +591,13 @@ __device__ __forceinline__ void attn_tile(const Params& p) {
         }
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
         if constexpr (kWg) {
+            fence_operands<NT * 4>(&acc[0][0]);
             wg_fence();
 #pragma unroll
             for (int kk = 0; kk < 4; ++kk)  // keys 16kk..16kk+15: core rows 2kk, 2kk + 1
                 wg_pv<Codec, D>(&acc[0][0], pa[kk], wg_desc(tv + kk * 16 * D, D * 16, 128));
             wg_commit_wait();
+            fence_operands<NT * 4>(&acc[0][0]);
         } else
 #endif
         {
@@ -728,11 +747,11 @@ __device__ __forceinline__ void attn_combine(const float* ws, void* out, float* 
         batchinv::attn::attn_tile<CODEC, D, 1, true, 1>(p);                                                     \
     }
 
-// Three stages (two blocks in flight) for one-warp split launches with few CTAs per SM.
-#define BATCHINV_ATTN_SPLIT_THREE_STAGES(DTYPE, CODEC, D)                                                       \
-    extern "C" __global__ void __launch_bounds__(32) attn_split_##DTYPE##_d##D##_w1_s3(BATCHINV_ATTN_PARAMS) {   \
+// The wgmma tile kernel (sm_90a image; d = 128 only): same contract, tested bitwise.
+#define BATCHINV_ATTN_WGMMA(DTYPE, CODEC)                                                                       \
+    extern "C" __global__ void __launch_bounds__(128) attn_fwd_##DTYPE##_d128_wg(BATCHINV_ATTN_PARAMS) {         \
         BATCHINV_ATTN_MAKE_PARAMS;                                                                              \
-        batchinv::attn::attn_tile<CODEC, D, 1, true, 3>(p);                                                     \
+        batchinv::attn::attn_tile<CODEC, 128, 4, false, 2, true>(p);                                            \
     }
 
 #define BATCHINV_ATTN_COMBINE(DTYPE, CODEC, D)                                                                  \
@@ -752,52 +771,36 @@ BATCHINV_ATTN_KERNELS(bf16, batchinv::Bf16Codec, 64, 1)
 // batchinv-signature: attn_fwd_bf16_d64_w4(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32)
 // batchinv-signature: attn_split_bf16_d64_w4(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32)
 BATCHINV_ATTN_KERNELS(bf16, batchinv::Bf16Codec, 64, 4)
-// batchinv-signature: attn_fwd_bf16_d64_w8(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32)
-// batchinv-signature: attn_split_bf16_d64_w8(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32)
-BATCHINV_ATTN_KERNELS(bf16, batchinv::Bf16Codec, 64, 8)
 // batchinv-signature: attn_fwd_bf16_d128_w1(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32)
 // batchinv-signature: attn_split_bf16_d128_w1(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32)
 BATCHINV_ATTN_KERNELS(bf16, batchinv::Bf16Codec, 128, 1)
 // batchinv-signature: attn_fwd_bf16_d128_w4(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32)
 // batchinv-signature: attn_split_bf16_d128_w4(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32)
 BATCHINV_ATTN_KERNELS(bf16, batchinv::Bf16Codec, 128, 4)
-// batchinv-signature: attn_fwd_bf16_d128_w8(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32)
-// batchinv-signature: attn_split_bf16_d128_w8(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32)
-BATCHINV_ATTN_KERNELS(bf16, batchinv::Bf16Codec, 128, 8)
 // batchinv-signature: attn_fwd_f16_d64_w1(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32)
 // batchinv-signature: attn_split_f16_d64_w1(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32)
 BATCHINV_ATTN_KERNELS(f16, batchinv::F16Codec, 64, 1)
 // batchinv-signature: attn_fwd_f16_d64_w4(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32)
 // batchinv-signature: attn_split_f16_d64_w4(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32)
 BATCHINV_ATTN_KERNELS(f16, batchinv::F16Codec, 64, 4)
-// batchinv-signature: attn_fwd_f16_d64_w8(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32)
-// batchinv-signature: attn_split_f16_d64_w8(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32)
-BATCHINV_ATTN_KERNELS(f16, batchinv::F16Codec, 64, 8)
 // batchinv-signature: attn_fwd_f16_d128_w1(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32)
 // batchinv-signature: attn_split_f16_d128_w1(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32)
 BATCHINV_ATTN_KERNELS(f16, batchinv::F16Codec, 128, 1)
 // batchinv-signature: attn_fwd_f16_d128_w4(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32)
 // batchinv-signature: attn_split_f16_d128_w4(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32)
 BATCHINV_ATTN_KERNELS(f16, batchinv::F16Codec, 128, 4)
-// batchinv-signature: attn_fwd_f16_d128_w8(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32)
-// batchinv-signature: attn_split_f16_d128_w8(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32)
-BATCHINV_ATTN_KERNELS(f16, batchinv::F16Codec, 128, 8)
 // batchinv-signature: attn_split_bf16_d64_w1_s1(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32)
 BATCHINV_ATTN_SPLIT_ONE_STAGE(bf16, batchinv::Bf16Codec, 64)
-// batchinv-signature: attn_split_bf16_d64_w1_s3(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32)
-BATCHINV_ATTN_SPLIT_THREE_STAGES(bf16, batchinv::Bf16Codec, 64)
 // batchinv-signature: attn_split_bf16_d128_w1_s1(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32)
 BATCHINV_ATTN_SPLIT_ONE_STAGE(bf16, batchinv::Bf16Codec, 128)
-// batchinv-signature: attn_split_bf16_d128_w1_s3(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32)
-BATCHINV_ATTN_SPLIT_THREE_STAGES(bf16, batchinv::Bf16Codec, 128)
 // batchinv-signature: attn_split_f16_d64_w1_s1(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32)
 BATCHINV_ATTN_SPLIT_ONE_STAGE(f16, batchinv::F16Codec, 64)
-// batchinv-signature: attn_split_f16_d64_w1_s3(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32)
-BATCHINV_ATTN_SPLIT_THREE_STAGES(f16, batchinv::F16Codec, 64)
 // batchinv-signature: attn_split_f16_d128_w1_s1(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32)
 BATCHINV_ATTN_SPLIT_ONE_STAGE(f16, batchinv::F16Codec, 128)
-// batchinv-signature: attn_split_f16_d128_w1_s3(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32)
-BATCHINV_ATTN_SPLIT_THREE_STAGES(f16, batchinv::F16Codec, 128)
+// batchinv-signature: attn_fwd_bf16_d128_wg(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32)
+BATCHINV_ATTN_WGMMA(bf16, batchinv::Bf16Codec)
+// batchinv-signature: attn_fwd_f16_d128_wg(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32)
+BATCHINV_ATTN_WGMMA(f16, batchinv::F16Codec)
 // batchinv-signature: attn_combine_bf16_d64(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i32, i32, i32)
 BATCHINV_ATTN_COMBINE(bf16, batchinv::Bf16Codec, 64)
 // batchinv-signature: attn_combine_bf16_d128(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i32, i32, i32)
