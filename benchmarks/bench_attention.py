@@ -111,12 +111,6 @@ def main() -> None:
             "SDPA flash": _time_or_none(_sdpa(qt, kt, vt, True, SDPBackend.FLASH_ATTENTION)),
             "batchinv": median_ms(lambda: gpu.attention(q, k, v, causal=True)),
         }
-        for wgmma in (False, True):
-            paths[f"batchinv (tile, 4 warps, wgmma={wgmma}, forced)"] = _time_or_none(
-                lambda wgmma=wgmma: gpu.attention(
-                    q, k, v, causal=True, mode="tile", warps=4, wgmma=wgmma
-                )
-            )
         results.append(
             {
                 "phase": "prefill",

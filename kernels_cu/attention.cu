@@ -24,16 +24,13 @@
 //   3. finalize_out/finalize_lse: out = acc / l, lse = (m + log2 l) * ln 2; a row with no
 //      visible key gets out = 0, lse = -inf.
 //   Every fp32 step outside the mma is an explicit _rn intrinsic (no FMA contraction); exp2f,
-//   exp2_ftz (P only, see below) and log2f, no fast math.  A block that every real row of a
-//   warp sees in full skips the selection (it would select every score).
-//
-// P uses exp2_ftz (ex2.approx.ftz: a result below 2^-126 is +0; equal to exp2f elsewhere) in
-// every mode; the merge and alpha factors use exp2f.
+//   exp2_ftz (P only: ex2.approx.ftz, a result below 2^-126 is +0, equal to exp2f elsewhere)
+//   and log2f in every mode, no fast math.  A block that every real row of a warp sees in
+//   full skips the selection (it would select every score: same bits).
 //
 // Execution modes (same arithmetic, only the number of CTAs changes):
 //   (a) attn_fwd_*: one CTA per (query tile, head group, sequence) walks all splits of its tile
 //       and merges them as it goes (running state in shared memory); writes out and lse.
-//       attn_fwd_*_d128_wg is the same 4-warp tile with both products as wgmma (sm_90a image).
 //   (b) attn_split_*: one CTA per (query tile, head group, sequence x split) writes its split's
 //       fp32 partial (m, l, acc) to a workspace [splits, Tq, Hq, D + 2]; attn_combine_* merges a
 //       row's partials in split order with the same merge/finalize functions.
@@ -160,133 +157,6 @@ __device__ __forceinline__ uint32_t pack_pair(float lo, float hi) {
     }
 }
 
-
-// ---- Hopper wgmma (sm_90a): attn_fwd_*_d128_wg's two products, A from registers -------------
-// One warpgroup (the 4 warps of a 64-row tile) issues wgmma m64nNk16 with A = the same
-// register fragments mma.sync takes (Q, then P) and B from shared memory; accumulator i of a
-// thread is element (i / 4, i % 4) of mma.sync's n8 tiles.  Every k16 step is one instruction,
-// in the same increasing order as the mma.sync path (D += A * B; the first S step may skip
-// adding the zero accumulator, which can change only the sign of an exactly-zero score, and
-// that sign reaches no result: x - m and exp2 treat +-0 alike, the block max normalises it).
-// That the bits equal mma.sync's is a measured property of the GPU, not a documented one:
-// tests/gpu/test_attention_cuda.py compares the wgmma tile kernel with the mma.sync kernels
-// bitwise on every run.  (d = 64 is not wired: its first try gave wrong results; see the doc.)
-// K and V sit in shared memory as 8x8 core matrices (128 contiguous bytes: 8 rows x 16 bytes),
-// core (row / 8, chunk) at ((row / 8) * D / 8 + chunk) * 128 bytes, no swizzle.
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-constexpr bool kHasWgmma = true;
-
-// No-swizzle descriptor: lbo = bytes between core matrices along K, sbo = along M/N.
-__device__ __forceinline__ uint64_t wg_desc(const void* p, uint32_t lbo, uint32_t sbo) {
-    const uint64_t a = smem_addr(p);
-    return ((a & 0x3FFFF) >> 4) | (static_cast<uint64_t>(lbo >> 4) << 16) | (static_cast<uint64_t>(sbo >> 4) << 32);
-}
-__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wg_commit_wait() {
-    asm volatile("wgmma.commit_group.sync.aligned;\nwgmma.wait_group.sync.aligned 0;\n" ::: "memory");
-}
-// cp.async wrote the tiles through the generic proxy; wgmma reads them through the async one.
-__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
-// Pins accumulator values in place around a wgmma stage: without it the compiler sinks their
-// initialisation past wgmma.fence and ptxas serialises the wgmma pipeline.
-template <int N>
-__device__ __forceinline__ void fence_operands(float* r) {
-#pragma unroll
-    for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i])::"memory");
-}
-
-// S (64 keys, B = K rows, K-major) and O (N = D, B = V rows read transposed, MN-major).
-__device__ __forceinline__ void wg_s_bf16(float* d, const uint32_t (&a)[4], uint64_t desc) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
-        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1));
-}
-__device__ __forceinline__ void wg_s_f16(float* d, const uint32_t (&a)[4], uint64_t desc) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 "
-        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1));
-}
-__device__ __forceinline__ void wg_o64_bf16(float* d, const uint32_t (&a)[4], uint64_t desc) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
-        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, 1, 1;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1));
-}
-__device__ __forceinline__ void wg_o128_bf16(float* d, const uint32_t (&a)[4], uint64_t desc) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
-        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
-          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
-          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
-          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
-          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1));
-}
-__device__ __forceinline__ void wg_o64_f16(float* d, const uint32_t (&a)[4], uint64_t desc) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 "
-        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, 1, 1;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1));
-}
-__device__ __forceinline__ void wg_o128_f16(float* d, const uint32_t (&a)[4], uint64_t desc) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 "
-        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
-          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
-          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
-          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
-          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1));
-}
-
-template <typename Codec>
-__device__ __forceinline__ void wg_qk(float* s, const uint32_t (&a)[4], uint64_t desc) {
-    if constexpr (Codec::kIsBf16) wg_s_bf16(s, a, desc); else wg_s_f16(s, a, desc);
-}
-template <typename Codec, int D>
-__device__ __forceinline__ void wg_pv(float* acc, const uint32_t (&a)[4], uint64_t desc) {
-    if constexpr (D == 64) {
-        if constexpr (Codec::kIsBf16) wg_o64_bf16(acc, a, desc); else wg_o64_f16(acc, a, desc);
-    } else {
-        if constexpr (Codec::kIsBf16) wg_o128_bf16(acc, a, desc); else wg_o128_f16(acc, a, desc);
-    }
-}
-#else
-constexpr bool kHasWgmma = false;
-#endif
-
 // ---- the tile kernel ----------------------------------------------------------------------
 
 struct Params {
@@ -311,7 +181,7 @@ struct Smem {
     static constexpr int kTileElems = kBlockKeys * kStride;
 };
 
-template <typename Codec, int D, int NWARPS, bool SPLIT, int STAGES, bool WG = false>
+template <typename Codec, int D, int NWARPS, bool SPLIT, int STAGES>
 __device__ __forceinline__ void attn_tile(const Params& p) {
     using T = typename Codec::storage;
     constexpr int M = 16 * NWARPS;
@@ -325,9 +195,6 @@ __device__ __forceinline__ void attn_tile(const Params& p) {
     // prefetch, half the shared memory, so more one-warp CTAs per SM hide the latency
     // instead).  It changes only the load schedule, never the arithmetic.
     constexpr int kStages = STAGES;
-    // The wgmma variant (sm_90a, 4 warps = one warpgroup, d = 128): both products by wgmma,
-    // K/V in core-matrix order.  Elsewhere (the sm_80 image) it is the mma.sync kernel.
-    constexpr bool kWg = kHasWgmma && WG && NWARPS == 4 && D == 128;
 
     extern __shared__ __align__(16) unsigned char smem_raw[];
     T* sk = reinterpret_cast<T*>(smem_raw);       // [kStages][64][kStride]
@@ -412,17 +279,15 @@ __device__ __forceinline__ void attn_tile(const Params& p) {
         T* dk = sk + stage * kTile;
         T* dv = sv + stage * kTile;
         for (int idx = tid; idx < kBlockKeys * kChunksPerRow; idx += kThreads) {
-            // wgmma order: 8 consecutive threads fill one 128-byte core matrix.
-            const int r = kWg ? (idx / (8 * kChunksPerRow)) * 8 + idx % 8 : idx / kChunksPerRow;
-            const int ch = kWg ? (idx / 8) % kChunksPerRow : idx % kChunksPerRow;
-            const int at = kWg ? ((r / 8) * kChunksPerRow + ch) * 64 + (r % 8) * 8 : r * kStride + ch * 8;
+            const int r = idx / kChunksPerRow;
+            const int ch = idx % kChunksPerRow;
             const int j = blk * kBlockKeys + r;
             const bool valid = j < k_len;
             const int64_t row = k_base + j;
             const T* srck = valid ? kp + row * p.k_row + kvh * p.k_head + ch * 8 : kp;
             const T* srcv = valid ? vp + row * p.v_row + kvh * p.v_head + ch * 8 : vp;
-            cp_async16(dk + at, srck, valid);
-            cp_async16(dv + at, srcv, valid);
+            cp_async16(dk + r * kStride + ch * 8, srck, valid);
+            cp_async16(dv + r * kStride + ch * 8, srcv, valid);
         }
     };
 
@@ -456,9 +321,6 @@ __device__ __forceinline__ void attn_tile(const Params& p) {
         if (ahead < blk_end) load_kv(ahead, (ahead - blk_begin) % kStages);
         cp_async_commit();
         cp_async_wait<kStages - 1>();  // this block's group is complete
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-        if constexpr (kWg) fence_proxy_async();
-#endif
         __syncthreads();
         const T* tk = sk + stage * kTile;
         const T* tv = sv + stage * kTile;
@@ -468,29 +330,16 @@ __device__ __forceinline__ void attn_tile(const Params& p) {
         float s[8][4];
 #pragma unroll
         for (int t = 0; t < 8; ++t) s[t][0] = s[t][1] = s[t][2] = s[t][3] = 0.0f;
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-        if constexpr (kWg) {
-            fence_operands<32>(&s[0][0]);
-            wg_fence();
 #pragma unroll
-            for (int ks = 0; ks < KS; ++ks)  // k16 step ks: core matrices 2ks, 2ks + 1 along d
-                wg_qk<Codec>(&s[0][0], qf[ks], wg_desc(tk + ks * 128, 128, D * 16));
-            wg_commit_wait();
-            fence_operands<32>(&s[0][0]);
-        } else
-#endif
-        {
+        for (int ks = 0; ks < KS; ++ks) {
 #pragma unroll
-            for (int ks = 0; ks < KS; ++ks) {
-#pragma unroll
-                for (int tp = 0; tp < 4; ++tp) {
-                    uint32_t bk[4];
-                    const int key = tp * 16 + (lane % 8) + 8 * (lane / 16);
-                    const int col = ks * 16 + 8 * ((lane / 8) % 2);
-                    ldmatrix_x4(bk, tk + key * kStride + col);
-                    mma16816<Codec>(s[2 * tp], qf[ks], bk[0], bk[1]);
-                    mma16816<Codec>(s[2 * tp + 1], qf[ks], bk[2], bk[3]);
-                }
+            for (int tp = 0; tp < 4; ++tp) {
+                uint32_t bk[4];
+                const int key = tp * 16 + (lane % 8) + 8 * (lane / 16);
+                const int col = ks * 16 + 8 * ((lane / 8) % 2);
+                ldmatrix_x4(bk, tk + key * kStride + col);
+                mma16816<Codec>(s[2 * tp], qf[ks], bk[0], bk[1]);
+                mma16816<Codec>(s[2 * tp + 1], qf[ks], bk[2], bk[3]);
             }
         }
 
@@ -589,29 +438,16 @@ __device__ __forceinline__ void attn_tile(const Params& p) {
                 for (int e = 0; e < 4; ++e)
                     if (__float_as_uint(acc[t][e]) == 0x80000000u) negzero[(t * 4 + e) / 32] |= 1u << ((t * 4 + e) % 32);
         }
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-        if constexpr (kWg) {
-            fence_operands<NT * 4>(&acc[0][0]);
-            wg_fence();
 #pragma unroll
-            for (int kk = 0; kk < 4; ++kk)  // keys 16kk..16kk+15: core rows 2kk, 2kk + 1
-                wg_pv<Codec, D>(&acc[0][0], pa[kk], wg_desc(tv + kk * 16 * D, D * 16, 128));
-            wg_commit_wait();
-            fence_operands<NT * 4>(&acc[0][0]);
-        } else
-#endif
-        {
+        for (int kk = 0; kk < 4; ++kk) {
 #pragma unroll
-            for (int kk = 0; kk < 4; ++kk) {
-#pragma unroll
-                for (int dp = 0; dp < NT / 2; ++dp) {
-                    uint32_t bv[4];
-                    const int key = kk * 16 + (lane % 8) + 8 * ((lane / 8) % 2);
-                    const int col = dp * 16 + 8 * (lane / 16);
-                    ldmatrix_x4_trans(bv, tv + key * kStride + col);
-                    mma16816<Codec>(acc[2 * dp], pa[kk], bv[0], bv[1]);
-                    mma16816<Codec>(acc[2 * dp + 1], pa[kk], bv[2], bv[3]);
-                }
+            for (int dp = 0; dp < NT / 2; ++dp) {
+                uint32_t bv[4];
+                const int key = kk * 16 + (lane % 8) + 8 * ((lane / 8) % 2);
+                const int col = dp * 16 + 8 * (lane / 16);
+                ldmatrix_x4_trans(bv, tv + key * kStride + col);
+                mma16816<Codec>(acc[2 * dp], pa[kk], bv[0], bv[1]);
+                mma16816<Codec>(acc[2 * dp + 1], pa[kk], bv[2], bv[3]);
             }
         }
         if (any_empty) {
@@ -747,13 +583,6 @@ __device__ __forceinline__ void attn_combine(const float* ws, void* out, float* 
         batchinv::attn::attn_tile<CODEC, D, 1, true, 1>(p);                                                     \
     }
 
-// The wgmma tile kernel (sm_90a image; d = 128 only): same contract, tested bitwise.
-#define BATCHINV_ATTN_WGMMA(DTYPE, CODEC)                                                                       \
-    extern "C" __global__ void __launch_bounds__(128) attn_fwd_##DTYPE##_d128_wg(BATCHINV_ATTN_PARAMS) {         \
-        BATCHINV_ATTN_MAKE_PARAMS;                                                                              \
-        batchinv::attn::attn_tile<CODEC, 128, 4, false, 2, true>(p);                                            \
-    }
-
 #define BATCHINV_ATTN_COMBINE(DTYPE, CODEC, D)                                                                  \
     extern "C" __global__ void __launch_bounds__(D) attn_combine_##DTYPE##_d##D(                                \
         const float* ws, void* out, float* lse, const int* q_start, const int* q_len, const int* k_len,         \
@@ -797,10 +626,6 @@ BATCHINV_ATTN_SPLIT_ONE_STAGE(bf16, batchinv::Bf16Codec, 128)
 BATCHINV_ATTN_SPLIT_ONE_STAGE(f16, batchinv::F16Codec, 64)
 // batchinv-signature: attn_split_f16_d128_w1_s1(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32)
 BATCHINV_ATTN_SPLIT_ONE_STAGE(f16, batchinv::F16Codec, 128)
-// batchinv-signature: attn_fwd_bf16_d128_wg(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32)
-BATCHINV_ATTN_WGMMA(bf16, batchinv::Bf16Codec)
-// batchinv-signature: attn_fwd_f16_d128_wg(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32)
-BATCHINV_ATTN_WGMMA(f16, batchinv::F16Codec)
 // batchinv-signature: attn_combine_bf16_d64(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i32, i32, i32)
 BATCHINV_ATTN_COMBINE(bf16, batchinv::Bf16Codec, 64)
 // batchinv-signature: attn_combine_bf16_d128(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i32, i32, i32)

@@ -16,9 +16,7 @@ Two execution modes with the same per-row arithmetic (see the kernel's header): 
 (one CTA walks all KV splits of its query tile) and ``"split"`` (one CTA per KV split, then a
 combine kernel).  ``mode="auto"`` picks ``"split"`` when the tile launch would not fill the GPU
 and a row spans more than one split; ``warps`` (1 or 4 warps, 16 or 64 tile rows) follows the
-number of query rows per sequence.  On sm_90 GPUs, 4-warp tiles at d = 128 in tile mode run the
-wgmma kernel (``wgmma``; tested bitwise equal to the mma.sync kernels).  Neither choice changes
-a row's bits.
+number of query rows per sequence.  Neither choice changes a row's bits.
 """
 
 from __future__ import annotations
@@ -44,8 +42,6 @@ MAX_PACKED_HEADS = 16  # query heads of one kv head packed in a tile's rows
 # B=64 @ 4096 (2048 CTAs) 0.357 ms with 1 stage vs 0.418 ms with 2; B=1 @ 32768 (256 CTAs)
 # 0.104 ms vs 0.089 ms.
 ONE_STAGE_MIN_CTAS_PER_SM = 4
-# Tile-mode 4-warp launches at d = 128 on sm_90 take the wgmma kernel unless told otherwise.
-WGMMA_BY_DEFAULT = True
 
 _SUFFIX = {torch.bfloat16: "bf16", torch.float16: "f16"}
 _LOG2E = 1.4426950408889634
@@ -179,7 +175,6 @@ def forward(
     mode: str = "auto",
     warps: int | None = None,
     stages: int | None = None,
-    wgmma: bool | None = None,
     prefill_zero: bool = True,
 ) -> tuple[Tensor, Tensor]:
     """``(out [Tq, Hq, d], lse [Hq, Tq] fp32)`` on the canonical layout.
@@ -225,16 +220,9 @@ def forward(
         stages = 1 if one_stage_ok and many else 2
     if stages not in (1, 2) or (stages == 1 and not one_stage_ok):
         raise ValueError(f"stages must be 2, or 1 for one-warp split launches; got {stages!r}")
-    wgmma_ok = not split and warps == 4 and d == 128 and _capability(device.index or 0) == (9, 0)
-    if wgmma is None:
-        wgmma = WGMMA_BY_DEFAULT and wgmma_ok
-    if wgmma and not wgmma_ok:
-        raise ValueError("wgmma=True needs tile mode, 4 warps, d=128 and an sm_90 GPU")
     suffix = f"{_SUFFIX[q.dtype]}_d{d}"
     shared = shared_bytes(d, warps, split, stages)
     name = f"attn_{'split' if split else 'fwd'}_{suffix}_w{warps}" + ("_s1" if stages == 1 else "")
-    if wgmma:
-        name = f"attn_fwd_{suffix}_wg"
     kernel = _kernel(name, device, shared)
     launch(
         kernel,
