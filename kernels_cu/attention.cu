@@ -360,7 +360,7 @@ __device__ __forceinline__ void attn_tile(const Params& p) {
                 for (int t = 0; t < 8; ++t) s[t][2] = s[t][3] = 0.0f;
                 continue;
             }
-            // fmaxf never returns a NaN score (as "x > mx ? x : mx" did); zero signs: see below.
+            // fmaxf never returns a NaN score (as "x > mx ? x : mx"); the zero sign is fixed below.
             float mx = kNegInf;
             if (masked) {
 #pragma unroll
@@ -370,6 +370,7 @@ __device__ __forceinline__ void attn_tile(const Params& p) {
                         const int j = key0 + t * 8 + 2 * c + e;
                         const float x = j < vis_end[i] ? __fmul_rn(s[t][2 * i + e], p.scale_log2) : kNegInf;
                         s[t][2 * i + e] = x;
+                        mx = fmaxf(mx, x);
                     }
                 }
             } else {
@@ -377,20 +378,12 @@ __device__ __forceinline__ void attn_tile(const Params& p) {
                 for (int t = 0; t < 8; ++t) {
 #pragma unroll
                     for (int e = 0; e < 2; ++e) {
-                        s[t][2 * i + e] = __fmul_rn(s[t][2 * i + e], p.scale_log2);
+                        const float x = __fmul_rn(s[t][2 * i + e], p.scale_log2);
+                        s[t][2 * i + e] = x;
+                        mx = fmaxf(mx, x);
                     }
                 }
             }
-            // The max is exact and order-free (fmaxf skips NaN; only a zero's sign could depend
-            // on the order, and it is normalised below): a depth-4 tree, not a 16-step chain.
-            float mx8[8];
-#pragma unroll
-            for (int t = 0; t < 8; ++t) mx8[t] = fmaxf(s[t][2 * i], s[t][2 * i + 1]);
-#pragma unroll
-            for (int w = 4; w >= 1; w /= 2)
-#pragma unroll
-                for (int t = 0; t < w; ++t) mx8[t] = fmaxf(mx8[t], mx8[t + w]);
-            mx = fmaxf(mx, mx8[0]);
             mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
             mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
             mx = mx == 0.0f ? 0.0f : mx;  // one zero (+0) whatever the lanes' order
