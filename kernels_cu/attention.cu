@@ -395,7 +395,7 @@ __device__ __forceinline__ void attn_tile(const Params& p) {
             for (int t = 0; t < 8; ++t) {
 #pragma unroll
                 for (int e = 0; e < 2; ++e) {
-                    // An invisible key (x = -inf) gives exp2(-inf) = +0; m_new is finite here.
+                    // An invisible key (x = -inf) gives exp2(-inf) = +0: m_new is not -inf here.
                     const float pe = empty[i] ? 0.0f : exp2_ftz(__fsub_rn(s[t][2 * i + e], m_new));
                     s[t][2 * i + e] = pe;
                     sum = __fadd_rn(sum, pe);
