@@ -23,8 +23,10 @@
 //      an empty partial is skipped by selection.
 //   3. finalize_out/finalize_lse: out = acc / l, lse = (m + log2 l) * ln 2; a row with no
 //      visible key gets out = 0, lse = -inf.
-//   Every fp32 step outside the mma is an explicit _rn intrinsic (no FMA contraction), exp2f and
-//   log2f are used everywhere (no fast math).
+//   Every fp32 step outside the mma is an explicit _rn intrinsic (no FMA contraction); exp2f,
+//   exp2_ftz (P only: ex2.approx.ftz, a result below 2^-126 is +0, equal to exp2f elsewhere)
+//   and log2f in every mode, no fast math.  A block that every real row of a warp sees in
+//   full skips the selection (it would select every score: same bits).
 //
 // Execution modes (same arithmetic, only the number of CTAs changes):
 //   (a) attn_fwd_*: one CTA per (query tile, head group, sequence) walks all splits of its tile
@@ -91,6 +93,14 @@ __device__ __forceinline__ float finalize_lse(float m, float l) {
 }
 
 // ---- small PTX helpers ---------------------------------------------------------------------
+
+// 2^x with a subnormal result flushed to +0 (one MUFU.EX2; exp2f adds a rescale for results
+// below 2^-126).  Used for every P element in every mode; equal to exp2f for x >= -126.
+__device__ __forceinline__ float exp2_ftz(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
 
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
     return static_cast<uint32_t>(__cvta_generic_to_shared(p));
@@ -240,6 +250,15 @@ __device__ __forceinline__ void attn_tile(const Params& p) {
         vis_end[i] = !valid ? 0 : (p.causal ? max(0, min(k_len, offset + qi + 1)) : k_len);
     }
 
+    // Smallest visible-key count of the warp's real rows (padding rows never need a mask:
+    // their results are not stored), and whether any real row sits in the upper half-tile.
+    int vis_min = 0x7fffffff;
+#pragma unroll
+    for (int i = 0; i < 2; ++i)
+        if (row_q[i] >= 0) vis_min = min(vis_min, vis_end[i]);
+    const int warp_vis_min = __reduce_min_sync(0xffffffffu, vis_min);
+    const bool hi_rows = __any_sync(0xffffffffu, row_q[1] >= 0);
+
     const T* qp = static_cast<const T*>(p.q);
     const T* kp = static_cast<const T*>(p.k);
     const T* vp = static_cast<const T*>(p.v);
@@ -324,27 +343,49 @@ __device__ __forceinline__ void attn_tile(const Params& p) {
             }
         }
 
-        // Online softmax of the block, row by row (rows g and g + 8).
+        // Online softmax of the block, row by row (rows g and g + 8).  A block every real row
+        // of the warp sees in full skips the selection (it would select every score: same
+        // bits); half-tiles holding only padding rows (decode) skip the softmax (their P is 0
+        // and their state is never stored).
+        const bool masked = key0 + kBlockKeys > warp_vis_min;
         bool empty[2];
         float alpha[2];
         uint32_t pa[4][4];  // P as A fragments of the four k16 steps of PV
 #pragma unroll
         for (int i = 0; i < 2; ++i) {
+            if (i == 1 && !hi_rows) {
+                empty[1] = true;
+                alpha[1] = 1.0f;
+#pragma unroll
+                for (int t = 0; t < 8; ++t) s[t][2] = s[t][3] = 0.0f;
+                continue;
+            }
+            // fmaxf never returns a NaN score (as "x > mx ? x : mx"); the zero sign is fixed below.
             float mx = kNegInf;
+            if (masked) {
 #pragma unroll
-            for (int t = 0; t < 8; ++t) {
+                for (int t = 0; t < 8; ++t) {
 #pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    const int j = key0 + t * 8 + 2 * c + e;
-                    const float x = j < vis_end[i] ? __fmul_rn(s[t][2 * i + e], p.scale_log2) : kNegInf;
-                    s[t][2 * i + e] = x;
-                    mx = x > mx ? x : mx;
+                    for (int e = 0; e < 2; ++e) {
+                        const int j = key0 + t * 8 + 2 * c + e;
+                        const float x = j < vis_end[i] ? __fmul_rn(s[t][2 * i + e], p.scale_log2) : kNegInf;
+                        s[t][2 * i + e] = x;
+                        mx = fmaxf(mx, x);
+                    }
+                }
+            } else {
+#pragma unroll
+                for (int t = 0; t < 8; ++t) {
+#pragma unroll
+                    for (int e = 0; e < 2; ++e) {
+                        const float x = __fmul_rn(s[t][2 * i + e], p.scale_log2);
+                        s[t][2 * i + e] = x;
+                        mx = fmaxf(mx, x);
+                    }
                 }
             }
-            float o = __shfl_xor_sync(0xffffffffu, mx, 1);
-            mx = o > mx ? o : mx;
-            o = __shfl_xor_sync(0xffffffffu, mx, 2);
-            mx = o > mx ? o : mx;
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
             mx = mx == 0.0f ? 0.0f : mx;  // one zero (+0) whatever the lanes' order
             empty[i] = mx == kNegInf;
             const float m_new = empty[i] ? m[i] : (mx > m[i] ? mx : m[i]);
@@ -354,8 +395,8 @@ __device__ __forceinline__ void attn_tile(const Params& p) {
             for (int t = 0; t < 8; ++t) {
 #pragma unroll
                 for (int e = 0; e < 2; ++e) {
-                    const float x = s[t][2 * i + e];
-                    const float pe = (empty[i] || x == kNegInf) ? 0.0f : exp2f(__fsub_rn(x, m_new));
+                    // An invisible key (x = -inf) gives exp2(-inf) = +0: m_new is not -inf here.
+                    const float pe = empty[i] ? 0.0f : exp2_ftz(__fsub_rn(s[t][2 * i + e], m_new));
                     s[t][2 * i + e] = pe;
                     sum = __fadd_rn(sum, pe);
                 }
@@ -376,8 +417,13 @@ __device__ __forceinline__ void attn_tile(const Params& p) {
         for (int t = 0; t < NT; ++t) {
             acc[t][0] = __fmul_rn(acc[t][0], alpha[0]);
             acc[t][1] = __fmul_rn(acc[t][1], alpha[0]);
-            acc[t][2] = __fmul_rn(acc[t][2], alpha[1]);
-            acc[t][3] = __fmul_rn(acc[t][3], alpha[1]);
+        }
+        if (hi_rows) {
+#pragma unroll
+            for (int t = 0; t < NT; ++t) {
+                acc[t][2] = __fmul_rn(acc[t][2], alpha[1]);
+                acc[t][3] = __fmul_rn(acc[t][3], alpha[1]);
+            }
         }
         // A row with no visible key here adds only zero products; P = 0 could still turn an
         // acc of -0 into +0, so those signs are remembered and restored (warp-uniform branch).

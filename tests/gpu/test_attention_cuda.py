@@ -165,6 +165,22 @@ def test_modes_and_tile_heights_give_the_same_bits(dtype, d, causal):
         assert_bitwise_equal(got, base, name=name)
 
 
+@cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_wide_score_range_same_bits_in_every_mode(dtype):
+    # Scores spanning far more than 126 in the log2 domain: many P elements fall below 2^-126
+    # (flushed to +0 in every mode, see the kernel header); the result stays within tolerance.
+    q, k, v = _qkv(2, 40, LONG_CONTEXT, 8, 2, 128, dtype, seed=31)
+    kwargs = dict(causal=True, softmax_scale=1.0, return_lse=True)
+    base = gpu.attention(q, k, v, mode="tile", warps=4, **kwargs)
+    ref_out, ref_lse = attention_fp32(q, k, v, **kwargs)
+    assert_within_tolerance(base[0], ref_out, op_class="attention", name="out")
+    assert_within_tolerance(base[1], ref_lse, op_class="attention", name="lse", dtype=dtype)
+    for mode, warps, stages in (("tile", 1, 2), ("split", 4, 2), ("split", 1, 1)):
+        got = gpu.attention(q, k, v, mode=mode, warps=warps, stages=stages, **kwargs)
+        assert_bitwise_equal(got, base, name=f"{mode}/{warps} warps/{stages} stages")
+
+
 # ----------------------------------------------------------------------------- Axis-A, T1-T4, T6
 
 
