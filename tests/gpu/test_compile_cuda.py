@@ -58,10 +58,11 @@ def test_token_logprobs_training_step_inductor_same_bits_as_eager():
     targets[5] = -100
     advantages = torch.linspace(-1, 1, 37, device="cuda")
 
-    # Elementwise only: a sum compiled by inductor may add in another order than torch's
-    # (that is the stock glue, not batchinv); its backward (a broadcast) is exact either way.
+    # One multiply only: a sum compiled by inductor may add in another order than torch's, and
+    # inductor's negation of 0.0 gave -0.0 where eager gave +0.0 (H200, torch 2.11) -- stock
+    # glue, not batchinv.  The multiply and its backward (a broadcast) are exact either way.
     def step(h, w, t):
-        return -batchinv.token_logprobs(h, w, t) * advantages
+        return batchinv.token_logprobs(h, w, t) * advantages
 
     def run(fn):
         h = hidden.clone().requires_grad_()
