@@ -230,38 +230,12 @@ def matmul_nt(
         config = config or choose_small_m_config(m)
         if not isinstance(config, SmallMConfig):
             raise TypeError(f"family 'small_m' takes a SmallMConfig, got {type(config).__name__}")
-        x, weight = _aligned(x), _aligned(weight)
-        map_x = _tensor_map(x.data_ptr(), dtype_name, m, k, config.TOKENS_PER_CTA)
-        map_w = _tensor_map(weight.data_ptr(), dtype_name, n, k, config.block_n)
-        kernel = kernel_for("linear", config.kernel_name(x.dtype), x.device)
-        if config.shared_bytes > 48 * 1024:
-            _raise_shared_limit(kernel, config.shared_bytes, x.device.index)
-        launch(
-            kernel,
-            x.device,
-            grid=(-(-n // config.block_n) * -(-m // config.TOKENS_PER_CTA),),
-            block=(config.threads,),
-            args=(map_x, map_w, out, bias_arg, m, n, k),
-            shared_mem=config.shared_bytes,
-        )
+        _launch_tma_gemm(config, config.TOKENS_PER_CTA, x, weight, out, bias_arg)
     elif family == "hopper":
         config = config or choose_config(m, n, _multiprocessors(x.device.index))
         if not isinstance(config, TileConfig):
             raise TypeError(f"family 'hopper' takes a TileConfig, got {type(config).__name__}")
-        x, weight = _aligned(x), _aligned(weight)
-        map_x = _tensor_map(x.data_ptr(), dtype_name, m, k, config.block_m)
-        map_w = _tensor_map(weight.data_ptr(), dtype_name, n, k, config.block_n)
-        kernel = kernel_for("linear", config.kernel_name(x.dtype), x.device)
-        if config.shared_bytes > 48 * 1024:
-            _raise_shared_limit(kernel, config.shared_bytes, x.device.index)
-        launch(
-            kernel,
-            x.device,
-            grid=(-(-n // config.block_n) * -(-m // config.block_m),),
-            block=(config.threads,),
-            args=(map_x, map_w, out, bias_arg, m, n, k),
-            shared_mem=config.shared_bytes,
-        )
+        _launch_tma_gemm(config, config.block_m, x, weight, out, bias_arg)
     elif family == "mma":
         _require_sm80(x.device)
         launch(
@@ -274,6 +248,30 @@ def matmul_nt(
     else:
         raise ValueError(f"family must be 'auto', 'hopper', 'small_m' or 'mma', got {family!r}")
     return out
+
+
+def _launch_tma_gemm(
+    config: TileConfig | SmallMConfig, rows_per_cta: int, x: Tensor, weight: Tensor, out, bias_arg
+) -> None:
+    """One CTA per (``rows_per_cta`` rows of x) x (``config.block_n`` rows of the weight), both
+    operands read through TMA boxes of those heights (the Hopper and small-M families)."""
+    m, k = x.shape
+    n = weight.shape[0]
+    dtype_name = _DTYPE_NAMES[x.dtype]
+    x, weight = _aligned(x), _aligned(weight)
+    map_x = _tensor_map(x.data_ptr(), dtype_name, m, k, rows_per_cta)
+    map_w = _tensor_map(weight.data_ptr(), dtype_name, n, k, config.block_n)
+    kernel = kernel_for("linear", config.kernel_name(x.dtype), x.device)
+    if config.shared_bytes > 48 * 1024:
+        _raise_shared_limit(kernel, config.shared_bytes, x.device.index)
+    launch(
+        kernel,
+        x.device,
+        grid=(-(-n // config.block_n) * -(-m // rows_per_cta),),
+        block=(config.threads,),
+        args=(map_x, map_w, out, bias_arg, m, n, k),
+        shared_mem=config.shared_bytes,
+    )
 
 
 def _require_sm80(device: torch.device) -> None:
