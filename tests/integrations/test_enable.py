@@ -8,9 +8,9 @@ import threading
 import pytest
 import torch
 import torch.nn.functional as F
-from _hf_tiny_qwen3 import logits, make_hf_model, sweep_cases, token_ids
 
 import batchinv
+from _hf_tiny_qwen3 import logits, make_hf_model, sweep_cases, token_ids
 from batchinv.contract import assert_bitwise_equal, assert_within_tolerance, bitwise_equal
 from batchinv.integrations.enable import is_enabled
 

@@ -7,9 +7,9 @@ import sys
 
 import pytest
 import torch
-from _hf_tiny_qwen3 import logits, make_hf_model, sweep_cases, token_ids
 
 import batchinv
+from _hf_tiny_qwen3 import logits, make_hf_model, sweep_cases, token_ids
 from batchinv.contract import assert_bitwise_equal, assert_within_tolerance
 from batchinv.integrations import transformers as hf
 
