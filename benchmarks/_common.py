@@ -23,12 +23,13 @@ import argparse
 import datetime
 import importlib.metadata
 import json
-import os
 import platform
 import subprocess
 from pathlib import Path
 
 import torch
+
+from batchinv.provenance import source_commit
 
 SCHEMA = "batchinv-bench/1"
 RATIO_CONVENTION = (
@@ -103,22 +104,9 @@ def environment() -> dict:
         "multiprocessors": props.multi_processor_count,
         "driver": driver,
         "versions": versions,
-        "commit": os.environ.get("BATCHINV_GIT_COMMIT") or _git_commit(),
+        "commit": source_commit(Path(__file__).parent.parent),
         "date_utc": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
     }
-
-
-def _git_commit() -> str | None:
-    try:
-        return subprocess.run(
-            ["git", "rev-parse", "HEAD"],
-            cwd=Path(__file__).parent,
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return None  # a copy without .git: set BATCHINV_GIT_COMMIT
 
 
 def summary_row(

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import datetime
 import json
-import os
 import platform
 import re
 import subprocess
 from pathlib import Path
+
+from batchinv.provenance import source_commit
 
 
 def _run(command: list[str]) -> str:
@@ -68,9 +69,7 @@ def write_report(path: str, outcomes: dict[str, dict], exitstatus: int) -> None:
     gpu = _gpu()
     target = Path(path.replace("{gpu}", gpu_slug(gpu["name"])))
     report = {
-        "commit": os.environ.get("BATCHINV_GIT_COMMIT")
-        or _run(["git", "rev-parse", "HEAD"])
-        or None,
+        "commit": source_commit(Path(__file__).parent.parent),
         "date_utc": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "gpu": gpu,
         "versions": _versions(),
