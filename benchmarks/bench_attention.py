@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from _common import median_ms, parse_args, report, require_cuda, summary_row
+from _common import cuda_graph_replay, median_ms, parse_args, report, require_cuda, summary_row
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from batchinv.gpu import attention as gpu
@@ -78,20 +78,12 @@ def _time_or_none(fn):
 
 
 def _graphed(fn):
-    """``fn`` replayed from a CUDA graph: the GPU time without the Python launch overhead."""
+    """``fn`` replayed from a CUDA graph, or None (with a note) where capture fails."""
     try:
-        stream = torch.cuda.Stream()
-        with torch.cuda.stream(stream):
-            for _ in range(3):
-                fn()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn()
+        return cuda_graph_replay(fn)
     except RuntimeError as error:
         print(f"note: graph capture failed ({error.__class__.__name__}: {str(error)[:100]})")
         return None
-    return graph.replay
 
 
 def main() -> None:

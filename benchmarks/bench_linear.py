@@ -9,7 +9,7 @@ The Triton matmul of thinking-machines-lab/batch_invariant_ops is added when imp
 from __future__ import annotations
 
 import torch
-from _common import median_ms, parse_args, report, require_cuda, summary_row
+from _common import cuda_graph_replay, median_ms, parse_args, report, require_cuda, summary_row
 
 from batchinv.gpu.linear import (
     choose_config,
@@ -19,21 +19,6 @@ from batchinv.gpu.linear import (
     uses_hopper,
 )
 from batchinv.shapes import LINEAR_BENCH_M, QWEN3_8B_LINEAR
-
-
-def _graphed(fn):
-    """A callable replaying ``fn`` captured in a CUDA graph."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph.replay
-
 
 GOALS = {1: 0.8, 64: 0.8, 4096: 0.9}  # of cuBLAS, by M (issue 4)
 
@@ -73,7 +58,9 @@ def main() -> None:
             }
             if triton_bi is not None:
                 paths["batch_invariant_ops"] = lambda x=x, w=weight_t: triton_bi(x, w)
-            timing_modes = [("eager", lambda f: f)] + ([("graph", _graphed)] if m == 1 else [])
+            timing_modes = [("eager", lambda f: f)]
+            if m == 1:
+                timing_modes.append(("graph", cuda_graph_replay))
             for mode, wrap in timing_modes:
                 times = {path: median_ms(wrap(fn)) for path, fn in paths.items()}
                 suffix = "" if mode == "eager" else ", CUDA graph"
