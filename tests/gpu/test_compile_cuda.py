@@ -59,8 +59,9 @@ def test_token_logprobs_training_step_inductor_same_bits_as_eager():
     advantages = torch.linspace(-1, 1, 37, device="cuda")
 
     # One multiply only: a sum compiled by inductor may add in another order than torch's, and
-    # inductor's negation of 0.0 gave -0.0 where eager gave +0.0 (H200, torch 2.11) -- stock
-    # glue, not batchinv.  The multiply and its backward (a broadcast) are exact either way.
+    # `-logprob * advantages` gave -0.0 from inductor where eager gave +0.0 at an ignored token
+    # (H200, torch 2.11) -- stock glue, not batchinv.  A multiply and its backward (a
+    # broadcast) are exact either way.
     def step(h, w, t):
         return batchinv.token_logprobs(h, w, t) * advantages
 
