@@ -78,3 +78,85 @@ def test_token_logprobs_training_step_inductor_same_bits_as_eager():
     names = ("per-token loss", "grad hidden", "grad weight")
     for name, got, want in zip(names, compiled, eager, strict=True):
         assert_bitwise_equal(got, want, name=f"inductor {name}")
+
+
+def test_token_logprobs_compiled_backward_does_not_rerun_the_forward(monkeypatch):
+    """The compiled op saves the log-sum-exp: its backward runs the backward kernels only, so
+    the forward kernels run once per step (the eager autograd's count)."""
+    from batchinv.gpu import token_logprobs as gpu_token_logprobs
+
+    calls = []
+    real_forward = gpu_token_logprobs.forward
+
+    def counting_forward(*args, **kwargs):
+        calls.append(1)
+        return real_forward(*args, **kwargs)
+
+    monkeypatch.setattr(gpu_token_logprobs, "forward", counting_forward)
+    g = torch.Generator().manual_seed(3)
+    hidden = (torch.randn(21, 128, generator=g) * 0.5).to(torch.bfloat16).cuda().requires_grad_()
+    weight = (torch.randn(500, 128, generator=g) * 0.05).to(torch.bfloat16).cuda()
+    targets = torch.randint(0, 500, (21,), generator=g).cuda()
+    torch._dynamo.reset()
+    step = torch.compile(lambda h, w, t: batchinv.token_logprobs(h, w, t) * 2.0, fullgraph=True)
+    step(hidden, weight, targets).sum().backward()
+    assert len(calls) == 1, f"the forward kernels ran {len(calls)} times in one compiled step"
+    assert hidden.grad is not None and hidden.grad.shape == hidden.shape
+
+
+def _attention_inputs(batch: int, seq: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    shapes = ((batch, seq, 8, 64), (batch, seq, 2, 64), (batch, seq, 2, 64))
+    return [torch.randn(s, generator=g).to(torch.bfloat16).cuda() for s in shapes]
+
+
+def _count_forward_calls(monkeypatch) -> list:
+    from batchinv.gpu import attention as gpu_attention
+
+    calls = []
+    real_forward = gpu_attention.forward
+
+    def counting_forward(*args, **kwargs):
+        calls.append(1)
+        return real_forward(*args, **kwargs)
+
+    monkeypatch.setattr(gpu_attention, "forward", counting_forward)
+    return calls
+
+
+@pytest.mark.parametrize("varlen", [False, True], ids=["padded_masked", "varlen"])
+def test_attention_compiled_backward_eager_bits_without_a_second_forward(monkeypatch, varlen):
+    """The compiled attention op saves (out, lse): its backward gives the eager gradients bit
+    for bit and the forward kernels run once per step."""
+    q, k, v = _attention_inputs(2, 75, seed=4)
+    if varlen:
+        q, k, v = (t.reshape(150, *t.shape[2:]) for t in (q, k, v))
+        cu = torch.tensor([0, 75, 131], dtype=torch.int32, device="cuda")
+
+        def fn(q, k, v):
+            return batchinv.attention_varlen(q, k, v, cu, cu, causal=True) * 2.0
+    else:
+        keep = torch.ones(2, 75, dtype=torch.bool, device="cuda")
+        keep[0, 10:13] = False
+        keep[1, 40:] = False
+        seqlens = torch.tensor([75, 60], device="cuda")
+
+        def fn(q, k, v):
+            out = batchinv.attention(q, k, v, causal=True, seqlens_q=seqlens, key_padding_mask=keep)
+            return out * 2.0
+
+    grad = torch.randn(q.shape, generator=torch.Generator().manual_seed(5)).to(q).cuda()
+
+    def run(f):
+        inputs = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = f(*inputs)
+        out.backward(grad)
+        return [out.detach()] + [t.grad for t in inputs]
+
+    eager = run(fn)
+    calls = _count_forward_calls(monkeypatch)
+    torch._dynamo.reset()
+    compiled = run(torch.compile(fn, fullgraph=True))
+    assert len(calls) == 1, f"the forward kernels ran {len(calls)} times in one compiled step"
+    for name, got, want in zip(("out", "dq", "dk", "dv"), compiled, eager, strict=True):
+        assert_bitwise_equal(got, want, name=f"inductor attention {name}")

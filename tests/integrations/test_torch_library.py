@@ -125,12 +125,15 @@ def test_custom_op_equals_public_op_bitwise(case):
         "attention_varlen": lambda a: batchinv.attention_varlen(
             *a[:5], causal=a[5], softmax_scale=a[6], return_lse=True
         ),
-        "token_logprobs": lambda a: (  # the op's second output is empty without entropy
+        # The op's entropy is empty without entropy; its lse is empty on the CPU.
+        "token_logprobs": lambda a: (
             batchinv.token_logprobs(*a[:4], vocab_chunk=a[4]),
             torch.empty(0),
+            torch.empty(0),
         ),
-        "token_logprobs_entropy": lambda a: batchinv.token_logprobs(
-            *a[:4], vocab_chunk=a[4], return_entropy=True
+        "token_logprobs_entropy": lambda a: (
+            *batchinv.token_logprobs(*a[:4], vocab_chunk=a[4], return_entropy=True),
+            torch.empty(0),
         ),
     }[case]
 
@@ -272,3 +275,28 @@ def test_token_logprobs_compiles_fullgraph_with_eager_bits():
     torch._dynamo.reset()
     compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
     assert_bitwise_equal(compiled(hidden, weight, targets), fn(hidden, weight, targets))
+
+
+def test_backward_op_computes_only_the_gradients_asked_for():
+    """The backward op gets a ``needs`` flag per differentiable input and returns an empty
+    tensor (nothing computed) where it is False."""
+    x, weight, bias = _randn(2, 3, 8, seed=40), _randn(5, 8, seed=41), _randn(5, seed=42)
+    grad_out = _randn(2, 3, 5, seed=43, requires_grad=False)
+    with torch.no_grad():
+        grad_x, grad_weight, grad_bias = OPS.linear_backward(
+            [grad_out], [True, False, False], [], x, weight, bias
+        )
+    assert grad_x.shape == x.shape
+    assert grad_weight.numel() == 0 and grad_bias.numel() == 0
+
+
+def test_frozen_input_gets_no_gradient_and_the_other_the_eager_bits():
+    hidden = _randn(4, 8, seed=44)
+    weight = _randn(13, 8, seed=45, requires_grad=False)
+    targets = torch.tensor([0, 12, -100, 4])
+    logprobs, _entropy, _lse = OPS.token_logprobs(hidden, weight, targets, -100, 4096, False)
+    logprobs.sum().backward()
+    want = hidden.detach().clone().requires_grad_()
+    batchinv.token_logprobs(want, weight, targets).sum().backward()
+    assert weight.grad is None
+    assert_bitwise_equal(hidden.grad, want.grad, name="grad hidden")

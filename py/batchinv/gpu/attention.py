@@ -306,25 +306,29 @@ class _AttentionFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out, _grad_lse):
         q, k, v, out, lse = ctx.saved_tensors
-        lay = ctx.layout
-        # The backward kernels take dense rows; the forward also accepts strided views.
-        dq, dk, dv = attention_backward.backward(
-            q.contiguous(),
-            k.contiguous(),
-            v.contiguous(),
-            out,
-            lse,
-            grad_out.contiguous(),
-            lay.q_start,
-            lay.q_len,
-            lay.k_start,
-            lay.k_len,
-            lay.max_q_len,
-            lay.max_k_len,
-            causal=ctx.causal,
-            scale=ctx.scale,
-        )
+        dq, dk, dv = _backward_rows(q, k, v, out, lse, grad_out, ctx.layout, ctx.causal, ctx.scale)
         return dq, dk, dv, None, None, None, None
+
+
+def _backward_rows(q, k, v, out, lse, grad_out, layout: Layout, causal: bool, scale: float):
+    """``(dq, dk, dv)`` on the canonical layout (rows ``[T, H, d]``, lse ``[Hq, Tq]``)."""
+    # The backward kernels take dense rows; the forward also accepts strided views.
+    return attention_backward.backward(
+        q.contiguous(),
+        k.contiguous(),
+        v.contiguous(),
+        out,
+        lse,
+        grad_out.contiguous(),
+        layout.q_start,
+        layout.q_len,
+        layout.k_start,
+        layout.k_len,
+        layout.max_q_len,
+        layout.max_k_len,
+        causal=causal,
+        scale=scale,
+    )
 
 
 def _run(q, k, v, layout: Layout, causal: bool, scale: float, prefill_zero: bool, **tuning):
@@ -347,13 +351,42 @@ def _full(batch: int, value: int, device) -> Tensor:
 
 def _compact_kept_keys(k, v, key_padding_mask, k_len):
     """Kept keys moved to the front of each sequence, in storage order (the mask's definition:
-    kept keys are renumbered 0, 1, ...); returns ``(k, v, kept counts)``."""
+    kept keys are renumbered 0, 1, ...); returns ``(k, v, kept counts, gather index)``."""
     sk = k.shape[1]
     positions = torch.arange(sk, device=k.device)
     kept = key_padding_mask & (positions[None, :] < k_len[:, None])
     order = torch.sort((~kept).to(torch.int8), dim=1, stable=True).indices
     index = order[:, :, None, None].expand(-1, -1, k.shape[2], k.shape[3])
-    return torch.gather(k, 1, index), torch.gather(v, 1, index), kept.sum(dim=1)
+    return torch.gather(k, 1, index), torch.gather(v, 1, index), kept.sum(dim=1), index
+
+
+def _padded_layout(q, k, v, seqlens_q, seqlens_k, key_padding_mask):
+    """``(k, v, layout, gather index or None)`` of a padded call: ``k, v`` with the kept keys
+    compacted where there is a mask."""
+    batch, sq = q.shape[:2]
+    sk = k.shape[1]
+    device = q.device
+    q_len = _full(batch, sq, device) if seqlens_q is None else seqlens_q
+    k_len = _full(batch, sk, device) if seqlens_k is None else seqlens_k
+    index = None
+    if key_padding_mask is not None:
+        k, v, k_len, index = _compact_kept_keys(k, v, key_padding_mask, k_len)
+    layout = make_layout(
+        torch.arange(batch, device=device) * sq,
+        q_len,
+        torch.arange(batch, device=device) * sk,
+        k_len,
+        sq,
+        sk,
+    )
+    return k, v, layout, index
+
+
+def _varlen_layout(cu_seqlens_q: Tensor, cu_seqlens_k: Tensor) -> Layout:
+    q_len = cu_seqlens_q[1:] - cu_seqlens_q[:-1]
+    k_len = cu_seqlens_k[1:] - cu_seqlens_k[:-1]
+    bounds = torch.stack([q_len.max(), k_len.max()]).tolist()  # one sync for both bounds
+    return make_layout(cu_seqlens_q[:-1], q_len, cu_seqlens_k[:-1], k_len, *bounds)
 
 
 def attention(
@@ -373,19 +406,7 @@ def attention(
     check_supported(q, k, v)
     batch, sq, hq, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
-    device = q.device
-    q_len = _full(batch, sq, device) if seqlens_q is None else seqlens_q
-    k_len = _full(batch, sk, device) if seqlens_k is None else seqlens_k
-    if key_padding_mask is not None:
-        k, v, k_len = _compact_kept_keys(k, v, key_padding_mask, k_len)
-    layout = make_layout(
-        torch.arange(batch, device=device) * sq,
-        q_len,
-        torch.arange(batch, device=device) * sk,
-        k_len,
-        sq,
-        sk,
-    )
+    k, v, layout, _ = _padded_layout(q, k, v, seqlens_q, seqlens_k, key_padding_mask)
     out, lse = _run(
         q.reshape(batch * sq, hq, d),
         k.reshape(batch * sk, hkv, d),
@@ -416,12 +437,70 @@ def attention_varlen(
 ):
     """CUDA ``batchinv.attention_varlen`` (packed rows; ``lse [Hq, Tq]``)."""
     check_supported(q, k, v)
-    q_len = cu_seqlens_q[1:] - cu_seqlens_q[:-1]
-    k_len = cu_seqlens_k[1:] - cu_seqlens_k[:-1]
-    bounds = torch.stack([q_len.max(), k_len.max()]).tolist()  # one sync for both bounds
-    layout = make_layout(cu_seqlens_q[:-1], q_len, cu_seqlens_k[:-1], k_len, *bounds)
+    layout = _varlen_layout(cu_seqlens_q, cu_seqlens_k)
     out, lse = _run(q, k, v, layout, causal, scale_of(softmax_scale, q.shape[-1]), False, **tuning)
     return (out, lse) if return_lse else out
+
+
+# The torch.library ops' backward (integrations/torch_library.py): the eager autograd's
+# kernels on the forward's saved outputs, with the same layout and the same views, hence the
+# eager bits, without running the forward again.
+
+
+def attention_saved_backward(
+    grad_out: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    *,
+    causal: bool,
+    softmax_scale: float | None,
+    seqlens_q: Tensor | None,
+    seqlens_k: Tensor | None,
+    key_padding_mask: Tensor | None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``(dq, dk, dv)`` of ``attention`` from its ``(out, lse [B, Hq, Sq])``."""
+    batch, sq, hq, d = q.shape
+    sk, hkv = k.shape[1], k.shape[2]
+    k_used, v_used, layout, index = _padded_layout(q, k, v, seqlens_q, seqlens_k, key_padding_mask)
+    dq, dk, dv = _backward_rows(
+        as_rows(q.reshape(batch * sq, hq, d).contiguous()),
+        as_rows(k_used.reshape(batch * sk, hkv, d).contiguous()),
+        as_rows(v_used.reshape(batch * sk, hkv, d).contiguous()),
+        out.reshape(batch * sq, hq, d),
+        lse.permute(1, 0, 2).reshape(hq, batch * sq),
+        grad_out.reshape(batch * sq, hq, d),
+        layout,
+        causal,
+        scale_of(softmax_scale, d),
+    )
+    dk, dv = dk.view(batch, sk, hkv, d), dv.view(batch, sk, hkv, d)
+    if index is not None:  # the gather's backward, as autograd computes it
+        dk = torch.zeros_like(k).scatter_add_(1, index, dk)
+        dv = torch.zeros_like(v).scatter_add_(1, index, dv)
+    return dq.view(q.shape), dk, dv
+
+
+def attention_varlen_saved_backward(
+    grad_out: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    *,
+    cu_seqlens_q: Tensor,
+    cu_seqlens_k: Tensor,
+    causal: bool,
+    softmax_scale: float | None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``(dq, dk, dv)`` of ``attention_varlen`` from its ``(out, lse [Hq, Tq])``."""
+    layout = _varlen_layout(cu_seqlens_q, cu_seqlens_k)
+    rows = (as_rows(t.contiguous()) for t in (q, k, v))
+    scale = scale_of(softmax_scale, q.shape[-1])
+    return _backward_rows(*rows, out, lse, grad_out, layout, causal, scale)
 
 
 def attention_with_kv_cache(

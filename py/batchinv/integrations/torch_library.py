@@ -9,11 +9,17 @@ What each op gives the compiler:
 
 - a fake implementation that checks dtypes and shapes (the checks that read no tensor values)
   and returns outputs of the right shape and dtype;
-- autograd through a ``batchinv::<op>_backward`` custom op.  ``linear`` calls the registry's
-  backward (the fixed-order kernels) directly.  The other ops recompute their forward with
-  autograd inside the backward op and take the registered autograd's gradients: the same
-  functions, hence the same bits as eager autograd, at the cost of one extra forward (cheap
-  for these memory-bound ops; attention's reference backward recomputes P anyway).
+- autograd through a ``batchinv::<op>_backward`` custom op, told which inputs need a
+  gradient (the others are not computed where the backward can skip them).  ``linear``
+  calls the registry's backward (the fixed-order kernels) directly.  On the GPU, ``attention``,
+  ``attention_varlen`` and ``token_logprobs`` save their outputs (``token_logprobs`` returns
+  its fp32 log-sum-exp as a third output for this, empty on the CPU) and their backward calls
+  the registry's ``<op>.saved_backward``: the eager autograd's backward kernels on the same
+  tensors, without running the forward again.  The other ops, and these on the CPU, recompute
+  their forward with autograd inside the backward op and take the registered autograd's
+  gradients: the same functions, hence the same bits as eager autograd, at the cost of one
+  extra forward (cheap for the memory-bound ops; the CPU attention reference recomputes P in
+  its backward anyway).
 
 Checks that read tensor values (id and position ranges, ``cu_seqlens`` / ``seqlens``
 contents) need a host sync, so under ``torch.compile`` they do not run at trace time: they run
@@ -79,15 +85,21 @@ def _autograd_dispatch() -> Iterator[None]:
 
 
 def _recompute_grads(
-    forward: Callable, args: Sequence, differentiable: Sequence[int], grads: Sequence
+    forward: Callable,
+    args: Sequence,
+    differentiable: Sequence[int],
+    needs: Sequence[bool],
+    grads: Sequence,
 ) -> list[Tensor]:
-    """Gradients of ``forward(*args)`` for ``args[i], i in differentiable`` by running it again
-    with autograd: the eager op's own backward, so the eager bits."""
+    """Gradients of ``forward(*args)`` for ``args[i], i in differentiable`` where ``needs``
+    says so, by running it again with autograd: the eager op's own backward, so the eager
+    bits.  An input that needs no gradient gets an empty tensor."""
+    wanted = [need and args[i] is not None for i, need in zip(differentiable, needs, strict=True)]
     with _autograd_dispatch():
         inputs = list(args)
         leaves = []
-        for i in differentiable:
-            if inputs[i] is not None:
+        for i, want in zip(differentiable, wanted, strict=True):
+            if want:
                 inputs[i] = inputs[i].detach().requires_grad_()
                 leaves.append(inputs[i])
         outputs = forward(*inputs)
@@ -105,13 +117,15 @@ def _recompute_grads(
             if pairs
             else [torch.zeros_like(leaf) for leaf in leaves]
         )
-    return [
-        _empty_grad(grads[0]) if args[i] is None else next(got).detach() for i in differentiable
-    ]
+    return [next(got).detach() if want else _empty_grad(grads[0]) for want in wanted]
 
 
 class _OpSpec:
-    """One custom op: its schema, eager function, fake, and differentiable inputs."""
+    """One custom op: its schema, eager function, fake, and differentiable inputs.
+
+    ``backward(grads, needs, outputs, *args)`` (default: recompute the forward with autograd)
+    returns one tensor per differentiable input, empty where ``needs`` is False; ``outputs``
+    are the forward's outputs where ``saves_outputs``, else empty."""
 
     def __init__(
         self,
@@ -121,10 +135,12 @@ class _OpSpec:
         fake: Callable,
         differentiable: tuple[int, ...],
         backward: Callable | None = None,
+        saves_outputs: bool = False,
     ):
         self.name = name
         self.eager = eager
         self.differentiable = differentiable
+        self.saves_outputs = saves_outputs
         self.op = torch.library.custom_op(
             f"{NAMESPACE}::{name}", eager, mutates_args=(), schema=schema
         )
@@ -135,33 +151,40 @@ class _OpSpec:
             f"{NAMESPACE}::{name}_backward",
             backward_impl,
             mutates_args=(),
-            schema=f"(Tensor?[] grads, {args}) -> Tensor[]",
+            schema=f"(Tensor?[] grads, bool[] needs, Tensor[] outputs, {args}) -> Tensor[]",
         )
         self.backward_op.register_fake(self._backward_fake)
         self.op.register_autograd(self._backward, setup_context=self._setup_context)
 
-    def _recompute_backward(self, grads, *args):
-        return _recompute_grads(self.eager, args, self.differentiable, grads)
+    def _recompute_backward(self, grads, needs, outputs, *args):
+        return _recompute_grads(self.eager, args, self.differentiable, needs, grads)
 
-    def _backward_fake(self, grads, *args):
+    def _backward_fake(self, grads, needs, outputs, *args):
         like = next(g for g in grads if g is not None)
         return [
-            _empty_grad(like) if args[i] is None else torch.empty_like(args[i])
-            for i in self.differentiable
+            torch.empty_like(args[i]) if need and args[i] is not None else _empty_grad(like)
+            for i, need in zip(self.differentiable, needs, strict=True)
         ]
 
-    @staticmethod
-    def _setup_context(ctx, inputs, output):
-        ctx.save_for_backward(*(a if isinstance(a, Tensor) else None for a in inputs))
+    def _setup_context(self, ctx, inputs, output):
+        outputs = output if isinstance(output, tuple) else (output,)
+        saved_outputs = outputs if self.saves_outputs else ()
+        ctx.save_for_backward(
+            *(a if isinstance(a, Tensor) else None for a in inputs), *saved_outputs
+        )
         ctx.constants = [None if isinstance(a, Tensor) else a for a in inputs]
 
     def _backward(self, ctx, *grads):
         saved = ctx.saved_tensors
-        args = [t if c is None else c for t, c in zip(saved, ctx.constants, strict=True)]
-        got = self.backward_op(list(grads), *args)
-        result: list[Tensor | None] = [None] * len(args)
-        for i, grad in zip(self.differentiable, got, strict=True):
-            if args[i] is not None and ctx.needs_input_grad[i]:
+        count = len(ctx.constants)
+        args = [t if c is None else c for t, c in zip(saved[:count], ctx.constants, strict=True)]
+        needs = [bool(ctx.needs_input_grad[i]) and args[i] is not None for i in self.differentiable]
+        result: list[Tensor | None] = [None] * count
+        if not any(needs):
+            return tuple(result)
+        got = self.backward_op(list(grads), needs, list(saved[count:]), *args)
+        for i, need, grad in zip(self.differentiable, needs, got, strict=True):
+            if need:
                 result[i] = grad
         return tuple(result)
 
@@ -174,13 +197,12 @@ def _linear_fake(x, weight, bias):
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
-def _linear_backward(grads, x, weight, bias):
+def _linear_backward(grads, needs, outputs, x, weight, bias):
     (grad_out,) = grads
-    needs = (True, True, bias is not None)
     bias_dtype = None if bias is None else bias.dtype
     backward = registry.lookup("linear.backward", grad_out.device)
-    gx, gw, gb = backward(grad_out, x, weight, bias_dtype, needs)
-    return [gx, gw, _empty_grad(grad_out) if gb is None else gb]
+    got = backward(grad_out, x, weight, bias_dtype, tuple(needs))
+    return [_empty_grad(grad_out) if g is None else g for g in got]
 
 
 def _embedding_fake(ids, weight, check_ids):
@@ -269,7 +291,8 @@ def _token_logprobs_fake(hidden, lm_head_weight, target_ids, ignore_index, vocab
         hidden, lm_head_weight, target_ids, ignore_index, vocab_chunk, check_values=False
     )
     logprobs = hidden.new_empty(target_ids.shape, dtype=torch.float32)
-    return logprobs, torch.empty_like(logprobs) if entropy else logprobs.new_empty((0,))
+    lse = logprobs.new_empty((0,) if hidden.device.type == "cpu" else target_ids.shape)
+    return logprobs, torch.empty_like(logprobs) if entropy else logprobs.new_empty((0,)), lse
 
 
 # ----------------------------------------------------------------------------- eager bodies
@@ -326,21 +349,95 @@ def _attention_varlen_eager(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, softmax
 
 
 def _token_logprobs_eager(hidden, lm_head_weight, target_ids, ignore_index, vocab_chunk, entropy):
-    # A custom op has a fixed number of outputs: without entropy the second is empty.
-    out = token_logprobs_ops.token_logprobs(
+    # A custom op has a fixed number of outputs: (logprobs, entropy, lse), the entropy empty
+    # when not requested, the lse empty on the CPU (whose backward recomputes the forward).
+    if hidden.device.type == "cpu":
+        out = token_logprobs_ops.token_logprobs(
+            hidden,
+            lm_head_weight,
+            target_ids,
+            ignore_index,
+            vocab_chunk=vocab_chunk,
+            return_entropy=entropy,
+        )
+        lse = hidden.new_empty((0,), dtype=torch.float32)
+        return (*out, lse) if entropy else (out, torch.empty_like(lse), lse)
+    token_logprobs_reference.check_token_logprobs_args(
+        hidden, lm_head_weight, target_ids, ignore_index, vocab_chunk, check_values=False
+    )
+    saving_forward = registry.lookup("token_logprobs.saving_forward", hidden.device)
+    return saving_forward(hidden, lm_head_weight, target_ids, ignore_index, entropy)
+
+
+def _token_logprobs_backward(grads, needs, outputs, *args):
+    hidden, lm_head_weight, target_ids, ignore_index, _vocab_chunk, entropy = args
+    if hidden.device.type == "cpu":
+        return OPS["token_logprobs"]._recompute_backward(grads, needs, outputs, *args)
+    grad_logprob, grad_entropy, _grad_lse = grads  # the lse carries no gradient
+    _logprobs, entropy_out, lse = outputs
+    saved_backward = registry.lookup("token_logprobs.saved_backward", hidden.device)
+    got = saved_backward(
+        grad_logprob,
+        grad_entropy if entropy else None,
         hidden,
         lm_head_weight,
         target_ids,
         ignore_index,
-        vocab_chunk=vocab_chunk,
-        return_entropy=entropy,
+        lse,
+        entropy_out if entropy else None,
+        tuple(needs),
     )
-    return out if entropy else (out, out.new_empty((0,)))
+    return [_empty_grad(lse) if g is None else g for g in got]
+
+
+def _output_grad(grad: Tensor | None, output: Tensor) -> Tensor:
+    return torch.zeros_like(output) if grad is None else grad
+
+
+def _attention_backward(grads, needs, outputs, *args):
+    q, k, v, causal, softmax_scale, seqlens_q, seqlens_k, key_padding_mask = args
+    if q.device.type == "cpu":
+        return OPS["attention"]._recompute_backward(grads, needs, outputs, *args)
+    saved_backward = registry.lookup("attention.saved_backward", q.device)
+    return list(
+        saved_backward(
+            _output_grad(grads[0], outputs[0]),  # the lse carries no gradient
+            q,
+            k,
+            v,
+            *outputs,
+            causal=causal,
+            softmax_scale=softmax_scale,
+            seqlens_q=seqlens_q,
+            seqlens_k=seqlens_k,
+            key_padding_mask=key_padding_mask,
+        )
+    )
+
+
+def _attention_varlen_backward(grads, needs, outputs, *args):
+    q, k, v, cu_seqlens_q, cu_seqlens_k, causal, softmax_scale = args
+    if q.device.type == "cpu":
+        return OPS["attention_varlen"]._recompute_backward(grads, needs, outputs, *args)
+    saved_backward = registry.lookup("attention_varlen.saved_backward", q.device)
+    return list(
+        saved_backward(
+            _output_grad(grads[0], outputs[0]),  # the lse carries no gradient
+            q,
+            k,
+            v,
+            *outputs,
+            cu_seqlens_q=cu_seqlens_q,
+            cu_seqlens_k=cu_seqlens_k,
+            causal=causal,
+            softmax_scale=softmax_scale,
+        )
+    )
 
 
 _TOKEN_LOGPROBS_SCHEMA = (
     "(Tensor hidden, Tensor lm_head_weight, Tensor target_ids, int ignore_index, "
-    "int vocab_chunk, bool entropy) -> (Tensor, Tensor)"
+    "int vocab_chunk, bool entropy) -> (Tensor, Tensor, Tensor)"
 )
 _ATTENTION_SCHEMA = (
     "(Tensor q, Tensor k, Tensor v, bool causal, float? softmax_scale, Tensor? seqlens_q, "
@@ -409,13 +506,23 @@ OPS: dict[str, _OpSpec] = {
             _log_softmax_fake,
             (0,),
         ),
-        _OpSpec("attention", _ATTENTION_SCHEMA, _attention_eager, _attention_fake, (0, 1, 2)),
+        _OpSpec(
+            "attention",
+            _ATTENTION_SCHEMA,
+            _attention_eager,
+            _attention_fake,
+            (0, 1, 2),
+            backward=_attention_backward,
+            saves_outputs=True,
+        ),
         _OpSpec(
             "attention_varlen",
             _ATTENTION_VARLEN_SCHEMA,
             _attention_varlen_eager,
             _attention_varlen_fake,
             (0, 1, 2),
+            backward=_attention_varlen_backward,
+            saves_outputs=True,
         ),
         _OpSpec(
             "token_logprobs",
@@ -423,6 +530,8 @@ OPS: dict[str, _OpSpec] = {
             _token_logprobs_eager,
             _token_logprobs_fake,
             (0, 1),
+            backward=_token_logprobs_backward,
+            saves_outputs=True,
         ),
     )
 }

@@ -25,6 +25,9 @@ registry.register("attention_with_kv_cache", "cpu")(reference.attention_with_kv_
 registry.register("attention", "cuda")(gpu.attention)
 registry.register("attention_varlen", "cuda")(gpu.attention_varlen)
 registry.register("attention_with_kv_cache", "cuda")(gpu.attention_with_kv_cache)
+# The torch.library ops' backward from saved outputs (integrations/torch_library.py).
+registry.register("attention.saved_backward", "cuda")(gpu.attention_saved_backward)
+registry.register("attention_varlen.saved_backward", "cuda")(gpu.attention_varlen_saved_backward)
 
 
 def attention(

@@ -76,6 +76,54 @@ registry.register("token_logprobs", "cuda")(_gpu_token_logprobs)
 registry.register("token_logprobs", "cpu")(reference.token_logprobs)
 
 
+# The torch.library op (integrations/torch_library.py) saves the log-sum-exp instead of
+# recomputing the forward in its backward: these two run the eager autograd's forward and
+# backward kernels on the same tensors, hence its bits.  GPU only; the CPU op recomputes.
+@registry.register("token_logprobs.saving_forward", "cuda")
+def _gpu_saving_forward(
+    hidden: Tensor,
+    lm_head_weight: Tensor,
+    target_ids: Tensor,
+    ignore_index: int,
+    with_entropy: bool,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``(logprobs, entropy or an empty tensor, lse)``, each fp32 of ``target_ids.shape``."""
+    logprob, lse, entropy, _ = gpu.forward(
+        hidden, lm_head_weight, target_ids, ignore_index, with_entropy
+    )
+    shape = target_ids.shape
+    entropy = entropy.reshape(shape) if with_entropy else logprob.new_empty((0,))
+    return logprob.reshape(shape), entropy, lse.reshape(shape)
+
+
+@registry.register("token_logprobs.saved_backward", "cuda")
+def _gpu_saved_backward(
+    grad_logprob: Tensor,
+    grad_entropy: Tensor | None,
+    hidden: Tensor,
+    lm_head_weight: Tensor,
+    target_ids: Tensor,
+    ignore_index: int,
+    lse: Tensor,
+    entropy: Tensor | None,
+    needs: tuple[bool, bool],
+) -> tuple[Tensor | None, Tensor | None]:
+    """``(d_hidden, d_weight)`` (None where ``needs`` is False) from the saving forward's
+    outputs; ``grad_entropy``/``entropy`` are None when the entropy was not requested."""
+    targets32, _ = gpu.prepare_targets(target_ids, ignore_index, lm_head_weight.shape[0])
+    return gpu.backward(
+        grad_logprob,
+        grad_entropy,
+        hidden,
+        lm_head_weight,
+        targets32,
+        lse.reshape(-1),
+        None if entropy is None else entropy.reshape(-1),
+        needs[0],
+        needs[1],
+    )
+
+
 def token_logprobs(
     hidden: Tensor,
     lm_head_weight: Tensor,
@@ -98,7 +146,7 @@ def token_logprobs(
     """
     if torch.compiler.is_compiling():  # one opaque node (integrations/torch_library.py)
         args = (ignore_index, vocab_chunk, bool(return_entropy))
-        logprobs, entropy = torch.ops.batchinv.token_logprobs(
+        logprobs, entropy, _lse = torch.ops.batchinv.token_logprobs(
             hidden, lm_head_weight, target_ids, *args
         )
         return (logprobs, entropy) if return_entropy else logprobs
