@@ -394,45 +394,20 @@ def _output_grad(grad: Tensor | None, output: Tensor) -> Tensor:
     return torch.zeros_like(output) if grad is None else grad
 
 
-def _attention_backward(grads, needs, outputs, *args):
-    q, k, v, causal, softmax_scale, seqlens_q, seqlens_k, key_padding_mask = args
-    if q.device.type == "cpu":
-        return OPS["attention"]._recompute_backward(grads, needs, outputs, *args)
-    saved_backward = registry.lookup("attention.saved_backward", q.device)
-    return list(
-        saved_backward(
-            _output_grad(grads[0], outputs[0]),  # the lse carries no gradient
-            q,
-            k,
-            v,
-            *outputs,
-            causal=causal,
-            softmax_scale=softmax_scale,
-            seqlens_q=seqlens_q,
-            seqlens_k=seqlens_k,
-            key_padding_mask=key_padding_mask,
-        )
-    )
+def _attention_backward_of(name: str, options: tuple[str, ...]) -> Callable:
+    """The backward op body of ``attention`` or ``attention_varlen``, whose arguments after
+    ``q, k, v`` are the keyword ``options`` of the registry's ``<name>.saved_backward``."""
 
+    def backward(grads, needs, outputs, *args):
+        q, k, v, *rest = args
+        if q.device.type == "cpu":
+            return OPS[name]._recompute_backward(grads, needs, outputs, *args)
+        saved_backward = registry.lookup(f"{name}.saved_backward", q.device)
+        grad_out = _output_grad(grads[0], outputs[0])  # the lse carries no gradient
+        keywords = dict(zip(options, rest, strict=True))
+        return list(saved_backward(grad_out, q, k, v, *outputs, **keywords))
 
-def _attention_varlen_backward(grads, needs, outputs, *args):
-    q, k, v, cu_seqlens_q, cu_seqlens_k, causal, softmax_scale = args
-    if q.device.type == "cpu":
-        return OPS["attention_varlen"]._recompute_backward(grads, needs, outputs, *args)
-    saved_backward = registry.lookup("attention_varlen.saved_backward", q.device)
-    return list(
-        saved_backward(
-            _output_grad(grads[0], outputs[0]),  # the lse carries no gradient
-            q,
-            k,
-            v,
-            *outputs,
-            cu_seqlens_q=cu_seqlens_q,
-            cu_seqlens_k=cu_seqlens_k,
-            causal=causal,
-            softmax_scale=softmax_scale,
-        )
-    )
+    return backward
 
 
 _TOKEN_LOGPROBS_SCHEMA = (
@@ -512,7 +487,10 @@ OPS: dict[str, _OpSpec] = {
             _attention_eager,
             _attention_fake,
             (0, 1, 2),
-            backward=_attention_backward,
+            backward=_attention_backward_of(
+                "attention",
+                ("causal", "softmax_scale", "seqlens_q", "seqlens_k", "key_padding_mask"),
+            ),
             saves_outputs=True,
         ),
         _OpSpec(
@@ -521,7 +499,9 @@ OPS: dict[str, _OpSpec] = {
             _attention_varlen_eager,
             _attention_varlen_fake,
             (0, 1, 2),
-            backward=_attention_varlen_backward,
+            backward=_attention_backward_of(
+                "attention_varlen", ("cu_seqlens_q", "cu_seqlens_k", "causal", "softmax_scale")
+            ),
             saves_outputs=True,
         ),
         _OpSpec(
