@@ -173,7 +173,7 @@ def main() -> None:
             )
         if mode == "split":
             # The cooperative kernel at each pipeline depth, and the one-warp kernel.
-            variants = [(True, s) for s in gpu.COOP_STAGES] + [(False, 1), (False, 2)]
+            variants = [(True, s) for s in gpu.COOP_STAGES] + [(False, 2)]
             for coop, stages in variants:
                 kernel = "coop" if coop else "1 warp"
                 paths[f"batchinv (split, {kernel}, {stages} stage, forced)"] = median_ms(

@@ -623,8 +623,8 @@ __device__ __forceinline__ void attn_split_coop(const Params& p) {
     static_assert(kThreads % kChunksPerRow == 0 && kBlockKeys % kRowStep == 0, "load mapping");
     const int r0 = tid / kChunksPerRow;
     const int ch0 = (tid % kChunksPerRow) * 8;
-    const T* k_thread = kp + (k_base + r0) * p.k_row + kvh * p.k_head + ch0;
-    const T* v_thread = vp + (k_base + r0) * p.v_row + kvh * p.v_head + ch0;
+    const T* k_thread = kp + k_base * p.k_row + kvh * p.k_head + ch0;  // + key * k_row
+    const T* v_thread = vp + k_base * p.v_row + kvh * p.v_head + ch0;
     auto load_kv = [&](int blk, int stage) {
         T* dk = sk + stage * kTile + r0 * kStride + ch0;
         T* dv = sv + stage * kTile + r0 * kStride + ch0;
@@ -850,15 +850,34 @@ __device__ __forceinline__ void attn_combine(const float* ws, void* out, float* 
     const int vis = causal ? max(0, min(lk, lk - lq + qi + 1)) : lk;
     const int splits = (vis + kSplitKeys - 1) / kSplitKeys;
     const int64_t t_row = q_start[b] + qi;
+    // Partials are loaded kBatch at a time (independent loads in flight; a long context has
+    // 32+ splits), then merged one by one in split order as before.
+    constexpr int kBatch = 8;
+    const int64_t split_stride = static_cast<int64_t>(tq) * hq * (D + 2);
+    const float* part = ws + (t_row * hq + h) * (D + 2);
     float m = kNegInf, l = 0.0f, acc = 0.0f;
-    for (int s = 0; s < splits; ++s) {
-        const float* part = ws + ((static_cast<int64_t>(s) * tq + t_row) * hq + h) * (D + 2);
-        float mm, ll, wa, wb;
-        int pick;
-        merge_weights(m, l, part[D], part[D + 1], mm, ll, wa, wb, pick);
-        acc = merge_value(acc, part[e], wa, wb, pick);
-        m = mm;
-        l = ll;
+    for (int s0 = 0; s0 < splits; s0 += kBatch) {
+        float pm[kBatch], pl[kBatch], pv[kBatch];
+#pragma unroll
+        for (int u = 0; u < kBatch; ++u) {
+            if (s0 + u < splits) {
+                const float* ps = part + (s0 + u) * split_stride;
+                pm[u] = ps[D];
+                pl[u] = ps[D + 1];
+                pv[u] = ps[e];
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < kBatch; ++u) {
+            if (s0 + u < splits) {
+                float mm, ll, wa, wb;
+                int pick;
+                merge_weights(m, l, pm[u], pl[u], mm, ll, wa, wb, pick);
+                acc = merge_value(acc, pv[u], wa, wb, pick);
+                m = mm;
+                l = ll;
+            }
+        }
     }
     using T = typename Codec::storage;
     static_cast<T*>(out)[t_row * out_row + h * out_head + e] = Codec::store(finalize_out(acc, l));
@@ -888,12 +907,6 @@ __device__ __forceinline__ void attn_combine(const float* ws, void* out, float* 
         attn_split_##DTYPE##_d##D##_w##NW(BATCHINV_ATTN_PARAMS) {                                               \
         BATCHINV_ATTN_MAKE_PARAMS;                                                                              \
         batchinv::attn::attn_tile<CODEC, D, NW, true, 2>(p);                                                    \
-    }
-
-#define BATCHINV_ATTN_SPLIT_ONE_STAGE(DTYPE, CODEC, D)                                                          \
-    extern "C" __global__ void __launch_bounds__(32) attn_split_##DTYPE##_d##D##_w1_s1(BATCHINV_ATTN_PARAMS) {   \
-        BATCHINV_ATTN_MAKE_PARAMS;                                                                              \
-        batchinv::attn::attn_tile<CODEC, D, 1, true, 1>(p);                                                     \
     }
 
 #define BATCHINV_ATTN_SPLIT_COOP(DTYPE, CODEC, D, NW, S, MINB)                                                   \
@@ -938,14 +951,6 @@ BATCHINV_ATTN_KERNELS(f16, batchinv::F16Codec, 128, 1)
 // batchinv-signature: attn_fwd_f16_d128_w4(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32)
 // batchinv-signature: attn_split_f16_d128_w4(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32)
 BATCHINV_ATTN_KERNELS(f16, batchinv::F16Codec, 128, 4)
-// batchinv-signature: attn_split_bf16_d64_w1_s1(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32)
-BATCHINV_ATTN_SPLIT_ONE_STAGE(bf16, batchinv::Bf16Codec, 64)
-// batchinv-signature: attn_split_bf16_d128_w1_s1(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32)
-BATCHINV_ATTN_SPLIT_ONE_STAGE(bf16, batchinv::Bf16Codec, 128)
-// batchinv-signature: attn_split_f16_d64_w1_s1(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32)
-BATCHINV_ATTN_SPLIT_ONE_STAGE(f16, batchinv::F16Codec, 64)
-// batchinv-signature: attn_split_f16_d128_w1_s1(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32)
-BATCHINV_ATTN_SPLIT_ONE_STAGE(f16, batchinv::F16Codec, 128)
 // Cooperative split kernels (16-row tiles, NW warps): decode.
 // batchinv-signature: attn_split_coop_bf16_d64_w4_s1(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32)
 BATCHINV_ATTN_SPLIT_COOP(bf16, batchinv::Bf16Codec, 64, 4, 1, 4)
