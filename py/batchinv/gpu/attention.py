@@ -48,6 +48,10 @@ COOP_STAGES = (1, 2, 3)
 COOP_MANY_CTAS_PER_SM = 4
 COOP_MANY_STAGES = 1
 COOP_FEW_STAGES = 2
+# Whether many-CTA launches take the staggered one-buffer pipeline (attn_split_coop_*_kv:
+# K of the next block loads during softmax/PV, V during the next QK^T; Q re-read from shared
+# memory, 5 CTAs per SM) instead of the one-block ring.
+COOP_MANY_STAGGERED = True
 
 _SUFFIX = {torch.bfloat16: "bf16", torch.float16: "f16"}
 _LOG2E = 1.4426950408889634
@@ -126,12 +130,14 @@ def shared_bytes(d: int, warps: int, split: bool, stages: int = 2) -> int:
     return kv + max(q, run)
 
 
-def coop_shared_bytes(d: int, stages: int) -> int:
+def coop_shared_bytes(d: int, stages: int, staggered: bool = False) -> int:
     """Dynamic shared memory of a cooperative split kernel (attn_split_coop): K/V stages, then
-    the Q tile, which the fp32 S tile [16][64 + 4] overlays once Q is in registers."""
+    the Q tile and the fp32 S tile [16][64 + 4] (the ring overlays S on Q once Q is in
+    registers; the staggered pipeline, one stage, keeps both)."""
     stride = d + 8
     kv = 2 * stages * BLOCK_KEYS * stride * 2
-    return kv + max(16 * stride * 2, 16 * (BLOCK_KEYS + 4) * 4)
+    q, s = 16 * stride * 2, 16 * (BLOCK_KEYS + 4) * 4
+    return kv + (q + s if staggered else max(q, s))
 
 
 @functools.cache
@@ -190,6 +196,7 @@ def forward(
     warps: int | None = None,
     stages: int | None = None,
     coop: bool | None = None,
+    staggered: bool | None = None,
     prefill_zero: bool = True,
 ) -> tuple[Tensor, Tensor]:
     """``(out [Tq, Hq, d], lse [Hq, Tq] fp32)`` on the canonical layout.
@@ -197,7 +204,8 @@ def forward(
     ``prefill_zero`` fills out/lse with 0/-inf first (needed when some rows belong to no
     sequence; the caller may pass False when every row is covered).  ``coop`` (split mode
     with one-warp tiles only; default True there) runs the cooperative split kernel and
-    ``stages`` is its K/V pipeline depth (one of ``COOP_STAGES``); the other kernels have 2.
+    ``stages`` is its K/V pipeline depth (one of ``COOP_STAGES``; ``staggered`` picks the
+    one-stage staggered K/V pipeline); the other kernels have 2 stages.
     """
     check_supported(q, k, v)
     q, k, v = as_rows(q), as_rows(k), as_rows(v)
@@ -236,15 +244,22 @@ def forward(
     if coop and not one_warp_split:
         raise ValueError("coop=True needs a split launch with one-warp (16-row) tiles")
     suffix = f"{_SUFFIX[q.dtype]}_d{d}"
+    if staggered and not coop:
+        raise ValueError("staggered=True needs coop (a split launch with one-warp tiles)")
     if coop:
-        if stages is None:
+        if stages is None and staggered is None:
             ctas = q_tiles * (hq // pack) * grid_z
             many = ctas >= COOP_MANY_CTAS_PER_SM * _sm_count(device.index or 0)
             stages = COOP_MANY_STAGES if many else COOP_FEW_STAGES
-        if stages not in COOP_STAGES:
-            raise ValueError(f"stages must be one of {COOP_STAGES} with coop; got {stages!r}")
-        shared = coop_shared_bytes(d, stages)
-        name = f"attn_split_coop_{suffix}_w{COOP_WARPS}_s{stages}"
+            staggered = many and COOP_MANY_STAGGERED
+        elif stages is None:
+            stages = 1 if staggered else COOP_FEW_STAGES
+        if stages not in COOP_STAGES or (staggered and stages != 1):
+            raise ValueError(
+                f"stages must be one of {COOP_STAGES} with coop (1 when staggered); got {stages!r}"
+            )
+        shared = coop_shared_bytes(d, stages, bool(staggered))
+        name = f"attn_split_coop_{suffix}_w{COOP_WARPS}_" + ("kv" if staggered else f"s{stages}")
         threads = 32 * COOP_WARPS
     else:
         if stages not in (None, 2):
