@@ -173,12 +173,11 @@ def main() -> None:
             )
         if mode == "split":
             # The cooperative kernel at each pipeline depth, and the one-warp kernel.
-            variants = [(True, s, False) for s in gpu.COOP_STAGES]
-            variants += [(True, 1, True), (False, 2, False)]
-            for coop, stages, staggered in variants:
-                kernel = ("coop staggered" if staggered else "coop") if coop else "1 warp"
+            variants = [(True, s) for s in gpu.COOP_STAGES] + [(False, 2)]
+            for coop, stages in variants:
+                kernel = "coop" if coop else "1 warp"
                 paths[f"batchinv (split, {kernel}, {stages} stage, forced)"] = median_ms(
-                    lambda coop=coop, stages=stages, staggered=staggered: gpu.forward(
+                    lambda coop=coop, stages=stages: gpu.forward(
                         q_rows,
                         k_rows,
                         v_rows,
@@ -188,7 +187,6 @@ def main() -> None:
                         prefill_zero=False,
                         stages=stages,
                         coop=coop,
-                        staggered=staggered,
                     )
                 )
         for other in ("tile", "split"):

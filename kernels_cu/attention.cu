@@ -34,6 +34,9 @@
 //   (b) attn_split_*: one CTA per (query tile, head group, sequence x split) writes its split's
 //       fp32 partial (m, l, acc) to a workspace [splits, Tq, Hq, D + 2]; attn_combine_* merges a
 //       row's partials in split order with the same merge/finalize functions.
+//       attn_split_coop_* (decode, 16-row tiles): the same split CTA run by 4 warps that share
+//       the loads, the S columns and the PV output columns; each S and acc element is the same
+//       mma chain, and every warp runs the same softmax on the whole S tile (see there).
 //   Tile rows: M = 16 * NWARPS rows; row r = (query qtile * QPT + r / P, head hg * P + r % P),
 //   P query heads sharing one kv head packed in M (QPT = M / P).  mma rows are independent and
 //   a warp's quad butterfly has the same shape for every row, so which tile slot a row lands
@@ -191,9 +194,9 @@ __device__ __forceinline__ void attn_tile(const Params& p) {
     constexpr int NT = D / 8;  // n8 tiles of the output
     constexpr int KS = D / 16; // k16 steps of QK^T
     constexpr int kChunksPerRow = D / 8;  // 16-byte chunks per row
-    // K/V pipeline depth (blocks in flight + 1): 2 (prefetch the next block) or 1 (no
-    // prefetch, half the shared memory, so more one-warp CTAs per SM hide the latency
-    // instead).  It changes only the load schedule, never the arithmetic.
+    // K/V pipeline depth (blocks in flight + 1): 2 (prefetch the next block; the only depth
+    // instantiated: decode's one-stage variant became attn_split_coop).  It changes only the
+    // load schedule, never the arithmetic.
     constexpr int kStages = STAGES;
 
     extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -533,13 +536,7 @@ __device__ __forceinline__ void attn_tile(const Params& p) {
 // same m, l and P bits) and the PV products of D / NW output columns (each acc element is the
 // same mma chain over the block's k16 steps, rescaled by the same alpha).  Decode has few rows
 // (4 real of 16 for GQA 4:1): one warp per tile was bound by its own instruction latency.
-//
-// Pipelines (load schedules only): STAGGER = false, a ring of STAGES K/V blocks (block
-// blk + STAGES - 1 is loaded while blk is computed; Q stays in registers).  STAGGER = true
-// (STAGES = 1): one K and one V buffer, K of the next block loaded during this block's softmax
-// and PV, V of the next block during the next block's QK^T (Q re-read from shared memory:
-// fewer registers, more CTAs per SM).
-template <typename Codec, int D, int NW, int STAGES, bool STAGGER>
+template <typename Codec, int D, int NW, int STAGES>
 __device__ __forceinline__ void attn_split_coop(const Params& p) {
     using T = typename Codec::storage;
     constexpr int M = 16;
@@ -554,16 +551,14 @@ __device__ __forceinline__ void attn_split_coop(const Params& p) {
     constexpr int kKeyPairs = 4 / NW;         // 16-key column pairs of S per warp
     constexpr int kOutTiles = NT / NW;        // n8 output tiles per warp
     static_assert(NW == 2 || NW == 4, "16-key S column pairs and n8 output tiles per warp");
-    static_assert(!STAGGER || STAGES == 1, "the staggered pipeline has one K and one V buffer");
 
     extern __shared__ __align__(16) unsigned char smem_raw[];
     T* sk = reinterpret_cast<T*>(smem_raw);  // [kStages][64][kStride]
     T* sv = sk + kStages * kTile;            // [kStages][64][kStride]
-    // Q [16][kStride], then (ring: once every warp holds Q in registers) S [16][kSStride]
-    // fp32 over it: max(16 * kStride * 2, 16 * kSStride * 4) bytes; staggered: S after Q
-    // (py/batchinv/gpu/attention.py coop_shared_bytes).
+    // Q [16][kStride], then (once every warp holds Q in registers) S [16][kSStride] fp32:
+    // max(16 * kStride * 2, 16 * kSStride * 4) bytes (py/batchinv/gpu/attention.py).
     T* sq = sv + kStages * kTile;
-    float* ss = STAGGER ? reinterpret_cast<float*>(sq + M * kStride) : reinterpret_cast<float*>(sq);
+    float* ss = reinterpret_cast<float*>(sq);
 
     const int tid = threadIdx.x;
     const int lane = tid % 32;
@@ -647,48 +642,20 @@ __device__ __forceinline__ void attn_split_coop(const Params& p) {
         }
     };
 
-    // Staggered: K and V of a block in separate groups (one K and one V buffer).
-    auto load_k = [&](int blk) {
-        T* dk = sk + r0 * kStride + ch0;
-        const int j0 = blk * kBlockKeys + r0;
 #pragma unroll
-        for (int r = 0; r < kBlockKeys; r += kRowStep) {
-            const bool valid = j0 + r < k_len;
-            cp_async16(dk + r * kStride, valid ? k_thread + static_cast<int64_t>(j0 + r) * p.k_row : kp, valid);
-        }
-    };
-    auto load_v = [&](int blk) {
-        T* dv = sv + r0 * kStride + ch0;
-        const int j0 = blk * kBlockKeys + r0;
-#pragma unroll
-        for (int r = 0; r < kBlockKeys; r += kRowStep) {
-            const bool valid = j0 + r < k_len;
-            cp_async16(dv + r * kStride, valid ? v_thread + static_cast<int64_t>(j0 + r) * p.v_row : vp, valid);
-        }
-    };
+    for (int i = 0; i < kStages - 1; ++i) {
+        if (blk_begin + i < blk_end) load_kv(blk_begin + i, i);
+        cp_async_commit();
+    }
+    cp_async_wait<kStages - 1>();
+    __syncthreads();
 
-    // Q fragments: ring, in registers for the whole split; staggered, re-read per k16 step.
-    auto q_frag = [&](uint32_t (&a)[4], int ks) {
+    uint32_t qf[KS][4];
+#pragma unroll
+    for (int ks = 0; ks < KS; ++ks) {
         const int r = (lane % 8) + 8 * ((lane / 8) % 2);
         const int col = ks * 16 + 8 * (lane / 16);
-        ldmatrix_x4(a, sq + r * kStride + col);
-    };
-    uint32_t qf[STAGGER ? 1 : KS][4];
-    if constexpr (STAGGER) {
-        load_k(blk_begin);
-        cp_async_commit();  // group: Q and K of the first block
-        load_v(blk_begin);
-        cp_async_commit();
-    } else {
-#pragma unroll
-        for (int i = 0; i < kStages - 1; ++i) {
-            if (blk_begin + i < blk_end) load_kv(blk_begin + i, i);
-            cp_async_commit();
-        }
-        cp_async_wait<kStages - 1>();
-        __syncthreads();
-#pragma unroll
-        for (int ks = 0; ks < KS; ++ks) q_frag(qf[ks], ks);
+        ldmatrix_x4(qf[ks], sq + r * kStride + col);
     }
 
     float m[2] = {kNegInf, kNegInf};
@@ -698,16 +665,12 @@ __device__ __forceinline__ void attn_split_coop(const Params& p) {
     for (int t = 0; t < kOutTiles; ++t) acc[t][0] = acc[t][1] = acc[t][2] = acc[t][3] = 0.0f;
 
     for (int blk = blk_begin; blk < blk_end; ++blk) {
-        const int stage = STAGGER ? 0 : (blk - blk_begin) % kStages;
-        if constexpr (STAGGER) {
-            cp_async_wait<1>();  // K of this block (V may still be in flight)
-        } else {
-            const int ahead = blk + kStages - 1;
-            if (ahead < blk_end) load_kv(ahead, (ahead - blk_begin) % kStages);
-            cp_async_commit();
-            cp_async_wait<kStages - 1>();
-        }
-        __syncthreads();  // this block's K (and V) are in; every warp has read Q / the last S
+        const int stage = (blk - blk_begin) % kStages;
+        const int ahead = blk + kStages - 1;
+        if (ahead < blk_end) load_kv(ahead, (ahead - blk_begin) % kStages);
+        cp_async_commit();
+        cp_async_wait<kStages - 1>();
+        __syncthreads();  // this block's K/V are in; every warp has read Q / the last S
         const T* tk = sk + stage * kTile;
         const T* tv = sv + stage * kTile;
         const int key0 = blk * kBlockKeys;
@@ -723,14 +686,8 @@ __device__ __forceinline__ void attn_split_coop(const Params& p) {
                 const int key = tp * 16 + (lane % 8) + 8 * (lane / 16);
                 const int col = ks * 16 + 8 * ((lane / 8) % 2);
                 ldmatrix_x4(bk, tk + key * kStride + col);
-                if constexpr (STAGGER) {
-                    q_frag(qf[0], ks);
-                    mma16816<Codec>(s2[0], qf[0], bk[0], bk[1]);
-                    mma16816<Codec>(s2[1], qf[0], bk[2], bk[3]);
-                } else {
-                    mma16816<Codec>(s2[0], qf[ks], bk[0], bk[1]);
-                    mma16816<Codec>(s2[1], qf[ks], bk[2], bk[3]);
-                }
+                mma16816<Codec>(s2[0], qf[ks], bk[0], bk[1]);
+                mma16816<Codec>(s2[1], qf[ks], bk[2], bk[3]);
             }
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
@@ -739,11 +696,7 @@ __device__ __forceinline__ void attn_split_coop(const Params& p) {
                 *reinterpret_cast<float2*>(ss + (g + 8) * kSStride + col) = make_float2(s2[h][2], s2[h][3]);
             }
         }
-        __syncthreads();  // S complete; staggered: the K buffer is free
-        if constexpr (STAGGER) {
-            if (blk + 1 < blk_end) load_k(blk + 1);
-            cp_async_commit();
-        }
+        __syncthreads();
         float s[8][4];
 #pragma unroll
         for (int t = 0; t < 8; ++t) {
@@ -842,10 +795,6 @@ __device__ __forceinline__ void attn_split_coop(const Params& p) {
                 for (int e = 0; e < 4; ++e)
                     if (__float_as_uint(acc[t][e]) == 0x80000000u) negzero |= 1u << (t * 4 + e);
         }
-        if constexpr (STAGGER) {
-            cp_async_wait<1>();  // V of this block (K of the next may still be in flight)
-            __syncthreads();
-        }
         // This warp's output columns: n8 tiles [warp * kOutTiles, (warp + 1) * kOutTiles).
 #pragma unroll
         for (int kk = 0; kk < 4; ++kk) {
@@ -869,10 +818,6 @@ __device__ __forceinline__ void attn_split_coop(const Params& p) {
                 }
         }
         __syncthreads();  // the stage just read is the next load's target
-        if constexpr (STAGGER) {
-            if (blk + 1 < blk_end) load_v(blk + 1);
-            cp_async_commit();
-        }
     }
     cp_async_wait<0>();
 
@@ -971,14 +916,7 @@ __device__ __forceinline__ void attn_combine(const float* ws, void* out, float* 
     extern "C" __global__ void __launch_bounds__(32 * NW, MINB)                                                 \
         attn_split_coop_##DTYPE##_d##D##_w##NW##_s##S(BATCHINV_ATTN_PARAMS) {                                   \
         BATCHINV_ATTN_MAKE_PARAMS;                                                                              \
-        batchinv::attn::attn_split_coop<CODEC, D, NW, S, false>(p);                                             \
-    }
-
-#define BATCHINV_ATTN_SPLIT_COOP_STAGGERED(DTYPE, CODEC, D, NW, MINB)                                           \
-    extern "C" __global__ void __launch_bounds__(32 * NW, MINB)                                                 \
-        attn_split_coop_##DTYPE##_d##D##_w##NW##_kv(BATCHINV_ATTN_PARAMS) {                                     \
-        BATCHINV_ATTN_MAKE_PARAMS;                                                                              \
-        batchinv::attn::attn_split_coop<CODEC, D, NW, 1, true>(p);                                              \
+        batchinv::attn::attn_split_coop<CODEC, D, NW, S>(p);                                                    \
     }
 
 #define BATCHINV_ATTN_COMBINE(DTYPE, CODEC, D)                                                                  \
@@ -1041,14 +979,6 @@ BATCHINV_ATTN_SPLIT_COOP(f16, batchinv::F16Codec, 128, 4, 1, 4)
 BATCHINV_ATTN_SPLIT_COOP(f16, batchinv::F16Codec, 128, 4, 2, 3)
 // batchinv-signature: attn_split_coop_f16_d128_w4_s3(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32)
 BATCHINV_ATTN_SPLIT_COOP(f16, batchinv::F16Codec, 128, 4, 3, 2)
-// batchinv-signature: attn_split_coop_bf16_d64_w4_kv(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32)
-BATCHINV_ATTN_SPLIT_COOP_STAGGERED(bf16, batchinv::Bf16Codec, 64, 4, 5)
-// batchinv-signature: attn_split_coop_bf16_d128_w4_kv(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32)
-BATCHINV_ATTN_SPLIT_COOP_STAGGERED(bf16, batchinv::Bf16Codec, 128, 4, 5)
-// batchinv-signature: attn_split_coop_f16_d64_w4_kv(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32)
-BATCHINV_ATTN_SPLIT_COOP_STAGGERED(f16, batchinv::F16Codec, 64, 4, 5)
-// batchinv-signature: attn_split_coop_f16_d128_w4_kv(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32)
-BATCHINV_ATTN_SPLIT_COOP_STAGGERED(f16, batchinv::F16Codec, 128, 4, 5)
 // batchinv-signature: attn_combine_bf16_d64(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i32, i32, i32)
 BATCHINV_ATTN_COMBINE(bf16, batchinv::Bf16Codec, 64)
 // batchinv-signature: attn_combine_bf16_d128(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i32, i32, i32)

@@ -159,11 +159,8 @@ def test_modes_and_tile_heights_give_the_same_bits(dtype, d, causal):
         ("split", 4, 2, False),
         ("split", 1, 2, False),
         *(("split", 1, s, True) for s in gpu.COOP_STAGES),
-        ("split", 1, 1, "staggered"),
     ):
-        kw = dict(mode=mode, warps=warps, stages=stages, coop=bool(coop))
-        kw["staggered"] = coop == "staggered"
-        got = gpu.attention(q, k, v, **kw, **kwargs)
+        got = gpu.attention(q, k, v, mode=mode, warps=warps, stages=stages, coop=coop, **kwargs)
         name = f"{mode}/{warps} warps/{stages} stages/coop {coop} vs tile/4 warps"
         assert_bitwise_equal(got, base, name=name)
 
@@ -185,11 +182,8 @@ def test_wide_score_range_same_bits_in_every_mode(dtype):
         ("split", 1, 2, False),
         ("split", 1, 1, True),
         ("split", 1, 3, True),
-        ("split", 1, 1, "staggered"),
     ):
-        kw = dict(mode=mode, warps=warps, stages=stages, coop=bool(coop))
-        kw["staggered"] = coop == "staggered"
-        got = gpu.attention(q, k, v, **kw, **kwargs)
+        got = gpu.attention(q, k, v, mode=mode, warps=warps, stages=stages, coop=coop, **kwargs)
         assert_bitwise_equal(got, base, name=f"{mode}/{warps} warps/{stages} stages/coop {coop}")
 
 
@@ -227,12 +221,12 @@ def test_decode_kernels_equal_prefill_at_block_and_split_boundaries(dtype, d, he
         )
         for b, n in enumerate(lens)
     ]
-    variants = [(s, True, False) for s in gpu.COOP_STAGES] + [(1, True, True), (2, False, False)]
-    for stages, coop, staggered in variants:
-        kw = dict(mode="split", warps=1, stages=stages, coop=coop, staggered=staggered)
+    variants = [(s, True) for s in gpu.COOP_STAGES] + [(2, False)]
+    for stages, coop in variants:
+        kw = dict(mode="split", warps=1, stages=stages, coop=coop)
         out, lse = gpu.attention(q_new, k, v, causal=True, seqlens_k=k_lens, return_lse=True, **kw)
         for b, n in enumerate(lens):
-            name = f"{stages} stages, coop {coop}, staggered {staggered}, context {n}"
+            name = f"{stages} stages, coop {coop}, context {n}"
             assert_bitwise_equal(out[b : b + 1], want[b][0][:, -1:], name=f"out, {name}")
             assert_bitwise_equal(lse[b : b + 1], want[b][1][:, :, -1:], name=f"lse, {name}")
     alone = gpu.attention(
@@ -247,8 +241,6 @@ def test_coop_shared_bytes_fit_the_sm90_limit():
             assert gpu.coop_shared_bytes(d, stages) <= 227 * 1024
     assert gpu.coop_shared_bytes(128, 1) == 2 * 64 * 136 * 2 + 16 * 136 * 2
     assert gpu.coop_shared_bytes(64, 1) == 2 * 64 * 72 * 2 + 16 * 68 * 4
-    assert gpu.coop_shared_bytes(128, 1, True) == 2 * 64 * 136 * 2 + 16 * 136 * 2 + 16 * 68 * 4
-    assert 5 * gpu.coop_shared_bytes(128, 1, True) <= 227 * 1024  # 5 CTAs per SM (sm_90)
 
 
 @cuda
@@ -260,10 +252,6 @@ def test_coop_needs_a_one_warp_split_launch_and_a_known_depth():
         gpu.attention(q, k, v, mode="split", warps=1, coop=True, stages=4)
     with pytest.raises(ValueError, match="stages"):
         gpu.attention(q, k, v, mode="split", warps=1, coop=False, stages=1)
-    with pytest.raises(ValueError, match="stages"):
-        gpu.attention(q, k, v, mode="split", warps=1, staggered=True, stages=2)
-    with pytest.raises(ValueError, match="staggered"):
-        gpu.attention(q, k, v, mode="split", warps=1, coop=False, staggered=True)
 
 
 # ----------------------------------------------------------------------------- Axis-A, T1-T4, T6

@@ -41,17 +41,14 @@ MAX_PACKED_HEADS = 16  # query heads of one kv head packed in a tile's rows
 # COOP_WARPS warps share one tile and one split, same bits as one warp per tile (the one-warp
 # kernel stays reachable with coop=False).  Its K/V pipeline depth: COOP_MANY_STAGES when the
 # launch has at least COOP_MANY_CTAS_PER_SM CTAs per SM (more CTAs per SM hide the latency),
-# else COOP_FEW_STAGES.  H200, GQA 32/8 d=128 bf16, depths 1/2/3: B=64 @ 4096 (2048 CTAs)
-# 0.230/0.238/0.290 ms; B=1 @ 32768 (256 CTAs) 0.064/0.056/0.056 ms.
+# else COOP_FEW_STAGES.  H200, GQA 32/8 d=128 bf16, depths 1/2/3 (two runs): B=64 @ 4096
+# (2048 CTAs) 0.291-0.292/0.291/0.302-0.303 ms; B=1 @ 32768 (256 CTAs) 0.062/0.058-0.059/
+# 0.059-0.081 ms.
 COOP_WARPS = 4
 COOP_STAGES = (1, 2, 3)
 COOP_MANY_CTAS_PER_SM = 4
 COOP_MANY_STAGES = 1
 COOP_FEW_STAGES = 2
-# Whether many-CTA launches take the staggered one-buffer pipeline (attn_split_coop_*_kv:
-# K of the next block loads during softmax/PV, V during the next QK^T; Q re-read from shared
-# memory, 5 CTAs per SM) instead of the one-block ring.
-COOP_MANY_STAGGERED = True
 
 _SUFFIX = {torch.bfloat16: "bf16", torch.float16: "f16"}
 _LOG2E = 1.4426950408889634
@@ -130,14 +127,12 @@ def shared_bytes(d: int, warps: int, split: bool, stages: int = 2) -> int:
     return kv + max(q, run)
 
 
-def coop_shared_bytes(d: int, stages: int, staggered: bool = False) -> int:
+def coop_shared_bytes(d: int, stages: int) -> int:
     """Dynamic shared memory of a cooperative split kernel (attn_split_coop): K/V stages, then
-    the Q tile and the fp32 S tile [16][64 + 4] (the ring overlays S on Q once Q is in
-    registers; the staggered pipeline, one stage, keeps both)."""
+    the Q tile, which the fp32 S tile [16][64 + 4] overlays once Q is in registers."""
     stride = d + 8
     kv = 2 * stages * BLOCK_KEYS * stride * 2
-    q, s = 16 * stride * 2, 16 * (BLOCK_KEYS + 4) * 4
-    return kv + (q + s if staggered else max(q, s))
+    return kv + max(16 * stride * 2, 16 * (BLOCK_KEYS + 4) * 4)
 
 
 @functools.cache
@@ -196,7 +191,6 @@ def forward(
     warps: int | None = None,
     stages: int | None = None,
     coop: bool | None = None,
-    staggered: bool | None = None,
     prefill_zero: bool = True,
 ) -> tuple[Tensor, Tensor]:
     """``(out [Tq, Hq, d], lse [Hq, Tq] fp32)`` on the canonical layout.
@@ -204,8 +198,7 @@ def forward(
     ``prefill_zero`` fills out/lse with 0/-inf first (needed when some rows belong to no
     sequence; the caller may pass False when every row is covered).  ``coop`` (split mode
     with one-warp tiles only; default True there) runs the cooperative split kernel and
-    ``stages`` is its K/V pipeline depth (one of ``COOP_STAGES``; ``staggered`` picks the
-    one-stage staggered K/V pipeline); the other kernels have 2 stages.
+    ``stages`` is its K/V pipeline depth (one of ``COOP_STAGES``); the other kernels have 2.
     """
     check_supported(q, k, v)
     q, k, v = as_rows(q), as_rows(k), as_rows(v)
@@ -244,22 +237,15 @@ def forward(
     if coop and not one_warp_split:
         raise ValueError("coop=True needs a split launch with one-warp (16-row) tiles")
     suffix = f"{_SUFFIX[q.dtype]}_d{d}"
-    if staggered and not coop:
-        raise ValueError("staggered=True needs coop (a split launch with one-warp tiles)")
     if coop:
-        if stages is None and staggered is None:
+        if stages is None:
             ctas = q_tiles * (hq // pack) * grid_z
             many = ctas >= COOP_MANY_CTAS_PER_SM * _sm_count(device.index or 0)
             stages = COOP_MANY_STAGES if many else COOP_FEW_STAGES
-            staggered = many and COOP_MANY_STAGGERED
-        elif stages is None:
-            stages = 1 if staggered else COOP_FEW_STAGES
-        if stages not in COOP_STAGES or (staggered and stages != 1):
-            raise ValueError(
-                f"stages must be one of {COOP_STAGES} with coop (1 when staggered); got {stages!r}"
-            )
-        shared = coop_shared_bytes(d, stages, bool(staggered))
-        name = f"attn_split_coop_{suffix}_w{COOP_WARPS}_" + ("kv" if staggered else f"s{stages}")
+        if stages not in COOP_STAGES:
+            raise ValueError(f"stages must be one of {COOP_STAGES} with coop; got {stages!r}")
+        shared = coop_shared_bytes(d, stages)
+        name = f"attn_split_coop_{suffix}_w{COOP_WARPS}_s{stages}"
         threads = 32 * COOP_WARPS
     else:
         if stages not in (None, 2):
