@@ -172,9 +172,12 @@ def main() -> None:
                 }
             )
         if mode == "split":
-            for stages in (1, 2):
-                paths[f"batchinv (split, {stages} stage, forced)"] = median_ms(
-                    lambda stages=stages: gpu.forward(
+            # The cooperative kernel at each pipeline depth, and the one-warp kernel.
+            variants = [(True, s) for s in gpu.COOP_STAGES] + [(False, 2)]
+            for coop, stages in variants:
+                kernel = "coop" if coop else "1 warp"
+                paths[f"batchinv (split, {kernel}, {stages} stage, forced)"] = median_ms(
+                    lambda coop=coop, stages=stages: gpu.forward(
                         q_rows,
                         k_rows,
                         v_rows,
@@ -183,6 +186,7 @@ def main() -> None:
                         scale,
                         prefill_zero=False,
                         stages=stages,
+                        coop=coop,
                     )
                 )
         for other in ("tile", "split"):

@@ -34,6 +34,9 @@
 //   (b) attn_split_*: one CTA per (query tile, head group, sequence x split) writes its split's
 //       fp32 partial (m, l, acc) to a workspace [splits, Tq, Hq, D + 2]; attn_combine_* merges a
 //       row's partials in split order with the same merge/finalize functions.
+//       attn_split_coop_* (decode, 16-row tiles): the same split CTA run by 4 warps that share
+//       the loads, the S columns and the PV output columns; each S and acc element is the same
+//       mma chain, and every warp runs the same softmax on the whole S tile (see there).
 //   Tile rows: M = 16 * NWARPS rows; row r = (query qtile * QPT + r / P, head hg * P + r % P),
 //   P query heads sharing one kv head packed in M (QPT = M / P).  mma rows are independent and
 //   a warp's quad butterfly has the same shape for every row, so which tile slot a row lands
@@ -191,9 +194,9 @@ __device__ __forceinline__ void attn_tile(const Params& p) {
     constexpr int NT = D / 8;  // n8 tiles of the output
     constexpr int KS = D / 16; // k16 steps of QK^T
     constexpr int kChunksPerRow = D / 8;  // 16-byte chunks per row
-    // K/V pipeline depth (blocks in flight + 1): 2 (prefetch the next block) or 1 (no
-    // prefetch, half the shared memory, so more one-warp CTAs per SM hide the latency
-    // instead).  It changes only the load schedule, never the arithmetic.
+    // K/V pipeline depth (blocks in flight + 1): 2 (prefetch the next block; the only depth
+    // instantiated: decode's one-stage variant became attn_split_coop).  It changes only the
+    // load schedule, never the arithmetic.
     constexpr int kStages = STAGES;
 
     extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -522,6 +525,319 @@ __device__ __forceinline__ void attn_tile(const Params& p) {
     }
 }
 
+// ---- the cooperative split kernel (decode) -------------------------------------------------
+//
+// Mode (b) for 16-row tiles executed by NW warps instead of one (same arithmetic, same bits):
+// the NW warps of a CTA share ONE 16-row tile and one split.  They load each K/V block
+// together (NW times the copies in flight per block), each computes the S columns of 64 / NW
+// keys (whole k16 chains over d: an S element is the same mma chain as in attn_tile), S goes
+// through shared memory, and every warp then runs attn_tile's online softmax on the whole
+// 16 x 64 S tile (the same per-thread column scan and quad butterfly, so every warp holds the
+// same m, l and P bits) and the PV products of D / NW output columns (each acc element is the
+// same mma chain over the block's k16 steps, rescaled by the same alpha).  Decode has few rows
+// (4 real of 16 for GQA 4:1): one warp per tile was bound by its own instruction latency.
+template <typename Codec, int D, int NW, int STAGES>
+__device__ __forceinline__ void attn_split_coop(const Params& p) {
+    using T = typename Codec::storage;
+    constexpr int M = 16;
+    constexpr int kThreads = 32 * NW;
+    constexpr int kStride = Smem<D>::kStride;
+    constexpr int kTile = Smem<D>::kTileElems;
+    constexpr int NT = D / 8;
+    constexpr int KS = D / 16;
+    constexpr int kChunksPerRow = D / 8;
+    constexpr int kStages = STAGES;
+    constexpr int kSStride = kBlockKeys + 4;  // fp32 S row stride (words)
+    constexpr int kKeyPairs = 4 / NW;         // 16-key column pairs of S per warp
+    constexpr int kOutTiles = NT / NW;        // n8 output tiles per warp
+    static_assert(NW == 2 || NW == 4, "16-key S column pairs and n8 output tiles per warp");
+
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    T* sk = reinterpret_cast<T*>(smem_raw);  // [kStages][64][kStride]
+    T* sv = sk + kStages * kTile;            // [kStages][64][kStride]
+    // Q [16][kStride], then (once every warp holds Q in registers) S [16][kSStride] fp32:
+    // max(16 * kStride * 2, 16 * kSStride * 4) bytes (py/batchinv/gpu/attention.py).
+    T* sq = sv + kStages * kTile;
+    float* ss = reinterpret_cast<float*>(sq);
+
+    const int tid = threadIdx.x;
+    const int lane = tid % 32;
+    const int warp = tid / 32;
+    const int g = lane / 4;
+    const int c = lane % 4;
+
+    const int b = blockIdx.z / p.split_grid;
+    const int split = blockIdx.z % p.split_grid;
+    const int hg = blockIdx.y;
+    const int qpt = M / p.pack;
+    const int qtile = gridDim.x - 1 - blockIdx.x;
+    const int q_len = p.q_len[b];
+    const int k_len = p.k_len[b];
+    const int q0 = qtile * qpt;
+    if (q0 >= q_len) return;
+    const int q_last = min(q_len - 1, q0 + qpt - 1);
+    const int offset = k_len - q_len;
+    const int tile_end = p.causal ? max(0, min(k_len, offset + q_last + 1)) : k_len;
+    const int group = p.hq / p.hkv;
+    const int kvh = (hg * p.pack) / group;
+    const int64_t q_base = p.q_start[b];
+    const int64_t k_base = p.k_start[b];
+
+    const int blk_begin = split * kBlocksPerSplit;
+    const int blk_end = min(blk_begin + kBlocksPerSplit, (tile_end + kBlockKeys - 1) / kBlockKeys);
+    if (blk_begin >= blk_end) return;
+
+    // Every warp holds the tile's rows g and g + 8 (the same rows in every warp).
+    int vis_end[2];
+    int row_q[2], row_h[2];
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+        const int r = g + 8 * i;
+        const int qi = q0 + r / p.pack;
+        const bool valid = r < qpt * p.pack && qi < q_len;
+        row_q[i] = valid ? qi : -1;
+        row_h[i] = hg * p.pack + r % p.pack;
+        vis_end[i] = !valid ? 0 : (p.causal ? max(0, min(k_len, offset + qi + 1)) : k_len);
+    }
+    int vis_min = 0x7fffffff;
+#pragma unroll
+    for (int i = 0; i < 2; ++i)
+        if (row_q[i] >= 0) vis_min = min(vis_min, vis_end[i]);
+    const int warp_vis_min = __reduce_min_sync(0xffffffffu, vis_min);
+    const bool hi_rows = __any_sync(0xffffffffu, row_q[1] >= 0);
+
+    const T* qp = static_cast<const T*>(p.q);
+    const T* kp = static_cast<const T*>(p.k);
+    const T* vp = static_cast<const T*>(p.v);
+
+    for (int idx = tid; idx < M * kChunksPerRow; idx += kThreads) {
+        const int r = idx / kChunksPerRow;
+        const int ch = idx % kChunksPerRow;
+        const int qi = q0 + r / p.pack;
+        const bool valid = r < qpt * p.pack && qi < q_len;
+        const int h = hg * p.pack + r % p.pack;
+        const T* src = valid ? qp + (q_base + qi) * p.q_row + h * p.q_head + ch * 8 : qp;
+        cp_async16(sq + r * kStride + ch * 8, src, valid);
+    }
+    cp_async_commit();
+
+    // Each thread copies the same 16-byte chunk column of rows r0, r0 + kRowStep, ... of a block.
+    constexpr int kRowStep = kThreads / kChunksPerRow;
+    static_assert(kThreads % kChunksPerRow == 0 && kBlockKeys % kRowStep == 0, "load mapping");
+    const int r0 = tid / kChunksPerRow;
+    const int ch0 = (tid % kChunksPerRow) * 8;
+    const T* k_thread = kp + k_base * p.k_row + kvh * p.k_head + ch0;  // + key * k_row
+    const T* v_thread = vp + k_base * p.v_row + kvh * p.v_head + ch0;
+    auto load_kv = [&](int blk, int stage) {
+        T* dk = sk + stage * kTile + r0 * kStride + ch0;
+        T* dv = sv + stage * kTile + r0 * kStride + ch0;
+        const int j0 = blk * kBlockKeys + r0;
+#pragma unroll
+        for (int r = 0; r < kBlockKeys; r += kRowStep) {
+            const bool valid = j0 + r < k_len;
+            const T* srck = valid ? k_thread + static_cast<int64_t>(j0 + r) * p.k_row : kp;
+            const T* srcv = valid ? v_thread + static_cast<int64_t>(j0 + r) * p.v_row : vp;
+            cp_async16(dk + r * kStride, srck, valid);
+            cp_async16(dv + r * kStride, srcv, valid);
+        }
+    };
+
+#pragma unroll
+    for (int i = 0; i < kStages - 1; ++i) {
+        if (blk_begin + i < blk_end) load_kv(blk_begin + i, i);
+        cp_async_commit();
+    }
+    cp_async_wait<kStages - 1>();
+    __syncthreads();
+
+    uint32_t qf[KS][4];
+#pragma unroll
+    for (int ks = 0; ks < KS; ++ks) {
+        const int r = (lane % 8) + 8 * ((lane / 8) % 2);
+        const int col = ks * 16 + 8 * (lane / 16);
+        ldmatrix_x4(qf[ks], sq + r * kStride + col);
+    }
+
+    float m[2] = {kNegInf, kNegInf};
+    float l[2] = {0.0f, 0.0f};
+    float acc[kOutTiles][4];
+#pragma unroll
+    for (int t = 0; t < kOutTiles; ++t) acc[t][0] = acc[t][1] = acc[t][2] = acc[t][3] = 0.0f;
+
+    for (int blk = blk_begin; blk < blk_end; ++blk) {
+        const int stage = (blk - blk_begin) % kStages;
+        const int ahead = blk + kStages - 1;
+        if (ahead < blk_end) load_kv(ahead, (ahead - blk_begin) % kStages);
+        cp_async_commit();
+        cp_async_wait<kStages - 1>();
+        __syncthreads();  // this block's K/V are in; every warp has read Q / the last S
+        const T* tk = sk + stage * kTile;
+        const T* tv = sv + stage * kTile;
+        const int key0 = blk * kBlockKeys;
+
+        // This warp's S columns: keys [16 kp, 16 kp + 16) for its kKeyPairs pairs kp.
+#pragma unroll
+        for (int pi = 0; pi < kKeyPairs; ++pi) {
+            const int tp = warp * kKeyPairs + pi;
+            float s2[2][4] = {};
+#pragma unroll
+            for (int ks = 0; ks < KS; ++ks) {
+                uint32_t bk[4];
+                const int key = tp * 16 + (lane % 8) + 8 * (lane / 16);
+                const int col = ks * 16 + 8 * ((lane / 8) % 2);
+                ldmatrix_x4(bk, tk + key * kStride + col);
+                mma16816<Codec>(s2[0], qf[ks], bk[0], bk[1]);
+                mma16816<Codec>(s2[1], qf[ks], bk[2], bk[3]);
+            }
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int col = (2 * tp + h) * 8 + 2 * c;
+                *reinterpret_cast<float2*>(ss + g * kSStride + col) = make_float2(s2[h][0], s2[h][1]);
+                *reinterpret_cast<float2*>(ss + (g + 8) * kSStride + col) = make_float2(s2[h][2], s2[h][3]);
+            }
+        }
+        __syncthreads();
+        float s[8][4];
+#pragma unroll
+        for (int t = 0; t < 8; ++t) {
+            const float2 lo = *reinterpret_cast<const float2*>(ss + g * kSStride + t * 8 + 2 * c);
+            const float2 hi = *reinterpret_cast<const float2*>(ss + (g + 8) * kSStride + t * 8 + 2 * c);
+            s[t][0] = lo.x;
+            s[t][1] = lo.y;
+            s[t][2] = hi.x;
+            s[t][3] = hi.y;
+        }
+
+        // attn_tile's online softmax of the block, unchanged (see there).
+        const bool masked = key0 + kBlockKeys > warp_vis_min;
+        bool empty[2];
+        float alpha[2];
+        uint32_t pa[4][4];
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+            if (i == 1 && !hi_rows) {
+                empty[1] = true;
+                alpha[1] = 1.0f;
+#pragma unroll
+                for (int t = 0; t < 8; ++t) s[t][2] = s[t][3] = 0.0f;
+                continue;
+            }
+            float mx = kNegInf;
+            if (masked) {
+#pragma unroll
+                for (int t = 0; t < 8; ++t) {
+#pragma unroll
+                    for (int e = 0; e < 2; ++e) {
+                        const int j = key0 + t * 8 + 2 * c + e;
+                        const float x = j < vis_end[i] ? __fmul_rn(s[t][2 * i + e], p.scale_log2) : kNegInf;
+                        s[t][2 * i + e] = x;
+                        mx = fmaxf(mx, x);
+                    }
+                }
+            } else {
+#pragma unroll
+                for (int t = 0; t < 8; ++t) {
+#pragma unroll
+                    for (int e = 0; e < 2; ++e) {
+                        const float x = __fmul_rn(s[t][2 * i + e], p.scale_log2);
+                        s[t][2 * i + e] = x;
+                        mx = fmaxf(mx, x);
+                    }
+                }
+            }
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+            mx = mx == 0.0f ? 0.0f : mx;
+            empty[i] = mx == kNegInf;
+            const float m_new = empty[i] ? m[i] : (mx > m[i] ? mx : m[i]);
+            alpha[i] = empty[i] ? 1.0f : (m[i] == kNegInf ? 0.0f : exp2f(__fsub_rn(m[i], m_new)));
+            float sum = 0.0f;
+#pragma unroll
+            for (int t = 0; t < 8; ++t) {
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const float pe = empty[i] ? 0.0f : exp2_ftz(__fsub_rn(s[t][2 * i + e], m_new));
+                    s[t][2 * i + e] = pe;
+                    sum = __fadd_rn(sum, pe);
+                }
+            }
+            sum = __fadd_rn(sum, __shfl_xor_sync(0xffffffffu, sum, 1));
+            sum = __fadd_rn(sum, __shfl_xor_sync(0xffffffffu, sum, 2));
+            l[i] = empty[i] ? l[i] : __fadd_rn(__fmul_rn(l[i], alpha[i]), sum);
+            m[i] = m_new;
+        }
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk) {
+            pa[kk][0] = pack_pair<Codec>(s[2 * kk][0], s[2 * kk][1]);
+            pa[kk][1] = pack_pair<Codec>(s[2 * kk][2], s[2 * kk][3]);
+            pa[kk][2] = pack_pair<Codec>(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+            pa[kk][3] = pack_pair<Codec>(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+        }
+#pragma unroll
+        for (int t = 0; t < kOutTiles; ++t) {
+            acc[t][0] = __fmul_rn(acc[t][0], alpha[0]);
+            acc[t][1] = __fmul_rn(acc[t][1], alpha[0]);
+        }
+        if (hi_rows) {
+#pragma unroll
+            for (int t = 0; t < kOutTiles; ++t) {
+                acc[t][2] = __fmul_rn(acc[t][2], alpha[1]);
+                acc[t][3] = __fmul_rn(acc[t][3], alpha[1]);
+            }
+        }
+        const bool any_empty =
+            __any_sync(0xffffffffu, (empty[0] && row_q[0] >= 0) || (empty[1] && row_q[1] >= 0));
+        uint32_t negzero = 0;  // kOutTiles * 4 <= 32 bits
+        if (any_empty) {
+#pragma unroll
+            for (int t = 0; t < kOutTiles; ++t)
+#pragma unroll
+                for (int e = 0; e < 4; ++e)
+                    if (__float_as_uint(acc[t][e]) == 0x80000000u) negzero |= 1u << (t * 4 + e);
+        }
+        // This warp's output columns: n8 tiles [warp * kOutTiles, (warp + 1) * kOutTiles).
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk) {
+#pragma unroll
+            for (int dp = 0; dp < kOutTiles / 2; ++dp) {
+                uint32_t bv[4];
+                const int key = kk * 16 + (lane % 8) + 8 * ((lane / 8) % 2);
+                const int col = (warp * kOutTiles / 2 + dp) * 16 + 8 * (lane / 16);
+                ldmatrix_x4_trans(bv, tv + key * kStride + col);
+                mma16816<Codec>(acc[2 * dp], pa[kk], bv[0], bv[1]);
+                mma16816<Codec>(acc[2 * dp + 1], pa[kk], bv[2], bv[3]);
+            }
+        }
+        if (any_empty) {
+#pragma unroll
+            for (int t = 0; t < kOutTiles; ++t)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const bool was_neg_zero = (negzero >> (t * 4 + e)) & 1u;
+                    if (empty[e / 2] && acc[t][e] == 0.0f) acc[t][e] = was_neg_zero ? -0.0f : 0.0f;
+                }
+        }
+        __syncthreads();  // the stage just read is the next load's target
+    }
+    cp_async_wait<0>();
+
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+        if (row_q[i] < 0) continue;
+        const int64_t row =
+            ((static_cast<int64_t>(split) * p.tq + q_base + row_q[i]) * p.hq + row_h[i]) * (D + 2);
+#pragma unroll
+        for (int t = 0; t < kOutTiles; ++t) {
+            const int col = (warp * kOutTiles + t) * 8 + 2 * c;
+            *reinterpret_cast<float2*>(p.ws + row + col) = make_float2(acc[t][2 * i], acc[t][2 * i + 1]);
+        }
+        if (warp == 0 && c == 0) {
+            p.ws[row + D] = m[i];
+            p.ws[row + D + 1] = l[i];
+        }
+    }
+}
+
 // Mode (b)'s second kernel: CTA (query i, head h, sequence b), thread e = element of d.
 template <typename Codec, int D>
 __device__ __forceinline__ void attn_combine(const float* ws, void* out, float* lse, const int* q_start,
@@ -537,15 +853,34 @@ __device__ __forceinline__ void attn_combine(const float* ws, void* out, float* 
     const int vis = causal ? max(0, min(lk, lk - lq + qi + 1)) : lk;
     const int splits = (vis + kSplitKeys - 1) / kSplitKeys;
     const int64_t t_row = q_start[b] + qi;
+    // Partials are loaded kBatch at a time (independent loads in flight; a long context has
+    // 32+ splits), then merged one by one in split order as before.
+    constexpr int kBatch = 8;
+    const int64_t split_stride = static_cast<int64_t>(tq) * hq * (D + 2);
+    const float* part = ws + (t_row * hq + h) * (D + 2);
     float m = kNegInf, l = 0.0f, acc = 0.0f;
-    for (int s = 0; s < splits; ++s) {
-        const float* part = ws + ((static_cast<int64_t>(s) * tq + t_row) * hq + h) * (D + 2);
-        float mm, ll, wa, wb;
-        int pick;
-        merge_weights(m, l, part[D], part[D + 1], mm, ll, wa, wb, pick);
-        acc = merge_value(acc, part[e], wa, wb, pick);
-        m = mm;
-        l = ll;
+    for (int s0 = 0; s0 < splits; s0 += kBatch) {
+        float pm[kBatch], pl[kBatch], pv[kBatch];
+#pragma unroll
+        for (int u = 0; u < kBatch; ++u) {
+            if (s0 + u < splits) {
+                const float* ps = part + (s0 + u) * split_stride;
+                pm[u] = ps[D];
+                pl[u] = ps[D + 1];
+                pv[u] = ps[e];
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < kBatch; ++u) {
+            if (s0 + u < splits) {
+                float mm, ll, wa, wb;
+                int pick;
+                merge_weights(m, l, pm[u], pl[u], mm, ll, wa, wb, pick);
+                acc = merge_value(acc, pv[u], wa, wb, pick);
+                m = mm;
+                l = ll;
+            }
+        }
     }
     using T = typename Codec::storage;
     static_cast<T*>(out)[t_row * out_row + h * out_head + e] = Codec::store(finalize_out(acc, l));
@@ -577,10 +912,11 @@ __device__ __forceinline__ void attn_combine(const float* ws, void* out, float* 
         batchinv::attn::attn_tile<CODEC, D, NW, true, 2>(p);                                                    \
     }
 
-#define BATCHINV_ATTN_SPLIT_ONE_STAGE(DTYPE, CODEC, D)                                                          \
-    extern "C" __global__ void __launch_bounds__(32) attn_split_##DTYPE##_d##D##_w1_s1(BATCHINV_ATTN_PARAMS) {   \
+#define BATCHINV_ATTN_SPLIT_COOP(DTYPE, CODEC, D, NW, S, MINB)                                                   \
+    extern "C" __global__ void __launch_bounds__(32 * NW, MINB)                                                 \
+        attn_split_coop_##DTYPE##_d##D##_w##NW##_s##S(BATCHINV_ATTN_PARAMS) {                                   \
         BATCHINV_ATTN_MAKE_PARAMS;                                                                              \
-        batchinv::attn::attn_tile<CODEC, D, 1, true, 1>(p);                                                     \
+        batchinv::attn::attn_split_coop<CODEC, D, NW, S>(p);                                                    \
     }
 
 #define BATCHINV_ATTN_COMBINE(DTYPE, CODEC, D)                                                                  \
@@ -618,14 +954,31 @@ BATCHINV_ATTN_KERNELS(f16, batchinv::F16Codec, 128, 1)
 // batchinv-signature: attn_fwd_f16_d128_w4(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32)
 // batchinv-signature: attn_split_f16_d128_w4(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32)
 BATCHINV_ATTN_KERNELS(f16, batchinv::F16Codec, 128, 4)
-// batchinv-signature: attn_split_bf16_d64_w1_s1(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32)
-BATCHINV_ATTN_SPLIT_ONE_STAGE(bf16, batchinv::Bf16Codec, 64)
-// batchinv-signature: attn_split_bf16_d128_w1_s1(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32)
-BATCHINV_ATTN_SPLIT_ONE_STAGE(bf16, batchinv::Bf16Codec, 128)
-// batchinv-signature: attn_split_f16_d64_w1_s1(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32)
-BATCHINV_ATTN_SPLIT_ONE_STAGE(f16, batchinv::F16Codec, 64)
-// batchinv-signature: attn_split_f16_d128_w1_s1(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32)
-BATCHINV_ATTN_SPLIT_ONE_STAGE(f16, batchinv::F16Codec, 128)
+// Cooperative split kernels (16-row tiles, NW warps): decode.
+// batchinv-signature: attn_split_coop_bf16_d64_w4_s1(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32)
+BATCHINV_ATTN_SPLIT_COOP(bf16, batchinv::Bf16Codec, 64, 4, 1, 4)
+// batchinv-signature: attn_split_coop_bf16_d64_w4_s2(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32)
+BATCHINV_ATTN_SPLIT_COOP(bf16, batchinv::Bf16Codec, 64, 4, 2, 3)
+// batchinv-signature: attn_split_coop_bf16_d64_w4_s3(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32)
+BATCHINV_ATTN_SPLIT_COOP(bf16, batchinv::Bf16Codec, 64, 4, 3, 2)
+// batchinv-signature: attn_split_coop_bf16_d128_w4_s1(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32)
+BATCHINV_ATTN_SPLIT_COOP(bf16, batchinv::Bf16Codec, 128, 4, 1, 4)
+// batchinv-signature: attn_split_coop_bf16_d128_w4_s2(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32)
+BATCHINV_ATTN_SPLIT_COOP(bf16, batchinv::Bf16Codec, 128, 4, 2, 3)
+// batchinv-signature: attn_split_coop_bf16_d128_w4_s3(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32)
+BATCHINV_ATTN_SPLIT_COOP(bf16, batchinv::Bf16Codec, 128, 4, 3, 2)
+// batchinv-signature: attn_split_coop_f16_d64_w4_s1(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32)
+BATCHINV_ATTN_SPLIT_COOP(f16, batchinv::F16Codec, 64, 4, 1, 4)
+// batchinv-signature: attn_split_coop_f16_d64_w4_s2(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32)
+BATCHINV_ATTN_SPLIT_COOP(f16, batchinv::F16Codec, 64, 4, 2, 3)
+// batchinv-signature: attn_split_coop_f16_d64_w4_s3(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32)
+BATCHINV_ATTN_SPLIT_COOP(f16, batchinv::F16Codec, 64, 4, 3, 2)
+// batchinv-signature: attn_split_coop_f16_d128_w4_s1(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32)
+BATCHINV_ATTN_SPLIT_COOP(f16, batchinv::F16Codec, 128, 4, 1, 4)
+// batchinv-signature: attn_split_coop_f16_d128_w4_s2(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32)
+BATCHINV_ATTN_SPLIT_COOP(f16, batchinv::F16Codec, 128, 4, 2, 3)
+// batchinv-signature: attn_split_coop_f16_d128_w4_s3(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32)
+BATCHINV_ATTN_SPLIT_COOP(f16, batchinv::F16Codec, 128, 4, 3, 2)
 // batchinv-signature: attn_combine_bf16_d64(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i32, i32, i32)
 BATCHINV_ATTN_COMBINE(bf16, batchinv::Bf16Codec, 64)
 // batchinv-signature: attn_combine_bf16_d128(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i32, i32, i32)

@@ -154,14 +154,14 @@ def test_modes_and_tile_heights_give_the_same_bits(dtype, d, causal):
         return_lse=True,
     )
     base = gpu.attention(q, k, v, mode="tile", warps=4, **kwargs)
-    for mode, warps, stages in (
-        ("tile", 1, 2),
-        ("split", 4, 2),
-        ("split", 1, 2),
-        ("split", 1, 1),
+    for mode, warps, stages, coop in (
+        ("tile", 1, 2, False),
+        ("split", 4, 2, False),
+        ("split", 1, 2, False),
+        *(("split", 1, s, True) for s in gpu.COOP_STAGES),
     ):
-        got = gpu.attention(q, k, v, mode=mode, warps=warps, stages=stages, **kwargs)
-        name = f"{mode}/{warps} warps/{stages} stages vs tile/4 warps"
+        got = gpu.attention(q, k, v, mode=mode, warps=warps, stages=stages, coop=coop, **kwargs)
+        name = f"{mode}/{warps} warps/{stages} stages/coop {coop} vs tile/4 warps"
         assert_bitwise_equal(got, base, name=name)
 
 
@@ -176,9 +176,82 @@ def test_wide_score_range_same_bits_in_every_mode(dtype):
     ref_out, ref_lse = attention_fp32(q, k, v, **kwargs)
     assert_within_tolerance(base[0], ref_out, op_class="attention", name="out")
     assert_within_tolerance(base[1], ref_lse, op_class="attention", name="lse", dtype=dtype)
-    for mode, warps, stages in (("tile", 1, 2), ("split", 4, 2), ("split", 1, 1)):
-        got = gpu.attention(q, k, v, mode=mode, warps=warps, stages=stages, **kwargs)
-        assert_bitwise_equal(got, base, name=f"{mode}/{warps} warps/{stages} stages")
+    for mode, warps, stages, coop in (
+        ("tile", 1, 2, False),
+        ("split", 4, 2, False),
+        ("split", 1, 2, False),
+        ("split", 1, 1, True),
+        ("split", 1, 3, True),
+    ):
+        got = gpu.attention(q, k, v, mode=mode, warps=warps, stages=stages, coop=coop, **kwargs)
+        assert_bitwise_equal(got, base, name=f"{mode}/{warps} warps/{stages} stages/coop {coop}")
+
+
+# Decode contexts around block (64) and split (1024) boundaries, and (Hq, Hkv) groups whose
+# packed rows fill a quarter, half and all of a 16-row tile.
+DECODE_CONTEXTS = (1, 63, 64, 65, 1023, 1024, 1025, 2047, 2048, 2049, 3001)
+DECODE_HEADS = ((8, 2), (8, 1), (16, 1))
+
+
+@cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("d", HEAD_DIMS)
+@pytest.mark.parametrize("heads", DECODE_HEADS)
+def test_decode_kernels_equal_prefill_at_block_and_split_boundaries(dtype, d, heads):
+    # One decode batch (odd size, NaN past every k_len) through each split kernel and pipeline
+    # depth; every row must equal the last row of its sequence's one-shot prefill (tile mode).
+    hq, hkv = heads
+    lens = DECODE_CONTEXTS[::2] if QUICK else DECODE_CONTEXTS
+    batch, ctx = len(lens), max(lens)
+    q, k, v = _qkv(batch, ctx, ctx, hq, hkv, d, dtype, seed=40 + d + hq)
+    for b, n in enumerate(lens):
+        k[b, n:] = float("nan")
+        v[b, n:] = float("nan")
+    q_new = torch.stack([q[b, n - 1] for b, n in enumerate(lens)])[:, None]
+    k_lens = torch.tensor(lens, device=DEVICE)
+    want = [
+        gpu.attention(
+            q[b : b + 1, :n],
+            k[b : b + 1, :n],
+            v[b : b + 1, :n],
+            causal=True,
+            return_lse=True,
+            mode="tile",
+            warps=4,
+        )
+        for b, n in enumerate(lens)
+    ]
+    variants = [(s, True) for s in gpu.COOP_STAGES] + [(2, False)]
+    for stages, coop in variants:
+        kw = dict(mode="split", warps=1, stages=stages, coop=coop)
+        out, lse = gpu.attention(q_new, k, v, causal=True, seqlens_k=k_lens, return_lse=True, **kw)
+        for b, n in enumerate(lens):
+            name = f"{stages} stages, coop {coop}, context {n}"
+            assert_bitwise_equal(out[b : b + 1], want[b][0][:, -1:], name=f"out, {name}")
+            assert_bitwise_equal(lse[b : b + 1], want[b][1][:, :, -1:], name=f"lse, {name}")
+    alone = gpu.attention(
+        q_new[-1:], k[-1:, : lens[-1]], v[-1:, : lens[-1]], causal=True, return_lse=True
+    )
+    assert_bitwise_equal(alone, (want[-1][0][:, -1:], want[-1][1][:, :, -1:]), name="B=1")
+
+
+def test_coop_shared_bytes_fit_the_sm90_limit():
+    for d in gpu.HEAD_DIMS:
+        for stages in gpu.COOP_STAGES:
+            assert gpu.coop_shared_bytes(d, stages) <= 227 * 1024
+    assert gpu.coop_shared_bytes(128, 1) == 2 * 64 * 136 * 2 + 16 * 136 * 2
+    assert gpu.coop_shared_bytes(64, 1) == 2 * 64 * 72 * 2 + 16 * 68 * 4
+
+
+@cuda
+def test_coop_needs_a_one_warp_split_launch_and_a_known_depth():
+    q, k, v = _qkv(1, 1, 1100, 8, 2, 64, torch.bfloat16, seed=41)
+    with pytest.raises(ValueError, match="coop"):
+        gpu.attention(q, k, v, mode="tile", warps=1, coop=True)
+    with pytest.raises(ValueError, match="stages"):
+        gpu.attention(q, k, v, mode="split", warps=1, coop=True, stages=4)
+    with pytest.raises(ValueError, match="stages"):
+        gpu.attention(q, k, v, mode="split", warps=1, coop=False, stages=1)
 
 
 # ----------------------------------------------------------------------------- Axis-A, T1-T4, T6

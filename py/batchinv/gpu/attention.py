@@ -37,11 +37,18 @@ HEAD_DIMS = (64, 128)
 WARP_CHOICES = (1, 4)
 MODES = ("auto", "tile", "split")
 MAX_PACKED_HEADS = 16  # query heads of one kv head packed in a tile's rows
-# One-warp split launches (decode) with at least this many CTAs per SM run without K/V
-# prefetch (half the shared memory, more CTAs per SM); fewer CTAs keep the prefetch.  H200:
-# B=64 @ 4096 (2048 CTAs) 0.357 ms with 1 stage vs 0.418 ms with 2; B=1 @ 32768 (256 CTAs)
-# 0.104 ms vs 0.089 ms.
-ONE_STAGE_MIN_CTAS_PER_SM = 4
+# Split launches of 16-row tiles (decode) run the cooperative kernel (attn_split_coop_*):
+# COOP_WARPS warps share one tile and one split, same bits as one warp per tile (the one-warp
+# kernel stays reachable with coop=False).  Its K/V pipeline depth: COOP_MANY_STAGES when the
+# launch has at least COOP_MANY_CTAS_PER_SM CTAs per SM (more CTAs per SM hide the latency),
+# else COOP_FEW_STAGES.  H200, GQA 32/8 d=128 bf16, depths 1/2/3 (two runs): B=64 @ 4096
+# (2048 CTAs) 0.291-0.292/0.291/0.302-0.303 ms; B=1 @ 32768 (256 CTAs) 0.062/0.058-0.059/
+# 0.059-0.081 ms.
+COOP_WARPS = 4
+COOP_STAGES = (1, 2, 3)
+COOP_MANY_CTAS_PER_SM = 4
+COOP_MANY_STAGES = 1
+COOP_FEW_STAGES = 2
 
 _SUFFIX = {torch.bfloat16: "bf16", torch.float16: "f16"}
 _LOG2E = 1.4426950408889634
@@ -120,6 +127,14 @@ def shared_bytes(d: int, warps: int, split: bool, stages: int = 2) -> int:
     return kv + max(q, run)
 
 
+def coop_shared_bytes(d: int, stages: int) -> int:
+    """Dynamic shared memory of a cooperative split kernel (attn_split_coop): K/V stages, then
+    the Q tile, which the fp32 S tile [16][64 + 4] overlays once Q is in registers."""
+    stride = d + 8
+    kv = 2 * stages * BLOCK_KEYS * stride * 2
+    return kv + max(16 * stride * 2, 16 * (BLOCK_KEYS + 4) * 4)
+
+
 @functools.cache
 def _capability(device_index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(device_index)
@@ -175,12 +190,15 @@ def forward(
     mode: str = "auto",
     warps: int | None = None,
     stages: int | None = None,
+    coop: bool | None = None,
     prefill_zero: bool = True,
 ) -> tuple[Tensor, Tensor]:
     """``(out [Tq, Hq, d], lse [Hq, Tq] fp32)`` on the canonical layout.
 
     ``prefill_zero`` fills out/lse with 0/-inf first (needed when some rows belong to no
-    sequence; the caller may pass False when every row is covered).
+    sequence; the caller may pass False when every row is covered).  ``coop`` (split mode
+    with one-warp tiles only; default True there) runs the cooperative split kernel and
+    ``stages`` is its K/V pipeline depth (one of ``COOP_STAGES``); the other kernels have 2.
     """
     check_supported(q, k, v)
     q, k, v = as_rows(q), as_rows(k), as_rows(v)
@@ -213,22 +231,34 @@ def forward(
         if split
         else None
     )
-    one_stage_ok = split and warps == 1
-    if stages is None:
-        ctas = q_tiles * (hq // pack) * grid_z
-        many = ctas >= ONE_STAGE_MIN_CTAS_PER_SM * _sm_count(device.index or 0)
-        stages = 1 if one_stage_ok and many else 2
-    if stages not in (1, 2) or (stages == 1 and not one_stage_ok):
-        raise ValueError(f"stages must be 2, or 1 for one-warp split launches; got {stages!r}")
+    one_warp_split = split and warps == 1
+    if coop is None:
+        coop = one_warp_split
+    if coop and not one_warp_split:
+        raise ValueError("coop=True needs a split launch with one-warp (16-row) tiles")
     suffix = f"{_SUFFIX[q.dtype]}_d{d}"
-    shared = shared_bytes(d, warps, split, stages)
-    name = f"attn_{'split' if split else 'fwd'}_{suffix}_w{warps}" + ("_s1" if stages == 1 else "")
+    if coop:
+        if stages is None:
+            ctas = q_tiles * (hq // pack) * grid_z
+            many = ctas >= COOP_MANY_CTAS_PER_SM * _sm_count(device.index or 0)
+            stages = COOP_MANY_STAGES if many else COOP_FEW_STAGES
+        if stages not in COOP_STAGES:
+            raise ValueError(f"stages must be one of {COOP_STAGES} with coop; got {stages!r}")
+        shared = coop_shared_bytes(d, stages)
+        name = f"attn_split_coop_{suffix}_w{COOP_WARPS}_s{stages}"
+        threads = 32 * COOP_WARPS
+    else:
+        if stages not in (None, 2):
+            raise ValueError(f"stages must be 2 without coop; got {stages!r}")
+        shared = shared_bytes(d, warps, split)
+        name = f"attn_{'split' if split else 'fwd'}_{suffix}_w{warps}"
+        threads = 32 * warps
     kernel = _kernel(name, device, shared)
     launch(
         kernel,
         device,
         grid=(q_tiles, hq // pack, grid_z),
-        block=(32 * warps,),
+        block=(threads,),
         args=(
             q,
             k,
