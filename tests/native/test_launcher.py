@@ -170,7 +170,7 @@ def test_without_hip_runtime_hip_is_unavailable():
 @pytest.mark.parametrize(
     "grid, block, shared, message",
     [
-        ((0,), (64,), 0, r"grid.x is 0"),
+        ((0,), (64,), 0, r"grid\[0\] = 0 must be at least 1"),
         ((16,), (2048,), 0, r"block.x = 2048 exceeds the limit of 1024"),
         ((16,), (64,), 10**6, r"1000000 bytes of dynamic shared memory"),
     ],
