@@ -42,16 +42,19 @@ _PORTABLE_CLUSTER_CTAS = 8  # larger clusters need the kernel's non-portable opt
 USE_CLUSTER = True  # the Hopper form where it applies (tests switch it off to compare bits)
 _BARRIER_BYTES = 8  # one mbarrier per shared-memory segment
 # T on sm_90 for the cases where the Hopper form measured faster than the one-CTA form with
-# T = 512 on an H200 at 4096 x 151936 (same run, ms): forward bf16 -> fp32 1.12 vs 1.34 (T =
-# 1024), backward bf16 x / bf16 dy 1.14 vs 1.18 (T = 1024), backward bf16 x / fp32 dy 1.50 vs
-# 1.70, forward fp32 1.59 vs 1.95, backward fp32 2.11 vs 2.47 (T = 2048, 16-CTA clusters: the
-# fp32 row, or the fp32 dy row, is too long for 8 CTAs).  Slower there: forward bf16 -> bf16
-# (T = 2048: 1.18 vs 0.97).  fp16 and mixed cases were not measured and keep the one-CTA form.
+# T = 512 on an H200 at 4096 x 151936 (same run, ms): forward bf16 -> fp32 1.12 vs 1.34 and
+# fp16 -> fp32 1.11 vs 1.34 (T = 1024), backward bf16 x / bf16 dy 1.13 vs 1.18 (T = 1024),
+# backward bf16 x / fp32 dy 1.42 vs 1.69 and fp16 x / fp32 dy 1.40 vs 1.68, forward fp32 1.59
+# vs 1.95, backward fp32 2.12 vs 2.47 (T = 2048, 16-CTA clusters: an fp32 row, or fp32 dy row,
+# is too long for 8 CTAs).  Slower there: forward bf16 -> bf16 (T = 2048: 1.18 vs 0.97).  The
+# other dtype pairs were not measured and keep the one-CTA form.
 # (direction, x dtype, out / grad_out dtype) -> T; other cases keep LARGE_ROW_THREADS.
 HOPPER_FORM_THREADS = {
     ("forward", torch.bfloat16, torch.float32): 1024,
+    ("forward", torch.float16, torch.float32): 1024,
     ("backward", torch.bfloat16, torch.bfloat16): 1024,
     ("backward", torch.bfloat16, torch.float32): 2048,
+    ("backward", torch.float16, torch.float32): 2048,
     ("forward", torch.float32, torch.float32): 2048,
     ("backward", torch.float32, torch.float32): 2048,
 }
