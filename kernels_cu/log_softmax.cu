@@ -8,6 +8,8 @@
 //                 m_g = -inf (no -inf - -inf).
 //   Merge:        m = max(m_a, m_b); shift = m or 0 if m = -inf;
 //                 l = l_a * expf(m_a - shift) + l_b * expf(m_b - shift)
+//                 (the factor of the operand holding a finite maximum is expf(0) = 1 and is not
+//                 evaluated: the same bits, see merge())
 //   A thread merges its groups left to right into (m, l), starting from (-inf, 0), which the
 //   merge leaves unchanged.  The T thread states are merged by a butterfly inside each warp
 //   (xor offsets W/2 .. 1; the merge is symmetric in its operands, so every lane ends with the
@@ -36,10 +38,12 @@
 // Why a row's bits cannot depend on the batch: the grid is one CTA per row, T and the group
 // layout follow from V only, and nothing a CTA computes reads another row.
 //
-// On sm_90a the host launches the cluster form below instead (one 8-CTA cluster per row, the
-// row read once into shared memory) wherever V % 8 == 0, the rows are 16-byte aligned and the
-// slice fits: for the same T it performs the same operations in the same order, so which form
-// runs changes speed, never bits.  A cluster exchanges state only inside itself (its one row).
+// On sm_90a the host launches the cluster form below instead for some cases (one cluster of 8 or
+// 16 CTAs per row, the row read once into shared memory) wherever V % 8 == 0, the rows are
+// 16-byte aligned and the slice fits: for the same T <= 1024 it performs the same operations in
+// the same order, so which form runs changes speed, never bits.  T = 2048 (16 CTAs of 128 threads)
+// exists only in the cluster form and has its own tree (see cluster_merge).  A cluster exchanges
+// state only inside itself (its one row).
 #include "common/hopper.cuh"
 
 
@@ -467,12 +471,15 @@ __device__ __forceinline__ void backward(const BackwardArgs& a) {
 // one-CTA form above: it owns groups g = i + k * T and visits them in increasing k, the warp
 // butterfly is the same, and the 32-lane warps' states are merged in global warp order (warp w
 // lives in CTA w / (T / C / 32)) after an exchange through distributed shared memory.  So for
-// equal T the two forms compute the same operations in the same order: the same bits (tested).
+// equal T <= 1024 the two forms compute the same operations in the same order: the same bits
+// (tested).  T = 2048 (C = 16, a non-portable cluster size) has no one-CTA form; its warps are
+// merged in order inside each CTA, then the 16 CTA states in rank order (Exchange below).
 // Shared memory of CTA `rank`: segment k = the T / C groups [k * T + rank * T / C, + T / C),
 // contiguous in the row, copied by one bulk async copy (cp.async.bulk) with its own mbarrier,
 // so a thread can start on segment 0 while later segments are still in flight.  The segments
 // come first, then one 8-byte mbarrier per segment.  Needs V % 8 == 0 and 16-byte aligned row
-// starts (the host checks; otherwise it uses the one-CTA form with the same T: same bits).
+// starts (the host checks; otherwise it uses the one-CTA form with the same T: same bits, or for
+// T = 2048 copies the rows to an aligned buffer first).
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 namespace cluster {
 

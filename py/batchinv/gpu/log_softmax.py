@@ -1,7 +1,9 @@
 """Log-softmax over the last dimension on CUDA/HIP: launches ``kernels_cu/log_softmax.cu``.
 
-One CTA per row.  The block size, and with it the reduction tree, is chosen from the row
-length V alone (``threads_for``), so a row's bits are the same in any batch.  How much of the
+One CTA per row (on sm_90, for some long-row cases, one thread-block cluster of 8 or 16 CTAs
+per row instead).  The block size, and with it the reduction tree, is chosen from the row
+length V, the dtypes and the device alone (``threads_for``), so a row's bits are the same in
+any batch.  How much of the
 row stays on chip between the two passes (registers, then dynamic shared memory sized from
 the device's limits, then a second read from global memory) changes speed only: the
 arithmetic is defined on element indices.  The GPU's reduction order is its own fixed tree
@@ -33,7 +35,7 @@ _SUFFIX = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32"}
 # compiled are in CLUSTER_SHAPES (kernels_cu/log_softmax.cu); for T <= 1024 the shape changes
 # speed only (the same tree as the one-CTA form), T = 2048 exists only in the Hopper form.  For
 # T = 1024, 8 CTAs of 128 threads measured faster than 16 of 64 (H200: bf16 -> fp32 forward
-# 1.12 vs 1.24 ms, bf16 backward 1.14 vs 1.34 ms at 4096 x 151936).
+# 1.12 vs 1.24 ms, bf16 backward 1.14 vs 1.34 ms at 4096 x 151936, both with streaming hints).
 CLUSTER_SHAPES = frozenset({(8, 64), (8, 128), (16, 64), (16, 128)})
 CLUSTER_SHAPE = {512: (8, 64), 1024: (8, 128), 2048: (16, 128)}
 CLUSTER_THREADS = (512, 1024, 2048)  # the T compiled in the Hopper form
@@ -44,10 +46,11 @@ _BARRIER_BYTES = 8  # one mbarrier per shared-memory segment
 # T on sm_90 for the cases where the Hopper form measured faster than the one-CTA form with
 # T = 512 on an H200 at 4096 x 151936 (same run, ms): forward bf16 -> fp32 1.12 vs 1.34 and
 # fp16 -> fp32 1.11 vs 1.34 (T = 1024), backward bf16 x / bf16 dy 1.13 vs 1.18 (T = 1024),
-# backward bf16 x / fp32 dy 1.42 vs 1.69 and fp16 x / fp32 dy 1.40 vs 1.68, forward fp32 1.59
-# vs 1.95, backward fp32 2.12 vs 2.47 (T = 2048, 16-CTA clusters: an fp32 row, or fp32 dy row,
-# is too long for 8 CTAs).  Slower there: forward bf16 -> bf16 (T = 2048: 1.18 vs 0.97).  The
-# other dtype pairs were not measured and keep the one-CTA form.
+# backward bf16 x / fp32 dy 1.42 vs 1.69 and fp16 x / fp32 dy 1.40 (with streaming hints, since
+# dropped) vs 1.68, forward fp32 1.59 vs 1.95, backward fp32 2.12 vs 2.47 (T = 2048, 16-CTA
+# clusters: an fp32 row, or fp32 dy row, is too long for 8 CTAs).  Slower there: forward
+# bf16 -> bf16 (T = 2048: 1.18 vs 0.97).  The other dtype pairs were not measured and keep the
+# one-CTA form.
 # (direction, x dtype, out / grad_out dtype) -> T; other cases keep LARGE_ROW_THREADS.
 HOPPER_FORM_THREADS = {
     ("forward", torch.bfloat16, torch.float32): 1024,
