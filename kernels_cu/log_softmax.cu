@@ -140,7 +140,26 @@ __device__ __forceinline__ int valid_in(int group, int64_t vocab) {
     return left < kGroup ? static_cast<int>(left) : kGroup;
 }
 
-// kStream: data read or written once (evict-first cache hints); speed only.
+// kStream: data read or written once (evict-first cache hints, CUDA only); speed only.
+template <bool kStream>
+__device__ __forceinline__ uint4 load16(const uint4* source) {
+#if !defined(__HIPCC__)
+    if constexpr (kStream) return __ldcs(source);
+#endif
+    return *source;
+}
+
+template <bool kStream>
+__device__ __forceinline__ void store16(uint4* target, uint4 value) {
+#if !defined(__HIPCC__)
+    if constexpr (kStream) {
+        __stcs(target, value);
+        return;
+    }
+#endif
+    *target = value;
+}
+
 template <typename Codec, bool kStream = false>
 __device__ __forceinline__ void load_group(Group<Codec>& out, const typename Codec::storage* row,
                                            int group, int64_t vocab, bool vector) {
@@ -149,7 +168,7 @@ __device__ __forceinline__ void load_group(Group<Codec>& out, const typename Cod
 #pragma unroll
         for (int w = 0; w < Group<Codec>::kWords; ++w) {
             const uint4* source = reinterpret_cast<const uint4*>(row + first) + w;
-            reinterpret_cast<uint4*>(out.v)[w] = kStream ? __ldcs(source) : *source;
+            reinterpret_cast<uint4*>(out.v)[w] = load16<kStream>(source);
         }
     } else {
 #pragma unroll
@@ -165,12 +184,7 @@ __device__ __forceinline__ void store_group(typename Codec::storage* row, const 
 #pragma unroll
         for (int w = 0; w < Group<Codec>::kWords; ++w) {
             uint4* target = reinterpret_cast<uint4*>(row + first) + w;
-            const uint4 value = reinterpret_cast<const uint4*>(in.v)[w];
-            if (kStream) {
-                __stcs(target, value);
-            } else {
-                *target = value;
-            }
+            store16<kStream>(target, reinterpret_cast<const uint4*>(in.v)[w]);
         }
     } else {
 #pragma unroll
