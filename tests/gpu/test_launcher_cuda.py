@@ -92,3 +92,36 @@ def test_wrong_arguments_fail_before_the_driver():
     # The context is untouched: torch still works and a correct launch still runs.
     torch.cuda.synchronize()
     assert float(x.sum()) == 0.0
+
+
+CLUSTER16_SOURCE = r"""
+extern "C" __global__ void __cluster_dims__(16, 1, 1) cluster_ranks(unsigned* out) {
+    unsigned rank, size;
+    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(rank));
+    asm volatile("mov.u32 %0, %%cluster_nctarank;" : "=r"(size));
+    if (threadIdx.x == 0) out[blockIdx.x] = size * 1000u + rank;
+}
+"""
+
+
+def _is_sm90() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability(0) == (9, 0)
+
+
+@pytest.mark.skipif(not _is_sm90(), reason="clusters of 16 CTAs need an sm_90 GPU")
+def test_a_cluster_of_16_ctas_runs_after_opting_in():
+    module = native.RawModule(code=CLUSTER16_SOURCE, device=0)
+    kernel = module.get_function("cluster_ranks", signature="ptr")
+    kernel.allow_non_portable_cluster_size(device=0)
+    assert kernel.max_active_clusters((64,), (64,), device=0) >= 1
+    out = torch.zeros(64, dtype=torch.int32, device="cuda")
+    kernel((64,), (64,), (out,), device=0)
+    expected = torch.tensor([16 * 1000 + i % 16 for i in range(64)], dtype=torch.int32)
+    assert_bitwise_equal(out.cpu(), expected)
+
+
+@pytest.mark.skipif(_is_sm90(), reason="checks a device without non-portable clusters (sm_90)")
+def test_non_portable_clusters_are_an_error_before_sm90(user_module):
+    kernel = user_module.get_function("scale", signature="ptr, ptr, f32, i64")
+    with pytest.raises(native.BackendUnavailableError, match=r"need compute capability 9\.0"):
+        kernel.allow_non_portable_cluster_size(device=0)

@@ -169,8 +169,18 @@ def test_every_output_element_is_written(vocab, dtype):
     poisoned = torch.full((rows, vocab), float("nan"), device=DEVICE)
     out, lse = gpu_log_softmax.forward(x)
     assert_bitwise_equal(out, expected)
-    # the one-CTA kernel with the T the op uses on this device (the same bits in either form)
     threads = gpu_log_softmax.threads_for(vocab, dtype, x.device, torch.float32)
+    if threads > 1024:
+        # T = 2048 has only the cluster form (sm_90): the op's own launch into poisoned buffers
+        lse_out = torch.full((rows,), float("nan"), device=DEVICE)
+        gpu_log_softmax._forward_into(poisoned, lse_out, x)
+        assert_bitwise_equal(poisoned, expected)
+        assert_bitwise_equal(lse_out, lse)
+        grad_x = torch.full((rows, vocab), float("nan"), dtype=dtype, device=DEVICE)
+        gpu_log_softmax._backward_into(grad_x, torch.randn(rows, vocab, device=DEVICE), x, lse)
+        assert not bool(grad_x.isnan().any())
+        return
+    # the one-CTA kernel with the T the op uses on this device (the same bits in either form)
     kernel = gpu_log_softmax.kernel_for(
         "log_softmax",
         f"log_softmax_forward_{gpu_log_softmax._SUFFIX[dtype]}_f32_t{threads}",
@@ -267,48 +277,73 @@ def _forward_and_grad(x, grad, out_dtype=torch.float32):
 
 
 def test_cluster_form_is_chosen_where_it_was_measured_faster():
-    # bf16 logits -> fp32 logprobs and the bf16 backward at V = 151936 take the Hopper form; its
-    # T follows V, the dtypes and the device only.  Other cases keep the one-CTA form's T.
+    # The cases of HOPPER_FORM_THREADS at V = 151936 take the Hopper form with their T; T
+    # follows V, the dtypes and the device only.  Other cases keep the one-CTA form's T.
     _require_cluster_form()
     device = torch.device(DEVICE)
     f32, bf16 = torch.float32, torch.bfloat16
-    hopper = gpu_log_softmax.HOPPER_LONG_ROW_THREADS
     one_cta = gpu_log_softmax.LARGE_ROW_THREADS
     threads_for = gpu_log_softmax.threads_for
-    assert threads_for(BIG_VOCAB, bf16, device, f32) == hopper
-    assert threads_for(BIG_VOCAB, bf16, device, bf16, backward=True) == hopper
+    table = gpu_log_softmax.HOPPER_FORM_THREADS
+    assert table, "the Hopper form is used somewhere"
+    for (direction, dtype, out_dtype), threads in table.items():
+        backward = direction == "backward"
+        assert threads_for(BIG_VOCAB, dtype, device, out_dtype, backward=backward) == threads
     for dtype, out_dtype, backward in (
         (bf16, bf16, False),
         (bf16, f32, True),
         (f32, f32, False),
+        (f32, f32, True),
         (torch.float16, f32, False),
     ):
-        assert threads_for(BIG_VOCAB, dtype, device, out_dtype, backward=backward) == one_cta
+        if ("backward" if backward else "forward", dtype, out_dtype) not in table:
+            assert threads_for(BIG_VOCAB, dtype, device, out_dtype, backward=backward) == one_cta
     assert threads_for(32000, bf16, device, f32) == one_cta
     x = torch.zeros(2, BIG_VOCAB, dtype=bf16, device=DEVICE)
     out = torch.empty(2, BIG_VOCAB, device=DEVICE)
-    name = f"log_softmax_cluster_forward_bf16_f32_c8_t{hopper // 8}"
-    dtypes = (bf16, f32, False)
-    plan = gpu_log_softmax._cluster_plan(name, device, BIG_VOCAB, hopper, dtypes, (x, out), 2)
-    assert plan is not None
-    # a misaligned row start takes the one-CTA form with the same T
-    shifted = torch.zeros(2 * BIG_VOCAB + 1, dtype=bf16, device=DEVICE)[1:].view(2, -1)
-    plan = gpu_log_softmax._cluster_plan(name, device, BIG_VOCAB, hopper, dtypes, (shifted, out), 2)
-    assert plan is None
+    for threads in (1024, 2048):
+        plan = gpu_log_softmax._cluster_plan(
+            "forward", "bf16_f32", device, BIG_VOCAB, (threads, threads), bf16, (x, out), 2
+        )
+        assert plan is not None and plan[1] == gpu_log_softmax.CLUSTER_SHAPE[threads][0]
+        # a misaligned row start does not take the cluster kernel (for T <= 1024 the one-CTA
+        # form runs with the same T; T = 2048 copies the rows to an aligned buffer first)
+        shifted = torch.zeros(2 * BIG_VOCAB + 8, dtype=bf16, device=DEVICE)[1:][: 2 * BIG_VOCAB]
+        shifted = shifted.view(2, -1)
+        plan = gpu_log_softmax._cluster_plan(
+            "forward", "bf16_f32", device, BIG_VOCAB, (threads, threads), bf16, (shifted, out), 2
+        )
+        assert plan is None
+        # a T other than this case's Hopper T is the one-CTA form's
+        plan = gpu_log_softmax._cluster_plan(
+            "forward", "bf16_f32", device, BIG_VOCAB, (threads, None), bf16, (x, out), 2
+        )
+        assert plan is None
 
 
-def _force_cluster_form(monkeypatch, threads: int) -> None:
-    monkeypatch.setattr(gpu_log_softmax, "LARGE_ROW_THREADS", threads)
-    monkeypatch.setattr(gpu_log_softmax, "HOPPER_LONG_ROW_THREADS", threads)
-    monkeypatch.setattr(gpu_log_softmax, "_hopper_form_pays", lambda *args: True)
+def _force_cluster_form(monkeypatch, threads: int, shape: tuple[int, int] | None = None) -> None:
+    if threads <= 1024:
+        monkeypatch.setattr(gpu_log_softmax, "LARGE_ROW_THREADS", threads)
+    monkeypatch.setattr(gpu_log_softmax, "_hopper_form_threads", lambda *args: threads)
+    if shape is not None:
+        shapes = {**gpu_log_softmax.CLUSTER_SHAPE, threads: shape}
+        monkeypatch.setattr(gpu_log_softmax, "CLUSTER_SHAPE", shapes)
 
 
-@pytest.mark.parametrize("threads", gpu_log_softmax.CLUSTER_THREADS)
+# Every compiled cluster shape with a one-CTA counterpart (T <= 1024).
+SAME_TREE_SHAPES = tuple(
+    (ctas * cta_threads, (ctas, cta_threads))
+    for ctas, cta_threads in sorted(gpu_log_softmax.CLUSTER_SHAPES)
+    if ctas * cta_threads <= 1024
+)
+
+
+@pytest.mark.parametrize("threads, shape", SAME_TREE_SHAPES)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("vocab", CLUSTER_VOCABS)
-def test_cluster_form_gives_the_bits_of_the_one_cta_form(vocab, dtype, threads, monkeypatch):
+def test_cluster_form_gives_the_bits_of_the_one_cta_form(vocab, dtype, threads, shape, monkeypatch):
     _require_cluster_form()
-    _force_cluster_form(monkeypatch, threads)
+    _force_cluster_form(monkeypatch, threads, shape)
     assert gpu_log_softmax.threads_for(vocab, dtype, torch.device(DEVICE)) == threads
     gen = torch.Generator(device=DEVICE).manual_seed(21)
     x = (4.0 * torch.randn(6, vocab, device=DEVICE, generator=gen)).to(dtype)
@@ -325,11 +360,12 @@ def test_cluster_form_gives_the_bits_of_the_one_cta_form(vocab, dtype, threads, 
             assert_bitwise_equal(got, expected)
 
 
+@pytest.mark.parametrize("threads", gpu_log_softmax.CLUSTER_THREADS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("vocab", (4104, BIG_VOCAB))
-def test_cluster_form_writes_every_output_element(vocab, dtype, monkeypatch):
+def test_cluster_form_writes_every_output_element(vocab, dtype, threads, monkeypatch):
     _require_cluster_form()
-    _force_cluster_form(monkeypatch, gpu_log_softmax.HOPPER_LONG_ROW_THREADS)
+    _force_cluster_form(monkeypatch, threads)
     rows = 3
     gen = torch.Generator(device=DEVICE).manual_seed(22)
     x = torch.randn(rows, vocab, device=DEVICE, generator=gen).to(dtype)
@@ -343,3 +379,70 @@ def test_cluster_form_writes_every_output_element(vocab, dtype, monkeypatch):
     poisoned_grad = torch.full((rows, vocab), float("nan"), dtype=dtype, device=DEVICE)
     gpu_log_softmax._backward_into(poisoned_grad, grad, x, lse)
     assert_bitwise_equal(poisoned_grad, grad_x)
+
+
+# T = 2048 (16 CTAs of 128 threads) has no one-CTA form: its own tree (the warps of each CTA in
+# order, then the CTAs in rank order), checked for invariance, tolerance and the -inf rules.
+CLUSTER_ONLY = gpu_log_softmax.CLUSTER_ONLY_THREADS
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("vocab", (4104, 40008, BIG_VOCAB))
+def test_cluster_only_tree_rows_are_batch_invariant(vocab, dtype, monkeypatch):
+    _require_cluster_form()
+    _force_cluster_form(monkeypatch, CLUSTER_ONLY)
+    reports = row_invariance_sweep(
+        lambda x: _forward_and_grad(x[0].to(DEVICE), x[1].to(DEVICE))[0],
+        _logits(vocab, dtype, grads=True),
+        batch_sizes=(1, 3, 17),
+    )
+    assert_no_drift(reports)
+    reports = row_invariance_sweep(
+        lambda x: _forward_and_grad(x[0].to(DEVICE), x[1].to(DEVICE))[2],
+        _logits(vocab, dtype, grads=True),
+        batch_sizes=(1, 3, 17),
+    )
+    assert_no_drift(reports)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("vocab", (4104, BIG_VOCAB))
+def test_cluster_only_tree_is_within_tolerance_of_fp32_reference(vocab, dtype, monkeypatch):
+    _require_cluster_form()
+    _force_cluster_form(monkeypatch, CLUSTER_ONLY)
+    gen = torch.Generator().manual_seed(23)
+    x = (4.0 * torch.randn(4, vocab, generator=gen)).to(dtype)
+    x[1, ::7] = float("-inf")  # masked logits
+    x[2] = float("-inf")  # a row with no distribution
+    grad = torch.randn(4, vocab, generator=gen)
+    out, _, grad_x = _forward_and_grad(x.to(DEVICE), grad.to(DEVICE))
+    ref_x = x.float().clone().requires_grad_(True)
+    ref = log_softmax_fp32(ref_x)
+    ref.backward(grad)
+    finite = ref.isfinite()
+    assert_bitwise_equal(out.cpu().isinf(), ref.detach().isinf())
+    assert bool((out[2] == float("-inf")).all()) and bool((grad_x[2] == 0).all())
+    assert_within_tolerance(
+        out.cpu()[finite], ref.detach()[finite], op_class="logprob", dtype=dtype
+    )
+    assert_within_tolerance(grad_x.cpu(), ref_x.grad, op_class="logprob", kind="grad")
+
+
+@pytest.mark.parametrize("offset", (1, 3))
+def test_cluster_only_tree_misaligned_rows_give_the_same_bits(offset, monkeypatch):
+    _require_cluster_form()
+    _force_cluster_form(monkeypatch, CLUSTER_ONLY)
+    rows, vocab = 3, BIG_VOCAB
+    gen = torch.Generator(device=DEVICE).manual_seed(24)
+    storage = 4.0 * torch.randn(rows * (vocab + 8) + 16, device=DEVICE, generator=gen)
+    storage = storage.to(torch.bfloat16)
+    shifted = storage[offset : offset + rows * vocab].view(rows, vocab)
+    strided = storage[: rows * (vocab + 8)].view(rows, vocab + 8)[:, offset : offset + vocab]
+    grad = torch.randn(rows, vocab, device=DEVICE, generator=gen)
+    for x in (shifted, strided):
+        before = x.clone()
+        got = _forward_and_grad(x, grad)
+        expected = _forward_and_grad(x.contiguous(), grad)
+        for a, b in zip(got, expected, strict=True):
+            assert_bitwise_equal(a, b)
+        assert_bitwise_equal(x, before)  # the input is not modified

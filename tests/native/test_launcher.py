@@ -165,3 +165,31 @@ def test_without_hip_runtime_hip_is_unavailable():
     if ok:
         pytest.skip("a HIP runtime with a device is present")
     assert "HIP is not available" in reason
+
+
+@pytest.mark.parametrize(
+    "grid, block, shared, message",
+    [
+        ((0,), (64,), 0, r"grid\[0\] = 0 must be at least 1"),
+        ((16,), (2048,), 0, r"block.x = 2048 exceeds the limit of 1024"),
+        ((16,), (64,), 10**6, r"1000000 bytes of dynamic shared memory"),
+    ],
+)
+def test_max_active_clusters_checks_the_shape_before_the_device(
+    forward_kernel, grid, block, shared, message
+):
+    with pytest.raises(ValueError, match=message):
+        forward_kernel.max_active_clusters(grid, block, shared_mem=shared)
+
+
+def test_max_active_clusters_bad_block_type(forward_kernel):
+    with pytest.raises(TypeError, match="block must be an int or a tuple"):
+        forward_kernel.max_active_clusters((16,), [64])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-driver path")
+def test_without_a_driver_non_portable_clusters_say_cuda_is_not_available(forward_kernel):
+    with pytest.raises(native.BackendUnavailableError, match="CUDA is not available"):
+        forward_kernel.allow_non_portable_cluster_size()
+    with pytest.raises(native.BackendUnavailableError, match="CUDA is not available"):
+        forward_kernel.max_active_clusters((16,), (64,))

@@ -232,6 +232,38 @@ impl RawKernel {
         self.kernel.set_max_dynamic_shared_memory(device, bytes).map_err(to_py_err)
     }
 
+    /// Lets this kernel launch with clusters of more than 8 CTAs on `device` (its compiled
+    /// `__cluster_dims__`); raises BackendUnavailableError where the device cannot (not an sm_90
+    /// CUDA device).  Set once per kernel and device.
+    #[pyo3(signature = (device=None))]
+    fn allow_non_portable_cluster_size(&self, device: Option<i32>) -> PyResult<()> {
+        let device = self.device_or_current(device)?;
+        self.kernel.allow_non_portable_cluster_size(device).map_err(to_py_err)
+    }
+
+    /// How many clusters of this kernel (its compiled `__cluster_dims__`) with `block` threads
+    /// per CTA and `shared_mem` dynamic bytes can be resident on `device` at once; 0 means a
+    /// launch of that shape cannot run there.  `grid` must be a valid launch grid.
+    #[pyo3(signature = (grid, block, shared_mem=0, device=None))]
+    fn max_active_clusters(
+        &self,
+        grid: &Bound<'_, PyAny>,
+        block: &Bound<'_, PyAny>,
+        shared_mem: u32,
+        device: Option<i32>,
+    ) -> PyResult<u32> {
+        let config = LaunchConfig {
+            grid: dims("grid", grid)?,
+            block: dims("block", block)?,
+            shared_mem_bytes: shared_mem,
+            stream: 0,
+        };
+        batchinv_runtime::check_static_limits(self.kernel.name(), &config, &batchinv_runtime::STATIC_LIMITS)
+            .map_err(to_py_err)?;
+        let device = self.device_or_current(device)?;
+        self.kernel.max_active_clusters(device, &config).map_err(to_py_err)
+    }
+
     /// The kernel's limits on `device`: max threads per block, static and dynamic shared memory.
     #[pyo3(signature = (device=None))]
     fn attributes<'py>(&self, py: Python<'py>, device: Option<i32>) -> PyResult<Bound<'py, PyDict>> {

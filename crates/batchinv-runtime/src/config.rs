@@ -5,6 +5,7 @@
 //! GPU; [`LaunchConfig::check_device`] then applies the device's and the kernel's own
 //! limits (registers or `__launch_bounds__`, static and dynamic shared memory).
 
+use crate::driver::Backend;
 use crate::error::{Error, Result};
 
 /// Grid, block, dynamic shared memory and stream of one launch.
@@ -102,6 +103,33 @@ impl LaunchConfig {
     }
 }
 
+/// CTAs a thread-block cluster may hold on every cluster-capable GPU (sm_90).
+pub const PORTABLE_CLUSTER_CTAS: u32 = 8;
+/// CTAs a cluster may hold on sm_90 once the kernel opts in to non-portable sizes.
+pub const NON_PORTABLE_CLUSTER_CTAS: u32 = 16;
+
+/// Whether a device of `compute_capability` on `backend` can run clusters of more than
+/// [`PORTABLE_CLUSTER_CTAS`] CTAs; an error that says why not otherwise (no fallback).
+pub fn check_non_portable_clusters(kernel: &str, backend: Backend, compute_capability: (i32, i32)) -> Result<()> {
+    if backend != Backend::Cuda {
+        return Err(Error::Unavailable {
+            backend: backend.name(),
+            reason: format!("kernel '{kernel}': thread-block clusters are a CUDA feature (sm_90 or newer)"),
+        });
+    }
+    let (major, minor) = compute_capability;
+    if major < 9 {
+        return Err(Error::Unavailable {
+            backend: backend.name(),
+            reason: format!(
+                "kernel '{kernel}': clusters of more than {PORTABLE_CLUSTER_CTAS} CTAs need compute \
+                 capability 9.0 or newer; this device has {major}.{minor}"
+            ),
+        });
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -146,5 +174,18 @@ mod tests {
         let msg = err.unwrap_err().to_string();
         assert!(msg.contains("set_max_dynamic_shared_memory"), "{msg}");
         assert!(msg.contains("up to 231424 bytes"), "{msg}");
+    }
+
+    #[test]
+    fn non_portable_clusters_need_cuda_sm90() {
+        check_non_portable_clusters("k", Backend::Cuda, (9, 0)).unwrap();
+        check_non_portable_clusters("k", Backend::Cuda, (10, 0)).unwrap();
+        let err = check_non_portable_clusters("k", Backend::Cuda, (8, 9)).unwrap_err();
+        assert!(matches!(err, Error::Unavailable { backend: "CUDA", .. }));
+        assert!(err.to_string().contains("kernel 'k': clusters of more than 8 CTAs need compute capability 9.0"));
+        assert!(err.to_string().contains("this device has 8.9"));
+        let err = check_non_portable_clusters("k", Backend::Hip, (9, 4)).unwrap_err();
+        assert!(matches!(err, Error::Unavailable { backend: "HIP", .. }));
+        assert!(err.to_string().contains("thread-block clusters are a CUDA feature"));
     }
 }

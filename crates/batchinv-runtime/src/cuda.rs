@@ -34,6 +34,19 @@ const ATTR_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN: c_int = 97;
 const FUNC_MAX_THREADS_PER_BLOCK: c_int = 0;
 const FUNC_SHARED_SIZE_BYTES: c_int = 1;
 const FUNC_MAX_DYNAMIC_SHARED_SIZE_BYTES: c_int = 8;
+const FUNC_NON_PORTABLE_CLUSTER_SIZE_ALLOWED: c_int = 14;
+
+/// `CUlaunchConfig` (cuda.h), without launch attributes: the kernel's compiled
+/// `__cluster_dims__` give the cluster shape.
+#[repr(C)]
+struct CuLaunchConfig {
+    grid: [c_uint; 3],
+    block: [c_uint; 3],
+    shared_mem_bytes: c_uint,
+    stream: CuStream,
+    attrs: *mut c_void,
+    num_attrs: c_uint,
+}
 
 struct Api {
     cu_init: unsafe extern "C" fn(c_uint) -> CuResult,
@@ -65,6 +78,9 @@ struct Api {
         *mut *mut c_void,
         *mut *mut c_void,
     ) -> CuResult,
+    /// Absent from drivers older than CUDA 12.
+    cu_occupancy_max_active_clusters:
+        Option<unsafe extern "C" fn(*mut c_int, CuFunction, *const CuLaunchConfig) -> CuResult>,
     /// Absent from drivers older than CUDA 12.
     #[allow(clippy::type_complexity)]
     cu_tensor_map_encode_tiled: Option<
@@ -124,6 +140,7 @@ impl CudaDriver {
                 cu_func_get_attribute: symbol(&library, "cuFuncGetAttribute")?,
                 cu_func_set_attribute: symbol(&library, "cuFuncSetAttribute")?,
                 cu_launch_kernel: symbol(&library, "cuLaunchKernel")?,
+                cu_occupancy_max_active_clusters: symbol(&library, "cuOccupancyMaxActiveClusters").ok(),
                 cu_tensor_map_encode_tiled: symbol(&library, "cuTensorMapEncodeTiled").ok(),
                 cu_get_error_name: symbol(&library, "cuGetErrorName")?,
                 cu_get_error_string: symbol(&library, "cuGetErrorString")?,
@@ -360,6 +377,36 @@ impl Driver for CudaDriver {
                     bytes as c_int,
                 )
             })
+        })
+    }
+
+    fn allow_non_portable_cluster_size(&self, ordinal: i32, function: FunctionHandle) -> Result<()> {
+        self.with_context(ordinal, || {
+            self.check("cuFuncSetAttribute", unsafe {
+                (self.api.cu_func_set_attribute)(function as CuFunction, FUNC_NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1)
+            })
+        })
+    }
+
+    fn max_active_clusters(&self, ordinal: i32, function: FunctionHandle, config: &LaunchConfig) -> Result<u32> {
+        let query = self.api.cu_occupancy_max_active_clusters.ok_or_else(|| Error::Unavailable {
+            backend: "CUDA",
+            reason: "this driver has no cuOccupancyMaxActiveClusters (clusters need CUDA 12 or newer)".to_string(),
+        })?;
+        let launch = CuLaunchConfig {
+            grid: config.grid,
+            block: config.block,
+            shared_mem_bytes: config.shared_mem_bytes,
+            stream: config.stream as CuStream,
+            attrs: std::ptr::null_mut(),
+            num_attrs: 0,
+        };
+        self.with_context(ordinal, || {
+            let mut clusters: c_int = 0;
+            self.check("cuOccupancyMaxActiveClusters", unsafe {
+                query(&mut clusters, function as CuFunction, &launch)
+            })?;
+            Ok(clusters.max(0) as u32)
         })
     }
 

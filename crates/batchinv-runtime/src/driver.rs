@@ -103,6 +103,12 @@ pub trait Driver: Send + Sync {
     fn get_function(&self, device: i32, module: ModuleHandle, name: &CStr) -> Result<FunctionHandle>;
     fn function_limits(&self, device: i32, function: FunctionHandle) -> Result<FunctionLimits>;
     fn set_max_dynamic_shared(&self, device: i32, function: FunctionHandle, bytes: u32) -> Result<()>;
+    /// Lets the kernel launch with clusters of more than 8 CTAs (its compiled
+    /// `__cluster_dims__` or a launch attribute); callers check the device first.
+    fn allow_non_portable_cluster_size(&self, device: i32, function: FunctionHandle) -> Result<()>;
+    /// How many clusters of the kernel (its compiled `__cluster_dims__`) can be resident at
+    /// once for `config`'s block and shared memory; 0 when not even one fits.
+    fn max_active_clusters(&self, device: i32, function: FunctionHandle, config: &LaunchConfig) -> Result<u32>;
     /// Launches; `params` points at one value per kernel parameter.
     fn launch(
         &self,

@@ -264,6 +264,20 @@ impl Driver for HipDriver {
         Ok(())
     }
 
+    fn allow_non_portable_cluster_size(&self, _ordinal: i32, _function: FunctionHandle) -> Result<()> {
+        Err(Error::Unavailable {
+            backend: "HIP",
+            reason: "thread-block clusters are a CUDA feature (sm_90 or newer)".to_string(),
+        })
+    }
+
+    fn max_active_clusters(&self, _ordinal: i32, _function: FunctionHandle, _config: &LaunchConfig) -> Result<u32> {
+        Err(Error::Unavailable {
+            backend: "HIP",
+            reason: "thread-block clusters are a CUDA feature (sm_90 or newer)".to_string(),
+        })
+    }
+
     fn launch(
         &self,
         ordinal: i32,

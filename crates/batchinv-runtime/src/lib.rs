@@ -17,7 +17,10 @@ mod module;
 mod nvrtc;
 mod signature;
 
-pub use config::{check_static_limits, DeviceLimits, FunctionLimits, LaunchConfig};
+pub use config::{
+    check_non_portable_clusters, check_static_limits, DeviceLimits, FunctionLimits, LaunchConfig,
+    NON_PORTABLE_CLUSTER_CTAS, PORTABLE_CLUSTER_CTAS, STATIC_LIMITS,
+};
 pub use driver::{driver_for, Backend, Driver, TensorMapSpec};
 pub use error::{Error, Result};
 pub use module::{Kernel, Module};

@@ -1,6 +1,8 @@
 //! Modules and kernels: images loaded lazily per device, functions checked before launch.
 
-use crate::config::{check_static_limits, DeviceLimits, FunctionLimits, LaunchConfig, STATIC_LIMITS};
+use crate::config::{
+    check_non_portable_clusters, check_static_limits, DeviceLimits, FunctionLimits, LaunchConfig, STATIC_LIMITS,
+};
 use crate::driver::{driver_for, Backend, Driver, FunctionHandle, ModuleHandle};
 use crate::error::{Error, Result};
 use crate::signature::{ArgValue, PackedArgs, Signature};
@@ -161,6 +163,32 @@ impl Kernel {
             driver.set_max_dynamic_shared(device, entry.function, bytes)?;
             entry.function_limits = driver.function_limits(device, entry.function)?;
             Ok(())
+        })
+    }
+
+    /// Lets the kernel run with clusters of more than 8 CTAs on `device` (an sm_90 CUDA
+    /// device; anything else is [`Error::Unavailable`], never a silent fallback).  Set once
+    /// per kernel and device; the launch itself is unchanged.
+    pub fn allow_non_portable_cluster_size(&self, device: i32) -> Result<()> {
+        let backend = self.module.backend;
+        if backend != Backend::Cuda {
+            return check_non_portable_clusters(&self.name, backend, (0, 0));
+        }
+        let capability = driver_for(backend)?.compute_capability(device)?;
+        check_non_portable_clusters(&self.name, backend, capability)?;
+        self.with_resolved(device, |driver, entry| driver.allow_non_portable_cluster_size(device, entry.function))
+    }
+
+    /// How many clusters (the kernel's compiled `__cluster_dims__`) of `config`'s block and
+    /// dynamic shared memory can be resident on `device` at once; 0 means the launch cannot run.
+    pub fn max_active_clusters(&self, device: i32, config: &LaunchConfig) -> Result<u32> {
+        check_static_limits(&self.name, config, &STATIC_LIMITS)?;
+        if self.module.backend != Backend::Cuda {
+            return check_non_portable_clusters(&self.name, self.module.backend, (0, 0)).map(|_| 0);
+        }
+        self.with_resolved(device, |driver, entry| {
+            config.check_device(&self.name, &entry.device_limits, &entry.function_limits)?;
+            driver.max_active_clusters(device, entry.function, config)
         })
     }
 }

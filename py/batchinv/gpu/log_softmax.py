@@ -1,7 +1,9 @@
 """Log-softmax over the last dimension on CUDA/HIP: launches ``kernels_cu/log_softmax.cu``.
 
-One CTA per row.  The block size, and with it the reduction tree, is chosen from the row
-length V alone (``threads_for``), so a row's bits are the same in any batch.  How much of the
+One CTA per row (on sm_90, for some long-row cases, one thread-block cluster of 8 or 16 CTAs
+per row instead).  The block size, and with it the reduction tree, is chosen from the row
+length V, the dtypes and the device alone (``threads_for``), so a row's bits are the same in
+any batch.  How much of the
 row stays on chip between the two passes (registers, then dynamic shared memory sized from
 the device's limits, then a second read from global memory) changes speed only: the
 arithmetic is defined on element indices.  The GPU's reduction order is its own fixed tree
@@ -29,22 +31,36 @@ _DRIVER_RESERVED_SHARED = 1024  # per CTA on sm_80+
 _DEFAULT_SHARED = 48 * 1024
 _MAX_GRID_X = 2**31 - 1
 _SUFFIX = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32"}
-CLUSTER_CTAS = 8  # CTAs per row in the Hopper form; T / CLUSTER_CTAS threads each
-CLUSTER_THREADS = (512, 1024)  # the T compiled in the Hopper form (kernels_cu/log_softmax.cu)
-HOPPER_LONG_ROW_THREADS = 1024  # T on sm_90 for rows the Hopper form pays for (see threads_for)
+# The Hopper form's cluster shape for each T: (CTAs per row, threads per CTA).  The shapes
+# compiled are in CLUSTER_SHAPES (kernels_cu/log_softmax.cu); for T <= 1024 the shape changes
+# speed only (the same tree as the one-CTA form), T = 2048 exists only in the Hopper form.  For
+# T = 1024, 8 CTAs of 128 threads measured faster than 16 of 64 (H200: bf16 -> fp32 forward
+# 1.12 vs 1.24 ms, bf16 backward 1.14 vs 1.34 ms at 4096 x 151936, both with streaming hints).
+CLUSTER_SHAPES = frozenset({(8, 64), (8, 128), (16, 64), (16, 128)})
+CLUSTER_SHAPE = {512: (8, 64), 1024: (8, 128), 2048: (16, 128)}
+CLUSTER_THREADS = (512, 1024, 2048)  # the T compiled in the Hopper form
+CLUSTER_ONLY_THREADS = 2048  # no one-CTA form: a block holds at most 1024 threads
+_PORTABLE_CLUSTER_CTAS = 8  # larger clusters need the kernel's non-portable opt-in
 USE_CLUSTER = True  # the Hopper form where it applies (tests switch it off to compare bits)
 _BARRIER_BYTES = 8  # one mbarrier per shared-memory segment
-# Where the Hopper form is used: (direction, x dtype, out / grad_out dtype) for which it measured
-# faster than the one-CTA form on an H200 at V = 151936: forward bf16 -> fp32 1.25 vs 1.44 ms,
-# backward bf16 x and bf16 grad_out 1.09 vs 1.16 ms (4096 rows).  It was slower for forward
-# bf16 -> bf16 (1.41 vs 1.10 ms), fp32 x, fp32 grad_out (2 CTAs per SM: too few warps) and
-# V = 32000 (where one CTA already keeps the row on chip); other cases were not measured.
-_HOPPER_FORM_CASES = frozenset(
-    {
-        ("forward", torch.bfloat16, torch.float32),
-        ("backward", torch.bfloat16, torch.bfloat16),
-    }
-)
+# T on sm_90 for the cases where the Hopper form measured faster than the one-CTA form with
+# T = 512 on an H200 at 4096 x 151936 (same run, ms): forward bf16 -> fp32 1.12 vs 1.34 and
+# fp16 -> fp32 1.11 vs 1.34 (T = 1024), backward bf16 x / bf16 dy 1.13 vs 1.18 (T = 1024),
+# backward bf16 x / fp32 dy 1.42 vs 1.69 and fp16 x / fp32 dy 1.40 (with streaming hints, since
+# dropped) vs 1.68, forward fp32 1.59 vs 1.95, backward fp32 2.12 vs 2.47 (T = 2048, 16-CTA
+# clusters: an fp32 row, or fp32 dy row, is too long for 8 CTAs).  Slower there: forward
+# bf16 -> bf16 (T = 2048: 1.18 vs 0.97).  The other dtype pairs were not measured and keep the
+# one-CTA form.
+# (direction, x dtype, out / grad_out dtype) -> T; other cases keep LARGE_ROW_THREADS.
+HOPPER_FORM_THREADS = {
+    ("forward", torch.bfloat16, torch.float32): 1024,
+    ("forward", torch.float16, torch.float32): 1024,
+    ("backward", torch.bfloat16, torch.bfloat16): 1024,
+    ("backward", torch.bfloat16, torch.float32): 2048,
+    ("backward", torch.float16, torch.float32): 2048,
+    ("forward", torch.float32, torch.float32): 2048,
+    ("backward", torch.float32, torch.float32): 2048,
+}
 _MIN_CLUSTER_CTAS_PER_SM = 4  # a guard for rows far longer than measured
 
 
@@ -66,10 +82,10 @@ def threads_for(
     groups = -(-vocab // GROUP)
     if groups <= SMALL_ROW_THREADS * _register_groups(dtype):
         return SMALL_ROW_THREADS
-    if device is not None and _hopper_form_pays(
-        device, vocab, dtype, out_dtype or torch.float32, backward
-    ):
-        return HOPPER_LONG_ROW_THREADS
+    if device is not None:
+        hopper = _hopper_form_threads(device, vocab, dtype, out_dtype or torch.float32, backward)
+        if hopper is not None:
+            return hopper
     return LARGE_ROW_THREADS
 
 
@@ -77,21 +93,22 @@ def _device_index(device: torch.device) -> int:
     return device.index if device.index is not None else torch.cuda.current_device()
 
 
-def _hopper_form_pays(
+def _hopper_form_threads(
     device: torch.device,
     vocab: int,
     dtype: torch.dtype,
     out_dtype: torch.dtype,
     backward: bool,
-) -> bool:
-    """Whether these rows take the Hopper form's T on this device (see _HOPPER_FORM_CASES);
-    decided from V, the dtypes and the device's limits only."""
-    case = ("backward" if backward else "forward", dtype, out_dtype)
-    if case not in _HOPPER_FORM_CASES or device.type != "cuda" or vocab % GROUP != 0:
-        return False
+) -> int | None:
+    """T of the Hopper form for these rows on this device (see HOPPER_FORM_THREADS), or None
+    where the one-CTA form is used; decided from V, the dtypes and the device only."""
+    direction = "backward" if backward else "forward"
+    threads = HOPPER_FORM_THREADS.get((direction, dtype, out_dtype))
+    if threads is None or device.type != "cuda" or vocab % GROUP != 0:
+        return None
     index = _device_index(device)
     if not _cluster_capable(index):
-        return False
+        return None
     cached_dtype = out_dtype if backward else dtype  # what the kernel keeps on chip
     per_sm = torch.cuda.get_device_properties(index).shared_memory_per_multiprocessor
     one_cta_on_chip = (
@@ -100,11 +117,11 @@ def _hopper_form_pays(
         - _DRIVER_RESERVED_SHARED
     )
     if vocab * cached_dtype.itemsize <= one_cta_on_chip:
-        return False
-    per_cta = (
-        cluster_shared_bytes(vocab, HOPPER_LONG_ROW_THREADS, cached_dtype) + _DRIVER_RESERVED_SHARED
-    )
-    return per_sm // per_cta >= _MIN_CLUSTER_CTAS_PER_SM
+        return None
+    per_cta = cluster_shared_bytes(vocab, threads, cached_dtype) + _DRIVER_RESERVED_SHARED
+    if per_sm // per_cta < _MIN_CLUSTER_CTAS_PER_SM:
+        return None
+    return threads
 
 
 @functools.cache
@@ -148,35 +165,59 @@ def cluster_shared_bytes(vocab: int, threads: int, dtype: torch.dtype) -> int:
     """Dynamic shared memory of one CTA of the Hopper form: its slice of a row of ``dtype``."""
     groups = -(-vocab // GROUP)
     segments = -(-groups // threads)
-    return segments * ((threads // CLUSTER_CTAS) * GROUP * dtype.itemsize + _BARRIER_BYTES)
+    ctas, cta_threads = CLUSTER_SHAPE[threads]
+    return segments * (cta_threads * GROUP * dtype.itemsize + _BARRIER_BYTES)
+
+
+_OPTED_IN_CLUSTERS: set[tuple[str, int]] = set()
+
+
+def _allow_cluster_size(kernel, device_index: int, ctas: int) -> None:
+    """Opts a kernel in to its non-portable cluster size (once per kernel and device); the
+    runtime raises where the device cannot run such clusters."""
+    key = (kernel.name, device_index)
+    if ctas > _PORTABLE_CLUSTER_CTAS and key not in _OPTED_IN_CLUSTERS:
+        kernel.allow_non_portable_cluster_size(device=device_index)
+        _OPTED_IN_CLUSTERS.add(key)
+
+
+def _aligned(t: Tensor) -> Tensor:
+    """``t`` if its rows start 16-byte aligned, else an aligned contiguous copy (same values)."""
+    if t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0:
+        return t
+    return torch.empty(t.shape, dtype=t.dtype, device=t.device).copy_(t)
 
 
 def _cluster_plan(
-    kernel_name: str,
+    kind: str,
+    suffix: str,
     device: torch.device,
     vocab: int,
-    threads: int,
-    dtypes: tuple[torch.dtype, torch.dtype, bool],
+    threads: tuple[int, int | None],
+    cached_dtype: torch.dtype,
     tensors: tuple[Tensor, ...],
     rows: int,
-) -> tuple[object, int] | None:
-    """``(kernel, shared bytes)`` of the Hopper form for this call, or None where it does not
-    apply: not sm_90, a case the form does not pay for (``threads_for`` then chose another T),
-    a row start not 16-byte aligned, or the slice above the limit.  ``dtypes`` is
-    ``(x dtype, out or grad_out dtype, backward)``.  Where the form does not apply, the one-CTA
-    form runs with the same T: the same bits."""
-    dtype, out_dtype, backward = dtypes
-    if not USE_CLUSTER or threads != HOPPER_LONG_ROW_THREADS or vocab % GROUP != 0:
+) -> tuple[object, int, int] | None:
+    """``(kernel, CTAs per row, shared bytes)`` of the Hopper form for this call, or None where
+    it does not apply: T (``threads[0]``) is not the Hopper form's T for this case
+    (``threads[1]``, from ``_hopper_form_threads``), a row start is not 16-byte aligned, or
+    the clusters cannot be resident.  There the one-CTA form runs with the same T: the same
+    bits.  ``kind`` is "forward" or "backward"."""
+    threads, hopper_threads = threads
+    if not USE_CLUSTER or threads not in CLUSTER_SHAPE or vocab % GROUP != 0:
         return None
-    if rows * CLUSTER_CTAS > _MAX_GRID_X:
+    if threads != hopper_threads:
         return None
     if any(t.data_ptr() % 16 != 0 or (t.stride(0) * t.element_size()) % 16 != 0 for t in tensors):
         return None
     index = _device_index(device)
-    if not _hopper_form_pays(device, vocab, dtype, out_dtype, backward):
+    if not _cluster_capable(index):
         return None
-    cached_dtype = out_dtype if backward else dtype
-    kernel = kernel_for("log_softmax", kernel_name, device)
+    ctas, cta_threads = CLUSTER_SHAPE[threads]
+    if rows * ctas > _MAX_GRID_X:
+        raise ValueError(f"x has {rows} rows; at most {_MAX_GRID_X // ctas} are supported here")
+    name = f"log_softmax_cluster_{kind}_{suffix}_c{ctas}_t{cta_threads}"
+    kernel = kernel_for("log_softmax", name, device)
     static = _static_shared(kernel, index)
     limit = torch.cuda.get_device_properties(index).shared_memory_per_block_optin - static
     shared = cluster_shared_bytes(vocab, threads, cached_dtype)
@@ -184,7 +225,23 @@ def _cluster_plan(
         return None
     if shared > _DEFAULT_SHARED - static:
         _raise_shared_limit(kernel, index, limit)
-    return kernel, shared
+    _allow_cluster_size(kernel, index, ctas)
+    if _resident_clusters(kernel, index, ctas, cta_threads, shared) == 0:
+        return None
+    return kernel, ctas, shared
+
+
+_RESIDENT: dict[tuple[str, int, int], int] = {}
+
+
+def _resident_clusters(kernel, device_index: int, ctas: int, cta_threads: int, shared: int) -> int:
+    """How many clusters of this shape fit on the device at once (a device limit; cached)."""
+    key = (kernel.name, device_index, shared)
+    if key not in _RESIDENT:
+        _RESIDENT[key] = int(
+            kernel.max_active_clusters((ctas,), (cta_threads,), shared, device=device_index)
+        )
+    return _RESIDENT[key]
 
 
 def _tiering(
@@ -229,28 +286,33 @@ def _forward_into(out: Tensor, lse: Tensor | None, rows_view: Tensor) -> None:
     """Launches the forward of ``rows_view`` ``[rows, V]`` into ``out`` (and ``lse``)."""
     rows, vocab = rows_view.shape
     threads = threads_for(vocab, rows_view.dtype, rows_view.device, out.dtype)
+    hopper = _hopper_form_threads(rows_view.device, vocab, rows_view.dtype, out.dtype, False)
     suffix = f"{_SUFFIX[rows_view.dtype]}_{_SUFFIX[out.dtype]}"
     lse_arg = lse if lse is not None else 0
+    if threads == CLUSTER_ONLY_THREADS:
+        rows_view = _aligned(rows_view)  # this T has no one-CTA form to fall back on
     plan = _cluster_plan(
-        f"log_softmax_cluster_forward_{suffix}_c{CLUSTER_CTAS}_t{threads // CLUSTER_CTAS}",
+        "forward",
+        suffix,
         rows_view.device,
         vocab,
-        threads,
-        (rows_view.dtype, out.dtype, False),
+        (threads, hopper),
+        rows_view.dtype,
         (rows_view, out),
         rows,
     )
     if plan is not None:
-        kernel, shared = plan
+        kernel, ctas, shared = plan
         launch(
             kernel,
             rows_view.device,
-            grid=(rows * CLUSTER_CTAS,),
-            block=(threads // CLUSTER_CTAS,),
+            grid=(rows * ctas,),
+            block=(threads // ctas,),
             args=(out, lse_arg, rows_view, rows, vocab, rows_view.stride(0)),
             shared_mem=shared,
         )
         return
+    _require_one_cta_form(threads)
     kernel = kernel_for("log_softmax", f"log_softmax_forward_{suffix}_t{threads}", rows_view.device)
     smem_groups, shared = _tiering(kernel, rows_view.device, vocab, threads, rows_view.dtype)
     launch(
@@ -261,6 +323,14 @@ def _forward_into(out: Tensor, lse: Tensor | None, rows_view: Tensor) -> None:
         args=(out, lse_arg, rows_view, rows, vocab, rows_view.stride(0), smem_groups),
         shared_mem=shared,
     )
+
+
+def _require_one_cta_form(threads: int) -> None:
+    if threads > 1024:
+        raise RuntimeError(
+            f"log_softmax: T = {threads} exists only in the Hopper cluster form, which cannot run "
+            "here (USE_CLUSTER is off or the slice exceeds the shared memory)"
+        )
 
 
 def backward(grad_out: Tensor, x: Tensor, lse: Tensor) -> Tensor:
@@ -279,27 +349,32 @@ def _backward_into(grad_x: Tensor, grad_rows: Tensor, rows_view: Tensor, lse: Te
     """Launches the backward of ``rows_view`` ``[rows, V]`` into ``grad_x``."""
     rows, vocab = rows_view.shape
     threads = threads_for(vocab, rows_view.dtype, rows_view.device, grad_rows.dtype, backward=True)
+    hopper = _hopper_form_threads(rows_view.device, vocab, rows_view.dtype, grad_rows.dtype, True)
     suffix = f"{_SUFFIX[rows_view.dtype]}_{_SUFFIX[grad_rows.dtype]}"
+    if threads == CLUSTER_ONLY_THREADS:
+        rows_view, grad_rows = _aligned(rows_view), _aligned(grad_rows)
     plan = _cluster_plan(
-        f"log_softmax_cluster_backward_{suffix}_c{CLUSTER_CTAS}_t{threads // CLUSTER_CTAS}",
+        "backward",
+        suffix,
         rows_view.device,
         vocab,
-        threads,
-        (rows_view.dtype, grad_rows.dtype, True),
+        (threads, hopper),
+        grad_rows.dtype,
         (rows_view, grad_rows, grad_x),
         rows,
     )
     if plan is not None:
-        kernel, shared = plan
+        kernel, ctas, shared = plan
         launch(
             kernel,
             rows_view.device,
-            grid=(rows * CLUSTER_CTAS,),
-            block=(threads // CLUSTER_CTAS,),
+            grid=(rows * ctas,),
+            block=(threads // ctas,),
             args=(grad_x, grad_rows, rows_view, lse, rows, vocab, rows_view.stride(0)),
             shared_mem=shared,
         )
         return
+    _require_one_cta_form(threads)
     name = f"log_softmax_backward_{suffix}_t{threads}"
     kernel = kernel_for("log_softmax", name, rows_view.device)
     smem_groups, shared = _tiering(kernel, rows_view.device, vocab, threads, grad_rows.dtype)
