@@ -80,6 +80,10 @@ constexpr int kWeightGradSharedBytes = 32768;  // per-column sums of a CTA in th
 constexpr int kWeightGradThreads = 256;  // columns per pass-1 / pass-2 CTA
 constexpr int kWeightGradUnroll = 8;     // rows loaded before they are added (loads in flight)
 constexpr int kResidentWeightMaxChunks = 5;  // fused backward: weight kept in registers up to this K
+// Forward: the weight is loaded with the row up to this many threads per row.  Its 32 registers
+// per thread cost t256 half its CTAs per SM (2 instead of 4): 149 vs 137 us at 8192 x 16384 bf16
+// on an H200, where t128 gained (136 vs 137 us at 16384 x 8192).
+constexpr int kResidentForwardMaxThreads = 128;
 
 template <typename Codec>
 struct alignas(kChunkBytes) Chunk {
@@ -192,7 +196,8 @@ struct ForwardArgs {
 // One row per group of T threads, each holding up to K chunks.  kStreaming: the row does not fit
 // per thread; it is processed in rounds and read again for the output (for the fused form
 // the second read is of new_residual, which this thread wrote itself in the first).  The
-// kernels use it for the streaming form only; rows that fit take forward_rows_resident.
+// kernels use it for the streaming form and for T > kResidentForwardMaxThreads; other rows
+// take forward_rows_resident (the same arithmetic, the weight loaded before the reduction).
 template <typename Codec, int T, int K, bool kStreaming, bool kFusedAdd>
 __device__ __forceinline__ void forward_rows(const ForwardArgs& a, float* warp_partials) {
     using S = typename Codec::storage;
@@ -704,8 +709,8 @@ __device__ __forceinline__ void backward_weight_grad_resident(const BackwardArgs
 template <typename Codec, int T, int K, bool kStreaming, bool kFusedAdd>
 __device__ __forceinline__ void forward_kernel(const ForwardArgs& a) {
     __shared__ float warp_partials[kMaxWarps];
-    if constexpr (kStreaming) {
-        forward_rows<Codec, T, K, true, kFusedAdd>(a, warp_partials);
+    if constexpr (kStreaming || T > kResidentForwardMaxThreads) {
+        forward_rows<Codec, T, K, kStreaming, kFusedAdd>(a, warp_partials);
     } else {
         forward_rows_resident<Codec, T, K, kFusedAdd>(a, warp_partials);
     }
