@@ -13,7 +13,8 @@
 //   rstd         [rows] fp32: inv_rms of each row (nullptr: not written); the backward reads it
 //   eps          fp32 (the host rounds the Python float once)
 //   Arithmetic in fp32, every step one IEEE operation (no FMA contraction): squares rounded,
-//   sums rounded, sum / d, __fsqrt_rn, 1 / that, then two products, one rounding at the end.
+//   sums rounded, sum / d, __fsqrt_rn, 1 / that, then two products, one rounding at the end
+//   (bf16 on CUDA by the paired conversion cvt.rn.bf16x2.f32: Codec::store's bits).
 //
 // Backward  x_hat = h * inv_rms;  gw = grad_y * weight;
 //           grad_h = inv_rms * (gw - x_hat * (sum(gw * x_hat) / d))  [+ grad_residual]
@@ -41,10 +42,13 @@
 //           grad_x is per row and does not depend on which kernel computed it (tested).
 //
 // Launch geometry (the host picks it from d and the dtype only, never from rows): the first
-//   (T threads per row, K chunks per thread) of (4, 4), (16, 4), (32, 4), (64, 8), (128, 8),
-//   (256, 8), (512, 8) with T * K 16-byte chunks >= the row, each thread keeping its chunks in
-//   registers (the row is read once); longer rows (bf16 d > 32768, fp32 d > 16384) use the
-//   streaming form, T = 1024, which reads the row twice.  CTA = max(T, 128) threads holding
+//   (T threads per row, K chunks per thread) of (4, 4), (16, 4), (32, 4), (64, 8), (128, 5),
+//   (128, 8), (256, 8), (512, 8) with T * K 16-byte chunks >= the row, each thread keeping its
+//   chunks in registers (the row is read once; (128, 5) and (128, 8) have the same tree, K only
+//   bounds the registers); longer rows (bf16 d > 32768, fp32 d > 16384) use the streaming form,
+//   T = 1024, which reads the row twice.  Up to T = 128 the forward loads the weight's chunks
+//   with the row's, before the reduction; the fused backward keeps them in registers for a row
+//   group's rows when K <= 5.  Where loads are issued changes no arithmetic.  CTA = max(T, 128) threads holding
 //   128 / T rows (T < 128) or one row; grid.x = ceil(rows / rows per CTA).  The backward uses
 //   the forward's geometry; its fused form gives a CTA R = G * S rows (above), grid.x =
 //   ceil(rows / R).  The batch changes only grid.x.
