@@ -48,8 +48,9 @@
 //   bounds the registers); longer rows (bf16 d > 32768, fp32 d > 16384) use the streaming form,
 //   T = 1024, which reads the row twice.  Up to T = 128 the forward loads the weight's chunks
 //   with the row's, before the reduction; the fused backward keeps them in registers for a row
-//   group's rows when K <= 5.  Where loads are issued changes no arithmetic.  CTA = max(T, 128) threads holding
-//   128 / T rows (T < 128) or one row; grid.x = ceil(rows / rows per CTA).  The backward uses
+//   group's rows when K <= 5.  Where loads are issued changes no arithmetic.
+//   CTA = max(T, 128) threads holding 128 / T rows (T < 128) or one row;
+//   grid.x = ceil(rows / rows per CTA).  The backward uses
 //   the forward's geometry; its fused form gives a CTA R = G * S rows (above), grid.x =
 //   ceil(rows / R).  The batch changes only grid.x.
 //
@@ -487,7 +488,7 @@ __device__ __forceinline__ void backward_weight_grad_rows(const BackwardArgs& a,
 // ---- Rows held in registers (every geometry but the streaming one) -------------------------
 // The same per-row arithmetic and trees as forward_rows / backward_row (so the same bits), with
 // the loads moved: the weight's chunks are loaded with the row's, before the reduction instead
-// of after it (issue 6: forward 0.93 -> 0.96 of a copy at 16384 x 4096 bf16 on an H200).
+// of after it (issue 6; the H200 sweep is in docs/operators/rms_norm.md).
 
 // Forward: one row per group of T threads (CTA b's group g takes row b * G + g).
 template <typename Codec, int T, int K, bool kFusedAdd>
