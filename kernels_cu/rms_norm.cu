@@ -84,7 +84,7 @@ constexpr int kWeightGradReduceRows = 64;  // partial rows per sum of the furthe
 constexpr int kWeightGradSharedBytes = 32768;  // per-column sums of a CTA in the fused backward
 constexpr int kWeightGradThreads = 256;  // columns per pass-1 / pass-2 CTA
 constexpr int kWeightGradUnroll = 8;     // rows loaded before they are added (loads in flight)
-constexpr int kResidentWeightMaxChunks = 5;  // fused backward: weight kept in registers up to this K
+constexpr int kResidentWeightMaxChunks = 5;  // fused backward: weight in registers up to this K
 // Forward: the weight is loaded with the row up to this many threads per row.  Its 32 registers
 // per thread cost t256 half its CTAs per SM (2 instead of 4): 149 vs 137 us at 8192 x 16384 bf16
 // on an H200, where t128 gained (136 vs 137 us at 16384 x 8192).
