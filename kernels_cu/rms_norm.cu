@@ -13,7 +13,8 @@
 //   rstd         [rows] fp32: inv_rms of each row (nullptr: not written); the backward reads it
 //   eps          fp32 (the host rounds the Python float once)
 //   Arithmetic in fp32, every step one IEEE operation (no FMA contraction): squares rounded,
-//   sums rounded, sum / d, __fsqrt_rn, 1 / that, then two products, one rounding at the end.
+//   sums rounded, sum / d, __fsqrt_rn, 1 / that, then two products, one rounding at the end
+//   (bf16 on CUDA by the paired conversion cvt.rn.bf16x2.f32: Codec::store's bits).
 //
 // Backward  x_hat = h * inv_rms;  gw = grad_y * weight;
 //           grad_h = inv_rms * (gw - x_hat * (sum(gw * x_hat) / d))  [+ grad_residual]
@@ -41,11 +42,15 @@
 //           grad_x is per row and does not depend on which kernel computed it (tested).
 //
 // Launch geometry (the host picks it from d and the dtype only, never from rows): the first
-//   (T threads per row, K chunks per thread) of (4, 4), (16, 4), (32, 4), (64, 8), (128, 8),
-//   (256, 8), (512, 8) with T * K 16-byte chunks >= the row, each thread keeping its chunks in
-//   registers (the row is read once); longer rows (bf16 d > 32768, fp32 d > 16384) use the
-//   streaming form, T = 1024, which reads the row twice.  CTA = max(T, 128) threads holding
-//   128 / T rows (T < 128) or one row; grid.x = ceil(rows / rows per CTA).  The backward uses
+//   (T threads per row, K chunks per thread) of (4, 4), (16, 4), (32, 4), (64, 8), (128, 5),
+//   (128, 8), (256, 8), (512, 8) with T * K 16-byte chunks >= the row, each thread keeping its
+//   chunks in registers (the row is read once; (128, 5) and (128, 8) have the same tree, K only
+//   bounds the registers); longer rows (bf16 d > 32768, fp32 d > 16384) use the streaming form,
+//   T = 1024, which reads the row twice.  Up to T = 128 the forward loads the weight's chunks
+//   with the row's, before the reduction; the fused backward keeps them in registers for a row
+//   group's rows when K <= 5.  Where loads are issued changes no arithmetic.
+//   CTA = max(T, 128) threads holding 128 / T rows (T < 128) or one row;
+//   grid.x = ceil(rows / rows per CTA).  The backward uses
 //   the forward's geometry; its fused form gives a CTA R = G * S rows (above), grid.x =
 //   ceil(rows / R).  The batch changes only grid.x.
 //
@@ -60,6 +65,7 @@
 // element loads otherwise; both fill the same per-thread chunks, so the arithmetic, and the
 // bits, do not depend on the load width: a row alone in a fresh tensor and the same row at an
 // odd offset of a batch get the same result.
+#include "common/chunk16.cuh"
 #include "common/portability.cuh"
 
 
@@ -78,6 +84,11 @@ constexpr int kWeightGradReduceRows = 64;  // partial rows per sum of the furthe
 constexpr int kWeightGradSharedBytes = 32768;  // per-column sums of a CTA in the fused backward
 constexpr int kWeightGradThreads = 256;  // columns per pass-1 / pass-2 CTA
 constexpr int kWeightGradUnroll = 8;     // rows loaded before they are added (loads in flight)
+constexpr int kResidentWeightMaxChunks = 5;  // fused backward: weight in registers up to this K
+// Forward: the weight is loaded with the row up to this many threads per row.  Its 32 registers
+// per thread cost t256 half its CTAs per SM (2 instead of 4): 149 vs 137 us at 8192 x 16384 bf16
+// on an H200, where t128 gained (136 vs 137 us at 16384 x 8192).
+constexpr int kResidentForwardMaxThreads = 128;
 
 template <typename Codec>
 struct alignas(kChunkBytes) Chunk {
@@ -110,6 +121,28 @@ __device__ __forceinline__ void store_chunk(typename Codec::storage* row, const 
         for (int e = 0; e < E; ++e) {
             if (first + e < d) row[first + e] = in.v[e];
         }
+    }
+}
+
+// The chunk's fp32 values rounded once each to the storage type: for bf16 on CUDA by the
+// hardware's paired conversion (pack_bf16x2, the bits of Codec::store, fewer instructions).
+template <typename Codec>
+__device__ __forceinline__ void round_chunk(Chunk<Codec>& out, const float* f) {
+    constexpr int E = Chunk<Codec>::kElems;
+#if !defined(__HIPCC__)
+    constexpr bool kHardwareBf16 = Codec::kIsBf16;
+#else
+    constexpr bool kHardwareBf16 = false;
+#endif
+    if constexpr (kHardwareBf16) {
+#if !defined(__HIPCC__)
+        uint32_t* words = reinterpret_cast<uint32_t*>(out.v);
+#pragma unroll
+        for (int w = 0; w < E / 2; ++w) words[w] = pack_bf16x2(f[2 * w], f[2 * w + 1]);
+#endif
+    } else {
+#pragma unroll
+        for (int e = 0; e < E; ++e) out.v[e] = Codec::store(f[e]);
     }
 }
 
@@ -167,7 +200,9 @@ struct ForwardArgs {
 
 // One row per group of T threads, each holding up to K chunks.  kStreaming: the row does not fit
 // per thread; it is processed in rounds and read again for the output (for the fused form
-// the second read is of new_residual, which this thread wrote itself in the first).
+// the second read is of new_residual, which this thread wrote itself in the first).  The
+// kernels use it for the streaming form and for T > kResidentForwardMaxThreads; other rows
+// take forward_rows_resident (the same arithmetic, the weight loaded before the reduction).
 template <typename Codec, int T, int K, bool kStreaming, bool kFusedAdd>
 __device__ __forceinline__ void forward_rows(const ForwardArgs& a, float* warp_partials) {
     using S = typename Codec::storage;
@@ -238,11 +273,12 @@ __device__ __forceinline__ void forward_rows(const ForwardArgs& a, float* warp_p
             if (c >= chunks) continue;
             Chunk<Codec> w, out;
             load_chunk(w, weight, c, d, vector);
+            float f[E];
 #pragma unroll
             for (int e = 0; e < E; ++e) {
-                out.v[e] = Codec::store(
-                    ieee_mul(ieee_mul(Codec::load(h[k].v[e]), inv_rms), Codec::load(w.v[e])));
+                f[e] = ieee_mul(ieee_mul(Codec::load(h[k].v[e]), inv_rms), Codec::load(w.v[e]));
             }
+            round_chunk(out, f);
             store_chunk(y, out, c, d, vector);
         }
     }
@@ -369,7 +405,7 @@ __device__ __forceinline__ void backward_row(const BackwardArgs& a, int64_t row,
             Chunk<Codec> w, extra, out;
             load_chunk(w, weight, c, d, vector);
             if (grad_residual != nullptr) load_chunk(extra, grad_residual, c, d, vector);
-            float product[E];
+            float product[E], gx[E];
 #pragma unroll
             for (int e = 0; e < E; ++e) {
                 const float dy = Codec::load(gs[k].v[e]);
@@ -377,9 +413,10 @@ __device__ __forceinline__ void backward_row(const BackwardArgs& a, int64_t row,
                 const float x_hat = ieee_mul(Codec::load(xs[k].v[e]), inv_rms);
                 float g = ieee_mul(inv_rms, ieee_sub(gw, ieee_mul(x_hat, mean_dot)));
                 if (grad_residual != nullptr) g = ieee_add(g, Codec::load(extra.v[e]));
-                out.v[e] = Codec::store(g);
+                gx[e] = g;
                 product[e] = ieee_mul(dy, x_hat);
             }
+            round_chunk(out, gx);
             store_chunk(grad_x, out, c, d, vector);
             if constexpr (kWeightGrad) {
                 // Elements past d in the last chunk were loaded as zeros: they add +0.
@@ -448,13 +485,240 @@ __device__ __forceinline__ void backward_weight_grad_rows(const BackwardArgs& a,
     }
 }
 
+// ---- Rows held in registers (every geometry but the streaming one) -------------------------
+// The same per-row arithmetic and trees as forward_rows / backward_row (so the same bits), with
+// the loads moved: the weight's chunks are loaded with the row's, before the reduction instead
+// of after it (issue 6; the H200 sweep is in docs/operators/rms_norm.md).
+
+// Forward: one row per group of T threads (CTA b's group g takes row b * G + g).
+template <typename Codec, int T, int K, bool kFusedAdd>
+__device__ __forceinline__ void forward_rows_resident(const ForwardArgs& a, float* warp_partials) {
+    using S = typename Codec::storage;
+    constexpr int E = Chunk<Codec>::kElems;
+    const int lane = threadIdx.x % T;
+    const int64_t row = static_cast<int64_t>(blockIdx.x) * Cta<T>::kRowGroups + threadIdx.x / T;
+    const bool active = row < a.rows;
+    const int64_t d = a.d;
+    const int64_t chunks = (d + E - 1) / E;
+    const int64_t safe_row = active ? row : 0;
+    const S* x = static_cast<const S*>(a.x) + safe_row * a.x_stride;
+    const S* weight = static_cast<const S*>(a.weight);
+    const bool vector = aligned16(a.x) && aligned16(a.y) && aligned16(a.weight) &&
+                        aligned16(a.residual) && aligned16(a.new_residual) &&
+                        stride_aligned16<S>(a.x_stride) && stride_aligned16<S>(a.residual_stride) &&
+                        stride_aligned16<S>(d);
+    Chunk<Codec> h[K], w[K];
+    Chunk<Codec> r[kFusedAdd ? K : 1];
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+        const int64_t c = lane + static_cast<int64_t>(k) * T;
+        if (active && c < chunks) load_chunk(h[k], x, c, d, vector);
+    }
+    if constexpr (kFusedAdd) {
+        const S* residual = static_cast<const S*>(a.residual) + safe_row * a.residual_stride;
+#pragma unroll
+        for (int k = 0; k < K; ++k) {
+            const int64_t c = lane + static_cast<int64_t>(k) * T;
+            if (active && c < chunks) load_chunk(r[k], residual, c, d, vector);
+        }
+    }
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+        const int64_t c = lane + static_cast<int64_t>(k) * T;
+        if (c < chunks) load_chunk(w[k], weight, c, d, vector);
+    }
+    S* new_residual = kFusedAdd ? static_cast<S*>(a.new_residual) + safe_row * d : nullptr;
+    float sum_sq = 0.0f;
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+        const int64_t c = lane + static_cast<int64_t>(k) * T;
+        if (!(active && c < chunks)) continue;
+        if constexpr (kFusedAdd) {
+            float f[E];
+#pragma unroll
+            for (int e = 0; e < E; ++e) {
+                f[e] = ieee_add(Codec::load(h[k].v[e]), Codec::load(r[k].v[e]));
+            }
+            round_chunk(h[k], f);
+        }
+#pragma unroll
+        for (int e = 0; e < E; ++e) {
+            if (c * E + e >= d) continue;
+            const float v = Codec::load(h[k].v[e]);
+            sum_sq = ieee_add(sum_sq, ieee_mul(v, v));
+        }
+        if constexpr (kFusedAdd) store_chunk(new_residual, h[k], c, d, vector);
+    }
+    const float inv_rms = inv_rms_of(row_group_sum<T>(sum_sq, warp_partials), d, a.eps);
+    if (!active) return;
+    if (a.rstd != nullptr && lane == 0) a.rstd[row] = inv_rms;
+    S* y = static_cast<S*>(a.y) + row * d;
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+        const int64_t c = lane + static_cast<int64_t>(k) * T;
+        if (c >= chunks) continue;
+        float f[E];
+#pragma unroll
+        for (int e = 0; e < E; ++e) {
+            f[e] = ieee_mul(ieee_mul(Codec::load(h[k].v[e]), inv_rms), Codec::load(w[k].v[e]));
+        }
+        Chunk<Codec> out;
+        round_chunk(out, f);
+        store_chunk(y, out, c, d, vector);
+    }
+}
+
+// dy and x of `row` into the thread's chunks (nothing for a row past the end).
+template <typename Codec, int T, int K>
+__device__ __forceinline__ void load_backward_row(Chunk<Codec> (&xs)[K], Chunk<Codec> (&gs)[K],
+                                                  const BackwardArgs& a, int64_t row, int lane,
+                                                  bool vector) {
+    using S = typename Codec::storage;
+    constexpr int E = Chunk<Codec>::kElems;
+    if (row >= a.rows) return;
+    const int64_t chunks = (a.d + E - 1) / E;
+    const S* x = static_cast<const S*>(a.x) + row * a.x_stride;
+    const S* grad_y = static_cast<const S*>(a.grad_y) + row * a.d;
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+        const int64_t c = lane + static_cast<int64_t>(k) * T;
+        if (c < chunks) {
+            load_chunk(xs[k], x, c, a.d, vector);
+            load_chunk(gs[k], grad_y, c, a.d, vector);
+        }
+    }
+}
+
+// backward_row (kWeightGrad) for a row already loaded (xs, gs), the weight's chunks in w:
+// the same operations in the same order.
+template <typename Codec, int T, int K>
+__device__ __forceinline__ void backward_resident_row(const BackwardArgs& a, int64_t row,
+                                                      int lane, bool vector,
+                                                      const Chunk<Codec> (&xs)[K],
+                                                      const Chunk<Codec> (&gs)[K],
+                                                      const Chunk<Codec> (&w)[K],
+                                                      float* warp_partials, float4* group_sums) {
+    using S = typename Codec::storage;
+    constexpr int E = Chunk<Codec>::kElems;
+    const bool active = row < a.rows;
+    const int64_t d = a.d;
+    const int64_t chunks = (d + E - 1) / E;
+    const float inv_rms = active ? a.rstd[row] : 0.0f;
+    float dot = 0.0f;
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+        const int64_t c = lane + static_cast<int64_t>(k) * T;
+        if (!(active && c < chunks)) continue;
+#pragma unroll
+        for (int e = 0; e < E; ++e) {
+            if (c * E + e >= d) continue;
+            const float gw = ieee_mul(Codec::load(gs[k].v[e]), Codec::load(w[k].v[e]));
+            const float x_hat = ieee_mul(Codec::load(xs[k].v[e]), inv_rms);
+            dot = ieee_add(dot, ieee_mul(gw, x_hat));
+        }
+    }
+    const float mean_dot = __fdiv_rn(row_group_sum<T>(dot, warp_partials), static_cast<float>(d));
+    if (!active) return;
+    S* grad_x = static_cast<S*>(a.grad_x) + row * d;
+    const S* grad_residual =
+        a.grad_residual != nullptr ? static_cast<const S*>(a.grad_residual) + row * d : nullptr;
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+        const int64_t c = lane + static_cast<int64_t>(k) * T;
+        if (c >= chunks) continue;
+        Chunk<Codec> extra, out;
+        if (grad_residual != nullptr) load_chunk(extra, grad_residual, c, d, vector);
+        float g[E], product[E];
+#pragma unroll
+        for (int e = 0; e < E; ++e) {
+            const float dy = Codec::load(gs[k].v[e]);
+            const float gw = ieee_mul(dy, Codec::load(w[k].v[e]));
+            const float x_hat = ieee_mul(Codec::load(xs[k].v[e]), inv_rms);
+            g[e] = ieee_mul(inv_rms, ieee_sub(gw, ieee_mul(x_hat, mean_dot)));
+            if (grad_residual != nullptr) g[e] = ieee_add(g[e], Codec::load(extra.v[e]));
+            product[e] = ieee_mul(dy, x_hat);
+        }
+        round_chunk(out, g);
+        store_chunk(grad_x, out, c, d, vector);
+        // Elements past d in the last chunk were loaded as zeros: they add +0.
+#pragma unroll
+        for (int q = 0; q < E / 4; ++q) {
+            float4* slot = group_sums + group_sums_slot<T, E>(lane, k, q);
+            float4 sum = *slot;
+            sum.x = ieee_add(sum.x, product[4 * q]);
+            sum.y = ieee_add(sum.y, product[4 * q + 1]);
+            sum.z = ieee_add(sum.z, product[4 * q + 2]);
+            sum.w = ieee_add(sum.w, product[4 * q + 3]);
+            *slot = sum;
+        }
+    }
+}
+
+// backward_weight_grad_rows' rows, order and sums, with the weight's chunks loaded once per row
+// group (they are the same for its kRowsInSequence rows) together with the first row's.  Used
+// for K <= kResidentWeightMaxChunks: with 8 chunks the weight's 32 more registers per thread
+// cost a CTA per SM and it ran slower (issue 6, H200: 150 vs 148 us at 16384 x 4096 bf16).
+template <typename Codec, int T, int K>
+__device__ __forceinline__ void backward_weight_grad_resident(const BackwardArgs& a,
+                                                              float* partials,
+                                                              float* warp_partials,
+                                                              float4* group_sums) {
+    using S = typename Codec::storage;
+    constexpr int E = Chunk<Codec>::kElems;
+    using Chunking = WeightGradChunk<T>;
+    constexpr int kGroups = Chunking::kGroups;
+    constexpr int kSequence = Chunking::kRowsInSequence;
+    constexpr int kGroupFloat4s = T * K * E / 4;
+    const int lane = threadIdx.x % T;
+    const int group = threadIdx.x / T;
+    const int64_t first_row =
+        static_cast<int64_t>(blockIdx.x) * Chunking::kRows + group * kSequence;
+    const bool vector = backward_vector_ok<S>(a);
+    const int64_t chunks = (a.d + E - 1) / E;
+    float4* mine = group_sums + group * kGroupFloat4s;
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+#pragma unroll
+        for (int q = 0; q < E / 4; ++q) {
+            mine[group_sums_slot<T, E>(lane, k, q)] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        }
+    }
+    Chunk<Codec> w[K], xs[K], gs[K];
+    load_backward_row<Codec, T, K>(xs, gs, a, first_row, lane, vector);
+    const S* weight = static_cast<const S*>(a.weight);
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+        const int64_t c = lane + static_cast<int64_t>(k) * T;
+        if (c < chunks) load_chunk(w[k], weight, c, a.d, vector);
+    }
+    for (int s = 0; s < kSequence; ++s) {
+        if (s > 0) load_backward_row<Codec, T, K>(xs, gs, a, first_row + s, lane, vector);
+        backward_resident_row<Codec, T, K>(a, first_row + s, lane, vector, xs, gs, w,
+                                           warp_partials, mine);
+    }
+    __syncthreads();
+    const float* sums = reinterpret_cast<const float*>(group_sums);
+    float* out = partials + static_cast<int64_t>(blockIdx.x) * a.d;
+    for (int64_t col = threadIdx.x; col < a.d; col += Cta<T>::kThreads) {
+        const int index = group_sums_index<T, E>(col);
+        float sum = 0.0f;
+#pragma unroll
+        for (int g = 0; g < kGroups; ++g) sum = ieee_add(sum, sums[g * kGroupFloat4s * 4 + index]);
+        out[col] = sum;
+    }
+}
+
 // The plain and the fused forward are separate entries: the plain one then needs fewer
 // registers (more CTAs per SM, more bytes in flight).  They share T and K, so
 // fused_add_rms_norm's y is bitwise rms_norm of its new_residual.
 template <typename Codec, int T, int K, bool kStreaming, bool kFusedAdd>
 __device__ __forceinline__ void forward_kernel(const ForwardArgs& a) {
     __shared__ float warp_partials[kMaxWarps];
-    forward_rows<Codec, T, K, kStreaming, kFusedAdd>(a, warp_partials);
+    if constexpr (kStreaming || T > kResidentForwardMaxThreads) {
+        forward_rows<Codec, T, K, kStreaming, kFusedAdd>(a, warp_partials);
+    } else {
+        forward_rows_resident<Codec, T, K, kFusedAdd>(a, warp_partials);
+    }
 }
 
 template <typename Codec, int T, int K, bool kStreaming>
@@ -470,7 +734,11 @@ __device__ __forceinline__ void backward_weight_grad_kernel(const BackwardArgs& 
     static_assert(kSumBytes <= kWeightGradSharedBytes, "instantiate only geometries that fit");
     __shared__ float warp_partials[kMaxWarps];
     __shared__ float4 group_sums[kSumBytes / 16];
-    backward_weight_grad_rows<Codec, T, K>(a, partials, warp_partials, group_sums);
+    if constexpr (K <= kResidentWeightMaxChunks) {
+        backward_weight_grad_resident<Codec, T, K>(a, partials, warp_partials, group_sums);
+    } else {
+        backward_weight_grad_rows<Codec, T, K>(a, partials, warp_partials, group_sums);
+    }
 }
 
 // grad_weight's first level as a separate pass over columns, for rows whose sums do not fit
@@ -622,12 +890,15 @@ __device__ __forceinline__ void weight_grad_final(typename Codec::storage* grad_
 // The geometry list: (name, threads per row T, chunks per thread K, backward K).  Keep in step
 // with GEOMETRIES in py/batchinv/gpu/rms_norm.py.  Four chunks for the sub-warp rows (q/k
 // norm); eight from 64 threads up, so that each thread has 128 bytes in flight before the
-// reduction (a row-per-CTA kernel with less was latency bound on an H200).
+// reduction (a row-per-CTA kernel with less was latency bound on an H200).  t128k5 is t128
+// with room for 5 chunks (bf16 d <= 5120): the same tree (a thread's chunks are c = lane + k*T
+// in increasing k either way), fewer registers, more CTAs per SM.
 #define BATCHINV_RMS_NORM_ALL_GEOMETRIES(SUFFIX, CODEC)                    \
     BATCHINV_RMS_NORM_IN_REGISTERS(SUFFIX, CODEC, t4, 4, 4)                \
     BATCHINV_RMS_NORM_IN_REGISTERS(SUFFIX, CODEC, t16, 16, 4)              \
     BATCHINV_RMS_NORM_IN_REGISTERS(SUFFIX, CODEC, t32, 32, 4)              \
     BATCHINV_RMS_NORM_IN_REGISTERS(SUFFIX, CODEC, t64, 64, 8)              \
+    BATCHINV_RMS_NORM_IN_REGISTERS(SUFFIX, CODEC, t128k5, 128, 5)          \
     BATCHINV_RMS_NORM_IN_REGISTERS(SUFFIX, CODEC, t128, 128, 8)            \
     BATCHINV_RMS_NORM_IN_REGISTERS(SUFFIX, CODEC, t256, 256, 8)            \
     BATCHINV_RMS_NORM_IN_REGISTERS(SUFFIX, CODEC, t512, 512, 8)            \
@@ -652,6 +923,7 @@ BATCHINV_RMS_NORM_ALL_GEOMETRIES(f32, batchinv::F32Codec)
     BATCHINV_RMS_NORM_BACKWARD_WEIGHT_GRAD_ENTRY(SUFFIX, CODEC, t16, 16, 4)            \
     BATCHINV_RMS_NORM_BACKWARD_WEIGHT_GRAD_ENTRY(SUFFIX, CODEC, t32, 32, 4)            \
     BATCHINV_RMS_NORM_BACKWARD_WEIGHT_GRAD_ENTRY(SUFFIX, CODEC, t64, 64, 8)            \
+    BATCHINV_RMS_NORM_BACKWARD_WEIGHT_GRAD_ENTRY(SUFFIX, CODEC, t128k5, 128, 5)        \
     BATCHINV_RMS_NORM_BACKWARD_WEIGHT_GRAD_ENTRY(SUFFIX, CODEC, t128, 128, 8)
 
 BATCHINV_RMS_NORM_FUSED_BACKWARD_UP_TO_T128(bf16, batchinv::Bf16Codec)
@@ -676,6 +948,10 @@ BATCHINV_RMS_NORM_BACKWARD_WEIGHT_GRAD_ENTRY(f32, batchinv::F32Codec, t256, 256,
 // batchinv-signature: rms_norm_fused_forward_bf16_t64(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_backward_bf16_t64(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
 // batchinv-signature: rms_norm_backward_weight_grad_bf16_t64(ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
+// batchinv-signature: rms_norm_forward_bf16_t128k5(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
+// batchinv-signature: rms_norm_fused_forward_bf16_t128k5(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
+// batchinv-signature: rms_norm_backward_bf16_t128k5(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
+// batchinv-signature: rms_norm_backward_weight_grad_bf16_t128k5(ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
 // batchinv-signature: rms_norm_forward_bf16_t128(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_fused_forward_bf16_t128(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_backward_bf16_t128(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
@@ -707,6 +983,10 @@ BATCHINV_RMS_NORM_BACKWARD_WEIGHT_GRAD_ENTRY(f32, batchinv::F32Codec, t256, 256,
 // batchinv-signature: rms_norm_fused_forward_f16_t64(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_backward_f16_t64(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
 // batchinv-signature: rms_norm_backward_weight_grad_f16_t64(ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
+// batchinv-signature: rms_norm_forward_f16_t128k5(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
+// batchinv-signature: rms_norm_fused_forward_f16_t128k5(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
+// batchinv-signature: rms_norm_backward_f16_t128k5(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
+// batchinv-signature: rms_norm_backward_weight_grad_f16_t128k5(ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
 // batchinv-signature: rms_norm_forward_f16_t128(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_fused_forward_f16_t128(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_backward_f16_t128(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
@@ -738,6 +1018,10 @@ BATCHINV_RMS_NORM_BACKWARD_WEIGHT_GRAD_ENTRY(f32, batchinv::F32Codec, t256, 256,
 // batchinv-signature: rms_norm_fused_forward_f32_t64(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_backward_f32_t64(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
 // batchinv-signature: rms_norm_backward_weight_grad_f32_t64(ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
+// batchinv-signature: rms_norm_forward_f32_t128k5(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
+// batchinv-signature: rms_norm_fused_forward_f32_t128k5(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
+// batchinv-signature: rms_norm_backward_f32_t128k5(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
+// batchinv-signature: rms_norm_backward_weight_grad_f32_t128k5(ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
 // batchinv-signature: rms_norm_forward_f32_t128(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_fused_forward_f32_t128(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_backward_f32_t128(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)

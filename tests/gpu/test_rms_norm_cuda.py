@@ -236,8 +236,9 @@ def _weight_grad_by_the_documented_tree(grad_y, x, rstd, groups, in_sequence):
 
 
 # One hidden size per first-level shape: q/k norm (32 row groups of 1 row), 4 and 2 groups,
-# one group (5120), and rows whose sums do not fit the fused kernel (12000 bf16, t512, stream).
-TREE_HIDDENS = (128, 1000, 4096, 5120, 12000, 20000, 40000)
+# one group (5120; 2500 fp32), and rows whose sums do not fit the fused kernel (12000 bf16,
+# t512, stream).
+TREE_HIDDENS = (128, 1000, 2500, 4096, 5120, 12000, 20000, 40000)
 # Enough rows for the fused kernel (at least FUSED_WEIGHT_GRAD_MIN_BLOCKS CTAs of up to 32 rows);
 # fewer take grad_x and the column pass.
 FUSED_ROWS = 9000
@@ -435,6 +436,76 @@ def test_every_output_element_is_written_in_every_geometry(dtype):
         )
         assert not bool(partials.isnan().any()), f"hidden {hidden}: partials unwritten"
         assert_bitwise_equal(fused_grad_x, grad_x)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("trim", (0, 3))  # 0: whole 16-byte chunks (vector path); 3: element path
+def test_fewer_chunks_per_thread_reduce_a_row_as_the_wider_geometry(dtype, trim):
+    # t128k5 (rows of up to 640 chunks) is t128 with registers for 5 chunks instead of 8: a
+    # thread's chunks and their order are the same, so every kernel must give t128's bits.  The
+    # fused backward of t128k5 also keeps the weight in registers (another code path).
+    elems = 16 // dtype.itemsize
+    hidden = 128 * 5 * elems - trim
+    assert gpu_rms_norm.geometry(hidden, dtype)[0] == "t128k5"
+    suffix = gpu_rms_norm._SUFFIX[dtype]
+    rows = 67
+    gen = torch.Generator(device=DEVICE).manual_seed(15)
+    x, residual, grad_y, grad_residual = (
+        (2.0 * torch.randn(rows, hidden, device=DEVICE, generator=gen)).to(dtype) for _ in range(4)
+    )
+    weight = _weight(hidden, dtype)
+
+    def run(kernel, grid, outputs, inputs):
+        outs = [torch.full_like(o, float("nan")) for o in outputs]
+        gpu_rms_norm.launch(
+            gpu_rms_norm.kernel_for("rms_norm", kernel, x.device),
+            x.device,
+            grid=(grid,),
+            block=(128,),
+            args=(*outs, *inputs),
+        )
+        return outs
+
+    rstd = torch.empty(rows, device=DEVICE)
+    for name in ("t128k5", "t128"):
+        got = run(
+            f"rms_norm_fused_forward_{suffix}_{name}",
+            rows,
+            (x, x, rstd),
+            (x, residual, weight, rows, hidden, hidden, hidden, EPS),
+        )
+        plain = run(
+            f"rms_norm_forward_{suffix}_{name}",
+            rows,
+            (x,),
+            (0, 0, got[1], 0, weight, rows, hidden, hidden, 0, EPS),
+        )
+        grad_x = run(
+            f"rms_norm_backward_{suffix}_{name}",
+            rows,
+            (x,),
+            (grad_y, got[1], weight, got[2], grad_residual, rows, hidden, hidden),
+        )
+        blocks = -(-rows // gpu_rms_norm.WEIGHT_GRAD_CHUNK_ROWS)
+        fused = run(
+            f"rms_norm_backward_weight_grad_{suffix}_{name}",
+            blocks,
+            (x, torch.empty(blocks, hidden, device=DEVICE)),
+            (grad_y, got[1], weight, got[2], grad_residual, rows, hidden, hidden),
+        )
+        results = (*got, *plain, *grad_x, *fused)
+        if name == "t128k5":
+            narrow = results
+    for label, a, b in zip(
+        ("y", "new_residual", "rstd", "plain y", "grad_x", "fused grad_x", "partials"),
+        narrow,
+        results,
+        strict=True,
+    ):
+        assert not bool(a.isnan().any()), f"{label}: unwritten elements"
+        assert_bitwise_equal(a, b, name=label)
+    assert_bitwise_equal(narrow[3], narrow[0], name="plain y vs fused y")
+    assert_bitwise_equal(narrow[5], narrow[4], name="fused grad_x vs grad_x kernel")
 
 
 def test_nan_rows_do_not_leak_into_their_neighbours():

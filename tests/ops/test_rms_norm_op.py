@@ -102,21 +102,26 @@ def test_inputs_are_not_mutated():
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_gpu_geometry_follows_the_row_length_only(dtype):
     elems = 16 // dtype.itemsize
-    capacity = {t: t * k for t, k in gpu_rms_norm.GEOMETRIES}
+    # name -> (threads, chunks it holds), in the order the launcher tries them
+    capacity = {gpu_rms_norm.geometry_name(t, k): (t, t * k) for t, k in gpu_rms_norm.GEOMETRIES}
+    order = list(capacity)
     seen = set()
-    for d in list(range(1, 600)) + [4095, 4096, 4097, 5120, 8192, 16384, 32768, 32769, 70000]:
+    sizes = [2560, 4095, 4096, 4097, 5120, 5121, 8192, 16384, 32768, 32769, 70000]
+    for d in list(range(1, 600)) + sizes:
         name, threads, cta = gpu_rms_norm.geometry(d, dtype)
         assert (name, threads, cta) == gpu_rms_norm.geometry(d, dtype)
         chunks = -(-d // elems)
         if name == "stream":
-            assert chunks > max(capacity.values())
+            assert chunks > max(c for _, c in capacity.values())
             assert threads == cta == gpu_rms_norm.STREAMING_THREADS
         else:
-            assert name == f"t{threads}" and capacity[threads] >= chunks
-            assert all(c < chunks for t, c in capacity.items() if t < threads)
+            assert capacity[name][0] == threads and capacity[name][1] >= chunks
+            earlier = order[: order.index(name)]
+            assert all(capacity[n][1] < chunks for n in earlier)  # the first that holds the row
         assert cta % threads == 0 and cta >= 128
         seen.add(name)
-    assert seen == {f"t{t}" for t in capacity} | {"stream"}
+    assert seen == set(capacity) | {"stream"}
+    assert len(capacity) == len(gpu_rms_norm.GEOMETRIES)  # names are distinct
 
 
 def test_as_rows_views_when_it_can_and_copies_when_it_must():

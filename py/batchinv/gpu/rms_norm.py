@@ -20,8 +20,10 @@ from torch import Tensor
 from ..reference.rms_norm import check_fused_add_rms_norm_args, check_rms_norm_args
 from ._launch import kernel_for, launch
 
-# Keep in step with kernels_cu/rms_norm.cu: (threads per row, 16-byte chunks per thread).
-GEOMETRIES = ((4, 4), (16, 4), (32, 4), (64, 8), (128, 8), (256, 8), (512, 8))
+# Keep in step with kernels_cu/rms_norm.cu: (threads per row, 16-byte chunks per thread), the
+# first that holds the row is used.  (128, 5) reduces a row exactly as (128, 8) does (the tree
+# follows the threads per row only) with fewer registers: bf16 d in (4096, 5120] (Qwen3-14B/32B).
+GEOMETRIES = ((4, 4), (16, 4), (32, 4), (64, 8), (128, 5), (128, 8), (256, 8), (512, 8))
 STREAMING_THREADS = 1024
 MIN_CTA_THREADS = 128
 # grad_weight's tree (kernels_cu/rms_norm.cu): first-level partials of at least this many rows
@@ -42,14 +44,30 @@ _MAX_GRID_Y = 65535
 _SUFFIX = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32"}
 
 
+def geometry_name(threads: int, per_thread: int) -> str:
+    """The kernels' name for a geometry: ``t<threads>``, or ``t<threads>k<chunks>`` for a
+    thread count that also has a geometry with more chunks per thread."""
+    most = max(k for t, k in GEOMETRIES if t == threads)
+    return f"t{threads}" if per_thread == most else f"t{threads}k{per_thread}"
+
+
+@functools.cache
+def chunks_per_thread(d: int, dtype: torch.dtype) -> int | None:
+    """The geometry's chunks per thread for rows of ``d`` elements (None: streaming)."""
+    chunks = -(-d // (16 // dtype.itemsize))
+    for threads, per_thread in GEOMETRIES:
+        if threads * per_thread >= chunks:
+            return per_thread
+    return None
+
+
 @functools.cache
 def geometry(d: int, dtype: torch.dtype) -> tuple[str, int, int]:
     """``(kernel geometry name, threads per row, CTA threads)`` for rows of ``d`` elements."""
-    chunk_elems = 16 // dtype.itemsize
-    chunks = -(-d // chunk_elems)
+    chunks = -(-d // (16 // dtype.itemsize))
     for threads, per_thread in GEOMETRIES:
         if threads * per_thread >= chunks:
-            return f"t{threads}", threads, max(threads, MIN_CTA_THREADS)
+            return geometry_name(threads, per_thread), threads, max(threads, MIN_CTA_THREADS)
     return "stream", STREAMING_THREADS, STREAMING_THREADS
 
 
@@ -208,10 +226,10 @@ def _weight_grad_separately(
 @functools.cache
 def fused_backward_fits(d: int, dtype: torch.dtype) -> bool:
     """Whether rows of ``d`` elements have a fused grad_x + grad_weight kernel."""
-    name, threads, cta = geometry(d, dtype)
-    if name == "stream":
+    _, _, cta = geometry(d, dtype)
+    per_thread = chunks_per_thread(d, dtype)
+    if per_thread is None:  # streaming
         return False
-    per_thread = dict(GEOMETRIES)[threads]
     sums_per_chunk = 16 // dtype.itemsize  # one fp32 sum per element
     return cta * per_thread * sums_per_chunk * 4 <= FUSED_WEIGHT_GRAD_SHARED_BYTES
 
