@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from . import attention_backward
+from . import attention_backward, attention_hopper
 from ._launch import kernel_for, launch
 
 BLOCK_KEYS = 64  # keys per block, at absolute positions [64j, 64j + 64)
@@ -176,11 +176,14 @@ def forward(
     warps: int | None = None,
     stages: int | None = None,
     prefill_zero: bool = True,
+    hopper: bool | None = None,
 ) -> tuple[Tensor, Tensor]:
     """``(out [Tq, Hq, d], lse [Hq, Tq] fp32)`` on the canonical layout.
 
     ``prefill_zero`` fills out/lse with 0/-inf first (needed when some rows belong to no
-    sequence; the caller may pass False when every row is covered).
+    sequence; the caller may pass False when every row is covered).  ``hopper``: 4-warp tile
+    launches run ``attention_hopper`` (same bits) where it applies (None), always (True: an
+    error where it does not apply) or never (False: the mma.sync tile kernel).
     """
     check_supported(q, k, v)
     q, k, v = as_rows(q), as_rows(k), as_rows(v)
@@ -198,6 +201,16 @@ def forward(
     if tq == 0 or batch == 0 or layout.max_q_len == 0:
         return out, lse
     pack = packed_heads(hq, hkv)
+    tile4 = mode == "tile" and warps == 4
+    if tile4 and hopper is not False and attention_hopper.applies(q, k, v):
+        scale_log2 = float(scale) * _LOG2E
+        attention_hopper.forward_tile(q, k, v, out, lse, layout, causal, scale_log2, pack)
+        return out, lse
+    if hopper:
+        raise ValueError(
+            "hopper=True needs a 4-warp tile launch on an sm_90a device with d = 128 and K/V "
+            "rows readable by TMA"
+        )
     qpt = 16 * warps // pack
     q_tiles = -(-layout.max_q_len // qpt)
     split_grid = max(1, -(-layout.max_k_len // SPLIT_KEYS))
