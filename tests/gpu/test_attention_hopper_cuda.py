@@ -69,7 +69,8 @@ def _nan_padding(q, k, v, seqlens_q, seqlens_k):
 
 
 def test_shared_memory_fits_hopper():
-    assert hopper.shared_bytes() <= 227 * 1024
+    for stages in (2, 3, 4):
+        assert hopper.shared_bytes(stages) <= 227 * 1024
 
 
 def test_tma_rows_needs_contiguous_heads():

@@ -19,20 +19,21 @@ from ._launch import kernel_for, launch, native
 HEAD_DIM = 128
 TILE_ROWS = 128  # two consumer warpgroups of 64 rows
 THREADS = 384  # producer warpgroup + two consumer warpgroups
-STAGES = 3  # K/V ring depth (kernels_cu/attention_hopper.cu kStages)
+STAGES = 3  # K/V ring depth of the kernel that runs (built: 2, 3, 4 with ping-pong; 3 without)
+PING_PONG = True  # the two consumer warpgroups take turns to issue their products
 _BOX_BYTES = 64 * 64 * 2  # one 64-row x 64-column TMA box of bf16/fp16
 _DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "f16"}
 _MAX_GRID_YZ = 65535
 
 
-def shared_bytes() -> int:
+def shared_bytes(stages: int = STAGES) -> int:
     """Dynamic shared memory of the kernel: Q (two warpgroups x two 64-column halves), the
     K and V stages, the fp32 running state (64 values per consumer thread), the mbarriers,
     and 1024 bytes to align the swizzled tiles."""
     q = 4 * _BOX_BYTES
-    kv = 2 * STAGES * 2 * _BOX_BYTES
+    kv = 2 * stages * 2 * _BOX_BYTES
     run = 64 * 256 * 4
-    barriers = 8 * (2 * STAGES + 1)
+    barriers = 8 * (2 * stages + 1)
     return q + kv + run + barriers + 1024
 
 
@@ -79,11 +80,17 @@ def _tensor_map(t: Tensor) -> bytes:
 _RAISED: set[tuple[int, int]] = set()
 
 
-def _kernel(name: str, device: torch.device):
+def kernel_name(dtype: torch.dtype, stages: int, ping_pong: bool) -> str:
+    return f"attn_hopper_fwd_{_DTYPE_NAMES[dtype]}_d{HEAD_DIM}_s{stages}" + (
+        "_pp" if ping_pong else ""
+    )
+
+
+def _kernel(name: str, device: torch.device, stages: int):
     kernel = kernel_for("attention_hopper", name, device)
     key = (id(kernel), device.index or 0)
     if key not in _RAISED:
-        kernel.set_max_dynamic_shared_memory(shared_bytes(), device=device.index or 0)
+        kernel.set_max_dynamic_shared_memory(shared_bytes(stages), device=device.index or 0)
         _RAISED.add(key)
     return kernel
 
@@ -109,9 +116,9 @@ def forward_tile(
         raise ValueError(
             f"attention launch too large: {layout.batch} sequences (at most {_MAX_GRID_YZ})"
         )
-    name = f"attn_hopper_fwd_{_DTYPE_NAMES[q.dtype]}_d{HEAD_DIM}"
+    name = kernel_name(q.dtype, STAGES, PING_PONG)
     launch(
-        _kernel(name, q.device),
+        _kernel(name, q.device, STAGES),
         q.device,
         grid=(q_tiles, hq // pack, layout.batch),
         block=(THREADS,),
@@ -136,5 +143,5 @@ def forward_tile(
             int(causal),
             scale_log2,
         ),
-        shared_mem=shared_bytes(),
+        shared_mem=shared_bytes(STAGES),
     )
