@@ -588,8 +588,8 @@ __device__ __forceinline__ void attn_hopper_tile(const TensorMap& map_k, const T
 }  // namespace batchinv
 
 // Kernel names: dtype, head dim, K/V stages, "_pp" with the warpgroup ping-pong.
-#define BATCHINV_ATTN_HOPPER(NAME, CODEC, STAGES, PINGPONG)                                                    \
-    extern "C" __global__ void __launch_bounds__(384, 1) NAME(                                                  \
+#define BATCHINV_ATTN_HOPPER(DTYPE, CODEC, STAGES, PINGPONG, SUFFIX)                                          \
+    extern "C" __global__ void __launch_bounds__(384, 1) attn_hopper_fwd_##DTYPE##_d128_s##STAGES##SUFFIX(        \
         const __grid_constant__ batchinv::TensorMap map_k, const __grid_constant__ batchinv::TensorMap map_v,   \
         const void* q, void* out, float* lse, const int* q_start, const int* q_len, const int* k_start,        \
         const int* k_len, int64_t q_row, int64_t q_head, int64_t out_row, int64_t out_head, int tq, int hq,     \
@@ -603,19 +603,19 @@ __device__ __forceinline__ void attn_hopper_tile(const TensorMap& map_k, const T
 // Signature: (map_k, map_v, q, out, lse, q_start, q_len, k_start, k_len, q_row, q_head, out_row,
 //             out_head, tq, hq, hkv, pack, causal, scale_log2)
 // batchinv-signature: attn_hopper_fwd_bf16_d128_s2_pp(tmap, tmap, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i32, i32, i32, i32, i32, f32)
-BATCHINV_ATTN_HOPPER(attn_hopper_fwd_bf16_d128_s2_pp, batchinv::Bf16Codec, 2, true)
+BATCHINV_ATTN_HOPPER(bf16, batchinv::Bf16Codec, 2, true, _pp)
 // batchinv-signature: attn_hopper_fwd_bf16_d128_s3(tmap, tmap, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i32, i32, i32, i32, i32, f32)
-BATCHINV_ATTN_HOPPER(attn_hopper_fwd_bf16_d128_s3, batchinv::Bf16Codec, 3, false)
+BATCHINV_ATTN_HOPPER(bf16, batchinv::Bf16Codec, 3, false, )
 // batchinv-signature: attn_hopper_fwd_bf16_d128_s3_pp(tmap, tmap, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i32, i32, i32, i32, i32, f32)
-BATCHINV_ATTN_HOPPER(attn_hopper_fwd_bf16_d128_s3_pp, batchinv::Bf16Codec, 3, true)
+BATCHINV_ATTN_HOPPER(bf16, batchinv::Bf16Codec, 3, true, _pp)
 // batchinv-signature: attn_hopper_fwd_bf16_d128_s4_pp(tmap, tmap, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i32, i32, i32, i32, i32, f32)
-BATCHINV_ATTN_HOPPER(attn_hopper_fwd_bf16_d128_s4_pp, batchinv::Bf16Codec, 4, true)
+BATCHINV_ATTN_HOPPER(bf16, batchinv::Bf16Codec, 4, true, _pp)
 // batchinv-signature: attn_hopper_fwd_f16_d128_s2_pp(tmap, tmap, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i32, i32, i32, i32, i32, f32)
-BATCHINV_ATTN_HOPPER(attn_hopper_fwd_f16_d128_s2_pp, batchinv::F16Codec, 2, true)
+BATCHINV_ATTN_HOPPER(f16, batchinv::F16Codec, 2, true, _pp)
 // batchinv-signature: attn_hopper_fwd_f16_d128_s3(tmap, tmap, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i32, i32, i32, i32, i32, f32)
-BATCHINV_ATTN_HOPPER(attn_hopper_fwd_f16_d128_s3, batchinv::F16Codec, 3, false)
+BATCHINV_ATTN_HOPPER(f16, batchinv::F16Codec, 3, false, )
 // batchinv-signature: attn_hopper_fwd_f16_d128_s3_pp(tmap, tmap, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i32, i32, i32, i32, i32, f32)
-BATCHINV_ATTN_HOPPER(attn_hopper_fwd_f16_d128_s3_pp, batchinv::F16Codec, 3, true)
+BATCHINV_ATTN_HOPPER(f16, batchinv::F16Codec, 3, true, _pp)
 // batchinv-signature: attn_hopper_fwd_f16_d128_s4_pp(tmap, tmap, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i32, i32, i32, i32, i32, f32)
-BATCHINV_ATTN_HOPPER(attn_hopper_fwd_f16_d128_s4_pp, batchinv::F16Codec, 4, true)
+BATCHINV_ATTN_HOPPER(f16, batchinv::F16Codec, 4, true, _pp)
 #endif
