@@ -19,7 +19,9 @@ from ._launch import kernel_for, launch, native
 HEAD_DIM = 128
 TILE_ROWS = 128  # two consumer warpgroups of 64 rows
 THREADS = 384  # producer warpgroup + two consumer warpgroups
-STAGES = 3  # K/V ring depth of the kernel that runs (built: 2, 3, 4 with ping-pong; 3 without)
+# Built kernel variants (K/V stages, warpgroup ping-pong) and the one that runs.
+VARIANTS = ((2, True), (3, False), (3, True), (4, True))
+STAGES = 3  # K/V ring depth
 PING_PONG = True  # the two consumer warpgroups take turns to issue their products
 _BOX_BYTES = 64 * 64 * 2  # one 64-row x 64-column TMA box of bf16/fp16
 _DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "f16"}
