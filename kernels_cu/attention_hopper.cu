@@ -24,7 +24,7 @@
 //     The two consumer warpgroups interleave on the SM.  At a split end the product is
 //     waited for before the merge (no overlap across a merge).
 //   - Loads: one producer thread issues TMA copies of 64-key K and V blocks (two 64-column
-//     boxes each, 128B swizzle) into a ring of STAGES shared-memory stages (mbarriers full /
+//     boxes each, 128B swizzle) into a ring of kStages = 3 shared-memory stages (mbarriers full /
 //     empty); blocks no row of the tile sees are not loaded.  Q is copied once per consumer
 //     warpgroup with cp.async (zeros for rows that are not a query).
 //   - Key rows past k_len: TMA reads whole 64-row boxes inside the K/V tensors, so the last
@@ -55,6 +55,7 @@ namespace attn_hopper {
 [[maybe_unused]] constexpr int kD = 128;
 [[maybe_unused]] constexpr int kRows = 128;          // tile rows: two consumer warpgroups of 64
 [[maybe_unused]] constexpr int kConsumerThreads = 256;
+[[maybe_unused]] constexpr int kStages = 3;  // K/V ring depth (2: 4.75 ms, 4: same as 3)
 [[maybe_unused]] constexpr int kBoxBytes = 64 * 128;  // 64 rows x 64 columns x 2 bytes
 [[maybe_unused]] constexpr int kTileBytes = 2 * kBoxBytes;  // 64 rows x 128 columns
 [[maybe_unused]] constexpr int kQBytes = 2 * 2 * kBoxBytes;  // two warpgroups x two column halves
@@ -126,9 +127,6 @@ __device__ __forceinline__ void named_barrier_sync(int id, int threads) {
     asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
 
-__device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
-    asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
-}
 
 // Pins register values around an asynchronous wgmma: without it the compiler may move their
 // reads or writes across the issue or the wait, and ptxas then serialises the pipeline.
@@ -188,7 +186,7 @@ struct Params {
     float scale_log2;
 };
 
-template <typename Codec, int kStages, bool kPingPong>
+template <typename Codec>
 __device__ __forceinline__ void attn_hopper_tile(const TensorMap& map_k, const TensorMap& map_v, const Params& p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     using namespace hopper;
@@ -402,9 +400,6 @@ __device__ __forceinline__ void attn_hopper_tile(const TensorMap& map_k, const T
         fence_operands<32>(s);
         fence_operands<64>(acc);
         fence_registers(pa);
-        // Ping-pong: the two consumer warpgroups take turns to issue their products, so that one
-        // computes its softmax while the other's products run (scheduling only).
-        if constexpr (kPingPong) named_barrier_sync(3 + cw, 256);
         wgmma_fence();
         if constexpr (decltype(with_s)::value) {
             const uint8_t* k_tile = sk + (blk % kStages) * kTileBytes;
@@ -420,11 +415,6 @@ __device__ __forceinline__ void attn_hopper_tile(const TensorMap& map_k, const T
 #pragma unroll
             for (int kk = 0; kk < 4; ++kk) mma_pv<Codec>(acc, pa[kk], v_descriptor(v_tile + kk * 16 * 128));
             wgmma_commit();
-        }
-        // The other warpgroup's turn.  Each warpgroup issues blk_end + 1 times; warpgroup 1
-        // opened warpgroup 0's first turn, so it skips its last hand-over (counts balance).
-        if constexpr (kPingPong) {
-            if (decltype(with_s)::value || cw == 0) named_barrier_arrive(3 + (1 - cw), 256);
         }
         fence_operands<32>(s);
         fence_operands<64>(acc);
@@ -526,7 +516,6 @@ __device__ __forceinline__ void attn_hopper_tile(const TensorMap& map_k, const T
 
     using Yes = std::true_type;
     using No = std::false_type;
-    if (kPingPong && blk_end > 0 && cw == 1) named_barrier_arrive(3, 256);  // warpgroup 0 first
     if (blk_end > 0) {
         issue(0, Yes{}, No{});
         wgmma_wait<0>();
@@ -587,9 +576,8 @@ __device__ __forceinline__ void attn_hopper_tile(const TensorMap& map_k, const T
 }  // namespace attn_hopper
 }  // namespace batchinv
 
-// Kernel names: dtype, head dim, K/V stages, "_pp" with the warpgroup ping-pong.
-#define BATCHINV_ATTN_HOPPER(DTYPE, CODEC, STAGES, PINGPONG, SUFFIX)                                          \
-    extern "C" __global__ void __launch_bounds__(384, 1) attn_hopper_fwd_##DTYPE##_d128_s##STAGES##SUFFIX(        \
+#define BATCHINV_ATTN_HOPPER(DTYPE, CODEC)                                                                      \
+    extern "C" __global__ void __launch_bounds__(384, 1) attn_hopper_fwd_##DTYPE##_d128(                          \
         const __grid_constant__ batchinv::TensorMap map_k, const __grid_constant__ batchinv::TensorMap map_v,   \
         const void* q, void* out, float* lse, const int* q_start, const int* q_len, const int* k_start,        \
         const int* k_len, int64_t q_row, int64_t q_head, int64_t out_row, int64_t out_head, int tq, int hq,     \
@@ -597,25 +585,13 @@ __device__ __forceinline__ void attn_hopper_tile(const TensorMap& map_k, const T
         const batchinv::attn_hopper::Params p{q,     out,   lse,      q_start, q_len, k_start, k_len, q_row,    \
                                               q_head, out_row, out_head, tq,   hq,    hkv,     pack,  causal,   \
                                               scale_log2};                                                       \
-        batchinv::attn_hopper::attn_hopper_tile<CODEC, STAGES, PINGPONG>(map_k, map_v, p);                       \
+        batchinv::attn_hopper::attn_hopper_tile<CODEC>(map_k, map_v, p);                                         \
     }
 
 // Signature: (map_k, map_v, q, out, lse, q_start, q_len, k_start, k_len, q_row, q_head, out_row,
 //             out_head, tq, hq, hkv, pack, causal, scale_log2)
-// batchinv-signature: attn_hopper_fwd_bf16_d128_s2_pp(tmap, tmap, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i32, i32, i32, i32, i32, f32)
-BATCHINV_ATTN_HOPPER(bf16, batchinv::Bf16Codec, 2, true, _pp)
-// batchinv-signature: attn_hopper_fwd_bf16_d128_s3(tmap, tmap, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i32, i32, i32, i32, i32, f32)
-BATCHINV_ATTN_HOPPER(bf16, batchinv::Bf16Codec, 3, false, )
-// batchinv-signature: attn_hopper_fwd_bf16_d128_s3_pp(tmap, tmap, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i32, i32, i32, i32, i32, f32)
-BATCHINV_ATTN_HOPPER(bf16, batchinv::Bf16Codec, 3, true, _pp)
-// batchinv-signature: attn_hopper_fwd_bf16_d128_s4_pp(tmap, tmap, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i32, i32, i32, i32, i32, f32)
-BATCHINV_ATTN_HOPPER(bf16, batchinv::Bf16Codec, 4, true, _pp)
-// batchinv-signature: attn_hopper_fwd_f16_d128_s2_pp(tmap, tmap, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i32, i32, i32, i32, i32, f32)
-BATCHINV_ATTN_HOPPER(f16, batchinv::F16Codec, 2, true, _pp)
-// batchinv-signature: attn_hopper_fwd_f16_d128_s3(tmap, tmap, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i32, i32, i32, i32, i32, f32)
-BATCHINV_ATTN_HOPPER(f16, batchinv::F16Codec, 3, false, )
-// batchinv-signature: attn_hopper_fwd_f16_d128_s3_pp(tmap, tmap, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i32, i32, i32, i32, i32, f32)
-BATCHINV_ATTN_HOPPER(f16, batchinv::F16Codec, 3, true, _pp)
-// batchinv-signature: attn_hopper_fwd_f16_d128_s4_pp(tmap, tmap, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i32, i32, i32, i32, i32, f32)
-BATCHINV_ATTN_HOPPER(f16, batchinv::F16Codec, 4, true, _pp)
+// batchinv-signature: attn_hopper_fwd_bf16_d128(tmap, tmap, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i32, i32, i32, i32, i32, f32)
+BATCHINV_ATTN_HOPPER(bf16, batchinv::Bf16Codec)
+// batchinv-signature: attn_hopper_fwd_f16_d128(tmap, tmap, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i32, i32, i32, i32, i32, f32)
+BATCHINV_ATTN_HOPPER(f16, batchinv::F16Codec)
 #endif

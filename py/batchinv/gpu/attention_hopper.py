@@ -19,10 +19,7 @@ from ._launch import kernel_for, launch, native
 HEAD_DIM = 128
 TILE_ROWS = 128  # two consumer warpgroups of 64 rows
 THREADS = 384  # producer warpgroup + two consumer warpgroups
-# Built kernel variants (K/V stages, warpgroup ping-pong) and the one that runs.
-VARIANTS = ((2, True), (3, False), (3, True), (4, True))
-STAGES = 3  # K/V ring depth
-PING_PONG = True  # the two consumer warpgroups take turns to issue their products
+STAGES = 3  # K/V ring depth (kernels_cu/attention_hopper.cu kStages)
 _BOX_BYTES = 64 * 64 * 2  # one 64-row x 64-column TMA box of bf16/fp16
 _DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "f16"}
 _MAX_GRID_YZ = 65535
@@ -82,12 +79,6 @@ def _tensor_map(t: Tensor) -> bytes:
 _RAISED: set[tuple[int, int]] = set()
 
 
-def kernel_name(dtype: torch.dtype, stages: int, ping_pong: bool) -> str:
-    return f"attn_hopper_fwd_{_DTYPE_NAMES[dtype]}_d{HEAD_DIM}_s{stages}" + (
-        "_pp" if ping_pong else ""
-    )
-
-
 def _kernel(name: str, device: torch.device, stages: int):
     kernel = kernel_for("attention_hopper", name, device)
     key = (id(kernel), device.index or 0)
@@ -118,7 +109,7 @@ def forward_tile(
         raise ValueError(
             f"attention launch too large: {layout.batch} sequences (at most {_MAX_GRID_YZ})"
         )
-    name = kernel_name(q.dtype, STAGES, PING_PONG)
+    name = f"attn_hopper_fwd_{_DTYPE_NAMES[q.dtype]}_d{HEAD_DIM}"
     launch(
         _kernel(name, q.device, STAGES),
         q.device,
