@@ -21,8 +21,13 @@
 //   - Overlap: block j's P V product is issued right after block j+1's Q K^T and runs while
 //     block j+1's softmax is computed; its accumulator is rescaled by alpha_{j+1} only after
 //     it completes, so acc = (acc * alpha_j + P_j V_j) * alpha_{j+1} ... as in attention.cu.
-//     The two consumer warpgroups interleave on the SM.  At a split end the product is
-//     waited for before the merge (no overlap across a merge).
+//     The two consumer warpgroups interleave on the SM.  When block j ends a split, block
+//     j+1's softmax starts the new split from the empty state (the ended split's m, l are
+//     kept) while P_j V_j runs; the split is merged (attention.cu's merge_weights /
+//     merge_value) once that product completes, and acc restarts from +0.
+//   - No register that an in-flight wgmma reads or writes is touched before its wait: P of
+//     block j+1 is packed into the A registers only after P_j V_j completes, and nothing but
+//     wgmma runs between the two issues (ptxas would otherwise serialise every wgmma, C7513).
 //   - Loads: one producer thread issues TMA copies of 64-key K and V blocks (two 64-column
 //     boxes each, 128B swizzle) into a ring of kStages = 3 shared-memory stages (mbarriers full /
 //     empty); blocks no row of the tile sees are not loaded.  Q is copied once per consumer
