@@ -15,6 +15,7 @@ from _common import cuda_graph_replay, median_ms, parse_args, report, require_cu
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from batchinv.gpu import attention as gpu
+from batchinv.gpu import attention_hopper
 
 HQ, HKV, D = 32, 8, 128
 PREFILL = [(8, 4096)]  # (batch, sequence length), causal
@@ -102,7 +103,16 @@ def main() -> None:
             "SDPA default": anchor,
             "SDPA flash": _time_or_none(_sdpa(qt, kt, vt, True, SDPBackend.FLASH_ATTENTION)),
             "batchinv": median_ms(lambda: gpu.attention(q, k, v, causal=True)),
+            # The mma.sync tile kernel, which sm_90 devices no longer run by default for this
+            # case (attention_hopper: same bits).
+            "batchinv (mma.sync tile, forced)": median_ms(
+                lambda: gpu.attention(q, k, v, causal=True, mode="tile", warps=4, hopper=False)
+            ),
         }
+        rows_q = q.view(batch * seq, HQ, D)
+        rows_k, rows_v = k.view(-1, HKV, D), v.view(-1, HKV, D)
+        kernel = "hopper" if attention_hopper.applies(rows_q, rows_k, rows_v) else "mma.sync"
+        print(f"prefill B={batch} S={seq}: the default path runs the {kernel} tile kernel")
         results.append(
             {
                 "phase": "prefill",

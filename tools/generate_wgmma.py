@@ -10,6 +10,8 @@ from __future__ import annotations
 from pathlib import Path
 
 N_SIZES = (32, 64, 128, 256)
+# Register-A variants (A from registers, B N-major in shared memory): attention's P V product.
+RS_N_SIZES = (64, 128)
 DTYPES = {"bf16": "bf16", "f16": "f16"}
 
 HEADER = """\
@@ -18,6 +20,9 @@ HEADER = """\
 // wgmma.mma_async m64nNk16 with fp32 accumulators, A and B both K-major from shared
 // memory (descriptors), D += A * B.  Accumulator i of a thread holds, for j = i / 4:
 //   row = 16 * (warp % 4) + lane / 4 + 8 * ((i / 2) % 2),  col = 8 * j + 2 * (lane % 4) + i % 2.
+// mma_rs_*: A from registers (a warp's 16 rows as mma.sync m16n8k16's A fragment: a[0] (row g,
+// k 2c..2c+1), a[1] (g + 8, same k), a[2] (g, k + 8), a[3] (g + 8, k + 8)), B N-major in
+// shared memory (imm-trans-b = 1), D += A * B.
 #pragma once
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -55,8 +60,35 @@ __device__ __forceinline__ void {signature} {{
 """
 
 
+def rs_wrapper(n: int, dtype: str) -> str:
+    regs = n // 2
+    outs = ", ".join(f"%{i}" for i in range(regs))
+    a_regs = ", ".join(f"%{regs + i}" for i in range(4))
+    constraints = ",\n          ".join(
+        ", ".join(f'"+f"(d[{i}])' for i in range(row, min(row + 8, regs)))
+        for row in range(0, regs, 8)
+    )
+    signature = (
+        f"mma_rs_m64n{n}k16_{dtype}(float (&d)[{regs}], const uint32_t (&a)[4], uint64_t desc_b)"
+    )
+    return f"""
+__device__ __forceinline__ void {signature} {{
+    asm volatile(
+        "{{\\n"
+        ".reg .pred accumulate;\\n"
+        "setp.ne.b32 accumulate, %{regs + 5}, 0;\\n"
+        "wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{DTYPES[dtype]}.{DTYPES[dtype]} "
+        "{{{outs}}}, {{{a_regs}}}, %{regs + 4}, accumulate, 1, 1, 1;\\n"
+        "}}\\n"
+        : {constraints}
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1));
+}}
+"""
+
+
 def main() -> None:
     body = "".join(wrapper(n, dtype) for dtype in DTYPES for n in N_SIZES)
+    body += "".join(rs_wrapper(n, dtype) for dtype in DTYPES for n in RS_N_SIZES)
     target = Path(__file__).resolve().parent.parent / "kernels_cu" / "common" / "wgmma.cuh"
     target.write_text(HEADER + body + FOOTER)
     print(f"wrote {target}")

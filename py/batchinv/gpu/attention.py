@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from . import attention_backward
+from . import attention_backward, attention_hopper
 from ._launch import kernel_for, launch
 
 BLOCK_KEYS = 64  # keys per block, at absolute positions [64j, 64j + 64)
@@ -192,6 +192,7 @@ def forward(
     stages: int | None = None,
     coop: bool | None = None,
     prefill_zero: bool = True,
+    hopper: bool | None = None,
 ) -> tuple[Tensor, Tensor]:
     """``(out [Tq, Hq, d], lse [Hq, Tq] fp32)`` on the canonical layout.
 
@@ -199,6 +200,9 @@ def forward(
     sequence; the caller may pass False when every row is covered).  ``coop`` (split mode
     with one-warp tiles only; default True there) runs the cooperative split kernel and
     ``stages`` is its K/V pipeline depth (one of ``COOP_STAGES``); the other kernels have 2.
+    ``hopper``: 4-warp tile launches run ``attention_hopper`` (same bits) where it applies
+    (None), always (True: an error where it does not apply) or never (False: the mma.sync
+    tile kernel).
     """
     check_supported(q, k, v)
     q, k, v = as_rows(q), as_rows(k), as_rows(v)
@@ -216,10 +220,27 @@ def forward(
     if tq == 0 or batch == 0 or layout.max_q_len == 0:
         return out, lse
     pack = packed_heads(hq, hkv)
+    split = mode == "split"
+    one_warp_split = split and warps == 1
+    if coop is None:
+        coop = one_warp_split
+    if coop and not one_warp_split:
+        raise ValueError("coop=True needs a split launch with one-warp (16-row) tiles")
+    if not coop and stages not in (None, 2):
+        raise ValueError(f"stages must be 2 without coop; got {stages!r}")
+    tile4 = mode == "tile" and warps == 4
+    if tile4 and hopper is not False and attention_hopper.applies(q, k, v):
+        scale_log2 = float(scale) * _LOG2E
+        attention_hopper.forward_tile(q, k, v, out, lse, layout, causal, scale_log2, pack)
+        return out, lse
+    if hopper:
+        raise ValueError(
+            "hopper=True needs a 4-warp tile launch on an sm_90a device with d = 128 and K/V "
+            "rows readable by TMA"
+        )
     qpt = 16 * warps // pack
     q_tiles = -(-layout.max_q_len // qpt)
     split_grid = max(1, -(-layout.max_k_len // SPLIT_KEYS))
-    split = mode == "split"
     grid_z = batch * split_grid if split else batch
     if grid_z > _MAX_GRID_YZ or hq // pack > _MAX_GRID_YZ:
         raise ValueError(
@@ -231,11 +252,6 @@ def forward(
         if split
         else None
     )
-    one_warp_split = split and warps == 1
-    if coop is None:
-        coop = one_warp_split
-    if coop and not one_warp_split:
-        raise ValueError("coop=True needs a split launch with one-warp (16-row) tiles")
     suffix = f"{_SUFFIX[q.dtype]}_d{d}"
     if coop:
         if stages is None:
@@ -248,8 +264,6 @@ def forward(
         name = f"attn_split_coop_{suffix}_w{COOP_WARPS}_s{stages}"
         threads = 32 * COOP_WARPS
     else:
-        if stages not in (None, 2):
-            raise ValueError(f"stages must be 2 without coop; got {stages!r}")
         shared = shared_bytes(d, warps, split)
         name = f"attn_{'split' if split else 'fwd'}_{suffix}_w{warps}"
         threads = 32 * warps

@@ -1,0 +1,602 @@
+// Attention forward, tile mode, on Hopper (sm_90a): the FlashAttention-3 structure (TMA
+// producer warpgroup, two wgmma consumer warpgroups) computing EXACTLY the per-row arithmetic
+// of kernels_cu/attention.cu's tile kernel.  d = 128, bf16 and fp16, causal and not.
+//
+// Canonical layout and row contract: those of kernels_cu/attention.cu (read its header), mode
+// (a) only: one CTA per (query tile, head group, sequence) walks all splits of its tile and
+// merges them as it goes.  Differences are in who computes what, never in the arithmetic:
+//   - Tile rows: M = 128 (two consumer warpgroups of 64 rows, four warps of 16 rows each),
+//     row r = (query qtile * QPT + r / P, head hg * P + r % P) as in attention.cu.  A warp's 16
+//     rows are held exactly as mma.sync holds them: wgmma's accumulator i of a thread is
+//     element (i / 4, i % 4) of mma.sync's n8 tile, so every per-row step (block max scan in
+//     column order + quad butterfly, exp2_ftz, the sum scan + butterfly, alpha, P rounding,
+//     the -0 restore, the split merge, finalize) is the same code on the same values.
+//   - S = Q K^T: wgmma m64n64k16, Q and K from 128B-swizzled shared memory, over d in
+//     increasing k16 steps (D += A * B from a zero accumulator, as the mma.sync chain).
+//   - O += P V: wgmma m64n128k16 with P (rounded to the input dtype) as the register A
+//     operand, V N-major from shared memory, the four k16 key steps in increasing order.
+//   That wgmma and mma.sync give the same bits for the same k16 step sequence is a measured
+//   property of the GPU (as in linear.cu), checked bitwise on every run by
+//   tests/gpu/test_attention_hopper_cuda.py against the mma.sync tile and split kernels.
+//   - Overlap: block j's P V product is issued right after block j+1's Q K^T and runs while
+//     block j+1's softmax is computed; its accumulator is rescaled by alpha_{j+1} only after
+//     it completes, so acc = (acc * alpha_j + P_j V_j) * alpha_{j+1} ... as in attention.cu.
+//     The two consumer warpgroups interleave on the SM.  When block j ends a split, block
+//     j+1's softmax starts the new split from the empty state (the ended split's m, l are
+//     kept) while P_j V_j runs; the split is merged (attention.cu's merge_weights /
+//     merge_value) once that product completes, and acc restarts from +0.
+//   - No register that an in-flight wgmma reads or writes is touched before its wait: P of
+//     block j+1 is packed into the A registers only after P_j V_j completes, and nothing but
+//     wgmma runs between the two issues (ptxas would otherwise serialise every wgmma, C7513).
+//   - Loads: one producer thread issues TMA copies of 64-key K and V blocks (two 64-column
+//     boxes each, 128B swizzle) into a ring of kStages = 3 shared-memory stages (mbarriers full /
+//     empty); blocks no row of the tile sees are not loaded.  Q is copied once per consumer
+//     warpgroup with cp.async (zeros for rows that are not a query).
+//   - Key rows past k_len: TMA reads whole 64-row boxes inside the K/V tensors, so the last
+//     block of a sequence can bring rows j >= k_len (the next sequence's rows, cache slots
+//     never written, NaN).  Before any consumer reads that stage the producer warp overwrites
+//     those K and V rows with zeros in shared memory, so the consumers see exactly the
+//     zero-filled tile attention.cu's cp.async builds.  Such rows are read from global memory
+//     but never used.  Query rows past q_len are never read.
+// Launch: grid (ceil(max_q_len / QPT), Hq / P, B), block 384 threads (warpgroup 0 = producer),
+// dynamic shared memory attn_hopper_shared_bytes (py/batchinv/gpu/attention_hopper.py).
+#include "common/hopper.cuh"
+#include "common/wgmma.cuh"
+
+#if !defined(__HIPCC__)
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <type_traits>
+
+namespace batchinv {
+namespace attn_hopper {
+
+[[maybe_unused]] constexpr int kBlockKeys = 64;
+[[maybe_unused]] constexpr int kSplitKeys = 1024;
+[[maybe_unused]] constexpr int kBlocksPerSplit = kSplitKeys / kBlockKeys;
+[[maybe_unused]] constexpr float kLn2 = 0.693147180559945309f;
+[[maybe_unused]] constexpr float kNegInf = -__builtin_huge_valf();
+[[maybe_unused]] constexpr int kD = 128;
+[[maybe_unused]] constexpr int kRows = 128;          // tile rows: two consumer warpgroups of 64
+[[maybe_unused]] constexpr int kConsumerThreads = 256;
+[[maybe_unused]] constexpr int kStages = 3;  // K/V ring depth (2: 4.75 ms, 4: same as 3)
+[[maybe_unused]] constexpr int kBoxBytes = 64 * 128;  // 64 rows x 64 columns x 2 bytes
+[[maybe_unused]] constexpr int kTileBytes = 2 * kBoxBytes;  // 64 rows x 128 columns
+[[maybe_unused]] constexpr int kQBytes = 2 * 2 * kBoxBytes;  // two warpgroups x two column halves
+[[maybe_unused]] constexpr int kRunBytes = 64 * kConsumerThreads * 4;  // fp32 running acc: 64 per thread
+
+// ---- attention.cu's shared arithmetic, copied verbatim (same functions, same bits) ----------
+
+__device__ __forceinline__ void merge_weights(float ma, float la, float mb, float lb, float& m, float& l,
+                                              float& wa, float& wb, int& pick) {
+    if (mb == kNegInf) {
+        pick = 1;
+        m = ma;
+        l = la;
+        wa = 1.0f;
+        wb = 0.0f;
+    } else if (ma == kNegInf) {
+        pick = 2;
+        m = mb;
+        l = lb;
+        wa = 0.0f;
+        wb = 1.0f;
+    } else {
+        pick = 0;
+        m = mb > ma ? mb : ma;
+        wa = exp2f(__fsub_rn(ma, m));
+        wb = exp2f(__fsub_rn(mb, m));
+        l = __fadd_rn(__fmul_rn(la, wa), __fmul_rn(lb, wb));
+    }
+}
+
+__device__ __forceinline__ float merge_value(float a, float b, float wa, float wb, int pick) {
+    if (pick == 1) return a;
+    if (pick == 2) return b;
+    return __fadd_rn(__fmul_rn(a, wa), __fmul_rn(b, wb));
+}
+
+__device__ __forceinline__ float finalize_out(float acc, float l) { return l > 0.0f ? __fdiv_rn(acc, l) : 0.0f; }
+
+__device__ __forceinline__ float finalize_lse(float m, float l) {
+    return l > 0.0f ? __fmul_rn(__fadd_rn(m, log2f(l)), kLn2) : kNegInf;
+}
+
+__device__ __forceinline__ float exp2_ftz(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
+template <typename Codec>
+__device__ __forceinline__ uint32_t pack_pair(float lo, float hi) {
+    if constexpr (Codec::kIsBf16) {
+        __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+        return *reinterpret_cast<uint32_t*>(&v);
+    } else {
+        __half2 v = __floats2half2_rn(lo, hi);
+        return *reinterpret_cast<uint32_t*>(&v);
+    }
+}
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool valid) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0));
+}
+
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+
+__device__ __forceinline__ void named_barrier_sync(int id, int threads) {
+    asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+
+
+// Pins register values around an asynchronous wgmma: without it the compiler may move their
+// reads or writes across the issue or the wait, and ptxas then serialises the pipeline.
+template <int N>
+__device__ __forceinline__ void fence_operands(float* r) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i])::"memory");
+}
+
+// N-major descriptor of a V tile (two 64-column boxes of 64 key rows, 128B swizzle): 8-key
+// row groups 1024 bytes apart (stride byte offset), the two 64-column halves 8192 bytes apart
+// (leading byte offset).
+__device__ __forceinline__ uint64_t v_descriptor(const void* tile) {
+    const uint64_t address = hopper::smem_address(tile);
+    uint64_t desc = (address & 0x3FFFF) >> 4;
+    desc |= static_cast<uint64_t>(kBoxBytes >> 4) << 16;
+    desc |= static_cast<uint64_t>(1024 >> 4) << 32;
+    desc |= 1ull << 62;
+    return desc;
+}
+
+__device__ __forceinline__ void fence_registers(uint32_t (&r)[4][4]) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) asm volatile("" : "+r"(r[i][j])::"memory");
+}
+
+template <typename Codec>
+__device__ __forceinline__ void mma_qk(float (&s)[32], uint64_t desc_q, uint64_t desc_k) {
+    if constexpr (Codec::kIsBf16)
+        wgmma::mma_m64n64k16_bf16(s, desc_q, desc_k);
+    else
+        wgmma::mma_m64n64k16_f16(s, desc_q, desc_k);
+}
+
+template <typename Codec>
+__device__ __forceinline__ void mma_pv(float (&acc)[64], const uint32_t (&a)[4], uint64_t desc_v) {
+    if constexpr (Codec::kIsBf16)
+        wgmma::mma_rs_m64n128k16_bf16(acc, a, desc_v);
+    else
+        wgmma::mma_rs_m64n128k16_f16(acc, a, desc_v);
+}
+
+#endif
+
+struct Params {
+    const void* q;
+    void* out;
+    float* lse;
+    const int* q_start;
+    const int* q_len;
+    const int* k_start;
+    const int* k_len;
+    int64_t q_row, q_head, out_row, out_head;
+    int tq, hq, hkv, pack, causal;
+    float scale_log2;
+};
+
+template <typename Codec>
+__device__ __forceinline__ void attn_hopper_tile(const TensorMap& map_k, const TensorMap& map_v, const Params& p) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    using namespace hopper;
+    using T = typename Codec::storage;
+    extern __shared__ uint8_t shared_raw[];
+    // 128-byte swizzled tiles start on a 1024-byte boundary.
+    uint8_t* shared = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(shared_raw) + 1023) & ~uintptr_t(1023));
+    uint8_t* sq = shared;                                   // [2 warpgroups][2 halves][64][64]
+    uint8_t* sk = sq + kQBytes;                             // [kStages][2 halves][64][64]
+    uint8_t* sv = sk + kStages * kTileBytes;                // [kStages][2 halves][64][64]
+    float* srun = reinterpret_cast<float*>(sv + kStages * kTileBytes);  // [64][256]
+    uint64_t* full = reinterpret_cast<uint64_t*>(reinterpret_cast<uint8_t*>(srun) + kRunBytes);
+    uint64_t* empty = full + kStages;
+    uint64_t* side = empty + kStages;  // the producer's own barrier for a boundary block
+
+    const int b = blockIdx.z;
+    const int hg = blockIdx.y;
+    const int qpt = kRows / p.pack;
+    const int qtile = gridDim.x - 1 - blockIdx.x;  // heavy (late) causal tiles first
+    const int q_len = p.q_len[b];
+    const int k_len = p.k_len[b];
+    const int q0 = qtile * qpt;
+    if (q0 >= q_len) return;
+    const int q_last = min(q_len - 1, q0 + qpt - 1);
+    const int offset = k_len - q_len;
+    const int tile_end = p.causal ? max(0, min(k_len, offset + q_last + 1)) : k_len;
+    const int group = p.hq / p.hkv;
+    const int kvh = (hg * p.pack) / group;
+    const int64_t q_base = p.q_start[b];
+    const int k_base = p.k_start[b];
+    const int blk_end = (tile_end + kBlockKeys - 1) / kBlockKeys;  // blocks [0, blk_end)
+
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < kStages; ++s) {
+            barrier_init(&full[s], 1);
+            barrier_init(&empty[s], 8);  // lane 0 of each consumer warp
+        }
+        barrier_init(side, 1);
+        fence_barrier_init();
+    }
+    __syncthreads();
+
+    const int warpgroup = threadIdx.x / 128;
+    const int lane = threadIdx.x % 32;
+
+    if (warpgroup == 0) {
+        release_registers<40>();
+        if (threadIdx.x >= 32) return;
+        // Producer warp: lane 0 issues the copies; the whole warp zeroes a boundary block.
+        uint32_t side_phase = 0;
+        for (int blk = 0; blk < blk_end; ++blk) {
+            const int s = blk % kStages;
+            const int round = blk / kStages;
+            if (round > 0) barrier_wait(&empty[s], (round - 1) & 1);
+            const int key0 = blk * kBlockKeys;
+            const bool boundary = key0 + kBlockKeys > k_len;
+            uint8_t* dk = sk + s * kTileBytes;
+            uint8_t* dv = sv + s * kTileBytes;
+            uint64_t* bar = boundary ? side : &full[s];
+            if (lane == 0) {
+                barrier_expect_bytes(bar, 2 * kTileBytes);
+                for (int h = 0; h < 2; ++h) {
+                    tma_load_2d(dk + h * kBoxBytes, map_k, bar, kvh * kD + h * 64, k_base + key0);
+                    tma_load_2d(dv + h * kBoxBytes, map_v, bar, kvh * kD + h * 64, k_base + key0);
+                }
+            }
+            if (boundary) {
+                barrier_wait(side, side_phase);
+                side_phase ^= 1;
+                // Rows j >= k_len (another sequence's keys, unwritten cache slots): zeros, as
+                // attention.cu's zero-filling copy leaves them.  Each row is 128 contiguous
+                // bytes of a box whatever the swizzle.
+                const int first = k_len - key0;
+                const int chunks = (kBlockKeys - first) * 8;  // 16-byte chunks per box
+                for (int idx = lane; idx < 4 * chunks; idx += 32) {
+                    const int box = idx / chunks;
+                    const int within = idx % chunks;
+                    uint8_t* base = (box < 2 ? dk : dv) + (box % 2) * kBoxBytes;
+                    *reinterpret_cast<uint4*>(base + first * 128 + within * 16) = make_uint4(0, 0, 0, 0);
+                }
+                fence_proxy_async();  // generic writes before the consumers' wgmma reads
+                __syncwarp();
+                if (lane == 0) barrier_arrive(&full[s]);
+            }
+        }
+        return;
+    }
+
+    claim_registers<232>();
+    const int cw = warpgroup - 1;           // consumer warpgroup 0 or 1
+    const int ctid = threadIdx.x - 128;     // 0 .. 255
+    const int wtid = threadIdx.x % 128;
+    const int warp = wtid / 32;
+    const int g = lane / 4;
+    const int c = lane % 4;
+
+    // Q rows of this warpgroup -> shared memory (128B swizzle: chunk ch of row r at ch ^ (r % 8)).
+    {
+        const T* qp = static_cast<const T*>(p.q);
+        uint8_t* dq = sq + cw * 2 * kBoxBytes;
+        for (int idx = wtid; idx < 64 * 16; idx += 128) {
+            const int rl = idx / 16;
+            const int ch = idx % 16;
+            const int r = cw * 64 + rl;
+            const int qi = q0 + r / p.pack;
+            const bool valid = r < qpt * p.pack && qi < q_len;
+            const int h = hg * p.pack + r % p.pack;
+            const T* src = valid ? qp + (q_base + qi) * p.q_row + h * p.q_head + ch * 8 : qp;
+            const uint32_t dst = smem_address(dq + (ch / 8) * kBoxBytes + rl * 128 + (((ch % 8) ^ (rl % 8)) << 4));
+            cp_async16(dst, src, valid);
+        }
+        asm volatile("cp.async.commit_group;\ncp.async.wait_group 0;\n" ::: "memory");
+        fence_proxy_async();
+        named_barrier_sync(1 + cw, 128);
+    }
+
+    int vis_end[2];
+    int row_q[2], row_h[2];
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+        const int r = cw * 64 + warp * 16 + g + 8 * i;
+        const int qi = q0 + r / p.pack;
+        const bool valid = r < qpt * p.pack && qi < q_len;
+        row_q[i] = valid ? qi : -1;
+        row_h[i] = hg * p.pack + r % p.pack;
+        vis_end[i] = !valid ? 0 : (p.causal ? max(0, min(k_len, offset + qi + 1)) : k_len);
+    }
+    int vis_min = 0x7fffffff;
+#pragma unroll
+    for (int i = 0; i < 2; ++i)
+        if (row_q[i] >= 0) vis_min = min(vis_min, vis_end[i]);
+    const int warp_vis_min = __reduce_min_sync(0xffffffffu, vis_min);
+    const bool hi_rows = __any_sync(0xffffffffu, row_q[1] >= 0);
+
+    float m[2] = {kNegInf, kNegInf};
+    float l[2] = {0.0f, 0.0f};
+    float run_m[2] = {kNegInf, kNegInf};
+    float run_l[2] = {0.0f, 0.0f};
+    float acc[64];
+#pragma unroll
+    for (int i = 0; i < 64; ++i) acc[i] = 0.0f;
+    float s[32];
+    uint32_t pa[4][4];          // P of the previous block, the A operand of its P V product
+    bool prev_empty[2] = {false, false};
+    bool prev_any_empty = false;
+    uint32_t negzero[2] = {0u, 0u};
+    const uint8_t* q_tile = sq + cw * 2 * kBoxBytes;
+
+    // m, l of a split that ended with the previous block, kept for its merge while the next
+    // block's softmax already starts the new split from the empty state.
+    float end_m[2], end_l[2];
+
+    // Finishes block `blk`'s P V product (issued earlier): wait, restore -0 signs of rows that
+    // saw no key in it, free its stage, and at a split end merge acc into the running state
+    // (acc restarts from +0 in the next rescale).
+    auto finish_pv = [&](int blk) {
+        wgmma_wait<0>();
+        // The product read pa and wrote acc until here: keep both live to this point, or
+        // the compiler reuses their registers (softmax's P) while the wgmma still reads them.
+        fence_operands<64>(acc);
+        fence_registers(pa);
+        if (prev_any_empty) {
+#pragma unroll
+            for (int i = 0; i < 64; ++i) {
+                const bool was_neg_zero = (negzero[i / 32] >> (i % 32)) & 1u;
+                if (prev_empty[(i / 2) % 2] && acc[i] == 0.0f) acc[i] = was_neg_zero ? -0.0f : 0.0f;
+            }
+        }
+        __syncwarp();
+        if (lane == 0) barrier_arrive(&empty[blk % kStages]);
+        const bool split_end = (blk + 1) % kBlocksPerSplit == 0 || blk + 1 == blk_end;
+        if (split_end) {
+#pragma unroll
+            for (int i = 0; i < 2; ++i) {
+                float mm, ll, wa, wb;
+                int pick;
+                merge_weights(run_m[i], run_l[i], end_m[i], end_l[i], mm, ll, wa, wb, pick);
+#pragma unroll
+                for (int t = 0; t < 16; ++t)
+#pragma unroll
+                    for (int e = 0; e < 2; ++e) {
+                        float& slot = srun[(t * 4 + 2 * i + e) * kConsumerThreads + ctid];
+                        const float prev = blk + 1 <= kBlocksPerSplit ? 0.0f : slot;  // first split
+                        slot = merge_value(prev, acc[t * 4 + 2 * i + e], wa, wb, pick);
+                    }
+                run_m[i] = mm;
+                run_l[i] = ll;
+            }
+        }
+    };
+
+    // Issues block `blk`'s S = Q K^T (over d in increasing k16 steps, 32 bytes along a 128-byte
+    // swizzled row) if WITH_S, then block `blk - 1`'s P V (pa, the -0 signs noted first) if
+    // WITH_PV; each product is one commit group, S first.  Every register the products read
+    // is defined before the wgmma fence, so nothing but wgmma runs between the two issues
+    // (ptxas would otherwise serialise them).
+    auto issue = [&](int blk, auto with_s, auto with_pv) {
+        if constexpr (decltype(with_s)::value) {
+            barrier_wait(&full[blk % kStages], (blk / kStages) & 1);
+#pragma unroll
+            for (int i = 0; i < 32; ++i) s[i] = 0.0f;
+        }
+        if constexpr (decltype(with_pv)::value) {
+            negzero[0] = negzero[1] = 0u;
+            if (prev_any_empty) {
+#pragma unroll
+                for (int i = 0; i < 64; ++i)
+                    if (__float_as_uint(acc[i]) == 0x80000000u) negzero[i / 32] |= 1u << (i % 32);
+            }
+        }
+        fence_operands<32>(s);
+        fence_operands<64>(acc);
+        fence_registers(pa);
+        wgmma_fence();
+        if constexpr (decltype(with_s)::value) {
+            const uint8_t* k_tile = sk + (blk % kStages) * kTileBytes;
+#pragma unroll
+            for (int ks = 0; ks < 8; ++ks) {
+                const int off = (ks / 4) * kBoxBytes + (ks % 4) * 32;
+                mma_qk<Codec>(s, smem_descriptor_128b(q_tile + off), smem_descriptor_128b(k_tile + off));
+            }
+            wgmma_commit();
+        }
+        if constexpr (decltype(with_pv)::value) {
+            const uint8_t* v_tile = sv + ((blk - 1) % kStages) * kTileBytes;
+#pragma unroll
+            for (int kk = 0; kk < 4; ++kk) mma_pv<Codec>(acc, pa[kk], v_descriptor(v_tile + kk * 16 * 128));
+            wgmma_commit();
+        }
+        fence_operands<32>(s);
+        fence_operands<64>(acc);
+    };
+
+    // Online softmax of block `blk` (its S complete in s), attention.cu's code with
+    // s[t][e] = s[4t + e]: updates m, l, leaves P in pa and the rescale factors in alpha.
+    float alpha[2];
+    bool empty_now[2];
+    auto softmax = [&](int blk) {
+        const int key0 = blk * kBlockKeys;
+        const bool masked = key0 + kBlockKeys > warp_vis_min;
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+            if (i == 1 && !hi_rows) {
+                empty_now[1] = true;
+                alpha[1] = 1.0f;
+#pragma unroll
+                for (int t = 0; t < 8; ++t) s[4 * t + 2] = s[4 * t + 3] = 0.0f;
+                continue;
+            }
+            float mx = kNegInf;
+            if (masked) {
+#pragma unroll
+                for (int t = 0; t < 8; ++t) {
+#pragma unroll
+                    for (int e = 0; e < 2; ++e) {
+                        const int j = key0 + t * 8 + 2 * c + e;
+                        const float x = j < vis_end[i] ? __fmul_rn(s[4 * t + 2 * i + e], p.scale_log2) : kNegInf;
+                        s[4 * t + 2 * i + e] = x;
+                        mx = fmaxf(mx, x);
+                    }
+                }
+            } else {
+#pragma unroll
+                for (int t = 0; t < 8; ++t) {
+#pragma unroll
+                    for (int e = 0; e < 2; ++e) {
+                        const float x = __fmul_rn(s[4 * t + 2 * i + e], p.scale_log2);
+                        s[4 * t + 2 * i + e] = x;
+                        mx = fmaxf(mx, x);
+                    }
+                }
+            }
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+            mx = mx == 0.0f ? 0.0f : mx;  // one zero (+0) whatever the lanes' order
+            empty_now[i] = mx == kNegInf;
+            const float m_new = empty_now[i] ? m[i] : (mx > m[i] ? mx : m[i]);
+            alpha[i] = empty_now[i] ? 1.0f : (m[i] == kNegInf ? 0.0f : exp2f(__fsub_rn(m[i], m_new)));
+            float sum = 0.0f;
+#pragma unroll
+            for (int t = 0; t < 8; ++t) {
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const float pe = empty_now[i] ? 0.0f : exp2_ftz(__fsub_rn(s[4 * t + 2 * i + e], m_new));
+                    s[4 * t + 2 * i + e] = pe;
+                    sum = __fadd_rn(sum, pe);
+                }
+            }
+            sum = __fadd_rn(sum, __shfl_xor_sync(0xffffffffu, sum, 1));
+            sum = __fadd_rn(sum, __shfl_xor_sync(0xffffffffu, sum, 2));
+            l[i] = empty_now[i] ? l[i] : __fadd_rn(__fmul_rn(l[i], alpha[i]), sum);
+            m[i] = m_new;
+        }
+    };
+
+    // After the previous block's product is complete: P of this block into pa, acc *= alpha,
+    // and the facts about this block that its own P V product will need.  At a split start acc was merged away: it restarts from +0 (attention.cu zeroes it in the
+    // merge; +0 * alpha is +0), by selection rather than a branch so that the accumulator
+    // registers are defined in one place (a branch here makes ptxas serialise the wgmmas).
+    auto rescale = [&](bool split_start) {
+        // P -> pa only now: the previous block's P V product read pa until its wait.
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk) {
+            pa[kk][0] = pack_pair<Codec>(s[8 * kk + 0], s[8 * kk + 1]);
+            pa[kk][1] = pack_pair<Codec>(s[8 * kk + 2], s[8 * kk + 3]);
+            pa[kk][2] = pack_pair<Codec>(s[8 * kk + 4], s[8 * kk + 5]);
+            pa[kk][3] = pack_pair<Codec>(s[8 * kk + 6], s[8 * kk + 7]);
+        }
+#pragma unroll
+        for (int t = 0; t < 16; ++t) {
+            acc[4 * t + 0] = split_start ? 0.0f : __fmul_rn(acc[4 * t + 0], alpha[0]);
+            acc[4 * t + 1] = split_start ? 0.0f : __fmul_rn(acc[4 * t + 1], alpha[0]);
+        }
+        if (hi_rows) {
+#pragma unroll
+            for (int t = 0; t < 16; ++t) {
+                acc[4 * t + 2] = split_start ? 0.0f : __fmul_rn(acc[4 * t + 2], alpha[1]);
+                acc[4 * t + 3] = split_start ? 0.0f : __fmul_rn(acc[4 * t + 3], alpha[1]);
+            }
+        }
+        prev_empty[0] = empty_now[0];
+        prev_empty[1] = empty_now[1];
+        // Padding rows are always empty and never written: they do not need the -0 fix-up.
+        prev_any_empty =
+            __any_sync(0xffffffffu, (empty_now[0] && row_q[0] >= 0) || (empty_now[1] && row_q[1] >= 0));
+    };
+
+    using Yes = std::true_type;
+    using No = std::false_type;
+    if (blk_end > 0) {
+        issue(0, Yes{}, No{});
+        wgmma_wait<0>();
+        fence_operands<32>(s);
+        softmax(0);
+        rescale(false);
+    }
+    // Steady state, no branch between a product's issue and its wait: block blk's S product,
+    // then block blk-1's P V product behind it; block blk's softmax runs while P V executes.
+    for (int blk = 1; blk < blk_end; ++blk) {
+        issue(blk, Yes{}, Yes{});
+        wgmma_wait<1>();  // S of block blk is complete; P V of block blk-1 may still run
+        fence_operands<32>(s);
+        if (blk % kBlocksPerSplit == 0) {  // block blk-1 ended a split: blk starts a new one
+#pragma unroll
+            for (int i = 0; i < 2; ++i) {
+                end_m[i] = m[i];
+                end_l[i] = l[i];
+                m[i] = kNegInf;
+                l[i] = 0.0f;
+            }
+        }
+        softmax(blk);
+        finish_pv(blk - 1);
+        rescale(blk % kBlocksPerSplit == 0);
+    }
+    if (blk_end > 0) {
+        issue(blk_end, No{}, Yes{});
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+            end_m[i] = m[i];
+            end_l[i] = l[i];
+        }
+        finish_pv(blk_end - 1);  // the last block always ends a split
+    }
+
+    T* op = static_cast<T*>(p.out);
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+        if (row_q[i] < 0) continue;
+        const int64_t t_row = q_base + row_q[i];
+        T* dst = op + t_row * p.out_row + row_h[i] * p.out_head;
+#pragma unroll
+        for (int t = 0; t < 16; ++t) {
+            // A tile with no block leaves srun unwritten: run_l = 0 then, and finalize gives 0.
+            const float a0 = blk_end > 0 ? srun[(t * 4 + 2 * i) * kConsumerThreads + ctid] : 0.0f;
+            const float a1 = blk_end > 0 ? srun[(t * 4 + 2 * i + 1) * kConsumerThreads + ctid] : 0.0f;
+            T pair[2] = {Codec::store(finalize_out(a0, run_l[i])), Codec::store(finalize_out(a1, run_l[i]))};
+            *reinterpret_cast<uint32_t*>(dst + t * 8 + 2 * c) = *reinterpret_cast<uint32_t*>(pair);
+        }
+        if (c == 0) p.lse[static_cast<int64_t>(row_h[i]) * p.tq + t_row] = finalize_lse(run_m[i], run_l[i]);
+    }
+#elif defined(__CUDA_ARCH__)
+    __trap();  // built only into sm_90a images; the host never launches it elsewhere
+#endif
+}
+
+}  // namespace attn_hopper
+}  // namespace batchinv
+
+#define BATCHINV_ATTN_HOPPER(DTYPE, CODEC)                                                                      \
+    extern "C" __global__ void __launch_bounds__(384, 1) attn_hopper_fwd_##DTYPE##_d128(                          \
+        const __grid_constant__ batchinv::TensorMap map_k, const __grid_constant__ batchinv::TensorMap map_v,   \
+        const void* q, void* out, float* lse, const int* q_start, const int* q_len, const int* k_start,        \
+        const int* k_len, int64_t q_row, int64_t q_head, int64_t out_row, int64_t out_head, int tq, int hq,     \
+        int hkv, int pack, int causal, float scale_log2) {                                                      \
+        const batchinv::attn_hopper::Params p{q,     out,   lse,      q_start, q_len, k_start, k_len, q_row,    \
+                                              q_head, out_row, out_head, tq,   hq,    hkv,     pack,  causal,   \
+                                              scale_log2};                                                       \
+        batchinv::attn_hopper::attn_hopper_tile<CODEC>(map_k, map_v, p);                                         \
+    }
+
+// Signature: (map_k, map_v, q, out, lse, q_start, q_len, k_start, k_len, q_row, q_head, out_row,
+//             out_head, tq, hq, hkv, pack, causal, scale_log2)
+// batchinv-signature: attn_hopper_fwd_bf16_d128(tmap, tmap, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i32, i32, i32, i32, i32, f32)
+BATCHINV_ATTN_HOPPER(bf16, batchinv::Bf16Codec)
+// batchinv-signature: attn_hopper_fwd_f16_d128(tmap, tmap, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i32, i32, i32, i32, i32, f32)
+BATCHINV_ATTN_HOPPER(f16, batchinv::F16Codec)
+#endif

@@ -1,0 +1,140 @@
+"""Tile-mode attention forward on Hopper: launches ``kernels_cu/attention_hopper.cu``.
+
+The kernel computes exactly the per-row arithmetic of ``kernels_cu/attention.cu``'s tile kernel
+(same 64-key blocks, 1024-key splits, merge and finalize; see both headers) with the
+FlashAttention-3 structure: a TMA producer warpgroup and two wgmma consumer warpgroups of 64
+rows each (128-row tiles).  ``batchinv.gpu.attention.forward`` calls it for tile launches on
+sm_90 devices when :func:`applies` holds; both kernels give the same bits (tested).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import Tensor
+
+from ._launch import kernel_for, launch, native
+
+HEAD_DIM = 128
+TILE_ROWS = 128  # two consumer warpgroups of 64 rows
+THREADS = 384  # producer warpgroup + two consumer warpgroups
+STAGES = 3  # K/V ring depth (kernels_cu/attention_hopper.cu kStages)
+_BOX_BYTES = 64 * 64 * 2  # one 64-row x 64-column TMA box of bf16/fp16
+_DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "f16"}
+_MAX_GRID_YZ = 65535
+
+
+def shared_bytes(stages: int = STAGES) -> int:
+    """Dynamic shared memory of the kernel: Q (two warpgroups x two 64-column halves), the
+    K and V stages, the fp32 running state (64 values per consumer thread), the mbarriers,
+    and 1024 bytes to align the swizzled tiles."""
+    q = 4 * _BOX_BYTES
+    kv = 2 * stages * 2 * _BOX_BYTES
+    run = 64 * 256 * 4
+    barriers = 8 * (2 * stages + 1)
+    return q + kv + run + barriers + 1024
+
+
+@functools.cache
+def _hopper_device(index: int) -> bool:
+    return (
+        torch.cuda.get_device_capability(index) == (9, 0)
+        and "90a" in native().build_info()["cuda_archs"]
+    )
+
+
+def _tma_rows(t: Tensor) -> bool:
+    """``t [rows, H, d]`` readable as a 2-D TMA map ``[rows, H * d]``: heads contiguous within a
+    row, 16-byte aligned base and row stride, at least one row."""
+    return (
+        t.shape[0] > 0
+        and t.stride(2) == 1
+        and t.stride(1) == t.shape[2]
+        and t.stride(0) % 8 == 0
+        and t.data_ptr() % 16 == 0
+    )
+
+
+def applies(q: Tensor, k: Tensor, v: Tensor) -> bool:
+    """Whether the Hopper kernel takes this tile launch (d = 128, an sm_90a device, K and V
+    readable by TMA); otherwise the mma.sync tile kernel runs (same bits)."""
+    index = q.device.index if q.device.index is not None else torch.cuda.current_device()
+    return (
+        q.shape[-1] == HEAD_DIM
+        and q.dtype in _DTYPE_NAMES
+        and _hopper_device(index)
+        and _tma_rows(k)
+        and _tma_rows(v)
+    )
+
+
+def _tensor_map(t: Tensor) -> bytes:
+    """TMA map of ``t [rows, H, d]`` as ``rows x (H * d)``, boxes of 64 rows x 64 columns."""
+    rows, heads, d = t.shape
+    name = _DTYPE_NAMES[t.dtype]
+    return native().tensor_map_2d(t.data_ptr(), name, rows, heads * d, t.stride(0) * 2, 64, 64, 128)
+
+
+_RAISED: set[tuple[int, int]] = set()
+
+
+def _kernel(name: str, device: torch.device, stages: int):
+    kernel = kernel_for("attention_hopper", name, device)
+    key = (id(kernel), device.index or 0)
+    if key not in _RAISED:
+        kernel.set_max_dynamic_shared_memory(shared_bytes(stages), device=device.index or 0)
+        _RAISED.add(key)
+    return kernel
+
+
+def forward_tile(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    layout,
+    causal: bool,
+    scale_log2: float,
+    pack: int,
+) -> None:
+    """Writes ``out``/``lse`` of every covered row (the canonical layout of
+    ``batchinv.gpu.attention``; ``q``, ``k``, ``v`` already pass :func:`applies`)."""
+    tq, hq, _ = q.shape
+    hkv = k.shape[1]
+    qpt = TILE_ROWS // pack
+    q_tiles = -(-layout.max_q_len // qpt)
+    if layout.batch > _MAX_GRID_YZ or hq // pack > _MAX_GRID_YZ:
+        raise ValueError(
+            f"attention launch too large: {layout.batch} sequences (at most {_MAX_GRID_YZ})"
+        )
+    name = f"attn_hopper_fwd_{_DTYPE_NAMES[q.dtype]}_d{HEAD_DIM}"
+    launch(
+        _kernel(name, q.device, STAGES),
+        q.device,
+        grid=(q_tiles, hq // pack, layout.batch),
+        block=(THREADS,),
+        args=(
+            _tensor_map(k),
+            _tensor_map(v),
+            q,
+            out,
+            lse,
+            layout.q_start,
+            layout.q_len,
+            layout.k_start,
+            layout.k_len,
+            q.stride(0),
+            q.stride(1),
+            out.stride(0),
+            out.stride(1),
+            tq,
+            hq,
+            hkv,
+            pack,
+            int(causal),
+            scale_log2,
+        ),
+        shared_mem=shared_bytes(STAGES),
+    )

@@ -1,0 +1,247 @@
+"""The Hopper (sm_90a) tile kernel ``kernels_cu/attention_hopper.cu``: bitwise equal (out AND
+lse) to the mma.sync tile and split kernels and to the chunked-prefill / decode paths, on odd
+lengths, GQA 4:1 and 8:1, MHA, a group of 3 (tiles with padding rows), causal offsets, fully
+masked rows, NaN padding past ``k_len``; within the contract's tolerance of the fp32 reference.
+
+GPU tests skip (with the reason) where CUDA, an sm_90 device or the sm_90a image is absent.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import batchinv
+from batchinv.contract import assert_bitwise_equal, assert_within_tolerance
+from batchinv.gpu import attention as gpu
+from batchinv.gpu import attention_hopper as hopper
+from batchinv.reference.attention import attention_fp32
+from batchinv.reference.kv_cache import KVCache
+
+DEVICE = "cuda"
+DTYPES = (torch.bfloat16, torch.float16)
+# (Hq, Hkv): GQA 4:1, GQA 8:1, MHA, and a group of 3 (42 queries x 3 heads: 2 padding rows)
+HEADS = ((8, 2), (16, 2), (4, 4), (6, 2))
+LONG_CONTEXT = 2500  # three splits of 1024 keys
+
+
+def _hopper_missing() -> str | None:
+    """Why the Hopper kernel cannot run here, or None."""
+    if not torch.cuda.is_available():
+        return "needs an NVIDIA GPU"
+    if torch.cuda.get_device_capability() != (9, 0):
+        return "needs an sm_90 (Hopper) GPU"
+    from batchinv.gpu._launch import native
+
+    if "90a" not in native().build_info()["cuda_archs"]:
+        return "the native module was built without an sm_90a image"
+    return None
+
+
+_MISSING = _hopper_missing()
+cuda = pytest.mark.cuda
+needs_hopper = pytest.mark.skipif(_MISSING is not None, reason=str(_MISSING))
+
+
+def _randn(*shape, dtype, seed, scale=1.0):
+    gen = torch.Generator().manual_seed(seed)
+    return (scale * torch.randn(*shape, generator=gen)).to(dtype).to(DEVICE)
+
+
+def _qkv(batch, sq, sk, hq, hkv, dtype, seed):
+    q = _randn(batch, sq, hq, 128, dtype=dtype, seed=seed, scale=1.5)
+    k = _randn(batch, sk, hkv, 128, dtype=dtype, seed=seed + 1, scale=1.5)
+    v = _randn(batch, sk, hkv, 128, dtype=dtype, seed=seed + 2)
+    return q, k, v
+
+
+def _nan_padding(q, k, v, seqlens_q, seqlens_k):
+    """Copies with NaN in every padded query and key/value row (never to be read)."""
+    q, k, v = q.clone(), k.clone(), v.clone()
+    for b, (lq, lk) in enumerate(zip(seqlens_q.tolist(), seqlens_k.tolist(), strict=True)):
+        q[b, lq:] = float("nan")
+        k[b, lk:] = float("nan")
+        v[b, lk:] = float("nan")
+    return q, k, v
+
+
+# ----------------------------------------------------------------------------- host logic (CPU)
+
+
+def test_shared_memory_fits_hopper():
+    assert hopper.shared_bytes() <= 227 * 1024
+
+
+def test_tma_rows_needs_contiguous_heads():
+    assert hopper._tma_rows(torch.zeros(8, 2, 128, dtype=torch.bfloat16))
+    wide = torch.zeros(8, 2, 256, dtype=torch.bfloat16)[..., :128]  # head stride 256
+    assert not hopper._tma_rows(wide)
+    assert not hopper._tma_rows(torch.zeros(0, 2, 128, dtype=torch.bfloat16))
+
+
+# ----------------------------------------------------------------------------- bitwise vs mma.sync
+
+
+@cuda
+@needs_hopper
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads", HEADS)
+@pytest.mark.parametrize("causal", (True, False))
+def test_hopper_equals_mma_sync_tile_and_split(dtype, heads, causal):
+    hq, hkv = heads
+    # Split merges (2500 keys), a partial last block (1100, 70), causal offsets (queries at
+    # the end of longer contexts), queries before the first key (130 queries, 70 keys: the
+    # first 60 rows are fully masked when causal), a sequence with no key, NaN padding.
+    seqlens_q = torch.tensor([37, 5, 130, 20], device=DEVICE)
+    seqlens_k = torch.tensor([LONG_CONTEXT, 1100, 70, 0], device=DEVICE)
+    q, k, v = _qkv(4, 130, LONG_CONTEXT, hq, hkv, dtype, seed=hq * 7 + hkv)
+    q, k, v = _nan_padding(q, k, v, seqlens_q, seqlens_k)
+    kwargs = dict(causal=causal, seqlens_q=seqlens_q, seqlens_k=seqlens_k, return_lse=True)
+    new = gpu.attention(q, k, v, mode="tile", warps=4, hopper=True, **kwargs)
+    old = gpu.attention(q, k, v, mode="tile", warps=4, hopper=False, **kwargs)
+    assert_bitwise_equal(new, old, name="hopper vs mma.sync tile")
+    split = gpu.attention(q, k, v, mode="split", warps=4, **kwargs)
+    assert_bitwise_equal(new, split, name="hopper vs mma.sync split")
+    assert not torch.isnan(new[0]).any(), "NaN padding leaked into the output"
+
+
+@cuda
+@needs_hopper
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_wide_score_range_equals_mma_sync(dtype):
+    # softmax_scale = 1: many P below 2^-126, flushed to +0 by exp2_ftz in both kernels.
+    q, k, v = _qkv(2, 300, 1500, 8, 2, dtype, seed=41)
+    kwargs = dict(causal=True, softmax_scale=1.0, return_lse=True)
+    new = gpu.attention(q, k, v, mode="tile", warps=4, hopper=True, **kwargs)
+    old = gpu.attention(q, k, v, mode="tile", warps=4, hopper=False, **kwargs)
+    assert_bitwise_equal(new, old, name="hopper vs mma.sync, softmax_scale=1")
+
+
+@cuda
+@needs_hopper
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_varlen_packing_equals_padded(dtype):
+    # Packed rows: the last block of a sequence brings the next sequence's keys into shared
+    # memory; they must not count.
+    lens = [300, 65, 1, 1030]
+    q, k, v = _qkv(len(lens), max(lens), max(lens), 8, 2, dtype, seed=51)
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], device=DEVICE)
+    pq = torch.cat([q[b, :n] for b, n in enumerate(lens)])
+    pk = torch.cat([k[b, :n] for b, n in enumerate(lens)])
+    pv = torch.cat([v[b, :n] for b, n in enumerate(lens)])
+    out, lse = batchinv.attention_varlen(pq, pk, pv, cu, cu, causal=True, return_lse=True)
+    for b, n in enumerate(lens):
+        one = gpu.attention(
+            q[b : b + 1, :n],
+            k[b : b + 1, :n],
+            v[b : b + 1, :n],
+            causal=True,
+            return_lse=True,
+            mode="tile",
+            warps=4,
+            hopper=False,
+        )
+        s, e = cu[b].item(), cu[b + 1].item()
+        assert_bitwise_equal(out[s:e], one[0][0], name=f"varlen out, sequence {b}")
+        assert_bitwise_equal(lse[:, s:e], one[1][0], name=f"varlen lse, sequence {b}")
+
+
+@cuda
+@needs_hopper
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_row_bits_independent_of_batch_and_padding(dtype):
+    seqlens_q = torch.tensor([200, 17, 129], device=DEVICE)
+    seqlens_k = torch.tensor([1300, 17, 640], device=DEVICE)
+    q, k, v = _qkv(3, 200, 1300, 16, 2, dtype, seed=61)
+    q, k, v = _nan_padding(q, k, v, seqlens_q, seqlens_k)
+    kwargs = dict(causal=True, return_lse=True)
+    out, lse = batchinv.attention(q, k, v, seqlens_q=seqlens_q, seqlens_k=seqlens_k, **kwargs)
+    for b in range(3):
+        lq, lk = seqlens_q[b].item(), seqlens_k[b].item()
+        alone = batchinv.attention(
+            q[b : b + 1, :lq].contiguous(),
+            k[b : b + 1, :lk].contiguous(),
+            v[b : b + 1, :lk].contiguous(),
+            **kwargs,
+        )
+        assert_bitwise_equal(out[b : b + 1, :lq], alone[0], name=f"out, sequence {b}")
+        assert_bitwise_equal(lse[b : b + 1, :, :lq], alone[1], name=f"lse, sequence {b}")
+
+
+@cuda
+@needs_hopper
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_chunked_prefill_and_decode_equal_hopper_prefill(dtype):
+    # The prefill runs the Hopper kernel.  Chunks of 100 and 64 forced onto the Hopper kernel
+    # read the cache storage in place (unwritten slots hold NaN: the last block of every chunk
+    # brings some into shared memory); the same chunks in auto mode (split launches) and
+    # token-by-token decode (one-warp mma.sync kernels) must reproduce the same rows.
+    total = 1300
+    q, k, v = _qkv(1, total, total, 8, 2, dtype, seed=71)
+    full = gpu.attention(q, k, v, causal=True, return_lse=True, mode="tile", warps=4, hopper=True)
+    forced = dict(mode="tile", warps=4, hopper=True)
+    for chunk, tuning in ((100, forced), (64, forced), (100, {}), (1, {})):
+        starts = [0, *range(total - 20, total)] if chunk == 1 else list(range(0, total, chunk))
+        cache = KVCache(1, total, 2, 128, dtype=dtype, device=DEVICE)
+        for i, s in enumerate(starts):
+            e = starts[i + 1] if i + 1 < len(starts) else total
+            # gpu.attention_with_kv_cache takes the tuning keywords; batchinv's does not.
+            run = gpu.attention_with_kv_cache if tuning else batchinv.attention_with_kv_cache
+            out, lse = run(q[:, s:e], k[:, s:e], v[:, s:e], cache, return_lse=True, **tuning)
+            name = f"chunk {chunk} {tuning or 'auto'}"
+            assert_bitwise_equal(out, full[0][:, s:e], name=f"{name}, out [{s}, {e})")
+            assert_bitwise_equal(lse, full[1][:, :, s:e], name=f"{name}, lse [{s}, {e})")
+
+
+# ----------------------------------------------------------------------------- Axis-B, errors
+
+
+@cuda
+@needs_hopper
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("causal", (True, False))
+def test_within_tolerance_of_fp32_reference(dtype, causal):
+    seqlens_q = torch.tensor([150, 33], device=DEVICE)
+    seqlens_k = torch.tensor([1200, 99], device=DEVICE)
+    q, k, v = _qkv(2, 150, 1200, 8, 2, dtype, seed=81)
+    kwargs = dict(causal=causal, seqlens_q=seqlens_q, seqlens_k=seqlens_k, return_lse=True)
+    out, lse = gpu.attention(q, k, v, mode="tile", warps=4, hopper=True, **kwargs)
+    ref_out, ref_lse = attention_fp32(q, k, v, **kwargs)
+    assert_within_tolerance(out, ref_out, op_class="attention", name="out")
+    assert_within_tolerance(lse, ref_lse, op_class="attention", name="lse", dtype=dtype)
+
+
+@cuda
+@needs_hopper
+def test_fully_masked_rows_give_zero_and_minus_inf():
+    q, k, v = _qkv(2, 100, 40, 8, 2, torch.bfloat16, seed=91)
+    seqlens_k = torch.tensor([40, 0], device=DEVICE)
+    out, lse = gpu.attention(
+        q,
+        k,
+        v,
+        causal=True,
+        seqlens_k=seqlens_k,
+        return_lse=True,
+        mode="tile",
+        warps=4,
+        hopper=True,
+    )
+    # causal, 100 queries over 40 keys: queries 0..59 see nothing; sequence 1 has no key.
+    masked_out = torch.cat([out[0, :60].flatten(), out[1].flatten()])
+    assert torch.equal(masked_out.view(torch.int16), torch.zeros_like(masked_out).view(torch.int16))
+    masked_lse = torch.cat([lse[0, :, :60].flatten(), lse[1].flatten()])
+    assert torch.all(masked_lse == float("-inf"))
+    assert torch.isfinite(lse[0, :, 60:]).all()
+
+
+@cuda
+@needs_hopper
+def test_hopper_true_where_it_does_not_apply_is_a_clear_error():
+    q = _randn(1, 8, 8, 64, dtype=torch.bfloat16, seed=1)
+    k = _randn(1, 8, 2, 64, dtype=torch.bfloat16, seed=2)
+    with pytest.raises(ValueError, match="hopper=True"):
+        gpu.attention(q, k, k, mode="tile", warps=4, hopper=True)
+    q, k, v = _qkv(1, 8, 8, 8, 2, torch.bfloat16, seed=3)
+    with pytest.raises(ValueError, match="hopper=True"):
+        gpu.attention(q, k, v, mode="split", hopper=True)
