@@ -1,6 +1,6 @@
-"""Every kernel variant added for attention, token logprobs, the cluster log-softmax, the
-small-M and K-group linear kernels, the fused RMSNorm backward and the reworked RoPE and SiLU-mul
-bodies, run once on small odd shapes (NaN in the padding where there is padding), and checked
+"""Every kernel variant added for attention (the Hopper tile and cooperative decode kernels
+included), token logprobs, the cluster log-softmax, the small-M and K-group linear kernels, the
+fused RMSNorm backward and the reworked RoPE and SiLU-mul bodies, run once on small odd shapes (NaN in the padding where there is padding), and checked
 for finite results and exact zeros where nothing may be written.  The value and invariance
 checks live in each op's own test file; this file is the short target that `nox -s sanitize`
 runs under compute-sanitizer (memcheck is ~50x slower than a plain run, so the full op files do
@@ -31,8 +31,21 @@ def _randn(*shape, dtype, seed):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("d", (64, 128))
-@pytest.mark.parametrize("mode, warps", (("tile", 4), ("tile", 1), ("split", 1), ("split", 4)))
-def test_attention_forward_variants(dtype, d, mode, warps):
+@pytest.mark.parametrize(
+    "mode, warps, options",
+    (
+        ("tile", 4, {}),  # the Hopper tile kernel at d = 128 on sm_90a
+        ("tile", 4, {"hopper": False}),  # the mma.sync tile kernel
+        ("tile", 1, {}),
+        ("split", 1, {"coop": False}),  # the one-warp split kernel
+        ("split", 1, {"coop": True, "stages": 1}),  # the cooperative decode kernel
+        ("split", 1, {"coop": True, "stages": 2}),
+        ("split", 1, {"coop": True, "stages": 3}),
+        ("split", 4, {}),
+    ),
+    ids=lambda p: "-".join(f"{k}{v}" for k, v in p.items()) if isinstance(p, dict) else str(p),
+)
+def test_attention_forward_variants(dtype, d, mode, warps, options):
     sq, sk = 70, 1100  # more than one 1024-key split, lengths not multiples of 64
     q = _randn(2, sq, 4, d, dtype=dtype, seed=1)
     k = _randn(2, sk, 2, d, dtype=dtype, seed=2)
@@ -51,6 +64,7 @@ def test_attention_forward_variants(dtype, d, mode, warps):
         return_lse=True,
         mode=mode,
         warps=warps,
+        **options,
     )
     assert torch.isfinite(out[0]).all() and torch.isfinite(out[1, :5]).all()
     assert (out[1, 5:] == 0).all()
@@ -87,10 +101,11 @@ def test_token_logprobs_forward_and_backward(dtype):
     assert logprobs[3] == 0
 
 
+@pytest.mark.parametrize("dtype", (*DTYPES, torch.float32))  # 8- and 16-CTA clusters
 @pytest.mark.parametrize("backward", (False, True))
-def test_log_softmax_cluster_form(backward):
-    x = _randn(3, 151936, dtype=torch.bfloat16, seed=7).requires_grad_(backward)
-    threads = gpu_log_softmax.threads_for(151936, torch.bfloat16, x.device, torch.float32)
+def test_log_softmax_cluster_form(dtype, backward):
+    x = _randn(3, 151936, dtype=dtype, seed=7).requires_grad_(backward)
+    threads = gpu_log_softmax.threads_for(151936, dtype, x.device, torch.float32)
     out = batchinv.log_softmax(x)
     assert torch.isfinite(out).all() and threads > 0
     if backward:
@@ -125,7 +140,7 @@ def test_linear_k_group_experiment(m):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("rows, d", ((8192, 128), (4096, 4096), (70, 999)))
+@pytest.mark.parametrize("rows, d", ((8192, 128), (4096, 4096), (300, 5000), (70, 999)))
 def test_rms_norm_fused_and_two_pass_backward(dtype, rows, d):
     x = _randn(rows, d, dtype=dtype, seed=13).requires_grad_(True)
     residual = _randn(rows, d, dtype=dtype, seed=14).requires_grad_(True)
