@@ -46,64 +46,12 @@
 #include "common/portability.cuh"
 
 #if !defined(__HIPCC__)
-#include <cuda_bf16.h>
+#include "common/attention_rows.cuh"
 
 namespace batchinv {
 namespace attn {
 
-constexpr int kBlockKeys = 64;
-constexpr int kSplitKeys = 1024;
-constexpr int kBlocksPerSplit = kSplitKeys / kBlockKeys;
-constexpr float kLn2 = 0.693147180559945309f;
-constexpr float kNegInf = -__builtin_huge_valf();
-
-// ---- the shared arithmetic: merge and finalize (used by both modes) ------------------------
-
-// pick: 0 = weighted combination, 1 = keep a (b empty), 2 = take b (a empty).
-__device__ __forceinline__ void merge_weights(float ma, float la, float mb, float lb, float& m, float& l,
-                                              float& wa, float& wb, int& pick) {
-    if (mb == kNegInf) {
-        pick = 1;
-        m = ma;
-        l = la;
-        wa = 1.0f;
-        wb = 0.0f;
-    } else if (ma == kNegInf) {
-        pick = 2;
-        m = mb;
-        l = lb;
-        wa = 0.0f;
-        wb = 1.0f;
-    } else {
-        pick = 0;
-        m = mb > ma ? mb : ma;
-        wa = exp2f(__fsub_rn(ma, m));
-        wb = exp2f(__fsub_rn(mb, m));
-        l = __fadd_rn(__fmul_rn(la, wa), __fmul_rn(lb, wb));
-    }
-}
-
-__device__ __forceinline__ float merge_value(float a, float b, float wa, float wb, int pick) {
-    if (pick == 1) return a;
-    if (pick == 2) return b;
-    return __fadd_rn(__fmul_rn(a, wa), __fmul_rn(b, wb));
-}
-
-__device__ __forceinline__ float finalize_out(float acc, float l) { return l > 0.0f ? __fdiv_rn(acc, l) : 0.0f; }
-
-__device__ __forceinline__ float finalize_lse(float m, float l) {
-    return l > 0.0f ? __fmul_rn(__fadd_rn(m, log2f(l)), kLn2) : kNegInf;
-}
-
 // ---- small PTX helpers ---------------------------------------------------------------------
-
-// 2^x with a subnormal result flushed to +0 (one MUFU.EX2; exp2f adds a rescale for results
-// below 2^-126).  Used for every P element in every mode; equal to exp2f for x >= -126.
-__device__ __forceinline__ float exp2_ftz(float x) {
-    float y;
-    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-    return y;
-}
 
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
     return static_cast<uint32_t>(__cvta_generic_to_shared(p));
@@ -145,18 +93,6 @@ __device__ __forceinline__ void mma16816(float (&c)[4], const uint32_t (&a)[4], 
             "{%8, %9}, {%0, %1, %2, %3};\n"
             : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
             : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-    }
-}
-
-// Two fp32 probabilities rounded to nearest-even into the input dtype, packed for the mma.
-template <typename Codec>
-__device__ __forceinline__ uint32_t pack_pair(float lo, float hi) {
-    if constexpr (Codec::kIsBf16) {
-        __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-        return *reinterpret_cast<uint32_t*>(&v);
-    } else {
-        __half2 v = __floats2half2_rn(lo, hi);
-        return *reinterpret_cast<uint32_t*>(&v);
     }
 }
 

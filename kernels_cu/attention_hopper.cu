@@ -44,19 +44,15 @@
 #include "common/wgmma.cuh"
 
 #if !defined(__HIPCC__)
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
+#include "common/attention_rows.cuh"
 
 #include <type_traits>
 
 namespace batchinv {
 namespace attn_hopper {
 
-[[maybe_unused]] constexpr int kBlockKeys = 64;
-[[maybe_unused]] constexpr int kSplitKeys = 1024;
-[[maybe_unused]] constexpr int kBlocksPerSplit = kSplitKeys / kBlockKeys;
-[[maybe_unused]] constexpr float kLn2 = 0.693147180559945309f;
-[[maybe_unused]] constexpr float kNegInf = -__builtin_huge_valf();
+using namespace attn;  // the shared per-row arithmetic (common/attention_rows.cuh)
+
 [[maybe_unused]] constexpr int kD = 128;
 [[maybe_unused]] constexpr int kRows = 128;          // tile rows: two consumer warpgroups of 64
 [[maybe_unused]] constexpr int kConsumerThreads = 256;
@@ -65,60 +61,6 @@ namespace attn_hopper {
 [[maybe_unused]] constexpr int kTileBytes = 2 * kBoxBytes;  // 64 rows x 128 columns
 [[maybe_unused]] constexpr int kQBytes = 2 * 2 * kBoxBytes;  // two warpgroups x two column halves
 [[maybe_unused]] constexpr int kRunBytes = 64 * kConsumerThreads * 4;  // fp32 running acc: 64 per thread
-
-// ---- attention.cu's shared arithmetic, copied verbatim (same functions, same bits) ----------
-
-__device__ __forceinline__ void merge_weights(float ma, float la, float mb, float lb, float& m, float& l,
-                                              float& wa, float& wb, int& pick) {
-    if (mb == kNegInf) {
-        pick = 1;
-        m = ma;
-        l = la;
-        wa = 1.0f;
-        wb = 0.0f;
-    } else if (ma == kNegInf) {
-        pick = 2;
-        m = mb;
-        l = lb;
-        wa = 0.0f;
-        wb = 1.0f;
-    } else {
-        pick = 0;
-        m = mb > ma ? mb : ma;
-        wa = exp2f(__fsub_rn(ma, m));
-        wb = exp2f(__fsub_rn(mb, m));
-        l = __fadd_rn(__fmul_rn(la, wa), __fmul_rn(lb, wb));
-    }
-}
-
-__device__ __forceinline__ float merge_value(float a, float b, float wa, float wb, int pick) {
-    if (pick == 1) return a;
-    if (pick == 2) return b;
-    return __fadd_rn(__fmul_rn(a, wa), __fmul_rn(b, wb));
-}
-
-__device__ __forceinline__ float finalize_out(float acc, float l) { return l > 0.0f ? __fdiv_rn(acc, l) : 0.0f; }
-
-__device__ __forceinline__ float finalize_lse(float m, float l) {
-    return l > 0.0f ? __fmul_rn(__fadd_rn(m, log2f(l)), kLn2) : kNegInf;
-}
-
-__device__ __forceinline__ float exp2_ftz(float x) {
-    float y;
-    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-    return y;
-}
-
-template <typename Codec>
-__device__ __forceinline__ uint32_t pack_pair(float lo, float hi) {
-    if constexpr (Codec::kIsBf16) {
-        __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-        return *reinterpret_cast<uint32_t*>(&v);
-    } else {
-        __half2 v = __floats2half2_rn(lo, hi);
-        return *reinterpret_cast<uint32_t*>(&v);
-    }
-}
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 
