@@ -23,6 +23,8 @@
 //      an empty partial is skipped by selection.
 //   3. finalize_out/finalize_lse: out = acc / l, lse = (m + log2 l) * ln 2; a row with no
 //      visible key gets out = 0, lse = -inf.
+//   The constants, merge, finalize, exp2_ftz and P's rounding are common/attention_rows.cuh,
+//   shared with attention_hopper.cu.
 //   Every fp32 step outside the mma is an explicit _rn intrinsic (no FMA contraction); exp2f,
 //   exp2_ftz (P only: ex2.approx.ftz, a result below 2^-126 is +0, equal to exp2f elsewhere)
 //   and log2f in every mode, no fast math.  A block that every real row of a warp sees in
