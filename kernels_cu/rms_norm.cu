@@ -90,11 +90,10 @@ constexpr int kResidentWeightMaxChunks = 5;  // fused backward: weight in regist
 // on an H200, where t128 gained (136 vs 137 us at 16384 x 8192).
 constexpr int kResidentForwardMaxThreads = 128;
 
+// A row chunk is common/chunk16.cuh's 16-byte vector (its round_chunk rounds one).
 template <typename Codec>
-struct alignas(kChunkBytes) Chunk {
-    static constexpr int kElems = kChunkBytes / static_cast<int>(sizeof(typename Codec::storage));
-    typename Codec::storage v[kElems];
-};
+using Chunk = Chunk16<Codec>;
+static_assert(kChunkBytes == sizeof(Chunk16<F32Codec>), "a row chunk is one 16-byte vector");
 
 template <typename Codec>
 __device__ __forceinline__ void load_chunk(Chunk<Codec>& out, const typename Codec::storage* row,
@@ -121,28 +120,6 @@ __device__ __forceinline__ void store_chunk(typename Codec::storage* row, const 
         for (int e = 0; e < E; ++e) {
             if (first + e < d) row[first + e] = in.v[e];
         }
-    }
-}
-
-// The chunk's fp32 values rounded once each to the storage type: for bf16 on CUDA by the
-// hardware's paired conversion (pack_bf16x2, the bits of Codec::store, fewer instructions).
-template <typename Codec>
-__device__ __forceinline__ void round_chunk(Chunk<Codec>& out, const float* f) {
-    constexpr int E = Chunk<Codec>::kElems;
-#if !defined(__HIPCC__)
-    constexpr bool kHardwareBf16 = Codec::kIsBf16;
-#else
-    constexpr bool kHardwareBf16 = false;
-#endif
-    if constexpr (kHardwareBf16) {
-#if !defined(__HIPCC__)
-        uint32_t* words = reinterpret_cast<uint32_t*>(out.v);
-#pragma unroll
-        for (int w = 0; w < E / 2; ++w) words[w] = pack_bf16x2(f[2 * w], f[2 * w + 1]);
-#endif
-    } else {
-#pragma unroll
-        for (int e = 0; e < E; ++e) out.v[e] = Codec::store(f[e]);
     }
 }
 

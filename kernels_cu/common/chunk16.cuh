@@ -1,4 +1,4 @@
-// 16-byte chunks of bf16/fp16/fp32 for the elementwise kernels (silu_mul, rope): one vector
+// 16-byte chunks of bf16/fp16/fp32 for the elementwise kernels (silu_mul, rope, rms_norm): one vector
 // load or store moves a chunk; elements are converted to fp32 and back one at a time.
 //
 // store_chunk rounds each fp32 value once to the storage type with the same bits as the codec's
@@ -35,9 +35,9 @@ __device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
 }
 #endif
 
-// Rounds f[0 .. kElems) once each to the storage type and stores them as one 16-byte vector.
+// Rounds f[0 .. kElems) once each to the storage type into c (the bits of Codec::store).
 template <typename Codec>
-__device__ __forceinline__ void store_chunk(typename Codec::storage* p, const float* f) {
+__device__ __forceinline__ void round_chunk(Chunk16<Codec>& c, const float* f) {
     constexpr int E = Chunk16<Codec>::kElems;
 #if !defined(__HIPCC__)
     constexpr bool kHardwareBf16 = Codec::kIsBf16;
@@ -46,18 +46,22 @@ __device__ __forceinline__ void store_chunk(typename Codec::storage* p, const fl
 #endif
     if constexpr (kHardwareBf16) {
 #if !defined(__HIPCC__)
-        uint4 packed;
-        uint32_t* words = reinterpret_cast<uint32_t*>(&packed);
+        uint32_t* words = reinterpret_cast<uint32_t*>(c.v);
 #pragma unroll
         for (int w = 0; w < E / 2; ++w) words[w] = pack_bf16x2(f[2 * w], f[2 * w + 1]);
-        *reinterpret_cast<uint4*>(p) = packed;
 #endif
     } else {
-        Chunk16<Codec> c;
 #pragma unroll
         for (int e = 0; e < E; ++e) c.v[e] = Codec::store(f[e]);
-        *reinterpret_cast<uint4*>(p) = *reinterpret_cast<const uint4*>(c.v);
     }
+}
+
+// Rounds f[0 .. kElems) once each to the storage type and stores them as one 16-byte vector.
+template <typename Codec>
+__device__ __forceinline__ void store_chunk(typename Codec::storage* p, const float* f) {
+    Chunk16<Codec> c;
+    round_chunk(c, f);
+    *reinterpret_cast<uint4*>(p) = *reinterpret_cast<const uint4*>(c.v);
 }
 
 }  // namespace batchinv
