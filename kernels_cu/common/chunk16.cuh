@@ -1,5 +1,5 @@
-// 16-byte chunks of bf16/fp16/fp32 for the elementwise kernels (silu_mul, rope, rms_norm): one vector
-// load or store moves a chunk; elements are converted to fp32 and back one at a time.
+// 16-byte chunks of bf16/fp16/fp32 for the memory-bound kernels (silu_mul, rope, rms_norm): one
+// vector load or store moves a chunk; elements are converted to fp32 and back one at a time.
 //
 // store_chunk rounds each fp32 value once to the storage type with the same bits as the codec's
 // store(): for bf16 the CUDA path uses the hardware's paired round-to-nearest-even conversion
