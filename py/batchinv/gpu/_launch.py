@@ -46,6 +46,21 @@ def kernel_for(module: str, kernel: str, device: torch.device):
     return _kernel(module, kernel, backend_of(device))
 
 
+def uses_hopper(device: torch.device) -> bool:
+    """Whether ``device`` runs the Hopper kernels: an sm_90 GPU and a build with the sm_90a
+    image (wgmma, TMA, clusters)."""
+    return _hopper_device(torch.cuda.current_device() if device.index is None else device.index)
+
+
+@functools.cache
+def _hopper_device(index: int) -> bool:
+    # Asked on every call of the ops that use it: capability and build do not change.
+    return (
+        torch.cuda.get_device_capability(index) == (9, 0)
+        and "90a" in native().build_info()["cuda_archs"]
+    )
+
+
 def launch(kernel, device: torch.device, grid, block, args, shared_mem: int = 0) -> None:
     """Launches on ``device`` on PyTorch's current stream there."""
     stream = torch.cuda.current_stream(device)

@@ -9,12 +9,10 @@ sm_90 devices when :func:`applies` holds; both kernels give the same bits (teste
 
 from __future__ import annotations
 
-import functools
-
 import torch
 from torch import Tensor
 
-from ._launch import kernel_for, launch, native
+from ._launch import kernel_for, launch, native, uses_hopper
 
 HEAD_DIM = 128
 TILE_ROWS = 128  # two consumer warpgroups of 64 rows
@@ -36,14 +34,6 @@ def shared_bytes(stages: int = STAGES) -> int:
     return q + kv + run + barriers + 1024
 
 
-@functools.cache
-def _hopper_device(index: int) -> bool:
-    return (
-        torch.cuda.get_device_capability(index) == (9, 0)
-        and "90a" in native().build_info()["cuda_archs"]
-    )
-
-
 def _tma_rows(t: Tensor) -> bool:
     """``t [rows, H, d]`` readable as a 2-D TMA map ``[rows, H * d]``: heads contiguous within a
     row, 16-byte aligned base and row stride, at least one row."""
@@ -59,11 +49,10 @@ def _tma_rows(t: Tensor) -> bool:
 def applies(q: Tensor, k: Tensor, v: Tensor) -> bool:
     """Whether the Hopper kernel takes this tile launch (d = 128, an sm_90a device, K and V
     readable by TMA); otherwise the mma.sync tile kernel runs (same bits)."""
-    index = q.device.index if q.device.index is not None else torch.cuda.current_device()
     return (
         q.shape[-1] == HEAD_DIM
         and q.dtype in _DTYPE_NAMES
-        and _hopper_device(index)
+        and uses_hopper(q.device)
         and _tma_rows(k)
         and _tma_rows(v)
     )

@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from . import linear_cublaslt
-from ._launch import kernel_for, launch, native
+from ._launch import kernel_for, launch, native, uses_hopper
 
 _DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "f16"}
 _HOPPER_NAME = re.compile(r"linear_hopper_(bf16|f16)_bm(\d+)_bn(\d+)_k(\d+)_s(\d+)$")
@@ -157,19 +157,6 @@ def choose_config(m: int, n: int, multiprocessors: int) -> TileConfig:
         return waves * config.block_m * config.block_n / _tile_efficiency(config)
 
     return min(hopper_configs(), key=estimated_time)
-
-
-def uses_hopper(device: torch.device) -> bool:
-    return _hopper_device(torch.cuda.current_device() if device.index is None else device.index)
-
-
-@functools.cache
-def _hopper_device(index: int) -> bool:
-    # Asked on every linear call: the capability and the build do not change within a process.
-    return (
-        torch.cuda.get_device_capability(index) == (9, 0)
-        and "90a" in native().build_info()["cuda_archs"]
-    )
 
 
 @functools.lru_cache(maxsize=256)

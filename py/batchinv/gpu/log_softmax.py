@@ -18,7 +18,7 @@ import functools
 import torch
 from torch import Tensor
 
-from ._launch import kernel_for, launch, native
+from ._launch import kernel_for, launch, uses_hopper
 from .rms_norm import as_rows
 
 # Keep in step with kernels_cu/log_softmax.cu.
@@ -153,12 +153,9 @@ def _raise_shared_limit(kernel, device_index: int, bytes_: int) -> None:
         _RAISED_LIMITS.add(key)
 
 
-@functools.cache
 def _cluster_capable(device_index: int) -> bool:
-    return (
-        torch.cuda.get_device_capability(device_index) == (9, 0)
-        and "90a" in native().build_info()["cuda_archs"]
-    )
+    """The cluster forms need an sm_90 device and the build's sm_90a image."""
+    return uses_hopper(torch.device("cuda", device_index))
 
 
 def cluster_shared_bytes(vocab: int, threads: int, dtype: torch.dtype) -> int:

@@ -20,8 +20,7 @@ import torch
 from torch import Tensor
 
 from .._validate import report_bad_index
-from ._launch import kernel_for, launch, native
-from .linear import uses_hopper
+from ._launch import kernel_for, launch, native, uses_hopper
 
 VOCAB_TILE = 256  # kVocabTile in the kernel: part of the forward's definition (bits)
 GRAD_VOCAB_CHUNK = 4096  # vocabulary columns per backward step: part of d_hidden's definition
