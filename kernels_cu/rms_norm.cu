@@ -304,6 +304,18 @@ __device__ __forceinline__ int group_sums_slot(int lane, int k, int q) {
     return (k * (E / 4) + q) * T + lane;
 }
 
+// Clears this thread's K x E sums in its row group's slots.
+template <int T, int K, int E>
+__device__ __forceinline__ void zero_group_sums(float4* mine, int lane) {
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+#pragma unroll
+        for (int q = 0; q < E / 4; ++q) {
+            mine[group_sums_slot<T, E>(lane, k, q)] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        }
+    }
+}
+
 // The float index of column col (element col of the row) in a row group's sums.
 template <int T, int E>
 __device__ __forceinline__ int group_sums_index(int64_t col) {
@@ -440,13 +452,7 @@ __device__ __forceinline__ void backward_weight_grad_rows(const BackwardArgs& a,
         static_cast<int64_t>(blockIdx.x) * Chunking::kRows + group * kSequence;
     const bool vector = backward_vector_ok<typename Codec::storage>(a);
     float4* mine = group_sums + group * kGroupFloat4s;
-#pragma unroll
-    for (int k = 0; k < K; ++k) {
-#pragma unroll
-        for (int q = 0; q < E / 4; ++q) {
-            mine[group_sums_slot<T, E>(lane, k, q)] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-        }
-    }
+    zero_group_sums<T, K, E>(mine, lane);
     for (int s = 0; s < kSequence; ++s) {
         backward_row<Codec, T, K, false, true>(a, first_row + s, lane, vector, warp_partials, mine);
     }
@@ -653,13 +659,7 @@ __device__ __forceinline__ void backward_weight_grad_resident(const BackwardArgs
     const bool vector = backward_vector_ok<S>(a);
     const int64_t chunks = (a.d + E - 1) / E;
     float4* mine = group_sums + group * kGroupFloat4s;
-#pragma unroll
-    for (int k = 0; k < K; ++k) {
-#pragma unroll
-        for (int q = 0; q < E / 4; ++q) {
-            mine[group_sums_slot<T, E>(lane, k, q)] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-        }
-    }
+    zero_group_sums<T, K, E>(mine, lane);
     Chunk<Codec> w[K], xs[K], gs[K];
     load_backward_row<Codec, T, K>(xs, gs, a, first_row, lane, vector);
     const S* weight = static_cast<const S*>(a.weight);
