@@ -61,6 +61,28 @@ def _hopper_device(index: int) -> bool:
     )
 
 
+# The dynamic shared-memory limit each (kernel, device) has now: CUDA's default (48 KiB less
+# the kernel's static shared memory) until raised.
+_DYNAMIC_SHARED_LIMITS: dict[tuple[int, int], int] = {}
+
+
+def allow_dynamic_shared(kernel, shared_bytes: int, device_index: int) -> None:
+    """Lets ``kernel`` launch with ``shared_bytes`` of dynamic shared memory on the device.
+
+    Raises the kernel's limit only when ``shared_bytes`` is above the limit it has (a launch
+    above it would fail), so a later call that needs more raises it again.  A size the device
+    cannot give is the native module's error, naming the kernel.
+    """
+    key = (id(kernel), device_index)
+    limit = _DYNAMIC_SHARED_LIMITS.get(key)
+    if limit is None:
+        limit = int(kernel.attributes(device_index)["max_dynamic_shared_bytes"])
+    if shared_bytes > limit:
+        kernel.set_max_dynamic_shared_memory(shared_bytes, device=device_index)
+        limit = shared_bytes
+    _DYNAMIC_SHARED_LIMITS[key] = limit
+
+
 def launch(kernel, device: torch.device, grid, block, args, shared_mem: int = 0) -> None:
     """Launches on ``device`` on PyTorch's current stream there."""
     stream = torch.cuda.current_stream(device)

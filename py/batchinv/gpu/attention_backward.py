@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 from .._validate import check_same_device, check_same_dtype, check_tensor
-from ._launch import kernel_for, launch
+from ._launch import allow_dynamic_shared, kernel_for, launch
 
 # Keep in step with kernels_cu/attention_backward.cu.
 SUPPORTED_HEAD_DIMS = (64, 128)
@@ -63,7 +63,6 @@ _DTYPES = (torch.bfloat16, torch.float16)
 _SUFFIX = {torch.bfloat16: "bf16", torch.float16: "f16"}
 _MAX_GRID_YZ = 65535
 _MAX_GRID_X = 2**31 - 1
-_DEFAULT_SHARED = 48 * 1024
 
 
 def kv_query_rows(head_dim: int) -> int:
@@ -274,15 +273,6 @@ def _check_ranges(
 # ----------------------------------------------------------------------------- launch
 
 
-_RAISED_LIMITS: set[tuple[str, int]] = set()
-
-
-def _opt_in_shared(kernel, name: str, device_index: int, bytes_: int) -> None:
-    if bytes_ > _DEFAULT_SHARED and (name, device_index) not in _RAISED_LIMITS:
-        kernel.set_max_dynamic_shared_memory(bytes_, device=device_index)
-        _RAISED_LIMITS.add((name, device_index))
-
-
 @functools.cache
 def _kernel_name(stage: str, dtype: torch.dtype, head_dim: int, variant: str) -> str:
     if variant not in VARIANTS:
@@ -358,7 +348,7 @@ def kernel_launches(
         name = _kernel_name("dkdv", q.dtype, head_dim, variant)
         kernel = kernel_for("attention_backward", name, device)
         shared = dkdv_shared_bytes(head_dim, variant)
-        _opt_in_shared(kernel, name, index, shared)
+        allow_dynamic_shared(kernel, shared, index)
         launches.append(
             (
                 "dkdv",
@@ -377,7 +367,7 @@ def kernel_launches(
         name = _kernel_name("dq", q.dtype, head_dim, variant)
         kernel = kernel_for("attention_backward", name, device)
         shared = dq_shared_bytes(head_dim, variant)
-        _opt_in_shared(kernel, name, index, shared)
+        allow_dynamic_shared(kernel, shared, index)
         launches.append(
             (
                 "dq",

@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from . import linear_cublaslt
-from ._launch import kernel_for, launch, native, uses_hopper
+from ._launch import allow_dynamic_shared, kernel_for, launch, native, uses_hopper
 
 _DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "f16"}
 _HOPPER_NAME = re.compile(r"linear_hopper_(bf16|f16)_bm(\d+)_bn(\d+)_k(\d+)_s(\d+)$")
@@ -249,8 +249,7 @@ def _launch_tma_gemm(
     map_x = _tensor_map(x.data_ptr(), dtype_name, m, k, rows_per_cta)
     map_w = _tensor_map(weight.data_ptr(), dtype_name, n, k, config.block_n)
     kernel = kernel_for("linear", config.kernel_name(x.dtype), x.device)
-    if config.shared_bytes > 48 * 1024:
-        _raise_shared_limit(kernel, config.shared_bytes, x.device.index)
+    allow_dynamic_shared(kernel, config.shared_bytes, x.device.index)
     launch(
         kernel,
         x.device,
@@ -264,16 +263,6 @@ def _launch_tma_gemm(
 def _require_sm80(device: torch.device) -> None:
     if torch.cuda.get_device_capability(device) < (8, 0):
         raise RuntimeError("the mma.sync linear kernels need compute capability 8.0 or newer")
-
-
-_RAISED: set[tuple[int, int]] = set()
-
-
-def _raise_shared_limit(kernel, shared_bytes: int, device_index: int) -> None:
-    key = (id(kernel), device_index)
-    if key not in _RAISED:
-        kernel.set_max_dynamic_shared_memory(shared_bytes, device=device_index)
-        _RAISED.add(key)
 
 
 def _pad_columns(t: Tensor, multiple: int = 8) -> Tensor:
@@ -386,7 +375,7 @@ def matmul_nt_k_groups(x: Tensor, weight: Tensor, bias: Tensor | None = None) ->
     map_x = _tensor_map(x.data_ptr(), "bf16", m, k, box_rows_x)
     map_w = _tensor_map(weight.data_ptr(), "bf16", n, k, config.block_n)
     kernel = kernel_for("linear", name, x.device)
-    _raise_shared_limit(kernel, config.shared_bytes, x.device.index)
+    allow_dynamic_shared(kernel, config.shared_bytes, x.device.index)
     launch(
         kernel,
         x.device,

@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from .._validate import report_bad_index
-from ._launch import kernel_for, launch, native, uses_hopper
+from ._launch import allow_dynamic_shared, kernel_for, launch, native, uses_hopper
 
 VOCAB_TILE = 256  # kVocabTile in the kernel: part of the forward's definition (bits)
 GRAD_VOCAB_CHUNK = 4096  # vocabulary columns per backward step: part of d_hidden's definition
@@ -29,7 +29,6 @@ _STAGE_K = 64
 _STAGES = 4
 _MAX_DIM = 2**31 - 1
 _DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "f16"}
-_RAISED: set[tuple[str, int]] = set()
 
 
 def _block_m(tokens: int) -> int:
@@ -48,10 +47,7 @@ def _shared_bytes(block_m: int) -> int:
 
 def _kernel(name: str, device: torch.device, shared_bytes: int):
     kernel = kernel_for("token_logprobs", name, device)
-    key = (name, device.index)
-    if key not in _RAISED:
-        kernel.set_max_dynamic_shared_memory(shared_bytes, device=device.index)
-        _RAISED.add(key)
+    allow_dynamic_shared(kernel, shared_bytes, device.index)
     return kernel
 
 
