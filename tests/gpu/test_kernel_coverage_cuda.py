@@ -38,7 +38,7 @@ def _randn(*shape, dtype, seed):
         ("tile", 4, {"hopper": False}),  # the mma.sync tile kernel
         ("tile", 1, {}),
         ("split", 1, {"coop": False}),  # the one-warp split kernel
-        ("split", 1, {"coop": True, "stages": 1}),  # the cooperative decode kernel
+        ("split", 1, {"coop": True, "stages": 1}),  # the fused cooperative decode kernel
         ("split", 1, {"coop": True, "stages": 2}),
         ("split", 1, {"coop": True, "stages": 3}),
         ("split", 4, {}),
@@ -68,6 +68,24 @@ def test_attention_forward_variants(dtype, d, mode, warps, options):
     )
     assert torch.isfinite(out[0]).all() and torch.isfinite(out[1, :5]).all()
     assert (out[1, 5:] == 0).all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("d", (64, 128))
+def test_attention_fused_decode_with_an_empty_context(dtype, d):
+    # The fused cooperative kernel: the last CTA of each tile merges from the workspace; a
+    # sequence with no key gets +0 / -inf from it (out is not pre-filled here).
+    lens = [0, 1100, 2049]
+    q = _randn(3, 1, 4, d, dtype=dtype, seed=5)
+    k = _randn(3, 2049, 2, d, dtype=dtype, seed=6)
+    v = _randn(3, 2049, 2, d, dtype=dtype, seed=7)
+    k[1, 1100:] = float("nan")
+    v[1, 1100:] = float("nan")
+    out, lse = gpu_attention.attention(
+        q, k, v, causal=True, seqlens_k=torch.tensor(lens, device=DEVICE), return_lse=True
+    )
+    assert (out[0] == 0).all() and (lse[0] == float("-inf")).all()
+    assert torch.isfinite(out[1:]).all() and torch.isfinite(lse[1:]).all()
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
