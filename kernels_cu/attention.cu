@@ -70,52 +70,6 @@ __device__ __forceinline__ void cp_async_wait() {
     asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
 }
 
-// Load hints of the cooperative split kernel's K/V copies (bit mask; no effect on the data):
-// kHint256B asks L2 to fetch the whole 256-byte segment, kHintEvictFirst marks K/V (read once)
-// first to leave L2, kHintPrefetch prefetches the block after the next copy into L2.
-constexpr int kHint256B = 1;
-constexpr int kHintEvictFirst = 2;
-constexpr int kHintPrefetch = 4;
-
-__device__ __forceinline__ uint64_t evict_first_policy() {
-    uint64_t policy;
-    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(policy));
-    return policy;
-}
-
-template <int HINTS>
-__device__ __forceinline__ void cp_async16_hinted(void* dst, const void* src, bool valid, uint64_t policy) {
-    const int bytes = valid ? 16 : 0;
-    if constexpr ((HINTS & kHintEvictFirst) && (HINTS & kHint256B)) {
-        asm volatile("cp.async.cg.shared.global.L2::cache_hint.L2::256B [%0], [%1], 16, %2, %3;\n" ::"r"(
-                         smem_addr(dst)),
-                     "l"(src), "r"(bytes), "l"(policy));
-    } else if constexpr (HINTS & kHintEvictFirst) {
-        asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2, %3;\n" ::"r"(smem_addr(dst)),
-                     "l"(src), "r"(bytes), "l"(policy));
-    } else if constexpr (HINTS & kHint256B) {
-        asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src),
-                     "r"(bytes));
-    } else {
-        cp_async16(dst, src, valid);
-    }
-}
-
-__device__ __forceinline__ int cta_id_x() {
-    int v;
-    asm volatile("mov.u32 %0, %%ctaid.x;\n" : "=r"(v));
-    return v;
-}
-__device__ __forceinline__ int cta_id_z() {
-    int v;
-    asm volatile("mov.u32 %0, %%ctaid.z;\n" : "=r"(v));
-    return v;
-}
-
-__device__ __forceinline__ void prefetch_l2(const void* p) {
-    asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p));
-}
-
 __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* p) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
@@ -520,8 +474,8 @@ __device__ __forceinline__ void attn_tile(const Params& p) {
 // same m, l and P bits) and the PV products of D / NW output columns (each acc element is the
 // same mma chain over the block's k16 steps, rescaled by the same alpha).  Decode has few rows
 // (4 real of 16 for GQA 4:1): one warp per tile was bound by its own instruction latency.
-template <typename Codec, int D, int NW, int STAGES, int HINTS>
-__device__ __forceinline__ void split_coop_partial(const Params& p) {
+template <typename Codec, int D, int NW, int STAGES>
+__device__ __forceinline__ void attn_split_coop(const Params& p) {
     using T = typename Codec::storage;
     constexpr int M = 16;
     constexpr int kThreads = 32 * NW;
@@ -530,7 +484,12 @@ __device__ __forceinline__ void split_coop_partial(const Params& p) {
     constexpr int NT = D / 8;
     constexpr int KS = D / 16;
     constexpr int kChunksPerRow = D / 8;
-    constexpr int kStages = STAGES;
+    // STAGES 1-3: a ring of that many K/V blocks.  STAGES 0: one K/V buffer whose K and V are
+    // reloaded separately: K of the next block as soon as every warp has its S columns (it
+    // lands during the softmax and PV), V once the PV products are done (it lands during the
+    // next QK^T).  Only the copies move; the arithmetic is the same in every variant.
+    constexpr bool kStagger = STAGES == 0;
+    constexpr int kStages = kStagger ? 1 : STAGES;
     constexpr int kSStride = kBlockKeys + 4;  // fp32 S row stride (words)
     constexpr int kKeyPairs = 4 / NW;         // 16-key column pairs of S per warp
     constexpr int kOutTiles = NT / NW;        // n8 output tiles per warp
@@ -612,7 +571,6 @@ __device__ __forceinline__ void split_coop_partial(const Params& p) {
     const int ch0 = (tid % kChunksPerRow) * 8;
     const T* k_thread = kp + k_base * p.k_row + kvh * p.k_head + ch0;  // + key * k_row
     const T* v_thread = vp + k_base * p.v_row + kvh * p.v_head + ch0;
-    const uint64_t policy = (HINTS & kHintEvictFirst) ? evict_first_policy() : 0;
     auto load_kv = [&](int blk, int stage) {
         T* dk = sk + stage * kTile + r0 * kStride + ch0;
         T* dv = sv + stage * kTile + r0 * kStride + ch0;
@@ -622,31 +580,36 @@ __device__ __forceinline__ void split_coop_partial(const Params& p) {
             const bool valid = j0 + r < k_len;
             const T* srck = valid ? k_thread + static_cast<int64_t>(j0 + r) * p.k_row : kp;
             const T* srcv = valid ? v_thread + static_cast<int64_t>(j0 + r) * p.v_row : vp;
-            cp_async16_hinted<HINTS>(dk + r * kStride, srck, valid, policy);
-            cp_async16_hinted<HINTS>(dv + r * kStride, srcv, valid, policy);
+            cp_async16(dk + r * kStride, srck, valid);
+            cp_async16(dv + r * kStride, srcv, valid);
         }
     };
-    // 128-byte lines of one block's K and V rows (this kv head's D elements of each key).
-    constexpr int kLinesPerRow = (D * static_cast<int>(sizeof(T)) + 127) / 128;
-    const T* k_head0 = kp + k_base * p.k_row + kvh * p.k_head;
-    const T* v_head0 = vp + k_base * p.v_row + kvh * p.v_head;
-    auto prefetch_kv = [&](int blk) {
-        for (int i = tid; i < kBlockKeys * kLinesPerRow; i += kThreads) {
-            const int j = blk * kBlockKeys + i / kLinesPerRow;
-            const int col = (i % kLinesPerRow) * (128 / static_cast<int>(sizeof(T)));
-            if (j < k_len) {
-                prefetch_l2(k_head0 + static_cast<int64_t>(j) * p.k_row + col);
-                prefetch_l2(v_head0 + static_cast<int64_t>(j) * p.v_row + col);
-            }
+    auto load_one = [&](T* tile, const T* base, const T* src0, int64_t row_stride, int blk) {
+        T* dst = tile + r0 * kStride + ch0;
+        const int j0 = blk * kBlockKeys + r0;
+#pragma unroll
+        for (int r = 0; r < kBlockKeys; r += kRowStep) {
+            const bool valid = j0 + r < k_len;
+            cp_async16(dst + r * kStride, valid ? src0 + static_cast<int64_t>(j0 + r) * row_stride : base, valid);
         }
     };
 
-#pragma unroll
-    for (int i = 0; i < kStages - 1; ++i) {
-        if (blk_begin + i < blk_end) load_kv(blk_begin + i, i);
+    // Blocks copied before the loop, in flight together with Q: kStages - 1, and at least one
+    // (a one-block ring does not wait for Q before its first K/V copy).
+    constexpr int kPrologue = kStages > 1 ? kStages - 1 : 1;
+    if constexpr (kStagger) {
+        load_one(sk, kp, k_thread, p.k_row, blk_begin);
         cp_async_commit();
+        load_one(sv, vp, v_thread, p.v_row, blk_begin);
+        cp_async_commit();
+    } else {
+#pragma unroll
+        for (int i = 0; i < kPrologue; ++i) {
+            if (blk_begin + i < blk_end) load_kv(blk_begin + i, i);
+            cp_async_commit();
+        }
     }
-    cp_async_wait<kStages - 1>();
+    cp_async_wait<kStagger ? 2 : kPrologue>();  // the Q group is complete
     __syncthreads();
 
     uint32_t qf[KS][4];
@@ -665,14 +628,15 @@ __device__ __forceinline__ void split_coop_partial(const Params& p) {
 
     for (int blk = blk_begin; blk < blk_end; ++blk) {
         const int stage = (blk - blk_begin) % kStages;
-        const int ahead = blk + kStages - 1;
-        if (ahead < blk_end) load_kv(ahead, (ahead - blk_begin) % kStages);
-        if constexpr ((HINTS & kHintPrefetch) != 0) {
-            if (ahead + 1 < blk_end) prefetch_kv(ahead + 1);
+        if constexpr (kStagger) {
+            cp_async_wait<1>();  // K of this block is in (its V may still be in flight)
+        } else {
+            const int ahead = blk + kStages - 1;
+            if (ahead >= blk_begin + kPrologue && ahead < blk_end) load_kv(ahead, (ahead - blk_begin) % kStages);
+            cp_async_commit();
+            cp_async_wait<kStages - 1>();
         }
-        cp_async_commit();
-        cp_async_wait<kStages - 1>();
-        __syncthreads();  // this block's K/V are in; every warp has read Q / the last S
+        __syncthreads();  // this block's K (and V) are in; every warp has read Q / the last S
         const T* tk = sk + stage * kTile;
         const T* tv = sv + stage * kTile;
         const int key0 = blk * kBlockKeys;
@@ -699,6 +663,10 @@ __device__ __forceinline__ void split_coop_partial(const Params& p) {
             }
         }
         __syncthreads();
+        if constexpr (kStagger) {  // every warp is done with this block's K
+            if (blk + 1 < blk_end) load_one(sk, kp, k_thread, p.k_row, blk + 1);
+            cp_async_commit();
+        }
         float s[8][4];
 #pragma unroll
         for (int t = 0; t < 8; ++t) {
@@ -797,6 +765,10 @@ __device__ __forceinline__ void split_coop_partial(const Params& p) {
                 for (int e = 0; e < 4; ++e)
                     if (__float_as_uint(acc[t][e]) == 0x80000000u) negzero |= 1u << (t * 4 + e);
         }
+        if constexpr (kStagger) {
+            cp_async_wait<1>();  // V of this block is in (K of the next may still be in flight)
+            __syncthreads();
+        }
         // This warp's output columns: n8 tiles [warp * kOutTiles, (warp + 1) * kOutTiles).
 #pragma unroll
         for (int kk = 0; kk < 4; ++kk) {
@@ -820,6 +792,10 @@ __device__ __forceinline__ void split_coop_partial(const Params& p) {
                 }
         }
         __syncthreads();  // the stage just read is the next load's target
+        if constexpr (kStagger) {
+            if (blk + 1 < blk_end) load_one(sv, vp, v_thread, p.v_row, blk + 1);
+            cp_async_commit();
+        }
     }
     cp_async_wait<0>();
 
@@ -840,117 +816,7 @@ __device__ __forceinline__ void split_coop_partial(const Params& p) {
     }
 }
 
-// Mode (b)'s merge of one row's split partials (workspace rows [splits][D + 2]: acc[D], m, l)
-// for this thread's N columns: from the empty state, split by split in split order, with
-// merge_weights / merge_value; then finalize.  The combine kernel and the fused cooperative
-// kernel's last CTA both call it, so they cannot differ.  Partials are loaded kBatch splits at
-// a time (independent loads in flight: a long context has 32+ splits), L2 only (__ldcg: the
-// fused kernel reads what other CTAs wrote during the same launch).
-template <int D, int N>
-__device__ __forceinline__ void merge_partials(const float* part, int64_t split_stride, int splits,
-                                               const int (&cols)[N], float& m, float& l, float (&acc)[N]) {
-    constexpr int kBatch = 8;
-    m = kNegInf;
-    l = 0.0f;
-#pragma unroll
-    for (int n = 0; n < N; ++n) acc[n] = 0.0f;
-    for (int s0 = 0; s0 < splits; s0 += kBatch) {
-        float pm[kBatch], pl[kBatch], pv[kBatch][N];
-#pragma unroll
-        for (int u = 0; u < kBatch; ++u) {
-            if (s0 + u < splits) {
-                const float* ps = part + (s0 + u) * split_stride;
-                pm[u] = __ldcg(ps + D);
-                pl[u] = __ldcg(ps + D + 1);
-#pragma unroll
-                for (int n = 0; n < N; ++n) pv[u][n] = __ldcg(ps + cols[n]);
-            }
-        }
-#pragma unroll
-        for (int u = 0; u < kBatch; ++u) {
-            if (s0 + u < splits) {
-                float mm, ll, wa, wb;
-                int pick;
-                merge_weights(m, l, pm[u], pl[u], mm, ll, wa, wb, pick);
-#pragma unroll
-                for (int n = 0; n < N; ++n) acc[n] = merge_value(acc[n], pv[u][n], wa, wb, pick);
-                m = mm;
-                l = ll;
-            }
-        }
-    }
-}
-
-// Splits a row at query index qi of a sequence (q_len, k_len) has partials for.
-__device__ __forceinline__ int row_splits(int qi, int q_len, int k_len, int causal) {
-    const int vis = causal ? max(0, min(k_len, k_len - q_len + qi + 1)) : k_len;
-    return (vis + kSplitKeys - 1) / kSplitKeys;
-}
-
-// The fused cooperative kernel (decode): the split kernel above, then an arrival on the tile's
-// counter (one int per (query tile, head group, sequence) = per group of split CTAs); the CTA
-// that arrives last merges the tile's rows from the workspace with merge_partials (the same
-// split order as the combine kernel: who merges changes nothing) and resets the counter to 0,
-// so the counters are zero between launches (no per-call memset; a launch needs its own
-// counters while another launch using them may run: attention.py keeps one set per stream).
-// Every CTA of a group arrives, also one whose split holds no key of the tile, so the last one
-// also writes rows that see no key (out = 0, lse = -inf).  Warp w merges rows w, w + NW, ...;
-// lane l columns 2l, 2l + 1 (+ 64, ...).
-template <typename Codec, int D, int NW, int STAGES, int HINTS>
-__device__ __forceinline__ void attn_split_coop_fused(const Params& p, int* counters) {
-    split_coop_partial<Codec, D, NW, STAGES, HINTS>(p);
-    // The CTA coordinates are read again (asm volatile: not kept live through the split loop,
-    // where registers are short).
-    const int tile_x = cta_id_x();
-    const int b = cta_id_z() / p.split_grid;
-    const int hg = blockIdx.y;
-    const int qpt = 16 / p.pack;
-    const int q0 = (gridDim.x - 1 - tile_x) * qpt;
-    const int q_len = p.q_len[b];
-    if (q0 >= q_len) return;  // the whole group returned: no row here
-    __shared__ int last;
-    __threadfence();  // this CTA's partial is visible to the GPU before its arrival
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        int* counter = counters + (static_cast<int64_t>(b) * gridDim.y + hg) * gridDim.x + tile_x;
-        last = atomicAdd(counter, 1) == p.split_grid - 1;
-        if (last) {
-            *counter = 0;  // every CTA of the group has arrived: ready for the next launch
-            __threadfence();  // the other CTAs' partials are visible to this CTA
-        }
-    }
-    __syncthreads();
-    if (!last) return;
-
-    constexpr int kCols = D / 32;  // columns per lane
-    const int warp = threadIdx.x / 32;
-    const int lane = threadIdx.x % 32;
-    int cols[kCols];
-#pragma unroll
-    for (int n = 0; n < kCols; ++n) cols[n] = (n / 2) * 64 + 2 * lane + n % 2;
-    const int k_len = p.k_len[b];
-    const int64_t split_stride = static_cast<int64_t>(p.tq) * p.hq * (D + 2);
-    using T = typename Codec::storage;
-    for (int r = warp; r < qpt * p.pack; r += NW) {
-        const int qi = q0 + r / p.pack;
-        if (qi >= q_len) break;  // rows grow with r
-        const int h = hg * p.pack + r % p.pack;
-        const int64_t t_row = p.q_start[b] + qi;
-        float m, l, acc[kCols];
-        merge_partials<D, kCols>(p.ws + (t_row * p.hq + h) * (D + 2), split_stride,
-                                 row_splits(qi, q_len, k_len, p.causal), cols, m, l, acc);
-        T* dst = static_cast<T*>(p.out) + t_row * p.out_row + h * p.out_head;
-#pragma unroll
-        for (int n = 0; n < kCols; n += 2) {
-            T pair[2] = {Codec::store(finalize_out(acc[n], l)), Codec::store(finalize_out(acc[n + 1], l))};
-            *reinterpret_cast<uint32_t*>(dst + cols[n]) = *reinterpret_cast<uint32_t*>(pair);
-        }
-        if (lane == 0) p.lse[static_cast<int64_t>(h) * p.tq + t_row] = finalize_lse(m, l);
-    }
-}
-
-// Mode (b)'s second kernel (after the non-cooperative split kernels): CTA (query i, head h,
-// sequence b), thread e = element of d.
+// Mode (b)'s second kernel: CTA (query i, head h, sequence b), thread e = element of d.
 template <typename Codec, int D>
 __device__ __forceinline__ void attn_combine(const float* ws, void* out, float* lse, const int* q_start,
                                              const int* q_len, const int* k_len, int64_t out_row, int64_t out_head,
@@ -961,14 +827,41 @@ __device__ __forceinline__ void attn_combine(const float* ws, void* out, float* 
     const int e = threadIdx.x;
     const int lq = q_len[b];
     if (qi >= lq) return;
+    const int lk = k_len[b];
+    const int vis = causal ? max(0, min(lk, lk - lq + qi + 1)) : lk;
+    const int splits = (vis + kSplitKeys - 1) / kSplitKeys;
     const int64_t t_row = q_start[b] + qi;
+    // Partials are loaded kBatch at a time (independent loads in flight; a long context has
+    // 32+ splits), then merged one by one in split order as before.
+    constexpr int kBatch = 8;
     const int64_t split_stride = static_cast<int64_t>(tq) * hq * (D + 2);
-    const int cols[1] = {e};
-    float m, l, acc[1];
-    merge_partials<D, 1>(ws + (t_row * hq + h) * (D + 2), split_stride, row_splits(qi, lq, k_len[b], causal),
-                         cols, m, l, acc);
+    const float* part = ws + (t_row * hq + h) * (D + 2);
+    float m = kNegInf, l = 0.0f, acc = 0.0f;
+    for (int s0 = 0; s0 < splits; s0 += kBatch) {
+        float pm[kBatch], pl[kBatch], pv[kBatch];
+#pragma unroll
+        for (int u = 0; u < kBatch; ++u) {
+            if (s0 + u < splits) {
+                const float* ps = part + (s0 + u) * split_stride;
+                pm[u] = ps[D];
+                pl[u] = ps[D + 1];
+                pv[u] = ps[e];
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < kBatch; ++u) {
+            if (s0 + u < splits) {
+                float mm, ll, wa, wb;
+                int pick;
+                merge_weights(m, l, pm[u], pl[u], mm, ll, wa, wb, pick);
+                acc = merge_value(acc, pv[u], wa, wb, pick);
+                m = mm;
+                l = ll;
+            }
+        }
+    }
     using T = typename Codec::storage;
-    static_cast<T*>(out)[t_row * out_row + h * out_head + e] = Codec::store(finalize_out(acc[0], l));
+    static_cast<T*>(out)[t_row * out_row + h * out_head + e] = Codec::store(finalize_out(acc, l));
     if (e == 0) lse[static_cast<int64_t>(h) * tq + t_row] = finalize_lse(m, l);
 }
 
@@ -1001,16 +894,7 @@ __device__ __forceinline__ void attn_combine(const float* ws, void* out, float* 
     extern "C" __global__ void __launch_bounds__(32 * NW, MINB)                                                 \
         attn_split_coop_##DTYPE##_d##D##_w##NW##_s##S(BATCHINV_ATTN_PARAMS) {                                   \
         BATCHINV_ATTN_MAKE_PARAMS;                                                                              \
-        batchinv::attn::split_coop_partial<CODEC, D, NW, S, 0>(p);                                              \
-    }
-
-// The fused cooperative kernel: BATCHINV_ATTN_PARAMS, then the arrival counters (int32, one per
-// (query tile, head group, sequence), zero on entry, left zero).  H = load hint mask.
-#define BATCHINV_ATTN_SPLIT_COOP_FUSED(DTYPE, CODEC, D, NW, S, MINB, H, SUFFIX)                                 \
-    extern "C" __global__ void __launch_bounds__(32 * NW, MINB)                                                 \
-        attn_split_coop_fused_##DTYPE##_d##D##_w##NW##_s##S##SUFFIX(BATCHINV_ATTN_PARAMS, int* counters) {       \
-        BATCHINV_ATTN_MAKE_PARAMS;                                                                              \
-        batchinv::attn::attn_split_coop_fused<CODEC, D, NW, S, H>(p, counters);                                 \
+        batchinv::attn::attn_split_coop<CODEC, D, NW, S>(p);                                                    \
     }
 
 #define BATCHINV_ATTN_COMBINE(DTYPE, CODEC, D)                                                                  \
@@ -1049,75 +933,38 @@ BATCHINV_ATTN_KERNELS(f16, batchinv::F16Codec, 128, 1)
 // batchinv-signature: attn_split_f16_d128_w4(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32)
 BATCHINV_ATTN_KERNELS(f16, batchinv::F16Codec, 128, 4)
 // Cooperative split kernels (16-row tiles, NW warps): decode.
+// batchinv-signature: attn_split_coop_bf16_d64_w4_s0(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32)
+BATCHINV_ATTN_SPLIT_COOP(bf16, batchinv::Bf16Codec, 64, 4, 0, 4)
 // batchinv-signature: attn_split_coop_bf16_d64_w4_s1(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32)
 BATCHINV_ATTN_SPLIT_COOP(bf16, batchinv::Bf16Codec, 64, 4, 1, 4)
 // batchinv-signature: attn_split_coop_bf16_d64_w4_s2(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32)
 BATCHINV_ATTN_SPLIT_COOP(bf16, batchinv::Bf16Codec, 64, 4, 2, 3)
 // batchinv-signature: attn_split_coop_bf16_d64_w4_s3(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32)
 BATCHINV_ATTN_SPLIT_COOP(bf16, batchinv::Bf16Codec, 64, 4, 3, 2)
+// batchinv-signature: attn_split_coop_bf16_d128_w4_s0(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32)
+BATCHINV_ATTN_SPLIT_COOP(bf16, batchinv::Bf16Codec, 128, 4, 0, 4)
 // batchinv-signature: attn_split_coop_bf16_d128_w4_s1(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32)
 BATCHINV_ATTN_SPLIT_COOP(bf16, batchinv::Bf16Codec, 128, 4, 1, 4)
 // batchinv-signature: attn_split_coop_bf16_d128_w4_s2(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32)
 BATCHINV_ATTN_SPLIT_COOP(bf16, batchinv::Bf16Codec, 128, 4, 2, 3)
 // batchinv-signature: attn_split_coop_bf16_d128_w4_s3(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32)
 BATCHINV_ATTN_SPLIT_COOP(bf16, batchinv::Bf16Codec, 128, 4, 3, 2)
+// batchinv-signature: attn_split_coop_f16_d64_w4_s0(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32)
+BATCHINV_ATTN_SPLIT_COOP(f16, batchinv::F16Codec, 64, 4, 0, 4)
 // batchinv-signature: attn_split_coop_f16_d64_w4_s1(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32)
 BATCHINV_ATTN_SPLIT_COOP(f16, batchinv::F16Codec, 64, 4, 1, 4)
 // batchinv-signature: attn_split_coop_f16_d64_w4_s2(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32)
 BATCHINV_ATTN_SPLIT_COOP(f16, batchinv::F16Codec, 64, 4, 2, 3)
 // batchinv-signature: attn_split_coop_f16_d64_w4_s3(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32)
 BATCHINV_ATTN_SPLIT_COOP(f16, batchinv::F16Codec, 64, 4, 3, 2)
+// batchinv-signature: attn_split_coop_f16_d128_w4_s0(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32)
+BATCHINV_ATTN_SPLIT_COOP(f16, batchinv::F16Codec, 128, 4, 0, 4)
 // batchinv-signature: attn_split_coop_f16_d128_w4_s1(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32)
 BATCHINV_ATTN_SPLIT_COOP(f16, batchinv::F16Codec, 128, 4, 1, 4)
 // batchinv-signature: attn_split_coop_f16_d128_w4_s2(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32)
 BATCHINV_ATTN_SPLIT_COOP(f16, batchinv::F16Codec, 128, 4, 2, 3)
 // batchinv-signature: attn_split_coop_f16_d128_w4_s3(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32)
 BATCHINV_ATTN_SPLIT_COOP(f16, batchinv::F16Codec, 128, 4, 3, 2)
-// batchinv-signature: attn_split_coop_fused_bf16_d64_w4_s1(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32, ptr)
-BATCHINV_ATTN_SPLIT_COOP_FUSED(bf16, batchinv::Bf16Codec, 64, 4, 1, 4, 0, )
-// batchinv-signature: attn_split_coop_fused_bf16_d64_w4_s2(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32, ptr)
-BATCHINV_ATTN_SPLIT_COOP_FUSED(bf16, batchinv::Bf16Codec, 64, 4, 2, 3, 0, )
-// batchinv-signature: attn_split_coop_fused_bf16_d64_w4_s3(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32, ptr)
-BATCHINV_ATTN_SPLIT_COOP_FUSED(bf16, batchinv::Bf16Codec, 64, 4, 3, 2, 0, )
-// batchinv-signature: attn_split_coop_fused_bf16_d128_w4_s1(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32, ptr)
-BATCHINV_ATTN_SPLIT_COOP_FUSED(bf16, batchinv::Bf16Codec, 128, 4, 1, 4, 0, )
-// batchinv-signature: attn_split_coop_fused_bf16_d128_w4_s2(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32, ptr)
-BATCHINV_ATTN_SPLIT_COOP_FUSED(bf16, batchinv::Bf16Codec, 128, 4, 2, 3, 0, )
-// batchinv-signature: attn_split_coop_fused_bf16_d128_w4_s3(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32, ptr)
-BATCHINV_ATTN_SPLIT_COOP_FUSED(bf16, batchinv::Bf16Codec, 128, 4, 3, 2, 0, )
-// batchinv-signature: attn_split_coop_fused_f16_d64_w4_s1(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32, ptr)
-BATCHINV_ATTN_SPLIT_COOP_FUSED(f16, batchinv::F16Codec, 64, 4, 1, 4, 0, )
-// batchinv-signature: attn_split_coop_fused_f16_d64_w4_s2(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32, ptr)
-BATCHINV_ATTN_SPLIT_COOP_FUSED(f16, batchinv::F16Codec, 64, 4, 2, 3, 0, )
-// batchinv-signature: attn_split_coop_fused_f16_d64_w4_s3(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32, ptr)
-BATCHINV_ATTN_SPLIT_COOP_FUSED(f16, batchinv::F16Codec, 64, 4, 3, 2, 0, )
-// batchinv-signature: attn_split_coop_fused_f16_d128_w4_s1(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32, ptr)
-BATCHINV_ATTN_SPLIT_COOP_FUSED(f16, batchinv::F16Codec, 128, 4, 1, 4, 0, )
-// batchinv-signature: attn_split_coop_fused_f16_d128_w4_s2(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32, ptr)
-BATCHINV_ATTN_SPLIT_COOP_FUSED(f16, batchinv::F16Codec, 128, 4, 2, 3, 0, )
-// batchinv-signature: attn_split_coop_fused_f16_d128_w4_s3(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32, ptr)
-BATCHINV_ATTN_SPLIT_COOP_FUSED(f16, batchinv::F16Codec, 128, 4, 3, 2, 0, )
-// EXPERIMENT (session 5): load hints, bf16 d=128 only.
-// batchinv-signature: attn_split_coop_fused_bf16_d128_w4_s1_h1(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32, ptr)
-BATCHINV_ATTN_SPLIT_COOP_FUSED(bf16, batchinv::Bf16Codec, 128, 4, 1, 4, 1, _h1)
-// batchinv-signature: attn_split_coop_fused_bf16_d128_w4_s1_h2(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32, ptr)
-BATCHINV_ATTN_SPLIT_COOP_FUSED(bf16, batchinv::Bf16Codec, 128, 4, 1, 4, 2, _h2)
-// batchinv-signature: attn_split_coop_fused_bf16_d128_w4_s1_h4(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32, ptr)
-BATCHINV_ATTN_SPLIT_COOP_FUSED(bf16, batchinv::Bf16Codec, 128, 4, 1, 4, 4, _h4)
-// batchinv-signature: attn_split_coop_fused_bf16_d128_w4_s1_h5(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32, ptr)
-BATCHINV_ATTN_SPLIT_COOP_FUSED(bf16, batchinv::Bf16Codec, 128, 4, 1, 4, 5, _h5)
-// batchinv-signature: attn_split_coop_fused_bf16_d128_w4_s1_h6(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32, ptr)
-BATCHINV_ATTN_SPLIT_COOP_FUSED(bf16, batchinv::Bf16Codec, 128, 4, 1, 4, 6, _h6)
-// batchinv-signature: attn_split_coop_fused_bf16_d128_w4_s2_h1(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32, ptr)
-BATCHINV_ATTN_SPLIT_COOP_FUSED(bf16, batchinv::Bf16Codec, 128, 4, 2, 3, 1, _h1)
-// batchinv-signature: attn_split_coop_fused_bf16_d128_w4_s2_h2(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32, ptr)
-BATCHINV_ATTN_SPLIT_COOP_FUSED(bf16, batchinv::Bf16Codec, 128, 4, 2, 3, 2, _h2)
-// batchinv-signature: attn_split_coop_fused_bf16_d128_w4_s2_h4(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32, ptr)
-BATCHINV_ATTN_SPLIT_COOP_FUSED(bf16, batchinv::Bf16Codec, 128, 4, 2, 3, 4, _h4)
-// batchinv-signature: attn_split_coop_fused_bf16_d128_w4_s2_h5(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32, ptr)
-BATCHINV_ATTN_SPLIT_COOP_FUSED(bf16, batchinv::Bf16Codec, 128, 4, 2, 3, 5, _h5)
-// batchinv-signature: attn_split_coop_fused_bf16_d128_w4_s2_h6(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32, ptr)
-BATCHINV_ATTN_SPLIT_COOP_FUSED(bf16, batchinv::Bf16Codec, 128, 4, 2, 3, 6, _h6)
 // batchinv-signature: attn_combine_bf16_d64(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i32, i32, i32)
 BATCHINV_ATTN_COMBINE(bf16, batchinv::Bf16Codec, 64)
 // batchinv-signature: attn_combine_bf16_d128(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i32, i32, i32)

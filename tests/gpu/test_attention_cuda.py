@@ -180,6 +180,7 @@ def test_wide_score_range_same_bits_in_every_mode(dtype):
         ("tile", 1, 2, False),
         ("split", 4, 2, False),
         ("split", 1, 2, False),
+        ("split", 1, 0, True),
         ("split", 1, 1, True),
         ("split", 1, 3, True),
     ):
@@ -240,6 +241,7 @@ def test_coop_shared_bytes_fit_the_sm90_limit():
         for stages in gpu.COOP_STAGES:
             assert gpu.coop_shared_bytes(d, stages) <= 227 * 1024
     assert gpu.coop_shared_bytes(128, 1) == 2 * 64 * 136 * 2 + 16 * 136 * 2
+    assert gpu.coop_shared_bytes(128, 0) == gpu.coop_shared_bytes(128, 1)  # one K/V buffer
     assert gpu.coop_shared_bytes(64, 1) == 2 * 64 * 72 * 2 + 16 * 68 * 4
 
 
@@ -254,90 +256,29 @@ def test_coop_needs_a_one_warp_split_launch_and_a_known_depth():
         gpu.attention(q, k, v, mode="split", warps=1, coop=False, stages=1)
 
 
-# ----------------------------------------------------------------------------- fused decode
-# The cooperative split kernel merges in its last CTA per tile, found by an arrival counter
-# that each launch must leave at zero and that concurrent launches must not share.
-
-
-def _decode_step(lens, hq, hkv, d, dtype, seed):
-    """One query per sequence against keys of lengths ``lens`` (NaN past each length)."""
-    q, k, v = _qkv(len(lens), 1, max(max(lens), 1), hq, hkv, d, dtype, seed=seed)
-    for b, n in enumerate(lens):
-        k[b, n:] = float("nan")
-        v[b, n:] = float("nan")
-    return q, k, v, torch.tensor(lens, device=DEVICE)
-
-
-def _decode_layout(k_lens, ctx):
-    batch = k_lens.numel()
-    starts = torch.arange(batch, device=DEVICE)
-    return gpu.make_layout(starts, torch.ones_like(starts), starts * ctx, k_lens, 1, ctx)
-
-
 @cuda
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("d", HEAD_DIMS)
-def test_fused_decode_repeats_and_leaves_its_counters_at_zero(dtype, d):
-    # Context 0 (no key: the last CTA writes +0 / -inf), one key, split boundaries, 5 splits.
-    lens = [0, 1, 1023, 1024, 1025, 4097, 33]
-    q, k, v, k_lens = _decode_step(lens, 8, 2, d, dtype, seed=50 + d)
-    kw = dict(causal=True, seqlens_k=k_lens, return_lse=True, mode="split", warps=1)
-    want = gpu.attention(q, k, v, coop=False, **kw)  # one-warp split kernel + combine kernel
+def test_decode_kernels_repeat_bitwise_with_an_empty_context(dtype, d):
+    # Every cooperative pipeline (K/V copy schedules differ, the arithmetic does not) against
+    # the one-warp split kernel, twice each: context 0 (every split CTA returns at once and the
+    # combine writes +0 / -inf into an unfilled output), 1 key, block and split boundaries and
+    # 5 splits, NaN past every length.
+    lens = [0, 1, 63, 1023, 1024, 1025, 4097]
+    q, k, v = _qkv(len(lens), 1, max(lens), 8, 2, d, dtype, seed=50 + d)
+    for b, n in enumerate(lens):
+        k[b, n:] = float("nan")
+        v[b, n:] = float("nan")
+    kw = dict(
+        causal=True, seqlens_k=torch.tensor(lens, device=DEVICE), return_lse=True, mode="split"
+    )
+    want = gpu.attention(q, k, v, warps=1, coop=False, **kw)
     assert bool((want[0][0] == 0).all()) and not bool(torch.signbit(want[0][0].float()).any())
     assert bool((want[1][0] == float("-inf")).all())
     for stages in gpu.COOP_STAGES:
-        for run in range(3):
-            got = gpu.attention(q, k, v, coop=True, stages=stages, **kw)
-            assert_bitwise_equal(got, want, name=f"{stages} stages, run {run}")
-    torch.cuda.synchronize()
-    assert gpu._COUNTERS and all(bool((c == 0).all()) for c in gpu._COUNTERS.values())
-
-
-@cuda
-def test_fused_decode_on_two_streams_at_once():
-    # Two launches in flight together: a shared counter would let one launch's CTAs complete
-    # the other's count (a merge before all partials are written, a counter left nonzero).
-    lens = [4096] * 16
-    a = _decode_step(lens, 8, 2, 128, torch.bfloat16, seed=51)
-    b = _decode_step(lens, 8, 2, 128, torch.bfloat16, seed=52)
-    kw = dict(causal=True, return_lse=True, mode="split", warps=1)
-    want = [gpu.attention(*x[:3], seqlens_k=x[3], coop=False, **kw) for x in (a, b)]
-    streams = (torch.cuda.Stream(), torch.cuda.Stream())
-    for s in streams:
-        s.wait_stream(torch.cuda.current_stream())
-    got = []
-    for _ in range(8):
-        for s, x in zip(streams, (a, b), strict=True):
-            with torch.cuda.stream(s):
-                got.append(gpu.attention(*x[:3], seqlens_k=x[3], coop=True, **kw))
-    torch.cuda.synchronize()
-    for i, result in enumerate(got):
-        assert_bitwise_equal(result, want[i % 2], name=f"launch {i}, stream {i % 2}")
-    assert {(torch.cuda.current_device(), s.cuda_stream) for s in streams} <= set(gpu._COUNTERS)
-    assert all(bool((c == 0).all()) for c in gpu._COUNTERS.values())
-
-
-@cuda
-def test_fused_decode_replays_from_a_cuda_graph():
-    lens = [3001, 17, 1024]
-    q, k, v, k_lens = _decode_step(lens, 8, 2, 64, torch.float16, seed=53)
-    ctx = k.shape[1]
-    rows = (q.view(3, 8, 64), k.view(-1, 2, 64), v.view(-1, 2, 64))
-    layout = _decode_layout(k_lens, ctx)
-    scale = gpu.scale_of(None, 64)
-    want = gpu.forward(*rows, layout, True, scale, coop=False)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        gpu.forward(*rows, layout, True, scale)  # kernel loads outside the capture
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        got = gpu.forward(*rows, layout, True, scale)
-    for replay in range(3):
-        graph.replay()
-        torch.cuda.synchronize()
-        assert_bitwise_equal(got, want, name=f"replay {replay}")
+        for run in range(2):
+            got = gpu.attention(q, k, v, warps=1, coop=True, stages=stages, **kw)
+            assert_bitwise_equal(got, want, name=f"coop, {stages} stages, run {run}")
 
 
 # ----------------------------------------------------------------------------- Axis-A, T1-T4, T6

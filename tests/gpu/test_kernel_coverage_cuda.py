@@ -38,7 +38,8 @@ def _randn(*shape, dtype, seed):
         ("tile", 4, {"hopper": False}),  # the mma.sync tile kernel
         ("tile", 1, {}),
         ("split", 1, {"coop": False}),  # the one-warp split kernel
-        ("split", 1, {"coop": True, "stages": 1}),  # the fused cooperative decode kernel
+        ("split", 1, {"coop": True, "stages": 0}),  # the cooperative decode kernel, K/V staggered
+        ("split", 1, {"coop": True, "stages": 1}),
         ("split", 1, {"coop": True, "stages": 2}),
         ("split", 1, {"coop": True, "stages": 3}),
         ("split", 4, {}),
@@ -72,9 +73,9 @@ def test_attention_forward_variants(dtype, d, mode, warps, options):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("d", (64, 128))
-def test_attention_fused_decode_with_an_empty_context(dtype, d):
-    # The fused cooperative kernel: the last CTA of each tile merges from the workspace; a
-    # sequence with no key gets +0 / -inf from it (out is not pre-filled here).
+def test_attention_decode_with_an_empty_context(dtype, d):
+    # Decode (the cooperative split kernel and the combine kernel) where one sequence has no
+    # key: the combine writes +0 / -inf there (out is not pre-filled on this path).
     lens = [0, 1100, 2049]
     q = _randn(3, 1, 4, d, dtype=dtype, seed=5)
     k = _randn(3, 2049, 2, d, dtype=dtype, seed=6)

@@ -37,17 +37,17 @@ HEAD_DIMS = (64, 128)
 WARP_CHOICES = (1, 4)
 MODES = ("auto", "tile", "split")
 MAX_PACKED_HEADS = 16  # query heads of one kv head packed in a tile's rows
-# Split launches of 16-row tiles (decode) run the fused cooperative kernel
-# (attn_split_coop_fused_*): COOP_WARPS warps share one tile and one split, same bits as one
-# warp per tile (the one-warp kernel stays reachable with coop=False), and the last CTA of a
-# tile to finish merges the tile's partials (no combine launch; see _arrival_counters).  Its
-# K/V pipeline depth: COOP_MANY_STAGES when the
-# launch has at least COOP_MANY_CTAS_PER_SM CTAs per SM (more CTAs per SM hide the latency),
-# else COOP_FEW_STAGES.  H200, GQA 32/8 d=128 bf16, depths 1/2/3 (two runs): B=64 @ 4096
+# Split launches of 16-row tiles (decode) run the cooperative kernel (attn_split_coop_*):
+# COOP_WARPS warps share one tile and one split, same bits as one warp per tile (the one-warp
+# kernel stays reachable with coop=False).  Its K/V pipeline: a ring of 1, 2 or 3 blocks, or
+# 0 = one block whose K and V are reloaded separately (K of the next block during this
+# block's softmax and PV, V during the next QK^T).  COOP_MANY_STAGES when the launch has at
+# least COOP_MANY_CTAS_PER_SM CTAs per SM (more CTAs per SM hide the latency), else
+# COOP_FEW_STAGES.  H200, GQA 32/8 d=128 bf16, depths 1/2/3 (session 4, two runs): B=64 @ 4096
 # (2048 CTAs) 0.291-0.292/0.291/0.302-0.303 ms; B=1 @ 32768 (256 CTAs) 0.062/0.058-0.059/
 # 0.059-0.081 ms.
 COOP_WARPS = 4
-COOP_STAGES = (1, 2, 3)
+COOP_STAGES = (0, 1, 2, 3)
 COOP_MANY_CTAS_PER_SM = 4
 COOP_MANY_STAGES = 1
 COOP_FEW_STAGES = 2
@@ -130,32 +130,12 @@ def shared_bytes(d: int, warps: int, split: bool, stages: int = 2) -> int:
 
 
 def coop_shared_bytes(d: int, stages: int) -> int:
-    """Dynamic shared memory of a cooperative split kernel (attn_split_coop): K/V stages, then
-    the Q tile, which the fp32 S tile [16][64 + 4] overlays once Q is in registers."""
+    """Dynamic shared memory of a cooperative split kernel (attn_split_coop): K/V stages (one
+    for ``stages=0``), then the Q tile, which the fp32 S tile [16][64 + 4] overlays once Q is
+    in registers."""
     stride = d + 8
-    kv = 2 * stages * BLOCK_KEYS * stride * 2
+    kv = 2 * max(stages, 1) * BLOCK_KEYS * stride * 2
     return kv + max(16 * stride * 2, 16 * (BLOCK_KEYS + 4) * 4)
-
-
-# Arrival counters of the fused cooperative kernel, one int32 per (query tile, head group,
-# sequence), per (device, stream): zeroed once when allocated (or grown), and every launch
-# leaves them at zero (the last CTA of a tile resets its counter), so launches on one stream
-# share them without a memset; launches on two streams may overlap, so each stream has its
-# own.  A CUDA graph capture gets fresh zeroed counters (a memset node of the graph) that
-# belong to that graph alone.
-_COUNTERS: dict[tuple[int, int], Tensor] = {}
-
-
-def _arrival_counters(device: torch.device, count: int) -> Tensor:
-    if torch.cuda.is_current_stream_capturing():
-        return torch.zeros(count, dtype=torch.int32, device=device)
-    key = (device.index or 0, torch.cuda.current_stream(device).cuda_stream)
-    counters = _COUNTERS.get(key)
-    if counters is None or counters.numel() < count:
-        size = max(count, 2 * counters.numel() if counters is not None else 0)
-        counters = torch.zeros(size, dtype=torch.int32, device=device)
-        _COUNTERS[key] = counters
-    return counters
 
 
 @functools.cache
@@ -284,14 +264,13 @@ def forward(
         if stages not in COOP_STAGES:
             raise ValueError(f"stages must be one of {COOP_STAGES} with coop; got {stages!r}")
         shared = coop_shared_bytes(d, stages)
-        name = f"attn_split_coop_fused_{suffix}_w{COOP_WARPS}_s{stages}"
+        name = f"attn_split_coop_{suffix}_w{COOP_WARPS}_s{stages}"
         threads = 32 * COOP_WARPS
     else:
         shared = shared_bytes(d, warps, split)
         name = f"attn_{'split' if split else 'fwd'}_{suffix}_w{warps}"
         threads = 32 * warps
     kernel = _kernel(name, device, shared)
-    counters = (_arrival_counters(device, q_tiles * (hq // pack) * batch),) if coop else ()
     launch(
         kernel,
         device,
@@ -323,11 +302,10 @@ def forward(
             int(causal),
             split_grid,
             float(scale) * _LOG2E,
-            *counters,
         ),
         shared_mem=shared,
     )
-    if split and not coop:
+    if split:
         launch(
             _kernel(f"attn_combine_{suffix}", device, 0),
             device,
