@@ -76,10 +76,6 @@ def _decode_label(mode: str, warps: int) -> str:
     return f"batchinv ({mode}, {warps} warp{'s' if warps > 1 else ''})"
 
 
-def _coop_label(stages: int) -> str:
-    return "K/V staggered" if stages == 0 else f"{stages}-block ring"
-
-
 def _time_or_none(fn):
     try:
         fn()
@@ -197,7 +193,7 @@ def main() -> None:
             # The cooperative kernel with each K/V pipeline, and the one-warp kernel.
             variants = [(True, s) for s in gpu.COOP_STAGES] + [(False, 2)]
             for coop, stages in variants:
-                kernel = f"coop, {_coop_label(stages)}" if coop else "1 warp, 2-block ring"
+                kernel = f"coop, {stages}-block ring" if coop else "1 warp, 2-block ring"
                 paths[f"batchinv (split, {kernel}, forced)"] = median_ms(
                     lambda coop=coop, stages=stages: gpu.forward(
                         q_rows,

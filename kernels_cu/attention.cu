@@ -484,12 +484,7 @@ __device__ __forceinline__ void attn_split_coop(const Params& p) {
     constexpr int NT = D / 8;
     constexpr int KS = D / 16;
     constexpr int kChunksPerRow = D / 8;
-    // STAGES 1-3: a ring of that many K/V blocks.  STAGES 0: one K/V buffer whose K and V are
-    // reloaded separately: K of the next block as soon as every warp has its S columns (it
-    // lands during the softmax and PV), V once the PV products are done (it lands during the
-    // next QK^T).  Only the copies move; the arithmetic is the same in every variant.
-    constexpr bool kStagger = STAGES == 0;
-    constexpr int kStages = kStagger ? 1 : STAGES;
+    constexpr int kStages = STAGES;
     constexpr int kSStride = kBlockKeys + 4;  // fp32 S row stride (words)
     constexpr int kKeyPairs = 4 / NW;         // 16-key column pairs of S per warp
     constexpr int kOutTiles = NT / NW;        // n8 output tiles per warp
@@ -584,32 +579,13 @@ __device__ __forceinline__ void attn_split_coop(const Params& p) {
             cp_async16(dv + r * kStride, srcv, valid);
         }
     };
-    auto load_one = [&](T* tile, const T* base, const T* src0, int64_t row_stride, int blk) {
-        T* dst = tile + r0 * kStride + ch0;
-        const int j0 = blk * kBlockKeys + r0;
-#pragma unroll
-        for (int r = 0; r < kBlockKeys; r += kRowStep) {
-            const bool valid = j0 + r < k_len;
-            cp_async16(dst + r * kStride, valid ? src0 + static_cast<int64_t>(j0 + r) * row_stride : base, valid);
-        }
-    };
 
-    // Blocks copied before the loop, in flight together with Q: kStages - 1, and at least one
-    // (a one-block ring does not wait for Q before its first K/V copy).
-    constexpr int kPrologue = kStages > 1 ? kStages - 1 : 1;
-    if constexpr (kStagger) {
-        load_one(sk, kp, k_thread, p.k_row, blk_begin);
-        cp_async_commit();
-        load_one(sv, vp, v_thread, p.v_row, blk_begin);
-        cp_async_commit();
-    } else {
 #pragma unroll
-        for (int i = 0; i < kPrologue; ++i) {
-            if (blk_begin + i < blk_end) load_kv(blk_begin + i, i);
-            cp_async_commit();
-        }
+    for (int i = 0; i < kStages - 1; ++i) {
+        if (blk_begin + i < blk_end) load_kv(blk_begin + i, i);
+        cp_async_commit();
     }
-    cp_async_wait<kStagger ? 2 : kPrologue>();  // the Q group is complete
+    cp_async_wait<kStages - 1>();
     __syncthreads();
 
     uint32_t qf[KS][4];
@@ -628,15 +604,11 @@ __device__ __forceinline__ void attn_split_coop(const Params& p) {
 
     for (int blk = blk_begin; blk < blk_end; ++blk) {
         const int stage = (blk - blk_begin) % kStages;
-        if constexpr (kStagger) {
-            cp_async_wait<1>();  // K of this block is in (its V may still be in flight)
-        } else {
-            const int ahead = blk + kStages - 1;
-            if (ahead >= blk_begin + kPrologue && ahead < blk_end) load_kv(ahead, (ahead - blk_begin) % kStages);
-            cp_async_commit();
-            cp_async_wait<kStages - 1>();
-        }
-        __syncthreads();  // this block's K (and V) are in; every warp has read Q / the last S
+        const int ahead = blk + kStages - 1;
+        if (ahead < blk_end) load_kv(ahead, (ahead - blk_begin) % kStages);
+        cp_async_commit();
+        cp_async_wait<kStages - 1>();
+        __syncthreads();  // this block's K/V are in; every warp has read Q / the last S
         const T* tk = sk + stage * kTile;
         const T* tv = sv + stage * kTile;
         const int key0 = blk * kBlockKeys;
@@ -663,10 +635,6 @@ __device__ __forceinline__ void attn_split_coop(const Params& p) {
             }
         }
         __syncthreads();
-        if constexpr (kStagger) {  // every warp is done with this block's K
-            if (blk + 1 < blk_end) load_one(sk, kp, k_thread, p.k_row, blk + 1);
-            cp_async_commit();
-        }
         float s[8][4];
 #pragma unroll
         for (int t = 0; t < 8; ++t) {
@@ -765,10 +733,6 @@ __device__ __forceinline__ void attn_split_coop(const Params& p) {
                 for (int e = 0; e < 4; ++e)
                     if (__float_as_uint(acc[t][e]) == 0x80000000u) negzero |= 1u << (t * 4 + e);
         }
-        if constexpr (kStagger) {
-            cp_async_wait<1>();  // V of this block is in (K of the next may still be in flight)
-            __syncthreads();
-        }
         // This warp's output columns: n8 tiles [warp * kOutTiles, (warp + 1) * kOutTiles).
 #pragma unroll
         for (int kk = 0; kk < 4; ++kk) {
@@ -792,10 +756,6 @@ __device__ __forceinline__ void attn_split_coop(const Params& p) {
                 }
         }
         __syncthreads();  // the stage just read is the next load's target
-        if constexpr (kStagger) {
-            if (blk + 1 < blk_end) load_one(sv, vp, v_thread, p.v_row, blk + 1);
-            cp_async_commit();
-        }
     }
     cp_async_wait<0>();
 
@@ -933,32 +893,24 @@ BATCHINV_ATTN_KERNELS(f16, batchinv::F16Codec, 128, 1)
 // batchinv-signature: attn_split_f16_d128_w4(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32)
 BATCHINV_ATTN_KERNELS(f16, batchinv::F16Codec, 128, 4)
 // Cooperative split kernels (16-row tiles, NW warps): decode.
-// batchinv-signature: attn_split_coop_bf16_d64_w4_s0(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32)
-BATCHINV_ATTN_SPLIT_COOP(bf16, batchinv::Bf16Codec, 64, 4, 0, 4)
 // batchinv-signature: attn_split_coop_bf16_d64_w4_s1(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32)
 BATCHINV_ATTN_SPLIT_COOP(bf16, batchinv::Bf16Codec, 64, 4, 1, 4)
 // batchinv-signature: attn_split_coop_bf16_d64_w4_s2(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32)
 BATCHINV_ATTN_SPLIT_COOP(bf16, batchinv::Bf16Codec, 64, 4, 2, 3)
 // batchinv-signature: attn_split_coop_bf16_d64_w4_s3(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32)
 BATCHINV_ATTN_SPLIT_COOP(bf16, batchinv::Bf16Codec, 64, 4, 3, 2)
-// batchinv-signature: attn_split_coop_bf16_d128_w4_s0(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32)
-BATCHINV_ATTN_SPLIT_COOP(bf16, batchinv::Bf16Codec, 128, 4, 0, 4)
 // batchinv-signature: attn_split_coop_bf16_d128_w4_s1(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32)
 BATCHINV_ATTN_SPLIT_COOP(bf16, batchinv::Bf16Codec, 128, 4, 1, 4)
 // batchinv-signature: attn_split_coop_bf16_d128_w4_s2(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32)
 BATCHINV_ATTN_SPLIT_COOP(bf16, batchinv::Bf16Codec, 128, 4, 2, 3)
 // batchinv-signature: attn_split_coop_bf16_d128_w4_s3(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32)
 BATCHINV_ATTN_SPLIT_COOP(bf16, batchinv::Bf16Codec, 128, 4, 3, 2)
-// batchinv-signature: attn_split_coop_f16_d64_w4_s0(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32)
-BATCHINV_ATTN_SPLIT_COOP(f16, batchinv::F16Codec, 64, 4, 0, 4)
 // batchinv-signature: attn_split_coop_f16_d64_w4_s1(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32)
 BATCHINV_ATTN_SPLIT_COOP(f16, batchinv::F16Codec, 64, 4, 1, 4)
 // batchinv-signature: attn_split_coop_f16_d64_w4_s2(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32)
 BATCHINV_ATTN_SPLIT_COOP(f16, batchinv::F16Codec, 64, 4, 2, 3)
 // batchinv-signature: attn_split_coop_f16_d64_w4_s3(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32)
 BATCHINV_ATTN_SPLIT_COOP(f16, batchinv::F16Codec, 64, 4, 3, 2)
-// batchinv-signature: attn_split_coop_f16_d128_w4_s0(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32)
-BATCHINV_ATTN_SPLIT_COOP(f16, batchinv::F16Codec, 128, 4, 0, 4)
 // batchinv-signature: attn_split_coop_f16_d128_w4_s1(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32)
 BATCHINV_ATTN_SPLIT_COOP(f16, batchinv::F16Codec, 128, 4, 1, 4)
 // batchinv-signature: attn_split_coop_f16_d128_w4_s2(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32)

@@ -180,7 +180,6 @@ def test_wide_score_range_same_bits_in_every_mode(dtype):
         ("tile", 1, 2, False),
         ("split", 4, 2, False),
         ("split", 1, 2, False),
-        ("split", 1, 0, True),
         ("split", 1, 1, True),
         ("split", 1, 3, True),
     ):
@@ -241,7 +240,6 @@ def test_coop_shared_bytes_fit_the_sm90_limit():
         for stages in gpu.COOP_STAGES:
             assert gpu.coop_shared_bytes(d, stages) <= 227 * 1024
     assert gpu.coop_shared_bytes(128, 1) == 2 * 64 * 136 * 2 + 16 * 136 * 2
-    assert gpu.coop_shared_bytes(128, 0) == gpu.coop_shared_bytes(128, 1)  # one K/V buffer
     assert gpu.coop_shared_bytes(64, 1) == 2 * 64 * 72 * 2 + 16 * 68 * 4
 
 
@@ -260,10 +258,10 @@ def test_coop_needs_a_one_warp_split_launch_and_a_known_depth():
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("d", HEAD_DIMS)
 def test_decode_kernels_repeat_bitwise_with_an_empty_context(dtype, d):
-    # Every cooperative pipeline (K/V copy schedules differ, the arithmetic does not) against
-    # the one-warp split kernel, twice each: context 0 (every split CTA returns at once and the
-    # combine writes +0 / -inf into an unfilled output), 1 key, block and split boundaries and
-    # 5 splits, NaN past every length.
+    # The cooperative kernel at every K/V pipeline depth against the one-warp split kernel,
+    # twice each: context 0 (every split CTA returns at once and the combine writes +0 / -inf
+    # into an unfilled output), 1 key, block and split boundaries, 5 splits, NaN past every
+    # length.
     lens = [0, 1, 63, 1023, 1024, 1025, 4097]
     q, k, v = _qkv(len(lens), 1, max(lens), 8, 2, d, dtype, seed=50 + d)
     for b, n in enumerate(lens):

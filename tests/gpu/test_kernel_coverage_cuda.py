@@ -38,8 +38,7 @@ def _randn(*shape, dtype, seed):
         ("tile", 4, {"hopper": False}),  # the mma.sync tile kernel
         ("tile", 1, {}),
         ("split", 1, {"coop": False}),  # the one-warp split kernel
-        ("split", 1, {"coop": True, "stages": 0}),  # the cooperative decode kernel, K/V staggered
-        ("split", 1, {"coop": True, "stages": 1}),
+        ("split", 1, {"coop": True, "stages": 1}),  # the cooperative decode kernel
         ("split", 1, {"coop": True, "stages": 2}),
         ("split", 1, {"coop": True, "stages": 3}),
         ("split", 4, {}),

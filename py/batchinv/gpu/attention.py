@@ -39,15 +39,13 @@ MODES = ("auto", "tile", "split")
 MAX_PACKED_HEADS = 16  # query heads of one kv head packed in a tile's rows
 # Split launches of 16-row tiles (decode) run the cooperative kernel (attn_split_coop_*):
 # COOP_WARPS warps share one tile and one split, same bits as one warp per tile (the one-warp
-# kernel stays reachable with coop=False).  Its K/V pipeline: a ring of 1, 2 or 3 blocks, or
-# 0 = one block whose K and V are reloaded separately (K of the next block during this
-# block's softmax and PV, V during the next QK^T).  COOP_MANY_STAGES when the launch has at
-# least COOP_MANY_CTAS_PER_SM CTAs per SM (more CTAs per SM hide the latency), else
-# COOP_FEW_STAGES.  H200, GQA 32/8 d=128 bf16, depths 1/2/3 (session 4, two runs): B=64 @ 4096
+# kernel stays reachable with coop=False).  Its K/V pipeline depth: COOP_MANY_STAGES when the
+# launch has at least COOP_MANY_CTAS_PER_SM CTAs per SM (more CTAs per SM hide the latency),
+# else COOP_FEW_STAGES.  H200, GQA 32/8 d=128 bf16, depths 1/2/3 (two runs): B=64 @ 4096
 # (2048 CTAs) 0.291-0.292/0.291/0.302-0.303 ms; B=1 @ 32768 (256 CTAs) 0.062/0.058-0.059/
 # 0.059-0.081 ms.
 COOP_WARPS = 4
-COOP_STAGES = (0, 1, 2, 3)
+COOP_STAGES = (1, 2, 3)
 COOP_MANY_CTAS_PER_SM = 4
 COOP_MANY_STAGES = 1
 COOP_FEW_STAGES = 2
@@ -130,11 +128,10 @@ def shared_bytes(d: int, warps: int, split: bool, stages: int = 2) -> int:
 
 
 def coop_shared_bytes(d: int, stages: int) -> int:
-    """Dynamic shared memory of a cooperative split kernel (attn_split_coop): K/V stages (one
-    for ``stages=0``), then the Q tile, which the fp32 S tile [16][64 + 4] overlays once Q is
-    in registers."""
+    """Dynamic shared memory of a cooperative split kernel (attn_split_coop): K/V stages, then
+    the Q tile, which the fp32 S tile [16][64 + 4] overlays once Q is in registers."""
     stride = d + 8
-    kv = 2 * max(stages, 1) * BLOCK_KEYS * stride * 2
+    kv = 2 * stages * BLOCK_KEYS * stride * 2
     return kv + max(16 * stride * 2, 16 * (BLOCK_KEYS + 4) * 4)
 
 
