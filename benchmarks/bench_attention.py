@@ -68,6 +68,14 @@ def _sdpa(q, k, v, causal, backend=None):
     return with_backend
 
 
+def _decode_label(mode: str, warps: int) -> str:
+    """What the default decode path runs: split launches of one-warp (16-row) tiles run the
+    cooperative split kernel (4 warps per tile) and the combine kernel."""
+    if mode == "split" and warps == 1:
+        return "batchinv (coop split + combine)"
+    return f"batchinv ({mode}, {warps} warp{'s' if warps > 1 else ''})"
+
+
 def _time_or_none(fn):
     try:
         fn()
@@ -154,7 +162,7 @@ def main() -> None:
         k_rows, v_rows = k.view(batch * ctx, HKV, D), v.view(batch * ctx, HKV, D)
         mode, warps = gpu.choose(layout, HQ, HKV, device, "auto", None)
         anchor = median_ms(_sdpa(qt, kt, vt, False))
-        default_path = f"batchinv ({mode}, {warps} warp)"
+        default_path = _decode_label(mode, warps)
         paths = {
             "SDPA default": anchor,
             "SDPA flash": _time_or_none(_sdpa(qt, kt, vt, False, SDPBackend.FLASH_ATTENTION)),
@@ -182,11 +190,11 @@ def main() -> None:
                 }
             )
         if mode == "split":
-            # The cooperative kernel at each pipeline depth, and the one-warp kernel.
+            # The cooperative kernel with each K/V pipeline, and the one-warp kernel.
             variants = [(True, s) for s in gpu.COOP_STAGES] + [(False, 2)]
             for coop, stages in variants:
-                kernel = "coop" if coop else "1 warp"
-                paths[f"batchinv (split, {kernel}, {stages} stage, forced)"] = median_ms(
+                kernel = f"coop, {stages}-block ring" if coop else "1 warp, 2-block ring"
+                paths[f"batchinv (split, {kernel}, forced)"] = median_ms(
                     lambda coop=coop, stages=stages: gpu.forward(
                         q_rows,
                         k_rows,

@@ -254,6 +254,31 @@ def test_coop_needs_a_one_warp_split_launch_and_a_known_depth():
         gpu.attention(q, k, v, mode="split", warps=1, coop=False, stages=1)
 
 
+@cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("d", HEAD_DIMS)
+def test_decode_kernels_repeat_bitwise_with_an_empty_context(dtype, d):
+    # The cooperative kernel at every K/V pipeline depth against the one-warp split kernel,
+    # twice each: context 0 (every split CTA returns at once and the combine writes +0 / -inf
+    # into an unfilled output), 1 key, block and split boundaries, 5 splits, NaN past every
+    # length.
+    lens = [0, 1, 63, 1023, 1024, 1025, 4097]
+    q, k, v = _qkv(len(lens), 1, max(lens), 8, 2, d, dtype, seed=50 + d)
+    for b, n in enumerate(lens):
+        k[b, n:] = float("nan")
+        v[b, n:] = float("nan")
+    kw = dict(
+        causal=True, seqlens_k=torch.tensor(lens, device=DEVICE), return_lse=True, mode="split"
+    )
+    want = gpu.attention(q, k, v, warps=1, coop=False, **kw)
+    assert bool((want[0][0] == 0).all()) and not bool(torch.signbit(want[0][0].float()).any())
+    assert bool((want[1][0] == float("-inf")).all())
+    for stages in gpu.COOP_STAGES:
+        for run in range(2):
+            got = gpu.attention(q, k, v, warps=1, coop=True, stages=stages, **kw)
+            assert_bitwise_equal(got, want, name=f"coop, {stages} stages, run {run}")
+
+
 # ----------------------------------------------------------------------------- Axis-A, T1-T4, T6
 
 

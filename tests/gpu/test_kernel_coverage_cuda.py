@@ -72,6 +72,24 @@ def test_attention_forward_variants(dtype, d, mode, warps, options):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("d", (64, 128))
+def test_attention_decode_with_an_empty_context(dtype, d):
+    # Decode (the cooperative split kernel and the combine kernel) where one sequence has no
+    # key: the combine writes +0 / -inf there (out is not pre-filled on this path).
+    lens = [0, 1100, 2049]
+    q = _randn(3, 1, 4, d, dtype=dtype, seed=5)
+    k = _randn(3, 2049, 2, d, dtype=dtype, seed=6)
+    v = _randn(3, 2049, 2, d, dtype=dtype, seed=7)
+    k[1, 1100:] = float("nan")
+    v[1, 1100:] = float("nan")
+    out, lse = gpu_attention.attention(
+        q, k, v, causal=True, seqlens_k=torch.tensor(lens, device=DEVICE), return_lse=True
+    )
+    assert (out[0] == 0).all() and (lse[0] == float("-inf")).all()
+    assert torch.isfinite(out[1:]).all() and torch.isfinite(lse[1:]).all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("d", (64, 128))
 def test_attention_decode_from_cache_and_backward(dtype, d):
     cache = KVCache(3, 1200, 2, d, dtype=dtype, device=DEVICE)
     prefix = _randn(3, 1100, 2, d, dtype=dtype, seed=4)
