@@ -280,16 +280,24 @@ __device__ __forceinline__ void attn_hopper_tile(const TensorMap& map_k, const T
     bool prev_empty[2] = {false, false};
     bool prev_any_empty = false;
     uint32_t negzero[2] = {0u, 0u};
-    const uint8_t* q_tile = sq + cw * 2 * kBoxBytes;
+
+    // Descriptors computed once: a k16 step, a stage or a V key step is a constant added to
+    // the start-address field (every tile lies below 256 KB, so the field never carries).
+    const uint64_t desc_q = smem_descriptor_128b(sq + cw * 2 * kBoxBytes);
+    const uint64_t desc_k = smem_descriptor_128b(sk);
+    const uint64_t desc_v = v_descriptor(sv);
+    int s_stage = 0;          // stage of the next block whose S is issued
+    uint32_t s_phase = 0;     // its full-barrier phase
+    int pv_stage = 0;         // stage of the block whose P V product is pending
 
     // m, l of a split that ended with the previous block, kept for its merge while the next
     // block's softmax already starts the new split from the empty state.
     float end_m[2], end_l[2];
 
-    // Finishes block `blk`'s P V product (issued earlier): wait, restore -0 signs of rows that
-    // saw no key in it, free its stage, and at a split end merge acc into the running state
-    // (acc restarts from +0 in the next rescale).
-    auto finish_pv = [&](int blk) {
+    // Finishes the pending P V product (block `blk`): wait, restore -0 signs of rows that saw
+    // no key in it, free its stage, and if SPLIT_END (the block ends a split) merge acc into
+    // the running state (acc restarts from +0 in the next rescale).
+    auto finish_pv = [&](int blk, auto split_end) {
         wgmma_wait<0>();
         // The product read pa and wrote acc until here: keep both live to this point, or
         // the compiler reuses their registers (softmax's P) while the wgmma still reads them.
@@ -303,9 +311,8 @@ __device__ __forceinline__ void attn_hopper_tile(const TensorMap& map_k, const T
             }
         }
         __syncwarp();
-        if (lane == 0) barrier_arrive(&empty[blk % kStages]);
-        const bool split_end = (blk + 1) % kBlocksPerSplit == 0 || blk + 1 == blk_end;
-        if (split_end) {
+        if (lane == 0) barrier_arrive(&empty[pv_stage]);
+        if constexpr (decltype(split_end)::value) {
 #pragma unroll
             for (int i = 0; i < 2; ++i) {
                 float mm, ll, wa, wb;
@@ -325,14 +332,14 @@ __device__ __forceinline__ void attn_hopper_tile(const TensorMap& map_k, const T
         }
     };
 
-    // Issues block `blk`'s S = Q K^T (over d in increasing k16 steps, 32 bytes along a 128-byte
-    // swizzled row) if WITH_S, then block `blk - 1`'s P V (pa, the -0 signs noted first) if
-    // WITH_PV; each product is one commit group, S first.  Every register the products read
-    // is defined before the wgmma fence, so nothing but wgmma runs between the two issues
-    // (ptxas would otherwise serialise them).
-    auto issue = [&](int blk, auto with_s, auto with_pv) {
+    // Issues the next block's S = Q K^T (over d in increasing k16 steps, 32 bytes along a
+    // 128-byte swizzled row) if WITH_S, then the previous block's P V (pa, the -0 signs noted
+    // first) if WITH_PV; each product is one commit group, S first.  Every register the
+    // products read is defined before the wgmma fence, so nothing but wgmma runs between the
+    // two issues (ptxas would otherwise serialise them).
+    auto issue = [&](auto with_s, auto with_pv) {
         if constexpr (decltype(with_s)::value) {
-            barrier_wait(&full[blk % kStages], (blk / kStages) & 1);
+            barrier_wait(&full[s_stage], s_phase);
 #pragma unroll
             for (int i = 0; i < 32; ++i) s[i] = 0.0f;
         }
@@ -349,91 +356,116 @@ __device__ __forceinline__ void attn_hopper_tile(const TensorMap& map_k, const T
         fence_registers(pa);
         wgmma_fence();
         if constexpr (decltype(with_s)::value) {
-            const uint8_t* k_tile = sk + (blk % kStages) * kTileBytes;
+            const uint64_t k_stage = desc_k + static_cast<uint64_t>(s_stage * (kTileBytes >> 4));
 #pragma unroll
             for (int ks = 0; ks < 8; ++ks) {
-                const int off = (ks / 4) * kBoxBytes + (ks % 4) * 32;
-                mma_qk<Codec>(s, smem_descriptor_128b(q_tile + off), smem_descriptor_128b(k_tile + off));
+                const int off = ((ks / 4) * kBoxBytes + (ks % 4) * 32) >> 4;
+                mma_qk<Codec>(s, desc_q + off, k_stage + off);
             }
             wgmma_commit();
         }
         if constexpr (decltype(with_pv)::value) {
-            const uint8_t* v_tile = sv + ((blk - 1) % kStages) * kTileBytes;
+            const uint64_t v_stage = desc_v + static_cast<uint64_t>(pv_stage * (kTileBytes >> 4));
 #pragma unroll
-            for (int kk = 0; kk < 4; ++kk) mma_pv<Codec>(acc, pa[kk], v_descriptor(v_tile + kk * 16 * 128));
+            for (int kk = 0; kk < 4; ++kk) mma_pv<Codec>(acc, pa[kk], v_stage + ((kk * 16 * 128) >> 4));
             wgmma_commit();
         }
         fence_operands<32>(s);
         fence_operands<64>(acc);
     };
 
-    // Online softmax of block `blk` (its S complete in s), attention.cu's code with
-    // s[t][e] = s[4t + e]: updates m, l, leaves P in pa and the rescale factors in alpha.
+    // Online softmax of block `blk` (its S complete in s), attention.cu's arithmetic with
+    // s[t][e] = s[4t + e]: updates m, l, leaves P in s and the rescale factors in alpha.
+    // Written for few instructions: the block max is a tree (max is exact in any order; the
+    // zero is normalised after the butterfly as in attention.cu), alpha is computed and then
+    // selected, and a warp without an empty row skips the selections of P.
     float alpha[2];
     bool empty_now[2];
     auto softmax = [&](int blk) {
         const int key0 = blk * kBlockKeys;
         const bool masked = key0 + kBlockKeys > warp_vis_min;
+        float m_new[2];
 #pragma unroll
         for (int i = 0; i < 2; ++i) {
             if (i == 1 && !hi_rows) {
                 empty_now[1] = true;
                 alpha[1] = 1.0f;
+                m_new[1] = m[1];
 #pragma unroll
                 for (int t = 0; t < 8; ++t) s[4 * t + 2] = s[4 * t + 3] = 0.0f;
                 continue;
             }
-            float mx = kNegInf;
+            float x[16];
             if (masked) {
 #pragma unroll
                 for (int t = 0; t < 8; ++t) {
 #pragma unroll
                     for (int e = 0; e < 2; ++e) {
                         const int j = key0 + t * 8 + 2 * c + e;
-                        const float x = j < vis_end[i] ? __fmul_rn(s[4 * t + 2 * i + e], p.scale_log2) : kNegInf;
-                        s[4 * t + 2 * i + e] = x;
-                        mx = fmaxf(mx, x);
+                        x[2 * t + e] = j < vis_end[i] ? __fmul_rn(s[4 * t + 2 * i + e], p.scale_log2) : kNegInf;
                     }
                 }
             } else {
 #pragma unroll
                 for (int t = 0; t < 8; ++t) {
 #pragma unroll
-                    for (int e = 0; e < 2; ++e) {
-                        const float x = __fmul_rn(s[4 * t + 2 * i + e], p.scale_log2);
-                        s[4 * t + 2 * i + e] = x;
-                        mx = fmaxf(mx, x);
-                    }
+                    for (int e = 0; e < 2; ++e) x[2 * t + e] = __fmul_rn(s[4 * t + 2 * i + e], p.scale_log2);
                 }
             }
+#pragma unroll
+            for (int t = 0; t < 8; ++t) {
+                s[4 * t + 2 * i] = x[2 * t];
+                s[4 * t + 2 * i + 1] = x[2 * t + 1];
+            }
+            float mx8[8], mx4[4];
+#pragma unroll
+            for (int k = 0; k < 8; ++k) mx8[k] = fmaxf(x[k], x[k + 8]);
+#pragma unroll
+            for (int k = 0; k < 4; ++k) mx4[k] = fmaxf(mx8[k], mx8[k + 4]);
+            float mx = fmaxf(fmaxf(mx4[0], mx4[2]), fmaxf(mx4[1], mx4[3]));
             mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
             mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
             mx = mx == 0.0f ? 0.0f : mx;  // one zero (+0) whatever the lanes' order
             empty_now[i] = mx == kNegInf;
-            const float m_new = empty_now[i] ? m[i] : (mx > m[i] ? mx : m[i]);
-            alpha[i] = empty_now[i] ? 1.0f : (m[i] == kNegInf ? 0.0f : exp2f(__fsub_rn(m[i], m_new)));
-            float sum = 0.0f;
-#pragma unroll
-            for (int t = 0; t < 8; ++t) {
-#pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    const float pe = empty_now[i] ? 0.0f : exp2_ftz(__fsub_rn(s[4 * t + 2 * i + e], m_new));
-                    s[4 * t + 2 * i + e] = pe;
-                    sum = __fadd_rn(sum, pe);
-                }
-            }
-            sum = __fadd_rn(sum, __shfl_xor_sync(0xffffffffu, sum, 1));
-            sum = __fadd_rn(sum, __shfl_xor_sync(0xffffffffu, sum, 2));
-            l[i] = empty_now[i] ? l[i] : __fadd_rn(__fmul_rn(l[i], alpha[i]), sum);
-            m[i] = m_new;
+            m_new[i] = empty_now[i] ? m[i] : (mx > m[i] ? mx : m[i]);
+            const float a = exp2f(__fsub_rn(m[i], m_new[i]));  // selected away where undefined
+            alpha[i] = empty_now[i] ? 1.0f : (m[i] == kNegInf ? 0.0f : a);
         }
+        // P and the block sums.  An invisible key (x = -inf) gives exp2(-inf) = +0 where m_new
+        // is finite; a row with no visible key gets P = 0 by selection (slow path only).
+        const bool any_empty = __any_sync(0xffffffffu, empty_now[0] || (hi_rows && empty_now[1]));
+        auto exp_sum = [&](auto select) {
+#pragma unroll
+            for (int i = 0; i < 2; ++i) {
+                if (i == 1 && !hi_rows) continue;
+                float sum = 0.0f;
+#pragma unroll
+                for (int t = 0; t < 8; ++t) {
+#pragma unroll
+                    for (int e = 0; e < 2; ++e) {
+                        float pe = exp2_ftz(__fsub_rn(s[4 * t + 2 * i + e], m_new[i]));
+                        if constexpr (decltype(select)::value) pe = empty_now[i] ? 0.0f : pe;
+                        s[4 * t + 2 * i + e] = pe;
+                        // P >= +0 (or NaN): 0 + P is P, so the scan starts at the first term.
+                        sum = t == 0 && e == 0 ? pe : __fadd_rn(sum, pe);
+                    }
+                }
+                sum = __fadd_rn(sum, __shfl_xor_sync(0xffffffffu, sum, 1));
+                sum = __fadd_rn(sum, __shfl_xor_sync(0xffffffffu, sum, 2));
+                l[i] = empty_now[i] ? l[i] : __fadd_rn(__fmul_rn(l[i], alpha[i]), sum);
+                m[i] = m_new[i];
+            }
+        };
+        if (any_empty)
+            exp_sum(std::true_type{});
+        else
+            exp_sum(std::false_type{});
     };
 
     // After the previous block's product is complete: P of this block into pa, acc *= alpha,
-    // and the facts about this block that its own P V product will need.  At a split start acc was merged away: it restarts from +0 (attention.cu zeroes it in the
-    // merge; +0 * alpha is +0), by selection rather than a branch so that the accumulator
-    // registers are defined in one place (a branch here makes ptxas serialise the wgmmas).
-    auto rescale = [&](bool split_start) {
+    // and the facts about this block that its own P V product will need.  At a split start
+    // acc was merged away: it restarts from +0 (attention.cu zeroes it in the merge).
+    auto rescale = [&](auto split_start) {
         // P -> pa only now: the previous block's P V product read pa until its wait.
 #pragma unroll
         for (int kk = 0; kk < 4; ++kk) {
@@ -442,16 +474,21 @@ __device__ __forceinline__ void attn_hopper_tile(const TensorMap& map_k, const T
             pa[kk][2] = pack_pair<Codec>(s[8 * kk + 4], s[8 * kk + 5]);
             pa[kk][3] = pack_pair<Codec>(s[8 * kk + 6], s[8 * kk + 7]);
         }
+        if constexpr (decltype(split_start)::value) {
 #pragma unroll
-        for (int t = 0; t < 16; ++t) {
-            acc[4 * t + 0] = split_start ? 0.0f : __fmul_rn(acc[4 * t + 0], alpha[0]);
-            acc[4 * t + 1] = split_start ? 0.0f : __fmul_rn(acc[4 * t + 1], alpha[0]);
-        }
-        if (hi_rows) {
+            for (int i = 0; i < 64; ++i) acc[i] = 0.0f;
+        } else {
 #pragma unroll
             for (int t = 0; t < 16; ++t) {
-                acc[4 * t + 2] = split_start ? 0.0f : __fmul_rn(acc[4 * t + 2], alpha[1]);
-                acc[4 * t + 3] = split_start ? 0.0f : __fmul_rn(acc[4 * t + 3], alpha[1]);
+                acc[4 * t + 0] = __fmul_rn(acc[4 * t + 0], alpha[0]);
+                acc[4 * t + 1] = __fmul_rn(acc[4 * t + 1], alpha[0]);
+            }
+            if (hi_rows) {
+#pragma unroll
+                for (int t = 0; t < 16; ++t) {
+                    acc[4 * t + 2] = __fmul_rn(acc[4 * t + 2], alpha[1]);
+                    acc[4 * t + 3] = __fmul_rn(acc[4 * t + 3], alpha[1]);
+                }
             }
         }
         prev_empty[0] = empty_now[0];
@@ -461,22 +498,34 @@ __device__ __forceinline__ void attn_hopper_tile(const TensorMap& map_k, const T
             __any_sync(0xffffffffu, (empty_now[0] && row_q[0] >= 0) || (empty_now[1] && row_q[1] >= 0));
     };
 
+    // The S just issued now belongs to the pending P V; the next S goes one stage further.
+    auto advance = [&]() {
+        pv_stage = s_stage;
+        if (++s_stage == kStages) {
+            s_stage = 0;
+            s_phase ^= 1u;
+        }
+    };
+
     using Yes = std::true_type;
     using No = std::false_type;
     if (blk_end > 0) {
-        issue(0, Yes{}, No{});
+        issue(Yes{}, No{});
+        advance();
         wgmma_wait<0>();
         fence_operands<32>(s);
         softmax(0);
-        rescale(false);
+        rescale(No{});
     }
     // Steady state, no branch between a product's issue and its wait: block blk's S product,
     // then block blk-1's P V product behind it; block blk's softmax runs while P V executes.
-    for (int blk = 1; blk < blk_end; ++blk) {
-        issue(blk, Yes{}, Yes{});
+    // A block that starts a split (blk-1 ended one) is a separate copy of the step, so that
+    // the merge and the restart of acc cost nothing in the other blocks.
+    auto step = [&](int blk, auto split_start) {
+        issue(Yes{}, Yes{});
         wgmma_wait<1>();  // S of block blk is complete; P V of block blk-1 may still run
         fence_operands<32>(s);
-        if (blk % kBlocksPerSplit == 0) {  // block blk-1 ended a split: blk starts a new one
+        if constexpr (decltype(split_start)::value) {
 #pragma unroll
             for (int i = 0; i < 2; ++i) {
                 end_m[i] = m[i];
@@ -486,19 +535,25 @@ __device__ __forceinline__ void attn_hopper_tile(const TensorMap& map_k, const T
             }
         }
         softmax(blk);
-        finish_pv(blk - 1);
-        rescale(blk % kBlocksPerSplit == 0);
+        finish_pv(blk - 1, split_start);
+        advance();
+        rescale(split_start);
+    };
+    for (int blk = 1; blk < blk_end; ++blk) {
+        if (blk % kBlocksPerSplit == 0)
+            step(blk, Yes{});
+        else
+            step(blk, No{});
     }
     if (blk_end > 0) {
-        issue(blk_end, No{}, Yes{});
+        issue(No{}, Yes{});
 #pragma unroll
         for (int i = 0; i < 2; ++i) {
             end_m[i] = m[i];
             end_l[i] = l[i];
         }
-        finish_pv(blk_end - 1);  // the last block always ends a split
+        finish_pv(blk_end - 1, Yes{});  // the last block always ends a split
     }
-
     T* op = static_cast<T*>(p.out);
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
