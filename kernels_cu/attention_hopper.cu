@@ -311,19 +311,30 @@ __device__ __forceinline__ void attn_hopper_tile(const TensorMap& map_k, const T
         __syncwarp();
         if (lane == 0) barrier_arrive(&empty[pv_stage]);
         if constexpr (decltype(split_end)::value) {
+            const bool first_split = blk + 1 <= kBlocksPerSplit;  // no running state yet: 0
 #pragma unroll
             for (int i = 0; i < 2; ++i) {
                 float mm, ll, wa, wb;
                 int pick;
                 merge_weights(run_m[i], run_l[i], end_m[i], end_l[i], mm, ll, wa, wb, pick);
+                // merge_value with the row's pick as a constant: one loop without a selection
+                // per element (the same function, so the same bits).
+                auto merge_row = [&](auto pick_constant) {
 #pragma unroll
-                for (int t = 0; t < 16; ++t)
+                    for (int t = 0; t < 16; ++t)
 #pragma unroll
-                    for (int e = 0; e < 2; ++e) {
-                        float& slot = srun[(t * 4 + 2 * i + e) * kConsumerThreads + ctid];
-                        const float prev = blk + 1 <= kBlocksPerSplit ? 0.0f : slot;  // first split
-                        slot = merge_value(prev, acc[t * 4 + 2 * i + e], wa, wb, pick);
-                    }
+                        for (int e = 0; e < 2; ++e) {
+                            float& slot = srun[(t * 4 + 2 * i + e) * kConsumerThreads + ctid];
+                            const float prev = first_split ? 0.0f : slot;
+                            slot = merge_value(prev, acc[t * 4 + 2 * i + e], wa, wb, decltype(pick_constant)::value);
+                        }
+                };
+                if (pick == 0)
+                    merge_row(std::integral_constant<int, 0>{});
+                else if (pick == 1)
+                    merge_row(std::integral_constant<int, 1>{});
+                else
+                    merge_row(std::integral_constant<int, 2>{});
                 run_m[i] = mm;
                 run_l[i] = ll;
             }
