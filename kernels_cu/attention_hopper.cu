@@ -24,7 +24,11 @@
 //     The two consumer warpgroups interleave on the SM.  When block j ends a split, block
 //     j+1's softmax starts the new split from the empty state (the ended split's m, l are
 //     kept) while P_j V_j runs; the split is merged (attention.cu's merge_weights /
-//     merge_value) once that product completes, and acc restarts from +0.
+//     merge_value) once that product completes, and acc restarts from +0.  That step is its
+//     own copy of the loop body, so the other steps rescale acc in place (no register copies).
+//   - The softmax of a thread's two rows runs as one pass (padding rows are computed and never
+//     written); the block max is a tree (exact), and P's selection for rows that see no key of
+//     the block runs only in warps that have such a row.  Same values as attention.cu's code.
 //   - No register that an in-flight wgmma reads or writes is touched before its wait: P of
 //     block j+1 is packed into the A registers only after P_j V_j completes, and nothing but
 //     wgmma runs between the two issues (ptxas would otherwise serialise every wgmma, C7513).
