@@ -9,9 +9,12 @@ bandwidth counts the K and V bytes that must be read.
 
 from __future__ import annotations
 
+import argparse
+from pathlib import Path
+
 import torch
 import torch.nn.functional as F
-from _common import cuda_graph_replay, median_ms, parse_args, report, require_cuda, summary_row
+from _common import cuda_graph_replay, median_ms, report, require_cuda, summary_row
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from batchinv.gpu import attention as gpu
@@ -95,12 +98,26 @@ def _graphed(fn):
         return None
 
 
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", type=Path, default=None, help="also write the results here")
+    parser.add_argument(
+        "--phase",
+        choices=("all", "prefill", "decode"),
+        default="all",
+        help="time only the prefill or only the decode cases (all)",
+    )
+    return parser.parse_args(argv)
+
+
 def main() -> None:
-    args = parse_args(__doc__.splitlines()[0])
+    args = parse_args()
     device = require_cuda()
     gen = torch.Generator(device=device).manual_seed(0)
     rows, results = [], []
-    for batch, seq in PREFILL:
+    prefill_cases = PREFILL if args.phase in ("all", "prefill") else []
+    decode_cases = DECODE if args.phase in ("all", "decode") else []
+    for batch, seq in prefill_cases:
         q = torch.randn(batch, seq, HQ, D, device=device, generator=gen).to(DTYPE)
         k = torch.randn(batch, seq, HKV, D, device=device, generator=gen).to(DTYPE)
         v = torch.randn(batch, seq, HKV, D, device=device, generator=gen).to(DTYPE)
@@ -143,7 +160,7 @@ def main() -> None:
                     "ratio_vs_sdpa": anchor / ms,
                 }
             )
-    for batch, ctx in DECODE:
+    for batch, ctx in decode_cases:
         k = torch.randn(batch, ctx, HKV, D, device=device, generator=gen).to(DTYPE)
         v = torch.randn(batch, ctx, HKV, D, device=device, generator=gen).to(DTYPE)
         q = torch.randn(batch, 1, HQ, D, device=device, generator=gen).to(DTYPE)

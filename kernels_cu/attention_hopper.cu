@@ -24,7 +24,11 @@
 //     The two consumer warpgroups interleave on the SM.  When block j ends a split, block
 //     j+1's softmax starts the new split from the empty state (the ended split's m, l are
 //     kept) while P_j V_j runs; the split is merged (attention.cu's merge_weights /
-//     merge_value) once that product completes, and acc restarts from +0.
+//     merge_value) once that product completes, and acc restarts from +0.  That step is its
+//     own copy of the loop body, so the other steps rescale acc in place (no register copies).
+//   - The softmax of a thread's two rows runs as one pass (padding rows are computed and never
+//     written); the block max is a tree (exact), and P's selection for rows that see no key of
+//     the block runs only in warps that have such a row.  Same values as attention.cu's code.
 //   - No register that an in-flight wgmma reads or writes is touched before its wait: P of
 //     block j+1 is packed into the A registers only after P_j V_j completes, and nothing but
 //     wgmma runs between the two issues (ptxas would otherwise serialise every wgmma, C7513).
@@ -266,8 +270,6 @@ __device__ __forceinline__ void attn_hopper_tile(const TensorMap& map_k, const T
     for (int i = 0; i < 2; ++i)
         if (row_q[i] >= 0) vis_min = min(vis_min, vis_end[i]);
     const int warp_vis_min = __reduce_min_sync(0xffffffffu, vis_min);
-    const bool hi_rows = __any_sync(0xffffffffu, row_q[1] >= 0);
-
     float m[2] = {kNegInf, kNegInf};
     float l[2] = {0.0f, 0.0f};
     float run_m[2] = {kNegInf, kNegInf};
@@ -275,22 +277,30 @@ __device__ __forceinline__ void attn_hopper_tile(const TensorMap& map_k, const T
     float acc[64];
 #pragma unroll
     for (int i = 0; i < 64; ++i) acc[i] = 0.0f;
-    float s[32];
-    uint32_t pa[4][4];          // P of the previous block, the A operand of its P V product
+    float s[32];                // S of a block, then its scaled scores, then its P
+    uint32_t pa[4][4];          // P of a block, the A operand of its P V product
     bool prev_empty[2] = {false, false};
     bool prev_any_empty = false;
     uint32_t negzero[2] = {0u, 0u};
-    const uint8_t* q_tile = sq + cw * 2 * kBoxBytes;
+
+    // Descriptors computed once: a k16 step, a stage or a V key step is a constant added to
+    // the start-address field (every tile lies below 256 KB, so the field never carries).
+    const uint64_t desc_q = smem_descriptor_128b(sq + cw * 2 * kBoxBytes);
+    const uint64_t desc_k = smem_descriptor_128b(sk);
+    const uint64_t desc_v = v_descriptor(sv);
+    int s_stage = 0;          // stage of the next block whose S is issued
+    uint32_t s_phase = 0;     // its full-barrier phase
+    int cur_stage = 0;        // stage of the block whose softmax runs
+    int pv_stage = 0;         // stage of the block whose P V product is pending
 
     // m, l of a split that ended with the previous block, kept for its merge while the next
     // block's softmax already starts the new split from the empty state.
     float end_m[2], end_l[2];
 
-    // Finishes block `blk`'s P V product (issued earlier): wait, restore -0 signs of rows that
-    // saw no key in it, free its stage, and at a split end merge acc into the running state
-    // (acc restarts from +0 in the next rescale).
-    auto finish_pv = [&](int blk) {
-        wgmma_wait<0>();
+    // Finishes the pending P V product (block `blk`, its wait done by the caller): restore -0
+    // signs of rows that saw no key in it, free its stage, and if SPLIT_END (the block ends a
+    // split) merge acc into the running state (acc restarts from +0 in the next rescale).
+    auto finish_pv = [&](int blk, auto split_end) {
         // The product read pa and wrote acc until here: keep both live to this point, or
         // the compiler reuses their registers (softmax's P) while the wgmma still reads them.
         fence_operands<64>(acc);
@@ -303,200 +313,237 @@ __device__ __forceinline__ void attn_hopper_tile(const TensorMap& map_k, const T
             }
         }
         __syncwarp();
-        if (lane == 0) barrier_arrive(&empty[blk % kStages]);
-        const bool split_end = (blk + 1) % kBlocksPerSplit == 0 || blk + 1 == blk_end;
-        if (split_end) {
+        if (lane == 0) barrier_arrive(&empty[pv_stage]);
+        if constexpr (decltype(split_end)::value) {
+            const bool first_split = blk + 1 <= kBlocksPerSplit;  // no running state yet: 0
 #pragma unroll
             for (int i = 0; i < 2; ++i) {
                 float mm, ll, wa, wb;
                 int pick;
                 merge_weights(run_m[i], run_l[i], end_m[i], end_l[i], mm, ll, wa, wb, pick);
+                // merge_value with the row's pick as a constant: one loop without a selection
+                // per element (the same function, so the same bits).
+                auto merge_row = [&](auto pick_constant) {
 #pragma unroll
-                for (int t = 0; t < 16; ++t)
+                    for (int t = 0; t < 16; ++t)
 #pragma unroll
-                    for (int e = 0; e < 2; ++e) {
-                        float& slot = srun[(t * 4 + 2 * i + e) * kConsumerThreads + ctid];
-                        const float prev = blk + 1 <= kBlocksPerSplit ? 0.0f : slot;  // first split
-                        slot = merge_value(prev, acc[t * 4 + 2 * i + e], wa, wb, pick);
-                    }
+                        for (int e = 0; e < 2; ++e) {
+                            float& slot = srun[(t * 4 + 2 * i + e) * kConsumerThreads + ctid];
+                            const float prev = first_split ? 0.0f : slot;
+                            slot = merge_value(prev, acc[t * 4 + 2 * i + e], wa, wb, decltype(pick_constant)::value);
+                        }
+                };
+                if (pick == 0)
+                    merge_row(std::integral_constant<int, 0>{});
+                else if (pick == 1)
+                    merge_row(std::integral_constant<int, 1>{});
+                else
+                    merge_row(std::integral_constant<int, 2>{});
                 run_m[i] = mm;
                 run_l[i] = ll;
             }
         }
     };
 
-    // Issues block `blk`'s S = Q K^T (over d in increasing k16 steps, 32 bytes along a 128-byte
-    // swizzled row) if WITH_S, then block `blk - 1`'s P V (pa, the -0 signs noted first) if
-    // WITH_PV; each product is one commit group, S first.  Every register the products read
-    // is defined before the wgmma fence, so nothing but wgmma runs between the two issues
-    // (ptxas would otherwise serialise them).
-    auto issue = [&](int blk, auto with_s, auto with_pv) {
+    // The -0 signs of acc before a P V product (rows of a block with no visible key keep
+    // their state exactly, zeros included).
+    auto note_negzero = [&]() {
+        negzero[0] = negzero[1] = 0u;
+        if (prev_any_empty) {
+#pragma unroll
+            for (int i = 0; i < 64; ++i)
+                if (__float_as_uint(acc[i]) == 0x80000000u) negzero[i / 32] |= 1u << (i % 32);
+        }
+    };
+    // S = Q K^T of the block at stage s_stage over d in increasing k16 steps (32 bytes along
+    // a 128-byte swizzled row), into s; moves s_stage on.
+    auto mma_s = [&]() {
+        const uint64_t k_stage = desc_k + static_cast<uint64_t>(s_stage * (kTileBytes >> 4));
+#pragma unroll
+        for (int ks = 0; ks < 8; ++ks) {
+            const int off = ((ks / 4) * kBoxBytes + (ks % 4) * 32) >> 4;
+            mma_qk<Codec>(s, desc_q + off, k_stage + off);
+        }
+        wgmma_commit();
+        if (++s_stage == kStages) {
+            s_stage = 0;
+            s_phase ^= 1u;
+        }
+    };
+    // O += P V of the block at pv_stage (pa), the four k16 key steps in increasing order.
+    auto mma_pv_block = [&]() {
+        const uint64_t v_stage = desc_v + static_cast<uint64_t>(pv_stage * (kTileBytes >> 4));
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk) mma_pv<Codec>(acc, pa[kk], v_stage + ((kk * 16 * 128) >> 4));
+        wgmma_commit();
+    };
+
+    // Issues the next block's S if WITH_S, then the P V product of block pv_stage if WITH_PV
+    // (the -0 signs noted first); each product is one commit group, S first.  Every register
+    // the products read is defined before the wgmma fence, so nothing but wgmma runs between
+    // the two issues (ptxas would otherwise serialise them).
+    auto issue = [&](auto with_s, auto with_pv) {
         if constexpr (decltype(with_s)::value) {
-            barrier_wait(&full[blk % kStages], (blk / kStages) & 1);
+            barrier_wait(&full[s_stage], s_phase);
 #pragma unroll
             for (int i = 0; i < 32; ++i) s[i] = 0.0f;
         }
-        if constexpr (decltype(with_pv)::value) {
-            negzero[0] = negzero[1] = 0u;
-            if (prev_any_empty) {
-#pragma unroll
-                for (int i = 0; i < 64; ++i)
-                    if (__float_as_uint(acc[i]) == 0x80000000u) negzero[i / 32] |= 1u << (i % 32);
-            }
-        }
+        if constexpr (decltype(with_pv)::value) note_negzero();
         fence_operands<32>(s);
         fence_operands<64>(acc);
         fence_registers(pa);
         wgmma_fence();
-        if constexpr (decltype(with_s)::value) {
-            const uint8_t* k_tile = sk + (blk % kStages) * kTileBytes;
-#pragma unroll
-            for (int ks = 0; ks < 8; ++ks) {
-                const int off = (ks / 4) * kBoxBytes + (ks % 4) * 32;
-                mma_qk<Codec>(s, smem_descriptor_128b(q_tile + off), smem_descriptor_128b(k_tile + off));
-            }
-            wgmma_commit();
-        }
-        if constexpr (decltype(with_pv)::value) {
-            const uint8_t* v_tile = sv + ((blk - 1) % kStages) * kTileBytes;
-#pragma unroll
-            for (int kk = 0; kk < 4; ++kk) mma_pv<Codec>(acc, pa[kk], v_descriptor(v_tile + kk * 16 * 128));
-            wgmma_commit();
-        }
+        if constexpr (decltype(with_s)::value) mma_s();
+        if constexpr (decltype(with_pv)::value) mma_pv_block();
         fence_operands<32>(s);
         fence_operands<64>(acc);
     };
 
-    // Online softmax of block `blk` (its S complete in s), attention.cu's code with
-    // s[t][e] = s[4t + e]: updates m, l, leaves P in pa and the rescale factors in alpha.
+    // Online softmax of block `blk`, attention.cu's arithmetic with s[t][e] = s[4t + e], in
+    // two parts.  scale(): x = S * scale_log2, or -inf for an invisible key, from s into v.
+    // The rest: updates m, l, leaves P in v and the rescale factors in alpha.  Written for few
+    // instructions: the block max is a tree (max is exact in any order; the zero is normalised
+    // after the butterfly as in attention.cu), m_new = fmaxf(mx, m) (m is never NaN or -0, and
+    // an empty row has mx = -inf: the same selection), alpha is computed then selected, both
+    // rows in one pass, and a warp whose real rows all see a key skips the selections of P
+    // (padding rows are never written; their P may be anything).
     float alpha[2];
     bool empty_now[2];
-    auto softmax = [&](int blk) {
+    bool any_empty = false;  // some real row of the warp sees no key of this block
+    auto scale = [&](int blk) {
         const int key0 = blk * kBlockKeys;
-        const bool masked = key0 + kBlockKeys > warp_vis_min;
+        if (key0 + kBlockKeys > warp_vis_min) {
 #pragma unroll
-        for (int i = 0; i < 2; ++i) {
-            if (i == 1 && !hi_rows) {
-                empty_now[1] = true;
-                alpha[1] = 1.0f;
+            for (int t = 0; t < 8; ++t)
 #pragma unroll
-                for (int t = 0; t < 8; ++t) s[4 * t + 2] = s[4 * t + 3] = 0.0f;
-                continue;
-            }
-            float mx = kNegInf;
-            if (masked) {
-#pragma unroll
-                for (int t = 0; t < 8; ++t) {
+                for (int i = 0; i < 2; ++i)
 #pragma unroll
                     for (int e = 0; e < 2; ++e) {
                         const int j = key0 + t * 8 + 2 * c + e;
-                        const float x = j < vis_end[i] ? __fmul_rn(s[4 * t + 2 * i + e], p.scale_log2) : kNegInf;
-                        s[4 * t + 2 * i + e] = x;
-                        mx = fmaxf(mx, x);
+                        const float y = __fmul_rn(s[4 * t + 2 * i + e], p.scale_log2);
+                        s[4 * t + 2 * i + e] = j < vis_end[i] ? y : kNegInf;
                     }
-                }
-            } else {
+        } else {
 #pragma unroll
-                for (int t = 0; t < 8; ++t) {
+            for (int i = 0; i < 32; ++i) s[i] = __fmul_rn(s[i], p.scale_log2);
+        }
+    };
+    auto softmax = [&]() {
+        float m_new[2];
 #pragma unroll
-                    for (int e = 0; e < 2; ++e) {
-                        const float x = __fmul_rn(s[4 * t + 2 * i + e], p.scale_log2);
-                        s[4 * t + 2 * i + e] = x;
-                        mx = fmaxf(mx, x);
-                    }
-                }
-            }
+        for (int i = 0; i < 2; ++i) {
+            float mx8[8], mx4[4];
+#pragma unroll
+            for (int k = 0; k < 8; ++k) mx8[k] = fmaxf(s[4 * (k / 2) + 2 * i + k % 2], s[4 * (k / 2 + 4) + 2 * i + k % 2]);
+#pragma unroll
+            for (int k = 0; k < 4; ++k) mx4[k] = fmaxf(mx8[k], mx8[k + 4]);
+            float mx = fmaxf(fmaxf(mx4[0], mx4[2]), fmaxf(mx4[1], mx4[3]));
             mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
             mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
             mx = mx == 0.0f ? 0.0f : mx;  // one zero (+0) whatever the lanes' order
             empty_now[i] = mx == kNegInf;
-            const float m_new = empty_now[i] ? m[i] : (mx > m[i] ? mx : m[i]);
-            alpha[i] = empty_now[i] ? 1.0f : (m[i] == kNegInf ? 0.0f : exp2f(__fsub_rn(m[i], m_new)));
-            float sum = 0.0f;
-#pragma unroll
-            for (int t = 0; t < 8; ++t) {
-#pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    const float pe = empty_now[i] ? 0.0f : exp2_ftz(__fsub_rn(s[4 * t + 2 * i + e], m_new));
-                    s[4 * t + 2 * i + e] = pe;
-                    sum = __fadd_rn(sum, pe);
-                }
-            }
-            sum = __fadd_rn(sum, __shfl_xor_sync(0xffffffffu, sum, 1));
-            sum = __fadd_rn(sum, __shfl_xor_sync(0xffffffffu, sum, 2));
-            l[i] = empty_now[i] ? l[i] : __fadd_rn(__fmul_rn(l[i], alpha[i]), sum);
-            m[i] = m_new;
+            m_new[i] = fmaxf(mx, m[i]);
+            const float a = exp2f(__fsub_rn(m[i], m_new[i]));  // selected away where undefined
+            alpha[i] = empty_now[i] ? 1.0f : (m[i] == kNegInf ? 0.0f : a);
         }
+        any_empty = __any_sync(0xffffffffu, (empty_now[0] && row_q[0] >= 0) || (empty_now[1] && row_q[1] >= 0));
+        // P and the block sums.  An invisible key (x = -inf) gives exp2(-inf) = +0 where m_new
+        // is finite; a row with no visible key gets P = 0 by selection.
+        auto exp_sum = [&](auto select) {
+            float sum[2];
+#pragma unroll
+            for (int t = 0; t < 8; ++t)
+#pragma unroll
+                for (int i = 0; i < 2; ++i)
+#pragma unroll
+                    for (int e = 0; e < 2; ++e) {
+                        float pe = exp2_ftz(__fsub_rn(s[4 * t + 2 * i + e], m_new[i]));
+                        if constexpr (decltype(select)::value) pe = empty_now[i] ? 0.0f : pe;
+                        s[4 * t + 2 * i + e] = pe;
+                        // P >= +0 (or NaN): 0 + P is P, so the scan starts at the first term.
+                        sum[i] = t == 0 && e == 0 ? pe : __fadd_rn(sum[i], pe);
+                    }
+#pragma unroll
+            for (int i = 0; i < 2; ++i) {
+                sum[i] = __fadd_rn(sum[i], __shfl_xor_sync(0xffffffffu, sum[i], 1));
+                sum[i] = __fadd_rn(sum[i], __shfl_xor_sync(0xffffffffu, sum[i], 2));
+                l[i] = empty_now[i] ? l[i] : __fadd_rn(__fmul_rn(l[i], alpha[i]), sum[i]);
+                m[i] = m_new[i];
+            }
+        };
+        if (any_empty)
+            exp_sum(std::true_type{});
+        else
+            exp_sum(std::false_type{});
     };
 
     // After the previous block's product is complete: P of this block into pa, acc *= alpha,
-    // and the facts about this block that its own P V product will need.  At a split start acc was merged away: it restarts from +0 (attention.cu zeroes it in the
-    // merge; +0 * alpha is +0), by selection rather than a branch so that the accumulator
-    // registers are defined in one place (a branch here makes ptxas serialise the wgmmas).
-    auto rescale = [&](bool split_start) {
+    // and the facts about this block that its own P V product will need.  At a split start
+    // acc was merged away: it restarts from +0 (attention.cu zeroes it in the merge).
+    auto rescale = [&](auto split_start) {
         // P -> pa only now: the previous block's P V product read pa until its wait.
 #pragma unroll
-        for (int kk = 0; kk < 4; ++kk) {
-            pa[kk][0] = pack_pair<Codec>(s[8 * kk + 0], s[8 * kk + 1]);
-            pa[kk][1] = pack_pair<Codec>(s[8 * kk + 2], s[8 * kk + 3]);
-            pa[kk][2] = pack_pair<Codec>(s[8 * kk + 4], s[8 * kk + 5]);
-            pa[kk][3] = pack_pair<Codec>(s[8 * kk + 6], s[8 * kk + 7]);
-        }
+        for (int kk = 0; kk < 4; ++kk)
 #pragma unroll
-        for (int t = 0; t < 16; ++t) {
-            acc[4 * t + 0] = split_start ? 0.0f : __fmul_rn(acc[4 * t + 0], alpha[0]);
-            acc[4 * t + 1] = split_start ? 0.0f : __fmul_rn(acc[4 * t + 1], alpha[0]);
-        }
-        if (hi_rows) {
+            for (int j = 0; j < 4; ++j) pa[kk][j] = pack_pair<Codec>(s[8 * kk + 2 * j], s[8 * kk + 2 * j + 1]);
 #pragma unroll
-            for (int t = 0; t < 16; ++t) {
-                acc[4 * t + 2] = split_start ? 0.0f : __fmul_rn(acc[4 * t + 2], alpha[1]);
-                acc[4 * t + 3] = split_start ? 0.0f : __fmul_rn(acc[4 * t + 3], alpha[1]);
-            }
-        }
+        for (int i = 0; i < 64; ++i)
+            acc[i] = decltype(split_start)::value ? 0.0f : __fmul_rn(acc[i], alpha[(i / 2) % 2]);
         prev_empty[0] = empty_now[0];
         prev_empty[1] = empty_now[1];
-        // Padding rows are always empty and never written: they do not need the -0 fix-up.
-        prev_any_empty =
-            __any_sync(0xffffffffu, (empty_now[0] && row_q[0] >= 0) || (empty_now[1] && row_q[1] >= 0));
+        // Padding rows are never written: they do not need the -0 fix-up.
+        prev_any_empty = any_empty;
     };
-
-    using Yes = std::true_type;
-    using No = std::false_type;
-    if (blk_end > 0) {
-        issue(0, Yes{}, No{});
-        wgmma_wait<0>();
-        fence_operands<32>(s);
-        softmax(0);
-        rescale(false);
-    }
-    // Steady state, no branch between a product's issue and its wait: block blk's S product,
-    // then block blk-1's P V product behind it; block blk's softmax runs while P V executes.
-    for (int blk = 1; blk < blk_end; ++blk) {
-        issue(blk, Yes{}, Yes{});
-        wgmma_wait<1>();  // S of block blk is complete; P V of block blk-1 may still run
-        fence_operands<32>(s);
-        if (blk % kBlocksPerSplit == 0) {  // block blk-1 ended a split: blk starts a new one
-#pragma unroll
-            for (int i = 0; i < 2; ++i) {
-                end_m[i] = m[i];
-                end_l[i] = l[i];
-                m[i] = kNegInf;
-                l[i] = 0.0f;
-            }
-        }
-        softmax(blk);
-        finish_pv(blk - 1);
-        rescale(blk % kBlocksPerSplit == 0);
-    }
-    if (blk_end > 0) {
-        issue(blk_end, No{}, Yes{});
+    auto start_split = [&]() {
 #pragma unroll
         for (int i = 0; i < 2; ++i) {
             end_m[i] = m[i];
             end_l[i] = l[i];
+            m[i] = kNegInf;
+            l[i] = 0.0f;
         }
-        finish_pv(blk_end - 1);  // the last block always ends a split
+    };
+
+    using Yes = std::true_type;
+    using No = std::false_type;
+    // Block blk's S product, then block blk-1's P V product behind it; block blk's
+    // softmax runs while P V executes.  No branch between a product's issue and its wait.
+    if (blk_end > 0) {
+        issue(Yes{}, No{});
+        cur_stage = 0;
+        wgmma_wait<0>();
+        fence_operands<32>(s);
+        scale(0);
+        softmax();
+        rescale(No{});
+    }
+    // A block that starts a split (blk-1 ended one) is a separate copy of the step, so that
+    // the merge and the restart of acc cost nothing in the other blocks.
+    auto step = [&](int blk, auto split_start) {
+        pv_stage = cur_stage;
+        cur_stage = s_stage;
+        issue(Yes{}, Yes{});
+        wgmma_wait<1>();  // S of block blk is complete; P V of block blk-1 may still run
+        fence_operands<32>(s);
+        if constexpr (decltype(split_start)::value) start_split();
+        scale(blk);
+        softmax();
+        wgmma_wait<0>();
+        finish_pv(blk - 1, split_start);
+        rescale(split_start);
+    };
+    for (int blk = 1; blk < blk_end; ++blk) {
+        if (blk % kBlocksPerSplit == 0)
+            step(blk, Yes{});
+        else
+            step(blk, No{});
+    }
+    if (blk_end > 0) {
+        pv_stage = cur_stage;
+        issue(No{}, Yes{});
+        start_split();  // keeps the last split's m, l in end_m, end_l for its merge
+        wgmma_wait<0>();
+        finish_pv(blk_end - 1, Yes{});  // the last block always ends a split
     }
 
     T* op = static_cast<T*>(p.out);

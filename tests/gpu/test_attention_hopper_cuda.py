@@ -108,6 +108,24 @@ def test_hopper_equals_mma_sync_tile_and_split(dtype, heads, causal):
 @cuda
 @needs_hopper
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("causal", (True, False))
+def test_split_edges_equal_mma_sync(dtype, causal):
+    # The kernel runs a block that starts a split as its own copy of the pipeline step: contexts
+    # ending exactly on a split (1024, 2048), one block past it (1088: the block that starts
+    # the second split is the last), one key past it (1025), and one key short (1023).
+    seqlens_k = torch.tensor([1024, 1088, 2048, 1025, 1023], device=DEVICE)
+    seqlens_q = torch.tensor([200, 70, 129, 1, 64], device=DEVICE)
+    q, k, v = _qkv(5, 200, 2048, 8, 2, dtype, seed=31)
+    q, k, v = _nan_padding(q, k, v, seqlens_q, seqlens_k)
+    kwargs = dict(causal=causal, seqlens_q=seqlens_q, seqlens_k=seqlens_k, return_lse=True)
+    new = gpu.attention(q, k, v, mode="tile", warps=4, hopper=True, **kwargs)
+    old = gpu.attention(q, k, v, mode="tile", warps=4, hopper=False, **kwargs)
+    assert_bitwise_equal(new, old, name="hopper vs mma.sync tile at split edges")
+
+
+@cuda
+@needs_hopper
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_wide_score_range_equals_mma_sync(dtype):
     # softmax_scale = 1: many P below 2^-126, flushed to +0 by exp2_ftz in both kernels.
     q, k, v = _qkv(2, 300, 1500, 8, 2, dtype, seed=41)
