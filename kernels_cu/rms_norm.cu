@@ -643,7 +643,7 @@ __device__ __forceinline__ void backward_resident_row(const BackwardArgs& a, int
 // group (they are the same for its kRowsInSequence rows) together with the first row's.  Used
 // for K <= kResidentWeightMaxChunks: with 8 chunks the weight's 32 more registers per thread
 // cost a CTA per SM and it ran slower (issue 6, H200: 150 vs 148 us at 16384 x 4096 bf16).
-template <typename Codec, int T, int K, bool kPrefetch = false>
+template <typename Codec, int T, int K>
 __device__ __forceinline__ void backward_weight_grad_resident(const BackwardArgs& a,
                                                               float* partials,
                                                               float* warp_partials,
@@ -671,24 +671,9 @@ __device__ __forceinline__ void backward_weight_grad_resident(const BackwardArgs
         if (c < chunks) load_chunk(w[k], weight, c, a.d, vector);
     }
     for (int s = 0; s < kSequence; ++s) {
-        if constexpr (kPrefetch) {
-            Chunk<Codec> next_xs[K], next_gs[K];
-            if (s + 1 < kSequence) {
-                load_backward_row<Codec, T, K>(next_xs, next_gs, a, first_row + s + 1, lane,
-                                               vector);
-            }
-            backward_resident_row<Codec, T, K>(a, first_row + s, lane, vector, xs, gs, w,
-                                               warp_partials, mine);
-#pragma unroll
-            for (int k = 0; k < K; ++k) {
-                xs[k] = next_xs[k];
-                gs[k] = next_gs[k];
-            }
-        } else {
-            if (s > 0) load_backward_row<Codec, T, K>(xs, gs, a, first_row + s, lane, vector);
-            backward_resident_row<Codec, T, K>(a, first_row + s, lane, vector, xs, gs, w,
-                                               warp_partials, mine);
-        }
+        if (s > 0) load_backward_row<Codec, T, K>(xs, gs, a, first_row + s, lane, vector);
+        backward_resident_row<Codec, T, K>(a, first_row + s, lane, vector, xs, gs, w,
+                                           warp_partials, mine);
     }
     __syncthreads();
     const float* sums = reinterpret_cast<const float*>(group_sums);
@@ -935,21 +920,6 @@ BATCHINV_RMS_NORM_FUSED_BACKWARD_UP_TO_T128(bf16, batchinv::Bf16Codec)
 BATCHINV_RMS_NORM_FUSED_BACKWARD_UP_TO_T128(f16, batchinv::F16Codec)
 BATCHINV_RMS_NORM_FUSED_BACKWARD_UP_TO_T128(f32, batchinv::F32Codec)
 BATCHINV_RMS_NORM_BACKWARD_WEIGHT_GRAD_ENTRY(f32, batchinv::F32Codec, t256, 256, 8)
-// TEMPORARY (session 5 comparison run): the previous fused backward of bf16 hidden 4096.
-BATCHINV_RMS_NORM_BACKWARD_WEIGHT_GRAD_ENTRY(bf16, batchinv::Bf16Codec, t64, 64, 8)
-// batchinv-signature: rms_norm_backward_weight_grad_bf16_t64(ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
-// TEMPORARY (session 5 comparison run): t128k4 with the next row's loads issued early.
-extern "C" __global__ void __launch_bounds__(128) rms_norm_backward_weight_grad_prefetch_bf16_t128k4(
-    batchinv::bf16_bits* grad_x, float* partials, const batchinv::bf16_bits* grad_y,
-    const batchinv::bf16_bits* x, const batchinv::bf16_bits* weight, const float* rstd,
-    const batchinv::bf16_bits* grad_residual, int64_t rows, int64_t d, int64_t x_stride) {
-    const batchinv::rms::BackwardArgs args{grad_x,        grad_y, x, weight,  rstd,
-                                           grad_residual, rows,   d, x_stride};
-    __shared__ float warp_partials[batchinv::rms::kMaxWarps];
-    __shared__ float4 group_sums[128 * 4 * 8 / 4];
-    batchinv::rms::backward_weight_grad_resident<batchinv::Bf16Codec, 128, 4, true>(
-        args, partials, warp_partials, group_sums);
-}
 
 // Signatures of the entries above, for the launcher's argument checks.
 // batchinv-signature: rms_norm_forward_bf16_t4(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
