@@ -25,9 +25,9 @@
 //           level 1: partial row b sums rows [b * R, (b + 1) * R), R = G * S, as G runs of S
 //             consecutive rows: run g = rows b * R + g * S + s, s = 0 .. S - 1, added in order
 //             from +0, then the G run sums added in order g = 0 .. G - 1 from +0 (rows past the
-//             end are skipped).  G = the geometry's row groups per CTA (128 / T, or 1 for
-//             T >= 128), S = max(1, 16 / G): q/k norm (T = 4) G = 32, S = 1; T = 16: 8 x 2;
-//             T = 32: 4 x 4; T = 64 (hidden 4096 bf16): 2 x 8; T >= 128 and streaming: 1 x 16.
+//             end are skipped).  G = the backward geometry's row groups per CTA (128 / T, or 1
+//             for T >= 128), S = max(1, 16 / G): q/k norm (T = 4) G = 32, S = 1; T = 16: 8 x 2;
+//             T = 32: 4 x 4; T >= 128 (hidden 4096 and 5120 bf16) and streaming: 1 x 16.
 //           level 2+: while more than 64 partial rows remain, each run of 64 consecutive ones is
 //             summed in order (rms_norm_weight_grad_reduce); the last <= 64 are added in order
 //             and rounded once (rms_norm_weight_grad_final).
@@ -43,16 +43,18 @@
 //
 // Launch geometry (the host picks it from d and the dtype only, never from rows): the first
 //   (T threads per row, K chunks per thread) of (4, 4), (16, 4), (32, 4), (64, 8), (128, 5),
-//   (128, 8), (256, 8), (512, 8) with T * K 16-byte chunks >= the row, each thread keeping its
-//   chunks in registers (the row is read once; (128, 5) and (128, 8) have the same tree, K only
-//   bounds the registers); longer rows (bf16 d > 32768, fp32 d > 16384) use the streaming form,
+//   (128, 8), (256, 8), (512, 8) with T * K 16-byte chunks >= the row (forward), each thread
+//   keeping its chunks in registers (the row is read once; (128, 4), (128, 5) and (128, 8) have
+//   the same tree, K only bounds the registers); longer rows (bf16 d > 32768, fp32 d > 16384) use the streaming form,
 //   T = 1024, which reads the row twice.  Up to T = 128 the forward loads the weight's chunks
 //   with the row's, before the reduction; the fused backward keeps them in registers for a row
 //   group's rows when K <= 5.  Where loads are issued changes no arithmetic.
 //   CTA = max(T, 128) threads holding 128 / T rows (T < 128) or one row;
-//   grid.x = ceil(rows / rows per CTA).  The backward uses
-//   the forward's geometry; its fused form gives a CTA R = G * S rows (above), grid.x =
-//   ceil(rows / R).  The batch changes only grid.x.
+//   grid.x = ceil(rows / rows per CTA).  The backward's list is the same except that rows of
+//   129 .. 512 chunks (bf16 d in (1024, 4096]) take (128, 4) instead of (64, 8): its row tree
+//   (grad_x) and grad_weight's first level follow its own list, again from d and the dtype only.
+//   The fused backward gives a CTA R = G * S rows (above), grid.x = ceil(rows / R).  The batch
+//   changes only grid.x.
 //
 // Why a row's bits cannot depend on the batch: element e of a row belongs to 16-byte chunk
 // c = e / (16 / sizeof(storage)), chunk c to thread c % T of the row's group, and a thread
@@ -823,9 +825,12 @@ __device__ __forceinline__ void weight_grad_final(typename Codec::storage* grad_
         batchinv::rms::forward_kernel<CODEC, T, K, STREAMING, FUSED>(args);                      \
     }
 
-#define BATCHINV_RMS_NORM_ROW_KERNELS(SUFFIX, CODEC, GEOMETRY, T, K, BACKWARD_K, STREAMING)      \
+#define BATCHINV_RMS_NORM_FORWARD_KERNELS(SUFFIX, CODEC, GEOMETRY, T, K, STREAMING)            \
     BATCHINV_RMS_NORM_FORWARD_ENTRY(forward, SUFFIX, GEOMETRY, CODEC, T, K, STREAMING, false)     \
-    BATCHINV_RMS_NORM_FORWARD_ENTRY(fused_forward, SUFFIX, GEOMETRY, CODEC, T, K, STREAMING, true) \
+    BATCHINV_RMS_NORM_FORWARD_ENTRY(fused_forward, SUFFIX, GEOMETRY, CODEC, T, K, STREAMING, true)
+
+// grad_x only (no grad_weight wanted, or rows the fused kernel below does not take).
+#define BATCHINV_RMS_NORM_BACKWARD_ENTRY(SUFFIX, CODEC, GEOMETRY, T, K, STREAMING)               \
     extern "C" __global__ void __launch_bounds__(batchinv::rms::Cta<T>::kThreads)                \
         rms_norm_backward_##SUFFIX##_##GEOMETRY(                                                 \
             CODEC::storage* grad_x, const CODEC::storage* grad_y, const CODEC::storage* x,       \
@@ -833,7 +838,7 @@ __device__ __forceinline__ void weight_grad_final(typename Codec::storage* grad_
             const CODEC::storage* grad_residual, int64_t rows, int64_t d, int64_t x_stride) {    \
         const batchinv::rms::BackwardArgs args{grad_x,        grad_y, x, weight,  rstd,          \
                                                grad_residual, rows,   d, x_stride};              \
-        batchinv::rms::backward_kernel<CODEC, T, BACKWARD_K, STREAMING>(args);                   \
+        batchinv::rms::backward_kernel<CODEC, T, K, STREAMING>(args);                            \
     }
 
 // grad_x and grad_weight's first level in one pass (rows held in registers; see the header).
@@ -861,27 +866,35 @@ __device__ __forceinline__ void weight_grad_final(typename Codec::storage* grad_
         batchinv::rms::weight_grad_final<CODEC>(grad_weight, partials, num_partials, d);      \
     }
 
-#define BATCHINV_RMS_NORM_IN_REGISTERS(SUFFIX, CODEC, GEOMETRY, T, K)                        \
-    BATCHINV_RMS_NORM_ROW_KERNELS(SUFFIX, CODEC, GEOMETRY, T, K, K, false)
-
-// The geometry list: (name, threads per row T, chunks per thread K, backward K).  Keep in step
-// with GEOMETRIES in py/batchinv/gpu/rms_norm.py.  Four chunks for the sub-warp rows (q/k
-// norm); eight from 64 threads up, so that each thread has 128 bytes in flight before the
-// reduction (a row-per-CTA kernel with less was latency bound on an H200).  t128k5 is t128
-// with room for 5 chunks (bf16 d <= 5120): the same tree (a thread's chunks are c = lane + k*T
-// in increasing k either way), fewer registers, more CTAs per SM.
-#define BATCHINV_RMS_NORM_ALL_GEOMETRIES(SUFFIX, CODEC)                    \
-    BATCHINV_RMS_NORM_IN_REGISTERS(SUFFIX, CODEC, t4, 4, 4)                \
-    BATCHINV_RMS_NORM_IN_REGISTERS(SUFFIX, CODEC, t16, 16, 4)              \
-    BATCHINV_RMS_NORM_IN_REGISTERS(SUFFIX, CODEC, t32, 32, 4)              \
-    BATCHINV_RMS_NORM_IN_REGISTERS(SUFFIX, CODEC, t64, 64, 8)              \
-    BATCHINV_RMS_NORM_IN_REGISTERS(SUFFIX, CODEC, t128k5, 128, 5)          \
-    BATCHINV_RMS_NORM_IN_REGISTERS(SUFFIX, CODEC, t128, 128, 8)            \
-    BATCHINV_RMS_NORM_IN_REGISTERS(SUFFIX, CODEC, t256, 256, 8)            \
-    BATCHINV_RMS_NORM_IN_REGISTERS(SUFFIX, CODEC, t512, 512, 8)            \
-    BATCHINV_RMS_NORM_ROW_KERNELS(SUFFIX, CODEC, stream, batchinv::rms::kStreamingThreads, \
-                                  batchinv::rms::kStreamingChunks,         \
-                                  batchinv::rms::kStreamingBackwardChunks, true) \
+// The geometry lists: (name, threads per row T, chunks per thread K).  Keep in step with
+// GEOMETRIES and BACKWARD_GEOMETRIES in py/batchinv/gpu/rms_norm.py.  Forward: four chunks for
+// the sub-warp rows (q/k norm); eight from 64 threads up, so that each thread has 128 bytes in
+// flight before the reduction (a row-per-CTA kernel with less was latency bound on an H200).
+// t128k5 is t128 with room for 5 chunks (bf16 d <= 5120): the same tree (a thread's chunks are
+// c = lane + k*T in increasing k either way), fewer registers, more CTAs per SM.  Backward: the
+// same, except that rows of 129 .. 512 chunks (bf16 hidden 4096) take t128k4 instead of t64,
+// whose 8 chunks of x and dy per thread left the fused backward latency bound (issue 6).
+#define BATCHINV_RMS_NORM_ALL_GEOMETRIES(SUFFIX, CODEC)                                          \
+    BATCHINV_RMS_NORM_FORWARD_KERNELS(SUFFIX, CODEC, t4, 4, 4, false)                            \
+    BATCHINV_RMS_NORM_FORWARD_KERNELS(SUFFIX, CODEC, t16, 16, 4, false)                          \
+    BATCHINV_RMS_NORM_FORWARD_KERNELS(SUFFIX, CODEC, t32, 32, 4, false)                          \
+    BATCHINV_RMS_NORM_FORWARD_KERNELS(SUFFIX, CODEC, t64, 64, 8, false)                          \
+    BATCHINV_RMS_NORM_FORWARD_KERNELS(SUFFIX, CODEC, t128k5, 128, 5, false)                      \
+    BATCHINV_RMS_NORM_FORWARD_KERNELS(SUFFIX, CODEC, t128, 128, 8, false)                        \
+    BATCHINV_RMS_NORM_FORWARD_KERNELS(SUFFIX, CODEC, t256, 256, 8, false)                        \
+    BATCHINV_RMS_NORM_FORWARD_KERNELS(SUFFIX, CODEC, t512, 512, 8, false)                        \
+    BATCHINV_RMS_NORM_FORWARD_KERNELS(SUFFIX, CODEC, stream, batchinv::rms::kStreamingThreads,   \
+                                      batchinv::rms::kStreamingChunks, true)                     \
+    BATCHINV_RMS_NORM_BACKWARD_ENTRY(SUFFIX, CODEC, t4, 4, 4, false)                             \
+    BATCHINV_RMS_NORM_BACKWARD_ENTRY(SUFFIX, CODEC, t16, 16, 4, false)                           \
+    BATCHINV_RMS_NORM_BACKWARD_ENTRY(SUFFIX, CODEC, t32, 32, 4, false)                           \
+    BATCHINV_RMS_NORM_BACKWARD_ENTRY(SUFFIX, CODEC, t128k4, 128, 4, false)                       \
+    BATCHINV_RMS_NORM_BACKWARD_ENTRY(SUFFIX, CODEC, t128k5, 128, 5, false)                       \
+    BATCHINV_RMS_NORM_BACKWARD_ENTRY(SUFFIX, CODEC, t128, 128, 8, false)                         \
+    BATCHINV_RMS_NORM_BACKWARD_ENTRY(SUFFIX, CODEC, t256, 256, 8, false)                         \
+    BATCHINV_RMS_NORM_BACKWARD_ENTRY(SUFFIX, CODEC, t512, 512, 8, false)                         \
+    BATCHINV_RMS_NORM_BACKWARD_ENTRY(SUFFIX, CODEC, stream, batchinv::rms::kStreamingThreads,    \
+                                     batchinv::rms::kStreamingBackwardChunks, true)              \
     BATCHINV_RMS_NORM_WEIGHT_GRAD_KERNELS(SUFFIX, CODEC)
 
 extern "C" __global__ void __launch_bounds__(256) rms_norm_weight_grad_reduce(
@@ -899,7 +912,7 @@ BATCHINV_RMS_NORM_ALL_GEOMETRIES(f32, batchinv::F32Codec)
     BATCHINV_RMS_NORM_BACKWARD_WEIGHT_GRAD_ENTRY(SUFFIX, CODEC, t4, 4, 4)              \
     BATCHINV_RMS_NORM_BACKWARD_WEIGHT_GRAD_ENTRY(SUFFIX, CODEC, t16, 16, 4)            \
     BATCHINV_RMS_NORM_BACKWARD_WEIGHT_GRAD_ENTRY(SUFFIX, CODEC, t32, 32, 4)            \
-    BATCHINV_RMS_NORM_BACKWARD_WEIGHT_GRAD_ENTRY(SUFFIX, CODEC, t64, 64, 8)            \
+    BATCHINV_RMS_NORM_BACKWARD_WEIGHT_GRAD_ENTRY(SUFFIX, CODEC, t128k4, 128, 4)        \
     BATCHINV_RMS_NORM_BACKWARD_WEIGHT_GRAD_ENTRY(SUFFIX, CODEC, t128k5, 128, 5)        \
     BATCHINV_RMS_NORM_BACKWARD_WEIGHT_GRAD_ENTRY(SUFFIX, CODEC, t128, 128, 8)
 
@@ -923,8 +936,8 @@ BATCHINV_RMS_NORM_BACKWARD_WEIGHT_GRAD_ENTRY(f32, batchinv::F32Codec, t256, 256,
 // batchinv-signature: rms_norm_backward_weight_grad_bf16_t32(ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
 // batchinv-signature: rms_norm_forward_bf16_t64(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_fused_forward_bf16_t64(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
-// batchinv-signature: rms_norm_backward_bf16_t64(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
-// batchinv-signature: rms_norm_backward_weight_grad_bf16_t64(ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
+// batchinv-signature: rms_norm_backward_bf16_t128k4(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
+// batchinv-signature: rms_norm_backward_weight_grad_bf16_t128k4(ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
 // batchinv-signature: rms_norm_forward_bf16_t128k5(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_fused_forward_bf16_t128k5(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_backward_bf16_t128k5(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
@@ -958,8 +971,8 @@ BATCHINV_RMS_NORM_BACKWARD_WEIGHT_GRAD_ENTRY(f32, batchinv::F32Codec, t256, 256,
 // batchinv-signature: rms_norm_backward_weight_grad_f16_t32(ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
 // batchinv-signature: rms_norm_forward_f16_t64(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_fused_forward_f16_t64(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
-// batchinv-signature: rms_norm_backward_f16_t64(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
-// batchinv-signature: rms_norm_backward_weight_grad_f16_t64(ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
+// batchinv-signature: rms_norm_backward_f16_t128k4(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
+// batchinv-signature: rms_norm_backward_weight_grad_f16_t128k4(ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
 // batchinv-signature: rms_norm_forward_f16_t128k5(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_fused_forward_f16_t128k5(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_backward_f16_t128k5(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
@@ -993,8 +1006,8 @@ BATCHINV_RMS_NORM_BACKWARD_WEIGHT_GRAD_ENTRY(f32, batchinv::F32Codec, t256, 256,
 // batchinv-signature: rms_norm_backward_weight_grad_f32_t32(ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
 // batchinv-signature: rms_norm_forward_f32_t64(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_fused_forward_f32_t64(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
-// batchinv-signature: rms_norm_backward_f32_t64(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
-// batchinv-signature: rms_norm_backward_weight_grad_f32_t64(ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
+// batchinv-signature: rms_norm_backward_f32_t128k4(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
+// batchinv-signature: rms_norm_backward_weight_grad_f32_t128k4(ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
 // batchinv-signature: rms_norm_forward_f32_t128k5(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_fused_forward_f32_t128k5(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_backward_f32_t128k5(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)

@@ -235,10 +235,10 @@ def _weight_grad_by_the_documented_tree(grad_y, x, rstd, groups, in_sequence):
     return in_order(partials[None])[0].to(grad_y.dtype)
 
 
-# One hidden size per first-level shape: q/k norm (32 row groups of 1 row), 4 and 2 groups,
-# one group (5120; 2500 fp32), and rows whose sums do not fit the fused kernel (12000 bf16,
-# t512, stream).
-TREE_HIDDENS = (128, 1000, 2500, 4096, 5120, 12000, 20000, 40000)
+# One hidden size per first-level shape: q/k norm (32 row groups of 1 row), 8 and 4 groups
+# (500, 1000 bf16), one group (2500, 4096, 5120), and rows whose sums do not fit the fused
+# kernel (12000 bf16, t512, stream).
+TREE_HIDDENS = (128, 500, 1000, 2500, 4096, 5120, 12000, 20000, 40000)
 # Enough rows for the fused kernel (at least FUSED_WEIGHT_GRAD_MIN_BLOCKS CTAs of up to 32 rows);
 # fewer take grad_x and the column pass.
 FUSED_ROWS = 9000
@@ -371,6 +371,8 @@ def test_every_output_element_is_written_in_every_geometry(dtype):
     hiddens.append(max(t * k for t, k in gpu_rms_norm.GEOMETRIES) * elems + 3)
     names = {gpu_rms_norm.geometry(h, dtype)[0] for h in hiddens}
     assert len(names) == len(gpu_rms_norm.GEOMETRIES) + 1
+    backward_names = {gpu_rms_norm.backward_geometry(h, dtype)[0] for h in hiddens}
+    assert len(backward_names) == len(gpu_rms_norm.BACKWARD_GEOMETRIES) + 1
     gen = torch.Generator(device=DEVICE).manual_seed(6)
     for hidden in hiddens:
         rows = 37
@@ -418,7 +420,7 @@ def test_every_output_element_is_written_in_every_geometry(dtype):
         assert not bool(grad_x.isnan().any()), f"hidden {hidden}: grad_x has unwritten elements"
         if not gpu_rms_norm.fused_backward_fits(hidden, dtype):
             continue
-        name, _, cta = gpu_rms_norm.geometry(hidden, dtype)
+        name, _, cta = gpu_rms_norm.backward_geometry(hidden, dtype)
         groups, in_sequence = gpu_rms_norm.weight_grad_chunking(hidden, dtype)
         blocks = -(-rows // (groups * in_sequence))
         fused_grad_x = torch.full_like(y, float("nan"))
@@ -506,6 +508,57 @@ def test_fewer_chunks_per_thread_reduce_a_row_as_the_wider_geometry(dtype, trim)
         assert_bitwise_equal(a, b, name=label)
     assert_bitwise_equal(narrow[3], narrow[0], name="plain y vs fused y")
     assert_bitwise_equal(narrow[5], narrow[4], name="fused grad_x vs grad_x kernel")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("trim", (0, 3))  # 0: whole 16-byte chunks (vector path); 3: element path
+def test_backward_t128k4_reduces_a_row_as_t128(dtype, trim):
+    # The backward of rows of 129 .. 512 chunks (bf16 hidden 4096) runs t128k4 (the forward
+    # t64): 128 threads of 4 chunks, so a row's tree is t128's; the backward kernels of t128k4,
+    # t128k5 and t128 must give the same grad_x and first-level partials.
+    elems = 16 // dtype.itemsize
+    hidden = 128 * 4 * elems - trim
+    assert gpu_rms_norm.backward_geometry(hidden, dtype)[0] == "t128k4"
+    assert gpu_rms_norm.weight_grad_chunking(hidden, dtype) == (1, 16)
+    suffix = gpu_rms_norm._SUFFIX[dtype]
+    rows = 67
+    gen = torch.Generator(device=DEVICE).manual_seed(16)
+    x, grad_y, grad_residual = (
+        (2.0 * torch.randn(rows, hidden, device=DEVICE, generator=gen)).to(dtype) for _ in range(3)
+    )
+    weight = _weight(hidden, dtype)
+    _, rstd = gpu_rms_norm.forward(x, weight, EPS)
+    blocks = -(-rows // gpu_rms_norm.WEIGHT_GRAD_CHUNK_ROWS)
+    inputs = (grad_y, x, weight, rstd, grad_residual, rows, hidden, hidden)
+    results = {}
+    for name in ("t128k4", "t128k5", "t128"):
+        grad_x = torch.full_like(x, float("nan"))
+        fused_grad_x = torch.full_like(x, float("nan"))
+        partials = torch.full((blocks, hidden), float("nan"), device=DEVICE)
+        for kernel, grid, outputs in (
+            (f"rms_norm_backward_{suffix}_{name}", rows, (grad_x,)),
+            (f"rms_norm_backward_weight_grad_{suffix}_{name}", blocks, (fused_grad_x, partials)),
+        ):
+            gpu_rms_norm.launch(
+                gpu_rms_norm.kernel_for("rms_norm", kernel, x.device),
+                x.device,
+                grid=(grid,),
+                block=(128,),
+                args=(*outputs, *inputs),
+            )
+        for label, t in (
+            ("grad_x", grad_x),
+            ("fused grad_x", fused_grad_x),
+            ("partials", partials),
+        ):
+            assert not bool(t.isnan().any()), f"{name} {label}: unwritten elements"
+        assert_bitwise_equal(fused_grad_x, grad_x, name=f"{name}: fused vs grad_x kernel")
+        results[name] = (grad_x, partials)
+    for name in ("t128k5", "t128"):
+        assert_bitwise_equal(results["t128k4"], results[name], name=f"t128k4 vs {name}")
+    # The op runs t128k4 for this hidden size.
+    op_grad_x, _ = gpu_rms_norm.backward(grad_y, x, weight, rstd, grad_residual)
+    assert_bitwise_equal(op_grad_x, results["t128k4"][0], name="op vs t128k4")
 
 
 def test_nan_rows_do_not_leak_into_their_neighbours():

@@ -100,16 +100,21 @@ def test_inputs_are_not_mutated():
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_gpu_geometry_follows_the_row_length_only(dtype):
+@pytest.mark.parametrize("direction", ("forward", "backward"))
+def test_gpu_geometry_follows_the_row_length_only(dtype, direction):
     elems = 16 // dtype.itemsize
+    table, pick = {
+        "forward": (gpu_rms_norm.GEOMETRIES, gpu_rms_norm.geometry),
+        "backward": (gpu_rms_norm.BACKWARD_GEOMETRIES, gpu_rms_norm.backward_geometry),
+    }[direction]
     # name -> (threads, chunks it holds), in the order the launcher tries them
-    capacity = {gpu_rms_norm.geometry_name(t, k): (t, t * k) for t, k in gpu_rms_norm.GEOMETRIES}
+    capacity = {gpu_rms_norm.geometry_name(t, k): (t, t * k) for t, k in table}
     order = list(capacity)
     seen = set()
     sizes = [2560, 4095, 4096, 4097, 5120, 5121, 8192, 16384, 32768, 32769, 70000]
     for d in list(range(1, 600)) + sizes:
-        name, threads, cta = gpu_rms_norm.geometry(d, dtype)
-        assert (name, threads, cta) == gpu_rms_norm.geometry(d, dtype)
+        name, threads, cta = pick(d, dtype)
+        assert (name, threads, cta) == pick(d, dtype)
         chunks = -(-d // elems)
         if name == "stream":
             assert chunks > max(c for _, c in capacity.values())
@@ -121,7 +126,24 @@ def test_gpu_geometry_follows_the_row_length_only(dtype):
         assert cta % threads == 0 and cta >= 128
         seen.add(name)
     assert seen == set(capacity) | {"stream"}
-    assert len(capacity) == len(gpu_rms_norm.GEOMETRIES)  # names are distinct
+    assert len(capacity) == len(table)  # names are distinct
+
+
+def test_backward_geometry_differs_from_the_forward_only_for_t64():
+    # bf16 hidden 4096: the forward runs 64 threads of 8 chunks, the backward 128 of 4.
+    for dtype in DTYPES:
+        elems = 16 // dtype.itemsize
+        for d in range(1, 1024 * elems + 2, 7):
+            forward, backward = (
+                gpu_rms_norm.geometry(d, dtype),
+                gpu_rms_norm.backward_geometry(d, dtype),
+            )
+            if forward[0] == "t64":
+                assert backward == ("t128k4", 128, 128), d
+            else:
+                assert backward == forward, d
+    assert gpu_rms_norm.backward_geometry(4096, torch.bfloat16)[0] == "t128k4"
+    assert gpu_rms_norm.weight_grad_chunking(4096, torch.bfloat16) == (1, 16)
 
 
 def test_as_rows_views_when_it_can_and_copies_when_it_must():

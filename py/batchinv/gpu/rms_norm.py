@@ -24,6 +24,11 @@ from ._launch import kernel_for, launch
 # first that holds the row is used.  (128, 5) reduces a row exactly as (128, 8) does (the tree
 # follows the threads per row only) with fewer registers: bf16 d in (4096, 5120] (Qwen3-14B/32B).
 GEOMETRIES = ((4, 4), (16, 4), (32, 4), (64, 8), (128, 5), (128, 8), (256, 8), (512, 8))
+# The backward's list: the same, except that rows of 129 .. 512 chunks (bf16 hidden 4096) use 128
+# threads of 4 chunks instead of 64 of 8 (issue 6: the fused backward with 8 chunks of x and dy
+# per thread was latency bound).  It fixes the backward's row tree (grad_x) and grad_weight's
+# first level, as the forward's list fixes the forward's; both depend on d and the dtype only.
+BACKWARD_GEOMETRIES = ((4, 4), (16, 4), (32, 4), (128, 4), (128, 5), (128, 8), (256, 8), (512, 8))
 STREAMING_THREADS = 1024
 MIN_CTA_THREADS = 128
 # grad_weight's tree (kernels_cu/rms_norm.cu): first-level partials of at least this many rows
@@ -51,24 +56,41 @@ def geometry_name(threads: int, per_thread: int) -> str:
     return f"t{threads}" if per_thread == most else f"t{threads}k{per_thread}"
 
 
-@functools.cache
-def chunks_per_thread(d: int, dtype: torch.dtype) -> int | None:
-    """The geometry's chunks per thread for rows of ``d`` elements (None: streaming)."""
+def _holding(d: int, dtype: torch.dtype, table) -> tuple[int, int] | None:
+    """The first ``(threads, chunks per thread)`` of ``table`` that holds a row of ``d``
+    elements (None: streaming)."""
     chunks = -(-d // (16 // dtype.itemsize))
-    for threads, per_thread in GEOMETRIES:
+    for threads, per_thread in table:
         if threads * per_thread >= chunks:
-            return per_thread
+            return threads, per_thread
     return None
+
+
+def _named(held: tuple[int, int] | None) -> tuple[str, int, int]:
+    if held is None:
+        return "stream", STREAMING_THREADS, STREAMING_THREADS
+    threads, per_thread = held
+    return geometry_name(threads, per_thread), threads, max(threads, MIN_CTA_THREADS)
+
+
+@functools.cache
+def backward_chunks_per_thread(d: int, dtype: torch.dtype) -> int | None:
+    """The backward geometry's chunks per thread for rows of ``d`` elements (None: streaming)."""
+    held = _holding(d, dtype, BACKWARD_GEOMETRIES)
+    return None if held is None else held[1]
 
 
 @functools.cache
 def geometry(d: int, dtype: torch.dtype) -> tuple[str, int, int]:
-    """``(kernel geometry name, threads per row, CTA threads)`` for rows of ``d`` elements."""
-    chunks = -(-d // (16 // dtype.itemsize))
-    for threads, per_thread in GEOMETRIES:
-        if threads * per_thread >= chunks:
-            return geometry_name(threads, per_thread), threads, max(threads, MIN_CTA_THREADS)
-    return "stream", STREAMING_THREADS, STREAMING_THREADS
+    """``(kernel geometry name, threads per row, CTA threads)`` of the forward for rows of
+    ``d`` elements."""
+    return _named(_holding(d, dtype, GEOMETRIES))
+
+
+@functools.cache
+def backward_geometry(d: int, dtype: torch.dtype) -> tuple[str, int, int]:
+    """``(kernel geometry name, threads per row, CTA threads)`` of the backward."""
+    return _named(_holding(d, dtype, BACKWARD_GEOMETRIES))
 
 
 def as_rows(t: Tensor, width: int) -> Tensor:
@@ -85,7 +107,9 @@ def as_rows(t: Tensor, width: int) -> Tensor:
 def _launch_rows(
     kernel: str, device: torch.device, d: int, dtype: torch.dtype, rows: int, args
 ) -> None:
-    name, threads, cta = geometry(d, dtype)
+    """One row per group of threads; ``rms_norm_backward`` takes the backward's geometry."""
+    pick = backward_geometry if kernel == "rms_norm_backward" else geometry
+    name, threads, cta = pick(d, dtype)
     rows_per_cta = cta // threads
     grid = -(-rows // rows_per_cta)
     if grid > _MAX_GRID_X:
@@ -164,8 +188,8 @@ def weight_grad_chunking(d: int, dtype: torch.dtype) -> tuple[int, int]:
     """``(row groups, rows in sequence per group)`` of grad_weight's first level for rows of
     ``d`` elements: a partial row sums ``groups * rows_in_sequence`` consecutive rows, each
     group its own consecutive run in order, then the groups in order (a function of ``d``
-    and the dtype only)."""
-    _, threads, cta = geometry(d, dtype)
+    and the dtype only; from the backward's geometry)."""
+    _, threads, cta = backward_geometry(d, dtype)
     groups = cta // threads
     return groups, max(1, WEIGHT_GRAD_CHUNK_ROWS // groups)
 
@@ -226,8 +250,8 @@ def _weight_grad_separately(
 @functools.cache
 def fused_backward_fits(d: int, dtype: torch.dtype) -> bool:
     """Whether rows of ``d`` elements have a fused grad_x + grad_weight kernel."""
-    _, _, cta = geometry(d, dtype)
-    per_thread = chunks_per_thread(d, dtype)
+    _, _, cta = backward_geometry(d, dtype)
+    per_thread = backward_chunks_per_thread(d, dtype)
     if per_thread is None:  # streaming
         return False
     sums_per_chunk = 16 // dtype.itemsize  # one fp32 sum per element
@@ -267,7 +291,7 @@ def backward(
         d,
         x_rows.stride(0),
     )
-    name, _, cta = geometry(d, dtype)
+    name, _, cta = backward_geometry(d, dtype)
     groups, in_sequence = weight_grad_chunking(d, dtype)
     blocks = -(-rows // (groups * in_sequence))
     grad_weight = None
