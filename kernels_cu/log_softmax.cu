@@ -58,6 +58,10 @@ struct Unroll {
     static constexpr int value = 64 / static_cast<int>(sizeof(typename Codec::storage) * 8);
 };
 constexpr int kBackwardUnroll = 2;  // the backward holds grad_out and x groups: fewer at once
+// The cluster forward's first pass takes two segments per step (speed only; 0 for A/B builds).
+#ifndef BATCHINV_LSM_PAIRED_GROUPS
+#define BATCHINV_LSM_PAIRED_GROUPS 1
+#endif
 constexpr int kMaxWarps = 1024 / BATCHINV_WARP_SIZE;
 
 template <typename Codec>
@@ -560,7 +564,19 @@ struct Slice {
     }
 };
 
-// Warp 0 starts every segment's copy; each segment completes on its own barrier.
+// Issues the copy of segment k of `row` (a row of the same length) into its slot; thread 0 only.
+template <typename S, int C, int TC>
+__device__ __forceinline__ void refill_segment(const Slice<S, C, TC>& slice, const S* row, int64_t vocab,
+                                               uint8_t* segments, uint64_t* barriers, int k) {
+    const uint32_t bytes = slice.bytes_of(k, vocab);
+    if (bytes == 0) return;  // nobody waits on it: its groups are past the row
+    hopper::barrier_expect_bytes(&barriers[k], bytes);
+    const int64_t first = static_cast<int64_t>(k * C * TC + static_cast<int>(slice.rank) * TC) * kGroup;
+    bulk_load(segments + static_cast<int64_t>(k) * Slice<S, C, TC>::kSegmentBytes, row + first, bytes, &barriers[k]);
+}
+
+// Warp 0 starts every segment's copy of the CTA's first row; each segment completes on its own
+// barrier.
 template <typename S, int C, int TC>
 __device__ __forceinline__ void start_row_copies(const Slice<S, C, TC>& slice, const S* row, int64_t vocab,
                                                  uint8_t* segments, uint64_t* barriers) {
@@ -572,12 +588,7 @@ __device__ __forceinline__ void start_row_copies(const Slice<S, C, TC>& slice, c
     __syncthreads();
     if (lane < BATCHINV_WARP_SIZE) {
         for (int k = lane; k < slice.segments; k += BATCHINV_WARP_SIZE) {
-            const uint32_t bytes = slice.bytes_of(k, vocab);
-            if (bytes == 0) continue;  // nobody waits on it: its groups are past the row
-            hopper::barrier_expect_bytes(&barriers[k], bytes);
-            const int64_t first = static_cast<int64_t>(k * C * TC + static_cast<int>(slice.rank) * TC) * kGroup;
-            bulk_load(segments + static_cast<int64_t>(k) * Slice<S, C, TC>::kSegmentBytes, row + first, bytes,
-                      &barriers[k]);
+            refill_segment(slice, row, vocab, segments, barriers, k);
         }
     }
 }
@@ -596,8 +607,8 @@ __device__ __forceinline__ void read_group(Group<Codec>& g, const uint8_t* segme
 // shared memory, the chain reads them by shuffle) and broadcasts the result through shared memory;
 // every thread of every CTA gets the same bits.  `slots` holds TC / 32 + 2 entries: the warp
 // results, the CTA's result (read by the other CTAs when not kFlat) and the broadcast.  Leaves the
-// cluster barrier armed: call cluster_wait() before the CTA exits (the other CTAs read this CTA's
-// slots until they arrive).
+// cluster barrier armed: call cluster_wait() before the CTA writes its slots again (next row) or
+// exits (the other CTAs read this CTA's slots until they arrive).
 template <int C, int TC>
 struct Exchange {
     static constexpr int kLocalWarps = TC / BATCHINV_WARP_SIZE;
@@ -715,9 +726,53 @@ __device__ __forceinline__ float cluster_sum(float v, float* slots) {
 // The backward keeps plain loads and stores: with the same hints on x and grad_x it measured
 // slower (H200, 4096 x 151936, bf16 x: fp32 dy 1.51 vs 1.42 ms, bf16 dy 1.16 vs 1.13 ms), while
 // the forward gained a little (bf16 -> fp32 1.122 vs 1.126 ms, fp32 1.595 vs 1.624 ms).
-constexpr bool kForwardStreamStores = true;
+#ifndef BATCHINV_LSM_FORWARD_STREAM_STORES
+#define BATCHINV_LSM_FORWARD_STREAM_STORES 1  // 0 only in A/B builds
+#endif
+constexpr bool kForwardStreamStores = BATCHINV_LSM_FORWARD_STREAM_STORES != 0;
 constexpr bool kBackwardStreamHints = false;
 
+// The thread's merged state over its groups of the slice, in increasing k.  Two segments per
+// step (both group states first, then the two merges in order): the same operations in the same
+// order, with two independent group states in flight instead of one (speed only).
+template <typename Codec, int C, int TC>
+__device__ __forceinline__ State slice_state(const Slice<typename Codec::storage, C, TC>& slice,
+                                             const uint8_t* shared_row, uint64_t* barriers, uint32_t parity,
+                                             int64_t vocab) {
+    State st{-INFINITY, 0.0f};
+    int k = 0;
+#if BATCHINV_LSM_PAIRED_GROUPS
+    for (; k + 1 < slice.segments && slice.group_of(k + 1) < slice.groups; k += 2) {
+        hopper::barrier_wait(&barriers[k], parity);
+        hopper::barrier_wait(&barriers[k + 1], parity);
+        Group<Codec> first, second;
+        read_group<Codec, C, TC>(first, shared_row, k);
+        read_group<Codec, C, TC>(second, shared_row, k + 1);
+        const State a = group_state(first, valid_in(slice.group_of(k), vocab));
+        const State b = group_state(second, valid_in(slice.group_of(k + 1), vocab));
+        st = merge(merge(st, a), b);
+    }
+#endif
+    for (; k < slice.segments; ++k) {
+        const int g = slice.group_of(k);
+        if (g >= slice.groups) break;
+        hopper::barrier_wait(&barriers[k], parity);
+        Group<Codec> grp;
+        read_group<Codec, C, TC>(grp, shared_row, k);
+        st = merge(st, group_state(grp, valid_in(g, vocab)));
+    }
+    return st;
+}
+
+// Segments read before a refill of their slots in the second pass (one CTA barrier per batch).
+constexpr int kRefillBatch = 4;
+
+// Rows: a cluster handles rows blockIdx.x / C, + gridDim.x / C, ... (the host launches at most as
+// many clusters as fit at once, so each loops over several rows).  While the second pass of a row
+// runs, the slots it has finished reading are refilled with the same segments of the cluster's
+// next row, so that row's copies overlap this row's work.  Which cluster handles a row, and how
+// many rows it handles, changes no operation of the row (speed only).  Each mbarrier completes one
+// phase per row: row i of this CTA waits on parity i % 2.
 template <typename InCodec, typename OutCodec, int C, int TC>
 __device__ __forceinline__ void forward(const ForwardArgs& a) {
     using S = typename InCodec::storage;
@@ -726,42 +781,63 @@ __device__ __forceinline__ void forward(const ForwardArgs& a) {
     extern __shared__ __align__(16) uint8_t shared_row[];
     __shared__ float2 warp_states[TC / BATCHINV_WARP_SIZE + 2];
     const int64_t vocab = a.vocab;
-    const int64_t row = blockIdx.x / C;  // grid.x = rows * C exactly: every CTA has a row
+    const int64_t first_row = blockIdx.x / C;  // the same for every CTA of the cluster
+    const int64_t row_step = gridDim.x / C;
+    if (first_row >= a.rows) return;
     Slice<S, C, TC> slice;
     slice.rank = cta_rank();
     slice.groups = static_cast<int>((vocab + kGroup - 1) / kGroup);
     slice.segments = (slice.groups + C * TC - 1) / (C * TC);
     uint64_t* barriers = reinterpret_cast<uint64_t*>(shared_row + static_cast<int64_t>(slice.segments) *
                                                                       Slice<S, C, TC>::kSegmentBytes);
-    const S* x = static_cast<const S*>(a.x) + row * a.x_stride;
-    O* out = static_cast<O*>(a.out) + row * vocab;
-    start_row_copies(slice, x, vocab, shared_row, barriers);
+    const S* x_rows = static_cast<const S*>(a.x);
+    start_row_copies(slice, x_rows + first_row * a.x_stride, vocab, shared_row, barriers);
 
-    State st{-INFINITY, 0.0f};
-    for (int k = 0; k < slice.segments; ++k) {
-        const int g = slice.group_of(k);
-        if (g >= slice.groups) break;
-        hopper::barrier_wait(&barriers[k], 0);
-        Group<InCodec> grp;
-        read_group<InCodec, C, TC>(grp, shared_row, k);
-        st = merge(st, group_state(grp, valid_in(g, vocab)));
-    }
-    st = cluster_merge<C, TC>(st, warp_states);
-    const float lse = ieee_add(st.m, logf(st.l));
-    if (a.lse != nullptr && slice.rank == 0 && threadIdx.x == 0) a.lse[row] = lse;
+    uint32_t parity = 0;
+    for (int64_t row = first_row; row < a.rows; row += row_step, parity ^= 1u) {
+        const int64_t next = row + row_step;
+        const S* next_x = next < a.rows ? x_rows + next * a.x_stride : nullptr;
+        O* out = static_cast<O*>(a.out) + row * vocab;
+        State st = slice_state<InCodec, C, TC>(slice, shared_row, barriers, parity, vocab);
+        if (row != first_row) cluster_wait();  // the others are done reading the previous row's slots
+        st = cluster_merge<C, TC>(st, warp_states);
+        const float lse = ieee_add(st.m, logf(st.l));
+        if (a.lse != nullptr && slice.rank == 0 && threadIdx.x == 0) a.lse[row] = lse;
 
-    for (int k = 0; k < slice.segments; ++k) {
-        const int g = slice.group_of(k);
-        if (g >= slice.groups) break;
-        Group<InCodec> grp;
-        read_group<InCodec, C, TC>(grp, shared_row, k);
-        write_output<InCodec, OutCodec, kForwardStreamStores>(out, grp, g, vocab, lse, true);
+        for (int k0 = 0; k0 < slice.segments; k0 += kRefillBatch) {
+            Group<InCodec> grp[kRefillBatch];
+#pragma unroll
+            for (int u = 0; u < kRefillBatch; ++u) {
+                const int k = k0 + u;
+                if (k < slice.segments && slice.group_of(k) < slice.groups) {
+                    read_group<InCodec, C, TC>(grp[u], shared_row, k);
+                }
+            }
+            if (next_x != nullptr) {
+                __syncthreads();  // every thread has read segments k0 .. k0 + kRefillBatch - 1
+                if (threadIdx.x == 0) {
+#pragma unroll
+                    for (int u = 0; u < kRefillBatch; ++u) {
+                        if (k0 + u < slice.segments) refill_segment(slice, next_x, vocab, shared_row, barriers, k0 + u);
+                    }
+                }
+            }
+#pragma unroll
+            for (int u = 0; u < kRefillBatch; ++u) {
+                const int k = k0 + u;
+                const int g = slice.group_of(k);
+                if (k < slice.segments && g < slice.groups) {
+                    write_output<InCodec, OutCodec, kForwardStreamStores>(out, grp[u], g, vocab, lse, true);
+                }
+            }
+        }
     }
     cluster_wait();
 }
 
 constexpr int kXUnroll = 4;  // x groups loaded before use in the backward's second pass
 
+// Rows and refills as in forward above; the slots hold grad_out, x is streamed.
 template <typename InCodec, typename OutCodec, int C, int TC>
 __device__ __forceinline__ void backward(const BackwardArgs& a) {
     using S = typename InCodec::storage;
@@ -770,51 +846,70 @@ __device__ __forceinline__ void backward(const BackwardArgs& a) {
     extern __shared__ __align__(16) uint8_t shared_row[];
     __shared__ float warp_sums[TC / BATCHINV_WARP_SIZE + 2];
     const int64_t vocab = a.vocab;
-    const int64_t row = blockIdx.x / C;
+    const int64_t first_row = blockIdx.x / C;
+    const int64_t row_step = gridDim.x / C;
+    if (first_row >= a.rows) return;
     Slice<O, C, TC> slice;
     slice.rank = cta_rank();
     slice.groups = static_cast<int>((vocab + kGroup - 1) / kGroup);
     slice.segments = (slice.groups + C * TC - 1) / (C * TC);
     uint64_t* barriers = reinterpret_cast<uint64_t*>(shared_row + static_cast<int64_t>(slice.segments) *
                                                                       Slice<O, C, TC>::kSegmentBytes);
-    const S* x = static_cast<const S*>(a.x) + row * a.x_stride;
-    const O* grad_out = static_cast<const O*>(a.grad_out) + row * vocab;
-    S* grad_x = static_cast<S*>(a.grad_x) + row * vocab;
-    start_row_copies(slice, grad_out, vocab, shared_row, barriers);
-    const float lse = a.lse[row];
+    const O* grad_rows = static_cast<const O*>(a.grad_out);
+    start_row_copies(slice, grad_rows + first_row * vocab, vocab, shared_row, barriers);
 
-    float sum = 0.0f;
-    for (int k = 0; k < slice.segments; ++k) {
-        const int g = slice.group_of(k);
-        if (g >= slice.groups) break;
-        hopper::barrier_wait(&barriers[k], 0);
-        Group<OutCodec> dy;
-        read_group<OutCodec, C, TC>(dy, shared_row, k);
-        sum = group_sum(dy, valid_in(g, vocab), sum);
-    }
-    const float dy_sum = cluster_sum<C, TC>(sum, warp_sums);
+    uint32_t parity = 0;
+    for (int64_t row = first_row; row < a.rows; row += row_step, parity ^= 1u) {
+        const int64_t next = row + row_step;
+        const O* next_grad = next < a.rows ? grad_rows + next * vocab : nullptr;
+        const S* x = static_cast<const S*>(a.x) + row * a.x_stride;
+        S* grad_x = static_cast<S*>(a.grad_x) + row * vocab;
+        const float lse = a.lse[row];
 
-    for (int k0 = 0; k0 < slice.segments; k0 += kXUnroll) {
-        Group<InCodec> xg[kXUnroll];
-#pragma unroll
-        for (int u = 0; u < kXUnroll; ++u) {
-            const int g = slice.group_of(k0 + u);
-            if (k0 + u < slice.segments && g < slice.groups) {
-                load_group<InCodec, kBackwardStreamHints>(xg[u], x, g, vocab, true);
-            }
-        }
-#pragma unroll
-        for (int u = 0; u < kXUnroll; ++u) {
-            const int g = slice.group_of(k0 + u);
-            if (k0 + u >= slice.segments || g >= slice.groups) continue;
+        float sum = 0.0f;
+        for (int k = 0; k < slice.segments; ++k) {
+            const int g = slice.group_of(k);
+            if (g >= slice.groups) break;
+            hopper::barrier_wait(&barriers[k], parity);
             Group<OutCodec> dy;
-            read_group<OutCodec, C, TC>(dy, shared_row, k0 + u);
-            write_grad<InCodec, OutCodec, kBackwardStreamHints>(grad_x, dy, xg[u], g, vocab, lse, dy_sum, true);
+            read_group<OutCodec, C, TC>(dy, shared_row, k);
+            sum = group_sum(dy, valid_in(g, vocab), sum);
+        }
+        if (row != first_row) cluster_wait();  // the others are done reading the previous row's slots
+        const float dy_sum = cluster_sum<C, TC>(sum, warp_sums);
+
+        for (int k0 = 0; k0 < slice.segments; k0 += kXUnroll) {
+            Group<InCodec> xg[kXUnroll];
+            Group<OutCodec> dy[kXUnroll];
+#pragma unroll
+            for (int u = 0; u < kXUnroll; ++u) {
+                const int g = slice.group_of(k0 + u);
+                if (k0 + u < slice.segments && g < slice.groups) {
+                    load_group<InCodec, kBackwardStreamHints>(xg[u], x, g, vocab, true);
+                    read_group<OutCodec, C, TC>(dy[u], shared_row, k0 + u);
+                }
+            }
+            if (next_grad != nullptr) {
+                __syncthreads();  // every thread has read segments k0 .. k0 + kXUnroll - 1
+                if (threadIdx.x == 0) {
+#pragma unroll
+                    for (int u = 0; u < kXUnroll; ++u) {
+                        if (k0 + u < slice.segments) {
+                            refill_segment(slice, next_grad, vocab, shared_row, barriers, k0 + u);
+                        }
+                    }
+                }
+            }
+#pragma unroll
+            for (int u = 0; u < kXUnroll; ++u) {
+                const int g = slice.group_of(k0 + u);
+                if (k0 + u >= slice.segments || g >= slice.groups) continue;
+                write_grad<InCodec, OutCodec, kBackwardStreamHints>(grad_x, dy[u], xg[u], g, vocab, lse, dy_sum, true);
+            }
         }
     }
     cluster_wait();
 }
-
 }  // namespace cluster
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL
 
@@ -852,7 +947,8 @@ BATCHINV_LOG_SOFTMAX_ALL_THREADS(f32_f32, batchinv::F32Codec, batchinv::F32Codec
 BATCHINV_LOG_SOFTMAX_ALL_THREADS(f32_bf16, batchinv::F32Codec, batchinv::Bf16Codec)
 BATCHINV_LOG_SOFTMAX_ALL_THREADS(f32_f16, batchinv::F32Codec, batchinv::F16Codec)
 
-// Hopper cluster entries: C CTAs of TC threads per row (T = C * TC), grid.x = rows * C; dynamic
+// Hopper cluster entries: C CTAs of TC threads per row (T = C * TC), grid.x = clusters * C with
+// 1 <= clusters <= rows (each cluster loops over rows: see cluster::forward); dynamic
 // shared memory = segments * (TC * 8 * sizeof(storage) + 8) bytes (see "Hopper (sm_90a) form").
 // Other architectures get an entry that traps: the host launches these on sm_90 only.
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
