@@ -198,6 +198,56 @@ __device__ __forceinline__ void store_group(typename Codec::storage* row, const 
     }
 }
 
+#ifndef BATCHINV_LSM_PAIR_STORES
+#define BATCHINV_LSM_PAIR_STORES 1  // 0 only in A/B builds
+#endif
+
+// Whether every lane of this thread's warp holds a group below `groups` (lanes hold consecutive
+// groups: g = warp base + lane); uniform across the warp.
+__device__ __forceinline__ bool warp_full(int group, int groups) {
+    const int lane = static_cast<int>(threadIdx.x) % BATCHINV_WARP_SIZE;
+    return group - lane + BATCHINV_WARP_SIZE - 1 < groups;
+}
+
+// A 32-byte group (8 fp32) stored by a plain per-lane vector store writes 16 of each 32-byte
+// sector's bytes per instruction (lanes are 32 bytes apart), so every sector takes two L2 write
+// requests (Nsight Compute on the H200: L2 87% busy, DRAM 68%, for the bf16 -> fp32 forward).
+// Here lanes 2j and 2j + 1 (groups g and g + 1) swap halves through a shuffle and each
+// instruction writes two whole sectors per lane pair.  Stores only: the values are unchanged.
+// Needs the whole warp present (warp_full) and the vector path.
+template <typename Codec, bool kStream>
+__device__ __forceinline__ void store_group_paired(typename Codec::storage* row, const Group<Codec>& in, int group) {
+    static_assert(Group<Codec>::kWords == 2, "32-byte groups only");
+    const uint32_t odd = threadIdx.x & 1u;
+    const uint4 lo = reinterpret_cast<const uint4*>(in.v)[0];
+    const uint4 hi = reinterpret_cast<const uint4*>(in.v)[1];
+    const uint4 send = odd ? lo : hi;  // the half the neighbour's sector needs
+    uint4 got;
+    got.x = BATCHINV_SHFL_XOR(send.x, 1);
+    got.y = BATCHINV_SHFL_XOR(send.y, 1);
+    got.z = BATCHINV_SHFL_XOR(send.z, 1);
+    got.w = BATCHINV_SHFL_XOR(send.w, 1);
+    // Half `odd` of group g - odd, then half `odd` of group g - odd + 1.
+    uint4* pair = reinterpret_cast<uint4*>(row + static_cast<int64_t>(group - static_cast<int>(odd)) * kGroup);
+    store16<kStream>(pair + odd, odd ? got : lo);
+    store16<kStream>(pair + 2 + odd, odd ? hi : got);
+}
+
+// store_group, with the paired form for 32-byte groups where it applies (see above).
+template <typename Codec, bool kStream = false>
+__device__ __forceinline__ void store_group_of_warp(typename Codec::storage* row, const Group<Codec>& in,
+                                                    int group, int64_t vocab, bool vector, bool whole_warp) {
+#if BATCHINV_LSM_PAIR_STORES && !defined(__HIPCC__)
+    if constexpr (Group<Codec>::kWords == 2) {
+        if (vector && whole_warp) {
+            store_group_paired<Codec, kStream>(row, in, group);
+            return;
+        }
+    }
+#endif
+    store_group<Codec, kStream>(row, in, group, vocab, vector);
+}
+
 template <typename Codec>
 __device__ __forceinline__ void smem_put(uint4* smem, int slot, const Group<Codec>& g) {
 #pragma unroll
@@ -274,14 +324,15 @@ __device__ __forceinline__ bool stride_aligned16(int64_t elements) {
 
 template <typename InCodec, typename OutCodec, bool kStream = false>
 __device__ __forceinline__ void write_output(typename OutCodec::storage* out, const Group<InCodec>& g,
-                                             int group, int64_t vocab, float lse, bool vector) {
+                                             int group, int64_t vocab, float lse, bool vector,
+                                             bool whole_warp) {
     Group<OutCodec> o;
     const bool empty_row = lse == -INFINITY;
 #pragma unroll
     for (int e = 0; e < kGroup; ++e) {
         o.v[e] = OutCodec::store(empty_row ? -INFINITY : ieee_sub(InCodec::load(g.v[e]), lse));
     }
-    store_group<OutCodec, kStream>(out, o, group, vocab, vector);
+    store_group_of_warp<OutCodec, kStream>(out, o, group, vocab, vector, whole_warp);
 }
 
 struct ForwardArgs {
@@ -350,7 +401,7 @@ __device__ __forceinline__ void forward(const ForwardArgs& a) {
 #pragma unroll
     for (int k = 0; k < R; ++k) {
         const int g = t + k * T;
-        if (g < groups) write_output<InCodec, OutCodec>(out, regs[k], g, vocab, lse, vector);
+        if (g < groups) write_output<InCodec, OutCodec>(out, regs[k], g, vocab, lse, vector, warp_full(g, groups));
     }
     for (int k0 = R; t + k0 * T < groups; k0 += kUnroll) {
         Group<InCodec> buf[kUnroll];
@@ -368,7 +419,9 @@ __device__ __forceinline__ void forward(const ForwardArgs& a) {
 #pragma unroll
         for (int u = 0; u < kUnroll; ++u) {
             const int g = t + (k0 + u) * T;
-            if (g < groups) write_output<InCodec, OutCodec>(out, buf[u], g, vocab, lse, vector);
+            if (g < groups) {
+                write_output<InCodec, OutCodec>(out, buf[u], g, vocab, lse, vector, warp_full(g, groups));
+            }
         }
     }
 }
@@ -387,7 +440,7 @@ struct BackwardArgs {
 template <typename InCodec, typename OutCodec, bool kStream = false>
 __device__ __forceinline__ void write_grad(typename InCodec::storage* grad_x, const Group<OutCodec>& dy,
                                            const Group<InCodec>& x, int group, int64_t vocab,
-                                           float lse, float dy_sum, bool vector) {
+                                           float lse, float dy_sum, bool vector, bool whole_warp) {
     Group<InCodec> o;
     const bool empty_row = lse == -INFINITY;
 #pragma unroll
@@ -395,7 +448,7 @@ __device__ __forceinline__ void write_grad(typename InCodec::storage* grad_x, co
         const float p = expf(ieee_sub(InCodec::load(x.v[e]), lse));
         o.v[e] = InCodec::store(empty_row ? 0.0f : ieee_sub(OutCodec::load(dy.v[e]), ieee_mul(p, dy_sum)));
     }
-    store_group<InCodec, kStream>(grad_x, o, group, vocab, vector);
+    store_group_of_warp<InCodec, kStream>(grad_x, o, group, vocab, vector, whole_warp);
 }
 
 // The grad_out row is cached like x in the forward (it is read twice); x is read once.
@@ -455,7 +508,7 @@ __device__ __forceinline__ void backward(const BackwardArgs& a) {
         if (g < groups) {
             Group<InCodec> xg;
             load_group(xg, x, g, vocab, vector);
-            write_grad<InCodec, OutCodec>(grad_x, regs[k], xg, g, vocab, lse, dy_sum, vector);
+            write_grad<InCodec, OutCodec>(grad_x, regs[k], xg, g, vocab, lse, dy_sum, vector, warp_full(g, groups));
         }
     }
     for (int k0 = R; t + k0 * T < groups; k0 += kBackwardUnroll) {
@@ -476,7 +529,10 @@ __device__ __forceinline__ void backward(const BackwardArgs& a) {
 #pragma unroll
         for (int u = 0; u < kBackwardUnroll; ++u) {
             const int g = t + (k0 + u) * T;
-            if (g < groups) write_grad<InCodec, OutCodec>(grad_x, buf[u], xg[u], g, vocab, lse, dy_sum, vector);
+            if (g < groups) {
+                write_grad<InCodec, OutCodec>(grad_x, buf[u], xg[u], g, vocab, lse, dy_sum, vector,
+                                              warp_full(g, groups));
+            }
         }
     }
 }
@@ -509,6 +565,23 @@ __device__ __forceinline__ uint32_t cta_rank() {
 
 __device__ __forceinline__ void cluster_arrive() {
     asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
+}
+
+#ifndef BATCHINV_LSM_RELAXED_ARRIVE
+#define BATCHINV_LSM_RELAXED_ARRIVE 1  // 0 only in A/B builds
+#endif
+
+// The arrive that only says "this CTA is done reading the others' slots": every value it read has
+// been used before it (so the reads are complete), and it publishes no writes, so it needs no
+// release fence.  With .release each thread waited for its outstanding memory operations, the
+// previous row's output stores included (Nsight Compute: 19% of the forward's stall samples were
+// membar stalls at the cluster arrives).
+__device__ __forceinline__ void cluster_arrive_done_reading() {
+#if BATCHINV_LSM_RELAXED_ARRIVE
+    asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
+#else
+    cluster_arrive();
+#endif
 }
 
 __device__ __forceinline__ void cluster_wait() {
@@ -593,11 +666,32 @@ __device__ __forceinline__ void start_row_copies(const Slice<S, C, TC>& slice, c
     }
 }
 
+#ifndef BATCHINV_LSM_SWIZZLED_READS
+#define BATCHINV_LSM_SWIZZLED_READS 1  // 0 only in A/B builds
+#endif
+
+// Thread t's group of segment k.  A 32-byte group (fp32) read as two 16-byte loads in order puts
+// lanes t and t + 4 of each 8-lane phase on the same banks (lanes are 32 bytes apart): a 2-way
+// conflict on every load (Nsight Compute, bf16 x / fp32 dy backward on the H200).  Lanes with
+// bit 2 set read their upper half first, so each 8-lane phase covers all 32 banks once.  The same
+// words end up in the same registers: speed only.
 template <typename Codec, int C, int TC>
 __device__ __forceinline__ void read_group(Group<Codec>& g, const uint8_t* segments, int k) {
     using S = typename Codec::storage;
-    smem_get(g, reinterpret_cast<const uint4*>(segments + static_cast<int64_t>(k) * Slice<S, C, TC>::kSegmentBytes),
-             static_cast<int>(threadIdx.x));
+    const uint4* segment =
+        reinterpret_cast<const uint4*>(segments + static_cast<int64_t>(k) * Slice<S, C, TC>::kSegmentBytes);
+#if BATCHINV_LSM_SWIZZLED_READS
+    if constexpr (Group<Codec>::kWords == 2) {
+        const int t = static_cast<int>(threadIdx.x);
+        const int upper_first = (t >> 2) & 1;
+        const uint4 a = segment[2 * t + upper_first];
+        const uint4 b = segment[2 * t + 1 - upper_first];
+        reinterpret_cast<uint4*>(g.v)[0] = upper_first ? b : a;
+        reinterpret_cast<uint4*>(g.v)[1] = upper_first ? a : b;
+        return;
+    }
+#endif
+    smem_get(g, segment, static_cast<int>(threadIdx.x));
 }
 
 // How the cluster's warp results are combined.  T = C * TC <= 1024 (kFlat): the warps of the whole
@@ -665,7 +759,7 @@ __device__ __forceinline__ State cluster_merge(State s, float2* slots) {
         if (lane == 0) slots[X::kResultSlot] = make_float2(r.m, r.l);
     }
     __syncthreads();
-    cluster_arrive();  // this CTA is done reading the others
+    cluster_arrive_done_reading();  // this CTA is done reading the others
     return State{slots[X::kResultSlot].x, slots[X::kResultSlot].y};
 }
 
@@ -689,10 +783,10 @@ __device__ __forceinline__ float cluster_sum(float v, float* slots) {
         for (int p = 0; p < X::kParts; ++p) {
             all[p] = load_remote_float(remote_address(&slots[X::slot_of(p)], X::rank_of(p)));
         }
-        cluster_arrive();  // this CTA is done reading the others
         v = all[0];
 #pragma unroll
         for (int p = 1; p < X::kParts; ++p) v = ieee_add(v, all[p]);
+        cluster_arrive_done_reading();  // this CTA is done reading the others (their values used)
         return v;
     } else {
         __syncthreads();
@@ -717,7 +811,7 @@ __device__ __forceinline__ float cluster_sum(float v, float* slots) {
             if (lane == 0) slots[X::kResultSlot] = r;
         }
         __syncthreads();
-        cluster_arrive();
+        cluster_arrive_done_reading();
         return slots[X::kResultSlot];
     }
 }
@@ -731,6 +825,23 @@ __device__ __forceinline__ float cluster_sum(float v, float* slots) {
 #endif
 constexpr bool kForwardStreamStores = BATCHINV_LSM_FORWARD_STREAM_STORES != 0;
 constexpr bool kBackwardStreamHints = false;
+
+// Refills segments k0 .. k0 + count - 1 with the same segments of the next row once every thread of
+// the CTA is done with them.  Callers have already used the values they read from these segments
+// (stored results computed from them), so each thread's shared-memory reads have completed before
+// it reaches the barrier; the bulk copy (async proxy) cannot overwrite a slot that is still being
+// read.  (The first version issued the barrier right after the reads, before using them; at
+// 4096 x 151936 its backward results differed from one cluster per row in an A/B on the H200.)
+template <typename S, int C, int TC>
+__device__ __forceinline__ void refill_after_reading(const Slice<S, C, TC>& slice, const S* next_row, int64_t vocab,
+                                                     uint8_t* segments, uint64_t* barriers, int k0, int count) {
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        for (int k = k0; k < k0 + count && k < slice.segments; ++k) {
+            refill_segment(slice, next_row, vocab, segments, barriers, k);
+        }
+    }
+}
 
 // The thread's merged state over its groups of the slice, in increasing k.  Two segments per
 // step (both group states first, then the two merges in order): the same operations in the same
@@ -805,31 +916,18 @@ __device__ __forceinline__ void forward(const ForwardArgs& a) {
         if (a.lse != nullptr && slice.rank == 0 && threadIdx.x == 0) a.lse[row] = lse;
 
         for (int k0 = 0; k0 < slice.segments; k0 += kRefillBatch) {
-            Group<InCodec> grp[kRefillBatch];
-#pragma unroll
-            for (int u = 0; u < kRefillBatch; ++u) {
-                const int k = k0 + u;
-                if (k < slice.segments && slice.group_of(k) < slice.groups) {
-                    read_group<InCodec, C, TC>(grp[u], shared_row, k);
-                }
-            }
-            if (next_x != nullptr) {
-                __syncthreads();  // every thread has read segments k0 .. k0 + kRefillBatch - 1
-                if (threadIdx.x == 0) {
-#pragma unroll
-                    for (int u = 0; u < kRefillBatch; ++u) {
-                        if (k0 + u < slice.segments) refill_segment(slice, next_x, vocab, shared_row, barriers, k0 + u);
-                    }
-                }
-            }
 #pragma unroll
             for (int u = 0; u < kRefillBatch; ++u) {
                 const int k = k0 + u;
                 const int g = slice.group_of(k);
                 if (k < slice.segments && g < slice.groups) {
-                    write_output<InCodec, OutCodec, kForwardStreamStores>(out, grp[u], g, vocab, lse, true);
+                    Group<InCodec> grp;
+                    read_group<InCodec, C, TC>(grp, shared_row, k);
+                    write_output<InCodec, OutCodec, kForwardStreamStores>(out, grp, g, vocab, lse, true,
+                                                                          warp_full(g, slice.groups));
                 }
             }
+            if (next_x != nullptr) refill_after_reading(slice, next_x, vocab, shared_row, barriers, k0, kRefillBatch);
         }
     }
     cluster_wait();
@@ -880,32 +978,23 @@ __device__ __forceinline__ void backward(const BackwardArgs& a) {
 
         for (int k0 = 0; k0 < slice.segments; k0 += kXUnroll) {
             Group<InCodec> xg[kXUnroll];
-            Group<OutCodec> dy[kXUnroll];
 #pragma unroll
             for (int u = 0; u < kXUnroll; ++u) {
                 const int g = slice.group_of(k0 + u);
                 if (k0 + u < slice.segments && g < slice.groups) {
                     load_group<InCodec, kBackwardStreamHints>(xg[u], x, g, vocab, true);
-                    read_group<OutCodec, C, TC>(dy[u], shared_row, k0 + u);
-                }
-            }
-            if (next_grad != nullptr) {
-                __syncthreads();  // every thread has read segments k0 .. k0 + kXUnroll - 1
-                if (threadIdx.x == 0) {
-#pragma unroll
-                    for (int u = 0; u < kXUnroll; ++u) {
-                        if (k0 + u < slice.segments) {
-                            refill_segment(slice, next_grad, vocab, shared_row, barriers, k0 + u);
-                        }
-                    }
                 }
             }
 #pragma unroll
             for (int u = 0; u < kXUnroll; ++u) {
                 const int g = slice.group_of(k0 + u);
                 if (k0 + u >= slice.segments || g >= slice.groups) continue;
-                write_grad<InCodec, OutCodec, kBackwardStreamHints>(grad_x, dy[u], xg[u], g, vocab, lse, dy_sum, true);
+                Group<OutCodec> dy;
+                read_group<OutCodec, C, TC>(dy, shared_row, k0 + u);
+                write_grad<InCodec, OutCodec, kBackwardStreamHints>(grad_x, dy, xg[u], g, vocab, lse, dy_sum, true,
+                                                                    warp_full(g, slice.groups));
             }
+            if (next_grad != nullptr) refill_after_reading(slice, next_grad, vocab, shared_row, barriers, k0, kXUnroll);
         }
     }
     cluster_wait();

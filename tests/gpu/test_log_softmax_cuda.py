@@ -491,5 +491,32 @@ def test_persistent_grid_is_capped_by_the_resident_clusters(monkeypatch):
     assert count(4096, 82) == 82 and count(5, 82) == 5
     monkeypatch.setattr(gpu_log_softmax, "MAX_CLUSTERS", 3)
     assert count(4096, 82) == 3 and count(2, 82) == 2
+    monkeypatch.setattr(gpu_log_softmax, "ONE_CLUSTER_PER_ROW", {("backward", "bf16_bf16")})
+    assert count(4096, 82, ("backward", "bf16_bf16")) == 4096
+    assert count(4096, 82, ("forward", "bf16_f32")) == 3
     monkeypatch.setattr(gpu_log_softmax, "PERSISTENT_CLUSTERS", False)
     assert count(4096, 82) == 4096
+
+
+# At the benchmark's size every resident cluster loops over ~50 rows under full memory load: an
+# earlier version whose refills raced with the last reads of the slots passed the small test above
+# and differed here (backward).  Bits must equal one cluster per row.
+@pytest.mark.parametrize(
+    "dtype, out_dtype",
+    (
+        (torch.bfloat16, torch.float32),
+        (torch.bfloat16, torch.bfloat16),
+        (torch.float32, torch.float32),
+    ),
+)
+def test_clusters_looping_over_rows_at_full_load(dtype, out_dtype, monkeypatch):
+    _require_cluster_form()
+    rows = 4096
+    gen = torch.Generator(device=DEVICE).manual_seed(26)
+    x = (4.0 * torch.randn(rows, BIG_VOCAB, device=DEVICE, generator=gen)).to(dtype)
+    grad = torch.randn(rows, BIG_VOCAB, device=DEVICE, generator=gen).to(out_dtype)
+    got = _forward_and_grad(x, grad, out_dtype)
+    monkeypatch.setattr(gpu_log_softmax, "PERSISTENT_CLUSTERS", False)
+    expected = _forward_and_grad(x, grad, out_dtype)
+    for a, b in zip(got, expected, strict=True):
+        assert_bitwise_equal(a, b)

@@ -47,6 +47,8 @@ USE_CLUSTER = True  # the Hopper form where it applies (tests switch it off to c
 # give each cluster many rows).
 PERSISTENT_CLUSTERS = True
 MAX_CLUSTERS: int | None = None
+# (kind, "<x>_<out>" suffix) cases that keep one cluster per row (measured faster that way).
+ONE_CLUSTER_PER_ROW: frozenset[tuple[str, str]] = frozenset()
 _BARRIER_BYTES = 8  # one mbarrier per shared-memory segment
 # T on sm_90 for the cases where the Hopper form measured faster than the one-CTA form with
 # T = 512 on an H200 at 4096 x 151936 (same run, ms): forward bf16 -> fp32 1.12 vs 1.34 and
@@ -231,13 +233,13 @@ def _cluster_plan(
     resident = _resident_clusters(kernel, index, ctas, cta_threads, shared)
     if resident == 0:
         return None
-    return kernel, ctas, shared, _cluster_count(rows, resident)
+    return kernel, ctas, shared, _cluster_count(rows, resident, (kind, suffix))
 
 
-def _cluster_count(rows: int, resident: int) -> int:
+def _cluster_count(rows: int, resident: int, case: tuple[str, str] = ("", "")) -> int:
     """Clusters to launch for ``rows`` rows: one per row, or with PERSISTENT_CLUSTERS at most
     those that fit at once (or MAX_CLUSTERS), each looping over rows."""
-    if not PERSISTENT_CLUSTERS:
+    if not PERSISTENT_CLUSTERS or case in ONE_CLUSTER_PER_ROW:
         return rows
     cap = resident if MAX_CLUSTERS is None else min(resident, MAX_CLUSTERS)
     return min(rows, cap)
