@@ -666,32 +666,11 @@ __device__ __forceinline__ void start_row_copies(const Slice<S, C, TC>& slice, c
     }
 }
 
-#ifndef BATCHINV_LSM_SWIZZLED_READS
-#define BATCHINV_LSM_SWIZZLED_READS 1  // 0 only in A/B builds
-#endif
-
-// Thread t's group of segment k.  A 32-byte group (fp32) read as two 16-byte loads in order puts
-// lanes t and t + 4 of each 8-lane phase on the same banks (lanes are 32 bytes apart): a 2-way
-// conflict on every load (Nsight Compute, bf16 x / fp32 dy backward on the H200).  Lanes with
-// bit 2 set read their upper half first, so each 8-lane phase covers all 32 banks once.  The same
-// words end up in the same registers: speed only.
 template <typename Codec, int C, int TC>
 __device__ __forceinline__ void read_group(Group<Codec>& g, const uint8_t* segments, int k) {
     using S = typename Codec::storage;
-    const uint4* segment =
-        reinterpret_cast<const uint4*>(segments + static_cast<int64_t>(k) * Slice<S, C, TC>::kSegmentBytes);
-#if BATCHINV_LSM_SWIZZLED_READS
-    if constexpr (Group<Codec>::kWords == 2) {
-        const int t = static_cast<int>(threadIdx.x);
-        const int upper_first = (t >> 2) & 1;
-        const uint4 a = segment[2 * t + upper_first];
-        const uint4 b = segment[2 * t + 1 - upper_first];
-        reinterpret_cast<uint4*>(g.v)[0] = upper_first ? b : a;
-        reinterpret_cast<uint4*>(g.v)[1] = upper_first ? a : b;
-        return;
-    }
-#endif
-    smem_get(g, segment, static_cast<int>(threadIdx.x));
+    smem_get(g, reinterpret_cast<const uint4*>(segments + static_cast<int64_t>(k) * Slice<S, C, TC>::kSegmentBytes),
+             static_cast<int>(threadIdx.x));
 }
 
 // How the cluster's warp results are combined.  T = C * TC <= 1024 (kFlat): the warps of the whole

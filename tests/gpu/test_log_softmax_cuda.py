@@ -470,6 +470,7 @@ def test_clusters_looping_over_rows_give_the_bits_of_one_cluster_per_row(
     monkeypatch.setattr(gpu_log_softmax, "PERSISTENT_CLUSTERS", False)
     expected = _forward_and_grad(x, grad)
     monkeypatch.setattr(gpu_log_softmax, "PERSISTENT_CLUSTERS", True)
+    monkeypatch.setattr(gpu_log_softmax, "PERSISTENT_CASES", None)  # every case loops
     for clusters in (1, 2, 3):
         monkeypatch.setattr(gpu_log_softmax, "MAX_CLUSTERS", clusters)
         for got, want in zip(_forward_and_grad(x, grad), expected, strict=True):
@@ -485,17 +486,19 @@ def test_clusters_looping_over_rows_give_the_bits_of_one_cluster_per_row(
 
 
 def test_persistent_grid_is_capped_by_the_resident_clusters(monkeypatch):
-    # At most the resident clusters (or MAX_CLUSTERS), never more than one per row.
+    # At most the resident clusters (or MAX_CLUSTERS), never more than one per row; cases outside
+    # PERSISTENT_CASES (None: every case) get one cluster per row.
     count = gpu_log_softmax._cluster_count
+    fwd, bwd = ("forward", "bf16_f32"), ("backward", "bf16_f32")
+    monkeypatch.setattr(gpu_log_softmax, "PERSISTENT_CASES", None)
     monkeypatch.setattr(gpu_log_softmax, "MAX_CLUSTERS", None)
-    assert count(4096, 82) == 82 and count(5, 82) == 5
+    assert count(4096, 82, fwd) == 82 and count(5, 82, fwd) == 5
     monkeypatch.setattr(gpu_log_softmax, "MAX_CLUSTERS", 3)
-    assert count(4096, 82) == 3 and count(2, 82) == 2
-    monkeypatch.setattr(gpu_log_softmax, "ONE_CLUSTER_PER_ROW", {("backward", "bf16_bf16")})
-    assert count(4096, 82, ("backward", "bf16_bf16")) == 4096
-    assert count(4096, 82, ("forward", "bf16_f32")) == 3
+    assert count(4096, 82, fwd) == 3 and count(2, 82, fwd) == 2
+    monkeypatch.setattr(gpu_log_softmax, "PERSISTENT_CASES", frozenset({bwd}))
+    assert count(4096, 82, bwd) == 3 and count(4096, 82, fwd) == 4096
     monkeypatch.setattr(gpu_log_softmax, "PERSISTENT_CLUSTERS", False)
-    assert count(4096, 82) == 4096
+    assert count(4096, 82, bwd) == 4096
 
 
 # At the benchmark's size every resident cluster loops over ~50 rows under full memory load: an
@@ -511,6 +514,7 @@ def test_persistent_grid_is_capped_by_the_resident_clusters(monkeypatch):
 )
 def test_clusters_looping_over_rows_at_full_load(dtype, out_dtype, monkeypatch):
     _require_cluster_form()
+    monkeypatch.setattr(gpu_log_softmax, "PERSISTENT_CASES", None)  # every case loops
     rows = 4096
     gen = torch.Generator(device=DEVICE).manual_seed(26)
     x = (4.0 * torch.randn(rows, BIG_VOCAB, device=DEVICE, generator=gen)).to(dtype)

@@ -41,14 +41,19 @@ CLUSTER_THREADS = (512, 1024, 2048)  # the T compiled in the Hopper form
 CLUSTER_ONLY_THREADS = 2048  # no one-CTA form: a block holds at most 1024 threads
 _PORTABLE_CLUSTER_CTAS = 8  # larger clusters need the kernel's non-portable opt-in
 USE_CLUSTER = True  # the Hopper form where it applies (tests switch it off to compare bits)
-# The Hopper form launches at most as many clusters as fit on the device at once; each loops over
-# rows and prefetches its next row while finishing the current one.  Off: one cluster per row.
-# Which cluster handles a row changes speed only.  MAX_CLUSTERS caps the count (tests use it to
-# give each cluster many rows).
+# For the cases in PERSISTENT_CASES (None: every case) the Hopper form launches at most as many
+# clusters as fit on the device at once; each loops over rows and refills its shared memory with
+# its next row while it finishes the current one.  Elsewhere, or with PERSISTENT_CLUSTERS off: one
+# cluster per row.  Which cluster handles a row changes speed only.  MAX_CLUSTERS caps the count
+# (tests use it to give each cluster many rows).  Measured on an H200 at 4096 x 151936 (ms,
+# persistent / one cluster per row): backward bf16 x, fp32 dy 1.39 / about 1.43 (fp32 dy rows,
+# T = 2048); forward bf16 -> fp32 1.15 / 1.08 and backward bf16 dy 1.20 / 1.12 (slower); fp32
+# forward and backward within 1%.
 PERSISTENT_CLUSTERS = True
+PERSISTENT_CASES: frozenset[tuple[str, str]] | None = frozenset(
+    {("backward", "bf16_f32"), ("backward", "f16_f32"), ("backward", "f32_f32")}
+)
 MAX_CLUSTERS: int | None = None
-# (kind, "<x>_<out>" suffix) cases that keep one cluster per row (measured faster that way).
-ONE_CLUSTER_PER_ROW: frozenset[tuple[str, str]] = frozenset()
 _BARRIER_BYTES = 8  # one mbarrier per shared-memory segment
 # T on sm_90 for the cases where the Hopper form measured faster than the one-CTA form with
 # T = 512 on an H200 at 4096 x 151936 (same run, ms): forward bf16 -> fp32 1.12 vs 1.34 and
@@ -218,8 +223,6 @@ def _cluster_plan(
     if not _cluster_capable(index):
         return None
     ctas, cta_threads = CLUSTER_SHAPE[threads]
-    if not PERSISTENT_CLUSTERS and rows * ctas > _MAX_GRID_X:
-        raise ValueError(f"x has {rows} rows; at most {_MAX_GRID_X // ctas} are supported here")
     name = f"log_softmax_cluster_{kind}_{suffix}_c{ctas}_t{cta_threads}"
     kernel = kernel_for("log_softmax", name, device)
     static = _static_shared(kernel, index)
@@ -233,13 +236,17 @@ def _cluster_plan(
     resident = _resident_clusters(kernel, index, ctas, cta_threads, shared)
     if resident == 0:
         return None
-    return kernel, ctas, shared, _cluster_count(rows, resident, (kind, suffix))
+    clusters = _cluster_count(rows, resident, (kind, suffix))
+    if clusters * ctas > _MAX_GRID_X:
+        raise ValueError(f"x has {rows} rows; at most {_MAX_GRID_X // ctas} are supported here")
+    return kernel, ctas, shared, clusters
 
 
-def _cluster_count(rows: int, resident: int, case: tuple[str, str] = ("", "")) -> int:
-    """Clusters to launch for ``rows`` rows: one per row, or with PERSISTENT_CLUSTERS at most
-    those that fit at once (or MAX_CLUSTERS), each looping over rows."""
-    if not PERSISTENT_CLUSTERS or case in ONE_CLUSTER_PER_ROW:
+def _cluster_count(rows: int, resident: int, case: tuple[str, str]) -> int:
+    """Clusters to launch for ``rows`` rows of ``case`` ((kind, suffix)): one per row, or for
+    the persistent cases at most those that fit at once (or MAX_CLUSTERS), each looping over
+    rows."""
+    if not PERSISTENT_CLUSTERS or (PERSISTENT_CASES is not None and case not in PERSISTENT_CASES):
         return rows
     cap = resident if MAX_CLUSTERS is None else min(resident, MAX_CLUSTERS)
     return min(rows, cap)
