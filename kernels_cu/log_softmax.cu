@@ -212,6 +212,7 @@ __device__ __forceinline__ bool warp_full(int group, int groups) {
 // A 32-byte group (8 fp32) stored by a plain per-lane vector store writes 16 of each 32-byte
 // sector's bytes per instruction (lanes are 32 bytes apart), so every sector takes two L2 write
 // requests (Nsight Compute on the H200: L2 87% busy, DRAM 68%, for the bf16 -> fp32 forward).
+// Measured there: one-CTA forward at V = 32000 0.26 -> 0.20 ms, fp32 backward 2.20 -> 1.93 ms.
 // Here lanes 2j and 2j + 1 (groups g and g + 1) swap halves through a shuffle and each
 // instruction writes two whole sectors per lane pair.  Stores only: the values are unchanged.
 // Needs the whole warp present (warp_full) and the vector path.
@@ -857,8 +858,9 @@ __device__ __forceinline__ State slice_state(const Slice<typename Codec::storage
 // Segments read before a refill of their slots in the second pass (one CTA barrier per batch).
 constexpr int kRefillBatch = 4;
 
-// Rows: a cluster handles rows blockIdx.x / C, + gridDim.x / C, ... (the host launches at most as
-// many clusters as fit at once, so each loops over several rows).  While the second pass of a row
+// Rows: a cluster handles rows blockIdx.x / C, + gridDim.x / C, ... (for some cases the host
+// launches at most as many clusters as fit at once, so each loops over several rows; otherwise one
+// cluster per row, and the loop runs once).  While the second pass of a row
 // runs, the slots it has finished reading are refilled with the same segments of the cluster's
 // next row, so that row's copies overlap this row's work.  Which cluster handles a row, and how
 // many rows it handles, changes no operation of the row (speed only).  Each mbarrier completes one
