@@ -58,6 +58,10 @@ struct Unroll {
     static constexpr int value = 64 / static_cast<int>(sizeof(typename Codec::storage) * 8);
 };
 constexpr int kBackwardUnroll = 2;  // the backward holds grad_out and x groups: fewer at once
+// The cluster forward's first pass takes two segments per step (speed only; 0 for A/B builds).
+#ifndef BATCHINV_LSM_PAIRED_GROUPS
+#define BATCHINV_LSM_PAIRED_GROUPS 1
+#endif
 constexpr int kMaxWarps = 1024 / BATCHINV_WARP_SIZE;
 
 template <typename Codec>
@@ -194,6 +198,57 @@ __device__ __forceinline__ void store_group(typename Codec::storage* row, const 
     }
 }
 
+#ifndef BATCHINV_LSM_PAIR_STORES
+#define BATCHINV_LSM_PAIR_STORES 1  // 0 only in A/B builds
+#endif
+
+// Whether every lane of this thread's warp holds a group below `groups` (lanes hold consecutive
+// groups: g = warp base + lane); uniform across the warp.
+__device__ __forceinline__ bool warp_full(int group, int groups) {
+    const int lane = static_cast<int>(threadIdx.x) % BATCHINV_WARP_SIZE;
+    return group - lane + BATCHINV_WARP_SIZE - 1 < groups;
+}
+
+// A 32-byte group (8 fp32) stored by a plain per-lane vector store writes 16 of each 32-byte
+// sector's bytes per instruction (lanes are 32 bytes apart), so every sector takes two L2 write
+// requests (Nsight Compute on the H200: L2 87% busy, DRAM 68%, for the bf16 -> fp32 forward).
+// Measured there: one-CTA forward at V = 32000 0.26 -> 0.20 ms, fp32 backward 2.20 -> 1.93 ms.
+// Here lanes 2j and 2j + 1 (groups g and g + 1) swap halves through a shuffle and each
+// instruction writes two whole sectors per lane pair.  Stores only: the values are unchanged.
+// Needs the whole warp present (warp_full) and the vector path.
+template <typename Codec, bool kStream>
+__device__ __forceinline__ void store_group_paired(typename Codec::storage* row, const Group<Codec>& in, int group) {
+    static_assert(Group<Codec>::kWords == 2, "32-byte groups only");
+    const uint32_t odd = threadIdx.x & 1u;
+    const uint4 lo = reinterpret_cast<const uint4*>(in.v)[0];
+    const uint4 hi = reinterpret_cast<const uint4*>(in.v)[1];
+    const uint4 send = odd ? lo : hi;  // the half the neighbour's sector needs
+    uint4 got;
+    got.x = BATCHINV_SHFL_XOR(send.x, 1);
+    got.y = BATCHINV_SHFL_XOR(send.y, 1);
+    got.z = BATCHINV_SHFL_XOR(send.z, 1);
+    got.w = BATCHINV_SHFL_XOR(send.w, 1);
+    // Half `odd` of group g - odd, then half `odd` of group g - odd + 1.
+    uint4* pair = reinterpret_cast<uint4*>(row + static_cast<int64_t>(group - static_cast<int>(odd)) * kGroup);
+    store16<kStream>(pair + odd, odd ? got : lo);
+    store16<kStream>(pair + 2 + odd, odd ? hi : got);
+}
+
+// store_group, with the paired form for 32-byte groups where it applies (see above).
+template <typename Codec, bool kStream = false>
+__device__ __forceinline__ void store_group_of_warp(typename Codec::storage* row, const Group<Codec>& in,
+                                                    int group, int64_t vocab, bool vector, bool whole_warp) {
+#if BATCHINV_LSM_PAIR_STORES && !defined(__HIPCC__)
+    if constexpr (Group<Codec>::kWords == 2) {
+        if (vector && whole_warp) {
+            store_group_paired<Codec, kStream>(row, in, group);
+            return;
+        }
+    }
+#endif
+    store_group<Codec, kStream>(row, in, group, vocab, vector);
+}
+
 template <typename Codec>
 __device__ __forceinline__ void smem_put(uint4* smem, int slot, const Group<Codec>& g) {
 #pragma unroll
@@ -270,14 +325,15 @@ __device__ __forceinline__ bool stride_aligned16(int64_t elements) {
 
 template <typename InCodec, typename OutCodec, bool kStream = false>
 __device__ __forceinline__ void write_output(typename OutCodec::storage* out, const Group<InCodec>& g,
-                                             int group, int64_t vocab, float lse, bool vector) {
+                                             int group, int64_t vocab, float lse, bool vector,
+                                             bool whole_warp) {
     Group<OutCodec> o;
     const bool empty_row = lse == -INFINITY;
 #pragma unroll
     for (int e = 0; e < kGroup; ++e) {
         o.v[e] = OutCodec::store(empty_row ? -INFINITY : ieee_sub(InCodec::load(g.v[e]), lse));
     }
-    store_group<OutCodec, kStream>(out, o, group, vocab, vector);
+    store_group_of_warp<OutCodec, kStream>(out, o, group, vocab, vector, whole_warp);
 }
 
 struct ForwardArgs {
@@ -346,7 +402,7 @@ __device__ __forceinline__ void forward(const ForwardArgs& a) {
 #pragma unroll
     for (int k = 0; k < R; ++k) {
         const int g = t + k * T;
-        if (g < groups) write_output<InCodec, OutCodec>(out, regs[k], g, vocab, lse, vector);
+        if (g < groups) write_output<InCodec, OutCodec>(out, regs[k], g, vocab, lse, vector, warp_full(g, groups));
     }
     for (int k0 = R; t + k0 * T < groups; k0 += kUnroll) {
         Group<InCodec> buf[kUnroll];
@@ -364,7 +420,9 @@ __device__ __forceinline__ void forward(const ForwardArgs& a) {
 #pragma unroll
         for (int u = 0; u < kUnroll; ++u) {
             const int g = t + (k0 + u) * T;
-            if (g < groups) write_output<InCodec, OutCodec>(out, buf[u], g, vocab, lse, vector);
+            if (g < groups) {
+                write_output<InCodec, OutCodec>(out, buf[u], g, vocab, lse, vector, warp_full(g, groups));
+            }
         }
     }
 }
@@ -383,7 +441,7 @@ struct BackwardArgs {
 template <typename InCodec, typename OutCodec, bool kStream = false>
 __device__ __forceinline__ void write_grad(typename InCodec::storage* grad_x, const Group<OutCodec>& dy,
                                            const Group<InCodec>& x, int group, int64_t vocab,
-                                           float lse, float dy_sum, bool vector) {
+                                           float lse, float dy_sum, bool vector, bool whole_warp) {
     Group<InCodec> o;
     const bool empty_row = lse == -INFINITY;
 #pragma unroll
@@ -391,7 +449,7 @@ __device__ __forceinline__ void write_grad(typename InCodec::storage* grad_x, co
         const float p = expf(ieee_sub(InCodec::load(x.v[e]), lse));
         o.v[e] = InCodec::store(empty_row ? 0.0f : ieee_sub(OutCodec::load(dy.v[e]), ieee_mul(p, dy_sum)));
     }
-    store_group<InCodec, kStream>(grad_x, o, group, vocab, vector);
+    store_group_of_warp<InCodec, kStream>(grad_x, o, group, vocab, vector, whole_warp);
 }
 
 // The grad_out row is cached like x in the forward (it is read twice); x is read once.
@@ -451,7 +509,7 @@ __device__ __forceinline__ void backward(const BackwardArgs& a) {
         if (g < groups) {
             Group<InCodec> xg;
             load_group(xg, x, g, vocab, vector);
-            write_grad<InCodec, OutCodec>(grad_x, regs[k], xg, g, vocab, lse, dy_sum, vector);
+            write_grad<InCodec, OutCodec>(grad_x, regs[k], xg, g, vocab, lse, dy_sum, vector, warp_full(g, groups));
         }
     }
     for (int k0 = R; t + k0 * T < groups; k0 += kBackwardUnroll) {
@@ -472,7 +530,10 @@ __device__ __forceinline__ void backward(const BackwardArgs& a) {
 #pragma unroll
         for (int u = 0; u < kBackwardUnroll; ++u) {
             const int g = t + (k0 + u) * T;
-            if (g < groups) write_grad<InCodec, OutCodec>(grad_x, buf[u], xg[u], g, vocab, lse, dy_sum, vector);
+            if (g < groups) {
+                write_grad<InCodec, OutCodec>(grad_x, buf[u], xg[u], g, vocab, lse, dy_sum, vector,
+                                              warp_full(g, groups));
+            }
         }
     }
 }
@@ -505,6 +566,23 @@ __device__ __forceinline__ uint32_t cta_rank() {
 
 __device__ __forceinline__ void cluster_arrive() {
     asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
+}
+
+#ifndef BATCHINV_LSM_RELAXED_ARRIVE
+#define BATCHINV_LSM_RELAXED_ARRIVE 1  // 0 only in A/B builds
+#endif
+
+// The arrive that only says "this CTA is done reading the others' slots": every value it read has
+// been used before it (so the reads are complete), and it publishes no writes, so it needs no
+// release fence.  With .release each thread waited for its outstanding memory operations, the
+// previous row's output stores included (Nsight Compute: 19% of the forward's stall samples were
+// membar stalls at the cluster arrives).
+__device__ __forceinline__ void cluster_arrive_done_reading() {
+#if BATCHINV_LSM_RELAXED_ARRIVE
+    asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
+#else
+    cluster_arrive();
+#endif
 }
 
 __device__ __forceinline__ void cluster_wait() {
@@ -560,7 +638,19 @@ struct Slice {
     }
 };
 
-// Warp 0 starts every segment's copy; each segment completes on its own barrier.
+// Issues the copy of segment k of `row` (a row of the same length) into its slot; thread 0 only.
+template <typename S, int C, int TC>
+__device__ __forceinline__ void refill_segment(const Slice<S, C, TC>& slice, const S* row, int64_t vocab,
+                                               uint8_t* segments, uint64_t* barriers, int k) {
+    const uint32_t bytes = slice.bytes_of(k, vocab);
+    if (bytes == 0) return;  // nobody waits on it: its groups are past the row
+    hopper::barrier_expect_bytes(&barriers[k], bytes);
+    const int64_t first = static_cast<int64_t>(k * C * TC + static_cast<int>(slice.rank) * TC) * kGroup;
+    bulk_load(segments + static_cast<int64_t>(k) * Slice<S, C, TC>::kSegmentBytes, row + first, bytes, &barriers[k]);
+}
+
+// Warp 0 starts every segment's copy of the CTA's first row; each segment completes on its own
+// barrier.
 template <typename S, int C, int TC>
 __device__ __forceinline__ void start_row_copies(const Slice<S, C, TC>& slice, const S* row, int64_t vocab,
                                                  uint8_t* segments, uint64_t* barriers) {
@@ -572,12 +662,7 @@ __device__ __forceinline__ void start_row_copies(const Slice<S, C, TC>& slice, c
     __syncthreads();
     if (lane < BATCHINV_WARP_SIZE) {
         for (int k = lane; k < slice.segments; k += BATCHINV_WARP_SIZE) {
-            const uint32_t bytes = slice.bytes_of(k, vocab);
-            if (bytes == 0) continue;  // nobody waits on it: its groups are past the row
-            hopper::barrier_expect_bytes(&barriers[k], bytes);
-            const int64_t first = static_cast<int64_t>(k * C * TC + static_cast<int>(slice.rank) * TC) * kGroup;
-            bulk_load(segments + static_cast<int64_t>(k) * Slice<S, C, TC>::kSegmentBytes, row + first, bytes,
-                      &barriers[k]);
+            refill_segment(slice, row, vocab, segments, barriers, k);
         }
     }
 }
@@ -596,8 +681,8 @@ __device__ __forceinline__ void read_group(Group<Codec>& g, const uint8_t* segme
 // shared memory, the chain reads them by shuffle) and broadcasts the result through shared memory;
 // every thread of every CTA gets the same bits.  `slots` holds TC / 32 + 2 entries: the warp
 // results, the CTA's result (read by the other CTAs when not kFlat) and the broadcast.  Leaves the
-// cluster barrier armed: call cluster_wait() before the CTA exits (the other CTAs read this CTA's
-// slots until they arrive).
+// cluster barrier armed: call cluster_wait() before the CTA writes its slots again (next row) or
+// exits (the other CTAs read this CTA's slots until they arrive).
 template <int C, int TC>
 struct Exchange {
     static constexpr int kLocalWarps = TC / BATCHINV_WARP_SIZE;
@@ -654,7 +739,7 @@ __device__ __forceinline__ State cluster_merge(State s, float2* slots) {
         if (lane == 0) slots[X::kResultSlot] = make_float2(r.m, r.l);
     }
     __syncthreads();
-    cluster_arrive();  // this CTA is done reading the others
+    cluster_arrive_done_reading();  // this CTA is done reading the others
     return State{slots[X::kResultSlot].x, slots[X::kResultSlot].y};
 }
 
@@ -678,10 +763,10 @@ __device__ __forceinline__ float cluster_sum(float v, float* slots) {
         for (int p = 0; p < X::kParts; ++p) {
             all[p] = load_remote_float(remote_address(&slots[X::slot_of(p)], X::rank_of(p)));
         }
-        cluster_arrive();  // this CTA is done reading the others
         v = all[0];
 #pragma unroll
         for (int p = 1; p < X::kParts; ++p) v = ieee_add(v, all[p]);
+        cluster_arrive_done_reading();  // this CTA is done reading the others (their values used)
         return v;
     } else {
         __syncthreads();
@@ -706,7 +791,7 @@ __device__ __forceinline__ float cluster_sum(float v, float* slots) {
             if (lane == 0) slots[X::kResultSlot] = r;
         }
         __syncthreads();
-        cluster_arrive();
+        cluster_arrive_done_reading();
         return slots[X::kResultSlot];
     }
 }
@@ -715,9 +800,71 @@ __device__ __forceinline__ float cluster_sum(float v, float* slots) {
 // The backward keeps plain loads and stores: with the same hints on x and grad_x it measured
 // slower (H200, 4096 x 151936, bf16 x: fp32 dy 1.51 vs 1.42 ms, bf16 dy 1.16 vs 1.13 ms), while
 // the forward gained a little (bf16 -> fp32 1.122 vs 1.126 ms, fp32 1.595 vs 1.624 ms).
-constexpr bool kForwardStreamStores = true;
+#ifndef BATCHINV_LSM_FORWARD_STREAM_STORES
+#define BATCHINV_LSM_FORWARD_STREAM_STORES 1  // 0 only in A/B builds
+#endif
+constexpr bool kForwardStreamStores = BATCHINV_LSM_FORWARD_STREAM_STORES != 0;
 constexpr bool kBackwardStreamHints = false;
 
+// Refills segments k0 .. k0 + count - 1 with the same segments of the next row once every thread of
+// the CTA is done with them.  Callers have already used the values they read from these segments
+// (stored results computed from them), so each thread's shared-memory reads have completed before
+// it reaches the barrier; the bulk copy (async proxy) cannot overwrite a slot that is still being
+// read.  (The first version issued the barrier right after the reads, before using them; at
+// 4096 x 151936 its backward results differed from one cluster per row in an A/B on the H200.)
+template <typename S, int C, int TC>
+__device__ __forceinline__ void refill_after_reading(const Slice<S, C, TC>& slice, const S* next_row, int64_t vocab,
+                                                     uint8_t* segments, uint64_t* barriers, int k0, int count) {
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        for (int k = k0; k < k0 + count && k < slice.segments; ++k) {
+            refill_segment(slice, next_row, vocab, segments, barriers, k);
+        }
+    }
+}
+
+// The thread's merged state over its groups of the slice, in increasing k.  Two segments per
+// step (both group states first, then the two merges in order): the same operations in the same
+// order, with two independent group states in flight instead of one (speed only).
+template <typename Codec, int C, int TC>
+__device__ __forceinline__ State slice_state(const Slice<typename Codec::storage, C, TC>& slice,
+                                             const uint8_t* shared_row, uint64_t* barriers, uint32_t parity,
+                                             int64_t vocab) {
+    State st{-INFINITY, 0.0f};
+    int k = 0;
+#if BATCHINV_LSM_PAIRED_GROUPS
+    for (; k + 1 < slice.segments && slice.group_of(k + 1) < slice.groups; k += 2) {
+        hopper::barrier_wait(&barriers[k], parity);
+        hopper::barrier_wait(&barriers[k + 1], parity);
+        Group<Codec> first, second;
+        read_group<Codec, C, TC>(first, shared_row, k);
+        read_group<Codec, C, TC>(second, shared_row, k + 1);
+        const State a = group_state(first, valid_in(slice.group_of(k), vocab));
+        const State b = group_state(second, valid_in(slice.group_of(k + 1), vocab));
+        st = merge(merge(st, a), b);
+    }
+#endif
+    for (; k < slice.segments; ++k) {
+        const int g = slice.group_of(k);
+        if (g >= slice.groups) break;
+        hopper::barrier_wait(&barriers[k], parity);
+        Group<Codec> grp;
+        read_group<Codec, C, TC>(grp, shared_row, k);
+        st = merge(st, group_state(grp, valid_in(g, vocab)));
+    }
+    return st;
+}
+
+// Segments read before a refill of their slots in the second pass (one CTA barrier per batch).
+constexpr int kRefillBatch = 4;
+
+// Rows: a cluster handles rows blockIdx.x / C, + gridDim.x / C, ... (for some cases the host
+// launches at most as many clusters as fit at once, so each loops over several rows; otherwise one
+// cluster per row, and the loop runs once).  While the second pass of a row
+// runs, the slots it has finished reading are refilled with the same segments of the cluster's
+// next row, so that row's copies overlap this row's work.  Which cluster handles a row, and how
+// many rows it handles, changes no operation of the row (speed only).  Each mbarrier completes one
+// phase per row: row i of this CTA waits on parity i % 2.
 template <typename InCodec, typename OutCodec, int C, int TC>
 __device__ __forceinline__ void forward(const ForwardArgs& a) {
     using S = typename InCodec::storage;
@@ -726,42 +873,50 @@ __device__ __forceinline__ void forward(const ForwardArgs& a) {
     extern __shared__ __align__(16) uint8_t shared_row[];
     __shared__ float2 warp_states[TC / BATCHINV_WARP_SIZE + 2];
     const int64_t vocab = a.vocab;
-    const int64_t row = blockIdx.x / C;  // grid.x = rows * C exactly: every CTA has a row
+    const int64_t first_row = blockIdx.x / C;  // the same for every CTA of the cluster
+    const int64_t row_step = gridDim.x / C;
+    if (first_row >= a.rows) return;
     Slice<S, C, TC> slice;
     slice.rank = cta_rank();
     slice.groups = static_cast<int>((vocab + kGroup - 1) / kGroup);
     slice.segments = (slice.groups + C * TC - 1) / (C * TC);
     uint64_t* barriers = reinterpret_cast<uint64_t*>(shared_row + static_cast<int64_t>(slice.segments) *
                                                                       Slice<S, C, TC>::kSegmentBytes);
-    const S* x = static_cast<const S*>(a.x) + row * a.x_stride;
-    O* out = static_cast<O*>(a.out) + row * vocab;
-    start_row_copies(slice, x, vocab, shared_row, barriers);
+    const S* x_rows = static_cast<const S*>(a.x);
+    start_row_copies(slice, x_rows + first_row * a.x_stride, vocab, shared_row, barriers);
 
-    State st{-INFINITY, 0.0f};
-    for (int k = 0; k < slice.segments; ++k) {
-        const int g = slice.group_of(k);
-        if (g >= slice.groups) break;
-        hopper::barrier_wait(&barriers[k], 0);
-        Group<InCodec> grp;
-        read_group<InCodec, C, TC>(grp, shared_row, k);
-        st = merge(st, group_state(grp, valid_in(g, vocab)));
-    }
-    st = cluster_merge<C, TC>(st, warp_states);
-    const float lse = ieee_add(st.m, logf(st.l));
-    if (a.lse != nullptr && slice.rank == 0 && threadIdx.x == 0) a.lse[row] = lse;
+    uint32_t parity = 0;
+    for (int64_t row = first_row; row < a.rows; row += row_step, parity ^= 1u) {
+        const int64_t next = row + row_step;
+        const S* next_x = next < a.rows ? x_rows + next * a.x_stride : nullptr;
+        O* out = static_cast<O*>(a.out) + row * vocab;
+        State st = slice_state<InCodec, C, TC>(slice, shared_row, barriers, parity, vocab);
+        if (row != first_row) cluster_wait();  // the others are done reading the previous row's slots
+        st = cluster_merge<C, TC>(st, warp_states);
+        const float lse = ieee_add(st.m, logf(st.l));
+        if (a.lse != nullptr && slice.rank == 0 && threadIdx.x == 0) a.lse[row] = lse;
 
-    for (int k = 0; k < slice.segments; ++k) {
-        const int g = slice.group_of(k);
-        if (g >= slice.groups) break;
-        Group<InCodec> grp;
-        read_group<InCodec, C, TC>(grp, shared_row, k);
-        write_output<InCodec, OutCodec, kForwardStreamStores>(out, grp, g, vocab, lse, true);
+        for (int k0 = 0; k0 < slice.segments; k0 += kRefillBatch) {
+#pragma unroll
+            for (int u = 0; u < kRefillBatch; ++u) {
+                const int k = k0 + u;
+                const int g = slice.group_of(k);
+                if (k < slice.segments && g < slice.groups) {
+                    Group<InCodec> grp;
+                    read_group<InCodec, C, TC>(grp, shared_row, k);
+                    write_output<InCodec, OutCodec, kForwardStreamStores>(out, grp, g, vocab, lse, true,
+                                                                          warp_full(g, slice.groups));
+                }
+            }
+            if (next_x != nullptr) refill_after_reading(slice, next_x, vocab, shared_row, barriers, k0, kRefillBatch);
+        }
     }
     cluster_wait();
 }
 
 constexpr int kXUnroll = 4;  // x groups loaded before use in the backward's second pass
 
+// Rows and refills as in forward above; the slots hold grad_out, x is streamed.
 template <typename InCodec, typename OutCodec, int C, int TC>
 __device__ __forceinline__ void backward(const BackwardArgs& a) {
     using S = typename InCodec::storage;
@@ -770,51 +925,61 @@ __device__ __forceinline__ void backward(const BackwardArgs& a) {
     extern __shared__ __align__(16) uint8_t shared_row[];
     __shared__ float warp_sums[TC / BATCHINV_WARP_SIZE + 2];
     const int64_t vocab = a.vocab;
-    const int64_t row = blockIdx.x / C;
+    const int64_t first_row = blockIdx.x / C;
+    const int64_t row_step = gridDim.x / C;
+    if (first_row >= a.rows) return;
     Slice<O, C, TC> slice;
     slice.rank = cta_rank();
     slice.groups = static_cast<int>((vocab + kGroup - 1) / kGroup);
     slice.segments = (slice.groups + C * TC - 1) / (C * TC);
     uint64_t* barriers = reinterpret_cast<uint64_t*>(shared_row + static_cast<int64_t>(slice.segments) *
                                                                       Slice<O, C, TC>::kSegmentBytes);
-    const S* x = static_cast<const S*>(a.x) + row * a.x_stride;
-    const O* grad_out = static_cast<const O*>(a.grad_out) + row * vocab;
-    S* grad_x = static_cast<S*>(a.grad_x) + row * vocab;
-    start_row_copies(slice, grad_out, vocab, shared_row, barriers);
-    const float lse = a.lse[row];
+    const O* grad_rows = static_cast<const O*>(a.grad_out);
+    start_row_copies(slice, grad_rows + first_row * vocab, vocab, shared_row, barriers);
 
-    float sum = 0.0f;
-    for (int k = 0; k < slice.segments; ++k) {
-        const int g = slice.group_of(k);
-        if (g >= slice.groups) break;
-        hopper::barrier_wait(&barriers[k], 0);
-        Group<OutCodec> dy;
-        read_group<OutCodec, C, TC>(dy, shared_row, k);
-        sum = group_sum(dy, valid_in(g, vocab), sum);
-    }
-    const float dy_sum = cluster_sum<C, TC>(sum, warp_sums);
+    uint32_t parity = 0;
+    for (int64_t row = first_row; row < a.rows; row += row_step, parity ^= 1u) {
+        const int64_t next = row + row_step;
+        const O* next_grad = next < a.rows ? grad_rows + next * vocab : nullptr;
+        const S* x = static_cast<const S*>(a.x) + row * a.x_stride;
+        S* grad_x = static_cast<S*>(a.grad_x) + row * vocab;
+        const float lse = a.lse[row];
 
-    for (int k0 = 0; k0 < slice.segments; k0 += kXUnroll) {
-        Group<InCodec> xg[kXUnroll];
-#pragma unroll
-        for (int u = 0; u < kXUnroll; ++u) {
-            const int g = slice.group_of(k0 + u);
-            if (k0 + u < slice.segments && g < slice.groups) {
-                load_group<InCodec, kBackwardStreamHints>(xg[u], x, g, vocab, true);
-            }
-        }
-#pragma unroll
-        for (int u = 0; u < kXUnroll; ++u) {
-            const int g = slice.group_of(k0 + u);
-            if (k0 + u >= slice.segments || g >= slice.groups) continue;
+        float sum = 0.0f;
+        for (int k = 0; k < slice.segments; ++k) {
+            const int g = slice.group_of(k);
+            if (g >= slice.groups) break;
+            hopper::barrier_wait(&barriers[k], parity);
             Group<OutCodec> dy;
-            read_group<OutCodec, C, TC>(dy, shared_row, k0 + u);
-            write_grad<InCodec, OutCodec, kBackwardStreamHints>(grad_x, dy, xg[u], g, vocab, lse, dy_sum, true);
+            read_group<OutCodec, C, TC>(dy, shared_row, k);
+            sum = group_sum(dy, valid_in(g, vocab), sum);
+        }
+        if (row != first_row) cluster_wait();  // the others are done reading the previous row's slots
+        const float dy_sum = cluster_sum<C, TC>(sum, warp_sums);
+
+        for (int k0 = 0; k0 < slice.segments; k0 += kXUnroll) {
+            Group<InCodec> xg[kXUnroll];
+#pragma unroll
+            for (int u = 0; u < kXUnroll; ++u) {
+                const int g = slice.group_of(k0 + u);
+                if (k0 + u < slice.segments && g < slice.groups) {
+                    load_group<InCodec, kBackwardStreamHints>(xg[u], x, g, vocab, true);
+                }
+            }
+#pragma unroll
+            for (int u = 0; u < kXUnroll; ++u) {
+                const int g = slice.group_of(k0 + u);
+                if (k0 + u >= slice.segments || g >= slice.groups) continue;
+                Group<OutCodec> dy;
+                read_group<OutCodec, C, TC>(dy, shared_row, k0 + u);
+                write_grad<InCodec, OutCodec, kBackwardStreamHints>(grad_x, dy, xg[u], g, vocab, lse, dy_sum, true,
+                                                                    warp_full(g, slice.groups));
+            }
+            if (next_grad != nullptr) refill_after_reading(slice, next_grad, vocab, shared_row, barriers, k0, kXUnroll);
         }
     }
     cluster_wait();
 }
-
 }  // namespace cluster
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL
 
@@ -852,7 +1017,8 @@ BATCHINV_LOG_SOFTMAX_ALL_THREADS(f32_f32, batchinv::F32Codec, batchinv::F32Codec
 BATCHINV_LOG_SOFTMAX_ALL_THREADS(f32_bf16, batchinv::F32Codec, batchinv::Bf16Codec)
 BATCHINV_LOG_SOFTMAX_ALL_THREADS(f32_f16, batchinv::F32Codec, batchinv::F16Codec)
 
-// Hopper cluster entries: C CTAs of TC threads per row (T = C * TC), grid.x = rows * C; dynamic
+// Hopper cluster entries: C CTAs of TC threads per row (T = C * TC), grid.x = clusters * C with
+// 1 <= clusters <= rows (each cluster loops over rows: see cluster::forward); dynamic
 // shared memory = segments * (TC * 8 * sizeof(storage) + 8) bytes (see "Hopper (sm_90a) form").
 // Other architectures get an entry that traps: the host launches these on sm_90 only.
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)

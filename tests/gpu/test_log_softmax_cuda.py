@@ -446,3 +446,81 @@ def test_cluster_only_tree_misaligned_rows_give_the_same_bits(offset, monkeypatc
         for a, b in zip(got, expected, strict=True):
             assert_bitwise_equal(a, b)
         assert_bitwise_equal(x, before)  # the input is not modified
+
+
+# The Hopper form launches at most as many clusters as fit and each loops over rows, refilling
+# its shared memory with its next row while it finishes the current one.  Capping the clusters
+# gives each one many rows (and its mbarriers many phases): the bits must be those of one
+# cluster per row, every element written.
+@pytest.mark.parametrize("threads", gpu_log_softmax.CLUSTER_THREADS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("vocab", (4104, 40008, BIG_VOCAB))
+def test_clusters_looping_over_rows_give_the_bits_of_one_cluster_per_row(
+    vocab, dtype, threads, monkeypatch
+):
+    _require_cluster_form()
+    _force_cluster_form(monkeypatch, threads)
+    rows = 7
+    gen = torch.Generator(device=DEVICE).manual_seed(25)
+    x = (4.0 * torch.randn(rows, vocab, device=DEVICE, generator=gen)).to(dtype)
+    x[1, ::5] = float("-inf")  # masked logits
+    x[3] = float("-inf")  # a row with no distribution
+    x[5, -1] = 80.0  # the maximum in the last group of the row
+    grad = torch.randn(rows, vocab, device=DEVICE, generator=gen)
+    monkeypatch.setattr(gpu_log_softmax, "PERSISTENT_CLUSTERS", False)
+    expected = _forward_and_grad(x, grad)
+    monkeypatch.setattr(gpu_log_softmax, "PERSISTENT_CLUSTERS", True)
+    monkeypatch.setattr(gpu_log_softmax, "PERSISTENT_CASES", None)  # every case loops
+    for clusters in (1, 2, 3):
+        monkeypatch.setattr(gpu_log_softmax, "MAX_CLUSTERS", clusters)
+        for got, want in zip(_forward_and_grad(x, grad), expected, strict=True):
+            assert_bitwise_equal(got, want)
+        poisoned = torch.full((rows, vocab), float("nan"), device=DEVICE)
+        lse_out = torch.full((rows,), float("nan"), device=DEVICE)
+        gpu_log_softmax._forward_into(poisoned, lse_out, x)
+        assert_bitwise_equal(poisoned, expected[0])
+        assert_bitwise_equal(lse_out, expected[1])
+        poisoned_grad = torch.full((rows, vocab), float("nan"), dtype=dtype, device=DEVICE)
+        gpu_log_softmax._backward_into(poisoned_grad, grad, x, expected[1])
+        assert_bitwise_equal(poisoned_grad, expected[2])
+
+
+def test_persistent_grid_is_capped_by_the_resident_clusters(monkeypatch):
+    # At most the resident clusters (or MAX_CLUSTERS), never more than one per row; cases outside
+    # PERSISTENT_CASES (None: every case) get one cluster per row.
+    count = gpu_log_softmax._cluster_count
+    fwd, bwd = ("forward", "bf16_f32"), ("backward", "bf16_f32")
+    monkeypatch.setattr(gpu_log_softmax, "PERSISTENT_CASES", None)
+    monkeypatch.setattr(gpu_log_softmax, "MAX_CLUSTERS", None)
+    assert count(4096, 82, fwd) == 82 and count(5, 82, fwd) == 5
+    monkeypatch.setattr(gpu_log_softmax, "MAX_CLUSTERS", 3)
+    assert count(4096, 82, fwd) == 3 and count(2, 82, fwd) == 2
+    monkeypatch.setattr(gpu_log_softmax, "PERSISTENT_CASES", frozenset({bwd}))
+    assert count(4096, 82, bwd) == 3 and count(4096, 82, fwd) == 4096
+    monkeypatch.setattr(gpu_log_softmax, "PERSISTENT_CLUSTERS", False)
+    assert count(4096, 82, bwd) == 4096
+
+
+# At the benchmark's size every resident cluster loops over ~50 rows under full memory load: an
+# earlier version whose refills raced with the last reads of the slots passed the small test above
+# and differed here (backward).  Bits must equal one cluster per row.
+@pytest.mark.parametrize(
+    "dtype, out_dtype",
+    (
+        (torch.bfloat16, torch.float32),
+        (torch.bfloat16, torch.bfloat16),
+        (torch.float32, torch.float32),
+    ),
+)
+def test_clusters_looping_over_rows_at_full_load(dtype, out_dtype, monkeypatch):
+    _require_cluster_form()
+    monkeypatch.setattr(gpu_log_softmax, "PERSISTENT_CASES", None)  # every case loops
+    rows = 4096
+    gen = torch.Generator(device=DEVICE).manual_seed(26)
+    x = (4.0 * torch.randn(rows, BIG_VOCAB, device=DEVICE, generator=gen)).to(dtype)
+    grad = torch.randn(rows, BIG_VOCAB, device=DEVICE, generator=gen).to(out_dtype)
+    got = _forward_and_grad(x, grad, out_dtype)
+    monkeypatch.setattr(gpu_log_softmax, "PERSISTENT_CLUSTERS", False)
+    expected = _forward_and_grad(x, grad, out_dtype)
+    for a, b in zip(got, expected, strict=True):
+        assert_bitwise_equal(a, b)

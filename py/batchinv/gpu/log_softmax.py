@@ -1,14 +1,13 @@
 """Log-softmax over the last dimension on CUDA/HIP: launches ``kernels_cu/log_softmax.cu``.
 
-One CTA per row (on sm_90, for some long-row cases, one thread-block cluster of 8 or 16 CTAs
-per row instead).  The block size, and with it the reduction tree, is chosen from the row
-length V, the dtypes and the device alone (``threads_for``), so a row's bits are the same in
-any batch.  How much of the
-row stays on chip between the two passes (registers, then dynamic shared memory sized from
-the device's limits, then a second read from global memory) changes speed only: the
-arithmetic is defined on element indices.  The GPU's reduction order is its own fixed tree
-(see the kernel), not the reference's ``chunk_size`` order, so the two backends agree within
-the contract's tolerance, not bitwise.  No call synchronises.
+One CTA per row (on sm_90, for some long-row cases, thread-block clusters of 8 or 16 CTAs
+instead, each looping over rows).  The block size, and with it the reduction tree, is chosen
+from the row length V, the dtypes and the device alone (``threads_for``), so a row's bits are
+the same in any batch.  How much of the row stays on chip between the two passes (registers,
+then dynamic shared memory sized from the device's limits, then a second read from global
+memory) changes speed only: the arithmetic is defined on element indices.  The GPU's reduction
+order is its own fixed tree (see the kernel), not the reference's ``chunk_size`` order, so the
+two backends agree within the contract's tolerance, not bitwise.  No call synchronises.
 """
 
 from __future__ import annotations
@@ -42,6 +41,19 @@ CLUSTER_THREADS = (512, 1024, 2048)  # the T compiled in the Hopper form
 CLUSTER_ONLY_THREADS = 2048  # no one-CTA form: a block holds at most 1024 threads
 _PORTABLE_CLUSTER_CTAS = 8  # larger clusters need the kernel's non-portable opt-in
 USE_CLUSTER = True  # the Hopper form where it applies (tests switch it off to compare bits)
+# For the cases in PERSISTENT_CASES (None: every case) the Hopper form launches at most as many
+# clusters as fit on the device at once; each loops over rows and refills its shared memory with
+# its next row while it finishes the current one.  Elsewhere, or with PERSISTENT_CLUSTERS off: one
+# cluster per row.  Which cluster handles a row changes speed only.  MAX_CLUSTERS caps the count
+# (tests use it to give each cluster many rows).  Measured on an H200 at 4096 x 151936 (ms,
+# persistent / one cluster per row): backward bf16 x, fp32 dy 1.39 / about 1.43 (fp32 dy rows,
+# T = 2048); forward bf16 -> fp32 1.15 / 1.08 and backward bf16 dy 1.20 / 1.12 (slower); fp32
+# forward and backward within 1%.
+PERSISTENT_CLUSTERS = True
+PERSISTENT_CASES: frozenset[tuple[str, str]] | None = frozenset(
+    {("backward", "bf16_f32"), ("backward", "f16_f32"), ("backward", "f32_f32")}
+)
+MAX_CLUSTERS: int | None = None
 _BARRIER_BYTES = 8  # one mbarrier per shared-memory segment
 # T on sm_90 for the cases where the Hopper form measured faster than the one-CTA form with
 # T = 512 on an H200 at 4096 x 151936 (same run, ms): forward bf16 -> fp32 1.12 vs 1.34 and
@@ -194,9 +206,9 @@ def _cluster_plan(
     cached_dtype: torch.dtype,
     tensors: tuple[Tensor, ...],
     rows: int,
-) -> tuple[object, int, int] | None:
-    """``(kernel, CTAs per row, shared bytes)`` of the Hopper form for this call, or None where
-    it does not apply: T (``threads[0]``) is not the Hopper form's T for this case
+) -> tuple[object, int, int, int] | None:
+    """``(kernel, CTAs per cluster, shared bytes, clusters)`` of the Hopper form for this call,
+    or None where it does not apply: T (``threads[0]``) is not the Hopper form's T for this case
     (``threads[1]``, from ``_hopper_form_threads``), a row start is not 16-byte aligned, or
     the clusters cannot be resident.  There the one-CTA form runs with the same T: the same
     bits.  ``kind`` is "forward" or "backward"."""
@@ -211,8 +223,6 @@ def _cluster_plan(
     if not _cluster_capable(index):
         return None
     ctas, cta_threads = CLUSTER_SHAPE[threads]
-    if rows * ctas > _MAX_GRID_X:
-        raise ValueError(f"x has {rows} rows; at most {_MAX_GRID_X // ctas} are supported here")
     name = f"log_softmax_cluster_{kind}_{suffix}_c{ctas}_t{cta_threads}"
     kernel = kernel_for("log_softmax", name, device)
     static = _static_shared(kernel, index)
@@ -223,9 +233,23 @@ def _cluster_plan(
     if shared > _DEFAULT_SHARED - static:
         _raise_shared_limit(kernel, index, limit)
     _allow_cluster_size(kernel, index, ctas)
-    if _resident_clusters(kernel, index, ctas, cta_threads, shared) == 0:
+    resident = _resident_clusters(kernel, index, ctas, cta_threads, shared)
+    if resident == 0:
         return None
-    return kernel, ctas, shared
+    clusters = _cluster_count(rows, resident, (kind, suffix))
+    if clusters * ctas > _MAX_GRID_X:
+        raise ValueError(f"x has {rows} rows; at most {_MAX_GRID_X // ctas} are supported here")
+    return kernel, ctas, shared, clusters
+
+
+def _cluster_count(rows: int, resident: int, case: tuple[str, str]) -> int:
+    """Clusters to launch for ``rows`` rows of ``case`` ((kind, suffix)): one per row, or for
+    the persistent cases at most those that fit at once (or MAX_CLUSTERS), each looping over
+    rows."""
+    if not PERSISTENT_CLUSTERS or (PERSISTENT_CASES is not None and case not in PERSISTENT_CASES):
+        return rows
+    cap = resident if MAX_CLUSTERS is None else min(resident, MAX_CLUSTERS)
+    return min(rows, cap)
 
 
 _RESIDENT: dict[tuple[str, int, int], int] = {}
@@ -299,11 +323,11 @@ def _forward_into(out: Tensor, lse: Tensor | None, rows_view: Tensor) -> None:
         rows,
     )
     if plan is not None:
-        kernel, ctas, shared = plan
+        kernel, ctas, shared, clusters = plan
         launch(
             kernel,
             rows_view.device,
-            grid=(rows * ctas,),
+            grid=(clusters * ctas,),
             block=(threads // ctas,),
             args=(out, lse_arg, rows_view, rows, vocab, rows_view.stride(0)),
             shared_mem=shared,
@@ -361,11 +385,11 @@ def _backward_into(grad_x: Tensor, grad_rows: Tensor, rows_view: Tensor, lse: Te
         rows,
     )
     if plan is not None:
-        kernel, ctas, shared = plan
+        kernel, ctas, shared, clusters = plan
         launch(
             kernel,
             rows_view.device,
-            grid=(rows * ctas,),
+            grid=(clusters * ctas,),
             block=(threads // ctas,),
             args=(grad_x, grad_rows, rows_view, lse, rows, vocab, rows_view.stride(0)),
             shared_mem=shared,
