@@ -17,7 +17,7 @@ import functools
 import torch
 from torch import Tensor
 
-from ._launch import kernel_for, launch, uses_hopper
+from ._launch import allow_dynamic_shared, kernel_for, launch, uses_hopper
 from .rms_norm import as_rows
 
 # Keep in step with kernels_cu/log_softmax.cu.
@@ -146,7 +146,6 @@ def _shared_budget(device_index: int, threads: int, static_bytes: int) -> int:
     return max(0, min(per_block, share) - static_bytes)
 
 
-_RAISED_LIMITS: set[tuple[str, int]] = set()
 _STATIC_SHARED: dict[tuple[str, int], int] = {}
 
 
@@ -155,14 +154,6 @@ def _static_shared(kernel, device_index: int) -> int:
     if key not in _STATIC_SHARED:
         _STATIC_SHARED[key] = int(kernel.attributes(device_index)["static_shared_bytes"])
     return _STATIC_SHARED[key]
-
-
-def _raise_shared_limit(kernel, device_index: int, bytes_: int) -> None:
-    """Opts the kernel in to ``bytes_`` of dynamic shared memory (once per kernel and device)."""
-    key = (kernel.name, device_index)
-    if key not in _RAISED_LIMITS:
-        kernel.set_max_dynamic_shared_memory(bytes_, device=device_index)
-        _RAISED_LIMITS.add(key)
 
 
 def _cluster_capable(device_index: int) -> bool:
@@ -230,8 +221,7 @@ def _cluster_plan(
     shared = cluster_shared_bytes(vocab, threads, cached_dtype)
     if shared > limit:
         return None
-    if shared > _DEFAULT_SHARED - static:
-        _raise_shared_limit(kernel, index, limit)
+    allow_dynamic_shared(kernel, shared, index)
     _allow_cluster_size(kernel, index, ctas)
     resident = _resident_clusters(kernel, index, ctas, cta_threads, shared)
     if resident == 0:
@@ -280,8 +270,7 @@ def _tiering(
     budget = _shared_budget(index, threads, static)
     groups = min(wanted, budget // (threads * group_bytes))
     shared = groups * threads * group_bytes
-    if shared > _DEFAULT_SHARED - static:
-        _raise_shared_limit(kernel, index, budget)
+    allow_dynamic_shared(kernel, shared, index)
     return groups, shared
 
 
