@@ -71,12 +71,14 @@ def _sdpa(q, k, v, causal, backend=None):
     return with_backend
 
 
-def _decode_label(mode: str, warps: int) -> str:
+def _decode_label(mode: str, warps: int, pdl: bool) -> str:
     """What the default decode path runs: split launches of one-warp (16-row) tiles run the
-    cooperative split kernel (4 warps per tile) and the combine kernel."""
+    cooperative split kernel (4 warps per tile) and the combine kernel, the combine with
+    programmatic dependent launch (``pdl``) on sm_90."""
     if mode == "split" and warps == 1:
-        return "batchinv (coop split + combine)"
-    return f"batchinv ({mode}, {warps} warp{'s' if warps > 1 else ''})"
+        return f"batchinv (coop split + combine{', PDL' if pdl else ''})"
+    tag = ", PDL" if pdl and mode == "split" else ""
+    return f"batchinv ({mode}, {warps} warp{'s' if warps > 1 else ''}{tag})"
 
 
 def _time_or_none(fn):
@@ -115,6 +117,7 @@ def main() -> None:
     device = require_cuda()
     gen = torch.Generator(device=device).manual_seed(0)
     rows, results = [], []
+    pdl = gpu.combine_uses_pdl(device)
     prefill_cases = PREFILL if args.phase in ("all", "prefill") else []
     decode_cases = DECODE if args.phase in ("all", "decode") else []
     for batch, seq in prefill_cases:
@@ -179,57 +182,69 @@ def main() -> None:
         k_rows, v_rows = k.view(batch * ctx, HKV, D), v.view(batch * ctx, HKV, D)
         mode, warps = gpu.choose(layout, HQ, HKV, device, "auto", None)
         anchor = median_ms(_sdpa(qt, kt, vt, False))
-        default_path = _decode_label(mode, warps)
+        split = mode == "split"
+        default_path = _decode_label(mode, warps, pdl and split)
+
+        def run(pdl=None, **tuning):
+            return gpu.forward(
+                q_rows, k_rows, v_rows, layout, True, scale, prefill_zero=False, pdl=pdl, **tuning
+            )
+
         paths = {
             "SDPA default": anchor,
             "SDPA flash": _time_or_none(_sdpa(qt, kt, vt, False, SDPBackend.FLASH_ATTENTION)),
-            default_path: median_ms(
-                lambda: gpu.forward(q_rows, k_rows, v_rows, layout, True, scale, prefill_zero=False)
-            ),
+            default_path: median_ms(run),
         }
+        if pdl and split:
+            # The same kernels with the combine launched in plain stream order; then both
+            # again, alternating, to show the spread of the difference.
+            paths[_decode_label(mode, warps, False)[:-1] + ", no PDL, forced)"] = median_ms(
+                lambda: run(pdl=False)
+            )
+            again = [median_ms(lambda on=on: run(pdl=on)) for on in (True, False, True, False)]
+            print(
+                f"decode B={batch} ctx={ctx}: PDL on/off/on/off "
+                + " / ".join(f"{ms * 1e3:.1f}" for ms in again)
+                + " us"
+            )
         decode = {"phase": "decode", "batch": batch, "length": ctx}
         results.append(
             {**decode, "timing": "eager", "batchinv_ms": paths[default_path], "sdpa_ms": anchor}
         )
-        batchinv_graph = _graphed(
-            lambda: gpu.forward(q_rows, k_rows, v_rows, layout, True, scale, prefill_zero=False)
-        )
+        pdl_tag = ", PDL" if pdl and split else ""
+        graph_path = f"batchinv ({mode}{pdl_tag}, CUDA graph)"
+        batchinv_graph = _graphed(run)
         sdpa_graph = _graphed(_sdpa(qt, kt, vt, False))
         if batchinv_graph is not None and sdpa_graph is not None:
             paths["SDPA default (CUDA graph)"] = median_ms(sdpa_graph)
-            paths[f"batchinv ({mode}, CUDA graph)"] = median_ms(batchinv_graph)
+            paths[graph_path] = median_ms(batchinv_graph)
             results.append(
                 {
                     **decode,
                     "timing": "CUDA graph",
-                    "batchinv_ms": paths[f"batchinv ({mode}, CUDA graph)"],
+                    "batchinv_ms": paths[graph_path],
                     "sdpa_ms": paths["SDPA default (CUDA graph)"],
                 }
             )
-        if mode == "split":
+            if pdl_tag:
+                no_pdl_graph = _graphed(lambda: run(pdl=False))
+                if no_pdl_graph is not None:
+                    paths[f"batchinv ({mode}, no PDL, CUDA graph, forced)"] = median_ms(
+                        no_pdl_graph
+                    )
+        if split:
             # The cooperative kernel with each K/V pipeline, and the one-warp kernel.
             variants = [(True, s) for s in gpu.COOP_STAGES] + [(False, 2)]
             for coop, stages in variants:
                 kernel = f"coop, {stages}-block ring" if coop else "1 warp, 2-block ring"
-                paths[f"batchinv (split, {kernel}, forced)"] = median_ms(
-                    lambda coop=coop, stages=stages: gpu.forward(
-                        q_rows,
-                        k_rows,
-                        v_rows,
-                        layout,
-                        True,
-                        scale,
-                        prefill_zero=False,
-                        stages=stages,
-                        coop=coop,
-                    )
+                paths[f"batchinv (split, {kernel}{pdl_tag}, forced)"] = median_ms(
+                    lambda coop=coop, stages=stages: run(stages=stages, coop=coop)
                 )
         for other in ("tile", "split"):
             if other != mode:
-                paths[f"batchinv ({other}, forced)"] = median_ms(
-                    lambda other=other: gpu.forward(
-                        q_rows, k_rows, v_rows, layout, True, scale, prefill_zero=False, mode=other
-                    )
+                tag = ", PDL" if pdl and other == "split" else ""
+                paths[f"batchinv ({other}{tag}, forced)"] = median_ms(
+                    lambda other=other: run(mode=other)
                 )
         for path, ms in paths.items():
             if ms is None:

@@ -39,6 +39,12 @@
 //       attn_split_coop_* (decode, 16-row tiles): the same split CTA run by 4 warps that share
 //       the loads, the S columns and the PV output columns; each S and acc element is the same
 //       mma chain, and every warp runs the same softmax on the whole S tile (see there).
+//       On sm_90 the host launches attn_combine_* with programmatic dependent launch: every split
+//       CTA lets it launch at its start (griddepcontrol.launch_dependents), and the combine
+//       waits (griddepcontrol.wait: the whole split grid completed, its writes visible) before
+//       it reads a partial or writes out/lse.  Only when the combine's CTAs start changes; what
+//       they read is the finished workspace, so no bit changes (elsewhere both are no-ops and
+//       the combine is an ordinary stream-ordered launch).
 //   Tile rows: M = 16 * NWARPS rows; row r = (query qtile * QPT + r / P, head hg * P + r % P),
 //   P query heads sharing one kv head packed in M (QPT = M / P).  mma rows are independent and
 //   a warp's quad butterfly has the same shape for every row, so which tile slot a row lands
@@ -776,6 +782,22 @@ __device__ __forceinline__ void attn_split_coop(const Params& p) {
     }
 }
 
+// Programmatic dependent launch (PTX griddepcontrol, sm_90; compiled out of older targets,
+// where the host never asks for it).  launch_dependents lets the next grid on the stream
+// start once every CTA of this one has executed it or exited; wait blocks until the previous
+// grid has completed and its memory is visible (it returns at once without a programmatic
+// launch).
+__device__ __forceinline__ void grid_launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void grid_wait_primary() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+
 // Mode (b)'s second kernel: CTA (query i, head h, sequence b), thread e = element of d.
 template <typename Codec, int D>
 __device__ __forceinline__ void attn_combine(const float* ws, void* out, float* lse, const int* q_start,
@@ -796,6 +818,9 @@ __device__ __forceinline__ void attn_combine(const float* ws, void* out, float* 
     constexpr int kBatch = 8;
     const int64_t split_stride = static_cast<int64_t>(tq) * hq * (D + 2);
     const float* part = ws + (t_row * hq + h) * (D + 2);
+    // The split kernel wrote ws (and nothing this kernel reads above); with a programmatic
+    // launch this CTA may have started before it finished.
+    grid_wait_primary();
     float m = kNegInf, l = 0.0f, acc = 0.0f;
     for (int s0 = 0; s0 < splits; s0 += kBatch) {
         float pm[kBatch], pl[kBatch], pv[kBatch];
@@ -846,6 +871,7 @@ __device__ __forceinline__ void attn_combine(const float* ws, void* out, float* 
     }                                                                                                           \
     extern "C" __global__ void __launch_bounds__(32 * NW)                                                       \
         attn_split_##DTYPE##_d##D##_w##NW(BATCHINV_ATTN_PARAMS) {                                               \
+        batchinv::attn::grid_launch_dependents(); /* the combine may launch (it waits for this grid) */          \
         BATCHINV_ATTN_MAKE_PARAMS;                                                                              \
         batchinv::attn::attn_tile<CODEC, D, NW, true, 2>(p);                                                    \
     }
@@ -853,6 +879,7 @@ __device__ __forceinline__ void attn_combine(const float* ws, void* out, float* 
 #define BATCHINV_ATTN_SPLIT_COOP(DTYPE, CODEC, D, NW, S, MINB)                                                   \
     extern "C" __global__ void __launch_bounds__(32 * NW, MINB)                                                 \
         attn_split_coop_##DTYPE##_d##D##_w##NW##_s##S(BATCHINV_ATTN_PARAMS) {                                   \
+        batchinv::attn::grid_launch_dependents(); /* the combine may launch (it waits for this grid) */          \
         BATCHINV_ATTN_MAKE_PARAMS;                                                                              \
         batchinv::attn::attn_split_coop<CODEC, D, NW, S>(p);                                                    \
     }

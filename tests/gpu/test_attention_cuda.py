@@ -279,6 +279,164 @@ def test_decode_kernels_repeat_bitwise_with_an_empty_context(dtype, d):
             assert_bitwise_equal(got, want, name=f"coop, {stages} stages, run {run}")
 
 
+def test_pdl_argument_is_checked_before_the_device():
+    with pytest.raises(TypeError, match="pdl must be a bool or None, got int"):
+        gpu.combine_uses_pdl(torch.device(DEVICE), pdl=1)
+    assert gpu.combine_uses_pdl(torch.device(DEVICE), pdl=False) is False
+
+
+def _require_pdl():
+    if not gpu.combine_uses_pdl(torch.device(DEVICE)):
+        pytest.skip("programmatic dependent launch runs where the sm_90a kernels run (sm_90)")
+
+
+def _poison_free_memory():
+    """Leaves NaN in the caching allocator's free blocks, so a combine that read a workspace
+    before the split kernel wrote it would output NaN instead of the right bits."""
+    junk = torch.full((16 << 20,), float("nan"), device=DEVICE)
+    small = [torch.full((n,), float("nan"), device=DEVICE) for n in (1 << 12, 1 << 16, 1 << 18)]
+    del junk, small
+
+
+def _decode_case(dtype, d, lens, seed=60):
+    """``(q, q_new [B, 1], k, v, k_lens)``, GQA 8/2: sequence b's decode query is its row
+    ``lens[b] - 1``; NaN past each length."""
+    batch, ctx = len(lens), max(lens)
+    q, k, v = _qkv(batch, ctx, ctx, 8, 2, d, dtype, seed=seed + d)
+    for b, n in enumerate(lens):
+        k[b, n:] = float("nan")
+        v[b, n:] = float("nan")
+    q_new = torch.stack([q[b, n - 1] for b, n in enumerate(lens)])[:, None]
+    return q, q_new, k, v, torch.tensor(lens, device=DEVICE)
+
+
+@cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("d", HEAD_DIMS)
+def test_decode_with_pdl_equals_prefill_and_the_ordinary_launch(dtype, d):
+    # Every split kernel with its combine launched programmatically (PDL) and ordinarily, into
+    # poisoned memory: each row equals the last row of its sequence's one-shot prefill.
+    _require_pdl()
+    lens = [1, 63, 1024, 1025, 2049, 4097]
+    q, q_new, k, v, k_lens = _decode_case(dtype, d, lens)
+    want = [
+        gpu.attention(
+            q[b : b + 1, :n],
+            k[b : b + 1, :n],
+            v[b : b + 1, :n],
+            causal=True,
+            return_lse=True,
+            mode="tile",
+            warps=4,
+        )
+        for b, n in enumerate(lens)
+    ]
+    variants = [(s, True) for s in gpu.COOP_STAGES] + [(2, False)]
+    for stages, coop in variants:
+        got = {}
+        for pdl in (True, False, True):
+            _poison_free_memory()
+            kw = dict(mode="split", warps=1, stages=stages, coop=coop, pdl=pdl)
+            out, lse = gpu.attention(
+                q_new, k, v, causal=True, seqlens_k=k_lens, return_lse=True, **kw
+            )
+            name = f"{stages} stages, coop {coop}, pdl {pdl}"
+            for b, n in enumerate(lens):
+                row = (want[b][0][:, -1:], want[b][1][:, :, -1:])
+                assert_bitwise_equal(out[b : b + 1], row[0], name=f"out, {name}, context {n}")
+                assert_bitwise_equal(lse[b : b + 1], row[1], name=f"lse, {name}, context {n}")
+            if pdl in got:
+                assert_bitwise_equal((out, lse), got[pdl], name=f"repeat, {name}")
+            got[pdl] = (out, lse)
+        assert_bitwise_equal(got[True], got[False], name=f"pdl on vs off, {stages}, {coop}")
+    # The default decode path (mode auto) uses PDL here and gives the same bits.
+    auto = gpu.attention(q_new, k, v, causal=True, seqlens_k=k_lens, return_lse=True)
+    assert_bitwise_equal(auto, got[False], name="auto")
+
+
+def _big_decode(seed):
+    """``((q, k, v) rows, layout)`` of a Qwen3-shaped decode batch (64 sequences, GQA 32/8,
+    d = 128, bf16): split CTAs for several waves, so the combine's CTAs start while split CTAs
+    still run.  NaN past each length."""
+    lens = [4097, 3000, 1025, 2048, 4000, 64, 3500, 1] * 8
+    batch, ctx = len(lens), max(lens)
+    gen = torch.Generator(device=DEVICE).manual_seed(seed)
+    q = torch.randn(batch, 32, 128, device=DEVICE, generator=gen).to(torch.bfloat16)
+    k = torch.randn(batch, ctx, 8, 128, device=DEVICE, generator=gen).to(torch.bfloat16)
+    v = torch.randn(batch, ctx, 8, 128, device=DEVICE, generator=gen).to(torch.bfloat16)
+    for b, n in enumerate(lens):
+        k[b, n:] = float("nan")
+        v[b, n:] = float("nan")
+    layout = gpu.make_layout(
+        torch.arange(batch, device=DEVICE),
+        torch.ones(batch, device=DEVICE),
+        torch.arange(batch, device=DEVICE) * ctx,
+        torch.tensor(lens, device=DEVICE),
+        1,
+        ctx,
+    )
+    return (q, k.view(-1, 8, 128), v.view(-1, 8, 128)), layout
+
+
+@cuda
+def test_decode_with_pdl_on_two_streams_equals_the_ordinary_launch():
+    _require_pdl()
+    cases = [_big_decode(seed) for seed in (70, 71)]
+    scale = gpu.scale_of(None, 128)
+    want = [gpu.forward(*rows, layout, True, scale, pdl=False) for rows, layout in cases]
+    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+    for stream in streams:
+        stream.wait_stream(torch.cuda.current_stream())
+    got = [[], []]
+    for _ in range(4):
+        for i, (stream, (rows, layout)) in enumerate(zip(streams, cases, strict=True)):
+            with torch.cuda.stream(stream):
+                got[i].append(gpu.forward(*rows, layout, True, scale, pdl=True))
+    for stream in streams:
+        torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    for i in range(2):
+        for run, result in enumerate(got[i]):
+            assert_bitwise_equal(result, want[i], name=f"stream {i}, run {run}")
+
+
+@cuda
+def test_decode_with_pdl_in_a_cuda_graph_equals_the_ordinary_launch():
+    _require_pdl()
+    (q, k, v), layout = _big_decode(80)
+    scale = gpu.scale_of(None, 128)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up off the capture, as torch asks
+        gpu.forward(q, k, v, layout, True, scale, pdl=True)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = gpu.forward(q, k, v, layout, True, scale, pdl=True)
+    for step in range(2):
+        gen = torch.Generator(device=DEVICE).manual_seed(81 + step)
+        q.copy_(torch.randn(q.shape, device=DEVICE, generator=gen))  # new queries, captured buffer
+        _poison_free_memory()
+        graph.replay()
+        torch.cuda.synchronize()
+        want = gpu.forward(q, k, v, layout, True, scale, pdl=False)
+        assert_bitwise_equal(captured, want, name=f"replay {step}")
+
+
+@cuda
+def test_pdl_true_is_an_error_where_the_sm90a_kernels_do_not_run():
+    if gpu.combine_uses_pdl(torch.device(DEVICE)):
+        pytest.skip("checks a device without the sm_90a kernels")
+    _, q_new, k, v, k_lens = _decode_case(torch.bfloat16, 64, [1100, 5])
+    with pytest.raises(ValueError, match="pdl=True needs an sm_90 device"):
+        gpu.attention(q_new, k, v, causal=True, seqlens_k=k_lens, mode="split", pdl=True)
+    # Elsewhere the default is an ordinary launch: the same bits as pdl=False.
+    assert_bitwise_equal(
+        gpu.attention(q_new, k, v, causal=True, seqlens_k=k_lens, mode="split"),
+        gpu.attention(q_new, k, v, causal=True, seqlens_k=k_lens, mode="split", pdl=False),
+    )
+
+
 # ----------------------------------------------------------------------------- Axis-A, T1-T4, T6
 
 

@@ -125,3 +125,78 @@ def test_non_portable_clusters_are_an_error_before_sm90(user_module):
     kernel = user_module.get_function("scale", signature="ptr, ptr, f32, i64")
     with pytest.raises(native.BackendUnavailableError, match=r"need compute capability 9\.0"):
         kernel.allow_non_portable_cluster_size(device=0)
+
+
+# A primary kernel that lets its dependent launch at once, then spins for spin_ns before it
+# writes data; the secondary stamps its start and copies data after griddepcontrol.wait.
+PDL_SOURCE = r"""
+__device__ unsigned long long now() {
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+extern "C" __global__ void primary(unsigned long long* stamps, float* data, long long spin_ns) {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+    const unsigned long long t0 = now();
+    unsigned long long t = t0;
+    while (t - t0 < (unsigned long long)spin_ns) t = now();
+    data[threadIdx.x] = (float)threadIdx.x + 1.0f;
+    if (threadIdx.x == 0) stamps[0] = t;
+}
+extern "C" __global__ void secondary(unsigned long long* stamps, const float* data, float* out) {
+    if (threadIdx.x == 0) stamps[1] = now();
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+    out[threadIdx.x] = data[threadIdx.x];
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def pdl_pair():
+    # Compiled and resolved once: a kernel resolved while another runs may wait for it (lazy
+    # module loading), which would hide the overlap being tested.
+    module = native.RawModule(code=PDL_SOURCE, device=0)
+    return (
+        module.get_function("primary", signature="ptr, ptr, i64"),
+        module.get_function("secondary", signature="ptr, ptr, ptr"),
+    )
+
+
+def _run_pair(pdl_pair, programmatic: bool):
+    """``(out, primary end, secondary start)`` of one primary/secondary pair on a side stream."""
+    primary, secondary = pdl_pair
+    stamps = torch.zeros(2, dtype=torch.int64, device="cuda")
+    data = torch.zeros(128, device="cuda")
+    out = torch.full((128,), float("nan"), device="cuda")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        primary((1,), (128,), (stamps, data, 2_000_000), stream=stream, device=0)
+        secondary(
+            (1,), (128,), (stamps, data, out), stream=stream, device=0, programmatic=programmatic
+        )
+    stream.synchronize()
+    return out, int(stamps[0]), int(stamps[1])
+
+
+@pytest.mark.skipif(not _is_sm90(), reason="programmatic dependent launch needs an sm_90 GPU")
+def test_a_programmatic_launch_runs_and_its_wait_sees_the_finished_primary(pdl_pair):
+    want = torch.arange(1, 129, dtype=torch.float32, device="cuda")
+    out, primary_end, secondary_start = _run_pair(pdl_pair, programmatic=False)
+    assert_bitwise_equal(out, want)
+    assert secondary_start >= primary_end  # ordinary stream order
+    for _ in range(3):
+        # The secondary may start during the primary's 2 ms spin (the primary lets it launch
+        # at once); after griddepcontrol.wait it must read what the primary wrote at its end.
+        out, _, _ = _run_pair(pdl_pair, programmatic=True)
+        assert_bitwise_equal(out, want)
+
+
+@pytest.mark.skipif(_is_sm90(), reason="checks a device without programmatic dependent launch")
+def test_programmatic_launch_is_an_error_before_sm90(pdl_pair):
+    with pytest.raises(native.BackendUnavailableError, match=r"needs compute capability 9\.0"):
+        _run_pair(pdl_pair, programmatic=True)

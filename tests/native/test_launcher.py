@@ -193,3 +193,27 @@ def test_without_a_driver_non_portable_clusters_say_cuda_is_not_available(forwar
         forward_kernel.allow_non_portable_cluster_size()
     with pytest.raises(native.BackendUnavailableError, match="CUDA is not available"):
         forward_kernel.max_active_clusters((16,), (64,))
+
+
+def test_programmatic_must_be_a_bool(forward_kernel):
+    for value in (1, "yes", None):
+        with pytest.raises(TypeError):
+            forward_kernel((1,), (32,), valid_args(), programmatic=value)
+
+
+def test_programmatic_launch_of_a_hip_module_is_unavailable_before_the_driver():
+    # Refused by the launch checks, before any HIP runtime is opened (none is here).
+    kernel = native.RawModule(b"\x7fELF not really a code object", backend="hip").get_function(
+        "k", signature="ptr"
+    )
+    with pytest.raises(
+        native.BackendUnavailableError,
+        match=r"kernel 'k': programmatic dependent launch is a CUDA feature",
+    ):
+        kernel((1,), (64,), (0,), programmatic=True)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-driver path")
+def test_without_a_driver_a_programmatic_launch_says_cuda_is_not_available(forward_kernel):
+    with pytest.raises(native.BackendUnavailableError, match="CUDA is not available"):
+        forward_kernel((1,), (32,), valid_args(), programmatic=True)

@@ -183,7 +183,12 @@ impl RawKernel {
     /// Launches `grid` x `block` (ints or 1-3-tuples) with `args` on `stream` (a handle
     /// int, an object with `.cuda_stream` or `.ptr`, or None for the default stream) on
     /// `device` (default: the current one).  Asynchronous, like a CUDA launch.
-    #[pyo3(signature = (grid, block, args, shared_mem=0, stream=None, device=None))]
+    /// `programmatic=True`: programmatic dependent launch (CUDA, sm_90): the kernel may start
+    /// before the previous kernel on the stream has finished and must execute
+    /// `griddepcontrol.wait` before reading what that kernel writes; BackendUnavailableError
+    /// where the device, driver or backend cannot.
+    #[pyo3(signature = (grid, block, args, shared_mem=0, stream=None, device=None, programmatic=false))]
+    #[allow(clippy::too_many_arguments)]
     fn __call__(
         &self,
         grid: &Bound<'_, PyAny>,
@@ -192,12 +197,14 @@ impl RawKernel {
         shared_mem: u32,
         stream: Option<&Bound<'_, PyAny>>,
         device: Option<i32>,
+        programmatic: bool,
     ) -> PyResult<()> {
         let config = LaunchConfig {
             grid: dims("grid", grid)?,
             block: dims("block", block)?,
             shared_mem_bytes: shared_mem,
             stream: stream_handle(stream)?,
+            programmatic,
         };
         let values = kernel_args(self.kernel.name(), self.kernel.signature(), args)?;
         // Everything that needs no device is checked before the driver is even loaded.
@@ -220,6 +227,7 @@ impl RawKernel {
             block: dims("block", block)?,
             shared_mem_bytes: shared_mem,
             stream: 0,
+            programmatic: false,
         };
         let values = kernel_args(self.kernel.name(), self.kernel.signature(), args)?;
         self.kernel.check_call(&config, &values).map_err(to_py_err)
@@ -257,6 +265,7 @@ impl RawKernel {
             block: dims("block", block)?,
             shared_mem_bytes: shared_mem,
             stream: 0,
+            programmatic: false,
         };
         batchinv_runtime::check_static_limits(self.kernel.name(), &config, &batchinv_runtime::STATIC_LIMITS)
             .map_err(to_py_err)?;

@@ -16,6 +16,13 @@ pub struct LaunchConfig {
     pub shared_mem_bytes: u32,
     /// A `CUstream` / `hipStream_t` handle; 0 is the legacy default stream.
     pub stream: u64,
+    /// Programmatic dependent launch (CUDA, sm_90): the kernel may start while the previous
+    /// kernel on `stream` is still running, once every CTA of that kernel has executed
+    /// `griddepcontrol.launch_dependents` (or exited).  The kernel must execute
+    /// `griddepcontrol.wait` before it touches anything that kernel writes; the wait returns
+    /// when that kernel has completed and its memory is visible.  A scheduling permission:
+    /// the same kernel launched without it is ordinary stream order, with the same results.
+    pub programmatic: bool,
 }
 
 /// What a device allows (from the driver's attributes).
@@ -130,12 +137,49 @@ pub fn check_non_portable_clusters(kernel: &str, backend: Backend, compute_capab
     Ok(())
 }
 
+/// Whether a launch of `kernel` may use programmatic dependent launch: a CUDA device of
+/// compute capability 9.0 or newer and a driver with `cuLaunchKernelEx`; an error that says
+/// why not otherwise (never silently an ordinary launch).
+pub fn check_programmatic_launch(
+    kernel: &str,
+    backend: Backend,
+    compute_capability: (i32, i32),
+    driver_has_launch_ex: bool,
+) -> Result<()> {
+    if backend != Backend::Cuda {
+        return Err(Error::Unavailable {
+            backend: backend.name(),
+            reason: format!("kernel '{kernel}': programmatic dependent launch is a CUDA feature (sm_90 or newer)"),
+        });
+    }
+    let (major, minor) = compute_capability;
+    if major < 9 {
+        return Err(Error::Unavailable {
+            backend: backend.name(),
+            reason: format!(
+                "kernel '{kernel}': programmatic dependent launch needs compute capability 9.0 or newer; \
+                 this device has {major}.{minor}"
+            ),
+        });
+    }
+    if !driver_has_launch_ex {
+        return Err(Error::Unavailable {
+            backend: backend.name(),
+            reason: format!(
+                "kernel '{kernel}': programmatic dependent launch needs cuLaunchKernelEx, which this \
+                 driver lacks (CUDA 12 or newer)"
+            ),
+        });
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
     fn config(grid: [u32; 3], block: [u32; 3], shared: u32) -> LaunchConfig {
-        LaunchConfig { grid, block, shared_mem_bytes: shared, stream: 0 }
+        LaunchConfig { grid, block, shared_mem_bytes: shared, stream: 0, programmatic: false }
     }
 
     #[test]
@@ -187,5 +231,22 @@ mod tests {
         let err = check_non_portable_clusters("k", Backend::Hip, (9, 4)).unwrap_err();
         assert!(matches!(err, Error::Unavailable { backend: "HIP", .. }));
         assert!(err.to_string().contains("thread-block clusters are a CUDA feature"));
+    }
+
+    #[test]
+    fn programmatic_launch_needs_cuda_sm90_and_launch_ex() {
+        check_programmatic_launch("k", Backend::Cuda, (9, 0), true).unwrap();
+        check_programmatic_launch("k", Backend::Cuda, (10, 0), true).unwrap();
+        let err = check_programmatic_launch("k", Backend::Cuda, (8, 0), true).unwrap_err();
+        assert!(matches!(err, Error::Unavailable { backend: "CUDA", .. }));
+        let msg = err.to_string();
+        assert!(msg.contains("kernel 'k': programmatic dependent launch needs compute capability 9.0"), "{msg}");
+        assert!(msg.contains("this device has 8.0"), "{msg}");
+        let err = check_programmatic_launch("k", Backend::Cuda, (9, 0), false).unwrap_err();
+        assert!(matches!(err, Error::Unavailable { backend: "CUDA", .. }));
+        assert!(err.to_string().contains("kernel 'k': programmatic dependent launch needs cuLaunchKernelEx"));
+        let err = check_programmatic_launch("k", Backend::Hip, (9, 4), true).unwrap_err();
+        assert!(matches!(err, Error::Unavailable { backend: "HIP", .. }));
+        assert!(err.to_string().contains("kernel 'k': programmatic dependent launch is a CUDA feature"));
     }
 }

@@ -36,16 +36,38 @@ const FUNC_SHARED_SIZE_BYTES: c_int = 1;
 const FUNC_MAX_DYNAMIC_SHARED_SIZE_BYTES: c_int = 8;
 const FUNC_NON_PORTABLE_CLUSTER_SIZE_ALLOWED: c_int = 14;
 
-/// `CUlaunchConfig` (cuda.h), without launch attributes: the kernel's compiled
-/// `__cluster_dims__` give the cluster shape.
+// CUlaunchAttributeID value (cuda.h).
+const LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION: c_uint = 6;
+
+/// `CUlaunchConfig` (cuda.h).  Cluster shapes come from the kernels' compiled
+/// `__cluster_dims__`; the only attribute batchinv sets is programmatic stream serialization.
 #[repr(C)]
 struct CuLaunchConfig {
     grid: [c_uint; 3],
     block: [c_uint; 3],
     shared_mem_bytes: c_uint,
     stream: CuStream,
-    attrs: *mut c_void,
+    attrs: *mut CuLaunchAttribute,
     num_attrs: c_uint,
+}
+
+/// `CUlaunchAttribute` (cuda.h): a 4-byte id padded to 8, then a 64-byte value union
+/// (8-byte aligned: some members hold pointers).
+#[repr(C)]
+struct CuLaunchAttribute {
+    id: c_uint,
+    pad: [u8; 4],
+    value: [u64; 8],
+}
+
+impl CuLaunchAttribute {
+    /// `programmaticStreamSerializationAllowed = 1` (an int at the start of the union).
+    fn programmatic_stream_serialization() -> Self {
+        let mut value = [0u64; 8];
+        // The union's int member sits at its first byte, whatever the byte order.
+        unsafe { *(value.as_mut_ptr() as *mut c_int) = 1 };
+        CuLaunchAttribute { id: LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION, pad: [0; 4], value }
+    }
 }
 
 struct Api {
@@ -78,6 +100,9 @@ struct Api {
         *mut *mut c_void,
         *mut *mut c_void,
     ) -> CuResult,
+    /// Absent from drivers older than CUDA 12 (11.8 at the earliest).
+    cu_launch_kernel_ex:
+        Option<unsafe extern "C" fn(*const CuLaunchConfig, CuFunction, *mut *mut c_void, *mut *mut c_void) -> CuResult>,
     /// Absent from drivers older than CUDA 12.
     cu_occupancy_max_active_clusters:
         Option<unsafe extern "C" fn(*mut c_int, CuFunction, *const CuLaunchConfig) -> CuResult>,
@@ -140,6 +165,7 @@ impl CudaDriver {
                 cu_func_get_attribute: symbol(&library, "cuFuncGetAttribute")?,
                 cu_func_set_attribute: symbol(&library, "cuFuncSetAttribute")?,
                 cu_launch_kernel: symbol(&library, "cuLaunchKernel")?,
+                cu_launch_kernel_ex: symbol(&library, "cuLaunchKernelEx").ok(),
                 cu_occupancy_max_active_clusters: symbol(&library, "cuOccupancyMaxActiveClusters").ok(),
                 cu_tensor_map_encode_tiled: symbol(&library, "cuTensorMapEncodeTiled").ok(),
                 cu_get_error_name: symbol(&library, "cuGetErrorName")?,
@@ -226,6 +252,37 @@ impl CudaDriver {
         let value = result?;
         restored?;
         Ok(value)
+    }
+
+    /// `cuLaunchKernelEx` with programmatic stream serialization allowed (see
+    /// [`LaunchConfig::programmatic`]); the caller has checked the device.
+    fn launch_programmatic(
+        &self,
+        ordinal: i32,
+        function: FunctionHandle,
+        config: &LaunchConfig,
+        params: &mut [*mut c_void],
+    ) -> Result<()> {
+        let launch_ex = self.api.cu_launch_kernel_ex.ok_or_else(|| Error::Unavailable {
+            backend: "CUDA",
+            reason: "this driver has no cuLaunchKernelEx (programmatic dependent launch needs CUDA 12 or newer)"
+                .to_string(),
+        })?;
+        let mut attribute = CuLaunchAttribute::programmatic_stream_serialization();
+        let launch = CuLaunchConfig {
+            grid: config.grid,
+            block: config.block,
+            shared_mem_bytes: config.shared_mem_bytes,
+            stream: config.stream as CuStream,
+            attrs: &mut attribute,
+            num_attrs: 1,
+        };
+        self.with_context(ordinal, || {
+            let params_ptr = if params.is_empty() { std::ptr::null_mut() } else { params.as_mut_ptr() };
+            self.check("cuLaunchKernelEx", unsafe {
+                launch_ex(&launch, function as CuFunction, params_ptr, std::ptr::null_mut())
+            })
+        })
     }
 
     fn function_attribute(&self, function: FunctionHandle, attribute: c_int) -> Result<i32> {
@@ -410,6 +467,10 @@ impl Driver for CudaDriver {
         })
     }
 
+    fn has_programmatic_launch(&self) -> bool {
+        self.api.cu_launch_kernel_ex.is_some()
+    }
+
     fn launch(
         &self,
         ordinal: i32,
@@ -417,6 +478,9 @@ impl Driver for CudaDriver {
         config: &LaunchConfig,
         params: &mut [*mut c_void],
     ) -> Result<()> {
+        if config.programmatic {
+            return self.launch_programmatic(ordinal, function, config, params);
+        }
         self.with_context(ordinal, || {
             let params_ptr = if params.is_empty() { std::ptr::null_mut() } else { params.as_mut_ptr() };
             self.check("cuLaunchKernel", unsafe {
@@ -488,6 +552,18 @@ unsafe impl Sync for CudaDriver {}
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn launch_attribute_matches_cuda_h() {
+        // sizeof(CUlaunchAttribute) == 72 with 8-byte alignment; the value union at offset 8.
+        assert_eq!(std::mem::size_of::<CuLaunchAttribute>(), 72);
+        assert_eq!(std::mem::align_of::<CuLaunchAttribute>(), 8);
+        let attribute = CuLaunchAttribute::programmatic_stream_serialization();
+        let bytes: &[u8; 72] = unsafe { &*(&attribute as *const CuLaunchAttribute as *const [u8; 72]) };
+        assert_eq!(&bytes[..4], &6u32.to_ne_bytes());
+        assert_eq!(&bytes[8..12], &1i32.to_ne_bytes());
+        assert!(bytes[12..].iter().all(|&b| b == 0));
+    }
 
     #[test]
     fn ptx_gets_a_terminating_nul() {

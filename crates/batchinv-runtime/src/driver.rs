@@ -109,6 +109,9 @@ pub trait Driver: Send + Sync {
     /// How many clusters of the kernel (its compiled `__cluster_dims__`) can be resident at
     /// once for `config`'s block and shared memory; 0 when not even one fits.
     fn max_active_clusters(&self, device: i32, function: FunctionHandle, config: &LaunchConfig) -> Result<u32>;
+    /// Whether [`LaunchConfig::programmatic`] launches are possible (CUDA: the driver has
+    /// `cuLaunchKernelEx`; the device's compute capability is checked separately).
+    fn has_programmatic_launch(&self) -> bool;
     /// Launches; `params` points at one value per kernel parameter.
     fn launch(
         &self,

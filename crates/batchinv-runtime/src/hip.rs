@@ -278,6 +278,10 @@ impl Driver for HipDriver {
         })
     }
 
+    fn has_programmatic_launch(&self) -> bool {
+        false
+    }
+
     fn launch(
         &self,
         ordinal: i32,
@@ -285,6 +289,13 @@ impl Driver for HipDriver {
         config: &LaunchConfig,
         params: &mut [*mut c_void],
     ) -> Result<()> {
+        if config.programmatic {
+            // Kernel::launch refuses it first; never an ordinary launch in its place.
+            return Err(Error::Unavailable {
+                backend: "HIP",
+                reason: "programmatic dependent launch is a CUDA feature (sm_90 or newer)".to_string(),
+            });
+        }
         self.with_device(ordinal, || {
             let params_ptr = if params.is_empty() { std::ptr::null_mut() } else { params.as_mut_ptr() };
             self.check("hipModuleLaunchKernel", unsafe {

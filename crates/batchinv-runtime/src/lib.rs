@@ -18,8 +18,8 @@ mod nvrtc;
 mod signature;
 
 pub use config::{
-    check_non_portable_clusters, check_static_limits, DeviceLimits, FunctionLimits, LaunchConfig,
-    NON_PORTABLE_CLUSTER_CTAS, PORTABLE_CLUSTER_CTAS, STATIC_LIMITS,
+    check_non_portable_clusters, check_programmatic_launch, check_static_limits, DeviceLimits, FunctionLimits,
+    LaunchConfig, NON_PORTABLE_CLUSTER_CTAS, PORTABLE_CLUSTER_CTAS, STATIC_LIMITS,
 };
 pub use driver::{driver_for, Backend, Driver, TensorMapSpec};
 pub use error::{Error, Result};

@@ -1,7 +1,8 @@
 //! Modules and kernels: images loaded lazily per device, functions checked before launch.
 
 use crate::config::{
-    check_non_portable_clusters, check_static_limits, DeviceLimits, FunctionLimits, LaunchConfig, STATIC_LIMITS,
+    check_non_portable_clusters, check_programmatic_launch, check_static_limits, DeviceLimits, FunctionLimits,
+    LaunchConfig, STATIC_LIMITS,
 };
 use crate::driver::{driver_for, Backend, Driver, FunctionHandle, ModuleHandle};
 use crate::error::{Error, Result};
@@ -73,6 +74,8 @@ struct Resolved {
     function: FunctionHandle,
     device_limits: DeviceLimits,
     function_limits: FunctionLimits,
+    /// Whether a programmatic launch passed its checks on this device (asked once).
+    programmatic_checked: bool,
 }
 
 /// One kernel of a module with its declared signature.
@@ -119,6 +122,7 @@ impl Kernel {
                     function,
                     device_limits: driver.device_limits(device)?,
                     function_limits: driver.function_limits(device, function)?,
+                    programmatic_checked: false,
                 })
             }
         };
@@ -126,17 +130,28 @@ impl Kernel {
     }
 
     /// Checks everything that can be checked without a device: the arguments against the
-    /// signature, and the launch shape against the limits all supported GPUs share.
+    /// signature, the launch shape against the limits all supported GPUs share, and that a
+    /// programmatic launch is not asked of a HIP module.
     pub fn check_call(&self, config: &LaunchConfig, args: &[ArgValue]) -> Result<()> {
         self.signature.check(&self.name, args)?;
-        check_static_limits(&self.name, config, &STATIC_LIMITS)
+        check_static_limits(&self.name, config, &STATIC_LIMITS)?;
+        if config.programmatic && self.module.backend != Backend::Cuda {
+            return check_programmatic_launch(&self.name, self.module.backend, (0, 0), false);
+        }
+        Ok(())
     }
 
-    /// Validates and launches on `device` (asynchronously, on `config.stream`).
+    /// Validates and launches on `device` (asynchronously, on `config.stream`).  A
+    /// programmatic launch on a device or driver without it is [`Error::Unavailable`].
     pub fn launch(&self, device: i32, config: &LaunchConfig, args: &[ArgValue]) -> Result<()> {
         self.check_call(config, args)?;
         self.with_resolved(device, |driver, entry| {
             config.check_device(&self.name, &entry.device_limits, &entry.function_limits)?;
+            if config.programmatic && !entry.programmatic_checked {
+                let capability = driver.compute_capability(device)?;
+                check_programmatic_launch(&self.name, driver.backend(), capability, driver.has_programmatic_launch())?;
+                entry.programmatic_checked = true;
+            }
             let mut packed = PackedArgs::new(args);
             let mut pointers = packed.pointers();
             driver.launch(device, entry.function, config, &mut pointers)

@@ -83,7 +83,22 @@ def allow_dynamic_shared(kernel, shared_bytes: int, device_index: int) -> None:
     _DYNAMIC_SHARED_LIMITS[key] = limit
 
 
-def launch(kernel, device: torch.device, grid, block, args, shared_mem: int = 0) -> None:
-    """Launches on ``device`` on PyTorch's current stream there."""
+def launch(
+    kernel, device: torch.device, grid, block, args, shared_mem: int = 0, programmatic: bool = False
+) -> None:
+    """Launches on ``device`` on PyTorch's current stream there.
+
+    ``programmatic=True``: programmatic dependent launch (sm_90): the kernel may start while
+    the previous kernel on the stream finishes, and must execute ``griddepcontrol.wait`` before
+    it reads that kernel's output (an error on devices without it; see ``uses_hopper``).
+    """
     stream = torch.cuda.current_stream(device)
-    kernel(grid, block, args, shared_mem=shared_mem, stream=stream.cuda_stream, device=device.index)
+    kernel(
+        grid,
+        block,
+        args,
+        shared_mem=shared_mem,
+        stream=stream.cuda_stream,
+        device=device.index,
+        programmatic=programmatic,
+    )

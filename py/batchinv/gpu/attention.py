@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 from . import attention_backward, attention_hopper
-from ._launch import kernel_for, launch
+from ._launch import kernel_for, launch, uses_hopper
 
 BLOCK_KEYS = 64  # keys per block, at absolute positions [64j, 64j + 64)
 SPLIT_KEYS = 1024  # keys per split, at absolute positions (kernels_cu/attention.cu kSplitKeys)
@@ -193,6 +193,7 @@ def forward(
     coop: bool | None = None,
     prefill_zero: bool = True,
     hopper: bool | None = None,
+    pdl: bool | None = None,
 ) -> tuple[Tensor, Tensor]:
     """``(out [Tq, Hq, d], lse [Hq, Tq] fp32)`` on the canonical layout.
 
@@ -202,9 +203,11 @@ def forward(
     ``stages`` is its K/V pipeline depth (one of ``COOP_STAGES``); the other kernels have 2.
     ``hopper``: 4-warp tile launches run ``attention_hopper`` (same bits) where it applies
     (None), always (True: an error where it does not apply) or never (False: the mma.sync
-    tile kernel).
+    tile kernel).  ``pdl``: split launches start the combine kernel with programmatic
+    dependent launch (see ``combine_uses_pdl``; same bits).
     """
     check_supported(q, k, v)
+    programmatic = combine_uses_pdl(device=q.device, pdl=pdl)
     q, k, v = as_rows(q), as_rows(k), as_rows(v)
     tq, hq, d = q.shape
     hkv = k.shape[1]
@@ -321,8 +324,29 @@ def forward(
                 hq,
                 int(causal),
             ),
+            programmatic=programmatic,
         )
     return out, lse
+
+
+def combine_uses_pdl(device: torch.device, pdl: bool | None = None) -> bool:
+    """Whether split launches on ``device`` start the combine kernel with programmatic
+    dependent launch: its CTAs launch while the split kernel's last CTAs run and wait
+    (griddepcontrol.wait) for the whole split grid before reading a partial.  ``pdl=None``:
+    where the sm_90a kernels run (``uses_hopper``: the image with the griddepcontrol
+    instructions); True: there, else a ValueError; False: an ordinary stream-ordered launch.
+    """
+    if pdl is not None and not isinstance(pdl, bool):
+        raise TypeError(f"pdl must be a bool or None, got {type(pdl).__name__}")
+    if pdl is False:
+        return False
+    hopper = uses_hopper(device)
+    if pdl and not hopper:
+        raise ValueError(
+            "pdl=True needs an sm_90 device and a build with the sm_90a image (the kernels "
+            "that carry griddepcontrol)"
+        )
+    return hopper
 
 
 def scale_of(softmax_scale: float | None, head_dim: int) -> float:
