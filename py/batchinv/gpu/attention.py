@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 from . import attention_backward, attention_hopper
-from ._launch import kernel_for, launch, uses_hopper
+from ._launch import allow_dynamic_shared, kernel_for, launch, uses_hopper
 
 BLOCK_KEYS = 64  # keys per block, at absolute positions [64j, 64j + 64)
 SPLIT_KEYS = 1024  # keys per split, at absolute positions (kernels_cu/attention.cu kSplitKeys)
@@ -145,15 +145,9 @@ def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-_RAISED: set[tuple[int, int]] = set()
-
-
 def _kernel(name: str, device: torch.device, shared: int):
     kernel = kernel_for("attention", name, device)
-    key = (id(kernel), device.index or 0)
-    if shared > 48 * 1024 and key not in _RAISED:
-        kernel.set_max_dynamic_shared_memory(shared, device=device.index or 0)
-        _RAISED.add(key)
+    allow_dynamic_shared(kernel, shared, device.index or 0)
     return kernel
 
 
