@@ -9,6 +9,8 @@ sm_90 devices when :func:`applies` holds; both kernels give the same bits (teste
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import Tensor
 
@@ -20,7 +22,7 @@ THREADS = 384  # producer warpgroup + two consumer warpgroups
 STAGES = 3  # K/V ring depth (kernels_cu/attention_hopper.cu kStages)
 _BOX_BYTES = 64 * 64 * 2  # one 64-row x 64-column TMA box of bf16/fp16
 _DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "f16"}
-_MAX_GRID_YZ = 65535
+_MAX_ITEMS = 2**30  # work item indices (plus the grid stride) are int32 in the kernel
 
 
 def shared_bytes(stages: int = STAGES) -> int:
@@ -32,6 +34,17 @@ def shared_bytes(stages: int = STAGES) -> int:
     run = 64 * 256 * 4
     barriers = 8 * (2 * stages + 1)
     return q + kv + run + barriers + 1024
+
+
+def resident_ctas(device: torch.device) -> int:
+    """CTAs of the persistent grid: one per SM (the kernel's shared memory allows one).  Each
+    CTA walks the work items blockIdx.x, + grid, ...; the count never changes a row's bits."""
+    return _sm_count(device.index or 0)
+
+
+@functools.cache
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 def _tma_rows(t: Tensor) -> bool:
@@ -94,15 +107,19 @@ def forward_tile(
     hkv = k.shape[1]
     qpt = TILE_ROWS // pack
     q_tiles = -(-layout.max_q_len // qpt)
-    if layout.batch > _MAX_GRID_YZ or hq // pack > _MAX_GRID_YZ:
+    items = q_tiles * (hq // pack) * layout.batch
+    if items > _MAX_ITEMS:
         raise ValueError(
-            f"attention launch too large: {layout.batch} sequences (at most {_MAX_GRID_YZ})"
+            f"attention launch too large: {items} work items (query tiles x head groups x "
+            f"sequences, at most {_MAX_ITEMS})"
         )
+    if items == 0:
+        return
     name = f"attn_hopper_fwd_{_DTYPE_NAMES[q.dtype]}_d{HEAD_DIM}"
     launch(
         _kernel(name, q.device, STAGES),
         q.device,
-        grid=(q_tiles, hq // pack, layout.batch),
+        grid=(min(items, resident_ctas(q.device)),),
         block=(THREADS,),
         args=(
             _tensor_map(k),
@@ -124,6 +141,8 @@ def forward_tile(
             pack,
             int(causal),
             scale_log2,
+            q_tiles,
+            layout.batch,
         ),
         shared_mem=shared_bytes(STAGES),
     )
