@@ -149,17 +149,19 @@ struct Tile {
     int64_t q_base;
 };
 
-// Work item w, heaviest first: the late query tiles (most causal blocks) of every head group
-// and sequence come first.  Each CTA takes items blockIdx.x, + gridDim.x, ... (static, no
-// atomics: a row's arithmetic does not depend on which CTA computes it).
+// Work item w: the query tiles of one (head group, sequence) in a row, heaviest (latest, most
+// causal blocks) first, then the next head group (the order of the former one-CTA-per-tile
+// grid).  The CTAs running at the same time then read the K/V of one or two kv heads, which
+// stay in L2 (the tiles of all head groups side by side, heaviest first, streamed the K/V of
+// 32 kv heads at once: 3.30 ms instead of 2.93).  Each CTA takes the items blockIdx.x,
+// + gridDim.x, ... (static, no atomics: a row's arithmetic does not depend on the CTA).
 __device__ __forceinline__ Tile tile_at(const Params& p, int w) {
     const int groups = p.hq / p.pack;
-    const int per_qtile = groups * p.batch;
     Tile t;
-    const int qtile = p.q_tiles - 1 - w / per_qtile;
-    const int rem = w % per_qtile;
-    t.hg = rem % groups;
-    t.b = rem / groups;
+    const int qtile = p.q_tiles - 1 - w % p.q_tiles;
+    const int rest = w / p.q_tiles;
+    t.hg = rest % groups;
+    t.b = rest / groups;
     const int qpt = kRows / p.pack;
     t.q_len = p.q_len[t.b];
     t.k_len = p.k_len[t.b];
@@ -177,12 +179,11 @@ __device__ __forceinline__ Tile tile_at(const Params& p, int w) {
 // The first work item at or after w that has a query row (a tile past q_len is skipped).
 __device__ __forceinline__ int next_item(const Params& p, int w) {
     const int groups = p.hq / p.pack;
-    const int per_qtile = groups * p.batch;
-    const int items = p.q_tiles * per_qtile;
+    const int items = p.q_tiles * groups * p.batch;
     const int qpt = kRows / p.pack;
     for (; w < items; w += gridDim.x) {
-        const int qtile = p.q_tiles - 1 - w / per_qtile;
-        if (qtile * qpt < p.q_len[(w % per_qtile) / groups]) break;
+        const int qtile = p.q_tiles - 1 - w % p.q_tiles;
+        if (qtile * qpt < p.q_len[w / p.q_tiles / groups]) break;
     }
     return w;
 }

@@ -127,9 +127,7 @@ def test_persistent_grid_with_more_items_than_ctas(dtype, ctas, monkeypatch):
     # Varlen packing on few CTAs: the last block of a sequence brings the next one's keys.
     lens = [300, 65, 1, 1030]
     cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], device=DEVICE)
-    pq = torch.cat([q[0, :n] for n in lens])
-    pk = torch.cat([k[0, :n] for n in lens])
-    pv = torch.cat([v[0, :n] for n in lens])
+    pq, pk, pv = (t[0] for t in _qkv(1, sum(lens), sum(lens), 8, 2, dtype, seed=29 + ctas))
     out, lse = batchinv.attention_varlen(pq, pk, pv, cu, cu, causal=True, return_lse=True)
     for b in range(len(lens)):
         s, e = cu[b].item(), cu[b + 1].item()
