@@ -108,46 +108,6 @@ def test_hopper_equals_mma_sync_tile_and_split(dtype, heads, causal):
 @cuda
 @needs_hopper
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("ctas", (1, 3, 7))
-def test_persistent_grid_with_more_items_than_ctas(dtype, ctas, monkeypatch):
-    # Persistent grid: every CTA walks several work items (ring stages, barrier phases and the
-    # next item's Q copy carried across items).  Forcing 1, 3 or 7 CTAs puts items of different
-    # lengths, split counts and partial blocks one after another in a CTA, including items
-    # skipped for a q_len-0 sequence and a sequence with no key, NaN padding after every length.
-    monkeypatch.setattr(hopper, "resident_ctas", lambda device: ctas)
-    seqlens_q = torch.tensor([300, 0, 37, 129, 1, 64], device=DEVICE)
-    seqlens_k = torch.tensor([LONG_CONTEXT, 50, 1100, 129, 0, 1088], device=DEVICE)
-    q, k, v = _qkv(6, 300, LONG_CONTEXT, 8, 2, dtype, seed=23 + ctas)
-    q, k, v = _nan_padding(q, k, v, seqlens_q, seqlens_k)
-    for causal in (True, False):
-        kwargs = dict(causal=causal, seqlens_q=seqlens_q, seqlens_k=seqlens_k, return_lse=True)
-        new = gpu.attention(q, k, v, mode="tile", warps=4, hopper=True, **kwargs)
-        old = gpu.attention(q, k, v, mode="tile", warps=4, hopper=False, **kwargs)
-        assert_bitwise_equal(new, old, name=f"hopper on {ctas} CTAs vs mma.sync, causal={causal}")
-    # Varlen packing on few CTAs: the last block of a sequence brings the next one's keys.
-    lens = [300, 65, 1, 1030]
-    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], device=DEVICE)
-    pq, pk, pv = (t[0] for t in _qkv(1, sum(lens), sum(lens), 8, 2, dtype, seed=29 + ctas))
-    out, lse = batchinv.attention_varlen(pq, pk, pv, cu, cu, causal=True, return_lse=True)
-    for b in range(len(lens)):
-        s, e = cu[b].item(), cu[b + 1].item()
-        one = gpu.attention(
-            pq[None, s:e],
-            pk[None, s:e],
-            pv[None, s:e],
-            causal=True,
-            return_lse=True,
-            mode="tile",
-            warps=4,
-            hopper=False,
-        )
-        assert_bitwise_equal(out[s:e], one[0][0], name=f"varlen out, sequence {b}, {ctas} CTAs")
-        assert_bitwise_equal(lse[:, s:e], one[1][0], name=f"varlen lse, sequence {b}, {ctas} CTAs")
-
-
-@cuda
-@needs_hopper
-@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("causal", (True, False))
 def test_split_edges_equal_mma_sync(dtype, causal):
     # The kernel runs a block that starts a split as its own copy of the pipeline step: contexts

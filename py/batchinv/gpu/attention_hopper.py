@@ -9,8 +9,6 @@ sm_90 devices when :func:`applies` holds; both kernels give the same bits (teste
 
 from __future__ import annotations
 
-import functools
-
 import torch
 from torch import Tensor
 
@@ -22,7 +20,7 @@ THREADS = 384  # producer warpgroup + two consumer warpgroups
 STAGES = 3  # K/V ring depth (kernels_cu/attention_hopper.cu kStages)
 _BOX_BYTES = 64 * 64 * 2  # one 64-row x 64-column TMA box of bf16/fp16
 _DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "f16"}
-_MAX_ITEMS = 2**30  # work item indices (plus the grid stride) are int32 in the kernel
+_MAX_GRID_YZ = 65535
 
 
 def shared_bytes(stages: int = STAGES) -> int:
@@ -34,17 +32,6 @@ def shared_bytes(stages: int = STAGES) -> int:
     run = 64 * 256 * 4
     barriers = 8 * (2 * stages + 1)
     return q + kv + run + barriers + 1024
-
-
-def resident_ctas(device: torch.device) -> int:
-    """CTAs of the persistent grid: one per SM (the kernel's shared memory allows one).  Each
-    CTA walks the work items blockIdx.x, + grid, ...; the count never changes a row's bits."""
-    return _sm_count(device.index or 0)
-
-
-@functools.cache
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 def _tma_rows(t: Tensor) -> bool:
@@ -107,19 +94,15 @@ def forward_tile(
     hkv = k.shape[1]
     qpt = TILE_ROWS // pack
     q_tiles = -(-layout.max_q_len // qpt)
-    items = q_tiles * (hq // pack) * layout.batch
-    if items > _MAX_ITEMS:
+    if layout.batch > _MAX_GRID_YZ or hq // pack > _MAX_GRID_YZ:
         raise ValueError(
-            f"attention launch too large: {items} work items (query tiles x head groups x "
-            f"sequences, at most {_MAX_ITEMS})"
+            f"attention launch too large: {layout.batch} sequences (at most {_MAX_GRID_YZ})"
         )
-    if items == 0:
-        return
     name = f"attn_hopper_fwd_{_DTYPE_NAMES[q.dtype]}_d{HEAD_DIM}"
     launch(
         _kernel(name, q.device, STAGES),
         q.device,
-        grid=(min(items, resident_ctas(q.device)),),
+        grid=(q_tiles, hq // pack, layout.batch),
         block=(THREADS,),
         args=(
             _tensor_map(k),
@@ -141,8 +124,6 @@ def forward_tile(
             pack,
             int(causal),
             scale_log2,
-            q_tiles,
-            layout.batch,
         ),
         shared_mem=shared_bytes(STAGES),
     )
