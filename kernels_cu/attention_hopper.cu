@@ -41,8 +41,9 @@
 //     wgmma runs between the two issues (ptxas would otherwise serialise every wgmma, C7513).
 //   - Loads: one producer thread issues TMA copies of 64-key K and V blocks (two 64-column
 //     boxes each, 128B swizzle) into a ring of kStages = 4 shared-memory stages (K stored
-//     [column half][stage][key] so that a pair's 128 keys are contiguous; mbarriers full /
-//     empty); blocks no row of the tile sees are not loaded.  Q is copied once per consumer
+//     [column half][stage][key] so that a pair's 128 keys are contiguous; K and V each with
+//     their own mbarriers full / empty, a K stage freed once its S product is complete);
+//     blocks no row of the tile sees are not loaded.  Q is copied once per consumer
 //     warpgroup with cp.async (zeros for rows that are not a query).
 //   - Key rows past k_len: TMA reads whole 64-row boxes inside the K/V tensors, so the last
 //     block of a sequence can bring rows j >= k_len (the next sequence's rows, cache slots
@@ -157,9 +158,14 @@ __device__ __forceinline__ void attn_hopper_tile(const TensorMap& map_k, const T
     uint8_t* sk = sq + kQBytes;                             // [2 halves][kStages][64][64]
     uint8_t* sv = sk + kStages * kTileBytes;                // [kStages][2 halves][64][64]
     float* srun = reinterpret_cast<float*>(sv + kStages * kTileBytes);  // [64][256]
-    uint64_t* full = reinterpret_cast<uint64_t*>(reinterpret_cast<uint8_t*>(srun) + kRunBytes);
-    uint64_t* empty = full + kStages;
-    uint64_t* side = empty + kStages;  // the producer's own barrier for a boundary block
+    // K and V have their own full / empty barriers: a K stage is free once the pair's S
+    // product is complete, long before its V stage (free after P V), which gives the pair
+    // step's S (two K stages at once) a block of slack in a 4-stage ring.
+    uint64_t* full_k = reinterpret_cast<uint64_t*>(reinterpret_cast<uint8_t*>(srun) + kRunBytes);
+    uint64_t* full_v = full_k + kStages;
+    uint64_t* empty_k = full_v + kStages;
+    uint64_t* empty_v = empty_k + kStages;
+    uint64_t* side = empty_v + kStages;  // the producer's own barrier for a boundary block
 
     const int b = blockIdx.z;
     const int hg = blockIdx.y;
@@ -180,8 +186,10 @@ __device__ __forceinline__ void attn_hopper_tile(const TensorMap& map_k, const T
 
     if (threadIdx.x == 0) {
         for (int s = 0; s < kStages; ++s) {
-            barrier_init(&full[s], 1);
-            barrier_init(&empty[s], 8);  // lane 0 of each consumer warp
+            barrier_init(&full_k[s], 1);
+            barrier_init(&full_v[s], 1);
+            barrier_init(&empty_k[s], 8);  // lane 0 of each consumer warp
+            barrier_init(&empty_v[s], 8);
         }
         barrier_init(side, 1);
         fence_barrier_init();
@@ -199,18 +207,23 @@ __device__ __forceinline__ void attn_hopper_tile(const TensorMap& map_k, const T
         for (int blk = 0; blk < blk_end; ++blk) {
             const int s = blk % kStages;
             const int round = blk / kStages;
-            if (round > 0) barrier_wait(&empty[s], (round - 1) & 1);
             const int key0 = blk * kBlockKeys;
             const bool boundary = key0 + kBlockKeys > k_len;
             uint8_t* dk = sk + s * kBoxBytes;  // K column half h at dk + h * kStages * kBoxBytes
             uint8_t* dv = sv + s * kTileBytes;
-            uint64_t* bar = boundary ? side : &full[s];
+            if (round > 0) barrier_wait(&empty_k[s], (round - 1) & 1);
+            uint64_t* bar_k = boundary ? side : &full_k[s];
             if (lane == 0) {
-                barrier_expect_bytes(bar, 2 * kTileBytes);
-                for (int h = 0; h < 2; ++h) {
-                    tma_load_2d(dk + h * kStages * kBoxBytes, map_k, bar, kvh * kD + h * 64, k_base + key0);
-                    tma_load_2d(dv + h * kBoxBytes, map_v, bar, kvh * kD + h * 64, k_base + key0);
-                }
+                barrier_expect_bytes(bar_k, boundary ? 2 * kTileBytes : kTileBytes);
+                for (int h = 0; h < 2; ++h)
+                    tma_load_2d(dk + h * kStages * kBoxBytes, map_k, bar_k, kvh * kD + h * 64, k_base + key0);
+            }
+            if (round > 0) barrier_wait(&empty_v[s], (round - 1) & 1);
+            uint64_t* bar_v = boundary ? side : &full_v[s];
+            if (lane == 0) {
+                if (!boundary) barrier_expect_bytes(bar_v, kTileBytes);
+                for (int h = 0; h < 2; ++h)
+                    tma_load_2d(dv + h * kBoxBytes, map_v, bar_v, kvh * kD + h * 64, k_base + key0);
             }
             if (boundary) {
                 barrier_wait(side, side_phase);
@@ -228,7 +241,10 @@ __device__ __forceinline__ void attn_hopper_tile(const TensorMap& map_k, const T
                 }
                 fence_proxy_async();  // generic writes before the consumers' wgmma reads
                 __syncwarp();
-                if (lane == 0) barrier_arrive(&full[s]);
+                if (lane == 0) {
+                    barrier_arrive(&full_k[s]);
+                    barrier_arrive(&full_v[s]);
+                }
             }
         }
         return;
@@ -319,7 +335,7 @@ __device__ __forceinline__ void attn_hopper_tile(const TensorMap& map_k, const T
             }
         }
         __syncwarp();
-        if (lane == 0) barrier_arrive(&empty[blk % kStages]);
+        if (lane == 0) barrier_arrive(&empty_v[blk % kStages]);
         if constexpr (decltype(split_end)::value) {
             const bool first_split = blk + 1 <= kBlocksPerSplit;  // no running state yet: 0
 #pragma unroll
@@ -361,7 +377,16 @@ __device__ __forceinline__ void attn_hopper_tile(const TensorMap& map_k, const T
                 if (__float_as_uint(acc[i]) == 0x80000000u) negzero[i / 32] |= 1u << (i % 32);
         }
     };
-    auto wait_full = [&](int blk) { barrier_wait(&full[blk % kStages], (blk / kStages) & 1); };
+    auto wait_k = [&](int blk) { barrier_wait(&full_k[blk % kStages], (blk / kStages) & 1); };
+    auto wait_v = [&](int blk) { barrier_wait(&full_v[blk % kStages], (blk / kStages) & 1); };
+    // The pair's S product is complete: its K stages are free.
+    auto free_k = [&](int blk) {
+        __syncwarp();
+        if (lane == 0) {
+            barrier_arrive(&empty_k[blk % kStages]);
+            if (blk + 1 < blk_end) barrier_arrive(&empty_k[(blk + 1) % kStages]);
+        }
+    };
     // S = Q K^T of blocks blk and blk + 1 (blk even: stages blk % kStages and the next one,
     // whose K rows are contiguous in shared memory) as one m64n128 product over d in
     // increasing k16 steps: each S element is the same dot product as a block's m64n64
@@ -524,8 +549,8 @@ __device__ __forceinline__ void attn_hopper_tile(const TensorMap& map_k, const T
     };
     // Waits for the pair's K/V and zeroes s (the S product accumulates from +0).
     auto prepare_s = [&](int blk) {
-        wait_full(blk);
-        if (blk + 1 < blk_end) wait_full(blk + 1);
+        wait_k(blk);
+        if (blk + 1 < blk_end) wait_k(blk + 1);
 #pragma unroll
         for (int i = 0; i < 64; ++i) s[i] = 0.0f;
     };
@@ -542,6 +567,7 @@ __device__ __forceinline__ void attn_hopper_tile(const TensorMap& map_k, const T
         fence_operands<64>(s);
         wgmma_wait<0>();
         fence_operands<64>(s);
+        free_k(0);
         scale(0, First{});
         scale(1, Second{});
         softmax();
@@ -557,6 +583,7 @@ __device__ __forceinline__ void attn_hopper_tile(const TensorMap& map_k, const T
     // and its wait.
     auto step = [&](int blk, auto split_start) {
         prepare_s(blk);
+        wait_v(blk - 2);
         note_negzero();
         fence_operands<64>(s);
         fence_operands<64>(acc);
@@ -570,6 +597,7 @@ __device__ __forceinline__ void attn_hopper_tile(const TensorMap& map_k, const T
         wgmma_wait<1>();  // P V of blk - 2 is complete; S may still run
         finish_pv(blk - 2, pa, No{});
         rescale(Second{}, No{});
+        wait_v(blk - 1);
         note_negzero();
         fence_operands<64>(acc);
         fence_registers(pb);
@@ -578,6 +606,7 @@ __device__ __forceinline__ void attn_hopper_tile(const TensorMap& map_k, const T
         fence_operands<64>(acc);
         wgmma_wait<1>();  // S of the pair is complete; P V of blk - 1 may still run
         fence_operands<64>(s);
+        free_k(blk);
         if constexpr (decltype(split_start)::value) start_split();
         scale(blk, First{});
         scale(blk + 1, Second{});
@@ -595,6 +624,7 @@ __device__ __forceinline__ void attn_hopper_tile(const TensorMap& map_k, const T
     }
     if (blk_end > 0) {
         const int last = (blk_end - 1) & ~1;  // the last pair's first block
+        wait_v(last);
         note_negzero();
         fence_operands<64>(acc);
         fence_registers(pa);
@@ -605,6 +635,7 @@ __device__ __forceinline__ void attn_hopper_tile(const TensorMap& map_k, const T
             wgmma_wait<0>();
             finish_pv(last, pa, No{});
             rescale(Second{}, No{});
+            wait_v(last + 1);
             note_negzero();
             fence_operands<64>(acc);
             fence_registers(pb);

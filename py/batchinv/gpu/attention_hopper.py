@@ -30,7 +30,7 @@ def shared_bytes(stages: int = STAGES) -> int:
     q = 4 * _BOX_BYTES
     kv = 2 * stages * 2 * _BOX_BYTES
     run = 64 * 256 * 4
-    barriers = 8 * (2 * stages + 1)
+    barriers = 8 * (4 * stages + 1)  # full and empty for K and V per stage, one side
     return q + kv + run + barriers + 1024
 
 
