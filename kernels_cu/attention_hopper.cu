@@ -11,23 +11,16 @@
 //     element (i / 4, i % 4) of mma.sync's n8 tile, so every per-row step (block max scan in
 //     column order + quad butterfly, exp2_ftz, the sum scan + butterfly, alpha, P rounding,
 //     the -0 restore, the split merge, finalize) is the same code on the same values.
-//   - S = Q K^T of two 64-key blocks (j even, j + 1) as one wgmma m64n128k16 chain, Q and K
-//     from 128B-swizzled shared memory, over d in increasing k16 steps (D += A * B from a zero
-//     accumulator, as the mma.sync chain): each S element is the same dot product as in a
-//     per-block product.  The softmax stays per 64-key block: the two max trees are
-//     independent, m and l are updated block j then block j + 1, and the two exp2 / sum chains
-//     are independent (twice the work between waits).  A tile with an odd block count computes
-//     a phantom block j + 1 past its end (its stage not loaded); every real row masks all its
-//     keys (m, l unchanged) and its P V product is never issued.
+//   - S = Q K^T: wgmma m64n64k16, Q and K from 128B-swizzled shared memory, over d in
+//     increasing k16 steps (D += A * B from a zero accumulator, as the mma.sync chain).
 //   - O += P V: wgmma m64n128k16 with P (rounded to the input dtype) as the register A
 //     operand, V N-major from shared memory, the four k16 key steps in increasing order.
 //   That wgmma and mma.sync give the same bits for the same k16 step sequence is a measured
 //   property of the GPU (as in linear.cu), checked bitwise on every run by
 //   tests/gpu/test_attention_hopper_cuda.py against the mma.sync tile and split kernels.
-//   - Overlap (pair step j): P V of block j - 2 is issued with the pair's S; once it is
-//     complete acc *= alpha_{j-1} and P V of block j - 1 is issued, and runs while the pair's
-//     softmax is computed.  acc is rescaled by alpha_{j+1} only after P_j V_j completes, so
-//     acc = (acc * alpha_j + P_j V_j) * alpha_{j+1} ... as in attention.cu.
+//   - Overlap: block j's P V product is issued right after block j+1's Q K^T and runs while
+//     block j+1's softmax is computed; its accumulator is rescaled by alpha_{j+1} only after
+//     it completes, so acc = (acc * alpha_j + P_j V_j) * alpha_{j+1} ... as in attention.cu.
 //     The two consumer warpgroups interleave on the SM.  When block j ends a split, block
 //     j+1's softmax starts the new split from the empty state (the ended split's m, l are
 //     kept) while P_j V_j runs; the split is merged (attention.cu's merge_weights /
@@ -40,10 +33,8 @@
 //     block j+1 is packed into the A registers only after P_j V_j completes, and nothing but
 //     wgmma runs between the two issues (ptxas would otherwise serialise every wgmma, C7513).
 //   - Loads: one producer thread issues TMA copies of 64-key K and V blocks (two 64-column
-//     boxes each, 128B swizzle) into a ring of kStages = 4 shared-memory stages (K stored
-//     [column half][stage][key] so that a pair's 128 keys are contiguous; K and V each with
-//     their own mbarriers full / empty, a K stage freed once its S product is complete);
-//     blocks no row of the tile sees are not loaded.  Q is copied once per consumer
+//     boxes each, 128B swizzle) into a ring of kStages = 3 shared-memory stages (mbarriers full /
+//     empty); blocks no row of the tile sees are not loaded.  Q is copied once per consumer
 //     warpgroup with cp.async (zeros for rows that are not a query).
 //   - Key rows past k_len: TMA reads whole 64-row boxes inside the K/V tensors, so the last
 //     block of a sequence can bring rows j >= k_len (the next sequence's rows, cache slots
@@ -69,7 +60,7 @@ using namespace attn;  // the shared per-row arithmetic (common/attention_rows.c
 [[maybe_unused]] constexpr int kD = 128;
 [[maybe_unused]] constexpr int kRows = 128;          // tile rows: two consumer warpgroups of 64
 [[maybe_unused]] constexpr int kConsumerThreads = 256;
-[[maybe_unused]] constexpr int kStages = 4;  // K/V ring depth, even: a block pair's K stages are adjacent
+[[maybe_unused]] constexpr int kStages = 3;  // K/V ring depth (2: 4.75 ms, 4: same as 3)
 [[maybe_unused]] constexpr int kBoxBytes = 64 * 128;  // 64 rows x 64 columns x 2 bytes
 [[maybe_unused]] constexpr int kTileBytes = 2 * kBoxBytes;  // 64 rows x 128 columns
 [[maybe_unused]] constexpr int kQBytes = 2 * 2 * kBoxBytes;  // two warpgroups x two column halves
@@ -116,11 +107,11 @@ __device__ __forceinline__ void fence_registers(uint32_t (&r)[4][4]) {
 }
 
 template <typename Codec>
-__device__ __forceinline__ void mma_qk(float (&s)[64], uint64_t desc_q, uint64_t desc_k) {
+__device__ __forceinline__ void mma_qk(float (&s)[32], uint64_t desc_q, uint64_t desc_k) {
     if constexpr (Codec::kIsBf16)
-        wgmma::mma_m64n128k16_bf16(s, desc_q, desc_k);
+        wgmma::mma_m64n64k16_bf16(s, desc_q, desc_k);
     else
-        wgmma::mma_m64n128k16_f16(s, desc_q, desc_k);
+        wgmma::mma_m64n64k16_f16(s, desc_q, desc_k);
 }
 
 template <typename Codec>
@@ -155,17 +146,12 @@ __device__ __forceinline__ void attn_hopper_tile(const TensorMap& map_k, const T
     // 128-byte swizzled tiles start on a 1024-byte boundary.
     uint8_t* shared = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(shared_raw) + 1023) & ~uintptr_t(1023));
     uint8_t* sq = shared;                                   // [2 warpgroups][2 halves][64][64]
-    uint8_t* sk = sq + kQBytes;                             // [2 halves][kStages][64][64]
+    uint8_t* sk = sq + kQBytes;                             // [kStages][2 halves][64][64]
     uint8_t* sv = sk + kStages * kTileBytes;                // [kStages][2 halves][64][64]
     float* srun = reinterpret_cast<float*>(sv + kStages * kTileBytes);  // [64][256]
-    // K and V have their own full / empty barriers: a K stage is free once the pair's S
-    // product is complete, long before its V stage (free after P V), which gives the pair
-    // step's S (two K stages at once) a block of slack in a 4-stage ring.
-    uint64_t* full_k = reinterpret_cast<uint64_t*>(reinterpret_cast<uint8_t*>(srun) + kRunBytes);
-    uint64_t* full_v = full_k + kStages;
-    uint64_t* empty_k = full_v + kStages;
-    uint64_t* empty_v = empty_k + kStages;
-    uint64_t* side = empty_v + kStages;  // the producer's own barrier for a boundary block
+    uint64_t* full = reinterpret_cast<uint64_t*>(reinterpret_cast<uint8_t*>(srun) + kRunBytes);
+    uint64_t* empty = full + kStages;
+    uint64_t* side = empty + kStages;  // the producer's own barrier for a boundary block
 
     const int b = blockIdx.z;
     const int hg = blockIdx.y;
@@ -186,10 +172,8 @@ __device__ __forceinline__ void attn_hopper_tile(const TensorMap& map_k, const T
 
     if (threadIdx.x == 0) {
         for (int s = 0; s < kStages; ++s) {
-            barrier_init(&full_k[s], 1);
-            barrier_init(&full_v[s], 1);
-            barrier_init(&empty_k[s], 8);  // lane 0 of each consumer warp
-            barrier_init(&empty_v[s], 8);
+            barrier_init(&full[s], 1);
+            barrier_init(&empty[s], 8);  // lane 0 of each consumer warp
         }
         barrier_init(side, 1);
         fence_barrier_init();
@@ -207,23 +191,18 @@ __device__ __forceinline__ void attn_hopper_tile(const TensorMap& map_k, const T
         for (int blk = 0; blk < blk_end; ++blk) {
             const int s = blk % kStages;
             const int round = blk / kStages;
+            if (round > 0) barrier_wait(&empty[s], (round - 1) & 1);
             const int key0 = blk * kBlockKeys;
             const bool boundary = key0 + kBlockKeys > k_len;
-            uint8_t* dk = sk + s * kBoxBytes;  // K column half h at dk + h * kStages * kBoxBytes
+            uint8_t* dk = sk + s * kTileBytes;
             uint8_t* dv = sv + s * kTileBytes;
-            if (round > 0) barrier_wait(&empty_k[s], (round - 1) & 1);
-            uint64_t* bar_k = boundary ? side : &full_k[s];
+            uint64_t* bar = boundary ? side : &full[s];
             if (lane == 0) {
-                barrier_expect_bytes(bar_k, boundary ? 2 * kTileBytes : kTileBytes);
-                for (int h = 0; h < 2; ++h)
-                    tma_load_2d(dk + h * kStages * kBoxBytes, map_k, bar_k, kvh * kD + h * 64, k_base + key0);
-            }
-            if (round > 0) barrier_wait(&empty_v[s], (round - 1) & 1);
-            uint64_t* bar_v = boundary ? side : &full_v[s];
-            if (lane == 0) {
-                if (!boundary) barrier_expect_bytes(bar_v, kTileBytes);
-                for (int h = 0; h < 2; ++h)
-                    tma_load_2d(dv + h * kBoxBytes, map_v, bar_v, kvh * kD + h * 64, k_base + key0);
+                barrier_expect_bytes(bar, 2 * kTileBytes);
+                for (int h = 0; h < 2; ++h) {
+                    tma_load_2d(dk + h * kBoxBytes, map_k, bar, kvh * kD + h * 64, k_base + key0);
+                    tma_load_2d(dv + h * kBoxBytes, map_v, bar, kvh * kD + h * 64, k_base + key0);
+                }
             }
             if (boundary) {
                 barrier_wait(side, side_phase);
@@ -236,15 +215,12 @@ __device__ __forceinline__ void attn_hopper_tile(const TensorMap& map_k, const T
                 for (int idx = lane; idx < 4 * chunks; idx += 32) {
                     const int box = idx / chunks;
                     const int within = idx % chunks;
-                    uint8_t* base = box < 2 ? dk + box * kStages * kBoxBytes : dv + (box % 2) * kBoxBytes;
+                    uint8_t* base = (box < 2 ? dk : dv) + (box % 2) * kBoxBytes;
                     *reinterpret_cast<uint4*>(base + first * 128 + within * 16) = make_uint4(0, 0, 0, 0);
                 }
                 fence_proxy_async();  // generic writes before the consumers' wgmma reads
                 __syncwarp();
-                if (lane == 0) {
-                    barrier_arrive(&full_k[s]);
-                    barrier_arrive(&full_v[s]);
-                }
+                if (lane == 0) barrier_arrive(&full[s]);
             }
         }
         return;
@@ -301,9 +277,8 @@ __device__ __forceinline__ void attn_hopper_tile(const TensorMap& map_k, const T
     float acc[64];
 #pragma unroll
     for (int i = 0; i < 64; ++i) acc[i] = 0.0f;
-    float s[64];                // S of a block pair (block j: s[0..31], j + 1: s[32..63]), then P
-    uint32_t pa[4][4];          // P of the pair's first block, the A operand of its P V product
-    uint32_t pb[4][4];          // P of the pair's second block
+    float s[32];                // S of a block, then its scaled scores, then its P
+    uint32_t pa[4][4];          // P of a block, the A operand of its P V product
     bool prev_empty[2] = {false, false};
     bool prev_any_empty = false;
     uint32_t negzero[2] = {0u, 0u};
@@ -313,20 +288,23 @@ __device__ __forceinline__ void attn_hopper_tile(const TensorMap& map_k, const T
     const uint64_t desc_q = smem_descriptor_128b(sq + cw * 2 * kBoxBytes);
     const uint64_t desc_k = smem_descriptor_128b(sk);
     const uint64_t desc_v = v_descriptor(sv);
+    int s_stage = 0;          // stage of the next block whose S is issued
+    uint32_t s_phase = 0;     // its full-barrier phase
+    int cur_stage = 0;        // stage of the block whose softmax runs
+    int pv_stage = 0;         // stage of the block whose P V product is pending
 
     // m, l of a split that ended with the previous block, kept for its merge while the next
     // block's softmax already starts the new split from the empty state.
     float end_m[2], end_l[2];
 
-    // Finishes the P V product of block `blk` (A registers `a`, its wait done by the caller):
-    // restore -0 signs of rows that saw no key in it, free its stage, and if SPLIT_END (the
-    // block ends a split) merge acc into the running state (acc restarts from +0 in the next
-    // rescale).
-    auto finish_pv = [&](int blk, uint32_t(&a)[4][4], auto split_end) {
-        // The product read a and wrote acc until here: keep both live to this point, or
+    // Finishes the pending P V product (block `blk`, its wait done by the caller): restore -0
+    // signs of rows that saw no key in it, free its stage, and if SPLIT_END (the block ends a
+    // split) merge acc into the running state (acc restarts from +0 in the next rescale).
+    auto finish_pv = [&](int blk, auto split_end) {
+        // The product read pa and wrote acc until here: keep both live to this point, or
         // the compiler reuses their registers (softmax's P) while the wgmma still reads them.
         fence_operands<64>(acc);
-        fence_registers(a);
+        fence_registers(pa);
         if (prev_any_empty) {
 #pragma unroll
             for (int i = 0; i < 64; ++i) {
@@ -335,7 +313,7 @@ __device__ __forceinline__ void attn_hopper_tile(const TensorMap& map_k, const T
             }
         }
         __syncwarp();
-        if (lane == 0) barrier_arrive(&empty_v[blk % kStages]);
+        if (lane == 0) barrier_arrive(&empty[pv_stage]);
         if constexpr (decltype(split_end)::value) {
             const bool first_split = blk + 1 <= kBlocksPerSplit;  // no running state yet: 0
 #pragma unroll
@@ -377,55 +355,62 @@ __device__ __forceinline__ void attn_hopper_tile(const TensorMap& map_k, const T
                 if (__float_as_uint(acc[i]) == 0x80000000u) negzero[i / 32] |= 1u << (i % 32);
         }
     };
-    auto wait_k = [&](int blk) { barrier_wait(&full_k[blk % kStages], (blk / kStages) & 1); };
-    auto wait_v = [&](int blk) { barrier_wait(&full_v[blk % kStages], (blk / kStages) & 1); };
-    // The pair's S product is complete: its K stages are free.
-    auto free_k = [&](int blk) {
-        __syncwarp();
-        if (lane == 0) {
-            barrier_arrive(&empty_k[blk % kStages]);
-            if (blk + 1 < blk_end) barrier_arrive(&empty_k[(blk + 1) % kStages]);
-        }
-    };
-    // S = Q K^T of blocks blk and blk + 1 (blk even: stages blk % kStages and the next one,
-    // whose K rows are contiguous in shared memory) as one m64n128 product over d in
-    // increasing k16 steps: each S element is the same dot product as a block's m64n64
-    // product.  Block blk + 1 may lie past the tile's last block (blk_end odd): its stage is
-    // not loaded then (stale or uninitialised shared memory) and every real row masks it.
-    auto mma_s = [&](int blk) {
-        const uint64_t k_stage = desc_k + static_cast<uint64_t>(((blk % kStages) * kBoxBytes) >> 4);
+    // S = Q K^T of the block at stage s_stage over d in increasing k16 steps (32 bytes along
+    // a 128-byte swizzled row), into s; moves s_stage on.
+    auto mma_s = [&]() {
+        const uint64_t k_stage = desc_k + static_cast<uint64_t>(s_stage * (kTileBytes >> 4));
 #pragma unroll
         for (int ks = 0; ks < 8; ++ks) {
-            const int off_q = ((ks / 4) * kBoxBytes + (ks % 4) * 32) >> 4;
-            const int off_k = ((ks / 4) * kStages * kBoxBytes + (ks % 4) * 32) >> 4;
-            mma_qk<Codec>(s, desc_q + off_q, k_stage + off_k);
+            const int off = ((ks / 4) * kBoxBytes + (ks % 4) * 32) >> 4;
+            mma_qk<Codec>(s, desc_q + off, k_stage + off);
         }
         wgmma_commit();
+        if (++s_stage == kStages) {
+            s_stage = 0;
+            s_phase ^= 1u;
+        }
     };
-    // O += P V of block blk (A registers a), the four k16 key steps in increasing order.
-    auto mma_pv_block = [&](int blk, const uint32_t(&a)[4][4]) {
-        const uint64_t v_stage = desc_v + static_cast<uint64_t>((blk % kStages) * (kTileBytes >> 4));
+    // O += P V of the block at pv_stage (pa), the four k16 key steps in increasing order.
+    auto mma_pv_block = [&]() {
+        const uint64_t v_stage = desc_v + static_cast<uint64_t>(pv_stage * (kTileBytes >> 4));
 #pragma unroll
-        for (int kk = 0; kk < 4; ++kk) mma_pv<Codec>(acc, a[kk], v_stage + ((kk * 16 * 128) >> 4));
+        for (int kk = 0; kk < 4; ++kk) mma_pv<Codec>(acc, pa[kk], v_stage + ((kk * 16 * 128) >> 4));
         wgmma_commit();
     };
 
-    // Online softmax of blocks blk and blk + 1, attention.cu's arithmetic with
-    // s[t][e] = s[32 * half + 4t + e], in two parts.  scale(): x = S * scale_log2, or -inf for
-    // an invisible key.  softmax(): the two blocks' max trees are independent; then
-    // m_j = fmaxf(mx_j, m), m_{j+1} = fmaxf(mx_{j+1}, m_j) (the same fmaxf in the same order as
-    // one block at a time), alpha of each; then the two blocks' exp2 / sum chains are
-    // independent, and l is updated block by block in order.  Leaves P in s, the rescale
-    // factors in alpha[half].  Written for few instructions: the block max is a tree (max is
-    // exact in any order; the zero is normalised after the butterfly as in attention.cu),
-    // alpha is computed then selected, both rows in one pass, and P's selection (rows that see
-    // no key of a block) runs only where a real row of the warp sees no key of a block of the
-    // pair (padding rows are never written; their P may be anything).
-    float alpha[2][2];
-    bool empty_now[2][2];
-    bool any_empty[2];  // some real row of the warp sees no key of block half
-    auto scale = [&](int blk, auto half) {
-        constexpr int base = 32 * decltype(half)::value;
+    // Issues the next block's S if WITH_S, then the P V product of block pv_stage if WITH_PV
+    // (the -0 signs noted first); each product is one commit group, S first.  Every register
+    // the products read is defined before the wgmma fence, so nothing but wgmma runs between
+    // the two issues (ptxas would otherwise serialise them).
+    auto issue = [&](auto with_s, auto with_pv) {
+        if constexpr (decltype(with_s)::value) {
+            barrier_wait(&full[s_stage], s_phase);
+#pragma unroll
+            for (int i = 0; i < 32; ++i) s[i] = 0.0f;
+        }
+        if constexpr (decltype(with_pv)::value) note_negzero();
+        fence_operands<32>(s);
+        fence_operands<64>(acc);
+        fence_registers(pa);
+        wgmma_fence();
+        if constexpr (decltype(with_s)::value) mma_s();
+        if constexpr (decltype(with_pv)::value) mma_pv_block();
+        fence_operands<32>(s);
+        fence_operands<64>(acc);
+    };
+
+    // Online softmax of block `blk`, attention.cu's arithmetic with s[t][e] = s[4t + e], in
+    // two parts.  scale(): x = S * scale_log2, or -inf for an invisible key, from s into v.
+    // The rest: updates m, l, leaves P in v and the rescale factors in alpha.  Written for few
+    // instructions: the block max is a tree (max is exact in any order; the zero is normalised
+    // after the butterfly as in attention.cu), m_new = fmaxf(mx, m) (m is never NaN or -0, and
+    // an empty row has mx = -inf: the same selection), alpha is computed then selected, both
+    // rows in one pass, and a warp whose real rows all see a key skips the selections of P
+    // (padding rows are never written; their P may be anything).
+    float alpha[2];
+    bool empty_now[2];
+    bool any_empty = false;  // some real row of the warp sees no key of this block
+    auto scale = [&](int blk) {
         const int key0 = blk * kBlockKeys;
         if (key0 + kBlockKeys > warp_vis_min) {
 #pragma unroll
@@ -435,108 +420,79 @@ __device__ __forceinline__ void attn_hopper_tile(const TensorMap& map_k, const T
 #pragma unroll
                     for (int e = 0; e < 2; ++e) {
                         const int j = key0 + t * 8 + 2 * c + e;
-                        const float y = __fmul_rn(s[base + 4 * t + 2 * i + e], p.scale_log2);
-                        s[base + 4 * t + 2 * i + e] = j < vis_end[i] ? y : kNegInf;
+                        const float y = __fmul_rn(s[4 * t + 2 * i + e], p.scale_log2);
+                        s[4 * t + 2 * i + e] = j < vis_end[i] ? y : kNegInf;
                     }
         } else {
 #pragma unroll
-            for (int i = 0; i < 32; ++i) s[base + i] = __fmul_rn(s[base + i], p.scale_log2);
+            for (int i = 0; i < 32; ++i) s[i] = __fmul_rn(s[i], p.scale_log2);
         }
     };
     auto softmax = [&]() {
-        float mx[2][2];
+        float m_new[2];
 #pragma unroll
-        for (int h = 0; h < 2; ++h)
+        for (int i = 0; i < 2; ++i) {
+            float mx8[8], mx4[4];
 #pragma unroll
-            for (int i = 0; i < 2; ++i) {
-                const float* sh = s + 32 * h;
-                float mx8[8], mx4[4];
+            for (int k = 0; k < 8; ++k) mx8[k] = fmaxf(s[4 * (k / 2) + 2 * i + k % 2], s[4 * (k / 2 + 4) + 2 * i + k % 2]);
 #pragma unroll
-                for (int k = 0; k < 8; ++k)
-                    mx8[k] = fmaxf(sh[4 * (k / 2) + 2 * i + k % 2], sh[4 * (k / 2 + 4) + 2 * i + k % 2]);
-#pragma unroll
-                for (int k = 0; k < 4; ++k) mx4[k] = fmaxf(mx8[k], mx8[k + 4]);
-                float v = fmaxf(fmaxf(mx4[0], mx4[2]), fmaxf(mx4[1], mx4[3]));
-                v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 1));
-                v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 2));
-                mx[h][i] = v == 0.0f ? 0.0f : v;  // one zero (+0) whatever the lanes' order
-            }
-        float m_new[2][2];
-#pragma unroll
-        for (int i = 0; i < 2; ++i)
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                const float m_old = h == 0 ? m[i] : m_new[0][i];
-                empty_now[h][i] = mx[h][i] == kNegInf;
-                m_new[h][i] = fmaxf(mx[h][i], m_old);
-                const float a = exp2f(__fsub_rn(m_old, m_new[h][i]));  // selected away where undefined
-                alpha[h][i] = empty_now[h][i] ? 1.0f : (m_old == kNegInf ? 0.0f : a);
-            }
-#pragma unroll
-        for (int h = 0; h < 2; ++h)
-            any_empty[h] = __any_sync(0xffffffffu, (empty_now[h][0] && row_q[0] >= 0) || (empty_now[h][1] && row_q[1] >= 0));
+            for (int k = 0; k < 4; ++k) mx4[k] = fmaxf(mx8[k], mx8[k + 4]);
+            float mx = fmaxf(fmaxf(mx4[0], mx4[2]), fmaxf(mx4[1], mx4[3]));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+            mx = mx == 0.0f ? 0.0f : mx;  // one zero (+0) whatever the lanes' order
+            empty_now[i] = mx == kNegInf;
+            m_new[i] = fmaxf(mx, m[i]);
+            const float a = exp2f(__fsub_rn(m[i], m_new[i]));  // selected away where undefined
+            alpha[i] = empty_now[i] ? 1.0f : (m[i] == kNegInf ? 0.0f : a);
+        }
+        any_empty = __any_sync(0xffffffffu, (empty_now[0] && row_q[0] >= 0) || (empty_now[1] && row_q[1] >= 0));
         // P and the block sums.  An invisible key (x = -inf) gives exp2(-inf) = +0 where m_new
         // is finite; a row with no visible key gets P = 0 by selection.
         auto exp_sum = [&](auto select) {
-            float sum[2][2];
+            float sum[2];
 #pragma unroll
             for (int t = 0; t < 8; ++t)
 #pragma unroll
-                for (int h = 0; h < 2; ++h)
+                for (int i = 0; i < 2; ++i)
 #pragma unroll
-                    for (int i = 0; i < 2; ++i)
-#pragma unroll
-                        for (int e = 0; e < 2; ++e) {
-                            float& x = s[32 * h + 4 * t + 2 * i + e];
-                            float pe = exp2_ftz(__fsub_rn(x, m_new[h][i]));
-                            if constexpr (decltype(select)::value) pe = empty_now[h][i] ? 0.0f : pe;
-                            x = pe;
-                            // P >= +0 (or NaN): 0 + P is P, so the scan starts at the first term.
-                            sum[h][i] = t == 0 && e == 0 ? pe : __fadd_rn(sum[h][i], pe);
-                        }
-#pragma unroll
-            for (int h = 0; h < 2; ++h)
-#pragma unroll
-                for (int i = 0; i < 2; ++i) {
-                    sum[h][i] = __fadd_rn(sum[h][i], __shfl_xor_sync(0xffffffffu, sum[h][i], 1));
-                    sum[h][i] = __fadd_rn(sum[h][i], __shfl_xor_sync(0xffffffffu, sum[h][i], 2));
-                }
+                    for (int e = 0; e < 2; ++e) {
+                        float pe = exp2_ftz(__fsub_rn(s[4 * t + 2 * i + e], m_new[i]));
+                        if constexpr (decltype(select)::value) pe = empty_now[i] ? 0.0f : pe;
+                        s[4 * t + 2 * i + e] = pe;
+                        // P >= +0 (or NaN): 0 + P is P, so the scan starts at the first term.
+                        sum[i] = t == 0 && e == 0 ? pe : __fadd_rn(sum[i], pe);
+                    }
 #pragma unroll
             for (int i = 0; i < 2; ++i) {
-#pragma unroll
-                for (int h = 0; h < 2; ++h)
-                    l[i] = empty_now[h][i] ? l[i] : __fadd_rn(__fmul_rn(l[i], alpha[h][i]), sum[h][i]);
-                m[i] = m_new[1][i];
+                sum[i] = __fadd_rn(sum[i], __shfl_xor_sync(0xffffffffu, sum[i], 1));
+                sum[i] = __fadd_rn(sum[i], __shfl_xor_sync(0xffffffffu, sum[i], 2));
+                l[i] = empty_now[i] ? l[i] : __fadd_rn(__fmul_rn(l[i], alpha[i]), sum[i]);
+                m[i] = m_new[i];
             }
         };
-        if (any_empty[0] || any_empty[1])
+        if (any_empty)
             exp_sum(std::true_type{});
         else
             exp_sum(std::false_type{});
     };
 
-    // After the previous block's product is complete: acc *= alpha of block half (or +0 at a
-    // split start: attention.cu zeroes it in the merge), and the facts about that block that
-    // its own P V product will need.
-    auto rescale = [&](auto half, auto split_start) {
-        constexpr int h = decltype(half)::value;
-#pragma unroll
-        for (int i = 0; i < 64; ++i)
-            acc[i] = decltype(split_start)::value ? 0.0f : __fmul_rn(acc[i], alpha[h][(i / 2) % 2]);
-        prev_empty[0] = empty_now[h][0];
-        prev_empty[1] = empty_now[h][1];
-        // Padding rows are never written: they do not need the -0 fix-up.
-        prev_any_empty = any_empty[h];
-    };
-    // P of the pair into pa and pb, once the products that read them are complete.
-    auto pack_p = [&]() {
+    // After the previous block's product is complete: P of this block into pa, acc *= alpha,
+    // and the facts about this block that its own P V product will need.  At a split start
+    // acc was merged away: it restarts from +0 (attention.cu zeroes it in the merge).
+    auto rescale = [&](auto split_start) {
+        // P -> pa only now: the previous block's P V product read pa until its wait.
 #pragma unroll
         for (int kk = 0; kk < 4; ++kk)
 #pragma unroll
-            for (int j = 0; j < 4; ++j) {
-                pa[kk][j] = pack_pair<Codec>(s[8 * kk + 2 * j], s[8 * kk + 2 * j + 1]);
-                pb[kk][j] = pack_pair<Codec>(s[32 + 8 * kk + 2 * j], s[32 + 8 * kk + 2 * j + 1]);
-            }
+            for (int j = 0; j < 4; ++j) pa[kk][j] = pack_pair<Codec>(s[8 * kk + 2 * j], s[8 * kk + 2 * j + 1]);
+#pragma unroll
+        for (int i = 0; i < 64; ++i)
+            acc[i] = decltype(split_start)::value ? 0.0f : __fmul_rn(acc[i], alpha[(i / 2) % 2]);
+        prev_empty[0] = empty_now[0];
+        prev_empty[1] = empty_now[1];
+        // Padding rows are never written: they do not need the -0 fix-up.
+        prev_any_empty = any_empty;
     };
     auto start_split = [&]() {
 #pragma unroll
@@ -547,109 +503,47 @@ __device__ __forceinline__ void attn_hopper_tile(const TensorMap& map_k, const T
             l[i] = 0.0f;
         }
     };
-    // Waits for the pair's K/V and zeroes s (the S product accumulates from +0).
-    auto prepare_s = [&](int blk) {
-        wait_k(blk);
-        if (blk + 1 < blk_end) wait_k(blk + 1);
-#pragma unroll
-        for (int i = 0; i < 64; ++i) s[i] = 0.0f;
-    };
 
     using Yes = std::true_type;
     using No = std::false_type;
-    using First = std::integral_constant<int, 0>;
-    using Second = std::integral_constant<int, 1>;
+    // Block blk's S product, then block blk-1's P V product behind it; block blk's
+    // softmax runs while P V executes.  No branch between a product's issue and its wait.
     if (blk_end > 0) {
-        prepare_s(0);
-        fence_operands<64>(s);
-        wgmma_fence();
-        mma_s(0);
-        fence_operands<64>(s);
+        issue(Yes{}, No{});
+        cur_stage = 0;
         wgmma_wait<0>();
-        fence_operands<64>(s);
-        free_k(0);
-        scale(0, First{});
-        scale(1, Second{});
+        fence_operands<32>(s);
+        scale(0);
         softmax();
-        pack_p();
-        rescale(First{}, No{});
+        rescale(No{});
     }
-    // Pair step (blocks blk, blk + 1; blk even; pa = P_{blk-2}, pb = P_{blk-1}, acc rescaled
-    // for blk - 2): P V of blk - 2 and S of the pair in flight; once P V is complete, acc *=
-    // alpha_{blk-1} and P V of blk - 1 is issued behind S; the pair's softmax runs while that
-    // product executes.  acc = (acc * alpha_j + P_j V_j) * alpha_{j+1} ... in block order, as
-    // in attention.cu.  Splits (16 blocks) start at even blocks, so only the pair's first
-    // block can start one; such a step is its own copy.  No branch between a product's issue
-    // and its wait.
+    // A block that starts a split (blk-1 ended one) is a separate copy of the step, so that
+    // the merge and the restart of acc cost nothing in the other blocks.
     auto step = [&](int blk, auto split_start) {
-        prepare_s(blk);
-        wait_v(blk - 2);
-        note_negzero();
-        fence_operands<64>(s);
-        fence_operands<64>(acc);
-        fence_registers(pa);
-        fence_registers(pb);
-        wgmma_fence();
-        mma_pv_block(blk - 2, pa);
-        mma_s(blk);
-        fence_operands<64>(s);
-        fence_operands<64>(acc);
-        wgmma_wait<1>();  // P V of blk - 2 is complete; S may still run
-        finish_pv(blk - 2, pa, No{});
-        rescale(Second{}, No{});
-        wait_v(blk - 1);
-        note_negzero();
-        fence_operands<64>(acc);
-        fence_registers(pb);
-        wgmma_fence();
-        mma_pv_block(blk - 1, pb);
-        fence_operands<64>(acc);
-        wgmma_wait<1>();  // S of the pair is complete; P V of blk - 1 may still run
-        fence_operands<64>(s);
-        free_k(blk);
+        pv_stage = cur_stage;
+        cur_stage = s_stage;
+        issue(Yes{}, Yes{});
+        wgmma_wait<1>();  // S of block blk is complete; P V of block blk-1 may still run
+        fence_operands<32>(s);
         if constexpr (decltype(split_start)::value) start_split();
-        scale(blk, First{});
-        scale(blk + 1, Second{});
+        scale(blk);
         softmax();
         wgmma_wait<0>();
-        finish_pv(blk - 1, pb, split_start);
-        pack_p();
-        rescale(First{}, split_start);
+        finish_pv(blk - 1, split_start);
+        rescale(split_start);
     };
-    for (int blk = 2; blk < blk_end; blk += 2) {
+    for (int blk = 1; blk < blk_end; ++blk) {
         if (blk % kBlocksPerSplit == 0)
             step(blk, Yes{});
         else
             step(blk, No{});
     }
     if (blk_end > 0) {
-        const int last = (blk_end - 1) & ~1;  // the last pair's first block
-        wait_v(last);
-        note_negzero();
-        fence_operands<64>(acc);
-        fence_registers(pa);
-        wgmma_fence();
-        mma_pv_block(last, pa);
-        fence_operands<64>(acc);
-        if (last + 1 < blk_end) {
-            wgmma_wait<0>();
-            finish_pv(last, pa, No{});
-            rescale(Second{}, No{});
-            wait_v(last + 1);
-            note_negzero();
-            fence_operands<64>(acc);
-            fence_registers(pb);
-            wgmma_fence();
-            mma_pv_block(last + 1, pb);
-            fence_operands<64>(acc);
-            start_split();  // keeps the last split's m, l in end_m, end_l for its merge
-            wgmma_wait<0>();
-            finish_pv(last + 1, pb, Yes{});  // the last block always ends a split
-        } else {
-            start_split();
-            wgmma_wait<0>();
-            finish_pv(last, pa, Yes{});
-        }
+        pv_stage = cur_stage;
+        issue(No{}, Yes{});
+        start_split();  // keeps the last split's m, l in end_m, end_l for its merge
+        wgmma_wait<0>();
+        finish_pv(blk_end - 1, Yes{});  // the last block always ends a split
     }
 
     T* op = static_cast<T*>(p.out);

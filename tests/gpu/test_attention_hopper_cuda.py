@@ -128,10 +128,10 @@ def test_split_edges_equal_mma_sync(dtype, causal):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("causal", (True, False))
 def test_block_pairs_equal_mma_sync(dtype, causal):
-    # S of two 64-key blocks is one m64n128 product: a tile with an odd block count computes
-    # a masked phantom block past its end (from a stage never loaded for it).  Contexts of 1,
-    # 2, 3 and 4 blocks, a block short of and past a split (17 and 18 blocks), and causal
-    # tiles of 32 query positions whose last block alternates between odd and even.
+    # Odd and even block counts (a kernel that pairs 64-key blocks, tried in session 5, has a
+    # masked phantom block past an odd end): contexts of 1, 2, 3 and 4 blocks, a block short
+    # of and past a split (17 and 18 blocks), causal tiles of 32 query positions whose last
+    # block alternates between odd and even, a sequence with no query.
     seqlens_k = torch.tensor([1, 63, 64, 65, 129, 192, 193, 1087, 1152, 300], device=DEVICE)
     seqlens_q = torch.tensor([1, 63, 20, 65, 129, 100, 193, 200, 150, 0], device=DEVICE)
     q, k, v = _qkv(10, 200, 1152, 8, 2, dtype, seed=53)
@@ -140,7 +140,7 @@ def test_block_pairs_equal_mma_sync(dtype, causal):
     new = gpu.attention(q, k, v, mode="tile", warps=4, hopper=True, **kwargs)
     old = gpu.attention(q, k, v, mode="tile", warps=4, hopper=False, **kwargs)
     assert_bitwise_equal(new, old, name="hopper vs mma.sync tile over block pairs")
-    assert not torch.isnan(new[0]).any(), "NaN padding or a phantom block leaked"
+    assert not torch.isnan(new[0]).any(), "NaN padding leaked into the output"
 
 
 @cuda

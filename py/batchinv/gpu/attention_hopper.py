@@ -17,7 +17,7 @@ from ._launch import kernel_for, launch, native, uses_hopper
 HEAD_DIM = 128
 TILE_ROWS = 128  # two consumer warpgroups of 64 rows
 THREADS = 384  # producer warpgroup + two consumer warpgroups
-STAGES = 4  # K/V ring depth (kernels_cu/attention_hopper.cu kStages)
+STAGES = 3  # K/V ring depth (kernels_cu/attention_hopper.cu kStages)
 _BOX_BYTES = 64 * 64 * 2  # one 64-row x 64-column TMA box of bf16/fp16
 _DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "f16"}
 _MAX_GRID_YZ = 65535
@@ -30,7 +30,7 @@ def shared_bytes(stages: int = STAGES) -> int:
     q = 4 * _BOX_BYTES
     kv = 2 * stages * 2 * _BOX_BYTES
     run = 64 * 256 * 4
-    barriers = 8 * (4 * stages + 1)  # full and empty for K and V per stage, one side
+    barriers = 8 * (2 * stages + 1)
     return q + kv + run + barriers + 1024
 
 
