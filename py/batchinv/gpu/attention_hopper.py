@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ._launch import kernel_for, launch, native, uses_hopper
+from ._launch import allow_dynamic_shared, kernel_for, launch, native, uses_hopper
 
 HEAD_DIM = 128
 TILE_ROWS = 128  # two consumer warpgroups of 64 rows
@@ -65,15 +65,9 @@ def _tensor_map(t: Tensor) -> bytes:
     return native().tensor_map_2d(t.data_ptr(), name, rows, heads * d, t.stride(0) * 2, 64, 64, 128)
 
 
-_RAISED: set[tuple[int, int]] = set()
-
-
 def _kernel(name: str, device: torch.device, stages: int):
     kernel = kernel_for("attention_hopper", name, device)
-    key = (id(kernel), device.index or 0)
-    if key not in _RAISED:
-        kernel.set_max_dynamic_shared_memory(shared_bytes(stages), device=device.index or 0)
-        _RAISED.add(key)
+    allow_dynamic_shared(kernel, shared_bytes(stages), device.index or 0)
     return kernel
 
 
