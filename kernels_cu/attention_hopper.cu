@@ -584,9 +584,9 @@ __device__ __forceinline__ void attn_hopper_tile(const TensorMap& map_k, const T
 }  // namespace attn_hopper
 }  // namespace batchinv
 
-// Kernel names: dtype, head dim, "_pp" with the warpgroup ping-pong.
-#define BATCHINV_ATTN_HOPPER(NAME, CODEC, PINGPONG)                                                             \
-    extern "C" __global__ void __launch_bounds__(384, 1) NAME(                                                  \
+// Kernel names: attn_hopper_fwd_ + dtype, head dim, "_pp" with the warpgroup ping-pong.
+#define BATCHINV_ATTN_HOPPER(SUFFIX, CODEC, PINGPONG)                                                           \
+    extern "C" __global__ void __launch_bounds__(384, 1) attn_hopper_fwd_##SUFFIX(                              \
         const __grid_constant__ batchinv::TensorMap map_k, const __grid_constant__ batchinv::TensorMap map_v,   \
         const void* q, void* out, float* lse, const int* q_start, const int* q_len, const int* k_start,        \
         const int* k_len, int64_t q_row, int64_t q_head, int64_t out_row, int64_t out_head, int tq, int hq,     \
@@ -600,11 +600,11 @@ __device__ __forceinline__ void attn_hopper_tile(const TensorMap& map_k, const T
 // Signature: (map_k, map_v, q, out, lse, q_start, q_len, k_start, k_len, q_row, q_head, out_row,
 //             out_head, tq, hq, hkv, pack, causal, scale_log2)
 // batchinv-signature: attn_hopper_fwd_bf16_d128(tmap, tmap, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i32, i32, i32, i32, i32, f32)
-BATCHINV_ATTN_HOPPER(attn_hopper_fwd_bf16_d128, batchinv::Bf16Codec, false)
+BATCHINV_ATTN_HOPPER(bf16_d128, batchinv::Bf16Codec, false)
 // batchinv-signature: attn_hopper_fwd_bf16_d128_pp(tmap, tmap, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i32, i32, i32, i32, i32, f32)
-BATCHINV_ATTN_HOPPER(attn_hopper_fwd_bf16_d128_pp, batchinv::Bf16Codec, true)
+BATCHINV_ATTN_HOPPER(bf16_d128_pp, batchinv::Bf16Codec, true)
 // batchinv-signature: attn_hopper_fwd_f16_d128(tmap, tmap, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i32, i32, i32, i32, i32, f32)
-BATCHINV_ATTN_HOPPER(attn_hopper_fwd_f16_d128, batchinv::F16Codec, false)
+BATCHINV_ATTN_HOPPER(f16_d128, batchinv::F16Codec, false)
 // batchinv-signature: attn_hopper_fwd_f16_d128_pp(tmap, tmap, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i32, i32, i32, i32, i32, f32)
-BATCHINV_ATTN_HOPPER(attn_hopper_fwd_f16_d128_pp, batchinv::F16Codec, true)
+BATCHINV_ATTN_HOPPER(f16_d128_pp, batchinv::F16Codec, true)
 #endif
