@@ -100,12 +100,6 @@ def _graphed(fn):
         return None
 
 
-def _forced_hopper_ms(fn, ping_pong: bool) -> float:
-    """``fn`` timed with the Hopper tile launches forced to one variant of the kernel."""
-    with attention_hopper.forced_variant(ping_pong=ping_pong):
-        return median_ms(fn)
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
@@ -132,7 +126,6 @@ def main() -> None:
         v = torch.randn(batch, seq, HKV, D, device=device, generator=gen).to(DTYPE)
         qt, kt, vt = (t.transpose(1, 2).contiguous() for t in (q, k, v))
         flops = 4 * batch * HQ * seq * seq * D / 2  # causal: half of the score matrix
-        other_label = "plain" if attention_hopper.PING_PONG else "ping-pong"
         anchor = median_ms(_sdpa(qt, kt, vt, True))
         paths = {
             "SDPA default": anchor,
@@ -146,14 +139,8 @@ def main() -> None:
         }
         rows_q = q.view(batch * seq, HQ, D)
         rows_k, rows_v = k.view(-1, HKV, D), v.view(-1, HKV, D)
-        on_hopper = attention_hopper.applies(rows_q, rows_k, rows_v)
-        kernel = attention_hopper.kernel_name(DTYPE) if on_hopper else "mma.sync tile"
-        print(f"prefill B={batch} S={seq}: the default path runs {kernel}")
-        if on_hopper:
-            # The other variant of the Hopper kernel (same bits), timed in the same run.
-            paths[f"batchinv (hopper {other_label}, forced)"] = _forced_hopper_ms(
-                lambda: gpu.attention(q, k, v, causal=True), not attention_hopper.PING_PONG
-            )
+        kernel = "hopper" if attention_hopper.applies(rows_q, rows_k, rows_v) else "mma.sync"
+        print(f"prefill B={batch} S={seq}: the default path runs the {kernel} tile kernel")
         results.append(
             {
                 "phase": "prefill",

@@ -78,10 +78,6 @@ __device__ __forceinline__ void named_barrier_sync(int id, int threads) {
     asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
 
-__device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
-    asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
-}
-
 
 // Pins register values around an asynchronous wgmma: without it the compiler may move their
 // reads or writes across the issue or the wait, and ptxas then serialises the pipeline.
@@ -141,10 +137,7 @@ struct Params {
     float scale_log2;
 };
 
-// kPingPong: the two consumer warpgroups take turns to issue their products (named barriers
-// 3 and 4, FA3's scheduler barriers), so one warpgroup's softmax runs under the other's
-// wgmmas.  Scheduling only: the same products in the same order, so the same bits.
-template <typename Codec, bool kPingPong>
+template <typename Codec>
 __device__ __forceinline__ void attn_hopper_tile(const TensorMap& map_k, const TensorMap& map_v, const Params& p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     using namespace hopper;
@@ -399,15 +392,9 @@ __device__ __forceinline__ void attn_hopper_tile(const TensorMap& map_k, const T
         fence_operands<32>(s);
         fence_operands<64>(acc);
         fence_registers(pa);
-        if constexpr (kPingPong) named_barrier_sync(3 + cw, 256);  // this warpgroup's turn
         wgmma_fence();
         if constexpr (decltype(with_s)::value) mma_s();
         if constexpr (decltype(with_pv)::value) mma_pv_block();
-        // The other warpgroup's turn.  Each warpgroup issues blk_end + 1 times; warpgroup 1
-        // opened warpgroup 0's first turn, so it skips its last hand-over (counts balance).
-        if constexpr (kPingPong) {
-            if (decltype(with_s)::value || cw == 0) named_barrier_arrive(3 + (1 - cw), 256);
-        }
         fence_operands<32>(s);
         fence_operands<64>(acc);
     };
@@ -519,7 +506,6 @@ __device__ __forceinline__ void attn_hopper_tile(const TensorMap& map_k, const T
 
     using Yes = std::true_type;
     using No = std::false_type;
-    if (kPingPong && blk_end > 0 && cw == 1) named_barrier_arrive(3, 256);  // warpgroup 0 first
     // Block blk's S product, then block blk-1's P V product behind it; block blk's
     // softmax runs while P V executes.  No branch between a product's issue and its wait.
     if (blk_end > 0) {
@@ -584,9 +570,8 @@ __device__ __forceinline__ void attn_hopper_tile(const TensorMap& map_k, const T
 }  // namespace attn_hopper
 }  // namespace batchinv
 
-// Kernel names: attn_hopper_fwd_ + dtype, head dim, "_pp" with the warpgroup ping-pong.
-#define BATCHINV_ATTN_HOPPER(SUFFIX, CODEC, PINGPONG)                                                           \
-    extern "C" __global__ void __launch_bounds__(384, 1) attn_hopper_fwd_##SUFFIX(                              \
+#define BATCHINV_ATTN_HOPPER(DTYPE, CODEC)                                                                      \
+    extern "C" __global__ void __launch_bounds__(384, 1) attn_hopper_fwd_##DTYPE##_d128(                          \
         const __grid_constant__ batchinv::TensorMap map_k, const __grid_constant__ batchinv::TensorMap map_v,   \
         const void* q, void* out, float* lse, const int* q_start, const int* q_len, const int* k_start,        \
         const int* k_len, int64_t q_row, int64_t q_head, int64_t out_row, int64_t out_head, int tq, int hq,     \
@@ -594,17 +579,13 @@ __device__ __forceinline__ void attn_hopper_tile(const TensorMap& map_k, const T
         const batchinv::attn_hopper::Params p{q,     out,   lse,      q_start, q_len, k_start, k_len, q_row,    \
                                               q_head, out_row, out_head, tq,   hq,    hkv,     pack,  causal,   \
                                               scale_log2};                                                       \
-        batchinv::attn_hopper::attn_hopper_tile<CODEC, PINGPONG>(map_k, map_v, p);                               \
+        batchinv::attn_hopper::attn_hopper_tile<CODEC>(map_k, map_v, p);                                         \
     }
 
 // Signature: (map_k, map_v, q, out, lse, q_start, q_len, k_start, k_len, q_row, q_head, out_row,
 //             out_head, tq, hq, hkv, pack, causal, scale_log2)
 // batchinv-signature: attn_hopper_fwd_bf16_d128(tmap, tmap, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i32, i32, i32, i32, i32, f32)
-BATCHINV_ATTN_HOPPER(bf16_d128, batchinv::Bf16Codec, false)
-// batchinv-signature: attn_hopper_fwd_bf16_d128_pp(tmap, tmap, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i32, i32, i32, i32, i32, f32)
-BATCHINV_ATTN_HOPPER(bf16_d128_pp, batchinv::Bf16Codec, true)
+BATCHINV_ATTN_HOPPER(bf16, batchinv::Bf16Codec)
 // batchinv-signature: attn_hopper_fwd_f16_d128(tmap, tmap, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i32, i32, i32, i32, i32, f32)
-BATCHINV_ATTN_HOPPER(f16_d128, batchinv::F16Codec, false)
-// batchinv-signature: attn_hopper_fwd_f16_d128_pp(tmap, tmap, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i32, i32, i32, i32, i32, f32)
-BATCHINV_ATTN_HOPPER(f16_d128_pp, batchinv::F16Codec, true)
+BATCHINV_ATTN_HOPPER(f16, batchinv::F16Codec)
 #endif

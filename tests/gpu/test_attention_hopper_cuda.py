@@ -2,7 +2,6 @@
 lse) to the mma.sync tile and split kernels and to the chunked-prefill / decode paths, on odd
 lengths, GQA 4:1 and 8:1, MHA, a group of 3 (tiles with padding rows), causal offsets, fully
 masked rows, NaN padding past ``k_len``; within the contract's tolerance of the fp32 reference.
-Every test runs for both kernel variants (plain and warpgroup ping-pong, ``_pp``).
 
 GPU tests skip (with the reason) where CUDA, an sm_90 device or the sm_90a image is absent.
 """
@@ -44,13 +43,6 @@ cuda = pytest.mark.cuda
 needs_hopper = pytest.mark.skipif(_MISSING is not None, reason=str(_MISSING))
 
 
-@pytest.fixture(autouse=True, params=(False, True), ids=("plain", "pingpong"))
-def ping_pong(request):
-    """Runs each test with the Hopper launches forced to one kernel variant."""
-    with hopper.forced_variant(ping_pong=request.param):
-        yield request.param
-
-
 def _randn(*shape, dtype, seed, scale=1.0):
     gen = torch.Generator().manual_seed(seed)
     return (scale * torch.randn(*shape, generator=gen)).to(dtype).to(DEVICE)
@@ -85,21 +77,6 @@ def test_tma_rows_needs_contiguous_heads():
     wide = torch.zeros(8, 2, 256, dtype=torch.bfloat16)[..., :128]  # head stride 256
     assert not hopper._tma_rows(wide)
     assert not hopper._tma_rows(torch.zeros(0, 2, 128, dtype=torch.bfloat16))
-
-
-def test_forced_variant_names_the_kernel(ping_pong):
-    assert hopper.kernel_name(torch.float16) == (
-        "attn_hopper_fwd_f16_d128_pp" if ping_pong else "attn_hopper_fwd_f16_d128"
-    )
-    with hopper.forced_variant(ping_pong=not ping_pong):
-        assert hopper.kernel_name(torch.bfloat16).endswith("_pp") is not ping_pong
-    assert hopper.kernel_name(torch.bfloat16).endswith("_pp") is ping_pong
-
-
-def test_forced_variant_rejects_a_non_bool():
-    with pytest.raises(TypeError, match="ping_pong"):
-        with hopper.forced_variant(ping_pong=1):
-            pass
 
 
 # ----------------------------------------------------------------------------- bitwise vs mma.sync

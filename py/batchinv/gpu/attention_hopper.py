@@ -5,16 +5,9 @@ The kernel computes exactly the per-row arithmetic of ``kernels_cu/attention.cu`
 FlashAttention-3 structure: a TMA producer warpgroup and two wgmma consumer warpgroups of 64
 rows each (128-row tiles).  ``batchinv.gpu.attention.forward`` calls it for tile launches on
 sm_90 devices when :func:`applies` holds; both kernels give the same bits (tested).
-
-Two variants of the kernel give the same bits: the default, and ``_pp`` (the consumer
-warpgroups take turns to issue their products, FA3's ping-pong).  :func:`forced_variant`
-selects one for the launches in its scope (benchmarks and tests time and check both).
 """
 
 from __future__ import annotations
-
-import contextlib
-from collections.abc import Iterator
 
 import torch
 from torch import Tensor
@@ -28,29 +21,6 @@ STAGES = 3  # K/V ring depth (kernels_cu/attention_hopper.cu kStages)
 _BOX_BYTES = 64 * 64 * 2  # one 64-row x 64-column TMA box of bf16/fp16
 _DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "f16"}
 _MAX_GRID_YZ = 65535
-PING_PONG = False  # the default variant (docs/operators/attention.md: measured)
-_forced_ping_pong: bool | None = None
-
-
-@contextlib.contextmanager
-def forced_variant(*, ping_pong: bool) -> Iterator[None]:
-    """Launches in this scope run the ping-pong variant (``ping_pong=True``) or the plain one,
-    whatever the default; both give the same bits."""
-    if not isinstance(ping_pong, bool):
-        raise TypeError(f"ping_pong must be a bool, got {type(ping_pong).__name__}")
-    global _forced_ping_pong
-    previous = _forced_ping_pong
-    _forced_ping_pong = ping_pong
-    try:
-        yield
-    finally:
-        _forced_ping_pong = previous
-
-
-def kernel_name(dtype: torch.dtype) -> str:
-    """The kernel a launch in the current scope runs (see :func:`forced_variant`)."""
-    ping_pong = PING_PONG if _forced_ping_pong is None else _forced_ping_pong
-    return f"attn_hopper_fwd_{_DTYPE_NAMES[dtype]}_d{HEAD_DIM}" + ("_pp" if ping_pong else "")
 
 
 def shared_bytes(stages: int = STAGES) -> int:
@@ -122,7 +92,7 @@ def forward_tile(
         raise ValueError(
             f"attention launch too large: {layout.batch} sequences (at most {_MAX_GRID_YZ})"
         )
-    name = kernel_name(q.dtype)
+    name = f"attn_hopper_fwd_{_DTYPE_NAMES[q.dtype]}_d{HEAD_DIM}"
     launch(
         _kernel(name, q.device, STAGES),
         q.device,
