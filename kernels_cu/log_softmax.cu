@@ -610,6 +610,31 @@ __device__ __forceinline__ float load_remote_float(uint32_t address) {
     return v;
 }
 
+__device__ __forceinline__ void cluster_arrive_relaxed() {
+    asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
+}
+
+// Writes `v` into the shared memory of another CTA of the cluster (`address`, from
+// remote_address) and counts its 8 bytes on that CTA's mbarrier `barrier` (also a remote address).
+__device__ __forceinline__ void push_float2(uint32_t address, float2 v, uint32_t barrier) {
+    asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v2.f32 [%0], {%1, %2}, [%3];" ::"r"(address),
+                 "f"(v.x), "f"(v.y), "r"(barrier)
+                 : "memory");
+}
+
+// Waits for the phase of parity `phase` of a local mbarrier that other CTAs' st.async complete.
+__device__ __forceinline__ void barrier_wait_cluster(uint64_t* barrier, uint32_t phase) {
+    asm volatile(
+        "{\n"
+        ".reg .pred done;\n"
+        "wait:\n"
+        "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 done, [%0], %1;\n"
+        "@!done bra wait;\n"
+        "}\n" ::"r"(hopper::smem_address(barrier)),
+        "r"(phase)
+        : "memory");
+}
+
 __device__ __forceinline__ void bulk_load(void* destination, const void* source, uint32_t bytes,
                                           uint64_t* barrier) {
     asm volatile(
@@ -743,6 +768,89 @@ __device__ __forceinline__ State cluster_merge(State s, float2* slots) {
     return State{slots[X::kResultSlot].x, slots[X::kResultSlot].y};
 }
 
+// The forward's exchange without cluster barriers per row (issue 6, third session): every part
+// (a warp's state, or for T = 2048 a CTA's) is pushed by its owner into the same slot of every CTA
+// of the cluster (st.async, counted in bytes on that CTA's `full` mbarrier), and each CTA's warp 0
+// waits on its own mbarrier and merges the parts in the same order as cluster_merge: the same
+// operations, the same bits.  Row i of a CTA uses buffer i % 2 and waits on parity (i / 2) % 2.
+// A peer pushes row i + 2 into a buffer only after it has received this CTA's row i + 1 parts,
+// which this CTA pushes after it has read the buffer for row i: no slot is overwritten unread.
+// Set up once per kernel (init_push_exchange): the peers' mbarriers must be initialised before
+// the first push, hence one cluster barrier per kernel, whose wait comes after the first pass.
+template <int C, int TC>
+struct PushExchange {
+    float2 parts[2][Exchange<C, TC>::kParts];
+    float2 result[2];
+    uint64_t full[2];
+};
+
+template <int C, int TC>
+__device__ __forceinline__ void init_push_exchange(PushExchange<C, TC>& ex) {
+    if (threadIdx.x == 0) {
+        hopper::barrier_init(&ex.full[0], 1);
+        hopper::barrier_init(&ex.full[1], 1);
+        hopper::fence_barrier_init();
+    }
+    cluster_arrive_relaxed();  // waited for before the first push
+}
+
+template <int C, int TC>
+__device__ __forceinline__ State push_merge(State s, PushExchange<C, TC>& ex, uint32_t rank, int buffer,
+                                            uint32_t parity, bool first) {
+    using X = Exchange<C, TC>;
+    constexpr int W = BATCHINV_WARP_SIZE;
+    static_assert(C <= W, "one pushing lane per CTA of the cluster");
+    const int lane = static_cast<int>(threadIdx.x) % W;
+    const int warp = static_cast<int>(threadIdx.x) / W;
+#pragma unroll
+    for (int offset = W / 2; offset > 0; offset >>= 1) {
+        const State other{BATCHINV_SHFL_XOR(s.m, offset), BATCHINV_SHFL_XOR(s.l, offset)};
+        s = merge(s, other);
+    }
+    int part = static_cast<int>(rank) * X::kLocalWarps + warp;
+    bool pushes = true;
+    if constexpr (!X::kFlat) {
+        // The CTA's warps in order first (warp 0 reads `local` before the __syncthreads below).
+        __shared__ float2 local[X::kLocalWarps];
+        if (lane == 0) local[warp] = make_float2(s.m, s.l);
+        __syncthreads();
+        if (warp == 0) {
+            State c{local[0].x, local[0].y};
+#pragma unroll
+            for (int w = 1; w < X::kLocalWarps; ++w) c = merge(c, State{local[w].x, local[w].y});
+            s = c;
+        }
+        part = static_cast<int>(rank);
+        pushes = warp == 0;
+    }
+    if (first) cluster_wait();  // every CTA's mbarriers are initialised
+    if (pushes && lane < C) {
+        const uint32_t peer = static_cast<uint32_t>(lane);
+        push_float2(remote_address(&ex.parts[buffer][part], peer), make_float2(s.m, s.l),
+                    remote_address(&ex.full[buffer], peer));
+    }
+    if (warp == 0) {
+        if (lane == 0) hopper::barrier_expect_bytes(&ex.full[buffer], X::kParts * sizeof(float2));
+        barrier_wait_cluster(&ex.full[buffer], parity);
+        float2 mine[X::kPerLane];
+#pragma unroll
+        for (int j = 0; j < X::kPerLane; ++j) {
+            const int p = lane + j * W;
+            mine[j] = p < X::kParts ? ex.parts[buffer][p] : make_float2(0.0f, 0.0f);
+        }
+        State r{__shfl_sync(0xffffffffu, mine[0].x, 0), __shfl_sync(0xffffffffu, mine[0].y, 0)};
+#pragma unroll
+        for (int p = 1; p < X::kParts; ++p) {
+            const State other{__shfl_sync(0xffffffffu, mine[p / W].x, p % W),
+                              __shfl_sync(0xffffffffu, mine[p / W].y, p % W)};
+            r = merge(r, other);
+        }
+        if (lane == 0) ex.result[buffer] = make_float2(r.m, r.l);
+    }
+    __syncthreads();
+    return State{ex.result[buffer].x, ex.result[buffer].y};
+}
+
 // sum(dy) with the same layout and order as cluster_merge (`slots`: TC / 32 + 2 entries).  When
 // kFlat, every thread fetches all parts and sums them itself, as before issue 6's second round:
 // the adds are cheap, and the round that summed them in one warp through a shuffle chain measured
@@ -865,13 +973,16 @@ constexpr int kRefillBatch = 4;
 // next row, so that row's copies overlap this row's work.  Which cluster handles a row, and how
 // many rows it handles, changes no operation of the row (speed only).  Each mbarrier completes one
 // phase per row: row i of this CTA waits on parity i % 2.
-template <typename InCodec, typename OutCodec, int C, int TC>
+// kExchange: 1 = push_merge (kept), 0 = cluster_merge with two cluster barriers per row and
+// 2 = push_merge plus a cluster barrier before exit (A/B builds only).
+template <typename InCodec, typename OutCodec, int C, int TC, int kExchange = 1>
 __device__ __forceinline__ void forward(const ForwardArgs& a) {
     using S = typename InCodec::storage;
     using O = typename OutCodec::storage;
     static_assert(TC % BATCHINV_WARP_SIZE == 0, "whole warps per CTA");
     extern __shared__ __align__(16) uint8_t shared_row[];
-    __shared__ float2 warp_states[TC / BATCHINV_WARP_SIZE + 2];
+    __shared__ float2 warp_states[kExchange == 0 ? TC / BATCHINV_WARP_SIZE + 2 : 1];
+    __shared__ PushExchange<C, TC> exchange;
     const int64_t vocab = a.vocab;
     const int64_t first_row = blockIdx.x / C;  // the same for every CTA of the cluster
     const int64_t row_step = gridDim.x / C;
@@ -883,16 +994,23 @@ __device__ __forceinline__ void forward(const ForwardArgs& a) {
     uint64_t* barriers = reinterpret_cast<uint64_t*>(shared_row + static_cast<int64_t>(slice.segments) *
                                                                       Slice<S, C, TC>::kSegmentBytes);
     const S* x_rows = static_cast<const S*>(a.x);
+    if constexpr (kExchange != 0) init_push_exchange(exchange);
     start_row_copies(slice, x_rows + first_row * a.x_stride, vocab, shared_row, barriers);
 
     uint32_t parity = 0;
-    for (int64_t row = first_row; row < a.rows; row += row_step, parity ^= 1u) {
+    uint32_t local_row = 0;  // rows of this cluster so far
+    for (int64_t row = first_row; row < a.rows; row += row_step, parity ^= 1u, ++local_row) {
         const int64_t next = row + row_step;
         const S* next_x = next < a.rows ? x_rows + next * a.x_stride : nullptr;
         O* out = static_cast<O*>(a.out) + row * vocab;
         State st = slice_state<InCodec, C, TC>(slice, shared_row, barriers, parity, vocab);
-        if (row != first_row) cluster_wait();  // the others are done reading the previous row's slots
-        st = cluster_merge<C, TC>(st, warp_states);
+        if constexpr (kExchange == 0) {
+            if (row != first_row) cluster_wait();  // the others are done reading the previous row's slots
+            st = cluster_merge<C, TC>(st, warp_states);
+        } else {
+            st = push_merge<C, TC>(st, exchange, slice.rank, static_cast<int>(local_row & 1u), (local_row >> 1) & 1u,
+                                   row == first_row);
+        }
         const float lse = ieee_add(st.m, logf(st.l));
         if (a.lse != nullptr && slice.rank == 0 && threadIdx.x == 0) a.lse[row] = lse;
 
@@ -911,7 +1029,13 @@ __device__ __forceinline__ void forward(const ForwardArgs& a) {
             if (next_x != nullptr) refill_after_reading(slice, next_x, vocab, shared_row, barriers, k0, kRefillBatch);
         }
     }
-    cluster_wait();
+    // push_merge: every part pushed to this CTA has arrived (its last wait), and nothing reads
+    // another CTA's memory, so no CTA waits for the others before it exits.
+    if constexpr (kExchange == 0) cluster_wait();
+    if constexpr (kExchange == 2) {
+        cluster_arrive_relaxed();
+        cluster_wait();
+    }
 }
 
 constexpr int kXUnroll = 4;  // x groups loaded before use in the backward's second pass
@@ -1045,6 +1169,23 @@ BATCHINV_LOG_SOFTMAX_ALL_THREADS(f32_f16, batchinv::F32Codec, batchinv::F16Codec
         BATCHINV_LSM_HOPPER_ONLY((batchinv::lsm::cluster::backward<IN, OUT, C, TC>(                     \
             batchinv::lsm::BackwardArgs{grad_x, grad_out, x, lse, rows, vocab, x_stride, 0})));         \
     }
+
+// A/B only (removed after the measurement): the forward with the previous exchange (two cluster
+// barriers per row) and with a cluster barrier before exit.
+#define BATCHINV_LOG_SOFTMAX_CLUSTER_FORWARD_AB(NAME, MODE, SUFFIX, IN, OUT, C, TC)                     \
+    extern "C" BATCHINV_LSM_CLUSTER_DIMS(C) __global__ void __launch_bounds__(TC)                             \
+        log_softmax_cluster_##NAME##_##SUFFIX##_c##C##_t##TC(OUT::storage* out, float* lse,              \
+                                                             const IN::storage* x, int64_t rows,         \
+                                                             int64_t vocab, int64_t x_stride) {          \
+        BATCHINV_LSM_HOPPER_ONLY((batchinv::lsm::cluster::forward<IN, OUT, C, TC, MODE>(                \
+            batchinv::lsm::ForwardArgs{out, lse, x, rows, vocab, x_stride, 0})));                       \
+    }
+BATCHINV_LOG_SOFTMAX_CLUSTER_FORWARD_AB(forwardbarrier, 0, bf16_f32, batchinv::Bf16Codec, batchinv::F32Codec, 8, 128)
+BATCHINV_LOG_SOFTMAX_CLUSTER_FORWARD_AB(forwardexitsync, 2, bf16_f32, batchinv::Bf16Codec, batchinv::F32Codec, 8, 128)
+BATCHINV_LOG_SOFTMAX_CLUSTER_FORWARD_AB(forwardbarrier, 0, f32_f32, batchinv::F32Codec, batchinv::F32Codec, 16, 128)
+// batchinv-signature: log_softmax_cluster_forwardbarrier_bf16_f32_c8_t128(ptr, ptr, ptr, i64, i64, i64)
+// batchinv-signature: log_softmax_cluster_forwardexitsync_bf16_f32_c8_t128(ptr, ptr, ptr, i64, i64, i64)
+// batchinv-signature: log_softmax_cluster_forwardbarrier_f32_f32_c16_t128(ptr, ptr, ptr, i64, i64, i64)
 
 // Cluster shapes (keep in step with py/batchinv/gpu/log_softmax.py: CLUSTER_SHAPES): 8 CTAs of 64
 // threads (T = 512), 8 or 16 CTAs of 64 or 128 threads (T = 1024) and 16 CTAs of 128 threads
