@@ -768,24 +768,25 @@ __device__ __forceinline__ State cluster_merge(State s, float2* slots) {
     return State{slots[X::kResultSlot].x, slots[X::kResultSlot].y};
 }
 
-// The forward's exchange without cluster barriers per row (issue 6, third session): every part
-// (a warp's state, or for T = 2048 a CTA's) is pushed by its owner into the same slot of every CTA
-// of the cluster (st.async, counted in bytes on that CTA's `full` mbarrier), and each CTA's warp 0
-// waits on its own mbarrier and merges the parts in the same order as cluster_merge: the same
-// operations, the same bits.  Row i of a CTA uses buffer i % 2 and waits on parity (i / 2) % 2.
-// A peer pushes row i + 2 into a buffer only after it has received this CTA's row i + 1 parts,
-// which this CTA pushes after it has read the buffer for row i: no slot is overwritten unread.
-// Set up once per kernel (init_push_exchange): the peers' mbarriers must be initialised before
-// the first push, hence one cluster barrier per kernel, whose wait comes after the first pass.
-template <int C, int TC>
+// The exchange without cluster barriers per row (issue 6, third session): every part (a warp's
+// value, or for T = 2048 a CTA's) is pushed by its owner into the same slot of every CTA of the
+// cluster (st.async, counted in bytes on that CTA's `full` mbarrier), and each CTA's warp 0 waits
+// on its own mbarrier and combines the parts in the same order as cluster_merge / cluster_sum:
+// the same operations, the same bits.  Row i of a CTA uses buffer i % 2 and waits on parity
+// (i / 2) % 2.  A peer pushes row i + 2 into a buffer only after it has received this CTA's row
+// i + 1 parts, which this CTA pushes after it has read the buffer for row i: no slot is overwritten
+// unread.  Set up once per kernel (init_push_exchange): the peers' mbarriers must be initialised
+// before the first push, hence one cluster barrier per kernel, whose wait comes after the first
+// pass.  V: float2 (a state (m, l)) or float (a sum).
+template <int C, int TC, typename V>
 struct PushExchange {
-    float2 parts[2][Exchange<C, TC>::kParts];
-    float2 result[2];
+    V parts[2][Exchange<C, TC>::kParts];
+    V result[2];
     uint64_t full[2];
 };
 
-template <int C, int TC>
-__device__ __forceinline__ void init_push_exchange(PushExchange<C, TC>& ex) {
+template <int C, int TC, typename V>
+__device__ __forceinline__ void init_push_exchange(PushExchange<C, TC, V>& ex) {
     if (threadIdx.x == 0) {
         hopper::barrier_init(&ex.full[0], 1);
         hopper::barrier_init(&ex.full[1], 1);
@@ -794,31 +795,39 @@ __device__ __forceinline__ void init_push_exchange(PushExchange<C, TC>& ex) {
     cluster_arrive_relaxed();  // waited for before the first push
 }
 
-template <int C, int TC>
-__device__ __forceinline__ State push_merge(State s, PushExchange<C, TC>& ex, uint32_t rank, int buffer,
-                                            uint32_t parity, bool first) {
+__device__ __forceinline__ void push_value(uint32_t address, float v, uint32_t barrier) {
+    asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.f32 [%0], %1, [%2];" ::"r"(address), "f"(v),
+                 "r"(barrier)
+                 : "memory");
+}
+__device__ __forceinline__ void push_value(uint32_t address, float2 v, uint32_t barrier) { push_float2(address, v, barrier); }
+
+__device__ __forceinline__ float shfl_value(float v, int lane) { return __shfl_sync(0xffffffffu, v, lane); }
+__device__ __forceinline__ float2 shfl_value(float2 v, int lane) {
+    return make_float2(__shfl_sync(0xffffffffu, v.x, lane), __shfl_sync(0xffffffffu, v.y, lane));
+}
+
+// `v`: the warp's value (every lane the same bits).  Returns the cluster's combined value.
+template <int C, int TC, typename V, typename Combine>
+__device__ __forceinline__ V push_reduce(V v, PushExchange<C, TC, V>& ex, uint32_t rank, int buffer, uint32_t parity,
+                                         bool first, Combine combine) {
     using X = Exchange<C, TC>;
     constexpr int W = BATCHINV_WARP_SIZE;
     static_assert(C <= W, "one pushing lane per CTA of the cluster");
     const int lane = static_cast<int>(threadIdx.x) % W;
     const int warp = static_cast<int>(threadIdx.x) / W;
-#pragma unroll
-    for (int offset = W / 2; offset > 0; offset >>= 1) {
-        const State other{BATCHINV_SHFL_XOR(s.m, offset), BATCHINV_SHFL_XOR(s.l, offset)};
-        s = merge(s, other);
-    }
     int part = static_cast<int>(rank) * X::kLocalWarps + warp;
     bool pushes = true;
     if constexpr (!X::kFlat) {
         // The CTA's warps in order first (warp 0 reads `local` before the __syncthreads below).
-        __shared__ float2 local[X::kLocalWarps];
-        if (lane == 0) local[warp] = make_float2(s.m, s.l);
+        __shared__ V local[X::kLocalWarps];
+        if (lane == 0) local[warp] = v;
         __syncthreads();
         if (warp == 0) {
-            State c{local[0].x, local[0].y};
+            V c = local[0];
 #pragma unroll
-            for (int w = 1; w < X::kLocalWarps; ++w) c = merge(c, State{local[w].x, local[w].y});
-            s = c;
+            for (int w = 1; w < X::kLocalWarps; ++w) c = combine(c, local[w]);
+            v = c;
         }
         part = static_cast<int>(rank);
         pushes = warp == 0;
@@ -826,29 +835,50 @@ __device__ __forceinline__ State push_merge(State s, PushExchange<C, TC>& ex, ui
     if (first) cluster_wait();  // every CTA's mbarriers are initialised
     if (pushes && lane < C) {
         const uint32_t peer = static_cast<uint32_t>(lane);
-        push_float2(remote_address(&ex.parts[buffer][part], peer), make_float2(s.m, s.l),
-                    remote_address(&ex.full[buffer], peer));
+        push_value(remote_address(&ex.parts[buffer][part], peer), v, remote_address(&ex.full[buffer], peer));
     }
     if (warp == 0) {
-        if (lane == 0) hopper::barrier_expect_bytes(&ex.full[buffer], X::kParts * sizeof(float2));
+        if (lane == 0) hopper::barrier_expect_bytes(&ex.full[buffer], X::kParts * sizeof(V));
         barrier_wait_cluster(&ex.full[buffer], parity);
-        float2 mine[X::kPerLane];
+        V mine[X::kPerLane];
 #pragma unroll
         for (int j = 0; j < X::kPerLane; ++j) {
             const int p = lane + j * W;
-            mine[j] = p < X::kParts ? ex.parts[buffer][p] : make_float2(0.0f, 0.0f);
+            mine[j] = p < X::kParts ? ex.parts[buffer][p] : V{};
         }
-        State r{__shfl_sync(0xffffffffu, mine[0].x, 0), __shfl_sync(0xffffffffu, mine[0].y, 0)};
+        V r = shfl_value(mine[0], 0);
 #pragma unroll
-        for (int p = 1; p < X::kParts; ++p) {
-            const State other{__shfl_sync(0xffffffffu, mine[p / W].x, p % W),
-                              __shfl_sync(0xffffffffu, mine[p / W].y, p % W)};
-            r = merge(r, other);
-        }
-        if (lane == 0) ex.result[buffer] = make_float2(r.m, r.l);
+        for (int p = 1; p < X::kParts; ++p) r = combine(r, shfl_value(mine[p / W], p % W));
+        if (lane == 0) ex.result[buffer] = r;
     }
     __syncthreads();
-    return State{ex.result[buffer].x, ex.result[buffer].y};
+    return ex.result[buffer];
+}
+
+template <int C, int TC>
+__device__ __forceinline__ State push_merge(State s, PushExchange<C, TC, float2>& ex, uint32_t rank, int buffer,
+                                            uint32_t parity, bool first) {
+    constexpr int W = BATCHINV_WARP_SIZE;
+#pragma unroll
+    for (int offset = W / 2; offset > 0; offset >>= 1) {
+        const State other{BATCHINV_SHFL_XOR(s.m, offset), BATCHINV_SHFL_XOR(s.l, offset)};
+        s = merge(s, other);
+    }
+    const float2 r = push_reduce<C, TC>(make_float2(s.m, s.l), ex, rank, buffer, parity, first, [](float2 a, float2 b) {
+        const State m = merge(State{a.x, a.y}, State{b.x, b.y});
+        return make_float2(m.m, m.l);
+    });
+    return State{r.x, r.y};
+}
+
+// sum(dy) as cluster_sum computes it (the parts added in the same order), through push_reduce.
+template <int C, int TC>
+__device__ __forceinline__ float push_sum(float v, PushExchange<C, TC, float>& ex, uint32_t rank, int buffer,
+                                          uint32_t parity, bool first) {
+    constexpr int W = BATCHINV_WARP_SIZE;
+#pragma unroll
+    for (int offset = W / 2; offset > 0; offset >>= 1) v = ieee_add(v, BATCHINV_SHFL_XOR(v, offset));
+    return push_reduce<C, TC>(v, ex, rank, buffer, parity, first, [](float a, float b) { return ieee_add(a, b); });
 }
 
 // sum(dy) with the same layout and order as cluster_merge (`slots`: TC / 32 + 2 entries).  When
@@ -982,7 +1012,7 @@ __device__ __forceinline__ void forward(const ForwardArgs& a) {
     static_assert(TC % BATCHINV_WARP_SIZE == 0, "whole warps per CTA");
     extern __shared__ __align__(16) uint8_t shared_row[];
     __shared__ float2 warp_states[kExchange == 0 ? TC / BATCHINV_WARP_SIZE + 2 : 1];
-    __shared__ PushExchange<C, TC> exchange;
+    __shared__ PushExchange<C, TC, float2> exchange;
     const int64_t vocab = a.vocab;
     const int64_t first_row = blockIdx.x / C;  // the same for every CTA of the cluster
     const int64_t row_step = gridDim.x / C;
@@ -1040,14 +1070,16 @@ __device__ __forceinline__ void forward(const ForwardArgs& a) {
 
 constexpr int kXUnroll = 4;  // x groups loaded before use in the backward's second pass
 
-// Rows and refills as in forward above; the slots hold grad_out, x is streamed.
-template <typename InCodec, typename OutCodec, int C, int TC>
+// Rows and refills as in forward above; the slots hold grad_out, x is streamed.  kExchange: 1 =
+// push_sum (kept), 0 = cluster_sum with two cluster barriers per row (A/B builds only).
+template <typename InCodec, typename OutCodec, int C, int TC, int kExchange = 1>
 __device__ __forceinline__ void backward(const BackwardArgs& a) {
     using S = typename InCodec::storage;
     using O = typename OutCodec::storage;
     static_assert(TC % BATCHINV_WARP_SIZE == 0, "whole warps per CTA");
     extern __shared__ __align__(16) uint8_t shared_row[];
-    __shared__ float warp_sums[TC / BATCHINV_WARP_SIZE + 2];
+    __shared__ float warp_sums[kExchange == 0 ? TC / BATCHINV_WARP_SIZE + 2 : 1];
+    __shared__ PushExchange<C, TC, float> exchange;
     const int64_t vocab = a.vocab;
     const int64_t first_row = blockIdx.x / C;
     const int64_t row_step = gridDim.x / C;
@@ -1059,10 +1091,12 @@ __device__ __forceinline__ void backward(const BackwardArgs& a) {
     uint64_t* barriers = reinterpret_cast<uint64_t*>(shared_row + static_cast<int64_t>(slice.segments) *
                                                                       Slice<O, C, TC>::kSegmentBytes);
     const O* grad_rows = static_cast<const O*>(a.grad_out);
+    if constexpr (kExchange != 0) init_push_exchange(exchange);
     start_row_copies(slice, grad_rows + first_row * vocab, vocab, shared_row, barriers);
 
     uint32_t parity = 0;
-    for (int64_t row = first_row; row < a.rows; row += row_step, parity ^= 1u) {
+    uint32_t local_row = 0;  // rows of this cluster so far
+    for (int64_t row = first_row; row < a.rows; row += row_step, parity ^= 1u, ++local_row) {
         const int64_t next = row + row_step;
         const O* next_grad = next < a.rows ? grad_rows + next * vocab : nullptr;
         const S* x = static_cast<const S*>(a.x) + row * a.x_stride;
@@ -1078,8 +1112,14 @@ __device__ __forceinline__ void backward(const BackwardArgs& a) {
             read_group<OutCodec, C, TC>(dy, shared_row, k);
             sum = group_sum(dy, valid_in(g, vocab), sum);
         }
-        if (row != first_row) cluster_wait();  // the others are done reading the previous row's slots
-        const float dy_sum = cluster_sum<C, TC>(sum, warp_sums);
+        float dy_sum;
+        if constexpr (kExchange == 0) {
+            if (row != first_row) cluster_wait();  // the others are done reading the previous row's slots
+            dy_sum = cluster_sum<C, TC>(sum, warp_sums);
+        } else {
+            dy_sum = push_sum<C, TC>(sum, exchange, slice.rank, static_cast<int>(local_row & 1u), (local_row >> 1) & 1u,
+                                     row == first_row);
+        }
 
         for (int k0 = 0; k0 < slice.segments; k0 += kXUnroll) {
             Group<InCodec> xg[kXUnroll];
@@ -1102,7 +1142,7 @@ __device__ __forceinline__ void backward(const BackwardArgs& a) {
             if (next_grad != nullptr) refill_after_reading(slice, next_grad, vocab, shared_row, barriers, k0, kXUnroll);
         }
     }
-    cluster_wait();
+    if constexpr (kExchange == 0) cluster_wait();  // push_sum: as in forward, no wait before exit
 }
 }  // namespace cluster
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL
@@ -1183,6 +1223,20 @@ BATCHINV_LOG_SOFTMAX_ALL_THREADS(f32_f16, batchinv::F32Codec, batchinv::F16Codec
 BATCHINV_LOG_SOFTMAX_CLUSTER_FORWARD_AB(forwardbarrier, 0, bf16_f32, batchinv::Bf16Codec, batchinv::F32Codec, 8, 128)
 BATCHINV_LOG_SOFTMAX_CLUSTER_FORWARD_AB(forwardexitsync, 2, bf16_f32, batchinv::Bf16Codec, batchinv::F32Codec, 8, 128)
 BATCHINV_LOG_SOFTMAX_CLUSTER_FORWARD_AB(forwardbarrier, 0, f32_f32, batchinv::F32Codec, batchinv::F32Codec, 16, 128)
+#define BATCHINV_LOG_SOFTMAX_CLUSTER_BACKWARD_AB(SUFFIX, IN, OUT, C, TC)                               \
+    extern "C" BATCHINV_LSM_CLUSTER_DIMS(C) __global__ void __launch_bounds__(TC)                             \
+        log_softmax_cluster_backwardbarrier_##SUFFIX##_c##C##_t##TC(                                     \
+            IN::storage* grad_x, const OUT::storage* grad_out, const IN::storage* x, const float* lse,  \
+            int64_t rows, int64_t vocab, int64_t x_stride) {                                            \
+        BATCHINV_LSM_HOPPER_ONLY((batchinv::lsm::cluster::backward<IN, OUT, C, TC, 0>(                  \
+            batchinv::lsm::BackwardArgs{grad_x, grad_out, x, lse, rows, vocab, x_stride, 0})));         \
+    }
+BATCHINV_LOG_SOFTMAX_CLUSTER_BACKWARD_AB(bf16_f32, batchinv::Bf16Codec, batchinv::F32Codec, 16, 128)
+BATCHINV_LOG_SOFTMAX_CLUSTER_BACKWARD_AB(bf16_bf16, batchinv::Bf16Codec, batchinv::Bf16Codec, 8, 128)
+BATCHINV_LOG_SOFTMAX_CLUSTER_BACKWARD_AB(f32_f32, batchinv::F32Codec, batchinv::F32Codec, 16, 128)
+// batchinv-signature: log_softmax_cluster_backwardbarrier_bf16_f32_c16_t128(ptr, ptr, ptr, ptr, i64, i64, i64)
+// batchinv-signature: log_softmax_cluster_backwardbarrier_bf16_bf16_c8_t128(ptr, ptr, ptr, ptr, i64, i64, i64)
+// batchinv-signature: log_softmax_cluster_backwardbarrier_f32_f32_c16_t128(ptr, ptr, ptr, ptr, i64, i64, i64)
 // batchinv-signature: log_softmax_cluster_forwardbarrier_bf16_f32_c8_t128(ptr, ptr, ptr, i64, i64, i64)
 // batchinv-signature: log_softmax_cluster_forwardexitsync_bf16_f32_c8_t128(ptr, ptr, ptr, i64, i64, i64)
 // batchinv-signature: log_softmax_cluster_forwardbarrier_f32_f32_c16_t128(ptr, ptr, ptr, i64, i64, i64)
