@@ -856,9 +856,9 @@ __device__ __forceinline__ State slice_state(const Slice<typename Codec::storage
 // Segments read before a refill of their slots in the second pass (one CTA barrier per batch).
 constexpr int kRefillBatch = 4;
 
-// Rows: a cluster handles rows blockIdx.x / C, + gridDim.x / C, ... (for some cases the host
-// launches at most as many clusters as fit at once, so each loops over several rows; otherwise one
-// cluster per row, and the loop runs once).  While the second pass of a row
+// Rows: a cluster handles rows blockIdx.x / C, + gridDim.x / C, ... (the host can launch at most
+// as many clusters as fit at once, so that each loops over several rows: PERSISTENT_CASES, none by
+// default; otherwise one cluster per row, and the loop runs once).  While the second pass of a row
 // runs, the slots it has finished reading are refilled with the same segments of the cluster's
 // next row, so that row's copies overlap this row's work.  Which cluster handles a row, and how
 // many rows it handles, changes no operation of the row (speed only).  Each mbarrier completes one
