@@ -42,7 +42,7 @@
 // 16 CTAs per row, the row read once into shared memory) wherever V % 8 == 0, the rows are
 // 16-byte aligned and the slice fits: for the same T <= 1024 it performs the same operations in
 // the same order, so which form runs changes speed, never bits.  T = 2048 (16 CTAs of 128 threads)
-// exists only in the cluster form and has its own tree (see cluster_merge).  A cluster exchanges
+// exists only in the cluster form and has its own tree (see Exchange).  A cluster exchanges
 // state only inside itself (its one row).
 #include "common/hopper.cuh"
 
@@ -564,27 +564,6 @@ __device__ __forceinline__ uint32_t cta_rank() {
     return rank;
 }
 
-__device__ __forceinline__ void cluster_arrive() {
-    asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
-}
-
-#ifndef BATCHINV_LSM_RELAXED_ARRIVE
-#define BATCHINV_LSM_RELAXED_ARRIVE 1  // 0 only in A/B builds
-#endif
-
-// The arrive that only says "this CTA is done reading the others' slots": every value it read has
-// been used before it (so the reads are complete), and it publishes no writes, so it needs no
-// release fence.  With .release each thread waited for its outstanding memory operations, the
-// previous row's output stores included (Nsight Compute: 19% of the forward's stall samples were
-// membar stalls at the cluster arrives).
-__device__ __forceinline__ void cluster_arrive_done_reading() {
-#if BATCHINV_LSM_RELAXED_ARRIVE
-    asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
-#else
-    cluster_arrive();
-#endif
-}
-
 __device__ __forceinline__ void cluster_wait() {
     asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
 }
@@ -598,16 +577,29 @@ __device__ __forceinline__ uint32_t remote_address(const void* local, uint32_t r
     return remote;
 }
 
-__device__ __forceinline__ float2 load_remote_float2(uint32_t address) {
-    float2 v;
-    asm volatile("ld.shared::cluster.v2.f32 {%0, %1}, [%2];" : "=f"(v.x), "=f"(v.y) : "r"(address) : "memory");
-    return v;
+__device__ __forceinline__ void cluster_arrive_relaxed() {
+    asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
 }
 
-__device__ __forceinline__ float load_remote_float(uint32_t address) {
-    float v;
-    asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(address) : "memory");
-    return v;
+// Writes `v` into the shared memory of another CTA of the cluster (`address`, from
+// remote_address) and counts its 8 bytes on that CTA's mbarrier `barrier` (also a remote address).
+__device__ __forceinline__ void push_float2(uint32_t address, float2 v, uint32_t barrier) {
+    asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v2.f32 [%0], {%1, %2}, [%3];" ::"r"(address),
+                 "f"(v.x), "f"(v.y), "r"(barrier)
+                 : "memory");
+}
+
+// Waits for the phase of parity `phase` of a local mbarrier that other CTAs' st.async complete.
+__device__ __forceinline__ void barrier_wait_cluster(uint64_t* barrier, uint32_t phase) {
+    asm volatile(
+        "{\n"
+        ".reg .pred done;\n"
+        "wait:\n"
+        "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 done, [%0], %1;\n"
+        "@!done bra wait;\n"
+        "}\n" ::"r"(hopper::smem_address(barrier)),
+        "r"(phase)
+        : "memory");
 }
 
 __device__ __forceinline__ void bulk_load(void* destination, const void* source, uint32_t bytes,
@@ -677,123 +669,129 @@ __device__ __forceinline__ void read_group(Group<Codec>& g, const uint8_t* segme
 // How the cluster's warp results are combined.  T = C * TC <= 1024 (kFlat): the warps of the whole
 // cluster in global warp order, exactly the one-CTA form's tree for that T.  T = 2048 (no one-CTA
 // form exists): each CTA combines its own warps in order, then the C CTA results in rank order.
-// In both, one warp per CTA does the sequential part (lane j fetches part j through distributed
-// shared memory, the chain reads them by shuffle) and broadcasts the result through shared memory;
-// every thread of every CTA gets the same bits.  `slots` holds TC / 32 + 2 entries: the warp
-// results, the CTA's result (read by the other CTAs when not kFlat) and the broadcast.  Leaves the
-// cluster barrier armed: call cluster_wait() before the CTA writes its slots again (next row) or
-// exits (the other CTAs read this CTA's slots until they arrive).
+// The kParts parts are exchanged by push_reduce below; every thread of every CTA gets the same
+// bits.
 template <int C, int TC>
 struct Exchange {
     static constexpr int kLocalWarps = TC / BATCHINV_WARP_SIZE;
     static constexpr bool kFlat = C * TC <= 1024;
     static constexpr int kParts = kFlat ? C * kLocalWarps : C;
     static constexpr int kPerLane = (kParts + BATCHINV_WARP_SIZE - 1) / BATCHINV_WARP_SIZE;
-    static constexpr int kCtaSlot = kLocalWarps;
-    static constexpr int kResultSlot = kLocalWarps + 1;
-
-    // Where part p lives: (slot, rank).
-    __device__ static __forceinline__ int slot_of(int p) { return kFlat ? p % kLocalWarps : kCtaSlot; }
-    __device__ static __forceinline__ uint32_t rank_of(int p) {
-        return static_cast<uint32_t>(kFlat ? p / kLocalWarps : p);
-    }
 };
 
-template <int C, int TC>
-__device__ __forceinline__ State cluster_merge(State s, float2* slots) {
+// The exchange, without cluster barriers per row (issue 6, fifth session; it replaced two
+// barrier.cluster rounds per row in which warp 0 of each CTA fetched the parts from the other CTAs,
+// measured 13-21% slower): every part (a warp's value, or for T = 2048 a CTA's) is pushed by its
+// owner into slot `part` of every CTA of the cluster (st.async, counted in bytes on that CTA's
+// `full` mbarrier), and each CTA's warp 0 waits on its own mbarrier, combines the parts in part
+// order (lane j reads part j, a chain over shuffles) and broadcasts the result through shared
+// memory: every CTA performs the same operations in the same order, the same bits.  Row i of a CTA uses buffer i % 2 and waits on parity
+// (i / 2) % 2.  A peer pushes row i + 2 into a buffer only after it has received this CTA's row
+// i + 1 parts, which this CTA pushes after it has read the buffer for row i: no slot is overwritten
+// unread.  Set up once per kernel (init_push_exchange): the peers' mbarriers must be initialised
+// before the first push, hence one cluster barrier per kernel, whose wait comes after the first
+// pass.  V: float2 (a state (m, l)) or float (a sum).
+template <int C, int TC, typename V>
+struct PushExchange {
+    V parts[2][Exchange<C, TC>::kParts];
+    V result[2];
+    uint64_t full[2];
+};
+
+template <int C, int TC, typename V>
+__device__ __forceinline__ void init_push_exchange(PushExchange<C, TC, V>& ex) {
+    if (threadIdx.x == 0) {
+        hopper::barrier_init(&ex.full[0], 1);
+        hopper::barrier_init(&ex.full[1], 1);
+        hopper::fence_barrier_init();
+    }
+    cluster_arrive_relaxed();  // waited for before the first push
+}
+
+__device__ __forceinline__ void push_value(uint32_t address, float v, uint32_t barrier) {
+    asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.f32 [%0], %1, [%2];" ::"r"(address), "f"(v),
+                 "r"(barrier)
+                 : "memory");
+}
+__device__ __forceinline__ void push_value(uint32_t address, float2 v, uint32_t barrier) { push_float2(address, v, barrier); }
+
+__device__ __forceinline__ float shfl_value(float v, int lane) { return __shfl_sync(0xffffffffu, v, lane); }
+__device__ __forceinline__ float2 shfl_value(float2 v, int lane) {
+    return make_float2(__shfl_sync(0xffffffffu, v.x, lane), __shfl_sync(0xffffffffu, v.y, lane));
+}
+
+// `v`: the warp's value (every lane the same bits).  Returns the cluster's combined value.
+template <int C, int TC, typename V, typename Combine>
+__device__ __forceinline__ V push_reduce(V v, PushExchange<C, TC, V>& ex, uint32_t rank, int buffer, uint32_t parity,
+                                         bool first, Combine combine) {
     using X = Exchange<C, TC>;
     constexpr int W = BATCHINV_WARP_SIZE;
+    static_assert(C <= W, "one pushing lane per CTA of the cluster");
     const int lane = static_cast<int>(threadIdx.x) % W;
+    const int warp = static_cast<int>(threadIdx.x) / W;
+    int part = static_cast<int>(rank) * X::kLocalWarps + warp;
+    bool pushes = true;
+    if constexpr (!X::kFlat) {
+        // The CTA's warps in order first (warp 0 reads `local` before the __syncthreads below).
+        __shared__ V local[X::kLocalWarps];
+        if (lane == 0) local[warp] = v;
+        __syncthreads();
+        if (warp == 0) {
+            V c = local[0];
+#pragma unroll
+            for (int w = 1; w < X::kLocalWarps; ++w) c = combine(c, local[w]);
+            v = c;
+        }
+        part = static_cast<int>(rank);
+        pushes = warp == 0;
+    }
+    if (first) cluster_wait();  // every CTA's mbarriers are initialised
+    if (pushes && lane < C) {
+        const uint32_t peer = static_cast<uint32_t>(lane);
+        push_value(remote_address(&ex.parts[buffer][part], peer), v, remote_address(&ex.full[buffer], peer));
+    }
+    if (warp == 0) {
+        if (lane == 0) hopper::barrier_expect_bytes(&ex.full[buffer], X::kParts * sizeof(V));
+        barrier_wait_cluster(&ex.full[buffer], parity);
+        V mine[X::kPerLane];
+#pragma unroll
+        for (int j = 0; j < X::kPerLane; ++j) {
+            const int p = lane + j * W;
+            mine[j] = p < X::kParts ? ex.parts[buffer][p] : V{};
+        }
+        V r = shfl_value(mine[0], 0);
+#pragma unroll
+        for (int p = 1; p < X::kParts; ++p) r = combine(r, shfl_value(mine[p / W], p % W));
+        if (lane == 0) ex.result[buffer] = r;
+    }
+    __syncthreads();
+    return ex.result[buffer];
+}
+
+template <int C, int TC>
+__device__ __forceinline__ State push_merge(State s, PushExchange<C, TC, float2>& ex, uint32_t rank, int buffer,
+                                            uint32_t parity, bool first) {
+    constexpr int W = BATCHINV_WARP_SIZE;
 #pragma unroll
     for (int offset = W / 2; offset > 0; offset >>= 1) {
         const State other{BATCHINV_SHFL_XOR(s.m, offset), BATCHINV_SHFL_XOR(s.l, offset)};
         s = merge(s, other);
     }
-    if (lane == 0) slots[threadIdx.x / W] = make_float2(s.m, s.l);
-    if constexpr (!X::kFlat) {
-        __syncthreads();
-        if (threadIdx.x < W) {
-            State c{slots[0].x, slots[0].y};
-#pragma unroll
-            for (int w = 1; w < X::kLocalWarps; ++w) c = merge(c, State{slots[w].x, slots[w].y});
-            if (lane == 0) slots[X::kCtaSlot] = make_float2(c.m, c.l);
-        }
-    }
-    cluster_arrive();
-    cluster_wait();
-    if (threadIdx.x < W) {
-        float2 mine[X::kPerLane];
-#pragma unroll
-        for (int j = 0; j < X::kPerLane; ++j) {
-            const int p = lane + j * W;
-            mine[j] = p < X::kParts ? load_remote_float2(remote_address(&slots[X::slot_of(p)], X::rank_of(p)))
-                                    : make_float2(0.0f, 0.0f);
-        }
-        State r{__shfl_sync(0xffffffffu, mine[0].x, 0), __shfl_sync(0xffffffffu, mine[0].y, 0)};
-#pragma unroll
-        for (int p = 1; p < X::kParts; ++p) {
-            const State other{__shfl_sync(0xffffffffu, mine[p / W].x, p % W),
-                              __shfl_sync(0xffffffffu, mine[p / W].y, p % W)};
-            r = merge(r, other);
-        }
-        if (lane == 0) slots[X::kResultSlot] = make_float2(r.m, r.l);
-    }
-    __syncthreads();
-    cluster_arrive_done_reading();  // this CTA is done reading the others
-    return State{slots[X::kResultSlot].x, slots[X::kResultSlot].y};
+    const float2 r = push_reduce<C, TC>(make_float2(s.m, s.l), ex, rank, buffer, parity, first, [](float2 a, float2 b) {
+        const State m = merge(State{a.x, a.y}, State{b.x, b.y});
+        return make_float2(m.m, m.l);
+    });
+    return State{r.x, r.y};
 }
 
-// sum(dy) with the same layout and order as cluster_merge (`slots`: TC / 32 + 2 entries).  When
-// kFlat, every thread fetches all parts and sums them itself, as before issue 6's second round:
-// the adds are cheap, and the round that summed them in one warp through a shuffle chain measured
-// slower for the bf16 backward (1.14 vs 1.11 ms, H200; its other changes may share the blame).
+// sum(dy): the parts added in part order, one rounding per add, through push_reduce.
 template <int C, int TC>
-__device__ __forceinline__ float cluster_sum(float v, float* slots) {
-    using X = Exchange<C, TC>;
+__device__ __forceinline__ float push_sum(float v, PushExchange<C, TC, float>& ex, uint32_t rank, int buffer,
+                                          uint32_t parity, bool first) {
     constexpr int W = BATCHINV_WARP_SIZE;
-    const int lane = static_cast<int>(threadIdx.x) % W;
 #pragma unroll
     for (int offset = W / 2; offset > 0; offset >>= 1) v = ieee_add(v, BATCHINV_SHFL_XOR(v, offset));
-    if (lane == 0) slots[threadIdx.x / W] = v;
-    if constexpr (X::kFlat) {
-        cluster_arrive();
-        cluster_wait();
-        float all[X::kParts];
-#pragma unroll
-        for (int p = 0; p < X::kParts; ++p) {
-            all[p] = load_remote_float(remote_address(&slots[X::slot_of(p)], X::rank_of(p)));
-        }
-        v = all[0];
-#pragma unroll
-        for (int p = 1; p < X::kParts; ++p) v = ieee_add(v, all[p]);
-        cluster_arrive_done_reading();  // this CTA is done reading the others (their values used)
-        return v;
-    } else {
-        __syncthreads();
-        if (threadIdx.x < W) {
-            float c = slots[0];
-#pragma unroll
-            for (int w = 1; w < X::kLocalWarps; ++w) c = ieee_add(c, slots[w]);
-            if (lane == 0) slots[X::kCtaSlot] = c;
-        }
-        cluster_arrive();
-        cluster_wait();
-        if (threadIdx.x < W) {
-            float mine[X::kPerLane];
-#pragma unroll
-            for (int j = 0; j < X::kPerLane; ++j) {
-                const int p = lane + j * W;
-                mine[j] = p < X::kParts ? load_remote_float(remote_address(&slots[X::slot_of(p)], X::rank_of(p))) : 0.0f;
-            }
-            float r = __shfl_sync(0xffffffffu, mine[0], 0);
-#pragma unroll
-            for (int p = 1; p < X::kParts; ++p) r = ieee_add(r, __shfl_sync(0xffffffffu, mine[p / W], p % W));
-            if (lane == 0) slots[X::kResultSlot] = r;
-        }
-        __syncthreads();
-        cluster_arrive_done_reading();
-        return slots[X::kResultSlot];
-    }
+    return push_reduce<C, TC>(v, ex, rank, buffer, parity, first, [](float a, float b) { return ieee_add(a, b); });
 }
 
 // Evict-first stores (st.global.cs) for the cluster forward's output, written once; speed only.
@@ -858,9 +856,9 @@ __device__ __forceinline__ State slice_state(const Slice<typename Codec::storage
 // Segments read before a refill of their slots in the second pass (one CTA barrier per batch).
 constexpr int kRefillBatch = 4;
 
-// Rows: a cluster handles rows blockIdx.x / C, + gridDim.x / C, ... (for some cases the host
-// launches at most as many clusters as fit at once, so each loops over several rows; otherwise one
-// cluster per row, and the loop runs once).  While the second pass of a row
+// Rows: a cluster handles rows blockIdx.x / C, + gridDim.x / C, ... (the host can launch at most
+// as many clusters as fit at once, so that each loops over several rows: PERSISTENT_CASES, none by
+// default; otherwise one cluster per row, and the loop runs once).  While the second pass of a row
 // runs, the slots it has finished reading are refilled with the same segments of the cluster's
 // next row, so that row's copies overlap this row's work.  Which cluster handles a row, and how
 // many rows it handles, changes no operation of the row (speed only).  Each mbarrier completes one
@@ -871,7 +869,7 @@ __device__ __forceinline__ void forward(const ForwardArgs& a) {
     using O = typename OutCodec::storage;
     static_assert(TC % BATCHINV_WARP_SIZE == 0, "whole warps per CTA");
     extern __shared__ __align__(16) uint8_t shared_row[];
-    __shared__ float2 warp_states[TC / BATCHINV_WARP_SIZE + 2];
+    __shared__ PushExchange<C, TC, float2> exchange;
     const int64_t vocab = a.vocab;
     const int64_t first_row = blockIdx.x / C;  // the same for every CTA of the cluster
     const int64_t row_step = gridDim.x / C;
@@ -883,16 +881,18 @@ __device__ __forceinline__ void forward(const ForwardArgs& a) {
     uint64_t* barriers = reinterpret_cast<uint64_t*>(shared_row + static_cast<int64_t>(slice.segments) *
                                                                       Slice<S, C, TC>::kSegmentBytes);
     const S* x_rows = static_cast<const S*>(a.x);
+    init_push_exchange(exchange);
     start_row_copies(slice, x_rows + first_row * a.x_stride, vocab, shared_row, barriers);
 
     uint32_t parity = 0;
-    for (int64_t row = first_row; row < a.rows; row += row_step, parity ^= 1u) {
+    uint32_t local_row = 0;  // rows of this cluster so far
+    for (int64_t row = first_row; row < a.rows; row += row_step, parity ^= 1u, ++local_row) {
         const int64_t next = row + row_step;
         const S* next_x = next < a.rows ? x_rows + next * a.x_stride : nullptr;
         O* out = static_cast<O*>(a.out) + row * vocab;
         State st = slice_state<InCodec, C, TC>(slice, shared_row, barriers, parity, vocab);
-        if (row != first_row) cluster_wait();  // the others are done reading the previous row's slots
-        st = cluster_merge<C, TC>(st, warp_states);
+        st = push_merge<C, TC>(st, exchange, slice.rank, static_cast<int>(local_row & 1u), (local_row >> 1) & 1u,
+                               row == first_row);
         const float lse = ieee_add(st.m, logf(st.l));
         if (a.lse != nullptr && slice.rank == 0 && threadIdx.x == 0) a.lse[row] = lse;
 
@@ -911,7 +911,9 @@ __device__ __forceinline__ void forward(const ForwardArgs& a) {
             if (next_x != nullptr) refill_after_reading(slice, next_x, vocab, shared_row, barriers, k0, kRefillBatch);
         }
     }
-    cluster_wait();
+    // Every part pushed to this CTA has arrived (its last wait) and nothing reads another CTA's
+    // memory, so no CTA waits for the others before it exits.  (A cluster barrier here measured
+    // slower: 1.01 vs 0.95-0.97 ms, bf16 -> fp32, H200.)
 }
 
 constexpr int kXUnroll = 4;  // x groups loaded before use in the backward's second pass
@@ -923,7 +925,7 @@ __device__ __forceinline__ void backward(const BackwardArgs& a) {
     using O = typename OutCodec::storage;
     static_assert(TC % BATCHINV_WARP_SIZE == 0, "whole warps per CTA");
     extern __shared__ __align__(16) uint8_t shared_row[];
-    __shared__ float warp_sums[TC / BATCHINV_WARP_SIZE + 2];
+    __shared__ PushExchange<C, TC, float> exchange;
     const int64_t vocab = a.vocab;
     const int64_t first_row = blockIdx.x / C;
     const int64_t row_step = gridDim.x / C;
@@ -935,10 +937,12 @@ __device__ __forceinline__ void backward(const BackwardArgs& a) {
     uint64_t* barriers = reinterpret_cast<uint64_t*>(shared_row + static_cast<int64_t>(slice.segments) *
                                                                       Slice<O, C, TC>::kSegmentBytes);
     const O* grad_rows = static_cast<const O*>(a.grad_out);
+    init_push_exchange(exchange);
     start_row_copies(slice, grad_rows + first_row * vocab, vocab, shared_row, barriers);
 
     uint32_t parity = 0;
-    for (int64_t row = first_row; row < a.rows; row += row_step, parity ^= 1u) {
+    uint32_t local_row = 0;  // rows of this cluster so far
+    for (int64_t row = first_row; row < a.rows; row += row_step, parity ^= 1u, ++local_row) {
         const int64_t next = row + row_step;
         const O* next_grad = next < a.rows ? grad_rows + next * vocab : nullptr;
         const S* x = static_cast<const S*>(a.x) + row * a.x_stride;
@@ -954,8 +958,8 @@ __device__ __forceinline__ void backward(const BackwardArgs& a) {
             read_group<OutCodec, C, TC>(dy, shared_row, k);
             sum = group_sum(dy, valid_in(g, vocab), sum);
         }
-        if (row != first_row) cluster_wait();  // the others are done reading the previous row's slots
-        const float dy_sum = cluster_sum<C, TC>(sum, warp_sums);
+        const float dy_sum = push_sum<C, TC>(sum, exchange, slice.rank, static_cast<int>(local_row & 1u),
+                                             (local_row >> 1) & 1u, row == first_row);
 
         for (int k0 = 0; k0 < slice.segments; k0 += kXUnroll) {
             Group<InCodec> xg[kXUnroll];
@@ -978,7 +982,7 @@ __device__ __forceinline__ void backward(const BackwardArgs& a) {
             if (next_grad != nullptr) refill_after_reading(slice, next_grad, vocab, shared_row, barriers, k0, kXUnroll);
         }
     }
-    cluster_wait();
+    // As in forward: no wait for the other CTAs before exit.
 }
 }  // namespace cluster
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL
