@@ -918,8 +918,24 @@ __device__ __forceinline__ void forward(const ForwardArgs& a) {
 
 constexpr int kXUnroll = 4;  // x groups loaded before use in the backward's second pass
 
-// Rows and refills as in forward above; the slots hold grad_out, x is streamed.
-template <typename InCodec, typename OutCodec, int C, int TC>
+// Loads this thread's x groups of segments k0 .. k0 + kXUnroll - 1 (those inside the row).
+template <typename InCodec, typename SliceT>
+__device__ __forceinline__ void load_x_batch(Group<InCodec> (&xg)[kXUnroll], const SliceT& slice,
+                                             const typename InCodec::storage* x, int k0, int64_t vocab) {
+#pragma unroll
+    for (int u = 0; u < kXUnroll; ++u) {
+        const int g = slice.group_of(k0 + u);
+        if (k0 + u < slice.segments && g < slice.groups) {
+            load_group<InCodec, kBackwardStreamHints>(xg[u], x, g, vocab, true);
+        }
+    }
+}
+
+// Rows and refills as in forward above; the slots hold grad_out, x is streamed.  kDeepX (speed
+// only): the first batch of x groups is loaded before the sum(dy) pass and its exchange wait, and
+// each later batch while the previous one is used (two batches in flight per thread instead of
+// one, so the x stream's latency is hidden behind work); the same operations on the same values.
+template <typename InCodec, typename OutCodec, int C, int TC, bool kDeepX = true>
 __device__ __forceinline__ void backward(const BackwardArgs& a) {
     using S = typename InCodec::storage;
     using O = typename OutCodec::storage;
@@ -949,6 +965,9 @@ __device__ __forceinline__ void backward(const BackwardArgs& a) {
         S* grad_x = static_cast<S*>(a.grad_x) + row * vocab;
         const float lse = a.lse[row];
 
+        Group<InCodec> xg[kXUnroll];
+        if constexpr (kDeepX) load_x_batch<InCodec>(xg, slice, x, 0, vocab);
+
         float sum = 0.0f;
         for (int k = 0; k < slice.segments; ++k) {
             const int g = slice.group_of(k);
@@ -962,13 +981,11 @@ __device__ __forceinline__ void backward(const BackwardArgs& a) {
                                              (local_row >> 1) & 1u, row == first_row);
 
         for (int k0 = 0; k0 < slice.segments; k0 += kXUnroll) {
-            Group<InCodec> xg[kXUnroll];
-#pragma unroll
-            for (int u = 0; u < kXUnroll; ++u) {
-                const int g = slice.group_of(k0 + u);
-                if (k0 + u < slice.segments && g < slice.groups) {
-                    load_group<InCodec, kBackwardStreamHints>(xg[u], x, g, vocab, true);
-                }
+            Group<InCodec> next[kXUnroll];
+            if constexpr (kDeepX) {
+                if (k0 + kXUnroll < slice.segments) load_x_batch<InCodec>(next, slice, x, k0 + kXUnroll, vocab);
+            } else {
+                load_x_batch<InCodec>(xg, slice, x, k0, vocab);
             }
 #pragma unroll
             for (int u = 0; u < kXUnroll; ++u) {
@@ -980,6 +997,10 @@ __device__ __forceinline__ void backward(const BackwardArgs& a) {
                                                                     warp_full(g, slice.groups));
             }
             if (next_grad != nullptr) refill_after_reading(slice, next_grad, vocab, shared_row, barriers, k0, kXUnroll);
+            if constexpr (kDeepX) {
+#pragma unroll
+                for (int u = 0; u < kXUnroll; ++u) xg[u] = next[u];
+            }
         }
     }
     // As in forward: no wait for the other CTAs before exit.
@@ -1058,6 +1079,24 @@ BATCHINV_LOG_SOFTMAX_ALL_THREADS(f32_f16, batchinv::F32Codec, batchinv::F16Codec
     BATCHINV_LOG_SOFTMAX_CLUSTER_KERNELS(SUFFIX, IN, OUT, 8, 128)   \
     BATCHINV_LOG_SOFTMAX_CLUSTER_KERNELS(SUFFIX, IN, OUT, 16, 64)   \
     BATCHINV_LOG_SOFTMAX_CLUSTER_KERNELS(SUFFIX, IN, OUT, 16, 128)
+
+// TEMPORARY A/B entries (fifth round): the backward without the deep x prefetch.
+#define BATCHINV_LSM_CLUSTER_BACKWARD_OLD(SUFFIX, IN, OUT, C, TC)                                        \
+    extern "C" BATCHINV_LSM_CLUSTER_DIMS(C) __global__ void __launch_bounds__(TC)                             \
+        log_softmax_cluster_backwardold_##SUFFIX##_c##C##_t##TC(                                         \
+            IN::storage* grad_x, const OUT::storage* grad_out, const IN::storage* x, const float* lse,  \
+            int64_t rows, int64_t vocab, int64_t x_stride) {                                            \
+        BATCHINV_LSM_HOPPER_ONLY((batchinv::lsm::cluster::backward<IN, OUT, C, TC, false>(              \
+            batchinv::lsm::BackwardArgs{grad_x, grad_out, x, lse, rows, vocab, x_stride, 0})));         \
+    }
+BATCHINV_LSM_CLUSTER_BACKWARD_OLD(bf16_f32, batchinv::Bf16Codec, batchinv::F32Codec, 16, 128)
+BATCHINV_LSM_CLUSTER_BACKWARD_OLD(bf16_bf16, batchinv::Bf16Codec, batchinv::Bf16Codec, 8, 128)
+BATCHINV_LSM_CLUSTER_BACKWARD_OLD(f32_f32, batchinv::F32Codec, batchinv::F32Codec, 16, 128)
+BATCHINV_LSM_CLUSTER_BACKWARD_OLD(f16_f32, batchinv::F16Codec, batchinv::F32Codec, 16, 128)
+// batchinv-signature: log_softmax_cluster_backwardold_bf16_f32_c16_t128(ptr, ptr, ptr, ptr, i64, i64, i64)
+// batchinv-signature: log_softmax_cluster_backwardold_bf16_bf16_c8_t128(ptr, ptr, ptr, ptr, i64, i64, i64)
+// batchinv-signature: log_softmax_cluster_backwardold_f32_f32_c16_t128(ptr, ptr, ptr, ptr, i64, i64, i64)
+// batchinv-signature: log_softmax_cluster_backwardold_f16_f32_c16_t128(ptr, ptr, ptr, ptr, i64, i64, i64)
 
 BATCHINV_LOG_SOFTMAX_ALL_CLUSTERS(bf16_f32, batchinv::Bf16Codec, batchinv::F32Codec)
 BATCHINV_LOG_SOFTMAX_ALL_CLUSTERS(bf16_bf16, batchinv::Bf16Codec, batchinv::Bf16Codec)
