@@ -919,11 +919,11 @@ __device__ __forceinline__ void forward(const ForwardArgs& a) {
 constexpr int kXUnroll = 4;  // x groups loaded before use in the backward's second pass
 
 // Loads this thread's x groups of segments k0 .. k0 + kXUnroll - 1 (those inside the row).
-template <typename InCodec, typename SliceT>
-__device__ __forceinline__ void load_x_batch(Group<InCodec> (&xg)[kXUnroll], const SliceT& slice,
+template <typename InCodec, int kBatch, typename SliceT>
+__device__ __forceinline__ void load_x_batch(Group<InCodec> (&xg)[kBatch], const SliceT& slice,
                                              const typename InCodec::storage* x, int k0, int64_t vocab) {
 #pragma unroll
-    for (int u = 0; u < kXUnroll; ++u) {
+    for (int u = 0; u < kBatch; ++u) {
         const int g = slice.group_of(k0 + u);
         if (k0 + u < slice.segments && g < slice.groups) {
             load_group<InCodec, kBackwardStreamHints>(xg[u], x, g, vocab, true);
@@ -935,7 +935,8 @@ __device__ __forceinline__ void load_x_batch(Group<InCodec> (&xg)[kXUnroll], con
 // only): the first batch of x groups is loaded before the sum(dy) pass and its exchange wait, and
 // each later batch while the previous one is used (two batches in flight per thread instead of
 // one, so the x stream's latency is hidden behind work); the same operations on the same values.
-template <typename InCodec, typename OutCodec, int C, int TC, bool kDeepX = true>
+template <typename InCodec, typename OutCodec, int C, int TC, int kBatch = kXUnroll, bool kEarly = false,
+          bool kDouble = false>
 __device__ __forceinline__ void backward(const BackwardArgs& a) {
     using S = typename InCodec::storage;
     using O = typename OutCodec::storage;
@@ -965,8 +966,8 @@ __device__ __forceinline__ void backward(const BackwardArgs& a) {
         S* grad_x = static_cast<S*>(a.grad_x) + row * vocab;
         const float lse = a.lse[row];
 
-        Group<InCodec> xg[kXUnroll];
-        if constexpr (kDeepX) load_x_batch<InCodec>(xg, slice, x, 0, vocab);
+        Group<InCodec> xg[kBatch];
+        if constexpr (kEarly) load_x_batch<InCodec, kBatch>(xg, slice, x, 0, vocab);
 
         float sum = 0.0f;
         for (int k = 0; k < slice.segments; ++k) {
@@ -980,15 +981,16 @@ __device__ __forceinline__ void backward(const BackwardArgs& a) {
         const float dy_sum = push_sum<C, TC>(sum, exchange, slice.rank, static_cast<int>(local_row & 1u),
                                              (local_row >> 1) & 1u, row == first_row);
 
-        for (int k0 = 0; k0 < slice.segments; k0 += kXUnroll) {
-            Group<InCodec> next[kXUnroll];
-            if constexpr (kDeepX) {
-                if (k0 + kXUnroll < slice.segments) load_x_batch<InCodec>(next, slice, x, k0 + kXUnroll, vocab);
-            } else {
-                load_x_batch<InCodec>(xg, slice, x, k0, vocab);
+        if constexpr (kDouble && !kEarly) load_x_batch<InCodec, kBatch>(xg, slice, x, 0, vocab);
+        for (int k0 = 0; k0 < slice.segments; k0 += kBatch) {
+            Group<InCodec> next[kBatch];
+            if constexpr (kDouble) {
+                if (k0 + kBatch < slice.segments) load_x_batch<InCodec, kBatch>(next, slice, x, k0 + kBatch, vocab);
+            } else if (!kEarly || k0 > 0) {
+                load_x_batch<InCodec, kBatch>(xg, slice, x, k0, vocab);
             }
 #pragma unroll
-            for (int u = 0; u < kXUnroll; ++u) {
+            for (int u = 0; u < kBatch; ++u) {
                 const int g = slice.group_of(k0 + u);
                 if (k0 + u >= slice.segments || g >= slice.groups) continue;
                 Group<OutCodec> dy;
@@ -996,10 +998,10 @@ __device__ __forceinline__ void backward(const BackwardArgs& a) {
                 write_grad<InCodec, OutCodec, kBackwardStreamHints>(grad_x, dy, xg[u], g, vocab, lse, dy_sum, true,
                                                                     warp_full(g, slice.groups));
             }
-            if (next_grad != nullptr) refill_after_reading(slice, next_grad, vocab, shared_row, barriers, k0, kXUnroll);
-            if constexpr (kDeepX) {
+            if (next_grad != nullptr) refill_after_reading(slice, next_grad, vocab, shared_row, barriers, k0, kBatch);
+            if constexpr (kDouble) {
 #pragma unroll
-                for (int u = 0; u < kXUnroll; ++u) xg[u] = next[u];
+                for (int u = 0; u < kBatch; ++u) xg[u] = next[u];
             }
         }
     }
@@ -1080,23 +1082,39 @@ BATCHINV_LOG_SOFTMAX_ALL_THREADS(f32_f16, batchinv::F32Codec, batchinv::F16Codec
     BATCHINV_LOG_SOFTMAX_CLUSTER_KERNELS(SUFFIX, IN, OUT, 16, 64)   \
     BATCHINV_LOG_SOFTMAX_CLUSTER_KERNELS(SUFFIX, IN, OUT, 16, 128)
 
-// TEMPORARY A/B entries (fifth round): the backward without the deep x prefetch.
-#define BATCHINV_LSM_CLUSTER_BACKWARD_OLD(SUFFIX, IN, OUT, C, TC)                                        \
+// TEMPORARY A/B entries (fifth round): variants of the backward's x loads.
+#define BATCHINV_LSM_CLUSTER_BACKWARD_VARIANT(NAME, SUFFIX, IN, OUT, C, TC, BATCH, EARLY, DOUBLE)        \
     extern "C" BATCHINV_LSM_CLUSTER_DIMS(C) __global__ void __launch_bounds__(TC)                             \
-        log_softmax_cluster_backwardold_##SUFFIX##_c##C##_t##TC(                                         \
+        log_softmax_cluster_backward##NAME##_##SUFFIX##_c##C##_t##TC(                                    \
             IN::storage* grad_x, const OUT::storage* grad_out, const IN::storage* x, const float* lse,  \
             int64_t rows, int64_t vocab, int64_t x_stride) {                                            \
-        BATCHINV_LSM_HOPPER_ONLY((batchinv::lsm::cluster::backward<IN, OUT, C, TC, false>(              \
+        BATCHINV_LSM_HOPPER_ONLY((batchinv::lsm::cluster::backward<IN, OUT, C, TC, BATCH, EARLY, DOUBLE>( \
             batchinv::lsm::BackwardArgs{grad_x, grad_out, x, lse, rows, vocab, x_stride, 0})));         \
     }
-BATCHINV_LSM_CLUSTER_BACKWARD_OLD(bf16_f32, batchinv::Bf16Codec, batchinv::F32Codec, 16, 128)
-BATCHINV_LSM_CLUSTER_BACKWARD_OLD(bf16_bf16, batchinv::Bf16Codec, batchinv::Bf16Codec, 8, 128)
-BATCHINV_LSM_CLUSTER_BACKWARD_OLD(f32_f32, batchinv::F32Codec, batchinv::F32Codec, 16, 128)
-BATCHINV_LSM_CLUSTER_BACKWARD_OLD(f16_f32, batchinv::F16Codec, batchinv::F32Codec, 16, 128)
-// batchinv-signature: log_softmax_cluster_backwardold_bf16_f32_c16_t128(ptr, ptr, ptr, ptr, i64, i64, i64)
-// batchinv-signature: log_softmax_cluster_backwardold_bf16_bf16_c8_t128(ptr, ptr, ptr, ptr, i64, i64, i64)
-// batchinv-signature: log_softmax_cluster_backwardold_f32_f32_c16_t128(ptr, ptr, ptr, ptr, i64, i64, i64)
-// batchinv-signature: log_softmax_cluster_backwardold_f16_f32_c16_t128(ptr, ptr, ptr, ptr, i64, i64, i64)
+BATCHINV_LSM_CLUSTER_BACKWARD_VARIANT(early, bf16_f32, batchinv::Bf16Codec, batchinv::F32Codec, 16, 128, 4, true, false)
+BATCHINV_LSM_CLUSTER_BACKWARD_VARIANT(double, bf16_f32, batchinv::Bf16Codec, batchinv::F32Codec, 16, 128, 4, false, true)
+BATCHINV_LSM_CLUSTER_BACKWARD_VARIANT(b8, bf16_f32, batchinv::Bf16Codec, batchinv::F32Codec, 16, 128, 8, false, false)
+BATCHINV_LSM_CLUSTER_BACKWARD_VARIANT(b12, bf16_f32, batchinv::Bf16Codec, batchinv::F32Codec, 16, 128, 12, false, false)
+BATCHINV_LSM_CLUSTER_BACKWARD_VARIANT(early12, bf16_f32, batchinv::Bf16Codec, batchinv::F32Codec, 16, 128, 12, true, false)
+BATCHINV_LSM_CLUSTER_BACKWARD_VARIANT(early8, bf16_f32, batchinv::Bf16Codec, batchinv::F32Codec, 16, 128, 8, true, false)
+BATCHINV_LSM_CLUSTER_BACKWARD_VARIANT(early, bf16_bf16, batchinv::Bf16Codec, batchinv::Bf16Codec, 8, 128, 4, true, false)
+BATCHINV_LSM_CLUSTER_BACKWARD_VARIANT(double, bf16_bf16, batchinv::Bf16Codec, batchinv::Bf16Codec, 8, 128, 4, false, true)
+BATCHINV_LSM_CLUSTER_BACKWARD_VARIANT(b8, bf16_bf16, batchinv::Bf16Codec, batchinv::Bf16Codec, 8, 128, 8, false, false)
+BATCHINV_LSM_CLUSTER_BACKWARD_VARIANT(b12, bf16_bf16, batchinv::Bf16Codec, batchinv::Bf16Codec, 8, 128, 12, false, false)
+BATCHINV_LSM_CLUSTER_BACKWARD_VARIANT(early12, bf16_bf16, batchinv::Bf16Codec, batchinv::Bf16Codec, 8, 128, 12, true, false)
+BATCHINV_LSM_CLUSTER_BACKWARD_VARIANT(early8, bf16_bf16, batchinv::Bf16Codec, batchinv::Bf16Codec, 8, 128, 8, true, false)
+// batchinv-signature: log_softmax_cluster_backwardearly_bf16_f32_c16_t128(ptr, ptr, ptr, ptr, i64, i64, i64)
+// batchinv-signature: log_softmax_cluster_backwarddouble_bf16_f32_c16_t128(ptr, ptr, ptr, ptr, i64, i64, i64)
+// batchinv-signature: log_softmax_cluster_backwardb8_bf16_f32_c16_t128(ptr, ptr, ptr, ptr, i64, i64, i64)
+// batchinv-signature: log_softmax_cluster_backwardb12_bf16_f32_c16_t128(ptr, ptr, ptr, ptr, i64, i64, i64)
+// batchinv-signature: log_softmax_cluster_backwardearly12_bf16_f32_c16_t128(ptr, ptr, ptr, ptr, i64, i64, i64)
+// batchinv-signature: log_softmax_cluster_backwardearly8_bf16_f32_c16_t128(ptr, ptr, ptr, ptr, i64, i64, i64)
+// batchinv-signature: log_softmax_cluster_backwardearly_bf16_bf16_c8_t128(ptr, ptr, ptr, ptr, i64, i64, i64)
+// batchinv-signature: log_softmax_cluster_backwarddouble_bf16_bf16_c8_t128(ptr, ptr, ptr, ptr, i64, i64, i64)
+// batchinv-signature: log_softmax_cluster_backwardb8_bf16_bf16_c8_t128(ptr, ptr, ptr, ptr, i64, i64, i64)
+// batchinv-signature: log_softmax_cluster_backwardb12_bf16_bf16_c8_t128(ptr, ptr, ptr, ptr, i64, i64, i64)
+// batchinv-signature: log_softmax_cluster_backwardearly12_bf16_bf16_c8_t128(ptr, ptr, ptr, ptr, i64, i64, i64)
+// batchinv-signature: log_softmax_cluster_backwardearly8_bf16_bf16_c8_t128(ptr, ptr, ptr, ptr, i64, i64, i64)
 
 BATCHINV_LOG_SOFTMAX_ALL_CLUSTERS(bf16_f32, batchinv::Bf16Codec, batchinv::F32Codec)
 BATCHINV_LOG_SOFTMAX_ALL_CLUSTERS(bf16_bf16, batchinv::Bf16Codec, batchinv::Bf16Codec)
