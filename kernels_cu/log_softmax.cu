@@ -916,9 +916,27 @@ __device__ __forceinline__ void forward(const ForwardArgs& a) {
     // slower: 1.01 vs 0.95-0.97 ms, bf16 -> fp32, H200.)
 }
 
-constexpr int kXUnroll = 4;  // x groups loaded before use in the backward's second pass
+// How the backward's second pass loads x (speed only; the same operations on the same values):
+// kBatch x groups per thread are loaded before their first use, and with kEarly the first batch
+// is loaded at the start of the row, before the sum(dy) pass and its exchange wait, so the x
+// stream's latency overlaps that work.  The third round's profile put two thirds of the bf16 x /
+// fp32 dy backward's long-scoreboard stalls (38% of all) on the first use of these loads.
+// Measured on the H200 (fifth round, 4096 x 151936, same run): bf16 x / fp32 dy (16 x 128)
+// 1.294 vs 1.341 ms with 12 groups loaded early (at V = 151936 that is the CTA's whole slice, 10
+// groups per thread); for bf16 x / bf16 dy (8 x 128) every deeper form was slower (1.085 vs
+// 1.033 ms), so the other cases keep 4 groups loaded after the exchange (others not measured).
+template <typename InCodec, typename OutCodec, int C, int TC>
+struct XLoads {
+    static constexpr int kBatch = 4;
+    static constexpr bool kEarly = false;
+};
+template <>
+struct XLoads<Bf16Codec, F32Codec, 16, 128> {
+    static constexpr int kBatch = 12;
+    static constexpr bool kEarly = true;
+};
 
-// Loads this thread's x groups of segments k0 .. k0 + kXUnroll - 1 (those inside the row).
+// Loads this thread's x groups of segments k0 .. k0 + kBatch - 1 (those inside the row).
 template <typename InCodec, int kBatch, typename SliceT>
 __device__ __forceinline__ void load_x_batch(Group<InCodec> (&xg)[kBatch], const SliceT& slice,
                                              const typename InCodec::storage* x, int k0, int64_t vocab) {
@@ -931,16 +949,14 @@ __device__ __forceinline__ void load_x_batch(Group<InCodec> (&xg)[kBatch], const
     }
 }
 
-// Rows and refills as in forward above; the slots hold grad_out, x is streamed.  kDeepX (speed
-// only): the first batch of x groups is loaded before the sum(dy) pass and its exchange wait, and
-// each later batch while the previous one is used (two batches in flight per thread instead of
-// one, so the x stream's latency is hidden behind work); the same operations on the same values.
-template <typename InCodec, typename OutCodec, int C, int TC, int kBatch = kXUnroll, bool kEarly = false,
-          bool kDouble = false>
+// Rows and refills as in forward above; the slots hold grad_out, x is streamed (see XLoads).
+template <typename InCodec, typename OutCodec, int C, int TC>
 __device__ __forceinline__ void backward(const BackwardArgs& a) {
     using S = typename InCodec::storage;
     using O = typename OutCodec::storage;
     static_assert(TC % BATCHINV_WARP_SIZE == 0, "whole warps per CTA");
+    constexpr int kBatch = XLoads<InCodec, OutCodec, C, TC>::kBatch;
+    constexpr bool kEarly = XLoads<InCodec, OutCodec, C, TC>::kEarly;
     extern __shared__ __align__(16) uint8_t shared_row[];
     __shared__ PushExchange<C, TC, float> exchange;
     const int64_t vocab = a.vocab;
@@ -981,14 +997,8 @@ __device__ __forceinline__ void backward(const BackwardArgs& a) {
         const float dy_sum = push_sum<C, TC>(sum, exchange, slice.rank, static_cast<int>(local_row & 1u),
                                              (local_row >> 1) & 1u, row == first_row);
 
-        if constexpr (kDouble && !kEarly) load_x_batch<InCodec, kBatch>(xg, slice, x, 0, vocab);
         for (int k0 = 0; k0 < slice.segments; k0 += kBatch) {
-            Group<InCodec> next[kBatch];
-            if constexpr (kDouble) {
-                if (k0 + kBatch < slice.segments) load_x_batch<InCodec, kBatch>(next, slice, x, k0 + kBatch, vocab);
-            } else if (!kEarly || k0 > 0) {
-                load_x_batch<InCodec, kBatch>(xg, slice, x, k0, vocab);
-            }
+            if (!kEarly || k0 > 0) load_x_batch<InCodec, kBatch>(xg, slice, x, k0, vocab);
 #pragma unroll
             for (int u = 0; u < kBatch; ++u) {
                 const int g = slice.group_of(k0 + u);
@@ -999,10 +1009,6 @@ __device__ __forceinline__ void backward(const BackwardArgs& a) {
                                                                     warp_full(g, slice.groups));
             }
             if (next_grad != nullptr) refill_after_reading(slice, next_grad, vocab, shared_row, barriers, k0, kBatch);
-            if constexpr (kDouble) {
-#pragma unroll
-                for (int u = 0; u < kBatch; ++u) xg[u] = next[u];
-            }
         }
     }
     // As in forward: no wait for the other CTAs before exit.
@@ -1081,40 +1087,6 @@ BATCHINV_LOG_SOFTMAX_ALL_THREADS(f32_f16, batchinv::F32Codec, batchinv::F16Codec
     BATCHINV_LOG_SOFTMAX_CLUSTER_KERNELS(SUFFIX, IN, OUT, 8, 128)   \
     BATCHINV_LOG_SOFTMAX_CLUSTER_KERNELS(SUFFIX, IN, OUT, 16, 64)   \
     BATCHINV_LOG_SOFTMAX_CLUSTER_KERNELS(SUFFIX, IN, OUT, 16, 128)
-
-// TEMPORARY A/B entries (fifth round): variants of the backward's x loads.
-#define BATCHINV_LSM_CLUSTER_BACKWARD_VARIANT(NAME, SUFFIX, IN, OUT, C, TC, BATCH, EARLY, DOUBLE)        \
-    extern "C" BATCHINV_LSM_CLUSTER_DIMS(C) __global__ void __launch_bounds__(TC)                             \
-        log_softmax_cluster_backward##NAME##_##SUFFIX##_c##C##_t##TC(                                    \
-            IN::storage* grad_x, const OUT::storage* grad_out, const IN::storage* x, const float* lse,  \
-            int64_t rows, int64_t vocab, int64_t x_stride) {                                            \
-        BATCHINV_LSM_HOPPER_ONLY((batchinv::lsm::cluster::backward<IN, OUT, C, TC, BATCH, EARLY, DOUBLE>( \
-            batchinv::lsm::BackwardArgs{grad_x, grad_out, x, lse, rows, vocab, x_stride, 0})));         \
-    }
-BATCHINV_LSM_CLUSTER_BACKWARD_VARIANT(early, bf16_f32, batchinv::Bf16Codec, batchinv::F32Codec, 16, 128, 4, true, false)
-BATCHINV_LSM_CLUSTER_BACKWARD_VARIANT(double, bf16_f32, batchinv::Bf16Codec, batchinv::F32Codec, 16, 128, 4, false, true)
-BATCHINV_LSM_CLUSTER_BACKWARD_VARIANT(b8, bf16_f32, batchinv::Bf16Codec, batchinv::F32Codec, 16, 128, 8, false, false)
-BATCHINV_LSM_CLUSTER_BACKWARD_VARIANT(b12, bf16_f32, batchinv::Bf16Codec, batchinv::F32Codec, 16, 128, 12, false, false)
-BATCHINV_LSM_CLUSTER_BACKWARD_VARIANT(early12, bf16_f32, batchinv::Bf16Codec, batchinv::F32Codec, 16, 128, 12, true, false)
-BATCHINV_LSM_CLUSTER_BACKWARD_VARIANT(early8, bf16_f32, batchinv::Bf16Codec, batchinv::F32Codec, 16, 128, 8, true, false)
-BATCHINV_LSM_CLUSTER_BACKWARD_VARIANT(early, bf16_bf16, batchinv::Bf16Codec, batchinv::Bf16Codec, 8, 128, 4, true, false)
-BATCHINV_LSM_CLUSTER_BACKWARD_VARIANT(double, bf16_bf16, batchinv::Bf16Codec, batchinv::Bf16Codec, 8, 128, 4, false, true)
-BATCHINV_LSM_CLUSTER_BACKWARD_VARIANT(b8, bf16_bf16, batchinv::Bf16Codec, batchinv::Bf16Codec, 8, 128, 8, false, false)
-BATCHINV_LSM_CLUSTER_BACKWARD_VARIANT(b12, bf16_bf16, batchinv::Bf16Codec, batchinv::Bf16Codec, 8, 128, 12, false, false)
-BATCHINV_LSM_CLUSTER_BACKWARD_VARIANT(early12, bf16_bf16, batchinv::Bf16Codec, batchinv::Bf16Codec, 8, 128, 12, true, false)
-BATCHINV_LSM_CLUSTER_BACKWARD_VARIANT(early8, bf16_bf16, batchinv::Bf16Codec, batchinv::Bf16Codec, 8, 128, 8, true, false)
-// batchinv-signature: log_softmax_cluster_backwardearly_bf16_f32_c16_t128(ptr, ptr, ptr, ptr, i64, i64, i64)
-// batchinv-signature: log_softmax_cluster_backwarddouble_bf16_f32_c16_t128(ptr, ptr, ptr, ptr, i64, i64, i64)
-// batchinv-signature: log_softmax_cluster_backwardb8_bf16_f32_c16_t128(ptr, ptr, ptr, ptr, i64, i64, i64)
-// batchinv-signature: log_softmax_cluster_backwardb12_bf16_f32_c16_t128(ptr, ptr, ptr, ptr, i64, i64, i64)
-// batchinv-signature: log_softmax_cluster_backwardearly12_bf16_f32_c16_t128(ptr, ptr, ptr, ptr, i64, i64, i64)
-// batchinv-signature: log_softmax_cluster_backwardearly8_bf16_f32_c16_t128(ptr, ptr, ptr, ptr, i64, i64, i64)
-// batchinv-signature: log_softmax_cluster_backwardearly_bf16_bf16_c8_t128(ptr, ptr, ptr, ptr, i64, i64, i64)
-// batchinv-signature: log_softmax_cluster_backwarddouble_bf16_bf16_c8_t128(ptr, ptr, ptr, ptr, i64, i64, i64)
-// batchinv-signature: log_softmax_cluster_backwardb8_bf16_bf16_c8_t128(ptr, ptr, ptr, ptr, i64, i64, i64)
-// batchinv-signature: log_softmax_cluster_backwardb12_bf16_bf16_c8_t128(ptr, ptr, ptr, ptr, i64, i64, i64)
-// batchinv-signature: log_softmax_cluster_backwardearly12_bf16_bf16_c8_t128(ptr, ptr, ptr, ptr, i64, i64, i64)
-// batchinv-signature: log_softmax_cluster_backwardearly8_bf16_bf16_c8_t128(ptr, ptr, ptr, ptr, i64, i64, i64)
 
 BATCHINV_LOG_SOFTMAX_ALL_CLUSTERS(bf16_f32, batchinv::Bf16Codec, batchinv::F32Codec)
 BATCHINV_LOG_SOFTMAX_ALL_CLUSTERS(bf16_bf16, batchinv::Bf16Codec, batchinv::Bf16Codec)
