@@ -128,6 +128,81 @@ struct Smem {
     static constexpr int kTileElems = kBlockKeys * kStride;
 };
 
+// The online softmax of one 64-key block for a warp's two rows (g and g + 8 of its 16; s[t][e]
+// is mma.sync's n8 tile t): scores scaled to the log2 domain (keys at or past vis_end -inf where
+// `masked`), the block max by column scan + quad butterfly, m, alpha, P = exp2_ftz(x - m_new) with
+// its sum by the same tree, l; P rounded to the input dtype into the A fragments of the four k16
+// steps of P V.  The tile kernel and the cooperative decode kernel both run it, so their per-row
+// arithmetic is one piece of code.  Rows 8..15 of a warp with none (!hi_rows) are skipped.
+template <typename Codec>
+__device__ __forceinline__ void block_softmax(float (&s)[8][4], bool masked, bool hi_rows, int key0, int c,
+                                              const int (&vis_end)[2], float scale_log2, float (&m)[2],
+                                              float (&l)[2], bool (&empty)[2], float (&alpha)[2],
+                                              uint32_t (&pa)[4][4]) {
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+        if (i == 1 && !hi_rows) {
+            empty[1] = true;
+            alpha[1] = 1.0f;
+#pragma unroll
+            for (int t = 0; t < 8; ++t) s[t][2] = s[t][3] = 0.0f;
+            continue;
+        }
+        // fmaxf never returns a NaN score (as "x > mx ? x : mx"); the zero sign is fixed below.
+        float mx = kNegInf;
+        if (masked) {
+#pragma unroll
+            for (int t = 0; t < 8; ++t) {
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const int j = key0 + t * 8 + 2 * c + e;
+                    const float x = j < vis_end[i] ? __fmul_rn(s[t][2 * i + e], scale_log2) : kNegInf;
+                    s[t][2 * i + e] = x;
+                    mx = fmaxf(mx, x);
+                }
+            }
+        } else {
+#pragma unroll
+            for (int t = 0; t < 8; ++t) {
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const float x = __fmul_rn(s[t][2 * i + e], scale_log2);
+                    s[t][2 * i + e] = x;
+                    mx = fmaxf(mx, x);
+                }
+            }
+        }
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        mx = mx == 0.0f ? 0.0f : mx;  // one zero (+0) whatever the lanes' order
+        empty[i] = mx == kNegInf;
+        const float m_new = empty[i] ? m[i] : (mx > m[i] ? mx : m[i]);
+        alpha[i] = empty[i] ? 1.0f : (m[i] == kNegInf ? 0.0f : exp2f(__fsub_rn(m[i], m_new)));
+        float sum = 0.0f;
+#pragma unroll
+        for (int t = 0; t < 8; ++t) {
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                // An invisible key (x = -inf) gives exp2(-inf) = +0: m_new is not -inf here.
+                const float pe = empty[i] ? 0.0f : exp2_ftz(__fsub_rn(s[t][2 * i + e], m_new));
+                s[t][2 * i + e] = pe;
+                sum = __fadd_rn(sum, pe);
+            }
+        }
+        sum = __fadd_rn(sum, __shfl_xor_sync(0xffffffffu, sum, 1));
+        sum = __fadd_rn(sum, __shfl_xor_sync(0xffffffffu, sum, 2));
+        l[i] = empty[i] ? l[i] : __fadd_rn(__fmul_rn(l[i], alpha[i]), sum);
+        m[i] = m_new;
+    }
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) {
+        pa[kk][0] = pack_pair<Codec>(s[2 * kk][0], s[2 * kk][1]);
+        pa[kk][1] = pack_pair<Codec>(s[2 * kk][2], s[2 * kk][3]);
+        pa[kk][2] = pack_pair<Codec>(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+        pa[kk][3] = pack_pair<Codec>(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+    }
+}
+
 template <typename Codec, int D, int NWARPS, bool SPLIT, int STAGES>
 __device__ __forceinline__ void attn_tile(const Params& p) {
     using T = typename Codec::storage;
@@ -298,68 +373,7 @@ __device__ __forceinline__ void attn_tile(const Params& p) {
         bool empty[2];
         float alpha[2];
         uint32_t pa[4][4];  // P as A fragments of the four k16 steps of PV
-#pragma unroll
-        for (int i = 0; i < 2; ++i) {
-            if (i == 1 && !hi_rows) {
-                empty[1] = true;
-                alpha[1] = 1.0f;
-#pragma unroll
-                for (int t = 0; t < 8; ++t) s[t][2] = s[t][3] = 0.0f;
-                continue;
-            }
-            // fmaxf never returns a NaN score (as "x > mx ? x : mx"); the zero sign is fixed below.
-            float mx = kNegInf;
-            if (masked) {
-#pragma unroll
-                for (int t = 0; t < 8; ++t) {
-#pragma unroll
-                    for (int e = 0; e < 2; ++e) {
-                        const int j = key0 + t * 8 + 2 * c + e;
-                        const float x = j < vis_end[i] ? __fmul_rn(s[t][2 * i + e], p.scale_log2) : kNegInf;
-                        s[t][2 * i + e] = x;
-                        mx = fmaxf(mx, x);
-                    }
-                }
-            } else {
-#pragma unroll
-                for (int t = 0; t < 8; ++t) {
-#pragma unroll
-                    for (int e = 0; e < 2; ++e) {
-                        const float x = __fmul_rn(s[t][2 * i + e], p.scale_log2);
-                        s[t][2 * i + e] = x;
-                        mx = fmaxf(mx, x);
-                    }
-                }
-            }
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-            mx = mx == 0.0f ? 0.0f : mx;  // one zero (+0) whatever the lanes' order
-            empty[i] = mx == kNegInf;
-            const float m_new = empty[i] ? m[i] : (mx > m[i] ? mx : m[i]);
-            alpha[i] = empty[i] ? 1.0f : (m[i] == kNegInf ? 0.0f : exp2f(__fsub_rn(m[i], m_new)));
-            float sum = 0.0f;
-#pragma unroll
-            for (int t = 0; t < 8; ++t) {
-#pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    // An invisible key (x = -inf) gives exp2(-inf) = +0: m_new is not -inf here.
-                    const float pe = empty[i] ? 0.0f : exp2_ftz(__fsub_rn(s[t][2 * i + e], m_new));
-                    s[t][2 * i + e] = pe;
-                    sum = __fadd_rn(sum, pe);
-                }
-            }
-            sum = __fadd_rn(sum, __shfl_xor_sync(0xffffffffu, sum, 1));
-            sum = __fadd_rn(sum, __shfl_xor_sync(0xffffffffu, sum, 2));
-            l[i] = empty[i] ? l[i] : __fadd_rn(__fmul_rn(l[i], alpha[i]), sum);
-            m[i] = m_new;
-        }
-#pragma unroll
-        for (int kk = 0; kk < 4; ++kk) {
-            pa[kk][0] = pack_pair<Codec>(s[2 * kk][0], s[2 * kk][1]);
-            pa[kk][1] = pack_pair<Codec>(s[2 * kk][2], s[2 * kk][3]);
-            pa[kk][2] = pack_pair<Codec>(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-            pa[kk][3] = pack_pair<Codec>(s[2 * kk + 1][2], s[2 * kk + 1][3]);
-        }
+        block_softmax<Codec>(s, masked, hi_rows, key0, c, vis_end, p.scale_log2, m, l, empty, alpha, pa);
 #pragma unroll
         for (int t = 0; t < NT; ++t) {
             acc[t][0] = __fmul_rn(acc[t][0], alpha[0]);
@@ -652,71 +666,12 @@ __device__ __forceinline__ void attn_split_coop(const Params& p) {
             s[t][3] = hi.y;
         }
 
-        // attn_tile's online softmax of the block, unchanged (see there).
+        // The tile kernel's online softmax of the block (block_softmax).
         const bool masked = key0 + kBlockKeys > warp_vis_min;
         bool empty[2];
         float alpha[2];
         uint32_t pa[4][4];
-#pragma unroll
-        for (int i = 0; i < 2; ++i) {
-            if (i == 1 && !hi_rows) {
-                empty[1] = true;
-                alpha[1] = 1.0f;
-#pragma unroll
-                for (int t = 0; t < 8; ++t) s[t][2] = s[t][3] = 0.0f;
-                continue;
-            }
-            float mx = kNegInf;
-            if (masked) {
-#pragma unroll
-                for (int t = 0; t < 8; ++t) {
-#pragma unroll
-                    for (int e = 0; e < 2; ++e) {
-                        const int j = key0 + t * 8 + 2 * c + e;
-                        const float x = j < vis_end[i] ? __fmul_rn(s[t][2 * i + e], p.scale_log2) : kNegInf;
-                        s[t][2 * i + e] = x;
-                        mx = fmaxf(mx, x);
-                    }
-                }
-            } else {
-#pragma unroll
-                for (int t = 0; t < 8; ++t) {
-#pragma unroll
-                    for (int e = 0; e < 2; ++e) {
-                        const float x = __fmul_rn(s[t][2 * i + e], p.scale_log2);
-                        s[t][2 * i + e] = x;
-                        mx = fmaxf(mx, x);
-                    }
-                }
-            }
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-            mx = mx == 0.0f ? 0.0f : mx;
-            empty[i] = mx == kNegInf;
-            const float m_new = empty[i] ? m[i] : (mx > m[i] ? mx : m[i]);
-            alpha[i] = empty[i] ? 1.0f : (m[i] == kNegInf ? 0.0f : exp2f(__fsub_rn(m[i], m_new)));
-            float sum = 0.0f;
-#pragma unroll
-            for (int t = 0; t < 8; ++t) {
-#pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    const float pe = empty[i] ? 0.0f : exp2_ftz(__fsub_rn(s[t][2 * i + e], m_new));
-                    s[t][2 * i + e] = pe;
-                    sum = __fadd_rn(sum, pe);
-                }
-            }
-            sum = __fadd_rn(sum, __shfl_xor_sync(0xffffffffu, sum, 1));
-            sum = __fadd_rn(sum, __shfl_xor_sync(0xffffffffu, sum, 2));
-            l[i] = empty[i] ? l[i] : __fadd_rn(__fmul_rn(l[i], alpha[i]), sum);
-            m[i] = m_new;
-        }
-#pragma unroll
-        for (int kk = 0; kk < 4; ++kk) {
-            pa[kk][0] = pack_pair<Codec>(s[2 * kk][0], s[2 * kk][1]);
-            pa[kk][1] = pack_pair<Codec>(s[2 * kk][2], s[2 * kk][3]);
-            pa[kk][2] = pack_pair<Codec>(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-            pa[kk][3] = pack_pair<Codec>(s[2 * kk + 1][2], s[2 * kk + 1][3]);
-        }
+        block_softmax<Codec>(s, masked, hi_rows, key0, c, vis_end, p.scale_log2, m, l, empty, alpha, pa);
 #pragma unroll
         for (int t = 0; t < kOutTiles; ++t) {
             acc[t][0] = __fmul_rn(acc[t][0], alpha[0]);
