@@ -326,6 +326,23 @@ __device__ __forceinline__ int group_sums_index(int64_t col) {
     return group_sums_slot<T, E>(c % T, c / T, e / 4) * 4 + e % 4;
 }
 
+// Once every row group has added its rows: the groups' sums of each column added in group order
+// from +0 (one column per thread) into this CTA's row of partials (fp32, [blocks, d]).
+template <int T, int K, int E, int kGroups>
+__device__ __forceinline__ void store_group_sums(const float4* group_sums, float* partials, int64_t d) {
+    constexpr int kGroupFloat4s = T * K * E / 4;
+    __syncthreads();
+    const float* sums = reinterpret_cast<const float*>(group_sums);
+    float* out = partials + static_cast<int64_t>(blockIdx.x) * d;
+    for (int64_t col = threadIdx.x; col < d; col += Cta<T>::kThreads) {
+        const int index = group_sums_index<T, E>(col);
+        float sum = 0.0f;
+#pragma unroll
+        for (int g = 0; g < kGroups; ++g) sum = ieee_add(sum, sums[g * kGroupFloat4s * 4 + index]);
+        out[col] = sum;
+    }
+}
+
 // grad_h of `row` by the T threads of its group (`lane` = this thread's index in it), with the
 // forward's layout and tree.  kWeightGrad (rows held in registers only): also adds
 // grad_y * x_hat of each of the thread's elements to its slots of the row group's sums in
@@ -458,16 +475,7 @@ __device__ __forceinline__ void backward_weight_grad_rows(const BackwardArgs& a,
     for (int s = 0; s < kSequence; ++s) {
         backward_row<Codec, T, K, false, true>(a, first_row + s, lane, vector, warp_partials, mine);
     }
-    __syncthreads();
-    const float* sums = reinterpret_cast<const float*>(group_sums);
-    float* out = partials + static_cast<int64_t>(blockIdx.x) * a.d;
-    for (int64_t col = threadIdx.x; col < a.d; col += Cta<T>::kThreads) {
-        const int index = group_sums_index<T, E>(col);
-        float sum = 0.0f;
-#pragma unroll
-        for (int g = 0; g < kGroups; ++g) sum = ieee_add(sum, sums[g * kGroupFloat4s * 4 + index]);
-        out[col] = sum;
-    }
+    store_group_sums<T, K, E, kGroups>(group_sums, partials, a.d);
 }
 
 // ---- Rows held in registers (every geometry but the streaming one) -------------------------
@@ -675,16 +683,7 @@ __device__ __forceinline__ void backward_weight_grad_resident(const BackwardArgs
         backward_resident_row<Codec, T, K>(a, first_row + s, lane, vector, xs, gs, w,
                                            warp_partials, mine);
     }
-    __syncthreads();
-    const float* sums = reinterpret_cast<const float*>(group_sums);
-    float* out = partials + static_cast<int64_t>(blockIdx.x) * a.d;
-    for (int64_t col = threadIdx.x; col < a.d; col += Cta<T>::kThreads) {
-        const int index = group_sums_index<T, E>(col);
-        float sum = 0.0f;
-#pragma unroll
-        for (int g = 0; g < kGroups; ++g) sum = ieee_add(sum, sums[g * kGroupFloat4s * 4 + index]);
-        out[col] = sum;
-    }
+    store_group_sums<T, K, E, kGroups>(group_sums, partials, a.d);
 }
 
 // The plain and the fused forward are separate entries: the plain one then needs fewer
