@@ -58,10 +58,6 @@ struct Unroll {
     static constexpr int value = 64 / static_cast<int>(sizeof(typename Codec::storage) * 8);
 };
 constexpr int kBackwardUnroll = 2;  // the backward holds grad_out and x groups: fewer at once
-// The cluster forward's first pass takes two segments per step (speed only; 0 for A/B builds).
-#ifndef BATCHINV_LSM_PAIRED_GROUPS
-#define BATCHINV_LSM_PAIRED_GROUPS 1
-#endif
 constexpr int kMaxWarps = 1024 / BATCHINV_WARP_SIZE;
 
 template <typename Codec>
@@ -198,10 +194,6 @@ __device__ __forceinline__ void store_group(typename Codec::storage* row, const 
     }
 }
 
-#ifndef BATCHINV_LSM_PAIR_STORES
-#define BATCHINV_LSM_PAIR_STORES 1  // 0 only in A/B builds
-#endif
-
 // Whether every lane of this thread's warp holds a group below `groups` (lanes hold consecutive
 // groups: g = warp base + lane); uniform across the warp.
 __device__ __forceinline__ bool warp_full(int group, int groups) {
@@ -238,7 +230,7 @@ __device__ __forceinline__ void store_group_paired(typename Codec::storage* row,
 template <typename Codec, bool kStream = false>
 __device__ __forceinline__ void store_group_of_warp(typename Codec::storage* row, const Group<Codec>& in,
                                                     int group, int64_t vocab, bool vector, bool whole_warp) {
-#if BATCHINV_LSM_PAIR_STORES && !defined(__HIPCC__)
+#if !defined(__HIPCC__)
     if constexpr (Group<Codec>::kWords == 2) {
         if (vector && whole_warp) {
             store_group_paired<Codec, kStream>(row, in, group);
@@ -798,10 +790,7 @@ __device__ __forceinline__ float push_sum(float v, PushExchange<C, TC, float>& e
 // The backward keeps plain loads and stores: with the same hints on x and grad_x it measured
 // slower (H200, 4096 x 151936, bf16 x: fp32 dy 1.51 vs 1.42 ms, bf16 dy 1.16 vs 1.13 ms), while
 // the forward gained a little (bf16 -> fp32 1.122 vs 1.126 ms, fp32 1.595 vs 1.624 ms).
-#ifndef BATCHINV_LSM_FORWARD_STREAM_STORES
-#define BATCHINV_LSM_FORWARD_STREAM_STORES 1  // 0 only in A/B builds
-#endif
-constexpr bool kForwardStreamStores = BATCHINV_LSM_FORWARD_STREAM_STORES != 0;
+constexpr bool kForwardStreamStores = true;
 constexpr bool kBackwardStreamHints = false;
 
 // Refills segments k0 .. k0 + count - 1 with the same segments of the next row once every thread of
@@ -830,7 +819,6 @@ __device__ __forceinline__ State slice_state(const Slice<typename Codec::storage
                                              int64_t vocab) {
     State st{-INFINITY, 0.0f};
     int k = 0;
-#if BATCHINV_LSM_PAIRED_GROUPS
     for (; k + 1 < slice.segments && slice.group_of(k + 1) < slice.groups; k += 2) {
         hopper::barrier_wait(&barriers[k], parity);
         hopper::barrier_wait(&barriers[k + 1], parity);
@@ -841,7 +829,6 @@ __device__ __forceinline__ State slice_state(const Slice<typename Codec::storage
         const State b = group_state(second, valid_in(slice.group_of(k + 1), vocab));
         st = merge(merge(st, a), b);
     }
-#endif
     for (; k < slice.segments; ++k) {
         const int g = slice.group_of(k);
         if (g >= slice.groups) break;
