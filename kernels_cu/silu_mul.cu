@@ -27,7 +27,11 @@
 // intrinsics so that no path can contract a multiply and an add differently.  The vector path
 // is taken when all pointers, row strides and I*sizeof are multiples of 16 bytes; either path
 // computes the same per-element function.  The vector path rounds bf16 with the hardware
-// conversion, the element path with float_to_bf16: the same bits (common/chunk16.cuh).
+// conversion, the element path with float_to_bf16: the same bits (common/chunk16.cuh).  The
+// vector path divides without nvcc's per-element operand check when all gate values of a
+// chunk are in range (in_fast_division_range), so which instructions an element takes depends
+// on its chunk's other gate values; both give __fdiv_rn's bits (compared for every fp32, bf16
+// and fp16 gate value on an H200; tests/gpu/test_silu_mul_cuda.py checks them side by side).
 #include "common/chunk16.cuh"
 #include "common/portability.cuh"
 
