@@ -68,9 +68,10 @@ __device__ __forceinline__ void silu_mul_grads(float grad, float g, float u, flo
 
 // The vector path's cheaper form of the same functions.  nvcc compiles each __fdiv_rn into a
 // reciprocal, five FMAs and an operand check (FCHK) branching to a slow path; the branch, its
-// reconvergence and the constants reloaded around the call cost about a fifth of the kernel's
-// instructions (Nsight Compute: 36 instructions per forward element, 67 backward, against
-// Liger's 20 and 30, with issue slots 76-82% busy).  div_rn_checked_range runs the same
+// reconvergence and the constants reloaded around the call cost a sixth (forward) to a quarter
+// (backward) of the kernel's instructions (Nsight Compute, H200: 34 instructions per forward
+// element and 64 backward against Liger's 19 and 28, issue slots 78-83% busy; 29 and 48 with
+// this path, 64-65% busy).  div_rn_checked_range runs the same
 // reciprocal and FMAs without the check, for operands where that sequence is the correctly
 // rounded quotient: every gate value the whole 16-byte chunk shares with
 // in_fast_division_range, i.e. 2^-60 <= |g| <= 40 (so the numerator g or 1 and the denominator
