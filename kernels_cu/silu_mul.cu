@@ -46,9 +46,10 @@ constexpr int kUnroll = 4;  // forward: 16-byte chunks of each input per thread 
 // held 5 CTAs per SM instead of 8 and it ran 6% slower (H200, 16384 x 4096 bf16).
 constexpr int kBackwardUnroll = 2;
 // Register caps (CTAs of 128 threads per SM) for the vector paths' in-range division: the
-// backward at 8 (64 registers, as before it) measured 1-4% faster than at 7; the forward at 8
-// spills and ran 2-3% slower than at 7 (72 registers, no spill), which matched the old kernel
-// (H200, same run; docs/operators/silu_mul.md).
+// backward at 8 (64 registers, as before it) ran 1% faster than at 7 at 16384 x 4096 and the
+// same within noise at 16384 x 12288; the forward at 8 spills and ran 2-3% slower than at 7
+// (72 registers, no spill), which matched the old kernel (H200, same run;
+// docs/operators/silu_mul.md).
 constexpr int kForwardMinCtasPerSm = 7;
 constexpr int kBackwardMinCtasPerSm = 8;
 
@@ -71,11 +72,10 @@ __device__ __forceinline__ void silu_mul_grads(float grad, float g, float u, flo
 // reconvergence and the constants reloaded around the call cost a sixth (forward) to a quarter
 // (backward) of the kernel's instructions (Nsight Compute, H200: 34 instructions per forward
 // element and 64 backward against Liger's 19 and 28, issue slots 78-83% busy; 29 and 48 with
-// this path, 64-65% busy).  div_rn_checked_range runs the same
-// reciprocal and FMAs without the check, for operands where that sequence is the correctly
-// rounded quotient: every gate value the whole 16-byte chunk shares with
-// in_fast_division_range, i.e. 2^-60 <= |g| <= 40 (so the numerator g or 1 and the denominator
-// 1 + exp(-g) in [1, 2.4e17] are normal and far from overflow and underflow).  A chunk with any
+// this path, 64-65% busy).  div_rn_checked_range runs the same reciprocal and FMAs without
+// the check, for operands where that sequence is the correctly rounded quotient: a chunk whose
+// gate values all pass in_fast_division_range, 2^-60 <= |g| <= 40 (so the numerator g or 1 and
+// the denominator 1 + exp(-g) in [1, 2.4e17] are normal and far from overflow and underflow).  A chunk with any
 // gate value outside (zero, tiny, large, inf, NaN) takes silu_mul_value / silu_mul_grads.
 // Both give the bits of __fdiv_rn: compared on the device for all 2^32 fp32 gate patterns
 // and every bf16/fp16 one, forward and backward (docs/operators/silu_mul.md).
