@@ -27,7 +27,11 @@
 // intrinsics so that no path can contract a multiply and an add differently.  The vector path
 // is taken when all pointers, row strides and I*sizeof are multiples of 16 bytes; either path
 // computes the same per-element function.  The vector path rounds bf16 with the hardware
-// conversion, the element path with float_to_bf16: the same bits (common/chunk16.cuh).
+// conversion, the element path with float_to_bf16: the same bits (common/chunk16.cuh).  The
+// vector path divides without nvcc's per-element operand check when all gate values of a
+// chunk are in range (in_fast_division_range), so which instructions an element takes depends
+// on its chunk's other gate values; both give __fdiv_rn's bits (compared for every fp32, bf16
+// and fp16 gate value on an H200; tests/gpu/test_silu_mul_cuda.py checks them side by side).
 #include "common/chunk16.cuh"
 #include "common/portability.cuh"
 
@@ -41,6 +45,13 @@ constexpr int kUnroll = 4;  // forward: 16-byte chunks of each input per thread 
 // Backward: 2 chunks of each of its 3 inputs (6 in flight); with 4 the 89 registers per thread
 // held 5 CTAs per SM instead of 8 and it ran 6% slower (H200, 16384 x 4096 bf16).
 constexpr int kBackwardUnroll = 2;
+// Register caps (CTAs of 128 threads per SM) for the vector paths' in-range division: the
+// backward at 8 (64 registers, as before it) ran 1% faster than at 7 at 16384 x 4096 and the
+// same within noise at 16384 x 12288; the forward at 8 spills and ran 2-3% slower than at 7
+// (72 registers, no spill), which matched the old kernel (H200, same run;
+// docs/operators/silu_mul.md).
+constexpr int kForwardMinCtasPerSm = 7;
+constexpr int kBackwardMinCtasPerSm = 8;
 
 __device__ __forceinline__ float silu_mul_value(float g, float u) {
     const float e = expf(-g);
@@ -54,6 +65,107 @@ __device__ __forceinline__ void silu_mul_grads(float grad, float g, float u, flo
     const float dsilu = ieee_mul(s, ieee_add(1.0f, ieee_mul(g, ieee_sub(1.0f, s))));
     grad_gate = ieee_mul(ieee_mul(grad, u), dsilu);
     grad_up = ieee_mul(grad, __fdiv_rn(g, one_plus_e));
+}
+
+// The vector path's cheaper form of the same functions.  nvcc compiles each __fdiv_rn into a
+// reciprocal, five FMAs and an operand check (FCHK) branching to a slow path; the branch, its
+// reconvergence and the constants reloaded around the call cost a sixth (forward) to a quarter
+// (backward) of the kernel's instructions (Nsight Compute, H200: 34 instructions per forward
+// element and 64 backward against Liger's 19 and 28, issue slots 78-83% busy; 29 and 48 with
+// this path, 64-65% busy).  div_rn_checked_range runs the same reciprocal and FMAs without
+// the check, for operands where that sequence is the correctly rounded quotient: a chunk whose
+// gate values all pass in_fast_division_range, 2^-60 <= |g| <= 40 (so the numerator g or 1 and
+// the denominator 1 + exp(-g) in [1, 2.4e17] are normal and far from overflow and underflow).  A chunk with any
+// gate value outside (zero, tiny, large, inf, NaN) takes silu_mul_value / silu_mul_grads.
+// Both give the bits of __fdiv_rn: compared on the device for all 2^32 fp32 gate patterns
+// and every bf16/fp16 one, forward and backward (docs/operators/silu_mul.md).
+__device__ __forceinline__ bool in_fast_division_range(float g) {
+    return fabsf(g) >= 0x1p-60f && fabsf(g) <= 40.0f;
+}
+
+__device__ __forceinline__ float div_rn_checked_range(float n, float d) {
+#if defined(__HIPCC__)
+    return __fdiv_rn(n, d);
+#else
+    float r;
+    asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(d));
+    r = __fmaf_rn(r, __fmaf_rn(-d, r, 1.0f), r);
+    const float q = __fmul_rn(n, r);
+    return __fmaf_rn(r, __fmaf_rn(-d, q, n), q);
+#endif
+}
+
+__device__ __forceinline__ float silu_mul_value_in_range(float g, float u) {
+    const float e = expf(-g);
+    return ieee_mul(div_rn_checked_range(g, ieee_add(1.0f, e)), u);
+}
+
+__device__ __forceinline__ void silu_mul_grads_in_range(float grad, float g, float u, float& grad_gate,
+                                                        float& grad_up) {
+    const float one_plus_e = ieee_add(1.0f, expf(-g));
+    const float s = div_rn_checked_range(1.0f, one_plus_e);
+    const float dsilu = ieee_mul(s, ieee_add(1.0f, ieee_mul(g, ieee_sub(1.0f, s))));
+    grad_gate = ieee_mul(ieee_mul(grad, u), dsilu);
+    grad_up = ieee_mul(grad, div_rn_checked_range(g, one_plus_e));
+}
+
+template <typename Codec>
+__device__ __forceinline__ bool chunk_in_fast_division_range(const float (&g)[Chunk16<Codec>::kElems]) {
+    bool in_range = true;
+#pragma unroll
+    for (int e = 0; e < Chunk16<Codec>::kElems; ++e) in_range &= in_fast_division_range(g[e]);
+    return in_range;
+}
+
+// A chunk's elements in fp32.  bf16 on CUDA: from the chunk's 32-bit words (the high element is
+// the word with its low half cleared, one instruction instead of a shift of the extracted half);
+// the same values as Codec::load.
+template <typename Codec>
+__device__ __forceinline__ void unpack_chunk(const Chunk16<Codec>& c, float (&f)[Chunk16<Codec>::kElems]) {
+    constexpr int E = Chunk16<Codec>::kElems;
+#if !defined(__HIPCC__)
+    constexpr bool kWordwiseBf16 = Codec::kIsBf16;
+#else
+    constexpr bool kWordwiseBf16 = false;
+#endif
+    if constexpr (kWordwiseBf16) {
+        const uint32_t* words = reinterpret_cast<const uint32_t*>(c.v);
+#pragma unroll
+        for (int w = 0; w < E / 2; ++w) {
+            f[2 * w] = __uint_as_float(words[w] << 16);
+            f[2 * w + 1] = __uint_as_float(words[w] & 0xffff0000u);
+        }
+    } else {
+#pragma unroll
+        for (int e = 0; e < E; ++e) f[e] = Codec::load(c.v[e]);
+    }
+}
+
+// store_chunk's bits.  bf16 on CUDA: a chunk without NaN is packed by the paired conversion alone
+// (store_chunk tests every pair for NaN to write PyTorch's 0x7fc0); a chunk with one goes
+// through store_chunk.
+template <typename Codec>
+__device__ __forceinline__ void store_result_chunk(typename Codec::storage* p,
+                                                   const float (&f)[Chunk16<Codec>::kElems]) {
+    constexpr int E = Chunk16<Codec>::kElems;
+#if !defined(__HIPCC__)
+    if constexpr (Codec::kIsBf16) {
+        bool any_nan = false;
+#pragma unroll
+        for (int e = 0; e < E; ++e) any_nan |= f[e] != f[e];
+        if (!any_nan) {
+            uint4 words;
+            uint32_t* w = reinterpret_cast<uint32_t*>(&words);
+#pragma unroll
+            for (int i = 0; i < E / 2; ++i) {
+                asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(w[i]) : "f"(f[2 * i + 1]), "f"(f[2 * i]));
+            }
+            *reinterpret_cast<uint4*>(p) = words;
+            return;
+        }
+    }
+#endif
+    store_chunk<Codec>(p, f);
 }
 
 __device__ __forceinline__ bool aligned16(const void* p) {
@@ -123,10 +235,17 @@ __device__ __forceinline__ void forward(const ForwardArgs& a) {
             for (int k = 0; k < kUnroll; ++k) {
                 const int64_t unit = base + k * kThreads;
                 if (unit >= t.end) continue;
-                float o[E];
+                float gf[E], uf[E], o[E];
+                unpack_chunk<Codec>(g[k], gf);
+                unpack_chunk<Codec>(u[k], uf);
+                if (chunk_in_fast_division_range<Codec>(gf)) {
 #pragma unroll
-                for (int e = 0; e < E; ++e) o[e] = silu_mul_value(Codec::load(g[k].v[e]), Codec::load(u[k].v[e]));
-                store_chunk<Codec>(out + unit * E, o);
+                    for (int e = 0; e < E; ++e) o[e] = silu_mul_value_in_range(gf[e], uf[e]);
+                } else {
+#pragma unroll
+                    for (int e = 0; e < E; ++e) o[e] = silu_mul_value(gf[e], uf[e]);
+                }
+                store_result_chunk<Codec>(out + unit * E, o);
             }
         }
     } else {
@@ -198,14 +317,19 @@ __device__ __forceinline__ void backward(const BackwardArgs& a) {
             for (int k = 0; k < kBackwardUnroll; ++k) {
                 const int64_t unit = base + k * kThreads;
                 if (unit >= t.end) continue;
-                float gg[E], gu[E];
+                float dyf[E], gf[E], uf[E], gg[E], gu[E];
+                unpack_chunk<Codec>(dy[k], dyf);
+                unpack_chunk<Codec>(g[k], gf);
+                unpack_chunk<Codec>(u[k], uf);
+                if (chunk_in_fast_division_range<Codec>(gf)) {
 #pragma unroll
-                for (int e = 0; e < E; ++e) {
-                    silu_mul_grads(Codec::load(dy[k].v[e]), Codec::load(g[k].v[e]), Codec::load(u[k].v[e]),
-                                   gg[e], gu[e]);
+                    for (int e = 0; e < E; ++e) silu_mul_grads_in_range(dyf[e], gf[e], uf[e], gg[e], gu[e]);
+                } else {
+#pragma unroll
+                    for (int e = 0; e < E; ++e) silu_mul_grads(dyf[e], gf[e], uf[e], gg[e], gu[e]);
                 }
-                store_chunk<Codec>(grad_gate + unit * E, gg);
-                store_chunk<Codec>(grad_up + unit * E, gu);
+                store_result_chunk<Codec>(grad_gate + unit * E, gg);
+                store_result_chunk<Codec>(grad_up + unit * E, gu);
             }
         }
     } else {
@@ -236,7 +360,7 @@ __device__ __forceinline__ void backward(const BackwardArgs& a) {
 }  // namespace batchinv
 
 #define BATCHINV_SILU_MUL_KERNELS(SUFFIX, CODEC)                                              \
-    extern "C" __global__ void __launch_bounds__(batchinv::silu::kThreads) silu_mul_forward_##SUFFIX(               \
+    extern "C" __global__ void __launch_bounds__(batchinv::silu::kThreads, batchinv::silu::kForwardMinCtasPerSm) silu_mul_forward_##SUFFIX(               \
         CODEC::storage* out, const CODEC::storage* gate, const CODEC::storage* up, int64_t rows, \
         int64_t inter, int64_t out_stride, int64_t gate_stride, int64_t up_stride,              \
         int64_t tiles_per_row, int64_t tile_elements) {                                            \
@@ -245,7 +369,7 @@ __device__ __forceinline__ void backward(const BackwardArgs& a) {
                                                tiles_per_row, tile_elements};                      \
         batchinv::silu::forward<CODEC>(args);                                                   \
     }                                                                                           \
-    extern "C" __global__ void __launch_bounds__(batchinv::silu::kThreads) silu_mul_backward_##SUFFIX(              \
+    extern "C" __global__ void __launch_bounds__(batchinv::silu::kThreads, batchinv::silu::kBackwardMinCtasPerSm) silu_mul_backward_##SUFFIX(              \
         CODEC::storage* grad_gate, CODEC::storage* grad_up, const CODEC::storage* grad_out,      \
         const CODEC::storage* gate, const CODEC::storage* up, int64_t rows, int64_t inter,       \
         int64_t grad_gate_stride, int64_t grad_up_stride, int64_t grad_out_stride,               \

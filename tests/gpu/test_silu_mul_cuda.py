@@ -149,6 +149,47 @@ def test_misaligned_and_strided_inputs_give_the_same_bits(width, dtype, offset):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_an_elements_bits_do_not_depend_on_its_chunks_other_gate_values(dtype):
+    # The vector path divides without nvcc's operand check when every gate value of a 16-byte
+    # chunk has 2^-60 <= |g| <= 40, and with __fdiv_rn otherwise, so an element's path depends
+    # on its neighbours.  Gate values at and near the range's ends, plus random ones; the same
+    # rows again with every 4th gate set to 0 (each chunk, 4 or 8 elements, then takes the
+    # general path), and as misaligned views (the element path, __fdiv_rn throughout): every
+    # other element has the same bits in all three, forward and both gradients.
+    rows, width = 4, 4096
+    gen = torch.Generator().manual_seed(12)
+    gate = (3.0 * torch.randn(rows, width, generator=gen)).clamp(-39.0, 39.0)
+    ends = torch.tensor([2.0**-60, 2.0**-59, 2.0**-61, 40.0, 39.9, 40.1, 1e-18, 1e-17])
+    for r in range(rows):
+        picks = torch.randint(0, width, (256,), generator=gen)
+        signs = torch.where(torch.rand(256, generator=gen) < 0.5, -1.0, 1.0)
+        gate[r, picks] = ends[torch.randint(0, len(ends), (256,), generator=gen)] * signs
+    up = torch.randn(rows, width, generator=gen)
+    grad = torch.randn(rows, width, generator=gen)
+    gate, up, grad = (t.to(dtype).to(DEVICE) for t in (gate, up, grad))
+    poisoned = gate.clone()
+    poisoned[:, ::4] = 0.0
+    storage = torch.empty(3 * rows * width + 3, dtype=dtype, device=DEVICE)
+    shifted = [
+        storage[1 + i * (rows * width + 1) :][: rows * width].view(rows, width) for i in range(3)
+    ]
+    for view, t in zip(shifted, (gate, up, grad), strict=True):
+        view.copy_(t)
+    keep = torch.ones(width, dtype=torch.bool, device=DEVICE)
+    keep[::4] = False
+
+    def results(g, u, dy):
+        return (batchinv.silu_mul(g, u), *_grads(batchinv.silu_mul, (g, u), dy))
+
+    fast = results(gate, up, grad)
+    general = results(poisoned, up, grad)
+    element = results(shifted[0], shifted[1], shifted[2])
+    for a, b, c in zip(fast, general, element, strict=True):
+        assert_bitwise_equal(a[:, keep], b[:, keep])
+        assert_bitwise_equal(a, c)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("width", (5, 2048, 8192, 8200, 12288, 20000))
 def test_every_output_element_is_written(width, dtype):
     # Outputs pre-filled with NaN and the kernels launched directly, over tilings with one,
