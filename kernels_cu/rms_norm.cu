@@ -85,8 +85,13 @@ constexpr int kWeightGradChunkRows = 16;  // rows per first-level partial of gra
 constexpr int kWeightGradReduceRows = 64;  // partial rows per sum of the further levels
 constexpr int kWeightGradSharedBytes = 32768;  // per-column sums of a CTA in the fused backward
 constexpr int kWeightGradThreads = 256;  // columns per pass-1 / pass-2 CTA
-constexpr int kWeightGradUnroll = 8;     // rows loaded before they are added (loads in flight)
+constexpr int kWeightGradUnroll = 8;  // column pass: rows loaded before they are added
 constexpr int kResidentWeightMaxChunks = 5;  // fused backward: weight in registers up to this K
+// Fused backward: t128k4 (bf16 hidden 4096) issues the next row's dy and x loads before the current
+// row's work.  On an H200 that was 2% faster there, 24% slower for t128k5 (146 registers, 3 CTAs
+// per SM) and no faster for t32 (issue 6, docs/operators/rms_norm.md).
+template <int T, int K>
+constexpr bool kPrefetchNextRow = T == 128 && K == 4;
 // Forward: the weight is loaded with the row up to this many threads per row.  Its 32 registers
 // per thread cost t256 half its CTAs per SM (2 instead of 4): 149 vs 137 us at 8192 x 16384 bf16
 // on an H200, where t128 gained (136 vs 137 us at 16384 x 8192).
@@ -679,9 +684,26 @@ __device__ __forceinline__ void backward_weight_grad_resident(const BackwardArgs
         if (c < chunks) load_chunk(w[k], weight, c, a.d, vector);
     }
     for (int s = 0; s < kSequence; ++s) {
-        if (s > 0) load_backward_row<Codec, T, K>(xs, gs, a, first_row + s, lane, vector);
-        backward_resident_row<Codec, T, K>(a, first_row + s, lane, vector, xs, gs, w,
-                                           warp_partials, mine);
+        if constexpr (kPrefetchNextRow<T, K>) {
+            // The next row's loads go out before this row's reduction, stores and sums, so a
+            // row group has loads in flight while it works (issue 6).
+            Chunk<Codec> next_xs[K], next_gs[K];
+            if (s + 1 < kSequence) {
+                load_backward_row<Codec, T, K>(next_xs, next_gs, a, first_row + s + 1, lane,
+                                               vector);
+            }
+            backward_resident_row<Codec, T, K>(a, first_row + s, lane, vector, xs, gs, w,
+                                               warp_partials, mine);
+#pragma unroll
+            for (int k = 0; k < K; ++k) {
+                xs[k] = next_xs[k];
+                gs[k] = next_gs[k];
+            }
+        } else {
+            if (s > 0) load_backward_row<Codec, T, K>(xs, gs, a, first_row + s, lane, vector);
+            backward_resident_row<Codec, T, K>(a, first_row + s, lane, vector, xs, gs, w,
+                                               warp_partials, mine);
+        }
     }
     store_group_sums<T, K, E, kGroups>(group_sums, partials, a.d);
 }
@@ -765,19 +787,21 @@ __device__ __forceinline__ void weight_grad_partials(float* partials,
     partials[chunk * d + col] = total;
 }
 
-// Sum of rows [begin, end) of an fp32 [*, d] matrix in increasing row order, column col.
+// Sum of rows [begin, end) of an fp32 [*, d] matrix in increasing row order, column col; at most
+// kWeightGradReduceRows rows (both callers).  Every row's load is issued before the first add, so
+// a call waits for memory once instead of once per 8 rows; the adds stay in row order (issue 6).
 __device__ __forceinline__ float column_sum(const float* rows_in, int64_t begin, int64_t end,
                                             int64_t d, int64_t col) {
-    float sum = 0.0f;
-    int64_t r = begin;
-    for (; r + kWeightGradUnroll <= end; r += kWeightGradUnroll) {
-        float v[kWeightGradUnroll];
+    float v[kWeightGradReduceRows];
 #pragma unroll
-        for (int u = 0; u < kWeightGradUnroll; ++u) v[u] = rows_in[(r + u) * d + col];
-#pragma unroll
-        for (int u = 0; u < kWeightGradUnroll; ++u) sum = ieee_add(sum, v[u]);
+    for (int u = 0; u < kWeightGradReduceRows; ++u) {
+        v[u] = begin + u < end ? rows_in[(begin + u) * d + col] : 0.0f;
     }
-    for (; r < end; ++r) sum = ieee_add(sum, rows_in[r * d + col]);
+    float sum = 0.0f;
+#pragma unroll
+    for (int u = 0; u < kWeightGradReduceRows; ++u) {
+        if (begin + u < end) sum = ieee_add(sum, v[u]);
+    }
     return sum;
 }
 
