@@ -85,11 +85,11 @@ constexpr int kWeightGradChunkRows = 16;  // rows per first-level partial of gra
 constexpr int kWeightGradReduceRows = 64;  // partial rows per sum of the further levels
 constexpr int kWeightGradSharedBytes = 32768;  // per-column sums of a CTA in the fused backward
 constexpr int kWeightGradThreads = 256;  // columns per pass-1 / pass-2 CTA
-constexpr int kWeightGradUnroll = 8;  // column pass: rows loaded before they are added
+constexpr int kWeightGradUnroll = 8;     // rows loaded before they are added (loads in flight)
 constexpr int kResidentWeightMaxChunks = 5;  // fused backward: weight in registers up to this K
 // Fused backward: t128k4 (bf16 hidden 4096) issues the next row's dy and x loads before the current
-// row's work.  On an H200 that was 2% faster there, 24% slower for t128k5 (146 registers, 3 CTAs
-// per SM) and no faster for t32 (issue 6, docs/operators/rms_norm.md).
+// row's work (128 registers, 4 CTAs per SM).  On an H200, 16384 x 4096 bf16: level 1 131 vs 134 us;
+// the same for t128k5 ran 24% slower (146 registers, 3 CTAs per SM), for t32 no faster (issue 6).
 template <int T, int K>
 constexpr bool kPrefetchNextRow = T == 128 && K == 4;
 // Forward: the weight is loaded with the row up to this many threads per row.  Its 32 registers
@@ -787,21 +787,19 @@ __device__ __forceinline__ void weight_grad_partials(float* partials,
     partials[chunk * d + col] = total;
 }
 
-// Sum of rows [begin, end) of an fp32 [*, d] matrix in increasing row order, column col; at most
-// kWeightGradReduceRows rows (both callers).  Every row's load is issued before the first add, so
-// a call waits for memory once instead of once per 8 rows; the adds stay in row order (issue 6).
+// Sum of rows [begin, end) of an fp32 [*, d] matrix in increasing row order, column col.
 __device__ __forceinline__ float column_sum(const float* rows_in, int64_t begin, int64_t end,
                                             int64_t d, int64_t col) {
-    float v[kWeightGradReduceRows];
-#pragma unroll
-    for (int u = 0; u < kWeightGradReduceRows; ++u) {
-        v[u] = begin + u < end ? rows_in[(begin + u) * d + col] : 0.0f;
-    }
     float sum = 0.0f;
+    int64_t r = begin;
+    for (; r + kWeightGradUnroll <= end; r += kWeightGradUnroll) {
+        float v[kWeightGradUnroll];
 #pragma unroll
-    for (int u = 0; u < kWeightGradReduceRows; ++u) {
-        if (begin + u < end) sum = ieee_add(sum, v[u]);
+        for (int u = 0; u < kWeightGradUnroll; ++u) v[u] = rows_in[(r + u) * d + col];
+#pragma unroll
+        for (int u = 0; u < kWeightGradUnroll; ++u) sum = ieee_add(sum, v[u]);
     }
+    for (; r < end; ++r) sum = ieee_add(sum, rows_in[r * d + col]);
     return sum;
 }
 
