@@ -48,7 +48,8 @@
 //   the same tree, K only bounds the registers); longer rows (bf16 d > 32768, fp32 d > 16384) use the streaming form,
 //   T = 1024, which reads the row twice.  Up to T = 128 the forward loads the weight's chunks
 //   with the row's, before the reduction; the fused backward keeps them in registers for a row
-//   group's rows when K <= 5.  Where loads are issued changes no arithmetic.
+//   group's rows when K <= 5, and for t128k4 issues the next row's dy and x loads before the
+//   current row's work.  Where loads are issued changes no arithmetic.
 //   CTA = max(T, 128) threads holding 128 / T rows (T < 128) or one row;
 //   grid.x = ceil(rows / rows per CTA).  The backward's list is the same except that rows of
 //   129 .. 512 chunks (bf16 d in (1024, 4096]) take (128, 4) instead of (64, 8): its row tree
@@ -87,6 +88,11 @@ constexpr int kWeightGradSharedBytes = 32768;  // per-column sums of a CTA in th
 constexpr int kWeightGradThreads = 256;  // columns per pass-1 / pass-2 CTA
 constexpr int kWeightGradUnroll = 8;     // rows loaded before they are added (loads in flight)
 constexpr int kResidentWeightMaxChunks = 5;  // fused backward: weight in registers up to this K
+// Fused backward: t128k4 (bf16 hidden 4096) issues the next row's dy and x loads before the current
+// row's work (128 registers, 4 CTAs per SM).  On an H200, 16384 x 4096 bf16: level 1 131 vs 134 us;
+// the same for t128k5 ran 24% slower (146 registers, 3 CTAs per SM), for t32 no faster (issue 6).
+template <int T, int K>
+constexpr bool kPrefetchNextRow = T == 128 && K == 4;
 // Forward: the weight is loaded with the row up to this many threads per row.  Its 32 registers
 // per thread cost t256 half its CTAs per SM (2 instead of 4): 149 vs 137 us at 8192 x 16384 bf16
 // on an H200, where t128 gained (136 vs 137 us at 16384 x 8192).
@@ -679,9 +685,26 @@ __device__ __forceinline__ void backward_weight_grad_resident(const BackwardArgs
         if (c < chunks) load_chunk(w[k], weight, c, a.d, vector);
     }
     for (int s = 0; s < kSequence; ++s) {
-        if (s > 0) load_backward_row<Codec, T, K>(xs, gs, a, first_row + s, lane, vector);
-        backward_resident_row<Codec, T, K>(a, first_row + s, lane, vector, xs, gs, w,
-                                           warp_partials, mine);
+        if constexpr (kPrefetchNextRow<T, K>) {
+            // The next row's loads go out before this row's reduction, stores and sums, so a
+            // row group has loads in flight while it works (issue 6).
+            Chunk<Codec> next_xs[K], next_gs[K];
+            if (s + 1 < kSequence) {
+                load_backward_row<Codec, T, K>(next_xs, next_gs, a, first_row + s + 1, lane,
+                                               vector);
+            }
+            backward_resident_row<Codec, T, K>(a, first_row + s, lane, vector, xs, gs, w,
+                                               warp_partials, mine);
+#pragma unroll
+            for (int k = 0; k < K; ++k) {
+                xs[k] = next_xs[k];
+                gs[k] = next_gs[k];
+            }
+        } else {
+            if (s > 0) load_backward_row<Codec, T, K>(xs, gs, a, first_row + s, lane, vector);
+            backward_resident_row<Codec, T, K>(a, first_row + s, lane, vector, xs, gs, w,
+                                               warp_partials, mine);
+        }
     }
     store_group_sums<T, K, E, kGroups>(group_sums, partials, a.d);
 }

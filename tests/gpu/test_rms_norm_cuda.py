@@ -515,7 +515,9 @@ def test_fewer_chunks_per_thread_reduce_a_row_as_the_wider_geometry(dtype, trim)
 def test_backward_t128k4_reduces_a_row_as_t128(dtype, trim):
     # The backward of rows of 129 .. 512 chunks (bf16 hidden 4096) runs t128k4 (the forward
     # t64): 128 threads of 4 chunks, so a row's tree is t128's; the backward kernels of t128k4,
-    # t128k5 and t128 must give the same grad_x and first-level partials.
+    # t128k5 and t128 must give the same grad_x and first-level partials.  t128k4's fused kernel
+    # also loads each row while the previous one is worked on (67 rows: the last CTA's loads run
+    # past the end), the others do not, so this also checks that the prefetch changes no bits.
     elems = 16 // dtype.itemsize
     hidden = 128 * 4 * elems - trim
     assert gpu_rms_norm.backward_geometry(hidden, dtype)[0] == "t128k4"
