@@ -279,6 +279,97 @@ def test_decode_kernels_repeat_bitwise_with_an_empty_context(dtype, d):
             assert_bitwise_equal(got, want, name=f"coop, {stages} stages, run {run}")
 
 
+# Cooperative decode launches that change only who computes an item: several head groups per
+# CTA, grids that walk several (sequence, split) items per CTA, the heads-outer launch order.
+COOP_LAYOUTS = (
+    dict(stages=1, coop_heads=2),
+    dict(stages=1, coop_heads=4),
+    dict(stages=1, coop_z_ctas=1),
+    dict(stages=1, coop_z_ctas=7),
+    dict(stages=2, coop_z_ctas=3),
+    dict(stages=1, coop_heads=2, coop_z_ctas=5),
+    dict(stages=1, coop_heads=4, coop_z_ctas=2),
+    dict(stages=1, coop_heads_outer=True),
+    dict(stages=2, coop_heads_outer=True),
+)
+
+
+@cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("d", HEAD_DIMS)
+@pytest.mark.parametrize("heads", ((16, 4), (32, 4), (4, 4)))
+def test_coop_head_groups_item_walks_and_launch_order_equal_prefill(dtype, d, heads):
+    # Every decode row of an odd batch (NaN past every length, a sequence with no key) equals
+    # the last row of its sequence's one-shot prefill (tile mode); the empty sequence gets
+    # +0 / -inf; the last sequence decoded alone (B=1) too.  GQA 4:1 and 8:1 and MHA, each
+    # with 4 head groups (so 2 and 4 groups per CTA apply).
+    hq, hkv = heads
+    lens = (
+        [1, 65, 0, 1024, 1025, 4097] if QUICK else [1, 63, 64, 65, 0, 1023, 1024, 1025, 2049, 4097]
+    )
+    batch, ctx = len(lens), max(lens)
+    q, k, v = _qkv(batch, ctx, ctx, hq, hkv, d, dtype, seed=70 + d + hq)
+    for b, n in enumerate(lens):
+        k[b, n:] = float("nan")
+        v[b, n:] = float("nan")
+    q_new = torch.stack([q[b, max(n, 1) - 1] for b, n in enumerate(lens)])[:, None]
+    k_lens = torch.tensor(lens, device=DEVICE)
+    want = {
+        b: gpu.attention(
+            q[b : b + 1, :n],
+            k[b : b + 1, :n],
+            v[b : b + 1, :n],
+            causal=True,
+            return_lse=True,
+            mode="tile",
+            warps=4,
+        )
+        for b, n in enumerate(lens)
+        if n > 0
+    }
+    zero_out = torch.zeros((1, 1, hq, d), dtype=dtype, device=DEVICE)
+    minus_inf = torch.full((1, hq, 1), float("-inf"), device=DEVICE)
+    for options in COOP_LAYOUTS:
+        kw = dict(mode="split", warps=1, coop=True, **options)
+        out, lse = gpu.attention(q_new, k, v, causal=True, seqlens_k=k_lens, return_lse=True, **kw)
+        for b, n in enumerate(lens):
+            name = f"{options}, context {n}"
+            row = (want[b][0][:, -1:], want[b][1][:, :, -1:]) if n else (zero_out, minus_inf)
+            assert_bitwise_equal(out[b : b + 1], row[0], name=f"out, {name}")
+            assert_bitwise_equal(lse[b : b + 1], row[1], name=f"lse, {name}")
+        alone = gpu.attention(
+            q_new[-1:], k[-1:, : lens[-1]], v[-1:, : lens[-1]], causal=True, return_lse=True, **kw
+        )
+        last = (want[batch - 1][0][:, -1:], want[batch - 1][1][:, :, -1:])
+        assert_bitwise_equal(alone, last, name=f"B=1, {options}")
+
+
+@cuda
+def test_coop_layout_options_are_checked():
+    q, k, v = _qkv(1, 1, 1100, 8, 2, 64, torch.bfloat16, seed=43)  # 2 head groups
+    kw = dict(mode="split", warps=1)
+    for options, error, match in (
+        (dict(coop_heads=3), ValueError, "coop_heads must be one of"),
+        (dict(coop_heads=2, stages=2), ValueError, "coop_heads=2 needs stages=1"),
+        (dict(coop_heads=4, stages=1), ValueError, "head-group count"),
+        (dict(coop_z_ctas=0), ValueError, "coop_z_ctas must be >= 1"),
+        (dict(coop_z_ctas=2, coop_heads_outer=True), ValueError, "without coop_heads_outer"),
+        (dict(coop_z_ctas=1.5), TypeError, "coop_z_ctas must be an int"),
+        (dict(coop_z_ctas=True), TypeError, "coop_z_ctas must be an int"),
+        (dict(coop_heads_outer=1), TypeError, "coop_heads_outer must be a bool"),
+        (dict(coop=False, coop_heads=2), ValueError, "need the cooperative kernel"),
+    ):
+        with pytest.raises(error, match=match):
+            gpu.attention(q, k, v, causal=True, **kw, **options)
+
+
+def test_coop_shared_bytes_grow_with_the_head_groups_and_fit_the_sm90_limit():
+    for d in gpu.HEAD_DIMS:
+        for heads in gpu.COOP_HEADS:
+            assert gpu.coop_shared_bytes(d, 1, heads) == heads * gpu.coop_shared_bytes(d, 1)
+            assert gpu.coop_shared_bytes(d, 1, heads) * (4 // heads) <= 228 * 1024
+
+
 def test_pdl_argument_is_checked_before_the_device():
     with pytest.raises(TypeError, match="pdl must be a bool or None, got int"):
         gpu.combine_uses_pdl(torch.device(DEVICE), pdl=1)
