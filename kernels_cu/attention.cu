@@ -494,18 +494,11 @@ __device__ __forceinline__ void attn_tile(const Params& p) {
 // same m, l and P bits) and the PV products of D / NW output columns (each acc element is the
 // same mma chain over the block's k16 steps, rescaled by the same alpha).  Decode has few rows
 // (4 real of 16 for GQA 4:1): one warp per tile was bound by its own instruction latency.
-// NH > 1: one CTA runs NH such warp groups side by side on NH consecutive head groups of the
-// same (query tile, sequence, split); they copy each key's NH head slices together (one
-// contiguous run when the heads are adjacent in a row) and share the CTA's barriers.  Group
-// gi's arithmetic is exactly the NH = 1 CTA's on head group hgc * NH + gi.
-// Work items: (head group column hgc, z = sequence x split); a CTA takes z = blockIdx.z,
-// + gridDim.z, ... < z_items (a grid smaller than the items walks several in a row; each
-// item's partial is written as by its own CTA).
-template <typename Codec, int D, int NW, int STAGES, int NH>
-__device__ __forceinline__ void attn_split_coop_item(const Params& p, int hgc, int bz) {
+template <typename Codec, int D, int NW, int STAGES>
+__device__ __forceinline__ void attn_split_coop(const Params& p) {
     using T = typename Codec::storage;
     constexpr int M = 16;
-    constexpr int kThreads = 32 * NW * NH;
+    constexpr int kThreads = 32 * NW;
     constexpr int kStride = Smem<D>::kStride;
     constexpr int kTile = Smem<D>::kTileElems;
     constexpr int NT = D / 8;
@@ -515,27 +508,25 @@ __device__ __forceinline__ void attn_split_coop_item(const Params& p, int hgc, i
     constexpr int kSStride = kBlockKeys + 4;  // fp32 S row stride (words)
     constexpr int kKeyPairs = 4 / NW;         // 16-key column pairs of S per warp
     constexpr int kOutTiles = NT / NW;        // n8 output tiles per warp
-    // Q [16][kStride] of a group, overlaid by its fp32 S [16][kSStride] once Q is in registers.
-    constexpr int kQsBytes = (M * kStride * 2 > M * kSStride * 4) ? M * kStride * 2 : M * kSStride * 4;
     static_assert(NW == 2 || NW == 4, "16-key S column pairs and n8 output tiles per warp");
 
     extern __shared__ __align__(16) unsigned char smem_raw[];
-    T* sk = reinterpret_cast<T*>(smem_raw);  // [kStages][NH][64][kStride]
-    T* sv = sk + kStages * NH * kTile;       // [kStages][NH][64][kStride]
-    unsigned char* sqs = reinterpret_cast<unsigned char*>(sv + kStages * NH * kTile);  // [NH][kQsBytes]
+    T* sk = reinterpret_cast<T*>(smem_raw);  // [kStages][64][kStride]
+    T* sv = sk + kStages * kTile;            // [kStages][64][kStride]
+    // Q [16][kStride], then (once every warp holds Q in registers) S [16][kSStride] fp32:
+    // max(16 * kStride * 2, 16 * kSStride * 4) bytes (py/batchinv/gpu/attention.py).
+    T* sq = sv + kStages * kTile;
+    float* ss = reinterpret_cast<float*>(sq);
 
     const int tid = threadIdx.x;
     const int lane = tid % 32;
-    const int warp = (tid / 32) % NW;  // warp within its group
-    const int gi = tid / (32 * NW);    // the group
+    const int warp = tid / 32;
     const int g = lane / 4;
     const int c = lane % 4;
-    T* sq = reinterpret_cast<T*>(sqs + gi * kQsBytes);
-    float* ss = reinterpret_cast<float*>(sq);
 
-    const int b = bz / p.split_grid;
-    const int split = bz % p.split_grid;
-    const int hg = hgc * NH + gi;
+    const int b = blockIdx.z / p.split_grid;
+    const int split = blockIdx.z % p.split_grid;
+    const int hg = blockIdx.y;
     const int qpt = M / p.pack;
     const int qtile = gridDim.x - 1 - blockIdx.x;
     const int q_len = p.q_len[b];
@@ -546,14 +537,15 @@ __device__ __forceinline__ void attn_split_coop_item(const Params& p, int hgc, i
     const int offset = k_len - q_len;
     const int tile_end = p.causal ? max(0, min(k_len, offset + q_last + 1)) : k_len;
     const int group = p.hq / p.hkv;
+    const int kvh = (hg * p.pack) / group;
     const int64_t q_base = p.q_start[b];
     const int64_t k_base = p.k_start[b];
 
     const int blk_begin = split * kBlocksPerSplit;
     const int blk_end = min(blk_begin + kBlocksPerSplit, (tile_end + kBlockKeys - 1) / kBlockKeys);
-    if (blk_begin >= blk_end) return;  // the same for every group: the CTA leaves together
+    if (blk_begin >= blk_end) return;
 
-    // Every warp holds the tile's rows g and g + 8 (the same rows in every warp of a group).
+    // Every warp holds the tile's rows g and g + 8 (the same rows in every warp).
     int vis_end[2];
     int row_q[2], row_h[2];
 #pragma unroll
@@ -576,31 +568,27 @@ __device__ __forceinline__ void attn_split_coop_item(const Params& p, int hgc, i
     const T* kp = static_cast<const T*>(p.k);
     const T* vp = static_cast<const T*>(p.v);
 
-    for (int idx = tid; idx < NH * M * kChunksPerRow; idx += kThreads) {
-        const int gq = idx / (M * kChunksPerRow);
-        const int r = (idx / kChunksPerRow) % M;
+    for (int idx = tid; idx < M * kChunksPerRow; idx += kThreads) {
+        const int r = idx / kChunksPerRow;
         const int ch = idx % kChunksPerRow;
         const int qi = q0 + r / p.pack;
         const bool valid = r < qpt * p.pack && qi < q_len;
-        const int h = (hgc * NH + gq) * p.pack + r % p.pack;
+        const int h = hg * p.pack + r % p.pack;
         const T* src = valid ? qp + (q_base + qi) * p.q_row + h * p.q_head + ch * 8 : qp;
-        cp_async16(reinterpret_cast<T*>(sqs + gq * kQsBytes) + r * kStride + ch * 8, src, valid);
+        cp_async16(sq + r * kStride + ch * 8, src, valid);
     }
     cp_async_commit();
 
-    // Each thread copies the same 16-byte chunk column of one group's head slice, rows r0,
-    // r0 + kRowStep, ... of a block: consecutive threads cover a key's NH slices in order.
-    constexpr int kRowStep = kThreads / (NH * kChunksPerRow);
-    static_assert(kThreads % (NH * kChunksPerRow) == 0 && kBlockKeys % kRowStep == 0, "load mapping");
-    const int r0 = tid / (NH * kChunksPerRow);
-    const int gl = (tid / kChunksPerRow) % NH;  // the group whose slice this thread copies
+    // Each thread copies the same 16-byte chunk column of rows r0, r0 + kRowStep, ... of a block.
+    constexpr int kRowStep = kThreads / kChunksPerRow;
+    static_assert(kThreads % kChunksPerRow == 0 && kBlockKeys % kRowStep == 0, "load mapping");
+    const int r0 = tid / kChunksPerRow;
     const int ch0 = (tid % kChunksPerRow) * 8;
-    const int kvh_l = ((hgc * NH + gl) * p.pack) / group;
-    const T* k_thread = kp + k_base * p.k_row + kvh_l * p.k_head + ch0;  // + key * k_row
-    const T* v_thread = vp + k_base * p.v_row + kvh_l * p.v_head + ch0;
+    const T* k_thread = kp + k_base * p.k_row + kvh * p.k_head + ch0;  // + key * k_row
+    const T* v_thread = vp + k_base * p.v_row + kvh * p.v_head + ch0;
     auto load_kv = [&](int blk, int stage) {
-        T* dk = sk + (stage * NH + gl) * kTile + r0 * kStride + ch0;
-        T* dv = sv + (stage * NH + gl) * kTile + r0 * kStride + ch0;
+        T* dk = sk + stage * kTile + r0 * kStride + ch0;
+        T* dv = sv + stage * kTile + r0 * kStride + ch0;
         const int j0 = blk * kBlockKeys + r0;
 #pragma unroll
         for (int r = 0; r < kBlockKeys; r += kRowStep) {
@@ -641,8 +629,8 @@ __device__ __forceinline__ void attn_split_coop_item(const Params& p, int hgc, i
         cp_async_commit();
         cp_async_wait<kStages - 1>();
         __syncthreads();  // this block's K/V are in; every warp has read Q / the last S
-        const T* tk = sk + (stage * NH + gi) * kTile;
-        const T* tv = sv + (stage * NH + gi) * kTile;
+        const T* tk = sk + stage * kTile;
+        const T* tv = sv + stage * kTile;
         const int key0 = blk * kBlockKeys;
 
         // This warp's S columns: keys [16 kp, 16 kp + 16) for its kKeyPairs pairs kp.
@@ -728,7 +716,7 @@ __device__ __forceinline__ void attn_split_coop_item(const Params& p, int hgc, i
                     if (empty[e / 2] && acc[t][e] == 0.0f) acc[t][e] = was_neg_zero ? -0.0f : 0.0f;
                 }
         }
-        __syncthreads();  // the stage just read is the next load's target (and Q/S the next item's)
+        __syncthreads();  // the stage just read is the next load's target
     }
     cp_async_wait<0>();
 
@@ -747,17 +735,6 @@ __device__ __forceinline__ void attn_split_coop_item(const Params& p, int hgc, i
             p.ws[row + D + 1] = l[i];
         }
     }
-}
-
-// heads_outer (an A/B switch of the launch order): the grid is (q tiles, z, head group columns)
-// instead of (q tiles, head group columns, z), so the CTAs of one (sequence, split) are far
-// apart in launch order; one item per CTA then.
-template <typename Codec, int D, int NW, int STAGES, int NH>
-__device__ __forceinline__ void attn_split_coop(const Params& p, int z_items, int heads_outer) {
-    const int hgc = heads_outer ? blockIdx.z : blockIdx.y;
-    const int z0 = heads_outer ? blockIdx.y : blockIdx.z;
-    const int z_step = heads_outer ? z_items : gridDim.z;
-    for (int bz = z0; bz < z_items; bz += z_step) attn_split_coop_item<Codec, D, NW, STAGES, NH>(p, hgc, bz);
 }
 
 // Programmatic dependent launch (PTX griddepcontrol, sm_90; compiled out of older targets,
@@ -854,15 +831,12 @@ __device__ __forceinline__ void attn_combine(const float* ws, void* out, float* 
         batchinv::attn::attn_tile<CODEC, D, NW, true, 2>(p);                                                    \
     }
 
-// Cooperative split kernels take two ints after the common parameters: z_items (sequences x
-// splits; a grid with fewer z CTAs walks them) and heads_outer (see attn_split_coop).
-#define BATCHINV_ATTN_SPLIT_COOP(DTYPE, CODEC, D, NW, S, NH, NAME_SUFFIX, MINB)                                 \
-    extern "C" __global__ void __launch_bounds__(32 * NW * NH, MINB)                                            \
-        attn_split_coop_##DTYPE##_d##D##_w##NW##_s##S##NAME_SUFFIX(BATCHINV_ATTN_PARAMS, int z_items,           \
-                                                                   int heads_outer) {                          \
+#define BATCHINV_ATTN_SPLIT_COOP(DTYPE, CODEC, D, NW, S, MINB)                                                   \
+    extern "C" __global__ void __launch_bounds__(32 * NW, MINB)                                                 \
+        attn_split_coop_##DTYPE##_d##D##_w##NW##_s##S(BATCHINV_ATTN_PARAMS) {                                   \
         batchinv::attn::grid_launch_dependents(); /* the combine may launch (it waits for this grid) */          \
         BATCHINV_ATTN_MAKE_PARAMS;                                                                              \
-        batchinv::attn::attn_split_coop<CODEC, D, NW, S, NH>(p, z_items, heads_outer);                          \
+        batchinv::attn::attn_split_coop<CODEC, D, NW, S>(p);                                                    \
     }
 
 #define BATCHINV_ATTN_COMBINE(DTYPE, CODEC, D)                                                                  \
@@ -901,47 +875,30 @@ BATCHINV_ATTN_KERNELS(f16, batchinv::F16Codec, 128, 1)
 // batchinv-signature: attn_split_f16_d128_w4(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32)
 BATCHINV_ATTN_KERNELS(f16, batchinv::F16Codec, 128, 4)
 // Cooperative split kernels (16-row tiles, NW warps): decode.
-// batchinv-signature: attn_split_coop_bf16_d64_w4_s1(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32, i32, i32)
-BATCHINV_ATTN_SPLIT_COOP(bf16, batchinv::Bf16Codec, 64, 4, 1, 1, , 4)
-// batchinv-signature: attn_split_coop_bf16_d64_w4_s2(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32, i32, i32)
-BATCHINV_ATTN_SPLIT_COOP(bf16, batchinv::Bf16Codec, 64, 4, 2, 1, , 3)
-// batchinv-signature: attn_split_coop_bf16_d64_w4_s3(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32, i32, i32)
-BATCHINV_ATTN_SPLIT_COOP(bf16, batchinv::Bf16Codec, 64, 4, 3, 1, , 2)
-// batchinv-signature: attn_split_coop_bf16_d128_w4_s1(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32, i32, i32)
-BATCHINV_ATTN_SPLIT_COOP(bf16, batchinv::Bf16Codec, 128, 4, 1, 1, , 4)
-// batchinv-signature: attn_split_coop_bf16_d128_w4_s2(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32, i32, i32)
-BATCHINV_ATTN_SPLIT_COOP(bf16, batchinv::Bf16Codec, 128, 4, 2, 1, , 3)
-// batchinv-signature: attn_split_coop_bf16_d128_w4_s3(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32, i32, i32)
-BATCHINV_ATTN_SPLIT_COOP(bf16, batchinv::Bf16Codec, 128, 4, 3, 1, , 2)
-// batchinv-signature: attn_split_coop_f16_d64_w4_s1(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32, i32, i32)
-BATCHINV_ATTN_SPLIT_COOP(f16, batchinv::F16Codec, 64, 4, 1, 1, , 4)
-// batchinv-signature: attn_split_coop_f16_d64_w4_s2(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32, i32, i32)
-BATCHINV_ATTN_SPLIT_COOP(f16, batchinv::F16Codec, 64, 4, 2, 1, , 3)
-// batchinv-signature: attn_split_coop_f16_d64_w4_s3(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32, i32, i32)
-BATCHINV_ATTN_SPLIT_COOP(f16, batchinv::F16Codec, 64, 4, 3, 1, , 2)
-// batchinv-signature: attn_split_coop_f16_d128_w4_s1(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32, i32, i32)
-BATCHINV_ATTN_SPLIT_COOP(f16, batchinv::F16Codec, 128, 4, 1, 1, , 4)
-// batchinv-signature: attn_split_coop_f16_d128_w4_s2(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32, i32, i32)
-BATCHINV_ATTN_SPLIT_COOP(f16, batchinv::F16Codec, 128, 4, 2, 1, , 3)
-// batchinv-signature: attn_split_coop_f16_d128_w4_s3(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32, i32, i32)
-BATCHINV_ATTN_SPLIT_COOP(f16, batchinv::F16Codec, 128, 4, 3, 1, , 2)
-// NH head groups per CTA (1-block ring).
-// batchinv-signature: attn_split_coop_bf16_d64_w4_s1_h2(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32, i32, i32)
-BATCHINV_ATTN_SPLIT_COOP(bf16, batchinv::Bf16Codec, 64, 4, 1, 2, _h2, 2)
-// batchinv-signature: attn_split_coop_bf16_d64_w4_s1_h4(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32, i32, i32)
-BATCHINV_ATTN_SPLIT_COOP(bf16, batchinv::Bf16Codec, 64, 4, 1, 4, _h4, 1)
-// batchinv-signature: attn_split_coop_bf16_d128_w4_s1_h2(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32, i32, i32)
-BATCHINV_ATTN_SPLIT_COOP(bf16, batchinv::Bf16Codec, 128, 4, 1, 2, _h2, 2)
-// batchinv-signature: attn_split_coop_bf16_d128_w4_s1_h4(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32, i32, i32)
-BATCHINV_ATTN_SPLIT_COOP(bf16, batchinv::Bf16Codec, 128, 4, 1, 4, _h4, 1)
-// batchinv-signature: attn_split_coop_f16_d64_w4_s1_h2(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32, i32, i32)
-BATCHINV_ATTN_SPLIT_COOP(f16, batchinv::F16Codec, 64, 4, 1, 2, _h2, 2)
-// batchinv-signature: attn_split_coop_f16_d64_w4_s1_h4(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32, i32, i32)
-BATCHINV_ATTN_SPLIT_COOP(f16, batchinv::F16Codec, 64, 4, 1, 4, _h4, 1)
-// batchinv-signature: attn_split_coop_f16_d128_w4_s1_h2(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32, i32, i32)
-BATCHINV_ATTN_SPLIT_COOP(f16, batchinv::F16Codec, 128, 4, 1, 2, _h2, 2)
-// batchinv-signature: attn_split_coop_f16_d128_w4_s1_h4(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32, i32, i32)
-BATCHINV_ATTN_SPLIT_COOP(f16, batchinv::F16Codec, 128, 4, 1, 4, _h4, 1)
+// batchinv-signature: attn_split_coop_bf16_d64_w4_s1(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32)
+BATCHINV_ATTN_SPLIT_COOP(bf16, batchinv::Bf16Codec, 64, 4, 1, 4)
+// batchinv-signature: attn_split_coop_bf16_d64_w4_s2(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32)
+BATCHINV_ATTN_SPLIT_COOP(bf16, batchinv::Bf16Codec, 64, 4, 2, 3)
+// batchinv-signature: attn_split_coop_bf16_d64_w4_s3(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32)
+BATCHINV_ATTN_SPLIT_COOP(bf16, batchinv::Bf16Codec, 64, 4, 3, 2)
+// batchinv-signature: attn_split_coop_bf16_d128_w4_s1(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32)
+BATCHINV_ATTN_SPLIT_COOP(bf16, batchinv::Bf16Codec, 128, 4, 1, 4)
+// batchinv-signature: attn_split_coop_bf16_d128_w4_s2(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32)
+BATCHINV_ATTN_SPLIT_COOP(bf16, batchinv::Bf16Codec, 128, 4, 2, 3)
+// batchinv-signature: attn_split_coop_bf16_d128_w4_s3(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32)
+BATCHINV_ATTN_SPLIT_COOP(bf16, batchinv::Bf16Codec, 128, 4, 3, 2)
+// batchinv-signature: attn_split_coop_f16_d64_w4_s1(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32)
+BATCHINV_ATTN_SPLIT_COOP(f16, batchinv::F16Codec, 64, 4, 1, 4)
+// batchinv-signature: attn_split_coop_f16_d64_w4_s2(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32)
+BATCHINV_ATTN_SPLIT_COOP(f16, batchinv::F16Codec, 64, 4, 2, 3)
+// batchinv-signature: attn_split_coop_f16_d64_w4_s3(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32)
+BATCHINV_ATTN_SPLIT_COOP(f16, batchinv::F16Codec, 64, 4, 3, 2)
+// batchinv-signature: attn_split_coop_f16_d128_w4_s1(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32)
+BATCHINV_ATTN_SPLIT_COOP(f16, batchinv::F16Codec, 128, 4, 1, 4)
+// batchinv-signature: attn_split_coop_f16_d128_w4_s2(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32)
+BATCHINV_ATTN_SPLIT_COOP(f16, batchinv::F16Codec, 128, 4, 2, 3)
+// batchinv-signature: attn_split_coop_f16_d128_w4_s3(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32)
+BATCHINV_ATTN_SPLIT_COOP(f16, batchinv::F16Codec, 128, 4, 3, 2)
 // batchinv-signature: attn_combine_bf16_d64(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i32, i32, i32)
 BATCHINV_ATTN_COMBINE(bf16, batchinv::Bf16Codec, 64)
 // batchinv-signature: attn_combine_bf16_d128(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i32, i32, i32)

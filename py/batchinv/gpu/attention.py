@@ -49,10 +49,6 @@ COOP_STAGES = (1, 2, 3)
 COOP_MANY_CTAS_PER_SM = 4
 COOP_MANY_STAGES = 1
 COOP_FEW_STAGES = 2
-# Head groups one cooperative CTA runs side by side (1-block ring only; 4 warps each), and
-# the CTAs of one head group an SM holds at each ring depth (the kernels' launch bounds).
-COOP_HEADS = (1, 2, 4)
-COOP_CTAS_PER_SM = {1: 4, 2: 3, 3: 2}
 
 _SUFFIX = {torch.bfloat16: "bf16", torch.float16: "f16"}
 _LOG2E = 1.4426950408889634
@@ -131,13 +127,12 @@ def shared_bytes(d: int, warps: int, split: bool, stages: int = 2) -> int:
     return kv + max(q, run)
 
 
-def coop_shared_bytes(d: int, stages: int, heads: int = 1) -> int:
-    """Dynamic shared memory of a cooperative split kernel (attn_split_coop) running ``heads``
-    head groups: per group, K/V stages, then the Q tile, which the fp32 S tile [16][64 + 4]
-    overlays once Q is in registers."""
+def coop_shared_bytes(d: int, stages: int) -> int:
+    """Dynamic shared memory of a cooperative split kernel (attn_split_coop): K/V stages, then
+    the Q tile, which the fp32 S tile [16][64 + 4] overlays once Q is in registers."""
     stride = d + 8
     kv = 2 * stages * BLOCK_KEYS * stride * 2
-    return heads * (kv + max(16 * stride * 2, 16 * (BLOCK_KEYS + 4) * 4))
+    return kv + max(16 * stride * 2, 16 * (BLOCK_KEYS + 4) * 4)
 
 
 @functools.cache
@@ -193,9 +188,6 @@ def forward(
     prefill_zero: bool = True,
     hopper: bool | None = None,
     pdl: bool | None = None,
-    coop_heads: int | None = None,
-    coop_z_ctas: int | None = None,
-    coop_heads_outer: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """``(out [Tq, Hq, d], lse [Hq, Tq] fp32)`` on the canonical layout.
 
@@ -206,12 +198,7 @@ def forward(
     ``hopper``: 4-warp tile launches run ``attention_hopper`` (same bits) where it applies
     (None), always (True: an error where it does not apply) or never (False: the mma.sync
     tile kernel).  ``pdl``: split launches start the combine kernel with programmatic
-    dependent launch (see ``combine_uses_pdl``; same bits).  ``coop_heads``: head groups per
-    cooperative CTA (one of ``COOP_HEADS``, more than 1 with a 1-block ring only; default 1);
-    ``coop_z_ctas``: the cooperative grid's extent over the (sequence, split) items, each CTA
-    walking items z, z + coop_z_ctas, ... (None: one CTA per item; ``coop_resident_z`` gives
-    the extent that fits the GPU at once); ``coop_heads_outer``: launch order with the head
-    groups outermost (an A/B switch).  None of them changes a bit.
+    dependent launch (see ``combine_uses_pdl``; same bits).
     """
     check_supported(q, k, v)
     programmatic = combine_uses_pdl(device=q.device, pdl=pdl)
@@ -238,8 +225,6 @@ def forward(
         raise ValueError("coop=True needs a split launch with one-warp (16-row) tiles")
     if not coop and stages not in (None, 2):
         raise ValueError(f"stages must be 2 without coop; got {stages!r}")
-    if not coop and (coop_heads is not None or coop_z_ctas is not None or coop_heads_outer):
-        raise ValueError("coop_heads, coop_z_ctas and coop_heads_outer need the cooperative kernel")
     tile4 = mode == "tile" and warps == 4
     if tile4 and hopper is not False and attention_hopper.applies(q, k, v):
         scale_log2 = float(scale) * _LOG2E
@@ -265,8 +250,6 @@ def forward(
         else None
     )
     suffix = f"{_SUFFIX[q.dtype]}_d{d}"
-    grid = (q_tiles, hq // pack, grid_z)
-    coop_args: tuple = ()
     if coop:
         if stages is None:
             ctas = q_tiles * (hq // pack) * grid_z
@@ -274,38 +257,9 @@ def forward(
             stages = COOP_MANY_STAGES if many else COOP_FEW_STAGES
         if stages not in COOP_STAGES:
             raise ValueError(f"stages must be one of {COOP_STAGES} with coop; got {stages!r}")
-        if not isinstance(coop_heads_outer, bool):
-            raise TypeError(
-                f"coop_heads_outer must be a bool, got {type(coop_heads_outer).__name__}"
-            )
-        if coop_z_ctas is not None:
-            if isinstance(coop_z_ctas, bool) or not isinstance(coop_z_ctas, int):
-                raise TypeError(
-                    f"coop_z_ctas must be an int or None, got {type(coop_z_ctas).__name__}"
-                )
-            if coop_z_ctas < 1 or coop_heads_outer:
-                raise ValueError(
-                    f"coop_z_ctas must be >= 1 and without coop_heads_outer; got {coop_z_ctas}"
-                )
-        heads = 1 if coop_heads is None else coop_heads
-        if heads not in COOP_HEADS:
-            raise ValueError(f"coop_heads must be one of {COOP_HEADS}; got {coop_heads!r}")
-        if heads > 1 and (stages != 1 or (hq // pack) % heads):
-            raise ValueError(
-                f"coop_heads={heads} needs stages=1 and a head-group count ({hq // pack}) "
-                "it divides"
-            )
-        shared = coop_shared_bytes(d, stages, heads)
-        name = f"attn_split_coop_{suffix}_w{COOP_WARPS}_s{stages}" + (
-            f"_h{heads}" if heads > 1 else ""
-        )
-        threads = 32 * COOP_WARPS * heads
-        grid = (q_tiles, hq // pack // heads, grid_z)
-        if coop_z_ctas is not None:
-            grid = (q_tiles, grid[1], min(grid_z, coop_z_ctas))
-        if coop_heads_outer:
-            grid = (q_tiles, grid_z, grid[1])
-        coop_args = (grid_z, int(coop_heads_outer))
+        shared = coop_shared_bytes(d, stages)
+        name = f"attn_split_coop_{suffix}_w{COOP_WARPS}_s{stages}"
+        threads = 32 * COOP_WARPS
     else:
         shared = shared_bytes(d, warps, split)
         name = f"attn_{'split' if split else 'fwd'}_{suffix}_w{warps}"
@@ -314,7 +268,7 @@ def forward(
     launch(
         kernel,
         device,
-        grid=grid,
+        grid=(q_tiles, hq // pack, grid_z),
         block=(threads,),
         args=(
             q,
@@ -342,7 +296,6 @@ def forward(
             int(causal),
             split_grid,
             float(scale) * _LOG2E,
-            *coop_args,
         ),
         shared_mem=shared,
     )
@@ -368,16 +321,6 @@ def forward(
             programmatic=programmatic,
         )
     return out, lse
-
-
-def coop_resident_z(
-    device: torch.device, hq: int, hkv: int, stages: int = 1, heads: int = 1
-) -> int:
-    """The z extent of a decode (one query tile) cooperative grid whose CTAs all fit on
-    ``device`` at once (``COOP_CTAS_PER_SM``), for ``coop_z_ctas``."""
-    columns = hq // packed_heads(hq, hkv) // heads
-    resident = COOP_CTAS_PER_SM[stages] // heads * _sm_count(device.index or 0)
-    return max(1, resident // columns)
 
 
 def combine_uses_pdl(device: torch.device, pdl: bool | None = None) -> bool:
