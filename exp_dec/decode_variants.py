@@ -15,7 +15,7 @@ HQ, HKV, D, DT = 32, 8, 128, torch.bfloat16
 dev = torch.device("cuda")
 print(torch.cuda.get_device_name(), flush=True)
 res = {"gpu": torch.cuda.get_device_name(), "cases": {}}
-for batch, ctx, rounds in ((64, 4096, 3), (1, 32768, 2)):
+for batch, ctx, rounds in ((64, 4096, 4), (1, 32768, 3)):
     gen = torch.Generator(device=dev).manual_seed(0)
     k = torch.randn(batch, ctx, HKV, D, device=dev, generator=gen).to(DT)
     v = torch.randn(batch, ctx, HKV, D, device=dev, generator=gen).to(DT)
@@ -34,20 +34,14 @@ for batch, ctx, rounds in ((64, 4096, 3), (1, 32768, 2)):
     def sdpa():
         return F.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True)
 
-    z1 = gpu.coop_resident_z(dev, HQ, HKV, 1, 1)
-    z2 = gpu.coop_resident_z(dev, HQ, HKV, 1, 2)
-    z2s = gpu.coop_resident_z(dev, HQ, HKV, 2, 1)
     variants = {
         "SDPA default": sdpa,
         "default": run,
-        "s1 h2": lambda: run(stages=1, coop_heads=2),
-        "s1 h4": lambda: run(stages=1, coop_heads=4),
-        f"s1 z={z1} (resident)": lambda: run(stages=1, coop_z_ctas=z1),
-        f"s1 h2 z={z2} (resident)": lambda: run(stages=1, coop_heads=2, coop_z_ctas=z2),
-        f"s2 z={z2s} (resident)": lambda: run(stages=2, coop_z_ctas=z2s),
-        "s1 heads outer": lambda: run(stages=1, coop_heads_outer=True),
-        "s1": lambda: run(stages=1),
-        "s2": lambda: run(stages=2),
+        "s1 tma": lambda: run(stages=1, tma=True),
+        "s1 cp.async": lambda: run(stages=1, tma=False),
+        "s2 tma": lambda: run(stages=2, tma=True),
+        "s2 cp.async": lambda: run(stages=2, tma=False),
+        "s3 tma": lambda: run(stages=3, tma=True),
     }
     # bits: every variant equals the default path
     base = run()

@@ -1,4 +1,4 @@
-"""Two cooperative split launches each of the default 1-block ring and 2 head groups per CTA
+"""Two cooperative split launches each of the 1-block ring with cp.async and with TMA copies
 (B=64 ctx 4096 GQA 32/8 d=128 bf16), for ncu."""
 import torch
 
@@ -14,6 +14,6 @@ layout = gpu.make_layout(
     torch.arange(batch, device=dev), torch.ones(batch, device=dev),
     torch.arange(batch, device=dev) * ctx, torch.full((batch,), ctx, device=dev), 1, ctx,
 )
-for kw in (dict(stages=1), dict(stages=1), dict(stages=1, coop_heads=2), dict(stages=1, coop_heads=2)):
+for kw in (dict(stages=1, tma=False), dict(stages=1, tma=False), dict(stages=1, tma=True), dict(stages=1, tma=True)):
     gpu.forward(q, k, v, layout, True, gpu.scale_of(None, D), prefill_zero=False, **kw)
 torch.cuda.synchronize()
