@@ -39,6 +39,9 @@
 //       attn_split_coop_* (decode, 16-row tiles): the same split CTA run by 4 warps that share
 //       the loads, the S columns and the PV output columns; each S and acc element is the same
 //       mma chain, and every warp runs the same softmax on the whole S tile (see there).
+//       attn_split_coop_*_tma (sm_90a): the same kernel with K/V copied by TMA boxes (128-byte
+//       swizzle) instead of cp.async; the tile it builds in shared memory holds the same values
+//       (rows past k_len zeroed), so every product is the same.
 //       On sm_90 the host launches attn_combine_* with programmatic dependent launch: every split
 //       CTA lets it launch at its start (griddepcontrol.launch_dependents), and the combine
 //       waits (griddepcontrol.wait: the whole split grid completed, its writes visible) before
@@ -49,8 +52,9 @@
 //   P query heads sharing one kv head packed in M (QPT = M / P).  mma rows are independent and
 //   a warp's quad butterfly has the same shape for every row, so which tile slot a row lands
 //   in, the rows beside it (other heads, other positions, padding), NWARPS and the mode change
-//   nothing in that row's bits.  Never read: key/value rows at j >= k_len (zero-filled in
-//   shared memory), query rows past q_len.
+//   nothing in that row's bits.  Never used: key/value rows at j >= k_len (zero-filled in
+//   shared memory; the cp.async paths never read them, the TMA path copies whole 64-row boxes
+//   and zeroes those rows before any warp reads the stage), query rows past q_len (never read).
 #include "common/portability.cuh"
 
 #if !defined(__HIPCC__)
