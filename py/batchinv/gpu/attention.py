@@ -140,9 +140,10 @@ def coop_tma_shared_bytes(d: int, stages: int) -> int:
 
 def _tma_rows(t: Tensor) -> bool:
     """``t [rows, H, d]`` readable as a 2-D TMA map ``[rows, H * d]``: heads contiguous within a
-    row, 16-byte aligned base and row stride, at least one row."""
+    row, 16-byte aligned base and row stride, at least one row and fewer than 2^31 (the kernel's
+    int32 box coordinates)."""
     return (
-        t.shape[0] > 0
+        0 < t.shape[0] < 2**31
         and t.stride(2) == 1
         and t.stride(1) == t.shape[2]
         and t.stride(0) % 8 == 0
