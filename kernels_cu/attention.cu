@@ -39,6 +39,9 @@
 //       attn_split_coop_* (decode, 16-row tiles): the same split CTA run by 4 warps that share
 //       the loads, the S columns and the PV output columns; each S and acc element is the same
 //       mma chain, and every warp runs the same softmax on the whole S tile (see there).
+//       attn_split_coop_*_tma (sm_90a): the same kernel with K/V copied by TMA boxes (128-byte
+//       swizzle) instead of cp.async; the tile it builds in shared memory holds the same values
+//       (rows past k_len zeroed), so every product is the same.
 //       On sm_90 the host launches attn_combine_* with programmatic dependent launch: every split
 //       CTA lets it launch at its start (griddepcontrol.launch_dependents), and the combine
 //       waits (griddepcontrol.wait: the whole split grid completed, its writes visible) before
@@ -49,12 +52,14 @@
 //   P query heads sharing one kv head packed in M (QPT = M / P).  mma rows are independent and
 //   a warp's quad butterfly has the same shape for every row, so which tile slot a row lands
 //   in, the rows beside it (other heads, other positions, padding), NWARPS and the mode change
-//   nothing in that row's bits.  Never read: key/value rows at j >= k_len (zero-filled in
-//   shared memory), query rows past q_len.
+//   nothing in that row's bits.  Never used: key/value rows at j >= k_len (zero-filled in
+//   shared memory; the cp.async paths never read them, the TMA path copies whole 64-row boxes
+//   and zeroes those rows before any warp reads the stage), query rows past q_len (never read).
 #include "common/portability.cuh"
 
 #if !defined(__HIPCC__)
 #include "common/attention_rows.cuh"
+#include "common/hopper.cuh"
 
 namespace batchinv {
 namespace attn {
@@ -494,13 +499,38 @@ __device__ __forceinline__ void attn_tile(const Params& p) {
 // same m, l and P bits) and the PV products of D / NW output columns (each acc element is the
 // same mma chain over the block's k16 steps, rescaled by the same alpha).  Decode has few rows
 // (4 real of 16 for GQA 4:1): one warp per tile was bound by its own instruction latency.
-template <typename Codec, int D, int NW, int STAGES>
-__device__ __forceinline__ void attn_split_coop(const Params& p) {
+// K/V stage layouts of the cooperative kernel.  cp.async: [64 keys][kStride] (16-byte padded
+// rows).  TMA (sm_90a): the 64-key x 64-column boxes of the 128-byte-swizzled tensor map, D / 64
+// of them side by side: key row r of a box is 128 bytes at r * 128 whose 16-byte chunks are
+// permuted by XOR with r % 8.  `col` is a multiple of 8 (one ldmatrix row of 16 bytes).
+template <int D, bool TMA>
+__device__ __forceinline__ int coop_kv_offset(int key, int col) {
+    if constexpr (TMA) {
+        return (col / 64) * (kBlockKeys * 64) + key * 64 + ((((col % 64) / 8) ^ (key % 8)) * 8);
+    } else {
+        return key * Smem<D>::kStride + col;
+    }
+}
+
+// TMA: K/V blocks by TMA boxes of map_k / map_v (the K/V rows as [rows, Hkv * D]; sm_90a only)
+// into the swizzled stage layout, one mbarrier per stage, rows at or past k_len zeroed after the
+// copy lands; the tile and every product are the same as with cp.async.
+template <typename Codec, int D, int NW, int STAGES, bool TMA>
+__device__ __forceinline__ void attn_split_coop(const Params& p, [[maybe_unused]] const TensorMap* map_k,
+                                                [[maybe_unused]] const TensorMap* map_v) {
+#if !defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    if constexpr (TMA) {
+#if defined(__CUDA_ARCH__)
+        __trap();  // built for sm_90a images; the host launches the TMA kernels only there
+#endif
+        return;
+    }
+#endif
     using T = typename Codec::storage;
     constexpr int M = 16;
     constexpr int kThreads = 32 * NW;
     constexpr int kStride = Smem<D>::kStride;
-    constexpr int kTile = Smem<D>::kTileElems;
+    constexpr int kTile = TMA ? kBlockKeys * D : Smem<D>::kTileElems;
     constexpr int NT = D / 8;
     constexpr int KS = D / 16;
     constexpr int kChunksPerRow = D / 8;
@@ -511,12 +541,18 @@ __device__ __forceinline__ void attn_split_coop(const Params& p) {
     static_assert(NW == 2 || NW == 4, "16-key S column pairs and n8 output tiles per warp");
 
     extern __shared__ __align__(16) unsigned char smem_raw[];
-    T* sk = reinterpret_cast<T*>(smem_raw);  // [kStages][64][kStride]
-    T* sv = sk + kStages * kTile;            // [kStages][64][kStride]
+    // TMA: the swizzled boxes need 1024-byte alignment (the host adds 1024 bytes).
+    unsigned char* smem_base =
+        TMA ? smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023) : smem_raw;
+    T* sk = reinterpret_cast<T*>(smem_base);  // [kStages][kTile]
+    T* sv = sk + kStages * kTile;             // [kStages][kTile]
     // Q [16][kStride], then (once every warp holds Q in registers) S [16][kSStride] fp32:
     // max(16 * kStride * 2, 16 * kSStride * 4) bytes (py/batchinv/gpu/attention.py).
     T* sq = sv + kStages * kTile;
     float* ss = reinterpret_cast<float*>(sq);
+    // TMA: one mbarrier per stage after the Q / S region (py/batchinv/gpu/attention.py).
+    constexpr int kQsBytes = (M * kStride * 2 > M * kSStride * 4) ? M * kStride * 2 : M * kSStride * 4;
+    [[maybe_unused]] uint64_t* full = reinterpret_cast<uint64_t*>(reinterpret_cast<unsigned char*>(sq) + kQsBytes);
 
     const int tid = threadIdx.x;
     const int lane = tid % 32;
@@ -544,6 +580,16 @@ __device__ __forceinline__ void attn_split_coop(const Params& p) {
     const int blk_begin = split * kBlocksPerSplit;
     const int blk_end = min(blk_begin + kBlocksPerSplit, (tile_end + kBlockKeys - 1) / kBlockKeys);
     if (blk_begin >= blk_end) return;
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    if constexpr (TMA) {
+        if (tid == 0) {
+#pragma unroll
+            for (int i = 0; i < kStages; ++i) hopper::barrier_init(&full[i], 1);
+            hopper::fence_barrier_init();
+        }
+        __syncthreads();
+    }
+#endif
 
     // Every warp holds the tile's rows g and g + 8 (the same rows in every warp).
     int vis_end[2];
@@ -586,6 +632,41 @@ __device__ __forceinline__ void attn_split_coop(const Params& p) {
     const int ch0 = (tid % kChunksPerRow) * 8;
     const T* k_thread = kp + k_base * p.k_row + kvh * p.k_head + ch0;  // + key * k_row
     const T* v_thread = vp + k_base * p.v_row + kvh * p.v_head + ch0;
+    // TMA: thread 0 copies block blk's D / 64 boxes of K and of V (whole 64-row boxes: rows
+    // past the tensor arrive as zeros, rows past k_len inside it are zeroed by wait_kv_tma).
+    [[maybe_unused]] auto load_kv_tma = [&](int blk, int stage) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+        if (tid == 0) {
+            // The stage's last readers passed a __syncthreads before this point; order their
+            // generic reads (and any zero stores) before the async proxy's writes.
+            asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+            hopper::barrier_expect_bytes(&full[stage], 2u * kBlockKeys * D * sizeof(T));
+            const int row = static_cast<int>(k_base) + blk * kBlockKeys;
+#pragma unroll
+            for (int h = 0; h < D / 64; ++h) {
+                hopper::tma_load_2d(sk + stage * kTile + h * kBlockKeys * 64, *map_k, &full[stage], kvh * D + h * 64, row);
+                hopper::tma_load_2d(sv + stage * kTile + h * kBlockKeys * 64, *map_v, &full[stage], kvh * D + h * 64, row);
+            }
+        }
+#endif
+    };
+    [[maybe_unused]] auto wait_kv_tma = [&](int blk, int stage) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+        hopper::barrier_wait(&full[stage], ((blk - blk_begin) / kStages) & 1);
+        const int rows = k_len - blk * kBlockKeys;
+        if (rows < kBlockKeys) {  // whole 128-byte box rows: the swizzle only permutes within a row
+            const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
+            constexpr int kRowChunks = 8;  // 16-byte chunks per box row
+            for (int idx = rows * kRowChunks + tid; idx < kBlockKeys * kRowChunks; idx += kThreads) {
+#pragma unroll
+                for (int h = 0; h < D / 64; ++h) {
+                    *reinterpret_cast<uint4*>(sk + stage * kTile + h * kBlockKeys * 64 + idx * 8) = zero;
+                    *reinterpret_cast<uint4*>(sv + stage * kTile + h * kBlockKeys * 64 + idx * 8) = zero;
+                }
+            }
+        }
+#endif
+    };
     auto load_kv = [&](int blk, int stage) {
         T* dk = sk + stage * kTile + r0 * kStride + ch0;
         T* dv = sv + stage * kTile + r0 * kStride + ch0;
@@ -602,10 +683,14 @@ __device__ __forceinline__ void attn_split_coop(const Params& p) {
 
 #pragma unroll
     for (int i = 0; i < kStages - 1; ++i) {
-        if (blk_begin + i < blk_end) load_kv(blk_begin + i, i);
-        cp_async_commit();
+        if constexpr (TMA) {
+            if (blk_begin + i < blk_end) load_kv_tma(blk_begin + i, i);
+        } else {
+            if (blk_begin + i < blk_end) load_kv(blk_begin + i, i);
+            cp_async_commit();
+        }
     }
-    cp_async_wait<kStages - 1>();
+    cp_async_wait<TMA ? 0 : kStages - 1>();  // TMA: Q is the only cp.async group
     __syncthreads();
 
     uint32_t qf[KS][4];
@@ -625,9 +710,14 @@ __device__ __forceinline__ void attn_split_coop(const Params& p) {
     for (int blk = blk_begin; blk < blk_end; ++blk) {
         const int stage = (blk - blk_begin) % kStages;
         const int ahead = blk + kStages - 1;
-        if (ahead < blk_end) load_kv(ahead, (ahead - blk_begin) % kStages);
-        cp_async_commit();
-        cp_async_wait<kStages - 1>();
+        if constexpr (TMA) {
+            if (ahead < blk_end) load_kv_tma(ahead, (ahead - blk_begin) % kStages);
+            wait_kv_tma(blk, stage);
+        } else {
+            if (ahead < blk_end) load_kv(ahead, (ahead - blk_begin) % kStages);
+            cp_async_commit();
+            cp_async_wait<kStages - 1>();
+        }
         __syncthreads();  // this block's K/V are in; every warp has read Q / the last S
         const T* tk = sk + stage * kTile;
         const T* tv = sv + stage * kTile;
@@ -643,7 +733,7 @@ __device__ __forceinline__ void attn_split_coop(const Params& p) {
                 uint32_t bk[4];
                 const int key = tp * 16 + (lane % 8) + 8 * (lane / 16);
                 const int col = ks * 16 + 8 * ((lane / 8) % 2);
-                ldmatrix_x4(bk, tk + key * kStride + col);
+                ldmatrix_x4(bk, tk + coop_kv_offset<D, TMA>(key, col));
                 mma16816<Codec>(s2[0], qf[ks], bk[0], bk[1]);
                 mma16816<Codec>(s2[1], qf[ks], bk[2], bk[3]);
             }
@@ -702,7 +792,7 @@ __device__ __forceinline__ void attn_split_coop(const Params& p) {
                 uint32_t bv[4];
                 const int key = kk * 16 + (lane % 8) + 8 * ((lane / 8) % 2);
                 const int col = (warp * kOutTiles / 2 + dp) * 16 + 8 * (lane / 16);
-                ldmatrix_x4_trans(bv, tv + key * kStride + col);
+                ldmatrix_x4_trans(bv, tv + coop_kv_offset<D, TMA>(key, col));
                 mma16816<Codec>(acc[2 * dp], pa[kk], bv[0], bv[1]);
                 mma16816<Codec>(acc[2 * dp + 1], pa[kk], bv[2], bv[3]);
             }
@@ -836,7 +926,14 @@ __device__ __forceinline__ void attn_combine(const float* ws, void* out, float* 
         attn_split_coop_##DTYPE##_d##D##_w##NW##_s##S(BATCHINV_ATTN_PARAMS) {                                   \
         batchinv::attn::grid_launch_dependents(); /* the combine may launch (it waits for this grid) */          \
         BATCHINV_ATTN_MAKE_PARAMS;                                                                              \
-        batchinv::attn::attn_split_coop<CODEC, D, NW, S>(p);                                                    \
+        batchinv::attn::attn_split_coop<CODEC, D, NW, S, false>(p, nullptr, nullptr);                           \
+    }                                                                                                           \
+    extern "C" __global__ void __launch_bounds__(32 * NW, MINB) attn_split_coop_##DTYPE##_d##D##_w##NW##_s##S##_tma( \
+        const __grid_constant__ batchinv::TensorMap map_k, const __grid_constant__ batchinv::TensorMap map_v,   \
+        BATCHINV_ATTN_PARAMS) {                                                                                 \
+        batchinv::attn::grid_launch_dependents(); /* the combine may launch (it waits for this grid) */          \
+        BATCHINV_ATTN_MAKE_PARAMS;                                                                              \
+        batchinv::attn::attn_split_coop<CODEC, D, NW, S, true>(p, &map_k, &map_v);                              \
     }
 
 #define BATCHINV_ATTN_COMBINE(DTYPE, CODEC, D)                                                                  \
@@ -876,28 +973,40 @@ BATCHINV_ATTN_KERNELS(f16, batchinv::F16Codec, 128, 1)
 BATCHINV_ATTN_KERNELS(f16, batchinv::F16Codec, 128, 4)
 // Cooperative split kernels (16-row tiles, NW warps): decode.
 // batchinv-signature: attn_split_coop_bf16_d64_w4_s1(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32)
+// batchinv-signature: attn_split_coop_bf16_d64_w4_s1_tma(tmap, tmap, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32)
 BATCHINV_ATTN_SPLIT_COOP(bf16, batchinv::Bf16Codec, 64, 4, 1, 4)
 // batchinv-signature: attn_split_coop_bf16_d64_w4_s2(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32)
+// batchinv-signature: attn_split_coop_bf16_d64_w4_s2_tma(tmap, tmap, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32)
 BATCHINV_ATTN_SPLIT_COOP(bf16, batchinv::Bf16Codec, 64, 4, 2, 3)
 // batchinv-signature: attn_split_coop_bf16_d64_w4_s3(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32)
+// batchinv-signature: attn_split_coop_bf16_d64_w4_s3_tma(tmap, tmap, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32)
 BATCHINV_ATTN_SPLIT_COOP(bf16, batchinv::Bf16Codec, 64, 4, 3, 2)
 // batchinv-signature: attn_split_coop_bf16_d128_w4_s1(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32)
+// batchinv-signature: attn_split_coop_bf16_d128_w4_s1_tma(tmap, tmap, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32)
 BATCHINV_ATTN_SPLIT_COOP(bf16, batchinv::Bf16Codec, 128, 4, 1, 4)
 // batchinv-signature: attn_split_coop_bf16_d128_w4_s2(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32)
+// batchinv-signature: attn_split_coop_bf16_d128_w4_s2_tma(tmap, tmap, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32)
 BATCHINV_ATTN_SPLIT_COOP(bf16, batchinv::Bf16Codec, 128, 4, 2, 3)
 // batchinv-signature: attn_split_coop_bf16_d128_w4_s3(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32)
+// batchinv-signature: attn_split_coop_bf16_d128_w4_s3_tma(tmap, tmap, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32)
 BATCHINV_ATTN_SPLIT_COOP(bf16, batchinv::Bf16Codec, 128, 4, 3, 2)
 // batchinv-signature: attn_split_coop_f16_d64_w4_s1(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32)
+// batchinv-signature: attn_split_coop_f16_d64_w4_s1_tma(tmap, tmap, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32)
 BATCHINV_ATTN_SPLIT_COOP(f16, batchinv::F16Codec, 64, 4, 1, 4)
 // batchinv-signature: attn_split_coop_f16_d64_w4_s2(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32)
+// batchinv-signature: attn_split_coop_f16_d64_w4_s2_tma(tmap, tmap, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32)
 BATCHINV_ATTN_SPLIT_COOP(f16, batchinv::F16Codec, 64, 4, 2, 3)
 // batchinv-signature: attn_split_coop_f16_d64_w4_s3(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32)
+// batchinv-signature: attn_split_coop_f16_d64_w4_s3_tma(tmap, tmap, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32)
 BATCHINV_ATTN_SPLIT_COOP(f16, batchinv::F16Codec, 64, 4, 3, 2)
 // batchinv-signature: attn_split_coop_f16_d128_w4_s1(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32)
+// batchinv-signature: attn_split_coop_f16_d128_w4_s1_tma(tmap, tmap, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32)
 BATCHINV_ATTN_SPLIT_COOP(f16, batchinv::F16Codec, 128, 4, 1, 4)
 // batchinv-signature: attn_split_coop_f16_d128_w4_s2(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32)
+// batchinv-signature: attn_split_coop_f16_d128_w4_s2_tma(tmap, tmap, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32)
 BATCHINV_ATTN_SPLIT_COOP(f16, batchinv::F16Codec, 128, 4, 2, 3)
 // batchinv-signature: attn_split_coop_f16_d128_w4_s3(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32)
+// batchinv-signature: attn_split_coop_f16_d128_w4_s3_tma(tmap, tmap, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32)
 BATCHINV_ATTN_SPLIT_COOP(f16, batchinv::F16Codec, 128, 4, 3, 2)
 // batchinv-signature: attn_combine_bf16_d64(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i32, i32, i32)
 BATCHINV_ATTN_COMBINE(bf16, batchinv::Bf16Codec, 64)

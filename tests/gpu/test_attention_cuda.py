@@ -279,6 +279,99 @@ def test_decode_kernels_repeat_bitwise_with_an_empty_context(dtype, d):
             assert_bitwise_equal(got, want, name=f"coop, {stages} stages, run {run}")
 
 
+def _require_coop_tma():
+    k = torch.zeros(64, 2, 64, dtype=torch.bfloat16, device=DEVICE)
+    if not gpu.coop_tma_applies(k, k):
+        pytest.skip("the cooperative kernel copies K/V by TMA on sm_90a devices only")
+
+
+@cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("d", HEAD_DIMS)
+@pytest.mark.parametrize("heads", ((8, 2), (32, 4), (4, 4)))
+def test_coop_tma_copies_equal_cp_async_and_prefill(dtype, d, heads):
+    # The cooperative kernel with TMA K/V copies (swizzled stages, rows past k_len zeroed after
+    # the copy: here NaN inside the tensor, and past its end for the last sequence) at every
+    # ring depth: each decode row equals the last row of its sequence's one-shot prefill and the
+    # cp.async kernel's row, bitwise; an empty sequence gives +0 / -inf; B=1 alone too.  GQA 4:1,
+    # 8:1 and MHA; odd batch; block and split boundaries.
+    _require_coop_tma()
+    hq, hkv = heads
+    lens = (
+        [1, 65, 0, 1024, 1025, 4097] if QUICK else [1, 63, 64, 65, 0, 1023, 1024, 1025, 2049, 4097]
+    )
+    batch, ctx = len(lens), max(lens)
+    q, k, v = _qkv(batch, ctx, ctx, hq, hkv, d, dtype, seed=80 + d + hq)
+    for b, n in enumerate(lens):
+        k[b, n:] = float("nan")
+        v[b, n:] = float("nan")
+    q_new = torch.stack([q[b, max(n, 1) - 1] for b, n in enumerate(lens)])[:, None]
+    k_lens = torch.tensor(lens, device=DEVICE)
+    want = {
+        b: gpu.attention(
+            q[b : b + 1, :n],
+            k[b : b + 1, :n],
+            v[b : b + 1, :n],
+            causal=True,
+            return_lse=True,
+            mode="tile",
+            warps=4,
+        )
+        for b, n in enumerate(lens)
+        if n > 0
+    }
+    zero_out = torch.zeros((1, 1, hq, d), dtype=dtype, device=DEVICE)
+    minus_inf = torch.full((1, hq, 1), float("-inf"), device=DEVICE)
+    kw = dict(causal=True, seqlens_k=k_lens, return_lse=True, mode="split", warps=1, coop=True)
+    for stages in gpu.COOP_STAGES:
+        got = {t: gpu.attention(q_new, k, v, stages=stages, tma=t, **kw) for t in (True, False)}
+        assert_bitwise_equal(got[True], got[False], name=f"tma vs cp.async, {stages} stages")
+        for b, n in enumerate(lens):
+            name = f"tma, {stages} stages, context {n}"
+            row = (want[b][0][:, -1:], want[b][1][:, :, -1:]) if n else (zero_out, minus_inf)
+            assert_bitwise_equal(got[True][0][b : b + 1], row[0], name=f"out, {name}")
+            assert_bitwise_equal(got[True][1][b : b + 1], row[1], name=f"lse, {name}")
+        alone = gpu.attention(
+            q_new[-1:],
+            k[-1:, : lens[-1]],
+            v[-1:, : lens[-1]],
+            causal=True,
+            return_lse=True,
+            stages=stages,
+            tma=True,
+        )
+        last = (want[batch - 1][0][:, -1:], want[batch - 1][1][:, :, -1:])
+        assert_bitwise_equal(alone, last, name=f"B=1, tma, {stages} stages")
+
+
+@cuda
+def test_coop_tma_option_is_checked():
+    q, k, v = _qkv(1, 1, 1100, 8, 2, 64, torch.bfloat16, seed=44)
+    with pytest.raises(TypeError, match="tma must be a bool or None, got int"):
+        gpu.attention(q, k, v, causal=True, mode="split", warps=1, tma=1)
+    with pytest.raises(ValueError, match="tma=True needs the cooperative split kernel"):
+        gpu.attention(q, k, v, causal=True, mode="tile", warps=1, tma=True)
+    strided = torch.cat([k, k], dim=-1)[..., :64]  # rows whose heads are not contiguous
+    assert not gpu.coop_tma_applies(strided.view(-1, 2, 64), strided.view(-1, 2, 64))
+    with pytest.raises(ValueError, match="tma=True needs an sm_90a device"):
+        gpu.attention(q, strided, strided, causal=True, mode="split", warps=1, tma=True)
+    # Where TMA does not apply the default is the cp.async kernel: the same bits as tma=False.
+    kw = dict(causal=True, mode="split", warps=1, return_lse=True)
+    assert_bitwise_equal(
+        gpu.attention(q, strided, strided, **kw),
+        gpu.attention(q, strided, strided, tma=False, **kw),
+        name="strided K/V, default vs cp.async",
+    )
+
+
+def test_coop_tma_shared_bytes_fit_the_ctas_per_sm():
+    for d in gpu.HEAD_DIMS:
+        # The kernels' launch bounds: 4, 3 and 2 CTAs per SM at ring depths 1, 2 and 3.
+        for stages, ctas in ((1, 4), (2, 3), (3, 2)):
+            assert ctas * (gpu.coop_tma_shared_bytes(d, stages) + 1024) <= 228 * 1024
+    assert gpu.coop_tma_shared_bytes(128, 1) == 2 * 64 * 128 * 2 + 16 * 136 * 2 + 8 + 1024
+
+
 def test_pdl_argument_is_checked_before_the_device():
     with pytest.raises(TypeError, match="pdl must be a bool or None, got int"):
         gpu.combine_uses_pdl(torch.device(DEVICE), pdl=1)
