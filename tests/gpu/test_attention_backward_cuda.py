@@ -5,9 +5,12 @@
 - Axis-A: a sequence's dq/dk/dv bitwise the same alone and packed with 2 or 7 other
   sequences, at different places in the pack, with NaN padding rows between sequences; the
   rows no sequence covers get exact zeros; bitwise the same run to run; the kernel variants
-  (``KERNEL_VARIANT``: 32-row warp tiles with P^T / dS^T through shared memory, 16-row warp
-  tiles with ldmatrix or plain shared loads, with or without cp.async double buffering) give
-  the same bits, and every GPU test runs on each variant.
+  (``KERNEL_VARIANT``: dQ accumulated by the dK/dV CTAs in a fixed order ("fused"), 32-row
+  warp tiles with P^T / dS^T through shared memory, 16-row warp tiles with ldmatrix or plain
+  shared loads, with or without cp.async double buffering) give the same dk/dv bits, the
+  variants that recompute dQ the same dq bits, and every GPU test runs on each variant.  Long
+  sequences (up to 19 key blocks, q_len > k_len, k_len - q_len not a multiple of 64) check the
+  fused variant's ordered dQ accumulation against the reference and across batches.
 - Bad inputs: clear errors (the type/shape checks run on CPU tensors, without a GPU).
 """
 
@@ -35,6 +38,8 @@ DTYPES = (torch.bfloat16, torch.float16)
 # Lengths not multiples of 64, a chunk (q_len < k_len: a prefix of cached keys) and, for the
 # causal case, q_len > k_len (the first queries see no key: lse = -inf, zero gradients).
 ACCURACY_SEQUENCES = ((1, 1), (7, 7), (100, 100), (300, 300), (40, 170), (5, 3))
+# Many key blocks per sequence: the fused variant's per-tile order runs over 11 to 19 blocks.
+LONG_SEQUENCES = ((700, 1100), (1100, 1100), (1200, 1000))
 PROBE_SEQUENCES = ((1, 1), (7, 7), (100, 100), (50, 200)) if QUICK else (
     (1, 1), (7, 7), (100, 100), (300, 300), (50, 200), (5, 3),
 )  # fmt: skip
@@ -221,10 +226,16 @@ def test_gradients_with_a_custom_scale():
     _check_accuracy(torch.bfloat16, 64, (8, 2), True, CUSTOM_SCALE, seed=12)
 
 
-def _check_accuracy(dtype, head_dim, heads, causal, scale, seed):
+@pytest.mark.cuda
+@pytest.mark.parametrize("causal", (True, False), ids=("causal", "full"))
+def test_long_sequences_within_tolerance(causal):
+    _check_accuracy(torch.bfloat16, 128, (8, 2), causal, 1.0 / math.sqrt(128), 13, LONG_SEQUENCES)
+
+
+def _check_accuracy(dtype, head_dim, heads, causal, scale, seed, sequences=ACCURACY_SEQUENCES):
     hq, hkv = heads
-    q_lens = [s[0] for s in ACCURACY_SEQUENCES]
-    k_lens = [s[1] for s in ACCURACY_SEQUENCES]
+    q_lens = [s[0] for s in sequences]
+    k_lens = [s[1] for s in sequences]
     gen = torch.Generator(device=DEVICE).manual_seed(seed)
 
     def randn(*shape):
@@ -315,10 +326,37 @@ def test_kernel_variants_give_the_same_bits(config, kernel_variant, monkeypatch)
     ]
     pack = _pack(seqs, [0, 1, 2, 3, 0], [1, 0, 5, 0, 2])
     mine = _backward(pack, causal, scale)
+    recompute = gpu_attention_backward.RECOMPUTE_DQ_VARIANTS
     for other in gpu_attention_backward.VARIANTS:
         monkeypatch.setattr(gpu_attention_backward, "KERNEL_VARIANT", other)
         theirs = _backward(pack, causal, scale)
-        assert_bitwise_equal(mine, theirs, name=f"{kernel_variant} vs {other}")
+        # dq: the fused variant sums the key blocks in another (fixed) order.
+        same_dq = other == kernel_variant or (kernel_variant in recompute and other in recompute)
+        names = ("dq", "dk", "dv") if same_dq else ("dk", "dv")
+        for name, a, b in zip(("dq", "dk", "dv"), mine, theirs, strict=True):
+            if name in names:
+                assert_bitwise_equal(a, b, name=f"{name}: {kernel_variant} vs {other}")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("causal", (True, False), ids=("causal", "full"))
+def test_long_sequences_are_batch_invariant(causal):
+    heads, head_dim, dtype = (8, 2), 128, torch.bfloat16
+    scale = 1.0 / math.sqrt(head_dim)
+    seqs = [
+        _make_sequence(lq, lk, heads, head_dim, dtype, causal, scale, seed=400 + i)
+        for i, (lq, lk) in enumerate(LONG_SEQUENCES)
+    ]
+    packed = _pack(seqs, [5, 0, 64, 3], [0, 17, 1, 2])
+    grads = _backward(packed, causal, scale)
+    _assert_padding_zero(packed, grads, "long sequences")
+    for index, seq in enumerate(seqs):
+        alone = _backward(_pack([seq], [0, 0], [0, 0]), causal, scale)
+        for name, got, want in zip(
+            ("dq", "dk", "dv"), _sequence_grads(packed, grads, index), alone, strict=True
+        ):
+            assert_bitwise_equal(got, want, name=f"long sequence {index} packed vs alone: {name}")
+    assert_bitwise_equal(_backward(packed, causal, scale), grads, name="long sequences rerun")
 
 
 @pytest.mark.cuda
