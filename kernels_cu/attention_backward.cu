@@ -1137,68 +1137,90 @@ __device__ __forceinline__ int last_key_block_for(int query_block, int k_len, in
 }
 
 // Phase 3 of a fused step: dq_acc rows [i0, i0 + rows) of head `head` += dS K.  Warp w owns
-// queries [32 (w % 2), +32) x columns [D/4 (w / 2), +D/4) of the 64 x D tile, 16 columns at a
-// time (fewer live registers next to the dK/dV accumulators: no spills at D = 128).
-template <typename Codec, int D, typename Shape>
-__device__ __forceinline__ void dq_fused_accumulate(float* dq_acc_tile, int64_t row_stride, int rows,
-                                                    const uint16_t* s_dst, const uint16_t* s_k) {
-    constexpr int S = D + kPad;
-    constexpr int SP = Shape::kScoreStride;
-    static_assert(Shape::kKeys == kKeyBlock && Shape::kRows == kFusedQueryBlock && Shape::kThreadCount == 256,
-                  "the fused phase is written for 64 keys x 64 queries and 8 warps");
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const int q_base = (warp % 2) * 32;
-    const int d_base = (warp / 2) * (D / 4);
+// queries [32 (w % 2), +32) x columns [D/4 (w / 2), +D/4) of the 64 x D tile, 16 columns (a
+// "chunk") at a time: fewer live registers next to the dK/dV accumulators (no spills at D = 128).
+template <int D>
+struct DqChunk {
+    static constexpr int kCount = D / 4 / 16;  // chunks per warp
+    float acc[2][2][4];
+};
+
+__device__ __forceinline__ int dq_warp_row(int r_in_warp) { return (threadIdx.x / 32 % 2) * 32 + r_in_warp; }
+
+template <int D>
+__device__ __forceinline__ void dq_chunk_load(DqChunk<D>& chunk, const float* dq_acc_tile, int64_t row_stride,
+                                              int rows, int index) {
+    const int lane = threadIdx.x % 32;
+    const int col0 = (threadIdx.x / 32 / 2) * (D / 4) + 16 * index;
     const int g = lane / 4, c = 2 * (lane % 4);
 #pragma unroll
-    for (int np = 0; np < D / 4 / 16; ++np) {
-        const int col0 = d_base + 16 * np;
-        float acc[2][2][4];
+    for (int mi = 0; mi < 2; ++mi) {
 #pragma unroll
-        for (int mi = 0; mi < 2; ++mi) {
+        for (int half = 0; half < 2; ++half) {
+            const int r = dq_warp_row(16 * mi + g + 8 * half);
+            const float* src = dq_acc_tile + static_cast<int64_t>(r) * row_stride + col0 + c;
 #pragma unroll
-            for (int half = 0; half < 2; ++half) {
-                const int r = q_base + 16 * mi + g + 8 * half;
-                const float* src = dq_acc_tile + static_cast<int64_t>(r) * row_stride + col0 + c;
-#pragma unroll
-                for (int ni = 0; ni < 2; ++ni) {
-                    float2 value = make_float2(0.0f, 0.0f);
-                    if (r < rows) value = __ldcg(reinterpret_cast<const float2*>(src + 8 * ni));
-                    acc[mi][ni][2 * half] = value.x;
-                    acc[mi][ni][2 * half + 1] = value.y;
-                }
-            }
-        }
-#pragma unroll
-        for (int t = 0; t < kKeyBlock / 16; ++t) {
-            uint32_t a[2][4], b[4];
-#pragma unroll
-            for (int mi = 0; mi < 2; ++mi) load_a_km<SP>(a[mi], s_dst, q_base + 16 * mi, 16 * t, lane);
-            load_b_kn<true, S>(b, s_k, col0, 16 * t, lane);
-#pragma unroll
-            for (int mi = 0; mi < 2; ++mi) {
-                mma<Codec>(acc[mi][0], a[mi], b[0], b[1]);
-                mma<Codec>(acc[mi][1], a[mi], b[2], b[3]);
-            }
-        }
-#pragma unroll
-        for (int mi = 0; mi < 2; ++mi) {
-#pragma unroll
-            for (int half = 0; half < 2; ++half) {
-                const int r = q_base + 16 * mi + g + 8 * half;
-                if (r >= rows) continue;
-                float* dst = dq_acc_tile + static_cast<int64_t>(r) * row_stride + col0 + c;
-#pragma unroll
-                for (int ni = 0; ni < 2; ++ni) {
-                    __stcg(reinterpret_cast<float2*>(dst + 8 * ni),
-                           make_float2(acc[mi][ni][2 * half], acc[mi][ni][2 * half + 1]));
-                }
+            for (int ni = 0; ni < 2; ++ni) {
+                float2 value = make_float2(0.0f, 0.0f);
+                if (r < rows) value = __ldcg(reinterpret_cast<const float2*>(src + 8 * ni));
+                chunk.acc[mi][ni][2 * half] = value.x;
+                chunk.acc[mi][ni][2 * half + 1] = value.y;
             }
         }
     }
 }
 
+// chunk += dS K over the block's 64 keys (k16 steps in order), then stored back.
 template <typename Codec, int D, typename Shape>
+__device__ __forceinline__ void dq_chunk_update(DqChunk<D>& chunk, float* dq_acc_tile, int64_t row_stride,
+                                                int rows, int index, const uint16_t* s_dst, const uint16_t* s_k) {
+    constexpr int S = D + kPad;
+    constexpr int SP = Shape::kScoreStride;
+    static_assert(Shape::kKeys == kKeyBlock && Shape::kRows == kFusedQueryBlock && Shape::kThreadCount == 256,
+                  "the fused phase is written for 64 keys x 64 queries and 8 warps");
+    const int lane = threadIdx.x % 32;
+    const int q_base = dq_warp_row(0);
+    const int col0 = (threadIdx.x / 32 / 2) * (D / 4) + 16 * index;
+    const int g = lane / 4, c = 2 * (lane % 4);
+#pragma unroll
+    for (int t = 0; t < kKeyBlock / 16; ++t) {
+        uint32_t a[2][4], b[4];
+#pragma unroll
+        for (int mi = 0; mi < 2; ++mi) load_a_km<SP>(a[mi], s_dst, q_base + 16 * mi, 16 * t, lane);
+        load_b_kn<true, S>(b, s_k, col0, 16 * t, lane);
+#pragma unroll
+        for (int mi = 0; mi < 2; ++mi) {
+            mma<Codec>(chunk.acc[mi][0], a[mi], b[0], b[1]);
+            mma<Codec>(chunk.acc[mi][1], a[mi], b[2], b[3]);
+        }
+    }
+#pragma unroll
+    for (int mi = 0; mi < 2; ++mi) {
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const int r = q_base + 16 * mi + g + 8 * half;
+            if (r >= rows) continue;
+            float* dst = dq_acc_tile + static_cast<int64_t>(r) * row_stride + col0 + c;
+#pragma unroll
+            for (int ni = 0; ni < 2; ++ni) {
+                __stcg(reinterpret_cast<float2*>(dst + 8 * ni),
+                       make_float2(chunk.acc[mi][ni][2 * half], chunk.acc[mi][ni][2 * half + 1]));
+            }
+        }
+    }
+}
+
+__device__ __forceinline__ int load_relaxed(const int* p) {
+    int value;
+    asm volatile("ld.relaxed.gpu.global.s32 %0, [%1];" : "=r"(value) : "l"(p) : "memory");
+    return value;
+}
+
+// kOverlap: the counter is read (relaxed) before phase 1 and checked after it, with an acquire
+// fence once it matches (otherwise an acquire load after phase 1).  kPrefetch 0: each dQ
+// chunk is loaded just before its mma; 1: the next chunk is loaded during the current one's
+// mma; 2: also the first chunk before phase 2 (more live registers).  Same arithmetic.
+template <typename Codec, int D, typename Shape, bool kOverlap, int kPrefetch>
 __device__ __forceinline__ void dkdvq_fused_kernel(const uint16_t* q, const uint16_t* k, const uint16_t* v,
                                                    const uint16_t* dout, const float* lse, const float* delta,
                                                    const int* q_start_of, const int* q_len_of,
@@ -1261,6 +1283,12 @@ __device__ __forceinline__ void dkdvq_fused_kernel(const uint16_t* q, const uint
         const int query_block = first_block + step % blocks_per_head;
         const int i0 = query_block * kRows;
         const int rows = min(kRows, q_len - i0);
+        // Recomputed where used rather than kept live through phase 1 (registers).
+        auto tile_counter = [&]() {
+            return tile_done + (static_cast<int64_t>(seq) * num_q_heads + head) * query_blocks_max + query_block;
+        };
+        int seen = 0;
+        if (kOverlap && threadIdx.x == 0) seen = load_relaxed(tile_counter());  // used after phase 1
         load_tile<D, kRows, true, kNT>(s_q, q + head * D, q_stride, q_start + i0, rows);
         load_tile<D, kRows, true, kNT>(s_do, dout + head * D, q_stride, q_start + i0, rows);
         load_row_stats<kRows, kNT>(s_lse, s_delta, lse, delta, head * total_q, q_start + i0, rows);
@@ -1269,25 +1297,41 @@ __device__ __forceinline__ void dkdvq_fused_kernel(const uint16_t* q, const uint
         __syncthreads();
         dkdv_tiled_scores<Codec, D, Shape>(s_pt, s_dst, s_k, s_v, s_q, s_do, s_lse, s_delta, key0, i0, k_len,
                                            offset, causal, scale);
-        int* done = tile_done + (static_cast<int64_t>(seq) * num_q_heads + head) * query_blocks_max + query_block;
         const int before_me = last_key_block_for(query_block, k_len, offset, causal) - key_block;
-        if (threadIdx.x == 0 && load_acquire(done) != before_me) {
+        if (threadIdx.x == 0) {
             // Wait for the key blocks after this one to have added theirs to this dQ tile.
-            const uint64_t since = global_nanoseconds();
-            while (load_acquire(done) != before_me) {
-                if (global_nanoseconds() - since > kMaxWaitNanoseconds) __trap();  // a bug, not a hang
-                __nanosleep(64);
+            int* done = tile_counter();
+            if (!kOverlap) seen = load_acquire(done);
+            const bool waited = seen != before_me;
+            if (waited) {
+                const uint64_t since = global_nanoseconds();
+                while ((seen = load_relaxed(done)) != before_me) {
+                    if (global_nanoseconds() - since > kMaxWaitNanoseconds) __trap();  // a bug, not a hang
+                    __nanosleep(64);
+                }
             }
+            if (kOverlap || waited) asm volatile("fence.acq_rel.gpu;" ::: "memory");
         }
         __syncthreads();  // P^T and dS^T are complete; this dQ tile is ours
+        float* dq_tile = dq_acc + (static_cast<int64_t>(q_start) + i0) * q_stride + head * D;
+        DqChunk<D> chunk;
+        if constexpr (kPrefetch == 2) dq_chunk_load<D>(chunk, dq_tile, q_stride, rows, 0);
         dkdv_tiled_accumulate<Codec, D, Shape>(acc_dk, acc_dv, s_pt, s_dst, s_q, s_do);
-        dq_fused_accumulate<Codec, D, Shape>(
-            dq_acc + (static_cast<int64_t>(q_start) + i0) * q_stride + head * D, q_stride, rows, s_dst, s_k);
-        __syncthreads();  // every thread's dq_acc stores are done; s_* are rewritten next
-        if (threadIdx.x == 0) {
-            __threadfence();
-            store_release(done, before_me + 1);
+        if constexpr (kPrefetch == 1) dq_chunk_load<D>(chunk, dq_tile, q_stride, rows, 0);
+#pragma unroll
+        for (int index = 0; index < DqChunk<D>::kCount; ++index) {
+            if constexpr (kPrefetch > 0) {
+                DqChunk<D> next;
+                if (index + 1 < DqChunk<D>::kCount) dq_chunk_load<D>(next, dq_tile, q_stride, rows, index + 1);
+                dq_chunk_update<Codec, D, Shape>(chunk, dq_tile, q_stride, rows, index, s_dst, s_k);
+                if (index + 1 < DqChunk<D>::kCount) chunk = next;
+            } else {
+                dq_chunk_load<D>(chunk, dq_tile, q_stride, rows, index);
+                dq_chunk_update<Codec, D, Shape>(chunk, dq_tile, q_stride, rows, index, s_dst, s_k);
+            }
         }
+        __syncthreads();  // every thread's dq_acc stores are done; s_* are rewritten next
+        if (threadIdx.x == 0) store_release(tile_counter(), before_me + 1);  // release: cumulative over the CTA's stores
     }
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -1393,18 +1437,24 @@ __device__ __forceinline__ void dq_convert_kernel(const float* dq_acc, const int
                                                       scale);                                                   \
     }
 
-#define BATCHINV_ATTN_BWD_FUSED(DTYPE, CODEC, D)                                                              \
+#define BATCHINV_ATTN_BWD_DKDVQ(DTYPE, CODEC, D, SUFFIX, OVERLAP, EARLY)                                              \
     extern "C" __global__ void __launch_bounds__(batchinv::attn_bwd::WideKv<D>::kThreadCount,                  \
                                                  batchinv::attn_bwd::WideKv<D>::kMinBlocks)                    \
-        attention_bwd_dkdvq_##DTYPE##_d##D##_fused(                                                            \
+        attention_bwd_dkdvq_##DTYPE##_d##D##SUFFIX(                                                            \
         const uint16_t* q, const uint16_t* k, const uint16_t* v, const uint16_t* dout, const float* lse,        \
         const float* delta, const int* q_start, const int* q_len, const int* k_start, const int* k_len,         \
         uint16_t* dk, uint16_t* dv, float* dq_acc, int* counters, int num_q_heads, int num_kv_heads,            \
         int64_t total_q, int causal, float scale, int key_blocks_max, int query_blocks_max) {                  \
-        batchinv::attn_bwd::dkdvq_fused_kernel<CODEC, D, batchinv::attn_bwd::WideKv<D>>(                       \
+        batchinv::attn_bwd::dkdvq_fused_kernel<CODEC, D, batchinv::attn_bwd::WideKv<D>, OVERLAP, EARLY>(              \
             q, k, v, dout, lse, delta, q_start, q_len, k_start, k_len, dk, dv, dq_acc, counters, num_q_heads,   \
             num_kv_heads, total_q, causal, scale, key_blocks_max, query_blocks_max);                            \
-    }                                                                                                           \
+    }
+
+#define BATCHINV_ATTN_BWD_FUSED(DTYPE, CODEC, D)                                                              \
+    BATCHINV_ATTN_BWD_DKDVQ(DTYPE, CODEC, D, _fused, true, 0)                                                  \
+    BATCHINV_ATTN_BWD_DKDVQ(DTYPE, CODEC, D, _fusednext, true, 1)                                              \
+    BATCHINV_ATTN_BWD_DKDVQ(DTYPE, CODEC, D, _fusedearly, true, 2)                                             \
+    BATCHINV_ATTN_BWD_DKDVQ(DTYPE, CODEC, D, _fusedplain, false, 0)                                            \
     extern "C" __global__ void __launch_bounds__(batchinv::attn_bwd::kThreads)                                \
         attention_bwd_dq_convert_##DTYPE##_d##D(const float* dq_acc, const int* q_start, const int* q_len,     \
                                                 uint16_t* dq, int num_q_heads, float scale) {                  \
@@ -1435,6 +1485,9 @@ __device__ __forceinline__ void dq_convert_kernel(const float* dq_acc, const int
 // batchinv-signature: attention_bwd_dq_bf16_d64_async(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
 // batchinv-signature: attention_bwd_dq_bf16_d64_tiled(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
 // batchinv-signature: attention_bwd_dkdvq_bf16_d64_fused(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32, i32, i32)
+// batchinv-signature: attention_bwd_dkdvq_bf16_d64_fusednext(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32, i32, i32)
+// batchinv-signature: attention_bwd_dkdvq_bf16_d64_fusedearly(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32, i32, i32)
+// batchinv-signature: attention_bwd_dkdvq_bf16_d64_fusedplain(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32, i32, i32)
 // batchinv-signature: attention_bwd_dq_convert_bf16_d64(ptr, ptr, ptr, ptr, i32, f32)
 BATCHINV_ATTN_BWD_ALL(bf16, batchinv::Bf16Codec, 64)
 // batchinv-signature: attention_bwd_delta_bf16_d128(ptr, ptr, ptr, ptr, ptr, i32, i64)
@@ -1447,6 +1500,9 @@ BATCHINV_ATTN_BWD_ALL(bf16, batchinv::Bf16Codec, 64)
 // batchinv-signature: attention_bwd_dq_bf16_d128_async(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
 // batchinv-signature: attention_bwd_dq_bf16_d128_tiled(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
 // batchinv-signature: attention_bwd_dkdvq_bf16_d128_fused(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32, i32, i32)
+// batchinv-signature: attention_bwd_dkdvq_bf16_d128_fusednext(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32, i32, i32)
+// batchinv-signature: attention_bwd_dkdvq_bf16_d128_fusedearly(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32, i32, i32)
+// batchinv-signature: attention_bwd_dkdvq_bf16_d128_fusedplain(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32, i32, i32)
 // batchinv-signature: attention_bwd_dq_convert_bf16_d128(ptr, ptr, ptr, ptr, i32, f32)
 BATCHINV_ATTN_BWD_ALL(bf16, batchinv::Bf16Codec, 128)
 // batchinv-signature: attention_bwd_delta_f16_d64(ptr, ptr, ptr, ptr, ptr, i32, i64)
@@ -1459,6 +1515,9 @@ BATCHINV_ATTN_BWD_ALL(bf16, batchinv::Bf16Codec, 128)
 // batchinv-signature: attention_bwd_dq_f16_d64_async(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
 // batchinv-signature: attention_bwd_dq_f16_d64_tiled(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
 // batchinv-signature: attention_bwd_dkdvq_f16_d64_fused(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32, i32, i32)
+// batchinv-signature: attention_bwd_dkdvq_f16_d64_fusednext(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32, i32, i32)
+// batchinv-signature: attention_bwd_dkdvq_f16_d64_fusedearly(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32, i32, i32)
+// batchinv-signature: attention_bwd_dkdvq_f16_d64_fusedplain(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32, i32, i32)
 // batchinv-signature: attention_bwd_dq_convert_f16_d64(ptr, ptr, ptr, ptr, i32, f32)
 BATCHINV_ATTN_BWD_ALL(f16, batchinv::F16Codec, 64)
 // batchinv-signature: attention_bwd_delta_f16_d128(ptr, ptr, ptr, ptr, ptr, i32, i64)
@@ -1471,6 +1530,9 @@ BATCHINV_ATTN_BWD_ALL(f16, batchinv::F16Codec, 64)
 // batchinv-signature: attention_bwd_dq_f16_d128_async(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
 // batchinv-signature: attention_bwd_dq_f16_d128_tiled(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
 // batchinv-signature: attention_bwd_dkdvq_f16_d128_fused(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32, i32, i32)
+// batchinv-signature: attention_bwd_dkdvq_f16_d128_fusednext(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32, i32, i32)
+// batchinv-signature: attention_bwd_dkdvq_f16_d128_fusedearly(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32, i32, i32)
+// batchinv-signature: attention_bwd_dkdvq_f16_d128_fusedplain(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32, i32, i32)
 // batchinv-signature: attention_bwd_dq_convert_f16_d128(ptr, ptr, ptr, ptr, i32, f32)
 BATCHINV_ATTN_BWD_ALL(f16, batchinv::F16Codec, 128)
 

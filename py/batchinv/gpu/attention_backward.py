@@ -59,12 +59,16 @@ _FLOAT_BYTES = 4
 # speed differs.
 _KERNELS = {
     "fused": ("fused", "convert"),
+    "fused_next": ("fusednext", "convert"),
+    "fused_early": ("fusedearly", "convert"),
+    "fused_plain": ("fusedplain", "convert"),
     "tiled": ("wide", "tiled"),
     "async": ("async", "async"),
     "ldsm": ("ldsm", "ldsm"),
     "lds": ("lds", "lds"),
 }
 VARIANTS = tuple(_KERNELS)
+_FUSED_KERNELS = ("fused", "fusednext", "fusedearly", "fusedplain")
 KERNEL_VARIANT = "fused"
 # Variants that recompute dQ in its own kernel: their dq bits agree with each other.
 RECOMPUTE_DQ_VARIANTS = tuple(v for v in VARIANTS if _KERNELS[v][1] != "convert")
@@ -92,7 +96,7 @@ def dkdv_shared_bytes(head_dim: int, variant: str) -> int:
     """K and V tiles, then per buffer the Q and dO tiles and the rows' lse and delta ("_wide"
     kernel: one buffer, plus the P^T and dS^T tiles)."""
     kernel = _KERNELS[variant][0]
-    if kernel in ("wide", "fused"):
+    if kernel in ("wide", *_FUSED_KERNELS):
         per_step = 2 * _tile_bytes(head_dim, WIDE_KV_ROWS) + 2 * WIDE_KV_ROWS * _FLOAT_BYTES
         scores = 2 * WIDE_KEYS * (WIDE_KV_ROWS + _PAD) * 2
         return 2 * _tile_bytes(head_dim, WIDE_KEYS) + per_step + scores
@@ -116,8 +120,8 @@ def _geometry(variant: str) -> dict[str, int]:
     """Keys per dK/dV CTA and its threads, query rows per dQ CTA and its threads."""
     kv, dq = _KERNELS[variant]
     return {
-        "keys": WIDE_KEYS if kv in ("wide", "fused") else KEY_BLOCK,
-        "kv_threads": WIDE_THREADS if kv in ("wide", "fused") else THREADS,
+        "keys": WIDE_KEYS if kv in ("wide", *_FUSED_KERNELS) else KEY_BLOCK,
+        "kv_threads": WIDE_THREADS if kv in ("wide", *_FUSED_KERNELS) else THREADS,
         "rows": TILED_DQ_ROWS if dq == "tiled" else DQ_QUERY_ROWS,
         "dq_threads": THREADS,
     }
@@ -291,8 +295,8 @@ def _kernel_name(stage: str, dtype: torch.dtype, head_dim: int, variant: str) ->
     if stage == "delta":
         return f"attention_bwd_delta_{suffix}"
     kv, dq = _KERNELS[variant]
-    if stage == "dkdv" and kv == "fused":
-        return f"attention_bwd_dkdvq_{suffix}_fused"
+    if stage == "dkdv" and kv in _FUSED_KERNELS:
+        return f"attention_bwd_dkdvq_{suffix}_{kv}"
     if stage == "dkdv":
         return f"attention_bwd_dkdv_{suffix}_{kv}"
     if dq == "convert":
@@ -361,7 +365,7 @@ def kernel_launches(
                 ),
             )
         )
-    if _KERNELS[variant][0] == "fused":
+    if _KERNELS[variant][0] in _FUSED_KERNELS:
         launches += _fused_launches(
             inputs, (dq, dk, dv), shape_args, batch, max_q_len, max_k_len, variant, index
         )
