@@ -1062,324 +1062,6 @@ __device__ __forceinline__ void dq_tiled_kernel(const uint16_t* q, const uint16_
 #endif
 }
 
-
-// ---- "fused" variant (the default): dQ accumulated by the dK/dV CTAs in a fixed order -------
-//
-// The dQ kernels above recompute S and dP (3 of the backward's 7 matmuls) so that every dq
-// element has one owning CTA.  Here the "_wide" dK/dV CTA of key block j also adds its
-// dS K contribution to an fp32 dQ accumulator in global memory (dq_acc [Tq, Hq, D], zeroed by
-// the host), and a small kernel rounds dq_acc * scale to the input dtype: 5 matmuls.
-//
-// Fixed order.  The dQ tile (sequence, q head h, query block i of 64 rows aligned to the
-// sequence's first query) receives the contributions of the key blocks j = J(i), J(i) - 1,
-// ..., 0 in DECREASING order, where J(i) is the last key block whose CTA walks block i (a
-// function of the sequence's lengths only).  A per-tile counter (tile_done, zeroed by the
-// host) says how many key blocks have added theirs; the CTA of block j waits until it reads
-// J(i) - j (acquire), loads the tile's fp32 values (L2, ld.cg), adds its four k16 chunks of
-// keys through the mma (C = the loaded values), stores them (st.cg) and, after a barrier,
-// publishes J(i) - j + 1 (fence + release).  So every dq element is the chain
-//   0 -> + block J(i) (k16 chunks in order) -> ... -> + block 0  -> * scale -> rounded,
-// a function of the sequence alone: batch invariant and run-to-run deterministic, no atomic
-// touches a value.  (The 16-row variants' dQ kernels sum the key blocks in increasing order:
-// their dq bits differ from this variant's; dk and dv are the same in all variants.)
-//
-// Why decreasing: under causal masking the CTA of block j walks query blocks j, j+1, ...
-// (offset 0), so for every tile it reaches, the CTA of block j + 1 (one query block less per
-// head) got there at least one step earlier: the waits are (almost) never taken.  In
-// increasing order every CTA would wait for the one before it, a chain as long as the
-// sequence.  Non-causal CTAs walk the same blocks and do wait, one step per key block.
-//
-// Deadlock freedom does not rest on the hardware's CTA dispatch order.  Each CTA takes a
-// ticket (atomicAdd on a zeroed counter) and runs the work item of that ticket: items are
-// numbered group by group ((sequence, kv head) groups), and within a group from the last key
-// block to block 0, so every item a CTA waits for has a smaller ticket.  A ticket is taken
-// only by a CTA that is running, so that item is owned by a resident CTA; by induction on the
-// ticket, the smallest unfinished ticket waits for nothing unfinished, so some CTA always
-// progresses, with any number of CTAs resident (even one).  The ticket picks which CTA does an
-// item, never the arithmetic.  A wait that lasts more than 10 s traps (a bug, not a
-// hang): the test run fails instead of stalling.
-
-constexpr int kFusedQueryBlock = 64;  // rows of a dQ tile = queries per step of the WideKv CTA
-
-__device__ __forceinline__ int load_acquire(const int* p) {
-    int value;
-    asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(value) : "l"(p) : "memory");
-    return value;
-}
-
-__device__ __forceinline__ uint64_t global_nanoseconds() {
-    uint64_t t;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-    return t;
-}
-// Legitimate waits last a few steps of another running CTA (microseconds; far less than this
-// even under compute-sanitizer).
-constexpr uint64_t kMaxWaitNanoseconds = 10ull * 1000 * 1000 * 1000;
-
-__device__ __forceinline__ void store_release(int* p, int value) {
-    asm volatile("st.release.gpu.global.s32 [%0], %1;" ::"l"(p), "r"(value) : "memory");
-}
-
-// A operand (rows m = queries, k = keys) from a tile stored [k][m] (dS^T): transposed ldmatrix.
-template <int S>
-__device__ __forceinline__ void load_a_km(uint32_t (&a)[4], const uint16_t* tile, int m0, int k0, int lane) {
-    const int j = lane / 8;
-    ldmatrix_x4_trans(a, tile + (k0 + lane % 8 + (j >> 1) * 8) * S + m0 + (j & 1) * 8);
-}
-
-// The last key block whose CTA walks query block i (-1: none): block j walks i iff
-// first_block(j) = max(0, 64 j - offset) / 64 <= i.
-__device__ __forceinline__ int last_key_block_for(int query_block, int k_len, int offset, int causal) {
-    const int key_blocks = (k_len + kKeyBlock - 1) / kKeyBlock;
-    if (!causal) return key_blocks - 1;
-    const int x = kFusedQueryBlock * query_block + kFusedQueryBlock - 1 + offset;
-    return x < 0 ? -1 : min(key_blocks - 1, x / kKeyBlock);
-}
-
-// Phase 3 of a fused step: dq_acc rows [i0, i0 + rows) of head `head` += dS K.  Warp w owns
-// queries [32 (w % 2), +32) x columns [D/4 (w / 2), +D/4) of the 64 x D tile, 16 columns (a
-// "chunk") at a time: fewer live registers next to the dK/dV accumulators (no spills at D = 128).
-template <int D>
-struct DqChunk {
-    static constexpr int kCount = D / 4 / 16;  // chunks per warp
-    float acc[2][2][4];
-};
-
-__device__ __forceinline__ int dq_warp_row(int r_in_warp) { return (threadIdx.x / 32 % 2) * 32 + r_in_warp; }
-
-template <int D>
-__device__ __forceinline__ void dq_chunk_load(DqChunk<D>& chunk, const float* dq_acc_tile, int64_t row_stride,
-                                              int rows, int index) {
-    const int lane = threadIdx.x % 32;
-    const int col0 = (threadIdx.x / 32 / 2) * (D / 4) + 16 * index;
-    const int g = lane / 4, c = 2 * (lane % 4);
-#pragma unroll
-    for (int mi = 0; mi < 2; ++mi) {
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-            const int r = dq_warp_row(16 * mi + g + 8 * half);
-            const float* src = dq_acc_tile + static_cast<int64_t>(r) * row_stride + col0 + c;
-#pragma unroll
-            for (int ni = 0; ni < 2; ++ni) {
-                float2 value = make_float2(0.0f, 0.0f);
-                if (r < rows) value = __ldcg(reinterpret_cast<const float2*>(src + 8 * ni));
-                chunk.acc[mi][ni][2 * half] = value.x;
-                chunk.acc[mi][ni][2 * half + 1] = value.y;
-            }
-        }
-    }
-}
-
-// chunk += dS K over the block's 64 keys (k16 steps in order), then stored back.
-template <typename Codec, int D, typename Shape>
-__device__ __forceinline__ void dq_chunk_update(DqChunk<D>& chunk, float* dq_acc_tile, int64_t row_stride,
-                                                int rows, int index, const uint16_t* s_dst, const uint16_t* s_k) {
-    constexpr int S = D + kPad;
-    constexpr int SP = Shape::kScoreStride;
-    static_assert(Shape::kKeys == kKeyBlock && Shape::kRows == kFusedQueryBlock && Shape::kThreadCount == 256,
-                  "the fused phase is written for 64 keys x 64 queries and 8 warps");
-    const int lane = threadIdx.x % 32;
-    const int q_base = dq_warp_row(0);
-    const int col0 = (threadIdx.x / 32 / 2) * (D / 4) + 16 * index;
-    const int g = lane / 4, c = 2 * (lane % 4);
-#pragma unroll
-    for (int t = 0; t < kKeyBlock / 16; ++t) {
-        uint32_t a[2][4], b[4];
-#pragma unroll
-        for (int mi = 0; mi < 2; ++mi) load_a_km<SP>(a[mi], s_dst, q_base + 16 * mi, 16 * t, lane);
-        load_b_kn<true, S>(b, s_k, col0, 16 * t, lane);
-#pragma unroll
-        for (int mi = 0; mi < 2; ++mi) {
-            mma<Codec>(chunk.acc[mi][0], a[mi], b[0], b[1]);
-            mma<Codec>(chunk.acc[mi][1], a[mi], b[2], b[3]);
-        }
-    }
-#pragma unroll
-    for (int mi = 0; mi < 2; ++mi) {
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-            const int r = q_base + 16 * mi + g + 8 * half;
-            if (r >= rows) continue;
-            float* dst = dq_acc_tile + static_cast<int64_t>(r) * row_stride + col0 + c;
-#pragma unroll
-            for (int ni = 0; ni < 2; ++ni) {
-                __stcg(reinterpret_cast<float2*>(dst + 8 * ni),
-                       make_float2(chunk.acc[mi][ni][2 * half], chunk.acc[mi][ni][2 * half + 1]));
-            }
-        }
-    }
-}
-
-__device__ __forceinline__ int load_relaxed(const int* p) {
-    int value;
-    asm volatile("ld.relaxed.gpu.global.s32 %0, [%1];" : "=r"(value) : "l"(p) : "memory");
-    return value;
-}
-
-// kOverlap: the counter is read (relaxed) before phase 1 and checked after it, with an acquire
-// fence once it matches (otherwise an acquire load after phase 1).  kPrefetch 0: each dQ
-// chunk is loaded just before its mma; 1: the next chunk is loaded during the current one's
-// mma; 2: also the first chunk before phase 2 (more live registers).  Same arithmetic.
-template <typename Codec, int D, typename Shape, bool kOverlap, int kPrefetch>
-__device__ __forceinline__ void dkdvq_fused_kernel(const uint16_t* q, const uint16_t* k, const uint16_t* v,
-                                                   const uint16_t* dout, const float* lse, const float* delta,
-                                                   const int* q_start_of, const int* q_len_of,
-                                                   const int* k_start_of, const int* k_len_of, uint16_t* dk,
-                                                   uint16_t* dv, float* dq_acc, int* counters, int num_q_heads,
-                                                   int num_kv_heads, int64_t total_q, int causal, float scale,
-                                                   int key_blocks_max, int query_blocks_max) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-    constexpr int kKeys = Shape::kKeys;
-    constexpr int kRows = Shape::kRows;
-    constexpr int kNT = Shape::kThreadCount;
-    constexpr int S = D + kPad;
-    constexpr int SP = Shape::kScoreStride;
-    static_assert(Shape::kBuffers == 1, "one Q/dO buffer");
-    __shared__ int s_ticket;
-    if (threadIdx.x == 0) s_ticket = atomicAdd(counters, 1);  // counters[0]: the ticket counter
-    __syncthreads();
-    const int ticket = s_ticket;
-    const int item_group = ticket / key_blocks_max;  // (sequence, kv head), in order
-    const int seq = item_group / num_kv_heads;
-    const int kv_head = item_group % num_kv_heads;
-    const int key_block = key_blocks_max - 1 - ticket % key_blocks_max;  // last block first
-    int* tile_done = counters + 1;  // [B][Hq][query_blocks_max]
-    const int k_len = k_len_of[seq];
-    const int key0 = key_block * kKeys;
-    if (key0 >= k_len) return;
-    const int q_len = q_len_of[seq];
-    const int q_start = q_start_of[seq];
-    const int k_start = k_start_of[seq];
-    const int offset = k_len - q_len;  // absolute position of query 0
-    const int group = num_q_heads / num_kv_heads;
-    const int64_t q_stride = static_cast<int64_t>(num_q_heads) * D;
-    const int64_t kv_stride = static_cast<int64_t>(num_kv_heads) * D;
-
-    extern __shared__ __align__(16) uint16_t smem[];
-    uint16_t* s_k = smem;
-    uint16_t* s_v = s_k + kKeys * S;
-    uint16_t* s_q = s_v + kKeys * S;
-    uint16_t* s_do = s_q + kRows * S;
-    uint16_t* s_pt = s_do + kRows * S;   // [kKeys][SP]
-    uint16_t* s_dst = s_pt + kKeys * SP;  // [kKeys][SP]
-    float* s_lse = reinterpret_cast<float*>(s_dst + kKeys * SP);
-    float* s_delta = s_lse + kRows;
-
-    const int key_rows = min(kKeys, k_len - key0);
-    load_tile<D, kKeys, true, kNT>(s_k, k + kv_head * D, kv_stride, k_start + key0, key_rows);
-    load_tile<D, kKeys, true, kNT>(s_v, v + kv_head * D, kv_stride, k_start + key0, key_rows);
-
-    // The same walk as the "_wide" kernel: the group's query heads in increasing order, for
-    // each the query blocks from the first that can see key0.
-    const int first_query = causal ? max(0, key0 - offset) : 0;
-    const int first_block = first_query / kRows;
-    const int blocks_per_head = max(0, (q_len + kRows - 1) / kRows - first_block);
-    const int steps = group * blocks_per_head;
-
-    float acc_dk[Shape::kMt2][Shape::kNt2][4] = {};
-    float acc_dv[Shape::kMt2][Shape::kNt2][4] = {};
-    for (int step = 0; step < steps; ++step) {
-        const int head = kv_head * group + step / blocks_per_head;
-        const int query_block = first_block + step % blocks_per_head;
-        const int i0 = query_block * kRows;
-        const int rows = min(kRows, q_len - i0);
-        // Recomputed where used rather than kept live through phase 1 (registers).
-        auto tile_counter = [&]() {
-            return tile_done + (static_cast<int64_t>(seq) * num_q_heads + head) * query_blocks_max + query_block;
-        };
-        int seen = 0;
-        if (kOverlap && threadIdx.x == 0) seen = load_relaxed(tile_counter());  // used after phase 1
-        load_tile<D, kRows, true, kNT>(s_q, q + head * D, q_stride, q_start + i0, rows);
-        load_tile<D, kRows, true, kNT>(s_do, dout + head * D, q_stride, q_start + i0, rows);
-        load_row_stats<kRows, kNT>(s_lse, s_delta, lse, delta, head * total_q, q_start + i0, rows);
-        cp_async_commit();
-        cp_async_wait<0>();
-        __syncthreads();
-        dkdv_tiled_scores<Codec, D, Shape>(s_pt, s_dst, s_k, s_v, s_q, s_do, s_lse, s_delta, key0, i0, k_len,
-                                           offset, causal, scale);
-        const int before_me = last_key_block_for(query_block, k_len, offset, causal) - key_block;
-        if (threadIdx.x == 0) {
-            // Wait for the key blocks after this one to have added theirs to this dQ tile.
-            int* done = tile_counter();
-            if (!kOverlap) seen = load_acquire(done);
-            const bool waited = seen != before_me;
-            if (waited) {
-                const uint64_t since = global_nanoseconds();
-                while ((seen = load_relaxed(done)) != before_me) {
-                    if (global_nanoseconds() - since > kMaxWaitNanoseconds) __trap();  // a bug, not a hang
-                    __nanosleep(64);
-                }
-            }
-            if (kOverlap || waited) asm volatile("fence.acq_rel.gpu;" ::: "memory");
-        }
-        __syncthreads();  // P^T and dS^T are complete; this dQ tile is ours
-        float* dq_tile = dq_acc + (static_cast<int64_t>(q_start) + i0) * q_stride + head * D;
-        DqChunk<D> chunk;
-        if constexpr (kPrefetch == 2) dq_chunk_load<D>(chunk, dq_tile, q_stride, rows, 0);
-        dkdv_tiled_accumulate<Codec, D, Shape>(acc_dk, acc_dv, s_pt, s_dst, s_q, s_do);
-        if constexpr (kPrefetch == 1) dq_chunk_load<D>(chunk, dq_tile, q_stride, rows, 0);
-#pragma unroll
-        for (int index = 0; index < DqChunk<D>::kCount; ++index) {
-            if constexpr (kPrefetch > 0) {
-                DqChunk<D> next;
-                if (index + 1 < DqChunk<D>::kCount) dq_chunk_load<D>(next, dq_tile, q_stride, rows, index + 1);
-                dq_chunk_update<Codec, D, Shape>(chunk, dq_tile, q_stride, rows, index, s_dst, s_k);
-                if (index + 1 < DqChunk<D>::kCount) chunk = next;
-            } else {
-                dq_chunk_load<D>(chunk, dq_tile, q_stride, rows, index);
-                dq_chunk_update<Codec, D, Shape>(chunk, dq_tile, q_stride, rows, index, s_dst, s_k);
-            }
-        }
-        __syncthreads();  // every thread's dq_acc stores are done; s_* are rewritten next
-        if (threadIdx.x == 0) store_release(tile_counter(), before_me + 1);  // release: cumulative over the CTA's stores
-    }
-
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const int k_base = (warp / Shape::kColWarps2) * Shape::kKeysPerWarp2;
-    const int d_base = (warp % Shape::kColWarps2) * Shape::kColsPerWarp2;
-    const int g = lane / 4, c = 2 * (lane % 4);
-#pragma unroll
-    for (int mi = 0; mi < Shape::kMt2; ++mi) {
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-            const int key = key0 + k_base + 16 * mi + g + 8 * half;
-            if (key >= k_len) continue;
-            const int64_t row = (static_cast<int64_t>(k_start) + key) * kv_stride + kv_head * D;
-#pragma unroll
-            for (int j = 0; j < Shape::kNt2; ++j) {
-                const int col = d_base + 8 * j + c;
-                *reinterpret_cast<uint32_t*>(dk + row + col) = pack_floats<Codec>(
-                    ieee_mul(acc_dk[mi][j][2 * half], scale), ieee_mul(acc_dk[mi][j][2 * half + 1], scale));
-                *reinterpret_cast<uint32_t*>(dv + row + col) =
-                    pack_floats<Codec>(acc_dv[mi][j][2 * half], acc_dv[mi][j][2 * half + 1]);
-            }
-        }
-    }
-#else
-    __trap();
-#endif
-}
-
-// dq = round(dq_acc * scale) for the rows of each sequence (8 elements per thread); rows of
-// no sequence keep the host's zeros.
-template <typename Codec, int D>
-__device__ __forceinline__ void dq_convert_kernel(const float* dq_acc, const int* q_start_of, const int* q_len_of,
-                                                  uint16_t* dq, int num_q_heads, float scale) {
-    const int seq = blockIdx.y;
-    const int64_t idx = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
-    const int64_t per_row = static_cast<int64_t>(num_q_heads) * D / 8;
-    if (idx >= q_len_of[seq] * per_row) return;
-    const int64_t at = (static_cast<int64_t>(q_start_of[seq]) * per_row + idx) * 8;
-    const float4 lo = __ldcs(reinterpret_cast<const float4*>(dq_acc + at));
-    const float4 hi = __ldcs(reinterpret_cast<const float4*>(dq_acc + at + 4));
-    uint4 packed;
-    packed.x = pack_floats<Codec>(ieee_mul(lo.x, scale), ieee_mul(lo.y, scale));
-    packed.y = pack_floats<Codec>(ieee_mul(lo.z, scale), ieee_mul(lo.w, scale));
-    packed.z = pack_floats<Codec>(ieee_mul(hi.x, scale), ieee_mul(hi.y, scale));
-    packed.w = pack_floats<Codec>(ieee_mul(hi.z, scale), ieee_mul(hi.w, scale));
-    *reinterpret_cast<uint4*>(dq + at) = packed;
-}
-
 }  // namespace attn_bwd
 }  // namespace batchinv
 
@@ -1437,30 +1119,6 @@ __device__ __forceinline__ void dq_convert_kernel(const float* dq_acc, const int
                                                       scale);                                                   \
     }
 
-#define BATCHINV_ATTN_BWD_DKDVQ(DTYPE, CODEC, D, SUFFIX, OVERLAP, EARLY)                                              \
-    extern "C" __global__ void __launch_bounds__(batchinv::attn_bwd::WideKv<D>::kThreadCount,                  \
-                                                 batchinv::attn_bwd::WideKv<D>::kMinBlocks)                    \
-        attention_bwd_dkdvq_##DTYPE##_d##D##SUFFIX(                                                            \
-        const uint16_t* q, const uint16_t* k, const uint16_t* v, const uint16_t* dout, const float* lse,        \
-        const float* delta, const int* q_start, const int* q_len, const int* k_start, const int* k_len,         \
-        uint16_t* dk, uint16_t* dv, float* dq_acc, int* counters, int num_q_heads, int num_kv_heads,            \
-        int64_t total_q, int causal, float scale, int key_blocks_max, int query_blocks_max) {                  \
-        batchinv::attn_bwd::dkdvq_fused_kernel<CODEC, D, batchinv::attn_bwd::WideKv<D>, OVERLAP, EARLY>(              \
-            q, k, v, dout, lse, delta, q_start, q_len, k_start, k_len, dk, dv, dq_acc, counters, num_q_heads,   \
-            num_kv_heads, total_q, causal, scale, key_blocks_max, query_blocks_max);                            \
-    }
-
-#define BATCHINV_ATTN_BWD_FUSED(DTYPE, CODEC, D)                                                              \
-    BATCHINV_ATTN_BWD_DKDVQ(DTYPE, CODEC, D, _fused, true, 0)                                                  \
-    BATCHINV_ATTN_BWD_DKDVQ(DTYPE, CODEC, D, _fusednext, true, 1)                                              \
-    BATCHINV_ATTN_BWD_DKDVQ(DTYPE, CODEC, D, _fusedearly, true, 2)                                             \
-    BATCHINV_ATTN_BWD_DKDVQ(DTYPE, CODEC, D, _fusedplain, false, 0)                                            \
-    extern "C" __global__ void __launch_bounds__(batchinv::attn_bwd::kThreads)                                \
-        attention_bwd_dq_convert_##DTYPE##_d##D(const float* dq_acc, const int* q_start, const int* q_len,     \
-                                                uint16_t* dq, int num_q_heads, float scale) {                  \
-        batchinv::attn_bwd::dq_convert_kernel<CODEC, D>(dq_acc, q_start, q_len, dq, num_q_heads, scale);       \
-    }
-
 // Variants: dtype x head dim x how tiles reach the mma ("_ldsm": ldmatrix; "_lds": plain shared
 // loads; "_async": ldmatrix with cp.async double buffering).  All give the mma the same operand
 // bits in the same order, so the same results (tested); they differ in speed only.
@@ -1472,8 +1130,7 @@ __device__ __forceinline__ void dq_convert_kernel(const float* dq_acc, const int
     BATCHINV_ATTN_BWD_DQ(DTYPE, CODEC, D, _ldsm, true, false)                   \
     BATCHINV_ATTN_BWD_DQ(DTYPE, CODEC, D, _lds, false, false)                   \
     BATCHINV_ATTN_BWD_DQ(DTYPE, CODEC, D, _async, true, true)                   \
-    BATCHINV_ATTN_BWD_TILED(DTYPE, CODEC, D)                                    \
-    BATCHINV_ATTN_BWD_FUSED(DTYPE, CODEC, D)
+    BATCHINV_ATTN_BWD_TILED(DTYPE, CODEC, D)
 
 // batchinv-signature: attention_bwd_delta_bf16_d64(ptr, ptr, ptr, ptr, ptr, i32, i64)
 // batchinv-signature: attention_bwd_dkdv_bf16_d64_ldsm(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
@@ -1484,11 +1141,6 @@ __device__ __forceinline__ void dq_convert_kernel(const float* dq_acc, const int
 // batchinv-signature: attention_bwd_dq_bf16_d64_lds(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
 // batchinv-signature: attention_bwd_dq_bf16_d64_async(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
 // batchinv-signature: attention_bwd_dq_bf16_d64_tiled(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
-// batchinv-signature: attention_bwd_dkdvq_bf16_d64_fused(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32, i32, i32)
-// batchinv-signature: attention_bwd_dkdvq_bf16_d64_fusednext(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32, i32, i32)
-// batchinv-signature: attention_bwd_dkdvq_bf16_d64_fusedearly(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32, i32, i32)
-// batchinv-signature: attention_bwd_dkdvq_bf16_d64_fusedplain(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32, i32, i32)
-// batchinv-signature: attention_bwd_dq_convert_bf16_d64(ptr, ptr, ptr, ptr, i32, f32)
 BATCHINV_ATTN_BWD_ALL(bf16, batchinv::Bf16Codec, 64)
 // batchinv-signature: attention_bwd_delta_bf16_d128(ptr, ptr, ptr, ptr, ptr, i32, i64)
 // batchinv-signature: attention_bwd_dkdv_bf16_d128_ldsm(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
@@ -1499,11 +1151,6 @@ BATCHINV_ATTN_BWD_ALL(bf16, batchinv::Bf16Codec, 64)
 // batchinv-signature: attention_bwd_dq_bf16_d128_lds(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
 // batchinv-signature: attention_bwd_dq_bf16_d128_async(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
 // batchinv-signature: attention_bwd_dq_bf16_d128_tiled(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
-// batchinv-signature: attention_bwd_dkdvq_bf16_d128_fused(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32, i32, i32)
-// batchinv-signature: attention_bwd_dkdvq_bf16_d128_fusednext(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32, i32, i32)
-// batchinv-signature: attention_bwd_dkdvq_bf16_d128_fusedearly(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32, i32, i32)
-// batchinv-signature: attention_bwd_dkdvq_bf16_d128_fusedplain(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32, i32, i32)
-// batchinv-signature: attention_bwd_dq_convert_bf16_d128(ptr, ptr, ptr, ptr, i32, f32)
 BATCHINV_ATTN_BWD_ALL(bf16, batchinv::Bf16Codec, 128)
 // batchinv-signature: attention_bwd_delta_f16_d64(ptr, ptr, ptr, ptr, ptr, i32, i64)
 // batchinv-signature: attention_bwd_dkdv_f16_d64_ldsm(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
@@ -1514,11 +1161,6 @@ BATCHINV_ATTN_BWD_ALL(bf16, batchinv::Bf16Codec, 128)
 // batchinv-signature: attention_bwd_dq_f16_d64_lds(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
 // batchinv-signature: attention_bwd_dq_f16_d64_async(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
 // batchinv-signature: attention_bwd_dq_f16_d64_tiled(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
-// batchinv-signature: attention_bwd_dkdvq_f16_d64_fused(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32, i32, i32)
-// batchinv-signature: attention_bwd_dkdvq_f16_d64_fusednext(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32, i32, i32)
-// batchinv-signature: attention_bwd_dkdvq_f16_d64_fusedearly(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32, i32, i32)
-// batchinv-signature: attention_bwd_dkdvq_f16_d64_fusedplain(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32, i32, i32)
-// batchinv-signature: attention_bwd_dq_convert_f16_d64(ptr, ptr, ptr, ptr, i32, f32)
 BATCHINV_ATTN_BWD_ALL(f16, batchinv::F16Codec, 64)
 // batchinv-signature: attention_bwd_delta_f16_d128(ptr, ptr, ptr, ptr, ptr, i32, i64)
 // batchinv-signature: attention_bwd_dkdv_f16_d128_ldsm(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
@@ -1529,11 +1171,6 @@ BATCHINV_ATTN_BWD_ALL(f16, batchinv::F16Codec, 64)
 // batchinv-signature: attention_bwd_dq_f16_d128_lds(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
 // batchinv-signature: attention_bwd_dq_f16_d128_async(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
 // batchinv-signature: attention_bwd_dq_f16_d128_tiled(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
-// batchinv-signature: attention_bwd_dkdvq_f16_d128_fused(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32, i32, i32)
-// batchinv-signature: attention_bwd_dkdvq_f16_d128_fusednext(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32, i32, i32)
-// batchinv-signature: attention_bwd_dkdvq_f16_d128_fusedearly(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32, i32, i32)
-// batchinv-signature: attention_bwd_dkdvq_f16_d128_fusedplain(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32, i32, i32)
-// batchinv-signature: attention_bwd_dq_convert_f16_d128(ptr, ptr, ptr, ptr, i32, f32)
 BATCHINV_ATTN_BWD_ALL(f16, batchinv::F16Codec, 128)
 
 #endif  // !__HIPCC__

@@ -9,12 +9,9 @@ its keys are rows ``k_start[b] + j``, ``j < k_len[b]`` (causal: ``j <=`` the pos
 
 Three launches (see the kernel file for the formula and the invariance contract): ``delta =
 rowsum(dO * O)``, then dK/dV (one CTA per sequence, kv head and 64 absolute key positions) and
-dQ.  In the default variant ``fused`` the dK/dV CTAs also add their dS K to an fp32 dQ
-accumulator, tile by tile in a fixed order (key blocks from the last to the first, enforced by
-per-tile counters), and the third launch rounds it to the input dtype; the other variants
-recompute S and dP in a dQ kernel (one CTA per sequence, query head and 128 queries; 64 in the
-16-row variants).  The grids grow with the batch; a sequence's arithmetic does not.  Rows
-covered by no sequence get zero gradients.
+dQ (one CTA per sequence, query head and 128 queries of the sequence; 64 in the 16-row
+variants).  The grids grow with the batch; a sequence's arithmetic does not.  Rows covered by
+no sequence get zero gradients.
 
 One host synchronisation per call: the lengths are read once to check that every sequence's
 rows lie inside the tensors, fit ``max_q_len`` / ``max_k_len``, and do not overlap another
@@ -44,34 +41,23 @@ WIDE_KV_ROWS = 64  # "tiled" dK/dV: queries per step
 WIDE_THREADS = 256
 TILED_DQ_ROWS = 128  # "tiled" dQ: query rows per CTA (4 warps of 32)
 TILED_DQ_KEYS = 32  # "tiled" dQ: keys per step
-FUSED_QUERY_BLOCK = 64  # "fused": rows of a dQ accumulator tile (= the "_wide" step)
 _PAD = 8  # shared-memory row padding, elements
 _FLOAT_BYTES = 4
 
-# How tiles reach the mma, per variant: (dK/dV kernel, dQ kernel).  "fused" (default): the
-# "_wide" dK/dV CTAs also accumulate dQ in fp32 in a fixed order ("dkdvq_..._fused"), and
-# "dq_convert" rounds it (dq's bits differ from the other variants': key blocks are summed
-# last to first).  "tiled": the dK/dV kernel "_wide" (8 warps with 32-row warp tiles, P^T /
-# dS^T through shared memory, two CTAs per SM) and the dQ kernel "_tiled" (4 warps of 32 query
-# rows, cp.async double buffering).  "async": 16-row warp tiles, cp.async double buffering +
-# ldmatrix; "ldsm": plain global loads + ldmatrix; "lds": plain loads throughout.  Same
-# arithmetic for every element (tested bitwise; dq: among the variants that recompute it);
-# speed differs.
+# How tiles reach the mma, per variant: (dK/dV kernel, dQ kernel).  "tiled" (default): the
+# dK/dV kernel "_wide" (8 warps with 32-row warp tiles, P^T / dS^T through shared memory, two
+# CTAs per SM) and the dQ kernel "_tiled" (4 warps of 32 query rows, cp.async double
+# buffering).  "async": 16-row warp tiles, cp.async double buffering + ldmatrix; "ldsm": plain
+# global loads + ldmatrix; "lds": plain loads throughout.  Same arithmetic for every element
+# (tested bitwise); speed differs.
 _KERNELS = {
-    "fused": ("fused", "convert"),
-    "fused_next": ("fusednext", "convert"),
-    "fused_early": ("fusedearly", "convert"),
-    "fused_plain": ("fusedplain", "convert"),
     "tiled": ("wide", "tiled"),
     "async": ("async", "async"),
     "ldsm": ("ldsm", "ldsm"),
     "lds": ("lds", "lds"),
 }
 VARIANTS = tuple(_KERNELS)
-_FUSED_KERNELS = ("fused", "fusednext", "fusedearly", "fusedplain")
-KERNEL_VARIANT = "fused"
-# Variants that recompute dQ in its own kernel: their dq bits agree with each other.
-RECOMPUTE_DQ_VARIANTS = tuple(v for v in VARIANTS if _KERNELS[v][1] != "convert")
+KERNEL_VARIANT = "tiled"
 
 _DTYPES = (torch.bfloat16, torch.float16)
 _SUFFIX = {torch.bfloat16: "bf16", torch.float16: "f16"}
@@ -96,7 +82,7 @@ def dkdv_shared_bytes(head_dim: int, variant: str) -> int:
     """K and V tiles, then per buffer the Q and dO tiles and the rows' lse and delta ("_wide"
     kernel: one buffer, plus the P^T and dS^T tiles)."""
     kernel = _KERNELS[variant][0]
-    if kernel in ("wide", *_FUSED_KERNELS):
+    if kernel == "wide":
         per_step = 2 * _tile_bytes(head_dim, WIDE_KV_ROWS) + 2 * WIDE_KV_ROWS * _FLOAT_BYTES
         scores = 2 * WIDE_KEYS * (WIDE_KV_ROWS + _PAD) * 2
         return 2 * _tile_bytes(head_dim, WIDE_KEYS) + per_step + scores
@@ -120,8 +106,8 @@ def _geometry(variant: str) -> dict[str, int]:
     """Keys per dK/dV CTA and its threads, query rows per dQ CTA and its threads."""
     kv, dq = _KERNELS[variant]
     return {
-        "keys": WIDE_KEYS if kv in ("wide", *_FUSED_KERNELS) else KEY_BLOCK,
-        "kv_threads": WIDE_THREADS if kv in ("wide", *_FUSED_KERNELS) else THREADS,
+        "keys": WIDE_KEYS if kv == "wide" else KEY_BLOCK,
+        "kv_threads": WIDE_THREADS if kv == "wide" else THREADS,
         "rows": TILED_DQ_ROWS if dq == "tiled" else DQ_QUERY_ROWS,
         "dq_threads": THREADS,
     }
@@ -291,17 +277,10 @@ def _check_ranges(
 def _kernel_name(stage: str, dtype: torch.dtype, head_dim: int, variant: str) -> str:
     if variant not in VARIANTS:
         raise ValueError(f"unknown kernel variant {variant!r}; expected one of {VARIANTS}")
-    suffix = f"{_SUFFIX[dtype]}_d{head_dim}"
+    base = f"attention_bwd_{stage}_{_SUFFIX[dtype]}_d{head_dim}"
     if stage == "delta":
-        return f"attention_bwd_delta_{suffix}"
-    kv, dq = _KERNELS[variant]
-    if stage == "dkdv" and kv in _FUSED_KERNELS:
-        return f"attention_bwd_dkdvq_{suffix}_{kv}"
-    if stage == "dkdv":
-        return f"attention_bwd_dkdv_{suffix}_{kv}"
-    if dq == "convert":
-        return f"attention_bwd_dq_convert_{suffix}"
-    return f"attention_bwd_dq_{suffix}_{dq}"
+        return base
+    return f"{base}_{_KERNELS[variant][0 if stage == 'dkdv' else 1]}"
 
 
 def kernel_launches(
@@ -365,11 +344,6 @@ def kernel_launches(
                 ),
             )
         )
-    if _KERNELS[variant][0] in _FUSED_KERNELS:
-        launches += _fused_launches(
-            inputs, (dq, dk, dv), shape_args, batch, max_q_len, max_k_len, variant, index
-        )
-        return (dq, dk, dv), launches
     if max_k_len > 0:
         name = _kernel_name("dkdv", q.dtype, head_dim, variant)
         kernel = kernel_for("attention_backward", name, device)
@@ -409,71 +383,6 @@ def kernel_launches(
             )
         )
     return (dq, dk, dv), launches
-
-
-def _fused_launches(
-    inputs: tuple[Tensor, ...],
-    grads: tuple[Tensor, Tensor, Tensor],
-    shape_args: tuple,
-    batch: int,
-    max_q_len: int,
-    max_k_len: int,
-    variant: str,
-    index: int,
-) -> list[tuple[str, Callable[[], None]]]:
-    """The "fused" variant's dK/dV/dQ-accumulation launch and dQ's conversion.  The first
-    zeroes its workspace (the fp32 dQ accumulator, the ticket counter and one counter per dQ
-    tile) every time it runs, so that each launch can be timed alone and repeated."""
-    q, q_start, q_len = inputs[0], inputs[6], inputs[7]
-    dq, dk, dv = grads
-    total_q, num_q_heads, head_dim = q.shape
-    num_kv_heads = inputs[1].shape[1]
-    device = q.device
-    # With no keys (queries), the dK/dV (convert) launch is left out as in the other variants;
-    # the other launch still writes its rows (+0 * scale).
-    key_blocks = -(-max_k_len // WIDE_KEYS)
-    query_blocks = -(-max_q_len // FUSED_QUERY_BLOCK)
-    ctas = key_blocks * num_kv_heads * batch
-    if ctas > _MAX_GRID_X or batch * num_q_heads * query_blocks + 1 > 2**31 - 1:
-        raise ValueError(f"the batch is too large for the fused backward ({ctas} CTAs)")
-    dq_acc = torch.empty((total_q, num_q_heads, head_dim), dtype=torch.float32, device=device)
-    counters = torch.empty(1 + batch * num_q_heads * query_blocks, dtype=torch.int32, device=device)
-    kernel = kernel_for(
-        "attention_backward", _kernel_name("dkdv", q.dtype, head_dim, variant), device
-    )
-    shared = dkdv_shared_bytes(head_dim, variant)
-    allow_dynamic_shared(kernel, shared, index)
-
-    def dkdv_and_dq_accumulation() -> None:
-        dq_acc.zero_()
-        counters.zero_()
-        launch(
-            kernel,
-            device,
-            grid=(ctas,),
-            block=(WIDE_THREADS,),
-            args=(*inputs, dk, dv, dq_acc, counters, *shape_args, key_blocks, query_blocks),
-            shared_mem=shared,
-        )
-
-    convert = kernel_for(
-        "attention_backward", _kernel_name("dq", q.dtype, head_dim, variant), device
-    )
-    blocks = -(-max_q_len * num_q_heads * head_dim // 8 // THREADS)
-    if blocks > _MAX_GRID_X:
-        raise ValueError(f"max_q_len * Hq = {max_q_len * num_q_heads} is too large")
-    convert_launch = functools.partial(
-        launch,
-        convert,
-        device,
-        grid=(blocks, batch),
-        block=(THREADS,),
-        args=(dq_acc, q_start, q_len, dq, num_q_heads, shape_args[-1]),
-    )
-    if max_k_len == 0:
-        dq_acc.zero_()
-        return [("dq", convert_launch)]
-    return [("dkdv", dkdv_and_dq_accumulation)] + ([("dq", convert_launch)] if max_q_len else [])
 
 
 def backward(
