@@ -52,11 +52,14 @@ _FLOAT_BYTES = 4
 # (tested bitwise); speed differs.
 _KERNELS = {
     "tiled": ("wide", "tiled"),
+    "tiled_lpt": ("widelpt", "tiledlpt"),
     "async": ("async", "async"),
     "ldsm": ("ldsm", "ldsm"),
     "lds": ("lds", "lds"),
 }
 VARIANTS = tuple(_KERNELS)
+# Kernels whose grid is (heads, B, blocks): the heaviest causal blocks of every sequence first.
+_HEAVY_FIRST = ("widelpt", "tiledlpt")
 KERNEL_VARIANT = "tiled"
 
 _DTYPES = (torch.bfloat16, torch.float16)
@@ -75,14 +78,14 @@ def _tile_bytes(head_dim: int, rows: int) -> int:
 
 
 def _buffers(kernel: str) -> int:
-    return 2 if kernel in ("async", "tiled") else 1
+    return 2 if kernel in ("async", "tiled", "tiledlpt") else 1
 
 
 def dkdv_shared_bytes(head_dim: int, variant: str) -> int:
     """K and V tiles, then per buffer the Q and dO tiles and the rows' lse and delta ("_wide"
     kernel: one buffer, plus the P^T and dS^T tiles)."""
     kernel = _KERNELS[variant][0]
-    if kernel == "wide":
+    if kernel in ("wide", "widelpt"):
         per_step = 2 * _tile_bytes(head_dim, WIDE_KV_ROWS) + 2 * WIDE_KV_ROWS * _FLOAT_BYTES
         scores = 2 * WIDE_KEYS * (WIDE_KV_ROWS + _PAD) * 2
         return 2 * _tile_bytes(head_dim, WIDE_KEYS) + per_step + scores
@@ -94,7 +97,8 @@ def dkdv_shared_bytes(head_dim: int, variant: str) -> int:
 def dq_shared_bytes(head_dim: int, variant: str) -> int:
     """Q and dO tiles, per buffer the K and V tiles, and the rows' lse and delta."""
     kernel = _KERNELS[variant][1]
-    rows, keys = (TILED_DQ_ROWS, TILED_DQ_KEYS) if kernel == "tiled" else (DQ_QUERY_ROWS, KEY_BLOCK)
+    tiled = kernel in ("tiled", "tiledlpt")
+    rows, keys = (TILED_DQ_ROWS, TILED_DQ_KEYS) if tiled else (DQ_QUERY_ROWS, KEY_BLOCK)
     return (
         _buffers(kernel) * 2 * _tile_bytes(head_dim, keys)
         + 2 * _tile_bytes(head_dim, rows)
@@ -106,9 +110,9 @@ def _geometry(variant: str) -> dict[str, int]:
     """Keys per dK/dV CTA and its threads, query rows per dQ CTA and its threads."""
     kv, dq = _KERNELS[variant]
     return {
-        "keys": WIDE_KEYS if kv == "wide" else KEY_BLOCK,
-        "kv_threads": WIDE_THREADS if kv == "wide" else THREADS,
-        "rows": TILED_DQ_ROWS if dq == "tiled" else DQ_QUERY_ROWS,
+        "keys": WIDE_KEYS if kv in ("wide", "widelpt") else KEY_BLOCK,
+        "kv_threads": WIDE_THREADS if kv in ("wide", "widelpt") else THREADS,
+        "rows": TILED_DQ_ROWS if dq in ("tiled", "tiledlpt") else DQ_QUERY_ROWS,
         "dq_threads": THREADS,
     }
 
@@ -273,6 +277,18 @@ def _check_ranges(
 # ----------------------------------------------------------------------------- launch
 
 
+def _grid(blocks: int, heads: int, batch: int, kernel: str) -> tuple[int, int, int]:
+    """(blocks, heads, B), or (heads, B, blocks) for the heavy-first kernels."""
+    if kernel not in _HEAVY_FIRST:
+        return (blocks, heads, batch)
+    if blocks > _MAX_GRID_YZ:
+        raise ValueError(
+            f"{blocks} blocks of a sequence exceed the grid's z limit ({_MAX_GRID_YZ}): "
+            "max_q_len / max_k_len is too large"
+        )
+    return (heads, batch, blocks)
+
+
 @functools.cache
 def _kernel_name(stage: str, dtype: torch.dtype, head_dim: int, variant: str) -> str:
     if variant not in VARIANTS:
@@ -323,6 +339,7 @@ def kernel_launches(
     delta = torch.empty((num_q_heads, total_q), dtype=torch.float32, device=device)
     variant = KERNEL_VARIANT
     geometry = _geometry(variant)
+    kernel_kinds = _KERNELS[variant]
     inputs = (q, k, v, grad_out, lse, delta, q_start, q_len, k_start, k_len)
     shape_args = (num_q_heads, num_kv_heads, total_q, 1 if causal else 0, float(scale))
 
@@ -356,7 +373,9 @@ def kernel_launches(
                     launch,
                     kernel,
                     device,
-                    grid=(-(-max_k_len // geometry["keys"]), num_kv_heads, batch),
+                    grid=_grid(
+                        -(-max_k_len // geometry["keys"]), num_kv_heads, batch, kernel_kinds[0]
+                    ),
                     block=(geometry["kv_threads"],),
                     args=(*inputs, dk, dv, *shape_args),
                     shared_mem=shared,
@@ -375,7 +394,9 @@ def kernel_launches(
                     launch,
                     kernel,
                     device,
-                    grid=(-(-max_q_len // geometry["rows"]), num_q_heads, batch),
+                    grid=_grid(
+                        -(-max_q_len // geometry["rows"]), num_q_heads, batch, kernel_kinds[1]
+                    ),
                     block=(geometry["dq_threads"],),
                     args=(*inputs, dq, *shape_args),
                     shared_mem=shared,
