@@ -466,6 +466,15 @@ def test_bad_lengths_raise_clear_errors(change, error, text):
 
 
 @pytest.mark.cuda
+def test_too_many_key_blocks_for_the_grid_are_refused():
+    """The tiled kernels put the key (query) block on the grid's z axis (at most 65535)."""
+    args = _valid_args(device=DEVICE)
+    args["max_k_len"] = 64 * 65535 + 1
+    with pytest.raises(ValueError, match="exceed the grid's z limit"):
+        _call(args)
+
+
+@pytest.mark.cuda
 def test_misaligned_view_is_refused():
     args = _valid_args(device=DEVICE)
     storage = torch.zeros(6 * 4 * 64 + 1, dtype=torch.bfloat16, device=DEVICE)

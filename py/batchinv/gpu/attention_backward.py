@@ -52,14 +52,13 @@ _FLOAT_BYTES = 4
 # (tested bitwise); speed differs.
 _KERNELS = {
     "tiled": ("wide", "tiled"),
-    "tiled_lpt": ("widelpt", "tiledlpt"),
     "async": ("async", "async"),
     "ldsm": ("ldsm", "ldsm"),
     "lds": ("lds", "lds"),
 }
 VARIANTS = tuple(_KERNELS)
 # Kernels whose grid is (heads, B, blocks): the heaviest causal blocks of every sequence first.
-_HEAVY_FIRST = ("widelpt", "tiledlpt")
+_HEAVY_FIRST = ("wide", "tiled")
 KERNEL_VARIANT = "tiled"
 
 _DTYPES = (torch.bfloat16, torch.float16)
@@ -78,14 +77,14 @@ def _tile_bytes(head_dim: int, rows: int) -> int:
 
 
 def _buffers(kernel: str) -> int:
-    return 2 if kernel in ("async", "tiled", "tiledlpt") else 1
+    return 2 if kernel in ("async", "tiled") else 1
 
 
 def dkdv_shared_bytes(head_dim: int, variant: str) -> int:
     """K and V tiles, then per buffer the Q and dO tiles and the rows' lse and delta ("_wide"
     kernel: one buffer, plus the P^T and dS^T tiles)."""
     kernel = _KERNELS[variant][0]
-    if kernel in ("wide", "widelpt"):
+    if kernel == "wide":
         per_step = 2 * _tile_bytes(head_dim, WIDE_KV_ROWS) + 2 * WIDE_KV_ROWS * _FLOAT_BYTES
         scores = 2 * WIDE_KEYS * (WIDE_KV_ROWS + _PAD) * 2
         return 2 * _tile_bytes(head_dim, WIDE_KEYS) + per_step + scores
@@ -97,8 +96,7 @@ def dkdv_shared_bytes(head_dim: int, variant: str) -> int:
 def dq_shared_bytes(head_dim: int, variant: str) -> int:
     """Q and dO tiles, per buffer the K and V tiles, and the rows' lse and delta."""
     kernel = _KERNELS[variant][1]
-    tiled = kernel in ("tiled", "tiledlpt")
-    rows, keys = (TILED_DQ_ROWS, TILED_DQ_KEYS) if tiled else (DQ_QUERY_ROWS, KEY_BLOCK)
+    rows, keys = (TILED_DQ_ROWS, TILED_DQ_KEYS) if kernel == "tiled" else (DQ_QUERY_ROWS, KEY_BLOCK)
     return (
         _buffers(kernel) * 2 * _tile_bytes(head_dim, keys)
         + 2 * _tile_bytes(head_dim, rows)
@@ -110,9 +108,9 @@ def _geometry(variant: str) -> dict[str, int]:
     """Keys per dK/dV CTA and its threads, query rows per dQ CTA and its threads."""
     kv, dq = _KERNELS[variant]
     return {
-        "keys": WIDE_KEYS if kv in ("wide", "widelpt") else KEY_BLOCK,
-        "kv_threads": WIDE_THREADS if kv in ("wide", "widelpt") else THREADS,
-        "rows": TILED_DQ_ROWS if dq in ("tiled", "tiledlpt") else DQ_QUERY_ROWS,
+        "keys": WIDE_KEYS if kv == "wide" else KEY_BLOCK,
+        "kv_threads": WIDE_THREADS if kv == "wide" else THREADS,
+        "rows": TILED_DQ_ROWS if dq == "tiled" else DQ_QUERY_ROWS,
         "dq_threads": THREADS,
     }
 
