@@ -7,7 +7,9 @@
   rows no sequence covers get exact zeros; bitwise the same run to run; the kernel variants
   (``KERNEL_VARIANT``: 32-row warp tiles with P^T / dS^T through shared memory, 16-row warp
   tiles with ldmatrix or plain shared loads, with or without cp.async double buffering) give
-  the same bits, and every GPU test runs on each variant.
+  the same bits, and every GPU test runs on each variant.  Long sequences (up to 19 key
+  blocks, q_len > k_len, k_len - q_len not a multiple of 64) are checked against the
+  reference and across batches too.
 - Bad inputs: clear errors (the type/shape checks run on CPU tensors, without a GPU).
 """
 
@@ -35,6 +37,8 @@ DTYPES = (torch.bfloat16, torch.float16)
 # Lengths not multiples of 64, a chunk (q_len < k_len: a prefix of cached keys) and, for the
 # causal case, q_len > k_len (the first queries see no key: lse = -inf, zero gradients).
 ACCURACY_SEQUENCES = ((1, 1), (7, 7), (100, 100), (300, 300), (40, 170), (5, 3))
+# Many key and query blocks per sequence (11 to 19 key blocks of 64).
+LONG_SEQUENCES = ((700, 1100), (1100, 1100), (1200, 1000))
 PROBE_SEQUENCES = ((1, 1), (7, 7), (100, 100), (50, 200)) if QUICK else (
     (1, 1), (7, 7), (100, 100), (300, 300), (50, 200), (5, 3),
 )  # fmt: skip
@@ -221,10 +225,16 @@ def test_gradients_with_a_custom_scale():
     _check_accuracy(torch.bfloat16, 64, (8, 2), True, CUSTOM_SCALE, seed=12)
 
 
-def _check_accuracy(dtype, head_dim, heads, causal, scale, seed):
+@pytest.mark.cuda
+@pytest.mark.parametrize("causal", (True, False), ids=("causal", "full"))
+def test_long_sequences_within_tolerance(causal):
+    _check_accuracy(torch.bfloat16, 128, (8, 2), causal, 1.0 / math.sqrt(128), 13, LONG_SEQUENCES)
+
+
+def _check_accuracy(dtype, head_dim, heads, causal, scale, seed, sequences=ACCURACY_SEQUENCES):
     hq, hkv = heads
-    q_lens = [s[0] for s in ACCURACY_SEQUENCES]
-    k_lens = [s[1] for s in ACCURACY_SEQUENCES]
+    q_lens = [s[0] for s in sequences]
+    k_lens = [s[1] for s in sequences]
     gen = torch.Generator(device=DEVICE).manual_seed(seed)
 
     def randn(*shape):
@@ -319,6 +329,27 @@ def test_kernel_variants_give_the_same_bits(config, kernel_variant, monkeypatch)
         monkeypatch.setattr(gpu_attention_backward, "KERNEL_VARIANT", other)
         theirs = _backward(pack, causal, scale)
         assert_bitwise_equal(mine, theirs, name=f"{kernel_variant} vs {other}")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("causal", (True, False), ids=("causal", "full"))
+def test_long_sequences_are_batch_invariant(causal):
+    heads, head_dim, dtype = (8, 2), 128, torch.bfloat16
+    scale = 1.0 / math.sqrt(head_dim)
+    seqs = [
+        _make_sequence(lq, lk, heads, head_dim, dtype, causal, scale, seed=400 + i)
+        for i, (lq, lk) in enumerate(LONG_SEQUENCES)
+    ]
+    packed = _pack(seqs, [5, 0, 64, 3], [0, 17, 1, 2])
+    grads = _backward(packed, causal, scale)
+    _assert_padding_zero(packed, grads, "long sequences")
+    for index, seq in enumerate(seqs):
+        alone = _backward(_pack([seq], [0, 0], [0, 0]), causal, scale)
+        for name, got, want in zip(
+            ("dq", "dk", "dv"), _sequence_grads(packed, grads, index), alone, strict=True
+        ):
+            assert_bitwise_equal(got, want, name=f"long sequence {index} packed vs alone: {name}")
+    assert_bitwise_equal(_backward(packed, causal, scale), grads, name="long sequences rerun")
 
 
 @pytest.mark.cuda
@@ -431,6 +462,15 @@ def test_bad_lengths_raise_clear_errors(change, error, text):
     for name, values in change.items():
         args[name] = torch.tensor(values, dtype=torch.int32, device=DEVICE)
     with pytest.raises(error, match=re.escape(text)):
+        _call(args)
+
+
+@pytest.mark.cuda
+def test_too_many_key_blocks_for_the_grid_are_refused():
+    """The tiled kernels put the key (query) block on the grid's z axis (at most 65535)."""
+    args = _valid_args(device=DEVICE)
+    args["max_k_len"] = 64 * 65535 + 1
+    with pytest.raises(ValueError, match="exceed the grid's z limit"):
         _call(args)
 
 

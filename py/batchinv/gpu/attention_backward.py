@@ -57,6 +57,8 @@ _KERNELS = {
     "lds": ("lds", "lds"),
 }
 VARIANTS = tuple(_KERNELS)
+# Kernels whose grid is (heads, B, blocks): the heaviest causal blocks of every sequence first.
+_HEAVY_FIRST = ("wide", "tiled")
 KERNEL_VARIANT = "tiled"
 
 _DTYPES = (torch.bfloat16, torch.float16)
@@ -273,6 +275,18 @@ def _check_ranges(
 # ----------------------------------------------------------------------------- launch
 
 
+def _grid(blocks: int, heads: int, batch: int, kernel: str) -> tuple[int, int, int]:
+    """(blocks, heads, B), or (heads, B, blocks) for the heavy-first kernels."""
+    if kernel not in _HEAVY_FIRST:
+        return (blocks, heads, batch)
+    if blocks > _MAX_GRID_YZ:
+        raise ValueError(
+            f"{blocks} blocks of a sequence exceed the grid's z limit ({_MAX_GRID_YZ}): "
+            "max_q_len / max_k_len is too large"
+        )
+    return (heads, batch, blocks)
+
+
 @functools.cache
 def _kernel_name(stage: str, dtype: torch.dtype, head_dim: int, variant: str) -> str:
     if variant not in VARIANTS:
@@ -323,6 +337,7 @@ def kernel_launches(
     delta = torch.empty((num_q_heads, total_q), dtype=torch.float32, device=device)
     variant = KERNEL_VARIANT
     geometry = _geometry(variant)
+    kernel_kinds = _KERNELS[variant]
     inputs = (q, k, v, grad_out, lse, delta, q_start, q_len, k_start, k_len)
     shape_args = (num_q_heads, num_kv_heads, total_q, 1 if causal else 0, float(scale))
 
@@ -356,7 +371,9 @@ def kernel_launches(
                     launch,
                     kernel,
                     device,
-                    grid=(-(-max_k_len // geometry["keys"]), num_kv_heads, batch),
+                    grid=_grid(
+                        -(-max_k_len // geometry["keys"]), num_kv_heads, batch, kernel_kinds[0]
+                    ),
                     block=(geometry["kv_threads"],),
                     args=(*inputs, dk, dv, *shape_args),
                     shared_mem=shared,
@@ -375,7 +392,9 @@ def kernel_launches(
                     launch,
                     kernel,
                     device,
-                    grid=(-(-max_q_len // geometry["rows"]), num_q_heads, batch),
+                    grid=_grid(
+                        -(-max_q_len // geometry["rows"]), num_q_heads, batch, kernel_kinds[1]
+                    ),
                     block=(geometry["dq_threads"],),
                     args=(*inputs, dq, *shape_args),
                     shared_mem=shared,
