@@ -137,7 +137,10 @@ struct Params {
     float scale_log2;
 };
 
-template <typename Codec>
+// Stages: K/V ring depth.  Early: S of block j+1 is issued behind block j-1's P V product,
+// before block j's softmax (two S register sets), so a warpgroup never waits for its own S.
+// SkipUnit: a warp whose rows all have alpha = 1 skips acc *= alpha (x * 1 = x, same bits).
+template <typename Codec, int Stages, bool Early, bool SkipUnit>
 __device__ __forceinline__ void attn_hopper_tile(const TensorMap& map_k, const TensorMap& map_v, const Params& p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     using namespace hopper;
@@ -146,12 +149,12 @@ __device__ __forceinline__ void attn_hopper_tile(const TensorMap& map_k, const T
     // 128-byte swizzled tiles start on a 1024-byte boundary.
     uint8_t* shared = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(shared_raw) + 1023) & ~uintptr_t(1023));
     uint8_t* sq = shared;                                   // [2 warpgroups][2 halves][64][64]
-    uint8_t* sk = sq + kQBytes;                             // [kStages][2 halves][64][64]
-    uint8_t* sv = sk + kStages * kTileBytes;                // [kStages][2 halves][64][64]
-    float* srun = reinterpret_cast<float*>(sv + kStages * kTileBytes);  // [64][256]
+    uint8_t* sk = sq + kQBytes;                             // [Stages][2 halves][64][64]
+    uint8_t* sv = sk + Stages * kTileBytes;                // [Stages][2 halves][64][64]
+    float* srun = reinterpret_cast<float*>(sv + Stages * kTileBytes);  // [64][256]
     uint64_t* full = reinterpret_cast<uint64_t*>(reinterpret_cast<uint8_t*>(srun) + kRunBytes);
-    uint64_t* empty = full + kStages;
-    uint64_t* side = empty + kStages;  // the producer's own barrier for a boundary block
+    uint64_t* empty = full + Stages;
+    uint64_t* side = empty + Stages;  // the producer's own barrier for a boundary block
 
     const int b = blockIdx.z;
     const int hg = blockIdx.y;
@@ -171,7 +174,7 @@ __device__ __forceinline__ void attn_hopper_tile(const TensorMap& map_k, const T
     const int blk_end = (tile_end + kBlockKeys - 1) / kBlockKeys;  // blocks [0, blk_end)
 
     if (threadIdx.x == 0) {
-        for (int s = 0; s < kStages; ++s) {
+        for (int s = 0; s < Stages; ++s) {
             barrier_init(&full[s], 1);
             barrier_init(&empty[s], 8);  // lane 0 of each consumer warp
         }
@@ -189,8 +192,8 @@ __device__ __forceinline__ void attn_hopper_tile(const TensorMap& map_k, const T
         // Producer warp: lane 0 issues the copies; the whole warp zeroes a boundary block.
         uint32_t side_phase = 0;
         for (int blk = 0; blk < blk_end; ++blk) {
-            const int s = blk % kStages;
-            const int round = blk / kStages;
+            const int s = blk % Stages;
+            const int round = blk / Stages;
             if (round > 0) barrier_wait(&empty[s], (round - 1) & 1);
             const int key0 = blk * kBlockKeys;
             const bool boundary = key0 + kBlockKeys > k_len;
@@ -357,15 +360,15 @@ __device__ __forceinline__ void attn_hopper_tile(const TensorMap& map_k, const T
     };
     // S = Q K^T of the block at stage s_stage over d in increasing k16 steps (32 bytes along
     // a 128-byte swizzled row), into s; moves s_stage on.
-    auto mma_s = [&]() {
+    auto mma_s = [&](float(&sx)[32]) {
         const uint64_t k_stage = desc_k + static_cast<uint64_t>(s_stage * (kTileBytes >> 4));
 #pragma unroll
         for (int ks = 0; ks < 8; ++ks) {
             const int off = ((ks / 4) * kBoxBytes + (ks % 4) * 32) >> 4;
-            mma_qk<Codec>(s, desc_q + off, k_stage + off);
+            mma_qk<Codec>(sx, desc_q + off, k_stage + off);
         }
         wgmma_commit();
-        if (++s_stage == kStages) {
+        if (++s_stage == Stages) {
             s_stage = 0;
             s_phase ^= 1u;
         }
@@ -393,7 +396,7 @@ __device__ __forceinline__ void attn_hopper_tile(const TensorMap& map_k, const T
         fence_operands<64>(acc);
         fence_registers(pa);
         wgmma_fence();
-        if constexpr (decltype(with_s)::value) mma_s();
+        if constexpr (decltype(with_s)::value) mma_s(s);
         if constexpr (decltype(with_pv)::value) mma_pv_block();
         fence_operands<32>(s);
         fence_operands<64>(acc);
@@ -410,7 +413,7 @@ __device__ __forceinline__ void attn_hopper_tile(const TensorMap& map_k, const T
     float alpha[2];
     bool empty_now[2];
     bool any_empty = false;  // some real row of the warp sees no key of this block
-    auto scale = [&](int blk) {
+    auto scale = [&](int blk, float(&s)[32]) {
         const int key0 = blk * kBlockKeys;
         if (key0 + kBlockKeys > warp_vis_min) {
 #pragma unroll
@@ -428,7 +431,7 @@ __device__ __forceinline__ void attn_hopper_tile(const TensorMap& map_k, const T
             for (int i = 0; i < 32; ++i) s[i] = __fmul_rn(s[i], p.scale_log2);
         }
     };
-    auto softmax = [&]() {
+    auto softmax = [&](float(&s)[32]) {
         float m_new[2];
 #pragma unroll
         for (int i = 0; i < 2; ++i) {
@@ -480,15 +483,24 @@ __device__ __forceinline__ void attn_hopper_tile(const TensorMap& map_k, const T
     // After the previous block's product is complete: P of this block into pa, acc *= alpha,
     // and the facts about this block that its own P V product will need.  At a split start
     // acc was merged away: it restarts from +0 (attention.cu zeroes it in the merge).
-    auto rescale = [&](auto split_start) {
+    auto rescale = [&](float(&s)[32], auto split_start) {
         // P -> pa only now: the previous block's P V product read pa until its wait.
 #pragma unroll
         for (int kk = 0; kk < 4; ++kk)
 #pragma unroll
             for (int j = 0; j < 4; ++j) pa[kk][j] = pack_pair<Codec>(s[8 * kk + 2 * j], s[8 * kk + 2 * j + 1]);
+        if constexpr (decltype(split_start)::value) {
 #pragma unroll
-        for (int i = 0; i < 64; ++i)
-            acc[i] = decltype(split_start)::value ? 0.0f : __fmul_rn(acc[i], alpha[(i / 2) % 2]);
+            for (int i = 0; i < 64; ++i) acc[i] = 0.0f;
+        } else {
+            // alpha = 1 for every row of the warp: acc * 1 = acc, so the products are skipped.
+            const bool unit = SkipUnit && __all_sync(0xffffffffu, (alpha[0] == 1.0f || row_q[0] < 0) &&
+                                                                       (alpha[1] == 1.0f || row_q[1] < 0));
+            if (!unit) {
+#pragma unroll
+                for (int i = 0; i < 64; ++i) acc[i] = __fmul_rn(acc[i], alpha[(i / 2) % 2]);
+            }
+        }
         prev_empty[0] = empty_now[0];
         prev_empty[1] = empty_now[1];
         // Padding rows are never written: they do not need the -0 fix-up.
@@ -506,44 +518,145 @@ __device__ __forceinline__ void attn_hopper_tile(const TensorMap& map_k, const T
 
     using Yes = std::true_type;
     using No = std::false_type;
-    // Block blk's S product, then block blk-1's P V product behind it; block blk's
-    // softmax runs while P V executes.  No branch between a product's issue and its wait.
-    if (blk_end > 0) {
-        issue(Yes{}, No{});
-        cur_stage = 0;
-        wgmma_wait<0>();
-        fence_operands<32>(s);
-        scale(0);
-        softmax();
-        rescale(No{});
-    }
-    // A block that starts a split (blk-1 ended one) is a separate copy of the step, so that
-    // the merge and the restart of acc cost nothing in the other blocks.
-    auto step = [&](int blk, auto split_start) {
-        pv_stage = cur_stage;
-        cur_stage = s_stage;
-        issue(Yes{}, Yes{});
-        wgmma_wait<1>();  // S of block blk is complete; P V of block blk-1 may still run
-        fence_operands<32>(s);
-        if constexpr (decltype(split_start)::value) start_split();
-        scale(blk);
-        softmax();
-        wgmma_wait<0>();
-        finish_pv(blk - 1, split_start);
-        rescale(split_start);
-    };
-    for (int blk = 1; blk < blk_end; ++blk) {
-        if (blk % kBlocksPerSplit == 0)
-            step(blk, Yes{});
-        else
-            step(blk, No{});
-    }
-    if (blk_end > 0) {
-        pv_stage = cur_stage;
-        issue(No{}, Yes{});
-        start_split();  // keeps the last split's m, l in end_m, end_l for its merge
-        wgmma_wait<0>();
-        finish_pv(blk_end - 1, Yes{});  // the last block always ends a split
+    if constexpr (!Early) {
+        // Block blk's S product, then block blk-1's P V product behind it; block blk's
+        // softmax runs while P V executes.  No branch between a product's issue and its wait.
+        if (blk_end > 0) {
+            issue(Yes{}, No{});
+            cur_stage = 0;
+            wgmma_wait<0>();
+            fence_operands<32>(s);
+            scale(0, s);
+            softmax(s);
+            rescale(s, No{});
+        }
+        // A block that starts a split (blk-1 ended one) is a separate copy of the step, so that
+        // the merge and the restart of acc cost nothing in the other blocks.
+        auto step = [&](int blk, auto split_start) {
+            pv_stage = cur_stage;
+            cur_stage = s_stage;
+            issue(Yes{}, Yes{});
+            wgmma_wait<1>();  // S of block blk is complete; P V of block blk-1 may still run
+            fence_operands<32>(s);
+            if constexpr (decltype(split_start)::value) start_split();
+            scale(blk, s);
+            softmax(s);
+            wgmma_wait<0>();
+            finish_pv(blk - 1, split_start);
+            rescale(s, split_start);
+        };
+        for (int blk = 1; blk < blk_end; ++blk) {
+            if (blk % kBlocksPerSplit == 0)
+                step(blk, Yes{});
+            else
+                step(blk, No{});
+        }
+        if (blk_end > 0) {
+            pv_stage = cur_stage;
+            issue(No{}, Yes{});
+            start_split();  // keeps the last split's m, l in end_m, end_l for its merge
+            wgmma_wait<0>();
+            finish_pv(blk_end - 1, Yes{});  // the last block always ends a split
+        }
+    } else {
+        // S one block ahead: block j+1's S is issued behind block j-1's P V product, before
+        // block j's softmax, into the other of two S register sets (the step is unrolled by
+        // two, so each set is a fixed array); it is waited for at the end of step j, so no
+        // product is in flight across a branch or the loop's back edge (ptxas would serialise
+        // every wgmma, C7514).  The ring holds blocks j-1 (V of the pending product), j and
+        // j+1 (Stages = 4: block j+1's stage was freed by block j-3's product).
+        float s_odd[32];
+        static_assert(kBlocksPerSplit % 2 == 0, "a split starts at an even block");
+        // Waits for the next block's stage and zeroes the S registers it goes to.
+        auto prepare_s = [&](float(&sx)[32]) {
+            barrier_wait(&full[s_stage], s_phase);
+#pragma unroll
+            for (int i = 0; i < 32; ++i) sx[i] = 0.0f;
+        };
+        if (blk_end > 1) {
+            prepare_s(s);
+            fence_operands<32>(s);
+            wgmma_fence();
+            mma_s(s);
+            prepare_s(s_odd);
+            fence_operands<32>(s_odd);
+            wgmma_fence();
+            mma_s(s_odd);
+            fence_operands<32>(s);
+            fence_operands<32>(s_odd);
+            wgmma_wait<0>();
+            fence_operands<32>(s);
+            fence_operands<32>(s_odd);
+        } else if (blk_end == 1) {
+            prepare_s(s);
+            fence_operands<32>(s);
+            wgmma_fence();
+            mma_s(s);
+            fence_operands<32>(s);
+            wgmma_wait<0>();
+            fence_operands<32>(s);
+        }
+        if (blk_end > 0) {
+            scale(0, s);
+            softmax(s);
+            rescale(s, No{});
+        }
+        // Block blk (its S complete in s_cur, P of block blk-1 in pa): P V of block blk-1,
+        // then S of block blk+1 into s_next if HAS_NEXT; block blk's softmax runs while both
+        // products execute.
+        auto step = [&](int blk, float(&s_cur)[32], float(&s_next)[32], auto split_start, auto has_next) {
+            constexpr bool kNext = decltype(has_next)::value;
+            pv_stage = (blk - 1) % Stages;
+            if constexpr (kNext) prepare_s(s_next);
+            note_negzero();
+            if constexpr (kNext) fence_operands<32>(s_next);
+            fence_operands<64>(acc);
+            fence_registers(pa);
+            wgmma_fence();
+            mma_pv_block();
+            if constexpr (kNext) mma_s(s_next);
+            fence_operands<64>(acc);
+            if constexpr (kNext) fence_operands<32>(s_next);
+            if constexpr (decltype(split_start)::value) start_split();
+            scale(blk, s_cur);
+            softmax(s_cur);
+            wgmma_wait<kNext ? 1 : 0>();  // P V of block blk-1 is complete
+            finish_pv(blk - 1, split_start);
+            rescale(s_cur, split_start);
+            if constexpr (kNext) {
+                wgmma_wait<0>();  // S of block blk+1 (run under the softmax)
+                fence_operands<32>(s_next);
+            }
+        };
+        int blk = 1;
+        for (; blk + 2 < blk_end; blk += 2) {
+            step(blk, s_odd, s, No{}, Yes{});
+            if ((blk + 1) % kBlocksPerSplit == 0)
+                step(blk + 1, s, s_odd, Yes{}, Yes{});
+            else
+                step(blk + 1, s, s_odd, No{}, Yes{});
+        }
+        if (blk + 1 < blk_end) {
+            step(blk, s_odd, s, No{}, Yes{});
+            if ((blk + 1) % kBlocksPerSplit == 0)
+                step(blk + 1, s, s_odd, Yes{}, No{});
+            else
+                step(blk + 1, s, s_odd, No{}, No{});
+        } else if (blk < blk_end) {
+            step(blk, s_odd, s, No{}, No{});
+        }
+        if (blk_end > 0) {
+            pv_stage = (blk_end - 1) % Stages;
+            note_negzero();
+            fence_operands<64>(acc);
+            fence_registers(pa);
+            wgmma_fence();
+            mma_pv_block();
+            fence_operands<64>(acc);
+            start_split();
+            wgmma_wait<0>();
+            finish_pv(blk_end - 1, Yes{});
+        }
     }
 
     T* op = static_cast<T*>(p.out);
@@ -570,8 +683,8 @@ __device__ __forceinline__ void attn_hopper_tile(const TensorMap& map_k, const T
 }  // namespace attn_hopper
 }  // namespace batchinv
 
-#define BATCHINV_ATTN_HOPPER(DTYPE, CODEC)                                                                      \
-    extern "C" __global__ void __launch_bounds__(384, 1) attn_hopper_fwd_##DTYPE##_d128(                          \
+#define BATCHINV_ATTN_HOPPER(NAME, CODEC, STAGES, EARLY, SKIP)                                                \
+    extern "C" __global__ void __launch_bounds__(384, 1) attn_hopper_fwd_##NAME(                                                \
         const __grid_constant__ batchinv::TensorMap map_k, const __grid_constant__ batchinv::TensorMap map_v,   \
         const void* q, void* out, float* lse, const int* q_start, const int* q_len, const int* k_start,        \
         const int* k_len, int64_t q_row, int64_t q_head, int64_t out_row, int64_t out_head, int tq, int hq,     \
@@ -579,13 +692,25 @@ __device__ __forceinline__ void attn_hopper_tile(const TensorMap& map_k, const T
         const batchinv::attn_hopper::Params p{q,     out,   lse,      q_start, q_len, k_start, k_len, q_row,    \
                                               q_head, out_row, out_head, tq,   hq,    hkv,     pack,  causal,   \
                                               scale_log2};                                                       \
-        batchinv::attn_hopper::attn_hopper_tile<CODEC>(map_k, map_v, p);                                         \
+        batchinv::attn_hopper::attn_hopper_tile<CODEC, STAGES, EARLY, SKIP>(map_k, map_v, p);                    \
     }
 
 // Signature: (map_k, map_v, q, out, lse, q_start, q_len, k_start, k_len, q_row, q_head, out_row,
 //             out_head, tq, hq, hkv, pack, causal, scale_log2)
 // batchinv-signature: attn_hopper_fwd_bf16_d128(tmap, tmap, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i32, i32, i32, i32, i32, f32)
-BATCHINV_ATTN_HOPPER(bf16, batchinv::Bf16Codec)
+BATCHINV_ATTN_HOPPER(bf16_d128, batchinv::Bf16Codec, 4, true, true)
 // batchinv-signature: attn_hopper_fwd_f16_d128(tmap, tmap, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i32, i32, i32, i32, i32, f32)
-BATCHINV_ATTN_HOPPER(f16, batchinv::F16Codec)
+BATCHINV_ATTN_HOPPER(f16_d128, batchinv::F16Codec, 4, true, true)
+// batchinv-signature: attn_hopper_fwd_bf16_d128_v0(tmap, tmap, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i32, i32, i32, i32, i32, f32)
+BATCHINV_ATTN_HOPPER(bf16_d128_v0, batchinv::Bf16Codec, 3, false, false)
+// batchinv-signature: attn_hopper_fwd_f16_d128_v0(tmap, tmap, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i32, i32, i32, i32, i32, f32)
+BATCHINV_ATTN_HOPPER(f16_d128_v0, batchinv::F16Codec, 3, false, false)
+// batchinv-signature: attn_hopper_fwd_bf16_d128_v1(tmap, tmap, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i32, i32, i32, i32, i32, f32)
+BATCHINV_ATTN_HOPPER(bf16_d128_v1, batchinv::Bf16Codec, 4, true, false)
+// batchinv-signature: attn_hopper_fwd_f16_d128_v1(tmap, tmap, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i32, i32, i32, i32, i32, f32)
+BATCHINV_ATTN_HOPPER(f16_d128_v1, batchinv::F16Codec, 4, true, false)
+// batchinv-signature: attn_hopper_fwd_bf16_d128_v2(tmap, tmap, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i32, i32, i32, i32, i32, f32)
+BATCHINV_ATTN_HOPPER(bf16_d128_v2, batchinv::Bf16Codec, 3, false, true)
+// batchinv-signature: attn_hopper_fwd_f16_d128_v2(tmap, tmap, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i32, i32, i32, i32, i32, f32)
+BATCHINV_ATTN_HOPPER(f16_d128_v2, batchinv::F16Codec, 3, false, true)
 #endif
