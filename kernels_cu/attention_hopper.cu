@@ -114,6 +114,30 @@ __device__ __forceinline__ void mma_qk(float (&s)[32], uint64_t desc_q, uint64_t
         wgmma::mma_m64n64k16_f16(s, desc_q, desc_k);
 }
 
+// S = Q K^T with Q (a warp's 16 rows as mma.sync's A fragment) from registers, K K-major
+// from shared memory.
+template <typename Codec>
+__device__ __forceinline__ void mma_qk_rs(float (&d)[32], const uint32_t (&a)[4], uint64_t desc_b) {
+#define BATCHINV_QK_RS(TYPE)                                                                                     \
+    asm volatile(                                                                                                \
+        "{\n.reg .pred accumulate;\nsetp.ne.b32 accumulate, %37, 0;\n"                                          \
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32." TYPE "." TYPE " "                                          \
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, "  \
+        "%22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, accumulate, 1, 1, 0;\n"           \
+        "}\n"                                                                                                    \
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),       \
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), \
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]),            \
+          "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]),            \
+          "+f"(d[30]), "+f"(d[31])                                                                               \
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1))
+    if constexpr (Codec::kIsBf16)
+        BATCHINV_QK_RS("bf16");
+    else
+        BATCHINV_QK_RS("f16");
+#undef BATCHINV_QK_RS
+}
+
 template <typename Codec>
 __device__ __forceinline__ void mma_pv(float (&acc)[64], const uint32_t (&a)[4], uint64_t desc_v) {
     if constexpr (Codec::kIsBf16)
@@ -139,8 +163,8 @@ struct Params {
 
 // Stages: K/V ring depth.  Early: S of block j+1 is issued behind block j-1's P V product,
 // before block j's softmax (two S register sets), so a warpgroup never waits for its own S.
-// SkipUnit: a warp whose rows all have alpha = 1 skips acc *= alpha (x * 1 = x, same bits).
-template <typename Codec, int Stages, bool Early, bool SkipUnit>
+// Diag (timing diagnostics only, wrong results): 1 = no softmax, 2 = no S product, 3 = no P V.
+template <typename Codec, int Stages, bool Early, int Diag>
 __device__ __forceinline__ void attn_hopper_tile(const TensorMap& map_k, const TensorMap& map_v, const Params& p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     using namespace hopper;
@@ -256,6 +280,22 @@ __device__ __forceinline__ void attn_hopper_tile(const TensorMap& map_k, const T
         fence_proxy_async();
         named_barrier_sync(1 + cw, 128);
     }
+    // Diag 4: Q of the warp's 16 rows in registers as wgmma's A fragments, one per k16 step.
+    constexpr bool kQReg = Diag == 4;
+    uint32_t qa[8][4];
+    if constexpr (kQReg) {
+        const uint8_t* dq = sq + cw * 2 * kBoxBytes;
+#pragma unroll
+        for (int ks = 0; ks < 8; ++ks)
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                const int rl = warp * 16 + g + 8 * (j % 2);
+                const int k = ks * 16 + 8 * (j / 2) + 2 * c;
+                const int ch = (k % 64) / 8;
+                qa[ks][j] = *reinterpret_cast<const uint32_t*>(dq + (k / 64) * kBoxBytes + rl * 128 +
+                                                               ((ch ^ (rl % 8)) << 4) + (k % 8) * 2);
+            }
+    }
 
     int vis_end[2];
     int row_q[2], row_h[2];
@@ -365,7 +405,10 @@ __device__ __forceinline__ void attn_hopper_tile(const TensorMap& map_k, const T
 #pragma unroll
         for (int ks = 0; ks < 8; ++ks) {
             const int off = ((ks / 4) * kBoxBytes + (ks % 4) * 32) >> 4;
-            mma_qk<Codec>(sx, desc_q + off, k_stage + off);
+            if constexpr (kQReg)
+                mma_qk_rs<Codec>(sx, qa[ks], k_stage + off);
+            else
+                mma_qk<Codec>(sx, desc_q + off, k_stage + off);
         }
         wgmma_commit();
         if (++s_stage == Stages) {
@@ -396,8 +439,23 @@ __device__ __forceinline__ void attn_hopper_tile(const TensorMap& map_k, const T
         fence_operands<64>(acc);
         fence_registers(pa);
         wgmma_fence();
-        if constexpr (decltype(with_s)::value) mma_s(s);
-        if constexpr (decltype(with_pv)::value) mma_pv_block();
+        if constexpr (decltype(with_s)::value) {
+            if constexpr (Diag != 2) {
+                mma_s(s);
+            } else {
+                wgmma_commit();
+                if (++s_stage == Stages) {
+                    s_stage = 0;
+                    s_phase ^= 1u;
+                }
+            }
+        }
+        if constexpr (decltype(with_pv)::value) {
+            if constexpr (Diag != 3)
+                mma_pv_block();
+            else
+                wgmma_commit();
+        }
         fence_operands<32>(s);
         fence_operands<64>(acc);
     };
@@ -493,13 +551,8 @@ __device__ __forceinline__ void attn_hopper_tile(const TensorMap& map_k, const T
 #pragma unroll
             for (int i = 0; i < 64; ++i) acc[i] = 0.0f;
         } else {
-            // alpha = 1 for every row of the warp: acc * 1 = acc, so the products are skipped.
-            const bool unit = SkipUnit && __all_sync(0xffffffffu, (alpha[0] == 1.0f || row_q[0] < 0) &&
-                                                                       (alpha[1] == 1.0f || row_q[1] < 0));
-            if (!unit) {
 #pragma unroll
-                for (int i = 0; i < 64; ++i) acc[i] = __fmul_rn(acc[i], alpha[(i / 2) % 2]);
-            }
+            for (int i = 0; i < 64; ++i) acc[i] = __fmul_rn(acc[i], alpha[(i / 2) % 2]);
         }
         prev_empty[0] = empty_now[0];
         prev_empty[1] = empty_now[1];
@@ -526,8 +579,13 @@ __device__ __forceinline__ void attn_hopper_tile(const TensorMap& map_k, const T
             cur_stage = 0;
             wgmma_wait<0>();
             fence_operands<32>(s);
-            scale(0, s);
-            softmax(s);
+            if constexpr (Diag != 1) {
+                scale(0, s);
+                softmax(s);
+            } else {
+                alpha[0] = alpha[1] = 1.0f;
+                empty_now[0] = empty_now[1] = false;
+            }
             rescale(s, No{});
         }
         // A block that starts a split (blk-1 ended one) is a separate copy of the step, so that
@@ -539,8 +597,13 @@ __device__ __forceinline__ void attn_hopper_tile(const TensorMap& map_k, const T
             wgmma_wait<1>();  // S of block blk is complete; P V of block blk-1 may still run
             fence_operands<32>(s);
             if constexpr (decltype(split_start)::value) start_split();
-            scale(blk, s);
-            softmax(s);
+            if constexpr (Diag != 1) {
+                scale(blk, s);
+                softmax(s);
+            } else {
+                alpha[0] = alpha[1] = 1.0f;
+                empty_now[0] = empty_now[1] = false;
+            }
             wgmma_wait<0>();
             finish_pv(blk - 1, split_start);
             rescale(s, split_start);
@@ -683,7 +746,7 @@ __device__ __forceinline__ void attn_hopper_tile(const TensorMap& map_k, const T
 }  // namespace attn_hopper
 }  // namespace batchinv
 
-#define BATCHINV_ATTN_HOPPER(NAME, CODEC, STAGES, EARLY, SKIP)                                                \
+#define BATCHINV_ATTN_HOPPER(NAME, CODEC, STAGES, EARLY, DIAG)                                                \
     extern "C" __global__ void __launch_bounds__(384, 1) attn_hopper_fwd_##NAME(                                                \
         const __grid_constant__ batchinv::TensorMap map_k, const __grid_constant__ batchinv::TensorMap map_v,   \
         const void* q, void* out, float* lse, const int* q_start, const int* q_len, const int* k_start,        \
@@ -692,25 +755,25 @@ __device__ __forceinline__ void attn_hopper_tile(const TensorMap& map_k, const T
         const batchinv::attn_hopper::Params p{q,     out,   lse,      q_start, q_len, k_start, k_len, q_row,    \
                                               q_head, out_row, out_head, tq,   hq,    hkv,     pack,  causal,   \
                                               scale_log2};                                                       \
-        batchinv::attn_hopper::attn_hopper_tile<CODEC, STAGES, EARLY, SKIP>(map_k, map_v, p);                    \
+        batchinv::attn_hopper::attn_hopper_tile<CODEC, STAGES, EARLY, DIAG>(map_k, map_v, p);                    \
     }
 
 // Signature: (map_k, map_v, q, out, lse, q_start, q_len, k_start, k_len, q_row, q_head, out_row,
 //             out_head, tq, hq, hkv, pack, causal, scale_log2)
 // batchinv-signature: attn_hopper_fwd_bf16_d128(tmap, tmap, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i32, i32, i32, i32, i32, f32)
-BATCHINV_ATTN_HOPPER(bf16_d128, batchinv::Bf16Codec, 4, true, true)
+BATCHINV_ATTN_HOPPER(bf16_d128, batchinv::Bf16Codec, 3, false, 0)
 // batchinv-signature: attn_hopper_fwd_f16_d128(tmap, tmap, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i32, i32, i32, i32, i32, f32)
-BATCHINV_ATTN_HOPPER(f16_d128, batchinv::F16Codec, 4, true, true)
-// batchinv-signature: attn_hopper_fwd_bf16_d128_v0(tmap, tmap, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i32, i32, i32, i32, i32, f32)
-BATCHINV_ATTN_HOPPER(bf16_d128_v0, batchinv::Bf16Codec, 3, false, false)
-// batchinv-signature: attn_hopper_fwd_f16_d128_v0(tmap, tmap, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i32, i32, i32, i32, i32, f32)
-BATCHINV_ATTN_HOPPER(f16_d128_v0, batchinv::F16Codec, 3, false, false)
+BATCHINV_ATTN_HOPPER(f16_d128, batchinv::F16Codec, 3, false, 0)
 // batchinv-signature: attn_hopper_fwd_bf16_d128_v1(tmap, tmap, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i32, i32, i32, i32, i32, f32)
-BATCHINV_ATTN_HOPPER(bf16_d128_v1, batchinv::Bf16Codec, 4, true, false)
-// batchinv-signature: attn_hopper_fwd_f16_d128_v1(tmap, tmap, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i32, i32, i32, i32, i32, f32)
-BATCHINV_ATTN_HOPPER(f16_d128_v1, batchinv::F16Codec, 4, true, false)
-// batchinv-signature: attn_hopper_fwd_bf16_d128_v2(tmap, tmap, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i32, i32, i32, i32, i32, f32)
-BATCHINV_ATTN_HOPPER(bf16_d128_v2, batchinv::Bf16Codec, 3, false, true)
-// batchinv-signature: attn_hopper_fwd_f16_d128_v2(tmap, tmap, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i32, i32, i32, i32, i32, f32)
-BATCHINV_ATTN_HOPPER(f16_d128_v2, batchinv::F16Codec, 3, false, true)
+BATCHINV_ATTN_HOPPER(bf16_d128_v1, batchinv::Bf16Codec, 4, true, 0)
+// batchinv-signature: attn_hopper_fwd_bf16_d128_d1(tmap, tmap, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i32, i32, i32, i32, i32, f32)
+BATCHINV_ATTN_HOPPER(bf16_d128_d1, batchinv::Bf16Codec, 3, false, 1)
+// batchinv-signature: attn_hopper_fwd_bf16_d128_d2(tmap, tmap, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i32, i32, i32, i32, i32, f32)
+BATCHINV_ATTN_HOPPER(bf16_d128_d2, batchinv::Bf16Codec, 3, false, 2)
+// batchinv-signature: attn_hopper_fwd_bf16_d128_d3(tmap, tmap, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i32, i32, i32, i32, i32, f32)
+BATCHINV_ATTN_HOPPER(bf16_d128_d3, batchinv::Bf16Codec, 3, false, 3)
+// batchinv-signature: attn_hopper_fwd_bf16_d128_q4(tmap, tmap, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i32, i32, i32, i32, i32, f32)
+BATCHINV_ATTN_HOPPER(bf16_d128_q4, batchinv::Bf16Codec, 3, false, 4)
+// batchinv-signature: attn_hopper_fwd_f16_d128_q4(tmap, tmap, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i32, i32, i32, i32, i32, f32)
+BATCHINV_ATTN_HOPPER(f16_d128_q4, batchinv::F16Codec, 3, false, 4)
 #endif

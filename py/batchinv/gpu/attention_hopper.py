@@ -17,7 +17,7 @@ from ._launch import allow_dynamic_shared, kernel_for, launch, native, uses_hopp
 HEAD_DIM = 128
 TILE_ROWS = 128  # two consumer warpgroups of 64 rows
 THREADS = 384  # producer warpgroup + two consumer warpgroups
-STAGES = 4  # K/V ring depth (kernels_cu/attention_hopper.cu: the Stages of the launched kernel)
+STAGES = 3  # K/V ring depth (kernels_cu/attention_hopper.cu kStages)
 _BOX_BYTES = 64 * 64 * 2  # one 64-row x 64-column TMA box of bf16/fp16
 _DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "f16"}
 _MAX_GRID_YZ = 65535
