@@ -11,8 +11,10 @@
 //     element (i / 4, i % 4) of mma.sync's n8 tile, so every per-row step (block max scan in
 //     column order + quad butterfly, exp2_ftz, the sum scan + butterfly, alpha, P rounding,
 //     the -0 restore, the split merge, finalize) is the same code on the same values.
-//   - S = Q K^T: wgmma m64n64k16, Q and K from 128B-swizzled shared memory, over d in
-//     increasing k16 steps (D += A * B from a zero accumulator, as the mma.sync chain).
+//   - S = Q K^T: wgmma m64n64k16 with Q from registers (a warp's 16 rows as mma.sync's A
+//     fragments, read once from the swizzled Q tile) and K from 128B-swizzled shared memory,
+//     over d in increasing k16 steps (D += A * B from a zero accumulator, as the mma.sync
+//     chain).  Q from registers halves the shared-memory reads of the S product.
 //   - O += P V: wgmma m64n128k16 with P (rounded to the input dtype) as the register A
 //     operand, V N-major from shared memory, the four k16 key steps in increasing order.
 //   That wgmma and mma.sync give the same bits for the same k16 step sequence is a measured
@@ -106,31 +108,24 @@ __device__ __forceinline__ void fence_registers(uint32_t (&r)[4][4]) {
         for (int j = 0; j < 4; ++j) asm volatile("" : "+r"(r[i][j])::"memory");
 }
 
+// S += Q K^T over one k16 step: Q (a warp's 16 rows as mma.sync's A fragment) from registers,
+// K K-major from shared memory (imm-trans-b = 0; common/wgmma.cuh's register-A wrappers take
+// an N-major B).
 template <typename Codec>
-__device__ __forceinline__ void mma_qk(float (&s)[32], uint64_t desc_q, uint64_t desc_k) {
-    if constexpr (Codec::kIsBf16)
-        wgmma::mma_m64n64k16_bf16(s, desc_q, desc_k);
-    else
-        wgmma::mma_m64n64k16_f16(s, desc_q, desc_k);
-}
-
-// S = Q K^T with Q (a warp's 16 rows as mma.sync's A fragment) from registers, K K-major
-// from shared memory.
-template <typename Codec>
-__device__ __forceinline__ void mma_qk_rs(float (&d)[32], const uint32_t (&a)[4], uint64_t desc_b) {
-#define BATCHINV_QK_RS(TYPE)                                                                                     \
-    asm volatile(                                                                                                \
-        "{\n.reg .pred accumulate;\nsetp.ne.b32 accumulate, %37, 0;\n"                                          \
-        "wgmma.mma_async.sync.aligned.m64n64k16.f32." TYPE "." TYPE " "                                          \
-        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, "  \
-        "%22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, accumulate, 1, 1, 0;\n"           \
-        "}\n"                                                                                                    \
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),       \
-          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), \
-          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]),            \
-          "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]),            \
-          "+f"(d[30]), "+f"(d[31])                                                                               \
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1))
+__device__ __forceinline__ void mma_qk(float (&d)[32], const uint32_t (&a)[4], uint64_t desc_k) {
+#define BATCHINV_QK_RS(TYPE)                                                                                    \
+    asm volatile(                                                                                               \
+        "{\n.reg .pred accumulate;\nsetp.ne.b32 accumulate, %37, 0;\n"                                         \
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32." TYPE "." TYPE " "                                         \
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, " \
+        "%22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, accumulate, 1, 1, 0;\n"  \
+        "}\n"                                                                                                   \
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),      \
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]),             \
+          "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]),           \
+          "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]),           \
+          "+f"(d[29]), "+f"(d[30]), "+f"(d[31])                                                                 \
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_k), "r"(1))
     if constexpr (Codec::kIsBf16)
         BATCHINV_QK_RS("bf16");
     else
@@ -161,10 +156,7 @@ struct Params {
     float scale_log2;
 };
 
-// Stages: K/V ring depth.  Early: S of block j+1 is issued behind block j-1's P V product,
-// before block j's softmax (two S register sets), so a warpgroup never waits for its own S.
-// Diag (timing diagnostics only, wrong results): 1 = no softmax, 2 = no S product, 3 = no P V.
-template <typename Codec, int Stages, bool Early, int Diag>
+template <typename Codec>
 __device__ __forceinline__ void attn_hopper_tile(const TensorMap& map_k, const TensorMap& map_v, const Params& p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     using namespace hopper;
@@ -173,12 +165,12 @@ __device__ __forceinline__ void attn_hopper_tile(const TensorMap& map_k, const T
     // 128-byte swizzled tiles start on a 1024-byte boundary.
     uint8_t* shared = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(shared_raw) + 1023) & ~uintptr_t(1023));
     uint8_t* sq = shared;                                   // [2 warpgroups][2 halves][64][64]
-    uint8_t* sk = sq + kQBytes;                             // [Stages][2 halves][64][64]
-    uint8_t* sv = sk + Stages * kTileBytes;                // [Stages][2 halves][64][64]
-    float* srun = reinterpret_cast<float*>(sv + Stages * kTileBytes);  // [64][256]
+    uint8_t* sk = sq + kQBytes;                             // [kStages][2 halves][64][64]
+    uint8_t* sv = sk + kStages * kTileBytes;                // [kStages][2 halves][64][64]
+    float* srun = reinterpret_cast<float*>(sv + kStages * kTileBytes);  // [64][256]
     uint64_t* full = reinterpret_cast<uint64_t*>(reinterpret_cast<uint8_t*>(srun) + kRunBytes);
-    uint64_t* empty = full + Stages;
-    uint64_t* side = empty + Stages;  // the producer's own barrier for a boundary block
+    uint64_t* empty = full + kStages;
+    uint64_t* side = empty + kStages;  // the producer's own barrier for a boundary block
 
     const int b = blockIdx.z;
     const int hg = blockIdx.y;
@@ -198,7 +190,7 @@ __device__ __forceinline__ void attn_hopper_tile(const TensorMap& map_k, const T
     const int blk_end = (tile_end + kBlockKeys - 1) / kBlockKeys;  // blocks [0, blk_end)
 
     if (threadIdx.x == 0) {
-        for (int s = 0; s < Stages; ++s) {
+        for (int s = 0; s < kStages; ++s) {
             barrier_init(&full[s], 1);
             barrier_init(&empty[s], 8);  // lane 0 of each consumer warp
         }
@@ -216,8 +208,8 @@ __device__ __forceinline__ void attn_hopper_tile(const TensorMap& map_k, const T
         // Producer warp: lane 0 issues the copies; the whole warp zeroes a boundary block.
         uint32_t side_phase = 0;
         for (int blk = 0; blk < blk_end; ++blk) {
-            const int s = blk % Stages;
-            const int round = blk / Stages;
+            const int s = blk % kStages;
+            const int round = blk / kStages;
             if (round > 0) barrier_wait(&empty[s], (round - 1) & 1);
             const int key0 = blk * kBlockKeys;
             const bool boundary = key0 + kBlockKeys > k_len;
@@ -280,20 +272,20 @@ __device__ __forceinline__ void attn_hopper_tile(const TensorMap& map_k, const T
         fence_proxy_async();
         named_barrier_sync(1 + cw, 128);
     }
-    // Diag 4: Q of the warp's 16 rows in registers as wgmma's A fragments, one per k16 step.
-    constexpr bool kQReg = Diag == 4;
+    // Q of the warp's 16 rows as the A fragments of the eight k16 steps of S (row g / g + 8,
+    // columns 2c, 2c + 1 and 2c + 8, 2c + 9 of the step), read from the swizzled tile.
     uint32_t qa[8][4];
-    if constexpr (kQReg) {
+    {
         const uint8_t* dq = sq + cw * 2 * kBoxBytes;
 #pragma unroll
         for (int ks = 0; ks < 8; ++ks)
 #pragma unroll
             for (int j = 0; j < 4; ++j) {
                 const int rl = warp * 16 + g + 8 * (j % 2);
-                const int k = ks * 16 + 8 * (j / 2) + 2 * c;
-                const int ch = (k % 64) / 8;
-                qa[ks][j] = *reinterpret_cast<const uint32_t*>(dq + (k / 64) * kBoxBytes + rl * 128 +
-                                                               ((ch ^ (rl % 8)) << 4) + (k % 8) * 2);
+                const int col = ks * 16 + 8 * (j / 2) + 2 * c;
+                const int ch = (col % 64) / 8;
+                qa[ks][j] = *reinterpret_cast<const uint32_t*>(dq + (col / 64) * kBoxBytes + rl * 128 +
+                                                               ((ch ^ (rl % 8)) << 4) + (col % 8) * 2);
             }
     }
 
@@ -328,7 +320,6 @@ __device__ __forceinline__ void attn_hopper_tile(const TensorMap& map_k, const T
 
     // Descriptors computed once: a k16 step, a stage or a V key step is a constant added to
     // the start-address field (every tile lies below 256 KB, so the field never carries).
-    const uint64_t desc_q = smem_descriptor_128b(sq + cw * 2 * kBoxBytes);
     const uint64_t desc_k = smem_descriptor_128b(sk);
     const uint64_t desc_v = v_descriptor(sv);
     int s_stage = 0;          // stage of the next block whose S is issued
@@ -400,18 +391,15 @@ __device__ __forceinline__ void attn_hopper_tile(const TensorMap& map_k, const T
     };
     // S = Q K^T of the block at stage s_stage over d in increasing k16 steps (32 bytes along
     // a 128-byte swizzled row), into s; moves s_stage on.
-    auto mma_s = [&](float(&sx)[32]) {
+    auto mma_s = [&]() {
         const uint64_t k_stage = desc_k + static_cast<uint64_t>(s_stage * (kTileBytes >> 4));
 #pragma unroll
         for (int ks = 0; ks < 8; ++ks) {
             const int off = ((ks / 4) * kBoxBytes + (ks % 4) * 32) >> 4;
-            if constexpr (kQReg)
-                mma_qk_rs<Codec>(sx, qa[ks], k_stage + off);
-            else
-                mma_qk<Codec>(sx, desc_q + off, k_stage + off);
+            mma_qk<Codec>(s, qa[ks], k_stage + off);
         }
         wgmma_commit();
-        if (++s_stage == Stages) {
+        if (++s_stage == kStages) {
             s_stage = 0;
             s_phase ^= 1u;
         }
@@ -439,23 +427,8 @@ __device__ __forceinline__ void attn_hopper_tile(const TensorMap& map_k, const T
         fence_operands<64>(acc);
         fence_registers(pa);
         wgmma_fence();
-        if constexpr (decltype(with_s)::value) {
-            if constexpr (Diag != 2) {
-                mma_s(s);
-            } else {
-                wgmma_commit();
-                if (++s_stage == Stages) {
-                    s_stage = 0;
-                    s_phase ^= 1u;
-                }
-            }
-        }
-        if constexpr (decltype(with_pv)::value) {
-            if constexpr (Diag != 3)
-                mma_pv_block();
-            else
-                wgmma_commit();
-        }
+        if constexpr (decltype(with_s)::value) mma_s();
+        if constexpr (decltype(with_pv)::value) mma_pv_block();
         fence_operands<32>(s);
         fence_operands<64>(acc);
     };
@@ -471,7 +444,7 @@ __device__ __forceinline__ void attn_hopper_tile(const TensorMap& map_k, const T
     float alpha[2];
     bool empty_now[2];
     bool any_empty = false;  // some real row of the warp sees no key of this block
-    auto scale = [&](int blk, float(&s)[32]) {
+    auto scale = [&](int blk) {
         const int key0 = blk * kBlockKeys;
         if (key0 + kBlockKeys > warp_vis_min) {
 #pragma unroll
@@ -489,7 +462,7 @@ __device__ __forceinline__ void attn_hopper_tile(const TensorMap& map_k, const T
             for (int i = 0; i < 32; ++i) s[i] = __fmul_rn(s[i], p.scale_log2);
         }
     };
-    auto softmax = [&](float(&s)[32]) {
+    auto softmax = [&]() {
         float m_new[2];
 #pragma unroll
         for (int i = 0; i < 2; ++i) {
@@ -541,19 +514,15 @@ __device__ __forceinline__ void attn_hopper_tile(const TensorMap& map_k, const T
     // After the previous block's product is complete: P of this block into pa, acc *= alpha,
     // and the facts about this block that its own P V product will need.  At a split start
     // acc was merged away: it restarts from +0 (attention.cu zeroes it in the merge).
-    auto rescale = [&](float(&s)[32], auto split_start) {
+    auto rescale = [&](auto split_start) {
         // P -> pa only now: the previous block's P V product read pa until its wait.
 #pragma unroll
         for (int kk = 0; kk < 4; ++kk)
 #pragma unroll
             for (int j = 0; j < 4; ++j) pa[kk][j] = pack_pair<Codec>(s[8 * kk + 2 * j], s[8 * kk + 2 * j + 1]);
-        if constexpr (decltype(split_start)::value) {
 #pragma unroll
-            for (int i = 0; i < 64; ++i) acc[i] = 0.0f;
-        } else {
-#pragma unroll
-            for (int i = 0; i < 64; ++i) acc[i] = __fmul_rn(acc[i], alpha[(i / 2) % 2]);
-        }
+        for (int i = 0; i < 64; ++i)
+            acc[i] = decltype(split_start)::value ? 0.0f : __fmul_rn(acc[i], alpha[(i / 2) % 2]);
         prev_empty[0] = empty_now[0];
         prev_empty[1] = empty_now[1];
         // Padding rows are never written: they do not need the -0 fix-up.
@@ -571,155 +540,44 @@ __device__ __forceinline__ void attn_hopper_tile(const TensorMap& map_k, const T
 
     using Yes = std::true_type;
     using No = std::false_type;
-    if constexpr (!Early) {
-        // Block blk's S product, then block blk-1's P V product behind it; block blk's
-        // softmax runs while P V executes.  No branch between a product's issue and its wait.
-        if (blk_end > 0) {
-            issue(Yes{}, No{});
-            cur_stage = 0;
-            wgmma_wait<0>();
-            fence_operands<32>(s);
-            if constexpr (Diag != 1) {
-                scale(0, s);
-                softmax(s);
-            } else {
-                alpha[0] = alpha[1] = 1.0f;
-                empty_now[0] = empty_now[1] = false;
-            }
-            rescale(s, No{});
-        }
-        // A block that starts a split (blk-1 ended one) is a separate copy of the step, so that
-        // the merge and the restart of acc cost nothing in the other blocks.
-        auto step = [&](int blk, auto split_start) {
-            pv_stage = cur_stage;
-            cur_stage = s_stage;
-            issue(Yes{}, Yes{});
-            wgmma_wait<1>();  // S of block blk is complete; P V of block blk-1 may still run
-            fence_operands<32>(s);
-            if constexpr (decltype(split_start)::value) start_split();
-            if constexpr (Diag != 1) {
-                scale(blk, s);
-                softmax(s);
-            } else {
-                alpha[0] = alpha[1] = 1.0f;
-                empty_now[0] = empty_now[1] = false;
-            }
-            wgmma_wait<0>();
-            finish_pv(blk - 1, split_start);
-            rescale(s, split_start);
-        };
-        for (int blk = 1; blk < blk_end; ++blk) {
-            if (blk % kBlocksPerSplit == 0)
-                step(blk, Yes{});
-            else
-                step(blk, No{});
-        }
-        if (blk_end > 0) {
-            pv_stage = cur_stage;
-            issue(No{}, Yes{});
-            start_split();  // keeps the last split's m, l in end_m, end_l for its merge
-            wgmma_wait<0>();
-            finish_pv(blk_end - 1, Yes{});  // the last block always ends a split
-        }
-    } else {
-        // S one block ahead: block j+1's S is issued behind block j-1's P V product, before
-        // block j's softmax, into the other of two S register sets (the step is unrolled by
-        // two, so each set is a fixed array); it is waited for at the end of step j, so no
-        // product is in flight across a branch or the loop's back edge (ptxas would serialise
-        // every wgmma, C7514).  The ring holds blocks j-1 (V of the pending product), j and
-        // j+1 (Stages = 4: block j+1's stage was freed by block j-3's product).
-        float s_odd[32];
-        static_assert(kBlocksPerSplit % 2 == 0, "a split starts at an even block");
-        // Waits for the next block's stage and zeroes the S registers it goes to.
-        auto prepare_s = [&](float(&sx)[32]) {
-            barrier_wait(&full[s_stage], s_phase);
-#pragma unroll
-            for (int i = 0; i < 32; ++i) sx[i] = 0.0f;
-        };
-        if (blk_end > 1) {
-            prepare_s(s);
-            fence_operands<32>(s);
-            wgmma_fence();
-            mma_s(s);
-            prepare_s(s_odd);
-            fence_operands<32>(s_odd);
-            wgmma_fence();
-            mma_s(s_odd);
-            fence_operands<32>(s);
-            fence_operands<32>(s_odd);
-            wgmma_wait<0>();
-            fence_operands<32>(s);
-            fence_operands<32>(s_odd);
-        } else if (blk_end == 1) {
-            prepare_s(s);
-            fence_operands<32>(s);
-            wgmma_fence();
-            mma_s(s);
-            fence_operands<32>(s);
-            wgmma_wait<0>();
-            fence_operands<32>(s);
-        }
-        if (blk_end > 0) {
-            scale(0, s);
-            softmax(s);
-            rescale(s, No{});
-        }
-        // Block blk (its S complete in s_cur, P of block blk-1 in pa): P V of block blk-1,
-        // then S of block blk+1 into s_next if HAS_NEXT; block blk's softmax runs while both
-        // products execute.
-        auto step = [&](int blk, float(&s_cur)[32], float(&s_next)[32], auto split_start, auto has_next) {
-            constexpr bool kNext = decltype(has_next)::value;
-            pv_stage = (blk - 1) % Stages;
-            if constexpr (kNext) prepare_s(s_next);
-            note_negzero();
-            if constexpr (kNext) fence_operands<32>(s_next);
-            fence_operands<64>(acc);
-            fence_registers(pa);
-            wgmma_fence();
-            mma_pv_block();
-            if constexpr (kNext) mma_s(s_next);
-            fence_operands<64>(acc);
-            if constexpr (kNext) fence_operands<32>(s_next);
-            if constexpr (decltype(split_start)::value) start_split();
-            scale(blk, s_cur);
-            softmax(s_cur);
-            wgmma_wait<kNext ? 1 : 0>();  // P V of block blk-1 is complete
-            finish_pv(blk - 1, split_start);
-            rescale(s_cur, split_start);
-            if constexpr (kNext) {
-                wgmma_wait<0>();  // S of block blk+1 (run under the softmax)
-                fence_operands<32>(s_next);
-            }
-        };
-        int blk = 1;
-        for (; blk + 2 < blk_end; blk += 2) {
-            step(blk, s_odd, s, No{}, Yes{});
-            if ((blk + 1) % kBlocksPerSplit == 0)
-                step(blk + 1, s, s_odd, Yes{}, Yes{});
-            else
-                step(blk + 1, s, s_odd, No{}, Yes{});
-        }
-        if (blk + 1 < blk_end) {
-            step(blk, s_odd, s, No{}, Yes{});
-            if ((blk + 1) % kBlocksPerSplit == 0)
-                step(blk + 1, s, s_odd, Yes{}, No{});
-            else
-                step(blk + 1, s, s_odd, No{}, No{});
-        } else if (blk < blk_end) {
-            step(blk, s_odd, s, No{}, No{});
-        }
-        if (blk_end > 0) {
-            pv_stage = (blk_end - 1) % Stages;
-            note_negzero();
-            fence_operands<64>(acc);
-            fence_registers(pa);
-            wgmma_fence();
-            mma_pv_block();
-            fence_operands<64>(acc);
-            start_split();
-            wgmma_wait<0>();
-            finish_pv(blk_end - 1, Yes{});
-        }
+    // Block blk's S product, then block blk-1's P V product behind it; block blk's
+    // softmax runs while P V executes.  No branch between a product's issue and its wait.
+    if (blk_end > 0) {
+        issue(Yes{}, No{});
+        cur_stage = 0;
+        wgmma_wait<0>();
+        fence_operands<32>(s);
+        scale(0);
+        softmax();
+        rescale(No{});
+    }
+    // A block that starts a split (blk-1 ended one) is a separate copy of the step, so that
+    // the merge and the restart of acc cost nothing in the other blocks.
+    auto step = [&](int blk, auto split_start) {
+        pv_stage = cur_stage;
+        cur_stage = s_stage;
+        issue(Yes{}, Yes{});
+        wgmma_wait<1>();  // S of block blk is complete; P V of block blk-1 may still run
+        fence_operands<32>(s);
+        if constexpr (decltype(split_start)::value) start_split();
+        scale(blk);
+        softmax();
+        wgmma_wait<0>();
+        finish_pv(blk - 1, split_start);
+        rescale(split_start);
+    };
+    for (int blk = 1; blk < blk_end; ++blk) {
+        if (blk % kBlocksPerSplit == 0)
+            step(blk, Yes{});
+        else
+            step(blk, No{});
+    }
+    if (blk_end > 0) {
+        pv_stage = cur_stage;
+        issue(No{}, Yes{});
+        start_split();  // keeps the last split's m, l in end_m, end_l for its merge
+        wgmma_wait<0>();
+        finish_pv(blk_end - 1, Yes{});  // the last block always ends a split
     }
 
     T* op = static_cast<T*>(p.out);
@@ -746,8 +604,8 @@ __device__ __forceinline__ void attn_hopper_tile(const TensorMap& map_k, const T
 }  // namespace attn_hopper
 }  // namespace batchinv
 
-#define BATCHINV_ATTN_HOPPER(NAME, CODEC, STAGES, EARLY, DIAG)                                                \
-    extern "C" __global__ void __launch_bounds__(384, 1) attn_hopper_fwd_##NAME(                                                \
+#define BATCHINV_ATTN_HOPPER(DTYPE, CODEC)                                                                      \
+    extern "C" __global__ void __launch_bounds__(384, 1) attn_hopper_fwd_##DTYPE##_d128(                          \
         const __grid_constant__ batchinv::TensorMap map_k, const __grid_constant__ batchinv::TensorMap map_v,   \
         const void* q, void* out, float* lse, const int* q_start, const int* q_len, const int* k_start,        \
         const int* k_len, int64_t q_row, int64_t q_head, int64_t out_row, int64_t out_head, int tq, int hq,     \
@@ -755,25 +613,13 @@ __device__ __forceinline__ void attn_hopper_tile(const TensorMap& map_k, const T
         const batchinv::attn_hopper::Params p{q,     out,   lse,      q_start, q_len, k_start, k_len, q_row,    \
                                               q_head, out_row, out_head, tq,   hq,    hkv,     pack,  causal,   \
                                               scale_log2};                                                       \
-        batchinv::attn_hopper::attn_hopper_tile<CODEC, STAGES, EARLY, DIAG>(map_k, map_v, p);                    \
+        batchinv::attn_hopper::attn_hopper_tile<CODEC>(map_k, map_v, p);                                         \
     }
 
 // Signature: (map_k, map_v, q, out, lse, q_start, q_len, k_start, k_len, q_row, q_head, out_row,
 //             out_head, tq, hq, hkv, pack, causal, scale_log2)
 // batchinv-signature: attn_hopper_fwd_bf16_d128(tmap, tmap, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i32, i32, i32, i32, i32, f32)
-BATCHINV_ATTN_HOPPER(bf16_d128, batchinv::Bf16Codec, 3, false, 0)
+BATCHINV_ATTN_HOPPER(bf16, batchinv::Bf16Codec)
 // batchinv-signature: attn_hopper_fwd_f16_d128(tmap, tmap, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i32, i32, i32, i32, i32, f32)
-BATCHINV_ATTN_HOPPER(f16_d128, batchinv::F16Codec, 3, false, 0)
-// batchinv-signature: attn_hopper_fwd_bf16_d128_v1(tmap, tmap, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i32, i32, i32, i32, i32, f32)
-BATCHINV_ATTN_HOPPER(bf16_d128_v1, batchinv::Bf16Codec, 4, true, 0)
-// batchinv-signature: attn_hopper_fwd_bf16_d128_d1(tmap, tmap, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i32, i32, i32, i32, i32, f32)
-BATCHINV_ATTN_HOPPER(bf16_d128_d1, batchinv::Bf16Codec, 3, false, 1)
-// batchinv-signature: attn_hopper_fwd_bf16_d128_d2(tmap, tmap, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i32, i32, i32, i32, i32, f32)
-BATCHINV_ATTN_HOPPER(bf16_d128_d2, batchinv::Bf16Codec, 3, false, 2)
-// batchinv-signature: attn_hopper_fwd_bf16_d128_d3(tmap, tmap, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i32, i32, i32, i32, i32, f32)
-BATCHINV_ATTN_HOPPER(bf16_d128_d3, batchinv::Bf16Codec, 3, false, 3)
-// batchinv-signature: attn_hopper_fwd_bf16_d128_q4(tmap, tmap, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i32, i32, i32, i32, i32, f32)
-BATCHINV_ATTN_HOPPER(bf16_d128_q4, batchinv::Bf16Codec, 3, false, 4)
-// batchinv-signature: attn_hopper_fwd_f16_d128_q4(tmap, tmap, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i32, i32, i32, i32, i32, f32)
-BATCHINV_ATTN_HOPPER(f16_d128_q4, batchinv::F16Codec, 3, false, 4)
+BATCHINV_ATTN_HOPPER(f16, batchinv::F16Codec)
 #endif
