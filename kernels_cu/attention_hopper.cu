@@ -11,8 +11,10 @@
 //     element (i / 4, i % 4) of mma.sync's n8 tile, so every per-row step (block max scan in
 //     column order + quad butterfly, exp2_ftz, the sum scan + butterfly, alpha, P rounding,
 //     the -0 restore, the split merge, finalize) is the same code on the same values.
-//   - S = Q K^T: wgmma m64n64k16, Q and K from 128B-swizzled shared memory, over d in
-//     increasing k16 steps (D += A * B from a zero accumulator, as the mma.sync chain).
+//   - S = Q K^T: wgmma m64n64k16 with Q from registers (a warp's 16 rows as mma.sync's A
+//     fragments, read once from the swizzled Q tile) and K from 128B-swizzled shared memory,
+//     over d in increasing k16 steps (D += A * B from a zero accumulator, as the mma.sync
+//     chain).  Q from registers halves the shared-memory reads of the S product.
 //   - O += P V: wgmma m64n128k16 with P (rounded to the input dtype) as the register A
 //     operand, V N-major from shared memory, the four k16 key steps in increasing order.
 //   That wgmma and mma.sync give the same bits for the same k16 step sequence is a measured
@@ -60,7 +62,7 @@ using namespace attn;  // the shared per-row arithmetic (common/attention_rows.c
 [[maybe_unused]] constexpr int kD = 128;
 [[maybe_unused]] constexpr int kRows = 128;          // tile rows: two consumer warpgroups of 64
 [[maybe_unused]] constexpr int kConsumerThreads = 256;
-[[maybe_unused]] constexpr int kStages = 3;  // K/V ring depth (2: 4.75 ms, 4: same as 3)
+[[maybe_unused]] constexpr int kStages = 3;  // K/V ring depth (2: 4.75 ms, 4: same as 3, within 1% in session 6)
 [[maybe_unused]] constexpr int kBoxBytes = 64 * 128;  // 64 rows x 64 columns x 2 bytes
 [[maybe_unused]] constexpr int kTileBytes = 2 * kBoxBytes;  // 64 rows x 128 columns
 [[maybe_unused]] constexpr int kQBytes = 2 * 2 * kBoxBytes;  // two warpgroups x two column halves
@@ -106,12 +108,29 @@ __device__ __forceinline__ void fence_registers(uint32_t (&r)[4][4]) {
         for (int j = 0; j < 4; ++j) asm volatile("" : "+r"(r[i][j])::"memory");
 }
 
+// S += Q K^T over one k16 step: Q (a warp's 16 rows as mma.sync's A fragment) from registers,
+// K K-major from shared memory (imm-trans-b = 0; common/wgmma.cuh's register-A wrappers take
+// an N-major B).
 template <typename Codec>
-__device__ __forceinline__ void mma_qk(float (&s)[32], uint64_t desc_q, uint64_t desc_k) {
+__device__ __forceinline__ void mma_qk(float (&d)[32], const uint32_t (&a)[4], uint64_t desc_k) {
+#define BATCHINV_QK_RS(TYPE)                                                                                    \
+    asm volatile(                                                                                               \
+        "{\n.reg .pred accumulate;\nsetp.ne.b32 accumulate, %37, 0;\n"                                         \
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32." TYPE "." TYPE " "                                         \
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, " \
+        "%22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, accumulate, 1, 1, 0;\n"  \
+        "}\n"                                                                                                   \
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),      \
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]),             \
+          "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]),           \
+          "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]),           \
+          "+f"(d[29]), "+f"(d[30]), "+f"(d[31])                                                                 \
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_k), "r"(1))
     if constexpr (Codec::kIsBf16)
-        wgmma::mma_m64n64k16_bf16(s, desc_q, desc_k);
+        BATCHINV_QK_RS("bf16");
     else
-        wgmma::mma_m64n64k16_f16(s, desc_q, desc_k);
+        BATCHINV_QK_RS("f16");
+#undef BATCHINV_QK_RS
 }
 
 template <typename Codec>
@@ -253,6 +272,22 @@ __device__ __forceinline__ void attn_hopper_tile(const TensorMap& map_k, const T
         fence_proxy_async();
         named_barrier_sync(1 + cw, 128);
     }
+    // Q of the warp's 16 rows as the A fragments of the eight k16 steps of S (row g / g + 8,
+    // columns 2c, 2c + 1 and 2c + 8, 2c + 9 of the step), read from the swizzled tile.
+    uint32_t qa[8][4];
+    {
+        const uint8_t* dq = sq + cw * 2 * kBoxBytes;
+#pragma unroll
+        for (int ks = 0; ks < 8; ++ks)
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                const int rl = warp * 16 + g + 8 * (j % 2);
+                const int col = ks * 16 + 8 * (j / 2) + 2 * c;
+                const int ch = (col % 64) / 8;
+                qa[ks][j] = *reinterpret_cast<const uint32_t*>(dq + (col / 64) * kBoxBytes + rl * 128 +
+                                                               ((ch ^ (rl % 8)) << 4) + (col % 8) * 2);
+            }
+    }
 
     int vis_end[2];
     int row_q[2], row_h[2];
@@ -285,7 +320,6 @@ __device__ __forceinline__ void attn_hopper_tile(const TensorMap& map_k, const T
 
     // Descriptors computed once: a k16 step, a stage or a V key step is a constant added to
     // the start-address field (every tile lies below 256 KB, so the field never carries).
-    const uint64_t desc_q = smem_descriptor_128b(sq + cw * 2 * kBoxBytes);
     const uint64_t desc_k = smem_descriptor_128b(sk);
     const uint64_t desc_v = v_descriptor(sv);
     int s_stage = 0;          // stage of the next block whose S is issued
@@ -362,7 +396,7 @@ __device__ __forceinline__ void attn_hopper_tile(const TensorMap& map_k, const T
 #pragma unroll
         for (int ks = 0; ks < 8; ++ks) {
             const int off = ((ks / 4) * kBoxBytes + (ks % 4) * 32) >> 4;
-            mma_qk<Codec>(s, desc_q + off, k_stage + off);
+            mma_qk<Codec>(s, qa[ks], k_stage + off);
         }
         wgmma_commit();
         if (++s_stage == kStages) {
