@@ -141,36 +141,13 @@ __device__ __forceinline__ void unpack_chunk(const Chunk16<Codec>& c, float (&f)
     }
 }
 
-// One 16-byte store of a chunk's words.  From a plain uint4 store NVVM emits the first chunk of
-// each thread's batch as four 4-byte stores (st.global.u32; the other chunks as one v4 store),
-// which made 1.75x Liger's store requests forward and 2.5x backward (Nsight Compute, H200);
-// the volatile asm keeps every chunk one STG.E.128.  No memory clobber: a thread's stores
-// never overlap the inputs it still has to read.
-__device__ __forceinline__ void store_words16(void* p, const uint4& w) {
-#if defined(__HIPCC__)
-    *reinterpret_cast<uint4*>(p) = w;
-#else
-    asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};"
-                 :
-                 : "l"(p), "r"(w.x), "r"(w.y), "r"(w.z), "r"(w.w));
-#endif
-}
-
-// store_chunk's bits.  bf16 on CUDA: a chunk without NaN is packed by the paired conversion
-// alone (round_chunk tests every pair for NaN to write PyTorch's 0x7fc0); a chunk with one goes
-// through round_chunk.  kWholeStores: by store_words16 (the forward); the backward keeps the
-// plain store, since with store_words16 its bf16 kernel spilled 8 bytes at 64 registers.
-template <typename Codec, bool kWholeStores>
+// store_chunk's bits.  bf16 on CUDA: a chunk without NaN is packed by the paired conversion alone
+// (store_chunk tests every pair for NaN to write PyTorch's 0x7fc0); a chunk with one goes
+// through store_chunk.
+template <typename Codec>
 __device__ __forceinline__ void store_result_chunk(typename Codec::storage* p,
                                                    const float (&f)[Chunk16<Codec>::kElems]) {
     constexpr int E = Chunk16<Codec>::kElems;
-    const auto store_words = [](typename Codec::storage* q, const uint4& w) {
-        if constexpr (kWholeStores) {
-            store_words16(q, w);
-        } else {
-            *reinterpret_cast<uint4*>(q) = w;
-        }
-    };
 #if !defined(__HIPCC__)
     if constexpr (Codec::kIsBf16) {
         bool any_nan = false;
@@ -183,14 +160,12 @@ __device__ __forceinline__ void store_result_chunk(typename Codec::storage* p,
             for (int i = 0; i < E / 2; ++i) {
                 asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(w[i]) : "f"(f[2 * i + 1]), "f"(f[2 * i]));
             }
-            store_words(p, words);
+            *reinterpret_cast<uint4*>(p) = words;
             return;
         }
     }
 #endif
-    Chunk16<Codec> c;
-    round_chunk(c, f);
-    store_words(p, *reinterpret_cast<const uint4*>(c.v));
+    store_chunk<Codec>(p, f);
 }
 
 __device__ __forceinline__ bool aligned16(const void* p) {
@@ -270,7 +245,7 @@ __device__ __forceinline__ void forward(const ForwardArgs& a) {
 #pragma unroll
                     for (int e = 0; e < E; ++e) o[e] = silu_mul_value(gf[e], uf[e]);
                 }
-                store_result_chunk<Codec, true>(out + unit * E, o);
+                store_result_chunk<Codec>(out + unit * E, o);
             }
         }
     } else {
@@ -353,8 +328,8 @@ __device__ __forceinline__ void backward(const BackwardArgs& a) {
 #pragma unroll
                     for (int e = 0; e < E; ++e) silu_mul_grads(dyf[e], gf[e], uf[e], gg[e], gu[e]);
                 }
-                store_result_chunk<Codec, false>(grad_gate + unit * E, gg);
-                store_result_chunk<Codec, false>(grad_up + unit * E, gu);
+                store_result_chunk<Codec>(grad_gate + unit * E, gg);
+                store_result_chunk<Codec>(grad_up + unit * E, gu);
             }
         }
     } else {
