@@ -352,9 +352,9 @@ __device__ __forceinline__ void store_group_sums(const float4* group_sums, float
 // dot + sum over the chunk's elements inside the row (first + e < d), in increasing e, of
 // (dy * w) * (x * inv_rms): the backward's per-thread dot.  A chunk wholly inside the row (every
 // chunk on the vector path, where d is a multiple of E) takes the loop without per-element
-// checks, which with 64-bit indices were most of the fused t128k4 kernel's 485 integer
-// compares against its 256 multiplies (issue 6); both loops add the same values in the same
-// order.
+// checks: nvcc kept a 64-bit compare and a branch per element there, and t128k4's fused kernel
+// ran 4-8% faster without them (issue 6, H200).  Both loops add the same values in the same
+// order, so the bits do not change.
 template <typename Codec>
 __device__ __forceinline__ float add_chunk_dot(float dot, const Chunk<Codec>& gs,
                                                const Chunk<Codec>& w, const Chunk<Codec>& xs,
