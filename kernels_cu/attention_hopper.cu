@@ -566,11 +566,12 @@ __device__ __forceinline__ void attn_hopper_tile(const TensorMap& map_k, const T
         finish_pv(blk - 1, split_start);
         rescale(split_start);
     };
-    for (int blk = 1; blk < blk_end; ++blk) {
-        if (blk % kBlocksPerSplit == 0)
-            step(blk, Yes{});
-        else
-            step(blk, No{});
+    // One inner loop per split: the steady step is a loop of its own (no split test per block,
+    // and no join with the split-start copy at its back edge, which made ptxas copy registers).
+    for (int blk = 1; blk < blk_end;) {
+        if (blk % kBlocksPerSplit == 0) step(blk++, Yes{});
+        const int seg_end = min(blk_end, (blk + kBlocksPerSplit - 1) / kBlocksPerSplit * kBlocksPerSplit);
+        for (; blk < seg_end; ++blk) step(blk, No{});
     }
     if (blk_end > 0) {
         pv_stage = cur_stage;
