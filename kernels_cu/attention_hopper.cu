@@ -27,7 +27,9 @@
 //     j+1's softmax starts the new split from the empty state (the ended split's m, l are
 //     kept) while P_j V_j runs; the split is merged (attention.cu's merge_weights /
 //     merge_value) once that product completes, and acc restarts from +0.  That step is its
-//     own copy of the loop body, so the other steps rescale acc in place (no register copies).
+//     own copy of the loop body, so the other steps rescale acc in place (no register copies),
+//     and the other steps of a split form an inner loop of their own (no split test per block,
+//     no register copies at a back edge shared with the split-start copy).
 //   - The softmax of a thread's two rows runs as one pass (padding rows are computed and never
 //     written); the block max is a tree (exact), and P's selection for rows that see no key of
 //     the block runs only in warps that have such a row.  Same values as attention.cu's code.
@@ -93,8 +95,8 @@ __device__ __forceinline__ void fence_operands(float* r) {
 // bits 0-13, leading byte offset / 16 in bits 16-29; shared::cta addresses lie below 2^18, so
 // the start-address field never carries) and the high word both share: stride byte offset 1024
 // (one 8-row group) and the 128-byte swizzle.  The same bits as smem_descriptor_128b (K, leading
-// byte offset 16, unused when swizzled) and v_descriptor (V, the two 64-column halves 8192
-// bytes apart), without the 64-bit arithmetic ptxas otherwise redoes for every block.
+// byte offset 16, unused when swizzled) and of the former 64-bit V descriptor (the two
+// 64-column halves 8192 bytes apart), without the 64-bit arithmetic ptxas redid for every block.
 [[maybe_unused]] constexpr uint32_t kDescHigh = (1024 >> 4) | (1u << 30);
 __device__ __forceinline__ uint64_t stage_descriptor(uint32_t low0, int stage) {
     const uint32_t lo = low0 + static_cast<uint32_t>(stage) * (kTileBytes >> 4);
