@@ -27,7 +27,9 @@
 //     j+1's softmax starts the new split from the empty state (the ended split's m, l are
 //     kept) while P_j V_j runs; the split is merged (attention.cu's merge_weights /
 //     merge_value) once that product completes, and acc restarts from +0.  That step is its
-//     own copy of the loop body, so the other steps rescale acc in place (no register copies).
+//     own copy of the loop body, so the other steps rescale acc in place (no register copies),
+//     and the other steps of a split form an inner loop of their own (no split test per block,
+//     no register copies at a back edge shared with the split-start copy).
 //   - The softmax of a thread's two rows runs as one pass (padding rows are computed and never
 //     written); the block max is a tree (exact), and P's selection for rows that see no key of
 //     the block runs only in warps that have such a row.  Same values as attention.cu's code.
@@ -89,16 +91,18 @@ __device__ __forceinline__ void fence_operands(float* r) {
     for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i])::"memory");
 }
 
-// N-major descriptor of a V tile (two 64-column boxes of 64 key rows, 128B swizzle): 8-key
-// row groups 1024 bytes apart (stride byte offset), the two 64-column halves 8192 bytes apart
-// (leading byte offset).
-__device__ __forceinline__ uint64_t v_descriptor(const void* tile) {
-    const uint64_t address = hopper::smem_address(tile);
-    uint64_t desc = (address & 0x3FFFF) >> 4;
-    desc |= static_cast<uint64_t>(kBoxBytes >> 4) << 16;
-    desc |= static_cast<uint64_t>(1024 >> 4) << 32;
-    desc |= 1ull << 62;
-    return desc;
+// Descriptors of the K and V ring stages, built from 32-bit low words (start address / 16 in
+// bits 0-13, leading byte offset / 16 in bits 16-29; shared::cta addresses lie below 2^18, so
+// the start-address field never carries) and the high word both share: stride byte offset 1024
+// (one 8-row group) and the 128-byte swizzle.  The same bits as smem_descriptor_128b (K, leading
+// byte offset 16, unused when swizzled) and of the former 64-bit V descriptor (the two
+// 64-column halves 8192 bytes apart), without the 64-bit arithmetic ptxas redid for every block.
+[[maybe_unused]] constexpr uint32_t kDescHigh = (1024 >> 4) | (1u << 30);
+__device__ __forceinline__ uint64_t stage_descriptor(uint32_t low0, int stage) {
+    const uint32_t lo = low0 + static_cast<uint32_t>(stage) * (kTileBytes >> 4);
+    uint64_t out;
+    asm("mov.b64 %0, {%1, %2};" : "=l"(out) : "r"(lo), "r"(kDescHigh));
+    return out;
 }
 
 __device__ __forceinline__ void fence_registers(uint32_t (&r)[4][4]) {
@@ -318,10 +322,12 @@ __device__ __forceinline__ void attn_hopper_tile(const TensorMap& map_k, const T
     bool prev_any_empty = false;
     uint32_t negzero[2] = {0u, 0u};
 
-    // Descriptors computed once: a k16 step, a stage or a V key step is a constant added to
-    // the start-address field (every tile lies below 256 KB, so the field never carries).
-    const uint64_t desc_k = smem_descriptor_128b(sk);
-    const uint64_t desc_v = v_descriptor(sv);
+    // Descriptors: a k16 step, a stage or a V key step is a constant added to the start-address
+    // field (every tile lies below 256 KB, so the field never carries).  Low words of stage 0:
+    // (`shared` is 1024-byte aligned, so each field is a plain sum).
+    const uint32_t shared16 = smem_address(shared) >> 4;
+    const uint32_t desc_k = shared16 + (kQBytes >> 4) + (1u << 16);
+    const uint32_t desc_v = shared16 + ((kQBytes + kStages * kTileBytes) >> 4) + ((kBoxBytes >> 4) << 16);
     int s_stage = 0;          // stage of the next block whose S is issued
     uint32_t s_phase = 0;     // its full-barrier phase
     int cur_stage = 0;        // stage of the block whose softmax runs
@@ -382,8 +388,8 @@ __device__ __forceinline__ void attn_hopper_tile(const TensorMap& map_k, const T
     // The -0 signs of acc before a P V product (rows of a block with no visible key keep
     // their state exactly, zeros included).
     auto note_negzero = [&]() {
-        negzero[0] = negzero[1] = 0u;
         if (prev_any_empty) {
+            negzero[0] = negzero[1] = 0u;
 #pragma unroll
             for (int i = 0; i < 64; ++i)
                 if (__float_as_uint(acc[i]) == 0x80000000u) negzero[i / 32] |= 1u << (i % 32);
@@ -392,7 +398,7 @@ __device__ __forceinline__ void attn_hopper_tile(const TensorMap& map_k, const T
     // S = Q K^T of the block at stage s_stage over d in increasing k16 steps (32 bytes along
     // a 128-byte swizzled row), into s; moves s_stage on.
     auto mma_s = [&]() {
-        const uint64_t k_stage = desc_k + static_cast<uint64_t>(s_stage * (kTileBytes >> 4));
+        const uint64_t k_stage = stage_descriptor(desc_k, s_stage);
 #pragma unroll
         for (int ks = 0; ks < 8; ++ks) {
             const int off = ((ks / 4) * kBoxBytes + (ks % 4) * 32) >> 4;
@@ -406,7 +412,7 @@ __device__ __forceinline__ void attn_hopper_tile(const TensorMap& map_k, const T
     };
     // O += P V of the block at pv_stage (pa), the four k16 key steps in increasing order.
     auto mma_pv_block = [&]() {
-        const uint64_t v_stage = desc_v + static_cast<uint64_t>(pv_stage * (kTileBytes >> 4));
+        const uint64_t v_stage = stage_descriptor(desc_v, pv_stage);
 #pragma unroll
         for (int kk = 0; kk < 4; ++kk) mma_pv<Codec>(acc, pa[kk], v_stage + ((kk * 16 * 128) >> 4));
         wgmma_commit();
@@ -501,7 +507,13 @@ __device__ __forceinline__ void attn_hopper_tile(const TensorMap& map_k, const T
             for (int i = 0; i < 2; ++i) {
                 sum[i] = __fadd_rn(sum[i], __shfl_xor_sync(0xffffffffu, sum[i], 1));
                 sum[i] = __fadd_rn(sum[i], __shfl_xor_sync(0xffffffffu, sum[i], 2));
-                l[i] = empty_now[i] ? l[i] : __fadd_rn(__fmul_rn(l[i], alpha[i]), sum[i]);
+                // Without a selection no real row of the warp is empty, so the update applies to
+                // all of them (a padding row's l is never written): no branch per row.
+                const float l_new = __fadd_rn(__fmul_rn(l[i], alpha[i]), sum[i]);
+                if constexpr (decltype(select)::value)
+                    l[i] = empty_now[i] ? l[i] : l_new;
+                else
+                    l[i] = l_new;
                 m[i] = m_new[i];
             }
         };
@@ -566,11 +578,12 @@ __device__ __forceinline__ void attn_hopper_tile(const TensorMap& map_k, const T
         finish_pv(blk - 1, split_start);
         rescale(split_start);
     };
-    for (int blk = 1; blk < blk_end; ++blk) {
-        if (blk % kBlocksPerSplit == 0)
-            step(blk, Yes{});
-        else
-            step(blk, No{});
+    // One inner loop per split: the steady step is a loop of its own (no split test per block,
+    // and no join with the split-start copy at its back edge, which made ptxas copy registers).
+    for (int blk = 1; blk < blk_end;) {
+        if (blk % kBlocksPerSplit == 0) step(blk++, Yes{});
+        const int seg_end = min(blk_end, (blk + kBlocksPerSplit - 1) / kBlocksPerSplit * kBlocksPerSplit);
+        for (; blk < seg_end; ++blk) step(blk, No{});
     }
     if (blk_end > 0) {
         pv_stage = cur_stage;

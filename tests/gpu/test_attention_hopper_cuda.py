@@ -146,6 +146,26 @@ def test_block_pairs_equal_mma_sync(dtype, causal):
 @cuda
 @needs_hopper
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("causal", (True, False))
+def test_split_loop_edges_equal_mma_sync(dtype, causal):
+    # The kernel runs one inner loop per split and the last block as a step of its own: block
+    # counts one short of, on and one past the second and third split edges (15, 16, 31, 32,
+    # 33, 48, 49 blocks), a split that holds only the last block (1025 keys: block 16 starts
+    # the second split and is the last), and 1 block.
+    seqlens_k = torch.tensor([960, 1024, 1025, 1984, 2048, 2112, 3072, 3073, 64], device=DEVICE)
+    seqlens_q = torch.tensor([40, 33, 1, 64, 100, 3, 90, 31, 64], device=DEVICE)
+    q, k, v = _qkv(9, 100, 3073, 8, 2, dtype, seed=67)
+    q, k, v = _nan_padding(q, k, v, seqlens_q, seqlens_k)
+    kwargs = dict(causal=causal, seqlens_q=seqlens_q, seqlens_k=seqlens_k, return_lse=True)
+    new = gpu.attention(q, k, v, mode="tile", warps=4, hopper=True, **kwargs)
+    old = gpu.attention(q, k, v, mode="tile", warps=4, hopper=False, **kwargs)
+    assert_bitwise_equal(new, old, name="hopper vs mma.sync tile at the split-loop edges")
+    assert not torch.isnan(new[0]).any(), "NaN padding leaked into the output"
+
+
+@cuda
+@needs_hopper
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_wide_score_range_equals_mma_sync(dtype):
     # softmax_scale = 1: many P below 2^-126, flushed to +0 by exp2_ftz in both kernels.
     q, k, v = _qkv(2, 300, 1500, 8, 2, dtype, seed=41)
