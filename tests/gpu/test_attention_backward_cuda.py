@@ -466,12 +466,23 @@ def test_bad_lengths_raise_clear_errors(change, error, text):
 
 
 @pytest.mark.cuda
-def test_too_many_key_blocks_for_the_grid_are_refused():
-    """The tiled kernels put the key (query) block on the grid's z axis (at most 65535)."""
+def test_key_blocks_past_the_grid_z_limit(kernel_variant):
+    """The heavy-first kernels put the key (query) block on the grid's z axis (at most 65535)
+    and refuse more; the other variants keep it on x, where the same call runs and gives the
+    bits of a call with a tight max_k_len (the extra CTAs see no key)."""
     args = _valid_args(device=DEVICE)
+    gen = torch.Generator(device=DEVICE).manual_seed(5)
+    for name in ("q", "k", "v", "out", "grad_out", "lse"):
+        like = args[name]
+        args[name] = torch.randn(like.shape, generator=gen, device=DEVICE).to(like.dtype)
+    tight = _call(args)
     args["max_k_len"] = 64 * 65535 + 1
-    with pytest.raises(ValueError, match="exceed the grid's z limit"):
-        _call(args)
+    if kernel_variant in gpu_attention_backward._HEAVY_FIRST:
+        with pytest.raises(ValueError, match="exceed the grid's z limit"):
+            _call(args)
+        return
+    for name, mine, theirs in zip(("dq", "dk", "dv"), _call(args), tight, strict=True):
+        assert_bitwise_equal(mine, theirs, name=f"{name}, max_k_len past the z limit")
 
 
 @pytest.mark.cuda
