@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from _common import copy_ms_for, median_ms, parse_args, report, require_cuda, summary_row
 
 import batchinv
+from batchinv.gpu import rms_norm as gpu_rms_norm
 
 SHAPES = [
     # (rows, hidden, dtype, what)
@@ -93,6 +94,18 @@ def main() -> None:
                 timings.append(("backward", path, 3, _backward_ms(fn, x, weight, grad)))
             except Exception as error:
                 print(f"note: backward row {path!r} skipped ({type(error).__name__}: {error})")
+        # The kernels alone (the op's backward without the autograd engine): through autograd
+        # the host work of one call (about 0.14 ms measured on an H200 host, session 6) can
+        # exceed the kernels' time, and then the row above measures the host.
+        rstd = gpu_rms_norm.forward(x, weight, EPS)[1]
+        timings.append(
+            (
+                "backward kernel (no autograd)",
+                "batchinv",
+                3,
+                median_ms(lambda: gpu_rms_norm.backward(grad, x, weight, rstd)),
+            )
+        )
         rows_out.append(
             {
                 "rows": rows,
