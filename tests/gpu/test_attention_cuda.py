@@ -193,24 +193,19 @@ DECODE_CONTEXTS = (1, 63, 64, 65, 1023, 1024, 1025, 2047, 2048, 2049, 3001)
 DECODE_HEADS = ((8, 2), (8, 1), (16, 1))
 
 
-@cuda
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("d", HEAD_DIMS)
-@pytest.mark.parametrize("heads", DECODE_HEADS)
-def test_decode_kernels_equal_prefill_at_block_and_split_boundaries(dtype, d, heads):
-    # One decode batch (odd size, NaN past every k_len) through each split kernel and pipeline
-    # depth; every row must equal the last row of its sequence's one-shot prefill (tile mode).
-    hq, hkv = heads
-    lens = DECODE_CONTEXTS[::2] if QUICK else DECODE_CONTEXTS
+def _decode_batch(lens, hq, hkv, d, dtype, seed):
+    """A decode batch of sequences with contexts ``lens`` (NaN past every k_len) and what each
+    row must equal: ``(q_new [B, 1, Hq, d], k, v, k_lens, want)``, ``want[b]`` the one-shot
+    tile-mode prefill ``(out, lse)`` of sequence b (absent for an empty one), whose last row is
+    the decode row's answer."""
     batch, ctx = len(lens), max(lens)
-    q, k, v = _qkv(batch, ctx, ctx, hq, hkv, d, dtype, seed=40 + d + hq)
+    q, k, v = _qkv(batch, ctx, ctx, hq, hkv, d, dtype, seed=seed)
     for b, n in enumerate(lens):
         k[b, n:] = float("nan")
         v[b, n:] = float("nan")
-    q_new = torch.stack([q[b, n - 1] for b, n in enumerate(lens)])[:, None]
-    k_lens = torch.tensor(lens, device=DEVICE)
-    want = [
-        gpu.attention(
+    q_new = torch.stack([q[b, max(n, 1) - 1] for b, n in enumerate(lens)])[:, None]
+    want = {
+        b: gpu.attention(
             q[b : b + 1, :n],
             k[b : b + 1, :n],
             v[b : b + 1, :n],
@@ -220,7 +215,21 @@ def test_decode_kernels_equal_prefill_at_block_and_split_boundaries(dtype, d, he
             warps=4,
         )
         for b, n in enumerate(lens)
-    ]
+        if n > 0
+    }
+    return q_new, k, v, torch.tensor(lens, device=DEVICE), want
+
+
+@cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("d", HEAD_DIMS)
+@pytest.mark.parametrize("heads", DECODE_HEADS)
+def test_decode_kernels_equal_prefill_at_block_and_split_boundaries(dtype, d, heads):
+    # One decode batch (odd size, NaN past every k_len) through each split kernel and pipeline
+    # depth; every row must equal the last row of its sequence's one-shot prefill (tile mode).
+    hq, hkv = heads
+    lens = DECODE_CONTEXTS[::2] if QUICK else DECODE_CONTEXTS
+    q_new, k, v, k_lens, want = _decode_batch(lens, hq, hkv, d, dtype, seed=40 + d + hq)
     variants = [(s, True) for s in gpu.COOP_STAGES] + [(2, False)]
     for stages, coop in variants:
         kw = dict(mode="split", warps=1, stages=stages, coop=coop)
@@ -232,7 +241,8 @@ def test_decode_kernels_equal_prefill_at_block_and_split_boundaries(dtype, d, he
     alone = gpu.attention(
         q_new[-1:], k[-1:, : lens[-1]], v[-1:, : lens[-1]], causal=True, return_lse=True
     )
-    assert_bitwise_equal(alone, (want[-1][0][:, -1:], want[-1][1][:, :, -1:]), name="B=1")
+    last = want[len(lens) - 1]
+    assert_bitwise_equal(alone, (last[0][:, -1:], last[1][:, :, -1:]), name="B=1")
 
 
 def test_coop_shared_bytes_fit_the_sm90_limit():
@@ -300,26 +310,8 @@ def test_coop_tma_copies_equal_cp_async_and_prefill(dtype, d, heads):
     lens = (
         [1, 65, 0, 1024, 1025, 4097] if QUICK else [1, 63, 64, 65, 0, 1023, 1024, 1025, 2049, 4097]
     )
-    batch, ctx = len(lens), max(lens)
-    q, k, v = _qkv(batch, ctx, ctx, hq, hkv, d, dtype, seed=80 + d + hq)
-    for b, n in enumerate(lens):
-        k[b, n:] = float("nan")
-        v[b, n:] = float("nan")
-    q_new = torch.stack([q[b, max(n, 1) - 1] for b, n in enumerate(lens)])[:, None]
-    k_lens = torch.tensor(lens, device=DEVICE)
-    want = {
-        b: gpu.attention(
-            q[b : b + 1, :n],
-            k[b : b + 1, :n],
-            v[b : b + 1, :n],
-            causal=True,
-            return_lse=True,
-            mode="tile",
-            warps=4,
-        )
-        for b, n in enumerate(lens)
-        if n > 0
-    }
+    batch = len(lens)
+    q_new, k, v, k_lens, want = _decode_batch(lens, hq, hkv, d, dtype, seed=80 + d + hq)
     zero_out = torch.zeros((1, 1, hq, d), dtype=dtype, device=DEVICE)
     minus_inf = torch.full((1, hq, 1), float("-inf"), device=DEVICE)
     kw = dict(causal=True, seqlens_k=k_lens, return_lse=True, mode="split", warps=1, coop=True)
