@@ -77,7 +77,8 @@ class Layout:
 def make_layout(
     q_start: Tensor, q_len: Tensor, k_start: Tensor, k_len: Tensor, max_q_len: int, max_k_len: int
 ) -> Layout:
-    """A ``Layout`` with int32 contiguous copies of the four per-sequence tensors."""
+    """A ``Layout`` of the four per-sequence tensors as int32 and contiguous (the caller's
+    tensor itself where it already is: not a copy)."""
     return Layout(
         *(t.to(torch.int32).contiguous() for t in (q_start, q_len, k_start, k_len)),
         int(max_q_len),
