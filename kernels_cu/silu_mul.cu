@@ -53,21 +53,7 @@ constexpr int kBackwardUnroll = 2;
 constexpr int kForwardMinCtasPerSm = 7;
 constexpr int kBackwardMinCtasPerSm = 8;
 
-__device__ __forceinline__ float silu_mul_value(float g, float u) {
-    const float e = expf(-g);
-    return ieee_mul(__fdiv_rn(g, ieee_add(1.0f, e)), u);
-}
-
-__device__ __forceinline__ void silu_mul_grads(float grad, float g, float u, float& grad_gate,
-                                               float& grad_up) {
-    const float one_plus_e = ieee_add(1.0f, expf(-g));
-    const float s = __fdiv_rn(1.0f, one_plus_e);
-    const float dsilu = ieee_mul(s, ieee_add(1.0f, ieee_mul(g, ieee_sub(1.0f, s))));
-    grad_gate = ieee_mul(ieee_mul(grad, u), dsilu);
-    grad_up = ieee_mul(grad, __fdiv_rn(g, one_plus_e));
-}
-
-// The vector path's cheaper form of the same functions.  nvcc compiles each __fdiv_rn into a
+// The vector path's cheaper division for the same functions.  nvcc compiles each __fdiv_rn into a
 // reciprocal, five FMAs and an operand check (FCHK) branching to a slow path; the branch, its
 // reconvergence and the constants reloaded around the call cost a sixth (forward) to a quarter
 // (backward) of the kernel's instructions (Nsight Compute, H200: 34 instructions per forward
@@ -76,7 +62,7 @@ __device__ __forceinline__ void silu_mul_grads(float grad, float g, float u, flo
 // the check, for operands where that sequence is the correctly rounded quotient: a chunk whose
 // gate values all pass in_fast_division_range, 2^-60 <= |g| <= 40 (so the numerator g or 1 and
 // the denominator 1 + exp(-g) in [1, 2.4e17] are normal and far from overflow and underflow).  A chunk with any
-// gate value outside (zero, tiny, large, inf, NaN) takes silu_mul_value / silu_mul_grads.
+// gate value outside (zero, tiny, large, inf, NaN) takes the checked division (kInRange = false).
 // Both give the bits of __fdiv_rn: compared on the device for all 2^32 fp32 gate patterns
 // and every bf16/fp16 one, forward and backward (docs/operators/silu_mul.md).
 __device__ __forceinline__ bool in_fast_division_range(float g) {
@@ -95,18 +81,28 @@ __device__ __forceinline__ float div_rn_checked_range(float n, float d) {
 #endif
 }
 
-__device__ __forceinline__ float silu_mul_value_in_range(float g, float u) {
-    const float e = expf(-g);
-    return ieee_mul(div_rn_checked_range(g, ieee_add(1.0f, e)), u);
+// n / d with __fdiv_rn's bits: the checked division, or (kInRange) the unchecked sequence for a
+// chunk whose gate values all pass in_fast_division_range.
+template <bool kInRange>
+__device__ __forceinline__ float silu_div(float n, float d) {
+    if constexpr (kInRange) return div_rn_checked_range(n, d);
+    return __fdiv_rn(n, d);
 }
 
-__device__ __forceinline__ void silu_mul_grads_in_range(float grad, float g, float u, float& grad_gate,
-                                                        float& grad_up) {
+template <bool kInRange = false>
+__device__ __forceinline__ float silu_mul_value(float g, float u) {
+    const float e = expf(-g);
+    return ieee_mul(silu_div<kInRange>(g, ieee_add(1.0f, e)), u);
+}
+
+template <bool kInRange = false>
+__device__ __forceinline__ void silu_mul_grads(float grad, float g, float u, float& grad_gate,
+                                               float& grad_up) {
     const float one_plus_e = ieee_add(1.0f, expf(-g));
-    const float s = div_rn_checked_range(1.0f, one_plus_e);
+    const float s = silu_div<kInRange>(1.0f, one_plus_e);
     const float dsilu = ieee_mul(s, ieee_add(1.0f, ieee_mul(g, ieee_sub(1.0f, s))));
     grad_gate = ieee_mul(ieee_mul(grad, u), dsilu);
-    grad_up = ieee_mul(grad, div_rn_checked_range(g, one_plus_e));
+    grad_up = ieee_mul(grad, silu_div<kInRange>(g, one_plus_e));
 }
 
 template <typename Codec>
@@ -240,7 +236,7 @@ __device__ __forceinline__ void forward(const ForwardArgs& a) {
                 unpack_chunk<Codec>(u[k], uf);
                 if (chunk_in_fast_division_range<Codec>(gf)) {
 #pragma unroll
-                    for (int e = 0; e < E; ++e) o[e] = silu_mul_value_in_range(gf[e], uf[e]);
+                    for (int e = 0; e < E; ++e) o[e] = silu_mul_value<true>(gf[e], uf[e]);
                 } else {
 #pragma unroll
                     for (int e = 0; e < E; ++e) o[e] = silu_mul_value(gf[e], uf[e]);
@@ -323,7 +319,7 @@ __device__ __forceinline__ void backward(const BackwardArgs& a) {
                 unpack_chunk<Codec>(u[k], uf);
                 if (chunk_in_fast_division_range<Codec>(gf)) {
 #pragma unroll
-                    for (int e = 0; e < E; ++e) silu_mul_grads_in_range(dyf[e], gf[e], uf[e], gg[e], gu[e]);
+                    for (int e = 0; e < E; ++e) silu_mul_grads<true>(dyf[e], gf[e], uf[e], gg[e], gu[e]);
                 } else {
 #pragma unroll
                     for (int e = 0; e < E; ++e) silu_mul_grads(dyf[e], gf[e], uf[e], gg[e], gu[e]);
