@@ -82,6 +82,15 @@ def test_tma_rows_needs_contiguous_heads():
 # ----------------------------------------------------------------------------- bitwise vs mma.sync
 
 
+def _hopper_equal_to_mma_sync(q, k, v, what, **kwargs):
+    """The Hopper tile kernel's ``(out, lse)``, asserted bitwise equal to the mma.sync tile
+    kernel's on the same call."""
+    new = gpu.attention(q, k, v, mode="tile", warps=4, hopper=True, **kwargs)
+    old = gpu.attention(q, k, v, mode="tile", warps=4, hopper=False, **kwargs)
+    assert_bitwise_equal(new, old, name=f"hopper vs mma.sync {what}")
+    return new
+
+
 @cuda
 @needs_hopper
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -97,9 +106,7 @@ def test_hopper_equals_mma_sync_tile_and_split(dtype, heads, causal):
     q, k, v = _qkv(4, 130, LONG_CONTEXT, hq, hkv, dtype, seed=hq * 7 + hkv)
     q, k, v = _nan_padding(q, k, v, seqlens_q, seqlens_k)
     kwargs = dict(causal=causal, seqlens_q=seqlens_q, seqlens_k=seqlens_k, return_lse=True)
-    new = gpu.attention(q, k, v, mode="tile", warps=4, hopper=True, **kwargs)
-    old = gpu.attention(q, k, v, mode="tile", warps=4, hopper=False, **kwargs)
-    assert_bitwise_equal(new, old, name="hopper vs mma.sync tile")
+    new = _hopper_equal_to_mma_sync(q, k, v, "tile", **kwargs)
     split = gpu.attention(q, k, v, mode="split", warps=4, **kwargs)
     assert_bitwise_equal(new, split, name="hopper vs mma.sync split")
     assert not torch.isnan(new[0]).any(), "NaN padding leaked into the output"
@@ -118,9 +125,7 @@ def test_split_edges_equal_mma_sync(dtype, causal):
     q, k, v = _qkv(5, 200, 2048, 8, 2, dtype, seed=31)
     q, k, v = _nan_padding(q, k, v, seqlens_q, seqlens_k)
     kwargs = dict(causal=causal, seqlens_q=seqlens_q, seqlens_k=seqlens_k, return_lse=True)
-    new = gpu.attention(q, k, v, mode="tile", warps=4, hopper=True, **kwargs)
-    old = gpu.attention(q, k, v, mode="tile", warps=4, hopper=False, **kwargs)
-    assert_bitwise_equal(new, old, name="hopper vs mma.sync tile at split edges")
+    _hopper_equal_to_mma_sync(q, k, v, "tile at split edges", **kwargs)
 
 
 @cuda
@@ -137,9 +142,7 @@ def test_block_pairs_equal_mma_sync(dtype, causal):
     q, k, v = _qkv(10, 200, 1152, 8, 2, dtype, seed=53)
     q, k, v = _nan_padding(q, k, v, seqlens_q, seqlens_k)
     kwargs = dict(causal=causal, seqlens_q=seqlens_q, seqlens_k=seqlens_k, return_lse=True)
-    new = gpu.attention(q, k, v, mode="tile", warps=4, hopper=True, **kwargs)
-    old = gpu.attention(q, k, v, mode="tile", warps=4, hopper=False, **kwargs)
-    assert_bitwise_equal(new, old, name="hopper vs mma.sync tile over block pairs")
+    new = _hopper_equal_to_mma_sync(q, k, v, "tile over block pairs", **kwargs)
     assert not torch.isnan(new[0]).any(), "NaN padding leaked into the output"
 
 
@@ -157,9 +160,7 @@ def test_split_loop_edges_equal_mma_sync(dtype, causal):
     q, k, v = _qkv(9, 100, 3073, 8, 2, dtype, seed=67)
     q, k, v = _nan_padding(q, k, v, seqlens_q, seqlens_k)
     kwargs = dict(causal=causal, seqlens_q=seqlens_q, seqlens_k=seqlens_k, return_lse=True)
-    new = gpu.attention(q, k, v, mode="tile", warps=4, hopper=True, **kwargs)
-    old = gpu.attention(q, k, v, mode="tile", warps=4, hopper=False, **kwargs)
-    assert_bitwise_equal(new, old, name="hopper vs mma.sync tile at the split-loop edges")
+    new = _hopper_equal_to_mma_sync(q, k, v, "tile at the split-loop edges", **kwargs)
     assert not torch.isnan(new[0]).any(), "NaN padding leaked into the output"
 
 
@@ -170,9 +171,7 @@ def test_wide_score_range_equals_mma_sync(dtype):
     # softmax_scale = 1: many P below 2^-126, flushed to +0 by exp2_ftz in both kernels.
     q, k, v = _qkv(2, 300, 1500, 8, 2, dtype, seed=41)
     kwargs = dict(causal=True, softmax_scale=1.0, return_lse=True)
-    new = gpu.attention(q, k, v, mode="tile", warps=4, hopper=True, **kwargs)
-    old = gpu.attention(q, k, v, mode="tile", warps=4, hopper=False, **kwargs)
-    assert_bitwise_equal(new, old, name="hopper vs mma.sync, softmax_scale=1")
+    _hopper_equal_to_mma_sync(q, k, v, "softmax_scale=1", **kwargs)
 
 
 @cuda
