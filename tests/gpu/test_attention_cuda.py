@@ -193,18 +193,23 @@ DECODE_CONTEXTS = (1, 63, 64, 65, 1023, 1024, 1025, 2047, 2048, 2049, 3001)
 DECODE_HEADS = ((8, 2), (8, 1), (16, 1))
 
 
-def _decode_batch(lens, hq, hkv, d, dtype, seed):
-    """A decode batch of sequences with contexts ``lens`` (NaN past every k_len) and what each
-    row must equal: ``(q_new [B, 1, Hq, d], k, v, k_lens, want)``, ``want[b]`` the one-shot
-    tile-mode prefill ``(out, lse)`` of sequence b (absent for an empty one), whose last row is
-    the decode row's answer."""
+def _decode_case(dtype, d, lens, seed=60, heads=(8, 2)):
+    """``(q, q_new [B, 1], k, v, k_lens)`` with ``heads = (Hq, Hkv)``: sequence b's decode query
+    is its row ``lens[b] - 1`` (row 0 for an empty one); NaN past each length."""
+    hq, hkv = heads
     batch, ctx = len(lens), max(lens)
-    q, k, v = _qkv(batch, ctx, ctx, hq, hkv, d, dtype, seed=seed)
+    q, k, v = _qkv(batch, ctx, ctx, hq, hkv, d, dtype, seed=seed + d)
     for b, n in enumerate(lens):
         k[b, n:] = float("nan")
         v[b, n:] = float("nan")
     q_new = torch.stack([q[b, max(n, 1) - 1] for b, n in enumerate(lens)])[:, None]
-    want = {
+    return q, q_new, k, v, torch.tensor(lens, device=DEVICE)
+
+
+def _prefill_answers(q, k, v, lens):
+    """``{b: (out, lse)}``: sequence b's one-shot tile-mode prefill (empty sequences left out),
+    whose last row is what its decode row must equal."""
+    return {
         b: gpu.attention(
             q[b : b + 1, :n],
             k[b : b + 1, :n],
@@ -217,7 +222,6 @@ def _decode_batch(lens, hq, hkv, d, dtype, seed):
         for b, n in enumerate(lens)
         if n > 0
     }
-    return q_new, k, v, torch.tensor(lens, device=DEVICE), want
 
 
 @cuda
@@ -227,9 +231,9 @@ def _decode_batch(lens, hq, hkv, d, dtype, seed):
 def test_decode_kernels_equal_prefill_at_block_and_split_boundaries(dtype, d, heads):
     # One decode batch (odd size, NaN past every k_len) through each split kernel and pipeline
     # depth; every row must equal the last row of its sequence's one-shot prefill (tile mode).
-    hq, hkv = heads
     lens = DECODE_CONTEXTS[::2] if QUICK else DECODE_CONTEXTS
-    q_new, k, v, k_lens, want = _decode_batch(lens, hq, hkv, d, dtype, seed=40 + d + hq)
+    q, q_new, k, v, k_lens = _decode_case(dtype, d, lens, seed=40 + heads[0], heads=heads)
+    want = _prefill_answers(q, k, v, lens)
     variants = [(s, True) for s in gpu.COOP_STAGES] + [(2, False)]
     for stages, coop in variants:
         kw = dict(mode="split", warps=1, stages=stages, coop=coop)
@@ -306,12 +310,13 @@ def test_coop_tma_copies_equal_cp_async_and_prefill(dtype, d, heads):
     # cp.async kernel's row, bitwise; an empty sequence gives +0 / -inf; B=1 alone too.  GQA 4:1,
     # 8:1 and MHA; odd batch; block and split boundaries.
     _require_coop_tma()
-    hq, hkv = heads
+    hq = heads[0]
     lens = (
         [1, 65, 0, 1024, 1025, 4097] if QUICK else [1, 63, 64, 65, 0, 1023, 1024, 1025, 2049, 4097]
     )
     batch = len(lens)
-    q_new, k, v, k_lens, want = _decode_batch(lens, hq, hkv, d, dtype, seed=80 + d + hq)
+    q, q_new, k, v, k_lens = _decode_case(dtype, d, lens, seed=80 + hq, heads=heads)
+    want = _prefill_answers(q, k, v, lens)
     zero_out = torch.zeros((1, 1, hq, d), dtype=dtype, device=DEVICE)
     minus_inf = torch.full((1, hq, 1), float("-inf"), device=DEVICE)
     kw = dict(causal=True, seqlens_k=k_lens, return_lse=True, mode="split", warps=1, coop=True)
@@ -383,18 +388,6 @@ def _poison_free_memory():
     del junk, small
 
 
-def _decode_case(dtype, d, lens, seed=60):
-    """``(q, q_new [B, 1], k, v, k_lens)``, GQA 8/2: sequence b's decode query is its row
-    ``lens[b] - 1``; NaN past each length."""
-    batch, ctx = len(lens), max(lens)
-    q, k, v = _qkv(batch, ctx, ctx, 8, 2, d, dtype, seed=seed + d)
-    for b, n in enumerate(lens):
-        k[b, n:] = float("nan")
-        v[b, n:] = float("nan")
-    q_new = torch.stack([q[b, n - 1] for b, n in enumerate(lens)])[:, None]
-    return q, q_new, k, v, torch.tensor(lens, device=DEVICE)
-
-
 @cuda
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("d", HEAD_DIMS)
@@ -404,18 +397,7 @@ def test_decode_with_pdl_equals_prefill_and_the_ordinary_launch(dtype, d):
     _require_pdl()
     lens = [1, 63, 1024, 1025, 2049, 4097]
     q, q_new, k, v, k_lens = _decode_case(dtype, d, lens)
-    want = [
-        gpu.attention(
-            q[b : b + 1, :n],
-            k[b : b + 1, :n],
-            v[b : b + 1, :n],
-            causal=True,
-            return_lse=True,
-            mode="tile",
-            warps=4,
-        )
-        for b, n in enumerate(lens)
-    ]
+    want = _prefill_answers(q, k, v, lens)
     variants = [(s, True) for s in gpu.COOP_STAGES] + [(2, False)]
     for stages, coop in variants:
         got = {}
