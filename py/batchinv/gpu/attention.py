@@ -707,7 +707,13 @@ def attention_with_kv_cache(
     )
     q_len = _full(n, s_new) if seqlens_new is None else lengths.seqlens_q
     layout = make_layout(
-        _host_arange(n, s_new), q_len, ids * cache.max_len, k_len, s_new, cache.max_len
+        _host_arange(n, s_new),
+        q_len,
+        ids * cache.max_len,
+        k_len,
+        s_new,
+        cache.max_len,
+        device=q.device,
     )
     storage = (cache.batch * cache.max_len, cache.num_kv_heads, cache.head_dim)
     out, lse = forward(
