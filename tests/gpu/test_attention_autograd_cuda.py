@@ -225,6 +225,9 @@ def test_cpu_lengths_forward_and_backward_make_no_host_sync(layout):
 def test_gpu_lengths_cost_exactly_one_sync_per_step(layout):
     fn, inputs, do = _case(layout, DEVICE)
     _grads(fn, inputs, do)
+    # A process's first counted call can see one more sync (old code too; seen on an H200 in
+    # a fresh process): the counts below are of a later call.
+    _count_syncs(lambda: torch.autograd.grad(fn(*inputs), inputs, do))
     out, forward_syncs = _count_syncs(lambda: fn(*inputs))
     _, backward_syncs = _count_syncs(lambda: torch.autograd.grad(out, inputs, do))
     assert (forward_syncs, backward_syncs) == (1, 0)
