@@ -790,3 +790,59 @@ def test_cache_overflow_is_a_clear_error():
     with pytest.raises(ValueError, match="max_len=4"):
         batchinv.attention_with_kv_cache(q, k, v, cache)
     assert int(cache.lengths[0]) == 0  # nothing was written
+
+
+def test_make_layout_owns_a_copy_of_its_lengths():
+    # The autograd backward trusts the forward's layout: editing the caller's tensors after
+    # make_layout (int32 and contiguous, which an unowned layout would alias) changes nothing.
+    starts = torch.tensor([0, 5], dtype=torch.int32)
+    lens = torch.tensor([5, 3], dtype=torch.int32)
+    lay = gpu.make_layout(starts, lens, starts, lens, 5, 5)
+    starts[1], lens[0] = 7, 1
+    fields = (lay.q_start, lay.q_len, lay.k_start, lay.k_len)
+    assert [t.tolist() for t in fields] == [[0, 5], [5, 3], [0, 5], [5, 3]]
+
+
+@cuda
+@pytest.mark.parametrize(
+    "cu_q,cu_k",
+    [
+        ([0, 5, 3, 8], [0, 2, 4, 8]),
+        ([1, 5, 8], [0, 4, 8]),
+        ([0, 5, 8], [0, 4, 7]),
+        ([0], [0]),
+        ([0, 4, 8], [0, 8]),
+    ],
+)
+def test_bad_gpu_cu_seqlens_raise_the_cpu_message(cu_q, cu_k):
+    # The GPU lengths are read once and checked on the host by the same code as CPU lengths.
+    q, k, v = _qkv(1, 8, 8, 4, 2, 64, torch.bfloat16, seed=40)
+    q, k, v = q[0], k[0], v[0]
+    errors = []
+    for device in ("cpu", DEVICE):
+        with pytest.raises(ValueError) as caught:
+            batchinv.attention_varlen(
+                q, k, v, torch.tensor(cu_q, device=device), torch.tensor(cu_k, device=device)
+            )
+        errors.append(str(caught.value))
+    assert errors[0] == errors[1]
+    assert "cu_seqlens" in errors[0]
+
+
+@cuda
+def test_bad_gpu_seqlens_raise_the_cpu_message():
+    q, k, v = _qkv(2, 8, 8, 4, 2, 64, torch.bfloat16, seed=41)
+    for name, bad in (("seqlens_q", [8, 9]), ("seqlens_k", [-1, 2])):
+        errors = []
+        for device in ("cpu", DEVICE):
+            with pytest.raises(ValueError) as caught:
+                batchinv.attention(q, k, v, **{name: torch.tensor(bad, device=device)})
+            errors.append(str(caught.value))
+        assert errors[0] == errors[1] and name in errors[0]
+
+
+@cuda
+def test_gpu_lengths_with_cpu_q_raise():
+    q, k, v = _qkv(2, 8, 8, 4, 2, 64, torch.float32, seed=42)
+    with pytest.raises(ValueError, match="seqlens_q is on cuda.*lengths must be on q's device"):
+        batchinv.attention(q.cpu(), k.cpu(), v.cpu(), seqlens_q=torch.tensor([8, 8], device=DEVICE))

@@ -31,6 +31,7 @@ from batchinv.reference.attention import (
     attention_varlen,
     attention_with_kv_cache,
     check_attention_args,
+    check_length_values,
 )
 
 # (Hq, Hkv, d): MHA, GQA 2:1 and 3:1, MQA, and the three kernel head dims.
@@ -841,3 +842,21 @@ def test_require_contiguous_and_cu_dtype_checks():
 def test_kv_block_is_the_documented_constant():
     # Changing it changes every bit pattern the GPU kernels are compared against.
     assert KV_BLOCK == 64
+
+
+def test_check_attention_args_returns_the_checked_host_lengths():
+    # CPU lengths are checked where they are (no copy, no device sync) and handed back, so a
+    # GPU backend builds its layout from exactly what passed.
+    q, k, v = randn(8, 4, 64, seed=0), randn(8, 2, 64, seed=1), randn(8, 2, 64, seed=2)
+    cu_q, cu_k = torch.tensor([0, 5, 8], dtype=torch.int32), torch.tensor([0, 4, 8])
+    values = check_attention_args(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+    assert values.cu_seqlens_q is cu_q and values.cu_seqlens_k is cu_k
+    assert values.seqlens_q is None and values.seqlens_k is None
+    unchecked = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, check_values=False)
+    assert check_attention_args(q, k, v, **unchecked) is None
+    qp, kp = randn(2, 8, 4, 64, seed=0), randn(2, 9, 2, 64, seed=1)
+    lens = torch.tensor([8, 0])
+    values = check_attention_args(qp, kp, kp, seqlens_k=torch.tensor([9, 1]), seqlens_q=lens)
+    assert values.seqlens_q is lens and values.seqlens_k.tolist() == [9, 1]
+    with pytest.raises(ValueError, match=r"seqlens_k\[0\] = 10 is outside \[0, 9\]"):
+        check_length_values(qp, kp, seqlens_k=torch.tensor([10, 1]))

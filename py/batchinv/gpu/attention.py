@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from ..reference.attention import check_attention_args, check_length_values
 from . import attention_backward, attention_hopper
 from ._launch import allow_dynamic_shared, kernel_for, launch, native, uses_hopper
 
@@ -60,7 +61,11 @@ _MAX_GRID_YZ = 65535
 
 @dataclass(frozen=True)
 class Layout:
-    """Per-sequence row ranges of the canonical layout (int32 CUDA tensors) and their bounds."""
+    """Per-sequence row ranges of the canonical layout (int32 CUDA tensors) and their bounds.
+
+    Built by ``make_layout``, it owns its tensors (rows of one int32 ``[4, B]`` tensor, never a
+    caller's tensor), so a layout checked once stays valid: the autograd backward reuses the
+    forward's layout without a second check (and without its host sync)."""
 
     q_start: Tensor
     q_len: Tensor
@@ -75,15 +80,41 @@ class Layout:
 
 
 def make_layout(
-    q_start: Tensor, q_len: Tensor, k_start: Tensor, k_len: Tensor, max_q_len: int, max_k_len: int
+    q_start: Tensor,
+    q_len: Tensor,
+    k_start: Tensor,
+    k_len: Tensor,
+    max_q_len: int,
+    max_k_len: int,
+    device: torch.device | str | None = None,
 ) -> Layout:
-    """A ``Layout`` of the four per-sequence tensors as int32 and contiguous (the caller's
-    tensor itself where it already is: not a copy)."""
-    return Layout(
-        *(t.to(torch.int32).contiguous() for t in (q_start, q_len, k_start, k_len)),
-        int(max_q_len),
-        int(max_k_len),
-    )
+    """A ``Layout`` owning a copy of the four per-sequence tensors: one new int32 ``[4, B]``
+    tensor on ``device`` (default: ``q_start``'s), whose rows are the four fields.  Later
+    edits of the arguments change nothing.  Host tensors reach a GPU in one non-blocking copy
+    from pinned memory: building a layout never waits for the GPU."""
+    device = q_start.device if device is None else torch.device(device)
+    parts = [q_start, q_len, k_start, k_len]
+    on_host = [i for i, t in enumerate(parts) if t.device.type == "cpu"]
+    if device.type == "cpu" or not on_host:
+        packed = torch.stack([t.to(device, torch.int32) for t in parts])
+    else:
+        uploaded = upload(torch.stack([parts[i].to(torch.int32) for i in on_host]), device)
+        if len(on_host) == len(parts):
+            packed = uploaded
+        else:
+            for i, row in zip(on_host, uploaded, strict=True):
+                parts[i] = row
+            packed = torch.stack([t.to(torch.int32) for t in parts])
+    return Layout(*packed.unbind(0), int(max_q_len), int(max_k_len))
+
+
+def upload(t: Tensor, device: torch.device) -> Tensor:
+    """A copy of host tensor ``t`` on ``device`` that does not wait for the GPU: ``t`` is first
+    copied into fresh pinned memory (so later edits of ``t`` cannot race the transfer), then
+    sent with ``non_blocking=True``."""
+    pinned = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    pinned.copy_(t)
+    return pinned.to(device, non_blocking=True)
 
 
 def check_supported(q: Tensor, k: Tensor, v: Tensor) -> None:
@@ -423,12 +454,15 @@ class _AttentionFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out, _grad_lse):
         q, k, v, out, lse = ctx.saved_tensors
+        # The forward's layout owns its tensors and was checked before the forward ran: the
+        # backward trusts it (no second range check, no host sync).
         dq, dk, dv = _backward_rows(q, k, v, out, lse, grad_out, ctx.layout, ctx.causal, ctx.scale)
         return dq, dk, dv, None, None, None, None
 
 
 def _backward_rows(q, k, v, out, lse, grad_out, layout: Layout, causal: bool, scale: float):
-    """``(dq, dk, dv)`` on the canonical layout (rows ``[T, H, d]``, lse ``[Hq, Tq]``)."""
+    """``(dq, dk, dv)`` on the canonical layout (rows ``[T, H, d]``, lse ``[Hq, Tq]``) of a
+    ``Layout`` whose lengths were checked (the backward kernels then skip their range check)."""
     # The backward kernels take dense rows; the forward also accepts strided views.
     return attention_backward.backward(
         q.contiguous(),
@@ -445,6 +479,7 @@ def _backward_rows(q, k, v, out, lse, grad_out, layout: Layout, causal: bool, sc
         layout.max_k_len,
         causal=causal,
         scale=scale,
+        ranges_checked=True,
     )
 
 
@@ -458,12 +493,19 @@ def _run(q, k, v, layout: Layout, causal: bool, scale: float, prefill_zero: bool
 
 
 # ----------------------------------------------------------------------------- entry points
-# Arguments are validated by batchinv.ops.attention (the reference's check_attention_args);
-# what only the kernels lack (dtype, head dim, capability) is checked here.
+# Arguments are validated by batchinv.ops.attention (the reference's check_attention_args)
+# except the values of the length tensors: each entry point reads and checks them here with
+# check_length_values (one host sync when they are on the GPU, none when they are CPU tensors)
+# and builds its layout from the host copies that passed.  What only the kernels lack (dtype,
+# head dim, capability) is checked by check_supported.
 
 
-def _full(batch: int, value: int, device) -> Tensor:
-    return torch.full((batch,), value, dtype=torch.int32, device=device)
+def _host_arange(batch: int, step: int) -> Tensor:
+    return torch.arange(batch, dtype=torch.int64) * step
+
+
+def _full(batch: int, value: int) -> Tensor:
+    return torch.full((batch,), value, dtype=torch.int64)
 
 
 def _compact_kept_keys(k, v, key_padding_mask, k_len):
@@ -477,33 +519,31 @@ def _compact_kept_keys(k, v, key_padding_mask, k_len):
     return torch.gather(k, 1, index), torch.gather(v, 1, index), kept.sum(dim=1), index
 
 
-def _padded_layout(q, k, v, seqlens_q, seqlens_k, key_padding_mask):
-    """``(k, v, layout, gather index or None)`` of a padded call: ``k, v`` with the kept keys
-    compacted where there is a mask."""
+def _padded_layout(q, k, v, q_len, k_len, key_padding_mask):
+    """``(k, v, layout, gather index or None)`` of a padded call with lengths ``q_len, k_len``
+    (host or GPU tensors, None for full): ``k, v`` with the kept keys compacted where there is
+    a mask."""
     batch, sq = q.shape[:2]
     sk = k.shape[1]
-    device = q.device
-    q_len = _full(batch, sq, device) if seqlens_q is None else seqlens_q
-    k_len = _full(batch, sk, device) if seqlens_k is None else seqlens_k
+    q_len = _full(batch, sq) if q_len is None else q_len
+    k_len = _full(batch, sk) if k_len is None else k_len
     index = None
     if key_padding_mask is not None:
+        if k_len.device.type == "cpu":
+            k_len = upload(k_len, q.device)
         k, v, k_len, index = _compact_kept_keys(k, v, key_padding_mask, k_len)
     layout = make_layout(
-        torch.arange(batch, device=device) * sq,
-        q_len,
-        torch.arange(batch, device=device) * sk,
-        k_len,
-        sq,
-        sk,
+        _host_arange(batch, sq), q_len, _host_arange(batch, sk), k_len, sq, sk, device=q.device
     )
     return k, v, layout, index
 
 
-def _varlen_layout(cu_seqlens_q: Tensor, cu_seqlens_k: Tensor) -> Layout:
-    q_len = cu_seqlens_q[1:] - cu_seqlens_q[:-1]
-    k_len = cu_seqlens_k[1:] - cu_seqlens_k[:-1]
-    bounds = torch.stack([q_len.max(), k_len.max()]).tolist()  # one sync for both bounds
-    return make_layout(cu_seqlens_q[:-1], q_len, cu_seqlens_k[:-1], k_len, *bounds)
+def _varlen_layout(cu_q: Tensor, cu_k: Tensor, device: torch.device) -> Layout:
+    """The layout of host (CPU) ``cu_seqlens`` that passed ``check_length_values``."""
+    q_len = cu_q[1:] - cu_q[:-1]
+    k_len = cu_k[1:] - cu_k[:-1]
+    bounds = (int(q_len.max()), int(k_len.max()))  # host tensors: no sync
+    return make_layout(cu_q[:-1], q_len, cu_k[:-1], k_len, *bounds, device=device)
 
 
 def attention(
@@ -520,10 +560,13 @@ def attention(
     **tuning,
 ):
     """CUDA ``batchinv.attention`` (padded layout); ``tuning``: ``mode``/``warps`` (tests)."""
+    lengths = check_length_values(q, k, seqlens_q=seqlens_q, seqlens_k=seqlens_k)
     check_supported(q, k, v)
     batch, sq, hq, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
-    k, v, layout, _ = _padded_layout(q, k, v, seqlens_q, seqlens_k, key_padding_mask)
+    k, v, layout, _ = _padded_layout(
+        q, k, v, lengths.seqlens_q, lengths.seqlens_k, key_padding_mask
+    )
     out, lse = _run(
         q.reshape(batch * sq, hq, d),
         k.reshape(batch * sk, hkv, d),
@@ -553,15 +596,18 @@ def attention_varlen(
     **tuning,
 ):
     """CUDA ``batchinv.attention_varlen`` (packed rows; ``lse [Hq, Tq]``)."""
+    lengths = check_length_values(q, k, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
     check_supported(q, k, v)
-    layout = _varlen_layout(cu_seqlens_q, cu_seqlens_k)
+    layout = _varlen_layout(lengths.cu_seqlens_q, lengths.cu_seqlens_k, q.device)
     out, lse = _run(q, k, v, layout, causal, scale_of(softmax_scale, q.shape[-1]), False, **tuning)
     return (out, lse) if return_lse else out
 
 
 # The torch.library ops' backward (integrations/torch_library.py): the eager autograd's
 # kernels on the forward's saved outputs, with the same layout and the same views, hence the
-# eager bits, without running the forward again.
+# eager bits, without running the forward again.  The op saved the caller's length tensors,
+# not a layout, so their values are checked again here (one host sync where they are on the
+# GPU: the caller may have edited them since the forward).
 
 
 def attention_saved_backward(
@@ -581,7 +627,10 @@ def attention_saved_backward(
     """``(dq, dk, dv)`` of ``attention`` from its ``(out, lse [B, Hq, Sq])``."""
     batch, sq, hq, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
-    k_used, v_used, layout, index = _padded_layout(q, k, v, seqlens_q, seqlens_k, key_padding_mask)
+    lengths = check_length_values(q, k, seqlens_q=seqlens_q, seqlens_k=seqlens_k)
+    k_used, v_used, layout, index = _padded_layout(
+        q, k, v, lengths.seqlens_q, lengths.seqlens_k, key_padding_mask
+    )
     dq, dk, dv = _backward_rows(
         as_rows(q.reshape(batch * sq, hq, d).contiguous()),
         as_rows(k_used.reshape(batch * sk, hkv, d).contiguous()),
@@ -614,7 +663,8 @@ def attention_varlen_saved_backward(
     softmax_scale: float | None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``(dq, dk, dv)`` of ``attention_varlen`` from its ``(out, lse [Hq, Tq])``."""
-    layout = _varlen_layout(cu_seqlens_q, cu_seqlens_k)
+    lengths = check_length_values(q, k, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
+    layout = _varlen_layout(lengths.cu_seqlens_q, lengths.cu_seqlens_k, q.device)
     rows = (as_rows(t.contiguous()) for t in (q, k, v))
     scale = scale_of(softmax_scale, q.shape[-1])
     return _backward_rows(*rows, out, lse, grad_out, layout, causal, scale)
@@ -635,9 +685,7 @@ def attention_with_kv_cache(
 ):
     """CUDA ``batchinv.attention_with_kv_cache``: append, then attend straight from the cache
     storage (no copy); inference only."""
-    from ..reference.attention import check_attention_args
-
-    check_attention_args(
+    lengths = check_attention_args(
         q, k_new, v_new, seqlens_q=seqlens_new, softmax_scale=softmax_scale, causal=causal
     )
     check_supported(q, k_new, v_new)
@@ -657,14 +705,15 @@ def attention_with_kv_cache(
         if seq_ids is None
         else seq_ids.to(q.device, torch.int64)
     )
-    q_len = _full(n, s_new, q.device) if seqlens_new is None else seqlens_new
+    q_len = _full(n, s_new) if seqlens_new is None else lengths.seqlens_q
     layout = make_layout(
-        torch.arange(n, device=q.device) * s_new,
+        _host_arange(n, s_new),
         q_len,
         ids * cache.max_len,
         k_len,
         s_new,
         cache.max_len,
+        device=q.device,
     )
     storage = (cache.batch * cache.max_len, cache.num_kv_heads, cache.head_dim)
     out, lse = forward(

@@ -15,7 +15,10 @@ no sequence get zero gradients.
 
 One host synchronisation per call: the lengths are read once to check that every sequence's
 rows lie inside the tensors, fit ``max_q_len`` / ``max_k_len``, and do not overlap another
-sequence's rows (each gradient row has one owner: no atomics).
+sequence's rows (each gradient row has one owner: no atomics).  ``ranges_checked=True`` skips
+that read, for the ranges of a ``batchinv.gpu.attention.Layout`` built from lengths that passed
+the forward's checks (it owns its tensors, so nobody can have edited them since): the autograd
+backward runs with no host synchronisation.  Tensors from anywhere else are always checked.
 """
 
 from __future__ import annotations
@@ -312,18 +315,22 @@ def kernel_launches(
     max_k_len: int,
     causal: bool,
     scale: float,
+    *,
+    ranges_checked: bool = False,
 ) -> tuple[tuple[Tensor, Tensor, Tensor], list[tuple[str, Callable[[], None]]]]:
     """Checks the arguments, allocates ``(dq, dk, dv)`` (zeroed) and returns them with the
     launches that fill them, in order: ``[("delta", fn), ("dkdv", fn), ("dq", fn)]`` (a stage
-    with nothing to do is left out).  ``backward`` runs them all; the benchmark times each."""
+    with nothing to do is left out).  ``backward`` runs them all; the benchmark times each.
+    ``ranges_checked``: see the module docstring (the range check is the one host sync)."""
     check_backward_args(
         *(q, k, v, out, lse, grad_out, q_start, q_len, k_start, k_len),
         *(max_q_len, max_k_len, causal, scale),
     )
     total_q, num_q_heads, head_dim = q.shape
     total_k, num_kv_heads = k.shape[0], k.shape[1]
-    sizes = {"Tq": total_q, "Tk": total_k, "max_q_len": max_q_len, "max_k_len": max_k_len}
-    _check_ranges(q_start, q_len, k_start, k_len, sizes)
+    if not ranges_checked:
+        sizes = {"Tq": total_q, "Tk": total_k, "max_q_len": max_q_len, "max_k_len": max_k_len}
+        _check_ranges(q_start, q_len, k_start, k_len, sizes)
 
     dq = torch.zeros_like(q)
     dk = torch.zeros_like(k)
@@ -419,11 +426,15 @@ def backward(
     max_k_len: int,
     causal: bool,
     scale: float,
+    *,
+    ranges_checked: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """``(dq, dk, dv)`` in the input dtype (fp32 accumulation); see the module docstring."""
+    """``(dq, dk, dv)`` in the input dtype (fp32 accumulation); see the module docstring
+    (``ranges_checked`` too)."""
     grads, launches = kernel_launches(
         *(q, k, v, out, lse, grad_out, q_start, q_len, k_start, k_len),
         *(max_q_len, max_k_len, causal, scale),
+        ranges_checked=ranges_checked,
     )
     for _, run in launches:
         run()

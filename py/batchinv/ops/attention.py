@@ -1,6 +1,9 @@
 """``batchinv.attention`` and friends: padded, varlen and KV-cache attention.
 
-Each public function validates its arguments once and dispatches through the registry:
+Each public function validates its arguments once and dispatches through the registry
+(the values of the length tensors are read and checked by the implementation it dispatches
+to, once: the reference in its own check, the CUDA backend with one host sync for GPU
+lengths and none for CPU lengths, from the copies that also build its layout):
 the CPU implementation is the strict reference (``batchinv.reference.attention``, fixed
 64-key blocks at absolute positions); a GPU backend registers its own implementation of
 the same three entry points, with its own autograd.  There is no fallback from a GPU
@@ -63,6 +66,7 @@ def attention(
         key_padding_mask=key_padding_mask,
         softmax_scale=softmax_scale,
         causal=causal,
+        check_values=False,  # read once by the implementation (module docstring)
     )
     return registry.lookup("attention", q.device)(
         q,
@@ -105,6 +109,7 @@ def attention_varlen(
         cu_seqlens_k=cu_seqlens_k,
         softmax_scale=softmax_scale,
         causal=causal,
+        check_values=False,  # read once by the implementation (module docstring)
     )
     return registry.lookup("attention_varlen", q.device)(
         q,

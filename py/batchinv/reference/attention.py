@@ -96,12 +96,14 @@ __all__ = [
     "MAX_HEAD_DIM",
     "AttentionReference",
     "KVCache",
+    "LengthValues",
     "attention",
     "attention_fp32",
     "attention_varlen",
     "attention_varlen_fp32",
     "attention_with_kv_cache",
     "check_attention_args",
+    "check_length_values",
     "is_supported_head_dim",
 ]
 
@@ -119,12 +121,17 @@ def is_supported_head_dim(head_dim: int) -> bool:
 # ----------------------------------------------------------------------------- validation
 
 
-def _check_cu_seqlens(name: str, cu: Tensor, total: int, total_what: str) -> None:
+def _check_not_empty(name: str, cu: Tensor) -> None:
     if cu.numel() < 2:
         raise ValueError(
             f"{name} must hold at least 2 entries (one sequence), got shape {tuple(cu.shape)}"
             " (empty batch)"
         )
+
+
+def _check_cu_seqlens(name: str, cu: Tensor, total: int, total_what: str) -> None:
+    """Value checks of a host (CPU) ``cu_seqlens``: reading it costs no device sync."""
+    _check_not_empty(name, cu)
     if int(cu[0]) != 0:
         raise ValueError(f"{name}[0] must be 0, got {int(cu[0])}")
     steps = cu[1:] - cu[:-1]
@@ -141,13 +148,81 @@ def _check_cu_seqlens(name: str, cu: Tensor, total: int, total_what: str) -> Non
         )
 
 
-def _check_seqlens(name: str, seqlens: Tensor, batch: int, upper: int, upper_what: str) -> None:
-    check_tensor(name, seqlens, dtypes=INDEX_DTYPES, ndim=1)
-    check_dim_size(name, seqlens, 0, batch, "the batch size")
+def _check_seqlens(name: str, seqlens: Tensor, upper: int, upper_what: str) -> None:
+    """Value checks of host (CPU) ``seqlens``: reading them costs no device sync."""
     bad = (seqlens < 0) | (seqlens > upper)
     if bool(bad.any()):
         i = int(bad.nonzero()[0, 0])
         raise ValueError(f"{name}[{i}] = {int(seqlens[i])} is outside [0, {upper}] ({upper_what})")
+
+
+def _check_lengths_device(q: Tensor, **lengths: Tensor | None) -> None:
+    """Length tensors live on ``q``'s device or on the CPU (host lengths cost no sync)."""
+    for name, t in lengths.items():
+        if t is not None and t.device != q.device and t.device.type != "cpu":
+            raise ValueError(
+                f"{name} is on {t.device} but q is on {q.device}; lengths must be on q's "
+                "device or on the CPU"
+            )
+
+
+@dataclass(frozen=True)
+class LengthValues:
+    """Host (CPU) copies of a call's length tensors, as checked (None where not given).
+
+    A CPU argument is kept as it is (not copied); a GPU argument is a fresh copy."""
+
+    cu_seqlens_q: Tensor | None = None
+    cu_seqlens_k: Tensor | None = None
+    seqlens_q: Tensor | None = None
+    seqlens_k: Tensor | None = None
+
+
+def _to_host(**lengths: Tensor | None) -> LengthValues:
+    """Every length tensor on the host, with at most one device sync: the ones on a GPU are
+    concatenated (int64) and copied in a single transfer; CPU ones are used as they are."""
+    on_gpu = {name: t for name, t in lengths.items() if t is not None and t.device.type != "cpu"}
+    host = {name: t for name, t in lengths.items() if t is not None and t.device.type == "cpu"}
+    if on_gpu:
+        flat = torch.cat([t.reshape(-1).to(torch.int64) for t in on_gpu.values()]).cpu()
+        sizes = [t.numel() for t in on_gpu.values()]
+        host.update(zip(on_gpu, flat.split(sizes), strict=True))
+    return LengthValues(**host)
+
+
+def check_length_values(
+    q: Tensor,
+    k: Tensor,
+    *,
+    cu_seqlens_q: Tensor | None = None,
+    cu_seqlens_k: Tensor | None = None,
+    seqlens_q: Tensor | None = None,
+    seqlens_k: Tensor | None = None,
+) -> LengthValues:
+    """The value checks of ``check_attention_args`` (call it first for the other checks).
+
+    Reads all length tensors to the host together: no device sync when they are CPU tensors,
+    exactly one when any is on a GPU (whatever the number of tensors and checks).  Returns the
+    host copies that were checked, so that a caller builds its layout from the very values that
+    passed (``batchinv.gpu.attention`` does).
+    """
+    values = _to_host(
+        cu_seqlens_q=cu_seqlens_q,
+        cu_seqlens_k=cu_seqlens_k,
+        seqlens_q=seqlens_q,
+        seqlens_k=seqlens_k,
+    )
+    if values.cu_seqlens_q is not None:
+        _check_cu_seqlens("cu_seqlens_q", values.cu_seqlens_q, q.shape[0], "q")
+    if values.cu_seqlens_k is not None:
+        _check_cu_seqlens("cu_seqlens_k", values.cu_seqlens_k, k.shape[0], "k")
+    if values.seqlens_q is not None:
+        sq = q.shape[1]
+        _check_seqlens("seqlens_q", values.seqlens_q, sq, f"q's sequence length Sq={sq}")
+    if values.seqlens_k is not None:
+        sk = k.shape[1]
+        _check_seqlens("seqlens_k", values.seqlens_k, sk, f"k's sequence length Sk={sk}")
+    return values
 
 
 def check_attention_args(
@@ -164,11 +239,14 @@ def check_attention_args(
     causal: bool = False,
     check_values: bool = True,
     require_contiguous: bool = False,
-) -> None:
+) -> LengthValues | None:
     """Validates an attention call; varlen when ``cu_seqlens_q/k`` are given, else padded.
 
-    ``check_values`` reads ``cu_seqlens``/``seqlens`` (a device sync); ``require_contiguous``
-    is for kernels that need dense inputs (the reference takes any strides).
+    Length tensors may be on ``q``'s device or on the CPU.  ``check_values`` reads
+    ``cu_seqlens``/``seqlens`` (``check_length_values``: one device sync when any is on a GPU,
+    none for CPU lengths) and returns their checked host copies; without it, returns None.
+    ``require_contiguous`` is for kernels that need dense inputs (the reference takes any
+    strides).
     """
     varlen = cu_seqlens_q is not None or cu_seqlens_k is not None
     ndim = 3 if varlen else 4
@@ -222,35 +300,26 @@ def check_attention_args(
             if cu is None:
                 raise ValueError("varlen attention needs both cu_seqlens_q and cu_seqlens_k")
             check_tensor(name, cu, dtypes=INDEX_DTYPES, ndim=1)
-        check_same_device(q=q, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
+        _check_lengths_device(q, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
         if cu_seqlens_q.numel() != cu_seqlens_k.numel():
             raise ValueError(
                 f"cu_seqlens_q and cu_seqlens_k must describe the same number of sequences, "
                 f"got {cu_seqlens_q.numel()} and {cu_seqlens_k.numel()} entries"
             )
         if check_values:
-            _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0], "q")
-            _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0], "k")
-        elif cu_seqlens_q.numel() < 2:
-            raise ValueError("cu_seqlens_q must hold at least 2 entries (empty batch)")
-        return
+            return check_length_values(q, k, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
+        _check_not_empty("cu_seqlens_q", cu_seqlens_q)
+        return None
 
-    batch, sq, sk = q.shape[0], q.shape[1], k.shape[1]
+    batch, sk = q.shape[0], k.shape[1]
     if batch == 0:
         raise ValueError(f"empty batch: q has shape {tuple(q.shape)}")
     check_dim_size("k", k, 0, batch, "the batch size of q")
-    if seqlens_q is not None:
-        check_same_device(q=q, seqlens_q=seqlens_q)
-        if check_values:
-            _check_seqlens("seqlens_q", seqlens_q, batch, sq, f"q's sequence length Sq={sq}")
-        else:
-            check_tensor("seqlens_q", seqlens_q, dtypes=INDEX_DTYPES, ndim=1)
-    if seqlens_k is not None:
-        check_same_device(q=q, seqlens_k=seqlens_k)
-        if check_values:
-            _check_seqlens("seqlens_k", seqlens_k, batch, sk, f"k's sequence length Sk={sk}")
-        else:
-            check_tensor("seqlens_k", seqlens_k, dtypes=INDEX_DTYPES, ndim=1)
+    for name, seqlens in (("seqlens_q", seqlens_q), ("seqlens_k", seqlens_k)):
+        if seqlens is not None:
+            check_tensor(name, seqlens, dtypes=INDEX_DTYPES, ndim=1)
+            _check_lengths_device(q, **{name: seqlens})
+            check_dim_size(name, seqlens, 0, batch, "the batch size")
     if key_padding_mask is not None:
         check_tensor("key_padding_mask", key_padding_mask, dtypes=(torch.bool,), ndim=2)
         check_same_device(q=q, key_padding_mask=key_padding_mask)
@@ -259,6 +328,9 @@ def check_attention_args(
                 f"key_padding_mask must be [B, Sk] = [{batch}, {sk}], got "
                 f"{tuple(key_padding_mask.shape)}"
             )
+    if not check_values:
+        return None
+    return check_length_values(q, k, seqlens_q=seqlens_q, seqlens_k=seqlens_k)
 
 
 # ----------------------------------------------------------------------------- layout
@@ -299,12 +371,12 @@ def _padded_layout(
     lq = (
         torch.full((batch,), sq, dtype=torch.int64, device=device)
         if seqlens_q is None
-        else seqlens_q.to(torch.int64)
+        else seqlens_q.to(device, torch.int64)
     )
     lk = (
         torch.full((batch,), sk, dtype=torch.int64, device=device)
         if seqlens_k is None
-        else seqlens_k.to(torch.int64)
+        else seqlens_k.to(device, torch.int64)
     )
     q_index = _index_table(torch.arange(batch, device=device) * sq, lq, sq, batch * sq)
     positions = torch.arange(sk, device=device)
@@ -324,9 +396,11 @@ def _padded_layout(
     return _Layout(q_index, k_index, lq, lk, batch * sq, batch * sk)
 
 
-def _varlen_layout(cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, tq: int, tk: int) -> _Layout:
-    cu_q = cu_seqlens_q.to(torch.int64)
-    cu_k = cu_seqlens_k.to(torch.int64)
+def _varlen_layout(
+    cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, tq: int, tk: int, device: torch.device
+) -> _Layout:
+    cu_q = cu_seqlens_q.to(device, torch.int64)  # lengths may be CPU tensors
+    cu_k = cu_seqlens_k.to(device, torch.int64)
     lq = cu_q[1:] - cu_q[:-1]
     lk = cu_k[1:] - cu_k[:-1]
     width_q = int(lq.max()) if lq.numel() else 0
@@ -605,7 +679,7 @@ def attention_varlen(
         softmax_scale=softmax_scale,
         causal=causal,
     )
-    layout = _varlen_layout(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0])
+    layout = _varlen_layout(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], q.device)
     scale = _scale_tensor(softmax_scale, q.shape[-1], q.device)
     out, lse = _AttentionFunction.apply(q, k, v, layout, causal, scale)
     if not return_lse:
