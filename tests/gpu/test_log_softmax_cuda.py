@@ -524,3 +524,46 @@ def test_clusters_looping_over_rows_at_full_load(dtype, out_dtype, monkeypatch):
     expected = _forward_and_grad(x, grad, out_dtype)
     for a, b in zip(got, expected, strict=True):
         assert_bitwise_equal(a, b)
+
+
+# The cluster form is launched with programmatic dependent launch (PROGRAMMATIC_LAUNCH): its CTAs
+# may start while the previous kernel on the stream runs its last rows (every CTA of a cluster
+# kernel lets the next grid launch at its start), so every thread must wait for that kernel before
+# it reads its input or writes its output.  The second launch touches only the last rows, which
+# the first one reads and writes in its last wave: a missing wait would read the NaN the first
+# launch's output holds before it is written (read after write) or overwrite the first launch's
+# input while it is read (write after read).
+@pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float32))
+def test_programmatic_launch_waits_for_the_previous_kernel(dtype, monkeypatch):
+    _require_cluster_form()
+    rows, tail = 4096, 64
+    gen = torch.Generator(device=DEVICE).manual_seed(27)
+    x = (4.0 * torch.randn(rows, BIG_VOCAB, device=DEVICE, generator=gen)).to(dtype)
+    other = (4.0 * torch.randn(tail, BIG_VOCAB, device=DEVICE, generator=gen)).to(dtype)
+    x_before = x.clone()
+
+    def chain():
+        out = torch.full((rows, BIG_VOCAB), float("nan"), device=DEVICE)
+        lse = torch.full((rows,), float("nan"), device=DEVICE)
+        target = x_before.clone()
+        torch.cuda.synchronize()
+        gpu_log_softmax._forward_into(out, lse, target)  # reads target, writes out and lse
+        # read after write: the backward of the last rows reads out as dy and lse
+        grad_tail = torch.full((tail, BIG_VOCAB), float("nan"), dtype=dtype, device=DEVICE)
+        gpu_log_softmax._backward_into(grad_tail, out[-tail:], target[-tail:], lse[-tail:])
+        # write after read: a forward writes into the first launch's input, last rows
+        first = torch.full((rows, BIG_VOCAB), float("nan"), device=DEVICE)
+        gpu_log_softmax._forward_into(first, None, target)
+        if dtype == torch.float32:
+            gpu_log_softmax._forward_into(target[-tail:], None, other)
+        torch.cuda.synchronize()
+        return out, lse, grad_tail, first, target
+
+    assert gpu_log_softmax.PROGRAMMATIC_LAUNCH
+    got = chain()
+    monkeypatch.setattr(gpu_log_softmax, "PROGRAMMATIC_LAUNCH", False)
+    expected = chain()
+    for a, b in zip(got, expected, strict=True):
+        assert_bitwise_equal(a, b)
+    assert bool(got[0].isfinite().all()) and bool(got[2].isfinite().all())
+    assert_bitwise_equal(x, x_before)
