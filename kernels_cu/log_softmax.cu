@@ -573,21 +573,6 @@ __device__ __forceinline__ void cluster_arrive_relaxed() {
     asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
 }
 
-// Programmatic dependent launch (the host launches the cluster form with it on sm_90; without it
-// both are no-ops).  launch_dependents lets the next grid on the stream launch once every CTA of
-// this one has executed it or exited; wait blocks until the previous grid has completed and its
-// writes are visible.  Every thread waits before its first global access (x, lse, out, grad_x),
-// so only on-chip set-up overlaps the previous kernel: speed only, never bits.
-__device__ __forceinline__ void grid_launch_dependents() {
-    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-}
-__device__ __forceinline__ void grid_wait_primary() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
-
-// A/B variants (temporary, session 7): bit 1 = the forward's second pass walks the segments from
-// the last to the first; bit 2 = bulk loads with an L2 evict-first policy.  Speed only.
-constexpr int kReverseSecondPass = 1;
-constexpr int kEvictFirstLoads = 2;
-
 // Writes `v` into the shared memory of another CTA of the cluster (`address`, from
 // remote_address) and counts its 8 bytes on that CTA's mbarrier `barrier` (also a remote address).
 __device__ __forceinline__ void push_float2(uint32_t address, float2 v, uint32_t barrier) {
@@ -609,19 +594,8 @@ __device__ __forceinline__ void barrier_wait_cluster(uint64_t* barrier, uint32_t
         : "memory");
 }
 
-template <int kVariant = 0>
 __device__ __forceinline__ void bulk_load(void* destination, const void* source, uint32_t bytes,
                                           uint64_t* barrier) {
-    if constexpr ((kVariant & kEvictFirstLoads) != 0) {
-        uint64_t policy;
-        asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
-        asm volatile(
-            "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, [%3], "
-            "%4;" ::"r"(hopper::smem_address(destination)),
-            "l"(reinterpret_cast<uint64_t>(source)), "r"(bytes), "r"(hopper::smem_address(barrier)), "l"(policy)
-            : "memory");
-        return;
-    }
     asm volatile(
         "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
             hopper::smem_address(destination)),
@@ -649,20 +623,19 @@ struct Slice {
 };
 
 // Issues the copy of segment k of `row` (a row of the same length) into its slot; thread 0 only.
-template <int kVariant = 0, typename S, int C, int TC>
+template <typename S, int C, int TC>
 __device__ __forceinline__ void refill_segment(const Slice<S, C, TC>& slice, const S* row, int64_t vocab,
                                                uint8_t* segments, uint64_t* barriers, int k) {
     const uint32_t bytes = slice.bytes_of(k, vocab);
     if (bytes == 0) return;  // nobody waits on it: its groups are past the row
     hopper::barrier_expect_bytes(&barriers[k], bytes);
     const int64_t first = static_cast<int64_t>(k * C * TC + static_cast<int>(slice.rank) * TC) * kGroup;
-    bulk_load<kVariant>(segments + static_cast<int64_t>(k) * Slice<S, C, TC>::kSegmentBytes, row + first, bytes,
-                        &barriers[k]);
+    bulk_load(segments + static_cast<int64_t>(k) * Slice<S, C, TC>::kSegmentBytes, row + first, bytes, &barriers[k]);
 }
 
 // Warp 0 starts every segment's copy of the CTA's first row; each segment completes on its own
 // barrier.
-template <int kVariant = 0, typename S, int C, int TC>
+template <typename S, int C, int TC>
 __device__ __forceinline__ void start_row_copies(const Slice<S, C, TC>& slice, const S* row, int64_t vocab,
                                                  uint8_t* segments, uint64_t* barriers) {
     const int lane = static_cast<int>(threadIdx.x);
@@ -673,7 +646,7 @@ __device__ __forceinline__ void start_row_copies(const Slice<S, C, TC>& slice, c
     __syncthreads();
     if (lane < BATCHINV_WARP_SIZE) {
         for (int k = lane; k < slice.segments; k += BATCHINV_WARP_SIZE) {
-            refill_segment<kVariant>(slice, row, vocab, segments, barriers, k);
+            refill_segment(slice, row, vocab, segments, barriers, k);
         }
     }
 }
@@ -826,13 +799,13 @@ constexpr bool kBackwardStreamHints = false;
 // it reaches the barrier; the bulk copy (async proxy) cannot overwrite a slot that is still being
 // read.  (The first version issued the barrier right after the reads, before using them; at
 // 4096 x 151936 its backward results differed from one cluster per row in an A/B on the H200.)
-template <int kVariant = 0, typename S, int C, int TC>
+template <typename S, int C, int TC>
 __device__ __forceinline__ void refill_after_reading(const Slice<S, C, TC>& slice, const S* next_row, int64_t vocab,
                                                      uint8_t* segments, uint64_t* barriers, int k0, int count) {
     __syncthreads();
     if (threadIdx.x == 0) {
         for (int k = k0; k < k0 + count && k < slice.segments; ++k) {
-            refill_segment<kVariant>(slice, next_row, vocab, segments, barriers, k);
+            refill_segment(slice, next_row, vocab, segments, barriers, k);
         }
     }
 }
@@ -877,7 +850,7 @@ constexpr int kRefillBatch = 4;
 // next row, so that row's copies overlap this row's work.  Which cluster handles a row, and how
 // many rows it handles, changes no operation of the row (speed only).  Each mbarrier completes one
 // phase per row: row i of this CTA waits on parity i % 2.
-template <typename InCodec, typename OutCodec, int C, int TC, int kVariant = 0>
+template <typename InCodec, typename OutCodec, int C, int TC>
 __device__ __forceinline__ void forward(const ForwardArgs& a) {
     using S = typename InCodec::storage;
     using O = typename OutCodec::storage;
@@ -895,10 +868,8 @@ __device__ __forceinline__ void forward(const ForwardArgs& a) {
     uint64_t* barriers = reinterpret_cast<uint64_t*>(shared_row + static_cast<int64_t>(slice.segments) *
                                                                       Slice<S, C, TC>::kSegmentBytes);
     const S* x_rows = static_cast<const S*>(a.x);
-    grid_launch_dependents();
     init_push_exchange(exchange);
-    grid_wait_primary();
-    start_row_copies<kVariant>(slice, x_rows + first_row * a.x_stride, vocab, shared_row, barriers);
+    start_row_copies(slice, x_rows + first_row * a.x_stride, vocab, shared_row, barriers);
 
     uint32_t parity = 0;
     uint32_t local_row = 0;  // rows of this cluster so far
@@ -912,7 +883,7 @@ __device__ __forceinline__ void forward(const ForwardArgs& a) {
         const float lse = ieee_add(st.m, logf(st.l));
         if (a.lse != nullptr && slice.rank == 0 && threadIdx.x == 0) a.lse[row] = lse;
 
-        auto write_batch = [&](int k0) {
+        for (int k0 = 0; k0 < slice.segments; k0 += kRefillBatch) {
 #pragma unroll
             for (int u = 0; u < kRefillBatch; ++u) {
                 const int k = k0 + u;
@@ -924,15 +895,7 @@ __device__ __forceinline__ void forward(const ForwardArgs& a) {
                                                                           warp_full(g, slice.groups));
                 }
             }
-            if (next_x != nullptr) {
-                refill_after_reading<kVariant>(slice, next_x, vocab, shared_row, barriers, k0, kRefillBatch);
-            }
-        };
-        if constexpr ((kVariant & kReverseSecondPass) != 0) {
-            const int last = (slice.segments - 1) / kRefillBatch * kRefillBatch;
-            for (int k0 = last; k0 >= 0; k0 -= kRefillBatch) write_batch(k0);
-        } else {
-            for (int k0 = 0; k0 < slice.segments; k0 += kRefillBatch) write_batch(k0);
+            if (next_x != nullptr) refill_after_reading(slice, next_x, vocab, shared_row, barriers, k0, kRefillBatch);
         }
     }
     // Every part pushed to this CTA has arrived (its last wait) and nothing reads another CTA's
@@ -974,7 +937,7 @@ __device__ __forceinline__ void load_x_batch(Group<InCodec> (&xg)[kBatch], const
 }
 
 // Rows and refills as in forward above; the slots hold grad_out, x is streamed (see XLoads).
-template <typename InCodec, typename OutCodec, int C, int TC, int kVariant = 0>
+template <typename InCodec, typename OutCodec, int C, int TC>
 __device__ __forceinline__ void backward(const BackwardArgs& a) {
     using S = typename InCodec::storage;
     using O = typename OutCodec::storage;
@@ -994,10 +957,8 @@ __device__ __forceinline__ void backward(const BackwardArgs& a) {
     uint64_t* barriers = reinterpret_cast<uint64_t*>(shared_row + static_cast<int64_t>(slice.segments) *
                                                                       Slice<O, C, TC>::kSegmentBytes);
     const O* grad_rows = static_cast<const O*>(a.grad_out);
-    grid_launch_dependents();
     init_push_exchange(exchange);
-    grid_wait_primary();
-    start_row_copies<kVariant>(slice, grad_rows + first_row * vocab, vocab, shared_row, barriers);
+    start_row_copies(slice, grad_rows + first_row * vocab, vocab, shared_row, barriers);
 
     uint32_t parity = 0;
     uint32_t local_row = 0;  // rows of this cluster so far
@@ -1034,9 +995,7 @@ __device__ __forceinline__ void backward(const BackwardArgs& a) {
                 write_grad<InCodec, OutCodec, kBackwardStreamHints>(grad_x, dy, xg[u], g, vocab, lse, dy_sum, true,
                                                                     warp_full(g, slice.groups));
             }
-            if (next_grad != nullptr) {
-                refill_after_reading<kVariant>(slice, next_grad, vocab, shared_row, barriers, k0, kBatch);
-            }
+            if (next_grad != nullptr) refill_after_reading(slice, next_grad, vocab, shared_row, barriers, k0, kBatch);
         }
     }
     // As in forward: no wait for the other CTAs before exit.
@@ -1125,29 +1084,6 @@ BATCHINV_LOG_SOFTMAX_ALL_CLUSTERS(f16_f16, batchinv::F16Codec, batchinv::F16Code
 BATCHINV_LOG_SOFTMAX_ALL_CLUSTERS(f32_f32, batchinv::F32Codec, batchinv::F32Codec)
 BATCHINV_LOG_SOFTMAX_ALL_CLUSTERS(f32_bf16, batchinv::F32Codec, batchinv::Bf16Codec)
 BATCHINV_LOG_SOFTMAX_ALL_CLUSTERS(f32_f16, batchinv::F32Codec, batchinv::F16Codec)
-
-// Temporary A/B entries (session 7): the kept kernels with variant bits V (see kReverseSecondPass).
-#define BATCHINV_LOG_SOFTMAX_AB_FORWARD(SUFFIX, IN, OUT, C, TC, V)                                      \
-    extern "C" BATCHINV_LSM_CLUSTER_DIMS(C) __global__ void __launch_bounds__(TC)                     \
-        log_softmax_ab_forward_##SUFFIX##_c##C##_t##TC##_v##V(OUT::storage* out, float* lse,          \
-                                                              const IN::storage* x, int64_t rows,     \
-                                                              int64_t vocab, int64_t x_stride) {      \
-        BATCHINV_LSM_HOPPER_ONLY((batchinv::lsm::cluster::forward<IN, OUT, C, TC, V>(                 \
-            batchinv::lsm::ForwardArgs{out, lse, x, rows, vocab, x_stride, 0})));                    \
-    }
-#define BATCHINV_LOG_SOFTMAX_AB_BACKWARD(SUFFIX, IN, OUT, C, TC, V)                                     \
-    extern "C" BATCHINV_LSM_CLUSTER_DIMS(C) __global__ void __launch_bounds__(TC)                     \
-        log_softmax_ab_backward_##SUFFIX##_c##C##_t##TC##_v##V(                                        \
-            IN::storage* grad_x, const OUT::storage* grad_out, const IN::storage* x, const float* lse, \
-            int64_t rows, int64_t vocab, int64_t x_stride) {                                          \
-        BATCHINV_LSM_HOPPER_ONLY((batchinv::lsm::cluster::backward<IN, OUT, C, TC, V>(                \
-            batchinv::lsm::BackwardArgs{grad_x, grad_out, x, lse, rows, vocab, x_stride, 0})));      \
-    }
-BATCHINV_LOG_SOFTMAX_AB_FORWARD(f32_f32, batchinv::F32Codec, batchinv::F32Codec, 16, 128, 1)
-BATCHINV_LOG_SOFTMAX_AB_FORWARD(f32_f32, batchinv::F32Codec, batchinv::F32Codec, 16, 128, 2)
-BATCHINV_LOG_SOFTMAX_AB_FORWARD(bf16_f32, batchinv::Bf16Codec, batchinv::F32Codec, 8, 128, 1)
-BATCHINV_LOG_SOFTMAX_AB_FORWARD(bf16_f32, batchinv::Bf16Codec, batchinv::F32Codec, 8, 128, 2)
-BATCHINV_LOG_SOFTMAX_AB_BACKWARD(bf16_f32, batchinv::Bf16Codec, batchinv::F32Codec, 16, 128, 2)
 #endif  // !__HIPCC__
 
 // Signatures of the entries above (<in>_<out>_t<T>), for the launcher's argument checks.
@@ -1277,8 +1213,3 @@ BATCHINV_LOG_SOFTMAX_AB_BACKWARD(bf16_f32, batchinv::Bf16Codec, batchinv::F32Cod
 // batchinv-signature: log_softmax_cluster_backward_f32_f16_c16_t64(ptr, ptr, ptr, ptr, i64, i64, i64)
 // batchinv-signature: log_softmax_cluster_forward_f32_f16_c16_t128(ptr, ptr, ptr, i64, i64, i64)
 // batchinv-signature: log_softmax_cluster_backward_f32_f16_c16_t128(ptr, ptr, ptr, ptr, i64, i64, i64)
-// batchinv-signature: log_softmax_ab_forward_f32_f32_c16_t128_v1(ptr, ptr, ptr, i64, i64, i64)
-// batchinv-signature: log_softmax_ab_forward_f32_f32_c16_t128_v2(ptr, ptr, ptr, i64, i64, i64)
-// batchinv-signature: log_softmax_ab_forward_bf16_f32_c8_t128_v1(ptr, ptr, ptr, i64, i64, i64)
-// batchinv-signature: log_softmax_ab_forward_bf16_f32_c8_t128_v2(ptr, ptr, ptr, i64, i64, i64)
-// batchinv-signature: log_softmax_ab_backward_bf16_f32_c16_t128_v2(ptr, ptr, ptr, ptr, i64, i64, i64)

@@ -74,12 +74,6 @@ HOPPER_FORM_THREADS = {
     ("backward", torch.float32, torch.float32): 2048,
 }
 _MIN_CLUSTER_CTAS_PER_SM = 4  # a guard for rows far longer than measured
-# The cluster form (sm_90a only) is launched with programmatic dependent launch: its CTAs may
-# start while the previous kernel on the stream finishes; every thread waits for that kernel
-# (griddepcontrol.wait) before its first global access, so only on-chip set-up overlaps it, and
-# each CTA lets the next grid launch at its start.  Speed only, never bits (tests switch it off
-# to compare).
-PROGRAMMATIC_LAUNCH = True
 
 
 def _register_groups(dtype: torch.dtype) -> int:
@@ -326,7 +320,6 @@ def _forward_into(out: Tensor, lse: Tensor | None, rows_view: Tensor) -> None:
             block=(threads // ctas,),
             args=(out, lse_arg, rows_view, rows, vocab, rows_view.stride(0)),
             shared_mem=shared,
-            programmatic=PROGRAMMATIC_LAUNCH,
         )
         return
     _require_one_cta_form(threads)
@@ -389,7 +382,6 @@ def _backward_into(grad_x: Tensor, grad_rows: Tensor, rows_view: Tensor, lse: Te
             block=(threads // ctas,),
             args=(grad_x, grad_rows, rows_view, lse, rows, vocab, rows_view.stride(0)),
             shared_mem=shared,
-            programmatic=PROGRAMMATIC_LAUNCH,
         )
         return
     _require_one_cta_form(threads)
