@@ -6,7 +6,10 @@ the op must: read x, write out), stock ``torch.log_softmax(x, -1, dtype=float32)
 batchinv; forward and backward (reads dy and x, writes dx).  Liger-Kernel has no standalone
 log-softmax, so it has no row here.  Tuning rows ("T=1024 ...") rerun batchinv with another
 block size for long rows; that changes the reduction tree (other bits), so they are for
-choosing ``LARGE_ROW_THREADS``, not a mode to ship.
+choosing ``LARGE_ROW_THREADS``, not a mode to ship.  The copy is timed again after each shape's
+other rows ("copy (anchor, again after)", its vs_copy = first / second copy time): the ratios use
+the first copy, so a device that slows down during a shape shows there (issue 6, session 7: the
+same fp32 forward on the same buffers took 1.265 ms in one round and up to 1.335 ms in the next).
 """
 
 from __future__ import annotations
@@ -73,6 +76,7 @@ def main() -> None:
                 ("forward", path, forward_bytes, fwd),
                 ("backward", path, backward_bytes, bwd),
             ]
+        copy_again_ms = median_ms(lambda: dst.copy_(src))
         base = {
             "rows": rows,
             "vocab": vocab,
@@ -86,6 +90,16 @@ def main() -> None:
                 "ms": copy_ms,
                 "TB/s": copy_tbs,
                 "vs_copy": 1.0,
+            }
+        )
+        rows_out.append(
+            {
+                **base,
+                "direction": "-",
+                "path": "copy (anchor, again after)",
+                "ms": copy_again_ms,
+                "TB/s": 2 * src.numel() / copy_again_ms / 1e9,
+                "vs_copy": copy_ms / copy_again_ms,
             }
         )
         case = f"{rows}x{vocab}, {base['dtype']}"
