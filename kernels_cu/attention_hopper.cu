@@ -166,8 +166,11 @@ __device__ __forceinline__ void attn_hopper_tile(const TensorMap& map_k, const T
     using namespace hopper;
     using T = typename Codec::storage;
     extern __shared__ uint8_t shared_raw[];
-    // 128-byte swizzled tiles start on a 1024-byte boundary.
-    uint8_t* shared = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(shared_raw) + 1023) & ~uintptr_t(1023));
+    // 128-byte swizzled tiles start on a 1024-byte boundary.  Offset from shared_raw (not an
+    // integer round trip) so that the compiler knows every pointer below is shared memory and
+    // emits LDS / STS (with the round trip it emitted generic LD / ST for the running state, the
+    // Q fragments and the producer's zero fill).
+    uint8_t* shared = shared_raw + ((1024u - (smem_address(shared_raw) & 1023u)) & 1023u);
     uint8_t* sq = shared;                                   // [2 warpgroups][2 halves][64][64]
     uint8_t* sk = sq + kQBytes;                             // [kStages][2 halves][64][64]
     uint8_t* sv = sk + kStages * kTileBytes;                // [kStages][2 halves][64][64]
