@@ -53,6 +53,7 @@
 
 #if !defined(__HIPCC__)
 #include "common/attention_rows.cuh"
+#include "common/chunk16.cuh"
 
 #include <type_traits>
 
@@ -135,6 +136,43 @@ __device__ __forceinline__ void mma_qk(float (&d)[32], const uint32_t (&a)[4], u
     else
         BATCHINV_QK_RS("f16");
 #undef BATCHINV_QK_RS
+}
+
+// finalize_out's division (__fdiv_rn) for a row's values, the reciprocal of l computed once.
+// nvcc compiles __fdiv_rn(n, d) into a reciprocal of d refined by two FMAs, then q = n * r and
+// one correction FMA, plus an operand check (FCHK) that sends operands outside the sequence's
+// range to a slow path, per element with a branch and a reconvergence around it.  For l in
+// [2^-32, 2^32] and |n| in [2^-64, 2^64] (quotient and residual normal, far from overflow) the
+// sequence is correctly rounded, so it gives __fdiv_rn's bits (the fast path is the same
+// instructions; compared against __fdiv_rn on the device, docs/operators/attention.md).
+// Outside that range (l = 0, +-0, subnormal, huge, inf or NaN values) finalize_out runs.
+__device__ __forceinline__ bool divisor_in_range(float l) { return l >= 0x1p-32f && l <= 0x1p32f; }
+
+__device__ __forceinline__ bool numerator_in_range(float n) {
+    return fabsf(n) >= 0x1p-64f && fabsf(n) <= 0x1p64f;
+}
+
+__device__ __forceinline__ float divisor_reciprocal(float d) {
+    float r;
+    asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(d));
+    return __fmaf_rn(r, __fmaf_rn(-d, r, 1.0f), r);
+}
+
+__device__ __forceinline__ float divide_in_range(float n, float d, float r) {
+    const float q = __fmul_rn(n, r);
+    return __fmaf_rn(r, __fmaf_rn(-d, q, n), q);
+}
+
+// Two output values rounded to the storage type as one 32-bit word (lo in the low half), the
+// bits of Codec::store: bf16 by the paired hardware conversion (common/chunk16.cuh).
+template <typename Codec>
+__device__ __forceinline__ uint32_t store_pair(float lo, float hi) {
+    if constexpr (Codec::kIsBf16) {
+        return pack_bf16x2(lo, hi);
+    } else {
+        typename Codec::storage pair[2] = {Codec::store(lo), Codec::store(hi)};
+        return *reinterpret_cast<uint32_t*>(pair);
+    }
 }
 
 template <typename Codec>
@@ -343,7 +381,9 @@ __device__ __forceinline__ void attn_hopper_tile(const TensorMap& map_k, const T
     // Finishes the pending P V product (block `blk`, its wait done by the caller): restore -0
     // signs of rows that saw no key in it, free its stage, and if SPLIT_END (the block ends a
     // split) merge acc into the running state (acc restarts from +0 in the next rescale).
-    auto finish_pv = [&](int blk, auto split_end) {
+    // LAST (the tile's last block): the merged state goes into acc, which finalize reads (the
+    // same values as through srun, without the shared-memory round trip).
+    auto finish_pv = [&](int blk, auto split_end, auto last) {
         // The product read pa and wrote acc until here: keep both live to this point, or
         // the compiler reuses their registers (softmax's P) while the wgmma still reads them.
         fence_operands<64>(acc);
@@ -373,7 +413,12 @@ __device__ __forceinline__ void attn_hopper_tile(const TensorMap& map_k, const T
                         for (int e = 0; e < 2; ++e) {
                             float& slot = srun[(t * 4 + 2 * i + e) * kConsumerThreads + ctid];
                             const float prev = first_split ? 0.0f : slot;
-                            slot = merge_value(prev, acc[t * 4 + 2 * i + e], wa, wb, decltype(pick_constant)::value);
+                            const float merged =
+                                merge_value(prev, acc[t * 4 + 2 * i + e], wa, wb, decltype(pick_constant)::value);
+                            if constexpr (decltype(last)::value)
+                                acc[t * 4 + 2 * i + e] = merged;
+                            else
+                                slot = merged;
                         }
                 };
                 if (pick == 0)
@@ -578,7 +623,7 @@ __device__ __forceinline__ void attn_hopper_tile(const TensorMap& map_k, const T
         scale(blk);
         softmax();
         wgmma_wait<0>();
-        finish_pv(blk - 1, split_start);
+        finish_pv(blk - 1, split_start, No{});
         rescale(split_start);
     };
     // One inner loop per split: the steady step is a loop of its own (no split test per block,
@@ -593,24 +638,39 @@ __device__ __forceinline__ void attn_hopper_tile(const TensorMap& map_k, const T
         issue(No{}, Yes{});
         start_split();  // keeps the last split's m, l in end_m, end_l for its merge
         wgmma_wait<0>();
-        finish_pv(blk_end - 1, Yes{});  // the last block always ends a split
+        finish_pv(blk_end - 1, Yes{}, Yes{});  // the last block always ends a split
     }
 
+    // finalize: out = acc / l (finalize_out's bits), both rows of the thread in turn.  Where l and
+    // the row's 32 values of this thread are in the division's plain range, one reciprocal per
+    // row and three FMAs per value (divide_in_range); otherwise finalize_out itself.
     T* op = static_cast<T*>(p.out);
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
         if (row_q[i] < 0) continue;
         const int64_t t_row = q_base + row_q[i];
         T* dst = op + t_row * p.out_row + row_h[i] * p.out_head;
+        const float l_row = run_l[i];
+        float o[32];
+        bool in_range = divisor_in_range(l_row);
 #pragma unroll
-        for (int t = 0; t < 16; ++t) {
-            // A tile with no block leaves srun unwritten: run_l = 0 then, and finalize gives 0.
-            const float a0 = blk_end > 0 ? srun[(t * 4 + 2 * i) * kConsumerThreads + ctid] : 0.0f;
-            const float a1 = blk_end > 0 ? srun[(t * 4 + 2 * i + 1) * kConsumerThreads + ctid] : 0.0f;
-            T pair[2] = {Codec::store(finalize_out(a0, run_l[i])), Codec::store(finalize_out(a1, run_l[i]))};
-            *reinterpret_cast<uint32_t*>(dst + t * 8 + 2 * c) = *reinterpret_cast<uint32_t*>(pair);
+        for (int k = 0; k < 32; ++k) {
+            // The merged state (a tile with no block: acc = +0, run_l = 0, finalize gives 0).
+            o[k] = acc[(k / 2) * 4 + 2 * i + k % 2];
+            in_range &= numerator_in_range(o[k]);
         }
-        if (c == 0) p.lse[static_cast<int64_t>(row_h[i]) * p.tq + t_row] = finalize_lse(run_m[i], run_l[i]);
+        if (in_range) {
+            const float r = divisor_reciprocal(l_row);
+#pragma unroll
+            for (int k = 0; k < 32; ++k) o[k] = divide_in_range(o[k], l_row, r);
+        } else {
+#pragma unroll
+            for (int k = 0; k < 32; ++k) o[k] = finalize_out(o[k], l_row);
+        }
+#pragma unroll
+        for (int t = 0; t < 16; ++t)
+            *reinterpret_cast<uint32_t*>(dst + t * 8 + 2 * c) = store_pair<Codec>(o[2 * t], o[2 * t + 1]);
+        if (c == 0) p.lse[static_cast<int64_t>(row_h[i]) * p.tq + t_row] = finalize_lse(run_m[i], l_row);
     }
 #elif defined(__CUDA_ARCH__)
     __trap();  // built only into sm_90a images; the host never launches it elsewhere
