@@ -163,6 +163,21 @@ __device__ __forceinline__ float divide_in_range(float n, float d, float r) {
     return __fmaf_rn(r, __fmaf_rn(-d, q, n), q);
 }
 
+// finalize_out for the 32 values of a row a thread holds (the same bits, see above).
+__device__ __forceinline__ void finalize_row(float (&o)[32], float l) {
+    bool in_range = divisor_in_range(l);
+#pragma unroll
+    for (int k = 0; k < 32; ++k) in_range &= numerator_in_range(o[k]);
+    if (in_range) {
+        const float r = divisor_reciprocal(l);
+#pragma unroll
+        for (int k = 0; k < 32; ++k) o[k] = divide_in_range(o[k], l, r);
+    } else {
+#pragma unroll
+        for (int k = 0; k < 32; ++k) o[k] = finalize_out(o[k], l);
+    }
+}
+
 // Two output values rounded to the storage type as one 32-bit word (lo in the low half), the
 // bits of Codec::store: bf16 by the paired hardware conversion (common/chunk16.cuh).
 template <typename Codec>
@@ -641,9 +656,7 @@ __device__ __forceinline__ void attn_hopper_tile(const TensorMap& map_k, const T
         finish_pv(blk_end - 1, Yes{}, Yes{});  // the last block always ends a split
     }
 
-    // finalize: out = acc / l (finalize_out's bits), both rows of the thread in turn.  Where l and
-    // the row's 32 values of this thread are in the division's plain range, one reciprocal per
-    // row and three FMAs per value (divide_in_range); otherwise finalize_out itself.
+    // finalize: out = acc / l (finalize_out's bits, finalize_row), both rows of the thread in turn.
     T* op = static_cast<T*>(p.out);
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
@@ -652,21 +665,9 @@ __device__ __forceinline__ void attn_hopper_tile(const TensorMap& map_k, const T
         T* dst = op + t_row * p.out_row + row_h[i] * p.out_head;
         const float l_row = run_l[i];
         float o[32];
-        bool in_range = divisor_in_range(l_row);
 #pragma unroll
-        for (int k = 0; k < 32; ++k) {
-            // The merged state (a tile with no block: acc = +0, run_l = 0, finalize gives 0).
-            o[k] = acc[(k / 2) * 4 + 2 * i + k % 2];
-            in_range &= numerator_in_range(o[k]);
-        }
-        if (in_range) {
-            const float r = divisor_reciprocal(l_row);
-#pragma unroll
-            for (int k = 0; k < 32; ++k) o[k] = divide_in_range(o[k], l_row, r);
-        } else {
-#pragma unroll
-            for (int k = 0; k < 32; ++k) o[k] = finalize_out(o[k], l_row);
-        }
+        for (int k = 0; k < 32; ++k) o[k] = acc[(k / 2) * 4 + 2 * i + k % 2];
+        finalize_row(o, l_row);
 #pragma unroll
         for (int t = 0; t < 16; ++t)
             *reinterpret_cast<uint32_t*>(dst + t * 8 + 2 * c) = store_pair<Codec>(o[2 * t], o[2 * t + 1]);
@@ -698,4 +699,26 @@ __device__ __forceinline__ void attn_hopper_tile(const TensorMap& map_k, const T
 BATCHINV_ATTN_HOPPER(bf16, batchinv::Bf16Codec)
 // batchinv-signature: attn_hopper_fwd_f16_d128(tmap, tmap, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i32, i32, i32, i32, i32, f32)
 BATCHINV_ATTN_HOPPER(f16, batchinv::F16Codec)
+
+// Test kernel: finalize_row (the tile kernel's division) next to finalize_out, element by element,
+// on rows of 32 given values and a given l each: out_row[r * 32 + k] and out_ref[r * 32 + k].
+// tests/gpu/test_attention_hopper_cuda.py compares the two bitwise over wide value ranges.
+extern "C" __global__ void attn_hopper_finalize_check(const float* values, const float* l, float* out_row,
+                                                      float* out_ref, int64_t rows) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    const int64_t r = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+    if (r >= rows) return;
+    float o[32];
+#pragma unroll
+    for (int k = 0; k < 32; ++k) {
+        o[k] = values[r * 32 + k];
+        out_ref[r * 32 + k] = batchinv::attn::finalize_out(o[k], l[r]);
+    }
+    batchinv::attn_hopper::finalize_row(o, l[r]);
+#pragma unroll
+    for (int k = 0; k < 32; ++k) out_row[r * 32 + k] = o[k];
+#elif defined(__CUDA_ARCH__)
+    __trap();  // built only into sm_90a images; the host never launches it elsewhere
+#endif
+}
 #endif
