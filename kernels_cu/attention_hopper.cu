@@ -3,8 +3,14 @@
 // of kernels_cu/attention.cu's tile kernel.  d = 128, bf16 and fp16, causal and not.
 //
 // Canonical layout and row contract: those of kernels_cu/attention.cu (read its header), mode
-// (a) only: one CTA per (query tile, head group, sequence) walks all splits of its tile and
-// merges them as it goes.  Differences are in who computes what, never in the arithmetic:
+// (a) only: one CTA per work item (query tile, head group, sequence) walks all splits of its
+// tile and merges them as it goes.  The grid is persistent: min(SMs, items) CTAs take the items
+// from a queue (an atomic counter, zeroed for each launch) in the order of the former
+// one-CTA-per-item grid (tile_at); the K/V ring runs on across a CTA's items, so the next
+// item's first blocks load while this one finishes, and the next item's Q is copied while this
+// one runs.  Which CTA computes an item, and in which order, never changes an operation of a
+// row: the grid size depends on the batch, the arithmetic does not.  Differences from
+// attention.cu are in who computes what, never in the arithmetic:
 //   - Tile rows: M = 128 (two consumer warpgroups of 64 rows, four warps of 16 rows each),
 //     row r = (query qtile * QPT + r / P, head hg * P + r % P) as in attention.cu.  A warp's 16
 //     rows are held exactly as mma.sync holds them: wgmma's accumulator i of a thread is
@@ -39,14 +45,19 @@
 //   - Loads: one producer thread issues TMA copies of 64-key K and V blocks (two 64-column
 //     boxes each, 128B swizzle) into a ring of kStages = 3 shared-memory stages (mbarriers full /
 //     empty); blocks no row of the tile sees are not loaded.  Q is copied once per consumer
-//     warpgroup with cp.async (zeros for rows that are not a query).
+//     warpgroup and work item with cp.async (zeros for rows that are not a query).
 //   - Key rows past k_len: TMA reads whole 64-row boxes inside the K/V tensors, so the last
 //     block of a sequence can bring rows j >= k_len (the next sequence's rows, cache slots
 //     never written, NaN).  Before any consumer reads that stage the producer warp overwrites
 //     those K and V rows with zeros in shared memory, so the consumers see exactly the
 //     zero-filled tile attention.cu's cp.async builds.  Such rows are read from global memory
 //     but never used.  Query rows past q_len are never read.
-// Launch: grid (ceil(max_q_len / QPT), Hq / P, B), block 384 threads (warpgroup 0 = producer),
+//   - finalize (out = acc / l) divides by one reciprocal per row where l and the thread's 32
+//     values of the row are in range, finalize_out otherwise: finalize_out's bits either way
+//     (finalize_row; tested against finalize_out by the test kernel attn_hopper_finalize_check).
+//     The last split's merge goes to registers, not through shared memory.
+// Launch: grid min(SMs, items), items = ceil(max_q_len / QPT) x Hq / P x B (q_tiles, batch
+// arguments; queue: one int32 +0), block 384 threads (warpgroup 0 = producer),
 // dynamic shared memory attn_hopper_shared_bytes (py/batchinv/gpu/attention_hopper.py).
 #include "common/hopper.cuh"
 #include "common/wgmma.cuh"
@@ -211,7 +222,40 @@ struct Params {
     int64_t q_row, q_head, out_row, out_head;
     int tq, hq, hkv, pack, causal;
     float scale_log2;
+    int* queue;          // work-item counter, +0 at launch (one per launch)
+    int q_tiles, batch;  // work items: q_tiles x (hq / pack) head groups x batch
 };
+
+// One work item (query tile, head group, sequence) and what its rows see.
+struct Tile {
+    int hg, q0, q_len, k_len, offset, kvh, k_base, blk_end;
+    int64_t q_base;
+};
+
+// Work item w in the order of the former one-CTA-per-item grid (grid x fastest): the query
+// tiles of one (head group, sequence), heaviest (latest, most causal blocks) first, then the
+// next head group, then the next sequence.  CTAs take items from the queue in this order, the
+// greedy longest-first schedule the hardware's dispatch of that grid gave.
+__device__ __forceinline__ Tile tile_at(const Params& p, int w) {
+    const int groups = p.hq / p.pack;
+    const int qtile = p.q_tiles - 1 - w % p.q_tiles;
+    const int rest = w / p.q_tiles;
+    const int b = rest / groups;
+    Tile t;
+    t.hg = rest % groups;
+    const int qpt = kRows / p.pack;
+    t.q_len = p.q_len[b];
+    t.k_len = p.k_len[b];
+    t.q0 = qtile * qpt;
+    const int q_last = min(t.q_len - 1, t.q0 + qpt - 1);
+    t.offset = t.k_len - t.q_len;
+    const int tile_end = p.causal ? max(0, min(t.k_len, t.offset + q_last + 1)) : t.k_len;
+    t.kvh = (t.hg * p.pack) / (p.hq / p.hkv);
+    t.q_base = p.q_start[b];
+    t.k_base = p.k_start[b];
+    t.blk_end = (tile_end + kBlockKeys - 1) / kBlockKeys;  // blocks [0, blk_end)
+    return t;
+}
 
 template <typename Codec>
 __device__ __forceinline__ void attn_hopper_tile(const TensorMap& map_k, const TensorMap& map_v, const Params& p) {
@@ -231,23 +275,14 @@ __device__ __forceinline__ void attn_hopper_tile(const TensorMap& map_k, const T
     uint64_t* full = reinterpret_cast<uint64_t*>(reinterpret_cast<uint8_t*>(srun) + kRunBytes);
     uint64_t* empty = full + kStages;
     uint64_t* side = empty + kStages;  // the producer's own barrier for a boundary block
+    // The work items the producer took from the queue, in a ring of two slots (full: written,
+    // empty: read by every consumer warp).
+    uint64_t* item_full = side + 1;
+    uint64_t* item_empty = item_full + 2;
+    volatile int* item_slot = reinterpret_cast<volatile int*>(item_empty + 2);
 
-    const int b = blockIdx.z;
-    const int hg = blockIdx.y;
     const int qpt = kRows / p.pack;
-    const int qtile = gridDim.x - 1 - blockIdx.x;  // heavy (late) causal tiles first
-    const int q_len = p.q_len[b];
-    const int k_len = p.k_len[b];
-    const int q0 = qtile * qpt;
-    if (q0 >= q_len) return;
-    const int q_last = min(q_len - 1, q0 + qpt - 1);
-    const int offset = k_len - q_len;
-    const int tile_end = p.causal ? max(0, min(k_len, offset + q_last + 1)) : k_len;
-    const int group = p.hq / p.hkv;
-    const int kvh = (hg * p.pack) / group;
-    const int64_t q_base = p.q_start[b];
-    const int k_base = p.k_start[b];
-    const int blk_end = (tile_end + kBlockKeys - 1) / kBlockKeys;  // blocks [0, blk_end)
+    const int items = p.q_tiles * (p.hq / p.pack) * p.batch;
 
     if (threadIdx.x == 0) {
         for (int s = 0; s < kStages; ++s) {
@@ -255,6 +290,10 @@ __device__ __forceinline__ void attn_hopper_tile(const TensorMap& map_k, const T
             barrier_init(&empty[s], 8);  // lane 0 of each consumer warp
         }
         barrier_init(side, 1);
+        for (int s = 0; s < 2; ++s) {
+            barrier_init(&item_full[s], 1);
+            barrier_init(&item_empty[s], 8);
+        }
         fence_barrier_init();
     }
     __syncthreads();
@@ -265,42 +304,68 @@ __device__ __forceinline__ void attn_hopper_tile(const TensorMap& map_k, const T
     if (warpgroup == 0) {
         release_registers<40>();
         if (threadIdx.x >= 32) return;
-        // Producer warp: lane 0 issues the copies; the whole warp zeroes a boundary block.
-        uint32_t side_phase = 0;
-        for (int blk = 0; blk < blk_end; ++blk) {
-            const int s = blk % kStages;
-            const int round = blk / kStages;
-            if (round > 0) barrier_wait(&empty[s], (round - 1) & 1);
-            const int key0 = blk * kBlockKeys;
-            const bool boundary = key0 + kBlockKeys > k_len;
-            uint8_t* dk = sk + s * kTileBytes;
-            uint8_t* dv = sv + s * kTileBytes;
-            uint64_t* bar = boundary ? side : &full[s];
+        // Producer warp: lane 0 takes the work items from the queue (item n + 1 when item n's
+        // loads start, so that the consumers know it before they finish item n) and issues the
+        // copies; the whole warp zeroes a boundary block.  The K/V ring runs on across items
+        // (`it` counts every block this CTA loads): the next item's first blocks load while the
+        // consumers finish the current one.
+        auto fetch = [&]() {
+            int w = 0;
+            if (lane == 0) w = atomicAdd(p.queue, 1);
+            return __shfl_sync(0xffffffffu, w, 0);
+        };
+        auto publish = [&](int n, int w) {
+            if (n >= 2) barrier_wait(&item_empty[n % 2], ((n / 2) - 1) & 1);
             if (lane == 0) {
-                barrier_expect_bytes(bar, 2 * kTileBytes);
-                for (int h = 0; h < 2; ++h) {
-                    tma_load_2d(dk + h * kBoxBytes, map_k, bar, kvh * kD + h * 64, k_base + key0);
-                    tma_load_2d(dv + h * kBoxBytes, map_v, bar, kvh * kD + h * 64, k_base + key0);
+                item_slot[n % 2] = w;
+                barrier_arrive(&item_full[n % 2]);
+            }
+        };
+        uint32_t side_phase = 0;
+        int it = 0;
+        int w = fetch();
+        publish(0, w);
+        for (int n = 0; w < items; ++n) {
+            const int w_next = fetch();  // >= items once the queue is empty: the consumers stop
+            publish(n + 1, w_next);
+            const Tile tl = tile_at(p, w);
+            const int blk_end = tl.q0 < tl.q_len ? tl.blk_end : 0;  // a tile past q_len: nothing
+            for (int blk = 0; blk < blk_end; ++blk, ++it) {
+                const int s = it % kStages;
+                const int round = it / kStages;
+                if (round > 0) barrier_wait(&empty[s], (round - 1) & 1);
+                const int key0 = blk * kBlockKeys;
+                const bool boundary = key0 + kBlockKeys > tl.k_len;
+                uint8_t* dk = sk + s * kTileBytes;
+                uint8_t* dv = sv + s * kTileBytes;
+                uint64_t* bar = boundary ? side : &full[s];
+                if (lane == 0) {
+                    barrier_expect_bytes(bar, 2 * kTileBytes);
+                    for (int h = 0; h < 2; ++h) {
+                        tma_load_2d(dk + h * kBoxBytes, map_k, bar, tl.kvh * kD + h * 64, tl.k_base + key0);
+                        tma_load_2d(dv + h * kBoxBytes, map_v, bar, tl.kvh * kD + h * 64, tl.k_base + key0);
+                    }
+                }
+                if (boundary) {
+                    barrier_wait(side, side_phase);
+                    side_phase ^= 1;
+                    // Rows j >= k_len (another sequence's keys, unwritten cache slots): zeros, as
+                    // attention.cu's zero-filling copy leaves them.  Each row is 128 contiguous
+                    // bytes of a box whatever the swizzle.
+                    const int first = tl.k_len - key0;
+                    const int chunks = (kBlockKeys - first) * 8;  // 16-byte chunks per box
+                    for (int idx = lane; idx < 4 * chunks; idx += 32) {
+                        const int box = idx / chunks;
+                        const int within = idx % chunks;
+                        uint8_t* base = (box < 2 ? dk : dv) + (box % 2) * kBoxBytes;
+                        *reinterpret_cast<uint4*>(base + first * 128 + within * 16) = make_uint4(0, 0, 0, 0);
+                    }
+                    fence_proxy_async();  // generic writes before the consumers' wgmma reads
+                    __syncwarp();
+                    if (lane == 0) barrier_arrive(&full[s]);
                 }
             }
-            if (boundary) {
-                barrier_wait(side, side_phase);
-                side_phase ^= 1;
-                // Rows j >= k_len (another sequence's keys, unwritten cache slots): zeros, as
-                // attention.cu's zero-filling copy leaves them.  Each row is 128 contiguous
-                // bytes of a box whatever the swizzle.
-                const int first = k_len - key0;
-                const int chunks = (kBlockKeys - first) * 8;  // 16-byte chunks per box
-                for (int idx = lane; idx < 4 * chunks; idx += 32) {
-                    const int box = idx / chunks;
-                    const int within = idx % chunks;
-                    uint8_t* base = (box < 2 ? dk : dv) + (box % 2) * kBoxBytes;
-                    *reinterpret_cast<uint4*>(base + first * 128 + within * 16) = make_uint4(0, 0, 0, 0);
-                }
-                fence_proxy_async();  // generic writes before the consumers' wgmma reads
-                __syncwarp();
-                if (lane == 0) barrier_arrive(&full[s]);
-            }
+            w = w_next;
         }
         return;
     }
@@ -313,29 +378,59 @@ __device__ __forceinline__ void attn_hopper_tile(const TensorMap& map_k, const T
     const int g = lane / 4;
     const int c = lane % 4;
 
-    // Q rows of this warpgroup -> shared memory (128B swizzle: chunk ch of row r at ch ^ (r % 8)).
-    {
+    // Q rows of this warpgroup for work item tl -> shared memory by cp.async (128B swizzle:
+    // chunk ch of row r at ch ^ (r % 8)); waited for when the item starts.
+    auto load_q = [&](const Tile& tl) {
         const T* qp = static_cast<const T*>(p.q);
         uint8_t* dq = sq + cw * 2 * kBoxBytes;
         for (int idx = wtid; idx < 64 * 16; idx += 128) {
             const int rl = idx / 16;
             const int ch = idx % 16;
             const int r = cw * 64 + rl;
-            const int qi = q0 + r / p.pack;
-            const bool valid = r < qpt * p.pack && qi < q_len;
-            const int h = hg * p.pack + r % p.pack;
-            const T* src = valid ? qp + (q_base + qi) * p.q_row + h * p.q_head + ch * 8 : qp;
+            const int qi = tl.q0 + r / p.pack;
+            const bool valid = r < qpt * p.pack && qi < tl.q_len;
+            const int h = tl.hg * p.pack + r % p.pack;
+            const T* src = valid ? qp + (tl.q_base + qi) * p.q_row + h * p.q_head + ch * 8 : qp;
             const uint32_t dst = smem_address(dq + (ch / 8) * kBoxBytes + rl * 128 + (((ch % 8) ^ (rl % 8)) << 4));
             cp_async16(dst, src, valid);
         }
-        asm volatile("cp.async.commit_group;\ncp.async.wait_group 0;\n" ::: "memory");
+        asm volatile("cp.async.commit_group;\n" ::: "memory");
+    };
+
+    // Descriptors: a k16 step, a stage or a V key step is a constant added to the start-address
+    // field (every tile lies below 256 KB, so the field never carries).  Low words of stage 0:
+    // (`shared` is 1024-byte aligned, so each field is a plain sum).
+    const uint32_t shared16 = smem_address(shared) >> 4;
+    const uint32_t desc_k = shared16 + (kQBytes >> 4) + (1u << 16);
+    const uint32_t desc_v = shared16 + ((kQBytes + kStages * kTileBytes) >> 4) + ((kBoxBytes >> 4) << 16);
+    int s_stage = 0;          // stage of the next block whose S is issued (runs on across items)
+    uint32_t s_phase = 0;     // its full-barrier phase
+
+    // Work item n from the producer's ring (every consumer warp reads it once).
+    auto read_item = [&](int n) {
+        barrier_wait(&item_full[n % 2], (n / 2) & 1);
+        const int w = item_slot[n % 2];
+        __syncwarp();
+        if (lane == 0) barrier_arrive(&item_empty[n % 2]);
+        return w;
+    };
+    int w = read_item(0);
+    if (w < items) {
+        const Tile first = tile_at(p, w);
+        if (first.q0 < first.q_len) load_q(first);
+    }
+    for (int n = 0; w < items; ++n) {
+    const int w_next = read_item(n + 1);
+    const Tile tl = tile_at(p, w);
+    const bool has_rows = tl.q0 < tl.q_len;
+    // Q of the warp's 16 rows as the A fragments of the eight k16 steps of S (row g / g + 8,
+    // columns 2c, 2c + 1 and 2c + 8, 2c + 9 of the step), read from the swizzled tile; then
+    // the next item's Q copy into the same buffer (once every warp of the warpgroup read it).
+    uint32_t qa[8][4];
+    if (has_rows) {
+        asm volatile("cp.async.wait_group 0;\n" ::: "memory");
         fence_proxy_async();
         named_barrier_sync(1 + cw, 128);
-    }
-    // Q of the warp's 16 rows as the A fragments of the eight k16 steps of S (row g / g + 8,
-    // columns 2c, 2c + 1 and 2c + 8, 2c + 9 of the step), read from the swizzled tile.
-    uint32_t qa[8][4];
-    {
         const uint8_t* dq = sq + cw * 2 * kBoxBytes;
 #pragma unroll
         for (int ks = 0; ks < 8; ++ks)
@@ -347,7 +442,20 @@ __device__ __forceinline__ void attn_hopper_tile(const TensorMap& map_k, const T
                 qa[ks][j] = *reinterpret_cast<const uint32_t*>(dq + (col / 64) * kBoxBytes + rl * 128 +
                                                                ((ch ^ (rl % 8)) << 4) + (col % 8) * 2);
             }
+        named_barrier_sync(1 + cw, 128);
     }
+    if (w_next < items) {
+        const Tile next = tile_at(p, w_next);
+        if (next.q0 < next.q_len) load_q(next);
+    }
+    if (has_rows) {
+    const int hg = tl.hg;
+    const int q0 = tl.q0;
+    const int q_len = tl.q_len;
+    const int k_len = tl.k_len;
+    const int offset = tl.offset;
+    const int64_t q_base = tl.q_base;
+    const int blk_end = tl.blk_end;
 
     int vis_end[2];
     int row_q[2], row_h[2];
@@ -378,14 +486,6 @@ __device__ __forceinline__ void attn_hopper_tile(const TensorMap& map_k, const T
     bool prev_any_empty = false;
     uint32_t negzero[2] = {0u, 0u};
 
-    // Descriptors: a k16 step, a stage or a V key step is a constant added to the start-address
-    // field (every tile lies below 256 KB, so the field never carries).  Low words of stage 0:
-    // (`shared` is 1024-byte aligned, so each field is a plain sum).
-    const uint32_t shared16 = smem_address(shared) >> 4;
-    const uint32_t desc_k = shared16 + (kQBytes >> 4) + (1u << 16);
-    const uint32_t desc_v = shared16 + ((kQBytes + kStages * kTileBytes) >> 4) + ((kBoxBytes >> 4) << 16);
-    int s_stage = 0;          // stage of the next block whose S is issued
-    uint32_t s_phase = 0;     // its full-barrier phase
     int cur_stage = 0;        // stage of the block whose softmax runs
     int pv_stage = 0;         // stage of the block whose P V product is pending
 
@@ -618,8 +718,8 @@ __device__ __forceinline__ void attn_hopper_tile(const TensorMap& map_k, const T
     // Block blk's S product, then block blk-1's P V product behind it; block blk's
     // softmax runs while P V executes.  No branch between a product's issue and its wait.
     if (blk_end > 0) {
+        cur_stage = s_stage;
         issue(Yes{}, No{});
-        cur_stage = 0;
         wgmma_wait<0>();
         fence_operands<32>(s);
         scale(0);
@@ -673,6 +773,9 @@ __device__ __forceinline__ void attn_hopper_tile(const TensorMap& map_k, const T
             *reinterpret_cast<uint32_t*>(dst + t * 8 + 2 * c) = store_pair<Codec>(o[2 * t], o[2 * t + 1]);
         if (c == 0) p.lse[static_cast<int64_t>(row_h[i]) * p.tq + t_row] = finalize_lse(run_m[i], l_row);
     }
+    }  // has_rows
+    w = w_next;
+    }  // work items
 #elif defined(__CUDA_ARCH__)
     __trap();  // built only into sm_90a images; the host never launches it elsewhere
 #endif
@@ -686,18 +789,18 @@ __device__ __forceinline__ void attn_hopper_tile(const TensorMap& map_k, const T
         const __grid_constant__ batchinv::TensorMap map_k, const __grid_constant__ batchinv::TensorMap map_v,   \
         const void* q, void* out, float* lse, const int* q_start, const int* q_len, const int* k_start,        \
         const int* k_len, int64_t q_row, int64_t q_head, int64_t out_row, int64_t out_head, int tq, int hq,     \
-        int hkv, int pack, int causal, float scale_log2) {                                                      \
+        int hkv, int pack, int causal, float scale_log2, int* queue, int q_tiles, int batch) {                  \
         const batchinv::attn_hopper::Params p{q,     out,   lse,      q_start, q_len, k_start, k_len, q_row,    \
                                               q_head, out_row, out_head, tq,   hq,    hkv,     pack,  causal,   \
-                                              scale_log2};                                                       \
+                                              scale_log2, queue, q_tiles, batch};                                \
         batchinv::attn_hopper::attn_hopper_tile<CODEC>(map_k, map_v, p);                                         \
     }
 
 // Signature: (map_k, map_v, q, out, lse, q_start, q_len, k_start, k_len, q_row, q_head, out_row,
-//             out_head, tq, hq, hkv, pack, causal, scale_log2)
-// batchinv-signature: attn_hopper_fwd_bf16_d128(tmap, tmap, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i32, i32, i32, i32, i32, f32)
+//             out_head, tq, hq, hkv, pack, causal, scale_log2, queue, q_tiles, batch)
+// batchinv-signature: attn_hopper_fwd_bf16_d128(tmap, tmap, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i32, i32, i32, i32, i32, f32, ptr, i32, i32)
 BATCHINV_ATTN_HOPPER(bf16, batchinv::Bf16Codec)
-// batchinv-signature: attn_hopper_fwd_f16_d128(tmap, tmap, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i32, i32, i32, i32, i32, f32)
+// batchinv-signature: attn_hopper_fwd_f16_d128(tmap, tmap, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i32, i32, i32, i32, i32, f32, ptr, i32, i32)
 BATCHINV_ATTN_HOPPER(f16, batchinv::F16Codec)
 
 // Test kernel: finalize_row (the tile kernel's division) next to finalize_out, element by element,

@@ -166,6 +166,35 @@ def test_split_loop_edges_equal_mma_sync(dtype, causal):
 
 @cuda
 @needs_hopper
+@pytest.mark.parametrize("ctas", (1, 3, 7))
+def test_persistent_grid_any_cta_count_equals_mma_sync(ctas):
+    # The persistent grid: with few CTAs each takes many work items from the queue, its K/V ring
+    # and barrier phases running on across items of every kind (split merges, partial last
+    # blocks, boundary blocks zeroed by the producer, tiles past q_len, a sequence with no key,
+    # causal rows before the first key), and the next item's Q copied during the current one.
+    seqlens_q = torch.tensor([37, 0, 130, 20, 64, 1], device=DEVICE)
+    seqlens_k = torch.tensor([LONG_CONTEXT, 70, 70, 0, 1088, 129], device=DEVICE)
+    for dtype in DTYPES:
+        q, k, v = _qkv(6, 130, LONG_CONTEXT, 6, 2, dtype, seed=101)
+        q, k, v = _nan_padding(q, k, v, seqlens_q, seqlens_k)
+        for causal in (True, False):
+            kwargs = dict(causal=causal, seqlens_q=seqlens_q, seqlens_k=seqlens_k, return_lse=True)
+            with hopper.forced_ctas(ctas):
+                new = _hopper_equal_to_mma_sync(q, k, v, f"{ctas} CTAs, {dtype}", **kwargs)
+            assert not torch.isnan(new[0]).any(), "NaN padding leaked into the output"
+
+
+def test_forced_ctas_rejects_bad_counts():
+    with pytest.raises(ValueError, match="count"):
+        with hopper.forced_ctas(0):
+            pass
+    with pytest.raises(TypeError, match="count"):
+        with hopper.forced_ctas(2.0):
+            pass
+
+
+@cuda
+@needs_hopper
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_wide_score_range_equals_mma_sync(dtype):
     # softmax_scale = 1: many P below 2^-126, flushed to +0 by exp2_ftz in both kernels.
