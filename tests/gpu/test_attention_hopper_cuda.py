@@ -166,6 +166,35 @@ def test_split_loop_edges_equal_mma_sync(dtype, causal):
 
 @cuda
 @needs_hopper
+@pytest.mark.parametrize("ctas", (1, 3, 7))
+def test_persistent_grid_any_cta_count_equals_mma_sync(ctas):
+    # The persistent grid: with few CTAs each takes many work items from the queue, its K/V ring
+    # and barrier phases running on across items of every kind (split merges, partial last
+    # blocks, boundary blocks zeroed by the producer, tiles past q_len, a sequence with no key,
+    # causal rows before the first key), and the next item's Q copied during the current one.
+    seqlens_q = torch.tensor([37, 0, 130, 20, 64, 1], device=DEVICE)
+    seqlens_k = torch.tensor([LONG_CONTEXT, 70, 70, 0, 1088, 129], device=DEVICE)
+    for dtype in DTYPES:
+        q, k, v = _qkv(6, 130, LONG_CONTEXT, 6, 2, dtype, seed=101)
+        q, k, v = _nan_padding(q, k, v, seqlens_q, seqlens_k)
+        for causal in (True, False):
+            kwargs = dict(causal=causal, seqlens_q=seqlens_q, seqlens_k=seqlens_k, return_lse=True)
+            with hopper.forced_ctas(ctas):
+                new = _hopper_equal_to_mma_sync(q, k, v, f"{ctas} CTAs, {dtype}", **kwargs)
+            assert not torch.isnan(new[0]).any(), "NaN padding leaked into the output"
+
+
+def test_forced_ctas_rejects_bad_counts():
+    with pytest.raises(ValueError, match="count"):
+        with hopper.forced_ctas(0):
+            pass
+    with pytest.raises(TypeError, match="count"):
+        with hopper.forced_ctas(2.0):
+            pass
+
+
+@cuda
+@needs_hopper
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_wide_score_range_equals_mma_sync(dtype):
     # softmax_scale = 1: many P below 2^-126, flushed to +0 by exp2_ftz in both kernels.
@@ -248,6 +277,100 @@ def test_chunked_prefill_and_decode_equal_hopper_prefill(dtype):
             name = f"chunk {chunk} {tuning or 'auto'}"
             assert_bitwise_equal(out, full[0][:, s:e], name=f"{name}, out [{s}, {e})")
             assert_bitwise_equal(lse, full[1][:, :, s:e], name=f"{name}, lse [{s}, {e})")
+
+
+def _finalize_rows(values: torch.Tensor, l: torch.Tensor):
+    """The tile kernel's division of each row of 32 values by its l (finalize_row), and
+    finalize_out element by element, from the test kernel attn_hopper_finalize_check."""
+    from batchinv.gpu._launch import kernel_for, launch
+
+    rows = l.numel()
+    values, l = values.contiguous().to(DEVICE), l.contiguous().to(DEVICE)
+    out_row = torch.empty_like(values)
+    out_ref = torch.empty_like(values)
+    device = values.device
+    kernel = kernel_for("attention_hopper", "attn_hopper_finalize_check", device)
+    launch(
+        kernel,
+        device,
+        grid=(-(-rows // 128),),
+        block=(128,),
+        args=(values, l, out_row, out_ref, rows),
+    )
+    return out_row, out_ref
+
+
+@cuda
+@needs_hopper
+def test_finalize_division_equals_ieee_division():
+    # finalize_row divides by one reciprocal per row where l and the row's values are in range
+    # and runs finalize_out (IEEE division) otherwise; both must give the same bits.  Rows of
+    # every exponent pair (values 2^-70 .. 2^70, l 2^-40 .. 2^40: inside and past the range's
+    # edges) with random mantissas and signs, random rows in the plain range, and rows with one
+    # special value (+-0, subnormal, tiny, huge, inf, NaN) or a special l (0, subnormal, inf,
+    # NaN, negative).
+    gen = torch.Generator().manual_seed(7)
+    ev = torch.arange(-70, 71, dtype=torch.float32)
+    el = torch.arange(-40, 41, dtype=torch.float32)
+    pairs_v, pairs_l = torch.meshgrid(ev, el, indexing="ij")
+    reps = 4
+    exp_v = pairs_v.flatten().repeat_interleave(reps)
+    exp_l = pairs_l.flatten().repeat_interleave(reps)
+    rows = exp_v.numel()
+    mant_v = 1 + torch.rand(rows, 32, generator=gen)
+    sign = torch.where(torch.rand(rows, 32, generator=gen) < 0.5, -1.0, 1.0)
+    values = [sign * mant_v * torch.exp2(exp_v)[:, None]]
+    ls = [(1 + torch.rand(rows, generator=gen)) * torch.exp2(exp_l)]
+    # The attention range: l >= 1 (a sum whose largest term is 1), |acc| <= l * max |v|.
+    n = 1 << 16
+    l_att = 1 + torch.rand(n, generator=gen) * 4096
+    ls.append(l_att)
+    values.append(torch.randn(n, 32, generator=gen) * l_att[:, None])
+    specials = torch.tensor(
+        [0.0, -0.0, 1e-40, -1e-45, 1e-30, 3e-20, 1e25, float("inf"), float("-inf"), float("nan")]
+    )
+    spec_v = torch.randn(len(specials) * 64, 32, generator=gen)
+    spec_v[torch.arange(spec_v.shape[0]), torch.arange(spec_v.shape[0]) % 32] = specials.repeat(64)
+    values.append(spec_v)
+    ls.append(1 + torch.rand(spec_v.shape[0], generator=gen) * 100)
+    l_special = torch.tensor([0.0, -0.0, 1e-40, float("inf"), float("nan"), -3.0, 2.0**32, 2.0**33])
+    values.append(torch.randn(len(l_special), 32, generator=gen))
+    ls.append(l_special)
+    zero_rows = torch.zeros(2, 32)
+    zero_rows[1] = -0.0
+    values.append(zero_rows)
+    ls.append(torch.tensor([5.0, 5.0]))
+    out_row, out_ref = _finalize_rows(torch.cat(values), torch.cat(ls))
+    assert_bitwise_equal(out_row, out_ref, name="finalize_row vs finalize_out")
+    # The comparison covers both paths: plain rows, and rows outside the plain range.
+    assert torch.isnan(out_ref).any() and (out_ref == 0).any() and torch.isinf(out_ref).any()
+
+
+@cuda
+@needs_hopper
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("causal", (True, False))
+def test_extreme_values_equal_mma_sync(dtype, causal):
+    # V columns of zeros, tiny and huge values and an inf key, and a head scaled down to tiny
+    # values: outputs (and the threads' rows) on both sides of finalize's plain-division range.
+    big, tiny = (1e30, 1e-30) if dtype == torch.bfloat16 else (6e4, 6e-8)
+    seqlens_q = torch.tensor([300, 77, 64], device=DEVICE)
+    seqlens_k = torch.tensor([1100, 1025, 300], device=DEVICE)
+    q, k, v = _qkv(3, 300, 1100, 12, 4, dtype, seed=97)
+    v[:, :, :, 0] = 0
+    v[:, :, :, 9] = tiny
+    v[:, :, :, 18] = big
+    v[1, 50, :, 27] = float("inf")
+    v[2, :, 1, :] *= tiny
+    for scale in (None, 1.0):
+        kwargs = dict(
+            causal=causal,
+            seqlens_q=seqlens_q,
+            seqlens_k=seqlens_k,
+            return_lse=True,
+            softmax_scale=scale,
+        )
+        _hopper_equal_to_mma_sync(q, k, v, f"extreme values, softmax_scale={scale}", **kwargs)
 
 
 # ----------------------------------------------------------------------------- Axis-B, errors

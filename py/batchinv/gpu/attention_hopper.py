@@ -3,11 +3,15 @@
 The kernel computes exactly the per-row arithmetic of ``kernels_cu/attention.cu``'s tile kernel
 (same 64-key blocks, 1024-key splits, merge and finalize; see both headers) with the
 FlashAttention-3 structure: a TMA producer warpgroup and two wgmma consumer warpgroups of 64
-rows each (128-row tiles).  ``batchinv.gpu.attention.forward`` calls it for tile launches on
-sm_90 devices when :func:`applies` holds; both kernels give the same bits (tested).
+rows each (128-row tiles), in a persistent grid (one CTA per SM taking work items from a
+queue, a counter zeroed for each launch).  ``batchinv.gpu.attention.forward`` calls it for tile
+launches on sm_90 devices when :func:`applies` holds; both kernels give the same bits (tested).
 """
 
 from __future__ import annotations
+
+import contextlib
+import functools
 
 import torch
 from torch import Tensor
@@ -20,18 +24,20 @@ THREADS = 384  # producer warpgroup + two consumer warpgroups
 STAGES = 3  # K/V ring depth (kernels_cu/attention_hopper.cu kStages)
 _BOX_BYTES = 64 * 64 * 2  # one 64-row x 64-column TMA box of bf16/fp16
 _DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "f16"}
-_MAX_GRID_YZ = 65535
+_MAX_ITEMS = 2**31 - 1 - 1024  # the queue counter is an int32 (each CTA takes one past the end)
 
 
 def shared_bytes(stages: int = STAGES) -> int:
     """Dynamic shared memory of the kernel: Q (two warpgroups x two 64-column halves), the
-    K and V stages, the fp32 running state (64 values per consumer thread), the mbarriers,
-    and 1024 bytes to align the swizzled tiles."""
+    K and V stages, the fp32 running state (64 values per consumer thread), the mbarriers
+    (K/V ring, boundary block, work-item ring), the two work-item slots, and 1024 bytes to
+    align the swizzled tiles."""
     q = 4 * _BOX_BYTES
     kv = 2 * stages * 2 * _BOX_BYTES
     run = 64 * 256 * 4
-    barriers = 8 * (2 * stages + 1)
-    return q + kv + run + barriers + 1024
+    barriers = 8 * (2 * stages + 1 + 4)
+    item_slots = 2 * 4
+    return q + kv + run + barriers + item_slots + 1024
 
 
 def _tma_rows(t: Tensor) -> bool:
@@ -65,6 +71,30 @@ def _tensor_map(t: Tensor) -> bytes:
     return native().tensor_map_2d(t.data_ptr(), name, rows, heads * d, t.stride(0) * 2, 64, 64, 128)
 
 
+_forced_ctas: int | None = None
+
+
+@contextlib.contextmanager
+def forced_ctas(count: int):
+    """Tests: launches within the block use at most ``count`` CTAs, so that each CTA takes
+    many work items from the queue (the bits must not change)."""
+    global _forced_ctas
+    if isinstance(count, bool) or not isinstance(count, int):
+        raise TypeError(f"count must be an int, got {type(count).__name__}")
+    if count < 1:
+        raise ValueError(f"count must be at least 1, got {count}")
+    previous, _forced_ctas = _forced_ctas, count
+    try:
+        yield
+    finally:
+        _forced_ctas = previous
+
+
+@functools.cache
+def _multiprocessors(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
 def _kernel(name: str, device: torch.device, stages: int):
     kernel = kernel_for("attention_hopper", name, device)
     allow_dynamic_shared(kernel, shared_bytes(stages), device.index or 0)
@@ -88,15 +118,23 @@ def forward_tile(
     hkv = k.shape[1]
     qpt = TILE_ROWS // pack
     q_tiles = -(-layout.max_q_len // qpt)
-    if layout.batch > _MAX_GRID_YZ or hq // pack > _MAX_GRID_YZ:
+    items = q_tiles * (hq // pack) * layout.batch
+    if items > _MAX_ITEMS:
         raise ValueError(
-            f"attention launch too large: {layout.batch} sequences (at most {_MAX_GRID_YZ})"
+            f"attention launch too large: {items} work items (query tiles x head groups x "
+            f"sequences; at most {_MAX_ITEMS})"
         )
+    if items == 0:
+        return
     name = f"attn_hopper_fwd_{_DTYPE_NAMES[q.dtype]}_d{HEAD_DIM}"
+    # Persistent grid: one CTA per SM (at most one per item) takes the items from a queue; which
+    # CTA computes a row never changes its arithmetic.
+    ctas = min(items, _forced_ctas or _multiprocessors(q.device.index or 0))
+    queue = torch.zeros(1, dtype=torch.int32, device=q.device)
     launch(
         _kernel(name, q.device, STAGES),
         q.device,
-        grid=(q_tiles, hq // pack, layout.batch),
+        grid=(ctas,),
         block=(THREADS,),
         args=(
             _tensor_map(k),
@@ -118,6 +156,9 @@ def forward_tile(
             pack,
             int(causal),
             scale_log2,
+            queue,
+            q_tiles,
+            layout.batch,
         ),
         shared_mem=shared_bytes(STAGES),
     )
