@@ -184,6 +184,38 @@ def test_persistent_grid_any_cta_count_equals_mma_sync(ctas):
             assert not torch.isnan(new[0]).any(), "NaN padding leaked into the output"
 
 
+@cuda
+@needs_hopper
+def test_persistent_queue_in_a_cuda_graph_equals_eager():
+    # The queue's counter is zeroed by a memset captured with the kernel, so every replay starts
+    # at item 0; a counter left at its end would skip every item (the +0/-inf fill would stay).
+    batch, s, hq, hkv = 3, 700, 8, 2
+    q, k, v = (
+        t.reshape(batch * s, t.shape[2], 128)
+        for t in _qkv(batch, s, s, hq, hkv, torch.bfloat16, seed=211)
+    )
+    starts, lens = torch.arange(batch) * s, torch.full((batch,), s)
+    layout = gpu.make_layout(starts, lens, starts, lens, s, s, device=DEVICE)
+    scale = gpu.scale_of(None, 128)
+    run = dict(mode="tile", warps=4, hopper=True)
+    with hopper.forced_ctas(5):  # many items per CTA: the queue decides who computes what
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up off the capture, as torch asks
+            gpu.forward(q, k, v, layout, True, scale, **run)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = gpu.forward(q, k, v, layout, True, scale, **run)
+    for step in range(3):
+        gen = torch.Generator(device=DEVICE).manual_seed(212 + step)
+        q.copy_(torch.randn(q.shape, device=DEVICE, generator=gen))  # new queries, same buffer
+        graph.replay()
+        torch.cuda.synchronize()
+        want = gpu.forward(q, k, v, layout, True, scale, mode="tile", warps=4, hopper=False)
+        assert_bitwise_equal(captured, want, name=f"replay {step}")
+
+
 def test_forced_ctas_rejects_bad_counts():
     with pytest.raises(ValueError, match="count"):
         with hopper.forced_ctas(0):
