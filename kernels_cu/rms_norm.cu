@@ -29,8 +29,12 @@
 //             for T >= 128), S = max(1, 16 / G): q/k norm (T = 4) G = 32, S = 1; T = 16: 8 x 2;
 //             T = 32: 4 x 4; T >= 128 (hidden 4096 and 5120 bf16) and streaming: 1 x 16.
 //           level 2+: while more than 64 partial rows remain, each run of 64 consecutive ones is
-//             summed in order (rms_norm_weight_grad_reduce); the last <= 64 are added in order
-//             and rounded once (rms_norm_weight_grad_final).
+//             summed in order; the last <= 64 are added in order and rounded once.  Grids:
+//             rms_norm_weight_grad_reduce for one level while more than 64 * 64 rows remain, then
+//             rms_norm_weight_grad_last_levels for the last two (the runs' sums and their sum, or
+//             the one sum of <= 64 rows).  On sm_90 each is launched with programmatic
+//             dependent launch (griddepcontrol): it starts while the grid writing its rows ends
+//             and waits for it before reading them.
 //           Bitwise the same run to run; zero-gradient rows appended at the end add +0 to sums
 //           that start at +0 (never -0) and leave the bits unchanged.  Level 1 is computed by
 //           rms_norm_backward_weight_grad_* (grad_x and the partials in one pass: CTA b's row
@@ -70,9 +74,7 @@
 // odd offset of a batch get the same result.
 #include "common/chunk16.cuh"
 #include "common/portability.cuh"
-#ifndef BATCHINV_RMS_EXP_PARTIALS_EVICT_LAST
-#define BATCHINV_RMS_EXP_PARTIALS_EVICT_LAST 1
-#endif
+
 
 namespace batchinv {
 namespace rms {
@@ -91,7 +93,9 @@ constexpr int kWeightGradThreads = 256;  // columns per pass-1 / pass-2 CTA
 constexpr int kWeightGradUnroll = 8;     // rows loaded before they are added (loads in flight)
 constexpr int kLastLevelsColumns = 32;  // columns per CTA of weight_grad_last_levels
 constexpr int kLastLevelsWarps = 16;    // its warps, each summing runs of 64 partial rows
-constexpr int kLastLevelsUnroll = 64;   // rows loaded before they are added, per thread
+// Rows of a run loaded before they are added, per thread (ptxas keeps part of them in flight;
+// on an H200 64 gave the last two levels of 16384 x 4096 bf16 in 10.9-11.6 us, 16 in 13.0-13.6).
+constexpr int kLastLevelsUnroll = 64;
 constexpr int64_t kWeightGradLastLevelsRows =
     static_cast<int64_t>(kWeightGradReduceRows) * kWeightGradReduceRows;
 constexpr int kResidentWeightMaxChunks = 5;  // fused backward: weight in registers up to this K
@@ -364,19 +368,6 @@ __device__ __forceinline__ int group_sums_index(int64_t col) {
     return group_sums_slot<T, E>(c % T, c / T, e / 4) * 4 + e % 4;
 }
 
-// A partial row of grad_weight is read by the next level right after the grid that writes it;
-// it is stored with an L2 evict-last policy, so that it stays in L2 while dy and x stream past.
-__device__ __forceinline__ void store_partial(float* p, float value) {
-#if BATCHINV_RMS_EXP_PARTIALS_EVICT_LAST && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-    uint64_t policy;
-    asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;\n" : "=l"(policy));
-    asm volatile("st.global.L2::cache_hint.f32 [%0], %1, %2;\n" ::"l"(p), "f"(value), "l"(policy)
-                 : "memory");
-#else
-    *p = value;
-#endif
-}
-
 // Once every row group has added its rows: the groups' sums of each column added in group order
 // from +0 (one column per thread) into this CTA's row of partials (fp32, [blocks, d]).
 template <int T, int K, int E, int kGroups>
@@ -390,7 +381,7 @@ __device__ __forceinline__ void store_group_sums(const float4* group_sums, float
         float sum = 0.0f;
 #pragma unroll
         for (int g = 0; g < kGroups; ++g) sum = ieee_add(sum, sums[g * kGroupFloat4s * 4 + index]);
-        store_partial(out + col, sum);
+        out[col] = sum;
     }
 }
 
@@ -658,8 +649,8 @@ __device__ __forceinline__ void load_backward_row(Chunk<Codec> (&xs)[K], Chunk<C
 }
 
 // backward_row (kWeightGrad) for a row already loaded (xs, gs), the weight's chunks in w:
-// the same operations in the same order.
-// kReuse: row_group_sum's.
+// the same operations in the same order.  kReuse: row_group_sum's (false where the caller
+// alternates two warp_partials buffers).
 template <typename Codec, int T, int K, bool kReuse>
 __device__ __forceinline__ void backward_resident_row(const BackwardArgs& a, int64_t row,
                                                       int lane, bool vector,
