@@ -29,8 +29,12 @@
 //             for T >= 128), S = max(1, 16 / G): q/k norm (T = 4) G = 32, S = 1; T = 16: 8 x 2;
 //             T = 32: 4 x 4; T >= 128 (hidden 4096 and 5120 bf16) and streaming: 1 x 16.
 //           level 2+: while more than 64 partial rows remain, each run of 64 consecutive ones is
-//             summed in order (rms_norm_weight_grad_reduce); the last <= 64 are added in order
-//             and rounded once (rms_norm_weight_grad_final).
+//             summed in order; the last <= 64 are added in order and rounded once.  Grids:
+//             rms_norm_weight_grad_reduce for one level while more than 64 * 64 rows remain, then
+//             rms_norm_weight_grad_last_levels for the last two (the runs' sums and their sum, or
+//             the one sum of <= 64 rows).  On sm_90 each is launched with programmatic
+//             dependent launch (griddepcontrol): it starts while the grid writing its rows ends
+//             and waits for it before reading them.
 //           Bitwise the same run to run; zero-gradient rows appended at the end add +0 to sums
 //           that start at +0 (never -0) and leave the bits unchanged.  Level 1 is computed by
 //           rms_norm_backward_weight_grad_* (grad_x and the partials in one pass: CTA b's row
@@ -87,12 +91,24 @@ constexpr int kWeightGradReduceRows = 64;  // partial rows per sum of the furthe
 constexpr int kWeightGradSharedBytes = 32768;  // per-column sums of a CTA in the fused backward
 constexpr int kWeightGradThreads = 256;  // columns per pass-1 / pass-2 CTA
 constexpr int kWeightGradUnroll = 8;     // rows loaded before they are added (loads in flight)
+constexpr int kLastLevelsColumns = 32;  // columns per CTA of weight_grad_last_levels
+constexpr int kLastLevelsWarps = 16;    // its warps, each summing runs of 64 partial rows
+// Rows of a run loaded before they are added, per thread (ptxas keeps part of them in flight;
+// on an H200 64 gave the last two levels of 16384 x 4096 bf16 in 10.9-11.6 us, 16 in 13.0-13.6).
+constexpr int kLastLevelsUnroll = 64;
+constexpr int64_t kWeightGradLastLevelsRows =
+    static_cast<int64_t>(kWeightGradReduceRows) * kWeightGradReduceRows;
 constexpr int kResidentWeightMaxChunks = 5;  // fused backward: weight in registers up to this K
 // Fused backward: t128k4 (bf16 hidden 4096) issues the next row's dy and x loads before the current
 // row's work (128 registers, 4 CTAs per SM).  On an H200, 16384 x 4096 bf16: level 1 131 vs 134 us;
 // the same for t128k5 ran 24% slower (146 registers, 3 CTAs per SM), for t32 no faster (issue 6).
 template <int T, int K>
 constexpr bool kPrefetchNextRow = T == 128 && K == 4;
+// Fused backward, one row group over several warps (T > warp size): row s of a group reduces
+// through warp partials s % 2, so its row_group_sum needs one barrier instead of two (issue 6,
+// session 7: 0.5-1% faster at level 1 on an H200).
+template <int T>
+constexpr bool kAlternatePartials = T > BATCHINV_WARP_SIZE;
 // Forward: the weight is loaded with the row up to this many threads per row.  Its 32 registers
 // per thread cost t256 half its CTAs per SM (2 instead of 4): 149 vs 137 us at 8192 x 16384 bf16
 // on an H200, where t128 gained (136 vs 137 us at 16384 x 8192).
@@ -132,8 +148,11 @@ __device__ __forceinline__ void store_chunk(typename Codec::storage* row, const 
 }
 
 // Sum of one value per thread over the T threads of a row group (see the header).  Every
-// thread of the CTA must call it; all threads of a group get the same bits.
-template <int T>
+// thread of the CTA must call it; all threads of a group get the same bits.  kReuse = false:
+// the caller never passes the same warp_partials to the next call (it alternates two), so the
+// barrier that lets a later call overwrite them is not needed: the next call's barrier on the
+// other buffer orders this call's reads before the call after it writes here again.
+template <int T, bool kReuse = true>
 __device__ __forceinline__ float row_group_sum(float value, float* warp_partials) {
     constexpr int W = BATCHINV_WARP_SIZE;
     constexpr int kLanes = T < W ? T : W;
@@ -150,7 +169,7 @@ __device__ __forceinline__ float row_group_sum(float value, float* warp_partials
         value = warp_partials[first_warp];
 #pragma unroll
         for (int w = 1; w < kWarpsPerRow; ++w) value = ieee_add(value, warp_partials[first_warp + w]);
-        __syncthreads();  // the partials may be reused by a later reduction
+        if constexpr (kReuse) __syncthreads();  // the partials may be reused by a later reduction
     }
     return value;
 }
@@ -167,6 +186,23 @@ __device__ __forceinline__ bool aligned16(const void* p) {
 template <typename Storage>
 __device__ __forceinline__ bool stride_aligned16(int64_t elements) {
     return ((elements * static_cast<int64_t>(sizeof(Storage))) & (kChunkBytes - 1)) == 0;
+}
+
+// Programmatic dependent launch (PTX griddepcontrol, sm_90; compiled out elsewhere, where the
+// host never asks for it): launch_dependents lets the next grid on the stream start once every
+// CTA of this one has executed it or exited; wait blocks until the previous grid has completed
+// and its memory is visible (at once without a programmatic launch).  The partial rows of
+// grad_weight's levels are handed on this way: the next level's launch overlaps the end of the
+// grid that writes them.
+__device__ __forceinline__ void grid_launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void grid_wait_primary() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
 }
 
 struct ForwardArgs {
@@ -613,8 +649,9 @@ __device__ __forceinline__ void load_backward_row(Chunk<Codec> (&xs)[K], Chunk<C
 }
 
 // backward_row (kWeightGrad) for a row already loaded (xs, gs), the weight's chunks in w:
-// the same operations in the same order.
-template <typename Codec, int T, int K>
+// the same operations in the same order.  kReuse: row_group_sum's (false where the caller
+// alternates two warp_partials buffers).
+template <typename Codec, int T, int K, bool kReuse>
 __device__ __forceinline__ void backward_resident_row(const BackwardArgs& a, int64_t row,
                                                       int lane, bool vector,
                                                       const Chunk<Codec> (&xs)[K],
@@ -634,7 +671,8 @@ __device__ __forceinline__ void backward_resident_row(const BackwardArgs& a, int
         if (!(active && c < chunks)) continue;
         dot = add_chunk_dot<Codec>(dot, gs[k], w[k], xs[k], inv_rms, c * E, d);
     }
-    const float mean_dot = __fdiv_rn(row_group_sum<T>(dot, warp_partials), static_cast<float>(d));
+    const float mean_dot =
+        __fdiv_rn(row_group_sum<T, kReuse>(dot, warp_partials), static_cast<float>(d));
     if (!active) return;
     S* grad_x = static_cast<S*>(a.grad_x) + row * d;
     const S* grad_residual =
@@ -675,6 +713,7 @@ __device__ __forceinline__ void backward_resident_row(const BackwardArgs& a, int
 // group (they are the same for its kRowsInSequence rows) together with the first row's.  Used
 // for K <= kResidentWeightMaxChunks: with 8 chunks the weight's 32 more registers per thread
 // cost a CTA per SM and it ran slower (issue 6, H200: 150 vs 148 us at 16384 x 4096 bf16).
+// kAlternatePartials<T>: row s reduces through warp partials s % 2 (one barrier per row).
 template <typename Codec, int T, int K>
 __device__ __forceinline__ void backward_weight_grad_resident(const BackwardArgs& a,
                                                               float* partials,
@@ -686,6 +725,7 @@ __device__ __forceinline__ void backward_weight_grad_resident(const BackwardArgs
     constexpr int kGroups = Chunking::kGroups;
     constexpr int kSequence = Chunking::kRowsInSequence;
     constexpr int kGroupFloat4s = T * K * E / 4;
+    constexpr bool kAlternate = kAlternatePartials<T>;
     const int lane = threadIdx.x % T;
     const int group = threadIdx.x / T;
     const int64_t first_row =
@@ -703,6 +743,7 @@ __device__ __forceinline__ void backward_weight_grad_resident(const BackwardArgs
         if (c < chunks) load_chunk(w[k], weight, c, a.d, vector);
     }
     for (int s = 0; s < kSequence; ++s) {
+        float* row_partials = kAlternate ? warp_partials + (s % 2) * kMaxWarps : warp_partials;
         if constexpr (kPrefetchNextRow<T, K>) {
             // The next row's loads go out before this row's reduction, stores and sums, so a
             // row group has loads in flight while it works (issue 6).
@@ -711,8 +752,8 @@ __device__ __forceinline__ void backward_weight_grad_resident(const BackwardArgs
                 load_backward_row<Codec, T, K>(next_xs, next_gs, a, first_row + s + 1, lane,
                                                vector);
             }
-            backward_resident_row<Codec, T, K>(a, first_row + s, lane, vector, xs, gs, w,
-                                               warp_partials, mine);
+            backward_resident_row<Codec, T, K, !kAlternate>(a, first_row + s, lane, vector, xs,
+                                                            gs, w, row_partials, mine);
 #pragma unroll
             for (int k = 0; k < K; ++k) {
                 xs[k] = next_xs[k];
@@ -720,8 +761,8 @@ __device__ __forceinline__ void backward_weight_grad_resident(const BackwardArgs
             }
         } else {
             if (s > 0) load_backward_row<Codec, T, K>(xs, gs, a, first_row + s, lane, vector);
-            backward_resident_row<Codec, T, K>(a, first_row + s, lane, vector, xs, gs, w,
-                                               warp_partials, mine);
+            backward_resident_row<Codec, T, K, !kAlternate>(a, first_row + s, lane, vector, xs,
+                                                            gs, w, row_partials, mine);
         }
     }
     store_group_sums<T, K, E, kGroups>(group_sums, partials, a.d);
@@ -751,8 +792,10 @@ __device__ __forceinline__ void backward_weight_grad_kernel(const BackwardArgs& 
                                                             float* partials) {
     constexpr int kSumBytes = Cta<T>::kThreads * K * Chunk<Codec>::kElems * 4;
     static_assert(kSumBytes <= kWeightGradSharedBytes, "instantiate only geometries that fit");
-    __shared__ float warp_partials[kMaxWarps];
+    constexpr bool kAlternate = K <= kResidentWeightMaxChunks && kAlternatePartials<T>;
+    __shared__ float warp_partials[kAlternate ? 2 * kMaxWarps : kMaxWarps];
     __shared__ float4 group_sums[kSumBytes / 16];
+    grid_launch_dependents();  // the next grid (the further levels) may start; it waits
     if constexpr (K <= kResidentWeightMaxChunks) {
         backward_weight_grad_resident<Codec, T, K>(a, partials, warp_partials, group_sums);
     } else {
@@ -774,6 +817,7 @@ __device__ __forceinline__ void weight_grad_partials(float* partials,
                                                      const float* rstd, int64_t rows, int64_t d,
                                                      int64_t x_stride, int64_t groups,
                                                      int64_t in_sequence) {
+    grid_launch_dependents();  // the next level may start; it waits for this grid
     const int64_t col = static_cast<int64_t>(blockIdx.y) * kWeightGradThreads + threadIdx.x;
     if (col >= d) return;
     const int64_t chunk = blockIdx.x;
@@ -806,46 +850,75 @@ __device__ __forceinline__ void weight_grad_partials(float* partials,
     partials[chunk * d + col] = total;
 }
 
-// Sum of rows [begin, end) of an fp32 [*, d] matrix in increasing row order, column col.
+// Sum of rows [begin, end) of an fp32 [*, d] matrix in increasing row order, column col;
+// kUnroll rows are loaded before they are added (loads in flight).
+template <int kUnroll>
 __device__ __forceinline__ float column_sum(const float* rows_in, int64_t begin, int64_t end,
                                             int64_t d, int64_t col) {
     float sum = 0.0f;
     int64_t r = begin;
-    for (; r + kWeightGradUnroll <= end; r += kWeightGradUnroll) {
-        float v[kWeightGradUnroll];
+    for (; r + kUnroll <= end; r += kUnroll) {
+        float v[kUnroll];
 #pragma unroll
-        for (int u = 0; u < kWeightGradUnroll; ++u) v[u] = rows_in[(r + u) * d + col];
+        for (int u = 0; u < kUnroll; ++u) v[u] = rows_in[(r + u) * d + col];
 #pragma unroll
-        for (int u = 0; u < kWeightGradUnroll; ++u) sum = ieee_add(sum, v[u]);
+        for (int u = 0; u < kUnroll; ++u) sum = ieee_add(sum, v[u]);
     }
     for (; r < end; ++r) sum = ieee_add(sum, rows_in[r * d + col]);
     return sum;
 }
 
-// grad_weight, further levels while more than kWeightGradReduceRows (64) partial rows remain:
-// each run of 64 consecutive partial rows summed in order (a fixed tree whose shape depends on
-// the row count only).
+// grad_weight, further levels while more than kWeightGradLastLevelsRows partial rows remain (the
+// last two levels are weight_grad_last_levels): each run of 64 consecutive partial rows summed
+// in order (a fixed tree whose shape depends on the row count only).
 // Launch: grid = (ceil(rows_in / kWeightGradReduceRows), ceil(d / kWeightGradThreads)), block = 256.
 __device__ __forceinline__ void weight_grad_reduce(float* rows_out, const float* rows_in,
                                                    int64_t num_rows_in, int64_t d) {
+    grid_launch_dependents();
+    grid_wait_primary();  // rows_in is the previous grid's output
     const int64_t col = static_cast<int64_t>(blockIdx.y) * kWeightGradThreads + threadIdx.x;
     if (col >= d) return;
     const int64_t chunk = blockIdx.x;
     const int64_t begin = chunk * kWeightGradReduceRows;
     const int64_t end =
         begin + kWeightGradReduceRows < num_rows_in ? begin + kWeightGradReduceRows : num_rows_in;
-    rows_out[chunk * d + col] = column_sum(rows_in, begin, end, d, col);
+    rows_out[chunk * d + col] = column_sum<kWeightGradUnroll>(rows_in, begin, end, d, col);
 }
 
-// grad_weight, last level: the (at most 64) partial rows added in order, rounded once.
-// Launch: grid = ceil(d / kWeightGradThreads), block = 256.
+// grad_weight's last two levels in one grid, from at most kWeightGradLastLevelsRows (64 * 64)
+// partial rows: the runs of 64 consecutive rows summed in order from +0 (the level below the
+// last; with at most 64 rows there is one run and no level below), then, with more than one
+// run, the run sums added in run order from +0 (the last level); rounded once.  The same
+// operations as a reduce level followed by a final level of one thread per column.  Warp y of a
+// CTA sums runs y, y + kLastLevelsWarps, ...; 32 columns per CTA (128-byte row segments).
+// Launch: grid = ceil(d / kLastLevelsColumns), block = kLastLevelsColumns * kLastLevelsWarps.
 template <typename Codec>
-__device__ __forceinline__ void weight_grad_final(typename Codec::storage* grad_weight,
-                                                  const float* partials, int64_t num_partials,
-                                                  int64_t d) {
-    const int64_t col = static_cast<int64_t>(blockIdx.x) * kWeightGradThreads + threadIdx.x;
-    if (col >= d) return;
-    grad_weight[col] = Codec::store(column_sum(partials, 0, num_partials, d, col));
+__device__ __forceinline__ void weight_grad_last_levels(typename Codec::storage* grad_weight,
+                                                        const float* partials,
+                                                        int64_t num_partials, int64_t d) {
+    __shared__ float run_sums[kWeightGradReduceRows][kLastLevelsColumns];
+    grid_wait_primary();  // partials are the previous grid's output
+    const int x = threadIdx.x % kLastLevelsColumns;
+    const int y = threadIdx.x / kLastLevelsColumns;
+    const int64_t col = static_cast<int64_t>(blockIdx.x) * kLastLevelsColumns + x;
+    const int64_t runs = (num_partials + kWeightGradReduceRows - 1) / kWeightGradReduceRows;
+    if (col < d) {
+        for (int64_t run = y; run < runs; run += kLastLevelsWarps) {
+            const int64_t begin = run * kWeightGradReduceRows;
+            const int64_t end = begin + kWeightGradReduceRows < num_partials
+                                    ? begin + kWeightGradReduceRows
+                                    : num_partials;
+            run_sums[run][x] = column_sum<kLastLevelsUnroll>(partials, begin, end, d, col);
+        }
+    }
+    __syncthreads();
+    if (y != 0 || col >= d) return;
+    float total = run_sums[0][x];
+    if (runs > 1) {
+        total = 0.0f;
+        for (int64_t run = 0; run < runs; ++run) total = ieee_add(total, run_sums[run][x]);
+    }
+    grad_weight[col] = Codec::store(total);
 }
 
 }  // namespace rms
@@ -901,9 +974,12 @@ __device__ __forceinline__ void weight_grad_final(typename Codec::storage* grad_
         batchinv::rms::weight_grad_partials<CODEC>(partials, grad_y, x, rstd, rows, d,         \
                                                    x_stride, groups, in_sequence);             \
     }                                                                                          \
-    extern "C" __global__ void __launch_bounds__(256) rms_norm_weight_grad_final_##SUFFIX(    \
-        CODEC::storage* grad_weight, const float* partials, int64_t num_partials, int64_t d) { \
-        batchinv::rms::weight_grad_final<CODEC>(grad_weight, partials, num_partials, d);      \
+    extern "C" __global__ void __launch_bounds__(                                            \
+        batchinv::rms::kLastLevelsColumns * batchinv::rms::kLastLevelsWarps)                   \
+        rms_norm_weight_grad_last_levels_##SUFFIX(CODEC::storage* grad_weight,                 \
+                                                  const float* partials,                       \
+                                                  int64_t num_partials, int64_t d) {           \
+        batchinv::rms::weight_grad_last_levels<CODEC>(grad_weight, partials, num_partials, d); \
     }
 
 // The geometry lists: (name, threads per row T, chunks per thread K).  Keep in step with
@@ -996,7 +1072,7 @@ BATCHINV_RMS_NORM_BACKWARD_WEIGHT_GRAD_ENTRY(f32, batchinv::F32Codec, t256, 256,
 // batchinv-signature: rms_norm_fused_forward_bf16_stream(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_backward_bf16_stream(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
 // batchinv-signature: rms_norm_weight_grad_partials_bf16(ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64)
-// batchinv-signature: rms_norm_weight_grad_final_bf16(ptr, ptr, i64, i64)
+// batchinv-signature: rms_norm_weight_grad_last_levels_bf16(ptr, ptr, i64, i64)
 // batchinv-signature: rms_norm_forward_f16_t4(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_fused_forward_f16_t4(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_backward_f16_t4(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
@@ -1031,7 +1107,7 @@ BATCHINV_RMS_NORM_BACKWARD_WEIGHT_GRAD_ENTRY(f32, batchinv::F32Codec, t256, 256,
 // batchinv-signature: rms_norm_fused_forward_f16_stream(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_backward_f16_stream(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
 // batchinv-signature: rms_norm_weight_grad_partials_f16(ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64)
-// batchinv-signature: rms_norm_weight_grad_final_f16(ptr, ptr, i64, i64)
+// batchinv-signature: rms_norm_weight_grad_last_levels_f16(ptr, ptr, i64, i64)
 // batchinv-signature: rms_norm_forward_f32_t4(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_fused_forward_f32_t4(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_backward_f32_t4(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
@@ -1067,4 +1143,4 @@ BATCHINV_RMS_NORM_BACKWARD_WEIGHT_GRAD_ENTRY(f32, batchinv::F32Codec, t256, 256,
 // batchinv-signature: rms_norm_fused_forward_f32_stream(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_backward_f32_stream(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
 // batchinv-signature: rms_norm_weight_grad_partials_f32(ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64)
-// batchinv-signature: rms_norm_weight_grad_final_f32(ptr, ptr, i64, i64)
+// batchinv-signature: rms_norm_weight_grad_last_levels_f32(ptr, ptr, i64, i64)

@@ -265,6 +265,25 @@ def test_weight_gradient_is_the_documented_fixed_tree(hidden, dtype, many_rows):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_weight_gradient_tree_with_a_level_below_the_last_two(dtype):
+    # More than 64 * 64 first-level partial rows (q/k-like rows: 32 rows per partial, 4375
+    # partials): one level of 64-row sums runs before the grid that computes the last two.
+    rows, hidden = 140000, 8
+    assert -(-rows // 32) > gpu_rms_norm.WEIGHT_GRAD_LAST_LEVELS_ROWS
+    gen = torch.Generator(device=DEVICE).manual_seed(17)
+    x, grad_y = (
+        torch.randn(rows, hidden, device=DEVICE, generator=gen).to(dtype) for _ in range(2)
+    )
+    weight = _weight(hidden, dtype)
+    _, rstd = gpu_rms_norm.forward(x, weight, EPS)
+    _, grad_weight = gpu_rms_norm.backward(grad_y, x, weight, rstd)
+    groups, in_sequence = gpu_rms_norm.weight_grad_chunking(hidden, dtype)
+    assert groups * in_sequence == 32
+    want = _weight_grad_by_the_documented_tree(grad_y, x, rstd, groups, in_sequence)
+    assert_bitwise_equal(grad_weight, want, name="grad_weight")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("hidden", (128, 1000, 4096, 5120))
 def test_fused_and_two_pass_weight_gradients_have_the_same_bits(hidden, dtype):
     # The backward picks the path from the row count; the bits must not depend on it.

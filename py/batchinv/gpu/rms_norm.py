@@ -18,7 +18,8 @@ import torch
 from torch import Tensor
 
 from ..reference.rms_norm import check_fused_add_rms_norm_args, check_rms_norm_args
-from ._launch import kernel_for, launch
+from ..registry import backend_of
+from ._launch import kernel_for, launch, uses_hopper
 
 # Keep in step with kernels_cu/rms_norm.cu: (threads per row, 16-byte chunks per thread), the
 # first that holds the row is used.  (128, 5) reduces a row exactly as (128, 8) does (the tree
@@ -36,6 +37,11 @@ MIN_CTA_THREADS = 128
 WEIGHT_GRAD_CHUNK_ROWS = 16
 WEIGHT_GRAD_REDUCE_ROWS = 64
 WEIGHT_GRAD_THREADS = 256
+# The last two levels (runs of 64 partial rows, then the run sums) run as one grid once at most
+# 64 * 64 partial rows remain: 32 columns per CTA, 16 warps summing runs.
+WEIGHT_GRAD_LAST_LEVELS_ROWS = WEIGHT_GRAD_REDUCE_ROWS * WEIGHT_GRAD_REDUCE_ROWS
+LAST_LEVELS_COLUMNS = 32
+LAST_LEVELS_THREADS = 512
 # The fused backward keeps a CTA's per-column sums in shared memory (fp32, CTA threads * chunks
 # per thread * elements per chunk), at most this many bytes; longer rows take grad_x and a
 # column pass for the first level separately (the same tree, so the same bits).
@@ -196,29 +202,34 @@ def weight_grad_chunking(d: int, dtype: torch.dtype) -> tuple[int, int]:
 
 def _reduce_partials(partials: Tensor, dtype: torch.dtype) -> Tensor:
     """grad_weight from first-level partial rows: sums of 64 consecutive partial rows while
-    more than 64 remain, then the rest added in order and rounded once to ``dtype``."""
+    more than 64 remain, then the rest added in order and rounded once to ``dtype``.  The last
+    two levels run as one grid.  Where the sm_90a kernels run, each grid is launched with
+    programmatic dependent launch: it starts while the grid before it (the one writing its
+    partial rows) finishes, and waits for it before reading them (same bits)."""
     d = partials.shape[1]
     device = partials.device
-    col_blocks = -(-d // WEIGHT_GRAD_THREADS)
-    while partials.shape[0] > WEIGHT_GRAD_REDUCE_ROWS:
+    programmatic = backend_of(device) == "cuda" and uses_hopper(device)
+    while partials.shape[0] > WEIGHT_GRAD_LAST_LEVELS_ROWS:
         count = partials.shape[0]
         chunks = -(-count // WEIGHT_GRAD_REDUCE_ROWS)
         reduced = torch.empty((chunks, d), dtype=torch.float32, device=device)
         launch(
             kernel_for("rms_norm", "rms_norm_weight_grad_reduce", device),
             device,
-            grid=(chunks, col_blocks),
+            grid=(chunks, -(-d // WEIGHT_GRAD_THREADS)),
             block=(WEIGHT_GRAD_THREADS,),
             args=(reduced, partials, count, d),
+            programmatic=programmatic,
         )
         partials = reduced
     grad_weight = torch.empty(d, dtype=dtype, device=device)
     launch(
-        kernel_for("rms_norm", f"rms_norm_weight_grad_final_{_SUFFIX[dtype]}", device),
+        kernel_for("rms_norm", f"rms_norm_weight_grad_last_levels_{_SUFFIX[dtype]}", device),
         device,
-        grid=(col_blocks,),
-        block=(WEIGHT_GRAD_THREADS,),
+        grid=(-(-d // LAST_LEVELS_COLUMNS),),
+        block=(LAST_LEVELS_THREADS,),
         args=(grad_weight, partials, partials.shape[0], d),
+        programmatic=programmatic,
     )
     return grad_weight
 
