@@ -302,7 +302,7 @@ __device__ __forceinline__ void attn_hopper_tile(const TensorMap& map_k, const T
     const int lane = threadIdx.x % 32;
 
     if (warpgroup == 0) {
-        release_registers<24>();
+        release_registers<40>();
         if (threadIdx.x >= 32) return;
         // Producer warp: lane 0 takes the work items from the queue (item n + 1 when item n's
         // loads start, so that the consumers know it before they finish item n) and issues the
@@ -370,7 +370,7 @@ __device__ __forceinline__ void attn_hopper_tile(const TensorMap& map_k, const T
         return;
     }
 
-    claim_registers<240>();
+    claim_registers<232>();
     const int cw = warpgroup - 1;           // consumer warpgroup 0 or 1
     const int ctid = threadIdx.x - 128;     // 0 .. 255
     const int wtid = threadIdx.x % 128;
