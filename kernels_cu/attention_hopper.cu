@@ -546,10 +546,6 @@ __device__ __forceinline__ void attn_hopper_tile(const TensorMap& map_k, const T
                         run_m[i] = mm;
                         run_l[i] = ll;
                     }
-                    if constexpr (!decltype(last)::value) {
-#pragma unroll
-                        for (int i = 0; i < 64; ++i) acc[i] = 0.0f;  // the next split starts from +0
-                    }
                 }
             };
 
@@ -586,26 +582,27 @@ __device__ __forceinline__ void attn_hopper_tile(const TensorMap& map_k, const T
                 wgmma_commit();
             };
 
-            // S of the next block (its stage waited for, s zeroed), one commit group.  s is in flight
-            // until the next wgmma_wait; only acc and pa are touched before then.
-            auto issue_s = [&]() {
-                barrier_wait(&full[s_stage], s_phase);
+            // Issues the next block's S if WITH_S, then the P V product of block pv_stage if WITH_PV
+            // (the -0 signs noted first); each product is one commit group, S first.  Every register
+            // the products read is defined before the wgmma fence, so nothing but wgmma runs between
+            // the two issues (ptxas would otherwise serialise them).
+            auto issue = [&](auto with_s, auto with_pv) {
+                if constexpr (decltype(with_s)::value) {
+                    barrier_wait(&full[s_stage], s_phase);
 #pragma unroll
-                for (int i = 0; i < 32; ++i) s[i] = 0.0f;
+                    for (int i = 0; i < 32; ++i) s[i] = 0.0f;
+                }
+                if constexpr (decltype(with_pv)::value) note_negzero();
                 fence_operands<32>(s);
-                wgmma_fence();
-                mma_s();
-                fence_operands<32>(s);
-            };
-            // P V of block pv_stage (pa) behind it, the -0 signs noted first; one commit group.
-            auto issue_pv = [&]() {
-                note_negzero();
                 fence_operands<64>(acc);
                 fence_registers(pa);
                 wgmma_fence();
-                mma_pv_block();
+                if constexpr (decltype(with_s)::value) mma_s();
+                if constexpr (decltype(with_pv)::value) mma_pv_block();
+                fence_operands<32>(s);
                 fence_operands<64>(acc);
             };
+
             // Online softmax of block `blk`, attention.cu's arithmetic with s[t][e] = s[4t + e], in
             // two parts.  scale(): x = S * scale_log2, or -inf for an invisible key, from s into v.
             // The rest: updates m, l, leaves P in v and the rescale factors in alpha.  Written for few
@@ -691,25 +688,22 @@ __device__ __forceinline__ void attn_hopper_tile(const TensorMap& map_k, const T
                     exp_sum(std::false_type{});
             };
 
-            // After the previous block's product is complete: P of this block into pa, and the
-            // facts about this block that its own P V product will need.
-            auto pack_p = [&]() {
+            // After the previous block's product is complete: P of this block into pa, acc *= alpha,
+            // and the facts about this block that its own P V product will need.  At a split start
+            // acc was merged away: it restarts from +0 (attention.cu zeroes it in the merge).
+            auto rescale = [&](auto split_start) {
                 // P -> pa only now: the previous block's P V product read pa until its wait.
 #pragma unroll
                 for (int kk = 0; kk < 4; ++kk)
 #pragma unroll
                     for (int j = 0; j < 4; ++j) pa[kk][j] = pack_pair<Codec>(s[8 * kk + 2 * j], s[8 * kk + 2 * j + 1]);
+#pragma unroll
+                for (int i = 0; i < 64; ++i)
+                    acc[i] = decltype(split_start)::value ? 0.0f : __fmul_rn(acc[i], alpha[(i / 2) % 2]);
                 prev_empty[0] = empty_now[0];
                 prev_empty[1] = empty_now[1];
                 // Padding rows are never written: they do not need the -0 fix-up.
                 prev_any_empty = any_empty;
-            };
-            // acc *= alpha of the block whose P V product comes next, while the next block's S runs.
-            // After a split's merge acc is +0 and that block started the new split from the empty
-            // state, so its alpha is 0 or 1 and +0 * alpha = +0: attention.cu's restart of acc.
-            auto rescale = [&]() {
-#pragma unroll
-                for (int i = 0; i < 64; ++i) acc[i] = __fmul_rn(acc[i], alpha[(i / 2) % 2]);
             };
             auto start_split = [&]() {
 #pragma unroll
@@ -727,23 +721,19 @@ __device__ __forceinline__ void attn_hopper_tile(const TensorMap& map_k, const T
             // softmax runs while P V executes.  No branch between a product's issue and its wait.
             if (blk_end > 0) {
                 cur_stage = s_stage;
-                issue_s();
+                issue(Yes{}, No{});
                 wgmma_wait<0>();
                 fence_operands<32>(s);
                 scale(0);
                 softmax();
-                pack_p();
+                rescale(No{});
             }
-            // Block blk's S product is issued, acc rescaled by alpha_{blk-1} while it runs, then block
-            // blk-1's P V product behind it; block blk's softmax runs while P V executes.  A block
-            // that starts a split (blk-1 ended one) is a separate copy of the step, so that the merge
-            // costs nothing in the other blocks.
+            // A block that starts a split (blk-1 ended one) is a separate copy of the step, so that
+            // the merge and the restart of acc cost nothing in the other blocks.
             auto step = [&](int blk, auto split_start) {
                 pv_stage = cur_stage;
                 cur_stage = s_stage;
-                issue_s();
-                rescale();
-                issue_pv();
+                issue(Yes{}, Yes{});
                 wgmma_wait<1>();  // S of block blk is complete; P V of block blk-1 may still run
                 fence_operands<32>(s);
                 if constexpr (decltype(split_start)::value) start_split();
@@ -751,7 +741,7 @@ __device__ __forceinline__ void attn_hopper_tile(const TensorMap& map_k, const T
                 softmax();
                 wgmma_wait<0>();
                 finish_pv(blk - 1, split_start, No{});
-                pack_p();
+                rescale(split_start);
             };
             // One inner loop per split: the steady step is a loop of its own (no split test per block,
             // and no join with the split-start copy at its back edge, which made ptxas copy registers).
@@ -762,8 +752,7 @@ __device__ __forceinline__ void attn_hopper_tile(const TensorMap& map_k, const T
             }
             if (blk_end > 0) {
                 pv_stage = cur_stage;
-                rescale();
-                issue_pv();
+                issue(No{}, Yes{});
                 start_split();  // keeps the last split's m, l in end_m, end_l for its merge
                 wgmma_wait<0>();
                 finish_pv(blk_end - 1, Yes{}, Yes{});  // the last block always ends a split
