@@ -16,9 +16,10 @@
 //
 // Kernel families (plus, at the end, the EXPERIMENTAL K-group tree kernels, which batchinv.linear
 // does not use):
-// - linear_hopper_*: sm_90a.  TMA loads 64-wide k-tiles of x and weight into a ring of shared
-//   memory stages (STAGE_K = 64 or 128 k-columns each, as 64-wide boxes); one producer
-//   warpgroup issues the copies, BM/64 consumer warpgroups run wgmma m64nBNk16.  Grid
+// - linear_hopper_*: sm_90a, the main loop of common/hopper_gemm.cuh (token_logprobs.cu runs the
+//   same one).  TMA loads 64-wide k-tiles of x and weight into a ring of shared memory stages
+//   (STAGE_K = 64 or 128 k-columns each, as 64-wide boxes); one producer warpgroup issues the
+//   copies, BM/64 consumer warpgroups run wgmma m64nBNk16.  Grid
 //   ceil(M/BM) * ceil(N/BN) (1-D, grouped for L2 reuse); block 128 * (BM/64 + 1) threads;
 //   dynamic shared memory STAGES * (BM + BN) * 2 * STAGE_K + 16 * STAGES + 1024 bytes.
 // - linear_small_m_*: sm_90a, for decode-sized M.  The weight is the MMA's M side
