@@ -16,9 +16,10 @@
 //
 // Kernel families (plus, at the end, the EXPERIMENTAL K-group tree kernels, which batchinv.linear
 // does not use):
-// - linear_hopper_*: sm_90a.  TMA loads 64-wide k-tiles of x and weight into a ring of shared
-//   memory stages (STAGE_K = 64 or 128 k-columns each, as 64-wide boxes); one producer
-//   warpgroup issues the copies, BM/64 consumer warpgroups run wgmma m64nBNk16.  Grid
+// - linear_hopper_*: sm_90a, the main loop of common/hopper_gemm.cuh (token_logprobs.cu runs the
+//   same one).  TMA loads 64-wide k-tiles of x and weight into a ring of shared memory stages
+//   (STAGE_K = 64 or 128 k-columns each, as 64-wide boxes); one producer warpgroup issues the
+//   copies, BM/64 consumer warpgroups run wgmma m64nBNk16.  Grid
 //   ceil(M/BM) * ceil(N/BN) (1-D, grouped for L2 reuse); block 128 * (BM/64 + 1) threads;
 //   dynamic shared memory STAGES * (BM + BN) * 2 * STAGE_K + 16 * STAGES + 1024 bytes.
 // - linear_small_m_*: sm_90a, for decode-sized M.  The weight is the MMA's M side
@@ -31,14 +32,13 @@
 //   STAGES * (BN + 8) * 2 * STAGE_K + 16 * STAGES + 1024 bytes.
 // - linear_mma_*: sm_80 (mma.sync m16n8k16), the same k-step order; on HIP a SIMT loop (its
 //   own order, fixed the same way).  Grid (ceil(N/32), ceil(M/64)); block 128.
-#include "common/hopper.cuh"
-#include "common/wgmma.cuh"
+#include "common/hopper_gemm.cuh"
 
 namespace batchinv {
 namespace linear {
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-constexpr int kTileK = 64;
+constexpr int kTileK = hopper::kGemmTileK;  // the small-M kernel reads the same 64-wide boxes
 #endif
 
 template <typename Codec>
@@ -66,24 +66,6 @@ __device__ __forceinline__ void store_pair(typename Codec::storage* out, const t
     }
 }
 
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-template <typename Codec, int BN>
-__device__ __forceinline__ void mma_k16(float (&acc)[BN / 2], uint64_t desc_x, uint64_t desc_w) {
-    constexpr bool kBf16 = sizeof(typename Codec::storage) == 2 && Codec::kIsBf16;
-    if constexpr (kBf16) {
-        if constexpr (BN == 32) wgmma::mma_m64n32k16_bf16(acc, desc_x, desc_w);
-        if constexpr (BN == 64) wgmma::mma_m64n64k16_bf16(acc, desc_x, desc_w);
-        if constexpr (BN == 128) wgmma::mma_m64n128k16_bf16(acc, desc_x, desc_w);
-        if constexpr (BN == 256) wgmma::mma_m64n256k16_bf16(acc, desc_x, desc_w);
-    } else {
-        if constexpr (BN == 32) wgmma::mma_m64n32k16_f16(acc, desc_x, desc_w);
-        if constexpr (BN == 64) wgmma::mma_m64n64k16_f16(acc, desc_x, desc_w);
-        if constexpr (BN == 128) wgmma::mma_m64n128k16_f16(acc, desc_x, desc_w);
-        if constexpr (BN == 256) wgmma::mma_m64n256k16_f16(acc, desc_x, desc_w);
-    }
-}
-#endif
-
 // The linear's epilogue: bias added in fp32, each element rounded once and stored.  Other
 // ops (token_logprobs.cu) pass their own epilogue to hopper_gemm_tiles and so reuse the same
 // main loop, hence the same K order and the same bits for every product.
@@ -105,106 +87,16 @@ struct StoreEpilogue {
     }
 };
 
-// The main loop over the k-columns [k_begin, k_end) (k_begin a multiple of 64); the linear
-// reduces [0, K), the experimental K-group kernels one group each.
+// The main loop over the k-columns [k_begin, k_end) (k_begin a multiple of 64), both operands
+// K-major (common/hopper_gemm.cuh); the linear reduces [0, K), the experimental K-group
+// kernels one group each.
 template <typename Codec, int BM, int BN, int STAGE_K, int STAGES, typename Epilogue>
 __device__ __forceinline__ void hopper_gemm_k_range(const TensorMap& map_x, const TensorMap& map_w, int M, int N,
                                                     int k_begin, int k_end, const Epilogue& epilogue) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    using namespace hopper;
-    constexpr int kConsumers = BM / 64;
-    // A stage holds STAGE_K / 64 boxes of 64 k-columns for each operand, box after box.
-    constexpr int kBoxes = STAGE_K / kTileK;
-    constexpr int kBoxXBytes = BM * kTileK * 2;
-    constexpr int kBoxWBytes = BN * kTileK * 2;
-    constexpr int kTileXBytes = kBoxes * kBoxXBytes;
-    constexpr int kTileWBytes = kBoxes * kBoxWBytes;
     extern __shared__ uint8_t shared_raw[];
-    // 128-byte swizzled tiles must start on a 1024-byte boundary.
-    uint8_t* shared = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(shared_raw) + 1023) & ~uintptr_t(1023));
-    uint8_t* tiles_x = shared;
-    uint8_t* tiles_w = shared + STAGES * kTileXBytes;
-    uint64_t* full = reinterpret_cast<uint64_t*>(tiles_w + STAGES * kTileWBytes);
-    uint64_t* empty = full + STAGES;
-
-    // Tiles are numbered in groups of kGroupM tile rows, tile rows fastest, so the CTAs that
-    // run at the same time share a band of x and a band of weight small enough for L2.
-    constexpr int kGroupM = 16;
-    const int tiles_m = (M + BM - 1) / BM;
-    const int tiles_n = (N + BN - 1) / BN;
-    const int tiles_per_group = kGroupM * tiles_n;
-    const int first_tile_m = (static_cast<int>(blockIdx.x) / tiles_per_group) * kGroupM;
-    const int group_rows = min(tiles_m - first_tile_m, kGroupM);
-    const int in_group = static_cast<int>(blockIdx.x) % tiles_per_group;
-    const int m0 = (first_tile_m + in_group % group_rows) * BM;
-    const int n0 = (in_group / group_rows) * BN;
-    const int k_tiles = (k_end - k_begin + STAGE_K - 1) / STAGE_K;
-    const int warpgroup = threadIdx.x / 128;
-
-    if (threadIdx.x == 0) {
-        for (int s = 0; s < STAGES; ++s) {
-            barrier_init(&full[s], 1);
-            barrier_init(&empty[s], kConsumers);
-        }
-        fence_barrier_init();
-    }
-    __syncthreads();
-
-    if (warpgroup == 0) {
-        release_registers<40>();
-        if (threadIdx.x == 0) {
-            for (int kt = 0; kt < k_tiles; ++kt) {
-                const int s = kt % STAGES;
-                const int round = kt / STAGES;
-                if (round > 0) barrier_wait(&empty[s], (round - 1) & 1);
-                barrier_expect_bytes(&full[s], kTileXBytes + kTileWBytes);
-#pragma unroll
-                for (int b = 0; b < kBoxes; ++b) {
-                    const int k = k_begin + kt * STAGE_K + b * kTileK;  // past K the box arrives as zeros
-                    tma_load_2d(tiles_x + s * kTileXBytes + b * kBoxXBytes, map_x, &full[s], k, m0);
-                    tma_load_2d(tiles_w + s * kTileWBytes + b * kBoxWBytes, map_w, &full[s], k, n0);
-                }
-            }
-        }
-        return;
-    }
-
-    claim_registers<232>();
-    const int consumer = warpgroup - 1;
-    float acc[BN / 2];
-#pragma unroll
-    for (int i = 0; i < BN / 2; ++i) acc[i] = 0.0f;
-
-    for (int kt = 0; kt < k_tiles; ++kt) {
-        const int s = kt % STAGES;
-        barrier_wait(&full[s], (kt / STAGES) & 1);
-        wgmma_fence();
-#pragma unroll
-        for (int b = 0; b < kBoxes; ++b) {
-            // Boxes wholly past k_end are skipped, so every configuration runs exactly the k16
-            // steps that cover [k_begin, k_end), in the same order.
-            if (k_begin + kt * STAGE_K + b * kTileK >= k_end) break;
-            const uint8_t* tile_x = tiles_x + s * kTileXBytes + b * kBoxXBytes + consumer * 64 * kTileK * 2;
-            const uint8_t* tile_w = tiles_w + s * kTileWBytes + b * kBoxWBytes;
-#pragma unroll
-            for (int k = 0; k < kTileK / 16; ++k) {
-                // One k16 step is 32 bytes along a 128-byte swizzled row.
-                mma_k16<Codec, BN>(acc, smem_descriptor_128b(tile_x + 32 * k),
-                                   smem_descriptor_128b(tile_w + 32 * k));
-            }
-        }
-        wgmma_commit();
-        // Keep this tile's MMAs in flight; once the previous tile's have finished, its stage
-        // can be refilled.  (The MMAs still execute in issue order: the bits do not change.)
-        wgmma_wait<1>();
-        if (kt > 0 && threadIdx.x % 128 == 0) barrier_arrive(&empty[(kt - 1) % STAGES]);
-    }
-    wgmma_wait<0>();
-
-    const int lane = threadIdx.x % 32;
-    const int warp = (threadIdx.x % 128) / 32;
-    const int row = m0 + consumer * 64 + warp * 16 + lane / 4;
-    epilogue(acc, row, n0, lane);
+    hopper::gemm_k_range<Codec, BM, BN, STAGE_K, STAGES, 0, 0, true>(shared_raw, map_x, map_w, M, N, k_begin,
+                                                                       k_end, epilogue);
 #elif defined(__CUDA_ARCH__)
     __trap();  // built only into sm_90a images; the host never launches it elsewhere
 #endif

@@ -240,81 +240,14 @@ struct AccumulateEpilogue {
     }
 };
 
-// ---- the backward's GEMM main loop, with M- or N-major operands ----------------------------
+// ---- the backward's GEMMs, with M- or N-major operands ---------------------------------------
 //
-// linear.cu's hopper_gemm_tiles reads both operands K-major.  The backward's two other GEMMs
-// read operands that are contiguous along M or N in memory (W_chunk [chunk, H] for d_hidden;
-// d_z [T, chunk] and hidden [T, H] for d_W), so this loop loads them as they lie: TMA boxes of
-// 64 M/N-elements (128 bytes) by 64 k-rows, 128-byte swizzled, read by wgmma with its transpose
-// flag.  The K order is the same as linear.cu's: 64-wide k-tiles in increasing k, four k16
-// steps each, fp32 accumulators, no split-K; BN = 256, STAGE_K = 64, 4 stages.
-
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-constexpr int kBackwardBN = 256;
-constexpr int kStages = 4;
-constexpr int kTileK = 64;
-constexpr int kMnBoxBytes = 64 * kTileK * 2;  // one 64 x 64 box: 64 k-rows of 128 bytes
-
-// Descriptor of an M/N-major operand (CUTLASS's canonical 128B-swizzled MN-major layout
-// ((8 x 8 elements, m), (8, k)) : ((1, 8, LBO), (64, SBO))): 64-element M/N blocks kMnBoxBytes
-// apart (leading byte offset), 8-k-row groups 1024 bytes apart (stride byte offset).
-__device__ __forceinline__ uint64_t mn_major_descriptor(const void* tile) {
-    const uint64_t address = hopper::smem_address(tile);
-    uint64_t desc = (address & 0x3FFFF) >> 4;
-    desc |= static_cast<uint64_t>(kMnBoxBytes >> 4) << 16;  // leading byte offset: next 64 M/N
-    desc |= static_cast<uint64_t>(1024 >> 4) << 32;         // stride byte offset: next 8 k-rows
-    desc |= 1ull << 62;                                     // 128-byte swizzle
-    return desc;
-}
-
-// The 128 accumulator registers of one m64n256 wgmma, as PTX operands %0..%127 and as C++ operands.
-#define BATCHINV_TLP_ACC_REGS \
-    "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20," \
-    "%21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39," \
-    "%40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58," \
-    "%59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77," \
-    "%78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96," \
-    "%97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112," \
-    "%113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
-#define BATCHINV_TLP_ACC_OPERANDS \
-    "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
-    "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), \
-    "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), \
-    "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), \
-    "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), \
-    "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), \
-    "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), \
-    "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), \
-    "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), \
-    "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), \
-    "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), \
-    "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), \
-    "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), \
-    "+f"(d[103]), "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), \
-    "+f"(d[110]), "+f"(d[111]), "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), \
-    "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), \
-    "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
-#define BATCHINV_TLP_WGMMA_N256(TYPE)                                                                 \
-    asm volatile("{\n.reg .pred accumulate;\nsetp.ne.b32 accumulate, %130, 0;\n"                         \
-                 "wgmma.mma_async.sync.aligned.m64n256k16.f32." TYPE "." TYPE " {" BATCHINV_TLP_ACC_REGS    \
-                 "}, %128, %129, accumulate, 1, 1, %131, %132;\n}\n"                                       \
-                 : BATCHINV_TLP_ACC_OPERANDS                                                              \
-                 : "l"(desc_a), "l"(desc_b), "r"(1), "n"(kTransA), "n"(kTransB))
-
-// D += A * B, m64n256k16, fp32 accumulators (the layout of common/wgmma.cuh); kTransA / kTransB
-// select M-major A / N-major B.
-template <typename Codec, int kTransA, int kTransB>
-__device__ __forceinline__ void mma_m64n256k16(float (&d)[128], uint64_t desc_a, uint64_t desc_b) {
-    if constexpr (Codec::kIsBf16) {
-        BATCHINV_TLP_WGMMA_N256("bf16");
-    } else {
-        BATCHINV_TLP_WGMMA_N256("f16");
-    }
-}
-#undef BATCHINV_TLP_WGMMA_N256
-#undef BATCHINV_TLP_ACC_OPERANDS
-#undef BATCHINV_TLP_ACC_REGS
-#endif
+// The backward's two other GEMMs read operands that are contiguous along M or N in memory
+// (W_chunk [chunk, H] for d_hidden; d_z [T, chunk] and hidden [T, H] for d_W), so they run the
+// shared main loop (common/hopper_gemm.cuh) with its transpose options: TMA boxes of 64
+// M/N-elements (128 bytes) by 64 k-rows, read by wgmma with its transpose flags.  The K order is
+// linear.cu's: 64-wide k-tiles in increasing k, four k16 steps each, fp32 accumulators, no
+// split-K; BN = 256, STAGE_K = 64, 4 stages.
 
 // out tile = A[M, K] · B[K, N]: A is K-major ([M, K] rows, map box BM x 64) or, with kTransA,
 // M-major ([K, M] rows, map box 64 x 64); B is K-major ([N, K] rows, box 256 x 64) or, with
@@ -323,103 +256,9 @@ template <typename Codec, int BM, int kTransA, int kTransB, typename Epilogue>
 __device__ __forceinline__ void backward_gemm_tiles(const TensorMap& map_a, const TensorMap& map_b, int M, int N,
                                                     int K, const Epilogue& epilogue) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    using namespace hopper;
-    constexpr int BN = kBackwardBN;
-    constexpr int kConsumers = BM / 64;
-    constexpr int kTileABytes = BM * kTileK * 2;
-    constexpr int kTileBBytes = BN * kTileK * 2;
     extern __shared__ uint8_t shared_raw[];
-    // 128-byte swizzled tiles must start on a 1024-byte boundary.
-    uint8_t* shared = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(shared_raw) + 1023) & ~uintptr_t(1023));
-    uint8_t* tiles_a = shared;
-    uint8_t* tiles_b = shared + kStages * kTileABytes;
-    uint64_t* full = reinterpret_cast<uint64_t*>(tiles_b + kStages * kTileBBytes);
-    uint64_t* empty = full + kStages;
-
-    // The same grouped tile order as linear.cu (groups of 16 tile rows, rows fastest).
-    constexpr int kGroupM = 16;
-    const int tiles_m = (M + BM - 1) / BM;
-    const int tiles_n = (N + BN - 1) / BN;
-    const int tiles_per_group = kGroupM * tiles_n;
-    const int first_tile_m = (static_cast<int>(blockIdx.x) / tiles_per_group) * kGroupM;
-    const int group_rows = min(tiles_m - first_tile_m, kGroupM);
-    const int in_group = static_cast<int>(blockIdx.x) % tiles_per_group;
-    const int m0 = (first_tile_m + in_group % group_rows) * BM;
-    const int n0 = (in_group / group_rows) * BN;
-    const int k_tiles = (K + kTileK - 1) / kTileK;
-    const int warpgroup = threadIdx.x / 128;
-
-    if (threadIdx.x == 0) {
-        for (int s = 0; s < kStages; ++s) {
-            barrier_init(&full[s], 1);
-            barrier_init(&empty[s], kConsumers);
-        }
-        fence_barrier_init();
-    }
-    __syncthreads();
-
-    if (warpgroup == 0) {
-        release_registers<40>();
-        if (threadIdx.x == 0) {
-            for (int kt = 0; kt < k_tiles; ++kt) {
-                const int s = kt % kStages;
-                const int round = kt / kStages;
-                const int k = kt * kTileK;
-                if (round > 0) barrier_wait(&empty[s], (round - 1) & 1);
-                barrier_expect_bytes(&full[s], kTileABytes + kTileBBytes);
-                uint8_t* tile_a = tiles_a + s * kTileABytes;
-                uint8_t* tile_b = tiles_b + s * kTileBBytes;
-                if constexpr (kTransA) {
-#pragma unroll
-                    for (int c = 0; c < BM / 64; ++c) tma_load_2d(tile_a + c * kMnBoxBytes, map_a, &full[s], m0 + 64 * c, k);
-                } else {
-                    tma_load_2d(tile_a, map_a, &full[s], k, m0);
-                }
-                if constexpr (kTransB) {
-#pragma unroll
-                    for (int c = 0; c < BN / 64; ++c) tma_load_2d(tile_b + c * kMnBoxBytes, map_b, &full[s], n0 + 64 * c, k);
-                } else {
-                    tma_load_2d(tile_b, map_b, &full[s], k, n0);
-                }
-            }
-        }
-        return;
-    }
-
-    claim_registers<232>();
-    const int consumer = warpgroup - 1;
-    float acc[BN / 2];
-#pragma unroll
-    for (int i = 0; i < BN / 2; ++i) acc[i] = 0.0f;
-
-    for (int kt = 0; kt < k_tiles; ++kt) {
-        const int s = kt % kStages;
-        barrier_wait(&full[s], (kt / kStages) & 1);
-        wgmma_fence();
-        // This consumer's 64 rows of A: the same offset in both layouts (one 64-row box).
-        const uint8_t* tile_a = tiles_a + s * kTileABytes + consumer * kMnBoxBytes;
-        const uint8_t* tile_b = tiles_b + s * kTileBBytes;
-#pragma unroll
-        for (int k = 0; k < kTileK / 16; ++k) {
-            // A k16 step is 32 bytes along a K-major row, or 16 rows of 128 bytes M/N-major.
-            const uint64_t desc_a = kTransA ? mn_major_descriptor(tile_a + 2048 * k)
-                                            : smem_descriptor_128b(tile_a + 32 * k);
-            const uint64_t desc_b = kTransB ? mn_major_descriptor(tile_b + 2048 * k)
-                                            : smem_descriptor_128b(tile_b + 32 * k);
-            mma_m64n256k16<Codec, kTransA, kTransB>(acc, desc_a, desc_b);
-        }
-        wgmma_commit();
-        // Keep this tile's MMAs in flight; once the previous tile's have finished, its stage
-        // can be refilled.  (The MMAs still execute in issue order: the bits do not change.)
-        wgmma_wait<1>();
-        if (kt > 0 && threadIdx.x % 128 == 0) barrier_arrive(&empty[(kt - 1) % kStages]);
-    }
-    wgmma_wait<0>();
-
-    const int lane = threadIdx.x % 32;
-    const int warp = (threadIdx.x % 128) / 32;
-    const int row = m0 + consumer * 64 + warp * 16 + lane / 4;
-    epilogue(acc, row, n0, lane);
+    hopper::gemm_k_range<Codec, BM, 256, 64, 4, kTransA, kTransB, false>(shared_raw, map_a, map_b, M, N, 0, K,
+                                                                         epilogue);
 #elif defined(__CUDA_ARCH__)
     __trap();  // built only into sm_90a images; the host never launches it elsewhere
 #endif

@@ -13,14 +13,17 @@ __device__ __forceinline__ uint32_t smem_address(const void* pointer) {
     return static_cast<uint32_t>(__cvta_generic_to_shared(pointer));
 }
 
-// Shared-memory matrix descriptor for a K-major tile written by TMA with 128-byte
-// swizzling: rows of 64 bf16/f16 (128 bytes), 8-row core groups 1024 bytes apart.
-__device__ __forceinline__ uint64_t smem_descriptor_128b(const void* tile) {
+// Shared-memory matrix descriptor for a tile written by TMA with 128-byte swizzling, 8-row
+// core groups 1024 bytes apart.  K-major (rows of 64 bf16/f16, 128 bytes): the leading byte
+// offset is unused, 16.  M/N-major (CUTLASS's canonical 128B-swizzled MN-major layout
+// ((8 x 8 elements, m), (8, k)) : ((1, 8, LBO), (64, SBO)), read with the wgmma transpose
+// flags): leading_bytes is the distance between 64-element M/N blocks.
+__device__ __forceinline__ uint64_t smem_descriptor_128b(const void* tile, uint32_t leading_bytes = 16) {
     const uint64_t address = smem_address(tile);
     uint64_t desc = (address & 0x3FFFF) >> 4;
-    desc |= static_cast<uint64_t>(16 >> 4) << 16;    // leading byte offset (unused when swizzled)
-    desc |= static_cast<uint64_t>(1024 >> 4) << 32;  // stride byte offset: one 8-row group
-    desc |= 1ull << 62;                              // 128-byte swizzle
+    desc |= static_cast<uint64_t>(leading_bytes >> 4) << 16;  // leading byte offset
+    desc |= static_cast<uint64_t>(1024 >> 4) << 32;           // stride byte offset: one 8-row group
+    desc |= 1ull << 62;                                       // 128-byte swizzle
     return desc;
 }
 
