@@ -1123,15 +1123,18 @@ __device__ __forceinline__ void fence_proxy_async_shared() {
 
 // Rows [first_row, first_row + valid) of a [rows, heads, 128] tensor (base at the head's first
 // element) into a swizzled 64 x 128 tile: 16-byte chunk ch of row r at box ch / 8, chunk
-// (ch % 8) ^ (r % 8).  Rows >= valid are zero-filled, never read.
+// (ch % 8) ^ (r % 8).  Thread t copies chunk t % 16 of rows t / 16 + 8 n (n = 0..7): its
+// swizzled column is the same for all eight.  Rows >= valid are zero-filled, never read.
 __device__ __forceinline__ void wg_load_tile(uint8_t* tile, const uint16_t* base, int64_t row_stride, int first_row,
                                              int valid) {
-    for (int idx = threadIdx.x; idx < 64 * 16; idx += kWgThreads) {
-        const int r = idx / 16, ch = idx % 16;
-        const bool ok = r < valid;
-        const uint16_t* src = ok ? base + static_cast<int64_t>(first_row + r) * row_stride + ch * 8 : base;
-        cp_async16_zfill(shared_address(tile + (ch / 8) * kWgBoxBytes + r * 128 + (((ch % 8) ^ (r % 8)) << 4)), src,
-                         ok);
+    const int ch = threadIdx.x % 16;
+    const int r0 = threadIdx.x / 16;
+    const uint32_t dst = shared_address(tile + (ch / 8) * kWgBoxBytes + r0 * 128 + (((ch % 8) ^ r0) << 4));
+    const uint16_t* src = base + static_cast<int64_t>(first_row + r0) * row_stride + ch * 8;
+#pragma unroll
+    for (int n = 0; n < 8; ++n) {
+        const bool ok = r0 + 8 * n < valid;
+        cp_async16_zfill(dst + n * 8 * 128, ok ? src + n * 8 * row_stride : base, ok);
     }
 }
 
@@ -1249,8 +1252,6 @@ __device__ __forceinline__ void dkdv_wgmma_kernel(const uint16_t* q, const uint1
         cp_async_wait<0>();
         fence_proxy_async_shared();  // the cp.async writes before the wgmma (async proxy) reads
         __syncthreads();             // every thread's copies landed; the other buffer is free
-        if (step + 1 < steps) stage(step + 1, buffer ^ 1);  // prefetch during this step
-        cp_async_commit();
 
         const uint8_t* tq = s_q + buffer * kWgTileBytes;
         const uint8_t* tdo = s_do + buffer * kWgTileBytes;
@@ -1274,33 +1275,43 @@ __device__ __forceinline__ void dkdv_wgmma_kernel(const uint16_t* q, const uint1
                 const int off = ((ks / 4) * kWgBoxBytes + (ks % 4) * 32) >> 4;
                 wg_mma_scores<Codec>(st, desc_k + off, desc_q + off);
             }
+            wgmma_commit();
 #pragma unroll
             for (int ks = 0; ks < 8; ++ks) {
                 const int off = ((ks / 4) * kWgBoxBytes + (ks % 4) * 32) >> 4;
                 wg_mma_scores<Codec>(dpt, desc_v + off, desc_do + off);
             }
             wgmma_commit();
-            wgmma_wait<0>();
-            wg_fence_floats<32>(st);
-            wg_fence_floats<32>(dpt);
         }
+        // The next step's Q, dO, lse and delta into the other buffer while the products run.
+        if (step + 1 < steps) stage(step + 1, buffer ^ 1);
+        cp_async_commit();
+        wgmma_wait<1>();  // S^T is complete; dP^T may still run
+        wg_fence_floats<32>(st);
 
-        // p (probability_and_grad's first line) with the visibility as a bit mask.  A warp
-        // whose 16 keys are inside the sequence and below every row's diagonal skips the
-        // position tests (they would all pass), never the selection on lse.
-        const int last_key = warp_key0 + 15;
-        const bool interior = last_key < k_len && (!causal || last_key <= offset + i0);
+        // p (probability_and_grad's first line) with the visibility as a bit mask.  Visibility
+        // per query row r as the last key it sees (-1: none): row_lse != -inf, key < k_len and,
+        // causal, key <= offset + i0 + r; rows past the step's rows have lse = -inf.  exp is
+        // computed for every element and then selected (no branch per element; same values).
         uint32_t visible_mask = 0u;
 #pragma unroll
-        for (int i = 0; i < 32; ++i) {
-            const int key = warp_key0 + g + ((i / 2) % 2) * 8;
-            const int r = 8 * (i / 4) + c + (i % 2);
-            const float row_lse = r < rows ? s_lse[r] : -INFINITY;
-            const bool visible =
-                row_lse != -INFINITY && (interior || (key < k_len && (!causal || key <= offset + i0 + r)));
-            visible_mask |= static_cast<uint32_t>(visible) << i;
-            st[i] = visible ? expf(ieee_sub(ieee_mul(st[i], scale), row_lse)) : 0.0f;
-        }
+        for (int j = 0; j < 8; ++j)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const int r = 8 * j + c + e;
+                const float row_lse = r < rows ? s_lse[r] : -INFINITY;
+                const int last_seen =
+                    row_lse == -INFINITY ? -1 : (causal ? min(k_len - 1, offset + i0 + r) : k_len - 1);
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const int i = 4 * j + 2 * h + e;
+                    const bool visible = warp_key0 + g + 8 * h <= last_seen;
+                    visible_mask |= static_cast<uint32_t>(visible) << i;
+                    float p = expf(ieee_sub(ieee_mul(st[i], scale), row_lse));
+                    asm volatile("" : "+f"(p));  // computed unconditionally, then selected
+                    st[i] = visible ? p : 0.0f;
+                }
+            }
         // P^T (rounded) as the A operand of the four k16 query steps; dV += P^T dO.
         uint32_t a_p[4][4], a_ds[4][4];
 #pragma unroll
@@ -1315,13 +1326,17 @@ __device__ __forceinline__ void dkdv_wgmma_kernel(const uint16_t* q, const uint1
 #pragma unroll
         for (int t = 0; t < 4; ++t) wg_mma_grads<Codec>(acc_dv, a_p[t], ndesc_do + ((t * 16 * 128) >> 4));
         wgmma_commit();
+        wgmma_wait<1>();  // dP^T is complete; dV may still run
+        wg_fence_floats<32>(dpt);
 
         // ds (probability_and_grad's second line) while the dV product runs; dK += dS^T Q.
 #pragma unroll
         for (int i = 0; i < 32; ++i) {
             const int r = 8 * (i / 4) + c + (i % 2);
             const bool visible = (visible_mask >> i) & 1u;
-            dpt[i] = visible ? ieee_mul(st[i], ieee_sub(dpt[i], s_delta[r])) : 0.0f;
+            float ds = ieee_mul(st[i], ieee_sub(dpt[i], s_delta[r]));
+            asm volatile("" : "+f"(ds));  // computed unconditionally, then selected
+            dpt[i] = visible ? ds : 0.0f;
         }
 #pragma unroll
         for (int t = 0; t < 4; ++t)
