@@ -38,6 +38,9 @@
 //     grid (Hq, B, ceil(max_q_len / 128)), block 128, 128 query rows per CTA (32 per warp) and
 //     key blocks of 32 absolute positions.  Their grids put the block index slowest so that
 //     the heaviest causal blocks go first (tiled_cta_place).  See the "tiled" section below.
+//     On sm_90 devices with the sm_90a image, at D = 128, the host launches
+//     attention_bwd_dkdv_*_d128_wgmma instead of _wide: same grid, one warpgroup per CTA,
+//     wgmma, bitwise the same dk and dv (see the "wgmma" section at the end).
 //
 // Invariance contract: a sequence's dq, dk and dv are bitwise the same whatever batch it is in,
 // wherever its rows sit in the packed tensors, whatever its neighbours and the padding hold,
@@ -1087,7 +1090,7 @@ __device__ __forceinline__ void dq_tiled_kernel(const uint16_t* q, const uint16_
 //     (zero-filled past the rows; the selection treats those rows as lse = -inf, as `_wide`).
 //   - S^T = K Q^T and dP^T = V dO^T: wgmma m64n64k16 (A = K / V, B = Q / dO, both K-major
 //     from shared memory) over d in increasing k16 steps from a zero accumulator: the mma.sync
-//     chain of `_wide`.  Warp w holds keys 16w..16w+15 of the tile exactly as mma.sync holds a
+//     chain of `_wide`.  Two commit groups: p is computed once S^T is complete, while dP^T runs.  Warp w holds keys 16w..16w+15 of the tile exactly as mma.sync holds a
 //     16-row tile (accumulator i = element i % 4 of n8 tile i / 4), so p and ds are the same
 //     selection and the same IEEE steps (probability_and_grad's expressions, split in two
 //     passes: p first, then ds, with the visibility kept as a bit mask).

@@ -9,7 +9,9 @@
   tiles with ldmatrix or plain shared loads, with or without cp.async double buffering) give
   the same bits, and every GPU test runs on each variant.  Long sequences (up to 19 key
   blocks, q_len > k_len, k_len - q_len not a multiple of 64) are checked against the
-  reference and across batches too.
+  reference and across batches too.  On sm_90a the "tiled" variant's dK/dV kernel is the wgmma
+  one (d = 128): its dk/dv are checked bitwise against the mma.sync kernel ``_wide`` on a varlen
+  pack with NaN padding, empty sequences and long sequences.
 - Bad inputs: clear errors (the type/shape checks run on CPU tensors, without a GPU).
 """
 
