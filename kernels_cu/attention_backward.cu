@@ -38,6 +38,9 @@
 //     grid (Hq, B, ceil(max_q_len / 128)), block 128, 128 query rows per CTA (32 per warp) and
 //     key blocks of 32 absolute positions.  Their grids put the block index slowest so that
 //     the heaviest causal blocks go first (tiled_cta_place).  See the "tiled" section below.
+//     On sm_90 devices with the sm_90a image, at D = 128, the host launches
+//     attention_bwd_dkdv_*_d128_wgmma instead of _wide: same grid, one warpgroup per CTA,
+//     wgmma, bitwise the same dk and dv (see the "wgmma" section at the end).
 //
 // Invariance contract: a sequence's dq, dk and dv are bitwise the same whatever batch it is in,
 // wherever its rows sit in the packed tensors, whatever its neighbours and the padding hold,
@@ -50,7 +53,9 @@
 // and the other sequences only change how many CTAs run (and the order the hardware schedules
 // them in, which no result depends on).  Shared-memory fragment loads use ldmatrix or plain
 // loads (kLdmatrix); both give the mma the same operand bits, so the same results.
+#include "common/hopper.cuh"
 #include "common/portability.cuh"
+#include "common/wgmma.cuh"
 
 #if !defined(__HIPCC__)
 
@@ -1071,6 +1076,304 @@ __device__ __forceinline__ void dq_tiled_kernel(const uint16_t* q, const uint16_
 #endif
 }
 
+// ---- "wgmma" dK/dV kernel (sm_90a, D = 128): the `_wide` kernel's arithmetic on wgmma --------
+//
+// Replaces the `_wide` dK/dV launch of the "tiled" variant on sm_90 devices with the sm_90a
+// image (py/batchinv/gpu/attention_backward.py); dk and dv are bitwise those of `_wide`
+// (tested).  One warpgroup (4 warps, 128 threads) per CTA owns the same 64 keys of a sequence
+// and kv head, walks the same query blocks of 64 in the same order (heads of the group
+// increasing, blocks from the first that sees key0), with the same grid (heavy-first).
+//   - Shared memory: K, V (loaded once) and two buffers of Q and dO (64 rows each, prefetched
+//     one step ahead with cp.async) as 128-byte-swizzled tiles of two 64-column boxes (the
+//     layout of attention_hopper.cu's K/V stages); rows past the sequence are zero-filled
+//     (cp.async with source size 0), never read.  lse and delta of the step's rows likewise
+//     (zero-filled past the rows; the selection treats those rows as lse = -inf, as `_wide`).
+//   - S^T = K Q^T and dP^T = V dO^T: wgmma m64n64k16 (A = K / V, B = Q / dO, both K-major
+//     from shared memory) over d in increasing k16 steps from a zero accumulator: the mma.sync
+//     chain of `_wide`.  Two commit groups: p is computed once S^T is complete, while dP^T runs.  Warp w holds keys 16w..16w+15 of the tile exactly as mma.sync holds a
+//     16-row tile (accumulator i = element i % 4 of n8 tile i / 4), so p and ds are the same
+//     selection and the same IEEE steps (probability_and_grad's expressions, split in two
+//     passes: p first, then ds, with the visibility kept as a bit mask).
+//   - P^T and dS^T rounded to the input dtype become the register A operand (a_from_acc's
+//     packing, the bits `_wide` writes to shared memory and reads back with ldmatrix) of
+//     dV += P^T dO and dK += dS^T Q: wgmma m64n128k16 with dO / Q N-major from shared memory,
+//     the four k16 query steps in increasing order.  The dV product is issued before dS is
+//     computed and runs meanwhile.
+//   - dk = round(acc_dk * scale), dv = round(acc_dv): `_wide`'s final step.
+// That wgmma and mma.sync give the same bits for the same k16 step sequence is a measured
+// property of the GPU (linear.cu, attention_hopper.cu), checked bitwise against `_wide` by
+// tests/gpu/test_attention_backward_cuda.py.
+
+[[maybe_unused]] constexpr int kWgKeys = 64;                // keys per CTA (one warpgroup, 16 per warp)
+[[maybe_unused]] constexpr int kWgRows = 64;                // queries per step
+[[maybe_unused]] constexpr int kWgThreads = 128;
+[[maybe_unused]] constexpr int kWgBoxBytes = 64 * 128;      // 64 rows x 64 columns of 2 bytes
+[[maybe_unused]] constexpr int kWgTileBytes = 2 * kWgBoxBytes;  // 64 rows x 128 columns
+// K, V, two buffers of Q and dO, two buffers of lse and delta, 1024 bytes of alignment.
+[[maybe_unused]] constexpr int kWgSharedBytes = 6 * kWgTileBytes + 2 * 2 * kWgRows * 4 + 1024;
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+
+__device__ __forceinline__ void cp_async16_zfill(uint32_t dst, const void* src, bool valid) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async4_zfill(uint32_t dst, const void* src, bool valid) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(dst), "l"(src), "r"(valid ? 4 : 0));
+}
+__device__ __forceinline__ void fence_proxy_async_shared() {
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+}
+
+// Rows [first_row, first_row + valid) of a [rows, heads, 128] tensor (base at the head's first
+// element) into a swizzled 64 x 128 tile: 16-byte chunk ch of row r at box ch / 8, chunk
+// (ch % 8) ^ (r % 8).  Thread t copies chunk t % 16 of rows t / 16 + 8 n (n = 0..7): its
+// swizzled column is the same for all eight.  Rows >= valid are zero-filled, never read.
+__device__ __forceinline__ void wg_load_tile(uint8_t* tile, const uint16_t* base, int64_t row_stride, int first_row,
+                                             int valid) {
+    const int ch = threadIdx.x % 16;
+    const int r0 = threadIdx.x / 16;
+    const uint32_t dst = shared_address(tile + (ch / 8) * kWgBoxBytes + r0 * 128 + (((ch % 8) ^ r0) << 4));
+    const uint16_t* src = base + static_cast<int64_t>(first_row + r0) * row_stride + ch * 8;
+#pragma unroll
+    for (int n = 0; n < 8; ++n) {
+        const bool ok = r0 + 8 * n < valid;
+        cp_async16_zfill(dst + n * 8 * 128, ok ? src + n * 8 * row_stride : base, ok);
+    }
+}
+
+// N-major B operand descriptor (dO / Q as the B of dV / dK: k = query rows, n = d): the two
+// 64-column boxes kWgBoxBytes apart (leading byte offset), 8-row groups 1024 bytes apart.
+__device__ __forceinline__ uint64_t wg_desc_nmajor(const void* tile) {
+    uint64_t desc = (shared_address(tile) & 0x3FFFF) >> 4;
+    desc |= static_cast<uint64_t>(kWgBoxBytes >> 4) << 16;
+    desc |= static_cast<uint64_t>(1024 >> 4) << 32;
+    desc |= 1ull << 62;
+    return desc;
+}
+
+template <int N>
+__device__ __forceinline__ void wg_fence_floats(float* r) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i])::"memory");
+}
+__device__ __forceinline__ void wg_fence_words(uint32_t (&r)[4][4]) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) asm volatile("" : "+r"(r[i][j])::"memory");
+}
+
+template <typename Codec>
+__device__ __forceinline__ void wg_mma_scores(float (&d)[32], uint64_t desc_a, uint64_t desc_b) {
+    if constexpr (Codec::kIsBf16)
+        wgmma::mma_m64n64k16_bf16(d, desc_a, desc_b);
+    else
+        wgmma::mma_m64n64k16_f16(d, desc_a, desc_b);
+}
+
+template <typename Codec>
+__device__ __forceinline__ void wg_mma_grads(float (&d)[64], const uint32_t (&a)[4], uint64_t desc_b) {
+    if constexpr (Codec::kIsBf16)
+        wgmma::mma_rs_m64n128k16_bf16(d, a, desc_b);
+    else
+        wgmma::mma_rs_m64n128k16_f16(d, a, desc_b);
+}
+
+#endif
+
+template <typename Codec>
+__device__ __forceinline__ void dkdv_wgmma_kernel(const uint16_t* q, const uint16_t* k, const uint16_t* v,
+                                                  const uint16_t* dout, const float* lse, const float* delta,
+                                                  const int* q_start_of, const int* q_len_of, const int* k_start_of,
+                                                  const int* k_len_of, uint16_t* dk, uint16_t* dv, int num_q_heads,
+                                                  int num_kv_heads, int64_t total_q, int causal, float scale) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    using namespace hopper;
+    constexpr int D = 128;
+    int seq, kv_head, key_block;
+    tiled_cta_place(seq, kv_head, key_block, false);
+    const int k_len = k_len_of[seq];
+    const int key0 = key_block * kWgKeys;
+    if (key0 >= k_len) return;
+    const int q_len = q_len_of[seq];
+    const int q_start = q_start_of[seq];
+    const int k_start = k_start_of[seq];
+    const int offset = k_len - q_len;  // absolute position of query 0
+    const int group = num_q_heads / num_kv_heads;
+    const int64_t q_stride = static_cast<int64_t>(num_q_heads) * D;
+    const int64_t kv_stride = static_cast<int64_t>(num_kv_heads) * D;
+
+    // Swizzled tiles start on a 1024-byte boundary (offset from the array, so that the
+    // compiler keeps knowing these are shared-memory pointers).
+    extern __shared__ __align__(16) uint16_t smem[];
+    uint8_t* raw = reinterpret_cast<uint8_t*>(smem);
+    uint8_t* shared = raw + ((1024u - (shared_address(raw) & 1023u)) & 1023u);
+    uint8_t* s_k = shared;
+    uint8_t* s_v = s_k + kWgTileBytes;
+    uint8_t* s_q = s_v + kWgTileBytes;        // 2 buffers
+    uint8_t* s_do = s_q + 2 * kWgTileBytes;   // 2 buffers
+    float* s_stats = reinterpret_cast<float*>(s_do + 2 * kWgTileBytes);  // [2][lse 64, delta 64]
+
+    const int key_rows = min(kWgKeys, k_len - key0);
+    wg_load_tile(s_k, k + kv_head * D, kv_stride, k_start + key0, key_rows);
+    wg_load_tile(s_v, v + kv_head * D, kv_stride, k_start + key0, key_rows);
+
+    // The group's query heads in increasing order, for each the query blocks from the first
+    // that can see key0 (causal): `_wide`'s walk.
+    const int first_query = causal ? max(0, key0 - offset) : 0;
+    const int first_block = first_query / kWgRows;
+    const int blocks_per_head = max(0, (q_len + kWgRows - 1) / kWgRows - first_block);
+    const int steps = group * blocks_per_head;
+
+    auto stage = [&](int step, int buffer) {
+        const int head = kv_head * group + step / blocks_per_head;
+        const int i0 = (first_block + step % blocks_per_head) * kWgRows;
+        const int rows = min(kWgRows, q_len - i0);
+        wg_load_tile(s_q + buffer * kWgTileBytes, q + head * D, q_stride, q_start + i0, rows);
+        wg_load_tile(s_do + buffer * kWgTileBytes, dout + head * D, q_stride, q_start + i0, rows);
+        const int r = threadIdx.x % kWgRows;
+        const bool ok = r < rows;
+        const float* src = threadIdx.x < kWgRows ? lse : delta;
+        const int64_t at = static_cast<int64_t>(head) * total_q + q_start + i0 + r;
+        cp_async4_zfill(shared_address(s_stats + buffer * 2 * kWgRows + threadIdx.x), ok ? src + at : src, ok);
+    };
+
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int g = lane / 4, c = 2 * (lane % 4);
+    const int warp_key0 = key0 + 16 * warp;  // this warp's first key (absolute position)
+    const uint64_t desc_k = smem_descriptor_128b(s_k);
+    const uint64_t desc_v = smem_descriptor_128b(s_v);
+
+    float acc_dk[64], acc_dv[64];
+#pragma unroll
+    for (int i = 0; i < 64; ++i) acc_dk[i] = acc_dv[i] = 0.0f;
+
+    if (steps > 0) stage(0, 0);
+    cp_async_commit();
+    for (int step = 0; step < steps; ++step) {
+        const int buffer = step & 1;
+        cp_async_wait<0>();
+        fence_proxy_async_shared();  // the cp.async writes before the wgmma (async proxy) reads
+        __syncthreads();             // every thread's copies landed; the other buffer is free
+
+        const uint8_t* tq = s_q + buffer * kWgTileBytes;
+        const uint8_t* tdo = s_do + buffer * kWgTileBytes;
+        const float* s_lse = s_stats + buffer * 2 * kWgRows;
+        const float* s_delta = s_lse + kWgRows;
+        const int i0 = (first_block + step % blocks_per_head) * kWgRows;
+        const int rows = min(kWgRows, q_len - i0);
+
+        // S^T and dP^T over d in increasing k16 steps (32 bytes along a swizzled row).
+        float st[32], dpt[32];
+#pragma unroll
+        for (int i = 0; i < 32; ++i) st[i] = dpt[i] = 0.0f;
+        {
+            const uint64_t desc_q = smem_descriptor_128b(tq);
+            const uint64_t desc_do = smem_descriptor_128b(tdo);
+            wg_fence_floats<32>(st);
+            wg_fence_floats<32>(dpt);
+            wgmma_fence();
+#pragma unroll
+            for (int ks = 0; ks < 8; ++ks) {
+                const int off = ((ks / 4) * kWgBoxBytes + (ks % 4) * 32) >> 4;
+                wg_mma_scores<Codec>(st, desc_k + off, desc_q + off);
+            }
+            wgmma_commit();
+#pragma unroll
+            for (int ks = 0; ks < 8; ++ks) {
+                const int off = ((ks / 4) * kWgBoxBytes + (ks % 4) * 32) >> 4;
+                wg_mma_scores<Codec>(dpt, desc_v + off, desc_do + off);
+            }
+            wgmma_commit();
+        }
+        // The next step's Q, dO, lse and delta into the other buffer while the products run.
+        if (step + 1 < steps) stage(step + 1, buffer ^ 1);
+        cp_async_commit();
+        wgmma_wait<1>();  // S^T is complete; dP^T may still run
+        wg_fence_floats<32>(st);
+
+        // p (probability_and_grad's first line) with the visibility as a bit mask.  Visibility
+        // per query row r as the last key it sees (-1: none): row_lse != -inf, key < k_len and,
+        // causal, key <= offset + i0 + r; rows past the step's rows have lse = -inf.  exp is
+        // computed for every element and then selected (no branch per element; same values).
+        uint32_t visible_mask = 0u;
+#pragma unroll
+        for (int j = 0; j < 8; ++j)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const int r = 8 * j + c + e;
+                const float row_lse = r < rows ? s_lse[r] : -INFINITY;
+                const int last_seen =
+                    row_lse == -INFINITY ? -1 : (causal ? min(k_len - 1, offset + i0 + r) : k_len - 1);
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const int i = 4 * j + 2 * h + e;
+                    const bool visible = warp_key0 + g + 8 * h <= last_seen;
+                    visible_mask |= static_cast<uint32_t>(visible) << i;
+                    float p = expf(ieee_sub(ieee_mul(st[i], scale), row_lse));
+                    asm volatile("" : "+f"(p));  // computed unconditionally, then selected
+                    st[i] = visible ? p : 0.0f;
+                }
+            }
+        // P^T (rounded) as the A operand of the four k16 query steps; dV += P^T dO.
+        uint32_t a_p[4][4], a_ds[4][4];
+#pragma unroll
+        for (int t = 0; t < 4; ++t)
+#pragma unroll
+            for (int j = 0; j < 4; ++j) a_p[t][j] = pack_floats<Codec>(st[8 * t + 2 * j], st[8 * t + 2 * j + 1]);
+        const uint64_t ndesc_do = wg_desc_nmajor(tdo);
+        const uint64_t ndesc_q = wg_desc_nmajor(tq);
+        wg_fence_floats<64>(acc_dv);
+        wg_fence_words(a_p);
+        wgmma_fence();
+#pragma unroll
+        for (int t = 0; t < 4; ++t) wg_mma_grads<Codec>(acc_dv, a_p[t], ndesc_do + ((t * 16 * 128) >> 4));
+        wgmma_commit();
+        wgmma_wait<1>();  // dP^T is complete; dV may still run
+        wg_fence_floats<32>(dpt);
+
+        // ds (probability_and_grad's second line) while the dV product runs; dK += dS^T Q.
+#pragma unroll
+        for (int i = 0; i < 32; ++i) {
+            const int r = 8 * (i / 4) + c + (i % 2);
+            const bool visible = (visible_mask >> i) & 1u;
+            float ds = ieee_mul(st[i], ieee_sub(dpt[i], s_delta[r]));
+            asm volatile("" : "+f"(ds));  // computed unconditionally, then selected
+            dpt[i] = visible ? ds : 0.0f;
+        }
+#pragma unroll
+        for (int t = 0; t < 4; ++t)
+#pragma unroll
+            for (int j = 0; j < 4; ++j) a_ds[t][j] = pack_floats<Codec>(dpt[8 * t + 2 * j], dpt[8 * t + 2 * j + 1]);
+        wg_fence_floats<64>(acc_dk);
+        wg_fence_words(a_ds);
+        wgmma_fence();
+#pragma unroll
+        for (int t = 0; t < 4; ++t) wg_mma_grads<Codec>(acc_dk, a_ds[t], ndesc_q + ((t * 16 * 128) >> 4));
+        wgmma_commit();
+        wgmma_wait<0>();  // this buffer is restaged after the next barrier
+        wg_fence_floats<64>(acc_dv);
+        wg_fence_floats<64>(acc_dk);
+        wg_fence_words(a_p);
+        wg_fence_words(a_ds);
+    }
+    cp_async_wait<0>();
+
+    // Accumulator i: key 16 * warp + g + 8 * ((i / 2) % 2), column 8 * (i / 4) + c + i % 2.
+#pragma unroll
+    for (int i = 0; i < 64; i += 2) {
+        const int key = warp_key0 + g + ((i / 2) % 2) * 8;
+        if (key >= k_len) continue;
+        const int64_t at = (static_cast<int64_t>(k_start) + key) * kv_stride + kv_head * D + 8 * (i / 4) + c;
+        *reinterpret_cast<uint32_t*>(dk + at) =
+            pack_floats<Codec>(ieee_mul(acc_dk[i], scale), ieee_mul(acc_dk[i + 1], scale));
+        *reinterpret_cast<uint32_t*>(dv + at) = pack_floats<Codec>(acc_dv[i], acc_dv[i + 1]);
+    }
+#elif defined(__CUDA_ARCH__)
+    __trap();  // built only into sm_90a images; the host never launches it elsewhere
+#endif
+}
+
 }  // namespace attn_bwd
 }  // namespace batchinv
 
@@ -1181,5 +1484,21 @@ BATCHINV_ATTN_BWD_ALL(f16, batchinv::F16Codec, 64)
 // batchinv-signature: attention_bwd_dq_f16_d128_async(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
 // batchinv-signature: attention_bwd_dq_f16_d128_tiled(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
 BATCHINV_ATTN_BWD_ALL(f16, batchinv::F16Codec, 128)
+
+#define BATCHINV_ATTN_BWD_DKDV_WGMMA(DTYPE, CODEC)                                                             \
+    extern "C" __global__ void __launch_bounds__(batchinv::attn_bwd::kWgThreads, 2)                            \
+        attention_bwd_dkdv_##DTYPE##_d128_wgmma(                                                                \
+        const uint16_t* q, const uint16_t* k, const uint16_t* v, const uint16_t* dout, const float* lse,        \
+        const float* delta, const int* q_start, const int* q_len, const int* k_start, const int* k_len,         \
+        uint16_t* dk, uint16_t* dv, int num_q_heads, int num_kv_heads, int64_t total_q, int causal,             \
+        float scale) {                                                                                          \
+        batchinv::attn_bwd::dkdv_wgmma_kernel<CODEC>(q, k, v, dout, lse, delta, q_start, q_len, k_start, k_len, \
+                                                     dk, dv, num_q_heads, num_kv_heads, total_q, causal, scale); \
+    }
+
+// batchinv-signature: attention_bwd_dkdv_bf16_d128_wgmma(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
+BATCHINV_ATTN_BWD_DKDV_WGMMA(bf16, batchinv::Bf16Codec)
+// batchinv-signature: attention_bwd_dkdv_f16_d128_wgmma(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
+BATCHINV_ATTN_BWD_DKDV_WGMMA(f16, batchinv::F16Codec)
 
 #endif  // !__HIPCC__

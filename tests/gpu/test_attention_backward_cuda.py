@@ -9,7 +9,9 @@
   tiles with ldmatrix or plain shared loads, with or without cp.async double buffering) give
   the same bits, and every GPU test runs on each variant.  Long sequences (up to 19 key
   blocks, q_len > k_len, k_len - q_len not a multiple of 64) are checked against the
-  reference and across batches too.
+  reference and across batches too.  On sm_90a the "tiled" variant's dK/dV kernel is the wgmma
+  one (d = 128): its dk/dv are checked bitwise against the mma.sync kernel ``_wide`` on a varlen
+  pack with NaN padding, empty sequences and long sequences.
 - Bad inputs: clear errors (the type/shape checks run on CPU tensors, without a GPU).
 """
 
@@ -366,6 +368,43 @@ def test_empty_sides_give_exact_zero_gradients():
             assert_bitwise_equal(grad, torch.zeros_like(grad), name=f"sequence {index} {name}")
     _assert_padding_zero(pack, grads, "empty sides")
     assert float(_sequence_grads(pack, grads, 1)[0].abs().max()) > 0
+
+
+# ----------------------------------------------------------------------------- wgmma dK/dV
+
+# Varlen pack for the sm_90a dK/dV kernel: the neighbours, q_len > k_len, no queries, no keys
+# and the long sequences, with NaN rows between them.
+WGMMA_SEQUENCES = (*NEIGHBOUR_SEQUENCES, (5, 3), (0, 70), (9, 0), *LONG_SEQUENCES)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("config", [c for c in CONFIGS if c[1] == 128], ids=_config_id)
+def test_wgmma_dkdv_gives_the_bits_of_the_wide_kernel(config, kernel_variant, monkeypatch):
+    """On sm_90a the "tiled" variant's dK/dV launch is the wgmma kernel: its dk and dv are
+    bitwise those of the mma.sync kernel ``_wide`` (forced with USE_WGMMA_DKDV = False)."""
+    if kernel_variant != "tiled":
+        pytest.skip("the wgmma dK/dV kernel replaces the tiled variant's only")
+    dtype, head_dim, heads, causal = config
+    scale = 1.0 / math.sqrt(head_dim)
+    seqs = [
+        _make_sequence(lq, lk, heads, head_dim, dtype, causal, scale, seed=500 + i)
+        for i, (lq, lk) in enumerate(WGMMA_SEQUENCES)
+    ]
+    count = len(seqs) + 1
+    pack = _pack(
+        seqs, [PAD_ROWS[j % 3] for j in range(count)], [PAD_ROWS[(j + 1) % 3] for j in range(count)]
+    )
+    if not gpu_attention_backward.dkdv_uses_wgmma(pack.q):
+        pytest.skip("the wgmma dK/dV kernel needs an sm_90 GPU and the sm_90a image")
+    _, dk, dv = _backward(pack, causal, scale)
+    monkeypatch.setattr(gpu_attention_backward, "USE_WGMMA_DKDV", False)
+    assert not gpu_attention_backward.dkdv_uses_wgmma(pack.q)
+    _, dk_wide, dv_wide = _backward(pack, causal, scale)
+    assert_bitwise_equal(dk, dk_wide, name="dk, wgmma vs _wide")
+    assert_bitwise_equal(dv, dv_wide, name="dv, wgmma vs _wide")
+    # Not vacuous: real gradients, and the rows of no sequence are zero.
+    assert float(dk.float().abs().max()) > 0 and float(dv.float().abs().max()) > 0
+    _assert_padding_zero(pack, (torch.zeros_like(pack.q), dk, dv), "wgmma pack")
 
 
 # ----------------------------------------------------------------------------- bad inputs

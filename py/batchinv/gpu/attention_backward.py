@@ -11,7 +11,9 @@ Three launches (see the kernel file for the formula and the invariance contract)
 rowsum(dO * O)``, then dK/dV (one CTA per sequence, kv head and 64 absolute key positions) and
 dQ (one CTA per sequence, query head and 128 queries of the sequence; 64 in the 16-row
 variants).  The grids grow with the batch; a sequence's arithmetic does not.  Rows covered by
-no sequence get zero gradients.
+no sequence get zero gradients.  On an sm_90 device with the sm_90a image, the "tiled"
+variant's dK/dV launch at d = 128 is a wgmma kernel (one warpgroup per 64 keys) that gives the
+bits of its mma.sync kernel ``_wide`` (tested; ``USE_WGMMA_DKDV = False`` forces ``_wide``).
 
 One host synchronisation per call: the lengths are read once to check that every sequence's
 rows lie inside the tensors, fit ``max_q_len`` / ``max_k_len``, and do not overlap another
@@ -32,7 +34,7 @@ import torch
 from torch import Tensor
 
 from .._validate import check_same_device, check_same_dtype, check_tensor
-from ._launch import allow_dynamic_shared, kernel_for, launch
+from ._launch import allow_dynamic_shared, kernel_for, launch, uses_hopper
 
 # Keep in step with kernels_cu/attention_backward.cu.
 SUPPORTED_HEAD_DIMS = (64, 128)
@@ -45,6 +47,14 @@ WIDE_THREADS = 256
 TILED_DQ_ROWS = 128  # "tiled" dQ: query rows per CTA (4 warps of 32)
 TILED_DQ_KEYS = 32  # "tiled" dQ: keys per step
 _PAD = 8  # shared-memory row padding, elements
+# "tiled" dK/dV on sm_90a ("_wgmma", d = 128): one warpgroup per 64 keys, the `_wide` kernel's
+# bits.  Shared memory: K, V, two buffers of Q and dO (64 x 128 swizzled tiles), two buffers
+# of lse and delta (64 floats each), 1024 bytes to align the swizzled tiles.
+WGMMA_HEAD_DIM = 128
+WGMMA_THREADS = 128
+WGMMA_SHARED_BYTES = 6 * 64 * 128 * 2 + 2 * 2 * 64 * 4 + 1024
+# Tests only: False forces the `_wide` dK/dV kernel where the wgmma one would run (same bits).
+USE_WGMMA_DKDV = True
 _FLOAT_BYTES = 4
 
 # How tiles reach the mma, per variant: (dK/dV kernel, dQ kernel).  "tiled" (default): the
@@ -104,6 +114,17 @@ def dq_shared_bytes(head_dim: int, variant: str) -> int:
         _buffers(kernel) * 2 * _tile_bytes(head_dim, keys)
         + 2 * _tile_bytes(head_dim, rows)
         + 2 * rows * _FLOAT_BYTES
+    )
+
+
+def dkdv_uses_wgmma(q: Tensor, variant: str | None = None) -> bool:
+    """Whether the dK/dV launch for ``q`` takes the sm_90a wgmma kernel: the "tiled" variant,
+    d = 128, an sm_90 device with the sm_90a image, and ``USE_WGMMA_DKDV``."""
+    return (
+        (variant or KERNEL_VARIANT) == "tiled"
+        and USE_WGMMA_DKDV
+        and q.shape[-1] == WGMMA_HEAD_DIM
+        and uses_hopper(q.device)
     )
 
 
@@ -367,9 +388,15 @@ def kernel_launches(
             )
         )
     if max_k_len > 0:
-        name = _kernel_name("dkdv", q.dtype, head_dim, variant)
+        # The wgmma kernel: the same 64 keys per CTA and heavy-first grid as `_wide`.
+        wgmma = dkdv_uses_wgmma(q, variant)
+        if wgmma:
+            name = f"attention_bwd_dkdv_{_SUFFIX[q.dtype]}_d{head_dim}_wgmma"
+            shared, kv_threads = WGMMA_SHARED_BYTES, WGMMA_THREADS
+        else:
+            name = _kernel_name("dkdv", q.dtype, head_dim, variant)
+            shared, kv_threads = dkdv_shared_bytes(head_dim, variant), geometry["kv_threads"]
         kernel = kernel_for("attention_backward", name, device)
-        shared = dkdv_shared_bytes(head_dim, variant)
         allow_dynamic_shared(kernel, shared, index)
         launches.append(
             (
@@ -381,7 +408,7 @@ def kernel_launches(
                     grid=_grid(
                         -(-max_k_len // geometry["keys"]), num_kv_heads, batch, kernel_kinds[0]
                     ),
-                    block=(geometry["kv_threads"],),
+                    block=(kv_threads,),
                     args=(*inputs, dk, dv, *shape_args),
                     shared_mem=shared,
                 ),
