@@ -40,7 +40,9 @@
 //     the heaviest causal blocks go first (tiled_cta_place).  See the "tiled" section below.
 //     On sm_90 devices with the sm_90a image, at D = 128, the host launches
 //     attention_bwd_dkdv_*_d128_wgmma instead of _wide: same grid, one warpgroup per CTA,
-//     wgmma, bitwise the same dk and dv (see the "wgmma" section at the end).
+//     wgmma, bitwise the same dk and dv (see the "wgmma" section at the end); and
+//     attention_bwd_dq_*_d128_wgmma instead of _tiled: grid (Hq, B, ceil(max_q_len / 64)),
+//     one warpgroup per 64 queries, wgmma, bitwise the same dq (the k16 key chunks of _tiled).
 //
 // Invariance contract: a sequence's dq, dk and dv are bitwise the same whatever batch it is in,
 // wherever its rows sit in the packed tensors, whatever its neighbours and the padding hold,
