@@ -4,12 +4,12 @@ Shape (issue 5): B=8 sequences of S=4096, Hq=32, Hkv=8 (GQA), d=128, causal, bf1
 SDPA's backward with the default backend and with the flash backend when it is selectable
 (GQA through ``enable_gqa``; if a backend refuses it, k/v are expanded to Hq heads and the row
 says so), then batchinv's ``attention_backward.backward`` in each kernel variant (same bits,
-different speed; ``KERNEL_VARIANT`` is the default; on sm_90a its dK/dV kernel is the wgmma one,
-and a row "tiled, mma.sync _wide dK/dV" times the former kernel), and each of its three kernels
-timed alone (rows ending in "kernel").  The SDPA rows time ``autograd.grad`` of
-a forward recorded once (backward only); batchinv's rows time the backward call (argument
-checks with their one host sync, zeroed outputs and the three launches), whose inputs (out,
-lse) come from one fp32 forward computed per sequence here.
+different speed; ``KERNEL_VARIANT`` is the default; on sm_90a its dK/dV and dQ kernels are the
+wgmma ones, and rows "tiled, mma.sync _wide dK/dV" and "tiled, mma.sync _tiled dQ" time the
+former kernels), and each of its three kernels timed alone (rows ending in "kernel").  The SDPA
+rows time ``autograd.grad`` of a forward recorded once (backward only); batchinv's rows time
+the backward call (argument checks with their one host sync, zeroed outputs and the three
+launches), whose inputs (out, lse) come from one fp32 forward computed per sequence here.
 
 TFLOP/s use the 2.5x-forward convention: forward = 4 * B * Hq * S^2 * d (two matmuls), halved
 for causal; backward = 2.5 x forward (five matmuls instead of two).
@@ -179,10 +179,16 @@ def main() -> None:
             )
             timings.append((f"batchinv ({variant})", ms))
             timings.extend(_kernel_split_ms(call, seq_len, causal, scale, variant))
-            if variant == "tiled" and gpu_attention_backward.dkdv_uses_wgmma(q, variant):
-                # The same variant with the mma.sync dK/dV kernel `_wide` (same bits).
-                gpu_attention_backward.USE_WGMMA_DKDV = False
-                label = "tiled, mma.sync _wide dK/dV"
+            # The same variant with a former mma.sync kernel where a wgmma one runs (same bits).
+            former = (
+                ("USE_WGMMA_DKDV", gpu_attention_backward.dkdv_uses_wgmma, "_wide dK/dV"),
+                ("USE_WGMMA_DQ", gpu_attention_backward.dq_uses_wgmma, "_tiled dQ"),
+            )
+            for switch, uses_wgmma, kernel in former:
+                if variant != "tiled" or not uses_wgmma(q, variant):
+                    continue
+                setattr(gpu_attention_backward, switch, False)
+                label = f"tiled, mma.sync {kernel}"
                 ms = median_ms(
                     lambda call=call: gpu_attention_backward.backward(
                         *call, seq_len, seq_len, causal, scale
@@ -190,7 +196,7 @@ def main() -> None:
                 )
                 timings.append((f"batchinv ({label})", ms))
                 timings.extend(_kernel_split_ms(call, seq_len, causal, scale, label))
-                gpu_attention_backward.USE_WGMMA_DKDV = True
+                setattr(gpu_attention_backward, switch, True)
         gpu_attention_backward.KERNEL_VARIANT = default_variant
         anchor = next((ms for path, ms in timings if path.startswith("SDPA default")), None)
         for path, ms in timings:

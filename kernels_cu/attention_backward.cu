@@ -40,7 +40,9 @@
 //     the heaviest causal blocks go first (tiled_cta_place).  See the "tiled" section below.
 //     On sm_90 devices with the sm_90a image, at D = 128, the host launches
 //     attention_bwd_dkdv_*_d128_wgmma instead of _wide: same grid, one warpgroup per CTA,
-//     wgmma, bitwise the same dk and dv (see the "wgmma" section at the end).
+//     wgmma, bitwise the same dk and dv (see the "wgmma" section at the end); and
+//     attention_bwd_dq_*_d128_wgmma instead of _tiled: grid (Hq, B, ceil(max_q_len / 64)),
+//     one warpgroup per 64 queries, wgmma, bitwise the same dq (the k16 key chunks of _tiled).
 //
 // Invariance contract: a sequence's dq, dk and dv are bitwise the same whatever batch it is in,
 // wherever its rows sit in the packed tensors, whatever its neighbours and the padding hold,
@@ -1374,6 +1376,216 @@ __device__ __forceinline__ void dkdv_wgmma_kernel(const uint16_t* q, const uint1
 #endif
 }
 
+// ---- "wgmma" dQ kernel (sm_90a, D = 128): the `_tiled` dQ kernel's arithmetic on wgmma -------
+//
+// Replaces the `_tiled` dQ launch of the "tiled" variant where the wgmma dK/dV kernel runs
+// (py/batchinv/gpu/attention_backward.py); dq is bitwise that of `_tiled` (tested).  One
+// warpgroup (128 threads) per CTA owns 64 query rows of a sequence and head (aligned to its
+// first query; warp w holds rows 16w..16w+15 as mma.sync holds a 16-row tile), grid
+// (Hq, B, ceil(max_q_len / 64)) heavy-first.
+//   - Q and dO of the rows loaded once; K and V in blocks of 64 absolute key positions,
+//     double buffered with cp.async (the next block copied while this one's products run),
+//     128-byte-swizzled 64 x 128 tiles as in the dK/dV kernel, rows past the sequence zero-filled.
+//   - S = Q K^T and dP = dO V^T: wgmma m64n64k16 (A = Q / dO, B = K / V, K-major) over d in
+//     increasing k16 steps from zero, the mma.sync chains of `_tiled`; p and ds are
+//     probability_and_grad's steps with the same visibility, computed for every element and
+//     then selected (as in the dK/dV kernel).
+//   - dS rounded to the input dtype is the register A operand of dQ += dS K (m64n128k16, K
+//     N-major from shared memory), the key block's k16 chunks in increasing order.
+//   - The k16 key chunks are exactly `_tiled`'s: that kernel walks 128-row blocks in 32-key
+//     steps up to the last key its 128 rows can see, so a row of this CTA takes the chunks
+//     [0, 32 * steps) with `steps` computed for the enclosing 128-row block (the last 64-key
+//     block may take only its first two chunks).  Chunks a row cannot see add exact zeros
+//     (ds = +0 by selection); taking the same ones keeps even the sign of a zero the same.
+//   - dq = round(acc * scale): `_tiled`'s final step.
+
+[[maybe_unused]] constexpr int kWgDqRows = 64;  // queries per CTA (one warpgroup, 16 per warp)
+// Q, dO, two buffers of K and V, 1024 bytes of alignment.
+[[maybe_unused]] constexpr int kWgDqSharedBytes = 6 * kWgTileBytes + 1024;
+
+template <typename Codec>
+__device__ __forceinline__ void dq_wgmma_kernel(const uint16_t* q, const uint16_t* k, const uint16_t* v,
+                                                const uint16_t* dout, const float* lse, const float* delta,
+                                                const int* q_start_of, const int* q_len_of, const int* k_start_of,
+                                                const int* k_len_of, uint16_t* dq, int num_q_heads,
+                                                int num_kv_heads, int64_t total_q, int causal, float scale) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    using namespace hopper;
+    constexpr int D = 128;
+    int seq, head, query_block;
+    tiled_cta_place(seq, head, query_block, true);
+    const int q_len = q_len_of[seq];
+    const int i0 = query_block * kWgDqRows;
+    if (i0 >= q_len) return;
+    const int k_len = k_len_of[seq];
+    const int q_start = q_start_of[seq];
+    const int k_start = k_start_of[seq];
+    const int offset = k_len - q_len;
+    const int kv_head = head / (num_q_heads / num_kv_heads);
+    const int64_t q_stride = static_cast<int64_t>(num_q_heads) * D;
+    const int64_t kv_stride = static_cast<int64_t>(num_kv_heads) * D;
+    const int rows = min(kWgDqRows, q_len - i0);
+
+    extern __shared__ __align__(16) uint16_t smem[];
+    uint8_t* raw = reinterpret_cast<uint8_t*>(smem);
+    uint8_t* shared = raw + ((1024u - (shared_address(raw) & 1023u)) & 1023u);
+    uint8_t* s_q = shared;
+    uint8_t* s_do = s_q + kWgTileBytes;
+    uint8_t* s_k = s_do + kWgTileBytes;      // 2 buffers
+    uint8_t* s_v = s_k + 2 * kWgTileBytes;   // 2 buffers
+
+    wg_load_tile(s_q, q + head * D, q_stride, q_start + i0, rows);
+    wg_load_tile(s_do, dout + head * D, q_stride, q_start + i0, rows);
+
+    // `_tiled`'s key chunks: 32-key steps up to the last key its 128-row block can see.
+    int chunks;
+    {
+        const int tiled_i0 = (i0 / kTiledDqRows) * kTiledDqRows;
+        const int tiled_rows = min(kTiledDqRows, q_len - tiled_i0);
+        int steps = (k_len + kTiledDqKeys - 1) / kTiledDqKeys;
+        if (causal) {
+            const int last_position = offset + tiled_i0 + tiled_rows - 1;
+            steps = last_position < 0 ? 0 : min(steps, last_position / kTiledDqKeys + 1);
+        }
+        chunks = steps * (kTiledDqKeys / 16);
+    }
+    const int blocks = (chunks + 3) / 4;  // key blocks of 64 (four k16 chunks)
+
+    auto stage = [&](int block, int buffer) {
+        const int key0 = block * kWgKeys;
+        const int valid = min(kWgKeys, k_len - key0);
+        wg_load_tile(s_k + buffer * kWgTileBytes, k + kv_head * D, kv_stride, k_start + key0, valid);
+        wg_load_tile(s_v + buffer * kWgTileBytes, v + kv_head * D, kv_stride, k_start + key0, valid);
+    };
+
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int g = lane / 4, c = 2 * (lane % 4);
+    // This thread's two rows (16 warp + g + 8 h): lse, delta, and the last key each sees
+    // (-1: none; rows past the CTA's rows or with lse = -inf see none), `_tiled`'s predicate
+    // "lse != -inf, key < k_len and, causal, key <= position".
+    float row_lse[2], row_delta[2];
+    int last_seen[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int r = 16 * warp + g + 8 * h;
+        const bool ok = r < rows;
+        const int64_t at = static_cast<int64_t>(head) * total_q + q_start + i0 + r;
+        row_lse[h] = ok ? lse[at] : -INFINITY;
+        row_delta[h] = ok ? delta[at] : 0.0f;
+        last_seen[h] = row_lse[h] == -INFINITY ? -1 : (causal ? min(k_len - 1, offset + i0 + r) : k_len - 1);
+    }
+
+    const uint64_t desc_q = smem_descriptor_128b(s_q);
+    const uint64_t desc_do = smem_descriptor_128b(s_do);
+
+    float acc_dq[64];
+#pragma unroll
+    for (int i = 0; i < 64; ++i) acc_dq[i] = 0.0f;
+
+    if (blocks > 0) stage(0, 0);
+    cp_async_commit();
+    for (int block = 0; block < blocks; ++block) {
+        const int buffer = block & 1;
+        cp_async_wait<0>();
+        fence_proxy_async_shared();  // the cp.async writes before the wgmma (async proxy) reads
+        __syncthreads();             // every thread's copies landed; the other buffer is free
+
+        const uint8_t* tk = s_k + buffer * kWgTileBytes;
+        const uint8_t* tv = s_v + buffer * kWgTileBytes;
+        const int key0 = block * kWgKeys;
+
+        // S and dP over d in increasing k16 steps (32 bytes along a swizzled row).
+        float s[32], dp[32];
+#pragma unroll
+        for (int i = 0; i < 32; ++i) s[i] = dp[i] = 0.0f;
+        {
+            const uint64_t desc_k = smem_descriptor_128b(tk);
+            const uint64_t desc_v = smem_descriptor_128b(tv);
+            wg_fence_floats<32>(s);
+            wg_fence_floats<32>(dp);
+            wgmma_fence();
+#pragma unroll
+            for (int ks = 0; ks < 8; ++ks) {
+                const int off = ((ks / 4) * kWgBoxBytes + (ks % 4) * 32) >> 4;
+                wg_mma_scores<Codec>(s, desc_q + off, desc_k + off);
+            }
+            wgmma_commit();
+#pragma unroll
+            for (int ks = 0; ks < 8; ++ks) {
+                const int off = ((ks / 4) * kWgBoxBytes + (ks % 4) * 32) >> 4;
+                wg_mma_scores<Codec>(dp, desc_do + off, desc_v + off);
+            }
+            wgmma_commit();
+        }
+        // The next key block into the other buffer while the products run.
+        if (block + 1 < blocks) stage(block + 1, buffer ^ 1);
+        cp_async_commit();
+        wgmma_wait<1>();  // S is complete; dP may still run
+        wg_fence_floats<32>(s);
+
+        // p: accumulator i is row 16 warp + g + 8 ((i / 2) % 2), key key0 + 8 (i / 4) + c + i % 2.
+        uint32_t visible_mask = 0u;
+#pragma unroll
+        for (int i = 0; i < 32; ++i) {
+            const int h = (i / 2) % 2;
+            const int key = key0 + 8 * (i / 4) + c + (i % 2);
+            const bool visible = key <= last_seen[h];
+            visible_mask |= static_cast<uint32_t>(visible) << i;
+            float p = expf(ieee_sub(ieee_mul(s[i], scale), row_lse[h]));
+            asm volatile("" : "+f"(p));  // computed unconditionally, then selected
+            s[i] = visible ? p : 0.0f;
+        }
+        wgmma_wait<0>();  // dP is complete
+        wg_fence_floats<32>(dp);
+        uint32_t a_ds[4][4];
+#pragma unroll
+        for (int i = 0; i < 32; ++i) {
+            const int h = (i / 2) % 2;
+            const bool visible = (visible_mask >> i) & 1u;
+            float ds = ieee_mul(s[i], ieee_sub(dp[i], row_delta[h]));
+            asm volatile("" : "+f"(ds));  // computed unconditionally, then selected
+            dp[i] = visible ? ds : 0.0f;
+        }
+#pragma unroll
+        for (int t = 0; t < 4; ++t)
+#pragma unroll
+            for (int j = 0; j < 4; ++j) a_ds[t][j] = pack_floats<Codec>(dp[8 * t + 2 * j], dp[8 * t + 2 * j + 1]);
+
+        // dQ += dS K over the block's k16 chunks in increasing order (`_tiled`'s chunks only).
+        const uint64_t ndesc_k = wg_desc_nmajor(tk);
+        wg_fence_floats<64>(acc_dq);
+        wg_fence_words(a_ds);
+        if (chunks - 4 * block >= 4) {
+            wgmma_fence();
+#pragma unroll
+            for (int t = 0; t < 4; ++t) wg_mma_grads<Codec>(acc_dq, a_ds[t], ndesc_k + ((t * 16 * 128) >> 4));
+            wgmma_commit();
+        } else {
+            wgmma_fence();
+#pragma unroll
+            for (int t = 0; t < 2; ++t) wg_mma_grads<Codec>(acc_dq, a_ds[t], ndesc_k + ((t * 16 * 128) >> 4));
+            wgmma_commit();
+        }
+        wgmma_wait<0>();  // this buffer is restaged after the next barrier
+        wg_fence_floats<64>(acc_dq);
+        wg_fence_words(a_ds);
+    }
+    cp_async_wait<0>();
+
+    // Accumulator i: row 16 * warp + g + 8 * ((i / 2) % 2), column 8 * (i / 4) + c + i % 2.
+#pragma unroll
+    for (int i = 0; i < 64; i += 2) {
+        const int r = 16 * warp + g + ((i / 2) % 2) * 8;
+        if (r >= rows) continue;
+        const int64_t at = (static_cast<int64_t>(q_start) + i0 + r) * q_stride + head * D + 8 * (i / 4) + c;
+        *reinterpret_cast<uint32_t*>(dq + at) =
+            pack_floats<Codec>(ieee_mul(acc_dq[i], scale), ieee_mul(acc_dq[i + 1], scale));
+    }
+#elif defined(__CUDA_ARCH__)
+    __trap();  // built only into sm_90a images; the host never launches it elsewhere
+#endif
+}
+
 }  // namespace attn_bwd
 }  // namespace batchinv
 
@@ -1500,5 +1712,20 @@ BATCHINV_ATTN_BWD_ALL(f16, batchinv::F16Codec, 128)
 BATCHINV_ATTN_BWD_DKDV_WGMMA(bf16, batchinv::Bf16Codec)
 // batchinv-signature: attention_bwd_dkdv_f16_d128_wgmma(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
 BATCHINV_ATTN_BWD_DKDV_WGMMA(f16, batchinv::F16Codec)
+
+#define BATCHINV_ATTN_BWD_DQ_WGMMA(DTYPE, CODEC)                                                               \
+    extern "C" __global__ void __launch_bounds__(batchinv::attn_bwd::kWgThreads, 2)                            \
+        attention_bwd_dq_##DTYPE##_d128_wgmma(                                                                  \
+        const uint16_t* q, const uint16_t* k, const uint16_t* v, const uint16_t* dout, const float* lse,        \
+        const float* delta, const int* q_start, const int* q_len, const int* k_start, const int* k_len,         \
+        uint16_t* dq, int num_q_heads, int num_kv_heads, int64_t total_q, int causal, float scale) {            \
+        batchinv::attn_bwd::dq_wgmma_kernel<CODEC>(q, k, v, dout, lse, delta, q_start, q_len, k_start, k_len,   \
+                                                   dq, num_q_heads, num_kv_heads, total_q, causal, scale);      \
+    }
+
+// batchinv-signature: attention_bwd_dq_bf16_d128_wgmma(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
+BATCHINV_ATTN_BWD_DQ_WGMMA(bf16, batchinv::Bf16Codec)
+// batchinv-signature: attention_bwd_dq_f16_d128_wgmma(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
+BATCHINV_ATTN_BWD_DQ_WGMMA(f16, batchinv::F16Codec)
 
 #endif  // !__HIPCC__

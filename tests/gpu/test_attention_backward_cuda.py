@@ -11,7 +11,8 @@
   blocks, q_len > k_len, k_len - q_len not a multiple of 64) are checked against the
   reference and across batches too.  On sm_90a the "tiled" variant's dK/dV kernel is the wgmma
   one (d = 128): its dk/dv are checked bitwise against the mma.sync kernel ``_wide`` on a varlen
-  pack with NaN padding, empty sequences and long sequences.
+  pack with NaN padding, empty sequences and long sequences; likewise its wgmma dQ kernel's dq
+  against the mma.sync kernel ``_tiled``.
 - Bad inputs: clear errors (the type/shape checks run on CPU tensors, without a GPU).
 """
 
@@ -370,10 +371,10 @@ def test_empty_sides_give_exact_zero_gradients():
     assert float(_sequence_grads(pack, grads, 1)[0].abs().max()) > 0
 
 
-# ----------------------------------------------------------------------------- wgmma dK/dV
+# ----------------------------------------------------------------------------- wgmma dK/dV, dQ
 
-# Varlen pack for the sm_90a dK/dV kernel: the neighbours, q_len > k_len, no queries, no keys
-# and the long sequences, with NaN rows between them.
+# Varlen pack for the sm_90a dK/dV and dQ kernels: the neighbours, q_len > k_len, no queries,
+# no keys and the long sequences, with NaN rows between them.
 WGMMA_SEQUENCES = (*NEIGHBOUR_SEQUENCES, (5, 3), (0, 70), (9, 0), *LONG_SEQUENCES)
 
 
@@ -405,6 +406,38 @@ def test_wgmma_dkdv_gives_the_bits_of_the_wide_kernel(config, kernel_variant, mo
     # Not vacuous: real gradients, and the rows of no sequence are zero.
     assert float(dk.float().abs().max()) > 0 and float(dv.float().abs().max()) > 0
     _assert_padding_zero(pack, (torch.zeros_like(pack.q), dk, dv), "wgmma pack")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("config", [c for c in CONFIGS if c[1] == 128], ids=_config_id)
+def test_wgmma_dq_gives_the_bits_of_the_tiled_kernel(config, kernel_variant, monkeypatch):
+    """On sm_90a the "tiled" variant's dQ launch is the wgmma kernel: its dq is bitwise that of
+    the mma.sync kernel ``_tiled`` (forced with USE_WGMMA_DQ = False), -0 included."""
+    if kernel_variant != "tiled":
+        pytest.skip("the wgmma dQ kernel replaces the tiled variant's only")
+    dtype, head_dim, heads, causal = config
+    scale = 1.0 / math.sqrt(head_dim)
+    seqs = [
+        _make_sequence(lq, lk, heads, head_dim, dtype, causal, scale, seed=700 + i)
+        for i, (lq, lk) in enumerate(WGMMA_SEQUENCES)
+    ]
+    count = len(seqs) + 1
+    pack = _pack(
+        seqs, [PAD_ROWS[(j + 2) % 3] for j in range(count)], [PAD_ROWS[j % 3] for j in range(count)]
+    )
+    if not gpu_attention_backward.dq_uses_wgmma(pack.q):
+        pytest.skip("the wgmma dQ kernel needs an sm_90 GPU and the sm_90a image")
+    dq, dk, dv = _backward(pack, causal, scale)
+    monkeypatch.setattr(gpu_attention_backward, "USE_WGMMA_DQ", False)
+    assert not gpu_attention_backward.dq_uses_wgmma(pack.q)
+    dq_tiled, dk_tiled, dv_tiled = _backward(pack, causal, scale)
+    assert_bitwise_equal(dq, dq_tiled, name="dq, wgmma vs _tiled")
+    # The dK/dV launch is the same kernel either way.
+    assert_bitwise_equal(dk, dk_tiled, name="dk")
+    assert_bitwise_equal(dv, dv_tiled, name="dv")
+    # Not vacuous: real gradients, and the rows of no sequence are zero.
+    assert float(dq.float().abs().max()) > 0
+    _assert_padding_zero(pack, (dq, dk, dv), "wgmma dq pack")
 
 
 # ----------------------------------------------------------------------------- bad inputs

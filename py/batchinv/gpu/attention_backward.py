@@ -13,7 +13,9 @@ dQ (one CTA per sequence, query head and 128 queries of the sequence; 64 in the 
 variants).  The grids grow with the batch; a sequence's arithmetic does not.  Rows covered by
 no sequence get zero gradients.  On an sm_90 device with the sm_90a image, the "tiled"
 variant's dK/dV launch at d = 128 is a wgmma kernel (one warpgroup per 64 keys) that gives the
-bits of its mma.sync kernel ``_wide`` (tested; ``USE_WGMMA_DKDV = False`` forces ``_wide``).
+bits of its mma.sync kernel ``_wide`` (tested; ``USE_WGMMA_DKDV = False`` forces ``_wide``),
+and its dQ launch a wgmma kernel (one warpgroup per 64 queries) that gives the bits of
+``_tiled`` (tested; ``USE_WGMMA_DQ = False`` forces ``_tiled``).
 
 One host synchronisation per call: the lengths are read once to check that every sequence's
 rows lie inside the tensors, fit ``max_q_len`` / ``max_k_len``, and do not overlap another
@@ -55,6 +57,13 @@ WGMMA_THREADS = 128
 WGMMA_SHARED_BYTES = 6 * 64 * 128 * 2 + 2 * 2 * 64 * 4 + 1024
 # Tests only: False forces the `_wide` dK/dV kernel where the wgmma one would run (same bits).
 USE_WGMMA_DKDV = True
+# "tiled" dQ on sm_90a ("_wgmma", d = 128): one warpgroup per 64 queries, the `_tiled` kernel's
+# bits.  Shared memory: Q, dO, two buffers of K and V (64 x 128 swizzled tiles), 1024 bytes to
+# align them.
+WGMMA_DQ_ROWS = 64
+WGMMA_DQ_SHARED_BYTES = 6 * 64 * 128 * 2 + 1024
+# Tests and the benchmark only: False forces the `_tiled` dQ kernel (same bits).
+USE_WGMMA_DQ = True
 _FLOAT_BYTES = 4
 
 # How tiles reach the mma, per variant: (dK/dV kernel, dQ kernel).  "tiled" (default): the
@@ -123,6 +132,17 @@ def dkdv_uses_wgmma(q: Tensor, variant: str | None = None) -> bool:
     return (
         (variant or KERNEL_VARIANT) == "tiled"
         and USE_WGMMA_DKDV
+        and q.shape[-1] == WGMMA_HEAD_DIM
+        and uses_hopper(q.device)
+    )
+
+
+def dq_uses_wgmma(q: Tensor, variant: str | None = None) -> bool:
+    """Whether the dQ launch for ``q`` takes the sm_90a wgmma kernel: the "tiled" variant,
+    d = 128, an sm_90 device with the sm_90a image, and ``USE_WGMMA_DQ``."""
+    return (
+        (variant or KERNEL_VARIANT) == "tiled"
+        and USE_WGMMA_DQ
         and q.shape[-1] == WGMMA_HEAD_DIM
         and uses_hopper(q.device)
     )
@@ -415,9 +435,15 @@ def kernel_launches(
             )
         )
     if max_q_len > 0:
-        name = _kernel_name("dq", q.dtype, head_dim, variant)
+        # The wgmma kernel: 64 queries per CTA, heavy-first grid like `_tiled`.
+        if dq_uses_wgmma(q, variant):
+            name = f"attention_bwd_dq_{_SUFFIX[q.dtype]}_d{head_dim}_wgmma"
+            shared, dq_rows, dq_threads = WGMMA_DQ_SHARED_BYTES, WGMMA_DQ_ROWS, WGMMA_THREADS
+        else:
+            name = _kernel_name("dq", q.dtype, head_dim, variant)
+            shared, dq_rows = dq_shared_bytes(head_dim, variant), geometry["rows"]
+            dq_threads = geometry["dq_threads"]
         kernel = kernel_for("attention_backward", name, device)
-        shared = dq_shared_bytes(head_dim, variant)
         allow_dynamic_shared(kernel, shared, index)
         launches.append(
             (
@@ -426,10 +452,8 @@ def kernel_launches(
                     launch,
                     kernel,
                     device,
-                    grid=_grid(
-                        -(-max_q_len // geometry["rows"]), num_q_heads, batch, kernel_kinds[1]
-                    ),
-                    block=(geometry["dq_threads"],),
+                    grid=_grid(-(-max_q_len // dq_rows), num_q_heads, batch, kernel_kinds[1]),
+                    block=(dq_threads,),
                     args=(*inputs, dq, *shape_args),
                     shared_mem=shared,
                 ),
