@@ -104,17 +104,18 @@ constexpr int kResidentWeightMaxChunks = 5;  // fused backward: weight in regist
 // the same for t128k5 ran 24% slower (146 registers, 3 CTAs per SM), for t32 no faster (issue 6).
 template <int T, int K>
 constexpr bool kPrefetchNextRow = T == 128 && K == 4;
-// Fused backward, t128k4 on CUDA, vector launches: the next row's dy and x are copied into a
-// two-stage ring in dynamic shared memory by cp.async (each thread copies the chunks it reads,
-// so no barrier) while the CTA works on the current row, which it reads from the ring (issue 6,
-// session 7, second round: level 1 of 16384 x 4096 bf16 114.5 vs 124.8 us on an H200, 4096 x
-// 4096 40.3 vs 50.5 us).  Element launches keep the register prefetch above.
+// Fused backward, t128k4 bf16/fp16 on CUDA, vector launches: the next row's dy and x are copied
+// into a two-stage ring in dynamic shared memory by cp.async (each thread copies the chunks it
+// reads, so no barrier) while the CTA works on the current row, which it reads from the ring
+// (issue 6, session 7, second round, H200: level 1 of 16384 x 4096 bf16 115 vs 125 us, 4096 x
+// 4096 41 vs 51 us; fp16 level, fp32 1% slower, so fp32 keeps the register prefetch, as do
+// element launches).
 #if defined(__HIPCC__)
-template <int T, int K>
+template <typename Codec, int T, int K>
 constexpr bool kStagedRows = false;
 #else
-template <int T, int K>
-constexpr bool kStagedRows = T == 128 && K == 4;
+template <typename Codec, int T, int K>
+constexpr bool kStagedRows = T == 128 && K == 4 && sizeof(typename Codec::storage) == 2;
 #endif
 constexpr int kStagedRowStages = 2;
 // Fused backward, one row group over several warps (T > warp size): row s of a group reduces
@@ -693,7 +694,10 @@ __device__ __forceinline__ void backward_resident_row(const BackwardArgs& a, int
     for (int k = 0; k < K; ++k) {
         const int64_t c = lane + static_cast<int64_t>(k) * T;
         if (c >= chunks) continue;
-        const Chunk<Codec> x_k = xs[k], g_k = gs[k];
+        // Array elements by reference (the code of a register row is unchanged), a staged
+        // chunk read from shared memory once into a local.
+        decltype(auto) x_k = xs[k];
+        decltype(auto) g_k = gs[k];
         Chunk<Codec> extra, out;
         if (grad_residual != nullptr) load_chunk(extra, grad_residual, c, d, vector);
         float g[E], product[E];
@@ -907,7 +911,7 @@ __device__ __forceinline__ void backward_weight_grad_kernel(const BackwardArgs& 
     __shared__ float4 group_sums[kSumBytes / 16];
     grid_launch_dependents();  // the next grid (the further levels) may start; it waits
 #if !defined(__HIPCC__)
-    if constexpr (kStagedRows<T, K>) {
+    if constexpr (kStagedRows<Codec, T, K>) {
         static_assert(kAlternate, "the staged rows alternate two warp-partials buffers");
         extern __shared__ uint4 staged_rows[];  // kStagedRowsBytes<T, K>, from the host
         if (backward_vector_ok<typename Codec::storage>(a)) {

@@ -49,10 +49,11 @@ FUSED_WEIGHT_GRAD_SHARED_BYTES = 32768
 # Below this many CTAs the fused backward leaves SMs idle (1024 x 4096 bf16: 64 CTAs, about
 # twice the time of the two passes); the two passes then run instead, with the same bits.
 FUSED_WEIGHT_GRAD_MIN_BLOCKS = 256
-# t128k4's fused backward on CUDA stages the next row's dy and x in shared memory (two stages
-# of 128 threads x 4 chunks x 16 bytes, both tensors: kStagedRowsBytes in kernels_cu/rms_norm.cu),
-# passed as dynamic shared memory.
+# t128k4's bf16/fp16 fused backward on CUDA stages the next row's dy and x in shared memory
+# (two stages of 128 threads x 4 chunks x 16 bytes, both tensors: kStagedRows and
+# kStagedRowsBytes in kernels_cu/rms_norm.cu), passed as dynamic shared memory.
 STAGED_ROWS_GEOMETRY = "t128k4"
+STAGED_ROWS_DTYPES = (torch.bfloat16, torch.float16)
 STAGED_ROWS_BYTES = 2 * 2 * 128 * 4 * 16
 
 _MAX_GRID_X = 2**31 - 1
@@ -248,7 +249,11 @@ def launch_fused_backward(
         "rms_norm", f"rms_norm_backward_weight_grad_{_SUFFIX[dtype]}_{name}", device
     )
     shared = 0
-    if name == STAGED_ROWS_GEOMETRY and backend_of(device) == "cuda":
+    if (
+        name == STAGED_ROWS_GEOMETRY
+        and dtype in STAGED_ROWS_DTYPES
+        and backend_of(device) == "cuda"
+    ):
         shared = STAGED_ROWS_BYTES
         allow_dynamic_shared(kernel, shared, device.index or 0)
     launch(kernel, device, grid=(blocks,), block=(cta,), args=args, shared_mem=shared)
