@@ -53,7 +53,8 @@
 //   T = 1024, which reads the row twice.  Up to T = 128 the forward loads the weight's chunks
 //   with the row's, before the reduction; the fused backward keeps them in registers for a row
 //   group's rows when K <= 5, and for t128k4 issues the next row's dy and x loads before the
-//   current row's work.  Where loads are issued changes no arithmetic.
+//   current row's work (bf16/fp16 vector launches on CUDA: as cp.async copies into a two-stage
+//   ring in shared memory, kStagedRows).  Where loads are issued changes no arithmetic.
 //   CTA = max(T, 128) threads holding 128 / T rows (T < 128) or one row;
 //   grid.x = ceil(rows / rows per CTA).  The backward's list is the same except that rows of
 //   129 .. 512 chunks (bf16 d in (1024, 4096]) take (128, 4) instead of (64, 8): its row tree
