@@ -53,7 +53,8 @@
 //   T = 1024, which reads the row twice.  Up to T = 128 the forward loads the weight's chunks
 //   with the row's, before the reduction; the fused backward keeps them in registers for a row
 //   group's rows when K <= 5, and for t128k4 issues the next row's dy and x loads before the
-//   current row's work.  Where loads are issued changes no arithmetic.
+//   current row's work (bf16/fp16 vector launches on CUDA: as cp.async copies into a two-stage
+//   ring in shared memory, kStagedRows).  Where loads are issued changes no arithmetic.
 //   CTA = max(T, 128) threads holding 128 / T rows (T < 128) or one row;
 //   grid.x = ceil(rows / rows per CTA).  The backward's list is the same except that rows of
 //   129 .. 512 chunks (bf16 d in (1024, 4096]) take (128, 4) instead of (64, 8): its row tree
@@ -104,6 +105,20 @@ constexpr int kResidentWeightMaxChunks = 5;  // fused backward: weight in regist
 // the same for t128k5 ran 24% slower (146 registers, 3 CTAs per SM), for t32 no faster (issue 6).
 template <int T, int K>
 constexpr bool kPrefetchNextRow = T == 128 && K == 4;
+// Fused backward, t128k4 bf16/fp16 on CUDA, vector launches: the next row's dy and x are copied
+// into a two-stage ring in dynamic shared memory by cp.async (each thread copies the chunks it
+// reads, so no barrier) while the CTA works on the current row, which it reads from the ring
+// (issue 6, session 7, second round, H200: level 1 of 16384 x 4096 bf16 115 vs 125 us, 4096 x
+// 4096 41 vs 51 us; fp16 level, fp32 1% slower, so fp32 keeps the register prefetch, as do
+// element launches).
+#if defined(__HIPCC__)
+template <typename Codec, int T, int K>
+constexpr bool kStagedRows = false;
+#else
+template <typename Codec, int T, int K>
+constexpr bool kStagedRows = T == 128 && K == 4 && sizeof(typename Codec::storage) == 2;
+#endif
+constexpr int kStagedRowStages = 2;
 // Fused backward, one row group over several warps (T > warp size): row s of a group reduces
 // through warp partials s % 2, so its row_group_sum needs one barrier instead of two (issue 6,
 // session 7: 0.5-1% faster at level 1 on an H200).
@@ -648,15 +663,14 @@ __device__ __forceinline__ void load_backward_row(Chunk<Codec> (&xs)[K], Chunk<C
     }
 }
 
-// backward_row (kWeightGrad) for a row already loaded (xs, gs), the weight's chunks in w:
-// the same operations in the same order.  kReuse: row_group_sum's (false where the caller
-// alternates two warp_partials buffers).
-template <typename Codec, int T, int K, bool kReuse>
+// backward_row (kWeightGrad) for a row already loaded, the weight's chunks in w: the same
+// operations in the same order.  xs, gs: the row's chunks by k, in registers (Chunk arrays) or
+// staged in shared memory (StagedChunks, read at each use).  kReuse: row_group_sum's (false
+// where the caller alternates two warp_partials buffers).
+template <typename Codec, int T, int K, bool kReuse, typename Xs, typename Gs>
 __device__ __forceinline__ void backward_resident_row(const BackwardArgs& a, int64_t row,
-                                                      int lane, bool vector,
-                                                      const Chunk<Codec> (&xs)[K],
-                                                      const Chunk<Codec> (&gs)[K],
-                                                      const Chunk<Codec> (&w)[K],
+                                                      int lane, bool vector, const Xs& xs,
+                                                      const Gs& gs, const Chunk<Codec> (&w)[K],
                                                       float* warp_partials, float4* group_sums) {
     using S = typename Codec::storage;
     constexpr int E = Chunk<Codec>::kElems;
@@ -681,14 +695,18 @@ __device__ __forceinline__ void backward_resident_row(const BackwardArgs& a, int
     for (int k = 0; k < K; ++k) {
         const int64_t c = lane + static_cast<int64_t>(k) * T;
         if (c >= chunks) continue;
+        // Array elements by reference (the code of a register row is unchanged), a staged
+        // chunk read from shared memory once into a local.
+        decltype(auto) x_k = xs[k];
+        decltype(auto) g_k = gs[k];
         Chunk<Codec> extra, out;
         if (grad_residual != nullptr) load_chunk(extra, grad_residual, c, d, vector);
         float g[E], product[E];
 #pragma unroll
         for (int e = 0; e < E; ++e) {
-            const float dy = Codec::load(gs[k].v[e]);
+            const float dy = Codec::load(g_k.v[e]);
             const float gw = ieee_mul(dy, Codec::load(w[k].v[e]));
-            const float x_hat = ieee_mul(Codec::load(xs[k].v[e]), inv_rms);
+            const float x_hat = ieee_mul(Codec::load(x_k.v[e]), inv_rms);
             g[e] = ieee_mul(inv_rms, ieee_sub(gw, ieee_mul(x_hat, mean_dot)));
             if (grad_residual != nullptr) g[e] = ieee_add(g[e], Codec::load(extra.v[e]));
             product[e] = ieee_mul(dy, x_hat);
@@ -768,6 +786,103 @@ __device__ __forceinline__ void backward_weight_grad_resident(const BackwardArgs
     store_group_sums<T, K, E, kGroups>(group_sums, partials, a.d);
 }
 
+#if !defined(__HIPCC__)
+// cp.async (sm_80+): 16 bytes global -> shared, bypassing L1; groups committed and awaited per
+// thread.
+__device__ __forceinline__ void cp_async16(void* shared, const void* global) {
+    const unsigned address = static_cast<unsigned>(__cvta_generic_to_shared(shared));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(address), "l"(global)
+                 : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() {
+    asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+template <int kPending>
+__device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
+}
+
+// A staged row's chunks of one tensor: chunk k of this thread is slot k * T + lane of its
+// stage, written by this thread's own cp.async.
+template <typename Codec, int T>
+struct StagedChunks {
+    const uint4* stage;
+    int lane;
+    __device__ __forceinline__ Chunk<Codec> operator[](int k) const {
+        Chunk<Codec> chunk;
+        *reinterpret_cast<uint4*>(chunk.v) = stage[k * T + lane];
+        return chunk;
+    }
+};
+
+// Bytes of the ring: stages x (x, dy) x T * K chunks of 16 bytes (the host passes them as
+// dynamic shared memory: kernels' rms_norm_backward_weight_grad_*_t128k4).
+template <int T, int K>
+constexpr int kStagedRowsBytes = kStagedRowStages * 2 * T * K * kChunkBytes;
+
+// backward_weight_grad_resident's rows, order and sums (one row group of kRowsInSequence rows;
+// vector launches only), with the rows staged in `ring` by cp.async kStagedRowStages - 1 rows
+// ahead instead of loaded into registers: the same operations in the same order.
+template <typename Codec, int T, int K>
+__device__ __forceinline__ void backward_weight_grad_staged(const BackwardArgs& a,
+                                                            float* partials,
+                                                            float* warp_partials,
+                                                            float4* group_sums, uint4* ring) {
+    using S = typename Codec::storage;
+    constexpr int E = Chunk<Codec>::kElems;
+    constexpr int kStages = kStagedRowStages;
+    constexpr int kSequence = WeightGradChunk<T>::kRowsInSequence;
+    static_assert(Cta<T>::kRowGroups == 1, "one row group per CTA");
+    const int lane = threadIdx.x;
+    const int64_t first_row = static_cast<int64_t>(blockIdx.x) * kSequence;
+    const int64_t d = a.d;
+    const int64_t chunks = d / E;  // a vector launch: d is a multiple of E
+    // Stage st holds x at ring[(2 * st) * T * K ..] and dy at ring[(2 * st + 1) * T * K ..].
+    auto stage_of = [&](int st, int tensor) { return ring + (2 * st + tensor) * (T * K); };
+    auto stage_row = [&](int64_t row, int st) {
+        if (row < a.rows) {
+            const S* x = static_cast<const S*>(a.x) + row * a.x_stride;
+            const S* grad_y = static_cast<const S*>(a.grad_y) + row * d;
+#pragma unroll
+            for (int k = 0; k < K; ++k) {
+                const int64_t c = lane + static_cast<int64_t>(k) * T;
+                if (c < chunks) {
+                    cp_async16(stage_of(st, 0) + k * T + lane, x + c * E);
+                    cp_async16(stage_of(st, 1) + k * T + lane, grad_y + c * E);
+                }
+            }
+        }
+        cp_async_commit();  // one group per row, empty past the end, so the wait counts rows
+    };
+#pragma unroll
+    for (int i = 0; i < kStages - 1; ++i) stage_row(first_row + i, i);
+    Chunk<Codec> w[K];
+    const S* weight = static_cast<const S*>(a.weight);
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+        const int64_t c = lane + static_cast<int64_t>(k) * T;
+        if (c < chunks) load_chunk(w[k], weight, c, d, true);
+    }
+    zero_group_sums<T, K, E>(group_sums, lane);
+    for (int s = 0; s < kSequence; ++s) {
+        const int st = s % kStages;
+        // Stage (s - 1) % kStages was read by this thread only, in row s - 1: free again.
+        if (s + kStages - 1 < kSequence) {
+            stage_row(first_row + s + kStages - 1, (s + kStages - 1) % kStages);
+        } else {
+            cp_async_commit();
+        }
+        cp_async_wait<kStages - 1>();  // row s has landed (this thread's chunks)
+        const StagedChunks<Codec, T> xs{stage_of(st, 0), lane};
+        const StagedChunks<Codec, T> gs{stage_of(st, 1), lane};
+        backward_resident_row<Codec, T, K, false>(a, first_row + s, lane, true, xs, gs, w,
+                                                  warp_partials + (s % 2) * kMaxWarps,
+                                                  group_sums);
+    }
+    store_group_sums<T, K, E, 1>(group_sums, partials, d);
+}
+#endif
+
 // The plain and the fused forward are separate entries: the plain one then needs fewer
 // registers (more CTAs per SM, more bytes in flight).  They share T and K, so
 // fused_add_rms_norm's y is bitwise rms_norm of its new_residual.
@@ -796,6 +911,17 @@ __device__ __forceinline__ void backward_weight_grad_kernel(const BackwardArgs& 
     __shared__ float warp_partials[kAlternate ? 2 * kMaxWarps : kMaxWarps];
     __shared__ float4 group_sums[kSumBytes / 16];
     grid_launch_dependents();  // the next grid (the further levels) may start; it waits
+#if !defined(__HIPCC__)
+    if constexpr (kStagedRows<Codec, T, K>) {
+        static_assert(kAlternate, "the staged rows alternate two warp-partials buffers");
+        extern __shared__ uint4 staged_rows[];  // kStagedRowsBytes<T, K>, from the host
+        if (backward_vector_ok<typename Codec::storage>(a)) {
+            backward_weight_grad_staged<Codec, T, K>(a, partials, warp_partials, group_sums,
+                                                     staged_rows);
+            return;
+        }
+    }
+#endif
     if constexpr (K <= kResidentWeightMaxChunks) {
         backward_weight_grad_resident<Codec, T, K>(a, partials, warp_partials, group_sums);
     } else {

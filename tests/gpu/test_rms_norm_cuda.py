@@ -444,16 +444,13 @@ def test_every_output_element_is_written_in_every_geometry(dtype):
         blocks = -(-rows // (groups * in_sequence))
         fused_grad_x = torch.full_like(y, float("nan"))
         partials = torch.full((blocks, hidden), float("nan"), device=DEVICE)
-        gpu_rms_norm.launch(
-            gpu_rms_norm.kernel_for(
-                "rms_norm",
-                f"rms_norm_backward_weight_grad_{gpu_rms_norm._SUFFIX[dtype]}_{name}",
-                x.device,
-            ),
+        gpu_rms_norm.launch_fused_backward(
+            name,
+            dtype,
             x.device,
-            grid=(blocks,),
-            block=(cta,),
-            args=(fused_grad_x, partials, y, x, weight, rstd, 0, rows, hidden, hidden),
+            blocks,
+            cta,
+            (fused_grad_x, partials, y, x, weight, rstd, 0, rows, hidden, hidden),
         )
         assert not bool(partials.isnan().any()), f"hidden {hidden}: partials unwritten"
         assert_bitwise_equal(fused_grad_x, grad_x)
@@ -536,7 +533,8 @@ def test_backward_t128k4_reduces_a_row_as_t128(dtype, trim):
     # t64): 128 threads of 4 chunks, so a row's tree is t128's; the backward kernels of t128k4,
     # t128k5 and t128 must give the same grad_x and first-level partials.  t128k4's fused kernel
     # also loads each row while the previous one is worked on (67 rows: the last CTA's loads run
-    # past the end), the others do not, so this also checks that the prefetch changes no bits.
+    # past the end), staged in shared memory on the vector path (trim 0, CUDA) and in registers
+    # on the element path, the others do not, so this also checks that neither changes bits.
     elems = 16 // dtype.itemsize
     hidden = 128 * 4 * elems - trim
     assert gpu_rms_norm.backward_geometry(hidden, dtype)[0] == "t128k4"
@@ -556,17 +554,16 @@ def test_backward_t128k4_reduces_a_row_as_t128(dtype, trim):
         grad_x = torch.full_like(x, float("nan"))
         fused_grad_x = torch.full_like(x, float("nan"))
         partials = torch.full((blocks, hidden), float("nan"), device=DEVICE)
-        for kernel, grid, outputs in (
-            (f"rms_norm_backward_{suffix}_{name}", rows, (grad_x,)),
-            (f"rms_norm_backward_weight_grad_{suffix}_{name}", blocks, (fused_grad_x, partials)),
-        ):
-            gpu_rms_norm.launch(
-                gpu_rms_norm.kernel_for("rms_norm", kernel, x.device),
-                x.device,
-                grid=(grid,),
-                block=(128,),
-                args=(*outputs, *inputs),
-            )
+        gpu_rms_norm.launch(
+            gpu_rms_norm.kernel_for("rms_norm", f"rms_norm_backward_{suffix}_{name}", x.device),
+            x.device,
+            grid=(rows,),
+            block=(128,),
+            args=(grad_x, *inputs),
+        )
+        gpu_rms_norm.launch_fused_backward(
+            name, dtype, x.device, blocks, 128, (fused_grad_x, partials, *inputs)
+        )
         for label, t in (
             ("grad_x", grad_x),
             ("fused grad_x", fused_grad_x),

@@ -19,7 +19,7 @@ from torch import Tensor
 
 from ..reference.rms_norm import check_fused_add_rms_norm_args, check_rms_norm_args
 from ..registry import backend_of
-from ._launch import kernel_for, launch, uses_hopper
+from ._launch import allow_dynamic_shared, kernel_for, launch, uses_hopper
 
 # Keep in step with kernels_cu/rms_norm.cu: (threads per row, 16-byte chunks per thread), the
 # first that holds the row is used.  (128, 5) reduces a row exactly as (128, 8) does (the tree
@@ -49,6 +49,12 @@ FUSED_WEIGHT_GRAD_SHARED_BYTES = 32768
 # Below this many CTAs the fused backward leaves SMs idle (1024 x 4096 bf16: 64 CTAs, about
 # twice the time of the two passes); the two passes then run instead, with the same bits.
 FUSED_WEIGHT_GRAD_MIN_BLOCKS = 256
+# t128k4's bf16/fp16 fused backward on CUDA stages the next row's dy and x in shared memory
+# (two stages of 128 threads x 4 chunks x 16 bytes, both tensors: kStagedRows and
+# kStagedRowsBytes in kernels_cu/rms_norm.cu), passed as dynamic shared memory.
+STAGED_ROWS_GEOMETRY = "t128k4"
+STAGED_ROWS_DTYPES = (torch.bfloat16, torch.float16)
+STAGED_ROWS_BYTES = 2 * 2 * 128 * 4 * 16
 
 _MAX_GRID_X = 2**31 - 1
 _MAX_GRID_Y = 65535
@@ -234,6 +240,25 @@ def _reduce_partials(partials: Tensor, dtype: torch.dtype) -> Tensor:
     return grad_weight
 
 
+def launch_fused_backward(
+    name: str, dtype: torch.dtype, device: torch.device, blocks: int, cta: int, args
+) -> None:
+    """Launches ``rms_norm_backward_weight_grad_*`` of backward geometry ``name`` (grad_x and
+    grad_weight's first level) with the dynamic shared memory it needs."""
+    kernel = kernel_for(
+        "rms_norm", f"rms_norm_backward_weight_grad_{_SUFFIX[dtype]}_{name}", device
+    )
+    shared = 0
+    if (
+        name == STAGED_ROWS_GEOMETRY
+        and dtype in STAGED_ROWS_DTYPES
+        and backend_of(device) == "cuda"
+    ):
+        shared = STAGED_ROWS_BYTES
+        allow_dynamic_shared(kernel, shared, device.index or 0)
+    launch(kernel, device, grid=(blocks,), block=(cta,), args=args, shared_mem=shared)
+
+
 def _check_weight_grad_width(d: int) -> None:
     if -(-d // WEIGHT_GRAD_THREADS) > _MAX_GRID_Y:
         raise ValueError(f"x.shape[-1] = {d} is too large for the weight gradient kernel")
@@ -312,15 +337,7 @@ def backward(
         if blocks > _MAX_GRID_X:
             raise ValueError(f"x has {rows} rows; too many for the weight gradient kernel")
         partials = torch.empty((blocks, d), dtype=torch.float32, device=x.device)
-        launch(
-            kernel_for(
-                "rms_norm", f"rms_norm_backward_weight_grad_{_SUFFIX[dtype]}_{name}", x.device
-            ),
-            x.device,
-            grid=(blocks,),
-            block=(cta,),
-            args=(grad_x, partials, *args),
-        )
+        launch_fused_backward(name, dtype, x.device, blocks, cta, (grad_x, partials, *args))
         grad_weight = _reduce_partials(partials, weight.dtype)
     else:
         _launch_rows("rms_norm_backward", x.device, d, dtype, rows, (grad_x, *args))
