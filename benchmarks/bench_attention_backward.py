@@ -179,16 +179,21 @@ def main() -> None:
             )
             timings.append((f"batchinv ({variant})", ms))
             timings.extend(_kernel_split_ms(call, seq_len, causal, scale, variant))
-            # The same variant with a former mma.sync kernel where a wgmma one runs (same bits).
+            # The same variant with a former kernel where a newer one runs (same bits).
             former = (
-                ("USE_WGMMA_DKDV", gpu_attention_backward.dkdv_uses_wgmma, "_wide dK/dV"),
-                ("USE_WGMMA_DQ", gpu_attention_backward.dq_uses_wgmma, "_tiled dQ"),
+                ("USE_WGMMA_DKDV", gpu_attention_backward.dkdv_uses_wgmma, "mma.sync _wide dK/dV"),
+                ("USE_WGMMA_DQ", gpu_attention_backward.dq_uses_wgmma, "mma.sync _tiled dQ"),
+                (
+                    "USE_WGMMA_DQ_PIPELINED",
+                    gpu_attention_backward.dq_uses_wgmma,
+                    "unpipelined wgmma dQ",
+                ),
             )
             for switch, uses_wgmma, kernel in former:
                 if variant != "tiled" or not uses_wgmma(q, variant):
                     continue
                 setattr(gpu_attention_backward, switch, False)
-                label = f"tiled, mma.sync {kernel}"
+                label = f"tiled, {kernel}"
                 ms = median_ms(
                     lambda call=call: gpu_attention_backward.backward(
                         *call, seq_len, seq_len, causal, scale

@@ -1586,6 +1586,246 @@ __device__ __forceinline__ void dq_wgmma_kernel(const uint16_t* q, const uint16_
 #endif
 }
 
+// ---- "wgmma" dQ kernel, pipelined (sm_90a, D = 128): the next block's S/dP behind dQ ---------
+//
+// The arithmetic of dq_wgmma_kernel (every wgmma the same, in the same order per accumulator:
+// the same bits), with the next key block's S = Q K^T and dP = dO V^T issued while the current
+// block's dQ += dS K product runs, so that the tensor cores do not idle between them.  K needs
+// a third buffer for that (dQ of block b still reads K(b) when K(b + 2) is staged); V keeps two.
+// The next block's S/dP accumulators are zeroed before the dQ product is issued, so that no
+// other instruction writes a wgmma accumulator while a wgmma group is in flight (ptxas would
+// otherwise serialise every wgmma, C7515).  Per block b (S(b), dP(b) already in flight):
+//   wait S(b) -> p; wait dP(b) -> ds, packed; zero S/dP; issue dQ(b);
+//   K/V(b + 1) landed + barrier -> issue S(b + 1), dP(b + 1); stage K/V(b + 2).
+// +0.0f into each register by an instruction of its own: the compiler can neither share one zero
+// register among the accumulators nor copy it into them later (such a copy, placed while a
+// wgmma group is in flight, makes ptxas serialise the wgmmas: C7514/C7515).
+template <int N>
+__device__ __forceinline__ void wg_zero_floats(float* r) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) asm volatile("mov.b32 %0, 0;" : "=f"(r[i])::"memory");
+}
+
+[[maybe_unused]] constexpr int kWgDqPipeKBuffers = 3;
+// Q, dO, three buffers of K, two of V, 1024 bytes of alignment: 115 712 bytes, two CTAs per SM.
+[[maybe_unused]] constexpr int kWgDqPipeSharedBytes = (4 + kWgDqPipeKBuffers) * kWgTileBytes + 1024;
+
+template <typename Codec>
+__device__ __forceinline__ void dq_wgmma_pipelined_kernel(const uint16_t* q, const uint16_t* k, const uint16_t* v,
+                                                          const uint16_t* dout, const float* lse,
+                                                          const float* delta, const int* q_start_of,
+                                                          const int* q_len_of, const int* k_start_of,
+                                                          const int* k_len_of, uint16_t* dq, int num_q_heads,
+                                                          int num_kv_heads, int64_t total_q, int causal,
+                                                          float scale) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    using namespace hopper;
+    constexpr int D = 128;
+    int seq, head, query_block;
+    tiled_cta_place(seq, head, query_block, true);
+    const int q_len = q_len_of[seq];
+    const int i0 = query_block * kWgDqRows;
+    if (i0 >= q_len) return;
+    const int k_len = k_len_of[seq];
+    const int q_start = q_start_of[seq];
+    const int k_start = k_start_of[seq];
+    const int offset = k_len - q_len;
+    const int kv_head = head / (num_q_heads / num_kv_heads);
+    const int64_t q_stride = static_cast<int64_t>(num_q_heads) * D;
+    const int64_t kv_stride = static_cast<int64_t>(num_kv_heads) * D;
+    const int rows = min(kWgDqRows, q_len - i0);
+
+    extern __shared__ __align__(16) uint16_t smem[];
+    uint8_t* raw = reinterpret_cast<uint8_t*>(smem);
+    uint8_t* shared = raw + ((1024u - (shared_address(raw) & 1023u)) & 1023u);
+    uint8_t* s_q = shared;
+    uint8_t* s_do = s_q + kWgTileBytes;
+    uint8_t* s_k = s_do + kWgTileBytes;                     // 3 buffers
+    uint8_t* s_v = s_k + kWgDqPipeKBuffers * kWgTileBytes;  // 2 buffers
+
+    wg_load_tile(s_q, q + head * D, q_stride, q_start + i0, rows);
+    wg_load_tile(s_do, dout + head * D, q_stride, q_start + i0, rows);
+
+    // `_tiled`'s key chunks: 32-key steps up to the last key its 128-row block can see.
+    int chunks;
+    {
+        const int tiled_i0 = (i0 / kTiledDqRows) * kTiledDqRows;
+        const int tiled_rows = min(kTiledDqRows, q_len - tiled_i0);
+        int steps = (k_len + kTiledDqKeys - 1) / kTiledDqKeys;
+        if (causal) {
+            const int last_position = offset + tiled_i0 + tiled_rows - 1;
+            steps = last_position < 0 ? 0 : min(steps, last_position / kTiledDqKeys + 1);
+        }
+        chunks = steps * (kTiledDqKeys / 16);
+    }
+    const int blocks = (chunks + 3) / 4;  // key blocks of 64 (four k16 chunks)
+
+    auto k_tile = [&](int block) { return s_k + (block % kWgDqPipeKBuffers) * kWgTileBytes; };
+    auto v_tile = [&](int block) { return s_v + (block & 1) * kWgTileBytes; };
+    auto stage = [&](int block) {
+        const int key0 = block * kWgKeys;
+        const int valid = min(kWgKeys, k_len - key0);
+        wg_load_tile(k_tile(block), k + kv_head * D, kv_stride, k_start + key0, valid);
+        wg_load_tile(v_tile(block), v + kv_head * D, kv_stride, k_start + key0, valid);
+    };
+
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int g = lane / 4, c = 2 * (lane % 4);
+    float row_lse[2], row_delta[2];
+    int last_seen[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int r = 16 * warp + g + 8 * h;
+        const bool ok = r < rows;
+        const int64_t at = static_cast<int64_t>(head) * total_q + q_start + i0 + r;
+        row_lse[h] = ok ? lse[at] : -INFINITY;
+        row_delta[h] = ok ? delta[at] : 0.0f;
+        last_seen[h] = row_lse[h] == -INFINITY ? -1 : (causal ? min(k_len - 1, offset + i0 + r) : k_len - 1);
+    }
+
+    const uint64_t desc_q = smem_descriptor_128b(s_q);
+    const uint64_t desc_do = smem_descriptor_128b(s_do);
+
+    float acc_dq[64], s[32], dp[32];
+    // The dQ product's register operand: kept alive (fenced) until the wait that retires the
+    // product, so that its registers are not given to the next S/dP accumulators meanwhile
+    // (ptxas would serialise the wgmmas).
+    uint32_t a_ds[4][4] = {};
+
+    // S and dP of `block` over d in increasing k16 steps, two commit groups (S first).
+    auto issue_scores = [&](int block) {
+        const uint64_t desc_k = smem_descriptor_128b(k_tile(block));
+        const uint64_t desc_v = smem_descriptor_128b(v_tile(block));
+        wgmma_fence();
+#pragma unroll
+        for (int ks = 0; ks < 8; ++ks) {
+            const int off = ((ks / 4) * kWgBoxBytes + (ks % 4) * 32) >> 4;
+            wg_mma_scores<Codec>(s, desc_q + off, desc_k + off);
+        }
+        wgmma_commit();
+#pragma unroll
+        for (int ks = 0; ks < 8; ++ks) {
+            const int off = ((ks / 4) * kWgBoxBytes + (ks % 4) * 32) >> 4;
+            wg_mma_scores<Codec>(dp, desc_do + off, desc_v + off);
+        }
+        wgmma_commit();
+    };
+
+    // Accumulator i: row 16 * warp + g + 8 * ((i / 2) % 2), column 8 * (i / 4) + c + i % 2.
+    auto store_dq = [&]() {
+#pragma unroll
+        for (int i = 0; i < 64; i += 2) {
+            const int r = 16 * warp + g + ((i / 2) % 2) * 8;
+            if (r >= rows) continue;
+            const int64_t at = (static_cast<int64_t>(q_start) + i0 + r) * q_stride + head * D + 8 * (i / 4) + c;
+            *reinterpret_cast<uint32_t*>(dq + at) =
+                pack_floats<Codec>(ieee_mul(acc_dq[i], scale), ieee_mul(acc_dq[i + 1], scale));
+        }
+    };
+    // No key block: dq = round(0 * scale).  Returning here keeps the pipeline below free of a
+    // path on which no wgmma was issued (its merge made ptxas serialise the wgmmas, C7514).
+    if (blocks == 0) {
+        wg_zero_floats<64>(acc_dq);
+        cp_async_wait<0>();
+        store_dq();
+        return;
+    }
+
+    stage(0);
+    cp_async_commit();  // Q, dO and block 0
+    if (blocks > 1) stage(1);
+    cp_async_commit();
+    cp_async_wait<1>();
+    fence_proxy_async_shared();  // the cp.async writes before the wgmma (async proxy) reads
+    __syncthreads();
+    wg_zero_floats<64>(acc_dq);
+    wg_zero_floats<32>(s);
+    wg_zero_floats<32>(dp);
+    issue_scores(0);
+    // p, ds and the dQ product of `block` (its S and dP in flight).  The last block is peeled
+    // off the loop, so that every path into the wait below has the same groups in flight
+    // (ptxas otherwise serialises the wgmmas, C7514).
+    auto gradients = [&](int block, bool last) {
+        const int key0 = block * kWgKeys;
+        // S(block), dP(block) and dQ(block - 1) complete.  (Waiting for S alone, as
+        // dq_wgmma_kernel does, with the groups issued in the previous iteration, makes ptxas
+        // serialise every wgmma of the kernel, C7514: the overlap kept is dQ with S/dP.)
+        wgmma_wait<0>();
+        wg_fence_floats<32>(s);
+        wg_fence_floats<32>(dp);
+        wg_fence_floats<64>(acc_dq);
+        wg_fence_words(a_ds);
+
+        // p: accumulator i is row 16 warp + g + 8 ((i / 2) % 2), key key0 + 8 (i / 4) + c + i % 2.
+        uint32_t visible_mask = 0u;
+#pragma unroll
+        for (int i = 0; i < 32; ++i) {
+            const int h = (i / 2) % 2;
+            const int key = key0 + 8 * (i / 4) + c + (i % 2);
+            const bool visible = key <= last_seen[h];
+            visible_mask |= static_cast<uint32_t>(visible) << i;
+            float p = expf(ieee_sub(ieee_mul(s[i], scale), row_lse[h]));
+            asm volatile("" : "+f"(p));  // computed unconditionally, then selected
+            s[i] = visible ? p : 0.0f;
+        }
+#pragma unroll
+        for (int i = 0; i < 32; ++i) {
+            const int h = (i / 2) % 2;
+            const bool visible = (visible_mask >> i) & 1u;
+            float ds = ieee_mul(s[i], ieee_sub(dp[i], row_delta[h]));
+            asm volatile("" : "+f"(ds));  // computed unconditionally, then selected
+            dp[i] = visible ? ds : 0.0f;
+        }
+#pragma unroll
+        for (int t = 0; t < 4; ++t)
+#pragma unroll
+            for (int j = 0; j < 4; ++j) a_ds[t][j] = pack_floats<Codec>(dp[8 * t + 2 * j], dp[8 * t + 2 * j + 1]);
+        wg_fence_floats<64>(acc_dq);
+        wg_fence_words(a_ds);  // every use of this block's s and dp is behind
+        // The next block's accumulators zeroed now, before any wgmma is in flight again (and
+        // after the last use of this block's values, so that they share registers: a copy
+        // between them while S/dP run makes ptxas serialise the wgmmas, C7514/C7515).
+        wg_zero_floats<32>(s);
+        wg_zero_floats<32>(dp);
+
+        // dQ += dS K over the block's k16 chunks in increasing order (`_tiled`'s chunks only).
+        const uint64_t ndesc_k = wg_desc_nmajor(k_tile(block));
+        // Only the last block may take two chunks: inside the loop the issue is branch-free
+        // (a branch there, with S/dP issued behind it, made ptxas serialise the wgmmas).
+        if (!last || chunks - 4 * block >= 4) {
+            wgmma_fence();
+#pragma unroll
+            for (int t = 0; t < 4; ++t) wg_mma_grads<Codec>(acc_dq, a_ds[t], ndesc_k + ((t * 16 * 128) >> 4));
+            wgmma_commit();
+        } else {
+            wgmma_fence();
+#pragma unroll
+            for (int t = 0; t < 2; ++t) wg_mma_grads<Codec>(acc_dq, a_ds[t], ndesc_k + ((t * 16 * 128) >> 4));
+            wgmma_commit();
+        }
+    };
+    for (int block = 0; block + 1 < blocks; ++block) {
+        gradients(block, false);
+        // K/V(block + 1) landed; every warp is past dP(block) (V buffer of block + 2 free)
+        // and dQ(block - 1) (K buffer of block + 2 free).
+        cp_async_wait<0>();
+        fence_proxy_async_shared();
+        __syncthreads();
+        issue_scores(block + 1);
+        if (block + 2 < blocks) stage(block + 2);
+        cp_async_commit();
+    }
+    gradients(blocks - 1, true);
+    wgmma_wait<0>();
+    wg_fence_floats<64>(acc_dq);
+    wg_fence_words(a_ds);
+    cp_async_wait<0>();
+    store_dq();
+#elif defined(__CUDA_ARCH__)
+    __trap();  // built only into sm_90a images; the host never launches it elsewhere
+#endif
+}
+
 }  // namespace attn_bwd
 }  // namespace batchinv
 
@@ -1727,5 +1967,21 @@ BATCHINV_ATTN_BWD_DKDV_WGMMA(f16, batchinv::F16Codec)
 BATCHINV_ATTN_BWD_DQ_WGMMA(bf16, batchinv::Bf16Codec)
 // batchinv-signature: attention_bwd_dq_f16_d128_wgmma(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
 BATCHINV_ATTN_BWD_DQ_WGMMA(f16, batchinv::F16Codec)
+
+#define BATCHINV_ATTN_BWD_DQ_WGMMA_PIPELINED(DTYPE, CODEC)                                                     \
+    extern "C" __global__ void __launch_bounds__(batchinv::attn_bwd::kWgThreads, 2)                            \
+        attention_bwd_dq_##DTYPE##_d128_wgmma_pipelined(                                                        \
+        const uint16_t* q, const uint16_t* k, const uint16_t* v, const uint16_t* dout, const float* lse,        \
+        const float* delta, const int* q_start, const int* q_len, const int* k_start, const int* k_len,         \
+        uint16_t* dq, int num_q_heads, int num_kv_heads, int64_t total_q, int causal, float scale) {            \
+        batchinv::attn_bwd::dq_wgmma_pipelined_kernel<CODEC>(q, k, v, dout, lse, delta, q_start, q_len,         \
+                                                             k_start, k_len, dq, num_q_heads, num_kv_heads,     \
+                                                             total_q, causal, scale);                           \
+    }
+
+// batchinv-signature: attention_bwd_dq_bf16_d128_wgmma_pipelined(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
+BATCHINV_ATTN_BWD_DQ_WGMMA_PIPELINED(bf16, batchinv::Bf16Codec)
+// batchinv-signature: attention_bwd_dq_f16_d128_wgmma_pipelined(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
+BATCHINV_ATTN_BWD_DQ_WGMMA_PIPELINED(f16, batchinv::F16Codec)
 
 #endif  // !__HIPCC__

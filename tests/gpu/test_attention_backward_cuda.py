@@ -440,6 +440,37 @@ def test_wgmma_dq_gives_the_bits_of_the_tiled_kernel(config, kernel_variant, mon
     _assert_padding_zero(pack, (dq, dk, dv), "wgmma dq pack")
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("config", [c for c in CONFIGS if c[1] == 128], ids=_config_id)
+def test_pipelined_wgmma_dq_gives_the_bits_of_the_unpipelined_one(
+    config, kernel_variant, monkeypatch
+):
+    """The default wgmma dQ kernel issues the next key block's S/dP while the current block's
+    dQ product runs (a third K buffer); its dq is bitwise that of the unpipelined wgmma kernel
+    (USE_WGMMA_DQ_PIPELINED = False), -0 included, on sequences with 0, 1, odd and many key
+    blocks."""
+    if kernel_variant != "tiled":
+        pytest.skip("the wgmma dQ kernel replaces the tiled variant's only")
+    dtype, head_dim, heads, causal = config
+    scale = 1.0 / math.sqrt(head_dim)
+    seqs = [
+        _make_sequence(lq, lk, heads, head_dim, dtype, causal, scale, seed=900 + i)
+        for i, (lq, lk) in enumerate(WGMMA_SEQUENCES)
+    ]
+    count = len(seqs) + 1
+    pack = _pack(
+        seqs, [PAD_ROWS[(j + 1) % 3] for j in range(count)], [PAD_ROWS[j % 3] for j in range(count)]
+    )
+    if not gpu_attention_backward.dq_uses_wgmma(pack.q):
+        pytest.skip("the wgmma dQ kernel needs an sm_90 GPU and the sm_90a image")
+    assert gpu_attention_backward.USE_WGMMA_DQ_PIPELINED
+    dq, _, _ = _backward(pack, causal, scale)
+    monkeypatch.setattr(gpu_attention_backward, "USE_WGMMA_DQ_PIPELINED", False)
+    dq_plain, _, _ = _backward(pack, causal, scale)
+    assert_bitwise_equal(dq, dq_plain, name="dq, pipelined vs unpipelined wgmma")
+    assert float(dq.float().abs().max()) > 0
+
+
 # ----------------------------------------------------------------------------- bad inputs
 
 

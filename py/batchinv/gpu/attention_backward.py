@@ -64,6 +64,12 @@ WGMMA_DQ_ROWS = 64
 WGMMA_DQ_SHARED_BYTES = 6 * 64 * 128 * 2 + 1024
 # Tests and the benchmark only: False forces the `_tiled` dQ kernel (same bits).
 USE_WGMMA_DQ = True
+# The pipelined wgmma dQ kernel ("_wgmma_pipelined"): the next key block's S/dP issued while the
+# current block's dQ product runs; a third K buffer (7 tiles: 115 712 bytes, still two CTAs per
+# SM).  Same wgmmas in the same order, so the same bits.  Tests and the benchmark only: False
+# takes the unpipelined "_wgmma" kernel.
+WGMMA_DQ_PIPELINED_SHARED_BYTES = 7 * 64 * 128 * 2 + 1024
+USE_WGMMA_DQ_PIPELINED = True
 _FLOAT_BYTES = 4
 
 # How tiles reach the mma, per variant: (dK/dV kernel, dQ kernel).  "tiled" (default): the
@@ -439,6 +445,9 @@ def kernel_launches(
         if dq_uses_wgmma(q, variant):
             name = f"attention_bwd_dq_{_SUFFIX[q.dtype]}_d{head_dim}_wgmma"
             shared, dq_rows, dq_threads = WGMMA_DQ_SHARED_BYTES, WGMMA_DQ_ROWS, WGMMA_THREADS
+            if USE_WGMMA_DQ_PIPELINED:
+                name += "_pipelined"
+                shared = WGMMA_DQ_PIPELINED_SHARED_BYTES
         else:
             name = _kernel_name("dq", q.dtype, head_dim, variant)
             shared, dq_rows = dq_shared_bytes(head_dim, variant), geometry["rows"]
