@@ -1610,7 +1610,7 @@ __device__ __forceinline__ void wg_zero_floats(float* r) {
 // Q, dO, three buffers of K, two of V, 1024 bytes of alignment: 115 712 bytes, two CTAs per SM.
 [[maybe_unused]] constexpr int kWgDqPipeSharedBytes = (4 + kWgDqPipeKBuffers) * kWgTileBytes + 1024;
 
-template <typename Codec>
+template <typename Codec, bool kLateDp>
 __device__ __forceinline__ void dq_wgmma_pipelined_kernel(const uint16_t* q, const uint16_t* k, const uint16_t* v,
                                                           const uint16_t* dout, const float* lse,
                                                           const float* delta, const int* q_start_of,
@@ -1692,10 +1692,9 @@ __device__ __forceinline__ void dq_wgmma_pipelined_kernel(const uint16_t* q, con
     // (ptxas would serialise the wgmmas).
     uint32_t a_ds[4][4] = {};
 
-    // S and dP of `block` over d in increasing k16 steps, two commit groups (S first).
-    auto issue_scores = [&](int block) {
+    // S and dP of `block` over d in increasing k16 steps, each its own commit group.
+    auto issue_s = [&](int block) {
         const uint64_t desc_k = smem_descriptor_128b(k_tile(block));
-        const uint64_t desc_v = smem_descriptor_128b(v_tile(block));
         wgmma_fence();
 #pragma unroll
         for (int ks = 0; ks < 8; ++ks) {
@@ -1703,12 +1702,22 @@ __device__ __forceinline__ void dq_wgmma_pipelined_kernel(const uint16_t* q, con
             wg_mma_scores<Codec>(s, desc_q + off, desc_k + off);
         }
         wgmma_commit();
+    };
+    auto issue_dp = [&](int block) {
+        const uint64_t desc_v = smem_descriptor_128b(v_tile(block));
+        wgmma_fence();
 #pragma unroll
         for (int ks = 0; ks < 8; ++ks) {
             const int off = ((ks / 4) * kWgBoxBytes + (ks % 4) * 32) >> 4;
             wg_mma_scores<Codec>(dp, desc_do + off, desc_v + off);
         }
         wgmma_commit();
+    };
+    // kLateDp: only S is issued behind the dQ product; dP is issued once they are complete and
+    // runs while p is computed (the overlap of dq_wgmma_kernel).  Otherwise both.
+    auto issue_scores = [&](int block) {
+        issue_s(block);
+        if constexpr (!kLateDp) issue_dp(block);
     };
 
     // Accumulator i: row 16 * warp + g + 8 * ((i / 2) % 2), column 8 * (i / 4) + c + i % 2.
@@ -1755,6 +1764,7 @@ __device__ __forceinline__ void dq_wgmma_pipelined_kernel(const uint16_t* q, con
         wg_fence_floats<32>(dp);
         wg_fence_floats<64>(acc_dq);
         wg_fence_words(a_ds);
+        if constexpr (kLateDp) issue_dp(block);
 
         // p: accumulator i is row 16 warp + g + 8 ((i / 2) % 2), key key0 + 8 (i / 4) + c + i % 2.
         uint32_t visible_mask = 0u;
@@ -1767,6 +1777,10 @@ __device__ __forceinline__ void dq_wgmma_pipelined_kernel(const uint16_t* q, con
             float p = expf(ieee_sub(ieee_mul(s[i], scale), row_lse[h]));
             asm volatile("" : "+f"(p));  // computed unconditionally, then selected
             s[i] = visible ? p : 0.0f;
+        }
+        if constexpr (kLateDp) {
+            wgmma_wait<0>();  // dP(block) is complete
+            wg_fence_floats<32>(dp);
         }
 #pragma unroll
         for (int i = 0; i < 32; ++i) {
@@ -1968,20 +1982,26 @@ BATCHINV_ATTN_BWD_DQ_WGMMA(bf16, batchinv::Bf16Codec)
 // batchinv-signature: attention_bwd_dq_f16_d128_wgmma(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
 BATCHINV_ATTN_BWD_DQ_WGMMA(f16, batchinv::F16Codec)
 
-#define BATCHINV_ATTN_BWD_DQ_WGMMA_PIPELINED(DTYPE, CODEC)                                                     \
+#define BATCHINV_ATTN_BWD_DQ_WGMMA_PIPELINED(DTYPE, CODEC, SUFFIX, LATE_DP)                                    \
     extern "C" __global__ void __launch_bounds__(batchinv::attn_bwd::kWgThreads, 2)                            \
-        attention_bwd_dq_##DTYPE##_d128_wgmma_pipelined(                                                        \
+        attention_bwd_dq_##DTYPE##_d128_wgmma##SUFFIX(                                                          \
         const uint16_t* q, const uint16_t* k, const uint16_t* v, const uint16_t* dout, const float* lse,        \
         const float* delta, const int* q_start, const int* q_len, const int* k_start, const int* k_len,         \
         uint16_t* dq, int num_q_heads, int num_kv_heads, int64_t total_q, int causal, float scale) {            \
-        batchinv::attn_bwd::dq_wgmma_pipelined_kernel<CODEC>(q, k, v, dout, lse, delta, q_start, q_len,         \
-                                                             k_start, k_len, dq, num_q_heads, num_kv_heads,     \
-                                                             total_q, causal, scale);                           \
+        batchinv::attn_bwd::dq_wgmma_pipelined_kernel<CODEC, LATE_DP>(q, k, v, dout, lse, delta, q_start,      \
+                                                                      q_len, k_start, k_len, dq, num_q_heads,   \
+                                                                      num_kv_heads, total_q, causal, scale);    \
     }
 
+// "_pipelined": S and dP of the next key block behind the dQ product; "_pipelined_s": S only
+// (dP issued at the top of its block, overlapping p).
 // batchinv-signature: attention_bwd_dq_bf16_d128_wgmma_pipelined(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
-BATCHINV_ATTN_BWD_DQ_WGMMA_PIPELINED(bf16, batchinv::Bf16Codec)
+BATCHINV_ATTN_BWD_DQ_WGMMA_PIPELINED(bf16, batchinv::Bf16Codec, _pipelined, false)
 // batchinv-signature: attention_bwd_dq_f16_d128_wgmma_pipelined(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
-BATCHINV_ATTN_BWD_DQ_WGMMA_PIPELINED(f16, batchinv::F16Codec)
+BATCHINV_ATTN_BWD_DQ_WGMMA_PIPELINED(f16, batchinv::F16Codec, _pipelined, false)
+// batchinv-signature: attention_bwd_dq_bf16_d128_wgmma_pipelined_s(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
+BATCHINV_ATTN_BWD_DQ_WGMMA_PIPELINED(bf16, batchinv::Bf16Codec, _pipelined_s, true)
+// batchinv-signature: attention_bwd_dq_f16_d128_wgmma_pipelined_s(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
+BATCHINV_ATTN_BWD_DQ_WGMMA_PIPELINED(f16, batchinv::F16Codec, _pipelined_s, true)
 
 #endif  // !__HIPCC__

@@ -445,10 +445,10 @@ def test_wgmma_dq_gives_the_bits_of_the_tiled_kernel(config, kernel_variant, mon
 def test_pipelined_wgmma_dq_gives_the_bits_of_the_unpipelined_one(
     config, kernel_variant, monkeypatch
 ):
-    """The default wgmma dQ kernel issues the next key block's S/dP while the current block's
-    dQ product runs (a third K buffer); its dq is bitwise that of the unpipelined wgmma kernel
-    (USE_WGMMA_DQ_PIPELINED = False), -0 included, on sequences with 0, 1, odd and many key
-    blocks."""
+    """The pipelined wgmma dQ kernels (the next key block's S, or S and dP, issued while the
+    current block's dQ product runs; a third K buffer) give bitwise the dq of the unpipelined
+    wgmma kernel (WGMMA_DQ_PIPELINE = "none"), -0 included, on sequences with 0, 1, odd and
+    many key blocks."""
     if kernel_variant != "tiled":
         pytest.skip("the wgmma dQ kernel replaces the tiled variant's only")
     dtype, head_dim, heads, causal = config
@@ -463,12 +463,13 @@ def test_pipelined_wgmma_dq_gives_the_bits_of_the_unpipelined_one(
     )
     if not gpu_attention_backward.dq_uses_wgmma(pack.q):
         pytest.skip("the wgmma dQ kernel needs an sm_90 GPU and the sm_90a image")
-    assert gpu_attention_backward.USE_WGMMA_DQ_PIPELINED
-    dq, _, _ = _backward(pack, causal, scale)
-    monkeypatch.setattr(gpu_attention_backward, "USE_WGMMA_DQ_PIPELINED", False)
+    monkeypatch.setattr(gpu_attention_backward, "WGMMA_DQ_PIPELINE", "none")
     dq_plain, _, _ = _backward(pack, causal, scale)
-    assert_bitwise_equal(dq, dq_plain, name="dq, pipelined vs unpipelined wgmma")
-    assert float(dq.float().abs().max()) > 0
+    assert float(dq_plain.float().abs().max()) > 0
+    for pipeline in ("s_dp", "s"):
+        monkeypatch.setattr(gpu_attention_backward, "WGMMA_DQ_PIPELINE", pipeline)
+        dq, _, _ = _backward(pack, causal, scale)
+        assert_bitwise_equal(dq, dq_plain, name=f"dq, pipeline {pipeline} vs none")
 
 
 # ----------------------------------------------------------------------------- bad inputs
