@@ -179,25 +179,16 @@ def main() -> None:
             )
             timings.append((f"batchinv ({variant})", ms))
             timings.extend(_kernel_split_ms(call, seq_len, causal, scale, variant))
-            # The same variant with a former kernel where a newer one runs, and with the other
-            # overlaps of the wgmma dQ kernel (same bits): (switch, value, uses, label).
-            uses_dkdv = gpu_attention_backward.dkdv_uses_wgmma
-            uses_dq = gpu_attention_backward.dq_uses_wgmma
-            others = [
-                ("USE_WGMMA_DKDV", False, uses_dkdv, "mma.sync _wide dK/dV"),
-                ("USE_WGMMA_DQ", False, uses_dq, "mma.sync _tiled dQ"),
-            ]
-            others += [
-                ("WGMMA_DQ_PIPELINE", pipeline, uses_dq, f"wgmma dQ, pipeline {pipeline}")
-                for pipeline in gpu_attention_backward.WGMMA_DQ_PIPELINES
-                if pipeline != gpu_attention_backward.WGMMA_DQ_PIPELINE
-            ]
-            for switch, value, uses_wgmma, kernel in others:
+            # The same variant with a former mma.sync kernel where a wgmma one runs (same bits).
+            former = (
+                ("USE_WGMMA_DKDV", gpu_attention_backward.dkdv_uses_wgmma, "_wide dK/dV"),
+                ("USE_WGMMA_DQ", gpu_attention_backward.dq_uses_wgmma, "_tiled dQ"),
+            )
+            for switch, uses_wgmma, kernel in former:
                 if variant != "tiled" or not uses_wgmma(q, variant):
                     continue
-                restore = getattr(gpu_attention_backward, switch)
-                setattr(gpu_attention_backward, switch, value)
-                label = f"tiled, {kernel}"
+                setattr(gpu_attention_backward, switch, False)
+                label = f"tiled, mma.sync {kernel}"
                 ms = median_ms(
                     lambda call=call: gpu_attention_backward.backward(
                         *call, seq_len, seq_len, causal, scale
@@ -205,7 +196,7 @@ def main() -> None:
                 )
                 timings.append((f"batchinv ({label})", ms))
                 timings.extend(_kernel_split_ms(call, seq_len, causal, scale, label))
-                setattr(gpu_attention_backward, switch, restore)
+                setattr(gpu_attention_backward, switch, True)
         gpu_attention_backward.KERNEL_VARIANT = default_variant
         anchor = next((ms for path, ms in timings if path.startswith("SDPA default")), None)
         for path, ms in timings:

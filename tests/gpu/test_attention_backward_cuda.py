@@ -440,38 +440,6 @@ def test_wgmma_dq_gives_the_bits_of_the_tiled_kernel(config, kernel_variant, mon
     _assert_padding_zero(pack, (dq, dk, dv), "wgmma dq pack")
 
 
-@pytest.mark.cuda
-@pytest.mark.parametrize("config", [c for c in CONFIGS if c[1] == 128], ids=_config_id)
-def test_pipelined_wgmma_dq_gives_the_bits_of_the_unpipelined_one(
-    config, kernel_variant, monkeypatch
-):
-    """The pipelined wgmma dQ kernels (the next key block's S, or S and dP, issued while the
-    current block's dQ product runs; a third K buffer) give bitwise the dq of the unpipelined
-    wgmma kernel (WGMMA_DQ_PIPELINE = "none"), -0 included, on sequences with 0, 1, odd and
-    many key blocks."""
-    if kernel_variant != "tiled":
-        pytest.skip("the wgmma dQ kernel replaces the tiled variant's only")
-    dtype, head_dim, heads, causal = config
-    scale = 1.0 / math.sqrt(head_dim)
-    seqs = [
-        _make_sequence(lq, lk, heads, head_dim, dtype, causal, scale, seed=900 + i)
-        for i, (lq, lk) in enumerate(WGMMA_SEQUENCES)
-    ]
-    count = len(seqs) + 1
-    pack = _pack(
-        seqs, [PAD_ROWS[(j + 1) % 3] for j in range(count)], [PAD_ROWS[j % 3] for j in range(count)]
-    )
-    if not gpu_attention_backward.dq_uses_wgmma(pack.q):
-        pytest.skip("the wgmma dQ kernel needs an sm_90 GPU and the sm_90a image")
-    monkeypatch.setattr(gpu_attention_backward, "WGMMA_DQ_PIPELINE", "none")
-    dq_plain, _, _ = _backward(pack, causal, scale)
-    assert float(dq_plain.float().abs().max()) > 0
-    for pipeline in ("s_dp", "s"):
-        monkeypatch.setattr(gpu_attention_backward, "WGMMA_DQ_PIPELINE", pipeline)
-        dq, _, _ = _backward(pack, causal, scale)
-        assert_bitwise_equal(dq, dq_plain, name=f"dq, pipeline {pipeline} vs none")
-
-
 # ----------------------------------------------------------------------------- bad inputs
 
 

@@ -64,19 +64,6 @@ WGMMA_DQ_ROWS = 64
 WGMMA_DQ_SHARED_BYTES = 6 * 64 * 128 * 2 + 1024
 # Tests and the benchmark only: False forces the `_tiled` dQ kernel (same bits).
 USE_WGMMA_DQ = True
-# How the wgmma dQ kernel overlaps its products: "s_dp" ("_wgmma_pipelined"): the next key
-# block's S and dP issued while the current block's dQ product runs; "s" ("_wgmma_pipelined_s"):
-# only S behind the dQ product, dP overlapping p; "none" ("_wgmma"): each block's products
-# issued and waited in turn.  The pipelined kernels hold a third K buffer (7 tiles: 115 712
-# bytes, still two CTAs per SM).  Same wgmmas in the same order: the same bits (tested).
-# Tests and the benchmark set it; the default is the fastest measured.
-WGMMA_DQ_PIPELINED_SHARED_BYTES = 7 * 64 * 128 * 2 + 1024
-WGMMA_DQ_PIPELINES = {
-    "none": ("", WGMMA_DQ_SHARED_BYTES),
-    "s_dp": ("_pipelined", WGMMA_DQ_PIPELINED_SHARED_BYTES),
-    "s": ("_pipelined_s", WGMMA_DQ_PIPELINED_SHARED_BYTES),
-}
-WGMMA_DQ_PIPELINE = "s_dp"
 _FLOAT_BYTES = 4
 
 # How tiles reach the mma, per variant: (dK/dV kernel, dQ kernel).  "tiled" (default): the
@@ -450,9 +437,8 @@ def kernel_launches(
     if max_q_len > 0:
         # The wgmma kernel: 64 queries per CTA, heavy-first grid like `_tiled`.
         if dq_uses_wgmma(q, variant):
-            suffix, shared = WGMMA_DQ_PIPELINES[WGMMA_DQ_PIPELINE]
-            name = f"attention_bwd_dq_{_SUFFIX[q.dtype]}_d{head_dim}_wgmma{suffix}"
-            dq_rows, dq_threads = WGMMA_DQ_ROWS, WGMMA_THREADS
+            name = f"attention_bwd_dq_{_SUFFIX[q.dtype]}_d{head_dim}_wgmma"
+            shared, dq_rows, dq_threads = WGMMA_DQ_SHARED_BYTES, WGMMA_DQ_ROWS, WGMMA_THREADS
         else:
             name = _kernel_name("dq", q.dtype, head_dim, variant)
             shared, dq_rows = dq_shared_bytes(head_dim, variant), geometry["rows"]
