@@ -380,11 +380,10 @@ WGMMA_SEQUENCES = (*NEIGHBOUR_SEQUENCES, (5, 3), (0, 70), (9, 0), *LONG_SEQUENCE
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("config", [c for c in CONFIGS if c[1] == 128], ids=_config_id)
+@pytest.mark.parametrize("kernel_variant", ["tiled"], indirect=True)  # the only one it replaces
 def test_wgmma_dkdv_gives_the_bits_of_the_wide_kernel(config, kernel_variant, monkeypatch):
     """On sm_90a the "tiled" variant's dK/dV launch is the wgmma kernel: its dk and dv are
     bitwise those of the mma.sync kernel ``_wide`` (forced with USE_WGMMA_DKDV = False)."""
-    if kernel_variant != "tiled":
-        pytest.skip("the wgmma dK/dV kernel replaces the tiled variant's only")
     dtype, head_dim, heads, causal = config
     scale = 1.0 / math.sqrt(head_dim)
     seqs = [
@@ -410,11 +409,10 @@ def test_wgmma_dkdv_gives_the_bits_of_the_wide_kernel(config, kernel_variant, mo
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("config", [c for c in CONFIGS if c[1] == 128], ids=_config_id)
+@pytest.mark.parametrize("kernel_variant", ["tiled"], indirect=True)  # the only one it replaces
 def test_wgmma_dq_gives_the_bits_of_the_tiled_kernel(config, kernel_variant, monkeypatch):
     """On sm_90a the "tiled" variant's dQ launch is the wgmma kernel: its dq is bitwise that of
     the mma.sync kernel ``_tiled`` (forced with USE_WGMMA_DQ = False), -0 included."""
-    if kernel_variant != "tiled":
-        pytest.skip("the wgmma dQ kernel replaces the tiled variant's only")
     dtype, head_dim, heads, causal = config
     scale = 1.0 / math.sqrt(head_dim)
     seqs = [
