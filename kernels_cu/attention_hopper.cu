@@ -57,7 +57,7 @@
 //     (finalize_row; tested against finalize_out by the test kernel attn_hopper_finalize_check).
 //     The last split's merge goes to registers, not through shared memory.
 // Launch: grid min(SMs, items), items = ceil(max_q_len / QPT) x Hq / P x B (q_tiles, batch
-// arguments; queue: one int32 +0), block 384 threads (warpgroup 0 = producer),
+// arguments; queue: 1 + 2 * grid int32, the first +0), block 384 threads (warpgroup 0 = producer),
 // dynamic shared memory attn_hopper_shared_bytes (py/batchinv/gpu/attention_hopper.py).
 #include "common/hopper.cuh"
 #include "common/wgmma.cuh"
@@ -222,7 +222,7 @@ struct Params {
     int64_t q_row, q_head, out_row, out_head;
     int tq, hq, hkv, pack, causal;
     float scale_log2;
-    int* queue;          // work-item counter, +0 at launch (one per launch)
+    int* queue;          // [0]: work-item counter, +0 at launch; [1 + 2 * CTA ..]: its item ring
     int q_tiles, batch;  // work items: q_tiles x (hq / pack) head groups x batch
 };
 
@@ -276,10 +276,13 @@ __device__ __forceinline__ void attn_hopper_tile(const TensorMap& map_k, const T
     uint64_t* empty = full + kStages;
     uint64_t* side = empty + kStages;  // the producer's own barrier for a boundary block
     // The work items the producer took from the queue, in a ring of two slots (full: written,
-    // empty: read by every consumer warp).
+    // empty: read by every consumer warp).  The slots are this CTA's two ints after the counter
+    // in global memory, not shared memory: the mbarriers order them either way (release on
+    // arrive, acquire on wait, CTA scope), but compute-sanitizer's racecheck does not model
+    // mbarrier ordering of generic shared-memory accesses and reported the shared slots as races.
     uint64_t* item_full = side + 1;
     uint64_t* item_empty = item_full + 2;
-    volatile int* item_slot = reinterpret_cast<volatile int*>(item_empty + 2);
+    volatile int* item_slot = p.queue + 1 + 2 * blockIdx.x;
 
     const int qpt = kRows / p.pack;
     const int items = p.q_tiles * (p.hq / p.pack) * p.batch;

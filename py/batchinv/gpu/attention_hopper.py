@@ -30,14 +30,12 @@ _MAX_ITEMS = 2**31 - 1 - 1024  # the queue counter is an int32 (each CTA takes o
 def shared_bytes(stages: int = STAGES) -> int:
     """Dynamic shared memory of the kernel: Q (two warpgroups x two 64-column halves), the
     K and V stages, the fp32 running state (64 values per consumer thread), the mbarriers
-    (K/V ring, boundary block, work-item ring), the two work-item slots, and 1024 bytes to
-    align the swizzled tiles."""
+    (K/V ring, boundary block, work-item ring), and 1024 bytes to align the swizzled tiles."""
     q = 4 * _BOX_BYTES
     kv = 2 * stages * 2 * _BOX_BYTES
     run = 64 * 256 * 4
     barriers = 8 * (2 * stages + 1 + 4)
-    item_slots = 2 * 4
-    return q + kv + run + barriers + item_slots + 1024
+    return q + kv + run + barriers + 1024
 
 
 def _tma_rows(t: Tensor) -> bool:
@@ -130,7 +128,8 @@ def forward_tile(
     # Persistent grid: one CTA per SM (at most one per item) takes the items from a queue; which
     # CTA computes a row never changes its arithmetic.
     ctas = min(items, _forced_ctas or _multiprocessors(q.device.index or 0))
-    queue = torch.zeros(1, dtype=torch.int32, device=q.device)
+    # The counter (+0), then each CTA's two-slot ring of taken items (written before read).
+    queue = torch.zeros(1 + 2 * ctas, dtype=torch.int32, device=q.device)
     launch(
         _kernel(name, q.device, STAGES),
         q.device,
