@@ -1181,6 +1181,90 @@ __device__ __forceinline__ void wg_mma_grads(float (&d)[64], const uint32_t (&a)
         wgmma::mma_rs_m64n128k16_f16(d, a, desc_b);
 }
 
+
+// ---- What both wgmma kernels do the same way (one copy, so that the two cannot drift apart:
+// their bits must match the mma.sync kernels step for step).
+
+// Bytes from raw (the dynamic shared memory) to its first 1024-byte boundary, where swizzled
+// tiles must start.  The caller adds it to the array itself, so that the compiler keeps knowing
+// these are shared-memory pointers (a helper returning the pointer changed the compiled code).
+__device__ __forceinline__ uint32_t wg_bytes_to_1024(const void* raw) {
+    return (1024u - (shared_address(raw) & 1023u)) & 1023u;
+}
+
+// The head of a step: this buffer's cp.async copies landed in every thread and are visible to
+// the wgmma (async proxy); after the barrier the other buffer is free to restage.
+__device__ __forceinline__ void wg_wait_staged() {
+    cp_async_wait<0>();
+    fence_proxy_async_shared();  // the cp.async writes before the wgmma (async proxy) reads
+    __syncthreads();             // every thread's copies landed; the other buffer is free
+}
+
+// A step's two score products over d = 128 (S and dP, or their transposes): each from a zero
+// accumulator in eight increasing k16 steps (32 bytes along a swizzled row, box ks / 4), the
+// mma.sync chain whose bits they must match; one commit group each, so that the caller can
+// wait for the first while the second runs.  A descriptors are the caller's, B tiles K-major.
+template <typename Codec>
+__device__ __forceinline__ void wg_issue_score_products(float (&first)[32], uint64_t desc_a_first,
+                                                        const uint8_t* tile_b_first, float (&second)[32],
+                                                        uint64_t desc_a_second, const uint8_t* tile_b_second) {
+#pragma unroll
+    for (int i = 0; i < 32; ++i) first[i] = second[i] = 0.0f;
+    const uint64_t desc_b_first = hopper::smem_descriptor_128b(tile_b_first);
+    const uint64_t desc_b_second = hopper::smem_descriptor_128b(tile_b_second);
+    wg_fence_floats<32>(first);
+    wg_fence_floats<32>(second);
+    hopper::wgmma_fence();
+#pragma unroll
+    for (int ks = 0; ks < 8; ++ks) {
+        const int off = ((ks / 4) * kWgBoxBytes + (ks % 4) * 32) >> 4;
+        wg_mma_scores<Codec>(first, desc_a_first + off, desc_b_first + off);
+    }
+    hopper::wgmma_commit();
+#pragma unroll
+    for (int ks = 0; ks < 8; ++ks) {
+        const int off = ((ks / 4) * kWgBoxBytes + (ks % 4) * 32) >> 4;
+        wg_mma_scores<Codec>(second, desc_a_second + off, desc_b_second + off);
+    }
+    hopper::wgmma_commit();
+}
+
+// Accumulator pairs rounded to the input dtype as the register A operand of four k16 steps:
+// a_from_acc's packing, the bits the mma.sync kernels write to shared memory and read back.
+template <typename Codec>
+__device__ __forceinline__ void wg_pack_a(uint32_t (&a)[4][4], const float (&x)[32]) {
+#pragma unroll
+    for (int t = 0; t < 4; ++t)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) a[t][j] = pack_floats<Codec>(x[8 * t + 2 * j], x[8 * t + 2 * j + 1]);
+}
+
+// ds = p * (dp - delta) (probability_and_grad's second line) in place of dp, computed for every
+// element and then selected by the visibility bit that p's pass kept; delta_of(i) is the
+// element's row delta (the kernels hold their rows differently).  Callers capture by value: a
+// by-reference lambda changed the compiled code (the PTX is kept identical to the unshared form).
+template <typename DeltaOf>
+__device__ __forceinline__ void wg_select_ds(float (&dp)[32], const float (&p)[32], uint32_t visible_mask,
+                                             DeltaOf delta_of) {
+#pragma unroll
+    for (int i = 0; i < 32; ++i) {
+        const bool visible = (visible_mask >> i) & 1u;
+        float ds = ieee_mul(p[i], ieee_sub(dp[i], delta_of(i)));
+        asm volatile("" : "+f"(ds));  // computed unconditionally, then selected
+        dp[i] = visible ? ds : 0.0f;
+    }
+}
+
+// acc += A B over the first `Chunks` k16 steps in increasing order (B N-major: step t is 16
+// rows of 128 bytes further), one commit group.
+template <typename Codec, int Chunks>
+__device__ __forceinline__ void wg_issue_grad_product(float (&acc)[64], const uint32_t (&a)[4][4], uint64_t ndesc_b) {
+    hopper::wgmma_fence();
+#pragma unroll
+    for (int t = 0; t < Chunks; ++t) wg_mma_grads<Codec>(acc, a[t], ndesc_b + ((t * 16 * 128) >> 4));
+    hopper::wgmma_commit();
+}
+
 #endif
 
 template <typename Codec>
@@ -1205,11 +1289,9 @@ __device__ __forceinline__ void dkdv_wgmma_kernel(const uint16_t* q, const uint1
     const int64_t q_stride = static_cast<int64_t>(num_q_heads) * D;
     const int64_t kv_stride = static_cast<int64_t>(num_kv_heads) * D;
 
-    // Swizzled tiles start on a 1024-byte boundary (offset from the array, so that the
-    // compiler keeps knowing these are shared-memory pointers).
     extern __shared__ __align__(16) uint16_t smem[];
     uint8_t* raw = reinterpret_cast<uint8_t*>(smem);
-    uint8_t* shared = raw + ((1024u - (shared_address(raw) & 1023u)) & 1023u);
+    uint8_t* shared = raw + wg_bytes_to_1024(raw);
     uint8_t* s_k = shared;
     uint8_t* s_v = s_k + kWgTileBytes;
     uint8_t* s_q = s_v + kWgTileBytes;        // 2 buffers
@@ -1254,9 +1336,7 @@ __device__ __forceinline__ void dkdv_wgmma_kernel(const uint16_t* q, const uint1
     cp_async_commit();
     for (int step = 0; step < steps; ++step) {
         const int buffer = step & 1;
-        cp_async_wait<0>();
-        fence_proxy_async_shared();  // the cp.async writes before the wgmma (async proxy) reads
-        __syncthreads();             // every thread's copies landed; the other buffer is free
+        wg_wait_staged();
 
         const uint8_t* tq = s_q + buffer * kWgTileBytes;
         const uint8_t* tdo = s_do + buffer * kWgTileBytes;
@@ -1267,27 +1347,7 @@ __device__ __forceinline__ void dkdv_wgmma_kernel(const uint16_t* q, const uint1
 
         // S^T and dP^T over d in increasing k16 steps (32 bytes along a swizzled row).
         float st[32], dpt[32];
-#pragma unroll
-        for (int i = 0; i < 32; ++i) st[i] = dpt[i] = 0.0f;
-        {
-            const uint64_t desc_q = smem_descriptor_128b(tq);
-            const uint64_t desc_do = smem_descriptor_128b(tdo);
-            wg_fence_floats<32>(st);
-            wg_fence_floats<32>(dpt);
-            wgmma_fence();
-#pragma unroll
-            for (int ks = 0; ks < 8; ++ks) {
-                const int off = ((ks / 4) * kWgBoxBytes + (ks % 4) * 32) >> 4;
-                wg_mma_scores<Codec>(st, desc_k + off, desc_q + off);
-            }
-            wgmma_commit();
-#pragma unroll
-            for (int ks = 0; ks < 8; ++ks) {
-                const int off = ((ks / 4) * kWgBoxBytes + (ks % 4) * 32) >> 4;
-                wg_mma_scores<Codec>(dpt, desc_v + off, desc_do + off);
-            }
-            wgmma_commit();
-        }
+        wg_issue_score_products<Codec>(st, desc_k, tq, dpt, desc_v, tdo);
         // The next step's Q, dO, lse and delta into the other buffer while the products run.
         if (step + 1 < steps) stage(step + 1, buffer ^ 1);
         cp_async_commit();
@@ -1319,40 +1379,21 @@ __device__ __forceinline__ void dkdv_wgmma_kernel(const uint16_t* q, const uint1
             }
         // P^T (rounded) as the A operand of the four k16 query steps; dV += P^T dO.
         uint32_t a_p[4][4], a_ds[4][4];
-#pragma unroll
-        for (int t = 0; t < 4; ++t)
-#pragma unroll
-            for (int j = 0; j < 4; ++j) a_p[t][j] = pack_floats<Codec>(st[8 * t + 2 * j], st[8 * t + 2 * j + 1]);
+        wg_pack_a<Codec>(a_p, st);
         const uint64_t ndesc_do = wg_desc_nmajor(tdo);
         const uint64_t ndesc_q = wg_desc_nmajor(tq);
         wg_fence_floats<64>(acc_dv);
         wg_fence_words(a_p);
-        wgmma_fence();
-#pragma unroll
-        for (int t = 0; t < 4; ++t) wg_mma_grads<Codec>(acc_dv, a_p[t], ndesc_do + ((t * 16 * 128) >> 4));
-        wgmma_commit();
+        wg_issue_grad_product<Codec, 4>(acc_dv, a_p, ndesc_do);
         wgmma_wait<1>();  // dP^T is complete; dV may still run
         wg_fence_floats<32>(dpt);
 
         // ds (probability_and_grad's second line) while the dV product runs; dK += dS^T Q.
-#pragma unroll
-        for (int i = 0; i < 32; ++i) {
-            const int r = 8 * (i / 4) + c + (i % 2);
-            const bool visible = (visible_mask >> i) & 1u;
-            float ds = ieee_mul(st[i], ieee_sub(dpt[i], s_delta[r]));
-            asm volatile("" : "+f"(ds));  // computed unconditionally, then selected
-            dpt[i] = visible ? ds : 0.0f;
-        }
-#pragma unroll
-        for (int t = 0; t < 4; ++t)
-#pragma unroll
-            for (int j = 0; j < 4; ++j) a_ds[t][j] = pack_floats<Codec>(dpt[8 * t + 2 * j], dpt[8 * t + 2 * j + 1]);
+        wg_select_ds(dpt, st, visible_mask, [=](int i) { return s_delta[8 * (i / 4) + c + (i % 2)]; });
+        wg_pack_a<Codec>(a_ds, dpt);
         wg_fence_floats<64>(acc_dk);
         wg_fence_words(a_ds);
-        wgmma_fence();
-#pragma unroll
-        for (int t = 0; t < 4; ++t) wg_mma_grads<Codec>(acc_dk, a_ds[t], ndesc_q + ((t * 16 * 128) >> 4));
-        wgmma_commit();
+        wg_issue_grad_product<Codec, 4>(acc_dk, a_ds, ndesc_q);
         wgmma_wait<0>();  // this buffer is restaged after the next barrier
         wg_fence_floats<64>(acc_dv);
         wg_fence_floats<64>(acc_dk);
@@ -1428,7 +1469,7 @@ __device__ __forceinline__ void dq_wgmma_kernel(const uint16_t* q, const uint16_
 
     extern __shared__ __align__(16) uint16_t smem[];
     uint8_t* raw = reinterpret_cast<uint8_t*>(smem);
-    uint8_t* shared = raw + ((1024u - (shared_address(raw) & 1023u)) & 1023u);
+    uint8_t* shared = raw + wg_bytes_to_1024(raw);
     uint8_t* s_q = shared;
     uint8_t* s_do = s_q + kWgTileBytes;
     uint8_t* s_k = s_do + kWgTileBytes;      // 2 buffers
@@ -1486,9 +1527,7 @@ __device__ __forceinline__ void dq_wgmma_kernel(const uint16_t* q, const uint16_
     cp_async_commit();
     for (int block = 0; block < blocks; ++block) {
         const int buffer = block & 1;
-        cp_async_wait<0>();
-        fence_proxy_async_shared();  // the cp.async writes before the wgmma (async proxy) reads
-        __syncthreads();             // every thread's copies landed; the other buffer is free
+        wg_wait_staged();
 
         const uint8_t* tk = s_k + buffer * kWgTileBytes;
         const uint8_t* tv = s_v + buffer * kWgTileBytes;
@@ -1496,27 +1535,7 @@ __device__ __forceinline__ void dq_wgmma_kernel(const uint16_t* q, const uint16_
 
         // S and dP over d in increasing k16 steps (32 bytes along a swizzled row).
         float s[32], dp[32];
-#pragma unroll
-        for (int i = 0; i < 32; ++i) s[i] = dp[i] = 0.0f;
-        {
-            const uint64_t desc_k = smem_descriptor_128b(tk);
-            const uint64_t desc_v = smem_descriptor_128b(tv);
-            wg_fence_floats<32>(s);
-            wg_fence_floats<32>(dp);
-            wgmma_fence();
-#pragma unroll
-            for (int ks = 0; ks < 8; ++ks) {
-                const int off = ((ks / 4) * kWgBoxBytes + (ks % 4) * 32) >> 4;
-                wg_mma_scores<Codec>(s, desc_q + off, desc_k + off);
-            }
-            wgmma_commit();
-#pragma unroll
-            for (int ks = 0; ks < 8; ++ks) {
-                const int off = ((ks / 4) * kWgBoxBytes + (ks % 4) * 32) >> 4;
-                wg_mma_scores<Codec>(dp, desc_do + off, desc_v + off);
-            }
-            wgmma_commit();
-        }
+        wg_issue_score_products<Codec>(s, desc_q, tk, dp, desc_do, tv);
         // The next key block into the other buffer while the products run.
         if (block + 1 < blocks) stage(block + 1, buffer ^ 1);
         cp_async_commit();
@@ -1538,34 +1557,17 @@ __device__ __forceinline__ void dq_wgmma_kernel(const uint16_t* q, const uint16_
         wgmma_wait<0>();  // dP is complete
         wg_fence_floats<32>(dp);
         uint32_t a_ds[4][4];
-#pragma unroll
-        for (int i = 0; i < 32; ++i) {
-            const int h = (i / 2) % 2;
-            const bool visible = (visible_mask >> i) & 1u;
-            float ds = ieee_mul(s[i], ieee_sub(dp[i], row_delta[h]));
-            asm volatile("" : "+f"(ds));  // computed unconditionally, then selected
-            dp[i] = visible ? ds : 0.0f;
-        }
-#pragma unroll
-        for (int t = 0; t < 4; ++t)
-#pragma unroll
-            for (int j = 0; j < 4; ++j) a_ds[t][j] = pack_floats<Codec>(dp[8 * t + 2 * j], dp[8 * t + 2 * j + 1]);
+        wg_select_ds(dp, s, visible_mask, [=](int i) { return row_delta[(i / 2) % 2]; });
+        wg_pack_a<Codec>(a_ds, dp);
 
         // dQ += dS K over the block's k16 chunks in increasing order (`_tiled`'s chunks only).
         const uint64_t ndesc_k = wg_desc_nmajor(tk);
         wg_fence_floats<64>(acc_dq);
         wg_fence_words(a_ds);
-        if (chunks - 4 * block >= 4) {
-            wgmma_fence();
-#pragma unroll
-            for (int t = 0; t < 4; ++t) wg_mma_grads<Codec>(acc_dq, a_ds[t], ndesc_k + ((t * 16 * 128) >> 4));
-            wgmma_commit();
-        } else {
-            wgmma_fence();
-#pragma unroll
-            for (int t = 0; t < 2; ++t) wg_mma_grads<Codec>(acc_dq, a_ds[t], ndesc_k + ((t * 16 * 128) >> 4));
-            wgmma_commit();
-        }
+        if (chunks - 4 * block >= 4)
+            wg_issue_grad_product<Codec, 4>(acc_dq, a_ds, ndesc_k);
+        else
+            wg_issue_grad_product<Codec, 2>(acc_dq, a_ds, ndesc_k);
         wgmma_wait<0>();  // this buffer is restaged after the next barrier
         wg_fence_floats<64>(acc_dq);
         wg_fence_words(a_ds);

@@ -378,28 +378,51 @@ def test_empty_sides_give_exact_zero_gradients():
 WGMMA_SEQUENCES = (*NEIGHBOUR_SEQUENCES, (5, 3), (0, 70), (9, 0), *LONG_SEQUENCES)
 
 
+def _wgmma_pack(config, first_seed, q_pad_shift, k_pad_shift):
+    """The WGMMA_SEQUENCES pack of ``config`` (seeds first_seed + i), its pads rotated through
+    PAD_ROWS: both wgmma tests build their data this way, with their own seeds and rotations."""
+    dtype, head_dim, heads, causal = config
+    scale = 1.0 / math.sqrt(head_dim)
+    seqs = [
+        _make_sequence(lq, lk, heads, head_dim, dtype, causal, scale, seed=first_seed + i)
+        for i, (lq, lk) in enumerate(WGMMA_SEQUENCES)
+    ]
+    count = len(seqs) + 1
+    pack = _pack(
+        seqs,
+        [PAD_ROWS[(j + q_pad_shift) % 3] for j in range(count)],
+        [PAD_ROWS[(j + k_pad_shift) % 3] for j in range(count)],
+    )
+    return pack, causal, scale
+
+
+def _wgmma_and_mma_sync_grads(pack, causal, scale, monkeypatch, switch, uses_wgmma, kernel):
+    """(dq, dk, dv) with the wgmma ``kernel``, then with ``switch`` turned off (the mma.sync
+    kernel it replaces); skips where the wgmma kernel cannot run."""
+    if not uses_wgmma(pack.q):
+        pytest.skip(f"the wgmma {kernel} kernel needs an sm_90 GPU and the sm_90a image")
+    wgmma_grads = _backward(pack, causal, scale)
+    monkeypatch.setattr(gpu_attention_backward, switch, False)
+    assert not uses_wgmma(pack.q)
+    return wgmma_grads, _backward(pack, causal, scale)
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("config", [c for c in CONFIGS if c[1] == 128], ids=_config_id)
 @pytest.mark.parametrize("kernel_variant", ["tiled"], indirect=True)  # the only one it replaces
 def test_wgmma_dkdv_gives_the_bits_of_the_wide_kernel(config, kernel_variant, monkeypatch):
     """On sm_90a the "tiled" variant's dK/dV launch is the wgmma kernel: its dk and dv are
     bitwise those of the mma.sync kernel ``_wide`` (forced with USE_WGMMA_DKDV = False)."""
-    dtype, head_dim, heads, causal = config
-    scale = 1.0 / math.sqrt(head_dim)
-    seqs = [
-        _make_sequence(lq, lk, heads, head_dim, dtype, causal, scale, seed=500 + i)
-        for i, (lq, lk) in enumerate(WGMMA_SEQUENCES)
-    ]
-    count = len(seqs) + 1
-    pack = _pack(
-        seqs, [PAD_ROWS[j % 3] for j in range(count)], [PAD_ROWS[(j + 1) % 3] for j in range(count)]
+    pack, causal, scale = _wgmma_pack(config, first_seed=500, q_pad_shift=0, k_pad_shift=1)
+    (_, dk, dv), (_, dk_wide, dv_wide) = _wgmma_and_mma_sync_grads(
+        pack,
+        causal,
+        scale,
+        monkeypatch,
+        "USE_WGMMA_DKDV",
+        gpu_attention_backward.dkdv_uses_wgmma,
+        "dK/dV",
     )
-    if not gpu_attention_backward.dkdv_uses_wgmma(pack.q):
-        pytest.skip("the wgmma dK/dV kernel needs an sm_90 GPU and the sm_90a image")
-    _, dk, dv = _backward(pack, causal, scale)
-    monkeypatch.setattr(gpu_attention_backward, "USE_WGMMA_DKDV", False)
-    assert not gpu_attention_backward.dkdv_uses_wgmma(pack.q)
-    _, dk_wide, dv_wide = _backward(pack, causal, scale)
     assert_bitwise_equal(dk, dk_wide, name="dk, wgmma vs _wide")
     assert_bitwise_equal(dv, dv_wide, name="dv, wgmma vs _wide")
     # Not vacuous: real gradients, and the rows of no sequence are zero.
@@ -413,22 +436,10 @@ def test_wgmma_dkdv_gives_the_bits_of_the_wide_kernel(config, kernel_variant, mo
 def test_wgmma_dq_gives_the_bits_of_the_tiled_kernel(config, kernel_variant, monkeypatch):
     """On sm_90a the "tiled" variant's dQ launch is the wgmma kernel: its dq is bitwise that of
     the mma.sync kernel ``_tiled`` (forced with USE_WGMMA_DQ = False), -0 included."""
-    dtype, head_dim, heads, causal = config
-    scale = 1.0 / math.sqrt(head_dim)
-    seqs = [
-        _make_sequence(lq, lk, heads, head_dim, dtype, causal, scale, seed=700 + i)
-        for i, (lq, lk) in enumerate(WGMMA_SEQUENCES)
-    ]
-    count = len(seqs) + 1
-    pack = _pack(
-        seqs, [PAD_ROWS[(j + 2) % 3] for j in range(count)], [PAD_ROWS[j % 3] for j in range(count)]
+    pack, causal, scale = _wgmma_pack(config, first_seed=700, q_pad_shift=2, k_pad_shift=0)
+    (dq, dk, dv), (dq_tiled, dk_tiled, dv_tiled) = _wgmma_and_mma_sync_grads(
+        pack, causal, scale, monkeypatch, "USE_WGMMA_DQ", gpu_attention_backward.dq_uses_wgmma, "dQ"
     )
-    if not gpu_attention_backward.dq_uses_wgmma(pack.q):
-        pytest.skip("the wgmma dQ kernel needs an sm_90 GPU and the sm_90a image")
-    dq, dk, dv = _backward(pack, causal, scale)
-    monkeypatch.setattr(gpu_attention_backward, "USE_WGMMA_DQ", False)
-    assert not gpu_attention_backward.dq_uses_wgmma(pack.q)
-    dq_tiled, dk_tiled, dv_tiled = _backward(pack, causal, scale)
     assert_bitwise_equal(dq, dq_tiled, name="dq, wgmma vs _tiled")
     # The dK/dV launch is the same kernel either way.
     assert_bitwise_equal(dk, dk_tiled, name="dk")

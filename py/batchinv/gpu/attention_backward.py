@@ -126,26 +126,28 @@ def dq_shared_bytes(head_dim: int, variant: str) -> int:
     )
 
 
-def dkdv_uses_wgmma(q: Tensor, variant: str | None = None) -> bool:
-    """Whether the dK/dV launch for ``q`` takes the sm_90a wgmma kernel: the "tiled" variant,
-    d = 128, an sm_90 device with the sm_90a image, and ``USE_WGMMA_DKDV``."""
+def _uses_wgmma(q: Tensor, variant: str | None, switch: bool) -> bool:
+    """The condition both wgmma kernels share: the "tiled" variant, d = 128, an sm_90 device
+    with the sm_90a image, and the kernel's own switch (passed in, read at call time so that a
+    test can turn one kernel off)."""
     return (
         (variant or KERNEL_VARIANT) == "tiled"
-        and USE_WGMMA_DKDV
+        and switch
         and q.shape[-1] == WGMMA_HEAD_DIM
         and uses_hopper(q.device)
     )
+
+
+def dkdv_uses_wgmma(q: Tensor, variant: str | None = None) -> bool:
+    """Whether the dK/dV launch for ``q`` takes the sm_90a wgmma kernel: the "tiled" variant,
+    d = 128, an sm_90 device with the sm_90a image, and ``USE_WGMMA_DKDV``."""
+    return _uses_wgmma(q, variant, USE_WGMMA_DKDV)
 
 
 def dq_uses_wgmma(q: Tensor, variant: str | None = None) -> bool:
     """Whether the dQ launch for ``q`` takes the sm_90a wgmma kernel: the "tiled" variant,
     d = 128, an sm_90 device with the sm_90a image, and ``USE_WGMMA_DQ``."""
-    return (
-        (variant or KERNEL_VARIANT) == "tiled"
-        and USE_WGMMA_DQ
-        and q.shape[-1] == WGMMA_HEAD_DIM
-        and uses_hopper(q.device)
-    )
+    return _uses_wgmma(q, variant, USE_WGMMA_DQ)
 
 
 def _geometry(variant: str) -> dict[str, int]:
