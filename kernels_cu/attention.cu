@@ -59,6 +59,7 @@
 
 #if !defined(__HIPCC__)
 #include "common/attention_rows.cuh"
+#include "common/grid_dependency.cuh"
 #include "common/hopper.cuh"
 
 namespace batchinv {
@@ -827,22 +828,6 @@ __device__ __forceinline__ void attn_split_coop(const Params& p, [[maybe_unused]
     }
 }
 
-// Programmatic dependent launch (PTX griddepcontrol, sm_90; compiled out of older targets,
-// where the host never asks for it).  launch_dependents lets the next grid on the stream
-// start once every CTA of this one has executed it or exited; wait blocks until the previous
-// grid has completed and its memory is visible (it returns at once without a programmatic
-// launch).
-__device__ __forceinline__ void grid_launch_dependents() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
-#endif
-}
-__device__ __forceinline__ void grid_wait_primary() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.wait;\n" ::: "memory");
-#endif
-}
-
 // Mode (b)'s second kernel: CTA (query i, head h, sequence b), thread e = element of d.
 template <typename Codec, int D>
 __device__ __forceinline__ void attn_combine(const float* ws, void* out, float* lse, const int* q_start,
@@ -916,7 +901,7 @@ __device__ __forceinline__ void attn_combine(const float* ws, void* out, float* 
     }                                                                                                           \
     extern "C" __global__ void __launch_bounds__(32 * NW)                                                       \
         attn_split_##DTYPE##_d##D##_w##NW(BATCHINV_ATTN_PARAMS) {                                               \
-        batchinv::attn::grid_launch_dependents(); /* the combine may launch (it waits for this grid) */          \
+        batchinv::grid_launch_dependents(); /* the combine may launch (it waits for this grid) */          \
         BATCHINV_ATTN_MAKE_PARAMS;                                                                              \
         batchinv::attn::attn_tile<CODEC, D, NW, true, 2>(p);                                                    \
     }
@@ -924,14 +909,14 @@ __device__ __forceinline__ void attn_combine(const float* ws, void* out, float* 
 #define BATCHINV_ATTN_SPLIT_COOP(DTYPE, CODEC, D, NW, S, MINB)                                                   \
     extern "C" __global__ void __launch_bounds__(32 * NW, MINB)                                                 \
         attn_split_coop_##DTYPE##_d##D##_w##NW##_s##S(BATCHINV_ATTN_PARAMS) {                                   \
-        batchinv::attn::grid_launch_dependents(); /* the combine may launch (it waits for this grid) */          \
+        batchinv::grid_launch_dependents(); /* the combine may launch (it waits for this grid) */          \
         BATCHINV_ATTN_MAKE_PARAMS;                                                                              \
         batchinv::attn::attn_split_coop<CODEC, D, NW, S, false>(p, nullptr, nullptr);                           \
     }                                                                                                           \
     extern "C" __global__ void __launch_bounds__(32 * NW, MINB) attn_split_coop_##DTYPE##_d##D##_w##NW##_s##S##_tma( \
         const __grid_constant__ batchinv::TensorMap map_k, const __grid_constant__ batchinv::TensorMap map_v,   \
         BATCHINV_ATTN_PARAMS) {                                                                                 \
-        batchinv::attn::grid_launch_dependents(); /* the combine may launch (it waits for this grid) */          \
+        batchinv::grid_launch_dependents(); /* the combine may launch (it waits for this grid) */          \
         BATCHINV_ATTN_MAKE_PARAMS;                                                                              \
         batchinv::attn::attn_split_coop<CODEC, D, NW, S, true>(p, &map_k, &map_v);                              \
     }

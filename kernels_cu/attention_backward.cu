@@ -1153,17 +1153,8 @@ __device__ __forceinline__ uint64_t wg_desc_nmajor(const void* tile) {
     return desc;
 }
 
-template <int N>
-__device__ __forceinline__ void wg_fence_floats(float* r) {
-#pragma unroll
-    for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i])::"memory");
-}
-__device__ __forceinline__ void wg_fence_words(uint32_t (&r)[4][4]) {
-#pragma unroll
-    for (int i = 0; i < 4; ++i)
-#pragma unroll
-        for (int j = 0; j < 4; ++j) asm volatile("" : "+r"(r[i][j])::"memory");
-}
+using hopper::fence_operands;  // register fences around wgmma (common/hopper.cuh)
+using hopper::fence_registers;
 
 template <typename Codec>
 __device__ __forceinline__ void wg_mma_scores(float (&d)[32], uint64_t desc_a, uint64_t desc_b) {
@@ -1212,8 +1203,8 @@ __device__ __forceinline__ void wg_issue_score_products(float (&first)[32], uint
     for (int i = 0; i < 32; ++i) first[i] = second[i] = 0.0f;
     const uint64_t desc_b_first = hopper::smem_descriptor_128b(tile_b_first);
     const uint64_t desc_b_second = hopper::smem_descriptor_128b(tile_b_second);
-    wg_fence_floats<32>(first);
-    wg_fence_floats<32>(second);
+    fence_operands<32>(first);
+    fence_operands<32>(second);
     hopper::wgmma_fence();
 #pragma unroll
     for (int ks = 0; ks < 8; ++ks) {
@@ -1352,7 +1343,7 @@ __device__ __forceinline__ void dkdv_wgmma_kernel(const uint16_t* q, const uint1
         if (step + 1 < steps) stage(step + 1, buffer ^ 1);
         cp_async_commit();
         wgmma_wait<1>();  // S^T is complete; dP^T may still run
-        wg_fence_floats<32>(st);
+        fence_operands<32>(st);
 
         // p (probability_and_grad's first line) with the visibility as a bit mask.  Visibility
         // per query row r as the last key it sees (-1: none): row_lse != -inf, key < k_len and,
@@ -1382,23 +1373,23 @@ __device__ __forceinline__ void dkdv_wgmma_kernel(const uint16_t* q, const uint1
         wg_pack_a<Codec>(a_p, st);
         const uint64_t ndesc_do = wg_desc_nmajor(tdo);
         const uint64_t ndesc_q = wg_desc_nmajor(tq);
-        wg_fence_floats<64>(acc_dv);
-        wg_fence_words(a_p);
+        fence_operands<64>(acc_dv);
+        fence_registers(a_p);
         wg_issue_grad_product<Codec, 4>(acc_dv, a_p, ndesc_do);
         wgmma_wait<1>();  // dP^T is complete; dV may still run
-        wg_fence_floats<32>(dpt);
+        fence_operands<32>(dpt);
 
         // ds (probability_and_grad's second line) while the dV product runs; dK += dS^T Q.
         wg_select_ds(dpt, st, visible_mask, [=](int i) { return s_delta[8 * (i / 4) + c + (i % 2)]; });
         wg_pack_a<Codec>(a_ds, dpt);
-        wg_fence_floats<64>(acc_dk);
-        wg_fence_words(a_ds);
+        fence_operands<64>(acc_dk);
+        fence_registers(a_ds);
         wg_issue_grad_product<Codec, 4>(acc_dk, a_ds, ndesc_q);
         wgmma_wait<0>();  // this buffer is restaged after the next barrier
-        wg_fence_floats<64>(acc_dv);
-        wg_fence_floats<64>(acc_dk);
-        wg_fence_words(a_p);
-        wg_fence_words(a_ds);
+        fence_operands<64>(acc_dv);
+        fence_operands<64>(acc_dk);
+        fence_registers(a_p);
+        fence_registers(a_ds);
     }
     cp_async_wait<0>();
 
@@ -1540,7 +1531,7 @@ __device__ __forceinline__ void dq_wgmma_kernel(const uint16_t* q, const uint16_
         if (block + 1 < blocks) stage(block + 1, buffer ^ 1);
         cp_async_commit();
         wgmma_wait<1>();  // S is complete; dP may still run
-        wg_fence_floats<32>(s);
+        fence_operands<32>(s);
 
         // p: accumulator i is row 16 warp + g + 8 ((i / 2) % 2), key key0 + 8 (i / 4) + c + i % 2.
         uint32_t visible_mask = 0u;
@@ -1555,22 +1546,22 @@ __device__ __forceinline__ void dq_wgmma_kernel(const uint16_t* q, const uint16_
             s[i] = visible ? p : 0.0f;
         }
         wgmma_wait<0>();  // dP is complete
-        wg_fence_floats<32>(dp);
+        fence_operands<32>(dp);
         uint32_t a_ds[4][4];
         wg_select_ds(dp, s, visible_mask, [=](int i) { return row_delta[(i / 2) % 2]; });
         wg_pack_a<Codec>(a_ds, dp);
 
         // dQ += dS K over the block's k16 chunks in increasing order (`_tiled`'s chunks only).
         const uint64_t ndesc_k = wg_desc_nmajor(tk);
-        wg_fence_floats<64>(acc_dq);
-        wg_fence_words(a_ds);
+        fence_operands<64>(acc_dq);
+        fence_registers(a_ds);
         if (chunks - 4 * block >= 4)
             wg_issue_grad_product<Codec, 4>(acc_dq, a_ds, ndesc_k);
         else
             wg_issue_grad_product<Codec, 2>(acc_dq, a_ds, ndesc_k);
         wgmma_wait<0>();  // this buffer is restaged after the next barrier
-        wg_fence_floats<64>(acc_dq);
-        wg_fence_words(a_ds);
+        fence_operands<64>(acc_dq);
+        fence_registers(a_ds);
     }
     cp_async_wait<0>();
 

@@ -84,6 +84,9 @@ using namespace attn;  // the shared per-row arithmetic (common/attention_rows.c
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 
+using hopper::fence_operands;  // register fences around wgmma (common/hopper.cuh)
+using hopper::fence_registers;
+
 __device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool valid) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0));
 }
@@ -95,13 +98,6 @@ __device__ __forceinline__ void named_barrier_sync(int id, int threads) {
 }
 
 
-// Pins register values around an asynchronous wgmma: without it the compiler may move their
-// reads or writes across the issue or the wait, and ptxas then serialises the pipeline.
-template <int N>
-__device__ __forceinline__ void fence_operands(float* r) {
-#pragma unroll
-    for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i])::"memory");
-}
 
 // Descriptors of the K and V ring stages, built from 32-bit low words (start address / 16 in
 // bits 0-13, leading byte offset / 16 in bits 16-29; shared::cta addresses lie below 2^18, so
@@ -115,13 +111,6 @@ __device__ __forceinline__ uint64_t stage_descriptor(uint32_t low0, int stage) {
     uint64_t out;
     asm("mov.b64 %0, {%1, %2};" : "=l"(out) : "r"(lo), "r"(kDescHigh));
     return out;
-}
-
-__device__ __forceinline__ void fence_registers(uint32_t (&r)[4][4]) {
-#pragma unroll
-    for (int i = 0; i < 4; ++i)
-#pragma unroll
-        for (int j = 0; j < 4; ++j) asm volatile("" : "+r"(r[i][j])::"memory");
 }
 
 // S += Q K^T over one k16 step: Q (a warp's 16 rows as mma.sync's A fragment) from registers,

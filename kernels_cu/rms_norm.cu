@@ -74,6 +74,7 @@
 // bits, do not depend on the load width: a row alone in a fresh tensor and the same row at an
 // odd offset of a batch get the same result.
 #include "common/chunk16.cuh"
+#include "common/grid_dependency.cuh"
 #include "common/portability.cuh"
 
 
@@ -203,22 +204,9 @@ __device__ __forceinline__ bool stride_aligned16(int64_t elements) {
     return ((elements * static_cast<int64_t>(sizeof(Storage))) & (kChunkBytes - 1)) == 0;
 }
 
-// Programmatic dependent launch (PTX griddepcontrol, sm_90; compiled out elsewhere, where the
-// host never asks for it): launch_dependents lets the next grid on the stream start once every
-// CTA of this one has executed it or exited; wait blocks until the previous grid has completed
-// and its memory is visible (at once without a programmatic launch).  The partial rows of
-// grad_weight's levels are handed on this way: the next level's launch overlaps the end of the
-// grid that writes them.
-__device__ __forceinline__ void grid_launch_dependents() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
-#endif
-}
-__device__ __forceinline__ void grid_wait_primary() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.wait;\n" ::: "memory");
-#endif
-}
+// The partial rows of grad_weight's levels are handed on by programmatic dependent launch
+// (common/grid_dependency.cuh): the next level's launch overlaps the end of the grid that
+// writes them.
 
 struct ForwardArgs {
     void* y;

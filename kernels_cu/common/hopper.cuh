@@ -74,6 +74,21 @@ __device__ __forceinline__ void wgmma_wait() {
     asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(Pending) : "memory");
 }
 
+// Pins register values around an asynchronous wgmma: without it the compiler may move their
+// reads or writes across the issue or the wait, and ptxas then serialises the pipeline.
+template <int N>
+__device__ __forceinline__ void fence_operands(float* r) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i])::"memory");
+}
+// The same for a 16-bit A operand held as mma.sync's four 4-register fragments.
+__device__ __forceinline__ void fence_registers(uint32_t (&r)[4][4]) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) asm volatile("" : "+r"(r[i][j])::"memory");
+}
+
 template <uint32_t Registers>
 __device__ __forceinline__ void release_registers() {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(Registers));
