@@ -14,9 +14,9 @@ import json
 import torch
 from triton.testing import do_bench
 
+from batchinv.gpu._launch import multiprocessors
 from batchinv.gpu.linear import (
     TileConfig,
-    _multiprocessors,
     choose_config,
     matmul_nt,
     small_m_configs,
@@ -36,7 +36,7 @@ def main() -> None:
     parser.add_argument("--json", default=None)
     parser.add_argument("--m", type=int, nargs="+", default=M_VALUES, help="token counts")
     args = parser.parse_args()
-    sms = _multiprocessors(torch.cuda.current_device())
+    sms = multiprocessors(torch.cuda.current_device())
     print(f"GPU: {torch.cuda.get_device_name()} ({sms} SMs)")
     results = []
     for name, k, n in QWEN3_8B_LINEAR:

@@ -52,6 +52,14 @@ def _pairs(shape, dtype):
     return make
 
 
+def _gpu_normals(count: int, rows: int, hidden: int, dtype: torch.dtype, seed: int):
+    """``count`` [rows, hidden] tensors drawn on the GPU in turn from one generator."""
+    gen = torch.Generator(device=DEVICE).manual_seed(seed)
+    return tuple(
+        torch.randn(rows, hidden, device=DEVICE, generator=gen).to(dtype) for _ in range(count)
+    )
+
+
 def _input_grads(fn, inputs, grads):
     """Gradients of ``fn(*inputs)`` for ``grads`` (one per output), w.r.t. every input."""
     leaves = [t.detach().to(DEVICE).requires_grad_(True) for t in inputs]
@@ -253,9 +261,7 @@ TREE_CASES = [(h, t, False) for t in DTYPES for h in TREE_HIDDENS] + [
 @pytest.mark.parametrize(("hidden", "dtype", "many_rows"), TREE_CASES)
 def test_weight_gradient_is_the_documented_fixed_tree(hidden, dtype, many_rows):
     rows = FUSED_ROWS if many_rows else 300  # 9000: more than 64 partial rows (a second level)
-    gen = torch.Generator(device=DEVICE).manual_seed(9)
-    x = torch.randn(rows, hidden, device=DEVICE, generator=gen).to(dtype)
-    grad_y = torch.randn(rows, hidden, device=DEVICE, generator=gen).to(dtype)
+    x, grad_y = _gpu_normals(2, rows, hidden, dtype, seed=9)
     weight = _weight(hidden, dtype)
     _, rstd = gpu_rms_norm.forward(x, weight, EPS)
     _, grad_weight = gpu_rms_norm.backward(grad_y, x, weight, rstd)
@@ -270,10 +276,7 @@ def test_weight_gradient_tree_with_a_level_below_the_last_two(dtype):
     # partials): one level of 64-row sums runs before the grid that computes the last two.
     rows, hidden = 140000, 8
     assert -(-rows // 32) > gpu_rms_norm.WEIGHT_GRAD_LAST_LEVELS_ROWS
-    gen = torch.Generator(device=DEVICE).manual_seed(17)
-    x, grad_y = (
-        torch.randn(rows, hidden, device=DEVICE, generator=gen).to(dtype) for _ in range(2)
-    )
+    x, grad_y = _gpu_normals(2, rows, hidden, dtype, seed=17)
     weight = _weight(hidden, dtype)
     _, rstd = gpu_rms_norm.forward(x, weight, EPS)
     _, grad_weight = gpu_rms_norm.backward(grad_y, x, weight, rstd)
@@ -287,10 +290,7 @@ def test_weight_gradient_tree_with_a_level_below_the_last_two(dtype):
 @pytest.mark.parametrize("hidden", (128, 1000, 4096, 5120))
 def test_fused_and_two_pass_weight_gradients_have_the_same_bits(hidden, dtype):
     # The backward picks the path from the row count; the bits must not depend on it.
-    gen = torch.Generator(device=DEVICE).manual_seed(14)
-    x, grad_y = (
-        torch.randn(FUSED_ROWS, hidden, device=DEVICE, generator=gen).to(dtype) for _ in range(2)
-    )
+    x, grad_y = _gpu_normals(2, FUSED_ROWS, hidden, dtype, seed=14)
     weight = _weight(hidden, dtype)
     _, rstd = gpu_rms_norm.forward(x, weight, EPS)
     _, fused = gpu_rms_norm.backward(grad_y, x, weight, rstd)
@@ -308,10 +308,7 @@ def test_input_gradient_bits_do_not_depend_on_computing_the_weight_gradient(
     # With grad_weight (and enough rows) the row is reduced inside the fused kernel; without,
     # by the grad_x kernel.
     rows = FUSED_ROWS if hidden < 10000 else 77
-    gen = torch.Generator(device=DEVICE).manual_seed(10)
-    x, grad_y, extra = (
-        torch.randn(rows, hidden, device=DEVICE, generator=gen).to(dtype) for _ in range(3)
-    )
+    x, grad_y, extra = _gpu_normals(3, rows, hidden, dtype, seed=10)
     weight = _weight(hidden, dtype)
     _, rstd = gpu_rms_norm.forward(x, weight, EPS)
     extra = extra if with_residual_grad else None
@@ -325,9 +322,7 @@ def test_input_gradient_bits_do_not_depend_on_computing_the_weight_gradient(
 @pytest.mark.parametrize(("rows", "hidden"), ((257, 4096), (5000, 64), (70000, 128)))
 def test_weight_gradient_is_bitwise_identical_run_to_run(rows, hidden, dtype):
     # 5000 and 70000 rows take one and two levels of the fixed tree above the first.
-    gen = torch.Generator(device=DEVICE).manual_seed(3)
-    x = torch.randn(rows, hidden, device=DEVICE, generator=gen).to(dtype)
-    grad_y = torch.randn(rows, hidden, device=DEVICE, generator=gen).to(dtype)
+    x, grad_y = _gpu_normals(2, rows, hidden, dtype, seed=3)
     weight = _weight(hidden, dtype).requires_grad_(True)
     grads = []
     for _ in range(3):
@@ -340,10 +335,8 @@ def test_weight_gradient_is_bitwise_identical_run_to_run(rows, hidden, dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_weight_gradient_ignores_zero_gradient_rows_appended(dtype):
-    gen = torch.Generator(device=DEVICE).manual_seed(4)
     hidden, rows = 384, 4200  # crosses first-level chunks and a second tree level
-    x = torch.randn(rows + 300, hidden, device=DEVICE, generator=gen).to(dtype)
-    grad_y = torch.randn(rows + 300, hidden, device=DEVICE, generator=gen).to(dtype)
+    x, grad_y = _gpu_normals(2, rows + 300, hidden, dtype, seed=4)
     grad_y[rows:] = 0
     weight = _weight(hidden, dtype)
     _, rstd = gpu_rms_norm.forward(x, weight, EPS)
@@ -639,10 +632,7 @@ def test_bad_input_raises_errors_that_name_the_argument():
 @pytest.mark.parametrize("hidden", (128, 4096))
 def test_inference_path_gives_the_bits_of_the_autograd_path(hidden, dtype):
     # Without gradients the op skips autograd and the saved inv_rms: same kernels, same bits.
-    gen = torch.Generator(device=DEVICE).manual_seed(8)
-    x, residual = (
-        torch.randn(33, hidden, device=DEVICE, generator=gen).to(dtype) for _ in range(2)
-    )
+    x, residual = _gpu_normals(2, 33, hidden, dtype, seed=8)
     weight = _weight(hidden, dtype)
     with torch.no_grad():
         y = batchinv.rms_norm(x, weight, EPS)

@@ -53,6 +53,12 @@ def uses_hopper(device: torch.device) -> bool:
 
 
 @functools.cache
+def multiprocessors(index: int | None) -> int:
+    """The SM count of CUDA device ``index`` (None: the current device), asked once."""
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+@functools.cache
 def _hopper_device(index: int) -> bool:
     # Asked on every call of the ops that use it: capability and build do not change.
     return (

@@ -30,7 +30,7 @@ from torch import Tensor
 
 from ..reference.attention import check_attention_args, check_length_values
 from . import attention_backward, attention_hopper
-from ._launch import allow_dynamic_shared, kernel_for, launch, native, uses_hopper
+from ._launch import allow_dynamic_shared, kernel_for, launch, multiprocessors, native, uses_hopper
 
 BLOCK_KEYS = 64  # keys per block, at absolute positions [64j, 64j + 64)
 SPLIT_KEYS = 1024  # keys per split, at absolute positions (kernels_cu/attention.cu kSplitKeys)
@@ -210,11 +210,6 @@ def _capability(device_index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(device_index)
 
 
-@functools.cache
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def _kernel(name: str, device: torch.device, shared: int):
     kernel = kernel_for("attention", name, device)
     allow_dynamic_shared(kernel, shared, device.index or 0)
@@ -238,7 +233,7 @@ def choose(
         long_rows = layout.max_k_len > SPLIT_KEYS
         # Decode-like launches (one-warp tiles) and launches that would not fill the GPU
         # twice over spread each row's splits over CTAs.
-        few_tiles = tiles < 2 * _sm_count(device.index or 0)
+        few_tiles = tiles < 2 * multiprocessors(device.index or 0)
         mode = "split" if long_rows and (few_tiles or warps == 1) else "tile"
     return mode, warps
 
@@ -330,7 +325,7 @@ def forward(
     if coop:
         if stages is None:
             ctas = q_tiles * (hq // pack) * grid_z
-            many = ctas >= COOP_MANY_CTAS_PER_SM * _sm_count(device.index or 0)
+            many = ctas >= COOP_MANY_CTAS_PER_SM * multiprocessors(device.index or 0)
             stages = COOP_MANY_STAGES if many else COOP_FEW_STAGES
         if stages not in COOP_STAGES:
             raise ValueError(f"stages must be one of {COOP_STAGES} with coop; got {stages!r}")

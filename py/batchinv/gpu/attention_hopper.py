@@ -11,12 +11,11 @@ launches on sm_90 devices when :func:`applies` holds; both kernels give the same
 from __future__ import annotations
 
 import contextlib
-import functools
 
 import torch
 from torch import Tensor
 
-from ._launch import allow_dynamic_shared, kernel_for, launch, native, uses_hopper
+from ._launch import allow_dynamic_shared, kernel_for, launch, multiprocessors, native, uses_hopper
 
 HEAD_DIM = 128
 TILE_ROWS = 128  # two consumer warpgroups of 64 rows
@@ -88,11 +87,6 @@ def forced_ctas(count: int):
         _forced_ctas = previous
 
 
-@functools.cache
-def _multiprocessors(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 def _kernel(name: str, device: torch.device, stages: int):
     kernel = kernel_for("attention_hopper", name, device)
     allow_dynamic_shared(kernel, shared_bytes(stages), device.index or 0)
@@ -127,7 +121,7 @@ def forward_tile(
     name = f"attn_hopper_fwd_{_DTYPE_NAMES[q.dtype]}_d{HEAD_DIM}"
     # Persistent grid: one CTA per SM (at most one per item) takes the items from a queue; which
     # CTA computes a row never changes its arithmetic.
-    ctas = min(items, _forced_ctas or _multiprocessors(q.device.index or 0))
+    ctas = min(items, _forced_ctas or multiprocessors(q.device.index or 0))
     # The counter (+0), then each CTA's two-slot ring of taken items (written before read).
     queue = torch.zeros(1 + 2 * ctas, dtype=torch.int32, device=q.device)
     launch(

@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from . import linear_cublaslt
-from ._launch import allow_dynamic_shared, kernel_for, launch, native, uses_hopper
+from ._launch import allow_dynamic_shared, kernel_for, launch, multiprocessors, native, uses_hopper
 
 _DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "f16"}
 _HOPPER_NAME = re.compile(r"linear_hopper_(bf16|f16)_bm(\d+)_bn(\d+)_k(\d+)_s(\d+)$")
@@ -130,11 +130,6 @@ def choose_small_m_config(m: int) -> SmallMConfig:
     return SmallMConfig(32, 128, 8) if m <= SMALL_M_MAX_ROWS else SmallMConfig(64, 128, 6)
 
 
-@functools.cache
-def _multiprocessors(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 # Relative throughput of one tile of each shape (bigger tiles reuse more of what they load).
 # Fitted to tools/tune_linear.py on an H200 (2026-11-26): with it, choose_config picks the
 # fastest configuration, or one within 5% of it, at every Qwen3-8B shape and M measured.
@@ -219,7 +214,7 @@ def matmul_nt(
             raise TypeError(f"family 'small_m' takes a SmallMConfig, got {type(config).__name__}")
         _launch_tma_gemm(config, config.TOKENS_PER_CTA, x, weight, out, bias_arg)
     elif family == "hopper":
-        config = config or choose_config(m, n, _multiprocessors(x.device.index))
+        config = config or choose_config(m, n, multiprocessors(x.device.index))
         if not isinstance(config, TileConfig):
             raise TypeError(f"family 'hopper' takes a TileConfig, got {type(config).__name__}")
         _launch_tma_gemm(config, config.block_m, x, weight, out, bias_arg)
@@ -389,7 +384,7 @@ def matmul_nt_k_groups(x: Tensor, weight: Tensor, bias: Tensor | None = None) ->
     launch(
         combine,
         x.device,
-        grid=(min(-(-elements // 256), 8 * _multiprocessors(x.device.index)),),
+        grid=(min(-(-elements // 256), 8 * multiprocessors(x.device.index)),),
         block=(256,),
         args=(partial, 0 if bias is None else bias, out, elements, n),
     )
