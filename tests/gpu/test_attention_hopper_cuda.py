@@ -20,8 +20,9 @@ from batchinv.reference.kv_cache import KVCache
 
 DEVICE = "cuda"
 DTYPES = (torch.bfloat16, torch.float16)
-# (Hq, Hkv): GQA 4:1, GQA 8:1, MHA, and a group of 3 (42 queries x 3 heads: 2 padding rows)
-HEADS = ((8, 2), (16, 2), (4, 4), (6, 2))
+# (Hq, Hkv): GQA 4:1, GQA 8:1, MHA, a group of 3 (42 queries x 3 heads: 2 padding rows) and a
+# group of 5 (25 queries x 5 heads: 3 padding rows)
+HEADS = ((8, 2), (16, 2), (4, 4), (6, 2), (10, 2))
 LONG_CONTEXT = 2500  # three splits of 1024 keys
 
 
