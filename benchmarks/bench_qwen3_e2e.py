@@ -11,7 +11,7 @@ layers, random bf16 weights) runs with both op tables in the same process:
 Per phase and path: the layers' time (embedding + layers + final norm: ``final_hidden``),
 per-layer time (that / N), the lm_head on the tokens that need logits (the last token of
 each sequence), and the ratio to stock.  Both paths share the model code, the weights and the
-KV-cache class (whose append is a per-sequence copy in Python, the same cost in both paths).
+KV-cache class (whose append costs the same in both paths).
 """
 
 from __future__ import annotations
@@ -119,7 +119,7 @@ def filled_caches(model, batch: int, context: int, seed: int):
         for storage in (cache.k, cache.v):
             values = torch.randn(storage[:, :context].shape, device=model.device, generator=gen)
             storage[:, :context] = values.to(storage.dtype)
-        cache.lengths.fill_(context)
+        cache.set_lengths(context)  # the keys written above
     return caches
 
 
@@ -145,7 +145,7 @@ def main(argv: list[str] | None = None) -> None:
 
     def decode_step(path: str):
         for cache in caches:  # every timed step decodes the same token at the same position
-            cache.lengths.fill_(args.context)
+            cache.set_lengths(args.context)
         return model.final_hidden(decode_ids, caches=caches, ops=path)
 
     rows = []

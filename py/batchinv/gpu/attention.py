@@ -29,6 +29,7 @@ import torch
 from torch import Tensor
 
 from ..reference.attention import check_attention_args, check_length_values
+from ..reference.kv_cache import host_index_copies
 from . import attention_backward, attention_hopper
 from ._launch import allow_dynamic_shared, kernel_for, launch, multiprocessors, native, uses_hopper
 
@@ -679,10 +680,22 @@ def attention_with_kv_cache(
     **tuning,
 ):
     """CUDA ``batchinv.attention_with_kv_cache``: append, then attend straight from the cache
-    storage (no copy); inference only."""
-    lengths = check_attention_args(
-        q, k_new, v_new, seqlens_q=seqlens_new, softmax_scale=softmax_scale, causal=causal
+    storage (no copy); inference only.
+
+    Host syncs: none when ``seq_ids`` and ``seqlens_new`` are CPU tensors or None (the cache
+    keeps its lengths on the host and the layout is uploaded from pinned memory); one when
+    either is on a GPU (both are read to the host together, then checked there)."""
+    check_attention_args(
+        q,
+        k_new,
+        v_new,
+        seqlens_q=seqlens_new,
+        softmax_scale=softmax_scale,
+        causal=causal,
+        check_values=False,  # checked below on the host copies
     )
+    seq_ids, seqlens_new = host_index_copies(seq_ids=seq_ids, seqlens_new=seqlens_new)
+    lengths = check_length_values(q, k_new, seqlens_q=seqlens_new)
     check_supported(q, k_new, v_new)
     if q.dtype != cache.dtype:
         raise TypeError(f"q has dtype {q.dtype} but {cache.name} holds {cache.dtype}")
@@ -694,12 +707,7 @@ def attention_with_kv_cache(
             "or with inputs that do not require grad"
         )
     n, s_new, hq, d = q.shape
-    k_len = cache.append(k_new, v_new, seq_ids, seqlens_new)
-    ids = (
-        torch.arange(cache.batch, device=q.device)
-        if seq_ids is None
-        else seq_ids.to(q.device, torch.int64)
-    )
+    ids, k_len = cache.append_host(k_new, v_new, seq_ids, seqlens_new)
     q_len = _full(n, s_new) if seqlens_new is None else lengths.seqlens_q
     layout = make_layout(
         _host_arange(n, s_new),

@@ -139,7 +139,8 @@ def attention_with_kv_cache(
 
     ``q [n, S_new, Hq, d]`` are the newest tokens of cache slots ``seq_ids`` (default all).
     The cache is mutated (that is its job); nothing else is.  Returns what ``attention``
-    returns for ``q`` against the cached keys.
+    returns for ``q`` against the cached keys.  On CUDA the call makes no host sync when
+    ``seq_ids`` and ``seqlens_new`` are CPU tensors or None, one when either is on the GPU.
     """
     if not isinstance(cache, KVCache):
         raise TypeError(f"cache must be a batchinv KVCache, got {type(cache).__name__}")

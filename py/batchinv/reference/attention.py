@@ -736,8 +736,9 @@ def attention_with_kv_cache(
         )
     if q.dtype != cache.dtype:
         raise TypeError(f"q has dtype {q.dtype} but {cache.name} holds {cache.dtype}")
-    cache.append(k_new, v_new, seq_ids, seqlens_new)
-    k, v, seqlens_k = cache.read(seq_ids)
+    # Host ids and lengths (the cache keeps its lengths on the host): no device sync below.
+    ids, seqlens_k = cache.append_host(k_new, v_new, seq_ids, seqlens_new)
+    k, v, _ = cache.read(ids)
     # Storage past the longest sequence is never visible; dropping it changes no row's bits.
     longest = int(seqlens_k.max())
     k, v = k[:, :longest], v[:, :longest]

@@ -337,8 +337,7 @@ def _position_ids(
     offsets = torch.arange(seq, device=device)
     if caches is None:
         return offsets.expand(batch, seq)
-    ids = seq_ids if seq_ids is not None else torch.arange(batch)
-    start = caches[0].lengths[ids.long()]
+    start = caches[0].slot_lengths(seq_ids)  # from the cache's host lengths: no device sync
     return start[:, None] + offsets[None, :]
 
 

@@ -187,9 +187,8 @@ def _stock_attention_with_kv_cache(q, k_new, v_new, cache, seq_ids, *, seqlens_n
     if not isinstance(cache, KVCache):
         raise TypeError(f"cache must be a batchinv KVCache, got {type(cache).__name__}")
     ids = seq_ids if seq_ids is not None else torch.arange(cache.batch, device=cache.k.device)
-    before = cache.lengths[ids.to(cache.k.device).long()].clone()
-    cache.append(k_new, v_new, seq_ids, seqlens_new)
-    lengths = cache.lengths[ids.to(cache.k.device).long()]
+    before = cache.slot_lengths(seq_ids)
+    lengths = cache.append(k_new, v_new, seq_ids, seqlens_new)
     longest = max(int(lengths.max()), 1)
     if seq_ids is None:  # every slot: views of the storage, no gather
         k, v = cache.k[:, :longest], cache.v[:, :longest]

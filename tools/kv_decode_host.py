@@ -1,0 +1,118 @@
+"""Host time and host syncs of one KV-cache decode step on CUDA (issue 5's decode path).
+
+B=64 sequences at context 4096, GQA 32/8, d=128, bf16 (the e2e decode shapes).  Per case:
+host us/call (the loop of ``--calls`` calls without a sync), wall us/call (after the final
+sync), synchronizing CUDA calls per call (torch's sync debug mode, as the sync tests count
+them), then a cProfile and a torch.profiler CPU breakdown of the attention call.
+
+    PYTHONPATH=py python tools/kv_decode_host.py [--calls 200] [--profile]
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import pstats
+import time
+import warnings
+
+import torch
+
+import batchinv
+from batchinv.reference.kv_cache import KVCache
+
+_SYNC_WARNING = "called a synchronizing CUDA operation"
+
+
+def count_syncs(fn) -> int:
+    torch.cuda.synchronize()
+    previous = torch.cuda.get_sync_debug_mode()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode(previous)
+    return sum(_SYNC_WARNING in str(w.message) for w in caught)
+
+
+def host_and_wall_us(fn, calls: int) -> tuple[float, float]:
+    for _ in range(20):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    t2 = time.perf_counter()
+    return 1e6 * (t1 - t0) / calls, 1e6 * (t2 - t0) / calls
+
+
+def set_all_lengths(cache: KVCache, value: int) -> None:
+    """The cache's lengths back to ``value`` (new API where present, else the old tensor)."""
+    if hasattr(cache, "set_lengths"):
+        cache.set_lengths(value)
+    else:
+        cache.lengths.fill_(value)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--calls", type=int, default=200)
+    parser.add_argument("--profile", action="store_true", help="cProfile + torch.profiler")
+    args = parser.parse_args()
+    dev = torch.device("cuda")
+    b, ctx, hq, hkv, d = 64, 4096, 32, 8, 128
+    print(torch.cuda.get_device_name(dev))
+    cache = KVCache(b, ctx + 2 * (args.calls + 40), hkv, d, dtype=torch.bfloat16, device=dev)
+    kv = torch.randn(b, ctx, hkv, d, device=dev).bfloat16()
+    cache.append(kv, kv)
+    del kv
+    q = torch.randn(b, 1, hq, d, device=dev).bfloat16()
+    knew = torch.randn(b, 1, hkv, d, device=dev).bfloat16()
+    ids_cpu = torch.arange(b)
+    ids_gpu = ids_cpu.to(dev)
+    cases = {
+        "attention_with_kv_cache (seq_ids=None)": lambda: batchinv.attention_with_kv_cache(
+            q, knew, knew, cache
+        ),
+        "attention_with_kv_cache (seq_ids CPU)": lambda: batchinv.attention_with_kv_cache(
+            q, knew, knew, cache, ids_cpu
+        ),
+        "attention_with_kv_cache (seq_ids GPU)": lambda: batchinv.attention_with_kv_cache(
+            q, knew, knew, cache, ids_gpu
+        ),
+        "KVCache.append (seq_ids=None)": lambda: cache.append(knew, knew),
+    }
+    with torch.no_grad():
+        for name, fn in cases.items():
+            set_all_lengths(cache, ctx)
+            host, wall = host_and_wall_us(fn, args.calls)
+            syncs = count_syncs(fn)
+            print(f"{name:42s} host {host:7.1f} us/call  wall {wall:7.1f} us/call  syncs {syncs}")
+        if args.profile:
+            step = cases["attention_with_kv_cache (seq_ids=None)"]
+            set_all_lengths(cache, ctx)
+            profiler = cProfile.Profile()
+            profiler.enable()
+            for _ in range(50):
+                step()
+            profiler.disable()
+            torch.cuda.synchronize()
+            text = io.StringIO()
+            pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(18)
+            print(text.getvalue())
+            set_all_lengths(cache, ctx)
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            with torch.profiler.profile(activities=activities) as prof:
+                for _ in range(50):
+                    step()
+                torch.cuda.synchronize()
+            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=18))
+
+
+if __name__ == "__main__":
+    main()
