@@ -1,8 +1,8 @@
 // The per-row arithmetic every attention forward kernel shares: attention.cu's mma.sync tile,
 // split and combine kernels and attention_hopper.cu's wgmma tile kernel include this one
 // definition (block and split sizes, the scaled block max, P's exponent, exp2 and rounding, the
-// split merge, finalize), so
-// their bits cannot drift apart.  The contract they implement: attention.cu's header.
+// split merge, finalize), so their bits cannot drift apart.  The contract they implement:
+// attention.cu's header.
 // CUDA only: included inside the kernels' !__HIPCC__ sections.
 #pragma once
 
