@@ -10,22 +10,31 @@
 //   k_start[b] + j, j < k_len[b] (causal: j <= position).  Rows covered by no sequence are
 //   not written (the host pre-fills out = 0, lse = -inf).
 //
-// Per-row arithmetic (the same for every schedule; log2 domain, x = (q . k) * scale * log2 e):
+// Per-row arithmetic (the same for every schedule; m is kept in the log2 domain, c =
+// scale_log2 = scale * log2 e in fp32, c > 0):
 //   Keys are processed in blocks of kBlockKeys = 64 at fixed ABSOLUTE positions [64j, 64j+64),
 //   grouped in splits of kSplitKeys = 1024 keys (16 blocks), also at absolute positions.
 //   1. Each split is reduced from the empty state (m, l, acc) = (-inf, 0, 0) by an online
-//      softmax over its blocks in increasing order (update_with_block): S by mma over d in
-//      k16 steps in increasing order; invisible keys get x = -inf by selection; the block max
-//      and sum are a per-thread scan in fixed column order plus a fixed quad butterfly; P is
-//      rounded to the input dtype for the PV mma.  A block with no visible key for a row leaves
-//      that row's state exactly unchanged (selection; the sign of a zero acc is restored).
+//      softmax over its blocks in increasing order (block_softmax): s = q . k by mma over d in
+//      k16 steps in increasing order; invisible keys get s = -inf by selection; then per row
+//        mx    = __fmul_rn(max_j s_j, c), a zero max normalised to +0 (max of the RAW scores:
+//                rounding is monotone and c > 0, so this equals the max of __fmul_rn(s_j, c))
+//        m_new = max(m, mx);  alpha = exp2f(__fsub_rn(m, m_new))  (0 if m = -inf)
+//        P_j   = exp2_ftz(__fmaf_rn(s_j, c, -m_new))   (ONE rounding of s_j * c - m_new)
+//        l     = __fadd_rn(__fmul_rn(l, alpha), sum_j P_j);  acc = acc * alpha + P V
+//      the block max and sum are a per-thread scan in fixed column order plus a fixed quad
+//      butterfly; P is rounded to the input dtype for the PV mma.  A block with no visible key
+//      for a row (mx = -inf) leaves that row's state exactly unchanged (selection; the sign of
+//      a zero acc is restored).
 //   2. Split partials are merged left to right by ONE function (merge_weights/merge_value);
 //      an empty partial is skipped by selection.
 //   3. finalize_out/finalize_lse: out = acc / l, lse = (m + log2 l) * ln 2; a row with no
 //      visible key gets out = 0, lse = -inf.
-//   The constants, merge, finalize, exp2_ftz and P's rounding are common/attention_rows.cuh,
-//   shared with attention_hopper.cu.
-//   Every fp32 step outside the mma is an explicit _rn intrinsic (no FMA contraction); exp2f,
+//   The constants, the scaled block max, P's exponent (scaled_block_max, p_of_score), merge,
+//   finalize, exp2_ftz and P's rounding are common/attention_rows.cuh, shared with
+//   attention_hopper.cu.
+//   Every fp32 step outside the mma is an explicit _rn intrinsic: P's exponent is the one
+//   fused step (__fmaf_rn, written out), nothing else is contracted; exp2f,
 //   exp2_ftz (P only: ex2.approx.ftz, a result below 2^-126 is +0, equal to exp2f elsewhere)
 //   and log2f in every mode, no fast math.  A block that every real row of a warp sees in
 //   full skips the selection (it would select every score: same bits).
@@ -135,11 +144,12 @@ struct Smem {
 };
 
 // The online softmax of one 64-key block for a warp's two rows (g and g + 8 of its 16; s[t][e]
-// is mma.sync's n8 tile t): scores scaled to the log2 domain (keys at or past vis_end -inf where
-// `masked`), the block max by column scan + quad butterfly, m, alpha, P = exp2_ftz(x - m_new) with
-// its sum by the same tree, l; P rounded to the input dtype into the A fragments of the four k16
-// steps of P V.  The tile kernel and the cooperative decode kernel both run it, so their per-row
-// arithmetic is one piece of code.  Rows 8..15 of a warp with none (!hi_rows) are skipped.
+// is mma.sync's n8 tile t): raw scores (keys at or past vis_end -inf where `masked`), their
+// block max by column scan + quad butterfly scaled once to the log2 domain, m, alpha,
+// P = exp2_ftz(fma(s, c, -m_new)) with its sum by the same tree, l; P rounded to the input dtype
+// into the A fragments of the four k16 steps of P V.  The tile kernel and the cooperative decode
+// kernel both run it, so their per-row arithmetic is one piece of code.  Rows 8..15 of a warp
+// with none (!hi_rows) are skipped.
 template <typename Codec>
 __device__ __forceinline__ void block_softmax(float (&s)[8][4], bool masked, bool hi_rows, int key0, int c,
                                               const int (&vis_end)[2], float scale_log2, float (&m)[2],
@@ -154,7 +164,8 @@ __device__ __forceinline__ void block_softmax(float (&s)[8][4], bool masked, boo
             for (int t = 0; t < 8; ++t) s[t][2] = s[t][3] = 0.0f;
             continue;
         }
-        // fmaxf never returns a NaN score (as "x > mx ? x : mx"); the zero sign is fixed below.
+        // The max of the raw scores (invisible keys -inf), scaled once (scaled_block_max).
+        // fmaxf never returns a NaN score (as "x > mx ? x : mx").
         float mx = kNegInf;
         if (masked) {
 #pragma unroll
@@ -162,7 +173,7 @@ __device__ __forceinline__ void block_softmax(float (&s)[8][4], bool masked, boo
 #pragma unroll
                 for (int e = 0; e < 2; ++e) {
                     const int j = key0 + t * 8 + 2 * c + e;
-                    const float x = j < vis_end[i] ? __fmul_rn(s[t][2 * i + e], scale_log2) : kNegInf;
+                    const float x = j < vis_end[i] ? s[t][2 * i + e] : kNegInf;
                     s[t][2 * i + e] = x;
                     mx = fmaxf(mx, x);
                 }
@@ -171,16 +182,12 @@ __device__ __forceinline__ void block_softmax(float (&s)[8][4], bool masked, boo
 #pragma unroll
             for (int t = 0; t < 8; ++t) {
 #pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    const float x = __fmul_rn(s[t][2 * i + e], scale_log2);
-                    s[t][2 * i + e] = x;
-                    mx = fmaxf(mx, x);
-                }
+                for (int e = 0; e < 2; ++e) mx = fmaxf(mx, s[t][2 * i + e]);
             }
         }
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-        mx = mx == 0.0f ? 0.0f : mx;  // one zero (+0) whatever the lanes' order
+        mx = scaled_block_max(mx, scale_log2);  // one zero (+0) whatever the lanes' order
         empty[i] = mx == kNegInf;
         const float m_new = empty[i] ? m[i] : (mx > m[i] ? mx : m[i]);
         alpha[i] = empty[i] ? 1.0f : (m[i] == kNegInf ? 0.0f : exp2f(__fsub_rn(m[i], m_new)));
@@ -189,8 +196,8 @@ __device__ __forceinline__ void block_softmax(float (&s)[8][4], bool masked, boo
         for (int t = 0; t < 8; ++t) {
 #pragma unroll
             for (int e = 0; e < 2; ++e) {
-                // An invisible key (x = -inf) gives exp2(-inf) = +0: m_new is not -inf here.
-                const float pe = empty[i] ? 0.0f : exp2_ftz(__fsub_rn(s[t][2 * i + e], m_new));
+                // An invisible key (s = -inf) gives exp2(-inf) = +0: m_new is not -inf here.
+                const float pe = empty[i] ? 0.0f : p_of_score(s[t][2 * i + e], scale_log2, m_new);
                 s[t][2 * i + e] = pe;
                 sum = __fadd_rn(sum, pe);
             }

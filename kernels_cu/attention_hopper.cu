@@ -472,7 +472,7 @@ __device__ __forceinline__ void attn_hopper_tile(const TensorMap& map_k, const T
             float acc[64];
 #pragma unroll
             for (int i = 0; i < 64; ++i) acc[i] = 0.0f;
-            float s[32];                // S of a block, then its scaled scores, then its P
+            float s[32];                // S of a block (invisible keys -inf), then its P
             uint32_t pa[4][4];          // P of a block, the A operand of its P V product
             bool prev_empty[2] = {false, false};
             bool prev_any_empty = false;
@@ -596,13 +596,15 @@ __device__ __forceinline__ void attn_hopper_tile(const TensorMap& map_k, const T
             };
 
             // Online softmax of block `blk`, attention.cu's arithmetic with s[t][e] = s[4t + e], in
-            // two parts.  scale(): x = S * scale_log2, or -inf for an invisible key, from s into v.
-            // The rest: updates m, l, leaves P in v and the rescale factors in alpha.  Written for few
-            // instructions: the block max is a tree (max is exact in any order; the zero is normalised
-            // after the butterfly as in attention.cu), m_new = fmaxf(mx, m) (m is never NaN or -0, and
-            // an empty row has mx = -inf: the same selection), alpha is computed then selected, both
-            // rows in one pass, and a warp whose real rows all see a key skips the selections of P
-            // (padding rows are never written; their P may be anything).
+            // two parts.  scale(): -inf for an invisible key (the raw scores stay in s; a block every
+            // real row of the warp sees in full is left as it is).  The rest: the max of the raw
+            // scores scaled once, updates m, l, leaves P = exp2_ftz(fma(s, c, -m_new)) in s and the
+            // rescale factors in alpha.  Written for few instructions: the block max is a tree (max is
+            // exact in any order; scaled and its zero normalised after the butterfly as in
+            // attention.cu), m_new = fmaxf(mx, m) (m is never NaN or -0, and an empty row has
+            // mx = -inf: the same selection), alpha is computed then selected, both rows in one pass,
+            // and a warp whose real rows all see a key skips the selections of P (padding rows are
+            // never written; their P may be anything).
             float alpha[2];
             bool empty_now[2];
             bool any_empty = false;  // some real row of the warp sees no key of this block
@@ -616,12 +618,8 @@ __device__ __forceinline__ void attn_hopper_tile(const TensorMap& map_k, const T
 #pragma unroll
                             for (int e = 0; e < 2; ++e) {
                                 const int j = key0 + t * 8 + 2 * c + e;
-                                const float y = __fmul_rn(s[4 * t + 2 * i + e], p.scale_log2);
-                                s[4 * t + 2 * i + e] = j < vis_end[i] ? y : kNegInf;
+                                if (j >= vis_end[i]) s[4 * t + 2 * i + e] = kNegInf;
                             }
-                } else {
-#pragma unroll
-                    for (int i = 0; i < 32; ++i) s[i] = __fmul_rn(s[i], p.scale_log2);
                 }
             };
             auto softmax = [&]() {
@@ -637,15 +635,16 @@ __device__ __forceinline__ void attn_hopper_tile(const TensorMap& map_k, const T
                     float mx = fmaxf(fmaxf(mx4[0], mx4[2]), fmaxf(mx4[1], mx4[3]));
                     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
                     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-                    mx = mx == 0.0f ? 0.0f : mx;  // one zero (+0) whatever the lanes' order
+                    mx = scaled_block_max(mx, p.scale_log2);  // one zero (+0) whatever the lanes' order
                     empty_now[i] = mx == kNegInf;
                     m_new[i] = fmaxf(mx, m[i]);
                     const float a = exp2f(__fsub_rn(m[i], m_new[i]));  // selected away where undefined
                     alpha[i] = empty_now[i] ? 1.0f : (m[i] == kNegInf ? 0.0f : a);
                 }
                 any_empty = __any_sync(0xffffffffu, (empty_now[0] && row_q[0] >= 0) || (empty_now[1] && row_q[1] >= 0));
-                // P and the block sums.  An invisible key (x = -inf) gives exp2(-inf) = +0 where m_new
-                // is finite; a row with no visible key gets P = 0 by selection.
+                // P and the block sums: one FFMA per score (s * c - m_new, one rounding).  An
+                // invisible key (s = -inf) gives exp2(-inf) = +0 where m_new is finite; a row with no
+                // visible key gets P = 0 by selection.
                 auto exp_sum = [&](auto select) {
                     float sum[2];
 #pragma unroll
@@ -654,7 +653,7 @@ __device__ __forceinline__ void attn_hopper_tile(const TensorMap& map_k, const T
                         for (int i = 0; i < 2; ++i)
 #pragma unroll
                             for (int e = 0; e < 2; ++e) {
-                                float pe = exp2_ftz(__fsub_rn(s[4 * t + 2 * i + e], m_new[i]));
+                                float pe = p_of_score(s[4 * t + 2 * i + e], p.scale_log2, m_new[i]);
                                 if constexpr (decltype(select)::value) pe = empty_now[i] ? 0.0f : pe;
                                 s[4 * t + 2 * i + e] = pe;
                                 // P >= +0 (or NaN): 0 + P is P, so the scan starts at the first term.

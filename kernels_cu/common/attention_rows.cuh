@@ -1,7 +1,8 @@
 // The per-row arithmetic every attention forward kernel shares: attention.cu's mma.sync tile,
 // split and combine kernels and attention_hopper.cu's wgmma tile kernel include this one
-// definition (block and split sizes, the split merge, finalize, P's exp2 and rounding), so
-// their bits cannot drift apart.  The contract they implement: attention.cu's header.
+// definition (block and split sizes, the scaled block max, P's exponent, exp2 and rounding, the
+// split merge, finalize), so their bits cannot drift apart.  The contract they implement:
+// attention.cu's header.
 // CUDA only: included inside the kernels' !__HIPCC__ sections.
 #pragma once
 
@@ -63,6 +64,20 @@ __device__ __forceinline__ float exp2_ftz(float x) {
     float y;
     asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
     return y;
+}
+
+// The block max of a row's RAW scores (invisible keys -inf) in the log2 domain: scaled once, a
+// zero normalised to +0.  Rounding is monotone and c = scale_log2 > 0 (the host refuses a
+// softmax_scale <= 0), so this is the max of the scaled scores, whatever the scan order.
+__device__ __forceinline__ float scaled_block_max(float mx_raw, float scale_log2) {
+    const float mx = __fmul_rn(mx_raw, scale_log2);
+    return mx == 0.0f ? 0.0f : mx;
+}
+
+// P of a raw score s: exp2_ftz of s * c - m_new rounded ONCE (one FFMA, the contract's only
+// fused step).  s = -inf (an invisible key) gives +0 where m_new is finite.
+__device__ __forceinline__ float p_of_score(float s, float scale_log2, float m_new) {
+    return exp2_ftz(__fmaf_rn(s, scale_log2, -m_new));
 }
 
 // Two fp32 probabilities rounded to nearest-even into the input dtype, packed for the mma.

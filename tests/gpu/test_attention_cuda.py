@@ -89,6 +89,14 @@ def test_scale_is_rounded_to_fp32_once():
     assert gpu.scale_of(0.1, 64) == float(torch.tensor(0.1, dtype=torch.float32))
 
 
+@pytest.mark.parametrize("scale", (0.0, -0.0, -0.125, 1e-50))
+def test_scale_must_be_positive_after_rounding(scale):
+    # The kernels scale each block's max of the raw scores once (kernels_cu/attention.cu): the
+    # max of the scaled scores only for a scale > 0.  1e-50 rounds to fp32 +0.
+    with pytest.raises(ValueError, match="softmax_scale must be positive"):
+        gpu.scale_of(scale, 128)
+
+
 # ----------------------------------------------------------------------------- Axis-B
 
 
@@ -781,6 +789,21 @@ def test_mixed_dtypes_shapes_and_devices_are_clear_errors():
         batchinv.attention(q, torch.cat([k, k, k], dim=2), torch.cat([v, v, v], dim=2))
     with pytest.raises(ValueError, match="device"):
         batchinv.attention(q, k.cpu(), v)
+
+
+@cuda
+@pytest.mark.parametrize("scale", (0.0, -0.5))
+def test_non_positive_scale_is_a_clear_error(scale):
+    q, k, v = _qkv(1, 4, 4, 2, 2, 64, torch.bfloat16, seed=22)
+    with pytest.raises(ValueError, match="softmax_scale must be positive"):
+        batchinv.attention(q, k, v, softmax_scale=scale)
+    cu = torch.tensor([0, 4], device=DEVICE)
+    with pytest.raises(ValueError, match="softmax_scale must be positive"):
+        batchinv.attention_varlen(q[0], k[0], v[0], cu, cu, softmax_scale=scale)
+    cache = KVCache(1, 8, 2, 64, dtype=torch.bfloat16, device=DEVICE)
+    with pytest.raises(ValueError, match="softmax_scale must be positive"):
+        batchinv.attention_with_kv_cache(q, k, v, cache, softmax_scale=scale)
+    assert int(cache.lengths[0]) == 0  # nothing was written
 
 
 @cuda

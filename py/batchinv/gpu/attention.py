@@ -426,9 +426,17 @@ def combine_uses_pdl(device: torch.device, pdl: bool | None = None) -> bool:
 
 
 def scale_of(softmax_scale: float | None, head_dim: int) -> float:
-    """The softmax scale rounded once to fp32 (as the reference does)."""
+    """The softmax scale rounded once to fp32 (as the reference does); it must be positive:
+    the kernels take each block's max of the raw scores and scale it once, which is the max of
+    the scaled scores only for a scale > 0 (kernels_cu/attention.cu's header)."""
     value = 1.0 / math.sqrt(head_dim) if softmax_scale is None else float(softmax_scale)
-    return float(torch.tensor(value, dtype=torch.float32))
+    scale = float(torch.tensor(value, dtype=torch.float32))
+    if not scale > 0.0:
+        raise ValueError(
+            f"softmax_scale must be positive (after rounding to fp32) for the CUDA attention "
+            f"kernels, got {softmax_scale}"
+        )
+    return scale
 
 
 # ----------------------------------------------------------------------------- autograd
@@ -697,6 +705,7 @@ def attention_with_kv_cache(
     seq_ids, seqlens_new = host_index_copies(seq_ids=seq_ids, seqlens_new=seqlens_new)
     lengths = check_length_values(q, k_new, seqlens_q=seqlens_new)
     check_supported(q, k_new, v_new)
+    scale = scale_of(softmax_scale, q.shape[-1])  # before the append: a bad scale writes nothing
     if q.dtype != cache.dtype:
         raise TypeError(f"q has dtype {q.dtype} but {cache.name} holds {cache.dtype}")
     if cache.k.device != q.device:
@@ -725,7 +734,7 @@ def attention_with_kv_cache(
         cache.v.view(storage),
         layout,
         causal,
-        scale_of(softmax_scale, d),
+        scale,
         prefill_zero=seqlens_new is not None,
         **tuning,
     )
