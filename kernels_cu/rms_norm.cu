@@ -89,6 +89,9 @@ constexpr int kStreamingBackwardChunks = 2;  // and backward (four would spill a
 constexpr int kMinCtaThreads = 128;
 constexpr int kMaxWarps = 1024 / BATCHINV_WARP_SIZE;
 constexpr int kWeightGradChunkRows = 16;  // rows per first-level partial of grad_weight, at least
+// t128k4's fused backward with many rows (the host decides from the row count and d only):
+// 32 rows per first-level partial (entries *_t128k4r32; issue 6, session 8).
+constexpr int kWeightGradLongChunkRows = 32;
 constexpr int kWeightGradReduceRows = 64;  // partial rows per sum of the further levels
 constexpr int kWeightGradSharedBytes = 32768;  // per-column sums of a CTA in the fused backward
 constexpr int kWeightGradThreads = 256;  // columns per pass-1 / pass-2 CTA
@@ -328,11 +331,11 @@ struct Cta {
 
 // grad_weight's first level for a row kept in registers: a CTA owns kRows consecutive rows,
 // its kRowGroups row groups kRowsInSequence consecutive rows each (see the header).
-template <int T>
+// kChunkRows: kWeightGradChunkRows, or kWeightGradLongChunkRows for the *_r32 entries.
+template <int T, int kChunkRows = kWeightGradChunkRows>
 struct WeightGradChunk {
     static constexpr int kGroups = Cta<T>::kRowGroups;
-    static constexpr int kRowsInSequence =
-        kWeightGradChunkRows > kGroups ? kWeightGradChunkRows / kGroups : 1;
+    static constexpr int kRowsInSequence = kChunkRows > kGroups ? kChunkRows / kGroups : 1;
     static constexpr int kRows = kGroups * kRowsInSequence;
 };
 
@@ -720,14 +723,14 @@ __device__ __forceinline__ void backward_resident_row(const BackwardArgs& a, int
 // for K <= kResidentWeightMaxChunks: with 8 chunks the weight's 32 more registers per thread
 // cost a CTA per SM and it ran slower (issue 6, H200: 150 vs 148 us at 16384 x 4096 bf16).
 // kAlternatePartials<T>: row s reduces through warp partials s % 2 (one barrier per row).
-template <typename Codec, int T, int K>
+template <typename Codec, int T, int K, int kChunkRows>
 __device__ __forceinline__ void backward_weight_grad_resident(const BackwardArgs& a,
                                                               float* partials,
                                                               float* warp_partials,
                                                               float4* group_sums) {
     using S = typename Codec::storage;
     constexpr int E = Chunk<Codec>::kElems;
-    using Chunking = WeightGradChunk<T>;
+    using Chunking = WeightGradChunk<T, kChunkRows>;
     constexpr int kGroups = Chunking::kGroups;
     constexpr int kSequence = Chunking::kRowsInSequence;
     constexpr int kGroupFloat4s = T * K * E / 4;
@@ -811,7 +814,7 @@ constexpr int kStagedRowsBytes = kStagedRowStages * 2 * T * K * kChunkBytes;
 // backward_weight_grad_resident's rows, order and sums (one row group of kRowsInSequence rows;
 // vector launches only), with the rows staged in `ring` by cp.async kStagedRowStages - 1 rows
 // ahead instead of loaded into registers: the same operations in the same order.
-template <typename Codec, int T, int K>
+template <typename Codec, int T, int K, int kChunkRows>
 __device__ __forceinline__ void backward_weight_grad_staged(const BackwardArgs& a,
                                                             float* partials,
                                                             float* warp_partials,
@@ -819,7 +822,7 @@ __device__ __forceinline__ void backward_weight_grad_staged(const BackwardArgs& 
     using S = typename Codec::storage;
     constexpr int E = Chunk<Codec>::kElems;
     constexpr int kStages = kStagedRowStages;
-    constexpr int kSequence = WeightGradChunk<T>::kRowsInSequence;
+    constexpr int kSequence = WeightGradChunk<T, kChunkRows>::kRowsInSequence;
     static_assert(Cta<T>::kRowGroups == 1, "one row group per CTA");
     const int lane = threadIdx.x;
     const int64_t first_row = static_cast<int64_t>(blockIdx.x) * kSequence;
@@ -890,7 +893,7 @@ __device__ __forceinline__ void backward_kernel(const BackwardArgs& a) {
     backward_rows<Codec, T, K, kStreaming>(a, warp_partials);
 }
 
-template <typename Codec, int T, int K>
+template <typename Codec, int T, int K, int kChunkRows = kWeightGradChunkRows>
 __device__ __forceinline__ void backward_weight_grad_kernel(const BackwardArgs& a,
                                                             float* partials) {
     constexpr int kSumBytes = Cta<T>::kThreads * K * Chunk<Codec>::kElems * 4;
@@ -904,15 +907,17 @@ __device__ __forceinline__ void backward_weight_grad_kernel(const BackwardArgs& 
         static_assert(kAlternate, "the staged rows alternate two warp-partials buffers");
         extern __shared__ uint4 staged_rows[];  // kStagedRowsBytes<T, K>, from the host
         if (backward_vector_ok<typename Codec::storage>(a)) {
-            backward_weight_grad_staged<Codec, T, K>(a, partials, warp_partials, group_sums,
-                                                     staged_rows);
+            backward_weight_grad_staged<Codec, T, K, kChunkRows>(a, partials, warp_partials,
+                                                                 group_sums, staged_rows);
             return;
         }
     }
 #endif
     if constexpr (K <= kResidentWeightMaxChunks) {
-        backward_weight_grad_resident<Codec, T, K>(a, partials, warp_partials, group_sums);
+        backward_weight_grad_resident<Codec, T, K, kChunkRows>(a, partials, warp_partials,
+                                                               group_sums);
     } else {
+        static_assert(kChunkRows == kWeightGradChunkRows, "longer runs only for resident rows");
         backward_weight_grad_rows<Codec, T, K>(a, partials, warp_partials, group_sums);
     }
 }
@@ -1068,8 +1073,11 @@ __device__ __forceinline__ void weight_grad_last_levels(typename Codec::storage*
         batchinv::rms::backward_kernel<CODEC, T, K, STREAMING>(args);                            \
     }
 
-// grad_x and grad_weight's first level in one pass (rows held in registers; see the header).
-#define BATCHINV_RMS_NORM_BACKWARD_WEIGHT_GRAD_ENTRY(SUFFIX, CODEC, GEOMETRY, T, K)              \
+// grad_x and grad_weight's first level in one pass (rows held in registers; see the header),
+// CHUNK_ROWS rows per first-level partial row (kWeightGradChunkRows, or
+// kWeightGradLongChunkRows for the t128k4r32 entries).
+#define BATCHINV_RMS_NORM_BACKWARD_WEIGHT_GRAD_ENTRY_ROWS(SUFFIX, CODEC, GEOMETRY, T, K,         \
+                                                          CHUNK_ROWS)                            \
     extern "C" __global__ void __launch_bounds__(batchinv::rms::Cta<T>::kThreads)                \
         rms_norm_backward_weight_grad_##SUFFIX##_##GEOMETRY(                                     \
             CODEC::storage* grad_x, float* partials, const CODEC::storage* grad_y,               \
@@ -1077,8 +1085,11 @@ __device__ __forceinline__ void weight_grad_last_levels(typename Codec::storage*
             const CODEC::storage* grad_residual, int64_t rows, int64_t d, int64_t x_stride) {    \
         const batchinv::rms::BackwardArgs args{grad_x,        grad_y, x, weight,  rstd,          \
                                                grad_residual, rows,   d, x_stride};              \
-        batchinv::rms::backward_weight_grad_kernel<CODEC, T, K>(args, partials);                \
+        batchinv::rms::backward_weight_grad_kernel<CODEC, T, K, CHUNK_ROWS>(args, partials);    \
     }
+#define BATCHINV_RMS_NORM_BACKWARD_WEIGHT_GRAD_ENTRY(SUFFIX, CODEC, GEOMETRY, T, K)              \
+    BATCHINV_RMS_NORM_BACKWARD_WEIGHT_GRAD_ENTRY_ROWS(SUFFIX, CODEC, GEOMETRY, T, K,             \
+                                                      batchinv::rms::kWeightGradChunkRows)
 
 #define BATCHINV_RMS_NORM_WEIGHT_GRAD_KERNELS(SUFFIX, CODEC)                                   \
     extern "C" __global__ void __launch_bounds__(256) rms_norm_weight_grad_partials_##SUFFIX( \
@@ -1143,6 +1154,8 @@ BATCHINV_RMS_NORM_ALL_GEOMETRIES(f32, batchinv::F32Codec)
     BATCHINV_RMS_NORM_BACKWARD_WEIGHT_GRAD_ENTRY(SUFFIX, CODEC, t16, 16, 4)            \
     BATCHINV_RMS_NORM_BACKWARD_WEIGHT_GRAD_ENTRY(SUFFIX, CODEC, t32, 32, 4)            \
     BATCHINV_RMS_NORM_BACKWARD_WEIGHT_GRAD_ENTRY(SUFFIX, CODEC, t128k4, 128, 4)        \
+    BATCHINV_RMS_NORM_BACKWARD_WEIGHT_GRAD_ENTRY_ROWS(SUFFIX, CODEC, t128k4r32, 128, 4, \
+                                                      batchinv::rms::kWeightGradLongChunkRows) \
     BATCHINV_RMS_NORM_BACKWARD_WEIGHT_GRAD_ENTRY(SUFFIX, CODEC, t128k5, 128, 5)        \
     BATCHINV_RMS_NORM_BACKWARD_WEIGHT_GRAD_ENTRY(SUFFIX, CODEC, t128, 128, 8)
 
@@ -1168,6 +1181,7 @@ BATCHINV_RMS_NORM_BACKWARD_WEIGHT_GRAD_ENTRY(f32, batchinv::F32Codec, t256, 256,
 // batchinv-signature: rms_norm_fused_forward_bf16_t64(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_backward_bf16_t128k4(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
 // batchinv-signature: rms_norm_backward_weight_grad_bf16_t128k4(ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
+// batchinv-signature: rms_norm_backward_weight_grad_bf16_t128k4r32(ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
 // batchinv-signature: rms_norm_forward_bf16_t128k5(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_fused_forward_bf16_t128k5(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_backward_bf16_t128k5(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
@@ -1203,6 +1217,7 @@ BATCHINV_RMS_NORM_BACKWARD_WEIGHT_GRAD_ENTRY(f32, batchinv::F32Codec, t256, 256,
 // batchinv-signature: rms_norm_fused_forward_f16_t64(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_backward_f16_t128k4(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
 // batchinv-signature: rms_norm_backward_weight_grad_f16_t128k4(ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
+// batchinv-signature: rms_norm_backward_weight_grad_f16_t128k4r32(ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
 // batchinv-signature: rms_norm_forward_f16_t128k5(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_fused_forward_f16_t128k5(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_backward_f16_t128k5(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
@@ -1238,6 +1253,7 @@ BATCHINV_RMS_NORM_BACKWARD_WEIGHT_GRAD_ENTRY(f32, batchinv::F32Codec, t256, 256,
 // batchinv-signature: rms_norm_fused_forward_f32_t64(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_backward_f32_t128k4(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
 // batchinv-signature: rms_norm_backward_weight_grad_f32_t128k4(ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
+// batchinv-signature: rms_norm_backward_weight_grad_f32_t128k4r32(ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
 // batchinv-signature: rms_norm_forward_f32_t128k5(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_fused_forward_f32_t128k5(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_backward_f32_t128k5(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)

@@ -214,30 +214,38 @@ def test_fused_add_backward_matches_reference_semantics():
         assert_within_tolerance(got.cpu(), want, op_class="reduction", kind="grad", name=name)
 
 
+def _in_order(blocks: torch.Tensor) -> torch.Tensor:
+    """[n, k, d] -> the sum over k in order from +0 (fp32, one rounding per add)."""
+    total = torch.zeros(blocks.shape[0], blocks.shape[2], device=blocks.device)
+    for i in range(blocks.shape[1]):
+        total = total + blocks[:, i]
+    return total
+
+
+def _padded(t: torch.Tensor, run: int) -> torch.Tensor:
+    """[n, d] -> [ceil(n / run), run, d], the missing rows zeros."""
+    n, d = -(-t.shape[0] // run), t.shape[1]
+    out = torch.zeros(n * run, d, device=t.device)
+    out[: t.shape[0]] = t
+    return out.view(n, run, d)
+
+
+def _first_level_by_the_documented_tree(grad_y, x, rstd, groups, in_sequence):
+    """grad_weight's first-level partial rows: ``groups * in_sequence`` consecutive rows each,
+    each group's run in order from +0, then the groups in order from +0."""
+    d = grad_y.shape[1]
+    products = grad_y.float() * (x.float() * rstd[:, None])
+    runs = _padded(products, groups * in_sequence).view(-1, in_sequence, d)
+    return _in_order(_in_order(runs).view(-1, groups, d))
+
+
 def _weight_grad_by_the_documented_tree(grad_y, x, rstd, groups, in_sequence):
     """grad_weight as docs/operators/rms_norm.md defines it, from torch's elementwise fp32
-    operations (one rounding each): the first-level partial of ``groups * in_sequence``
-    consecutive rows (each group's run in order from +0, then the groups in order from +0),
-    then runs of 64 partial rows while more than 64 remain, then the rest in order; rounded
-    once.  Missing rows at the end are zeros (+0 leaves a sum from +0 unchanged)."""
-    rows, d = grad_y.shape
-    products = grad_y.float() * (x.float() * rstd[:, None])
-
-    def in_order(blocks: torch.Tensor) -> torch.Tensor:  # [n, k, d] -> sum over k in order
-        total = torch.zeros(blocks.shape[0], d, device=blocks.device)
-        for i in range(blocks.shape[1]):
-            total = total + blocks[:, i]
-        return total
-
-    def padded(t: torch.Tensor, run: int) -> torch.Tensor:
-        n = -(-t.shape[0] // run)
-        out = torch.zeros(n * run, d, device=t.device)
-        out[: t.shape[0]] = t
-        return out.view(n, run, d)
-
-    chunk = groups * in_sequence
-    runs = padded(products, chunk).view(-1, in_sequence, d)  # [blocks * groups, S, d]
-    partials = in_order(in_order(runs).view(-1, groups, d))
+    operations (one rounding each): the first-level partials (above), then runs of 64 partial
+    rows while more than 64 remain, then the rest in order; rounded once.  Missing rows at the
+    end are zeros (+0 leaves a sum from +0 unchanged)."""
+    in_order, padded = _in_order, _padded
+    partials = _first_level_by_the_documented_tree(grad_y, x, rstd, groups, in_sequence)
     while partials.shape[0] > gpu_rms_norm.WEIGHT_GRAD_REDUCE_ROWS:
         partials = in_order(padded(partials, gpu_rms_norm.WEIGHT_GRAD_REDUCE_ROWS))
     return in_order(partials[None])[0].to(grad_y.dtype)
@@ -265,9 +273,38 @@ def test_weight_gradient_is_the_documented_fixed_tree(hidden, dtype, many_rows):
     weight = _weight(hidden, dtype)
     _, rstd = gpu_rms_norm.forward(x, weight, EPS)
     _, grad_weight = gpu_rms_norm.backward(grad_y, x, weight, rstd)
-    groups, in_sequence = gpu_rms_norm.weight_grad_chunking(hidden, dtype)
+    groups, in_sequence = gpu_rms_norm.weight_grad_chunking(hidden, dtype, rows)
     want = _weight_grad_by_the_documented_tree(grad_y, x, rstd, groups, in_sequence)
     assert_bitwise_equal(grad_weight, want, name=f"grad_weight ({groups}x{in_sequence} rows)")
+
+
+# t128k4 (hidden 4096 bf16/fp16, 2048 fp32; 4090: the element path) at the edge of the row count
+# from which the first level sums 32 rows per partial instead of 16 (and 16 rows more: a last
+# partial of 16 rows).
+LONG_RUN_EDGE = gpu_rms_norm.LONG_RUN_MIN_ROWS
+LONG_RUN_CASES = [
+    (h, t, rows)
+    for t in DTYPES
+    for h in ((2048,) if t == torch.float32 else (4096, 4090))
+    for rows in (LONG_RUN_EDGE - 1, LONG_RUN_EDGE, LONG_RUN_EDGE + 16)
+]
+
+
+@pytest.mark.parametrize(("hidden", "dtype", "rows"), LONG_RUN_CASES)
+def test_weight_gradient_tree_at_the_long_run_threshold(hidden, dtype, rows):
+    assert gpu_rms_norm.backward_geometry(hidden, dtype)[0] == gpu_rms_norm.LONG_RUN_GEOMETRY
+    x, grad_y = _gpu_normals(2, rows, hidden, dtype, seed=18)
+    weight = _weight(hidden, dtype)
+    _, rstd = gpu_rms_norm.forward(x, weight, EPS)
+    grad_x, grad_weight = gpu_rms_norm.backward(grad_y, x, weight, rstd)
+    groups, in_sequence = gpu_rms_norm.weight_grad_chunking(hidden, dtype, rows)
+    long_runs = rows >= gpu_rms_norm.LONG_RUN_MIN_ROWS
+    assert (groups, in_sequence) == (1, gpu_rms_norm.LONG_RUN_ROWS if long_runs else 16)
+    want = _weight_grad_by_the_documented_tree(grad_y, x, rstd, groups, in_sequence)
+    assert_bitwise_equal(grad_weight, want, name=f"grad_weight ({groups}x{in_sequence} rows)")
+    # grad_x does not depend on the first level's shape: the grad_x-only kernel's bits.
+    alone, _ = gpu_rms_norm.backward(grad_y, x, weight, rstd, weight_grad=False)
+    assert_bitwise_equal(grad_x, alone, name="grad_x")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -280,7 +317,7 @@ def test_weight_gradient_tree_with_a_level_below_the_last_two(dtype):
     weight = _weight(hidden, dtype)
     _, rstd = gpu_rms_norm.forward(x, weight, EPS)
     _, grad_weight = gpu_rms_norm.backward(grad_y, x, weight, rstd)
-    groups, in_sequence = gpu_rms_norm.weight_grad_chunking(hidden, dtype)
+    groups, in_sequence = gpu_rms_norm.weight_grad_chunking(hidden, dtype, rows)
     assert groups * in_sequence == 32
     want = _weight_grad_by_the_documented_tree(grad_y, x, rstd, groups, in_sequence)
     assert_bitwise_equal(grad_weight, want, name="grad_weight")
@@ -294,7 +331,7 @@ def test_fused_and_two_pass_weight_gradients_have_the_same_bits(hidden, dtype):
     weight = _weight(hidden, dtype)
     _, rstd = gpu_rms_norm.forward(x, weight, EPS)
     _, fused = gpu_rms_norm.backward(grad_y, x, weight, rstd)
-    groups, in_sequence = gpu_rms_norm.weight_grad_chunking(hidden, dtype)
+    groups, in_sequence = gpu_rms_norm.weight_grad_chunking(hidden, dtype, FUSED_ROWS)
     partials = gpu_rms_norm._weight_grad_separately(grad_y, x, rstd, groups, in_sequence)
     assert_bitwise_equal(fused, gpu_rms_norm._reduce_partials(partials, dtype))
 
@@ -433,7 +470,7 @@ def test_every_output_element_is_written_in_every_geometry(dtype):
         if not gpu_rms_norm.fused_backward_fits(hidden, dtype):
             continue
         name, _, cta = gpu_rms_norm.backward_geometry(hidden, dtype)
-        groups, in_sequence = gpu_rms_norm.weight_grad_chunking(hidden, dtype)
+        groups, in_sequence = gpu_rms_norm.weight_grad_chunking(hidden, dtype, rows)
         blocks = -(-rows // (groups * in_sequence))
         fused_grad_x = torch.full_like(y, float("nan"))
         partials = torch.full((blocks, hidden), float("nan"), device=DEVICE)
@@ -531,9 +568,9 @@ def test_backward_t128k4_reduces_a_row_as_t128(dtype, trim):
     elems = 16 // dtype.itemsize
     hidden = 128 * 4 * elems - trim
     assert gpu_rms_norm.backward_geometry(hidden, dtype)[0] == "t128k4"
-    assert gpu_rms_norm.weight_grad_chunking(hidden, dtype) == (1, 16)
-    suffix = gpu_rms_norm._SUFFIX[dtype]
     rows = 67
+    assert gpu_rms_norm.weight_grad_chunking(hidden, dtype, rows) == (1, 16)
+    suffix = gpu_rms_norm._SUFFIX[dtype]
     gen = torch.Generator(device=DEVICE).manual_seed(16)
     x, grad_y, grad_residual = (
         (2.0 * torch.randn(rows, hidden, device=DEVICE, generator=gen)).to(dtype) for _ in range(3)
@@ -570,6 +607,24 @@ def test_backward_t128k4_reduces_a_row_as_t128(dtype, trim):
     # The op runs t128k4 for this hidden size.
     op_grad_x, _ = gpu_rms_norm.backward(grad_y, x, weight, rstd, grad_residual)
     assert_bitwise_equal(op_grad_x, results["t128k4"][0], name="op vs t128k4")
+    # Its 32-row first level (many rows; here 67: three CTAs, the last with 3 rows) computes
+    # grad_x as t128 does and partial rows as the documented 1 x 32 tree.
+    long_rows = gpu_rms_norm.LONG_RUN_ROWS
+    long_blocks = -(-rows // long_rows)
+    long_grad_x = torch.full_like(x, float("nan"))
+    long_partials = torch.full((long_blocks, hidden), float("nan"), device=DEVICE)
+    gpu_rms_norm.launch_fused_backward(
+        "t128k4",
+        dtype,
+        x.device,
+        long_blocks,
+        128,
+        (long_grad_x, long_partials, *inputs),
+        long_runs=True,
+    )
+    assert_bitwise_equal(long_grad_x, results["t128"][0], name="t128k4r32 grad_x vs t128")
+    want = _first_level_by_the_documented_tree(grad_y, x, rstd, 1, long_rows)
+    assert_bitwise_equal(long_partials, want, name="t128k4r32 partials")
 
 
 def test_nan_rows_do_not_leak_into_their_neighbours():

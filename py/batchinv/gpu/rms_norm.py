@@ -35,6 +35,14 @@ MIN_CTA_THREADS = 128
 # grad_weight's tree (kernels_cu/rms_norm.cu): first-level partials of at least this many rows
 # (a constant, not a tuning knob), then sums of 64 consecutive partial rows.
 WEIGHT_GRAD_CHUNK_ROWS = 16
+# t128k4's fused backward (bf16/fp16 hidden 4096) from this many rows on sums 32 rows per
+# first-level partial instead (kernel entries ``*_t128k4r32``): half the partial rows to write
+# and reduce, and a CTA's two-stage ring filled once per 32 rows.  A function of the row count
+# and d (through the geometry) only, never of the SM count; below it the CTAs would be too few
+# to fill the GPU (issue 6, session 6: 39% slower at 8192 rows).
+LONG_RUN_GEOMETRY = "t128k4"
+LONG_RUN_ROWS = 32
+LONG_RUN_MIN_ROWS = 16384
 WEIGHT_GRAD_REDUCE_ROWS = 64
 WEIGHT_GRAD_THREADS = 256
 # The last two levels (runs of 64 partial rows, then the run sums) run as one grid once at most
@@ -195,14 +203,16 @@ def fused_add_forward(
     return forward_unchecked(x, weight, eps, residual)
 
 
-@functools.cache
-def weight_grad_chunking(d: int, dtype: torch.dtype) -> tuple[int, int]:
-    """``(row groups, rows in sequence per group)`` of grad_weight's first level for rows of
-    ``d`` elements: a partial row sums ``groups * rows_in_sequence`` consecutive rows, each
-    group its own consecutive run in order, then the groups in order (a function of ``d``
-    and the dtype only; from the backward's geometry)."""
-    _, threads, cta = backward_geometry(d, dtype)
+def weight_grad_chunking(d: int, dtype: torch.dtype, rows: int) -> tuple[int, int]:
+    """``(row groups, rows in sequence per group)`` of grad_weight's first level for ``rows``
+    rows of ``d`` elements: a partial row sums ``groups * rows_in_sequence`` consecutive rows,
+    each group its own consecutive run in order, then the groups in order (a function of ``d``,
+    the dtype and the row count only: from the backward's geometry, and ``LONG_RUN_ROWS`` for
+    ``LONG_RUN_GEOMETRY`` from ``LONG_RUN_MIN_ROWS`` rows on)."""
+    name, threads, cta = backward_geometry(d, dtype)
     groups = cta // threads
+    if name == LONG_RUN_GEOMETRY and rows >= LONG_RUN_MIN_ROWS:
+        return groups, LONG_RUN_ROWS
     return groups, max(1, WEIGHT_GRAD_CHUNK_ROWS // groups)
 
 
@@ -241,12 +251,26 @@ def _reduce_partials(partials: Tensor, dtype: torch.dtype) -> Tensor:
 
 
 def launch_fused_backward(
-    name: str, dtype: torch.dtype, device: torch.device, blocks: int, cta: int, args
+    name: str,
+    dtype: torch.dtype,
+    device: torch.device,
+    blocks: int,
+    cta: int,
+    args,
+    *,
+    long_runs: bool = False,
 ) -> None:
     """Launches ``rms_norm_backward_weight_grad_*`` of backward geometry ``name`` (grad_x and
-    grad_weight's first level) with the dynamic shared memory it needs."""
+    grad_weight's first level) with the dynamic shared memory it needs.  ``long_runs``:
+    ``LONG_RUN_ROWS`` rows per partial row (``name`` must be ``LONG_RUN_GEOMETRY``), else the
+    geometry's ``weight_grad_chunking``."""
+    entry = name
+    if long_runs:
+        if name != LONG_RUN_GEOMETRY:
+            raise ValueError(f"geometry {name} has no fused backward of {LONG_RUN_ROWS}-row runs")
+        entry = f"{name}r{LONG_RUN_ROWS}"
     kernel = kernel_for(
-        "rms_norm", f"rms_norm_backward_weight_grad_{_SUFFIX[dtype]}_{name}", device
+        "rms_norm", f"rms_norm_backward_weight_grad_{_SUFFIX[dtype]}_{entry}", device
     )
     shared = 0
     if (
@@ -328,7 +352,7 @@ def backward(
         x_rows.stride(0),
     )
     name, _, cta = backward_geometry(d, dtype)
-    groups, in_sequence = weight_grad_chunking(d, dtype)
+    groups, in_sequence = weight_grad_chunking(d, dtype, rows)
     blocks = -(-rows // (groups * in_sequence))
     grad_weight = None
     if rows == 0:
@@ -337,7 +361,15 @@ def backward(
         if blocks > _MAX_GRID_X:
             raise ValueError(f"x has {rows} rows; too many for the weight gradient kernel")
         partials = torch.empty((blocks, d), dtype=torch.float32, device=x.device)
-        launch_fused_backward(name, dtype, x.device, blocks, cta, (grad_x, partials, *args))
+        launch_fused_backward(
+            name,
+            dtype,
+            x.device,
+            blocks,
+            cta,
+            (grad_x, partials, *args),
+            long_runs=name == LONG_RUN_GEOMETRY and in_sequence == LONG_RUN_ROWS,
+        )
         grad_weight = _reduce_partials(partials, weight.dtype)
     else:
         _launch_rows("rms_norm_backward", x.device, d, dtype, rows, (grad_x, *args))
