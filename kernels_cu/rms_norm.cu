@@ -89,9 +89,6 @@ constexpr int kStreamingBackwardChunks = 2;  // and backward (four would spill a
 constexpr int kMinCtaThreads = 128;
 constexpr int kMaxWarps = 1024 / BATCHINV_WARP_SIZE;
 constexpr int kWeightGradChunkRows = 16;  // rows per first-level partial of grad_weight, at least
-// t128k4's fused backward with many rows (the host decides from the row count and d only):
-// 32 rows per first-level partial (entries *_t128k4r32; issue 6, session 8).
-constexpr int kWeightGradLongChunkRows = 32;
 constexpr int kWeightGradReduceRows = 64;  // partial rows per sum of the further levels
 constexpr int kWeightGradSharedBytes = 32768;  // per-column sums of a CTA in the fused backward
 constexpr int kWeightGradThreads = 256;  // columns per pass-1 / pass-2 CTA
@@ -329,14 +326,19 @@ struct Cta {
     static constexpr int kRowGroups = kThreads / T;
 };
 
-// grad_weight's first level for a row kept in registers: a CTA owns kRows consecutive rows,
-// its kRowGroups row groups kRowsInSequence consecutive rows each (see the header).
-// kChunkRows: kWeightGradChunkRows, or kWeightGradLongChunkRows for the *_r32 entries.
-template <int T, int kChunkRows = kWeightGradChunkRows>
+// grad_weight's first level for a row kept in registers: a CTA of the fused backward owns kRows
+// consecutive rows, its kGroups row groups kRowsInSequence consecutive rows each (see the
+// header).  By default the geometry's CTA (Cta<T>::kRowGroups groups) and
+// max(1, kWeightGradChunkRows / groups) rows per group; the t128k4g2 / t128k4r32 entries
+// (issue 6, session 8) take 2 groups of 16 rows / 1 group of 32 rows.
+template <int T, int G = Cta<T>::kRowGroups,
+          int S = (kWeightGradChunkRows > G ? kWeightGradChunkRows / G : 1)>
 struct WeightGradChunk {
-    static constexpr int kGroups = Cta<T>::kRowGroups;
-    static constexpr int kRowsInSequence = kChunkRows > kGroups ? kChunkRows / kGroups : 1;
+    static constexpr int kGroups = G;
+    static constexpr int kRowsInSequence = S;
     static constexpr int kRows = kGroups * kRowsInSequence;
+    static constexpr int kThreads = kGroups * T;  // of the fused backward's CTA
+    static_assert(kThreads >= Cta<T>::kThreads, "at least the geometry's CTA");
 };
 
 template <typename S>
@@ -382,7 +384,7 @@ __device__ __forceinline__ void store_group_sums(const float4* group_sums, float
     __syncthreads();
     const float* sums = reinterpret_cast<const float*>(group_sums);
     float* out = partials + static_cast<int64_t>(blockIdx.x) * d;
-    for (int64_t col = threadIdx.x; col < d; col += Cta<T>::kThreads) {
+    for (int64_t col = threadIdx.x; col < d; col += kGroups * T) {
         const int index = group_sums_index<T, E>(col);
         float sum = 0.0f;
 #pragma unroll
@@ -723,14 +725,13 @@ __device__ __forceinline__ void backward_resident_row(const BackwardArgs& a, int
 // for K <= kResidentWeightMaxChunks: with 8 chunks the weight's 32 more registers per thread
 // cost a CTA per SM and it ran slower (issue 6, H200: 150 vs 148 us at 16384 x 4096 bf16).
 // kAlternatePartials<T>: row s reduces through warp partials s % 2 (one barrier per row).
-template <typename Codec, int T, int K, int kChunkRows>
+template <typename Codec, int T, int K, typename Chunking>
 __device__ __forceinline__ void backward_weight_grad_resident(const BackwardArgs& a,
                                                               float* partials,
                                                               float* warp_partials,
                                                               float4* group_sums) {
     using S = typename Codec::storage;
     constexpr int E = Chunk<Codec>::kElems;
-    using Chunking = WeightGradChunk<T, kChunkRows>;
     constexpr int kGroups = Chunking::kGroups;
     constexpr int kSequence = Chunking::kRowsInSequence;
     constexpr int kGroupFloat4s = T * K * E / 4;
@@ -811,10 +812,11 @@ struct StagedChunks {
 template <int T, int K>
 constexpr int kStagedRowsBytes = kStagedRowStages * 2 * T * K * kChunkBytes;
 
-// backward_weight_grad_resident's rows, order and sums (one row group of kRowsInSequence rows;
-// vector launches only), with the rows staged in `ring` by cp.async kStagedRowStages - 1 rows
-// ahead instead of loaded into registers: the same operations in the same order.
-template <typename Codec, int T, int K, int kChunkRows>
+// backward_weight_grad_resident's rows, order and sums (row groups of kRowsInSequence rows,
+// T >= warp size; vector launches only), with the rows staged in `ring` (one ring per group) by
+// cp.async kStagedRowStages - 1 rows ahead instead of loaded into registers: the same
+// operations in the same order.
+template <typename Codec, int T, int K, typename Chunking>
 __device__ __forceinline__ void backward_weight_grad_staged(const BackwardArgs& a,
                                                             float* partials,
                                                             float* warp_partials,
@@ -822,14 +824,19 @@ __device__ __forceinline__ void backward_weight_grad_staged(const BackwardArgs& 
     using S = typename Codec::storage;
     constexpr int E = Chunk<Codec>::kElems;
     constexpr int kStages = kStagedRowStages;
-    constexpr int kSequence = WeightGradChunk<T, kChunkRows>::kRowsInSequence;
-    static_assert(Cta<T>::kRowGroups == 1, "one row group per CTA");
-    const int lane = threadIdx.x;
-    const int64_t first_row = static_cast<int64_t>(blockIdx.x) * kSequence;
+    constexpr int kSequence = Chunking::kRowsInSequence;
+    constexpr int kGroupFloat4s = T * K * E / 4;
+    static_assert(Cta<T>::kRowGroups == 1, "row groups of whole warps");
+    const int lane = Chunking::kGroups == 1 ? static_cast<int>(threadIdx.x) : threadIdx.x % T;
+    const int group = Chunking::kGroups == 1 ? 0 : threadIdx.x / T;
+    const int64_t first_row =
+        static_cast<int64_t>(blockIdx.x) * Chunking::kRows + group * kSequence;
     const int64_t d = a.d;
     const int64_t chunks = d / E;  // a vector launch: d is a multiple of E
-    // Stage st holds x at ring[(2 * st) * T * K ..] and dy at ring[(2 * st + 1) * T * K ..].
-    auto stage_of = [&](int st, int tensor) { return ring + (2 * st + tensor) * (T * K); };
+    // The group's ring: stage st holds x at [(2 * st) * T * K ..] and dy at
+    // [(2 * st + 1) * T * K ..].
+    uint4* const group_ring = ring + group * (kStages * 2 * T * K);
+    auto stage_of = [&](int st, int tensor) { return group_ring + (2 * st + tensor) * (T * K); };
     auto stage_row = [&](int64_t row, int st) {
         if (row < a.rows) {
             const S* x = static_cast<const S*>(a.x) + row * a.x_stride;
@@ -854,7 +861,8 @@ __device__ __forceinline__ void backward_weight_grad_staged(const BackwardArgs& 
         const int64_t c = lane + static_cast<int64_t>(k) * T;
         if (c < chunks) load_chunk(w[k], weight, c, d, true);
     }
-    zero_group_sums<T, K, E>(group_sums, lane);
+    float4* mine = group_sums + group * kGroupFloat4s;
+    zero_group_sums<T, K, E>(mine, lane);
     for (int s = 0; s < kSequence; ++s) {
         const int st = s % kStages;
         // Stage (s - 1) % kStages was read by this thread only, in row s - 1: free again.
@@ -867,10 +875,9 @@ __device__ __forceinline__ void backward_weight_grad_staged(const BackwardArgs& 
         const StagedChunks<Codec, T> xs{stage_of(st, 0), lane};
         const StagedChunks<Codec, T> gs{stage_of(st, 1), lane};
         backward_resident_row<Codec, T, K, false>(a, first_row + s, lane, true, xs, gs, w,
-                                                  warp_partials + (s % 2) * kMaxWarps,
-                                                  group_sums);
+                                                  warp_partials + (s % 2) * kMaxWarps, mine);
     }
-    store_group_sums<T, K, E, 1>(group_sums, partials, d);
+    store_group_sums<T, K, E, Chunking::kGroups>(group_sums, partials, d);
 }
 #endif
 
@@ -893,10 +900,10 @@ __device__ __forceinline__ void backward_kernel(const BackwardArgs& a) {
     backward_rows<Codec, T, K, kStreaming>(a, warp_partials);
 }
 
-template <typename Codec, int T, int K, int kChunkRows = kWeightGradChunkRows>
+template <typename Codec, int T, int K, typename Chunking = WeightGradChunk<T>>
 __device__ __forceinline__ void backward_weight_grad_kernel(const BackwardArgs& a,
                                                             float* partials) {
-    constexpr int kSumBytes = Cta<T>::kThreads * K * Chunk<Codec>::kElems * 4;
+    constexpr int kSumBytes = Chunking::kThreads * K * Chunk<Codec>::kElems * 4;
     static_assert(kSumBytes <= kWeightGradSharedBytes, "instantiate only geometries that fit");
     constexpr bool kAlternate = K <= kResidentWeightMaxChunks && kAlternatePartials<T>;
     __shared__ float warp_partials[kAlternate ? 2 * kMaxWarps : kMaxWarps];
@@ -907,17 +914,17 @@ __device__ __forceinline__ void backward_weight_grad_kernel(const BackwardArgs& 
         static_assert(kAlternate, "the staged rows alternate two warp-partials buffers");
         extern __shared__ uint4 staged_rows[];  // kStagedRowsBytes<T, K>, from the host
         if (backward_vector_ok<typename Codec::storage>(a)) {
-            backward_weight_grad_staged<Codec, T, K, kChunkRows>(a, partials, warp_partials,
-                                                                 group_sums, staged_rows);
+            backward_weight_grad_staged<Codec, T, K, Chunking>(a, partials, warp_partials,
+                                                               group_sums, staged_rows);
             return;
         }
     }
 #endif
     if constexpr (K <= kResidentWeightMaxChunks) {
-        backward_weight_grad_resident<Codec, T, K, kChunkRows>(a, partials, warp_partials,
-                                                               group_sums);
+        backward_weight_grad_resident<Codec, T, K, Chunking>(a, partials, warp_partials,
+                                                             group_sums);
     } else {
-        static_assert(kChunkRows == kWeightGradChunkRows, "longer runs only for resident rows");
+        static_assert(Chunking::kRows == WeightGradChunk<T>::kRows, "other shapes: resident rows");
         backward_weight_grad_rows<Codec, T, K>(a, partials, warp_partials, group_sums);
     }
 }
@@ -1073,23 +1080,22 @@ __device__ __forceinline__ void weight_grad_last_levels(typename Codec::storage*
         batchinv::rms::backward_kernel<CODEC, T, K, STREAMING>(args);                            \
     }
 
-// grad_x and grad_weight's first level in one pass (rows held in registers; see the header),
-// CHUNK_ROWS rows per first-level partial row (kWeightGradChunkRows, or
-// kWeightGradLongChunkRows for the t128k4r32 entries).
-#define BATCHINV_RMS_NORM_BACKWARD_WEIGHT_GRAD_ENTRY_ROWS(SUFFIX, CODEC, GEOMETRY, T, K,         \
-                                                          CHUNK_ROWS)                            \
-    extern "C" __global__ void __launch_bounds__(batchinv::rms::Cta<T>::kThreads)                \
+// grad_x and grad_weight's first level in one pass (rows held in registers; see the header);
+// CHUNKING: WeightGradChunk<T> (the geometry's first level) or another shape of it.
+#define BATCHINV_RMS_NORM_BACKWARD_WEIGHT_GRAD_ENTRY_SHAPED(SUFFIX, CODEC, GEOMETRY, T, K,       \
+                                                            CHUNKING)                            \
+    extern "C" __global__ void __launch_bounds__(CHUNKING::kThreads)                             \
         rms_norm_backward_weight_grad_##SUFFIX##_##GEOMETRY(                                     \
             CODEC::storage* grad_x, float* partials, const CODEC::storage* grad_y,               \
             const CODEC::storage* x, const CODEC::storage* weight, const float* rstd,            \
             const CODEC::storage* grad_residual, int64_t rows, int64_t d, int64_t x_stride) {    \
         const batchinv::rms::BackwardArgs args{grad_x,        grad_y, x, weight,  rstd,          \
                                                grad_residual, rows,   d, x_stride};              \
-        batchinv::rms::backward_weight_grad_kernel<CODEC, T, K, CHUNK_ROWS>(args, partials);    \
+        batchinv::rms::backward_weight_grad_kernel<CODEC, T, K, CHUNKING>(args, partials);      \
     }
 #define BATCHINV_RMS_NORM_BACKWARD_WEIGHT_GRAD_ENTRY(SUFFIX, CODEC, GEOMETRY, T, K)              \
-    BATCHINV_RMS_NORM_BACKWARD_WEIGHT_GRAD_ENTRY_ROWS(SUFFIX, CODEC, GEOMETRY, T, K,             \
-                                                      batchinv::rms::kWeightGradChunkRows)
+    BATCHINV_RMS_NORM_BACKWARD_WEIGHT_GRAD_ENTRY_SHAPED(SUFFIX, CODEC, GEOMETRY, T, K,           \
+                                                        batchinv::rms::WeightGradChunk<T>)
 
 #define BATCHINV_RMS_NORM_WEIGHT_GRAD_KERNELS(SUFFIX, CODEC)                                   \
     extern "C" __global__ void __launch_bounds__(256) rms_norm_weight_grad_partials_##SUFFIX( \
@@ -1147,6 +1153,8 @@ BATCHINV_RMS_NORM_ALL_GEOMETRIES(bf16, batchinv::Bf16Codec)
 BATCHINV_RMS_NORM_ALL_GEOMETRIES(f16, batchinv::F16Codec)
 BATCHINV_RMS_NORM_ALL_GEOMETRIES(f32, batchinv::F32Codec)
 
+// A first-level shape as one macro argument (no top-level commas).
+#define BATCHINV_RMS_NORM_CHUNK(T, G, S) batchinv::rms::WeightGradChunk<T, G, S>
 // The fused backward for the geometries whose per-column sums fit kWeightGradSharedBytes
 // (CTA threads * K * 16 bytes); longer rows take grad_x and the column pass separately.
 #define BATCHINV_RMS_NORM_FUSED_BACKWARD_UP_TO_T128(SUFFIX, CODEC)                     \
@@ -1154,8 +1162,10 @@ BATCHINV_RMS_NORM_ALL_GEOMETRIES(f32, batchinv::F32Codec)
     BATCHINV_RMS_NORM_BACKWARD_WEIGHT_GRAD_ENTRY(SUFFIX, CODEC, t16, 16, 4)            \
     BATCHINV_RMS_NORM_BACKWARD_WEIGHT_GRAD_ENTRY(SUFFIX, CODEC, t32, 32, 4)            \
     BATCHINV_RMS_NORM_BACKWARD_WEIGHT_GRAD_ENTRY(SUFFIX, CODEC, t128k4, 128, 4)        \
-    BATCHINV_RMS_NORM_BACKWARD_WEIGHT_GRAD_ENTRY_ROWS(SUFFIX, CODEC, t128k4r32, 128, 4, \
-                                                      batchinv::rms::kWeightGradLongChunkRows) \
+    BATCHINV_RMS_NORM_BACKWARD_WEIGHT_GRAD_ENTRY_SHAPED(SUFFIX, CODEC, t128k4g2, 128, 4, \
+        BATCHINV_RMS_NORM_CHUNK(128, 2, 16))                                            \
+    BATCHINV_RMS_NORM_BACKWARD_WEIGHT_GRAD_ENTRY_SHAPED(SUFFIX, CODEC, t128k4r32, 128, 4, \
+        BATCHINV_RMS_NORM_CHUNK(128, 1, 32))                                            \
     BATCHINV_RMS_NORM_BACKWARD_WEIGHT_GRAD_ENTRY(SUFFIX, CODEC, t128k5, 128, 5)        \
     BATCHINV_RMS_NORM_BACKWARD_WEIGHT_GRAD_ENTRY(SUFFIX, CODEC, t128, 128, 8)
 
@@ -1182,6 +1192,7 @@ BATCHINV_RMS_NORM_BACKWARD_WEIGHT_GRAD_ENTRY(f32, batchinv::F32Codec, t256, 256,
 // batchinv-signature: rms_norm_backward_bf16_t128k4(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
 // batchinv-signature: rms_norm_backward_weight_grad_bf16_t128k4(ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
 // batchinv-signature: rms_norm_backward_weight_grad_bf16_t128k4r32(ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
+// batchinv-signature: rms_norm_backward_weight_grad_bf16_t128k4g2(ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
 // batchinv-signature: rms_norm_forward_bf16_t128k5(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_fused_forward_bf16_t128k5(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_backward_bf16_t128k5(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
@@ -1218,6 +1229,7 @@ BATCHINV_RMS_NORM_BACKWARD_WEIGHT_GRAD_ENTRY(f32, batchinv::F32Codec, t256, 256,
 // batchinv-signature: rms_norm_backward_f16_t128k4(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
 // batchinv-signature: rms_norm_backward_weight_grad_f16_t128k4(ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
 // batchinv-signature: rms_norm_backward_weight_grad_f16_t128k4r32(ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
+// batchinv-signature: rms_norm_backward_weight_grad_f16_t128k4g2(ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
 // batchinv-signature: rms_norm_forward_f16_t128k5(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_fused_forward_f16_t128k5(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_backward_f16_t128k5(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
@@ -1254,6 +1266,7 @@ BATCHINV_RMS_NORM_BACKWARD_WEIGHT_GRAD_ENTRY(f32, batchinv::F32Codec, t256, 256,
 // batchinv-signature: rms_norm_backward_f32_t128k4(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
 // batchinv-signature: rms_norm_backward_weight_grad_f32_t128k4(ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
 // batchinv-signature: rms_norm_backward_weight_grad_f32_t128k4r32(ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
+// batchinv-signature: rms_norm_backward_weight_grad_f32_t128k4g2(ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
 // batchinv-signature: rms_norm_forward_f32_t128k5(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_fused_forward_f32_t128k5(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_backward_f32_t128k5(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)

@@ -278,28 +278,30 @@ def test_weight_gradient_is_the_documented_fixed_tree(hidden, dtype, many_rows):
     assert_bitwise_equal(grad_weight, want, name=f"grad_weight ({groups}x{in_sequence} rows)")
 
 
-# t128k4 (hidden 4096 bf16/fp16, 2048 fp32; 4090: the element path) at the edge of the row count
-# from which the first level sums 32 rows per partial instead of 16 (and 16 rows more: a last
-# partial of 16 rows).
-LONG_RUN_EDGE = gpu_rms_norm.LONG_RUN_MIN_ROWS
+# t128k4 (hidden 4096 bf16/fp16, 2048 fp32; 4090: the element path), whose first level may take
+# another shape (LONG_RUN_SHAPE from LONG_RUN_MIN_ROWS rows on): the two-pass path (300 rows), the
+# fused kernel with a partial last CTA (4097 rows), and 16400 rows.
 LONG_RUN_CASES = [
     (h, t, rows)
     for t in DTYPES
     for h in ((2048,) if t == torch.float32 else (4096, 4090))
-    for rows in (LONG_RUN_EDGE - 1, LONG_RUN_EDGE, LONG_RUN_EDGE + 16)
+    for rows in (300, 4097, 16400)
 ]
 
 
 @pytest.mark.parametrize(("hidden", "dtype", "rows"), LONG_RUN_CASES)
-def test_weight_gradient_tree_at_the_long_run_threshold(hidden, dtype, rows):
+def test_weight_gradient_tree_of_t128k4(hidden, dtype, rows):
     assert gpu_rms_norm.backward_geometry(hidden, dtype)[0] == gpu_rms_norm.LONG_RUN_GEOMETRY
     x, grad_y = _gpu_normals(2, rows, hidden, dtype, seed=18)
     weight = _weight(hidden, dtype)
     _, rstd = gpu_rms_norm.forward(x, weight, EPS)
     grad_x, grad_weight = gpu_rms_norm.backward(grad_y, x, weight, rstd)
     groups, in_sequence = gpu_rms_norm.weight_grad_chunking(hidden, dtype, rows)
-    long_runs = rows >= gpu_rms_norm.LONG_RUN_MIN_ROWS
-    assert (groups, in_sequence) == (1, gpu_rms_norm.LONG_RUN_ROWS if long_runs else 16)
+    shape = gpu_rms_norm.LONG_RUN_SHAPE
+    if shape is not None and rows >= gpu_rms_norm.LONG_RUN_MIN_ROWS:
+        assert (groups, in_sequence) == shape
+    else:
+        assert (groups, in_sequence) == (1, 16)
     want = _weight_grad_by_the_documented_tree(grad_y, x, rstd, groups, in_sequence)
     assert_bitwise_equal(grad_weight, want, name=f"grad_weight ({groups}x{in_sequence} rows)")
     # grad_x does not depend on the first level's shape: the grad_x-only kernel's bits.
@@ -469,9 +471,7 @@ def test_every_output_element_is_written_in_every_geometry(dtype):
         assert not bool(grad_x.isnan().any()), f"hidden {hidden}: grad_x has unwritten elements"
         if not gpu_rms_norm.fused_backward_fits(hidden, dtype):
             continue
-        name, _, cta = gpu_rms_norm.backward_geometry(hidden, dtype)
-        groups, in_sequence = gpu_rms_norm.weight_grad_chunking(hidden, dtype, rows)
-        blocks = -(-rows // (groups * in_sequence))
+        name, blocks, cta, shape = gpu_rms_norm.fused_backward_plan(hidden, dtype, rows)
         fused_grad_x = torch.full_like(y, float("nan"))
         partials = torch.full((blocks, hidden), float("nan"), device=DEVICE)
         gpu_rms_norm.launch_fused_backward(
@@ -481,6 +481,7 @@ def test_every_output_element_is_written_in_every_geometry(dtype):
             blocks,
             cta,
             (fused_grad_x, partials, y, x, weight, rstd, 0, rows, hidden, hidden),
+            shape=shape,
         )
         assert not bool(partials.isnan().any()), f"hidden {hidden}: partials unwritten"
         assert_bitwise_equal(fused_grad_x, grad_x)
@@ -569,7 +570,6 @@ def test_backward_t128k4_reduces_a_row_as_t128(dtype, trim):
     hidden = 128 * 4 * elems - trim
     assert gpu_rms_norm.backward_geometry(hidden, dtype)[0] == "t128k4"
     rows = 67
-    assert gpu_rms_norm.weight_grad_chunking(hidden, dtype, rows) == (1, 16)
     suffix = gpu_rms_norm._SUFFIX[dtype]
     gen = torch.Generator(device=DEVICE).manual_seed(16)
     x, grad_y, grad_residual = (
@@ -607,24 +607,25 @@ def test_backward_t128k4_reduces_a_row_as_t128(dtype, trim):
     # The op runs t128k4 for this hidden size.
     op_grad_x, _ = gpu_rms_norm.backward(grad_y, x, weight, rstd, grad_residual)
     assert_bitwise_equal(op_grad_x, results["t128k4"][0], name="op vs t128k4")
-    # Its 32-row first level (many rows; here 67: three CTAs, the last with 3 rows) computes
-    # grad_x as t128 does and partial rows as the documented 1 x 32 tree.
-    long_rows = gpu_rms_norm.LONG_RUN_ROWS
-    long_blocks = -(-rows // long_rows)
-    long_grad_x = torch.full_like(x, float("nan"))
-    long_partials = torch.full((long_blocks, hidden), float("nan"), device=DEVICE)
-    gpu_rms_norm.launch_fused_backward(
-        "t128k4",
-        dtype,
-        x.device,
-        long_blocks,
-        128,
-        (long_grad_x, long_partials, *inputs),
-        long_runs=True,
-    )
-    assert_bitwise_equal(long_grad_x, results["t128"][0], name="t128k4r32 grad_x vs t128")
-    want = _first_level_by_the_documented_tree(grad_y, x, rstd, 1, long_rows)
-    assert_bitwise_equal(long_partials, want, name="t128k4r32 partials")
+    # Its other first-level shapes (2 groups x 16 rows, 1 x 32; here 67 rows: three CTAs, the
+    # last with 3 rows) compute grad_x as t128 does and partial rows as the documented tree.
+    for groups, in_sequence in gpu_rms_norm.LONG_RUN_ENTRIES:
+        label = f"t128k4 {groups}x{in_sequence}"
+        shaped_blocks = -(-rows // (groups * in_sequence))
+        shaped_grad_x = torch.full_like(x, float("nan"))
+        shaped_partials = torch.full((shaped_blocks, hidden), float("nan"), device=DEVICE)
+        gpu_rms_norm.launch_fused_backward(
+            "t128k4",
+            dtype,
+            x.device,
+            shaped_blocks,
+            128 * groups,
+            (shaped_grad_x, shaped_partials, *inputs),
+            shape=(groups, in_sequence),
+        )
+        assert_bitwise_equal(shaped_grad_x, results["t128"][0], name=f"{label} grad_x vs t128")
+        want = _first_level_by_the_documented_tree(grad_y, x, rstd, groups, in_sequence)
+        assert_bitwise_equal(shaped_partials, want, name=f"{label} partials")
 
 
 def test_nan_rows_do_not_leak_into_their_neighbours():

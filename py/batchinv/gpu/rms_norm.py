@@ -35,14 +35,17 @@ MIN_CTA_THREADS = 128
 # grad_weight's tree (kernels_cu/rms_norm.cu): first-level partials of at least this many rows
 # (a constant, not a tuning knob), then sums of 64 consecutive partial rows.
 WEIGHT_GRAD_CHUNK_ROWS = 16
-# t128k4's fused backward (bf16/fp16 hidden 4096) from this many rows on sums 32 rows per
-# first-level partial instead (kernel entries ``*_t128k4r32``): half the partial rows to write
-# and reduce, and a CTA's two-stage ring filled once per 32 rows.  A function of the row count
-# and d (through the geometry) only, never of the SM count; below it the CTAs would be too few
-# to fill the GPU (issue 6, session 6: 39% slower at 8192 rows).
+# t128k4's fused backward (bf16/fp16 hidden 4096): other shapes of grad_weight's first level,
+# (row groups per CTA, rows in sequence per group) -> kernel entry.  (2, 16): 256-thread CTAs of
+# two row groups, a partial row of 32 rows from 2 x 16 (as many row groups in flight as 1 x 16,
+# half the partial rows); (1, 32): one group of 32 rows (half the CTAs).
 LONG_RUN_GEOMETRY = "t128k4"
+LONG_RUN_ENTRIES = {(2, 16): "t128k4g2", (1, 32): "t128k4r32"}
+# The shape t128k4 takes from LONG_RUN_MIN_ROWS rows on (a function of the row count and d only,
+# never of the SM count); None: its own 1 x 16.
+LONG_RUN_SHAPE: tuple[int, int] | None = (2, 16)
+LONG_RUN_MIN_ROWS = 0
 LONG_RUN_ROWS = 32
-LONG_RUN_MIN_ROWS = 16384
 WEIGHT_GRAD_REDUCE_ROWS = 64
 WEIGHT_GRAD_THREADS = 256
 # The last two levels (runs of 64 partial rows, then the run sums) run as one grid once at most
@@ -54,8 +57,9 @@ LAST_LEVELS_THREADS = 512
 # per thread * elements per chunk), at most this many bytes; longer rows take grad_x and a
 # column pass for the first level separately (the same tree, so the same bits).
 FUSED_WEIGHT_GRAD_SHARED_BYTES = 32768
-# Below this many CTAs the fused backward leaves SMs idle (1024 x 4096 bf16: 64 CTAs, about
-# twice the time of the two passes); the two passes then run instead, with the same bits.
+# Below this many CTAs (counted in 128-thread CTAs: blocks * CTA threads / 128) the fused
+# backward leaves SMs idle (1024 x 4096 bf16: 64 CTAs, about twice the time of the two passes);
+# the two passes then run instead, with the same bits.
 FUSED_WEIGHT_GRAD_MIN_BLOCKS = 256
 # t128k4's bf16/fp16 fused backward on CUDA stages the next row's dy and x in shared memory
 # (two stages of 128 threads x 4 chunks x 16 bytes, both tensors: kStagedRows and
@@ -210,9 +214,9 @@ def weight_grad_chunking(d: int, dtype: torch.dtype, rows: int) -> tuple[int, in
     the dtype and the row count only: from the backward's geometry, and ``LONG_RUN_ROWS`` for
     ``LONG_RUN_GEOMETRY`` from ``LONG_RUN_MIN_ROWS`` rows on)."""
     name, threads, cta = backward_geometry(d, dtype)
+    if name == LONG_RUN_GEOMETRY and LONG_RUN_SHAPE is not None and rows >= LONG_RUN_MIN_ROWS:
+        return LONG_RUN_SHAPE
     groups = cta // threads
-    if name == LONG_RUN_GEOMETRY and rows >= LONG_RUN_MIN_ROWS:
-        return groups, LONG_RUN_ROWS
     return groups, max(1, WEIGHT_GRAD_CHUNK_ROWS // groups)
 
 
@@ -258,17 +262,17 @@ def launch_fused_backward(
     cta: int,
     args,
     *,
-    long_runs: bool = False,
+    shape: tuple[int, int] | None = None,
 ) -> None:
     """Launches ``rms_norm_backward_weight_grad_*`` of backward geometry ``name`` (grad_x and
-    grad_weight's first level) with the dynamic shared memory it needs.  ``long_runs``:
-    ``LONG_RUN_ROWS`` rows per partial row (``name`` must be ``LONG_RUN_GEOMETRY``), else the
-    geometry's ``weight_grad_chunking``."""
+    grad_weight's first level) with the dynamic shared memory it needs.  ``shape``: the first
+    level's (row groups per CTA, rows per group) when it is one of ``LONG_RUN_ENTRIES`` (then
+    ``cta`` is groups * 128), None for the geometry's own."""
     entry = name
-    if long_runs:
-        if name != LONG_RUN_GEOMETRY:
-            raise ValueError(f"geometry {name} has no fused backward of {LONG_RUN_ROWS}-row runs")
-        entry = f"{name}r{LONG_RUN_ROWS}"
+    if shape is not None:
+        if name != LONG_RUN_GEOMETRY or shape not in LONG_RUN_ENTRIES:
+            raise ValueError(f"geometry {name} has no fused backward of {shape} first-level rows")
+        entry = LONG_RUN_ENTRIES[shape]
     kernel = kernel_for(
         "rms_norm", f"rms_norm_backward_weight_grad_{_SUFFIX[dtype]}_{entry}", device
     )
@@ -278,9 +282,21 @@ def launch_fused_backward(
         and dtype in STAGED_ROWS_DTYPES
         and backend_of(device) == "cuda"
     ):
-        shared = STAGED_ROWS_BYTES
+        shared = STAGED_ROWS_BYTES * (cta // 128)  # one ring per row group
         allow_dynamic_shared(kernel, shared, device.index or 0)
     launch(kernel, device, grid=(blocks,), block=(cta,), args=args, shared_mem=shared)
+
+
+def fused_backward_plan(
+    d: int, dtype: torch.dtype, rows: int
+) -> tuple[str, int, int, tuple[int, int] | None]:
+    """``(geometry name, CTAs, CTA threads, shape)`` of the fused backward for ``rows`` rows of
+    ``d`` elements; ``shape`` as ``launch_fused_backward`` takes it."""
+    name, threads, cta = backward_geometry(d, dtype)
+    groups, in_sequence = weight_grad_chunking(d, dtype, rows)
+    shape = (groups, in_sequence) if name == LONG_RUN_GEOMETRY else None
+    shape = shape if shape in LONG_RUN_ENTRIES else None
+    return name, -(-rows // (groups * in_sequence)), max(cta, groups * threads), shape
 
 
 def _check_weight_grad_width(d: int) -> None:
@@ -351,24 +367,21 @@ def backward(
         d,
         x_rows.stride(0),
     )
-    name, _, cta = backward_geometry(d, dtype)
+    name, blocks, fused_cta, shape = fused_backward_plan(d, dtype, rows)
     groups, in_sequence = weight_grad_chunking(d, dtype, rows)
-    blocks = -(-rows // (groups * in_sequence))
     grad_weight = None
     if rows == 0:
         grad_weight = torch.zeros(d, dtype=weight.dtype, device=x.device) if weight_grad else None
-    elif weight_grad and fused_backward_fits(d, dtype) and blocks >= FUSED_WEIGHT_GRAD_MIN_BLOCKS:
+    elif (
+        weight_grad
+        and fused_backward_fits(d, dtype)
+        and blocks * fused_cta >= FUSED_WEIGHT_GRAD_MIN_BLOCKS * MIN_CTA_THREADS
+    ):
         if blocks > _MAX_GRID_X:
             raise ValueError(f"x has {rows} rows; too many for the weight gradient kernel")
         partials = torch.empty((blocks, d), dtype=torch.float32, device=x.device)
         launch_fused_backward(
-            name,
-            dtype,
-            x.device,
-            blocks,
-            cta,
-            (grad_x, partials, *args),
-            long_runs=name == LONG_RUN_GEOMETRY and in_sequence == LONG_RUN_ROWS,
+            name, dtype, x.device, blocks, fused_cta, (grad_x, partials, *args), shape=shape
         )
         grad_weight = _reduce_partials(partials, weight.dtype)
     else:
