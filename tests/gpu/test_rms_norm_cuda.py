@@ -278,30 +278,29 @@ def test_weight_gradient_is_the_documented_fixed_tree(hidden, dtype, many_rows):
     assert_bitwise_equal(grad_weight, want, name=f"grad_weight ({groups}x{in_sequence} rows)")
 
 
-# t128k4 (hidden 4096 bf16/fp16, 2048 fp32; 4090: the element path), whose first level may take
-# another shape (LONG_RUN_SHAPE from LONG_RUN_MIN_ROWS rows on): the two-pass path (300 rows), the
-# fused kernel with a partial last CTA (4097 rows), and 16400 rows.
-LONG_RUN_CASES = [
+# t128k4 (hidden 4096 bf16/fp16, 2048 fp32; 4090: the element path), whose first level is 2 x 16
+# rows from TWO_GROUPS_MIN_ROWS rows on in bf16 and fp32 (1 x 16 below it, and in fp16): the
+# two-pass path (300 rows), the fused kernel (4097 rows: a partial last CTA), the edge, and the
+# edge plus 16 rows (a last CTA with one group of rows past the end).
+TWO_GROUPS_EDGE = gpu_rms_norm.TWO_GROUPS_MIN_ROWS
+T128K4_CASES = [
     (h, t, rows)
     for t in DTYPES
     for h in ((2048,) if t == torch.float32 else (4096, 4090))
-    for rows in (300, 4097, 16400)
+    for rows in (300, 4097, TWO_GROUPS_EDGE - 1, TWO_GROUPS_EDGE, TWO_GROUPS_EDGE + 16)
 ]
 
 
-@pytest.mark.parametrize(("hidden", "dtype", "rows"), LONG_RUN_CASES)
+@pytest.mark.parametrize(("hidden", "dtype", "rows"), T128K4_CASES)
 def test_weight_gradient_tree_of_t128k4(hidden, dtype, rows):
-    assert gpu_rms_norm.backward_geometry(hidden, dtype)[0] == gpu_rms_norm.LONG_RUN_GEOMETRY
+    assert gpu_rms_norm.backward_geometry(hidden, dtype)[0] == gpu_rms_norm.TWO_GROUPS_GEOMETRY
     x, grad_y = _gpu_normals(2, rows, hidden, dtype, seed=18)
     weight = _weight(hidden, dtype)
     _, rstd = gpu_rms_norm.forward(x, weight, EPS)
     grad_x, grad_weight = gpu_rms_norm.backward(grad_y, x, weight, rstd)
     groups, in_sequence = gpu_rms_norm.weight_grad_chunking(hidden, dtype, rows)
-    shape = gpu_rms_norm.LONG_RUN_SHAPE
-    if shape is not None and rows >= gpu_rms_norm.LONG_RUN_MIN_ROWS:
-        assert (groups, in_sequence) == shape
-    else:
-        assert (groups, in_sequence) == (1, 16)
+    two_groups = dtype != torch.float16 and rows >= TWO_GROUPS_EDGE
+    assert (groups, in_sequence) == ((2, 16) if two_groups else (1, 16))
     want = _weight_grad_by_the_documented_tree(grad_y, x, rstd, groups, in_sequence)
     assert_bitwise_equal(grad_weight, want, name=f"grad_weight ({groups}x{in_sequence} rows)")
     # grad_x does not depend on the first level's shape: the grad_x-only kernel's bits.
@@ -607,25 +606,26 @@ def test_backward_t128k4_reduces_a_row_as_t128(dtype, trim):
     # The op runs t128k4 for this hidden size.
     op_grad_x, _ = gpu_rms_norm.backward(grad_y, x, weight, rstd, grad_residual)
     assert_bitwise_equal(op_grad_x, results["t128k4"][0], name="op vs t128k4")
-    # Its other first-level shapes (2 groups x 16 rows, 1 x 32; here 67 rows: three CTAs, the
-    # last with 3 rows) compute grad_x as t128 does and partial rows as the documented tree.
-    for groups, in_sequence in gpu_rms_norm.LONG_RUN_ENTRIES:
-        label = f"t128k4 {groups}x{in_sequence}"
-        shaped_blocks = -(-rows // (groups * in_sequence))
-        shaped_grad_x = torch.full_like(x, float("nan"))
-        shaped_partials = torch.full((shaped_blocks, hidden), float("nan"), device=DEVICE)
-        gpu_rms_norm.launch_fused_backward(
-            "t128k4",
-            dtype,
-            x.device,
-            shaped_blocks,
-            128 * groups,
-            (shaped_grad_x, shaped_partials, *inputs),
-            shape=(groups, in_sequence),
-        )
-        assert_bitwise_equal(shaped_grad_x, results["t128"][0], name=f"{label} grad_x vs t128")
-        want = _first_level_by_the_documented_tree(grad_y, x, rstd, groups, in_sequence)
-        assert_bitwise_equal(shaped_partials, want, name=f"{label} partials")
+    # Its two-group CTAs (bf16, fp32; 2 groups x 16 rows; here 67 rows: three CTAs, the last
+    # with 3 rows) compute grad_x as t128 does and partial rows as the documented tree.
+    if dtype not in gpu_rms_norm.TWO_GROUPS_DTYPES:
+        return
+    groups, in_sequence = gpu_rms_norm.TWO_GROUPS_SHAPE
+    two_blocks = -(-rows // (groups * in_sequence))
+    two_grad_x = torch.full_like(x, float("nan"))
+    two_partials = torch.full((two_blocks, hidden), float("nan"), device=DEVICE)
+    gpu_rms_norm.launch_fused_backward(
+        "t128k4",
+        dtype,
+        x.device,
+        two_blocks,
+        128 * groups,
+        (two_grad_x, two_partials, *inputs),
+        shape=(groups, in_sequence),
+    )
+    assert_bitwise_equal(two_grad_x, results["t128"][0], name="t128k4g2 grad_x vs t128")
+    want = _first_level_by_the_documented_tree(grad_y, x, rstd, groups, in_sequence)
+    assert_bitwise_equal(two_partials, want, name="t128k4g2 partials")
 
 
 def test_nan_rows_do_not_leak_into_their_neighbours():

@@ -35,17 +35,16 @@ MIN_CTA_THREADS = 128
 # grad_weight's tree (kernels_cu/rms_norm.cu): first-level partials of at least this many rows
 # (a constant, not a tuning knob), then sums of 64 consecutive partial rows.
 WEIGHT_GRAD_CHUNK_ROWS = 16
-# t128k4's fused backward (bf16/fp16 hidden 4096): other shapes of grad_weight's first level,
-# (row groups per CTA, rows in sequence per group) -> kernel entry.  (2, 16): 256-thread CTAs of
-# two row groups, a partial row of 32 rows from 2 x 16 (as many row groups in flight as 1 x 16,
-# half the partial rows); (1, 32): one group of 32 rows (half the CTAs).
-LONG_RUN_GEOMETRY = "t128k4"
-LONG_RUN_ENTRIES = {(2, 16): "t128k4g2", (1, 32): "t128k4r32"}
-# The shape t128k4 takes from LONG_RUN_MIN_ROWS rows on (a function of the row count and d only,
-# never of the SM count); None: its own 1 x 16.
-LONG_RUN_SHAPE: tuple[int, int] | None = (2, 16)
-LONG_RUN_MIN_ROWS = 0
-LONG_RUN_ROWS = 32
+# t128k4's fused backward (bf16 hidden 4096, fp32 512 < d <= 2048) from TWO_GROUPS_MIN_ROWS rows
+# on runs 256-thread CTAs of two row groups of 16 rows (kernel entries ``*_t128k4g2``): a
+# first-level partial of 2 x 16 rows, so half the partial rows to write and reduce with as many
+# row groups in flight as 1 x 16.  A function of the row count, d and the dtype only, never of
+# the SM count.  Below 16384 rows it was 1-3% slower on an H200, and fp16's entry (164 registers,
+# one CTA per SM) 6.6% slower, so those keep 1 x 16 (issue 6, session 8).
+TWO_GROUPS_GEOMETRY = "t128k4"
+TWO_GROUPS_SHAPE = (2, 16)
+TWO_GROUPS_DTYPES = (torch.bfloat16, torch.float32)
+TWO_GROUPS_MIN_ROWS = 16384
 WEIGHT_GRAD_REDUCE_ROWS = 64
 WEIGHT_GRAD_THREADS = 256
 # The last two levels (runs of 64 partial rows, then the run sums) run as one grid once at most
@@ -207,15 +206,20 @@ def fused_add_forward(
     return forward_unchecked(x, weight, eps, residual)
 
 
+def _two_groups(name: str, dtype: torch.dtype) -> bool:
+    return name == TWO_GROUPS_GEOMETRY and dtype in TWO_GROUPS_DTYPES
+
+
 def weight_grad_chunking(d: int, dtype: torch.dtype, rows: int) -> tuple[int, int]:
     """``(row groups, rows in sequence per group)`` of grad_weight's first level for ``rows``
     rows of ``d`` elements: a partial row sums ``groups * rows_in_sequence`` consecutive rows,
     each group its own consecutive run in order, then the groups in order (a function of ``d``,
-    the dtype and the row count only: from the backward's geometry, and ``LONG_RUN_ROWS`` for
-    ``LONG_RUN_GEOMETRY`` from ``LONG_RUN_MIN_ROWS`` rows on)."""
+    the dtype and the row count only: from the backward's geometry, and ``TWO_GROUPS_SHAPE``
+    for ``TWO_GROUPS_GEOMETRY`` in ``TWO_GROUPS_DTYPES`` from ``TWO_GROUPS_MIN_ROWS`` rows
+    on)."""
     name, threads, cta = backward_geometry(d, dtype)
-    if name == LONG_RUN_GEOMETRY and LONG_RUN_SHAPE is not None and rows >= LONG_RUN_MIN_ROWS:
-        return LONG_RUN_SHAPE
+    if _two_groups(name, dtype) and rows >= TWO_GROUPS_MIN_ROWS:
+        return TWO_GROUPS_SHAPE
     groups = cta // threads
     return groups, max(1, WEIGHT_GRAD_CHUNK_ROWS // groups)
 
@@ -266,13 +270,13 @@ def launch_fused_backward(
 ) -> None:
     """Launches ``rms_norm_backward_weight_grad_*`` of backward geometry ``name`` (grad_x and
     grad_weight's first level) with the dynamic shared memory it needs.  ``shape``: the first
-    level's (row groups per CTA, rows per group) when it is one of ``LONG_RUN_ENTRIES`` (then
-    ``cta`` is groups * 128), None for the geometry's own."""
+    level's (row groups per CTA, rows per group): ``TWO_GROUPS_SHAPE`` (then ``cta`` is 256),
+    or None for the geometry's own."""
     entry = name
     if shape is not None:
-        if name != LONG_RUN_GEOMETRY or shape not in LONG_RUN_ENTRIES:
-            raise ValueError(f"geometry {name} has no fused backward of {shape} first-level rows")
-        entry = LONG_RUN_ENTRIES[shape]
+        if shape != TWO_GROUPS_SHAPE or not _two_groups(name, dtype):
+            raise ValueError(f"{name} {dtype} has no fused backward of {shape} first-level rows")
+        entry = f"{name}g2"
     kernel = kernel_for(
         "rms_norm", f"rms_norm_backward_weight_grad_{_SUFFIX[dtype]}_{entry}", device
     )
@@ -294,8 +298,8 @@ def fused_backward_plan(
     ``d`` elements; ``shape`` as ``launch_fused_backward`` takes it."""
     name, threads, cta = backward_geometry(d, dtype)
     groups, in_sequence = weight_grad_chunking(d, dtype, rows)
-    shape = (groups, in_sequence) if name == LONG_RUN_GEOMETRY else None
-    shape = shape if shape in LONG_RUN_ENTRIES else None
+    two_groups = _two_groups(name, dtype) and (groups, in_sequence) == TWO_GROUPS_SHAPE
+    shape = TWO_GROUPS_SHAPE if two_groups else None
     return name, -(-rows // (groups * in_sequence)), max(cta, groups * threads), shape
 
 
