@@ -43,8 +43,9 @@
 //           groups take their S rows in sequence, each thread adding grad_y * x_hat of its
 //           elements to fp32 sums in shared memory, which the CTA then adds over groups, one
 //           column per thread), or, for rows whose sums exceed kWeightGradSharedBytes and for
-//           few rows (fewer than 256 CTAs, decided by the host), by the grad_x kernel plus the
-//           column pass rms_norm_weight_grad_partials_* in the same order: the same bits.
+//           few rows (CTAs of fewer than 256 * 128 threads in all, decided by the host), by the
+//           grad_x kernel plus the column pass rms_norm_weight_grad_partials_* in the same
+//           order: the same bits.
 //           grad_x is per row and does not depend on which kernel computed it (tested).
 //
 // Launch geometry (the host picks it from d and the dtype only, never from rows): the first
@@ -342,6 +343,8 @@ struct WeightGradChunk {
     static constexpr int kThreads = kGroups * T;  // of the fused backward's CTA
     static_assert(kThreads >= Cta<T>::kThreads, "at least the geometry's CTA");
 };
+// The t128k4g2 entries' shape (a name without commas: hipcc's __launch_bounds__ is a macro).
+using TwoGroupsT128 = WeightGradChunk<128, 2, 16>;
 
 template <typename S>
 __device__ __forceinline__ bool backward_vector_ok(const BackwardArgs& a) {
@@ -1083,7 +1086,8 @@ __device__ __forceinline__ void weight_grad_last_levels(typename Codec::storage*
     }
 
 // grad_x and grad_weight's first level in one pass (rows held in registers; see the header);
-// CHUNKING: WeightGradChunk<T> (the geometry's first level) or another shape of it.
+// CHUNKING: WeightGradChunk<T> (the geometry's first level) or another shape of it, named
+// without commas.
 #define BATCHINV_RMS_NORM_BACKWARD_WEIGHT_GRAD_ENTRY_SHAPED(SUFFIX, CODEC, GEOMETRY, T, K,       \
                                                             CHUNKING)                            \
     extern "C" __global__ void __launch_bounds__(CHUNKING::kThreads)                             \
@@ -1155,8 +1159,6 @@ BATCHINV_RMS_NORM_ALL_GEOMETRIES(bf16, batchinv::Bf16Codec)
 BATCHINV_RMS_NORM_ALL_GEOMETRIES(f16, batchinv::F16Codec)
 BATCHINV_RMS_NORM_ALL_GEOMETRIES(f32, batchinv::F32Codec)
 
-// A first-level shape as one macro argument (no top-level commas).
-#define BATCHINV_RMS_NORM_CHUNK(T, G, S) batchinv::rms::WeightGradChunk<T, G, S>
 // The fused backward for the geometries whose per-column sums fit kWeightGradSharedBytes
 // (CTA threads * K * 16 bytes); longer rows take grad_x and the column pass separately.
 #define BATCHINV_RMS_NORM_FUSED_BACKWARD_UP_TO_T128(SUFFIX, CODEC)                     \
@@ -1175,9 +1177,9 @@ BATCHINV_RMS_NORM_BACKWARD_WEIGHT_GRAD_ENTRY(f32, batchinv::F32Codec, t256, 256,
 // bf16 and fp32 from 16384 rows on (the host decides; issue 6, session 8).  Not fp16: ptxas
 // gives its entry 164 registers, one CTA per SM (6.6% slower at 16384 x 4096 on an H200).
 BATCHINV_RMS_NORM_BACKWARD_WEIGHT_GRAD_ENTRY_SHAPED(bf16, batchinv::Bf16Codec, t128k4g2, 128, 4,
-                                                    BATCHINV_RMS_NORM_CHUNK(128, 2, 16))
+                                                    batchinv::rms::TwoGroupsT128)
 BATCHINV_RMS_NORM_BACKWARD_WEIGHT_GRAD_ENTRY_SHAPED(f32, batchinv::F32Codec, t128k4g2, 128, 4,
-                                                    BATCHINV_RMS_NORM_CHUNK(128, 2, 16))
+                                                    batchinv::rms::TwoGroupsT128)
 
 // Signatures of the entries above, for the launcher's argument checks.
 // batchinv-signature: rms_norm_forward_bf16_t4(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
