@@ -27,7 +27,9 @@
 //             from +0, then the G run sums added in order g = 0 .. G - 1 from +0 (rows past the
 //             end are skipped).  G = the backward geometry's row groups per CTA (128 / T, or 1
 //             for T >= 128), S = max(1, 16 / G): q/k norm (T = 4) G = 32, S = 1; T = 16: 8 x 2;
-//             T = 32: 4 x 4; T >= 128 (hidden 4096 and 5120 bf16) and streaming: 1 x 16.
+//             T = 32: 4 x 4; T >= 128 (hidden 4096 and 5120 bf16) and streaming: 1 x 16; except
+//             t128k4 (bf16 hidden 4096, fp32 512 < d <= 2048) in bf16 and fp32 from 16384 rows
+//             on: G = 2, S = 16 (entries *_t128k4g2, two row groups in a 256-thread CTA).
 //           level 2+: while more than 64 partial rows remain, each run of 64 consecutive ones is
 //             summed in order; the last <= 64 are added in order and rounded once.  Grids:
 //             rms_norm_weight_grad_reduce for one level while more than 64 * 64 rows remain, then
@@ -41,8 +43,9 @@
 //           groups take their S rows in sequence, each thread adding grad_y * x_hat of its
 //           elements to fp32 sums in shared memory, which the CTA then adds over groups, one
 //           column per thread), or, for rows whose sums exceed kWeightGradSharedBytes and for
-//           few rows (fewer than 256 CTAs, decided by the host), by the grad_x kernel plus the
-//           column pass rms_norm_weight_grad_partials_* in the same order: the same bits.
+//           few rows (CTAs of fewer than 256 * 128 threads in all, decided by the host), by the
+//           grad_x kernel plus the column pass rms_norm_weight_grad_partials_* in the same
+//           order: the same bits.
 //           grad_x is per row and does not depend on which kernel computed it (tested).
 //
 // Launch geometry (the host picks it from d and the dtype only, never from rows): the first
@@ -326,15 +329,22 @@ struct Cta {
     static constexpr int kRowGroups = kThreads / T;
 };
 
-// grad_weight's first level for a row kept in registers: a CTA owns kRows consecutive rows,
-// its kRowGroups row groups kRowsInSequence consecutive rows each (see the header).
-template <int T>
+// grad_weight's first level for a row kept in registers: a CTA of the fused backward owns kRows
+// consecutive rows, its kGroups row groups kRowsInSequence consecutive rows each (see the
+// header).  By default the geometry's CTA (Cta<T>::kRowGroups groups) and
+// max(1, kWeightGradChunkRows / groups) rows per group; the t128k4g2 entries (issue 6, session
+// 8) take 2 groups of 16 rows in a CTA of 256 threads.
+template <int T, int G = Cta<T>::kRowGroups,
+          int S = (kWeightGradChunkRows > G ? kWeightGradChunkRows / G : 1)>
 struct WeightGradChunk {
-    static constexpr int kGroups = Cta<T>::kRowGroups;
-    static constexpr int kRowsInSequence =
-        kWeightGradChunkRows > kGroups ? kWeightGradChunkRows / kGroups : 1;
+    static constexpr int kGroups = G;
+    static constexpr int kRowsInSequence = S;
     static constexpr int kRows = kGroups * kRowsInSequence;
+    static constexpr int kThreads = kGroups * T;  // of the fused backward's CTA
+    static_assert(kThreads >= Cta<T>::kThreads, "at least the geometry's CTA");
 };
+// The t128k4g2 entries' shape (a name without commas: hipcc's __launch_bounds__ is a macro).
+using TwoGroupsT128 = WeightGradChunk<128, 2, 16>;
 
 template <typename S>
 __device__ __forceinline__ bool backward_vector_ok(const BackwardArgs& a) {
@@ -379,7 +389,7 @@ __device__ __forceinline__ void store_group_sums(const float4* group_sums, float
     __syncthreads();
     const float* sums = reinterpret_cast<const float*>(group_sums);
     float* out = partials + static_cast<int64_t>(blockIdx.x) * d;
-    for (int64_t col = threadIdx.x; col < d; col += Cta<T>::kThreads) {
+    for (int64_t col = threadIdx.x; col < d; col += kGroups * T) {
         const int index = group_sums_index<T, E>(col);
         float sum = 0.0f;
 #pragma unroll
@@ -720,14 +730,13 @@ __device__ __forceinline__ void backward_resident_row(const BackwardArgs& a, int
 // for K <= kResidentWeightMaxChunks: with 8 chunks the weight's 32 more registers per thread
 // cost a CTA per SM and it ran slower (issue 6, H200: 150 vs 148 us at 16384 x 4096 bf16).
 // kAlternatePartials<T>: row s reduces through warp partials s % 2 (one barrier per row).
-template <typename Codec, int T, int K>
+template <typename Codec, int T, int K, typename Chunking>
 __device__ __forceinline__ void backward_weight_grad_resident(const BackwardArgs& a,
                                                               float* partials,
                                                               float* warp_partials,
                                                               float4* group_sums) {
     using S = typename Codec::storage;
     constexpr int E = Chunk<Codec>::kElems;
-    using Chunking = WeightGradChunk<T>;
     constexpr int kGroups = Chunking::kGroups;
     constexpr int kSequence = Chunking::kRowsInSequence;
     constexpr int kGroupFloat4s = T * K * E / 4;
@@ -808,10 +817,11 @@ struct StagedChunks {
 template <int T, int K>
 constexpr int kStagedRowsBytes = kStagedRowStages * 2 * T * K * kChunkBytes;
 
-// backward_weight_grad_resident's rows, order and sums (one row group of kRowsInSequence rows;
-// vector launches only), with the rows staged in `ring` by cp.async kStagedRowStages - 1 rows
-// ahead instead of loaded into registers: the same operations in the same order.
-template <typename Codec, int T, int K>
+// backward_weight_grad_resident's rows, order and sums (row groups of kRowsInSequence rows,
+// T >= warp size; vector launches only), with the rows staged in `ring` (one ring per group) by
+// cp.async kStagedRowStages - 1 rows ahead instead of loaded into registers: the same
+// operations in the same order.
+template <typename Codec, int T, int K, typename Chunking>
 __device__ __forceinline__ void backward_weight_grad_staged(const BackwardArgs& a,
                                                             float* partials,
                                                             float* warp_partials,
@@ -819,14 +829,19 @@ __device__ __forceinline__ void backward_weight_grad_staged(const BackwardArgs& 
     using S = typename Codec::storage;
     constexpr int E = Chunk<Codec>::kElems;
     constexpr int kStages = kStagedRowStages;
-    constexpr int kSequence = WeightGradChunk<T>::kRowsInSequence;
-    static_assert(Cta<T>::kRowGroups == 1, "one row group per CTA");
-    const int lane = threadIdx.x;
-    const int64_t first_row = static_cast<int64_t>(blockIdx.x) * kSequence;
+    constexpr int kSequence = Chunking::kRowsInSequence;
+    constexpr int kGroupFloat4s = T * K * E / 4;
+    static_assert(Cta<T>::kRowGroups == 1, "row groups of whole warps");
+    const int lane = Chunking::kGroups == 1 ? static_cast<int>(threadIdx.x) : threadIdx.x % T;
+    const int group = Chunking::kGroups == 1 ? 0 : threadIdx.x / T;
+    const int64_t first_row =
+        static_cast<int64_t>(blockIdx.x) * Chunking::kRows + group * kSequence;
     const int64_t d = a.d;
     const int64_t chunks = d / E;  // a vector launch: d is a multiple of E
-    // Stage st holds x at ring[(2 * st) * T * K ..] and dy at ring[(2 * st + 1) * T * K ..].
-    auto stage_of = [&](int st, int tensor) { return ring + (2 * st + tensor) * (T * K); };
+    // The group's ring: stage st holds x at [(2 * st) * T * K ..] and dy at
+    // [(2 * st + 1) * T * K ..].
+    uint4* const group_ring = ring + group * (kStages * 2 * T * K);
+    auto stage_of = [&](int st, int tensor) { return group_ring + (2 * st + tensor) * (T * K); };
     auto stage_row = [&](int64_t row, int st) {
         if (row < a.rows) {
             const S* x = static_cast<const S*>(a.x) + row * a.x_stride;
@@ -851,7 +866,8 @@ __device__ __forceinline__ void backward_weight_grad_staged(const BackwardArgs& 
         const int64_t c = lane + static_cast<int64_t>(k) * T;
         if (c < chunks) load_chunk(w[k], weight, c, d, true);
     }
-    zero_group_sums<T, K, E>(group_sums, lane);
+    float4* mine = group_sums + group * kGroupFloat4s;
+    zero_group_sums<T, K, E>(mine, lane);
     for (int s = 0; s < kSequence; ++s) {
         const int st = s % kStages;
         // Stage (s - 1) % kStages was read by this thread only, in row s - 1: free again.
@@ -864,10 +880,9 @@ __device__ __forceinline__ void backward_weight_grad_staged(const BackwardArgs& 
         const StagedChunks<Codec, T> xs{stage_of(st, 0), lane};
         const StagedChunks<Codec, T> gs{stage_of(st, 1), lane};
         backward_resident_row<Codec, T, K, false>(a, first_row + s, lane, true, xs, gs, w,
-                                                  warp_partials + (s % 2) * kMaxWarps,
-                                                  group_sums);
+                                                  warp_partials + (s % 2) * kMaxWarps, mine);
     }
-    store_group_sums<T, K, E, 1>(group_sums, partials, d);
+    store_group_sums<T, K, E, Chunking::kGroups>(group_sums, partials, d);
 }
 #endif
 
@@ -890,10 +905,10 @@ __device__ __forceinline__ void backward_kernel(const BackwardArgs& a) {
     backward_rows<Codec, T, K, kStreaming>(a, warp_partials);
 }
 
-template <typename Codec, int T, int K>
+template <typename Codec, int T, int K, typename Chunking = WeightGradChunk<T>>
 __device__ __forceinline__ void backward_weight_grad_kernel(const BackwardArgs& a,
                                                             float* partials) {
-    constexpr int kSumBytes = Cta<T>::kThreads * K * Chunk<Codec>::kElems * 4;
+    constexpr int kSumBytes = Chunking::kThreads * K * Chunk<Codec>::kElems * 4;
     static_assert(kSumBytes <= kWeightGradSharedBytes, "instantiate only geometries that fit");
     constexpr bool kAlternate = K <= kResidentWeightMaxChunks && kAlternatePartials<T>;
     __shared__ float warp_partials[kAlternate ? 2 * kMaxWarps : kMaxWarps];
@@ -904,15 +919,17 @@ __device__ __forceinline__ void backward_weight_grad_kernel(const BackwardArgs& 
         static_assert(kAlternate, "the staged rows alternate two warp-partials buffers");
         extern __shared__ uint4 staged_rows[];  // kStagedRowsBytes<T, K>, from the host
         if (backward_vector_ok<typename Codec::storage>(a)) {
-            backward_weight_grad_staged<Codec, T, K>(a, partials, warp_partials, group_sums,
-                                                     staged_rows);
+            backward_weight_grad_staged<Codec, T, K, Chunking>(a, partials, warp_partials,
+                                                               group_sums, staged_rows);
             return;
         }
     }
 #endif
     if constexpr (K <= kResidentWeightMaxChunks) {
-        backward_weight_grad_resident<Codec, T, K>(a, partials, warp_partials, group_sums);
+        backward_weight_grad_resident<Codec, T, K, Chunking>(a, partials, warp_partials,
+                                                             group_sums);
     } else {
+        static_assert(Chunking::kRows == WeightGradChunk<T>::kRows, "other shapes: resident rows");
         backward_weight_grad_rows<Codec, T, K>(a, partials, warp_partials, group_sums);
     }
 }
@@ -1068,17 +1085,23 @@ __device__ __forceinline__ void weight_grad_last_levels(typename Codec::storage*
         batchinv::rms::backward_kernel<CODEC, T, K, STREAMING>(args);                            \
     }
 
-// grad_x and grad_weight's first level in one pass (rows held in registers; see the header).
-#define BATCHINV_RMS_NORM_BACKWARD_WEIGHT_GRAD_ENTRY(SUFFIX, CODEC, GEOMETRY, T, K)              \
-    extern "C" __global__ void __launch_bounds__(batchinv::rms::Cta<T>::kThreads)                \
+// grad_x and grad_weight's first level in one pass (rows held in registers; see the header);
+// CHUNKING: WeightGradChunk<T> (the geometry's first level) or another shape of it, named
+// without commas.
+#define BATCHINV_RMS_NORM_BACKWARD_WEIGHT_GRAD_ENTRY_SHAPED(SUFFIX, CODEC, GEOMETRY, T, K,       \
+                                                            CHUNKING)                            \
+    extern "C" __global__ void __launch_bounds__(CHUNKING::kThreads)                             \
         rms_norm_backward_weight_grad_##SUFFIX##_##GEOMETRY(                                     \
             CODEC::storage* grad_x, float* partials, const CODEC::storage* grad_y,               \
             const CODEC::storage* x, const CODEC::storage* weight, const float* rstd,            \
             const CODEC::storage* grad_residual, int64_t rows, int64_t d, int64_t x_stride) {    \
         const batchinv::rms::BackwardArgs args{grad_x,        grad_y, x, weight,  rstd,          \
                                                grad_residual, rows,   d, x_stride};              \
-        batchinv::rms::backward_weight_grad_kernel<CODEC, T, K>(args, partials);                \
+        batchinv::rms::backward_weight_grad_kernel<CODEC, T, K, CHUNKING>(args, partials);      \
     }
+#define BATCHINV_RMS_NORM_BACKWARD_WEIGHT_GRAD_ENTRY(SUFFIX, CODEC, GEOMETRY, T, K)              \
+    BATCHINV_RMS_NORM_BACKWARD_WEIGHT_GRAD_ENTRY_SHAPED(SUFFIX, CODEC, GEOMETRY, T, K,           \
+                                                        batchinv::rms::WeightGradChunk<T>)
 
 #define BATCHINV_RMS_NORM_WEIGHT_GRAD_KERNELS(SUFFIX, CODEC)                                   \
     extern "C" __global__ void __launch_bounds__(256) rms_norm_weight_grad_partials_##SUFFIX( \
@@ -1150,6 +1173,13 @@ BATCHINV_RMS_NORM_FUSED_BACKWARD_UP_TO_T128(bf16, batchinv::Bf16Codec)
 BATCHINV_RMS_NORM_FUSED_BACKWARD_UP_TO_T128(f16, batchinv::F16Codec)
 BATCHINV_RMS_NORM_FUSED_BACKWARD_UP_TO_T128(f32, batchinv::F32Codec)
 BATCHINV_RMS_NORM_BACKWARD_WEIGHT_GRAD_ENTRY(f32, batchinv::F32Codec, t256, 256, 8)
+// t128k4 in 256-thread CTAs of two row groups, 16 rows each (a partial row of 2 x 16 rows), for
+// bf16 and fp32 from 16384 rows on (the host decides; issue 6, session 8).  Not fp16: ptxas
+// gives its entry 164 registers, one CTA per SM (6.6% slower at 16384 x 4096 on an H200).
+BATCHINV_RMS_NORM_BACKWARD_WEIGHT_GRAD_ENTRY_SHAPED(bf16, batchinv::Bf16Codec, t128k4g2, 128, 4,
+                                                    batchinv::rms::TwoGroupsT128)
+BATCHINV_RMS_NORM_BACKWARD_WEIGHT_GRAD_ENTRY_SHAPED(f32, batchinv::F32Codec, t128k4g2, 128, 4,
+                                                    batchinv::rms::TwoGroupsT128)
 
 // Signatures of the entries above, for the launcher's argument checks.
 // batchinv-signature: rms_norm_forward_bf16_t4(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
@@ -1168,6 +1198,7 @@ BATCHINV_RMS_NORM_BACKWARD_WEIGHT_GRAD_ENTRY(f32, batchinv::F32Codec, t256, 256,
 // batchinv-signature: rms_norm_fused_forward_bf16_t64(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_backward_bf16_t128k4(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
 // batchinv-signature: rms_norm_backward_weight_grad_bf16_t128k4(ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
+// batchinv-signature: rms_norm_backward_weight_grad_bf16_t128k4g2(ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
 // batchinv-signature: rms_norm_forward_bf16_t128k5(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_fused_forward_bf16_t128k5(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_backward_bf16_t128k5(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
@@ -1238,6 +1269,7 @@ BATCHINV_RMS_NORM_BACKWARD_WEIGHT_GRAD_ENTRY(f32, batchinv::F32Codec, t256, 256,
 // batchinv-signature: rms_norm_fused_forward_f32_t64(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_backward_f32_t128k4(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
 // batchinv-signature: rms_norm_backward_weight_grad_f32_t128k4(ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
+// batchinv-signature: rms_norm_backward_weight_grad_f32_t128k4g2(ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
 // batchinv-signature: rms_norm_forward_f32_t128k5(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_fused_forward_f32_t128k5(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_backward_f32_t128k5(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)

@@ -214,30 +214,38 @@ def test_fused_add_backward_matches_reference_semantics():
         assert_within_tolerance(got.cpu(), want, op_class="reduction", kind="grad", name=name)
 
 
+def _in_order(blocks: torch.Tensor) -> torch.Tensor:
+    """[n, k, d] -> the sum over k in order from +0 (fp32, one rounding per add)."""
+    total = torch.zeros(blocks.shape[0], blocks.shape[2], device=blocks.device)
+    for i in range(blocks.shape[1]):
+        total = total + blocks[:, i]
+    return total
+
+
+def _padded(t: torch.Tensor, run: int) -> torch.Tensor:
+    """[n, d] -> [ceil(n / run), run, d], the missing rows zeros."""
+    n, d = -(-t.shape[0] // run), t.shape[1]
+    out = torch.zeros(n * run, d, device=t.device)
+    out[: t.shape[0]] = t
+    return out.view(n, run, d)
+
+
+def _first_level_by_the_documented_tree(grad_y, x, rstd, groups, in_sequence):
+    """grad_weight's first-level partial rows: ``groups * in_sequence`` consecutive rows each,
+    each group's run in order from +0, then the groups in order from +0."""
+    d = grad_y.shape[1]
+    products = grad_y.float() * (x.float() * rstd[:, None])
+    runs = _padded(products, groups * in_sequence).view(-1, in_sequence, d)
+    return _in_order(_in_order(runs).view(-1, groups, d))
+
+
 def _weight_grad_by_the_documented_tree(grad_y, x, rstd, groups, in_sequence):
     """grad_weight as docs/operators/rms_norm.md defines it, from torch's elementwise fp32
-    operations (one rounding each): the first-level partial of ``groups * in_sequence``
-    consecutive rows (each group's run in order from +0, then the groups in order from +0),
-    then runs of 64 partial rows while more than 64 remain, then the rest in order; rounded
-    once.  Missing rows at the end are zeros (+0 leaves a sum from +0 unchanged)."""
-    rows, d = grad_y.shape
-    products = grad_y.float() * (x.float() * rstd[:, None])
-
-    def in_order(blocks: torch.Tensor) -> torch.Tensor:  # [n, k, d] -> sum over k in order
-        total = torch.zeros(blocks.shape[0], d, device=blocks.device)
-        for i in range(blocks.shape[1]):
-            total = total + blocks[:, i]
-        return total
-
-    def padded(t: torch.Tensor, run: int) -> torch.Tensor:
-        n = -(-t.shape[0] // run)
-        out = torch.zeros(n * run, d, device=t.device)
-        out[: t.shape[0]] = t
-        return out.view(n, run, d)
-
-    chunk = groups * in_sequence
-    runs = padded(products, chunk).view(-1, in_sequence, d)  # [blocks * groups, S, d]
-    partials = in_order(in_order(runs).view(-1, groups, d))
+    operations (one rounding each): the first-level partials (above), then runs of 64 partial
+    rows while more than 64 remain, then the rest in order; rounded once.  Missing rows at the
+    end are zeros (+0 leaves a sum from +0 unchanged)."""
+    in_order, padded = _in_order, _padded
+    partials = _first_level_by_the_documented_tree(grad_y, x, rstd, groups, in_sequence)
     while partials.shape[0] > gpu_rms_norm.WEIGHT_GRAD_REDUCE_ROWS:
         partials = in_order(padded(partials, gpu_rms_norm.WEIGHT_GRAD_REDUCE_ROWS))
     return in_order(partials[None])[0].to(grad_y.dtype)
@@ -265,9 +273,39 @@ def test_weight_gradient_is_the_documented_fixed_tree(hidden, dtype, many_rows):
     weight = _weight(hidden, dtype)
     _, rstd = gpu_rms_norm.forward(x, weight, EPS)
     _, grad_weight = gpu_rms_norm.backward(grad_y, x, weight, rstd)
-    groups, in_sequence = gpu_rms_norm.weight_grad_chunking(hidden, dtype)
+    groups, in_sequence = gpu_rms_norm.weight_grad_chunking(hidden, dtype, rows)
     want = _weight_grad_by_the_documented_tree(grad_y, x, rstd, groups, in_sequence)
     assert_bitwise_equal(grad_weight, want, name=f"grad_weight ({groups}x{in_sequence} rows)")
+
+
+# t128k4 (hidden 4096 bf16/fp16, 2048 fp32; 4090: the element path), whose first level is 2 x 16
+# rows from TWO_GROUPS_MIN_ROWS rows on in bf16 and fp32 (1 x 16 below it, and in fp16): the
+# two-pass path (300 rows), the fused kernel (4097 rows: a partial last CTA), the edge, and the
+# edge plus 16 rows (a last CTA with one group of rows past the end).
+TWO_GROUPS_EDGE = gpu_rms_norm.TWO_GROUPS_MIN_ROWS
+T128K4_CASES = [
+    (h, t, rows)
+    for t in DTYPES
+    for h in ((2048,) if t == torch.float32 else (4096, 4090))
+    for rows in (300, 4097, TWO_GROUPS_EDGE - 1, TWO_GROUPS_EDGE, TWO_GROUPS_EDGE + 16)
+]
+
+
+@pytest.mark.parametrize(("hidden", "dtype", "rows"), T128K4_CASES)
+def test_weight_gradient_tree_of_t128k4(hidden, dtype, rows):
+    assert gpu_rms_norm.backward_geometry(hidden, dtype)[0] == gpu_rms_norm.TWO_GROUPS_GEOMETRY
+    x, grad_y = _gpu_normals(2, rows, hidden, dtype, seed=18)
+    weight = _weight(hidden, dtype)
+    _, rstd = gpu_rms_norm.forward(x, weight, EPS)
+    grad_x, grad_weight = gpu_rms_norm.backward(grad_y, x, weight, rstd)
+    groups, in_sequence = gpu_rms_norm.weight_grad_chunking(hidden, dtype, rows)
+    two_groups = dtype != torch.float16 and rows >= TWO_GROUPS_EDGE
+    assert (groups, in_sequence) == ((2, 16) if two_groups else (1, 16))
+    want = _weight_grad_by_the_documented_tree(grad_y, x, rstd, groups, in_sequence)
+    assert_bitwise_equal(grad_weight, want, name=f"grad_weight ({groups}x{in_sequence} rows)")
+    # grad_x does not depend on the first level's shape: the grad_x-only kernel's bits.
+    alone, _ = gpu_rms_norm.backward(grad_y, x, weight, rstd, weight_grad=False)
+    assert_bitwise_equal(grad_x, alone, name="grad_x")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -280,7 +318,7 @@ def test_weight_gradient_tree_with_a_level_below_the_last_two(dtype):
     weight = _weight(hidden, dtype)
     _, rstd = gpu_rms_norm.forward(x, weight, EPS)
     _, grad_weight = gpu_rms_norm.backward(grad_y, x, weight, rstd)
-    groups, in_sequence = gpu_rms_norm.weight_grad_chunking(hidden, dtype)
+    groups, in_sequence = gpu_rms_norm.weight_grad_chunking(hidden, dtype, rows)
     assert groups * in_sequence == 32
     want = _weight_grad_by_the_documented_tree(grad_y, x, rstd, groups, in_sequence)
     assert_bitwise_equal(grad_weight, want, name="grad_weight")
@@ -294,7 +332,7 @@ def test_fused_and_two_pass_weight_gradients_have_the_same_bits(hidden, dtype):
     weight = _weight(hidden, dtype)
     _, rstd = gpu_rms_norm.forward(x, weight, EPS)
     _, fused = gpu_rms_norm.backward(grad_y, x, weight, rstd)
-    groups, in_sequence = gpu_rms_norm.weight_grad_chunking(hidden, dtype)
+    groups, in_sequence = gpu_rms_norm.weight_grad_chunking(hidden, dtype, FUSED_ROWS)
     partials = gpu_rms_norm._weight_grad_separately(grad_y, x, rstd, groups, in_sequence)
     assert_bitwise_equal(fused, gpu_rms_norm._reduce_partials(partials, dtype))
 
@@ -432,9 +470,7 @@ def test_every_output_element_is_written_in_every_geometry(dtype):
         assert not bool(grad_x.isnan().any()), f"hidden {hidden}: grad_x has unwritten elements"
         if not gpu_rms_norm.fused_backward_fits(hidden, dtype):
             continue
-        name, _, cta = gpu_rms_norm.backward_geometry(hidden, dtype)
-        groups, in_sequence = gpu_rms_norm.weight_grad_chunking(hidden, dtype)
-        blocks = -(-rows // (groups * in_sequence))
+        name, blocks, cta, shape = gpu_rms_norm.fused_backward_plan(hidden, dtype, rows)
         fused_grad_x = torch.full_like(y, float("nan"))
         partials = torch.full((blocks, hidden), float("nan"), device=DEVICE)
         gpu_rms_norm.launch_fused_backward(
@@ -444,6 +480,7 @@ def test_every_output_element_is_written_in_every_geometry(dtype):
             blocks,
             cta,
             (fused_grad_x, partials, y, x, weight, rstd, 0, rows, hidden, hidden),
+            shape=shape,
         )
         assert not bool(partials.isnan().any()), f"hidden {hidden}: partials unwritten"
         assert_bitwise_equal(fused_grad_x, grad_x)
@@ -531,9 +568,8 @@ def test_backward_t128k4_reduces_a_row_as_t128(dtype, trim):
     elems = 16 // dtype.itemsize
     hidden = 128 * 4 * elems - trim
     assert gpu_rms_norm.backward_geometry(hidden, dtype)[0] == "t128k4"
-    assert gpu_rms_norm.weight_grad_chunking(hidden, dtype) == (1, 16)
-    suffix = gpu_rms_norm._SUFFIX[dtype]
     rows = 67
+    suffix = gpu_rms_norm._SUFFIX[dtype]
     gen = torch.Generator(device=DEVICE).manual_seed(16)
     x, grad_y, grad_residual = (
         (2.0 * torch.randn(rows, hidden, device=DEVICE, generator=gen)).to(dtype) for _ in range(3)
@@ -570,6 +606,26 @@ def test_backward_t128k4_reduces_a_row_as_t128(dtype, trim):
     # The op runs t128k4 for this hidden size.
     op_grad_x, _ = gpu_rms_norm.backward(grad_y, x, weight, rstd, grad_residual)
     assert_bitwise_equal(op_grad_x, results["t128k4"][0], name="op vs t128k4")
+    # Its two-group CTAs (bf16, fp32; 2 groups x 16 rows; here 67 rows: three CTAs, the last
+    # with 3 rows) compute grad_x as t128 does and partial rows as the documented tree.
+    if dtype not in gpu_rms_norm.TWO_GROUPS_DTYPES:
+        return
+    groups, in_sequence = gpu_rms_norm.TWO_GROUPS_SHAPE
+    two_blocks = -(-rows // (groups * in_sequence))
+    two_grad_x = torch.full_like(x, float("nan"))
+    two_partials = torch.full((two_blocks, hidden), float("nan"), device=DEVICE)
+    gpu_rms_norm.launch_fused_backward(
+        "t128k4",
+        dtype,
+        x.device,
+        two_blocks,
+        128 * groups,
+        (two_grad_x, two_partials, *inputs),
+        shape=(groups, in_sequence),
+    )
+    assert_bitwise_equal(two_grad_x, results["t128"][0], name="t128k4g2 grad_x vs t128")
+    want = _first_level_by_the_documented_tree(grad_y, x, rstd, groups, in_sequence)
+    assert_bitwise_equal(two_partials, want, name="t128k4g2 partials")
 
 
 def test_nan_rows_do_not_leak_into_their_neighbours():

@@ -143,7 +143,27 @@ def test_backward_geometry_differs_from_the_forward_only_for_t64():
             else:
                 assert backward == forward, d
     assert gpu_rms_norm.backward_geometry(4096, torch.bfloat16)[0] == "t128k4"
-    assert gpu_rms_norm.weight_grad_chunking(4096, torch.bfloat16) == (1, 16)
+    assert gpu_rms_norm.weight_grad_chunking(4096, torch.bfloat16, 9000) == (1, 16)
+
+
+def test_weight_grad_first_level_of_t128k4_from_the_row_threshold_on():
+    # A function of d, the dtype and the row count, never of the device: 2 groups x 16 rows for
+    # t128k4 in bf16 and fp32 from 16384 rows on, the geometry's 1 x 16 otherwise.
+    edge = gpu_rms_norm.TWO_GROUPS_MIN_ROWS
+    assert edge == 16384 and gpu_rms_norm.TWO_GROUPS_SHAPE == (2, 16)
+    for dtype, d in ((torch.bfloat16, 4096), (torch.float16, 1032), (torch.float32, 2048)):
+        assert gpu_rms_norm.backward_geometry(d, dtype)[0] == "t128k4"
+        wide = (2, 16) if dtype != torch.float16 else (1, 16)
+        assert gpu_rms_norm.weight_grad_chunking(d, dtype, edge - 1) == (1, 16)
+        assert gpu_rms_norm.weight_grad_chunking(d, dtype, edge) == wide
+        assert gpu_rms_norm.weight_grad_chunking(d, dtype, 10 * edge) == wide
+        name, blocks, cta, shape = gpu_rms_norm.fused_backward_plan(d, dtype, edge + 1)
+        assert (name, blocks) == ("t128k4", -(-(edge + 1) // 32) if wide == (2, 16) else 1025)
+        assert (cta, shape) == ((256, (2, 16)) if wide == (2, 16) else (128, None))
+    # Other geometries keep their first level at any row count.
+    for d, want in ((128, (32, 1)), (1000, (4, 4)), (5120, (1, 16)), (8192, (1, 16))):
+        for rows in (1, edge, 10 * edge):
+            assert gpu_rms_norm.weight_grad_chunking(d, torch.bfloat16, rows) == want, (d, rows)
 
 
 def test_as_rows_views_when_it_can_and_copies_when_it_must():

@@ -35,6 +35,16 @@ MIN_CTA_THREADS = 128
 # grad_weight's tree (kernels_cu/rms_norm.cu): first-level partials of at least this many rows
 # (a constant, not a tuning knob), then sums of 64 consecutive partial rows.
 WEIGHT_GRAD_CHUNK_ROWS = 16
+# t128k4's fused backward (bf16 hidden 4096, fp32 512 < d <= 2048) from TWO_GROUPS_MIN_ROWS rows
+# on runs 256-thread CTAs of two row groups of 16 rows (kernel entries ``*_t128k4g2``): a
+# first-level partial of 2 x 16 rows, so half the partial rows to write and reduce with as many
+# row groups in flight as 1 x 16.  A function of the row count, d and the dtype only, never of
+# the SM count.  Below 16384 rows it was 1-3% slower on an H200, and fp16's entry (164 registers,
+# one CTA per SM) 6.6% slower, so those keep 1 x 16 (issue 6, session 8).
+TWO_GROUPS_GEOMETRY = "t128k4"
+TWO_GROUPS_SHAPE = (2, 16)
+TWO_GROUPS_DTYPES = (torch.bfloat16, torch.float32)
+TWO_GROUPS_MIN_ROWS = 16384
 WEIGHT_GRAD_REDUCE_ROWS = 64
 WEIGHT_GRAD_THREADS = 256
 # The last two levels (runs of 64 partial rows, then the run sums) run as one grid once at most
@@ -46,8 +56,9 @@ LAST_LEVELS_THREADS = 512
 # per thread * elements per chunk), at most this many bytes; longer rows take grad_x and a
 # column pass for the first level separately (the same tree, so the same bits).
 FUSED_WEIGHT_GRAD_SHARED_BYTES = 32768
-# Below this many CTAs the fused backward leaves SMs idle (1024 x 4096 bf16: 64 CTAs, about
-# twice the time of the two passes); the two passes then run instead, with the same bits.
+# Below this many CTAs (counted in 128-thread CTAs: blocks * CTA threads / 128) the fused
+# backward leaves SMs idle (1024 x 4096 bf16: 64 CTAs, about twice the time of the two passes);
+# the two passes then run instead, with the same bits.
 FUSED_WEIGHT_GRAD_MIN_BLOCKS = 256
 # t128k4's bf16/fp16 fused backward on CUDA stages the next row's dy and x in shared memory
 # (two stages of 128 threads x 4 chunks x 16 bytes, both tensors: kStagedRows and
@@ -195,13 +206,20 @@ def fused_add_forward(
     return forward_unchecked(x, weight, eps, residual)
 
 
-@functools.cache
-def weight_grad_chunking(d: int, dtype: torch.dtype) -> tuple[int, int]:
-    """``(row groups, rows in sequence per group)`` of grad_weight's first level for rows of
-    ``d`` elements: a partial row sums ``groups * rows_in_sequence`` consecutive rows, each
-    group its own consecutive run in order, then the groups in order (a function of ``d``
-    and the dtype only; from the backward's geometry)."""
-    _, threads, cta = backward_geometry(d, dtype)
+def _two_groups(name: str, dtype: torch.dtype) -> bool:
+    return name == TWO_GROUPS_GEOMETRY and dtype in TWO_GROUPS_DTYPES
+
+
+def weight_grad_chunking(d: int, dtype: torch.dtype, rows: int) -> tuple[int, int]:
+    """``(row groups, rows in sequence per group)`` of grad_weight's first level for ``rows``
+    rows of ``d`` elements: a partial row sums ``groups * rows_in_sequence`` consecutive rows,
+    each group its own consecutive run in order, then the groups in order (a function of ``d``,
+    the dtype and the row count only: from the backward's geometry, and ``TWO_GROUPS_SHAPE``
+    for ``TWO_GROUPS_GEOMETRY`` in ``TWO_GROUPS_DTYPES`` from ``TWO_GROUPS_MIN_ROWS`` rows
+    on)."""
+    name, threads, cta = backward_geometry(d, dtype)
+    if _two_groups(name, dtype) and rows >= TWO_GROUPS_MIN_ROWS:
+        return TWO_GROUPS_SHAPE
     groups = cta // threads
     return groups, max(1, WEIGHT_GRAD_CHUNK_ROWS // groups)
 
@@ -241,12 +259,26 @@ def _reduce_partials(partials: Tensor, dtype: torch.dtype) -> Tensor:
 
 
 def launch_fused_backward(
-    name: str, dtype: torch.dtype, device: torch.device, blocks: int, cta: int, args
+    name: str,
+    dtype: torch.dtype,
+    device: torch.device,
+    blocks: int,
+    cta: int,
+    args,
+    *,
+    shape: tuple[int, int] | None = None,
 ) -> None:
     """Launches ``rms_norm_backward_weight_grad_*`` of backward geometry ``name`` (grad_x and
-    grad_weight's first level) with the dynamic shared memory it needs."""
+    grad_weight's first level) with the dynamic shared memory it needs.  ``shape``: the first
+    level's (row groups per CTA, rows per group): ``TWO_GROUPS_SHAPE`` (then ``cta`` is 256),
+    or None for the geometry's own."""
+    entry = name
+    if shape is not None:
+        if shape != TWO_GROUPS_SHAPE or not _two_groups(name, dtype):
+            raise ValueError(f"{name} {dtype} has no fused backward of {shape} first-level rows")
+        entry = f"{name}g2"
     kernel = kernel_for(
-        "rms_norm", f"rms_norm_backward_weight_grad_{_SUFFIX[dtype]}_{name}", device
+        "rms_norm", f"rms_norm_backward_weight_grad_{_SUFFIX[dtype]}_{entry}", device
     )
     shared = 0
     if (
@@ -254,9 +286,21 @@ def launch_fused_backward(
         and dtype in STAGED_ROWS_DTYPES
         and backend_of(device) == "cuda"
     ):
-        shared = STAGED_ROWS_BYTES
+        shared = STAGED_ROWS_BYTES * (cta // 128)  # one ring per row group
         allow_dynamic_shared(kernel, shared, device.index or 0)
     launch(kernel, device, grid=(blocks,), block=(cta,), args=args, shared_mem=shared)
+
+
+def fused_backward_plan(
+    d: int, dtype: torch.dtype, rows: int
+) -> tuple[str, int, int, tuple[int, int] | None]:
+    """``(geometry name, CTAs, CTA threads, shape)`` of the fused backward for ``rows`` rows of
+    ``d`` elements; ``shape`` as ``launch_fused_backward`` takes it."""
+    name, threads, cta = backward_geometry(d, dtype)
+    groups, in_sequence = weight_grad_chunking(d, dtype, rows)
+    two_groups = _two_groups(name, dtype) and (groups, in_sequence) == TWO_GROUPS_SHAPE
+    shape = TWO_GROUPS_SHAPE if two_groups else None
+    return name, -(-rows // (groups * in_sequence)), max(cta, groups * threads), shape
 
 
 def _check_weight_grad_width(d: int) -> None:
@@ -327,17 +371,22 @@ def backward(
         d,
         x_rows.stride(0),
     )
-    name, _, cta = backward_geometry(d, dtype)
-    groups, in_sequence = weight_grad_chunking(d, dtype)
-    blocks = -(-rows // (groups * in_sequence))
+    name, blocks, fused_cta, shape = fused_backward_plan(d, dtype, rows)
+    groups, in_sequence = weight_grad_chunking(d, dtype, rows)
     grad_weight = None
     if rows == 0:
         grad_weight = torch.zeros(d, dtype=weight.dtype, device=x.device) if weight_grad else None
-    elif weight_grad and fused_backward_fits(d, dtype) and blocks >= FUSED_WEIGHT_GRAD_MIN_BLOCKS:
+    elif (
+        weight_grad
+        and fused_backward_fits(d, dtype)
+        and blocks * fused_cta >= FUSED_WEIGHT_GRAD_MIN_BLOCKS * MIN_CTA_THREADS
+    ):
         if blocks > _MAX_GRID_X:
             raise ValueError(f"x has {rows} rows; too many for the weight gradient kernel")
         partials = torch.empty((blocks, d), dtype=torch.float32, device=x.device)
-        launch_fused_backward(name, dtype, x.device, blocks, cta, (grad_x, partials, *args))
+        launch_fused_backward(
+            name, dtype, x.device, blocks, fused_cta, (grad_x, partials, *args), shape=shape
+        )
         grad_weight = _reduce_partials(partials, weight.dtype)
     else:
         _launch_rows("rms_norm_backward", x.device, d, dtype, rows, (grad_x, *args))
