@@ -100,6 +100,10 @@ _CHECKED_POSITIONS = _CheckedPositions()
 
 
 def _batchinv_rope(q, k, position_ids, *, theta, head_dim, max_position):
+    if torch.compiler.is_compiling():  # the custom op checks every call (no memo in a graph)
+        return batchinv.rope(
+            q, k, position_ids, theta=theta, head_dim=head_dim, max_position=max_position
+        )
     check = not _CHECKED_POSITIONS.holds(position_ids, max_position)
     q_rot, k_rot = batchinv.rope(
         q,
