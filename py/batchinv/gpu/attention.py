@@ -98,6 +98,8 @@ def make_layout(
     on_host = [i for i, t in enumerate(parts) if t.device.type == "cpu"]
     if device.type == "cpu" or not on_host:
         packed = torch.stack([t.to(device, torch.int32) for t in parts])
+    elif len(on_host) == len(parts):  # one stack (promoting to int64), one cast, one upload
+        packed = upload(torch.stack(parts).to(torch.int32), device)
     else:
         uploaded = upload(torch.stack([parts[i].to(torch.int32) for i in on_host]), device)
         if len(on_host) == len(parts):
@@ -193,9 +195,14 @@ def coop_tma_applies(k: Tensor, v: Tensor) -> bool:
 def _tma_map(t: Tensor) -> bytes:
     """TMA map of ``t [rows, H, d]`` as ``rows x (H * d)``, 64 x 64 boxes, 128-byte swizzle."""
     rows, heads, d = t.shape
-    return native().tensor_map_2d(
-        t.data_ptr(), _SUFFIX[t.dtype], rows, heads * d, t.stride(0) * 2, 64, 64, 128
-    )
+    return _encoded_tma_map(t.data_ptr(), _SUFFIX[t.dtype], rows, heads * d, t.stride(0) * 2)
+
+
+@functools.lru_cache(maxsize=256)
+def _encoded_tma_map(address: int, dtype_name: str, rows: int, cols: int, row_bytes: int) -> bytes:
+    # A map holds only these numbers, so equal arguments give equal bytes: a KV cache's storage
+    # (the same address every decode step) is encoded once.
+    return native().tensor_map_2d(address, dtype_name, rows, cols, row_bytes, 64, 64, 128)
 
 
 def coop_shared_bytes(d: int, stages: int) -> int:
@@ -429,6 +436,17 @@ def scale_of(softmax_scale: float | None, head_dim: int) -> float:
     """The softmax scale rounded once to fp32 (as the reference does); it must be positive:
     the kernels take each block's max of the raw scores and scale it once, which is the max of
     the scaled scores only for a scale > 0 (kernels_cu/attention.cu's header)."""
+    if softmax_scale is None:
+        return _default_scale(head_dim)
+    return _rounded_scale(softmax_scale, head_dim)
+
+
+@functools.lru_cache(maxsize=64)
+def _default_scale(head_dim: int) -> float:
+    return _rounded_scale(None, head_dim)
+
+
+def _rounded_scale(softmax_scale: float | None, head_dim: int) -> float:
     value = 1.0 / math.sqrt(head_dim) if softmax_scale is None else float(softmax_scale)
     scale = float(torch.tensor(value, dtype=torch.float32))
     if not scale > 0.0:
@@ -504,10 +522,14 @@ def _run(q, k, v, layout: Layout, causal: bool, scale: float, prefill_zero: bool
 # head dim, capability) is checked by check_supported.
 
 
+# Host index rows built once per size (a decode step asks for the same ones every layer).
+# They are shared: callers read them (make_layout copies them), never write into them.
+@functools.lru_cache(maxsize=256)
 def _host_arange(batch: int, step: int) -> Tensor:
     return torch.arange(batch, dtype=torch.int64) * step
 
 
+@functools.lru_cache(maxsize=256)
 def _full(batch: int, value: int) -> Tensor:
     return torch.full((batch,), value, dtype=torch.int64)
 

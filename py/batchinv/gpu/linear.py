@@ -199,6 +199,8 @@ def matmul_nt(
         return out.zero_() if bias is None else out.copy_(bias.expand(m, n))
     bias_arg = 0 if bias is None else bias
     dtype_name = _DTYPE_NAMES[x.dtype]
+    if family == "auto" and config is None:
+        family, config = _auto_choice(m, n, x.device.index)
     if family == "auto":
         if not uses_hopper(x.device):
             family = "mma"
@@ -232,6 +234,23 @@ def matmul_nt(
     return out
 
 
+@functools.lru_cache(maxsize=1024)
+def _auto_choice(m: int, n: int, device_index: int) -> tuple[str, TileConfig | SmallMConfig | None]:
+    """``matmul_nt``'s ``family="auto"`` decision for an ``[m, k] x [n, k]^T`` product, made
+    once per shape and device (a function of ``m``, ``n`` and the device only): on sm_90 the
+    small-M kernel or the Hopper tile of least estimated time, elsewhere mma.sync."""
+    if not uses_hopper(torch.device("cuda", device_index)):
+        return "mma", None
+    if takes_small_m(m, n):
+        return "small_m", choose_small_m_config(m)
+    return "hopper", choose_config(m, n, multiprocessors(device_index))
+
+
+@functools.lru_cache(maxsize=256)
+def _gemm_kernel(config: TileConfig | SmallMConfig, dtype: torch.dtype, device: torch.device):
+    return kernel_for("linear", config.kernel_name(dtype), device)
+
+
 def _launch_tma_gemm(
     config: TileConfig | SmallMConfig, rows_per_cta: int, x: Tensor, weight: Tensor, out, bias_arg
 ) -> None:
@@ -243,7 +262,7 @@ def _launch_tma_gemm(
     x, weight = _aligned(x), _aligned(weight)
     map_x = _tensor_map(x.data_ptr(), dtype_name, m, k, rows_per_cta)
     map_w = _tensor_map(weight.data_ptr(), dtype_name, n, k, config.block_n)
-    kernel = kernel_for("linear", config.kernel_name(x.dtype), x.device)
+    kernel = _gemm_kernel(config, x.dtype, x.device)
     allow_dynamic_shared(kernel, config.shared_bytes, x.device.index)
     launch(
         kernel,

@@ -49,4 +49,7 @@ def embedding(ids: Tensor, weight: Tensor, *, check_ids: bool = True) -> Tensor:
     if torch.compiler.is_compiling():  # one opaque node (integrations/torch_library.py)
         return torch.ops.batchinv.embedding(ids, weight, check_ids)
     reference.check_embedding_args(ids, weight, check_values=False)
-    return _Embedding.apply(ids, weight, check_ids)
+    if torch.is_grad_enabled() and weight.requires_grad:
+        return _Embedding.apply(ids, weight, check_ids)
+    # No gradient wanted: the forward without an autograd node (the same gather and check).
+    return registry.lookup("embedding.forward", weight.device)(ids, weight, check_ids)

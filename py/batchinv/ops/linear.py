@@ -50,4 +50,14 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     if torch.compiler.is_compiling():  # one opaque node (integrations/torch_library.py)
         return torch.ops.batchinv.linear(x, weight, bias)
     reference.check_linear_args(x, weight, bias)
-    return _Linear.apply(x, weight, bias)
+    if _needs_grad(x, weight, bias):
+        return _Linear.apply(x, weight, bias)
+    # No gradient wanted: the registry's forward without an autograd node (the same kernels
+    # and bits); it keeps an inference call's host path short.
+    return registry.lookup("linear.forward", x.device)(x, weight, bias)
+
+
+def _needs_grad(x: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
+    if not torch.is_grad_enabled():
+        return False
+    return x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)

@@ -11,6 +11,8 @@ stock drift across batches is expected and shown, never a failure.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -24,6 +26,8 @@ __all__ = ["BATCHINV_OPS", "OPS_BY_NAME", "REFERENCE_OPS", "STOCK_OPS", "ops_by_
 
 
 # ----- batchinv ------------------------------------------------------------------------------
+
+_LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 
 def _batchinv_embedding(ids: Tensor, weight: Tensor) -> Tensor:
@@ -62,10 +66,70 @@ def _batchinv_linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     return batchinv.linear(x, weight, bias)
 
 
+class _CheckedPositions:
+    """The position-id tensor whose values batchinv's RoPE last checked, so that the other
+    layers of the same forward (which the chain gives the same, unmodified tensor) skip the
+    device read: on a GPU the check costs one host sync per forward instead of one per layer.
+
+    A tensor counts as checked only while it is the same object with the same version counter
+    (an in-place write bumps it) and the same ``max_position``.  Inference-mode tensors have
+    no version counter, so they are checked at every call."""
+
+    def __init__(self) -> None:
+        self._tensor: weakref.ref | None = None
+        self._version = -1
+        self._max_position = -1
+
+    def holds(self, position_ids: Tensor, max_position: int) -> bool:
+        return (
+            self._tensor is not None
+            and self._tensor() is position_ids
+            and self._max_position == max_position
+            and position_ids._version == self._version
+        )
+
+    def remember(self, position_ids: Tensor, max_position: int) -> None:
+        if position_ids.is_inference():
+            return
+        self._tensor = weakref.ref(position_ids)
+        self._version = position_ids._version
+        self._max_position = max_position
+
+
+_CHECKED_POSITIONS = _CheckedPositions()
+
+
 def _batchinv_rope(q, k, position_ids, *, theta, head_dim, max_position):
-    return batchinv.rope(
-        q, k, position_ids, theta=theta, head_dim=head_dim, max_position=max_position
+    if torch.compiler.is_compiling():  # the custom op checks every call (no memo in a graph)
+        return batchinv.rope(
+            q, k, position_ids, theta=theta, head_dim=head_dim, max_position=max_position
+        )
+    check = not _CHECKED_POSITIONS.holds(position_ids, max_position)
+    q_rot, k_rot = batchinv.rope(
+        q,
+        k,
+        position_ids,
+        theta=theta,
+        head_dim=head_dim,
+        max_position=max_position,
+        check_positions=check,
     )
+    if check:  # reached only when every position was in range
+        _CHECKED_POSITIONS.remember(position_ids, max_position)
+    return q_rot, k_rot
+
+
+def _batchinv_residual_add(h: Tensor, delta: Tensor) -> Tensor:
+    """``h + delta`` in fp32, one rounding to ``h``'s dtype (the reference's definition).
+
+    On CUDA with one low-precision dtype this is ``torch.add(h, delta)``: PyTorch's CUDA add
+    loads both operands into fp32 (its opmath type), adds them once and rounds once, the same
+    bits as the reference's ``(h.float() + delta.float()).to(h.dtype)`` (tested bit for bit,
+    special values included) in one kernel instead of three, without the fp32 temporaries.
+    Elsewhere (CPU, fp32, mixed dtypes) the reference runs."""
+    if h.is_cuda and h.dtype == delta.dtype and h.dtype in _LOW_PRECISION and delta.is_cuda:
+        return torch.add(h, delta)
+    return REFERENCE_OPS.residual_add(h, delta)
 
 
 def _batchinv_attention(q, k, v, *, causal, seqlens_q, seqlens_k):
@@ -92,7 +156,7 @@ BATCHINV_OPS = Qwen3Ops(
     attention_varlen=_batchinv_attention_varlen,
     attention_with_kv_cache=_batchinv_attention_with_kv_cache,
     silu_mul=lambda gate, up: batchinv.silu_mul(gate, up),
-    residual_add=REFERENCE_OPS.residual_add,  # fp32 add, one rounding: elementwise
+    residual_add=_batchinv_residual_add,  # fp32 add, one rounding: elementwise
     log_softmax=_batchinv_log_softmax,
     token_logprobs=_batchinv_token_logprobs,
 )
