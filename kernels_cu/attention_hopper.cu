@@ -74,13 +74,28 @@ namespace attn_hopper {
 using namespace attn;  // the shared per-row arithmetic (common/attention_rows.cuh)
 
 [[maybe_unused]] constexpr int kD = 128;
-[[maybe_unused]] constexpr int kRows = 128;          // tile rows: two consumer warpgroups of 64
-[[maybe_unused]] constexpr int kConsumerThreads = 256;
 [[maybe_unused]] constexpr int kStages = 3;  // K/V ring depth (2: 4.75 ms, 4: same as 3, within 1% in session 6)
 [[maybe_unused]] constexpr int kBoxBytes = 64 * 128;  // 64 rows x 64 columns x 2 bytes
 [[maybe_unused]] constexpr int kTileBytes = 2 * kBoxBytes;  // 64 rows x 128 columns
-[[maybe_unused]] constexpr int kQBytes = 2 * 2 * kBoxBytes;  // two warpgroups x two column halves
-[[maybe_unused]] constexpr int kRunBytes = 64 * kConsumerThreads * 4;  // fp32 running acc: 64 per thread
+
+// The CTA shape for Warpgroups consumer warpgroups of 64 rows each (2: the kept kernel, 384
+// threads; 3: 512 threads, 192-row tiles).  With 3 the register file allows 160 per consumer
+// thread (128 x 32 + 384 x 160 = 65536), so Q stays in shared memory (the S product reads it by
+// descriptor, not as 32 fragment registers) and the split running state (96 KB) lives in a
+// per-CTA global scratch slice: 3 Q tiles and the 3-stage ring fill the shared memory.
+template <int Warpgroups>
+struct Shape {
+    static constexpr int kRows = 64 * Warpgroups;  // tile rows
+    static constexpr int kConsumerThreads = 128 * Warpgroups;
+    static constexpr int kThreads = kConsumerThreads + 128;
+    static constexpr int kQBytes = Warpgroups * 2 * kBoxBytes;  // warpgroups x two column halves
+    static constexpr bool kQInRegisters = Warpgroups == 2;
+    static constexpr bool kRunInShared = Warpgroups == 2;
+    static constexpr int kRunSlots = kRunInShared ? 64 : 70;  // acc; 3 warpgroups: m, l, -0 masks
+    static constexpr int kRunBytes = kRunInShared ? 64 * kConsumerThreads * 4 : 0;  // fp32 acc: 64 per thread
+    static constexpr int kProducerRegisters = Warpgroups == 2 ? 40 : 32;
+    static constexpr int kConsumerRegisters = Warpgroups == 2 ? 232 : 160;
+};
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 
@@ -89,6 +104,12 @@ using hopper::fence_registers;
 
 __device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool valid) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0));
+}
+
+__device__ __forceinline__ int lane_id() {
+    int lane;
+    asm volatile("mov.u32 %0, %%laneid;" : "=r"(lane));
+    return lane;
 }
 
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
@@ -136,6 +157,16 @@ __device__ __forceinline__ void mma_qk(float (&d)[32], const uint32_t (&a)[4], u
     else
         BATCHINV_QK_RS("f16");
 #undef BATCHINV_QK_RS
+}
+
+// S += Q K^T over one k16 step with Q from shared memory too (the 3-warpgroup kernel: Q's tile has
+// the K stages' layout, so its k16 steps are the same descriptor offsets).
+template <typename Codec>
+__device__ __forceinline__ void mma_qk_ss(float (&d)[32], uint64_t desc_q, uint64_t desc_k) {
+    if constexpr (Codec::kIsBf16)
+        wgmma::mma_m64n64k16_bf16(d, desc_q, desc_k);
+    else
+        wgmma::mma_m64n64k16_f16(d, desc_q, desc_k);
 }
 
 // finalize_out's division (__fdiv_rn) for a row's values, the reciprocal of l computed once.
@@ -213,6 +244,7 @@ struct Params {
     float scale_log2;
     int* queue;          // [0]: work-item counter, +0 at launch; [1 + 2 * CTA ..]: its item ring
     int q_tiles, batch;  // work items: q_tiles x (hq / pack) head groups x batch
+    float* run;          // 3 warpgroups: the split running state, 64 x 384 fp32 per CTA (else unused)
 };
 
 // One work item (query tile, head group, sequence) and what its rows see.
@@ -225,6 +257,7 @@ struct Tile {
 // tiles of one (head group, sequence), heaviest (latest, most causal blocks) first, then the
 // next head group, then the next sequence.  CTAs take items from the queue in this order, the
 // greedy longest-first schedule the hardware's dispatch of that grid gave.
+template <int Rows>
 __device__ __forceinline__ Tile tile_at(const Params& p, int w) {
     const int groups = p.hq / p.pack;
     const int qtile = p.q_tiles - 1 - w % p.q_tiles;
@@ -232,7 +265,7 @@ __device__ __forceinline__ Tile tile_at(const Params& p, int w) {
     const int b = rest / groups;
     Tile t;
     t.hg = rest % groups;
-    const int qpt = kRows / p.pack;
+    const int qpt = Rows / p.pack;
     t.q_len = p.q_len[b];
     t.k_len = p.k_len[b];
     t.q0 = qtile * qpt;
@@ -246,10 +279,18 @@ __device__ __forceinline__ Tile tile_at(const Params& p, int w) {
     return t;
 }
 
-template <typename Codec>
+template <typename Codec, int Warpgroups>
 __device__ __forceinline__ void attn_hopper_tile(const TensorMap& map_k, const TensorMap& map_v, const Params& p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     using namespace hopper;
+    using Sh = Shape<Warpgroups>;
+    constexpr int kRows = Sh::kRows;
+    constexpr int kConsumerThreads = Sh::kConsumerThreads;
+    constexpr int kQBytes = Sh::kQBytes;
+    constexpr int kRunBytes = Sh::kRunBytes;
+    constexpr bool kQInRegisters = Sh::kQInRegisters;
+    constexpr bool kRunInRegisters = Sh::kRunInShared;  // the running m, l (else beside acc in scratch)
+    auto tile_at = [&](const Params& pp, int w) { return attn_hopper::tile_at<kRows>(pp, w); };
     using T = typename Codec::storage;
     extern __shared__ uint8_t shared_raw[];
     // 128-byte swizzled tiles start on a 1024-byte boundary.  Offset from shared_raw (not an
@@ -257,11 +298,17 @@ __device__ __forceinline__ void attn_hopper_tile(const TensorMap& map_k, const T
     // emits LDS / STS (with the round trip it emitted generic LD / ST for the running state, the
     // Q fragments and the producer's zero fill).
     uint8_t* shared = shared_raw + ((1024u - (smem_address(shared_raw) & 1023u)) & 1023u);
-    uint8_t* sq = shared;                                   // [2 warpgroups][2 halves][64][64]
+    uint8_t* sq = shared;                                   // [warpgroups][2 halves][64][64]
     uint8_t* sk = sq + kQBytes;                             // [kStages][2 halves][64][64]
     uint8_t* sv = sk + kStages * kTileBytes;                // [kStages][2 halves][64][64]
-    float* srun = reinterpret_cast<float*>(sv + kStages * kTileBytes);  // [64][256]
-    uint64_t* full = reinterpret_cast<uint64_t*>(reinterpret_cast<uint8_t*>(srun) + kRunBytes);
+    // The split running state [64][consumer threads]: shared memory (2 warpgroups) or this CTA's
+    // global scratch slice (3; written before it is read, L2-resident, touched once per split).
+    float* srun;
+    if constexpr (Sh::kRunInShared)
+        srun = reinterpret_cast<float*>(sv + kStages * kTileBytes);
+    else
+        srun = p.run + static_cast<int64_t>(blockIdx.x) * Sh::kRunSlots * kConsumerThreads;
+    uint64_t* full = reinterpret_cast<uint64_t*>(sv + kStages * kTileBytes + kRunBytes);
     uint64_t* empty = full + kStages;
     uint64_t* side = empty + kStages;  // the producer's own barrier for a boundary block
     // The work items the producer took from the queue, in a ring of two slots (full: written,
@@ -279,12 +326,12 @@ __device__ __forceinline__ void attn_hopper_tile(const TensorMap& map_k, const T
     if (threadIdx.x == 0) {
         for (int s = 0; s < kStages; ++s) {
             barrier_init(&full[s], 1);
-            barrier_init(&empty[s], 8);  // lane 0 of each consumer warp
+            barrier_init(&empty[s], 4 * Warpgroups);  // lane 0 of each consumer warp
         }
         barrier_init(side, 1);
         for (int s = 0; s < 2; ++s) {
             barrier_init(&item_full[s], 1);
-            barrier_init(&item_empty[s], 8);
+            barrier_init(&item_empty[s], 4 * Warpgroups);
         }
         fence_barrier_init();
     }
@@ -294,7 +341,7 @@ __device__ __forceinline__ void attn_hopper_tile(const TensorMap& map_k, const T
     const int lane = threadIdx.x % 32;
 
     if (warpgroup == 0) {
-        release_registers<40>();
+        release_registers<Sh::kProducerRegisters>();
         if (threadIdx.x >= 32) return;
         // Producer warp: lane 0 takes the work items from the queue (item n + 1 when item n's
         // loads start, so that the consumers know it before they finish item n) and issues the
@@ -362,7 +409,7 @@ __device__ __forceinline__ void attn_hopper_tile(const TensorMap& map_k, const T
         return;
     }
 
-    claim_registers<232>();
+    claim_registers<Sh::kConsumerRegisters>();
     const int cw = warpgroup - 1;           // consumer warpgroup 0 or 1
     const int ctid = threadIdx.x - 128;     // 0 .. 255
     const int wtid = threadIdx.x % 128;
@@ -394,6 +441,7 @@ __device__ __forceinline__ void attn_hopper_tile(const TensorMap& map_k, const T
     // (`shared` is 1024-byte aligned, so each field is a plain sum).
     const uint32_t shared16 = smem_address(shared) >> 4;
     const uint32_t desc_k = shared16 + (kQBytes >> 4) + (1u << 16);
+    const uint32_t desc_q = shared16 + ((cw * 2 * kBoxBytes) >> 4) + (1u << 16);  // Q from shared memory
     const uint32_t desc_v = shared16 + ((kQBytes + kStages * kTileBytes) >> 4) + ((kBoxBytes >> 4) << 16);
     int s_stage = 0;          // stage of the next block whose S is issued (runs on across items)
     uint32_t s_phase = 0;     // its full-barrier phase
@@ -418,11 +466,15 @@ __device__ __forceinline__ void attn_hopper_tile(const TensorMap& map_k, const T
         // Q of the warp's 16 rows as the A fragments of the eight k16 steps of S (row g / g + 8,
         // columns 2c, 2c + 1 and 2c + 8, 2c + 9 of the step), read from the swizzled tile; then
         // the next item's Q copy into the same buffer (once every warp of the warpgroup read it).
+        // With Q read from shared memory (3 warpgroups) the next copy waits until the item's last
+        // S product is complete (load_next_q before the last P V issue, below).
         uint32_t qa[8][4];
         if (has_rows) {
             asm volatile("cp.async.wait_group 0;\n" ::: "memory");
             fence_proxy_async();
             named_barrier_sync(1 + cw, 128);
+        }
+        if (kQInRegisters && has_rows) {
             const uint8_t* dq = sq + cw * 2 * kBoxBytes;
 #pragma unroll
             for (int ks = 0; ks < 8; ++ks)
@@ -436,10 +488,13 @@ __device__ __forceinline__ void attn_hopper_tile(const TensorMap& map_k, const T
                 }
             named_barrier_sync(1 + cw, 128);
         }
-        if (w_next < items) {
-            const Tile next = tile_at(p, w_next);
-            if (next.q0 < next.q_len) load_q(next);
-        }
+        auto load_next_q = [&]() {
+            if (w_next < items) {
+                const Tile next = tile_at(p, w_next);
+                if (next.q0 < next.q_len) load_q(next);
+            }
+        };
+        if (kQInRegisters || !has_rows || tl.blk_end == 0) load_next_q();
         if (has_rows) {
             const int hg = tl.hg;
             const int q0 = tl.q0;
@@ -496,6 +551,10 @@ __device__ __forceinline__ void attn_hopper_tile(const TensorMap& map_k, const T
                 fence_operands<64>(acc);
                 fence_registers(pa);
                 if (prev_any_empty) {
+                    if constexpr (!kRunInRegisters) {
+                        negzero[0] = __float_as_uint(srun[68 * kConsumerThreads + ctid]);
+                        negzero[1] = __float_as_uint(srun[69 * kConsumerThreads + ctid]);
+                    }
 #pragma unroll
                     for (int i = 0; i < 64; ++i) {
                         const bool was_neg_zero = (negzero[i / 32] >> (i % 32)) & 1u;
@@ -506,6 +565,15 @@ __device__ __forceinline__ void attn_hopper_tile(const TensorMap& map_k, const T
                 if (lane == 0) barrier_arrive(&empty[pv_stage]);
                 if constexpr (decltype(split_end)::value) {
                     const bool first_split = blk + 1 <= kBlocksPerSplit;  // no running state yet: 0
+                    if constexpr (!kRunInRegisters) {
+                        // The running m, l sit beside the running acc (slots 64-67), not in four
+                        // registers through the block loop; the same values.
+#pragma unroll
+                        for (int i = 0; i < 2; ++i) {
+                            run_m[i] = first_split ? kNegInf : srun[(64 + i) * kConsumerThreads + ctid];
+                            run_l[i] = first_split ? 0.0f : srun[(66 + i) * kConsumerThreads + ctid];
+                        }
+                    }
 #pragma unroll
                     for (int i = 0; i < 2; ++i) {
                         float mm, ll, wa, wb;
@@ -537,6 +605,10 @@ __device__ __forceinline__ void attn_hopper_tile(const TensorMap& map_k, const T
                             merge_row(std::integral_constant<int, 2>{});
                         run_m[i] = mm;
                         run_l[i] = ll;
+                        if constexpr (!kRunInRegisters && !decltype(last)::value) {
+                            srun[(64 + i) * kConsumerThreads + ctid] = mm;
+                            srun[(66 + i) * kConsumerThreads + ctid] = ll;
+                        }
                     }
                 }
             };
@@ -549,16 +621,26 @@ __device__ __forceinline__ void attn_hopper_tile(const TensorMap& map_k, const T
 #pragma unroll
                     for (int i = 0; i < 64; ++i)
                         if (__float_as_uint(acc[i]) == 0x80000000u) negzero[i / 32] |= 1u << (i % 32);
+                    if constexpr (!kRunInRegisters) {
+                        // 3 warpgroups: the masks wait in the scratch slots 68-69 (rare: a block some
+                        // row does not see), not in two registers through the softmax.
+                        srun[68 * kConsumerThreads + ctid] = __uint_as_float(negzero[0]);
+                        srun[69 * kConsumerThreads + ctid] = __uint_as_float(negzero[1]);
+                    }
                 }
             };
             // S = Q K^T of the block at stage s_stage over d in increasing k16 steps (32 bytes along
             // a 128-byte swizzled row), into s; moves s_stage on.
             auto mma_s = [&]() {
                 const uint64_t k_stage = stage_descriptor(desc_k, s_stage);
+                [[maybe_unused]] const uint64_t q_tile = stage_descriptor(desc_q, 0);
 #pragma unroll
                 for (int ks = 0; ks < 8; ++ks) {
                     const int off = ((ks / 4) * kBoxBytes + (ks % 4) * 32) >> 4;
-                    mma_qk<Codec>(s, qa[ks], k_stage + off);
+                    if constexpr (kQInRegisters)
+                        mma_qk<Codec>(s, qa[ks], k_stage + off);
+                    else
+                        mma_qk_ss<Codec>(s, q_tile + off, k_stage + off);
                 }
                 wgmma_commit();
                 if (++s_stage == kStages) {
@@ -611,13 +693,16 @@ __device__ __forceinline__ void attn_hopper_tile(const TensorMap& map_k, const T
             auto scale = [&](int blk) {
                 const int key0 = blk * kBlockKeys;
                 if (key0 + kBlockKeys > warp_vis_min) {
+                    // 3 warpgroups: the lane's column read from %laneid here (a special register),
+                    // not kept in a register through the loop.
+                    const int cj = kRunInRegisters ? c : lane_id() % 4;
 #pragma unroll
                     for (int t = 0; t < 8; ++t)
 #pragma unroll
                         for (int i = 0; i < 2; ++i)
 #pragma unroll
                             for (int e = 0; e < 2; ++e) {
-                                const int j = key0 + t * 8 + 2 * c + e;
+                                const int j = key0 + t * 8 + 2 * cj + e;
                                 if (j >= vis_end[i]) s[4 * t + 2 * i + e] = kNegInf;
                             }
                 }
@@ -743,6 +828,12 @@ __device__ __forceinline__ void attn_hopper_tile(const TensorMap& map_k, const T
             }
             if (blk_end > 0) {
                 pv_stage = cur_stage;
+                if constexpr (!kQInRegisters) {
+                    // Every S product of this item is complete in every warp of the warpgroup: the
+                    // next item's Q may overwrite the tile while this P V product and finalize run.
+                    named_barrier_sync(1 + cw, 128);
+                    load_next_q();
+                }
                 issue(No{}, Yes{});
                 start_split();  // keeps the last split's m, l in end_m, end_l for its merge
                 wgmma_wait<0>();
@@ -755,7 +846,9 @@ __device__ __forceinline__ void attn_hopper_tile(const TensorMap& map_k, const T
             for (int i = 0; i < 2; ++i) {
                 if (row_q[i] < 0) continue;
                 const int64_t t_row = q_base + row_q[i];
-                T* dst = op + t_row * p.out_row + row_h[i] * p.out_head;
+                // (3 warpgroups: the head recomputed here, not kept in a register through the loop)
+                const int h_row = kRunInRegisters ? row_h[i] : hg * p.pack + (cw * 64 + warp * 16 + g + 8 * i) % p.pack;
+                T* dst = op + t_row * p.out_row + h_row * p.out_head;
                 const float l_row = run_l[i];
                 float o[32];
 #pragma unroll
@@ -764,7 +857,7 @@ __device__ __forceinline__ void attn_hopper_tile(const TensorMap& map_k, const T
 #pragma unroll
                 for (int t = 0; t < 16; ++t)
                     *reinterpret_cast<uint32_t*>(dst + t * 8 + 2 * c) = store_pair<Codec>(o[2 * t], o[2 * t + 1]);
-                if (c == 0) p.lse[static_cast<int64_t>(row_h[i]) * p.tq + t_row] = finalize_lse(run_m[i], l_row);
+                if (c == 0) p.lse[static_cast<int64_t>(h_row) * p.tq + t_row] = finalize_lse(run_m[i], l_row);
             }
         }  // has_rows
         w = w_next;
@@ -785,15 +878,28 @@ __device__ __forceinline__ void attn_hopper_tile(const TensorMap& map_k, const T
         int hkv, int pack, int causal, float scale_log2, int* queue, int q_tiles, int batch) {                  \
         const batchinv::attn_hopper::Params p{q,     out,   lse,      q_start, q_len, k_start, k_len, q_row,    \
                                               q_head, out_row, out_head, tq,   hq,    hkv,     pack,  causal,   \
-                                              scale_log2, queue, q_tiles, batch};                                \
-        batchinv::attn_hopper::attn_hopper_tile<CODEC>(map_k, map_v, p);                                         \
+                                              scale_log2, queue, q_tiles, batch, nullptr};                       \
+        batchinv::attn_hopper::attn_hopper_tile<CODEC, 2>(map_k, map_v, p);                                      \
+    }                                                                                                            \
+    extern "C" __global__ void __launch_bounds__(512, 1) attn_hopper_fwd_##DTYPE##_d128_wg3(                      \
+        const __grid_constant__ batchinv::TensorMap map_k, const __grid_constant__ batchinv::TensorMap map_v,   \
+        const void* q, void* out, float* lse, const int* q_start, const int* q_len, const int* k_start,        \
+        const int* k_len, int64_t q_row, int64_t q_head, int64_t out_row, int64_t out_head, int tq, int hq,     \
+        int hkv, int pack, int causal, float scale_log2, int* queue, int q_tiles, int batch, float* run) {      \
+        const batchinv::attn_hopper::Params p{q,     out,   lse,      q_start, q_len, k_start, k_len, q_row,    \
+                                              q_head, out_row, out_head, tq,   hq,    hkv,     pack,  causal,   \
+                                              scale_log2, queue, q_tiles, batch, run};                           \
+        batchinv::attn_hopper::attn_hopper_tile<CODEC, 3>(map_k, map_v, p);                                      \
     }
 
 // Signature: (map_k, map_v, q, out, lse, q_start, q_len, k_start, k_len, q_row, q_head, out_row,
-//             out_head, tq, hq, hkv, pack, causal, scale_log2, queue, q_tiles, batch)
+//             out_head, tq, hq, hkv, pack, causal, scale_log2, queue, q_tiles, batch); the _wg3
+// kernels (3 consumer warpgroups) take the running-state scratch `run` (64 x 384 fp32 per CTA) last.
 // batchinv-signature: attn_hopper_fwd_bf16_d128(tmap, tmap, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i32, i32, i32, i32, i32, f32, ptr, i32, i32)
+// batchinv-signature: attn_hopper_fwd_bf16_d128_wg3(tmap, tmap, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i32, i32, i32, i32, i32, f32, ptr, i32, i32, ptr)
 BATCHINV_ATTN_HOPPER(bf16, batchinv::Bf16Codec)
 // batchinv-signature: attn_hopper_fwd_f16_d128(tmap, tmap, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i32, i32, i32, i32, i32, f32, ptr, i32, i32)
+// batchinv-signature: attn_hopper_fwd_f16_d128_wg3(tmap, tmap, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i32, i32, i32, i32, i32, f32, ptr, i32, i32, ptr)
 BATCHINV_ATTN_HOPPER(f16, batchinv::F16Codec)
 
 // Test kernel: finalize_row (the tile kernel's division) next to finalize_out, element by element,

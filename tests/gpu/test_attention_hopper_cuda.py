@@ -20,8 +20,8 @@ from batchinv.reference.kv_cache import KVCache
 
 DEVICE = "cuda"
 DTYPES = (torch.bfloat16, torch.float16)
-# (Hq, Hkv): GQA 4:1, GQA 8:1, MHA, a group of 3 (42 queries x 3 heads: 2 padding rows) and a
-# group of 5 (25 queries x 5 heads: 3 padding rows)
+# (Hq, Hkv): GQA 4:1, GQA 8:1, MHA, a group of 3 (128-row tiles: 42 queries x 3 heads, 2
+# padding rows) and a group of 5 (25 x 5 of 128 and 38 x 5 of 192 rows: padding in both heights)
 HEADS = ((8, 2), (16, 2), (4, 4), (6, 2), (10, 2))
 LONG_CONTEXT = 2500  # three splits of 1024 keys
 
@@ -66,11 +66,28 @@ def _nan_padding(q, k, v, seqlens_q, seqlens_k):
     return q, k, v
 
 
+@pytest.fixture(autouse=True, params=(2, 3), ids=("wg2", "wg3"))
+def warpgroups(request):
+    """Every test runs with the default kernel (2 consumer warpgroups, 128-row tiles) and the
+    3-warpgroup variant (192-row tiles): both must give the mma.sync kernels' bits."""
+    with hopper.forced_warpgroups(request.param):
+        yield request.param
+
+
 # ----------------------------------------------------------------------------- host logic (CPU)
 
 
-def test_shared_memory_fits_hopper():
-    assert hopper.shared_bytes() <= 227 * 1024
+def test_shared_memory_fits_hopper(warpgroups):
+    assert hopper.shared_bytes(warpgroups=warpgroups) <= 227 * 1024
+
+
+def test_forced_warpgroups_rejects_bad_counts():
+    with pytest.raises(ValueError, match="count"):
+        with hopper.forced_warpgroups(4):
+            pass
+    with pytest.raises(TypeError, match="count"):
+        with hopper.forced_warpgroups(True):
+            pass
 
 
 def test_tma_rows_needs_contiguous_heads():
