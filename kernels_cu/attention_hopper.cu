@@ -505,7 +505,24 @@ __device__ __forceinline__ void attn_hopper_tile(const TensorMap& map_k, const T
                     if (next.q0 < next.q_len) load_q(next);
                 }
             };
-            if (kQInRegisters || !has_rows || tl.blk_end == 0) load_next_q();
+            // 3 warpgroups: the blocks this warpgroup's rows see. Rows are ordered by query position,
+            // so each warpgroup stops at its own causal end (where attention.cu's 64-row tile stops;
+            // a block no row of it sees changes none of its rows), not at the 192-row tile's; the
+            // tile's later blocks are only released (below, after finalize).
+            int blk_end_wg = tl.blk_end;
+            if constexpr (!kQInRegisters) {
+                const int r_first = cw * 64;
+                const int r_last = min(r_first + 63, qpt * p.pack - 1);
+                const int q_first = tl.q0 + r_first / p.pack;
+                if (!has_rows || r_first > r_last || q_first >= tl.q_len) {
+                    blk_end_wg = 0;
+                } else if (p.causal) {
+                    const int q_last = min(tl.q_len - 1, tl.q0 + r_last / p.pack);
+                    const int end = max(0, min(tl.k_len, tl.offset + q_last + 1));
+                    blk_end_wg = (end + kBlockKeys - 1) / kBlockKeys;
+                }
+            }
+            if (kQInRegisters || !has_rows || blk_end_wg == 0) load_next_q();
             if (has_rows) {
                 const int hg = tl.hg;
                 const int q0 = tl.q0;
@@ -513,7 +530,7 @@ __device__ __forceinline__ void attn_hopper_tile(const TensorMap& map_k, const T
                 const int k_len = tl.k_len;
                 const int offset = tl.offset;
                 const int64_t q_base = tl.q_base;
-                const int blk_end = tl.blk_end;
+                const int blk_end = blk_end_wg;
 
                 int vis_end[2];
                 int row_q[2], row_h[2];
@@ -869,6 +886,18 @@ __device__ __forceinline__ void attn_hopper_tile(const TensorMap& map_k, const T
                     for (int t = 0; t < 16; ++t)
                         *reinterpret_cast<uint32_t*>(dst + t * 8 + 2 * c) = store_pair<Codec>(o[2 * t], o[2 * t + 1]);
                     if (c == 0) p.lse[static_cast<int64_t>(h_row) * p.tq + t_row] = finalize_lse(run_m[i], l_row);
+                }
+                if constexpr (!kQInRegisters) {
+                    // The tile's blocks past this warpgroup's end: released in order once loaded (the
+                    // full wait keeps each arrival in its own phase of the stage's empty barrier).
+                    for (int blk = blk_end; blk < tl.blk_end; ++blk) {
+                        barrier_wait(&full[s_stage], s_phase);
+                        if (lane == 0) barrier_arrive(&empty[s_stage]);
+                        if (++s_stage == kStages) {
+                            s_stage = 0;
+                            s_phase ^= 1u;
+                        }
+                    }
                 }
             }  // has_rows
             w = w_next;
