@@ -184,6 +184,23 @@ def test_split_loop_edges_equal_mma_sync(dtype, causal):
 
 @cuda
 @needs_hopper
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_warpgroup_causal_ends_around_a_split_edge_equal_mma_sync(dtype):
+    # With 3 warpgroups each stops at its own causal end (16 query positions at GQA 4:1) and
+    # only releases the tile's later blocks: ends on both sides of the first split edge within
+    # one tile (1040 keys, 96 queries: 15/16/16 then 16/16/17 blocks; 1100: 16/17/17 then
+    # 17/17/18), a warpgroup whose rows see no key (50 queries over 20 keys), a tile past q_len.
+    seqlens_k = torch.tensor([1040, 1100, 20, 1], device=DEVICE)
+    seqlens_q = torch.tensor([96, 96, 50, 1], device=DEVICE)
+    q, k, v = _qkv(4, 96, 1100, 8, 2, dtype, seed=71)
+    q, k, v = _nan_padding(q, k, v, seqlens_q, seqlens_k)
+    kwargs = dict(causal=True, seqlens_q=seqlens_q, seqlens_k=seqlens_k, return_lse=True)
+    new = _hopper_equal_to_mma_sync(q, k, v, "tile, warpgroup ends around a split", **kwargs)
+    assert not torch.isnan(new[0]).any(), "NaN padding leaked into the output"
+
+
+@cuda
+@needs_hopper
 @pytest.mark.parametrize("ctas", (1, 3, 7))
 def test_persistent_grid_any_cta_count_equals_mma_sync(ctas):
     # The persistent grid: with few CTAs each takes many work items from the queue, its K/V ring
