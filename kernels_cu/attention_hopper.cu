@@ -285,7 +285,7 @@ __device__ __forceinline__ Tile tile_at(const Params& p, int w) {
     return t;
 }
 
-template <typename Codec, int Warpgroups>
+template <typename Codec, int Warpgroups, bool WarpgroupEnds = true, bool CodeCopies = false>
 __device__ __forceinline__ void attn_hopper_tile(const TensorMap& map_k, const TensorMap& map_v, const Params& p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     using namespace hopper;
@@ -510,7 +510,7 @@ __device__ __forceinline__ void attn_hopper_tile(const TensorMap& map_k, const T
             // a block no row of it sees changes none of its rows), not at the 192-row tile's; the
             // tile's later blocks are only released (below, after finalize).
             int blk_end_wg = tl.blk_end;
-            if constexpr (!kQInRegisters) {
+            if constexpr (!kQInRegisters && WarpgroupEnds) {
                 const int r_first = cw * 64;
                 const int r_last = min(r_first + 63, qpt * p.pack - 1);
                 const int q_first = tl.q0 + r_first / p.pack;
@@ -887,7 +887,7 @@ __device__ __forceinline__ void attn_hopper_tile(const TensorMap& map_k, const T
                         *reinterpret_cast<uint32_t*>(dst + t * 8 + 2 * c) = store_pair<Codec>(o[2 * t], o[2 * t + 1]);
                     if (c == 0) p.lse[static_cast<int64_t>(h_row) * p.tq + t_row] = finalize_lse(run_m[i], l_row);
                 }
-                if constexpr (!kQInRegisters) {
+                if constexpr (!kQInRegisters && WarpgroupEnds) {
                     // The tile's blocks past this warpgroup's end: released in order once loaded (the
                     // full wait keeps each arrival in its own phase of the stage's empty barrier).
                     for (int blk = blk_end; blk < tl.blk_end; ++blk) {
@@ -906,16 +906,21 @@ __device__ __forceinline__ void attn_hopper_tile(const TensorMap& map_k, const T
     if constexpr (Warpgroups == 2) {
         consumer(warpgroup - 1);
     } else {
-        // Broadcast from lane 0, so that ptxas knows the branch is warp-uniform (CUTLASS's
-        // canonical_warp_group_idx): the copies' loop-carried stage and phase stay in uniform
-        // registers.
+        // One code copy (three copies, one per warpgroup with cw a constant, ran 1.5x slower on
+        // an H200: our reading, the instruction cache), with cw broadcast from lane 0 so that
+        // ptxas knows it is warp-uniform (CUTLASS's canonical_warp_group_idx): the Q tile's
+        // descriptors stay in uniform registers.
         const int wg = __shfl_sync(0xffffffffu, warpgroup, 0);
-        if (wg == 1)
-            consumer(std::integral_constant<int, 0>{});
-        else if (wg == 2)
-            consumer(std::integral_constant<int, 1>{});
-        else
-            consumer(std::integral_constant<int, 2>{});
+        if constexpr (CodeCopies) {  // measurement only (_wg3c)
+            if (wg == 1)
+                consumer(std::integral_constant<int, 0>{});
+            else if (wg == 2)
+                consumer(std::integral_constant<int, 1>{});
+            else
+                consumer(std::integral_constant<int, 2>{});
+        } else {
+            consumer(wg - 1);
+        }
     }
 #elif defined(__CUDA_ARCH__)
     __trap();  // built only into sm_90a images; the host never launches it elsewhere
@@ -945,6 +950,26 @@ __device__ __forceinline__ void attn_hopper_tile(const TensorMap& map_k, const T
                                               q_head, out_row, out_head, tq,   hq,    hkv,     pack,  causal,   \
                                               scale_log2, queue, q_tiles, batch, run};                           \
         batchinv::attn_hopper::attn_hopper_tile<CODEC, 3>(map_k, map_v, p);                                      \
+    }                                                                                                            \
+    extern "C" __global__ void __launch_bounds__(512, 1) attn_hopper_fwd_##DTYPE##_d128_wg3t(                     \
+        const __grid_constant__ batchinv::TensorMap map_k, const __grid_constant__ batchinv::TensorMap map_v,   \
+        const void* q, void* out, float* lse, const int* q_start, const int* q_len, const int* k_start,        \
+        const int* k_len, int64_t q_row, int64_t q_head, int64_t out_row, int64_t out_head, int tq, int hq,     \
+        int hkv, int pack, int causal, float scale_log2, int* queue, int q_tiles, int batch, float* run) {      \
+        const batchinv::attn_hopper::Params p{q,     out,   lse,      q_start, q_len, k_start, k_len, q_row,    \
+                                              q_head, out_row, out_head, tq,   hq,    hkv,     pack,  causal,   \
+                                              scale_log2, queue, q_tiles, batch, run};                           \
+        batchinv::attn_hopper::attn_hopper_tile<CODEC, 3, false>(map_k, map_v, p);                               \
+    }                                                                                                            \
+    extern "C" __global__ void __launch_bounds__(512, 1) attn_hopper_fwd_##DTYPE##_d128_wg3c(                     \
+        const __grid_constant__ batchinv::TensorMap map_k, const __grid_constant__ batchinv::TensorMap map_v,   \
+        const void* q, void* out, float* lse, const int* q_start, const int* q_len, const int* k_start,        \
+        const int* k_len, int64_t q_row, int64_t q_head, int64_t out_row, int64_t out_head, int tq, int hq,     \
+        int hkv, int pack, int causal, float scale_log2, int* queue, int q_tiles, int batch, float* run) {      \
+        const batchinv::attn_hopper::Params p{q,     out,   lse,      q_start, q_len, k_start, k_len, q_row,    \
+                                              q_head, out_row, out_head, tq,   hq,    hkv,     pack,  causal,   \
+                                              scale_log2, queue, q_tiles, batch, run};                           \
+        batchinv::attn_hopper::attn_hopper_tile<CODEC, 3, true, true>(map_k, map_v, p);                                 \
     }
 
 // Signature: (map_k, map_v, q, out, lse, q_start, q_len, k_start, k_len, q_row, q_head, out_row,
@@ -952,9 +977,13 @@ __device__ __forceinline__ void attn_hopper_tile(const TensorMap& map_k, const T
 // kernels (3 consumer warpgroups) take the running-state scratch `run` (64 x 384 fp32 per CTA) last.
 // batchinv-signature: attn_hopper_fwd_bf16_d128(tmap, tmap, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i32, i32, i32, i32, i32, f32, ptr, i32, i32)
 // batchinv-signature: attn_hopper_fwd_bf16_d128_wg3(tmap, tmap, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i32, i32, i32, i32, i32, f32, ptr, i32, i32, ptr)
+// batchinv-signature: attn_hopper_fwd_bf16_d128_wg3t(tmap, tmap, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i32, i32, i32, i32, i32, f32, ptr, i32, i32, ptr)
+// batchinv-signature: attn_hopper_fwd_bf16_d128_wg3c(tmap, tmap, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i32, i32, i32, i32, i32, f32, ptr, i32, i32, ptr)
 BATCHINV_ATTN_HOPPER(bf16, batchinv::Bf16Codec)
 // batchinv-signature: attn_hopper_fwd_f16_d128(tmap, tmap, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i32, i32, i32, i32, i32, f32, ptr, i32, i32)
 // batchinv-signature: attn_hopper_fwd_f16_d128_wg3(tmap, tmap, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i32, i32, i32, i32, i32, f32, ptr, i32, i32, ptr)
+// batchinv-signature: attn_hopper_fwd_f16_d128_wg3t(tmap, tmap, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i32, i32, i32, i32, i32, f32, ptr, i32, i32, ptr)
+// batchinv-signature: attn_hopper_fwd_f16_d128_wg3c(tmap, tmap, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i32, i32, i32, i32, i32, f32, ptr, i32, i32, ptr)
 BATCHINV_ATTN_HOPPER(f16, batchinv::F16Codec)
 
 // Test kernel: finalize_row (the tile kernel's division) next to finalize_out, element by element,

@@ -78,6 +78,9 @@ def _tensor_map(t: Tensor) -> bytes:
 
 _forced_ctas: int | None = None
 _forced_warpgroups: int | None = None
+# Measurement only (session 8): "_wg3t" (every warpgroup to the tile's end), "_wg3c" (a code
+# copy per warpgroup).
+_wg3_suffix = "_wg3"
 
 
 @contextlib.contextmanager
@@ -144,9 +147,8 @@ def forward_tile(
         )
     if items == 0:
         return
-    name = f"attn_hopper_fwd_{_DTYPE_NAMES[q.dtype]}_d{HEAD_DIM}" + (
-        "_wg3" if warpgroups == 3 else ""
-    )
+    suffix = _wg3_suffix if warpgroups == 3 else ""
+    name = f"attn_hopper_fwd_{_DTYPE_NAMES[q.dtype]}_d{HEAD_DIM}{suffix}"
     # Persistent grid: one CTA per SM (at most one per item) takes the items from a queue; which
     # CTA computes a row never changes its arithmetic.
     ctas = min(items, _forced_ctas or multiprocessors(q.device.index or 0))
