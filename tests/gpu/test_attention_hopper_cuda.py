@@ -20,8 +20,8 @@ from batchinv.reference.kv_cache import KVCache
 
 DEVICE = "cuda"
 DTYPES = (torch.bfloat16, torch.float16)
-# (Hq, Hkv): GQA 4:1, GQA 8:1, MHA, a group of 3 (128-row tiles: 42 queries x 3 heads, 2
-# padding rows) and a group of 5 (25 x 5 of 128 and 38 x 5 of 192 rows: padding in both heights)
+# (Hq, Hkv): GQA 4:1, GQA 8:1, MHA, a group of 3 (42 queries x 3 heads: 2 padding rows) and a
+# group of 5 (25 queries x 5 heads: 3 padding rows)
 HEADS = ((8, 2), (16, 2), (4, 4), (6, 2), (10, 2))
 LONG_CONTEXT = 2500  # three splits of 1024 keys
 
@@ -66,28 +66,11 @@ def _nan_padding(q, k, v, seqlens_q, seqlens_k):
     return q, k, v
 
 
-@pytest.fixture(autouse=True, params=(2, 3), ids=("wg2", "wg3"))
-def warpgroups(request):
-    """Every test runs with the default kernel (2 consumer warpgroups, 128-row tiles) and the
-    3-warpgroup variant (192-row tiles): both must give the mma.sync kernels' bits."""
-    with hopper.forced_warpgroups(request.param):
-        yield request.param
-
-
 # ----------------------------------------------------------------------------- host logic (CPU)
 
 
-def test_shared_memory_fits_hopper(warpgroups):
-    assert hopper.shared_bytes(warpgroups=warpgroups) <= 227 * 1024
-
-
-def test_forced_warpgroups_rejects_bad_counts():
-    with pytest.raises(ValueError, match="count"):
-        with hopper.forced_warpgroups(4):
-            pass
-    with pytest.raises(TypeError, match="count"):
-        with hopper.forced_warpgroups(True):
-            pass
+def test_shared_memory_fits_hopper():
+    assert hopper.shared_bytes() <= 227 * 1024
 
 
 def test_tma_rows_needs_contiguous_heads():
@@ -179,23 +162,6 @@ def test_split_loop_edges_equal_mma_sync(dtype, causal):
     q, k, v = _nan_padding(q, k, v, seqlens_q, seqlens_k)
     kwargs = dict(causal=causal, seqlens_q=seqlens_q, seqlens_k=seqlens_k, return_lse=True)
     new = _hopper_equal_to_mma_sync(q, k, v, "tile at the split-loop edges", **kwargs)
-    assert not torch.isnan(new[0]).any(), "NaN padding leaked into the output"
-
-
-@cuda
-@needs_hopper
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_warpgroup_causal_ends_around_a_split_edge_equal_mma_sync(dtype):
-    # With 3 warpgroups each stops at its own causal end (16 query positions at GQA 4:1) and
-    # only releases the tile's later blocks: ends on both sides of the first split edge within
-    # one tile (1040 keys, 96 queries: 15/16/16 then 16/16/17 blocks; 1100: 16/17/17 then
-    # 17/17/18), a warpgroup whose rows see no key (50 queries over 20 keys), a tile past q_len.
-    seqlens_k = torch.tensor([1040, 1100, 20, 1], device=DEVICE)
-    seqlens_q = torch.tensor([96, 96, 50, 1], device=DEVICE)
-    q, k, v = _qkv(4, 96, 1100, 8, 2, dtype, seed=71)
-    q, k, v = _nan_padding(q, k, v, seqlens_q, seqlens_k)
-    kwargs = dict(causal=True, seqlens_q=seqlens_q, seqlens_k=seqlens_k, return_lse=True)
-    new = _hopper_equal_to_mma_sync(q, k, v, "tile, warpgroup ends around a split", **kwargs)
     assert not torch.isnan(new[0]).any(), "NaN padding leaked into the output"
 
 

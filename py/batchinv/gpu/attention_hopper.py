@@ -18,31 +18,23 @@ from torch import Tensor
 from ._launch import allow_dynamic_shared, kernel_for, launch, multiprocessors, native, uses_hopper
 
 HEAD_DIM = 128
-WARPGROUPS = 2  # consumer warpgroups of the default kernel (3: the ``_wg3`` variant)
-TILE_ROWS = 64 * WARPGROUPS  # rows of a tile: 64 per consumer warpgroup
-THREADS = 128 * (WARPGROUPS + 1)  # producer warpgroup + the consumer warpgroups
+TILE_ROWS = 128  # two consumer warpgroups of 64 rows
+THREADS = 384  # producer warpgroup + two consumer warpgroups
 STAGES = 3  # K/V ring depth (kernels_cu/attention_hopper.cu kStages)
 _BOX_BYTES = 64 * 64 * 2  # one 64-row x 64-column TMA box of bf16/fp16
 _DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "f16"}
 _MAX_ITEMS = 2**31 - 1 - 1024  # the queue counter is an int32 (each CTA takes one past the end)
 
 
-def shared_bytes(stages: int = STAGES, warpgroups: int = WARPGROUPS) -> int:
-    """Dynamic shared memory of the kernel: Q (warpgroups x two 64-column halves), the K and V
-    stages, the fp32 running state (64 values per consumer thread; with 3 warpgroups it lives
-    in global scratch, :func:`run_scratch_floats`), the mbarriers (K/V ring, boundary block,
-    work-item ring), and 1024 bytes to align the swizzled tiles."""
-    q = warpgroups * 2 * _BOX_BYTES
+def shared_bytes(stages: int = STAGES) -> int:
+    """Dynamic shared memory of the kernel: Q (two warpgroups x two 64-column halves), the
+    K and V stages, the fp32 running state (64 values per consumer thread), the mbarriers
+    (K/V ring, boundary block, work-item ring), and 1024 bytes to align the swizzled tiles."""
+    q = 4 * _BOX_BYTES
     kv = 2 * stages * 2 * _BOX_BYTES
-    run = 64 * 256 * 4 if warpgroups == 2 else 0
+    run = 64 * 256 * 4
     barriers = 8 * (2 * stages + 1 + 4)
     return q + kv + run + barriers + 1024
-
-
-def run_scratch_floats(ctas: int) -> int:
-    """fp32 scratch of the 3-warpgroup kernel: per CTA and consumer thread, the running acc
-    (64), m and l (2 + 2) and the two -0 masks of a pending product (kernel's Shape::kRunSlots)."""
-    return ctas * 70 * 384
 
 
 def _tma_rows(t: Tensor) -> bool:
@@ -77,26 +69,6 @@ def _tensor_map(t: Tensor) -> bytes:
 
 
 _forced_ctas: int | None = None
-_forced_warpgroups: int | None = None
-# Measurement only (session 8): "_wg3t" (every warpgroup to the tile's end), "_wg3c" (a code
-# copy per warpgroup).
-_wg3_suffix = "_wg3"
-
-
-@contextlib.contextmanager
-def forced_warpgroups(count: int):
-    """Tests and benchmarks: launches within the block run the kernel with ``count`` consumer
-    warpgroups (2: the default kernel; 3: the ``_wg3`` variant, 192-row tiles). Same bits."""
-    global _forced_warpgroups
-    if isinstance(count, bool) or not isinstance(count, int):
-        raise TypeError(f"count must be an int, got {type(count).__name__}")
-    if count not in (2, 3):
-        raise ValueError(f"count must be 2 or 3, got {count}")
-    previous, _forced_warpgroups = _forced_warpgroups, count
-    try:
-        yield
-    finally:
-        _forced_warpgroups = previous
 
 
 @contextlib.contextmanager
@@ -115,9 +87,9 @@ def forced_ctas(count: int):
         _forced_ctas = previous
 
 
-def _kernel(name: str, device: torch.device, stages: int, warpgroups: int):
+def _kernel(name: str, device: torch.device, stages: int):
     kernel = kernel_for("attention_hopper", name, device)
-    allow_dynamic_shared(kernel, shared_bytes(stages, warpgroups), device.index or 0)
+    allow_dynamic_shared(kernel, shared_bytes(stages), device.index or 0)
     return kernel
 
 
@@ -136,8 +108,7 @@ def forward_tile(
     ``batchinv.gpu.attention``; ``q``, ``k``, ``v`` already pass :func:`applies`)."""
     tq, hq, _ = q.shape
     hkv = k.shape[1]
-    warpgroups = _forced_warpgroups or WARPGROUPS
-    qpt = 64 * warpgroups // pack
+    qpt = TILE_ROWS // pack
     q_tiles = -(-layout.max_q_len // qpt)
     items = q_tiles * (hq // pack) * layout.batch
     if items > _MAX_ITEMS:
@@ -147,22 +118,17 @@ def forward_tile(
         )
     if items == 0:
         return
-    suffix = _wg3_suffix if warpgroups == 3 else ""
-    name = f"attn_hopper_fwd_{_DTYPE_NAMES[q.dtype]}_d{HEAD_DIM}{suffix}"
+    name = f"attn_hopper_fwd_{_DTYPE_NAMES[q.dtype]}_d{HEAD_DIM}"
     # Persistent grid: one CTA per SM (at most one per item) takes the items from a queue; which
     # CTA computes a row never changes its arithmetic.
     ctas = min(items, _forced_ctas or multiprocessors(q.device.index or 0))
     # The counter (+0), then each CTA's two-slot ring of taken items (written before read).
     queue = torch.zeros(1 + 2 * ctas, dtype=torch.int32, device=q.device)
-    # 3 warpgroups: the split running state in global scratch (each slot written before read).
-    extra = ()
-    if warpgroups == 3:
-        extra = (torch.empty(run_scratch_floats(ctas), dtype=torch.float32, device=q.device),)
     launch(
-        _kernel(name, q.device, STAGES, warpgroups),
+        _kernel(name, q.device, STAGES),
         q.device,
         grid=(ctas,),
-        block=(128 * (warpgroups + 1),),
+        block=(THREADS,),
         args=(
             _tensor_map(k),
             _tensor_map(v),
@@ -186,7 +152,6 @@ def forward_tile(
             queue,
             q_tiles,
             layout.batch,
-            *extra,
         ),
-        shared_mem=shared_bytes(STAGES, warpgroups),
+        shared_mem=shared_bytes(STAGES),
     )
