@@ -221,12 +221,13 @@ def _f32(t: torch.Tensor) -> torch.Tensor:
     return t.float().double()
 
 
-def _forward_by_the_documented_tree(x, weight, threads, eps):
+def _forward_by_the_documented_tree(x, weight, threads, eps, chunk_sums=False):
     """``(y, inv_rms)`` of every row of ``x [rows, d]`` by the forward's row tree as
     docs/operators/rms_norm.md defines it: element ``e`` in 16-byte chunk ``c``, chunk ``c`` on
-    thread ``c % T``, each thread adding its squares in increasing ``e`` from +0, an xor
-    butterfly (offsets ``min(T, W) / 2 .. 1``) inside each warp of ``W`` lanes, then for ``T > W``
-    the warp sums added in warp order; ``inv_rms = 1 / sqrt(sum / d + eps)``,
+    thread ``c % T``, each thread adding its squares in increasing ``e`` from +0 (``chunk_sums``:
+    each chunk's squares in increasing ``e`` from +0, then those sums in chunk order from +0), an
+    xor butterfly (offsets ``min(T, W) / 2 .. 1``) inside each warp of ``W`` lanes, then for
+    ``T > W`` the warp sums added in warp order; ``inv_rms = 1 / sqrt(sum / d + eps)``,
     ``y = round((h * inv_rms) * weight)``, every step one fp32 rounding."""
     rows, d = x.shape
     elems = 16 // x.element_size()
@@ -237,9 +238,11 @@ def _forward_by_the_documented_tree(x, weight, threads, eps):
     chunks = padded.view(rows, per_thread, threads, elems)
     sums = torch.zeros(rows, threads, dtype=torch.float64, device=x.device)
     for k in range(per_thread):
+        chunk_sum = torch.zeros_like(sums) if chunk_sums else sums
         for e in range(elems):
             v = chunks[:, k, :, e]
-            sums = _f32(sums + _f32(v * v))
+            chunk_sum = _f32(chunk_sum + _f32(v * v))
+        sums = _f32(sums + chunk_sum) if chunk_sums else chunk_sum
     warp = 64 if torch.version.hip else 32
     lanes = min(threads, warp)
     index = torch.arange(threads, device=x.device)
@@ -256,12 +259,17 @@ def _forward_by_the_documented_tree(x, weight, threads, eps):
     return y.to(x.dtype), inv_rms.float()
 
 
+# Forward geometries whose threads sum their squares chunk by chunk (kChunkSums in
+# kernels_cu/rms_norm.cu; the doc's "Fixed reduction order" on the GPU).
+FORWARD_CHUNK_SUM_GEOMETRIES = ((64, 8),)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("trim", (0, 5))  # 0: whole 16-byte chunks (vector path); 5: element path
 def test_forward_rows_are_the_documented_tree_in_every_geometry(dtype, trim):
     # The forward's row tree (y and inv_rms bit for bit) rebuilt from elementwise operations for
-    # every geometry that keeps the row in registers, among them t32k16 (one warp per row, the
-    # bf16 hidden 4096 forward since session 8) and t128k5, which must reduce as t128.
+    # every geometry that keeps the row in registers, among them t64 (bf16 hidden 4096, whose
+    # threads sum chunk by chunk since session 8) and t128k5, which must reduce as t128.
     elems = 16 // dtype.itemsize
     gen = torch.Generator(device=DEVICE).manual_seed(21)
     for threads, per_thread in gpu_rms_norm.GEOMETRIES:
@@ -283,7 +291,8 @@ def test_forward_rows_are_the_documented_tree_in_every_geometry(dtype, trim):
             rows,
             (y, 0, rstd, x, 0, weight, rows, hidden, hidden, 0, EPS),
         )
-        want_y, want_rstd = _forward_by_the_documented_tree(x, weight, threads, EPS)
+        chunk_sums = (threads, per_thread) in FORWARD_CHUNK_SUM_GEOMETRIES
+        want_y, want_rstd = _forward_by_the_documented_tree(x, weight, threads, EPS, chunk_sums)
         assert_bitwise_equal(rstd, want_rstd, name=f"{name} hidden {hidden}: inv_rms")
         assert_bitwise_equal(y, want_y, name=f"{name} hidden {hidden}: y")
 
@@ -597,7 +606,7 @@ def test_fewer_chunks_per_thread_reduce_a_row_as_the_wider_geometry(dtype, trim)
 @pytest.mark.parametrize("trim", (0, 3))  # 0: whole 16-byte chunks (vector path); 3: element path
 def test_backward_t128k4_reduces_a_row_as_t128(dtype, trim):
     # The backward of rows of 129 .. 512 chunks (bf16 hidden 4096) runs t128k4 (the forward
-    # t32k16): 128 threads of 4 chunks, so a row's tree is t128's; the backward kernels of t128k4,
+    # t64): 128 threads of 4 chunks, so a row's tree is t128's; the backward kernels of t128k4,
     # t128k5 and t128 must give the same grad_x and first-level partials.  t128k4's fused kernel
     # also loads each row while the previous one is worked on (67 rows: the last CTA's loads run
     # past the end), staged in shared memory on the vector path (trim 0, CUDA) and in registers

@@ -24,9 +24,7 @@ from ._launch import allow_dynamic_shared, kernel_for, launch, uses_hopper
 # Keep in step with kernels_cu/rms_norm.cu: (threads per row, 16-byte chunks per thread), the
 # first that holds the row is used.  (128, 5) reduces a row exactly as (128, 8) does (the tree
 # follows the threads per row only) with fewer registers: bf16 d in (4096, 5120] (Qwen3-14B/32B).
-# (32, 16): one warp per row for rows of 129 .. 512 chunks (bf16 hidden 4096), reduced by
-# shuffles alone, without the barrier of a row spread over two warps (issue 6, session 8).
-GEOMETRIES = ((4, 4), (16, 4), (32, 4), (32, 16), (128, 5), (128, 8), (256, 8), (512, 8))
+GEOMETRIES = ((4, 4), (16, 4), (32, 4), (64, 8), (128, 5), (128, 8), (256, 8), (512, 8))
 # The backward's list: the same, except that rows of 129 .. 512 chunks (bf16 hidden 4096) use 128
 # threads of 4 chunks instead of 64 of 8 (issue 6: the fused backward with 8 chunks of x and dy
 # per thread was latency bound).  It fixes the backward's row tree (grad_x) and grad_weight's
@@ -63,16 +61,11 @@ _MAX_GRID_Y = 65535
 _SUFFIX = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32"}
 
 
-# Chunks per thread of the geometry named plainly ``t<threads>``; the others are named
-# ``t<threads>k<chunks>`` (t128k4, t128k5, t32k16).
-_PLAIN_NAMED_CHUNKS = {4: 4, 16: 4, 32: 4, 128: 8, 256: 8, 512: 8}
-
-
 def geometry_name(threads: int, per_thread: int) -> str:
-    """The kernels' name for a geometry: ``t<threads>``, or ``t<threads>k<chunks>`` for
-    another number of chunks per thread than the plainly named one's."""
-    plain = _PLAIN_NAMED_CHUNKS[threads] == per_thread
-    return f"t{threads}" if plain else f"t{threads}k{per_thread}"
+    """The kernels' name for a geometry: ``t<threads>``, or ``t<threads>k<chunks>`` for a
+    thread count that also has a geometry with more chunks per thread."""
+    most = max(k for t, k in GEOMETRIES if t == threads)
+    return f"t{threads}" if per_thread == most else f"t{threads}k{per_thread}"
 
 
 def _holding(d: int, dtype: torch.dtype, table) -> tuple[int, int] | None:
