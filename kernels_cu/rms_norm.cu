@@ -129,11 +129,6 @@ constexpr bool kAlternatePartials = T > BATCHINV_WARP_SIZE;
 // per thread cost t256 half its CTAs per SM (2 instead of 4): 149 vs 137 us at 8192 x 16384 bf16
 // on an H200, where t128 gained (136 vs 137 us at 16384 x 8192).
 constexpr int kResidentForwardMaxThreads = 128;
-// Forward, t64 (bf16 hidden 4096): a thread sums each chunk's squares in element order from +0,
-// then the chunk sums in chunk order from +0, instead of one running sum over its 64 elements:
-// eight independent chains of 8 adds and one of 8 instead of one chain of 64 (issue 6, session 8).
-template <int T, int K>
-constexpr bool kChunkSums = T == 64 && K == 8;
 
 // A row chunk is common/chunk16.cuh's 16-byte vector (its round_chunk rounds one).
 template <typename Codec>
@@ -557,31 +552,6 @@ __device__ __forceinline__ void backward_weight_grad_rows(const BackwardArgs& a,
 // the loads moved: the weight's chunks are loaded with the row's, before the reduction instead
 // of after it (issue 6; the H200 sweep is in docs/operators/rms_norm.md).
 
-// sum + the squares of the chunk's elements inside the row (first + e < d), in increasing e.  A
-// chunk wholly inside the row (every chunk of a vector launch) takes the loop without per-element
-// checks, as add_chunk_dot does (a 64-bit compare and a predicate per element otherwise); both
-// loops add the same values in the same order, so the bits do not change.
-template <typename Codec>
-__device__ __forceinline__ float add_chunk_squares(float sum, const Chunk<Codec>& h, int64_t first,
-                                                   int64_t d) {
-    constexpr int E = Chunk<Codec>::kElems;
-    if (first + E <= d) {
-#pragma unroll
-        for (int e = 0; e < E; ++e) {
-            const float v = Codec::load(h.v[e]);
-            sum = ieee_add(sum, ieee_mul(v, v));
-        }
-    } else {
-#pragma unroll
-        for (int e = 0; e < E; ++e) {
-            if (first + e >= d) continue;
-            const float v = Codec::load(h.v[e]);
-            sum = ieee_add(sum, ieee_mul(v, v));
-        }
-    }
-    return sum;
-}
-
 // Forward: one row per group of T threads (CTA b's group g takes row b * G + g).
 template <typename Codec, int T, int K, bool kFusedAdd>
 __device__ __forceinline__ void forward_rows_resident(const ForwardArgs& a, float* warp_partials) {
@@ -633,10 +603,11 @@ __device__ __forceinline__ void forward_rows_resident(const ForwardArgs& a, floa
             }
             round_chunk(h[k], f);
         }
-        if constexpr (kChunkSums<T, K>) {
-            sum_sq = ieee_add(sum_sq, add_chunk_squares<Codec>(0.0f, h[k], c * E, d));
-        } else {
-            sum_sq = add_chunk_squares<Codec>(sum_sq, h[k], c * E, d);
+#pragma unroll
+        for (int e = 0; e < E; ++e) {
+            if (c * E + e >= d) continue;
+            const float v = Codec::load(h[k].v[e]);
+            sum_sq = ieee_add(sum_sq, ieee_mul(v, v));
         }
         if constexpr (kFusedAdd) store_chunk(new_residual, h[k], c, d, vector);
     }

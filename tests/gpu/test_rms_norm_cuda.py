@@ -221,13 +221,12 @@ def _f32(t: torch.Tensor) -> torch.Tensor:
     return t.float().double()
 
 
-def _forward_by_the_documented_tree(x, weight, threads, eps, chunk_sums=False):
+def _forward_by_the_documented_tree(x, weight, threads, eps):
     """``(y, inv_rms)`` of every row of ``x [rows, d]`` by the forward's row tree as
     docs/operators/rms_norm.md defines it: element ``e`` in 16-byte chunk ``c``, chunk ``c`` on
-    thread ``c % T``, each thread adding its squares in increasing ``e`` from +0 (``chunk_sums``:
-    each chunk's squares in increasing ``e`` from +0, then those sums in chunk order from +0), an
-    xor butterfly (offsets ``min(T, W) / 2 .. 1``) inside each warp of ``W`` lanes, then for
-    ``T > W`` the warp sums added in warp order; ``inv_rms = 1 / sqrt(sum / d + eps)``,
+    thread ``c % T``, each thread adding its squares in increasing ``e`` from +0, an xor
+    butterfly (offsets ``min(T, W) / 2 .. 1``) inside each warp of ``W`` lanes, then for ``T > W``
+    the warp sums added in warp order; ``inv_rms = 1 / sqrt(sum / d + eps)``,
     ``y = round((h * inv_rms) * weight)``, every step one fp32 rounding."""
     rows, d = x.shape
     elems = 16 // x.element_size()
@@ -238,11 +237,9 @@ def _forward_by_the_documented_tree(x, weight, threads, eps, chunk_sums=False):
     chunks = padded.view(rows, per_thread, threads, elems)
     sums = torch.zeros(rows, threads, dtype=torch.float64, device=x.device)
     for k in range(per_thread):
-        chunk_sum = torch.zeros_like(sums) if chunk_sums else sums
         for e in range(elems):
             v = chunks[:, k, :, e]
-            chunk_sum = _f32(chunk_sum + _f32(v * v))
-        sums = _f32(sums + chunk_sum) if chunk_sums else chunk_sum
+            sums = _f32(sums + _f32(v * v))
     warp = 64 if torch.version.hip else 32
     lanes = min(threads, warp)
     index = torch.arange(threads, device=x.device)
@@ -259,17 +256,12 @@ def _forward_by_the_documented_tree(x, weight, threads, eps, chunk_sums=False):
     return y.to(x.dtype), inv_rms.float()
 
 
-# Forward geometries whose threads sum their squares chunk by chunk (kChunkSums in
-# kernels_cu/rms_norm.cu; the doc's "Fixed reduction order" on the GPU).
-FORWARD_CHUNK_SUM_GEOMETRIES = ((64, 8),)
-
-
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("trim", (0, 5))  # 0: whole 16-byte chunks (vector path); 5: element path
 def test_forward_rows_are_the_documented_tree_in_every_geometry(dtype, trim):
     # The forward's row tree (y and inv_rms bit for bit) rebuilt from elementwise operations for
-    # every geometry that keeps the row in registers, among them t64 (bf16 hidden 4096, whose
-    # threads sum chunk by chunk since session 8) and t128k5, which must reduce as t128.
+    # every geometry that keeps the row in registers (t64: two warps per row, as t128 ... t512
+    # have more; t128k5 must reduce as t128).  The tree is a function of d and the dtype only.
     elems = 16 // dtype.itemsize
     gen = torch.Generator(device=DEVICE).manual_seed(21)
     for threads, per_thread in gpu_rms_norm.GEOMETRIES:
@@ -291,8 +283,7 @@ def test_forward_rows_are_the_documented_tree_in_every_geometry(dtype, trim):
             rows,
             (y, 0, rstd, x, 0, weight, rows, hidden, hidden, 0, EPS),
         )
-        chunk_sums = (threads, per_thread) in FORWARD_CHUNK_SUM_GEOMETRIES
-        want_y, want_rstd = _forward_by_the_documented_tree(x, weight, threads, EPS, chunk_sums)
+        want_y, want_rstd = _forward_by_the_documented_tree(x, weight, threads, EPS)
         assert_bitwise_equal(rstd, want_rstd, name=f"{name} hidden {hidden}: inv_rms")
         assert_bitwise_equal(y, want_y, name=f"{name} hidden {hidden}: y")
 
