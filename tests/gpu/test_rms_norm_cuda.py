@@ -239,6 +239,80 @@ def _first_level_by_the_documented_tree(grad_y, x, rstd, groups, in_sequence):
     return _in_order(_in_order(runs).view(-1, groups, d))
 
 
+def _f32(t: torch.Tensor) -> torch.Tensor:
+    """A float64 result of one operation on fp32 values, rounded once to fp32: the correctly
+    rounded fp32 result (53 bits >= 2 * 24 + 2, so for +, *, / and sqrt double rounding is
+    harmless), independent of how torch's own fp32 kernels divide or take roots."""
+    return t.float().double()
+
+
+def _forward_by_the_documented_tree(x, weight, threads, eps):
+    """``(y, inv_rms)`` of every row of ``x [rows, d]`` by the forward's row tree as
+    docs/operators/rms_norm.md defines it: element ``e`` in 16-byte chunk ``c``, chunk ``c`` on
+    thread ``c % T``, each thread adding its squares in increasing ``e`` from +0, an xor
+    butterfly (offsets ``min(T, W) / 2 .. 1``) inside each warp of ``W`` lanes, then for ``T > W``
+    the warp sums added in warp order; ``inv_rms = 1 / sqrt(sum / d + eps)``,
+    ``y = round((h * inv_rms) * weight)``, every step one fp32 rounding."""
+    rows, d = x.shape
+    elems = 16 // x.element_size()
+    per_thread = -(-d // (threads * elems))  # chunks per thread holding the row
+    padded = torch.zeros(rows, per_thread * threads * elems, dtype=torch.float64, device=x.device)
+    padded[:, :d] = x.double()  # +0 past the end adds nothing to a sum that starts at +0
+    # [rows, K, T, E]: chunk k * T + lane is thread lane's k-th chunk
+    chunks = padded.view(rows, per_thread, threads, elems)
+    sums = torch.zeros(rows, threads, dtype=torch.float64, device=x.device)
+    for k in range(per_thread):
+        for e in range(elems):
+            v = chunks[:, k, :, e]
+            sums = _f32(sums + _f32(v * v))
+    warp = 64 if torch.version.hip else 32
+    lanes = min(threads, warp)
+    index = torch.arange(threads, device=x.device)
+    offset = lanes // 2
+    while offset > 0:
+        sums = _f32(sums + sums[:, index ^ offset])
+        offset //= 2
+    total = sums[:, 0]
+    for w in range(1, max(1, threads // warp)):
+        total = _f32(total + sums[:, w * warp])
+    eps32 = torch.tensor(eps, dtype=torch.float32).double()
+    inv_rms = _f32(1.0 / _f32(torch.sqrt(_f32(_f32(total / d) + eps32))))
+    y = _f32(_f32(x.double() * inv_rms[:, None]) * weight.double())
+    return y.to(x.dtype), inv_rms.float()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("trim", (0, 5))  # 0: whole 16-byte chunks (vector path); 5: element path
+def test_forward_rows_are_the_documented_tree_in_every_geometry(dtype, trim):
+    # The forward's row tree (y and inv_rms bit for bit) rebuilt from elementwise operations for
+    # every geometry that keeps the row in registers (t64: two warps per row, as t128 ... t512
+    # have more; t128k5 must reduce as t128).  The tree is a function of d and the dtype only.
+    elems = 16 // dtype.itemsize
+    gen = torch.Generator(device=DEVICE).manual_seed(21)
+    for threads, per_thread in gpu_rms_norm.GEOMETRIES:
+        hidden = threads * per_thread * elems - trim
+        name, got_threads, _ = gpu_rms_norm.geometry(hidden, dtype)
+        assert got_threads == threads, name
+        rows = 5
+        x = (3.0 * torch.randn(rows, hidden, device=DEVICE, generator=gen)).to(dtype)
+        x[1] *= 1e-3  # rows of other magnitudes: the sums round differently
+        x[2] *= 40.0
+        weight = _weight(hidden, dtype)
+        y = torch.full_like(x, float("nan"))
+        rstd = torch.full((rows,), float("nan"), device=DEVICE)
+        gpu_rms_norm._launch_rows(
+            "rms_norm_forward",
+            x.device,
+            hidden,
+            dtype,
+            rows,
+            (y, 0, rstd, x, 0, weight, rows, hidden, hidden, 0, EPS),
+        )
+        want_y, want_rstd = _forward_by_the_documented_tree(x, weight, threads, EPS)
+        assert_bitwise_equal(rstd, want_rstd, name=f"{name} hidden {hidden}: inv_rms")
+        assert_bitwise_equal(y, want_y, name=f"{name} hidden {hidden}: y")
+
+
 def _weight_grad_by_the_documented_tree(grad_y, x, rstd, groups, in_sequence):
     """grad_weight as docs/operators/rms_norm.md defines it, from torch's elementwise fp32
     operations (one rounding each): the first-level partials (above), then runs of 64 partial
