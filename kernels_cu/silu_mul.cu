@@ -89,10 +89,49 @@ __device__ __forceinline__ float silu_div(float n, float d) {
     return __fdiv_rn(n, d);
 }
 
-template <bool kInRange = false>
+// The special function unit's 2^x and 1/x, subnormal inputs and results flushed to zero (one
+// MUFU.EX2 / MUFU.RCP each on CUDA).  Their bits are the hardware's, not IEEE's: deterministic on
+// one GPU (that is all invariance needs); HIP's v_exp_f32 / v_rcp_f32 are other approximations,
+// so HIP bits differ from CUDA bits (as expf's already did).
+__device__ __forceinline__ float exp2_approx_ftz(float x) {
+    float y;
+#if defined(__HIPCC__)
+    asm("v_exp_f32 %0, %1" : "=v"(y) : "v"(x));  // no clang builtin before LLVM 17
+#else
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+#endif
+    return y;
+}
+
+__device__ __forceinline__ float rcp_approx_ftz(float x) {
+#if defined(__HIPCC__)
+    return __builtin_amdgcn_rcpf(x);
+#else
+    float y;
+    asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+#endif
+}
+
+constexpr float kMinusLog2e = -1.44269502162933349609375f;  // -log2(e) rounded to fp32
+
+// The forward's function of one element, on every path (vector body, element loop, any CTA):
+//   e   = exp2_approx_ftz(g * -log2(e))        2^x of the rounded product (e^-g, x rounded once)
+//   r4  = rcp_approx_ftz(fma(e, 0.25, 0.25))   4 / (1 + e): (1 + e) / 4 rounded once, >= 0.25
+//   s   = r4 * 0.25                            1 / (1 + e): exact, or rounded where subnormal
+//   out = (g * s) * u                          silu(g) rounded, times up rounded
+// The quarter keeps the reciprocal normal for every finite 1 + e (< 2^128), so silu(g) of
+// -88.7 < g < -87.3 (1 + e > 2^126) is ~-1e-36, not a flushed -0.  Special values: e = inf
+// (g < -88.7) gives s = 0, silu = -0; g = -inf gives NaN (-inf * 0); g = +inf gives e = 0,
+// s = 1, silu = inf; +-0 and subnormal g give g * 0.5 (e = 1, r4 = 2 exactly); NaN stays NaN.
+// Error: __expf's (2 + 1.17 |g| ulp in e, from rounding g * log2 e) times e / (1 + e), plus
+// the reciprocal's and four roundings (measured over all 2^32 fp32 gate values on an H200,
+// docs/operators/silu_mul.md).  Was: expf and __fdiv_rn, 19 instructions per element; this is 7.
 __device__ __forceinline__ float silu_mul_value(float g, float u) {
-    const float e = expf(-g);
-    return ieee_mul(silu_div<kInRange>(g, ieee_add(1.0f, e)), u);
+    const float e = exp2_approx_ftz(ieee_mul(g, kMinusLog2e));
+    const float quarter_d = __fmaf_rn(e, 0.25f, 0.25f);
+    const float s = ieee_mul(rcp_approx_ftz(quarter_d), 0.25f);
+    return ieee_mul(ieee_mul(g, s), u);
 }
 
 template <bool kInRange = false>
@@ -234,13 +273,8 @@ __device__ __forceinline__ void forward(const ForwardArgs& a) {
                 float gf[E], uf[E], o[E];
                 unpack_chunk<Codec>(g[k], gf);
                 unpack_chunk<Codec>(u[k], uf);
-                if (chunk_in_fast_division_range<Codec>(gf)) {
 #pragma unroll
-                    for (int e = 0; e < E; ++e) o[e] = silu_mul_value<true>(gf[e], uf[e]);
-                } else {
-#pragma unroll
-                    for (int e = 0; e < E; ++e) o[e] = silu_mul_value(gf[e], uf[e]);
-                }
+                for (int e = 0; e < E; ++e) o[e] = silu_mul_value(gf[e], uf[e]);
                 store_result_chunk<Codec>(out + unit * E, o);
             }
         }
