@@ -152,7 +152,7 @@ def test_misaligned_and_strided_inputs_give_the_same_bits(width, dtype, offset):
 def test_an_elements_bits_do_not_depend_on_its_chunks_other_gate_values(dtype):
     # The backward's vector path divides without nvcc's operand check when every gate value of
     # a 16-byte chunk has 2^-60 <= |g| <= 40, and with __fdiv_rn otherwise, so an element's
-    # instructions depend on its neighbours (the forward has one sequence for every element; it
+    # instructions depend on its neighbours (the forward runs one sequence for every element; it
     # is checked here too).  Gate values at and near the range's ends, plus random ones; the same
     # rows again with every 4th gate set to 0 (each chunk, 4 or 8 elements, then takes the
     # general path), and as misaligned views (the element path, __fdiv_rn throughout): every
@@ -193,8 +193,8 @@ def test_an_elements_bits_do_not_depend_on_its_chunks_other_gate_values(dtype):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("width", (5, 2048, 8192, 8200, 12288, 20000))
 def test_every_output_element_is_written(width, dtype):
-    # Outputs pre-filled with NaN and the kernels launched directly, over tilings with one,
-    # two and three tiles per row on both load paths.
+    # Outputs pre-filled with NaN and the kernels launched directly, over tilings with one and
+    # several tiles per row (tiles of up to 2048 elements) on both load paths.
     rows = 5
     gen = torch.Generator(device=DEVICE).manual_seed(4)
     gate, up, grad = (
@@ -269,8 +269,9 @@ def test_special_values_follow_the_reference(dtype):
 
 
 def test_silu_is_not_flushed_where_one_plus_exp_exceeds_2_pow_126():
-    # For -88.7 < g < -87.3, 1 + exp(-g) lies in (2^126, 2^128): its reciprocal is subnormal, a
-    # flush-to-zero reciprocal would give silu = -0 where the value is about -1e-36 (normal).
+    # For -88.7 < g < -87.3, 1 + exp(-g) lies in (2^126, 2^128): its reciprocal is subnormal, so
+    # the forward's flush-to-zero reciprocal, taken of 1 + exp(-g) itself, would give silu = -0
+    # where the value is about -1e-36 (normal); the kernel takes it of (1 + exp(-g)) / 4.
     gate = torch.linspace(-88.7, -87.4, 64).view(8, 8)
     vector, element = _on_both_paths(batchinv.silu_mul, gate, torch.ones_like(gate))
     assert_bitwise_equal(vector, element)
@@ -298,7 +299,7 @@ def _every_gate_value(dtype: torch.dtype) -> torch.Tensor:
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_every_gate_value_is_within_tolerance_and_equal_on_both_paths(dtype):
-    # The forward's exp and reciprocal are the hardware's approximations (kernels_cu/silu_mul.cu):
+    # The forward's exp and reciprocal are the GPU's approximations (kernels_cu/silu_mul.cu):
     # over the whole range of the dtype (every bf16/fp16 gate, 2^22 fp32 gates spread over all
     # exponents and signs) with up = 1, so the output is silu(g) itself, the result stays within
     # the contract's tolerance of the fp32 reference, and the vector and element paths agree
