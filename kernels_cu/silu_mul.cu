@@ -5,10 +5,14 @@
 //                        up_stride in elements (the fused [rows, 2I] layout is gate = base,
 //                        up = base + I, both with stride 2I)
 //   out       [rows, I]  same dtype, row stride out_stride
-//   fp32 arithmetic: e = expf(-g) (the accurate expf, no fast math), 1 + e, g / (1 + e),
-//   times up, each an explicit IEEE intrinsic; one rounding to the storage type.
+//   fp32 arithmetic (silu_mul_value, since session 8; before it expf and IEEE division):
+//     e = ex2.approx.ftz(g * -log2 e), s = rcp.approx.ftz(fma(e, 0.25, 0.25)) * 0.25,
+//     out = (g * s) * up, every step one explicit operation; one rounding to the storage type.
+//   ex2/rcp.approx are the GPU's special-function approximations (not IEEE): a fixed function
+//   of the element on a given GPU, within the elementwise tolerance of the fp32 reference for
+//   every fp32 gate value (checked on an H200, docs/operators/silu_mul.md).
 //
-// Backward  e = expf(-g), s = 1 / (1 + e)
+// Backward  e = expf(-g), s = 1 / (1 + e)   (the accurate expf and IEEE division, unchanged)
 //           grad_gate = (grad_out * up) * (s * (1 + g * (1 - s)))
 //           grad_up   = grad_out * (g / (1 + e))
 //   grad_out [rows, I] (stride grad_stride), gate/up as above; grad_gate and grad_up written
@@ -17,7 +21,7 @@
 // Launch: block = 128 threads; grid.x = rows * tiles_per_row.  CTA b works on row
 // b / tiles_per_row, elements [tile * tile_elements, (tile + 1) * tile_elements) of it
 // (tile_elements a multiple of 8 * 128, so a tile is whole 16-byte chunks for every dtype;
-// at most 4096 forward and 2048 backward, so that a bf16 thread loads all its kUnroll /
+// at most 2048 forward and backward, so that a bf16 thread loads all its kUnroll /
 // kBackwardUnroll chunks of each input at once),
 // processed in 16-byte chunks on the vector path and one element at a time otherwise.
 //
@@ -26,12 +30,13 @@
 // path (vector body or element loop, any CTA, any grid size), written with explicit IEEE
 // intrinsics so that no path can contract a multiply and an add differently.  The vector path
 // is taken when all pointers, row strides and I*sizeof are multiples of 16 bytes; either path
-// computes the same per-element function.  The vector path rounds bf16 with the hardware
-// conversion, the element path with float_to_bf16: the same bits (common/chunk16.cuh).  The
-// vector path divides without nvcc's per-element operand check when all gate values of a
-// chunk are in range (in_fast_division_range), so which instructions an element takes depends
-// on its chunk's other gate values; both give __fdiv_rn's bits (compared for every fp32, bf16
-// and fp16 gate value on an H200; tests/gpu/test_silu_mul_cuda.py checks them side by side).
+// computes the same per-element function (the forward's is one instruction sequence for every
+// element).  The vector path rounds bf16 with the hardware conversion, the element path with
+// float_to_bf16: the same bits (common/chunk16.cuh).  The backward's vector path divides
+// without nvcc's per-element operand check when all gate values of a chunk are in range
+// (in_fast_division_range), so which instructions an element takes depends on its chunk's
+// other gate values; both give __fdiv_rn's bits (compared for every fp32, bf16 and fp16 gate
+// value on an H200; tests/gpu/test_silu_mul_cuda.py checks them side by side).
 #include "common/chunk16.cuh"
 #include "common/portability.cuh"
 
@@ -41,22 +46,26 @@ namespace silu {
 
 
 constexpr int kThreads = 128;
-constexpr int kUnroll = 4;  // forward: 16-byte chunks of each input per thread loaded before use
+// Forward: 16-byte chunks of each input per thread loaded before use.  With the session-8
+// arithmetic, 2 chunks (tiles of 2048, 48 registers, 10 CTAs per SM) ran 1.5-2% faster than 4
+// (64 registers, 8 CTAs) at 16384 x 4096 bf16 and 1% at 12288 (H200, same run); with the
+// expf / IEEE-division arithmetic 2 chunks had been 5% slower than 4 (session 5).
+constexpr int kUnroll = 2;
 // Backward: 2 chunks of each of its 3 inputs (6 in flight); with 4 the 89 registers per thread
 // held 5 CTAs per SM instead of 8 and it ran 6% slower (H200, 16384 x 4096 bf16).
 constexpr int kBackwardUnroll = 2;
-// Register caps (CTAs of 128 threads per SM) for the vector paths' in-range division: the
-// backward at 8 (64 registers, as before it) ran 1% faster than at 7 at 16384 x 4096 and the
-// same within noise at 16384 x 12288; the forward at 8 spills and ran 2-3% slower than at 7
-// (72 registers, no spill), which matched the old kernel (H200, same run;
-// docs/operators/silu_mul.md).
-constexpr int kForwardMinCtasPerSm = 7;
+// Register caps (CTAs of 128 threads per SM): the backward at 8 (64 registers, as before its
+// in-range division) ran 1% faster than at 7 at 16384 x 4096 and the same within noise at
+// 16384 x 12288 (H200, same run; docs/operators/silu_mul.md).  The forward needs 48 at 8
+// (no spill; 10 CTAs per SM resident).
+constexpr int kForwardMinCtasPerSm = 8;
 constexpr int kBackwardMinCtasPerSm = 8;
 
-// The vector path's cheaper division for the same functions.  nvcc compiles each __fdiv_rn into a
-// reciprocal, five FMAs and an operand check (FCHK) branching to a slow path; the branch, its
-// reconvergence and the constants reloaded around the call cost a sixth (forward) to a quarter
-// (backward) of the kernel's instructions (Nsight Compute, H200: 34 instructions per forward
+// The backward vector path's cheaper division for the same functions (the forward used it too
+// until session 8).  nvcc compiles each __fdiv_rn into a reciprocal, five FMAs and an operand
+// check (FCHK) branching to a slow path; the branch, its reconvergence and the constants
+// reloaded around the call cost a sixth (forward) to a quarter (backward) of the kernel's
+// instructions (Nsight Compute, H200: 34 instructions per forward
 // element and 64 backward against Liger's 19 and 28, issue slots 78-83% busy; 29 and 48 with
 // this path, 64-65% busy).  div_rn_checked_range runs the same reciprocal and FMAs without
 // the check, for operands where that sequence is the correctly rounded quotient: a chunk whose
@@ -89,10 +98,52 @@ __device__ __forceinline__ float silu_div(float n, float d) {
     return __fdiv_rn(n, d);
 }
 
-template <bool kInRange = false>
+// The special function unit's 2^x and 1/x, subnormal inputs and results flushed to zero (one
+// MUFU.EX2 / MUFU.RCP each on CUDA).  Their bits are the hardware's, not IEEE's: deterministic on
+// one GPU (that is all invariance needs); HIP's v_exp_f32 / v_rcp_f32 are other approximations,
+// so HIP bits differ from CUDA bits (as expf's already did).
+__device__ __forceinline__ float exp2_approx_ftz(float x) {
+    float y;
+#if defined(__HIPCC__)
+    asm("v_exp_f32 %0, %1" : "=v"(y) : "v"(x));  // no clang builtin before LLVM 17
+#else
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+#endif
+    return y;
+}
+
+__device__ __forceinline__ float rcp_approx_ftz(float x) {
+#if defined(__HIPCC__)
+    return __builtin_amdgcn_rcpf(x);
+#else
+    float y;
+    asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+#endif
+}
+
+constexpr float kMinusLog2e = -1.44269502162933349609375f;  // -log2(e) rounded to fp32
+
+// The forward's function of one element, on every path (vector body, element loop, any CTA):
+//   e   = exp2_approx_ftz(g * -log2(e))        2^x of the rounded product (e^-g, x rounded once)
+//   r4  = rcp_approx_ftz(fma(e, 0.25, 0.25))   4 / (1 + e): (1 + e) / 4 rounded once, >= 0.25
+//   s   = r4 * 0.25                            1 / (1 + e): exact, or rounded where subnormal
+//   out = (g * s) * u                          silu(g) rounded, times up rounded
+// The quarter keeps the reciprocal normal for every finite 1 + e (< 2^128), so silu(g) of
+// -88.7 < g < -87.3 (1 + e > 2^126) is ~-1e-36, not a flushed -0.  Special values: e = inf
+// (g < -88.7) gives s = 0, silu = -0; g = -inf gives NaN (-inf * 0); g = +inf gives e = 0,
+// s = 1, silu = inf; +-0 and subnormal g give g * 0.5 (e = 1, r4 = 2 exactly); NaN stays NaN.
+// Error: __expf's (2 + 1.17 |g| ulp in e, from rounding g * log2 e) times e / (1 + e), plus
+// the reciprocal's and four roundings: measured over all 2^32 fp32 gate values with up = 1 on
+// an H200, at most 3.1 ulp for g > -1, 4 ulp for g > -2, growing to 67 ulp near g = -88 where
+// silu(g) ~ g e^g is tiny (expf and __fdiv_rn: 3.4 ulp), every value within the contract's
+// elementwise fp32 tolerance (docs/operators/silu_mul.md).  Was 19 instructions per element
+// (expf 8, division 6, ...); this is 7.
 __device__ __forceinline__ float silu_mul_value(float g, float u) {
-    const float e = expf(-g);
-    return ieee_mul(silu_div<kInRange>(g, ieee_add(1.0f, e)), u);
+    const float e = exp2_approx_ftz(ieee_mul(g, kMinusLog2e));
+    const float quarter_d = __fmaf_rn(e, 0.25f, 0.25f);
+    const float s = ieee_mul(rcp_approx_ftz(quarter_d), 0.25f);
+    return ieee_mul(ieee_mul(g, s), u);
 }
 
 template <bool kInRange = false>
@@ -234,13 +285,8 @@ __device__ __forceinline__ void forward(const ForwardArgs& a) {
                 float gf[E], uf[E], o[E];
                 unpack_chunk<Codec>(g[k], gf);
                 unpack_chunk<Codec>(u[k], uf);
-                if (chunk_in_fast_division_range<Codec>(gf)) {
 #pragma unroll
-                    for (int e = 0; e < E; ++e) o[e] = silu_mul_value<true>(gf[e], uf[e]);
-                } else {
-#pragma unroll
-                    for (int e = 0; e < E; ++e) o[e] = silu_mul_value(gf[e], uf[e]);
-                }
+                for (int e = 0; e < E; ++e) o[e] = silu_mul_value(gf[e], uf[e]);
                 store_result_chunk<Codec>(out + unit * E, o);
             }
         }

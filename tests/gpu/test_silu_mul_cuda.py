@@ -150,9 +150,10 @@ def test_misaligned_and_strided_inputs_give_the_same_bits(width, dtype, offset):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_an_elements_bits_do_not_depend_on_its_chunks_other_gate_values(dtype):
-    # The vector path divides without nvcc's operand check when every gate value of a 16-byte
-    # chunk has 2^-60 <= |g| <= 40, and with __fdiv_rn otherwise, so an element's path depends
-    # on its neighbours.  Gate values at and near the range's ends, plus random ones; the same
+    # The backward's vector path divides without nvcc's operand check when every gate value of
+    # a 16-byte chunk has 2^-60 <= |g| <= 40, and with __fdiv_rn otherwise, so an element's
+    # instructions depend on its neighbours (the forward runs one sequence for every element; it
+    # is checked here too).  Gate values at and near the range's ends, plus random ones; the same
     # rows again with every 4th gate set to 0 (each chunk, 4 or 8 elements, then takes the
     # general path), and as misaligned views (the element path, __fdiv_rn throughout): every
     # other element has the same bits in all three, forward and both gradients.
@@ -192,8 +193,8 @@ def test_an_elements_bits_do_not_depend_on_its_chunks_other_gate_values(dtype):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("width", (5, 2048, 8192, 8200, 12288, 20000))
 def test_every_output_element_is_written(width, dtype):
-    # Outputs pre-filled with NaN and the kernels launched directly, over tilings with one,
-    # two and three tiles per row on both load paths.
+    # Outputs pre-filled with NaN and the kernels launched directly, over tilings with one and
+    # several tiles per row (tiles of up to 2048 elements) on both load paths.
     rows = 5
     gen = torch.Generator(device=DEVICE).manual_seed(4)
     gate, up, grad = (
@@ -238,16 +239,81 @@ def test_rounding_to_the_storage_type_matches_torch_on_both_load_paths(dtype):
     assert_bitwise_equal(vector[finite], want[finite])
 
 
-def test_special_values_follow_the_reference():
+def _on_both_paths(fn, *tensors):
+    """``fn`` on 16-byte-aligned copies (the vector path) and on copies that start one element
+    into their storage (the element path); both results."""
+    aligned = [t.to(DEVICE).contiguous() for t in tensors]
+    shifted = []
+    for t in aligned:
+        storage = torch.empty(t.numel() + 1, dtype=t.dtype, device=DEVICE)
+        view = storage[1:].view(t.shape)
+        view.copy_(t)
+        shifted.append(view)
+    return fn(*aligned), fn(*shifted)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_special_values_follow_the_reference(dtype):
+    # -inf -> NaN, inf -> inf, +-0 -> +-0, 1e-40 (subnormal in fp32) -> g / 2, gate >= 100 ->
+    # gate * up, gate <= -100 (1 + exp(-g) = inf) -> -0: exact, on both paths.
     gate = torch.tensor(
         [[float("-inf"), float("inf"), 0.0, -0.0, 100.0, -100.0, 1e-40, float("nan")]]
-    )
-    up = torch.tensor([[1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0]])
-    got = batchinv.silu_mul(gate.to(DEVICE), up.to(DEVICE)).cpu()
-    want = silu_mul_fp32(gate, up)
-    assert_bitwise_equal(got.isnan(), want.isnan())
+    ).to(dtype)
+    up = torch.tensor([[1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0]]).to(dtype)
+    vector, element = _on_both_paths(batchinv.silu_mul, gate, up)
+    assert_bitwise_equal(vector, element)
+    want = silu_mul_fp32(gate.float(), up.float()).to(dtype)
+    assert_bitwise_equal(vector.cpu().isnan(), want.isnan())
     finite = ~want.isnan()
-    assert_bitwise_equal(got[finite], want[finite])  # exact here: exp is 0, inf or ~1
+    assert_bitwise_equal(vector.cpu()[finite], want[finite])
+
+
+def test_silu_is_not_flushed_where_one_plus_exp_exceeds_2_pow_126():
+    # For -88.7 < g < -87.3, 1 + exp(-g) lies in (2^126, 2^128): its reciprocal is subnormal, so
+    # the forward's flush-to-zero reciprocal, taken of 1 + exp(-g) itself, would give silu = -0
+    # where the value is about -1e-36 (normal); the kernel takes it of (1 + exp(-g)) / 4.
+    gate = torch.linspace(-88.7, -87.4, 64).view(8, 8)
+    vector, element = _on_both_paths(batchinv.silu_mul, gate, torch.ones_like(gate))
+    assert_bitwise_equal(vector, element)
+    want = silu_mul_fp32(gate, torch.ones_like(gate))
+    assert bool((want < 0).all())
+    assert bool((vector < 0).all()), vector
+    assert_within_tolerance(vector.cpu(), want, op_class="elementwise")
+
+
+def _every_gate_value(dtype: torch.dtype) -> torch.Tensor:
+    """Every bf16/fp16 bit pattern, or 2^22 fp32 ones (one random pattern in each run of 1024
+    consecutive patterns), without NaN and -inf (those give NaN: the special-value test)."""
+    if dtype == torch.float32:
+        gen = torch.Generator().manual_seed(13)
+        low = torch.randint(0, 1024, (2**22,), generator=gen, dtype=torch.int64)
+        bits = torch.arange(2**22, dtype=torch.int64) * 1024 + low
+        bits = torch.where(bits >= 2**31, bits - 2**32, bits)  # the patterns as int32
+        gate = bits.to(torch.int32).view(torch.float32)
+    else:
+        bits = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16)
+        gate = bits.view(dtype)
+    keep = ~gate.isnan() & (gate != float("-inf"))
+    return gate[keep]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_every_gate_value_is_within_tolerance_and_equal_on_both_paths(dtype):
+    # The forward's exp and reciprocal are the GPU's approximations (kernels_cu/silu_mul.cu):
+    # over the whole range of the dtype (every bf16/fp16 gate, 2^22 fp32 gates spread over all
+    # exponents and signs) with up = 1, so the output is silu(g) itself, the result stays within
+    # the contract's tolerance of the fp32 reference, and the vector and element paths agree
+    # bit for bit.
+    values = _every_gate_value(dtype)
+    gate = torch.zeros(-(-values.numel() // 1024) * 1024, dtype=dtype)
+    gate[: values.numel()] = values
+    gate = gate.view(-1, 1024)
+    up = torch.ones_like(gate)
+    vector, element = _on_both_paths(batchinv.silu_mul, gate, up)
+    assert_bitwise_equal(vector, element)
+    assert_within_tolerance(
+        vector.cpu(), silu_mul_fp32(gate.float(), up.float()), op_class="elementwise"
+    )
 
 
 def test_nan_rows_do_not_leak_into_their_neighbours():

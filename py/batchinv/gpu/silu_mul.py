@@ -15,12 +15,13 @@ from ._launch import kernel_for, launch
 from .rms_norm import as_rows
 
 THREADS = 128  # kThreads in kernels_cu/silu_mul.cu
-# A CTA covers at most this many elements of one row: 128 threads x 4 chunks (forward; 2 in the
-# backward, which loads 3 inputs) x 8 bf16, so each thread issues all its loads before it
-# computes (enough bytes in flight); tiles are multiples of TILE_QUANTUM elements so that, on the
-# vector path, they are whole 16-byte chunks for every dtype and every thread gets work.
+# A CTA covers at most this many elements of one row: 128 threads x 2 chunks of each input
+# (kUnroll forward, kBackwardUnroll backward) x 8 bf16, so each thread issues all its loads
+# before it computes; tiles are multiples of TILE_QUANTUM elements so that, on the vector path,
+# they are whole 16-byte chunks for every dtype and every thread gets work.  (The forward had
+# tiles of 4096, 4 chunks, until its session-8 arithmetic made 2 chunks the faster shape.)
 # Elementwise: the tiling changes speed only, never bits.
-MAX_TILE_ELEMENTS = 4096
+MAX_TILE_ELEMENTS = 2048
 MAX_BACKWARD_TILE_ELEMENTS = 2048
 TILE_QUANTUM = 8 * THREADS
 
