@@ -56,9 +56,13 @@
 //     values of the row are in range, finalize_out otherwise: finalize_out's bits either way
 //     (finalize_row; tested against finalize_out by the test kernel attn_hopper_finalize_check).
 //     The last split's merge goes to registers, not through shared memory.
+//   - Two instantiations (session 8), the same per-row arithmetic, so the same bits: 2 consumer
+//     warpgroups (attn_hopper_fwd_*_d128, M = 128) and 3 (*_wg3, M = 192: Q read by descriptor,
+//     the split running state in a global scratch slice, each warpgroup stops at its own causal
+//     end).  attention_hopper.forward_tile picks one from the call's longest query length only.
 // Launch: grid min(SMs, items), items = ceil(max_q_len / QPT) x Hq / P x B (q_tiles, batch
-// arguments; queue: 1 + 2 * grid int32, the first +0), block 384 threads (warpgroup 0 = producer),
-// dynamic shared memory attn_hopper_shared_bytes (py/batchinv/gpu/attention_hopper.py).
+// arguments; queue: 1 + 2 * grid int32, the first +0), block 128 x (warpgroups + 1) threads
+// (warpgroup 0 = producer), dynamic shared memory shared_bytes (py/batchinv/gpu/attention_hopper.py).
 #include "common/hopper.cuh"
 #include "common/wgmma.cuh"
 
@@ -74,13 +78,28 @@ namespace attn_hopper {
 using namespace attn;  // the shared per-row arithmetic (common/attention_rows.cuh)
 
 [[maybe_unused]] constexpr int kD = 128;
-[[maybe_unused]] constexpr int kRows = 128;          // tile rows: two consumer warpgroups of 64
-[[maybe_unused]] constexpr int kConsumerThreads = 256;
 [[maybe_unused]] constexpr int kStages = 3;  // K/V ring depth (2: 4.75 ms, 4: same as 3, within 1% in session 6)
 [[maybe_unused]] constexpr int kBoxBytes = 64 * 128;  // 64 rows x 64 columns x 2 bytes
 [[maybe_unused]] constexpr int kTileBytes = 2 * kBoxBytes;  // 64 rows x 128 columns
-[[maybe_unused]] constexpr int kQBytes = 2 * 2 * kBoxBytes;  // two warpgroups x two column halves
-[[maybe_unused]] constexpr int kRunBytes = 64 * kConsumerThreads * 4;  // fp32 running acc: 64 per thread
+
+// The CTA shape for Warpgroups consumer warpgroups of 64 rows each (2: the kept kernel, 384
+// threads; 3: 512 threads, 192-row tiles).  With 3 the register file allows 160 per consumer
+// thread (128 x 32 + 384 x 160 = 65536), so Q stays in shared memory (the S product reads it by
+// descriptor, not as 32 fragment registers) and the split running state (96 KB) lives in a
+// per-CTA global scratch slice: 3 Q tiles and the 3-stage ring fill the shared memory.
+template <int Warpgroups>
+struct Shape {
+    static constexpr int kRows = 64 * Warpgroups;  // tile rows
+    static constexpr int kConsumerThreads = 128 * Warpgroups;
+    static constexpr int kThreads = kConsumerThreads + 128;
+    static constexpr int kQBytes = Warpgroups * 2 * kBoxBytes;  // warpgroups x two column halves
+    static constexpr bool kQInRegisters = Warpgroups == 2;
+    static constexpr bool kRunInShared = Warpgroups == 2;
+    static constexpr int kRunSlots = kRunInShared ? 64 : 70;  // acc; 3 warpgroups: m, l, -0 masks
+    static constexpr int kRunBytes = kRunInShared ? 64 * kConsumerThreads * 4 : 0;  // fp32 acc: 64 per thread
+    static constexpr int kProducerRegisters = Warpgroups == 2 ? 40 : 32;
+    static constexpr int kConsumerRegisters = Warpgroups == 2 ? 232 : 160;
+};
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 
@@ -90,6 +109,13 @@ using hopper::fence_registers;
 __device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool valid) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0));
 }
+
+__device__ __forceinline__ int lane_id() {
+    int lane;
+    asm volatile("mov.u32 %0, %%laneid;" : "=r"(lane));
+    return lane;
+}
+
 
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 
@@ -136,6 +162,16 @@ __device__ __forceinline__ void mma_qk(float (&d)[32], const uint32_t (&a)[4], u
     else
         BATCHINV_QK_RS("f16");
 #undef BATCHINV_QK_RS
+}
+
+// S += Q K^T over one k16 step with Q from shared memory too (the 3-warpgroup kernel: Q's tile has
+// the K stages' layout, so its k16 steps are the same descriptor offsets).
+template <typename Codec>
+__device__ __forceinline__ void mma_qk_ss(float (&d)[32], uint64_t desc_q, uint64_t desc_k) {
+    if constexpr (Codec::kIsBf16)
+        wgmma::mma_m64n64k16_bf16(d, desc_q, desc_k);
+    else
+        wgmma::mma_m64n64k16_f16(d, desc_q, desc_k);
 }
 
 // finalize_out's division (__fdiv_rn) for a row's values, the reciprocal of l computed once.
@@ -213,6 +249,7 @@ struct Params {
     float scale_log2;
     int* queue;          // [0]: work-item counter, +0 at launch; [1 + 2 * CTA ..]: its item ring
     int q_tiles, batch;  // work items: q_tiles x (hq / pack) head groups x batch
+    float* run;          // 3 warpgroups: the split running state, 64 x 384 fp32 per CTA (else unused)
 };
 
 // One work item (query tile, head group, sequence) and what its rows see.
@@ -225,6 +262,7 @@ struct Tile {
 // tiles of one (head group, sequence), heaviest (latest, most causal blocks) first, then the
 // next head group, then the next sequence.  CTAs take items from the queue in this order, the
 // greedy longest-first schedule the hardware's dispatch of that grid gave.
+template <int Rows>
 __device__ __forceinline__ Tile tile_at(const Params& p, int w) {
     const int groups = p.hq / p.pack;
     const int qtile = p.q_tiles - 1 - w % p.q_tiles;
@@ -232,7 +270,7 @@ __device__ __forceinline__ Tile tile_at(const Params& p, int w) {
     const int b = rest / groups;
     Tile t;
     t.hg = rest % groups;
-    const int qpt = kRows / p.pack;
+    const int qpt = Rows / p.pack;
     t.q_len = p.q_len[b];
     t.k_len = p.k_len[b];
     t.q0 = qtile * qpt;
@@ -246,10 +284,18 @@ __device__ __forceinline__ Tile tile_at(const Params& p, int w) {
     return t;
 }
 
-template <typename Codec>
+template <typename Codec, int Warpgroups>
 __device__ __forceinline__ void attn_hopper_tile(const TensorMap& map_k, const TensorMap& map_v, const Params& p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     using namespace hopper;
+    using Sh = Shape<Warpgroups>;
+    constexpr int kRows = Sh::kRows;
+    constexpr int kConsumerThreads = Sh::kConsumerThreads;
+    constexpr int kQBytes = Sh::kQBytes;
+    constexpr int kRunBytes = Sh::kRunBytes;
+    constexpr bool kQInRegisters = Sh::kQInRegisters;
+    constexpr bool kRunInRegisters = Sh::kRunInShared;  // the running m, l (else beside acc in scratch)
+    auto tile_at = [&](const Params& pp, int w) { return attn_hopper::tile_at<kRows>(pp, w); };
     using T = typename Codec::storage;
     extern __shared__ uint8_t shared_raw[];
     // 128-byte swizzled tiles start on a 1024-byte boundary.  Offset from shared_raw (not an
@@ -257,11 +303,17 @@ __device__ __forceinline__ void attn_hopper_tile(const TensorMap& map_k, const T
     // emits LDS / STS (with the round trip it emitted generic LD / ST for the running state, the
     // Q fragments and the producer's zero fill).
     uint8_t* shared = shared_raw + ((1024u - (smem_address(shared_raw) & 1023u)) & 1023u);
-    uint8_t* sq = shared;                                   // [2 warpgroups][2 halves][64][64]
+    uint8_t* sq = shared;                                   // [warpgroups][2 halves][64][64]
     uint8_t* sk = sq + kQBytes;                             // [kStages][2 halves][64][64]
     uint8_t* sv = sk + kStages * kTileBytes;                // [kStages][2 halves][64][64]
-    float* srun = reinterpret_cast<float*>(sv + kStages * kTileBytes);  // [64][256]
-    uint64_t* full = reinterpret_cast<uint64_t*>(reinterpret_cast<uint8_t*>(srun) + kRunBytes);
+    // The split running state [64][consumer threads]: shared memory (2 warpgroups) or this CTA's
+    // global scratch slice (3; written before it is read, L2-resident, touched once per split).
+    float* srun;
+    if constexpr (Sh::kRunInShared)
+        srun = reinterpret_cast<float*>(sv + kStages * kTileBytes);
+    else
+        srun = p.run + static_cast<int64_t>(blockIdx.x) * Sh::kRunSlots * kConsumerThreads;
+    uint64_t* full = reinterpret_cast<uint64_t*>(sv + kStages * kTileBytes + kRunBytes);
     uint64_t* empty = full + kStages;
     uint64_t* side = empty + kStages;  // the producer's own barrier for a boundary block
     // The work items the producer took from the queue, in a ring of two slots (full: written,
@@ -279,12 +331,12 @@ __device__ __forceinline__ void attn_hopper_tile(const TensorMap& map_k, const T
     if (threadIdx.x == 0) {
         for (int s = 0; s < kStages; ++s) {
             barrier_init(&full[s], 1);
-            barrier_init(&empty[s], 8);  // lane 0 of each consumer warp
+            barrier_init(&empty[s], 4 * Warpgroups);  // lane 0 of each consumer warp
         }
         barrier_init(side, 1);
         for (int s = 0; s < 2; ++s) {
             barrier_init(&item_full[s], 1);
-            barrier_init(&item_empty[s], 8);
+            barrier_init(&item_empty[s], 4 * Warpgroups);
         }
         fence_barrier_init();
     }
@@ -294,7 +346,7 @@ __device__ __forceinline__ void attn_hopper_tile(const TensorMap& map_k, const T
     const int lane = threadIdx.x % 32;
 
     if (warpgroup == 0) {
-        release_registers<40>();
+        release_registers<Sh::kProducerRegisters>();
         if (threadIdx.x >= 32) return;
         // Producer warp: lane 0 takes the work items from the queue (item n + 1 when item n's
         // loads start, so that the consumers know it before they finish item n) and issues the
@@ -362,413 +414,499 @@ __device__ __forceinline__ void attn_hopper_tile(const TensorMap& map_k, const T
         return;
     }
 
-    claim_registers<232>();
-    const int cw = warpgroup - 1;           // consumer warpgroup 0 or 1
-    const int ctid = threadIdx.x - 128;     // 0 .. 255
-    const int wtid = threadIdx.x % 128;
-    const int warp = wtid / 32;
-    const int g = lane / 4;
-    const int c = lane % 4;
+    claim_registers<Sh::kConsumerRegisters>();
+    // The consumers' code, one copy for every consumer warpgroup (cw: 0 .. Warpgroups - 1).
+    auto consumer = [&](const int cw) {
+        const int ctid = threadIdx.x - 128;     // 0 .. 255
+        const int wtid = threadIdx.x % 128;
+        const int warp = wtid / 32;
+        const int g = lane / 4;
+        const int c = lane % 4;
 
-    // Q rows of this warpgroup for work item tl -> shared memory by cp.async (128B swizzle:
-    // chunk ch of row r at ch ^ (r % 8)); waited for when the item starts.
-    auto load_q = [&](const Tile& tl) {
-        const T* qp = static_cast<const T*>(p.q);
-        uint8_t* dq = sq + cw * 2 * kBoxBytes;
-        for (int idx = wtid; idx < 64 * 16; idx += 128) {
-            const int rl = idx / 16;
-            const int ch = idx % 16;
-            const int r = cw * 64 + rl;
-            const int qi = tl.q0 + r / p.pack;
-            const bool valid = r < qpt * p.pack && qi < tl.q_len;
-            const int h = tl.hg * p.pack + r % p.pack;
-            const T* src = valid ? qp + (tl.q_base + qi) * p.q_row + h * p.q_head + ch * 8 : qp;
-            const uint32_t dst = smem_address(dq + (ch / 8) * kBoxBytes + rl * 128 + (((ch % 8) ^ (rl % 8)) << 4));
-            cp_async16(dst, src, valid);
-        }
-        asm volatile("cp.async.commit_group;\n" ::: "memory");
-    };
-
-    // Descriptors: a k16 step, a stage or a V key step is a constant added to the start-address
-    // field (every tile lies below 256 KB, so the field never carries).  Low words of stage 0:
-    // (`shared` is 1024-byte aligned, so each field is a plain sum).
-    const uint32_t shared16 = smem_address(shared) >> 4;
-    const uint32_t desc_k = shared16 + (kQBytes >> 4) + (1u << 16);
-    const uint32_t desc_v = shared16 + ((kQBytes + kStages * kTileBytes) >> 4) + ((kBoxBytes >> 4) << 16);
-    int s_stage = 0;          // stage of the next block whose S is issued (runs on across items)
-    uint32_t s_phase = 0;     // its full-barrier phase
-
-    // Work item n from the producer's ring (every consumer warp reads it once).
-    auto read_item = [&](int n) {
-        barrier_wait(&item_full[n % 2], (n / 2) & 1);
-        const int w = item_slot[n % 2];
-        __syncwarp();
-        if (lane == 0) barrier_arrive(&item_empty[n % 2]);
-        return w;
-    };
-    int w = read_item(0);
-    if (w < items) {
-        const Tile first = tile_at(p, w);
-        if (first.q0 < first.q_len) load_q(first);
-    }
-    for (int n = 0; w < items; ++n) {
-        const int w_next = read_item(n + 1);
-        const Tile tl = tile_at(p, w);
-        const bool has_rows = tl.q0 < tl.q_len;
-        // Q of the warp's 16 rows as the A fragments of the eight k16 steps of S (row g / g + 8,
-        // columns 2c, 2c + 1 and 2c + 8, 2c + 9 of the step), read from the swizzled tile; then
-        // the next item's Q copy into the same buffer (once every warp of the warpgroup read it).
-        uint32_t qa[8][4];
-        if (has_rows) {
-            asm volatile("cp.async.wait_group 0;\n" ::: "memory");
-            fence_proxy_async();
-            named_barrier_sync(1 + cw, 128);
-            const uint8_t* dq = sq + cw * 2 * kBoxBytes;
-#pragma unroll
-            for (int ks = 0; ks < 8; ++ks)
-#pragma unroll
-                for (int j = 0; j < 4; ++j) {
-                    const int rl = warp * 16 + g + 8 * (j % 2);
-                    const int col = ks * 16 + 8 * (j / 2) + 2 * c;
-                    const int ch = (col % 64) / 8;
-                    qa[ks][j] = *reinterpret_cast<const uint32_t*>(dq + (col / 64) * kBoxBytes + rl * 128 +
-                                                                   ((ch ^ (rl % 8)) << 4) + (col % 8) * 2);
-                }
-            named_barrier_sync(1 + cw, 128);
-        }
-        if (w_next < items) {
-            const Tile next = tile_at(p, w_next);
-            if (next.q0 < next.q_len) load_q(next);
-        }
-        if (has_rows) {
-            const int hg = tl.hg;
-            const int q0 = tl.q0;
-            const int q_len = tl.q_len;
-            const int k_len = tl.k_len;
-            const int offset = tl.offset;
-            const int64_t q_base = tl.q_base;
-            const int blk_end = tl.blk_end;
-
-            int vis_end[2];
-            int row_q[2], row_h[2];
-#pragma unroll
-            for (int i = 0; i < 2; ++i) {
-                const int r = cw * 64 + warp * 16 + g + 8 * i;
-                const int qi = q0 + r / p.pack;
-                const bool valid = r < qpt * p.pack && qi < q_len;
-                row_q[i] = valid ? qi : -1;
-                row_h[i] = hg * p.pack + r % p.pack;
-                vis_end[i] = !valid ? 0 : (p.causal ? max(0, min(k_len, offset + qi + 1)) : k_len);
+        // Q rows of this warpgroup for work item tl -> shared memory by cp.async (128B swizzle:
+        // chunk ch of row r at ch ^ (r % 8)); waited for when the item starts.
+        auto load_q = [&](const Tile& tl) {
+            const T* qp = static_cast<const T*>(p.q);
+            uint8_t* dq = sq + cw * 2 * kBoxBytes;
+            for (int idx = wtid; idx < 64 * 16; idx += 128) {
+                const int rl = idx / 16;
+                const int ch = idx % 16;
+                const int r = cw * 64 + rl;
+                const int qi = tl.q0 + r / p.pack;
+                const bool valid = r < qpt * p.pack && qi < tl.q_len;
+                const int h = tl.hg * p.pack + r % p.pack;
+                const T* src = valid ? qp + (tl.q_base + qi) * p.q_row + h * p.q_head + ch * 8 : qp;
+                const uint32_t dst = smem_address(dq + (ch / 8) * kBoxBytes + rl * 128 + (((ch % 8) ^ (rl % 8)) << 4));
+                cp_async16(dst, src, valid);
             }
-            int vis_min = 0x7fffffff;
-#pragma unroll
-            for (int i = 0; i < 2; ++i)
-                if (row_q[i] >= 0) vis_min = min(vis_min, vis_end[i]);
-            const int warp_vis_min = __reduce_min_sync(0xffffffffu, vis_min);
-            float m[2] = {kNegInf, kNegInf};
-            float l[2] = {0.0f, 0.0f};
-            float run_m[2] = {kNegInf, kNegInf};
-            float run_l[2] = {0.0f, 0.0f};
-            float acc[64];
-#pragma unroll
-            for (int i = 0; i < 64; ++i) acc[i] = 0.0f;
-            float s[32];                // S of a block (invisible keys -inf), then its P
-            uint32_t pa[4][4];          // P of a block, the A operand of its P V product
-            bool prev_empty[2] = {false, false};
-            bool prev_any_empty = false;
-            uint32_t negzero[2] = {0u, 0u};
+            asm volatile("cp.async.commit_group;\n" ::: "memory");
+        };
 
-            int cur_stage = 0;        // stage of the block whose softmax runs
-            int pv_stage = 0;         // stage of the block whose P V product is pending
+        // Descriptors: a k16 step, a stage or a V key step is a constant added to the start-address
+        // field (every tile lies below 256 KB, so the field never carries).  Low words of stage 0:
+        // (`shared` is 1024-byte aligned, so each field is a plain sum).
+        const uint32_t shared16 = smem_address(shared) >> 4;
+        const uint32_t desc_k = shared16 + (kQBytes >> 4) + (1u << 16);
+        const uint32_t desc_q = shared16 + ((cw * 2 * kBoxBytes) >> 4) + (1u << 16);  // Q from shared memory
+        const uint32_t desc_v = shared16 + ((kQBytes + kStages * kTileBytes) >> 4) + ((kBoxBytes >> 4) << 16);
+        int s_stage = 0;          // stage of the next block whose S is issued (runs on across items)
+        uint32_t s_phase = 0;     // its full-barrier phase
 
-            // m, l of a split that ended with the previous block, kept for its merge while the next
-            // block's softmax already starts the new split from the empty state.
-            float end_m[2], end_l[2];
-
-            // Finishes the pending P V product (block `blk`, its wait done by the caller): restore -0
-            // signs of rows that saw no key in it, free its stage, and if SPLIT_END (the block ends a
-            // split) merge acc into the running state (acc restarts from +0 in the next rescale).
-            // LAST (the tile's last block): the merged state goes into acc, which finalize reads (the
-            // same values as through srun, without the shared-memory round trip).
-            auto finish_pv = [&](int blk, auto split_end, auto last) {
-                // The product read pa and wrote acc until here: keep both live to this point, or
-                // the compiler reuses their registers (softmax's P) while the wgmma still reads them.
-                fence_operands<64>(acc);
-                fence_registers(pa);
-                if (prev_any_empty) {
+        // Work item n from the producer's ring (every consumer warp reads it once).
+        auto read_item = [&](int n) {
+            barrier_wait(&item_full[n % 2], (n / 2) & 1);
+            const int w = item_slot[n % 2];
+            __syncwarp();
+            if (lane == 0) barrier_arrive(&item_empty[n % 2]);
+            return w;
+        };
+        int w = read_item(0);
+        if (w < items) {
+            const Tile first = tile_at(p, w);
+            if (first.q0 < first.q_len) load_q(first);
+        }
+        for (int n = 0; w < items; ++n) {
+            const int w_next = read_item(n + 1);
+            const Tile tl = tile_at(p, w);
+            const bool has_rows = tl.q0 < tl.q_len;
+            // Q of the warp's 16 rows as the A fragments of the eight k16 steps of S (row g / g + 8,
+            // columns 2c, 2c + 1 and 2c + 8, 2c + 9 of the step), read from the swizzled tile; then
+            // the next item's Q copy into the same buffer (once every warp of the warpgroup read it).
+            // With Q read from shared memory (3 warpgroups) the next copy waits until the item's last
+            // S product is complete (load_next_q before the last P V issue, below).
+            uint32_t qa[8][4];
+            if (has_rows) {
+                asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+                fence_proxy_async();
+                named_barrier_sync(1 + cw, 128);
+            }
+            if (kQInRegisters && has_rows) {
+                const uint8_t* dq = sq + cw * 2 * kBoxBytes;
 #pragma unroll
-                    for (int i = 0; i < 64; ++i) {
-                        const bool was_neg_zero = (negzero[i / 32] >> (i % 32)) & 1u;
-                        if (prev_empty[(i / 2) % 2] && acc[i] == 0.0f) acc[i] = was_neg_zero ? -0.0f : 0.0f;
+                for (int ks = 0; ks < 8; ++ks)
+#pragma unroll
+                    for (int j = 0; j < 4; ++j) {
+                        const int rl = warp * 16 + g + 8 * (j % 2);
+                        const int col = ks * 16 + 8 * (j / 2) + 2 * c;
+                        const int ch = (col % 64) / 8;
+                        qa[ks][j] = *reinterpret_cast<const uint32_t*>(dq + (col / 64) * kBoxBytes + rl * 128 +
+                                                                       ((ch ^ (rl % 8)) << 4) + (col % 8) * 2);
                     }
-                }
-                __syncwarp();
-                if (lane == 0) barrier_arrive(&empty[pv_stage]);
-                if constexpr (decltype(split_end)::value) {
-                    const bool first_split = blk + 1 <= kBlocksPerSplit;  // no running state yet: 0
-#pragma unroll
-                    for (int i = 0; i < 2; ++i) {
-                        float mm, ll, wa, wb;
-                        int pick;
-                        merge_weights(run_m[i], run_l[i], end_m[i], end_l[i], mm, ll, wa, wb, pick);
-                        // merge_value with the row's pick as a constant: one loop without a selection
-                        // per element (the same function, so the same bits).
-                        auto merge_row = [&](auto pick_constant) {
-#pragma unroll
-                            for (int t = 0; t < 16; ++t)
-#pragma unroll
-                                for (int e = 0; e < 2; ++e) {
-                                    float& slot = srun[(t * 4 + 2 * i + e) * kConsumerThreads + ctid];
-                                    const float prev = first_split ? 0.0f : slot;
-                                    const float merged =
-                                        merge_value(prev, acc[t * 4 + 2 * i + e], wa, wb,
-                                                    decltype(pick_constant)::value);
-                                    if constexpr (decltype(last)::value)
-                                        acc[t * 4 + 2 * i + e] = merged;
-                                    else
-                                        slot = merged;
-                                }
-                        };
-                        if (pick == 0)
-                            merge_row(std::integral_constant<int, 0>{});
-                        else if (pick == 1)
-                            merge_row(std::integral_constant<int, 1>{});
-                        else
-                            merge_row(std::integral_constant<int, 2>{});
-                        run_m[i] = mm;
-                        run_l[i] = ll;
-                    }
+                named_barrier_sync(1 + cw, 128);
+            }
+            auto load_next_q = [&]() {
+                if (w_next < items) {
+                    const Tile next = tile_at(p, w_next);
+                    if (next.q0 < next.q_len) load_q(next);
                 }
             };
+            // 3 warpgroups: the blocks this warpgroup's rows see. Rows are ordered by query position,
+            // so each warpgroup stops at its own causal end (where attention.cu's 64-row tile stops;
+            // a block no row of it sees changes none of its rows), not at the 192-row tile's; the
+            // tile's later blocks are only released (below, after finalize).
+            int blk_end_wg = tl.blk_end;
+            if constexpr (!kQInRegisters) {
+                const int r_first = cw * 64;
+                const int r_last = min(r_first + 63, qpt * p.pack - 1);
+                const int q_first = tl.q0 + r_first / p.pack;
+                if (!has_rows || r_first > r_last || q_first >= tl.q_len) {
+                    blk_end_wg = 0;
+                } else if (p.causal) {
+                    const int q_last = min(tl.q_len - 1, tl.q0 + r_last / p.pack);
+                    const int end = max(0, min(tl.k_len, tl.offset + q_last + 1));
+                    blk_end_wg = (end + kBlockKeys - 1) / kBlockKeys;
+                }
+            }
+            if (kQInRegisters || !has_rows || blk_end_wg == 0) load_next_q();
+            if (has_rows) {
+                const int hg = tl.hg;
+                const int q0 = tl.q0;
+                const int q_len = tl.q_len;
+                const int k_len = tl.k_len;
+                const int offset = tl.offset;
+                const int64_t q_base = tl.q_base;
+                const int blk_end = blk_end_wg;
 
-            // The -0 signs of acc before a P V product (rows of a block with no visible key keep
-            // their state exactly, zeros included).
-            auto note_negzero = [&]() {
-                if (prev_any_empty) {
-                    negzero[0] = negzero[1] = 0u;
-#pragma unroll
-                    for (int i = 0; i < 64; ++i)
-                        if (__float_as_uint(acc[i]) == 0x80000000u) negzero[i / 32] |= 1u << (i % 32);
-                }
-            };
-            // S = Q K^T of the block at stage s_stage over d in increasing k16 steps (32 bytes along
-            // a 128-byte swizzled row), into s; moves s_stage on.
-            auto mma_s = [&]() {
-                const uint64_t k_stage = stage_descriptor(desc_k, s_stage);
-#pragma unroll
-                for (int ks = 0; ks < 8; ++ks) {
-                    const int off = ((ks / 4) * kBoxBytes + (ks % 4) * 32) >> 4;
-                    mma_qk<Codec>(s, qa[ks], k_stage + off);
-                }
-                wgmma_commit();
-                if (++s_stage == kStages) {
-                    s_stage = 0;
-                    s_phase ^= 1u;
-                }
-            };
-            // O += P V of the block at pv_stage (pa), the four k16 key steps in increasing order.
-            auto mma_pv_block = [&]() {
-                const uint64_t v_stage = stage_descriptor(desc_v, pv_stage);
-#pragma unroll
-                for (int kk = 0; kk < 4; ++kk) mma_pv<Codec>(acc, pa[kk], v_stage + ((kk * 16 * 128) >> 4));
-                wgmma_commit();
-            };
-
-            // Issues the next block's S if WITH_S, then the P V product of block pv_stage if WITH_PV
-            // (the -0 signs noted first); each product is one commit group, S first.  Every register
-            // the products read is defined before the wgmma fence, so nothing but wgmma runs between
-            // the two issues (ptxas would otherwise serialise them).
-            auto issue = [&](auto with_s, auto with_pv) {
-                if constexpr (decltype(with_s)::value) {
-                    barrier_wait(&full[s_stage], s_phase);
-#pragma unroll
-                    for (int i = 0; i < 32; ++i) s[i] = 0.0f;
-                }
-                if constexpr (decltype(with_pv)::value) note_negzero();
-                fence_operands<32>(s);
-                fence_operands<64>(acc);
-                fence_registers(pa);
-                wgmma_fence();
-                if constexpr (decltype(with_s)::value) mma_s();
-                if constexpr (decltype(with_pv)::value) mma_pv_block();
-                fence_operands<32>(s);
-                fence_operands<64>(acc);
-            };
-
-            // Online softmax of block `blk`, attention.cu's arithmetic with s[t][e] = s[4t + e], in
-            // two parts.  scale(): -inf for an invisible key (the raw scores stay in s; a block every
-            // real row of the warp sees in full is left as it is).  The rest: the max of the raw
-            // scores scaled once, updates m, l, leaves P = exp2_ftz(fma(s, c, -m_new)) in s and the
-            // rescale factors in alpha.  Written for few instructions: the block max is a tree (max is
-            // exact in any order; scaled and its zero normalised after the butterfly as in
-            // attention.cu), m_new = fmaxf(mx, m) (m is never NaN or -0, and an empty row has
-            // mx = -inf: the same selection), alpha is computed then selected, both rows in one pass,
-            // and a warp whose real rows all see a key skips the selections of P (padding rows are
-            // never written; their P may be anything).
-            float alpha[2];
-            bool empty_now[2];
-            bool any_empty = false;  // some real row of the warp sees no key of this block
-            auto scale = [&](int blk) {
-                const int key0 = blk * kBlockKeys;
-                if (key0 + kBlockKeys > warp_vis_min) {
-#pragma unroll
-                    for (int t = 0; t < 8; ++t)
-#pragma unroll
-                        for (int i = 0; i < 2; ++i)
-#pragma unroll
-                            for (int e = 0; e < 2; ++e) {
-                                const int j = key0 + t * 8 + 2 * c + e;
-                                if (j >= vis_end[i]) s[4 * t + 2 * i + e] = kNegInf;
-                            }
-                }
-            };
-            auto softmax = [&]() {
-                float m_new[2];
+                int vis_end[2];
+                int row_q[2], row_h[2];
 #pragma unroll
                 for (int i = 0; i < 2; ++i) {
-                    float mx8[8], mx4[4];
-#pragma unroll
-                    for (int k = 0; k < 8; ++k)
-                        mx8[k] = fmaxf(s[4 * (k / 2) + 2 * i + k % 2], s[4 * (k / 2 + 4) + 2 * i + k % 2]);
-#pragma unroll
-                    for (int k = 0; k < 4; ++k) mx4[k] = fmaxf(mx8[k], mx8[k + 4]);
-                    float mx = fmaxf(fmaxf(mx4[0], mx4[2]), fmaxf(mx4[1], mx4[3]));
-                    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-                    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-                    mx = scaled_block_max(mx, p.scale_log2);  // one zero (+0) whatever the lanes' order
-                    empty_now[i] = mx == kNegInf;
-                    m_new[i] = fmaxf(mx, m[i]);
-                    const float a = exp2f(__fsub_rn(m[i], m_new[i]));  // selected away where undefined
-                    alpha[i] = empty_now[i] ? 1.0f : (m[i] == kNegInf ? 0.0f : a);
+                    const int r = cw * 64 + warp * 16 + g + 8 * i;
+                    const int qi = q0 + r / p.pack;
+                    const bool valid = r < qpt * p.pack && qi < q_len;
+                    row_q[i] = valid ? qi : -1;
+                    row_h[i] = hg * p.pack + r % p.pack;
+                    vis_end[i] = !valid ? 0 : (p.causal ? max(0, min(k_len, offset + qi + 1)) : k_len);
                 }
-                any_empty = __any_sync(0xffffffffu, (empty_now[0] && row_q[0] >= 0) || (empty_now[1] && row_q[1] >= 0));
-                // P and the block sums: one FFMA per score (s * c - m_new, one rounding).  An
-                // invisible key (s = -inf) gives exp2(-inf) = +0 where m_new is finite; a row with no
-                // visible key gets P = 0 by selection.
-                auto exp_sum = [&](auto select) {
-                    float sum[2];
+                int vis_min = 0x7fffffff;
 #pragma unroll
-                    for (int t = 0; t < 8; ++t)
+                for (int i = 0; i < 2; ++i)
+                    if (row_q[i] >= 0) vis_min = min(vis_min, vis_end[i]);
+                const int warp_vis_min = __reduce_min_sync(0xffffffffu, vis_min);
+                float m[2] = {kNegInf, kNegInf};
+                float l[2] = {0.0f, 0.0f};
+                float run_m[2] = {kNegInf, kNegInf};
+                float run_l[2] = {0.0f, 0.0f};
+                float acc[64];
 #pragma unroll
-                        for (int i = 0; i < 2; ++i)
+                for (int i = 0; i < 64; ++i) acc[i] = 0.0f;
+                float s[32];                // S of a block (invisible keys -inf), then its P
+                uint32_t pa[4][4];          // P of a block, the A operand of its P V product
+                bool prev_empty[2] = {false, false};
+                bool prev_any_empty = false;
+                uint32_t negzero[2] = {0u, 0u};
+
+                int cur_stage = 0;        // stage of the block whose softmax runs
+                int pv_stage = 0;         // stage of the block whose P V product is pending
+
+                // m, l of a split that ended with the previous block, kept for its merge while the next
+                // block's softmax already starts the new split from the empty state.
+                float end_m[2], end_l[2];
+
+                // Finishes the pending P V product (block `blk`, its wait done by the caller): restore -0
+                // signs of rows that saw no key in it, free its stage, and if SPLIT_END (the block ends a
+                // split) merge acc into the running state (acc restarts from +0 in the next rescale).
+                // LAST (the tile's last block): the merged state goes into acc, which finalize reads (the
+                // same values as through srun, without the shared-memory round trip).
+                auto finish_pv = [&](int blk, auto split_end, auto last) {
+                    // The product read pa and wrote acc until here: keep both live to this point, or
+                    // the compiler reuses their registers (softmax's P) while the wgmma still reads them.
+                    fence_operands<64>(acc);
+                    fence_registers(pa);
+                    if (prev_any_empty) {
+                        if constexpr (!kRunInRegisters) {
+                            negzero[0] = __float_as_uint(srun[68 * kConsumerThreads + ctid]);
+                            negzero[1] = __float_as_uint(srun[69 * kConsumerThreads + ctid]);
+                        }
 #pragma unroll
-                            for (int e = 0; e < 2; ++e) {
-                                float pe = p_of_score(s[4 * t + 2 * i + e], p.scale_log2, m_new[i]);
-                                if constexpr (decltype(select)::value) pe = empty_now[i] ? 0.0f : pe;
-                                s[4 * t + 2 * i + e] = pe;
-                                // P >= +0 (or NaN): 0 + P is P, so the scan starts at the first term.
-                                sum[i] = t == 0 && e == 0 ? pe : __fadd_rn(sum[i], pe);
+                        for (int i = 0; i < 64; ++i) {
+                            const bool was_neg_zero = (negzero[i / 32] >> (i % 32)) & 1u;
+                            if (prev_empty[(i / 2) % 2] && acc[i] == 0.0f) acc[i] = was_neg_zero ? -0.0f : 0.0f;
+                        }
+                    }
+                    __syncwarp();
+                    if (lane == 0) barrier_arrive(&empty[pv_stage]);
+                    if constexpr (decltype(split_end)::value) {
+                        const bool first_split = blk + 1 <= kBlocksPerSplit;  // no running state yet: 0
+                        if constexpr (!kRunInRegisters) {
+                            // The running m, l sit beside the running acc (slots 64-67), not in four
+                            // registers through the block loop; the same values.
+#pragma unroll
+                            for (int i = 0; i < 2; ++i) {
+                                run_m[i] = first_split ? kNegInf : srun[(64 + i) * kConsumerThreads + ctid];
+                                run_l[i] = first_split ? 0.0f : srun[(66 + i) * kConsumerThreads + ctid];
                             }
+                        }
 #pragma unroll
-                    for (int i = 0; i < 2; ++i) {
-                        sum[i] = __fadd_rn(sum[i], __shfl_xor_sync(0xffffffffu, sum[i], 1));
-                        sum[i] = __fadd_rn(sum[i], __shfl_xor_sync(0xffffffffu, sum[i], 2));
-                        // Without a selection no real row of the warp is empty, so the update applies to
-                        // all of them (a padding row's l is never written): no branch per row.
-                        const float l_new = __fadd_rn(__fmul_rn(l[i], alpha[i]), sum[i]);
-                        if constexpr (decltype(select)::value)
-                            l[i] = empty_now[i] ? l[i] : l_new;
-                        else
-                            l[i] = l_new;
-                        m[i] = m_new[i];
+                        for (int i = 0; i < 2; ++i) {
+                            float mm, ll, wa, wb;
+                            int pick;
+                            merge_weights(run_m[i], run_l[i], end_m[i], end_l[i], mm, ll, wa, wb, pick);
+                            // merge_value with the row's pick as a constant: one loop without a selection
+                            // per element (the same function, so the same bits).
+                            auto merge_row = [&](auto pick_constant) {
+#pragma unroll
+                                for (int t = 0; t < 16; ++t)
+#pragma unroll
+                                    for (int e = 0; e < 2; ++e) {
+                                        float& slot = srun[(t * 4 + 2 * i + e) * kConsumerThreads + ctid];
+                                        const float prev = first_split ? 0.0f : slot;
+                                        const float merged =
+                                            merge_value(prev, acc[t * 4 + 2 * i + e], wa, wb,
+                                                        decltype(pick_constant)::value);
+                                        if constexpr (decltype(last)::value)
+                                            acc[t * 4 + 2 * i + e] = merged;
+                                        else
+                                            slot = merged;
+                                    }
+                            };
+                            if (pick == 0)
+                                merge_row(std::integral_constant<int, 0>{});
+                            else if (pick == 1)
+                                merge_row(std::integral_constant<int, 1>{});
+                            else
+                                merge_row(std::integral_constant<int, 2>{});
+                            run_m[i] = mm;
+                            run_l[i] = ll;
+                            if constexpr (!kRunInRegisters && !decltype(last)::value) {
+                                srun[(64 + i) * kConsumerThreads + ctid] = mm;
+                                srun[(66 + i) * kConsumerThreads + ctid] = ll;
+                            }
+                        }
                     }
                 };
-                if (any_empty)
-                    exp_sum(std::true_type{});
-                else
-                    exp_sum(std::false_type{});
-            };
 
-            // After the previous block's product is complete: P of this block into pa, acc *= alpha,
-            // and the facts about this block that its own P V product will need.  At a split start
-            // acc was merged away: it restarts from +0 (attention.cu zeroes it in the merge).
-            auto rescale = [&](auto split_start) {
-                // P -> pa only now: the previous block's P V product read pa until its wait.
+                // The -0 signs of acc before a P V product (rows of a block with no visible key keep
+                // their state exactly, zeros included).
+                auto note_negzero = [&]() {
+                    if (prev_any_empty) {
+                        negzero[0] = negzero[1] = 0u;
 #pragma unroll
-                for (int kk = 0; kk < 4; ++kk)
+                        for (int i = 0; i < 64; ++i)
+                            if (__float_as_uint(acc[i]) == 0x80000000u) negzero[i / 32] |= 1u << (i % 32);
+                        if constexpr (!kRunInRegisters) {
+                            // 3 warpgroups: the masks wait in the scratch slots 68-69 (rare: a block some
+                            // row does not see), not in two registers through the softmax.
+                            srun[68 * kConsumerThreads + ctid] = __uint_as_float(negzero[0]);
+                            srun[69 * kConsumerThreads + ctid] = __uint_as_float(negzero[1]);
+                        }
+                    }
+                };
+                // S = Q K^T of the block at stage s_stage over d in increasing k16 steps (32 bytes along
+                // a 128-byte swizzled row), into s; moves s_stage on.
+                auto mma_s = [&]() {
+                    const uint64_t k_stage = stage_descriptor(desc_k, s_stage);
+                    [[maybe_unused]] const uint64_t q_tile = stage_descriptor(desc_q, 0);
 #pragma unroll
-                    for (int j = 0; j < 4; ++j) pa[kk][j] = pack_pair<Codec>(s[8 * kk + 2 * j], s[8 * kk + 2 * j + 1]);
+                    for (int ks = 0; ks < 8; ++ks) {
+                        const int off = ((ks / 4) * kBoxBytes + (ks % 4) * 32) >> 4;
+                        if constexpr (kQInRegisters)
+                            mma_qk<Codec>(s, qa[ks], k_stage + off);
+                        else
+                            mma_qk_ss<Codec>(s, q_tile + off, k_stage + off);
+                    }
+                    wgmma_commit();
+                    if (++s_stage == kStages) {
+                        s_stage = 0;
+                        s_phase ^= 1u;
+                    }
+                };
+                // O += P V of the block at pv_stage (pa), the four k16 key steps in increasing order.
+                auto mma_pv_block = [&]() {
+                    const uint64_t v_stage = stage_descriptor(desc_v, pv_stage);
 #pragma unroll
-                for (int i = 0; i < 64; ++i)
-                    acc[i] = decltype(split_start)::value ? 0.0f : __fmul_rn(acc[i], alpha[(i / 2) % 2]);
-                prev_empty[0] = empty_now[0];
-                prev_empty[1] = empty_now[1];
-                // Padding rows are never written: they do not need the -0 fix-up.
-                prev_any_empty = any_empty;
-            };
-            auto start_split = [&]() {
+                    for (int kk = 0; kk < 4; ++kk) mma_pv<Codec>(acc, pa[kk], v_stage + ((kk * 16 * 128) >> 4));
+                    wgmma_commit();
+                };
+
+                // Issues the next block's S if WITH_S, then the P V product of block pv_stage if WITH_PV
+                // (the -0 signs noted first); each product is one commit group, S first.  Every register
+                // the products read is defined before the wgmma fence, so nothing but wgmma runs between
+                // the two issues (ptxas would otherwise serialise them).
+                auto issue = [&](auto with_s, auto with_pv) {
+                    if constexpr (decltype(with_s)::value) {
+                        barrier_wait(&full[s_stage], s_phase);
+#pragma unroll
+                        for (int i = 0; i < 32; ++i) s[i] = 0.0f;
+                    }
+                    if constexpr (decltype(with_pv)::value) note_negzero();
+                    fence_operands<32>(s);
+                    fence_operands<64>(acc);
+                    fence_registers(pa);
+                    wgmma_fence();
+                    if constexpr (decltype(with_s)::value) mma_s();
+                    if constexpr (decltype(with_pv)::value) mma_pv_block();
+                    fence_operands<32>(s);
+                    fence_operands<64>(acc);
+                };
+
+                // Online softmax of block `blk`, attention.cu's arithmetic with s[t][e] = s[4t + e], in
+                // two parts.  scale(): -inf for an invisible key (the raw scores stay in s; a block every
+                // real row of the warp sees in full is left as it is).  The rest: the max of the raw
+                // scores scaled once, updates m, l, leaves P = exp2_ftz(fma(s, c, -m_new)) in s and the
+                // rescale factors in alpha.  Written for few instructions: the block max is a tree (max is
+                // exact in any order; scaled and its zero normalised after the butterfly as in
+                // attention.cu), m_new = fmaxf(mx, m) (m is never NaN or -0, and an empty row has
+                // mx = -inf: the same selection), alpha is computed then selected, both rows in one pass,
+                // and a warp whose real rows all see a key skips the selections of P (padding rows are
+                // never written; their P may be anything).
+                float alpha[2];
+                bool empty_now[2];
+                bool any_empty = false;  // some real row of the warp sees no key of this block
+                auto scale = [&](int blk) {
+                    const int key0 = blk * kBlockKeys;
+                    if (key0 + kBlockKeys > warp_vis_min) {
+                        // 3 warpgroups: the lane's column read from %laneid here (a special register),
+                        // not kept in a register through the loop.
+                        const int cj = kRunInRegisters ? c : lane_id() % 4;
+#pragma unroll
+                        for (int t = 0; t < 8; ++t)
+#pragma unroll
+                            for (int i = 0; i < 2; ++i)
+#pragma unroll
+                                for (int e = 0; e < 2; ++e) {
+                                    const int j = key0 + t * 8 + 2 * cj + e;
+                                    if (j >= vis_end[i]) s[4 * t + 2 * i + e] = kNegInf;
+                                }
+                    }
+                };
+                auto softmax = [&]() {
+                    float m_new[2];
+#pragma unroll
+                    for (int i = 0; i < 2; ++i) {
+                        float mx8[8], mx4[4];
+#pragma unroll
+                        for (int k = 0; k < 8; ++k)
+                            mx8[k] = fmaxf(s[4 * (k / 2) + 2 * i + k % 2], s[4 * (k / 2 + 4) + 2 * i + k % 2]);
+#pragma unroll
+                        for (int k = 0; k < 4; ++k) mx4[k] = fmaxf(mx8[k], mx8[k + 4]);
+                        float mx = fmaxf(fmaxf(mx4[0], mx4[2]), fmaxf(mx4[1], mx4[3]));
+                        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+                        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+                        mx = scaled_block_max(mx, p.scale_log2);  // one zero (+0) whatever the lanes' order
+                        empty_now[i] = mx == kNegInf;
+                        m_new[i] = fmaxf(mx, m[i]);
+                        const float a = exp2f(__fsub_rn(m[i], m_new[i]));  // selected away where undefined
+                        alpha[i] = empty_now[i] ? 1.0f : (m[i] == kNegInf ? 0.0f : a);
+                    }
+                    any_empty = __any_sync(0xffffffffu, (empty_now[0] && row_q[0] >= 0) || (empty_now[1] && row_q[1] >= 0));
+                    // P and the block sums: one FFMA per score (s * c - m_new, one rounding).  An
+                    // invisible key (s = -inf) gives exp2(-inf) = +0 where m_new is finite; a row with no
+                    // visible key gets P = 0 by selection.
+                    auto exp_sum = [&](auto select) {
+                        float sum[2];
+#pragma unroll
+                        for (int t = 0; t < 8; ++t)
+#pragma unroll
+                            for (int i = 0; i < 2; ++i)
+#pragma unroll
+                                for (int e = 0; e < 2; ++e) {
+                                    float pe = p_of_score(s[4 * t + 2 * i + e], p.scale_log2, m_new[i]);
+                                    if constexpr (decltype(select)::value) pe = empty_now[i] ? 0.0f : pe;
+                                    s[4 * t + 2 * i + e] = pe;
+                                    // P >= +0 (or NaN): 0 + P is P, so the scan starts at the first term.
+                                    sum[i] = t == 0 && e == 0 ? pe : __fadd_rn(sum[i], pe);
+                                }
+#pragma unroll
+                        for (int i = 0; i < 2; ++i) {
+                            sum[i] = __fadd_rn(sum[i], __shfl_xor_sync(0xffffffffu, sum[i], 1));
+                            sum[i] = __fadd_rn(sum[i], __shfl_xor_sync(0xffffffffu, sum[i], 2));
+                            // Without a selection no real row of the warp is empty, so the update applies to
+                            // all of them (a padding row's l is never written): no branch per row.
+                            const float l_new = __fadd_rn(__fmul_rn(l[i], alpha[i]), sum[i]);
+                            if constexpr (decltype(select)::value)
+                                l[i] = empty_now[i] ? l[i] : l_new;
+                            else
+                                l[i] = l_new;
+                            m[i] = m_new[i];
+                        }
+                    };
+                    if (any_empty)
+                        exp_sum(std::true_type{});
+                    else
+                        exp_sum(std::false_type{});
+                };
+
+                // After the previous block's product is complete: P of this block into pa, acc *= alpha,
+                // and the facts about this block that its own P V product will need.  At a split start
+                // acc was merged away: it restarts from +0 (attention.cu zeroes it in the merge).
+                auto rescale = [&](auto split_start) {
+                    // P -> pa only now: the previous block's P V product read pa until its wait.
+#pragma unroll
+                    for (int kk = 0; kk < 4; ++kk)
+#pragma unroll
+                        for (int j = 0; j < 4; ++j) pa[kk][j] = pack_pair<Codec>(s[8 * kk + 2 * j], s[8 * kk + 2 * j + 1]);
+#pragma unroll
+                    for (int i = 0; i < 64; ++i)
+                        acc[i] = decltype(split_start)::value ? 0.0f : __fmul_rn(acc[i], alpha[(i / 2) % 2]);
+                    prev_empty[0] = empty_now[0];
+                    prev_empty[1] = empty_now[1];
+                    // Padding rows are never written: they do not need the -0 fix-up.
+                    prev_any_empty = any_empty;
+                };
+                auto start_split = [&]() {
+#pragma unroll
+                    for (int i = 0; i < 2; ++i) {
+                        end_m[i] = m[i];
+                        end_l[i] = l[i];
+                        m[i] = kNegInf;
+                        l[i] = 0.0f;
+                    }
+                };
+
+                using Yes = std::true_type;
+                using No = std::false_type;
+                // Block blk's S product, then block blk-1's P V product behind it; block blk's
+                // softmax runs while P V executes.  No branch between a product's issue and its wait.
+                if (blk_end > 0) {
+                    cur_stage = s_stage;
+                    issue(Yes{}, No{});
+                    wgmma_wait<0>();
+                    fence_operands<32>(s);
+                    scale(0);
+                    softmax();
+                    rescale(No{});
+                }
+                // A block that starts a split (blk-1 ended one) is a separate copy of the step, so that
+                // the merge and the restart of acc cost nothing in the other blocks.
+                auto step = [&](int blk, auto split_start) {
+                    pv_stage = cur_stage;
+                    cur_stage = s_stage;
+                    issue(Yes{}, Yes{});
+                    wgmma_wait<1>();  // S of block blk is complete; P V of block blk-1 may still run
+                    fence_operands<32>(s);
+                    if constexpr (decltype(split_start)::value) start_split();
+                    scale(blk);
+                    softmax();
+                    wgmma_wait<0>();
+                    finish_pv(blk - 1, split_start, No{});
+                    rescale(split_start);
+                };
+                // One inner loop per split: the steady step is a loop of its own (no split test per block,
+                // and no join with the split-start copy at its back edge, which made ptxas copy registers).
+                for (int blk = 1; blk < blk_end;) {
+                    if (blk % kBlocksPerSplit == 0) step(blk++, Yes{});
+                    const int seg_end = min(blk_end, (blk + kBlocksPerSplit - 1) / kBlocksPerSplit * kBlocksPerSplit);
+                    for (; blk < seg_end; ++blk) step(blk, No{});
+                }
+                if (blk_end > 0) {
+                    pv_stage = cur_stage;
+                    if constexpr (!kQInRegisters) {
+                        // Every S product of this item is complete in every warp of the warpgroup: the
+                        // next item's Q may overwrite the tile while this P V product and finalize run.
+                        named_barrier_sync(1 + cw, 128);
+                        load_next_q();
+                    }
+                    issue(No{}, Yes{});
+                    start_split();  // keeps the last split's m, l in end_m, end_l for its merge
+                    wgmma_wait<0>();
+                    finish_pv(blk_end - 1, Yes{}, Yes{});  // the last block always ends a split
+                }
+
+                // finalize: out = acc / l (finalize_out's bits, finalize_row), both rows of the thread in turn.
+                T* op = static_cast<T*>(p.out);
 #pragma unroll
                 for (int i = 0; i < 2; ++i) {
-                    end_m[i] = m[i];
-                    end_l[i] = l[i];
-                    m[i] = kNegInf;
-                    l[i] = 0.0f;
+                    if (row_q[i] < 0) continue;
+                    const int64_t t_row = q_base + row_q[i];
+                    // (3 warpgroups: the head recomputed here, not kept in a register through the loop)
+                    const int h_row = kRunInRegisters ? row_h[i] : hg * p.pack + (cw * 64 + warp * 16 + g + 8 * i) % p.pack;
+                    T* dst = op + t_row * p.out_row + h_row * p.out_head;
+                    const float l_row = run_l[i];
+                    float o[32];
+#pragma unroll
+                    for (int k = 0; k < 32; ++k) o[k] = acc[(k / 2) * 4 + 2 * i + k % 2];
+                    finalize_row(o, l_row);
+#pragma unroll
+                    for (int t = 0; t < 16; ++t)
+                        *reinterpret_cast<uint32_t*>(dst + t * 8 + 2 * c) = store_pair<Codec>(o[2 * t], o[2 * t + 1]);
+                    if (c == 0) p.lse[static_cast<int64_t>(h_row) * p.tq + t_row] = finalize_lse(run_m[i], l_row);
                 }
-            };
-
-            using Yes = std::true_type;
-            using No = std::false_type;
-            // Block blk's S product, then block blk-1's P V product behind it; block blk's
-            // softmax runs while P V executes.  No branch between a product's issue and its wait.
-            if (blk_end > 0) {
-                cur_stage = s_stage;
-                issue(Yes{}, No{});
-                wgmma_wait<0>();
-                fence_operands<32>(s);
-                scale(0);
-                softmax();
-                rescale(No{});
-            }
-            // A block that starts a split (blk-1 ended one) is a separate copy of the step, so that
-            // the merge and the restart of acc cost nothing in the other blocks.
-            auto step = [&](int blk, auto split_start) {
-                pv_stage = cur_stage;
-                cur_stage = s_stage;
-                issue(Yes{}, Yes{});
-                wgmma_wait<1>();  // S of block blk is complete; P V of block blk-1 may still run
-                fence_operands<32>(s);
-                if constexpr (decltype(split_start)::value) start_split();
-                scale(blk);
-                softmax();
-                wgmma_wait<0>();
-                finish_pv(blk - 1, split_start, No{});
-                rescale(split_start);
-            };
-            // One inner loop per split: the steady step is a loop of its own (no split test per block,
-            // and no join with the split-start copy at its back edge, which made ptxas copy registers).
-            for (int blk = 1; blk < blk_end;) {
-                if (blk % kBlocksPerSplit == 0) step(blk++, Yes{});
-                const int seg_end = min(blk_end, (blk + kBlocksPerSplit - 1) / kBlocksPerSplit * kBlocksPerSplit);
-                for (; blk < seg_end; ++blk) step(blk, No{});
-            }
-            if (blk_end > 0) {
-                pv_stage = cur_stage;
-                issue(No{}, Yes{});
-                start_split();  // keeps the last split's m, l in end_m, end_l for its merge
-                wgmma_wait<0>();
-                finish_pv(blk_end - 1, Yes{}, Yes{});  // the last block always ends a split
-            }
-
-            // finalize: out = acc / l (finalize_out's bits, finalize_row), both rows of the thread in turn.
-            T* op = static_cast<T*>(p.out);
-#pragma unroll
-            for (int i = 0; i < 2; ++i) {
-                if (row_q[i] < 0) continue;
-                const int64_t t_row = q_base + row_q[i];
-                T* dst = op + t_row * p.out_row + row_h[i] * p.out_head;
-                const float l_row = run_l[i];
-                float o[32];
-#pragma unroll
-                for (int k = 0; k < 32; ++k) o[k] = acc[(k / 2) * 4 + 2 * i + k % 2];
-                finalize_row(o, l_row);
-#pragma unroll
-                for (int t = 0; t < 16; ++t)
-                    *reinterpret_cast<uint32_t*>(dst + t * 8 + 2 * c) = store_pair<Codec>(o[2 * t], o[2 * t + 1]);
-                if (c == 0) p.lse[static_cast<int64_t>(row_h[i]) * p.tq + t_row] = finalize_lse(run_m[i], l_row);
-            }
-        }  // has_rows
-        w = w_next;
-    }  // work items
+                if constexpr (!kQInRegisters) {
+                    // The tile's blocks past this warpgroup's end: released in order once loaded (the
+                    // full wait keeps each arrival in its own phase of the stage's empty barrier).
+                    for (int blk = blk_end; blk < tl.blk_end; ++blk) {
+                        barrier_wait(&full[s_stage], s_phase);
+                        if (lane == 0) barrier_arrive(&empty[s_stage]);
+                        if (++s_stage == kStages) {
+                            s_stage = 0;
+                            s_phase ^= 1u;
+                        }
+                    }
+                }
+            }  // has_rows
+            w = w_next;
+        }  // work items
+    };
+    if constexpr (Warpgroups == 2) {
+        consumer(warpgroup - 1);
+    } else {
+        // One code copy (three copies, one per warpgroup with cw a constant, ran 1.5x slower on
+        // an H200: our reading, the instruction cache), with cw broadcast from lane 0 so that
+        // ptxas knows it is warp-uniform (CUTLASS's canonical_warp_group_idx): the Q tile's
+        // descriptors stay in uniform registers.
+        consumer(__shfl_sync(0xffffffffu, warpgroup, 0) - 1);
+    }
 #elif defined(__CUDA_ARCH__)
     __trap();  // built only into sm_90a images; the host never launches it elsewhere
 #endif
@@ -785,15 +923,28 @@ __device__ __forceinline__ void attn_hopper_tile(const TensorMap& map_k, const T
         int hkv, int pack, int causal, float scale_log2, int* queue, int q_tiles, int batch) {                  \
         const batchinv::attn_hopper::Params p{q,     out,   lse,      q_start, q_len, k_start, k_len, q_row,    \
                                               q_head, out_row, out_head, tq,   hq,    hkv,     pack,  causal,   \
-                                              scale_log2, queue, q_tiles, batch};                                \
-        batchinv::attn_hopper::attn_hopper_tile<CODEC>(map_k, map_v, p);                                         \
+                                              scale_log2, queue, q_tiles, batch, nullptr};                       \
+        batchinv::attn_hopper::attn_hopper_tile<CODEC, 2>(map_k, map_v, p);                                      \
+    }                                                                                                            \
+    extern "C" __global__ void __launch_bounds__(512, 1) attn_hopper_fwd_##DTYPE##_d128_wg3(                      \
+        const __grid_constant__ batchinv::TensorMap map_k, const __grid_constant__ batchinv::TensorMap map_v,   \
+        const void* q, void* out, float* lse, const int* q_start, const int* q_len, const int* k_start,        \
+        const int* k_len, int64_t q_row, int64_t q_head, int64_t out_row, int64_t out_head, int tq, int hq,     \
+        int hkv, int pack, int causal, float scale_log2, int* queue, int q_tiles, int batch, float* run) {      \
+        const batchinv::attn_hopper::Params p{q,     out,   lse,      q_start, q_len, k_start, k_len, q_row,    \
+                                              q_head, out_row, out_head, tq,   hq,    hkv,     pack,  causal,   \
+                                              scale_log2, queue, q_tiles, batch, run};                           \
+        batchinv::attn_hopper::attn_hopper_tile<CODEC, 3>(map_k, map_v, p);                                      \
     }
 
 // Signature: (map_k, map_v, q, out, lse, q_start, q_len, k_start, k_len, q_row, q_head, out_row,
-//             out_head, tq, hq, hkv, pack, causal, scale_log2, queue, q_tiles, batch)
+//             out_head, tq, hq, hkv, pack, causal, scale_log2, queue, q_tiles, batch); the _wg3
+// kernels (3 consumer warpgroups) take the running-state scratch `run` (64 x 384 fp32 per CTA) last.
 // batchinv-signature: attn_hopper_fwd_bf16_d128(tmap, tmap, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i32, i32, i32, i32, i32, f32, ptr, i32, i32)
+// batchinv-signature: attn_hopper_fwd_bf16_d128_wg3(tmap, tmap, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i32, i32, i32, i32, i32, f32, ptr, i32, i32, ptr)
 BATCHINV_ATTN_HOPPER(bf16, batchinv::Bf16Codec)
 // batchinv-signature: attn_hopper_fwd_f16_d128(tmap, tmap, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i32, i32, i32, i32, i32, f32, ptr, i32, i32)
+// batchinv-signature: attn_hopper_fwd_f16_d128_wg3(tmap, tmap, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i32, i32, i32, i32, i32, f32, ptr, i32, i32, ptr)
 BATCHINV_ATTN_HOPPER(f16, batchinv::F16Codec)
 
 // Test kernel: finalize_row (the tile kernel's division) next to finalize_out, element by element,

@@ -20,8 +20,8 @@ from batchinv.reference.kv_cache import KVCache
 
 DEVICE = "cuda"
 DTYPES = (torch.bfloat16, torch.float16)
-# (Hq, Hkv): GQA 4:1, GQA 8:1, MHA, a group of 3 (42 queries x 3 heads: 2 padding rows) and a
-# group of 5 (25 queries x 5 heads: 3 padding rows)
+# (Hq, Hkv): GQA 4:1, GQA 8:1, MHA, a group of 3 (128-row tiles: 42 queries x 3 heads, 2
+# padding rows) and a group of 5 (25 x 5 of 128 and 38 x 5 of 192 rows: padding in both heights)
 HEADS = ((8, 2), (16, 2), (4, 4), (6, 2), (10, 2))
 LONG_CONTEXT = 2500  # three splits of 1024 keys
 
@@ -66,11 +66,48 @@ def _nan_padding(q, k, v, seqlens_q, seqlens_k):
     return q, k, v
 
 
+@pytest.fixture(autouse=True, params=(2, 3), ids=("wg2", "wg3"))
+def warpgroups(request):
+    """Every test runs with both kernels whatever its shape (the shape rule,
+    ``hopper.warpgroups_for``, would pick one): 2 consumer warpgroups (128-row tiles) and 3
+    (192-row tiles); both must give the mma.sync kernels' bits."""
+    with hopper.forced_warpgroups(request.param):
+        yield request.param
+
+
 # ----------------------------------------------------------------------------- host logic (CPU)
 
 
-def test_shared_memory_fits_hopper():
-    assert hopper.shared_bytes() <= 227 * 1024
+def test_shared_memory_fits_hopper(warpgroups):
+    assert hopper.shared_bytes(warpgroups=warpgroups) <= 227 * 1024
+
+
+def test_forced_warpgroups_rejects_bad_counts():
+    with pytest.raises(ValueError, match="count"):
+        with hopper.forced_warpgroups(4):
+            pass
+    with pytest.raises(TypeError, match="count"):
+        with hopper.forced_warpgroups(True):
+            pass
+
+
+def test_warpgroup_rule_depends_only_on_the_longest_lengths(monkeypatch):
+    monkeypatch.setattr(hopper, "_forced_warpgroups", None)  # the rule, not the fixture's count
+    edge = hopper.WG3_MAX_LEN
+    assert edge == 2048
+    for max_q, max_k, want in (
+        (1, 1, 3),
+        (edge, edge, 3),
+        (edge + 1, edge + 1, 2),
+        (edge, edge + 1, 2),  # a chunk of queries against a longer context
+        (edge + 1, 64, 2),
+        (4096, 4096, 2),
+    ):
+        assert hopper.warpgroups_for(max_q, max_k) == want, (max_q, max_k)
+    with hopper.forced_warpgroups(2):
+        assert hopper.warpgroups_for(64, 64) == 2
+    with hopper.forced_warpgroups(3):
+        assert hopper.warpgroups_for(4096, 4096) == 3
 
 
 def test_tma_rows_needs_contiguous_heads():
@@ -163,6 +200,54 @@ def test_split_loop_edges_equal_mma_sync(dtype, causal):
     kwargs = dict(causal=causal, seqlens_q=seqlens_q, seqlens_k=seqlens_k, return_lse=True)
     new = _hopper_equal_to_mma_sync(q, k, v, "tile at the split-loop edges", **kwargs)
     assert not torch.isnan(new[0]).any(), "NaN padding leaked into the output"
+
+
+@cuda
+@needs_hopper
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_warpgroup_causal_ends_around_a_split_edge_equal_mma_sync(dtype):
+    # With 3 warpgroups each stops at its own causal end (16 query positions at GQA 4:1) and
+    # only releases the tile's later blocks: ends on both sides of the first split edge within
+    # one tile (1040 keys, 96 queries: 15/16/16 then 16/16/17 blocks; 1100: 16/17/17 then
+    # 17/17/18), a warpgroup whose rows see no key (50 queries over 20 keys), a tile past q_len.
+    seqlens_k = torch.tensor([1040, 1100, 20, 1], device=DEVICE)
+    seqlens_q = torch.tensor([96, 96, 50, 1], device=DEVICE)
+    q, k, v = _qkv(4, 96, 1100, 8, 2, dtype, seed=71)
+    q, k, v = _nan_padding(q, k, v, seqlens_q, seqlens_k)
+    kwargs = dict(causal=True, seqlens_q=seqlens_q, seqlens_k=seqlens_k, return_lse=True)
+    new = _hopper_equal_to_mma_sync(q, k, v, "tile, warpgroup ends around a split", **kwargs)
+    assert not torch.isnan(new[0]).any(), "NaN padding leaked into the output"
+
+
+@cuda
+@needs_hopper
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_shape_rule_changes_the_kernel_never_a_rows_bits(dtype, monkeypatch):
+    # Unforced dispatch: a sequence alone (300 queries and keys: the 3-warpgroup kernel) and
+    # beside a longer one (2100 keys: the 2-warpgroup kernel) gives the same bits, those of the
+    # mma.sync tile kernel; the kernel names the launches asked for show both ran.
+    monkeypatch.setattr(hopper, "_forced_warpgroups", None)
+    names = []
+    kernel = hopper._kernel
+
+    def recording(name, *args):
+        names.append(name)
+        return kernel(name, *args)
+
+    monkeypatch.setattr(hopper, "_kernel", recording)
+    seqlens = torch.tensor([300, 2100], device=DEVICE)
+    q, k, v = _qkv(2, 2100, 2100, 8, 2, dtype, seed=81)
+    q, k, v = _nan_padding(q, k, v, seqlens, seqlens)
+    kwargs = dict(causal=True, return_lse=True, mode="tile", warps=4)
+    out, lse = gpu.attention(q, k, v, seqlens_q=seqlens, seqlens_k=seqlens, **kwargs)
+    one = [t[:1, :300].contiguous() for t in (q, k, v)]
+    alone = gpu.attention(*one, **kwargs)
+    suffix = hopper._DTYPE_NAMES[dtype]
+    assert names == [f"attn_hopper_fwd_{suffix}_d128", f"attn_hopper_fwd_{suffix}_d128_wg3"]
+    assert_bitwise_equal(out[:1, :300], alone[0], name="out, 2 vs 3 warpgroups")
+    assert_bitwise_equal(lse[:1, :, :300], alone[1], name="lse, 2 vs 3 warpgroups")
+    old = gpu.attention(*one, hopper=False, **kwargs)
+    assert_bitwise_equal(alone, old, name="3 warpgroups (rule) vs mma.sync")
 
 
 @cuda
