@@ -22,26 +22,13 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-import warnings
 from pathlib import Path
 
 import torch
 
-_SYNC_WARNING = "called a synchronizing CUDA operation"
+from batchinv.host_syncs import count_host_syncs
+
 PATHS = ("stock", "batchinv")
-
-
-def count_syncs(fn) -> int:
-    torch.cuda.synchronize()
-    previous = torch.cuda.get_sync_debug_mode()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            fn()
-        finally:
-            torch.cuda.set_sync_debug_mode(previous)
-    return sum(_SYNC_WARNING in str(w.message) for w in caught)
 
 
 def host_and_wall_ms(fn, steps: int) -> tuple[float, float]:
@@ -102,7 +89,8 @@ def main() -> None:
                     f"{args.tag} {path} round {rnd}: host {host:.3f} ms/step, "
                     f"wall {wall:.3f} ms/step"
                 )
-            print(f"{args.tag} {path} syncs per step: {count_syncs(lambda path=path: step(path))}")
+            _, syncs = count_host_syncs(lambda path=path: step(path))
+            print(f"{args.tag} {path} syncs per step: {syncs}")
             layers_ms = median_ms(lambda path=path: step(path))
             ops = ops_by_name(path)
             head_ms = median_ms(lambda ops=ops: ops.linear(hidden, head, None))

@@ -15,27 +15,12 @@ import cProfile
 import io
 import pstats
 import time
-import warnings
 
 import torch
 
 import batchinv
+from batchinv.host_syncs import count_host_syncs
 from batchinv.reference.kv_cache import KVCache
-
-_SYNC_WARNING = "called a synchronizing CUDA operation"
-
-
-def count_syncs(fn) -> int:
-    torch.cuda.synchronize()
-    previous = torch.cuda.get_sync_debug_mode()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            fn()
-        finally:
-            torch.cuda.set_sync_debug_mode(previous)
-    return sum(_SYNC_WARNING in str(w.message) for w in caught)
 
 
 def host_and_wall_us(fn, calls: int) -> tuple[float, float]:
@@ -91,7 +76,7 @@ def main() -> None:
         for name, fn in cases.items():
             set_all_lengths(cache, ctx)
             host, wall = host_and_wall_us(fn, args.calls)
-            syncs = count_syncs(fn)
+            syncs = count_host_syncs(fn)[1]
             print(f"{name:42s} host {host:7.1f} us/call  wall {wall:7.1f} us/call  syncs {syncs}")
         if args.profile:
             step = cases["attention_with_kv_cache (seq_ids=None)"]

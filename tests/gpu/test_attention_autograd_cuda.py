@@ -5,9 +5,6 @@ inside a padded batch, and packed varlen, and repeated runs give the same bits."
 
 from __future__ import annotations
 
-import contextlib
-import warnings
-
 import pytest
 import torch
 
@@ -15,6 +12,7 @@ import batchinv
 from batchinv.contract import assert_bitwise_equal, assert_within_tolerance
 from batchinv.gpu import attention as gpu_attention
 from batchinv.gpu import attention_backward as gpu_attention_backward
+from batchinv.host_syncs import count_host_syncs, sync_debug_mode
 from batchinv.reference.attention import attention_fp32
 
 pytestmark = pytest.mark.cuda
@@ -120,28 +118,7 @@ def test_varlen_grads_bitwise_equal_padded_and_repeatable():
 # call): the forward reads the lengths once when they are on the GPU and never when they are CPU
 # tensors, and the autograd backward reuses the forward's layout without reading anything.
 
-_SYNC_WARNING = "called a synchronizing CUDA operation"
 _VARLEN_LENS = (33, 100, 7)
-
-
-@contextlib.contextmanager
-def _sync_debug(mode):
-    previous = torch.cuda.get_sync_debug_mode()
-    torch.cuda.set_sync_debug_mode(mode)
-    try:
-        yield
-    finally:
-        torch.cuda.set_sync_debug_mode(previous)
-
-
-def _count_syncs(fn):
-    """``(fn(), number of synchronizing CUDA calls it made)``."""
-    torch.cuda.synchronize()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        with _sync_debug("warn"):
-            result = fn()
-    return result, sum(_SYNC_WARNING in str(w.message) for w in caught)
 
 
 def _varlen_case(lengths_device, seed=200):
@@ -199,7 +176,7 @@ def test_autograd_backward_makes_no_host_sync(layout):
     want = _grads(fn, inputs, do)  # also loads the kernels
     out = fn(*inputs)
     torch.cuda.synchronize()
-    with _sync_debug("error"):  # raises on any synchronizing call
+    with sync_debug_mode("error"):  # raises on any synchronizing call
         got = torch.autograd.grad(out, inputs, do)
     for name, g, w in zip(("dq", "dk", "dv"), got, want, strict=True):
         assert_bitwise_equal(g, w, name=name)
@@ -213,7 +190,7 @@ def test_cpu_lengths_forward_and_backward_make_no_host_sync(layout):
     want_out = fn_gpu(*inputs).detach()
     _grads(fn_cpu, inputs, do)  # loads the kernels, pins the first host buffer
     torch.cuda.synchronize()
-    with _sync_debug("error"):
+    with sync_debug_mode("error"):
         out = fn_cpu(*inputs)
         got = torch.autograd.grad(out, inputs, do)
     assert_bitwise_equal(out.detach(), want_out, name="out, CPU vs GPU lengths")
@@ -227,12 +204,12 @@ def test_gpu_lengths_cost_exactly_one_sync_per_step(layout):
     _grads(fn, inputs, do)
     # A process's first counted call can see one more sync (old code too; seen on an H200 in
     # a fresh process): the counts below are of a later call.
-    _count_syncs(lambda: torch.autograd.grad(fn(*inputs), inputs, do))
-    out, forward_syncs = _count_syncs(lambda: fn(*inputs))
-    _, backward_syncs = _count_syncs(lambda: torch.autograd.grad(out, inputs, do))
+    count_host_syncs(lambda: torch.autograd.grad(fn(*inputs), inputs, do))
+    out, forward_syncs = count_host_syncs(lambda: fn(*inputs))
+    _, backward_syncs = count_host_syncs(lambda: torch.autograd.grad(out, inputs, do))
     assert (forward_syncs, backward_syncs) == (1, 0)
     # The counter sees syncs: without a layout to trust, the backward checks the ranges (1).
-    _, public_backward_syncs = _count_syncs(lambda: _public_backward(*inputs, do))
+    _, public_backward_syncs = count_host_syncs(lambda: _public_backward(*inputs, do))
     assert public_backward_syncs == 1
 
 

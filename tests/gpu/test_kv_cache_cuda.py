@@ -2,19 +2,17 @@
 ``seq_ids`` / ``seqlens_new``, one with GPU ones), the same bits whichever way the ids come, the
 host lengths equal to the device state, and bad GPU ids that raise before anything is written.
 
-Syncs are counted with torch's sync debug mode, as tests/gpu/test_attention_autograd_cuda.py
-does ("error" raises on any synchronizing call; "warn" warns once per call)."""
+Syncs are counted with torch's sync debug mode through ``batchinv.host_syncs`` ("error" raises
+on any synchronizing call; "warn" warns once per call)."""
 
 from __future__ import annotations
-
-import contextlib
-import warnings
 
 import pytest
 import torch
 
 import batchinv
 from batchinv.contract import assert_bitwise_equal
+from batchinv.host_syncs import count_host_syncs, sync_debug_mode
 from batchinv.reference.kv_cache import KVCache
 
 pytestmark = pytest.mark.cuda
@@ -24,27 +22,6 @@ DTYPE = torch.bfloat16
 HQ, HKV, D = 8, 2, 128
 LENGTHS = (1500, 3, 1024, 1025, 64, 700)  # cached keys per slot before the step
 CAPACITY = 1600
-_SYNC_WARNING = "called a synchronizing CUDA operation"
-
-
-@contextlib.contextmanager
-def _sync_debug(mode):
-    previous = torch.cuda.get_sync_debug_mode()
-    torch.cuda.set_sync_debug_mode(mode)
-    try:
-        yield
-    finally:
-        torch.cuda.set_sync_debug_mode(previous)
-
-
-def _count_syncs(fn):
-    """``(fn(), number of synchronizing CUDA calls it made)``."""
-    torch.cuda.synchronize()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        with _sync_debug("warn"):
-            result = fn()
-    return result, sum(_SYNC_WARNING in str(w.message) for w in caught)
 
 
 def _randn(*shape, seed):
@@ -87,7 +64,7 @@ def test_decode_step_makes_no_host_sync_with_host_ids(ids):
     _decode(_filled_cache(), ids, None, inputs)  # loads the kernels, pins the first host buffer
     cache, gpu_ids_cache = _filled_cache(), _filled_cache()
     torch.cuda.synchronize()
-    with _sync_debug("error"):
+    with sync_debug_mode("error"):
         got = _decode(cache, ids, None, inputs)
     want = _decode(gpu_ids_cache, None if ids is None else ids.to(DEVICE), None, inputs)
     assert_bitwise_equal(got, want, name="decode, host vs GPU seq_ids")
@@ -100,7 +77,7 @@ def test_padded_chunk_with_cpu_lengths_makes_no_host_sync():
     _decode(_filled_cache(), _IDS, lens, inputs)
     cache, gpu_cache = _filled_cache(), _filled_cache()
     torch.cuda.synchronize()
-    with _sync_debug("error"):
+    with sync_debug_mode("error"):
         got = _decode(cache, _IDS, lens, inputs)
     want = _decode(gpu_cache, _IDS.to(DEVICE), lens.to(DEVICE), inputs)
     assert_bitwise_equal(got, want, name="chunk, CPU vs GPU ids and lengths")
@@ -113,14 +90,14 @@ def test_gpu_ids_and_lengths_cost_exactly_one_sync():
     inputs = _step_inputs(3)
     _decode(cache, ids, lens, inputs)
     # A process's first counted call can see one more sync: count a later call.
-    _count_syncs(lambda: _decode(cache, ids, lens, inputs))
-    assert _count_syncs(lambda: _decode(cache, ids, lens, inputs))[1] == 1
-    assert _count_syncs(lambda: _decode(cache, ids, None, inputs))[1] == 1
+    count_host_syncs(lambda: _decode(cache, ids, lens, inputs))
+    assert count_host_syncs(lambda: _decode(cache, ids, lens, inputs))[1] == 1
+    assert count_host_syncs(lambda: _decode(cache, ids, None, inputs))[1] == 1
     host_lens = lens.cpu()
-    assert _count_syncs(lambda: _decode(cache, _IDS, host_lens, inputs))[1] == 0
+    assert count_host_syncs(lambda: _decode(cache, _IDS, host_lens, inputs))[1] == 0
     k, v = _randn(3, 1, HKV, D, seed=7), _randn(3, 1, HKV, D, seed=8)
-    assert _count_syncs(lambda: cache.append(k, v, ids, lens))[1] == 1
-    assert _count_syncs(lambda: cache.append(k, v, _IDS, host_lens))[1] == 0
+    assert count_host_syncs(lambda: cache.append(k, v, ids, lens))[1] == 1
+    assert count_host_syncs(lambda: cache.append(k, v, _IDS, host_lens))[1] == 0
 
 
 def test_host_lengths_equal_the_device_state():

@@ -11,13 +11,13 @@
 from __future__ import annotations
 
 import dataclasses
-import warnings
 
 import pytest
 import torch
 
 import batchinv
 from batchinv.contract import assert_bitwise_equal
+from batchinv.host_syncs import count_host_syncs
 from batchinv.models import Qwen3, Qwen3Config
 from batchinv.models.qwen3 import ops as model_ops
 from batchinv.reference.qwen3_chain import REFERENCE_OPS
@@ -25,20 +25,6 @@ from batchinv.reference.qwen3_chain import REFERENCE_OPS
 pytestmark = pytest.mark.cuda
 
 DEVICE = "cuda"
-_SYNC_WARNING = "called a synchronizing CUDA operation"
-
-
-def _count_syncs(fn) -> int:
-    torch.cuda.synchronize()
-    previous = torch.cuda.get_sync_debug_mode()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            fn()
-        finally:
-            torch.cuda.set_sync_debug_mode(previous)
-    return sum(_SYNC_WARNING in str(w.message) for w in caught)
 
 
 @pytest.mark.parametrize("rows", [1, 7, 16, 64, 300])
@@ -103,7 +89,7 @@ def test_decode_step_syncs_twice_whatever_the_layers(layers):
     token = torch.randint(0, 512, (4, 1), device=DEVICE)
     with torch.no_grad():
         model(prompt, caches=caches)
-        syncs = _count_syncs(lambda: model(token, caches=caches))
+        syncs = count_host_syncs(lambda: model(token, caches=caches))[1]
     assert syncs == 2  # the embedding's id check and one RoPE position check
 
 
@@ -134,7 +120,7 @@ def test_a_position_tensor_written_in_place_is_checked_again():
     positions = torch.tensor([[5], [9]], device=DEVICE)
     kwargs = dict(theta=10000.0, head_dim=64, max_position=16)
     first = model_ops.BATCHINV_OPS.rope(q, k, positions, **kwargs)
-    second = _count_syncs(lambda: model_ops.BATCHINV_OPS.rope(q, k, positions, **kwargs))
+    second = count_host_syncs(lambda: model_ops.BATCHINV_OPS.rope(q, k, positions, **kwargs))[1]
     assert second == 0  # the same unmodified tensor: not read again
     assert_bitwise_equal(model_ops.BATCHINV_OPS.rope(q, k, positions, **kwargs)[0], first[0])
     positions[1, 0] = 16
