@@ -20,6 +20,7 @@ import importlib.util
 import io
 import json
 import pstats
+import sys
 import time
 
 import torch
@@ -37,6 +38,7 @@ def load_old(path: str):
     ``batchinv.gpu``)."""
     spec = importlib.util.spec_from_file_location("batchinv.gpu._attention_old", path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
 
