@@ -134,20 +134,29 @@ def test_a_plan_is_not_reused_for_other_strides_alignment_or_bounds():
     assert strided[1].shape == k.shape and strided[1].stride() != k.stride()
     got = gpu.forward(*strided, layout, True, scale, prefill_zero=False)
     assert_bitwise_equal(got, _fresh((q, k, v), layout, scale, mode="split", warps=1))
-    # A K storage at an 8-byte offset: as_rows copies it, and such a plan is never kept.
-    flat = torch.empty(k.numel() + 4, dtype=k.dtype, device=DEVICE)
-    shifted = flat[4:].view(k.shape)
-    shifted.copy_(k)
-    assert shifted.data_ptr() % 16 == 8
-    plans = len(gpu._PLANS)
-    for _ in range(2):
-        got = gpu.forward(q, shifted, v, layout, True, scale, prefill_zero=False)
-        assert_bitwise_equal(got, _fresh((q, k, v), layout, scale, mode="split", warps=1))
-    assert len(gpu._PLANS) == plans
     # The same tensors with a shorter longest context: fewer splits, another plan.
     short = _layout([1, 1025, 1025], 4097, DEVICE)
     got = gpu.forward(q, k, v, short, True, scale, prefill_zero=False)
     assert_bitwise_equal(got, _fresh((q, k, v), short, scale, mode="split", warps=1))
+
+
+@cuda
+def test_a_misaligned_k_is_copied_and_its_plan_never_kept():
+    # A contiguous K at an 8-byte base: as_rows copies it (before session 8's fix it passed it
+    # on unchanged: a misaligned-address fault), and a plan made on a copy is never kept.
+    lens = [1, 1025, 4097]
+    (q, k, v), layout = _decode(lens, seed=4)
+    scale = gpu.scale_of(None, 128)
+    flat = torch.empty(k.numel() + 4, dtype=k.dtype, device=DEVICE)
+    shifted = flat[4:].view(k.shape)
+    shifted.copy_(k)
+    assert shifted.is_contiguous() and shifted.data_ptr() % 16 == 8
+    gpu._PLANS.clear()
+    want = _fresh((q, k, v), layout, scale, mode="split", warps=1)
+    for _ in range(2):
+        got = gpu.forward(q, shifted, v, layout, True, scale, prefill_zero=False)
+        assert_bitwise_equal(got, want)
+    assert len(gpu._PLANS) == 0
 
 
 @cuda

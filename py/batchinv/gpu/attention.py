@@ -153,14 +153,16 @@ def check_supported(q: Tensor, k: Tensor, v: Tensor) -> None:
 
 def as_rows(t: Tensor) -> Tensor:
     """``t [rows, H, d]`` usable by the kernel: unit stride along d, 16-byte aligned strides
-    and base; a view when it already is, else a contiguous copy."""
+    and base; a view when it already is, else a fresh contiguous copy (``t.contiguous()``
+    would return a contiguous tensor at a misaligned base unchanged: a misaligned-address
+    fault in the kernel)."""
     ok = (
         t.stride(-1) == 1
         and t.stride(0) % 8 == 0
         and t.stride(1) % 8 == 0
         and t.data_ptr() % 16 == 0
     )
-    return t if ok else t.contiguous()
+    return t if ok else t.clone(memory_format=torch.contiguous_format)
 
 
 def packed_heads(hq: int, hkv: int) -> int:
