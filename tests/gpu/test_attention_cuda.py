@@ -82,6 +82,13 @@ def test_as_rows_copies_only_misaligned_layouts():
     assert gpu.as_rows(t) is t
     odd = torch.zeros(4, 2, 66)[..., :64]  # head stride 66: not 16-byte aligned for bf16 rows
     assert gpu.as_rows(odd).is_contiguous()
+    # A contiguous tensor at an 8-byte base (contiguous() alone would return it unchanged).
+    flat = torch.arange(4 * 2 * 64 + 4, dtype=torch.float32).to(torch.bfloat16)
+    shifted = flat[4:].view(4, 2, 64)
+    assert shifted.is_contiguous() and shifted.data_ptr() % 16 == 8
+    rows = gpu.as_rows(shifted)
+    assert rows.data_ptr() % 16 == 0 and rows.is_contiguous()
+    assert_bitwise_equal(rows, shifted)
 
 
 def test_scale_is_rounded_to_fp32_once():

@@ -31,7 +31,14 @@ from torch import Tensor
 from ..reference.attention import check_attention_args, check_length_values
 from ..reference.kv_cache import host_index_copies
 from . import attention_backward, attention_hopper
-from ._launch import allow_dynamic_shared, kernel_for, launch, multiprocessors, native, uses_hopper
+from ._launch import (
+    allow_dynamic_shared,
+    current_raw_stream,
+    kernel_for,
+    multiprocessors,
+    native,
+    uses_hopper,
+)
 
 BLOCK_KEYS = 64  # keys per block, at absolute positions [64j, 64j + 64)
 SPLIT_KEYS = 1024  # keys per split, at absolute positions (kernels_cu/attention.cu kSplitKeys)
@@ -75,9 +82,15 @@ class Layout:
     max_q_len: int
     max_k_len: int
 
-    @property
+    @functools.cached_property
     def batch(self) -> int:
         return self.q_start.numel()
+
+    @functools.cached_property
+    def pointers(self) -> tuple[int, int, int, int]:
+        """Device addresses of ``q_start, q_len, k_start, k_len`` (the layout owns them, so
+        they never change), passed to the kernels as ints."""
+        return tuple(t.data_ptr() for t in (self.q_start, self.q_len, self.k_start, self.k_len))
 
 
 def make_layout(
@@ -140,14 +153,16 @@ def check_supported(q: Tensor, k: Tensor, v: Tensor) -> None:
 
 def as_rows(t: Tensor) -> Tensor:
     """``t [rows, H, d]`` usable by the kernel: unit stride along d, 16-byte aligned strides
-    and base; a view when it already is, else a contiguous copy."""
+    and base; a view when it already is, else a fresh contiguous copy (``t.contiguous()``
+    would return a contiguous tensor at a misaligned base unchanged: a misaligned-address
+    fault in the kernel)."""
     ok = (
         t.stride(-1) == 1
         and t.stride(0) % 8 == 0
         and t.stride(1) % 8 == 0
         and t.data_ptr() % 16 == 0
     )
-    return t if ok else t.contiguous()
+    return t if ok else t.clone(memory_format=torch.contiguous_format)
 
 
 def packed_heads(hq: int, hkv: int) -> int:
@@ -192,10 +207,10 @@ def coop_tma_applies(k: Tensor, v: Tensor) -> bool:
     return uses_hopper(k.device) and _tma_rows(k) and _tma_rows(v)
 
 
-def _tma_map(t: Tensor) -> bytes:
-    """TMA map of ``t [rows, H, d]`` as ``rows x (H * d)``, 64 x 64 boxes, 128-byte swizzle."""
+def _tma_map_spec(t: Tensor) -> tuple[str, int, int, int]:
+    """What a TMA map of ``t`` holds besides its address: dtype name, rows, columns, row bytes."""
     rows, heads, d = t.shape
-    return _encoded_tma_map(t.data_ptr(), _SUFFIX[t.dtype], rows, heads * d, t.stride(0) * 2)
+    return _SUFFIX[t.dtype], rows, heads * d, t.stride(0) * 2
 
 
 @functools.lru_cache(maxsize=256)
@@ -275,23 +290,125 @@ def forward(
     dependent launch (see ``combine_uses_pdl``; same bits).  ``tma``: the cooperative split
     kernel copies K/V by TMA where ``coop_tma_applies`` (None), always (True: an error where
     it does not apply) or never (False: cp.async); same bits.
+
+    Host time: a call with the default options reuses the ``_Plan`` of an earlier call with the
+    same ``_plan_key`` (dtypes, shapes, strides, alignment, devices, the layout's bounds): every
+    decision and check of ``_plan`` depends only on those, so a plan that was built once (its
+    checks passed) holds for every call with that key.
     """
+    if (
+        mode == "auto"
+        and warps is None
+        and stages is None
+        and coop is None
+        and hopper is None
+        and pdl is None
+        and tma is None
+    ):
+        key = _plan_key(q, k, v, layout, causal)
+        plan = _PLANS.get(key)
+        if plan is None:
+            plan, q, k, v = _plan(q, k, v, layout, causal)
+            if plan.reusable:
+                if len(_PLANS) >= _MAX_PLANS:
+                    _PLANS.clear()
+                _PLANS[key] = plan
+    else:
+        plan, q, k, v = _plan(q, k, v, layout, causal, mode, warps, stages, coop, hopper, pdl, tma)
+    return _execute(plan, q, k, v, layout, causal, scale, prefill_zero)
+
+
+@dataclass(frozen=True)
+class _Launch:
+    """One kernel launch of a plan; ``args`` are the integer arguments after the pointers."""
+
+    kernel: object
+    grid: tuple[int, int, int]
+    block: tuple[int]
+    shared: int
+    args: tuple
+    programmatic: bool = False
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """What ``forward`` does for one ``_plan_key``: the output shapes, then nothing
+    (``kind="empty"``), the Hopper tile kernel (``"hopper"``) or ``main`` (+ ``combine`` for
+    split launches).  ``reusable``: ``as_rows`` made no copy (a copy's strides are not the
+    key's), so a later call with the same key may reuse the plan."""
+
+    kind: str
+    out_shape: tuple[int, int, int]
+    lse_shape: tuple[int, int]
+    device_index: int
+    reusable: bool
+    pack: int = 0
+    ws_shape: tuple[int, ...] | None = None
+    tma: tuple | None = None  # (dtype name, rows, cols, row bytes) of k, then of v
+    main: _Launch | None = None
+    combine: _Launch | None = None
+
+
+# Plans by key, for calls with the default options; cleared when full (prefill shapes vary).
+_PLANS: dict[tuple, _Plan] = {}
+_MAX_PLANS = 512
+
+
+def _plan_key(q: Tensor, k: Tensor, v: Tensor, layout: Layout, causal: bool) -> tuple:
+    """Everything ``_plan`` reads of its arguments (``as_rows``, ``coop_tma_applies`` and
+    ``attention_hopper.applies`` read the strides and the 16-byte alignment of the bases)."""
+    return (
+        q.dtype,
+        k.dtype,
+        v.dtype,
+        q.shape,
+        k.shape,
+        v.shape,
+        q.stride(),
+        k.stride(),
+        v.stride(),
+        q.data_ptr() % 16,
+        k.data_ptr() % 16,
+        v.data_ptr() % 16,
+        q.get_device(),
+        k.get_device(),
+        layout.batch,
+        layout.max_q_len,
+        layout.max_k_len,
+        causal,
+    )
+
+
+def _plan(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    layout: Layout,
+    causal: bool,
+    mode: str = "auto",
+    warps: int | None = None,
+    stages: int | None = None,
+    coop: bool | None = None,
+    hopper: bool | None = None,
+    pdl: bool | None = None,
+    tma: bool | None = None,
+) -> tuple[_Plan, Tensor, Tensor, Tensor]:
+    """The checks and choices of a ``forward`` call: ``(plan, q, k, v)`` with ``q, k, v``
+    through ``as_rows``.  Reads only what ``_plan_key`` holds (and the options)."""
     check_supported(q, k, v)
     programmatic = combine_uses_pdl(device=q.device, pdl=pdl)
-    q, k, v = as_rows(q), as_rows(k), as_rows(v)
+    rows = as_rows(q), as_rows(k), as_rows(v)
+    reusable = rows[0] is q and rows[1] is k and rows[2] is v
+    q, k, v = rows
     tq, hq, d = q.shape
     hkv = k.shape[1]
     device = q.device
+    index = torch.cuda.current_device() if device.index is None else device.index
     mode, warps = choose(layout, hq, hkv, device, mode, warps)
-    if prefill_zero:
-        out = torch.zeros((tq, hq, d), dtype=q.dtype, device=device)
-        lse = torch.full((hq, tq), float("-inf"), dtype=torch.float32, device=device)
-    else:
-        out = torch.empty((tq, hq, d), dtype=q.dtype, device=device)
-        lse = torch.empty((hq, tq), dtype=torch.float32, device=device)
+    shapes = {"out_shape": (tq, hq, d), "lse_shape": (hq, tq), "device_index": index}
     batch = layout.batch
     if tq == 0 or batch == 0 or layout.max_q_len == 0:
-        return out, lse
+        return _Plan("empty", reusable=reusable, **shapes), q, k, v
     pack = packed_heads(hq, hkv)
     split = mode == "split"
     one_warp_split = split and warps == 1
@@ -307,9 +424,7 @@ def forward(
         raise ValueError("tma=True needs the cooperative split kernel (coop)")
     tile4 = mode == "tile" and warps == 4
     if tile4 and hopper is not False and attention_hopper.applies(q, k, v):
-        scale_log2 = float(scale) * _LOG2E
-        attention_hopper.forward_tile(q, k, v, out, lse, layout, causal, scale_log2, pack)
-        return out, lse
+        return _Plan("hopper", reusable=reusable, pack=pack, **shapes), q, k, v
     if hopper:
         raise ValueError(
             "hopper=True needs a 4-warp tile launch on an sm_90a device with d = 128 and K/V "
@@ -324,12 +439,8 @@ def forward(
             f"attention launch too large: {batch} sequences x {split_grid if split else 1} "
             f"splits (at most {_MAX_GRID_YZ})"
         )
-    ws = (
-        torch.empty((split_grid, tq, hq, d + 2), dtype=torch.float32, device=device)
-        if split
-        else None
-    )
     suffix = f"{_SUFFIX[q.dtype]}_d{d}"
+    maps = None
     if coop:
         if stages is None:
             ctas = q_tiles * (hq // pack) * grid_z
@@ -346,68 +457,127 @@ def forward(
         shared = coop_tma_shared_bytes(d, stages) if use_tma else coop_shared_bytes(d, stages)
         name = f"attn_split_coop_{suffix}_w{COOP_WARPS}_s{stages}" + ("_tma" if use_tma else "")
         threads = 32 * COOP_WARPS
-        maps = (_tma_map(k), _tma_map(v)) if use_tma else ()
+        maps = (_tma_map_spec(k), _tma_map_spec(v)) if use_tma else None
     else:
-        maps = ()
         shared = shared_bytes(d, warps, split)
         name = f"attn_{'split' if split else 'fwd'}_{suffix}_w{warps}"
         threads = 32 * warps
-    kernel = _kernel(name, device, shared)
-    launch(
-        kernel,
-        device,
-        grid=(q_tiles, hq // pack, grid_z),
-        block=(threads,),
-        args=(
-            *maps,
-            q,
-            k,
-            v,
-            out,
-            lse,
-            ws if ws is not None else 0,
-            layout.q_start,
-            layout.q_len,
-            layout.k_start,
-            layout.k_len,
+    # out is a fresh contiguous [tq, hq, d] tensor: its strides are (hq * d, d).
+    out_strides = (hq * d, d)
+    main = _Launch(
+        _kernel(name, device, shared),
+        (q_tiles, hq // pack, grid_z),
+        (threads,),
+        shared,
+        (
             q.stride(0),
             q.stride(1),
             k.stride(0),
             k.stride(1),
             v.stride(0),
             v.stride(1),
-            out.stride(0),
-            out.stride(1),
+            *out_strides,
             tq,
             hq,
             hkv,
             pack,
             int(causal),
             split_grid,
-            float(scale) * _LOG2E,
         ),
-        shared_mem=shared,
     )
+    combine = None
     if split:
-        launch(
+        combine = _Launch(
             _kernel(f"attn_combine_{suffix}", device, 0),
-            device,
-            grid=(layout.max_q_len, hq, batch),
-            block=(d,),
-            args=(
-                ws,
-                out,
-                lse,
-                layout.q_start,
-                layout.q_len,
-                layout.k_len,
-                out.stride(0),
-                out.stride(1),
-                tq,
-                hq,
-                int(causal),
-            ),
-            programmatic=programmatic,
+            (layout.max_q_len, hq, batch),
+            (d,),
+            0,
+            (*out_strides, tq, hq, int(causal)),
+            programmatic,
+        )
+    return (
+        _Plan(
+            "kernels",
+            reusable=reusable,
+            pack=pack,
+            ws_shape=(split_grid, tq, hq, d + 2) if split else None,
+            tma=maps,
+            main=main,
+            combine=combine,
+            **shapes,
+        ),
+        q,
+        k,
+        v,
+    )
+
+
+def _execute(
+    plan: _Plan,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    layout: Layout,
+    causal: bool,
+    scale: float,
+    prefill_zero: bool,
+) -> tuple[Tensor, Tensor]:
+    """Allocates the outputs and runs ``plan`` on ``q, k, v`` (already through ``as_rows``)."""
+    if prefill_zero:
+        out = q.new_zeros(plan.out_shape)
+        lse = q.new_full(plan.lse_shape, float("-inf"), dtype=torch.float32)
+    else:
+        out = q.new_empty(plan.out_shape)
+        lse = q.new_empty(plan.lse_shape, dtype=torch.float32)
+    if plan.kind == "empty":
+        return out, lse
+    scale_log2 = float(scale) * _LOG2E
+    if plan.kind == "hopper":
+        attention_hopper.forward_tile(q, k, v, out, lse, layout, causal, scale_log2, plan.pack)
+        return out, lse
+    ws = q.new_empty(plan.ws_shape, dtype=torch.float32) if plan.ws_shape is not None else None
+    maps = ()
+    if plan.tma is not None:
+        (k_spec, v_spec) = plan.tma
+        maps = (
+            _encoded_tma_map(k.data_ptr(), *k_spec),
+            _encoded_tma_map(v.data_ptr(), *v_spec),
+        )
+    index = plan.device_index
+    stream = current_raw_stream(index)
+    q_start, q_len, k_start, k_len = layout.pointers
+    main = plan.main
+    main.kernel(
+        main.grid,
+        main.block,
+        (
+            *maps,
+            q,
+            k,
+            v,
+            out,
+            lse,
+            0 if ws is None else ws,
+            q_start,
+            q_len,
+            k_start,
+            k_len,
+            *main.args,
+            scale_log2,
+        ),
+        shared_mem=main.shared,
+        stream=stream,
+        device=index,
+    )
+    combine = plan.combine
+    if combine is not None:
+        combine.kernel(
+            combine.grid,
+            combine.block,
+            (ws, out, lse, q_start, q_len, k_len, *combine.args),
+            stream=stream,
+            device=index,
+            programmatic=combine.programmatic,
         )
     return out, lse
 
