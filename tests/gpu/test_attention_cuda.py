@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import batchinv
+from _streams import run_interleaved_on_streams
 from batchinv.contract import assert_bitwise_equal, assert_within_tolerance
 from batchinv.gpu import attention as gpu
 from batchinv.reference.attention import attention_fp32, attention_varlen_fp32
@@ -466,17 +467,13 @@ def test_decode_with_pdl_on_two_streams_equals_the_ordinary_launch():
     cases = [_big_decode(seed) for seed in (70, 71)]
     scale = gpu.scale_of(None, 128)
     want = [gpu.forward(*rows, layout, True, scale, pdl=False) for rows, layout in cases]
-    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
-    for stream in streams:
-        stream.wait_stream(torch.cuda.current_stream())
-    got = [[], []]
-    for _ in range(4):
-        for i, (stream, (rows, layout)) in enumerate(zip(streams, cases, strict=True)):
-            with torch.cuda.stream(stream):
-                got[i].append(gpu.forward(*rows, layout, True, scale, pdl=True))
-    for stream in streams:
-        torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
+    got = run_interleaved_on_streams(
+        [
+            lambda rows=rows, layout=layout: gpu.forward(*rows, layout, True, scale, pdl=True)
+            for rows, layout in cases
+        ],
+        rounds=4,
+    )
     for i in range(2):
         for run, result in enumerate(got[i]):
             assert_bitwise_equal(result, want[i], name=f"stream {i}, run {run}")

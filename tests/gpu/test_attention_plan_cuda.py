@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from _streams import run_interleaved_on_streams
 from batchinv.contract import assert_bitwise_equal
 from batchinv.gpu import attention as gpu
 
@@ -202,17 +203,15 @@ def test_reused_plans_on_two_streams_and_in_a_cuda_graph():
     cases = [_decode([4097, 3000, 1025, 64, 1] * 4, hq=32, hkv=8, seed=s) for s in (11, 12)]
     scale = gpu.scale_of(None, 128)
     want = [_fresh(rows, layout, scale, mode="split", warps=1) for rows, layout in cases]
-    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
-    for stream in streams:
-        stream.wait_stream(torch.cuda.current_stream())
-    got = [[], []]
-    for _ in range(3):
-        for i, (stream, (rows, layout)) in enumerate(zip(streams, cases, strict=True)):
-            with torch.cuda.stream(stream):
-                got[i].append(gpu.forward(*rows, layout, True, scale, prefill_zero=False))
-    for stream in streams:
-        torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
+    got = run_interleaved_on_streams(
+        [
+            lambda rows=rows, layout=layout: gpu.forward(
+                *rows, layout, True, scale, prefill_zero=False
+            )
+            for rows, layout in cases
+        ],
+        rounds=3,
+    )
     for i in range(2):
         for run, result in enumerate(got[i]):
             assert_bitwise_equal(result, want[i], name=f"stream {i}, run {run}")
