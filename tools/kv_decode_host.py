@@ -36,14 +36,6 @@ def host_and_wall_us(fn, calls: int) -> tuple[float, float]:
     return 1e6 * (t1 - t0) / calls, 1e6 * (t2 - t0) / calls
 
 
-def set_all_lengths(cache: KVCache, value: int) -> None:
-    """The cache's lengths back to ``value`` (new API where present, else the old tensor)."""
-    if hasattr(cache, "set_lengths"):
-        cache.set_lengths(value)
-    else:
-        cache.lengths.fill_(value)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--calls", type=int, default=200)
@@ -74,13 +66,13 @@ def main() -> None:
     }
     with torch.no_grad():
         for name, fn in cases.items():
-            set_all_lengths(cache, ctx)
+            cache.set_lengths(ctx)
             host, wall = host_and_wall_us(fn, args.calls)
             syncs = count_host_syncs(fn)[1]
             print(f"{name:42s} host {host:7.1f} us/call  wall {wall:7.1f} us/call  syncs {syncs}")
         if args.profile:
             step = cases["attention_with_kv_cache (seq_ids=None)"]
-            set_all_lengths(cache, ctx)
+            cache.set_lengths(ctx)
             profiler = cProfile.Profile()
             profiler.enable()
             for _ in range(50):
@@ -90,7 +82,7 @@ def main() -> None:
             text = io.StringIO()
             pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(18)
             print(text.getvalue())
-            set_all_lengths(cache, ctx)
+            cache.set_lengths(ctx)
             activities = [torch.profiler.ProfilerActivity.CPU]
             with torch.profiler.profile(activities=activities) as prof:
                 for _ in range(50):
