@@ -1,11 +1,14 @@
-"""Running calls on side streams, interleaved, for the tests that check a GPU op's bits do not
-depend on which stream (or how many at once) ran it."""
+"""Running calls on side streams, interleaved, and capturing a call in a CUDA graph, for the
+tests that check a GPU op's bits do not depend on which stream ran it or on graph replay."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 import torch
+
+T = TypeVar("T")
 
 
 def run_interleaved_on_streams(calls: Sequence[Callable[[], object]], rounds: int) -> list[list]:
@@ -24,3 +27,17 @@ def run_interleaved_on_streams(calls: Sequence[Callable[[], object]], rounds: in
         torch.cuda.current_stream().wait_stream(stream)
     torch.cuda.synchronize()
     return results
+
+
+def capture_graph(call: Callable[[], T]) -> tuple[torch.cuda.CUDAGraph, T]:
+    """``(graph, output)``: ``call`` run once on a side stream (the warm-up torch asks for before
+    a capture), then captured; ``graph.replay()`` rewrites ``output`` in place."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        call()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        output = call()
+    return graph, output

@@ -21,13 +21,13 @@ import io
 import json
 import pstats
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
 
 from batchinv.contract import assert_bitwise_equal
 from batchinv.gpu import attention as gpu
+from batchinv.host_syncs import host_and_wall_seconds
 
 HQ, HKV, D = 32, 8, 128
 CASES = ((1, 32768), (64, 4096))
@@ -41,19 +41,6 @@ def load_old(path: str):
     sys.modules[spec.name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
-
-
-def host_and_wall_us(fn, calls: int) -> tuple[float, float]:
-    for _ in range(20):
-        fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    t1 = time.perf_counter()
-    torch.cuda.synchronize()
-    t2 = time.perf_counter()
-    return 1e6 * (t1 - t0) / calls, 1e6 * (t2 - t0) / calls
 
 
 def decode_case(module, batch: int, ctx: int, device: torch.device):
@@ -141,7 +128,7 @@ def main() -> None:
             order = trees if r % 2 == 0 else trees[::-1]
             for tree in [*order, "sdpa", "alloc"]:
                 fn = alloc_only(batch, ctx, device) if tree == "alloc" else calls[tree]
-                host, wall = host_and_wall_us(fn, args.calls)
+                host, wall = (1e6 * t for t in host_and_wall_seconds(fn, args.calls, warmup=20))
                 results["rounds"].append(
                     {"case": label, "round": r, "tree": tree, "host_us": host, "wall_us": wall}
                 )

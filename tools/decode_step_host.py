@@ -21,25 +21,13 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 import torch
 
-from batchinv.host_syncs import count_host_syncs
+from batchinv.host_syncs import count_host_syncs, host_and_wall_seconds
 
 PATHS = ("stock", "batchinv")
-
-
-def host_and_wall_ms(fn, steps: int) -> tuple[float, float]:
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        fn()
-    t1 = time.perf_counter()
-    torch.cuda.synchronize()
-    t2 = time.perf_counter()
-    return 1e3 * (t1 - t0) / steps, 1e3 * (t2 - t0) / steps
 
 
 def main() -> None:
@@ -84,7 +72,9 @@ def main() -> None:
             for _ in range(5):
                 step(path)
             for rnd in range(args.rounds):
-                host, wall = host_and_wall_ms(lambda path=path: step(path), args.steps)
+                host, wall = (
+                    1e3 * t for t in host_and_wall_seconds(lambda path=path: step(path), args.steps)
+                )
                 print(
                     f"{args.tag} {path} round {rnd}: host {host:.3f} ms/step, "
                     f"wall {wall:.3f} ms/step"

@@ -14,26 +14,12 @@ import argparse
 import cProfile
 import io
 import pstats
-import time
 
 import torch
 
 import batchinv
-from batchinv.host_syncs import count_host_syncs
+from batchinv.host_syncs import count_host_syncs, host_and_wall_seconds
 from batchinv.reference.kv_cache import KVCache
-
-
-def host_and_wall_us(fn, calls: int) -> tuple[float, float]:
-    for _ in range(20):
-        fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    t1 = time.perf_counter()
-    torch.cuda.synchronize()
-    t2 = time.perf_counter()
-    return 1e6 * (t1 - t0) / calls, 1e6 * (t2 - t0) / calls
 
 
 def main() -> None:
@@ -67,7 +53,7 @@ def main() -> None:
     with torch.no_grad():
         for name, fn in cases.items():
             cache.set_lengths(ctx)
-            host, wall = host_and_wall_us(fn, args.calls)
+            host, wall = (1e6 * t for t in host_and_wall_seconds(fn, args.calls, warmup=20))
             syncs = count_host_syncs(fn)[1]
             print(f"{name:42s} host {host:7.1f} us/call  wall {wall:7.1f} us/call  syncs {syncs}")
         if args.profile:

@@ -1,4 +1,5 @@
-"""Counting the host syncs a piece of GPU work makes (PyTorch's sync debug mode).
+"""Counting the host syncs a piece of GPU work makes (PyTorch's sync debug mode), and timing
+whether a loop of it is host-bound.
 
 A decode step or a training step that waits for the GPU cannot run ahead of it; these helpers
 say how often that happens, which is what batchinv's "no host sync" claims are tested with.
@@ -7,6 +8,7 @@ say how often that happens, which is what batchinv's "no host sync" claims are t
 from __future__ import annotations
 
 import contextlib
+import time
 import warnings
 from collections.abc import Callable, Iterator
 from typing import TypeVar
@@ -40,3 +42,21 @@ def count_host_syncs(fn: Callable[[], T]) -> tuple[T, int]:
         with sync_debug_mode("warn"):
             result = fn()
     return result, sum(_SYNC_WARNING in str(w.message) for w in caught)
+
+
+def host_and_wall_seconds(
+    fn: Callable[[], object], calls: int, warmup: int = 0
+) -> tuple[float, float]:
+    """Seconds per call of ``calls`` calls of ``fn`` (after ``warmup`` untimed ones): until the
+    calls return (host) and until the GPU has finished them (wall).  Equal numbers mean the
+    loop is host-bound: the GPU waited for the host."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    returned = time.perf_counter()
+    torch.cuda.synchronize()
+    finished = time.perf_counter()
+    return (returned - start) / calls, (finished - start) / calls

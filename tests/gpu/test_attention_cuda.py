@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import batchinv
-from _streams import run_interleaved_on_streams
+from _streams import capture_graph, run_interleaved_on_streams
 from batchinv.contract import assert_bitwise_equal, assert_within_tolerance
 from batchinv.gpu import attention as gpu
 from batchinv.reference.attention import attention_fp32, attention_varlen_fp32
@@ -484,14 +484,7 @@ def test_decode_with_pdl_in_a_cuda_graph_equals_the_ordinary_launch():
     _require_pdl()
     (q, k, v), layout = _big_decode(80)
     scale = gpu.scale_of(None, 128)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up off the capture, as torch asks
-        gpu.forward(q, k, v, layout, True, scale, pdl=True)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = gpu.forward(q, k, v, layout, True, scale, pdl=True)
+    graph, captured = capture_graph(lambda: gpu.forward(q, k, v, layout, True, scale, pdl=True))
     for step in range(2):
         gen = torch.Generator(device=DEVICE).manual_seed(81 + step)
         q.copy_(torch.randn(q.shape, device=DEVICE, generator=gen))  # new queries, captured buffer

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import batchinv
+from _streams import capture_graph
 from batchinv.contract import assert_bitwise_equal, assert_within_tolerance
 from batchinv.gpu import attention as gpu
 from batchinv.gpu import attention_hopper as hopper
@@ -285,14 +286,7 @@ def test_persistent_queue_in_a_cuda_graph_equals_eager():
     scale = gpu.scale_of(None, 128)
     run = dict(mode="tile", warps=4, hopper=True)
     with hopper.forced_ctas(5):  # many items per CTA: the queue decides who computes what
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # warm-up off the capture, as torch asks
-            gpu.forward(q, k, v, layout, True, scale, **run)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            captured = gpu.forward(q, k, v, layout, True, scale, **run)
+        graph, captured = capture_graph(lambda: gpu.forward(q, k, v, layout, True, scale, **run))
     for step in range(3):
         gen = torch.Generator(device=DEVICE).manual_seed(212 + step)
         q.copy_(torch.randn(q.shape, device=DEVICE, generator=gen))  # new queries, same buffer

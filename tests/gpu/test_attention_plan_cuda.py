@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from _streams import run_interleaved_on_streams
+from _streams import capture_graph, run_interleaved_on_streams
 from batchinv.contract import assert_bitwise_equal
 from batchinv.gpu import attention as gpu
 
@@ -216,14 +216,9 @@ def test_reused_plans_on_two_streams_and_in_a_cuda_graph():
         for run, result in enumerate(got[i]):
             assert_bitwise_equal(result, want[i], name=f"stream {i}, run {run}")
     (q, k, v), layout = cases[0]
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up off the capture, as torch asks
-        gpu.forward(q, k, v, layout, True, scale, prefill_zero=False)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = gpu.forward(q, k, v, layout, True, scale, prefill_zero=False)
+    graph, captured = capture_graph(
+        lambda: gpu.forward(q, k, v, layout, True, scale, prefill_zero=False)
+    )
     for step in range(2):
         gen = torch.Generator(device=DEVICE).manual_seed(20 + step)
         q.copy_(torch.randn(q.shape, device=DEVICE, generator=gen))

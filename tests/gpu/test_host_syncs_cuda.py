@@ -4,7 +4,7 @@ is one and none when there is none."""
 import pytest
 import torch
 
-from batchinv.host_syncs import count_host_syncs, sync_debug_mode
+from batchinv.host_syncs import count_host_syncs, host_and_wall_seconds, sync_debug_mode
 
 pytestmark = pytest.mark.cuda
 
@@ -25,3 +25,9 @@ def test_error_mode_raises_and_restores():
     with pytest.raises(RuntimeError), sync_debug_mode("error"):
         x.sum().item()
     assert torch.cuda.get_sync_debug_mode() == before
+
+
+def test_host_and_wall_seconds_orders_the_two_clocks():
+    x = torch.ones(1 << 20, device="cuda")
+    host, wall = host_and_wall_seconds(lambda: x.mul_(1.0), calls=20, warmup=2)
+    assert 0 < host <= wall
