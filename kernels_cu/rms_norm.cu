@@ -49,19 +49,20 @@
 //           grad_x is per row and does not depend on which kernel computed it (tested).
 //
 // Launch geometry (the host picks it from d and the dtype only, never from rows): the first
-//   (T threads per row, K chunks per thread) of (4, 4), (16, 4), (32, 4), (64, 8), (128, 5),
-//   (128, 8), (256, 8), (512, 8) with T * K 16-byte chunks >= the row (forward), each thread
-//   keeping its chunks in registers (the row is read once; (128, 4), (128, 5) and (128, 8) have
-//   the same tree, K only bounds the registers); longer rows (bf16 d > 32768, fp32 d > 16384) use the streaming form,
-//   T = 1024, which reads the row twice.  Up to T = 128 the forward loads the weight's chunks
-//   with the row's, before the reduction; the fused backward keeps them in registers for a row
-//   group's rows when K <= 5, and for t128k4 issues the next row's dy and x loads before the
-//   current row's work (bf16/fp16 vector launches on CUDA: as cp.async copies into a two-stage
-//   ring in shared memory, kStagedRows).  Where loads are issued changes no arithmetic.
-//   CTA = max(T, 128) threads holding 128 / T rows (T < 128) or one row;
-//   grid.x = ceil(rows / rows per CTA).  The backward's list is the same except that rows of
-//   129 .. 512 chunks (bf16 d in (1024, 4096]) take (128, 4) instead of (64, 8): its row tree
-//   (grad_x) and grad_weight's first level follow its own list, again from d and the dtype only.
+//   (T threads per row, K chunks per thread) of (8, 2), (16, 4), (32, 4), (128, 2), (256, 2),
+//   (128, 5), (128, 8), (256, 8), (512, 8) with T * K 16-byte chunks >= the row (forward), each
+//   thread keeping its chunks in registers (the row is read once; a tree follows T only: (128, 2),
+//   (128, 4), (128, 5) and (128, 8) have the same tree, as (256, 2) and (256, 8), K only bounds
+//   the registers); longer rows (bf16 d > 32768, fp32 d > 16384) use the streaming form,
+//   T = 1024, which reads the row twice.  Up to T = 128, and for K <= 2, the forward loads the
+//   weight's chunks with the row's, before the reduction; the fused backward keeps them in
+//   registers for a row group's rows when K <= 5, and for t128k4 issues the next row's dy and x
+//   loads before the current row's work (bf16/fp16 vector launches on CUDA: as cp.async copies
+//   into a two-stage ring in shared memory, kStagedRows).  Where loads are issued changes no
+//   arithmetic.  CTA = max(T, 128) threads holding 128 / T rows (T < 128) or one row;
+//   grid.x = ceil(rows / rows per CTA).  The backward has its own list: (4, 4), (16, 4),
+//   (32, 4), (128, 4), (128, 5), (128, 8), (256, 8), (512, 8); its row tree (grad_x) and
+//   grad_weight's first level follow it, again from d and the dtype only.
 //   The fused backward gives a CTA R = G * S rows (above), grid.x = ceil(rows / R).  The batch
 //   changes only grid.x.
 //
@@ -128,10 +129,12 @@ constexpr int kStagedRowStages = 2;
 // session 7: 0.5-1% faster at level 1 on an H200).
 template <int T>
 constexpr bool kAlternatePartials = T > BATCHINV_WARP_SIZE;
-// Forward: the weight is loaded with the row up to this many threads per row.  Its 32 registers
-// per thread cost t256 half its CTAs per SM (2 instead of 4): 149 vs 137 us at 8192 x 16384 bf16
-// on an H200, where t128 gained (136 vs 137 us at 16384 x 8192).
-constexpr int kResidentForwardMaxThreads = 128;
+// Forward: the weight is loaded with the row (before the reduction) up to 128 threads per row,
+// and for any T with at most 2 chunks per thread.  With 8 chunks its 32 registers per thread cost
+// t256 half its CTAs per SM (2 instead of 4): 149 vs 137 us at 8192 x 16384 bf16 on an H200,
+// where t128 gained (136 vs 137 us at 16384 x 8192); t256k2's weight costs 8.
+template <int T, int K>
+constexpr bool kForwardWeightWithRow = T <= 128 || K <= 2;
 
 // A row chunk is common/chunk16.cuh's 16-byte vector (its round_chunk rounds one).
 template <typename Codec>
@@ -166,13 +169,28 @@ __device__ __forceinline__ void store_chunk(typename Codec::storage* row, const 
     }
 }
 
+// The barrier of row_group_sum: the CTA's, or (kGroupBarrier, CUDA only) named barrier
+// 1 + group over the T threads of row group `group` alone, so that the row groups of a CTA do
+// not wait for each other (the t128k4g2 fused backward; issue 6, session 9).
+template <int T, bool kGroupBarrier>
+__device__ __forceinline__ void row_group_barrier(int group) {
+#if !defined(__HIPCC__)
+    if constexpr (kGroupBarrier) {
+        asm volatile("bar.sync %0, %1;\n" ::"r"(1 + group), "n"(T) : "memory");
+        return;
+    }
+#endif
+    __syncthreads();
+}
+
 // Sum of one value per thread over the T threads of a row group (see the header).  Every
-// thread of the CTA must call it; all threads of a group get the same bits.  kReuse = false:
-// the caller never passes the same warp_partials to the next call (it alternates two), so the
-// barrier that lets a later call overwrite them is not needed: the next call's barrier on the
-// other buffer orders this call's reads before the call after it writes here again.
-template <int T, bool kReuse = true>
-__device__ __forceinline__ float row_group_sum(float value, float* warp_partials) {
+// thread of the CTA (kGroupBarrier: of the group) must call it; all threads of a group get the
+// same bits.  kReuse = false: the caller never passes the same warp_partials to the next call
+// (it alternates two), so the barrier that lets a later call overwrite them is not needed: the
+// next call's barrier on the other buffer orders this call's reads before the call after it
+// writes here again.  Which barrier is used does not change the additions.
+template <int T, bool kReuse = true, bool kGroupBarrier = false>
+__device__ __forceinline__ float row_group_sum(float value, float* warp_partials, int group = 0) {
     constexpr int W = BATCHINV_WARP_SIZE;
     constexpr int kLanes = T < W ? T : W;
 #pragma unroll
@@ -184,11 +202,13 @@ __device__ __forceinline__ float row_group_sum(float value, float* warp_partials
         const int warp = threadIdx.x / W;
         const int first_warp = warp - warp % kWarpsPerRow;
         if (threadIdx.x % W == 0) warp_partials[warp] = value;
-        __syncthreads();
+        row_group_barrier<T, kGroupBarrier>(group);
         value = warp_partials[first_warp];
 #pragma unroll
         for (int w = 1; w < kWarpsPerRow; ++w) value = ieee_add(value, warp_partials[first_warp + w]);
-        if constexpr (kReuse) __syncthreads();  // the partials may be reused by a later reduction
+        if constexpr (kReuse) {
+            row_group_barrier<T, kGroupBarrier>(group);  // a later reduction may reuse them
+        }
     }
     return value;
 }
@@ -228,7 +248,7 @@ struct ForwardArgs {
 // One row per group of T threads, each holding up to K chunks.  kStreaming: the row does not fit
 // per thread; it is processed in rounds and read again for the output (for the fused form
 // the second read is of new_residual, which this thread wrote itself in the first).  The
-// kernels use it for the streaming form and for T > kResidentForwardMaxThreads; other rows
+// kernels use it for the streaming form and where kForwardWeightWithRow is false; other rows
 // take forward_rows_resident (the same arithmetic, the weight loaded before the reduction).
 template <typename Codec, int T, int K, bool kStreaming, bool kFusedAdd>
 __device__ __forceinline__ void forward_rows(const ForwardArgs& a, float* warp_partials) {
@@ -661,21 +681,28 @@ __device__ __forceinline__ void load_backward_row(Chunk<Codec> (&xs)[K], Chunk<C
     }
 }
 
-// backward_row (kWeightGrad) for a row already loaded, the weight's chunks in w: the same
-// operations in the same order.  xs, gs: the row's chunks by k, in registers (Chunk arrays) or
-// staged in shared memory (StagedChunks, read at each use).  kReuse: row_group_sum's (false
-// where the caller alternates two warp_partials buffers).
-template <typename Codec, int T, int K, bool kReuse, typename Xs, typename Gs>
+// inv_rms of `row` as the backward reads it (0 for a row past the end, which adds nothing).
+__device__ __forceinline__ float saved_inv_rms(const BackwardArgs& a, int64_t row) {
+    return row < a.rows ? a.rstd[row] : 0.0f;
+}
+
+// backward_row (kWeightGrad) for a row already loaded, the weight's chunks in w and the row's
+// inv_rms (saved_inv_rms) given: the same operations in the same order.  xs, gs: the row's
+// chunks by k, in registers (Chunk arrays) or staged in shared memory (StagedChunks, read at
+// each use).  kReuse, kGroupBarrier: row_group_sum's (kReuse false where the caller alternates
+// two warp_partials buffers); group: this thread's row group in the CTA.
+template <typename Codec, int T, int K, bool kReuse, bool kGroupBarrier = false, typename Xs,
+          typename Gs>
 __device__ __forceinline__ void backward_resident_row(const BackwardArgs& a, int64_t row,
                                                       int lane, bool vector, const Xs& xs,
                                                       const Gs& gs, const Chunk<Codec> (&w)[K],
-                                                      float* warp_partials, float4* group_sums) {
+                                                      float inv_rms, float* warp_partials,
+                                                      float4* group_sums, int group = 0) {
     using S = typename Codec::storage;
     constexpr int E = Chunk<Codec>::kElems;
     const bool active = row < a.rows;
     const int64_t d = a.d;
     const int64_t chunks = (d + E - 1) / E;
-    const float inv_rms = active ? a.rstd[row] : 0.0f;
     float dot = 0.0f;
 #pragma unroll
     for (int k = 0; k < K; ++k) {
@@ -683,8 +710,8 @@ __device__ __forceinline__ void backward_resident_row(const BackwardArgs& a, int
         if (!(active && c < chunks)) continue;
         dot = add_chunk_dot<Codec>(dot, gs[k], w[k], xs[k], inv_rms, c * E, d);
     }
-    const float mean_dot =
-        __fdiv_rn(row_group_sum<T, kReuse>(dot, warp_partials), static_cast<float>(d));
+    const float mean_dot = __fdiv_rn(
+        row_group_sum<T, kReuse, kGroupBarrier>(dot, warp_partials, group), static_cast<float>(d));
     if (!active) return;
     S* grad_x = static_cast<S*>(a.grad_x) + row * d;
     const S* grad_residual =
@@ -767,8 +794,9 @@ __device__ __forceinline__ void backward_weight_grad_resident(const BackwardArgs
                 load_backward_row<Codec, T, K>(next_xs, next_gs, a, first_row + s + 1, lane,
                                                vector);
             }
-            backward_resident_row<Codec, T, K, !kAlternate>(a, first_row + s, lane, vector, xs,
-                                                            gs, w, row_partials, mine);
+            backward_resident_row<Codec, T, K, !kAlternate>(
+                a, first_row + s, lane, vector, xs, gs, w, saved_inv_rms(a, first_row + s),
+                row_partials, mine);
 #pragma unroll
             for (int k = 0; k < K; ++k) {
                 xs[k] = next_xs[k];
@@ -776,8 +804,9 @@ __device__ __forceinline__ void backward_weight_grad_resident(const BackwardArgs
             }
         } else {
             if (s > 0) load_backward_row<Codec, T, K>(xs, gs, a, first_row + s, lane, vector);
-            backward_resident_row<Codec, T, K, !kAlternate>(a, first_row + s, lane, vector, xs,
-                                                            gs, w, row_partials, mine);
+            backward_resident_row<Codec, T, K, !kAlternate>(
+                a, first_row + s, lane, vector, xs, gs, w, saved_inv_rms(a, first_row + s),
+                row_partials, mine);
         }
     }
     store_group_sums<T, K, E, kGroups>(group_sums, partials, a.d);
@@ -820,7 +849,10 @@ constexpr int kStagedRowsBytes = kStagedRowStages * 2 * T * K * kChunkBytes;
 // backward_weight_grad_resident's rows, order and sums (row groups of kRowsInSequence rows,
 // T >= warp size; vector launches only), with the rows staged in `ring` (one ring per group) by
 // cp.async kStagedRowStages - 1 rows ahead instead of loaded into registers: the same
-// operations in the same order.
+// operations in the same order.  Each row's inv_rms is loaded one row ahead too: read after
+// the row's cp.async wait it was the kernel's top stall (17% of the warp samples of t128k4g2 at
+// 16384 x 4096 bf16, Nsight Compute on an H100; issue 6, session 9).  Where a CTA holds two
+// row groups, each reduces its rows across its warps at a named barrier of its own.
 template <typename Codec, int T, int K, typename Chunking>
 __device__ __forceinline__ void backward_weight_grad_staged(const BackwardArgs& a,
                                                             float* partials,
@@ -868,8 +900,12 @@ __device__ __forceinline__ void backward_weight_grad_staged(const BackwardArgs& 
     }
     float4* mine = group_sums + group * kGroupFloat4s;
     zero_group_sums<T, K, E>(mine, lane);
+    constexpr bool kGroupBarrier = Chunking::kGroups > 1;
+    float next_inv_rms = saved_inv_rms(a, first_row);
     for (int s = 0; s < kSequence; ++s) {
         const int st = s % kStages;
+        const float inv_rms = next_inv_rms;
+        if (s + 1 < kSequence) next_inv_rms = saved_inv_rms(a, first_row + s + 1);
         // Stage (s - 1) % kStages was read by this thread only, in row s - 1: free again.
         if (s + kStages - 1 < kSequence) {
             stage_row(first_row + s + kStages - 1, (s + kStages - 1) % kStages);
@@ -879,8 +915,9 @@ __device__ __forceinline__ void backward_weight_grad_staged(const BackwardArgs& 
         cp_async_wait<kStages - 1>();  // row s has landed (this thread's chunks)
         const StagedChunks<Codec, T> xs{stage_of(st, 0), lane};
         const StagedChunks<Codec, T> gs{stage_of(st, 1), lane};
-        backward_resident_row<Codec, T, K, false>(a, first_row + s, lane, true, xs, gs, w,
-                                                  warp_partials + (s % 2) * kMaxWarps, mine);
+        backward_resident_row<Codec, T, K, false, kGroupBarrier>(
+            a, first_row + s, lane, true, xs, gs, w, inv_rms, warp_partials + (s % 2) * kMaxWarps,
+            mine, group);
     }
     store_group_sums<T, K, E, Chunking::kGroups>(group_sums, partials, d);
 }
@@ -892,7 +929,7 @@ __device__ __forceinline__ void backward_weight_grad_staged(const BackwardArgs& 
 template <typename Codec, int T, int K, bool kStreaming, bool kFusedAdd>
 __device__ __forceinline__ void forward_kernel(const ForwardArgs& a) {
     __shared__ float warp_partials[kMaxWarps];
-    if constexpr (kStreaming || T > kResidentForwardMaxThreads) {
+    if constexpr (kStreaming || !kForwardWeightWithRow<T, K>) {
         forward_rows<Codec, T, K, kStreaming, kFusedAdd>(a, warp_partials);
     } else {
         forward_rows_resident<Codec, T, K, kFusedAdd>(a, warp_partials);
@@ -1058,7 +1095,12 @@ __device__ __forceinline__ void weight_grad_last_levels(typename Codec::storage*
 // Kernel entries.  Geometry names: t<T> keeps the row in registers, T threads per row and up
 // to K chunks per thread; stream is T = 1024 reading the row twice.
 #define BATCHINV_RMS_NORM_FORWARD_ENTRY(KIND, SUFFIX, GEOMETRY, CODEC, T, K, STREAMING, FUSED) \
-    extern "C" __global__ void __launch_bounds__(batchinv::rms::Cta<T>::kThreads)                \
+    BATCHINV_RMS_NORM_FORWARD_ENTRY_BOUNDED(KIND, SUFFIX, GEOMETRY, CODEC, T, K, STREAMING, FUSED, \
+                                            batchinv::rms::Cta<T>::kThreads)
+// BOUNDS: the entry's __launch_bounds__ arguments (CTA threads, and optionally CTAs per SM).
+#define BATCHINV_RMS_NORM_FORWARD_ENTRY_BOUNDED(KIND, SUFFIX, GEOMETRY, CODEC, T, K, STREAMING,  \
+                                                FUSED, ...)                                      \
+    extern "C" __global__ void __launch_bounds__(__VA_ARGS__)                                    \
         rms_norm_##KIND##_##SUFFIX##_##GEOMETRY(                                                 \
         CODEC::storage* y, CODEC::storage* new_residual, float* rstd, const CODEC::storage* x,   \
         const CODEC::storage* residual, const CODEC::storage* weight, int64_t rows, int64_t d,   \
@@ -1072,6 +1114,13 @@ __device__ __forceinline__ void weight_grad_last_levels(typename Codec::storage*
 #define BATCHINV_RMS_NORM_FORWARD_KERNELS(SUFFIX, CODEC, GEOMETRY, T, K, STREAMING)            \
     BATCHINV_RMS_NORM_FORWARD_ENTRY(forward, SUFFIX, GEOMETRY, CODEC, T, K, STREAMING, false)     \
     BATCHINV_RMS_NORM_FORWARD_ENTRY(fused_forward, SUFFIX, GEOMETRY, CODEC, T, K, STREAMING, true)
+// t256k2 (bf16 hidden 4096): the plain forward held to 32 registers, so that 8 CTAs (8 rows, 64
+// warps) fit an SM as Liger's 8-warp programs do (36 registers without the bound: 6 CTAs).  The
+// fused one keeps its 40 (capped at 32 it spilled 96 bytes).
+#define BATCHINV_RMS_NORM_FORWARD_KERNELS_T256K2(SUFFIX, CODEC)                                  \
+    BATCHINV_RMS_NORM_FORWARD_ENTRY_BOUNDED(forward, SUFFIX, t256k2, CODEC, 256, 2, false,       \
+                                            false, 256, 8)                                       \
+    BATCHINV_RMS_NORM_FORWARD_ENTRY(fused_forward, SUFFIX, t256k2, CODEC, 256, 2, false, true)
 
 // grad_x only (no grad_weight wanted, or rows the fused kernel below does not take).
 #define BATCHINV_RMS_NORM_BACKWARD_ENTRY(SUFFIX, CODEC, GEOMETRY, T, K, STREAMING)               \
@@ -1120,18 +1169,20 @@ __device__ __forceinline__ void weight_grad_last_levels(typename Codec::storage*
     }
 
 // The geometry lists: (name, threads per row T, chunks per thread K).  Keep in step with
-// GEOMETRIES and BACKWARD_GEOMETRIES in py/batchinv/gpu/rms_norm.py.  Forward: four chunks for
-// the sub-warp rows (q/k norm); eight from 64 threads up, so that each thread has 128 bytes in
-// flight before the reduction (a row-per-CTA kernel with less was latency bound on an H200).
+// GEOMETRIES and BACKWARD_GEOMETRIES in py/batchinv/gpu/rms_norm.py.  Forward (issue 6, session
+// 9): rows of up to 16 chunks (q/k norm) on 8 threads of 2 chunks, rows of 129 .. 256 and
+// 257 .. 512 chunks (bf16 hidden 2048 and 4096) on 128 and 256 threads of 2 chunks: more,
+// shorter per-thread chains and more warps per SM, as Liger's one program of 8 warps per row.
 // t128k5 is t128 with room for 5 chunks (bf16 d <= 5120): the same tree (a thread's chunks are
-// c = lane + k*T in increasing k either way), fewer registers, more CTAs per SM.  Backward: the
-// same, except that rows of 129 .. 512 chunks (bf16 hidden 4096) take t128k4 instead of t64,
-// whose 8 chunks of x and dy per thread left the fused backward latency bound (issue 6).
+// c = lane + k*T in increasing k either way), fewer registers, more CTAs per SM.  Backward (its
+// own list, unchanged): 4 threads of 4 chunks up to 16 chunks, and rows of 129 .. 512 chunks on
+// t128k4 (the forward's t64 of session 5 left the fused backward latency bound, issue 6).
 #define BATCHINV_RMS_NORM_ALL_GEOMETRIES(SUFFIX, CODEC)                                          \
-    BATCHINV_RMS_NORM_FORWARD_KERNELS(SUFFIX, CODEC, t4, 4, 4, false)                            \
+    BATCHINV_RMS_NORM_FORWARD_KERNELS(SUFFIX, CODEC, t8, 8, 2, false)                            \
     BATCHINV_RMS_NORM_FORWARD_KERNELS(SUFFIX, CODEC, t16, 16, 4, false)                          \
     BATCHINV_RMS_NORM_FORWARD_KERNELS(SUFFIX, CODEC, t32, 32, 4, false)                          \
-    BATCHINV_RMS_NORM_FORWARD_KERNELS(SUFFIX, CODEC, t64, 64, 8, false)                          \
+    BATCHINV_RMS_NORM_FORWARD_KERNELS(SUFFIX, CODEC, t128k2, 128, 2, false)                      \
+    BATCHINV_RMS_NORM_FORWARD_KERNELS_T256K2(SUFFIX, CODEC)                                      \
     BATCHINV_RMS_NORM_FORWARD_KERNELS(SUFFIX, CODEC, t128k5, 128, 5, false)                      \
     BATCHINV_RMS_NORM_FORWARD_KERNELS(SUFFIX, CODEC, t128, 128, 8, false)                        \
     BATCHINV_RMS_NORM_FORWARD_KERNELS(SUFFIX, CODEC, t256, 256, 8, false)                        \
@@ -1182,8 +1233,8 @@ BATCHINV_RMS_NORM_BACKWARD_WEIGHT_GRAD_ENTRY_SHAPED(f32, batchinv::F32Codec, t12
                                                     batchinv::rms::TwoGroupsT128)
 
 // Signatures of the entries above, for the launcher's argument checks.
-// batchinv-signature: rms_norm_forward_bf16_t4(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
-// batchinv-signature: rms_norm_fused_forward_bf16_t4(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
+// batchinv-signature: rms_norm_forward_bf16_t8(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
+// batchinv-signature: rms_norm_fused_forward_bf16_t8(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_backward_bf16_t4(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
 // batchinv-signature: rms_norm_backward_weight_grad_bf16_t4(ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
 // batchinv-signature: rms_norm_forward_bf16_t16(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
@@ -1194,8 +1245,10 @@ BATCHINV_RMS_NORM_BACKWARD_WEIGHT_GRAD_ENTRY_SHAPED(f32, batchinv::F32Codec, t12
 // batchinv-signature: rms_norm_fused_forward_bf16_t32(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_backward_bf16_t32(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
 // batchinv-signature: rms_norm_backward_weight_grad_bf16_t32(ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
-// batchinv-signature: rms_norm_forward_bf16_t64(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
-// batchinv-signature: rms_norm_fused_forward_bf16_t64(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
+// batchinv-signature: rms_norm_forward_bf16_t128k2(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
+// batchinv-signature: rms_norm_fused_forward_bf16_t128k2(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
+// batchinv-signature: rms_norm_forward_bf16_t256k2(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
+// batchinv-signature: rms_norm_fused_forward_bf16_t256k2(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_backward_bf16_t128k4(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
 // batchinv-signature: rms_norm_backward_weight_grad_bf16_t128k4(ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
 // batchinv-signature: rms_norm_backward_weight_grad_bf16_t128k4g2(ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
@@ -1218,8 +1271,8 @@ BATCHINV_RMS_NORM_BACKWARD_WEIGHT_GRAD_ENTRY_SHAPED(f32, batchinv::F32Codec, t12
 // batchinv-signature: rms_norm_backward_bf16_stream(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
 // batchinv-signature: rms_norm_weight_grad_partials_bf16(ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64)
 // batchinv-signature: rms_norm_weight_grad_last_levels_bf16(ptr, ptr, i64, i64)
-// batchinv-signature: rms_norm_forward_f16_t4(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
-// batchinv-signature: rms_norm_fused_forward_f16_t4(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
+// batchinv-signature: rms_norm_forward_f16_t8(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
+// batchinv-signature: rms_norm_fused_forward_f16_t8(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_backward_f16_t4(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
 // batchinv-signature: rms_norm_backward_weight_grad_f16_t4(ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
 // batchinv-signature: rms_norm_forward_f16_t16(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
@@ -1230,8 +1283,10 @@ BATCHINV_RMS_NORM_BACKWARD_WEIGHT_GRAD_ENTRY_SHAPED(f32, batchinv::F32Codec, t12
 // batchinv-signature: rms_norm_fused_forward_f16_t32(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_backward_f16_t32(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
 // batchinv-signature: rms_norm_backward_weight_grad_f16_t32(ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
-// batchinv-signature: rms_norm_forward_f16_t64(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
-// batchinv-signature: rms_norm_fused_forward_f16_t64(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
+// batchinv-signature: rms_norm_forward_f16_t128k2(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
+// batchinv-signature: rms_norm_fused_forward_f16_t128k2(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
+// batchinv-signature: rms_norm_forward_f16_t256k2(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
+// batchinv-signature: rms_norm_fused_forward_f16_t256k2(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_backward_f16_t128k4(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
 // batchinv-signature: rms_norm_backward_weight_grad_f16_t128k4(ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
 // batchinv-signature: rms_norm_forward_f16_t128k5(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
@@ -1253,8 +1308,8 @@ BATCHINV_RMS_NORM_BACKWARD_WEIGHT_GRAD_ENTRY_SHAPED(f32, batchinv::F32Codec, t12
 // batchinv-signature: rms_norm_backward_f16_stream(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
 // batchinv-signature: rms_norm_weight_grad_partials_f16(ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64)
 // batchinv-signature: rms_norm_weight_grad_last_levels_f16(ptr, ptr, i64, i64)
-// batchinv-signature: rms_norm_forward_f32_t4(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
-// batchinv-signature: rms_norm_fused_forward_f32_t4(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
+// batchinv-signature: rms_norm_forward_f32_t8(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
+// batchinv-signature: rms_norm_fused_forward_f32_t8(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_backward_f32_t4(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
 // batchinv-signature: rms_norm_backward_weight_grad_f32_t4(ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
 // batchinv-signature: rms_norm_forward_f32_t16(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
@@ -1265,8 +1320,10 @@ BATCHINV_RMS_NORM_BACKWARD_WEIGHT_GRAD_ENTRY_SHAPED(f32, batchinv::F32Codec, t12
 // batchinv-signature: rms_norm_fused_forward_f32_t32(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_backward_f32_t32(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
 // batchinv-signature: rms_norm_backward_weight_grad_f32_t32(ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
-// batchinv-signature: rms_norm_forward_f32_t64(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
-// batchinv-signature: rms_norm_fused_forward_f32_t64(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
+// batchinv-signature: rms_norm_forward_f32_t128k2(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
+// batchinv-signature: rms_norm_fused_forward_f32_t128k2(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
+// batchinv-signature: rms_norm_forward_f32_t256k2(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
+// batchinv-signature: rms_norm_fused_forward_f32_t256k2(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_backward_f32_t128k4(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
 // batchinv-signature: rms_norm_backward_weight_grad_f32_t128k4(ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
 // batchinv-signature: rms_norm_backward_weight_grad_f32_t128k4g2(ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)

@@ -111,7 +111,7 @@ def test_gpu_geometry_follows_the_row_length_only(dtype, direction):
     capacity = {gpu_rms_norm.geometry_name(t, k): (t, t * k) for t, k in table}
     order = list(capacity)
     seen = set()
-    sizes = [2560, 4095, 4096, 4097, 5120, 5121, 8192, 16384, 32768, 32769, 70000]
+    sizes = [2048, 2560, 4095, 4096, 4097, 5120, 5121, 8192, 16384, 32768, 32769, 70000]
     for d in list(range(1, 600)) + sizes:
         name, threads, cta = pick(d, dtype)
         assert (name, threads, cta) == pick(d, dtype)
@@ -129,8 +129,15 @@ def test_gpu_geometry_follows_the_row_length_only(dtype, direction):
     assert len(capacity) == len(table)  # names are distinct
 
 
-def test_backward_geometry_differs_from_the_forward_only_for_t64():
-    # bf16 hidden 4096: the forward runs 64 threads of 8 chunks, the backward 128 of 4.
+def test_backward_geometry_differs_from_the_forward_only_where_documented():
+    # The forward runs 8 threads of 2 chunks for rows of up to 16 chunks (the backward 4 of 4) and
+    # 128 or 256 threads of 2 chunks for 129 .. 512 chunks (the backward 128 of 4); elsewhere the
+    # two lists agree.
+    differs = {
+        "t8": ("t4", 4, 128),
+        "t128k2": ("t128k4", 128, 128),
+        "t256k2": ("t128k4", 128, 128),
+    }
     for dtype in DTYPES:
         elems = 16 // dtype.itemsize
         for d in range(1, 1024 * elems + 2, 7):
@@ -138,10 +145,10 @@ def test_backward_geometry_differs_from_the_forward_only_for_t64():
                 gpu_rms_norm.geometry(d, dtype),
                 gpu_rms_norm.backward_geometry(d, dtype),
             )
-            if forward[0] == "t64":
-                assert backward == ("t128k4", 128, 128), d
-            else:
-                assert backward == forward, d
+            assert backward == differs.get(forward[0], forward), d
+    assert gpu_rms_norm.geometry(128, torch.bfloat16) == ("t8", 8, 128)
+    assert gpu_rms_norm.geometry(2048, torch.bfloat16) == ("t128k2", 128, 128)
+    assert gpu_rms_norm.geometry(4096, torch.bfloat16) == ("t256k2", 256, 256)
     assert gpu_rms_norm.backward_geometry(4096, torch.bfloat16)[0] == "t128k4"
     assert gpu_rms_norm.weight_grad_chunking(4096, torch.bfloat16, 9000) == (1, 16)
 
