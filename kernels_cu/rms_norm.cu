@@ -49,20 +49,21 @@
 //           grad_x is per row and does not depend on which kernel computed it (tested).
 //
 // Launch geometry (the host picks it from d and the dtype only, never from rows): the first
-//   (T threads per row, K chunks per thread) of (8, 2), (16, 4), (32, 4), (128, 2), (256, 2),
+//   (T threads per row, K chunks per thread) of (4, 4), (16, 4), (32, 4), (128, 2), (64, 8),
 //   (128, 5), (128, 8), (256, 8), (512, 8) with T * K 16-byte chunks >= the row (forward), each
 //   thread keeping its chunks in registers (the row is read once; a tree follows T only: (128, 2),
-//   (128, 4), (128, 5) and (128, 8) have the same tree, as (256, 2) and (256, 8), K only bounds
-//   the registers); longer rows (bf16 d > 32768, fp32 d > 16384) use the streaming form,
-//   T = 1024, which reads the row twice.  Up to T = 128, and for K <= 2, the forward loads the
-//   weight's chunks with the row's, before the reduction; the fused backward keeps them in
-//   registers for a row group's rows when K <= 5, and for t128k4 issues the next row's dy and x
-//   loads before the current row's work (bf16/fp16 vector launches on CUDA: as cp.async copies
-//   into a two-stage ring in shared memory, kStagedRows).  Where loads are issued changes no
-//   arithmetic.  CTA = max(T, 128) threads holding 128 / T rows (T < 128) or one row;
-//   grid.x = ceil(rows / rows per CTA).  The backward has its own list: (4, 4), (16, 4),
-//   (32, 4), (128, 4), (128, 5), (128, 8), (256, 8), (512, 8); its row tree (grad_x) and
-//   grad_weight's first level follow it, again from d and the dtype only.
+//   (128, 4), (128, 5) and (128, 8) have the same tree, K only bounds the registers); longer
+//   rows (bf16 d > 32768, fp32 d > 16384) use the streaming form, T = 1024, which reads the row
+//   twice.  Up to T = 128 the forward loads the weight's chunks with the row's, before the
+//   reduction; the fused backward keeps them in registers for a row group's rows when K <= 5,
+//   and for t128k4 issues the next row's dy and x loads before the current row's work
+//   (bf16/fp16 vector launches on CUDA: as cp.async copies into a two-stage ring in shared
+//   memory, kStagedRows).  Where loads are issued changes no arithmetic.
+//   CTA = max(T, 128) threads holding 128 / T rows (T < 128) or one row;
+//   grid.x = ceil(rows / rows per CTA).  The backward's list is the same except that rows of
+//   129 .. 512 chunks (bf16 d in (1024, 4096]) take (128, 4) instead of (128, 2) and (64, 8):
+//   its row tree (grad_x) and grad_weight's first level follow its own list, again from d and
+//   the dtype only.
 //   The fused backward gives a CTA R = G * S rows (above), grid.x = ceil(rows / R).  The batch
 //   changes only grid.x.
 //
@@ -129,12 +130,10 @@ constexpr int kStagedRowStages = 2;
 // session 7: 0.5-1% faster at level 1 on an H200).
 template <int T>
 constexpr bool kAlternatePartials = T > BATCHINV_WARP_SIZE;
-// Forward: the weight is loaded with the row (before the reduction) up to 128 threads per row,
-// and for any T with at most 2 chunks per thread.  With 8 chunks its 32 registers per thread cost
-// t256 half its CTAs per SM (2 instead of 4): 149 vs 137 us at 8192 x 16384 bf16 on an H200,
-// where t128 gained (136 vs 137 us at 16384 x 8192); t256k2's weight costs 8.
-template <int T, int K>
-constexpr bool kForwardWeightWithRow = T <= 128 || K <= 2;
+// Forward: the weight is loaded with the row up to this many threads per row.  Its 32 registers
+// per thread cost t256 half its CTAs per SM (2 instead of 4): 149 vs 137 us at 8192 x 16384 bf16
+// on an H200, where t128 gained (136 vs 137 us at 16384 x 8192).
+constexpr int kResidentForwardMaxThreads = 128;
 
 // A row chunk is common/chunk16.cuh's 16-byte vector (its round_chunk rounds one).
 template <typename Codec>
@@ -248,7 +247,7 @@ struct ForwardArgs {
 // One row per group of T threads, each holding up to K chunks.  kStreaming: the row does not fit
 // per thread; it is processed in rounds and read again for the output (for the fused form
 // the second read is of new_residual, which this thread wrote itself in the first).  The
-// kernels use it for the streaming form and where kForwardWeightWithRow is false; other rows
+// kernels use it for the streaming form and for T > kResidentForwardMaxThreads; other rows
 // take forward_rows_resident (the same arithmetic, the weight loaded before the reduction).
 template <typename Codec, int T, int K, bool kStreaming, bool kFusedAdd>
 __device__ __forceinline__ void forward_rows(const ForwardArgs& a, float* warp_partials) {
@@ -929,7 +928,7 @@ __device__ __forceinline__ void backward_weight_grad_staged(const BackwardArgs& 
 template <typename Codec, int T, int K, bool kStreaming, bool kFusedAdd>
 __device__ __forceinline__ void forward_kernel(const ForwardArgs& a) {
     __shared__ float warp_partials[kMaxWarps];
-    if constexpr (kStreaming || !kForwardWeightWithRow<T, K>) {
+    if constexpr (kStreaming || T > kResidentForwardMaxThreads) {
         forward_rows<Codec, T, K, kStreaming, kFusedAdd>(a, warp_partials);
     } else {
         forward_rows_resident<Codec, T, K, kFusedAdd>(a, warp_partials);
@@ -1095,12 +1094,7 @@ __device__ __forceinline__ void weight_grad_last_levels(typename Codec::storage*
 // Kernel entries.  Geometry names: t<T> keeps the row in registers, T threads per row and up
 // to K chunks per thread; stream is T = 1024 reading the row twice.
 #define BATCHINV_RMS_NORM_FORWARD_ENTRY(KIND, SUFFIX, GEOMETRY, CODEC, T, K, STREAMING, FUSED) \
-    BATCHINV_RMS_NORM_FORWARD_ENTRY_BOUNDED(KIND, SUFFIX, GEOMETRY, CODEC, T, K, STREAMING, FUSED, \
-                                            batchinv::rms::Cta<T>::kThreads)
-// BOUNDS: the entry's __launch_bounds__ arguments (CTA threads, and optionally CTAs per SM).
-#define BATCHINV_RMS_NORM_FORWARD_ENTRY_BOUNDED(KIND, SUFFIX, GEOMETRY, CODEC, T, K, STREAMING,  \
-                                                FUSED, ...)                                      \
-    extern "C" __global__ void __launch_bounds__(__VA_ARGS__)                                    \
+    extern "C" __global__ void __launch_bounds__(batchinv::rms::Cta<T>::kThreads)                \
         rms_norm_##KIND##_##SUFFIX##_##GEOMETRY(                                                 \
         CODEC::storage* y, CODEC::storage* new_residual, float* rstd, const CODEC::storage* x,   \
         const CODEC::storage* residual, const CODEC::storage* weight, int64_t rows, int64_t d,   \
@@ -1114,13 +1108,6 @@ __device__ __forceinline__ void weight_grad_last_levels(typename Codec::storage*
 #define BATCHINV_RMS_NORM_FORWARD_KERNELS(SUFFIX, CODEC, GEOMETRY, T, K, STREAMING)            \
     BATCHINV_RMS_NORM_FORWARD_ENTRY(forward, SUFFIX, GEOMETRY, CODEC, T, K, STREAMING, false)     \
     BATCHINV_RMS_NORM_FORWARD_ENTRY(fused_forward, SUFFIX, GEOMETRY, CODEC, T, K, STREAMING, true)
-// t256k2 (bf16 hidden 4096): the plain forward held to 32 registers, so that 8 CTAs (8 rows, 64
-// warps) fit an SM as Liger's 8-warp programs do (36 registers without the bound: 6 CTAs).  The
-// fused one keeps its 40 (capped at 32 it spilled 96 bytes).
-#define BATCHINV_RMS_NORM_FORWARD_KERNELS_T256K2(SUFFIX, CODEC)                                  \
-    BATCHINV_RMS_NORM_FORWARD_ENTRY_BOUNDED(forward, SUFFIX, t256k2, CODEC, 256, 2, false,       \
-                                            false, 256, 8)                                       \
-    BATCHINV_RMS_NORM_FORWARD_ENTRY(fused_forward, SUFFIX, t256k2, CODEC, 256, 2, false, true)
 
 // grad_x only (no grad_weight wanted, or rows the fused kernel below does not take).
 #define BATCHINV_RMS_NORM_BACKWARD_ENTRY(SUFFIX, CODEC, GEOMETRY, T, K, STREAMING)               \
@@ -1169,20 +1156,21 @@ __device__ __forceinline__ void weight_grad_last_levels(typename Codec::storage*
     }
 
 // The geometry lists: (name, threads per row T, chunks per thread K).  Keep in step with
-// GEOMETRIES and BACKWARD_GEOMETRIES in py/batchinv/gpu/rms_norm.py.  Forward (issue 6, session
-// 9): rows of up to 16 chunks (q/k norm) on 8 threads of 2 chunks, rows of 129 .. 256 and
-// 257 .. 512 chunks (bf16 hidden 2048 and 4096) on 128 and 256 threads of 2 chunks: more,
-// shorter per-thread chains and more warps per SM, as Liger's one program of 8 warps per row.
-// t128k5 is t128 with room for 5 chunks (bf16 d <= 5120): the same tree (a thread's chunks are
-// c = lane + k*T in increasing k either way), fewer registers, more CTAs per SM.  Backward (its
-// own list, unchanged): 4 threads of 4 chunks up to 16 chunks, and rows of 129 .. 512 chunks on
-// t128k4 (the forward's t64 of session 5 left the fused backward latency bound, issue 6).
+// GEOMETRIES and BACKWARD_GEOMETRIES in py/batchinv/gpu/rms_norm.py.  Forward: four chunks for
+// the sub-warp rows (q/k norm); rows of 129 .. 256 chunks (bf16 hidden 2048) on 128 threads of 2
+// chunks (issue 6, session 9: 13% faster than t64 on an H200, 7% on an H100); eight from 64
+// threads up otherwise, so that each thread has 128 bytes in flight before the reduction (a
+// row-per-CTA kernel with less was latency bound on an H200).  t128k2 and t128k5 are t128 with
+// room for 2 and 5 chunks: the same tree (a thread's chunks are c = lane + k*T in increasing k
+// either way), fewer registers, more CTAs per SM.  Backward: the same, except that rows of
+// 129 .. 512 chunks (bf16 hidden 2048 .. 4096) take t128k4 instead of t128k2 and t64 (t64's 8
+// chunks of x and dy per thread left the fused backward latency bound, issue 6).
 #define BATCHINV_RMS_NORM_ALL_GEOMETRIES(SUFFIX, CODEC)                                          \
-    BATCHINV_RMS_NORM_FORWARD_KERNELS(SUFFIX, CODEC, t8, 8, 2, false)                            \
+    BATCHINV_RMS_NORM_FORWARD_KERNELS(SUFFIX, CODEC, t4, 4, 4, false)                            \
     BATCHINV_RMS_NORM_FORWARD_KERNELS(SUFFIX, CODEC, t16, 16, 4, false)                          \
     BATCHINV_RMS_NORM_FORWARD_KERNELS(SUFFIX, CODEC, t32, 32, 4, false)                          \
     BATCHINV_RMS_NORM_FORWARD_KERNELS(SUFFIX, CODEC, t128k2, 128, 2, false)                      \
-    BATCHINV_RMS_NORM_FORWARD_KERNELS_T256K2(SUFFIX, CODEC)                                      \
+    BATCHINV_RMS_NORM_FORWARD_KERNELS(SUFFIX, CODEC, t64, 64, 8, false)                          \
     BATCHINV_RMS_NORM_FORWARD_KERNELS(SUFFIX, CODEC, t128k5, 128, 5, false)                      \
     BATCHINV_RMS_NORM_FORWARD_KERNELS(SUFFIX, CODEC, t128, 128, 8, false)                        \
     BATCHINV_RMS_NORM_FORWARD_KERNELS(SUFFIX, CODEC, t256, 256, 8, false)                        \
@@ -1233,8 +1221,8 @@ BATCHINV_RMS_NORM_BACKWARD_WEIGHT_GRAD_ENTRY_SHAPED(f32, batchinv::F32Codec, t12
                                                     batchinv::rms::TwoGroupsT128)
 
 // Signatures of the entries above, for the launcher's argument checks.
-// batchinv-signature: rms_norm_forward_bf16_t8(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
-// batchinv-signature: rms_norm_fused_forward_bf16_t8(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
+// batchinv-signature: rms_norm_forward_bf16_t4(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
+// batchinv-signature: rms_norm_fused_forward_bf16_t4(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_backward_bf16_t4(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
 // batchinv-signature: rms_norm_backward_weight_grad_bf16_t4(ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
 // batchinv-signature: rms_norm_forward_bf16_t16(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
@@ -1247,8 +1235,8 @@ BATCHINV_RMS_NORM_BACKWARD_WEIGHT_GRAD_ENTRY_SHAPED(f32, batchinv::F32Codec, t12
 // batchinv-signature: rms_norm_backward_weight_grad_bf16_t32(ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
 // batchinv-signature: rms_norm_forward_bf16_t128k2(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_fused_forward_bf16_t128k2(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
-// batchinv-signature: rms_norm_forward_bf16_t256k2(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
-// batchinv-signature: rms_norm_fused_forward_bf16_t256k2(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
+// batchinv-signature: rms_norm_forward_bf16_t64(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
+// batchinv-signature: rms_norm_fused_forward_bf16_t64(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_backward_bf16_t128k4(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
 // batchinv-signature: rms_norm_backward_weight_grad_bf16_t128k4(ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
 // batchinv-signature: rms_norm_backward_weight_grad_bf16_t128k4g2(ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
@@ -1271,8 +1259,8 @@ BATCHINV_RMS_NORM_BACKWARD_WEIGHT_GRAD_ENTRY_SHAPED(f32, batchinv::F32Codec, t12
 // batchinv-signature: rms_norm_backward_bf16_stream(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
 // batchinv-signature: rms_norm_weight_grad_partials_bf16(ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64)
 // batchinv-signature: rms_norm_weight_grad_last_levels_bf16(ptr, ptr, i64, i64)
-// batchinv-signature: rms_norm_forward_f16_t8(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
-// batchinv-signature: rms_norm_fused_forward_f16_t8(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
+// batchinv-signature: rms_norm_forward_f16_t4(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
+// batchinv-signature: rms_norm_fused_forward_f16_t4(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_backward_f16_t4(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
 // batchinv-signature: rms_norm_backward_weight_grad_f16_t4(ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
 // batchinv-signature: rms_norm_forward_f16_t16(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
@@ -1285,8 +1273,8 @@ BATCHINV_RMS_NORM_BACKWARD_WEIGHT_GRAD_ENTRY_SHAPED(f32, batchinv::F32Codec, t12
 // batchinv-signature: rms_norm_backward_weight_grad_f16_t32(ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
 // batchinv-signature: rms_norm_forward_f16_t128k2(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_fused_forward_f16_t128k2(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
-// batchinv-signature: rms_norm_forward_f16_t256k2(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
-// batchinv-signature: rms_norm_fused_forward_f16_t256k2(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
+// batchinv-signature: rms_norm_forward_f16_t64(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
+// batchinv-signature: rms_norm_fused_forward_f16_t64(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_backward_f16_t128k4(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
 // batchinv-signature: rms_norm_backward_weight_grad_f16_t128k4(ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
 // batchinv-signature: rms_norm_forward_f16_t128k5(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
@@ -1308,8 +1296,8 @@ BATCHINV_RMS_NORM_BACKWARD_WEIGHT_GRAD_ENTRY_SHAPED(f32, batchinv::F32Codec, t12
 // batchinv-signature: rms_norm_backward_f16_stream(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
 // batchinv-signature: rms_norm_weight_grad_partials_f16(ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64)
 // batchinv-signature: rms_norm_weight_grad_last_levels_f16(ptr, ptr, i64, i64)
-// batchinv-signature: rms_norm_forward_f32_t8(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
-// batchinv-signature: rms_norm_fused_forward_f32_t8(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
+// batchinv-signature: rms_norm_forward_f32_t4(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
+// batchinv-signature: rms_norm_fused_forward_f32_t4(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_backward_f32_t4(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
 // batchinv-signature: rms_norm_backward_weight_grad_f32_t4(ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
 // batchinv-signature: rms_norm_forward_f32_t16(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
@@ -1322,8 +1310,8 @@ BATCHINV_RMS_NORM_BACKWARD_WEIGHT_GRAD_ENTRY_SHAPED(f32, batchinv::F32Codec, t12
 // batchinv-signature: rms_norm_backward_weight_grad_f32_t32(ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
 // batchinv-signature: rms_norm_forward_f32_t128k2(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_fused_forward_f32_t128k2(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
-// batchinv-signature: rms_norm_forward_f32_t256k2(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
-// batchinv-signature: rms_norm_fused_forward_f32_t256k2(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
+// batchinv-signature: rms_norm_forward_f32_t64(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
+// batchinv-signature: rms_norm_fused_forward_f32_t64(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_backward_f32_t128k4(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
 // batchinv-signature: rms_norm_backward_weight_grad_f32_t128k4(ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
 // batchinv-signature: rms_norm_backward_weight_grad_f32_t128k4g2(ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)

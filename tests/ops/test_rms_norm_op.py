@@ -130,14 +130,9 @@ def test_gpu_geometry_follows_the_row_length_only(dtype, direction):
 
 
 def test_backward_geometry_differs_from_the_forward_only_where_documented():
-    # The forward runs 8 threads of 2 chunks for rows of up to 16 chunks (the backward 4 of 4) and
-    # 128 or 256 threads of 2 chunks for 129 .. 512 chunks (the backward 128 of 4); elsewhere the
-    # two lists agree.
-    differs = {
-        "t8": ("t4", 4, 128),
-        "t128k2": ("t128k4", 128, 128),
-        "t256k2": ("t128k4", 128, 128),
-    }
+    # Rows of 129 .. 512 chunks (bf16 hidden 2048 .. 4096): the forward runs 128 threads of 2
+    # chunks (up to 256 chunks) or 64 of 8, the backward 128 of 4; elsewhere the lists agree.
+    differs = {"t128k2": ("t128k4", 128, 128), "t64": ("t128k4", 128, 128)}
     for dtype in DTYPES:
         elems = 16 // dtype.itemsize
         for d in range(1, 1024 * elems + 2, 7):
@@ -146,9 +141,9 @@ def test_backward_geometry_differs_from_the_forward_only_where_documented():
                 gpu_rms_norm.backward_geometry(d, dtype),
             )
             assert backward == differs.get(forward[0], forward), d
-    assert gpu_rms_norm.geometry(128, torch.bfloat16) == ("t8", 8, 128)
     assert gpu_rms_norm.geometry(2048, torch.bfloat16) == ("t128k2", 128, 128)
-    assert gpu_rms_norm.geometry(4096, torch.bfloat16) == ("t256k2", 256, 256)
+    assert gpu_rms_norm.geometry(2056, torch.bfloat16) == ("t64", 64, 128)
+    assert gpu_rms_norm.geometry(4096, torch.bfloat16) == ("t64", 64, 128)
     assert gpu_rms_norm.backward_geometry(4096, torch.bfloat16)[0] == "t128k4"
     assert gpu_rms_norm.weight_grad_chunking(4096, torch.bfloat16, 9000) == (1, 16)
 
