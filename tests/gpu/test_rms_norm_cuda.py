@@ -286,7 +286,8 @@ def _forward_by_the_documented_tree(x, weight, threads, eps):
 def test_forward_rows_are_the_documented_tree_in_every_geometry(dtype, trim):
     # The forward's row tree (y and inv_rms bit for bit) rebuilt from elementwise operations for
     # every geometry that keeps the row in registers (t64: two warps per row, as t128 ... t512
-    # have more; t128k5 must reduce as t128).  The tree is a function of d and the dtype only.
+    # have more; t128k2 and t128k5 must reduce as t128).  The tree is a function of d and the
+    # dtype only.
     elems = 16 // dtype.itemsize
     gen = torch.Generator(device=DEVICE).manual_seed(21)
     for threads, per_thread in gpu_rms_norm.GEOMETRIES:
