@@ -89,7 +89,9 @@ static_assert(kHopperBlocksPerSplit * kHopperBlockKeys == kSplitKeys, "a split i
 [[maybe_unused]] constexpr int kStageBytes = 2 * kKVHalfBytes;  // one K (or V) block: 128 x 128
 
 // The CTA: a producer warpgroup and 2 consumer warpgroups of 64 rows each (384 threads).
-// Registers: 128 x 32 (producer) + 256 x 240 (consumers) = 65536.
+// Registers: 128 x 24 (producer) + 256 x 240 (consumers) = 64512 = 384 x 168, the launch
+// allocation (__launch_bounds__(384, 1)): setmaxnreg moves registers within it, so a larger sum
+// makes the consumers' setmaxnreg.inc wait forever (a first build with 32 / 240 hung).
 [[maybe_unused]] constexpr int kWarpgroups = 2;
 [[maybe_unused]] constexpr int kRows = 64 * kWarpgroups;  // tile rows
 [[maybe_unused]] constexpr int kConsumerThreads = 128 * kWarpgroups;
@@ -97,7 +99,7 @@ static_assert(kHopperBlocksPerSplit * kHopperBlockKeys == kSplitKeys, "a split i
 // Q in registers (32 per thread, the RS form of S) or read by descriptor (the SS form).
 [[maybe_unused]] constexpr bool kQInRegisters = true;
 [[maybe_unused]] constexpr int kRunBytes = 64 * kConsumerThreads * 4;  // fp32 acc: 64 per thread
-[[maybe_unused]] constexpr int kProducerRegisters = 32;
+[[maybe_unused]] constexpr int kProducerRegisters = 24;
 [[maybe_unused]] constexpr int kConsumerRegisters = 240;
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)

@@ -118,8 +118,27 @@ def check_chunked(dtype):
     print(f"PASS bitwise chunked prefill (100, 128) vs one prefill: {str(dtype)[6:]}")
 
 
+def smoke() -> None:
+    """One small call first (a hang or a wrong layout shows within seconds)."""
+    q, k, v = qkv(2, 300, 300, 8, 2, torch.bfloat16, seed=5)
+    sl_q = torch.tensor([300, 129], device=DEVICE)
+    kwargs = dict(causal=True, seqlens_q=sl_q, seqlens_k=sl_q, return_lse=True)
+    out, lse = gpu.attention(q, k, v, **HOPPER, **kwargs)
+    torch.cuda.synchronize()
+    ref_out, ref_lse = attention_fp32(q, k, v, **kwargs)
+    assert_within_tolerance(out, ref_out, op_class="attention", name="smoke out")
+    assert_within_tolerance(lse, ref_lse, op_class="attention", name="smoke lse", dtype=q.dtype)
+    with hopper.forced_ctas(1):
+        one = gpu.attention(q, k, v, **HOPPER, **kwargs)
+    assert_bitwise_equal(one, (out, lse), name="smoke, 1 CTA")
+    print("PASS smoke")
+
+
 def main() -> int:
     print(torch.cuda.get_device_name(), "| shared bytes", hopper.shared_bytes())
+    smoke()
+    if "--smoke" in sys.argv:
+        return 0
     for dtype in (torch.bfloat16, torch.float16):
         for heads in ((8, 2), (6, 2)):
             for causal in (True, False):

@@ -17,12 +17,17 @@ sys.path.insert(0, "benchmarks")
 sys.path.insert(0, str(Path(__file__).parent))
 from _common import median_ms  # noqa: E402
 
+from batchinv.contract import assert_bitwise_equal  # noqa: E402
 from batchinv.gpu import attention as gpu  # noqa: E402
 
 try:
     import hopper_old  # noqa: E402
 except ImportError:
     hopper_old = None
+try:  # the same kernel with Q read by descriptor (kQInRegisters = false), temporary too
+    import hopper_ss  # noqa: E402
+except ImportError:
+    hopper_ss = None
 
 HQ, HKV, D = 32, 8, 128
 SHAPES = [(8, 4096, True, 3), (32, 2048, True, 2), (128, 1024, True, 2)]
@@ -59,6 +64,9 @@ def time_shape(batch: int, seq: int, causal: bool, rounds: int) -> list[dict]:
             f"{batch}x{seq}: 128-key vs 64-key kernel: out max |diff| {diff.max().item():.3e}, "
             f"{(diff > 0).float().mean().item():.2%} of elements differ"
         )
+    if hopper_ss is not None:
+        paths["ss128"] = lambda: run_with(hopper_ss, q, k, v, causal)
+        assert_bitwise_equal(paths["ss128"](), paths["kv128"](), name="Q by descriptor")
     names = list(paths)
     rows = []
     for r in range(rounds):
@@ -68,6 +76,8 @@ def time_shape(batch: int, seq: int, causal: bool, rounds: int) -> list[dict]:
         rows.append(row | times)
         line = " ".join(f"{n}={times[n]:.3f}" for n in names)
         ratios = f" | kv128 {times['sdpa'] / times['kv128']:.3f}x SDPA"
+        if "ss128" in times:
+            ratios += f", ss128/kv128 {times['ss128'] / times['kv128'] - 1:+.1%}"
         if "main64" in times:
             ratios += f", main64 {times['sdpa'] / times['main64']:.3f}x SDPA"
             ratios += f", kv128/main64 {times['kv128'] / times['main64'] - 1:+.1%}"
