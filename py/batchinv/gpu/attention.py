@@ -14,9 +14,10 @@ backward (``attention_backward``) consumes as well:
 
 Two execution modes with the same per-row arithmetic (see the kernel's header): ``"tile"``
 (one CTA walks all KV splits of its query tile) and ``"split"`` (one CTA per KV split, then a
-combine kernel).  ``mode="auto"`` picks ``"split"`` when the tile launch would not fill the GPU
-and a row spans more than one split; ``warps`` (1 or 4 warps, 16 or 64 tile rows) follows the
-number of query rows per sequence.  Neither choice changes a row's bits.
+combine kernel).  ``warps`` (1 or 4 warps, 16 or 64 tile rows) follows the number of query rows
+per sequence; ``mode="auto"`` picks ``"split"`` for one-warp tiles (decode: the cooperative
+kernel) and, for 4-warp tiles, when the tile launch would not fill the GPU and a row spans more
+than one split.  Neither choice changes a row's bits.
 """
 
 from __future__ import annotations
@@ -51,18 +52,13 @@ MODES = ("auto", "tile", "split")
 MAX_PACKED_HEADS = 16  # query heads of one kv head packed in a tile's rows
 # Split launches of 16-row tiles (decode) run the cooperative kernel (attn_split_coop_*):
 # COOP_WARPS warps share one tile and one split, same bits as one warp per tile (the one-warp
-# kernel stays reachable with coop=False).  Its K/V pipeline depth: COOP_MANY_STAGES when the
-# launch has at least COOP_MANY_CTAS_PER_SM CTAs per SM (more CTAs per SM hide the latency),
-# else COOP_FEW_STAGES.  With 64-key blocks (until session 9; H200, GQA 32/8 d=128 bf16, depths
-# 1/2/3, two runs): B=64 @ 4096 (2048 CTAs) 0.291-0.292/0.291/0.302-0.303 ms; B=1 @ 32768 (256
-# CTAs) 0.062/0.058-0.059/0.059-0.081 ms, so few CTAs took 2 stages.  With 128-key blocks a
-# stage at d = 128 is 64 KB: 3 CTAs per SM fit at 1 stage, 1 at 2 or 3 (coop_tma_shared_bytes),
-# so both take 1 stage (docs/operators/attention.md, session 9).
+# kernel stays reachable with coop=False).  Its K/V pipeline depth by default: COOP_DEFAULT_STAGES
+# (a 128-key block at d = 128 is a 64 KB stage; H100, GQA 32/8 d=128 bf16, session 9: 1-block
+# ring B=64 @ 4096 0.375 ms, B=1 @ 32768 0.070 ms; 2-block ring B=64 0.374 ms).  Until session 9
+# (64-key blocks) launches with fewer than 4 CTAs per SM took 2 stages.
 COOP_WARPS = 4
 COOP_STAGES = (1, 2, 3)
-COOP_MANY_CTAS_PER_SM = 4
-COOP_MANY_STAGES = 1
-COOP_FEW_STAGES = 1
+COOP_DEFAULT_STAGES = 1
 # On sm_90a the cooperative kernel copies K/V by TMA (attn_split_coop_*_tma, where
 # coop_tma_applies; same bits).  H200, same shapes, one run, cp.async -> TMA: B=64 286.4 ->
 # 276.2 us (1-block ring), 286.7 -> 276.6 us (2-block ring); 0.891x -> 0.924x of SDPA.
@@ -259,14 +255,18 @@ def choose(
     pack = packed_heads(hq, hkv)
     if warps is None:
         warps = 1 if layout.max_q_len * pack <= 16 else 4
-    if mode == "auto":
+    if mode == "auto" and warps == 1:
+        # Decode-like launches run the cooperative split kernel, whatever the context: with
+        # 128-key blocks the one-warp tile kernel was 1.3-3x slower at 128-1000 keys (H100,
+        # session 9).
+        mode = "split"
+    elif mode == "auto":
         qpt = 16 * warps // pack
         tiles = -(-layout.max_q_len // qpt) * (hq // pack) * layout.batch
         long_rows = layout.max_k_len > SPLIT_KEYS
-        # Decode-like launches (one-warp tiles) and launches that would not fill the GPU
-        # twice over spread each row's splits over CTAs.
+        # Launches that would not fill the GPU twice over spread each row's splits over CTAs.
         few_tiles = tiles < 2 * multiprocessors(device.index or 0)
-        mode = "split" if long_rows and (few_tiles or warps == 1) else "tile"
+        mode = "split" if long_rows and few_tiles else "tile"
     return mode, warps
 
 
@@ -456,9 +456,7 @@ def _plan(
     maps = None
     if coop:
         if stages is None:
-            ctas = q_tiles * (hq // pack) * grid_z
-            many = ctas >= COOP_MANY_CTAS_PER_SM * multiprocessors(device.index or 0)
-            stages = COOP_MANY_STAGES if many else COOP_FEW_STAGES
+            stages = COOP_DEFAULT_STAGES
         if stages not in COOP_STAGES:
             raise ValueError(f"stages must be one of {COOP_STAGES} with coop; got {stages!r}")
         use_tma = coop_tma_applies(k, v) if tma is None else tma
