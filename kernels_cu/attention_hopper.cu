@@ -11,7 +11,7 @@
 // one runs.  Which CTA computes an item, and in which order, never changes an operation of a
 // row: the grid size depends on the batch, the arithmetic does not.  Differences from
 // attention.cu are in who computes what, never in the arithmetic:
-//   - Blocks of kHopperBlockKeys = 128 keys (session 9, the contract's block size; 8 blocks per
+//   - Blocks of kBlockKeys = 128 keys (session 9, the contract's block size; 8 blocks per
 //     1024-key split).  Tile rows: M = 128 (two consumer warpgroups of 64 rows, four warps of
 //     16 rows each), row r = (query qtile * QPT + r / P, head hg * P + r % P) as in
 //     attention.cu.  A warp's 16 rows are held exactly as mma.sync holds them: wgmma's
@@ -77,9 +77,12 @@ namespace attn_hopper {
 
 using namespace attn;  // the shared per-row arithmetic (common/attention_rows.cuh)
 
-// The kernel's key block (the spec's 128-key block, session 9) and blocks per split.
-[[maybe_unused]] constexpr int kHopperBlockKeys = 128;
-[[maybe_unused]] constexpr int kHopperBlocksPerSplit = kSplitKeys / kHopperBlockKeys;
+// The contract's key block (128 keys since session 9) and blocks per split: the shared constants
+// of common/attention_rows.cuh.  The shared-memory layout, the TMA boxes and the register tiles
+// below are written for 128-key blocks.
+[[maybe_unused]] constexpr int kHopperBlockKeys = kBlockKeys;
+[[maybe_unused]] constexpr int kHopperBlocksPerSplit = kBlocksPerSplit;
+static_assert(kHopperBlockKeys == 128, "the Hopper kernel's S tile is 16 n8 tiles (wgmma n128)");
 static_assert(kHopperBlocksPerSplit * kHopperBlockKeys == kSplitKeys, "a split is whole blocks");
 
 [[maybe_unused]] constexpr int kD = 128;
@@ -272,8 +275,6 @@ __device__ __forceinline__ void attn_hopper_tile(const TensorMap& map_k, const T
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     using namespace hopper;
     using T = typename Codec::storage;
-    constexpr int kBlockKeys = kHopperBlockKeys;
-    constexpr int kBlocksPerSplit = kHopperBlocksPerSplit;
     extern __shared__ uint8_t shared_raw[];
     // 128-byte swizzled tiles start on a 1024-byte boundary.  Offset from shared_raw (not an
     // integer round trip) so that the compiler knows every pointer below is shared memory and

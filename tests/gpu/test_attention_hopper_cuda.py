@@ -78,6 +78,11 @@ def test_shared_memory_fits_hopper():
     assert hopper.shared_bytes() >= 32 * 1024 + 4 * 32 * 1024 + 64 * 1024
 
 
+def test_block_is_the_contracts_block():
+    # The kernel's TMA boxes and shared-memory stages hold one block of the contract's size.
+    assert hopper.BLOCK_KEYS == gpu.BLOCK_KEYS == 128
+
+
 def test_tma_rows_needs_contiguous_heads():
     assert hopper._tma_rows(torch.zeros(8, 2, 128, dtype=torch.bfloat16))
     wide = torch.zeros(8, 2, 256, dtype=torch.bfloat16)[..., :128]  # head stride 256

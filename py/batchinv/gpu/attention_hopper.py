@@ -20,7 +20,7 @@ from ._launch import allow_dynamic_shared, kernel_for, launch, multiprocessors, 
 
 HEAD_DIM = 128
 WARPGROUPS = 2  # consumer warpgroups (64 rows each: 128-row tiles)
-BLOCK_KEYS = 128  # keys per block (kernels_cu/attention_hopper.cu kHopperBlockKeys)
+BLOCK_KEYS = 128  # keys per block: the contract's (attention.BLOCK_KEYS; tested equal)
 STAGES = 2  # K and V ring depth, each (kernels_cu/attention_hopper.cu kStages)
 _Q_HALF_BYTES = 64 * 64 * 2  # 64 query rows x 64 columns of bf16/fp16
 _KV_HALF_BYTES = BLOCK_KEYS * 64 * 2  # one TMA box: 128 key rows x 64 columns
