@@ -234,9 +234,9 @@ def main() -> None:
                     )
         if split:
             # The cooperative kernel with each K/V pipeline, and the one-warp kernel.
-            variants = [(True, s) for s in gpu.COOP_STAGES] + [(False, 2)]
+            variants = [(True, s) for s in gpu.COOP_STAGES] + [(False, gpu.TILE_STAGES[1])]
             for coop, stages in variants:
-                kernel = f"coop, {stages}-block ring" if coop else "1 warp, 2-block ring"
+                kernel = f"{'coop' if coop else '1 warp'}, {stages}-block ring"
                 paths[f"batchinv (split, {kernel}{pdl_tag}, forced)"] = median_ms(
                     lambda coop=coop, stages=stages: run(stages=stages, coop=coop)
                 )

@@ -12,8 +12,9 @@
 //
 // Per-row arithmetic (the same for every schedule; m is kept in the log2 domain, c =
 // scale_log2 = scale * log2 e in fp32, c > 0):
-//   Keys are processed in blocks of kBlockKeys = 64 at fixed ABSOLUTE positions [64j, 64j+64),
-//   grouped in splits of kSplitKeys = 1024 keys (16 blocks), also at absolute positions.
+//   Keys are processed in blocks of kBlockKeys = 128 at fixed ABSOLUTE positions
+//   [128j, 128j+128), grouped in splits of kSplitKeys = 1024 keys (kBlocksPerSplit = 8 blocks),
+//   also at absolute positions (64-key blocks until session 9).
 //   1. Each split is reduced from the empty state (m, l, acc) = (-inf, 0, 0) by an online
 //      softmax over its blocks in increasing order (block_softmax): s = q . k by mma over d in
 //      k16 steps in increasing order; invisible keys get s = -inf by selection; then per row
@@ -22,8 +23,10 @@
 //        m_new = max(m, mx);  alpha = exp2f(__fsub_rn(m, m_new))  (0 if m = -inf)
 //        P_j   = exp2_ftz(__fmaf_rn(s_j, c, -m_new))   (ONE rounding of s_j * c - m_new)
 //        l     = __fadd_rn(__fmul_rn(l, alpha), sum_j P_j);  acc = acc * alpha + P V
-//      the block max and sum are a per-thread scan in fixed column order plus a fixed quad
-//      butterfly; P is rounded to the input dtype for the PV mma.  A block with no visible key
+//      the block max and sum are a per-thread scan in fixed column order (the thread's n8
+//      tiles t = 0..15 of the block, each its two columns e = 0, 1) plus a fixed quad butterfly
+//      (xor 1, then xor 2); P is rounded to the input dtype for the PV mma, whose acc chain runs
+//      over the block's 8 k16 steps in increasing order from the rescaled acc.  A block with no visible key
 //      for a row (mx = -inf) leaves that row's state exactly unchanged (selection; the sign of
 //      a zero acc is restored).
 //   2. Split partials are merged left to right by ONE function (merge_weights/merge_value);
@@ -64,6 +67,9 @@
 //   nothing in that row's bits.  Never used: key/value rows at j >= k_len (zero-filled in
 //   shared memory; the cp.async paths never read them, the TMA path copies whole 64-row boxes
 //   and zeroes those rows before any warp reads the stage), query rows past q_len (never read).
+//   K/V stages in shared memory (every kernel here): D / 64 slabs of [128 keys][64 columns],
+//   128-byte rows whose 16-byte chunks are permuted by XOR with key % 8 (the TMA 128-byte
+//   swizzle: no padding, conflict-free ldmatrix); only addresses, never values, depend on it.
 #include "common/portability.cuh"
 
 #if !defined(__HIPCC__)
@@ -137,31 +143,46 @@ struct Params {
     float scale_log2;
 };
 
+// S n8 tiles and P V k16 steps of one block.
+constexpr int kScoreTiles = kBlockKeys / 8;
+constexpr int kPvSteps = kBlockKeys / 16;
+
 template <int D>
 struct Smem {
-    static constexpr int kStride = D + 8;  // elements; 16-byte pad: conflict-free ldmatrix rows
-    static constexpr int kTileElems = kBlockKeys * kStride;
+    static constexpr int kStride = D + 8;  // Q tile row (elements); 16-byte pad: conflict-free ldmatrix
+    static constexpr int kTileElems = kBlockKeys * D;  // one K or V stage (swizzled, kv_offset)
 };
 
-// The online softmax of one 64-key block for a warp's two rows (g and g + 8 of its 16; s[t][e]
-// is mma.sync's n8 tile t): raw scores (keys at or past vis_end -inf where `masked`), their
-// block max by column scan + quad butterfly scaled once to the log2 domain, m, alpha,
-// P = exp2_ftz(fma(s, c, -m_new)) with its sum by the same tree, l; P rounded to the input dtype
-// into the A fragments of the four k16 steps of P V.  The tile kernel and the cooperative decode
-// kernel both run it, so their per-row arithmetic is one piece of code.  Rows 8..15 of a warp
+// Element offset of (key, col) in a K/V stage: D / 64 slabs [kBlockKeys keys][64 columns] side
+// by side; key row r of a slab is 128 bytes at r * 128 whose 16-byte chunks are permuted by XOR
+// with r % 8 (the TMA 128-byte swizzle, so a TMA box lands in this layout unchanged; the 8 rows
+// an ldmatrix phase reads hit 8 different chunk positions, and no padding is needed).  `col` is
+// a multiple of 8 (one 16-byte chunk).
+template <int D>
+__device__ __forceinline__ int kv_offset(int key, int col) {
+    return (col / 64) * (kBlockKeys * 64) + key * 64 + ((((col % 64) / 8) ^ (key % 8)) * 8);
+}
+
+// The online softmax of one 128-key block for a warp's two rows (g and g + 8 of its 16; s[t][e]
+// is mma.sync's n8 tile t = 0..15): raw scores (keys at or past vis_end -inf where `masked`),
+// their block max by column scan (t = 0..15, e = 0..1) + quad butterfly scaled once to the log2
+// domain, m, alpha, P = exp2_ftz(fma(s, c, -m_new)) with its sum by the same order and tree, l;
+// P rounded to the input dtype into the A fragments of the eight k16 steps of P V.  The tile
+// kernel and the cooperative decode kernel both run it, so their per-row arithmetic is one piece
+// of code (attention_hopper.cu runs the same order on its wgmma fragments).  Rows 8..15 of a warp
 // with none (!hi_rows) are skipped.
 template <typename Codec>
-__device__ __forceinline__ void block_softmax(float (&s)[8][4], bool masked, bool hi_rows, int key0, int c,
-                                              const int (&vis_end)[2], float scale_log2, float (&m)[2],
+__device__ __forceinline__ void block_softmax(float (&s)[kScoreTiles][4], bool masked, bool hi_rows, int key0,
+                                              int c, const int (&vis_end)[2], float scale_log2, float (&m)[2],
                                               float (&l)[2], bool (&empty)[2], float (&alpha)[2],
-                                              uint32_t (&pa)[4][4]) {
+                                              uint32_t (&pa)[kPvSteps][4]) {
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
         if (i == 1 && !hi_rows) {
             empty[1] = true;
             alpha[1] = 1.0f;
 #pragma unroll
-            for (int t = 0; t < 8; ++t) s[t][2] = s[t][3] = 0.0f;
+            for (int t = 0; t < kScoreTiles; ++t) s[t][2] = s[t][3] = 0.0f;
             continue;
         }
         // The max of the raw scores (invisible keys -inf), scaled once (scaled_block_max).
@@ -169,7 +190,7 @@ __device__ __forceinline__ void block_softmax(float (&s)[8][4], bool masked, boo
         float mx = kNegInf;
         if (masked) {
 #pragma unroll
-            for (int t = 0; t < 8; ++t) {
+            for (int t = 0; t < kScoreTiles; ++t) {
 #pragma unroll
                 for (int e = 0; e < 2; ++e) {
                     const int j = key0 + t * 8 + 2 * c + e;
@@ -180,7 +201,7 @@ __device__ __forceinline__ void block_softmax(float (&s)[8][4], bool masked, boo
             }
         } else {
 #pragma unroll
-            for (int t = 0; t < 8; ++t) {
+            for (int t = 0; t < kScoreTiles; ++t) {
 #pragma unroll
                 for (int e = 0; e < 2; ++e) mx = fmaxf(mx, s[t][2 * i + e]);
             }
@@ -193,7 +214,7 @@ __device__ __forceinline__ void block_softmax(float (&s)[8][4], bool masked, boo
         alpha[i] = empty[i] ? 1.0f : (m[i] == kNegInf ? 0.0f : exp2f(__fsub_rn(m[i], m_new)));
         float sum = 0.0f;
 #pragma unroll
-        for (int t = 0; t < 8; ++t) {
+        for (int t = 0; t < kScoreTiles; ++t) {
 #pragma unroll
             for (int e = 0; e < 2; ++e) {
                 // An invisible key (s = -inf) gives exp2(-inf) = +0: m_new is not -inf here.
@@ -208,13 +229,17 @@ __device__ __forceinline__ void block_softmax(float (&s)[8][4], bool masked, boo
         m[i] = m_new;
     }
 #pragma unroll
-    for (int kk = 0; kk < 4; ++kk) {
+    for (int kk = 0; kk < kPvSteps; ++kk) {
         pa[kk][0] = pack_pair<Codec>(s[2 * kk][0], s[2 * kk][1]);
         pa[kk][1] = pack_pair<Codec>(s[2 * kk][2], s[2 * kk][3]);
         pa[kk][2] = pack_pair<Codec>(s[2 * kk + 1][0], s[2 * kk + 1][1]);
         pa[kk][3] = pack_pair<Codec>(s[2 * kk + 1][2], s[2 * kk + 1][3]);
     }
 }
+
+// K/V ring depth of the tile kernels (py/batchinv/gpu/attention.py TILE_STAGES): 1 for one
+// warp, 2 for four.
+__host__ __device__ constexpr int tile_stages(int nwarps) { return nwarps == 1 ? 1 : 2; }
 
 template <typename Codec, int D, int NWARPS, bool SPLIT, int STAGES>
 __device__ __forceinline__ void attn_tile(const Params& p) {
@@ -226,14 +251,15 @@ __device__ __forceinline__ void attn_tile(const Params& p) {
     constexpr int NT = D / 8;  // n8 tiles of the output
     constexpr int KS = D / 16; // k16 steps of QK^T
     constexpr int kChunksPerRow = D / 8;  // 16-byte chunks per row
-    // K/V pipeline depth (blocks in flight + 1): 2 (prefetch the next block; the only depth
-    // instantiated: decode's one-stage variant became attn_split_coop).  It changes only the
-    // load schedule, never the arithmetic.
+    // K/V ring depth (blocks in flight + 1; tile_stages): 2 for 4 warps (prefetch the next
+    // block), 1 for one warp (a 128-key block of one warp's tile is all the copies it keeps in
+    // flight; one stage keeps 3 such CTAs per SM at d = 128).  It changes only the load
+    // schedule, never the arithmetic.
     constexpr int kStages = STAGES;
 
     extern __shared__ __align__(16) unsigned char smem_raw[];
-    T* sk = reinterpret_cast<T*>(smem_raw);       // [kStages][64][kStride]
-    T* sv = sk + kStages * kTile;                 // [kStages][64][kStride]
+    T* sk = reinterpret_cast<T*>(smem_raw);       // [kStages][kTile] (kv_offset)
+    T* sv = sk + kStages * kTile;                 // [kStages][kTile]
     // Q is read into registers once, before any running state is written: the two share memory.
     T* sq = sv + kStages * kTile;                 // [M][kStride]
     float* srun = reinterpret_cast<float*>(sq);   // mode (a): [NT*4][kThreads]
@@ -321,8 +347,8 @@ __device__ __forceinline__ void attn_tile(const Params& p) {
             const int64_t row = k_base + j;
             const T* srck = valid ? kp + row * p.k_row + kvh * p.k_head + ch * 8 : kp;
             const T* srcv = valid ? vp + row * p.v_row + kvh * p.v_head + ch * 8 : vp;
-            cp_async16(dk + r * kStride + ch * 8, srck, valid);
-            cp_async16(dv + r * kStride + ch * 8, srcv, valid);
+            cp_async16(dk + kv_offset<D>(r, ch * 8), srck, valid);
+            cp_async16(dv + kv_offset<D>(r, ch * 8), srcv, valid);
         }
     };
 
@@ -362,17 +388,17 @@ __device__ __forceinline__ void attn_tile(const Params& p) {
         const int key0 = blk * kBlockKeys;
 
         // S = Q K^T over d in increasing k16 steps.
-        float s[8][4];
+        float s[kScoreTiles][4];
 #pragma unroll
-        for (int t = 0; t < 8; ++t) s[t][0] = s[t][1] = s[t][2] = s[t][3] = 0.0f;
+        for (int t = 0; t < kScoreTiles; ++t) s[t][0] = s[t][1] = s[t][2] = s[t][3] = 0.0f;
 #pragma unroll
         for (int ks = 0; ks < KS; ++ks) {
 #pragma unroll
-            for (int tp = 0; tp < 4; ++tp) {
+            for (int tp = 0; tp < kScoreTiles / 2; ++tp) {
                 uint32_t bk[4];
                 const int key = tp * 16 + (lane % 8) + 8 * (lane / 16);
                 const int col = ks * 16 + 8 * ((lane / 8) % 2);
-                ldmatrix_x4(bk, tk + key * kStride + col);
+                ldmatrix_x4(bk, tk + kv_offset<D>(key, col));
                 mma16816<Codec>(s[2 * tp], qf[ks], bk[0], bk[1]);
                 mma16816<Codec>(s[2 * tp + 1], qf[ks], bk[2], bk[3]);
             }
@@ -385,7 +411,7 @@ __device__ __forceinline__ void attn_tile(const Params& p) {
         const bool masked = key0 + kBlockKeys > warp_vis_min;
         bool empty[2];
         float alpha[2];
-        uint32_t pa[4][4];  // P as A fragments of the four k16 steps of PV
+        uint32_t pa[kPvSteps][4];  // P as A fragments of the eight k16 steps of PV
         block_softmax<Codec>(s, masked, hi_rows, key0, c, vis_end, p.scale_log2, m, l, empty, alpha, pa);
 #pragma unroll
         for (int t = 0; t < NT; ++t) {
@@ -413,13 +439,13 @@ __device__ __forceinline__ void attn_tile(const Params& p) {
                     if (__float_as_uint(acc[t][e]) == 0x80000000u) negzero[(t * 4 + e) / 32] |= 1u << ((t * 4 + e) % 32);
         }
 #pragma unroll
-        for (int kk = 0; kk < 4; ++kk) {
+        for (int kk = 0; kk < kPvSteps; ++kk) {
 #pragma unroll
             for (int dp = 0; dp < NT / 2; ++dp) {
                 uint32_t bv[4];
                 const int key = kk * 16 + (lane % 8) + 8 * ((lane / 8) % 2);
                 const int col = dp * 16 + 8 * (lane / 16);
-                ldmatrix_x4_trans(bv, tv + key * kStride + col);
+                ldmatrix_x4_trans(bv, tv + kv_offset<D>(key, col));
                 mma16816<Codec>(acc[2 * dp], pa[kk], bv[0], bv[1]);
                 mma16816<Codec>(acc[2 * dp + 1], pa[kk], bv[2], bv[3]);
             }
@@ -500,29 +526,19 @@ __device__ __forceinline__ void attn_tile(const Params& p) {
 //
 // Mode (b) for 16-row tiles executed by NW warps instead of one (same arithmetic, same bits):
 // the NW warps of a CTA share ONE 16-row tile and one split.  They load each K/V block
-// together (NW times the copies in flight per block), each computes the S columns of 64 / NW
-// keys (whole k16 chains over d: an S element is the same mma chain as in attn_tile), S goes
-// through shared memory, and every warp then runs attn_tile's online softmax on the whole
-// 16 x 64 S tile (the same per-thread column scan and quad butterfly, so every warp holds the
-// same m, l and P bits) and the PV products of D / NW output columns (each acc element is the
-// same mma chain over the block's k16 steps, rescaled by the same alpha).  Decode has few rows
-// (4 real of 16 for GQA 4:1): one warp per tile was bound by its own instruction latency.
-// K/V stage layouts of the cooperative kernel.  cp.async: [64 keys][kStride] (16-byte padded
-// rows).  TMA (sm_90a): the 64-key x 64-column boxes of the 128-byte-swizzled tensor map, D / 64
-// of them side by side: key row r of a box is 128 bytes at r * 128 whose 16-byte chunks are
-// permuted by XOR with r % 8.  `col` is a multiple of 8 (one ldmatrix row of 16 bytes).
-template <int D, bool TMA>
-__device__ __forceinline__ int coop_kv_offset(int key, int col) {
-    if constexpr (TMA) {
-        return (col / 64) * (kBlockKeys * 64) + key * 64 + ((((col % 64) / 8) ^ (key % 8)) * 8);
-    } else {
-        return key * Smem<D>::kStride + col;
-    }
-}
-
-// TMA: K/V blocks by TMA boxes of map_k / map_v (the K/V rows as [rows, Hkv * D]; sm_90a only)
-// into the swizzled stage layout, one mbarrier per stage, rows at or past k_len zeroed after the
-// copy lands; the tile and every product are the same as with cp.async.
+// together (NW times the copies in flight per block), each computes the S columns of
+// kBlockKeys / NW keys (warp w: keys [32w, 32w + 32) with 4 warps; whole k16 chains over d: an
+// S element is the same mma chain as in attn_tile), S goes through shared memory, and every
+// warp then runs attn_tile's online softmax on the whole 16 x 128 S tile (the same per-thread
+// column scan and quad butterfly, so every warp holds the same m, l and P bits) and the PV
+// products of D / NW output columns (each acc element is the same mma chain over the block's
+// k16 steps, rescaled by the same alpha).  Decode has few rows (4 real of 16 for GQA 4:1): one
+// warp per tile was bound by its own instruction latency.
+// K/V stages: the swizzled layout of kv_offset for both copy paths (cp.async writes it chunk by
+// chunk; the TMA boxes of the 128-byte-swizzled tensor maps land in it as they are).
+// TMA: K/V blocks by TMA boxes of map_k / map_v (the K/V rows as [rows, Hkv * D], 64 x 64
+// boxes; sm_90a only) into the swizzled stages, one mbarrier per stage, rows at or past k_len
+// zeroed after the copy lands; the tile and every product are the same as with cp.async.
 template <typename Codec, int D, int NW, int STAGES, bool TMA>
 __device__ __forceinline__ void attn_split_coop(const Params& p, [[maybe_unused]] const TensorMap* map_k,
                                                 [[maybe_unused]] const TensorMap* map_v) {
@@ -538,13 +554,13 @@ __device__ __forceinline__ void attn_split_coop(const Params& p, [[maybe_unused]
     constexpr int M = 16;
     constexpr int kThreads = 32 * NW;
     constexpr int kStride = Smem<D>::kStride;
-    constexpr int kTile = TMA ? kBlockKeys * D : Smem<D>::kTileElems;
+    constexpr int kTile = Smem<D>::kTileElems;
     constexpr int NT = D / 8;
     constexpr int KS = D / 16;
     constexpr int kChunksPerRow = D / 8;
     constexpr int kStages = STAGES;
-    constexpr int kSStride = kBlockKeys + 4;  // fp32 S row stride (words)
-    constexpr int kKeyPairs = 4 / NW;         // 16-key column pairs of S per warp
+    constexpr int kSStride = kBlockKeys + 4;       // fp32 S row stride (words)
+    constexpr int kKeyPairs = kBlockKeys / 16 / NW;  // 16-key column pairs of S per warp
     constexpr int kOutTiles = NT / NW;        // n8 output tiles per warp
     static_assert(NW == 2 || NW == 4, "16-key S column pairs and n8 output tiles per warp");
 
@@ -640,20 +656,34 @@ __device__ __forceinline__ void attn_split_coop(const Params& p, [[maybe_unused]
     const int ch0 = (tid % kChunksPerRow) * 8;
     const T* k_thread = kp + k_base * p.k_row + kvh * p.k_head + ch0;  // + key * k_row
     const T* v_thread = vp + k_base * p.v_row + kvh * p.v_head + ch0;
-    // TMA: thread 0 copies block blk's D / 64 boxes of K and of V (whole 64-row boxes: rows
-    // past the tensor arrive as zeros, rows past k_len inside it are zeroed by wait_kv_tma).
+    // TMA: thread 0 copies block blk as 64-row x 64-column boxes of K and of V: D / 64 column
+    // slabs, each of kBlockKeys / 64 boxes stacked by rows (a box lands 8 KB further, 1024-byte
+    // aligned, so the swizzle of each box is the slab's).  Whole boxes: rows past the tensor
+    // arrive as zeros, rows past k_len inside it are zeroed by wait_kv_tma; a box that would hold
+    // no key below k_len is not issued (wait_kv_tma zeroes its rows).
+    constexpr int kBoxRows = 64;
+    constexpr int kBoxes = kBlockKeys / kBoxRows;
     [[maybe_unused]] auto load_kv_tma = [&](int blk, int stage) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
         if (tid == 0) {
             // The stage's last readers passed a __syncthreads before this point; order their
             // generic reads (and any zero stores) before the async proxy's writes.
             asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-            hopper::barrier_expect_bytes(&full[stage], 2u * kBlockKeys * D * sizeof(T));
+            const int keys = k_len - blk * kBlockKeys;  // > 0: the block holds a visible key
+            const int boxes = min(kBoxes, (keys + kBoxRows - 1) / kBoxRows);
+            hopper::barrier_expect_bytes(&full[stage], 2u * boxes * kBoxRows * D * sizeof(T));
             const int row = static_cast<int>(k_base) + blk * kBlockKeys;
 #pragma unroll
             for (int h = 0; h < D / 64; ++h) {
-                hopper::tma_load_2d(sk + stage * kTile + h * kBlockKeys * 64, *map_k, &full[stage], kvh * D + h * 64, row);
-                hopper::tma_load_2d(sv + stage * kTile + h * kBlockKeys * 64, *map_v, &full[stage], kvh * D + h * 64, row);
+#pragma unroll
+                for (int bx = 0; bx < kBoxes; ++bx) {
+                    if (bx < boxes) {
+                        const int dst = stage * kTile + h * kBlockKeys * 64 + bx * kBoxRows * 64;
+                        const int col = kvh * D + h * 64;
+                        hopper::tma_load_2d(sk + dst, *map_k, &full[stage], col, row + bx * kBoxRows);
+                        hopper::tma_load_2d(sv + dst, *map_v, &full[stage], col, row + bx * kBoxRows);
+                    }
+                }
             }
         }
 #endif
@@ -676,16 +706,16 @@ __device__ __forceinline__ void attn_split_coop(const Params& p, [[maybe_unused]
 #endif
     };
     auto load_kv = [&](int blk, int stage) {
-        T* dk = sk + stage * kTile + r0 * kStride + ch0;
-        T* dv = sv + stage * kTile + r0 * kStride + ch0;
+        T* dk = sk + stage * kTile;
+        T* dv = sv + stage * kTile;
         const int j0 = blk * kBlockKeys + r0;
 #pragma unroll
         for (int r = 0; r < kBlockKeys; r += kRowStep) {
             const bool valid = j0 + r < k_len;
             const T* srck = valid ? k_thread + static_cast<int64_t>(j0 + r) * p.k_row : kp;
             const T* srcv = valid ? v_thread + static_cast<int64_t>(j0 + r) * p.v_row : vp;
-            cp_async16(dk + r * kStride, srck, valid);
-            cp_async16(dv + r * kStride, srcv, valid);
+            cp_async16(dk + kv_offset<D>(r0 + r, ch0), srck, valid);
+            cp_async16(dv + kv_offset<D>(r0 + r, ch0), srcv, valid);
         }
     };
 
@@ -731,7 +761,7 @@ __device__ __forceinline__ void attn_split_coop(const Params& p, [[maybe_unused]
         const T* tv = sv + stage * kTile;
         const int key0 = blk * kBlockKeys;
 
-        // This warp's S columns: keys [16 kp, 16 kp + 16) for its kKeyPairs pairs kp.
+        // This warp's S columns: keys [16 tp, 16 tp + 16) for its kKeyPairs pairs tp.
 #pragma unroll
         for (int pi = 0; pi < kKeyPairs; ++pi) {
             const int tp = warp * kKeyPairs + pi;
@@ -741,7 +771,7 @@ __device__ __forceinline__ void attn_split_coop(const Params& p, [[maybe_unused]
                 uint32_t bk[4];
                 const int key = tp * 16 + (lane % 8) + 8 * (lane / 16);
                 const int col = ks * 16 + 8 * ((lane / 8) % 2);
-                ldmatrix_x4(bk, tk + coop_kv_offset<D, TMA>(key, col));
+                ldmatrix_x4(bk, tk + kv_offset<D>(key, col));
                 mma16816<Codec>(s2[0], qf[ks], bk[0], bk[1]);
                 mma16816<Codec>(s2[1], qf[ks], bk[2], bk[3]);
             }
@@ -753,9 +783,9 @@ __device__ __forceinline__ void attn_split_coop(const Params& p, [[maybe_unused]
             }
         }
         __syncthreads();
-        float s[8][4];
+        float s[kScoreTiles][4];
 #pragma unroll
-        for (int t = 0; t < 8; ++t) {
+        for (int t = 0; t < kScoreTiles; ++t) {
             const float2 lo = *reinterpret_cast<const float2*>(ss + g * kSStride + t * 8 + 2 * c);
             const float2 hi = *reinterpret_cast<const float2*>(ss + (g + 8) * kSStride + t * 8 + 2 * c);
             s[t][0] = lo.x;
@@ -768,7 +798,7 @@ __device__ __forceinline__ void attn_split_coop(const Params& p, [[maybe_unused]
         const bool masked = key0 + kBlockKeys > warp_vis_min;
         bool empty[2];
         float alpha[2];
-        uint32_t pa[4][4];
+        uint32_t pa[kPvSteps][4];
         block_softmax<Codec>(s, masked, hi_rows, key0, c, vis_end, p.scale_log2, m, l, empty, alpha, pa);
 #pragma unroll
         for (int t = 0; t < kOutTiles; ++t) {
@@ -794,13 +824,13 @@ __device__ __forceinline__ void attn_split_coop(const Params& p, [[maybe_unused]
         }
         // This warp's output columns: n8 tiles [warp * kOutTiles, (warp + 1) * kOutTiles).
 #pragma unroll
-        for (int kk = 0; kk < 4; ++kk) {
+        for (int kk = 0; kk < kPvSteps; ++kk) {
 #pragma unroll
             for (int dp = 0; dp < kOutTiles / 2; ++dp) {
                 uint32_t bv[4];
                 const int key = kk * 16 + (lane % 8) + 8 * ((lane / 8) % 2);
                 const int col = (warp * kOutTiles / 2 + dp) * 16 + 8 * (lane / 16);
-                ldmatrix_x4_trans(bv, tv + coop_kv_offset<D, TMA>(key, col));
+                ldmatrix_x4_trans(bv, tv + kv_offset<D>(key, col));
                 mma16816<Codec>(acc[2 * dp], pa[kk], bv[0], bv[1]);
                 mma16816<Codec>(acc[2 * dp + 1], pa[kk], bv[2], bv[3]);
             }
@@ -904,13 +934,13 @@ __device__ __forceinline__ void attn_combine(const float* ws, void* out, float* 
 #define BATCHINV_ATTN_KERNELS(DTYPE, CODEC, D, NW)                                                             \
     extern "C" __global__ void __launch_bounds__(32 * NW) attn_fwd_##DTYPE##_d##D##_w##NW(BATCHINV_ATTN_PARAMS) { \
         BATCHINV_ATTN_MAKE_PARAMS;                                                                              \
-        batchinv::attn::attn_tile<CODEC, D, NW, false, 2>(p);                                                      \
+        batchinv::attn::attn_tile<CODEC, D, NW, false, batchinv::attn::tile_stages(NW)>(p);                     \
     }                                                                                                           \
     extern "C" __global__ void __launch_bounds__(32 * NW)                                                       \
         attn_split_##DTYPE##_d##D##_w##NW(BATCHINV_ATTN_PARAMS) {                                               \
         batchinv::grid_launch_dependents(); /* the combine may launch (it waits for this grid) */          \
         BATCHINV_ATTN_MAKE_PARAMS;                                                                              \
-        batchinv::attn::attn_tile<CODEC, D, NW, true, 2>(p);                                                    \
+        batchinv::attn::attn_tile<CODEC, D, NW, true, batchinv::attn::tile_stages(NW)>(p);                      \
     }
 
 #define BATCHINV_ATTN_SPLIT_COOP(DTYPE, CODEC, D, NW, S, MINB)                                                   \
@@ -963,43 +993,46 @@ BATCHINV_ATTN_KERNELS(f16, batchinv::F16Codec, 128, 1)
 // batchinv-signature: attn_fwd_f16_d128_w4(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32)
 // batchinv-signature: attn_split_f16_d128_w4(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32)
 BATCHINV_ATTN_KERNELS(f16, batchinv::F16Codec, 128, 4)
-// Cooperative split kernels (16-row tiles, NW warps): decode.
+// Cooperative split kernels (16-row tiles, NW warps): decode.  MINB (CTAs per SM the register
+// cap allows): 2 at 1 stage (shared memory would allow 3 at d = 128, 73-75 KB each, but the
+// 168-register cap of 3 spilled and was 11-13% slower on an H100, session 9), 1 at 2 and 3
+// stages (137-202 KB of shared memory at d = 128).
 // batchinv-signature: attn_split_coop_bf16_d64_w4_s1(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32)
 // batchinv-signature: attn_split_coop_bf16_d64_w4_s1_tma(tmap, tmap, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32)
-BATCHINV_ATTN_SPLIT_COOP(bf16, batchinv::Bf16Codec, 64, 4, 1, 4)
+BATCHINV_ATTN_SPLIT_COOP(bf16, batchinv::Bf16Codec, 64, 4, 1, 2)
 // batchinv-signature: attn_split_coop_bf16_d64_w4_s2(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32)
 // batchinv-signature: attn_split_coop_bf16_d64_w4_s2_tma(tmap, tmap, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32)
-BATCHINV_ATTN_SPLIT_COOP(bf16, batchinv::Bf16Codec, 64, 4, 2, 3)
+BATCHINV_ATTN_SPLIT_COOP(bf16, batchinv::Bf16Codec, 64, 4, 2, 1)
 // batchinv-signature: attn_split_coop_bf16_d64_w4_s3(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32)
 // batchinv-signature: attn_split_coop_bf16_d64_w4_s3_tma(tmap, tmap, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32)
-BATCHINV_ATTN_SPLIT_COOP(bf16, batchinv::Bf16Codec, 64, 4, 3, 2)
+BATCHINV_ATTN_SPLIT_COOP(bf16, batchinv::Bf16Codec, 64, 4, 3, 1)
 // batchinv-signature: attn_split_coop_bf16_d128_w4_s1(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32)
 // batchinv-signature: attn_split_coop_bf16_d128_w4_s1_tma(tmap, tmap, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32)
-BATCHINV_ATTN_SPLIT_COOP(bf16, batchinv::Bf16Codec, 128, 4, 1, 4)
+BATCHINV_ATTN_SPLIT_COOP(bf16, batchinv::Bf16Codec, 128, 4, 1, 2)
 // batchinv-signature: attn_split_coop_bf16_d128_w4_s2(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32)
 // batchinv-signature: attn_split_coop_bf16_d128_w4_s2_tma(tmap, tmap, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32)
-BATCHINV_ATTN_SPLIT_COOP(bf16, batchinv::Bf16Codec, 128, 4, 2, 3)
+BATCHINV_ATTN_SPLIT_COOP(bf16, batchinv::Bf16Codec, 128, 4, 2, 1)
 // batchinv-signature: attn_split_coop_bf16_d128_w4_s3(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32)
 // batchinv-signature: attn_split_coop_bf16_d128_w4_s3_tma(tmap, tmap, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32)
-BATCHINV_ATTN_SPLIT_COOP(bf16, batchinv::Bf16Codec, 128, 4, 3, 2)
+BATCHINV_ATTN_SPLIT_COOP(bf16, batchinv::Bf16Codec, 128, 4, 3, 1)
 // batchinv-signature: attn_split_coop_f16_d64_w4_s1(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32)
 // batchinv-signature: attn_split_coop_f16_d64_w4_s1_tma(tmap, tmap, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32)
-BATCHINV_ATTN_SPLIT_COOP(f16, batchinv::F16Codec, 64, 4, 1, 4)
+BATCHINV_ATTN_SPLIT_COOP(f16, batchinv::F16Codec, 64, 4, 1, 2)
 // batchinv-signature: attn_split_coop_f16_d64_w4_s2(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32)
 // batchinv-signature: attn_split_coop_f16_d64_w4_s2_tma(tmap, tmap, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32)
-BATCHINV_ATTN_SPLIT_COOP(f16, batchinv::F16Codec, 64, 4, 2, 3)
+BATCHINV_ATTN_SPLIT_COOP(f16, batchinv::F16Codec, 64, 4, 2, 1)
 // batchinv-signature: attn_split_coop_f16_d64_w4_s3(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32)
 // batchinv-signature: attn_split_coop_f16_d64_w4_s3_tma(tmap, tmap, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32)
-BATCHINV_ATTN_SPLIT_COOP(f16, batchinv::F16Codec, 64, 4, 3, 2)
+BATCHINV_ATTN_SPLIT_COOP(f16, batchinv::F16Codec, 64, 4, 3, 1)
 // batchinv-signature: attn_split_coop_f16_d128_w4_s1(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32)
 // batchinv-signature: attn_split_coop_f16_d128_w4_s1_tma(tmap, tmap, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32)
-BATCHINV_ATTN_SPLIT_COOP(f16, batchinv::F16Codec, 128, 4, 1, 4)
+BATCHINV_ATTN_SPLIT_COOP(f16, batchinv::F16Codec, 128, 4, 1, 2)
 // batchinv-signature: attn_split_coop_f16_d128_w4_s2(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32)
 // batchinv-signature: attn_split_coop_f16_d128_w4_s2_tma(tmap, tmap, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32)
-BATCHINV_ATTN_SPLIT_COOP(f16, batchinv::F16Codec, 128, 4, 2, 3)
+BATCHINV_ATTN_SPLIT_COOP(f16, batchinv::F16Codec, 128, 4, 2, 1)
 // batchinv-signature: attn_split_coop_f16_d128_w4_s3(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32)
 // batchinv-signature: attn_split_coop_f16_d128_w4_s3_tma(tmap, tmap, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, i32, i32, i32, i32, i32, f32)
-BATCHINV_ATTN_SPLIT_COOP(f16, batchinv::F16Codec, 128, 4, 3, 2)
+BATCHINV_ATTN_SPLIT_COOP(f16, batchinv::F16Codec, 128, 4, 3, 1)
 // batchinv-signature: attn_combine_bf16_d64(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i32, i32, i32)
 BATCHINV_ATTN_COMBINE(bf16, batchinv::Bf16Codec, 64)
 // batchinv-signature: attn_combine_bf16_d128(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i32, i32, i32)

@@ -12,6 +12,8 @@ from pathlib import Path
 N_SIZES = (32, 64, 128, 256)
 # Register-A variants (A from registers, B N-major in shared memory): attention's P V product.
 RS_N_SIZES = (64, 128)
+# Register-A variants with B K-major (imm-trans-b = 0): attention's S = Q K^T of 128 keys.
+RS_KMAJOR_N_SIZES = (128,)
 DTYPES = {"bf16": "bf16", "f16": "f16"}
 
 HEADER = """\
@@ -23,6 +25,7 @@ HEADER = """\
 // mma_rs_*: A from registers (a warp's 16 rows as mma.sync m16n8k16's A fragment: a[0] (row g,
 // k 2c..2c+1), a[1] (g + 8, same k), a[2] (g, k + 8), a[3] (g + 8, k + 8)), B N-major in
 // shared memory (imm-trans-b = 1), D += A * B.
+// mma_rs_kmajor_*: the same with B K-major in shared memory (imm-trans-b = 0).
 #pragma once
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -60,8 +63,10 @@ __device__ __forceinline__ void {signature} {{
 """
 
 
-def rs_wrapper(n: int, dtype: str) -> str:
+def rs_wrapper(n: int, dtype: str, kmajor: bool = False) -> str:
     regs = n // 2
+    name = "mma_rs_kmajor" if kmajor else "mma_rs"
+    trans_b = 0 if kmajor else 1
     outs = ", ".join(f"%{i}" for i in range(regs))
     a_regs = ", ".join(f"%{regs + i}" for i in range(4))
     constraints = ",\n          ".join(
@@ -69,7 +74,7 @@ def rs_wrapper(n: int, dtype: str) -> str:
         for row in range(0, regs, 8)
     )
     signature = (
-        f"mma_rs_m64n{n}k16_{dtype}(float (&d)[{regs}], const uint32_t (&a)[4], uint64_t desc_b)"
+        f"{name}_m64n{n}k16_{dtype}(float (&d)[{regs}], const uint32_t (&a)[4], uint64_t desc_b)"
     )
     return f"""
 __device__ __forceinline__ void {signature} {{
@@ -78,7 +83,7 @@ __device__ __forceinline__ void {signature} {{
         ".reg .pred accumulate;\\n"
         "setp.ne.b32 accumulate, %{regs + 5}, 0;\\n"
         "wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{DTYPES[dtype]}.{DTYPES[dtype]} "
-        "{{{outs}}}, {{{a_regs}}}, %{regs + 4}, accumulate, 1, 1, 1;\\n"
+        "{{{outs}}}, {{{a_regs}}}, %{regs + 4}, accumulate, 1, 1, {trans_b};\\n"
         "}}\\n"
         : {constraints}
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1));
@@ -89,6 +94,9 @@ __device__ __forceinline__ void {signature} {{
 def main() -> None:
     body = "".join(wrapper(n, dtype) for dtype in DTYPES for n in N_SIZES)
     body += "".join(rs_wrapper(n, dtype) for dtype in DTYPES for n in RS_N_SIZES)
+    body += "".join(
+        rs_wrapper(n, dtype, kmajor=True) for dtype in DTYPES for n in RS_KMAJOR_N_SIZES
+    )
     target = Path(__file__).resolve().parent.parent / "kernels_cu" / "common" / "wgmma.cuh"
     target.write_text(HEADER + body + FOOTER)
     print(f"wrote {target}")

@@ -14,7 +14,7 @@
 namespace batchinv {
 namespace attn {
 
-constexpr int kBlockKeys = 64;
+constexpr int kBlockKeys = 128;
 constexpr int kSplitKeys = 1024;
 constexpr int kBlocksPerSplit = kSplitKeys / kBlockKeys;
 constexpr float kLn2 = 0.693147180559945309f;

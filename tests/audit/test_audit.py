@@ -15,7 +15,15 @@ import pytest
 import torch
 
 import batchinv
-from batchinv.audit import AUDIT_PATHS, QUICK_SWEEP, audit_json, count_cases, main, run_audit
+from batchinv.audit import (
+    AUDIT_PATHS,
+    AUDIT_SEQ_LEN,
+    QUICK_SWEEP,
+    audit_json,
+    count_cases,
+    main,
+    run_audit,
+)
 from batchinv.contract import TRANSFORMS
 from batchinv.models import Qwen3
 from batchinv.models.qwen3 import ops as model_ops
@@ -57,10 +65,10 @@ def test_default_audit_passes_on_builtin_config(tmp_path, capsys):
     assert report["passed"] is True
     default_device = "cuda:0" if torch.cuda.is_available() else "cpu"  # the audit's default
     assert report["device"] == default_device and report["dtype"] == "bfloat16"
-    assert report["seq_len"] == 67 and report["config"]["vocab_size"] == 512
+    assert report["seq_len"] == AUDIT_SEQ_LEN == 131 and report["config"]["vocab_size"] == 512
     assert [t["id"] for t in report["transforms"]] == TRANSFORM_IDS
     cases = report["paths"]["batchinv"]["cases"]
-    assert len(cases) == len(report["paths"]["stock"]["cases"]) == count_cases(seq_len=67) - 1
+    assert len(cases) == len(report["paths"]["stock"]["cases"]) == count_cases(seq_len=131) - 1
     assert {c["transform_id"] for c in cases} == set(TRANSFORM_IDS)
     assert all(c["status"] == "ok" and c["max_abs_logprob_diff"] == 0.0 for c in cases)
     for transform in report["transforms"]:

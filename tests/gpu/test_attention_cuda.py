@@ -59,7 +59,9 @@ def test_shared_bytes_fit_the_sm80_limit():
         for warps in gpu.WARP_CHOICES:
             for split in (False, True):
                 assert gpu.shared_bytes(d, warps, split) <= 163 * 1024
-    assert gpu.shared_bytes(128, 4, False) == 4 * 64 * 136 * 2 + 64 * 128 * 4
+    # 2 stages of K and V (128 keys x 128 dense swizzled columns), then the running state over Q.
+    assert gpu.shared_bytes(128, 4, False) == 2 * 2 * 128 * 128 * 2 + 64 * 128 * 4
+    assert gpu.shared_bytes(128, 1, True) == 2 * 128 * 128 * 2 + 16 * 136 * 2  # one stage
 
 
 def test_make_layout_is_int32_and_keeps_bounds():
@@ -171,9 +173,9 @@ def test_modes_and_tile_heights_give_the_same_bits(dtype, d, causal):
     )
     base = gpu.attention(q, k, v, mode="tile", warps=4, **kwargs)
     for mode, warps, stages, coop in (
-        ("tile", 1, 2, False),
+        ("tile", 1, 1, False),
         ("split", 4, 2, False),
-        ("split", 1, 2, False),
+        ("split", 1, 1, False),
         *(("split", 1, s, True) for s in gpu.COOP_STAGES),
     ):
         got = gpu.attention(q, k, v, mode=mode, warps=warps, stages=stages, coop=coop, **kwargs)
@@ -193,9 +195,9 @@ def test_wide_score_range_same_bits_in_every_mode(dtype):
     assert_within_tolerance(base[0], ref_out, op_class="attention", name="out")
     assert_within_tolerance(base[1], ref_lse, op_class="attention", name="lse", dtype=dtype)
     for mode, warps, stages, coop in (
-        ("tile", 1, 2, False),
+        ("tile", 1, 1, False),
         ("split", 4, 2, False),
-        ("split", 1, 2, False),
+        ("split", 1, 1, False),
         ("split", 1, 1, True),
         ("split", 1, 3, True),
     ):
@@ -203,9 +205,10 @@ def test_wide_score_range_same_bits_in_every_mode(dtype):
         assert_bitwise_equal(got, base, name=f"{mode}/{warps} warps/{stages} stages/coop {coop}")
 
 
-# Decode contexts around block (64) and split (1024) boundaries, and (Hq, Hkv) groups whose
-# packed rows fill a quarter, half and all of a 16-row tile.
-DECODE_CONTEXTS = (1, 63, 64, 65, 1023, 1024, 1025, 2047, 2048, 2049, 3001)
+# Decode contexts around block (128; 64 until session 9) and split (1024) boundaries, and
+# (Hq, Hkv) groups whose packed rows fill a quarter, half and all of a 16-row tile.
+BLOCK_EDGES = (1, 63, 65, 127, 128, 129, 255, 256, 257)
+DECODE_CONTEXTS = (*BLOCK_EDGES, 1023, 1024, 1025, 2047, 2048, 2049, 3001)
 DECODE_HEADS = ((8, 2), (8, 1), (16, 1))
 
 
@@ -250,7 +253,7 @@ def test_decode_kernels_equal_prefill_at_block_and_split_boundaries(dtype, d, he
     lens = DECODE_CONTEXTS[::2] if QUICK else DECODE_CONTEXTS
     q, q_new, k, v, k_lens = _decode_case(dtype, d, lens, seed=40 + heads[0], heads=heads)
     want = _prefill_answers(q, k, v, lens)
-    variants = [(s, True) for s in gpu.COOP_STAGES] + [(2, False)]
+    variants = [(s, True) for s in gpu.COOP_STAGES] + [(gpu.TILE_STAGES[1], False)]
     for stages, coop in variants:
         kw = dict(mode="split", warps=1, stages=stages, coop=coop)
         out, lse = gpu.attention(q_new, k, v, causal=True, seqlens_k=k_lens, return_lse=True, **kw)
@@ -269,8 +272,9 @@ def test_coop_shared_bytes_fit_the_sm90_limit():
     for d in gpu.HEAD_DIMS:
         for stages in gpu.COOP_STAGES:
             assert gpu.coop_shared_bytes(d, stages) <= 227 * 1024
-    assert gpu.coop_shared_bytes(128, 1) == 2 * 64 * 136 * 2 + 16 * 136 * 2
-    assert gpu.coop_shared_bytes(64, 1) == 2 * 64 * 72 * 2 + 16 * 68 * 4
+    # K and V of one 128-key block (dense swizzled rows), then the Q tile / fp32 S tile.
+    assert gpu.coop_shared_bytes(128, 1) == 2 * 128 * 128 * 2 + 16 * 132 * 4
+    assert gpu.coop_shared_bytes(64, 2) == 2 * 2 * 128 * 64 * 2 + 16 * 132 * 4
 
 
 @cuda
@@ -280,8 +284,10 @@ def test_coop_needs_a_one_warp_split_launch_and_a_known_depth():
         gpu.attention(q, k, v, mode="tile", warps=1, coop=True)
     with pytest.raises(ValueError, match="stages"):
         gpu.attention(q, k, v, mode="split", warps=1, coop=True, stages=4)
-    with pytest.raises(ValueError, match="stages"):
-        gpu.attention(q, k, v, mode="split", warps=1, coop=False, stages=1)
+    with pytest.raises(ValueError, match="stages must be 1 without coop for 1-warp tiles"):
+        gpu.attention(q, k, v, mode="split", warps=1, coop=False, stages=2)
+    with pytest.raises(ValueError, match="stages must be 2 without coop for 4-warp tiles"):
+        gpu.attention(q, k, v, mode="split", warps=4, stages=1)
 
 
 @cuda
@@ -292,7 +298,7 @@ def test_decode_kernels_repeat_bitwise_with_an_empty_context(dtype, d):
     # twice each: context 0 (every split CTA returns at once and the combine writes +0 / -inf
     # into an unfilled output), 1 key, block and split boundaries, 5 splits, NaN past every
     # length.
-    lens = [0, 1, 63, 1023, 1024, 1025, 4097]
+    lens = [0, 1, 63, 127, 129, 1023, 1024, 1025, 4097]
     q, k, v = _qkv(len(lens), 1, max(lens), 8, 2, d, dtype, seed=50 + d)
     for b, n in enumerate(lens):
         k[b, n:] = float("nan")
@@ -328,7 +334,9 @@ def test_coop_tma_copies_equal_cp_async_and_prefill(dtype, d, heads):
     _require_coop_tma()
     hq = heads[0]
     lens = (
-        [1, 65, 0, 1024, 1025, 4097] if QUICK else [1, 63, 64, 65, 0, 1023, 1024, 1025, 2049, 4097]
+        [1, 65, 129, 0, 1024, 1025, 4097]
+        if QUICK
+        else [1, 63, 65, 127, 128, 129, 0, 1023, 1024, 1025, 2049, 4097]
     )
     batch = len(lens)
     q, q_new, k, v, k_lens = _decode_case(dtype, d, lens, seed=80 + hq, heads=heads)
@@ -379,10 +387,10 @@ def test_coop_tma_option_is_checked():
 
 def test_coop_tma_shared_bytes_fit_the_ctas_per_sm():
     for d in gpu.HEAD_DIMS:
-        # The kernels' launch bounds: 4, 3 and 2 CTAs per SM at ring depths 1, 2 and 3.
-        for stages, ctas in ((1, 4), (2, 3), (3, 2)):
+        # The kernels' launch bounds: 2, 1 and 1 CTAs per SM at ring depths 1, 2 and 3.
+        for stages, ctas in ((1, 2), (2, 1), (3, 1)):
             assert ctas * (gpu.coop_tma_shared_bytes(d, stages) + 1024) <= 228 * 1024
-    assert gpu.coop_tma_shared_bytes(128, 1) == 2 * 64 * 128 * 2 + 16 * 136 * 2 + 8 + 1024
+    assert gpu.coop_tma_shared_bytes(128, 1) == 2 * 128 * 128 * 2 + 16 * 132 * 4 + 8 + 1024
 
 
 def test_pdl_argument_is_checked_before_the_device():
@@ -411,10 +419,10 @@ def test_decode_with_pdl_equals_prefill_and_the_ordinary_launch(dtype, d):
     # Every split kernel with its combine launched programmatically (PDL) and ordinarily, into
     # poisoned memory: each row equals the last row of its sequence's one-shot prefill.
     _require_pdl()
-    lens = [1, 63, 1024, 1025, 2049, 4097]
+    lens = [1, 63, 129, 1024, 1025, 2049, 4097]
     q, q_new, k, v, k_lens = _decode_case(dtype, d, lens)
     want = _prefill_answers(q, k, v, lens)
-    variants = [(s, True) for s in gpu.COOP_STAGES] + [(2, False)]
+    variants = [(s, True) for s in gpu.COOP_STAGES] + [(gpu.TILE_STAGES[1], False)]
     for stages, coop in variants:
         got = {}
         for pdl in (True, False, True):

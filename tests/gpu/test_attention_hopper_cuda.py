@@ -1,7 +1,8 @@
-"""The Hopper (sm_90a) tile kernel ``kernels_cu/attention_hopper.cu``: bitwise equal (out AND
-lse) to the mma.sync tile and split kernels and to the chunked-prefill / decode paths, on odd
-lengths, GQA 4:1 and 8:1, MHA, a group of 3 (tiles with padding rows), causal offsets, fully
-masked rows, NaN padding past ``k_len``; within the contract's tolerance of the fp32 reference.
+"""The Hopper (sm_90a) tile kernel ``kernels_cu/attention_hopper.cu`` (128-key blocks): bitwise
+equal (out AND lse) to the mma.sync tile and split kernels and to the chunked-prefill / decode
+paths, on odd lengths, block and split edges, GQA 4:1 and 8:1, MHA, groups of 3 and 5 (tiles
+with padding rows), causal offsets, fully masked rows, NaN padding past ``k_len``; within the
+contract's tolerance of the fp32 reference.
 
 GPU tests skip (with the reason) where CUDA, an sm_90 device or the sm_90a image is absent.
 """
@@ -22,7 +23,7 @@ from batchinv.reference.kv_cache import KVCache
 DEVICE = "cuda"
 DTYPES = (torch.bfloat16, torch.float16)
 # (Hq, Hkv): GQA 4:1, GQA 8:1, MHA, a group of 3 (128-row tiles: 42 queries x 3 heads, 2
-# padding rows) and a group of 5 (25 x 5 of 128 and 38 x 5 of 192 rows: padding in both heights)
+# padding rows) and a group of 5 (25 queries x 5 heads, 3 padding rows)
 HEADS = ((8, 2), (16, 2), (4, 4), (6, 2), (10, 2))
 LONG_CONTEXT = 2500  # three splits of 1024 keys
 
@@ -67,48 +68,19 @@ def _nan_padding(q, k, v, seqlens_q, seqlens_k):
     return q, k, v
 
 
-@pytest.fixture(autouse=True, params=(2, 3), ids=("wg2", "wg3"))
-def warpgroups(request):
-    """Every test runs with both kernels whatever its shape (the shape rule,
-    ``hopper.warpgroups_for``, would pick one): 2 consumer warpgroups (128-row tiles) and 3
-    (192-row tiles); both must give the mma.sync kernels' bits."""
-    with hopper.forced_warpgroups(request.param):
-        yield request.param
-
-
 # ----------------------------------------------------------------------------- host logic (CPU)
 
 
-def test_shared_memory_fits_hopper(warpgroups):
-    assert hopper.shared_bytes(warpgroups=warpgroups) <= 227 * 1024
+def test_shared_memory_fits_hopper():
+    # Q 32 KB + two 32 KB stages of K and of V + the 64 KB running state, under the 227 KB an
+    # sm_90 CTA may take.
+    assert hopper.shared_bytes() <= 227 * 1024
+    assert hopper.shared_bytes() >= 32 * 1024 + 4 * 32 * 1024 + 64 * 1024
 
 
-def test_forced_warpgroups_rejects_bad_counts():
-    with pytest.raises(ValueError, match="count"):
-        with hopper.forced_warpgroups(4):
-            pass
-    with pytest.raises(TypeError, match="count"):
-        with hopper.forced_warpgroups(True):
-            pass
-
-
-def test_warpgroup_rule_depends_only_on_the_longest_lengths(monkeypatch):
-    monkeypatch.setattr(hopper, "_forced_warpgroups", None)  # the rule, not the fixture's count
-    edge = hopper.WG3_MAX_LEN
-    assert edge == 2048
-    for max_q, max_k, want in (
-        (1, 1, 3),
-        (edge, edge, 3),
-        (edge + 1, edge + 1, 2),
-        (edge, edge + 1, 2),  # a chunk of queries against a longer context
-        (edge + 1, 64, 2),
-        (4096, 4096, 2),
-    ):
-        assert hopper.warpgroups_for(max_q, max_k) == want, (max_q, max_k)
-    with hopper.forced_warpgroups(2):
-        assert hopper.warpgroups_for(64, 64) == 2
-    with hopper.forced_warpgroups(3):
-        assert hopper.warpgroups_for(4096, 4096) == 3
+def test_block_is_the_contracts_block():
+    # The kernel's TMA boxes and shared-memory stages hold one block of the contract's size.
+    assert hopper.BLOCK_KEYS == gpu.BLOCK_KEYS == 128
 
 
 def test_tma_rows_needs_contiguous_heads():
@@ -157,9 +129,9 @@ def test_hopper_equals_mma_sync_tile_and_split(dtype, heads, causal):
 @pytest.mark.parametrize("causal", (True, False))
 def test_split_edges_equal_mma_sync(dtype, causal):
     # The kernel runs a block that starts a split as its own copy of the pipeline step: contexts
-    # ending exactly on a split (1024, 2048), one block past it (1088: the block that starts
-    # the second split is the last), one key past it (1025), and one key short (1023).
-    seqlens_k = torch.tensor([1024, 1088, 2048, 1025, 1023], device=DEVICE)
+    # ending exactly on a split (1024, 2048), one 128-key block past it (1152: the block that
+    # starts the second split is the last), one key past it (1025), and one key short (1023).
+    seqlens_k = torch.tensor([1024, 1152, 2048, 1025, 1023], device=DEVICE)
     seqlens_q = torch.tensor([200, 70, 129, 1, 64], device=DEVICE)
     q, k, v = _qkv(5, 200, 2048, 8, 2, dtype, seed=31)
     q, k, v = _nan_padding(q, k, v, seqlens_q, seqlens_k)
@@ -171,17 +143,16 @@ def test_split_edges_equal_mma_sync(dtype, causal):
 @needs_hopper
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("causal", (True, False))
-def test_block_pairs_equal_mma_sync(dtype, causal):
-    # Odd and even block counts (a kernel that pairs 64-key blocks, tried in session 5, has a
-    # masked phantom block past an odd end): contexts of 1, 2, 3 and 4 blocks, a block short
-    # of and past a split (17 and 18 blocks), causal tiles of 32 query positions whose last
-    # block alternates between odd and even, a sequence with no query.
-    seqlens_k = torch.tensor([1, 63, 64, 65, 129, 192, 193, 1087, 1152, 300], device=DEVICE)
-    seqlens_q = torch.tensor([1, 63, 20, 65, 129, 100, 193, 200, 150, 0], device=DEVICE)
-    q, k, v = _qkv(10, 200, 1152, 8, 2, dtype, seed=53)
+def test_block_edges_equal_mma_sync(dtype, causal):
+    # Contexts around the 128-key block edges (1, 127, 128, 129 keys; 2 and 3 blocks, one key
+    # past 3), a block short of and past a split (9 blocks, one key short of 10), causal tiles
+    # of 32 query positions that end inside a block and on its edges, a sequence with no query.
+    seqlens_k = torch.tensor([1, 127, 128, 129, 256, 384, 385, 1151, 1280, 300], device=DEVICE)
+    seqlens_q = torch.tensor([1, 127, 20, 129, 200, 100, 193, 200, 150, 0], device=DEVICE)
+    q, k, v = _qkv(10, 200, 1280, 8, 2, dtype, seed=53)
     q, k, v = _nan_padding(q, k, v, seqlens_q, seqlens_k)
     kwargs = dict(causal=causal, seqlens_q=seqlens_q, seqlens_k=seqlens_k, return_lse=True)
-    new = _hopper_equal_to_mma_sync(q, k, v, "tile over block pairs", **kwargs)
+    new = _hopper_equal_to_mma_sync(q, k, v, "tile at block edges", **kwargs)
     assert not torch.isnan(new[0]).any(), "NaN padding leaked into the output"
 
 
@@ -191,10 +162,10 @@ def test_block_pairs_equal_mma_sync(dtype, causal):
 @pytest.mark.parametrize("causal", (True, False))
 def test_split_loop_edges_equal_mma_sync(dtype, causal):
     # The kernel runs one inner loop per split and the last block as a step of its own: block
-    # counts one short of, on and one past the second and third split edges (15, 16, 31, 32,
-    # 33, 48, 49 blocks), a split that holds only the last block (1025 keys: block 16 starts
-    # the second split and is the last), and 1 block.
-    seqlens_k = torch.tensor([960, 1024, 1025, 1984, 2048, 2112, 3072, 3073, 64], device=DEVICE)
+    # counts one short of, on and one past the split edges (7, 8, 15, 16, 17, 24, 25 blocks of
+    # 128 keys), a split that holds only the last block (1025 keys: block 8 starts the second
+    # split and is the last), and 1 block.
+    seqlens_k = torch.tensor([896, 1024, 1025, 1920, 2048, 2176, 3072, 3073, 128], device=DEVICE)
     seqlens_q = torch.tensor([40, 33, 1, 64, 100, 3, 90, 31, 64], device=DEVICE)
     q, k, v = _qkv(9, 100, 3073, 8, 2, dtype, seed=67)
     q, k, v = _nan_padding(q, k, v, seqlens_q, seqlens_k)
@@ -206,49 +177,17 @@ def test_split_loop_edges_equal_mma_sync(dtype, causal):
 @cuda
 @needs_hopper
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_warpgroup_causal_ends_around_a_split_edge_equal_mma_sync(dtype):
-    # With 3 warpgroups each stops at its own causal end (16 query positions at GQA 4:1) and
-    # only releases the tile's later blocks: ends on both sides of the first split edge within
-    # one tile (1040 keys, 96 queries: 15/16/16 then 16/16/17 blocks; 1100: 16/17/17 then
-    # 17/17/18), a warpgroup whose rows see no key (50 queries over 20 keys), a tile past q_len.
+def test_causal_ends_around_a_split_edge_equal_mma_sync(dtype):
+    # Causal tiles (32 query positions at GQA 4:1) whose last block lies on both sides of the
+    # first split edge (1040 and 1100 keys, 96 queries: tiles ending in blocks 8 and 9), a tile
+    # whose rows see no key (50 queries over 20 keys), a tile past q_len.
     seqlens_k = torch.tensor([1040, 1100, 20, 1], device=DEVICE)
     seqlens_q = torch.tensor([96, 96, 50, 1], device=DEVICE)
     q, k, v = _qkv(4, 96, 1100, 8, 2, dtype, seed=71)
     q, k, v = _nan_padding(q, k, v, seqlens_q, seqlens_k)
     kwargs = dict(causal=True, seqlens_q=seqlens_q, seqlens_k=seqlens_k, return_lse=True)
-    new = _hopper_equal_to_mma_sync(q, k, v, "tile, warpgroup ends around a split", **kwargs)
+    new = _hopper_equal_to_mma_sync(q, k, v, "tile, causal ends around a split", **kwargs)
     assert not torch.isnan(new[0]).any(), "NaN padding leaked into the output"
-
-
-@cuda
-@needs_hopper
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_shape_rule_changes_the_kernel_never_a_rows_bits(dtype, monkeypatch):
-    # Unforced dispatch: a sequence alone (300 queries and keys: the 3-warpgroup kernel) and
-    # beside a longer one (2100 keys: the 2-warpgroup kernel) gives the same bits, those of the
-    # mma.sync tile kernel; the kernel names the launches asked for show both ran.
-    monkeypatch.setattr(hopper, "_forced_warpgroups", None)
-    names = []
-    kernel = hopper._kernel
-
-    def recording(name, *args):
-        names.append(name)
-        return kernel(name, *args)
-
-    monkeypatch.setattr(hopper, "_kernel", recording)
-    seqlens = torch.tensor([300, 2100], device=DEVICE)
-    q, k, v = _qkv(2, 2100, 2100, 8, 2, dtype, seed=81)
-    q, k, v = _nan_padding(q, k, v, seqlens, seqlens)
-    kwargs = dict(causal=True, return_lse=True, mode="tile", warps=4)
-    out, lse = gpu.attention(q, k, v, seqlens_q=seqlens, seqlens_k=seqlens, **kwargs)
-    one = [t[:1, :300].contiguous() for t in (q, k, v)]
-    alone = gpu.attention(*one, **kwargs)
-    suffix = hopper._DTYPE_NAMES[dtype]
-    assert names == [f"attn_hopper_fwd_{suffix}_d128", f"attn_hopper_fwd_{suffix}_d128_wg3"]
-    assert_bitwise_equal(out[:1, :300], alone[0], name="out, 2 vs 3 warpgroups")
-    assert_bitwise_equal(lse[:1, :, :300], alone[1], name="lse, 2 vs 3 warpgroups")
-    old = gpu.attention(*one, hopper=False, **kwargs)
-    assert_bitwise_equal(alone, old, name="3 warpgroups (rule) vs mma.sync")
 
 
 @cuda
@@ -370,7 +309,7 @@ def test_row_bits_independent_of_batch_and_padding(dtype):
 @needs_hopper
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_chunked_prefill_and_decode_equal_hopper_prefill(dtype):
-    # The prefill runs the Hopper kernel.  Chunks of 100 and 64 forced onto the Hopper kernel
+    # The prefill runs the Hopper kernel.  Chunks of 100 and 128 forced onto the Hopper kernel
     # read the cache storage in place (unwritten slots hold NaN: the last block of every chunk
     # brings some into shared memory); the same chunks in auto mode (split launches) and
     # token-by-token decode (one-warp mma.sync kernels) must reproduce the same rows.
@@ -378,7 +317,7 @@ def test_chunked_prefill_and_decode_equal_hopper_prefill(dtype):
     q, k, v = _qkv(1, total, total, 8, 2, dtype, seed=71)
     full = gpu.attention(q, k, v, causal=True, return_lse=True, mode="tile", warps=4, hopper=True)
     forced = dict(mode="tile", warps=4, hopper=True)
-    for chunk, tuning in ((100, forced), (64, forced), (100, {}), (1, {})):
+    for chunk, tuning in ((100, forced), (128, forced), (100, {}), (1, {})):
         starts = [0, *range(total - 20, total)] if chunk == 1 else list(range(0, total, chunk))
         cache = KVCache(1, total, 2, 128, dtype=dtype, device=DEVICE)
         for i, s in enumerate(starts):

@@ -8,14 +8,11 @@ this file is the short target that `nox -s sanitize` runs under compute-sanitize
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import torch
 
 import batchinv
 from batchinv.gpu import attention as gpu_attention
-from batchinv.gpu import attention_hopper as hopper
 from batchinv.gpu import linear as gpu_linear
 from batchinv.gpu import log_softmax as gpu_log_softmax
 from batchinv.gpu import rms_norm as gpu_rms_norm
@@ -37,8 +34,7 @@ def _randn(*shape, dtype, seed):
 @pytest.mark.parametrize(
     "mode, warps, options",
     (
-        ("tile", 4, {}),  # the Hopper tile kernel at d = 128 on sm_90a (here 3 warpgroups)
-        ("tile", 4, {"warpgroups": 2}),  # its 2-warpgroup kernel (longer calls run it)
+        ("tile", 4, {}),  # the Hopper tile kernel at d = 128 on sm_90a
         ("tile", 4, {"hopper": False}),  # the mma.sync tile kernel
         ("tile", 1, {}),
         ("split", 1, {"coop": False}),  # the one-warp split kernel
@@ -58,22 +54,18 @@ def test_attention_forward_variants(dtype, d, mode, warps, options):
     seqlens_k = torch.tensor([sk, 700], device=DEVICE)
     k[1, 700:] = float("nan")
     v[1, 700:] = float("nan")
-    options = dict(options)
-    count = options.pop("warpgroups", None)
-    forced = contextlib.nullcontext() if count is None else hopper.forced_warpgroups(count)
-    with forced:
-        out, lse = gpu_attention.attention(
-            q,
-            k,
-            v,
-            causal=True,
-            seqlens_q=seqlens_q,
-            seqlens_k=seqlens_k,
-            return_lse=True,
-            mode=mode,
-            warps=warps,
-            **options,
-        )
+    out, lse = gpu_attention.attention(
+        q,
+        k,
+        v,
+        causal=True,
+        seqlens_q=seqlens_q,
+        seqlens_k=seqlens_k,
+        return_lse=True,
+        mode=mode,
+        warps=warps,
+        **options,
+    )
     assert torch.isfinite(out[0]).all() and torch.isfinite(out[1, :5]).all()
     assert (out[1, 5:] == 0).all()
 

@@ -37,8 +37,12 @@ from batchinv.reference.attention import (
 # (Hq, Hkv, d): MHA, GQA 2:1 and 3:1, MQA, and the three kernel head dims.
 HEAD_CONFIGS = [(4, 2, 64), (4, 4, 128), (6, 2, 32), (3, 1, 256)]
 # (Sq, Sk): plain prefill, queries at the end of a longer key sequence (offset), block edges.
-SEQ_CONFIGS = [(37, 37), (20, 150), (64, 64), (129, 129)]
-CHUNK_SIZES = [1, 7, 64, 100]
+SEQ_CONFIGS = [(37, 37), (20, 150), (128, 128), (129, 129)]
+# 128: chunks of one KV block (64 was, until the blocks grew to 128 keys in session 9).
+CHUNK_SIZES = [1, 7, 64, 100, 128]
+# Probe length of the T1-T7 sweeps: odd and past one 128-key block (the contract's default probe,
+# 67 tokens, stays inside the first block).
+SWEEP_PROBE_LEN = 131
 LOW_PRECISION = [torch.bfloat16, torch.float16]
 
 
@@ -358,7 +362,7 @@ def test_varlen_equals_padded_bitwise(dtype):
 def test_chunked_prefill_and_decode_equal_prefill_bitwise(chunk):
     """T5: one sequence fed in chunks (1 = token-by-token decode) through a KV cache,
     next to two companion sequences at other lengths, equals its one-shot prefill."""
-    length = 140 if chunk > 1 else 80
+    length = 140 if chunk > 1 else 132  # past one 128-key block
     q, k, v = qkv(1, length, length, 4, 2, 64, seed=40)
     full, lse_full = attention(q, k, v, causal=True, return_lse=True)
     cache = KVCache(3, 200, 2, 64, name="t5 cache")
@@ -578,21 +582,27 @@ def _make_sequence(hq: int, hkv: int, d: int, dtype: torch.dtype, with_cotangent
 def test_sequence_invariance_sweep_t1_to_t7(hq, hkv, d, dtype):
     adapter = AttentionAdapter(causal=True)
     assert isinstance(adapter, SequenceAdapter)
-    reports = sequence_invariance_sweep(adapter, _make_sequence(hq, hkv, d, dtype))
+    reports = sequence_invariance_sweep(
+        adapter, _make_sequence(hq, hkv, d, dtype), seq_len=SWEEP_PROBE_LEN
+    )
     assert {r.transform_id for r in reports} == {f"T{i}" for i in range(1, 8)}
     assert_no_drift(reports)
 
 
 def test_sequence_invariance_sweep_non_causal():
     reports = sequence_invariance_sweep(
-        AttentionAdapter(causal=False), _make_sequence(6, 2, 32, torch.float32)
+        AttentionAdapter(causal=False),
+        _make_sequence(6, 2, 32, torch.float32),
+        seq_len=SWEEP_PROBE_LEN,
     )
     assert_no_drift(reports, allow_not_applicable={"T5", "T7"})
 
 
 def test_sequence_invariance_sweep_gradients():
     reports = sequence_invariance_sweep(
-        AttentionGradAdapter(), _make_sequence(4, 2, 64, torch.float32, with_cotangent=True)
+        AttentionGradAdapter(),
+        _make_sequence(4, 2, 64, torch.float32, with_cotangent=True),
+        seq_len=SWEEP_PROBE_LEN,
     )
     assert {r.transform_id for r in reports if r.applicable} == {"T1", "T2", "T3", "T4", "T6"}
     assert_no_drift(reports, allow_not_applicable={"T5", "T7"})
@@ -840,8 +850,9 @@ def test_require_contiguous_and_cu_dtype_checks():
 
 
 def test_kv_block_is_the_documented_constant():
-    # Changing it changes every bit pattern the GPU kernels are compared against.
-    assert KV_BLOCK == 64
+    # Changing it changes every bit pattern the GPU kernels are compared against (their
+    # kBlockKeys: kernels_cu/common/attention_rows.cuh; 64 until session 9).
+    assert KV_BLOCK == 128
 
 
 def test_check_attention_args_returns_the_checked_host_lengths():

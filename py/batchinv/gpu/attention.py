@@ -14,9 +14,10 @@ backward (``attention_backward``) consumes as well:
 
 Two execution modes with the same per-row arithmetic (see the kernel's header): ``"tile"``
 (one CTA walks all KV splits of its query tile) and ``"split"`` (one CTA per KV split, then a
-combine kernel).  ``mode="auto"`` picks ``"split"`` when the tile launch would not fill the GPU
-and a row spans more than one split; ``warps`` (1 or 4 warps, 16 or 64 tile rows) follows the
-number of query rows per sequence.  Neither choice changes a row's bits.
+combine kernel).  ``warps`` (1 or 4 warps, 16 or 64 tile rows) follows the number of query rows
+per sequence; ``mode="auto"`` picks ``"split"`` for one-warp tiles (decode: the cooperative
+kernel) and, for 4-warp tiles, when the tile launch would not fill the GPU and a row spans more
+than one split.  Neither choice changes a row's bits.
 """
 
 from __future__ import annotations
@@ -40,24 +41,24 @@ from ._launch import (
     uses_hopper,
 )
 
-BLOCK_KEYS = 64  # keys per block, at absolute positions [64j, 64j + 64)
+BLOCK_KEYS = 128  # keys per block, at absolute positions [128j, 128j + 128) (64 until session 9)
 SPLIT_KEYS = 1024  # keys per split, at absolute positions (kernels_cu/attention.cu kSplitKeys)
 HEAD_DIMS = (64, 128)
 WARP_CHOICES = (1, 4)
+# K/V ring depth of the tile and one-warp split kernels by warps per tile (attention.cu
+# tile_stages): one warp keeps one 128-key block (3 CTAs per SM at d = 128), four warps prefetch.
+TILE_STAGES = {1: 1, 4: 2}
 MODES = ("auto", "tile", "split")
 MAX_PACKED_HEADS = 16  # query heads of one kv head packed in a tile's rows
 # Split launches of 16-row tiles (decode) run the cooperative kernel (attn_split_coop_*):
 # COOP_WARPS warps share one tile and one split, same bits as one warp per tile (the one-warp
-# kernel stays reachable with coop=False).  Its K/V pipeline depth: COOP_MANY_STAGES when the
-# launch has at least COOP_MANY_CTAS_PER_SM CTAs per SM (more CTAs per SM hide the latency),
-# else COOP_FEW_STAGES.  H200, GQA 32/8 d=128 bf16, depths 1/2/3 (two runs): B=64 @ 4096
-# (2048 CTAs) 0.291-0.292/0.291/0.302-0.303 ms; B=1 @ 32768 (256 CTAs) 0.062/0.058-0.059/
-# 0.059-0.081 ms.
+# kernel stays reachable with coop=False).  Its K/V pipeline depth by default: COOP_DEFAULT_STAGES
+# (a 128-key block at d = 128 is a 64 KB stage; H100, GQA 32/8 d=128 bf16, session 9: 1-block
+# ring B=64 @ 4096 0.375 ms, B=1 @ 32768 0.070 ms; 2-block ring B=64 0.374 ms).  Until session 9
+# (64-key blocks) launches with fewer than 4 CTAs per SM took 2 stages.
 COOP_WARPS = 4
 COOP_STAGES = (1, 2, 3)
-COOP_MANY_CTAS_PER_SM = 4
-COOP_MANY_STAGES = 1
-COOP_FEW_STAGES = 2
+COOP_DEFAULT_STAGES = 1
 # On sm_90a the cooperative kernel copies K/V by TMA (attn_split_coop_*_tma, where
 # coop_tma_applies; same bits).  H200, same shapes, one run, cp.async -> TMA: B=64 286.4 ->
 # 276.2 us (1-block ring), 286.7 -> 276.6 us (2-block ring); 0.891x -> 0.924x of SDPA.
@@ -171,21 +172,27 @@ def packed_heads(hq: int, hkv: int) -> int:
     return max(p for p in range(1, min(group, MAX_PACKED_HEADS) + 1) if group % p == 0)
 
 
-def shared_bytes(d: int, warps: int, split: bool, stages: int = 2) -> int:
-    """Dynamic shared memory of a tile kernel (kernels_cu/attention.cu attn_tile)."""
-    stride = d + 8
-    kv = 2 * stages * BLOCK_KEYS * stride * 2  # K and V
-    q = 16 * warps * stride * 2
+def _kv_stage_bytes(d: int) -> int:
+    """One K/V stage of any forward kernel: K and V of one block, dense 128-byte-swizzled rows
+    (attention.cu kv_offset; no padding)."""
+    return 2 * BLOCK_KEYS * d * 2
+
+
+def shared_bytes(d: int, warps: int, split: bool) -> int:
+    """Dynamic shared memory of a tile kernel (kernels_cu/attention.cu attn_tile): its
+    ``TILE_STAGES[warps]`` K/V stages, then the Q tile (16-byte padded rows), which mode (a)'s
+    running state overlays once Q is in registers."""
+    kv = TILE_STAGES[warps] * _kv_stage_bytes(d)
+    q = 16 * warps * (d + 8) * 2
     run = 0 if split else (d // 8) * 4 * 32 * warps * 4  # shares memory with q
     return kv + max(q, run)
 
 
 def coop_tma_shared_bytes(d: int, stages: int) -> int:
     """Dynamic shared memory of a cooperative split kernel with TMA copies (attn_split_coop_*_tma):
-    dense swizzled K/V stages, the Q / S tile as without TMA, one mbarrier per stage, and 1024
+    the stages and the Q / S tile of ``coop_shared_bytes``, one mbarrier per stage, and 1024
     bytes to align the swizzled boxes."""
-    kv = 2 * stages * BLOCK_KEYS * d * 2
-    return kv + max(16 * (d + 8) * 2, 16 * (BLOCK_KEYS + 4) * 4) + 8 * stages + 1024
+    return coop_shared_bytes(d, stages) + 8 * stages + 1024
 
 
 def _tma_rows(t: Tensor) -> bool:
@@ -222,10 +229,8 @@ def _encoded_tma_map(address: int, dtype_name: str, rows: int, cols: int, row_by
 
 def coop_shared_bytes(d: int, stages: int) -> int:
     """Dynamic shared memory of a cooperative split kernel (attn_split_coop): K/V stages, then
-    the Q tile, which the fp32 S tile [16][64 + 4] overlays once Q is in registers."""
-    stride = d + 8
-    kv = 2 * stages * BLOCK_KEYS * stride * 2
-    return kv + max(16 * stride * 2, 16 * (BLOCK_KEYS + 4) * 4)
+    the Q tile, which the fp32 S tile [16][128 + 4] overlays once Q is in registers."""
+    return stages * _kv_stage_bytes(d) + max(16 * (d + 8) * 2, 16 * (BLOCK_KEYS + 4) * 4)
 
 
 @functools.cache
@@ -250,14 +255,18 @@ def choose(
     pack = packed_heads(hq, hkv)
     if warps is None:
         warps = 1 if layout.max_q_len * pack <= 16 else 4
-    if mode == "auto":
+    if mode == "auto" and warps == 1:
+        # Decode-like launches run the cooperative split kernel, whatever the context: with
+        # 128-key blocks the one-warp tile kernel was 1.3-3x slower at 128-1000 keys (H100,
+        # session 9).
+        mode = "split"
+    elif mode == "auto":
         qpt = 16 * warps // pack
         tiles = -(-layout.max_q_len // qpt) * (hq // pack) * layout.batch
         long_rows = layout.max_k_len > SPLIT_KEYS
-        # Decode-like launches (one-warp tiles) and launches that would not fill the GPU
-        # twice over spread each row's splits over CTAs.
+        # Launches that would not fill the GPU twice over spread each row's splits over CTAs.
         few_tiles = tiles < 2 * multiprocessors(device.index or 0)
-        mode = "split" if long_rows and (few_tiles or warps == 1) else "tile"
+        mode = "split" if long_rows and few_tiles else "tile"
     return mode, warps
 
 
@@ -283,7 +292,8 @@ def forward(
     ``prefill_zero`` fills out/lse with 0/-inf first (needed when some rows belong to no
     sequence; the caller may pass False when every row is covered).  ``coop`` (split mode
     with one-warp tiles only; default True there) runs the cooperative split kernel and
-    ``stages`` is its K/V pipeline depth (one of ``COOP_STAGES``); the other kernels have 2.
+    ``stages`` is its K/V pipeline depth (one of ``COOP_STAGES``); the other kernels have
+    ``TILE_STAGES[warps]`` (1 for one warp, 2 for four; ``stages`` may name it).
     ``hopper``: 4-warp tile launches run ``attention_hopper`` (same bits) where it applies
     (None), always (True: an error where it does not apply) or never (False: the mma.sync
     tile kernel).  ``pdl``: split launches start the combine kernel with programmatic
@@ -416,8 +426,11 @@ def _plan(
         coop = one_warp_split
     if coop and not one_warp_split:
         raise ValueError("coop=True needs a split launch with one-warp (16-row) tiles")
-    if not coop and stages not in (None, 2):
-        raise ValueError(f"stages must be 2 without coop; got {stages!r}")
+    if not coop and stages not in (None, TILE_STAGES[warps]):
+        raise ValueError(
+            f"stages must be {TILE_STAGES[warps]} without coop for {warps}-warp tiles; "
+            f"got {stages!r}"
+        )
     if tma is not None and not isinstance(tma, bool):
         raise TypeError(f"tma must be a bool or None, got {type(tma).__name__}")
     if tma and not coop:
@@ -443,9 +456,7 @@ def _plan(
     maps = None
     if coop:
         if stages is None:
-            ctas = q_tiles * (hq // pack) * grid_z
-            many = ctas >= COOP_MANY_CTAS_PER_SM * multiprocessors(device.index or 0)
-            stages = COOP_MANY_STAGES if many else COOP_FEW_STAGES
+            stages = COOP_DEFAULT_STAGES
         if stages not in COOP_STAGES:
             raise ValueError(f"stages must be one of {COOP_STAGES} with coop; got {stages!r}")
         use_tma = coop_tma_applies(k, v) if tma is None else tma

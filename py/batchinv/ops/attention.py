@@ -5,7 +5,7 @@ Each public function validates its arguments once and dispatches through the reg
 to, once: the reference in its own check, the CUDA backend with one host sync for GPU
 lengths and none for CPU lengths, from the copies that also build its layout):
 the CPU implementation is the strict reference (``batchinv.reference.attention``, fixed
-64-key blocks at absolute positions); a GPU backend registers its own implementation of
+128-key blocks at absolute positions); a GPU backend registers its own implementation of
 the same three entry points, with its own autograd.  There is no fallback from a GPU
 tensor to the reference.
 """
@@ -23,7 +23,7 @@ from ..reference.kv_cache import KVCache
 registry.register("attention", "cpu")(reference.attention)
 registry.register("attention_varlen", "cpu")(reference.attention_varlen)
 registry.register("attention_with_kv_cache", "cpu")(reference.attention_with_kv_cache)
-# CUDA: kernels_cu/attention.cu (mma.sync, fixed 64-key blocks and 1024-key splits at absolute
+# CUDA: kernels_cu/attention.cu (mma.sync, fixed 128-key blocks and 1024-key splits at absolute
 # positions; decode equals prefill bit for bit).  Not built for HIP.
 registry.register("attention", "cuda")(gpu.attention)
 registry.register("attention_varlen", "cuda")(gpu.attention_varlen)

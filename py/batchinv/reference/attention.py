@@ -18,8 +18,9 @@ Positions.  Queries are the *last* tokens of their sequence: query ``i`` of a se
 chunked prefill; 0 in a plain prefill).  This is flash-attention's bottom-right alignment.
 
 The fixed order, and why decode equals prefill bit for bit.  Keys are processed in blocks
-of ``KV_BLOCK = 64`` at fixed *absolute* positions ``[j*64, (j+1)*64)``, intersected with
-the row's visible keys, blocks in increasing ``j``.  For each non-empty block::
+of ``KV_BLOCK = 128`` (64 until session 9) at fixed *absolute* positions
+``[j*128, (j+1)*128)``, intersected with the row's visible keys, blocks in increasing ``j``.
+For each non-empty block::
 
     s    = fixed_order_matmul(q, k_block^T) * scale      fp32, over d in order 0..d-1
     m_b  = max over the block's visible s                (exact; fixed sequential scan)
@@ -107,7 +108,7 @@ __all__ = [
     "is_supported_head_dim",
 ]
 
-KV_BLOCK = 64
+KV_BLOCK = 128  # the CUDA kernels' kBlockKeys (kernels_cu/common/attention_rows.cuh)
 MAX_HEAD_DIM = 256
 
 _NEG_INF = float("-inf")
