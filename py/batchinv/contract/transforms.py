@@ -118,9 +118,10 @@ NEIGHBOUR_KINDS = ("extreme", "subnormal", "nan", "inf", "copies")  # T3
 PADDING_ROWS = (1, 4)  # T4, row sweeps: padding rows on each side of the probe
 PADDING_MODES = ("zeros", "nan", "garbage")  # T4: what fills padding
 SEQUENCE_BATCH_SIZES = (1, 3, 5)  # T1 for sequence sweeps (each sequence is many tokens)
-PROBE_SEQUENCE_LENGTH = 67  # odd, crosses a 64-token block boundary
+# Odd, crosses a 64-token boundary; attention's sweeps pass 131 (past one 128-key block).
+PROBE_SEQUENCE_LENGTH = 67
 NEIGHBOUR_SEQUENCE_LENGTHS = (90, 29, 1, 67, 13)  # cycled; 90 > 67 so the probe gets padded
-CHUNK_SIZES = (1, 7, 64, 100)  # T5 chunked prefill; 7 and 100 do not divide 64
+CHUNK_SIZES = (1, 7, 64, 100)  # T5 chunked prefill; 7 and 100 divide neither 64 nor 128
 IRREGULAR_CHUNK_SCHEDULE = (5, 64, 1, 7, 100)  # T5: cycled until the sequence is covered
 DECODE_PROMPT_LENGTHS = (1, 33, 66)  # T5: prompt prefilled, the rest decoded token by token
 PREFIX_LENGTHS = (1, 33, 64)  # T7: cached prefix lengths (64: a block boundary)
