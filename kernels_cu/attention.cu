@@ -333,6 +333,7 @@ __device__ __forceinline__ void attn_tile(const Params& p) {
 
     // One K or V block into its buffer (src: p.k or p.v), zeros for keys at or past k_len.
     auto load_block = [&](T* dst, const T* src, int64_t row_stride, int64_t head_stride, int blk) {
+#pragma unroll 1
         for (int idx = tid; idx < kBlockKeys * kChunksPerRow; idx += kThreads) {
             const int r = idx / kChunksPerRow;
             const int ch = idx % kChunksPerRow;
@@ -354,6 +355,18 @@ __device__ __forceinline__ void attn_tile(const Params& p) {
 
     // Q's ldmatrix address of this lane (k16 step 0).
     const T* q_frag = sq + (warp * 16 + (lane % 8) + 8 * ((lane / 8) % 2)) * kStride + 8 * (lane / 16);
+    // This lane's ldmatrix rows in the K and V buffers: kv_offset(key, col) for key = 16 n + row
+    // and col = 64 slab + 16 q + 8 half keeps key % 8 == lane % 8, so the swizzle depends only on
+    // the lane and q % 4: four lane offsets per buffer, the rest folds into the instruction
+    // (computed per (key, col) the addresses took about 64 registers and spilled).
+    const int k_row = (lane % 8) + 8 * (lane / 16), k_half = (lane / 8) % 2;
+    const int v_row = (lane % 8) + 8 * ((lane / 8) % 2), v_half = lane / 16;
+    int k_lane[4], v_lane[4];
+#pragma unroll
+    for (int q4 = 0; q4 < 4; ++q4) {
+        k_lane[q4] = k_row * 64 + (((2 * q4 + k_half) ^ (lane % 8)) * 8);
+        v_lane[q4] = v_row * 64 + (((2 * q4 + v_half) ^ (lane % 8)) * 8);
+    }
 
     float m[2] = {kNegInf, kNegInf};
     float l[2] = {0.0f, 0.0f};
@@ -378,10 +391,8 @@ __device__ __forceinline__ void attn_tile(const Params& p) {
             ldmatrix_x4(qf, q_frag + ks * 16);
 #pragma unroll
             for (int tp = 0; tp < kScoreTiles / 2; ++tp) {
-                uint32_t bk[4];
-                const int key = tp * 16 + (lane % 8) + 8 * (lane / 16);
-                const int col = ks * 16 + 8 * ((lane / 8) % 2);
-                ldmatrix_x4(bk, sk + kv_offset<D>(key, col));
+                uint32_t bk[4];  // keys 16 tp + k_row, columns 16 ks + 8 k_half (kv_offset)
+                ldmatrix_x4(bk, sk + (ks / 4) * (kBlockKeys * 64) + tp * 16 * 64 + k_lane[ks % 4]);
                 mma16816<Codec>(s[2 * tp], qf, bk[0], bk[1]);
                 mma16816<Codec>(s[2 * tp + 1], qf, bk[2], bk[3]);
             }
@@ -430,10 +441,8 @@ __device__ __forceinline__ void attn_tile(const Params& p) {
         for (int kk = 0; kk < kPvSteps; ++kk) {
 #pragma unroll
             for (int dp = 0; dp < NT / 2; ++dp) {
-                uint32_t bv[4];
-                const int key = kk * 16 + (lane % 8) + 8 * ((lane / 8) % 2);
-                const int col = dp * 16 + 8 * (lane / 16);
-                ldmatrix_x4_trans(bv, sv + kv_offset<D>(key, col));
+                uint32_t bv[4];  // keys 16 kk + v_row, columns 16 dp + 8 v_half (kv_offset)
+                ldmatrix_x4_trans(bv, sv + (dp / 4) * (kBlockKeys * 64) + kk * 16 * 64 + v_lane[dp % 4]);
                 mma16816<Codec>(acc[2 * dp], pa[kk], bv[0], bv[1]);
                 mma16816<Codec>(acc[2 * dp + 1], pa[kk], bv[2], bv[3]);
             }
