@@ -237,11 +237,10 @@ __device__ __forceinline__ void block_softmax(float (&s)[kScoreTiles][4], bool m
     }
 }
 
-// K/V ring depth of the tile kernels (py/batchinv/gpu/attention.py TILE_STAGES): 1 for one
-// warp, 2 for four.
-__host__ __device__ constexpr int tile_stages(int nwarps) { return nwarps == 1 ? 1 : 2; }
-
-template <typename Codec, int D, int NWARPS, bool SPLIT, int STAGES>
+// The tile kernels keep one K buffer and one V buffer (py/batchinv/gpu/attention.py
+// TILE_STAGES = 1 block) and split their loads as FlashAttention-2 does: V of block j loads
+// while S_j = Q K_j^T and its softmax run, K of block j + 1 while P_j V_j runs.
+template <typename Codec, int D, int NWARPS, bool SPLIT>
 __device__ __forceinline__ void attn_tile(const Params& p) {
     using T = typename Codec::storage;
     constexpr int M = 16 * NWARPS;
@@ -251,18 +250,14 @@ __device__ __forceinline__ void attn_tile(const Params& p) {
     constexpr int NT = D / 8;  // n8 tiles of the output
     constexpr int KS = D / 16; // k16 steps of QK^T
     constexpr int kChunksPerRow = D / 8;  // 16-byte chunks per row
-    // K/V ring depth (blocks in flight + 1; tile_stages): 2 for 4 warps (prefetch the next
-    // block), 1 for one warp (a 128-key block of one warp's tile is all the copies it keeps in
-    // flight; one stage keeps 3 such CTAs per SM at d = 128).  It changes only the load
-    // schedule, never the arithmetic.
-    constexpr int kStages = STAGES;
 
     extern __shared__ __align__(16) unsigned char smem_raw[];
-    T* sk = reinterpret_cast<T*>(smem_raw);       // [kStages][kTile] (kv_offset)
-    T* sv = sk + kStages * kTile;                 // [kStages][kTile]
-    // Q is read into registers once, before any running state is written: the two share memory.
-    T* sq = sv + kStages * kTile;                 // [M][kStride]
-    float* srun = reinterpret_cast<float*>(sq);   // mode (a): [NT*4][kThreads]
+    T* sk = reinterpret_cast<T*>(smem_raw);  // [kTile] (kv_offset)
+    T* sv = sk + kTile;                      // [kTile]
+    // Q stays in shared memory and is read per k16 step of every block's QK^T (32 registers at
+    // d = 128 that S, acc and P's fragments need: held in registers they spilled).
+    T* sq = sv + kTile;                                       // [M][kStride]
+    float* srun = reinterpret_cast<float*>(sq + M * kStride);  // mode (a): [NT*4][kThreads]
 
     const int tid = threadIdx.x;
     const int lane = tid % 32;
@@ -336,36 +331,41 @@ __device__ __forceinline__ void attn_tile(const Params& p) {
     }
     cp_async_commit();
 
-    auto load_kv = [&](int blk, int stage) {
-        T* dk = sk + stage * kTile;
-        T* dv = sv + stage * kTile;
+    // One K or V block into its buffer (src: p.k or p.v), zeros for keys at or past k_len.
+    auto load_block = [&](T* dst, const T* src, int64_t row_stride, int64_t head_stride, int blk) {
+#pragma unroll 1
         for (int idx = tid; idx < kBlockKeys * kChunksPerRow; idx += kThreads) {
             const int r = idx / kChunksPerRow;
             const int ch = idx % kChunksPerRow;
             const int j = blk * kBlockKeys + r;
             const bool valid = j < k_len;
-            const int64_t row = k_base + j;
-            const T* srck = valid ? kp + row * p.k_row + kvh * p.k_head + ch * 8 : kp;
-            const T* srcv = valid ? vp + row * p.v_row + kvh * p.v_head + ch * 8 : vp;
-            cp_async16(dk + kv_offset<D>(r, ch * 8), srck, valid);
-            cp_async16(dv + kv_offset<D>(r, ch * 8), srcv, valid);
+            const T* from = valid ? src + (k_base + j) * row_stride + kvh * head_stride + ch * 8 : src;
+            cp_async16(dst + kv_offset<D>(r, ch * 8), from, valid);
         }
     };
+    auto load_k = [&](int blk) { load_block(sk, kp, p.k_row, p.k_head, blk); };
+    auto load_v = [&](int blk) { load_block(sv, vp, p.v_row, p.v_head, blk); };
 
-#pragma unroll
-    for (int i = 0; i < kStages - 1; ++i) {
-        if (blk_begin + i < blk_end) load_kv(blk_begin + i, i);
-        cp_async_commit();  // possibly empty: one group per block keeps the counting uniform
-    }
-    cp_async_wait<kStages - 1>();  // the Q group is complete
-    __syncthreads();
+    // cp.async groups, in order: Q, K_begin, V_begin, then K_{j+1}, V_{j+1} per block j (possibly
+    // empty: one K and one V group per block keeps the counting uniform).
+    if (blk_begin < blk_end) load_k(blk_begin);
+    cp_async_commit();
+    if (blk_begin < blk_end) load_v(blk_begin);
+    cp_async_commit();
 
-    uint32_t qf[KS][4];
+    // Q's ldmatrix address of this lane (k16 step 0).
+    const T* q_frag = sq + (warp * 16 + (lane % 8) + 8 * ((lane / 8) % 2)) * kStride + 8 * (lane / 16);
+    // This lane's ldmatrix rows in the K and V buffers: kv_offset(key, col) for key = 16 n + row
+    // and col = 64 slab + 16 q + 8 half keeps key % 8 == lane % 8, so the swizzle depends only on
+    // the lane and q % 4: four lane offsets per buffer, the rest folds into the instruction
+    // (computed per (key, col) the addresses took about 64 registers and spilled).
+    const int k_row = (lane % 8) + 8 * (lane / 16), k_half = (lane / 8) % 2;
+    const int v_row = (lane % 8) + 8 * ((lane / 8) % 2), v_half = lane / 16;
+    int k_lane[4], v_lane[4];
 #pragma unroll
-    for (int ks = 0; ks < KS; ++ks) {
-        const int r = warp * 16 + (lane % 8) + 8 * ((lane / 8) % 2);
-        const int col = ks * 16 + 8 * (lane / 16);
-        ldmatrix_x4(qf[ks], sq + r * kStride + col);
+    for (int q4 = 0; q4 < 4; ++q4) {
+        k_lane[q4] = k_row * 64 + (((2 * q4 + k_half) ^ (lane % 8)) * 8);
+        v_lane[q4] = v_row * 64 + (((2 * q4 + v_half) ^ (lane % 8)) * 8);
     }
 
     float m[2] = {kNegInf, kNegInf};
@@ -377,14 +377,8 @@ __device__ __forceinline__ void attn_tile(const Params& p) {
     float run_l[2] = {0.0f, 0.0f};
 
     for (int blk = blk_begin; blk < blk_end; ++blk) {
-        const int stage = (blk - blk_begin) % kStages;
-        const int ahead = blk + kStages - 1;
-        if (ahead < blk_end) load_kv(ahead, (ahead - blk_begin) % kStages);
-        cp_async_commit();
-        cp_async_wait<kStages - 1>();  // this block's group is complete
+        cp_async_wait<1>();  // Q and K_blk are complete (V_blk may be in flight)
         __syncthreads();
-        const T* tk = sk + stage * kTile;
-        const T* tv = sv + stage * kTile;
         const int key0 = blk * kBlockKeys;
 
         // S = Q K^T over d in increasing k16 steps.
@@ -393,16 +387,19 @@ __device__ __forceinline__ void attn_tile(const Params& p) {
         for (int t = 0; t < kScoreTiles; ++t) s[t][0] = s[t][1] = s[t][2] = s[t][3] = 0.0f;
 #pragma unroll
         for (int ks = 0; ks < KS; ++ks) {
+            uint32_t qf[4];
+            ldmatrix_x4(qf, q_frag + ks * 16);
 #pragma unroll
             for (int tp = 0; tp < kScoreTiles / 2; ++tp) {
-                uint32_t bk[4];
-                const int key = tp * 16 + (lane % 8) + 8 * (lane / 16);
-                const int col = ks * 16 + 8 * ((lane / 8) % 2);
-                ldmatrix_x4(bk, tk + kv_offset<D>(key, col));
-                mma16816<Codec>(s[2 * tp], qf[ks], bk[0], bk[1]);
-                mma16816<Codec>(s[2 * tp + 1], qf[ks], bk[2], bk[3]);
+                uint32_t bk[4];  // keys 16 tp + k_row, columns 16 ks + 8 k_half (kv_offset)
+                ldmatrix_x4(bk, sk + (ks / 4) * (kBlockKeys * 64) + tp * 16 * 64 + k_lane[ks % 4]);
+                mma16816<Codec>(s[2 * tp], qf, bk[0], bk[1]);
+                mma16816<Codec>(s[2 * tp + 1], qf, bk[2], bk[3]);
             }
         }
+        __syncthreads();  // every warp has read K_blk: the next block's K may overwrite it
+        if (blk + 1 < blk_end) load_k(blk + 1);
+        cp_async_commit();
 
         // Online softmax of the block, row by row (rows g and g + 8).  A block every real row
         // of the warp sees in full skips the selection (it would select every score: same
@@ -438,14 +435,14 @@ __device__ __forceinline__ void attn_tile(const Params& p) {
                 for (int e = 0; e < 4; ++e)
                     if (__float_as_uint(acc[t][e]) == 0x80000000u) negzero[(t * 4 + e) / 32] |= 1u << ((t * 4 + e) % 32);
         }
+        cp_async_wait<1>();  // V_blk is complete (K_{blk+1} may be in flight)
+        __syncthreads();
 #pragma unroll
         for (int kk = 0; kk < kPvSteps; ++kk) {
 #pragma unroll
             for (int dp = 0; dp < NT / 2; ++dp) {
-                uint32_t bv[4];
-                const int key = kk * 16 + (lane % 8) + 8 * ((lane / 8) % 2);
-                const int col = dp * 16 + 8 * (lane / 16);
-                ldmatrix_x4_trans(bv, tv + kv_offset<D>(key, col));
+                uint32_t bv[4];  // keys 16 kk + v_row, columns 16 dp + 8 v_half (kv_offset)
+                ldmatrix_x4_trans(bv, sv + (dp / 4) * (kBlockKeys * 64) + kk * 16 * 64 + v_lane[dp % 4]);
                 mma16816<Codec>(acc[2 * dp], pa[kk], bv[0], bv[1]);
                 mma16816<Codec>(acc[2 * dp + 1], pa[kk], bv[2], bv[3]);
             }
@@ -483,9 +480,11 @@ __device__ __forceinline__ void attn_tile(const Params& p) {
                 l[i] = 0.0f;
             }
         }
-        __syncthreads();  // the stage just read is the next load's target
+        __syncthreads();  // every warp has read V_blk: the next block's V may overwrite it
+        if (blk + 1 < blk_end) load_v(blk + 1);
+        cp_async_commit();
     }
-    cp_async_wait<0>();  // a tile with no visible key still has its first (zero) load in flight
+    cp_async_wait<0>();  // nothing in flight leaves the kernel (the Q group of an empty tile)
 
     if (SPLIT) {
         float* ws = p.ws;
@@ -934,13 +933,13 @@ __device__ __forceinline__ void attn_combine(const float* ws, void* out, float* 
 #define BATCHINV_ATTN_KERNELS(DTYPE, CODEC, D, NW)                                                             \
     extern "C" __global__ void __launch_bounds__(32 * NW) attn_fwd_##DTYPE##_d##D##_w##NW(BATCHINV_ATTN_PARAMS) { \
         BATCHINV_ATTN_MAKE_PARAMS;                                                                              \
-        batchinv::attn::attn_tile<CODEC, D, NW, false, batchinv::attn::tile_stages(NW)>(p);                     \
+        batchinv::attn::attn_tile<CODEC, D, NW, false>(p);                                                                           \
     }                                                                                                           \
     extern "C" __global__ void __launch_bounds__(32 * NW)                                                       \
         attn_split_##DTYPE##_d##D##_w##NW(BATCHINV_ATTN_PARAMS) {                                               \
         batchinv::grid_launch_dependents(); /* the combine may launch (it waits for this grid) */          \
         BATCHINV_ATTN_MAKE_PARAMS;                                                                              \
-        batchinv::attn::attn_tile<CODEC, D, NW, true, batchinv::attn::tile_stages(NW)>(p);                      \
+        batchinv::attn::attn_tile<CODEC, D, NW, true>(p);                                                                             \
     }
 
 #define BATCHINV_ATTN_SPLIT_COOP(DTYPE, CODEC, D, NW, S, MINB)                                                   \
