@@ -103,12 +103,6 @@ static_assert(kHopperBlocksPerSplit * kHopperBlockKeys == kSplitKeys, "a split i
 [[maybe_unused]] constexpr bool kQInRegisters = true;
 [[maybe_unused]] constexpr int kRunBytes = 64 * kConsumerThreads * 4;  // fp32 acc: 64 per thread
 [[maybe_unused]] constexpr int kProducerRegisters = 24;
-// FlashAttention-3's ping-pong: the consumer warpgroups take turns to issue their products
-// (named barriers kTurnBarrier + cw, 256 threads: before its wgmma fence a warpgroup waits for
-// its turn, after its commits it gives the turn to the other), so one warpgroup's softmax runs
-// while the other's products run.  Only the issue order of the two warpgroups changes.
-[[maybe_unused]] constexpr bool kPingPong = true;
-[[maybe_unused]] constexpr int kTurnBarrier = 3;  // 0: __syncthreads, 1 + cw: a warpgroup's Q
 [[maybe_unused]] constexpr int kConsumerRegisters = 240;
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -132,10 +126,6 @@ __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.
 
 __device__ __forceinline__ void named_barrier_sync(int id, int threads) {
     asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
-}
-
-__device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
-    asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
 
 // Descriptors of the K and V ring stages, built from 32-bit low words (start address / 16 in
@@ -465,10 +455,6 @@ __device__ __forceinline__ void attn_hopper_tile(const TensorMap& map_k, const T
         if (lane == 0) barrier_arrive(&item_empty[n % 2]);
         return w;
     };
-    // Ping-pong: warpgroup 1 gives warpgroup 0 its first turn.  Both warpgroups issue the same
-    // number of times (blk_end + 1 per item), so after the last item warpgroup 0 takes the one
-    // turn left over (no barrier is left with an arrival at exit).
-    if (kPingPong && cw == 1) named_barrier_arrive(kTurnBarrier, 256);
     int w = read_item(0);
     if (w < items) {
         const Tile first = tile_at(p, w);
@@ -665,14 +651,12 @@ __device__ __forceinline__ void attn_hopper_tile(const TensorMap& map_k, const T
                     barrier_wait(&v_full[pv_stage], pv_phase);
                     note_negzero();
                 }
-                if constexpr (kPingPong) named_barrier_sync(kTurnBarrier + cw, 256);  // this warpgroup's turn
                 fence_operands<64>(s);
                 fence_operands<64>(acc);
                 fence_fragments(pa);
                 wgmma_fence();
                 if constexpr (decltype(with_s)::value) mma_s();
                 if constexpr (decltype(with_pv)::value) mma_pv_block();
-                if constexpr (kPingPong) named_barrier_arrive(kTurnBarrier + 1 - cw, 256);  // the other's turn
                 fence_operands<64>(s);
                 fence_operands<64>(acc);
             };
@@ -871,7 +855,6 @@ __device__ __forceinline__ void attn_hopper_tile(const TensorMap& map_k, const T
         }  // has_rows
         w = w_next;
     }  // work items
-    if (kPingPong && cw == 0) named_barrier_sync(kTurnBarrier, 256);
 #elif defined(__CUDA_ARCH__)
     __trap();  // built only into sm_90a images; the host never launches it elsewhere
 #endif
