@@ -234,7 +234,7 @@ def main() -> None:
                     )
         if split:
             # The cooperative kernel with each K/V pipeline, and the one-warp kernel.
-            variants = [(True, s) for s in gpu.COOP_STAGES] + [(False, gpu.TILE_STAGES[1])]
+            variants = [(True, s) for s in gpu.COOP_STAGES] + [(False, gpu.TILE_STAGES)]
             for coop, stages in variants:
                 kernel = f"{'coop' if coop else '1 warp'}, {stages}-block ring"
                 paths[f"batchinv (split, {kernel}{pdl_tag}, forced)"] = median_ms(

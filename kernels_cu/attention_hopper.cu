@@ -99,8 +99,6 @@ static_assert(kHopperBlocksPerSplit * kHopperBlockKeys == kSplitKeys, "a split i
 [[maybe_unused]] constexpr int kRows = 64 * kWarpgroups;  // tile rows
 [[maybe_unused]] constexpr int kConsumerThreads = 128 * kWarpgroups;
 [[maybe_unused]] constexpr int kQBytes = kWarpgroups * 2 * kQHalfBytes;  // warpgroups x two column halves
-// Q in registers (32 per thread, the RS form of S) or read by descriptor (the SS form).
-[[maybe_unused]] constexpr bool kQInRegisters = true;
 [[maybe_unused]] constexpr int kRunBytes = 64 * kConsumerThreads * 4;  // fp32 acc: 64 per thread
 [[maybe_unused]] constexpr int kProducerRegisters = 24;
 [[maybe_unused]] constexpr int kConsumerRegisters = 240;
@@ -150,16 +148,6 @@ __device__ __forceinline__ void mma_qk(float (&d)[64], const uint32_t (&a)[4], u
         wgmma::mma_rs_kmajor_m64n128k16_bf16(d, a, desc_k);
     else
         wgmma::mma_rs_kmajor_m64n128k16_f16(d, a, desc_k);
-}
-
-// S += Q K^T over one k16 step with Q from shared memory too (the SS form; Q's tile has the
-// swizzled K-major layout, so a k16 step is a descriptor offset).
-template <typename Codec>
-__device__ __forceinline__ void mma_qk_ss(float (&d)[64], uint64_t desc_q, uint64_t desc_k) {
-    if constexpr (Codec::kIsBf16)
-        wgmma::mma_m64n128k16_bf16(d, desc_q, desc_k);
-    else
-        wgmma::mma_m64n128k16_f16(d, desc_q, desc_k);
 }
 
 // finalize_out's division (__fdiv_rn) for a row's values, the reciprocal of l computed once.
@@ -442,7 +430,6 @@ __device__ __forceinline__ void attn_hopper_tile(const TensorMap& map_k, const T
     // (`shared` is 1024-byte aligned, so each field is a plain sum).
     const uint32_t shared16 = smem_address(shared) >> 4;
     const uint32_t desc_k = shared16 + (kQBytes >> 4) + (1u << 16);
-    const uint32_t desc_q = shared16 + ((cw * 2 * kQHalfBytes) >> 4) + (1u << 16);  // Q from shared memory
     const uint32_t desc_v = shared16 + ((kQBytes + kStages * kStageBytes) >> 4) + ((kKVHalfBytes >> 4) << 16);
     int s_stage = 0;       // stage of the next block whose S is issued (runs on across items)
     uint32_t s_phase = 0;  // its full-barrier phase
@@ -467,15 +454,13 @@ __device__ __forceinline__ void attn_hopper_tile(const TensorMap& map_k, const T
         // Q of the warp's 16 rows as the A fragments of the eight k16 steps of S (row g / g + 8,
         // columns 2c, 2c + 1 and 2c + 8, 2c + 9 of the step), read from the swizzled tile; then
         // the next item's Q copy into the same buffer (once every warp of the warpgroup read it).
-        // With Q read from shared memory the next copy waits until the item's last S product is
-        // complete (load_next_q before the last P V issue, below).
         uint32_t qa[8][4];
         if (has_rows) {
             asm volatile("cp.async.wait_group 0;\n" ::: "memory");
             fence_proxy_async();
             named_barrier_sync(1 + cw, 128);
         }
-        if (kQInRegisters && has_rows) {
+        if (has_rows) {
             const uint8_t* dq = sq + cw * 2 * kQHalfBytes;
 #pragma unroll
             for (int ks = 0; ks < 8; ++ks)
@@ -496,7 +481,7 @@ __device__ __forceinline__ void attn_hopper_tile(const TensorMap& map_k, const T
             }
         };
         const int blk_end = has_rows ? tl.blk_end : 0;
-        if (kQInRegisters || blk_end == 0) load_next_q();
+        load_next_q();
         if (has_rows) {
             const int hg = tl.hg;
             const int q0 = tl.q0;
@@ -612,16 +597,10 @@ __device__ __forceinline__ void attn_hopper_tile(const TensorMap& map_k, const T
             // bytes along a 128-byte swizzled row), into s; moves s_stage on.
             auto mma_s = [&]() {
                 const uint64_t k_stage = stage_descriptor(desc_k, s_stage);
-                [[maybe_unused]] const uint64_t q_tile = stage_descriptor(desc_q, 0);
 #pragma unroll
                 for (int ks = 0; ks < 8; ++ks) {
                     const int off_k = ((ks / 4) * kKVHalfBytes + (ks % 4) * 32) >> 4;
-                    if constexpr (kQInRegisters) {
-                        mma_qk<Codec>(s, qa[ks], k_stage + off_k);
-                    } else {
-                        const int off_q = ((ks / 4) * kQHalfBytes + (ks % 4) * 32) >> 4;
-                        mma_qk_ss<Codec>(s, q_tile + off_q, k_stage + off_k);
-                    }
+                    mma_qk<Codec>(s, qa[ks], k_stage + off_k);
                 }
                 wgmma_commit();
                 if (++s_stage == kStages) {
@@ -823,12 +802,6 @@ __device__ __forceinline__ void attn_hopper_tile(const TensorMap& map_k, const T
             if (blk_end > 0) {
                 pv_stage = cur_stage;
                 pv_phase = cur_phase;
-                if constexpr (!kQInRegisters) {
-                    // Every S product of this item is complete in every warp of the warpgroup: the
-                    // next item's Q may overwrite the tile while this P V product and finalize run.
-                    named_barrier_sync(1 + cw, 128);
-                    load_next_q();
-                }
                 issue(No{}, Yes{});
                 start_split();  // keeps the last split's m, l in end_m, end_l for its merge
                 wgmma_wait<0>();

@@ -255,7 +255,7 @@ def test_decode_kernels_equal_prefill_at_block_and_split_boundaries(dtype, d, he
     lens = DECODE_CONTEXTS[::2] if QUICK else DECODE_CONTEXTS
     q, q_new, k, v, k_lens = _decode_case(dtype, d, lens, seed=40 + heads[0], heads=heads)
     want = _prefill_answers(q, k, v, lens)
-    variants = [(s, True) for s in gpu.COOP_STAGES] + [(gpu.TILE_STAGES[1], False)]
+    variants = [(s, True) for s in gpu.COOP_STAGES] + [(gpu.TILE_STAGES, False)]
     for stages, coop in variants:
         kw = dict(mode="split", warps=1, stages=stages, coop=coop)
         out, lse = gpu.attention(q_new, k, v, causal=True, seqlens_k=k_lens, return_lse=True, **kw)
@@ -424,7 +424,7 @@ def test_decode_with_pdl_equals_prefill_and_the_ordinary_launch(dtype, d):
     lens = [1, 63, 129, 1024, 1025, 2049, 4097]
     q, q_new, k, v, k_lens = _decode_case(dtype, d, lens)
     want = _prefill_answers(q, k, v, lens)
-    variants = [(s, True) for s in gpu.COOP_STAGES] + [(gpu.TILE_STAGES[1], False)]
+    variants = [(s, True) for s in gpu.COOP_STAGES] + [(gpu.TILE_STAGES, False)]
     for stages, coop in variants:
         got = {}
         for pdl in (True, False, True):

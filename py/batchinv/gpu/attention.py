@@ -45,10 +45,10 @@ BLOCK_KEYS = 128  # keys per block, at absolute positions [128j, 128j + 128) (64
 SPLIT_KEYS = 1024  # keys per split, at absolute positions (kernels_cu/attention.cu kSplitKeys)
 HEAD_DIMS = (64, 128)
 WARP_CHOICES = (1, 4)
-# K/V blocks held by the tile and one-warp split kernels by warps per tile (attention.cu
+# K/V blocks held by the tile and one-warp split kernels, one and four warps alike (attention.cu
 # attn_tile): one K and one V buffer, V_j loading during S_j, K_{j+1} during P_j V_j (FA2's split
 # pipeline; until session 9's attn-tile-q four warps kept a ring of 2 whole blocks).
-TILE_STAGES = {1: 1, 4: 1}
+TILE_STAGES = 1
 MODES = ("auto", "tile", "split")
 MAX_PACKED_HEADS = 16  # query heads of one kv head packed in a tile's rows
 # Split launches of 16-row tiles (decode) run the cooperative kernel (attn_split_coop_*):
@@ -181,9 +181,9 @@ def _kv_stage_bytes(d: int) -> int:
 
 def shared_bytes(d: int, warps: int, split: bool) -> int:
     """Dynamic shared memory of a tile kernel (kernels_cu/attention.cu attn_tile): one K and
-    one V buffer (``TILE_STAGES[warps]`` = 1 block), the Q tile (16-byte padded rows, read in
+    one V buffer (``TILE_STAGES`` = 1 block), the Q tile (16-byte padded rows, read in
     every block), then mode (a)'s running state."""
-    kv = TILE_STAGES[warps] * _kv_stage_bytes(d)
+    kv = TILE_STAGES * _kv_stage_bytes(d)
     q = 16 * warps * (d + 8) * 2
     run = 0 if split else (d // 8) * 4 * 32 * warps * 4
     return kv + q + run
@@ -294,7 +294,7 @@ def forward(
     sequence; the caller may pass False when every row is covered).  ``coop`` (split mode
     with one-warp tiles only; default True there) runs the cooperative split kernel and
     ``stages`` is its K/V pipeline depth (one of ``COOP_STAGES``); the other kernels have
-    ``TILE_STAGES[warps]`` (1; ``stages`` may name it).
+    ``TILE_STAGES`` (1; ``stages`` may name it).
     ``hopper``: 4-warp tile launches run ``attention_hopper`` (same bits) where it applies
     (None), always (True: an error where it does not apply) or never (False: the mma.sync
     tile kernel).  ``pdl``: split launches start the combine kernel with programmatic
@@ -427,10 +427,9 @@ def _plan(
         coop = one_warp_split
     if coop and not one_warp_split:
         raise ValueError("coop=True needs a split launch with one-warp (16-row) tiles")
-    if not coop and stages not in (None, TILE_STAGES[warps]):
+    if not coop and stages not in (None, TILE_STAGES):
         raise ValueError(
-            f"stages must be {TILE_STAGES[warps]} without coop for {warps}-warp tiles; "
-            f"got {stages!r}"
+            f"stages must be {TILE_STAGES} without coop for {warps}-warp tiles; got {stages!r}"
         )
     if tma is not None and not isinstance(tma, bool):
         raise TypeError(f"tma must be a bool or None, got {type(tma).__name__}")
