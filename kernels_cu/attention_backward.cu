@@ -677,7 +677,7 @@ struct KvShape {
 };
 // 64 keys, 8 warps of 32 x 16 (phase 1) and 32 keys x D/4 (phase 2), no prefetch: two CTAs per
 // SM.  (Measured slower on an H200: 128 keys with 8 warps of 32 x 32 and prefetch, one CTA per
-// SM; 64 keys with 32-query steps and prefetch; see docs/operators/attention_backward.md.)
+// SM; 64 keys with 32-query steps and prefetch; see docs/tuning/attention_backward.md.)
 template <int D>
 using WideKv = KvShape<D, 64, 64, 256, 2, 2, 1, 2>;
 

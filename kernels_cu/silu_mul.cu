@@ -56,7 +56,7 @@ constexpr int kUnroll = 2;
 constexpr int kBackwardUnroll = 2;
 // Register caps (CTAs of 128 threads per SM): the backward at 8 (64 registers, as before its
 // in-range division) ran 1% faster than at 7 at 16384 x 4096 and the same within noise at
-// 16384 x 12288 (H200, same run; docs/operators/silu_mul.md).  The forward needs 48 at 8
+// 16384 x 12288 (H200, same run; docs/tuning/silu_mul.md).  The forward needs 48 at 8
 // (no spill; 10 CTAs per SM resident).
 constexpr int kForwardMinCtasPerSm = 8;
 constexpr int kBackwardMinCtasPerSm = 8;
@@ -73,7 +73,7 @@ constexpr int kBackwardMinCtasPerSm = 8;
 // the denominator 1 + exp(-g) in [1, 2.4e17] are normal and far from overflow and underflow).  A chunk with any
 // gate value outside (zero, tiny, large, inf, NaN) takes the checked division (kInRange = false).
 // Both give the bits of __fdiv_rn: compared on the device for all 2^32 fp32 gate patterns
-// and every bf16/fp16 one, forward and backward (docs/operators/silu_mul.md).
+// and every bf16/fp16 one, forward and backward (docs/tuning/silu_mul.md).
 __device__ __forceinline__ bool in_fast_division_range(float g) {
     return fabsf(g) >= 0x1p-60f && fabsf(g) <= 40.0f;
 }

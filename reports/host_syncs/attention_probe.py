@@ -5,7 +5,7 @@ Run as ``python3 attention_probe.py LABEL OUT.json``; "before" ran on a copy of 
 four attention modules (gpu/attention.py, gpu/attention_backward.py, ops/attention.py,
 reference/attention.py) were those of 8780af1.  Results: the JSON files beside this one
 (NVIDIA H200, one call); summarised in docs/operators/attention.md "Host syncs" and
-docs/operators/token_logprobs.md.  (Lint fixes after the run: the two timed lambdas bind their
+docs/tuning/token_logprobs.md.  (Lint fixes after the run: the two timed lambdas bind their
 loop variables as default arguments; same values.)"""
 
 import json
