@@ -732,56 +732,23 @@ __device__ __forceinline__ void attn_hopper_tile(const TensorMap& map_k, const T
                     exp_sum(std::false_type{});
             };
 
-            // After the previous block's product is complete: acc *= alpha, P of this block into pa,
+            // After the previous block's product is complete: P of this block into pa, acc *= alpha,
             // and the facts about this block that its own P V product will need.  At a split start
             // acc was merged away: it restarts from +0 (attention.cu zeroes it in the merge).
-            // acc *= alpha is skipped by a warp none of whose rows (padding rows included) has
-            // alpha != 1 (session 10): alpha is exactly 1 where the row max did not grow and for an
-            // empty row, and x * 1 is x bit for bit (+-0 and +-inf kept).  A NaN in acc keeps the
-            // payload the product gave it instead of FMUL's canonical NaN; acc reaches the output
-            // only through finalize's division (fp32 arithmetic: the canonical NaN either way), so
-            // the bits do not change.  The skip is a branch in PTX marked uniform (bra.uni; the
-            // condition is a warp vote), mul.rn.f32 being __fmul_rn: the same branch in C++ made
-            // ptxas spill in the steady loop.  Element i is row (i / 2) % 2's (alpha %64 or %65).
-#define BATCHINV_RESCALE4(a, b, c, d)                                                               \
-    " mul.rn.f32 %" #a ", %" #a ", %64;\n mul.rn.f32 %" #b ", %" #b ", %64;\n"                        \
-    " mul.rn.f32 %" #c ", %" #c ", %65;\n mul.rn.f32 %" #d ", %" #d ", %65;\n"
-#define BATCHINV_ACC4(i) "+f"(acc[i]), "+f"(acc[i + 1]), "+f"(acc[i + 2]), "+f"(acc[i + 3])
             auto rescale = [&](auto split_start) {
-                if constexpr (decltype(split_start)::value) {
-#pragma unroll
-                    for (int i = 0; i < 64; ++i) acc[i] = 0.0f;
-                } else {
-                    const unsigned any_alpha = __any_sync(0xffffffffu, alpha[0] != 1.0f || alpha[1] != 1.0f);
-                    asm volatile(
-                        "{\n .reg .pred p;\n setp.ne.u32 p, %66, 0;\n @!p bra.uni SKIP;\n"
-                        BATCHINV_RESCALE4(0, 1, 2, 3) BATCHINV_RESCALE4(4, 5, 6, 7)
-                        BATCHINV_RESCALE4(8, 9, 10, 11) BATCHINV_RESCALE4(12, 13, 14, 15)
-                        BATCHINV_RESCALE4(16, 17, 18, 19) BATCHINV_RESCALE4(20, 21, 22, 23)
-                        BATCHINV_RESCALE4(24, 25, 26, 27) BATCHINV_RESCALE4(28, 29, 30, 31)
-                        BATCHINV_RESCALE4(32, 33, 34, 35) BATCHINV_RESCALE4(36, 37, 38, 39)
-                        BATCHINV_RESCALE4(40, 41, 42, 43) BATCHINV_RESCALE4(44, 45, 46, 47)
-                        BATCHINV_RESCALE4(48, 49, 50, 51) BATCHINV_RESCALE4(52, 53, 54, 55)
-                        BATCHINV_RESCALE4(56, 57, 58, 59) BATCHINV_RESCALE4(60, 61, 62, 63)
-                        "SKIP:\n}\n"
-                        : BATCHINV_ACC4(0), BATCHINV_ACC4(4), BATCHINV_ACC4(8), BATCHINV_ACC4(12),
-                          BATCHINV_ACC4(16), BATCHINV_ACC4(20), BATCHINV_ACC4(24), BATCHINV_ACC4(28),
-                          BATCHINV_ACC4(32), BATCHINV_ACC4(36), BATCHINV_ACC4(40), BATCHINV_ACC4(44),
-                          BATCHINV_ACC4(48), BATCHINV_ACC4(52), BATCHINV_ACC4(56), BATCHINV_ACC4(60)
-                        : "f"(alpha[0]), "f"(alpha[1]), "r"(any_alpha));
-                }
                 // P -> pa only now: the previous block's P V product read pa until its wait.
 #pragma unroll
                 for (int kk = 0; kk < 8; ++kk)
 #pragma unroll
                     for (int j = 0; j < 4; ++j) pa[kk][j] = pack_pair<Codec>(s[8 * kk + 2 * j], s[8 * kk + 2 * j + 1]);
+#pragma unroll
+                for (int i = 0; i < 64; ++i)
+                    acc[i] = decltype(split_start)::value ? 0.0f : __fmul_rn(acc[i], alpha[(i / 2) % 2]);
                 prev_empty[0] = empty_now[0];
                 prev_empty[1] = empty_now[1];
                 // Padding rows are never written: they do not need the -0 fix-up.
                 prev_any_empty = any_empty;
             };
-#undef BATCHINV_RESCALE4
-#undef BATCHINV_ACC4
             auto start_split = [&]() {
 #pragma unroll
                 for (int i = 0; i < 2; ++i) {
