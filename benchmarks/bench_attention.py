@@ -2,14 +2,19 @@
 
 Goals (issue 5): prefill >= 0.9x SDPA default, decode B=64 @ 4096 >= 0.9x, decode B=1 @ 32768
 >= 0.8x.  Anchors: SDPA's default backend (cuDNN on Hopper) and, where selectable, its flash
-backend.  Decode times batchinv's kernels on the cache storage (the append is a copy, not
-timed); SDPA decode uses a length-1 query against the same keys (enable_gqa=True).  Decode
-bandwidth counts the K and V bytes that must be read.
+backend.  Prefill (session 10): SDPA default, batchinv and the forced mma.sync tile kernel are
+timed in PREFILL_ROUNDS interleaved rounds (the order rotated each round and reversed every
+other round), each a do_bench median; a path's time is the median over its rounds, and every
+round's value is printed and kept in the JSON row (``rounds_ms``), so the spread is visible.
+Decode times batchinv's kernels on the cache storage (the append is a copy, not timed); SDPA
+decode uses a length-1 query against the same keys (enable_gqa=True).  Decode bandwidth counts
+the K and V bytes that must be read.
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 from pathlib import Path
 
 import torch
@@ -22,6 +27,7 @@ from batchinv.gpu import attention_hopper
 
 HQ, HKV, D = 32, 8, 128
 PREFILL = [(8, 4096)]  # (batch, sequence length), causal
+PREFILL_ROUNDS = 5  # interleaved timing rounds of the prefill paths (medians over rounds)
 DECODE = [(64, 4096), (1, 32768)]  # (batch, context)
 DTYPE = torch.bfloat16
 GOALS = {  # of SDPA's default backend, by (phase, batch, sequence length or context) (issue 5)
@@ -100,6 +106,31 @@ def _graphed(fn):
         return None
 
 
+def round_orders(names: list[str], rounds: int) -> list[list[str]]:
+    """The order of ``names`` in each timing round: rotated by one each round and reversed
+    every other round, so that no path always runs first or always follows the same path."""
+    orders = []
+    for r in range(rounds):
+        order = names[r % len(names) :] + names[: r % len(names)]
+        orders.append(order[::-1] if r % 2 else order)
+    return orders
+
+
+def interleaved_rounds(paths: dict, rounds: int, label: str) -> dict[str, list[float]]:
+    """Times every callable of ``paths`` once per round (a do_bench median each) in the orders
+    of :func:`round_orders`; prints each round and returns every path's per-round times."""
+    names = list(paths)
+    times = {name: [] for name in names}
+    for r, order in enumerate(round_orders(names, rounds)):
+        for name in order:
+            times[name].append(median_ms(paths[name]))
+        print(
+            f"{label} round {r + 1}/{rounds} (order: {', '.join(order)}): "
+            + ", ".join(f"{name} {times[name][-1]:.3f} ms" for name in names)
+        )
+    return times
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
@@ -126,16 +157,36 @@ def main() -> None:
         v = torch.randn(batch, seq, HKV, D, device=device, generator=gen).to(DTYPE)
         qt, kt, vt = (t.transpose(1, 2).contiguous() for t in (q, k, v))
         flops = 4 * batch * HQ * seq * seq * D / 2  # causal: half of the score matrix
-        anchor = median_ms(_sdpa(qt, kt, vt, True))
+        label = f"prefill B={batch} S={seq}"
+        # SDPA default, batchinv and the mma.sync tile kernel (which sm_90 devices no longer run
+        # by default for this case; attention_hopper: same bits) in interleaved rounds: one
+        # do_bench median per path moved by several percent between runs (clocks, other work).
+        rounds = interleaved_rounds(
+            {
+                "SDPA default": _sdpa(qt, kt, vt, True),
+                "batchinv": lambda: gpu.attention(q, k, v, causal=True),
+                "batchinv (mma.sync tile, forced)": lambda: gpu.attention(
+                    q, k, v, causal=True, mode="tile", warps=4, hopper=False
+                ),
+            },
+            PREFILL_ROUNDS,
+            label,
+        )
+        medians = {name: statistics.median(values) for name, values in rounds.items()}
+        anchor = medians["SDPA default"]
+        round_ratios = [
+            a / b for a, b in zip(rounds["SDPA default"], rounds["batchinv"], strict=True)
+        ]
+        print(
+            f"{label}: batchinv / SDPA default per round "
+            + " ".join(f"{ratio:.3f}x" for ratio in round_ratios)
+            + f"; ratio of the medians {anchor / medians['batchinv']:.3f}x"
+        )
         paths = {
             "SDPA default": anchor,
             "SDPA flash": _time_or_none(_sdpa(qt, kt, vt, True, SDPBackend.FLASH_ATTENTION)),
-            "batchinv": median_ms(lambda: gpu.attention(q, k, v, causal=True)),
-            # The mma.sync tile kernel, which sm_90 devices no longer run by default for this
-            # case (attention_hopper: same bits).
-            "batchinv (mma.sync tile, forced)": median_ms(
-                lambda: gpu.attention(q, k, v, causal=True, mode="tile", warps=4, hopper=False)
-            ),
+            "batchinv": medians["batchinv"],
+            "batchinv (mma.sync tile, forced)": medians["batchinv (mma.sync tile, forced)"],
         }
         rows_q = q.view(batch * seq, HQ, D)
         rows_k, rows_v = k.view(-1, HKV, D), v.view(-1, HKV, D)
@@ -154,15 +205,18 @@ def main() -> None:
         for path, ms in paths.items():
             if ms is None:
                 continue
-            rows.append(
-                {
-                    "case": f"prefill B={batch} S={seq}",
-                    "path": path,
-                    "ms": ms,
-                    "TFLOP/s": flops / ms / 1e9,
-                    "ratio_vs_sdpa": anchor / ms,
-                }
-            )
+            row = {
+                "case": label,
+                "path": path,
+                "ms": ms,
+                "TFLOP/s": flops / ms / 1e9,
+                "ratio_vs_sdpa": anchor / ms,
+            }
+            if path in rounds:  # ms is the median of these rounds
+                row["rounds_ms"] = rounds[path]
+            if path == "batchinv":
+                row["round_ratios_vs_sdpa"] = round_ratios
+            rows.append(row)
     for batch, ctx in decode_cases:
         k = torch.randn(batch, ctx, HKV, D, device=device, generator=gen).to(DTYPE)
         v = torch.randn(batch, ctx, HKV, D, device=device, generator=gen).to(DTYPE)
