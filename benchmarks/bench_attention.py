@@ -20,8 +20,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from batchinv.gpu import attention as gpu
 from batchinv.gpu import attention_hopper
 
-HQ, HKV, D = 32, 8, 128
-PREFILL = [(8, 4096)]  # (batch, sequence length), causal
+HQ, HKV, D = 32, 8, 128  # D: the decode cases' head dim
+PREFILL = [(8, 4096, 128), (8, 4096, 64)]  # (batch, sequence length, head dim), causal
 DECODE = [(64, 4096), (1, 32768)]  # (batch, context)
 DTYPE = torch.bfloat16
 GOALS = {  # of SDPA's default backend, by (phase, batch, sequence length or context) (issue 5)
@@ -35,7 +35,8 @@ def summary_rows(results: list[dict]) -> list[dict]:
     """The uniform summary: batchinv's default path against SDPA's default backend.
 
     ``results`` holds one dict per comparison: ``phase`` ("prefill" or "decode"), ``batch``,
-    ``length`` (sequence length or context), ``timing`` ("eager" or "CUDA graph"),
+    ``length`` (sequence length or context), ``d`` (head dim; D where absent), ``timing``
+    ("eager" or "CUDA graph"),
     ``batchinv_ms`` and ``sdpa_ms`` (SDPA default, timed the same way).  The forced kernel
     modes and the flash backend stay in the detailed rows only.
     """
@@ -46,7 +47,7 @@ def summary_rows(results: list[dict]) -> list[dict]:
         rows.append(
             summary_row(
                 "attention",
-                f"B={r['batch']} {length}={r['length']} (GQA {HQ}/{HKV}, d={D}, bf16)",
+                f"B={r['batch']} {length}={r['length']} (GQA {HQ}/{HKV}, d={r.get('d', D)}, bf16)",
                 ("prefill (causal)" if r["phase"] == "prefill" else "decode") + suffix,
                 r["batchinv_ms"],
                 "SDPA default" + suffix,
@@ -120,12 +121,12 @@ def main() -> None:
     pdl = gpu.combine_uses_pdl(device)
     prefill_cases = PREFILL if args.phase in ("all", "prefill") else []
     decode_cases = DECODE if args.phase in ("all", "decode") else []
-    for batch, seq in prefill_cases:
-        q = torch.randn(batch, seq, HQ, D, device=device, generator=gen).to(DTYPE)
-        k = torch.randn(batch, seq, HKV, D, device=device, generator=gen).to(DTYPE)
-        v = torch.randn(batch, seq, HKV, D, device=device, generator=gen).to(DTYPE)
+    for batch, seq, d in prefill_cases:
+        q = torch.randn(batch, seq, HQ, d, device=device, generator=gen).to(DTYPE)
+        k = torch.randn(batch, seq, HKV, d, device=device, generator=gen).to(DTYPE)
+        v = torch.randn(batch, seq, HKV, d, device=device, generator=gen).to(DTYPE)
         qt, kt, vt = (t.transpose(1, 2).contiguous() for t in (q, k, v))
-        flops = 4 * batch * HQ * seq * seq * D / 2  # causal: half of the score matrix
+        flops = 4 * batch * HQ * seq * seq * d / 2  # causal: half of the score matrix
         anchor = median_ms(_sdpa(qt, kt, vt, True))
         paths = {
             "SDPA default": anchor,
@@ -137,15 +138,16 @@ def main() -> None:
                 lambda: gpu.attention(q, k, v, causal=True, mode="tile", warps=4, hopper=False)
             ),
         }
-        rows_q = q.view(batch * seq, HQ, D)
-        rows_k, rows_v = k.view(-1, HKV, D), v.view(-1, HKV, D)
+        rows_q = q.view(batch * seq, HQ, d)
+        rows_k, rows_v = k.view(-1, HKV, d), v.view(-1, HKV, d)
         kernel = "hopper" if attention_hopper.applies(rows_q, rows_k, rows_v) else "mma.sync"
-        print(f"prefill B={batch} S={seq}: the default path runs the {kernel} tile kernel")
+        print(f"prefill B={batch} S={seq} d={d}: the default path runs the {kernel} tile kernel")
         results.append(
             {
                 "phase": "prefill",
                 "batch": batch,
                 "length": seq,
+                "d": d,
                 "timing": "eager",
                 "batchinv_ms": paths["batchinv"],
                 "sdpa_ms": anchor,
@@ -156,7 +158,7 @@ def main() -> None:
                 continue
             rows.append(
                 {
-                    "case": f"prefill B={batch} S={seq}",
+                    "case": f"prefill B={batch} S={seq} d={d}",
                     "path": path,
                     "ms": ms,
                     "TFLOP/s": flops / ms / 1e9,
@@ -259,7 +261,7 @@ def main() -> None:
                 }
             )
     report(
-        "attention forward (GQA 32/8, d=128, bf16)",
+        "attention forward (GQA 32/8, bf16; prefill d=128 and 64, decode d=128)",
         rows,
         ["case", "path", "ms", "TFLOP/s", "TB/s", "ratio_vs_sdpa"],
         args.json,

@@ -1,0 +1,100 @@
+"""attn-hopper-d64 device call: prefill at d = 64 (the Hopper kernel at its default ring depth,
+the bf16 experiment depths 3 and 4, the mma.sync tile kernel) and at d = 128 (the Hopper kernel,
+unchanged) against SDPA's default backend, interleaved with the order rotated each round;
+GQA 32/8, bf16, ``do_bench`` medians.  The ring-depth variants are checked bitwise against the
+default depth first."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, "benchmarks")
+from _common import median_ms  # noqa: E402
+
+from batchinv.contract import assert_bitwise_equal  # noqa: E402
+from batchinv.gpu import attention as gpu  # noqa: E402
+from batchinv.gpu import attention_hopper as hopper  # noqa: E402
+
+HQ, HKV = 32, 8
+# (batch, sequence length, head dim, causal, rounds)
+SHAPES = [
+    (8, 4096, 64, True, 3),
+    (8, 4096, 64, False, 2),
+    (32, 2048, 64, True, 2),
+    (8, 4096, 128, True, 3),
+]
+
+
+def run_hopper(q, k, v, causal, stages=None):
+    """The Hopper kernel (forced) with its launcher's ring depth set to ``stages``."""
+    saved = hopper.forward_tile
+
+    def forward_tile(*args, **kwargs):
+        return saved(*args, stages=stages, **kwargs)
+
+    hopper.forward_tile = forward_tile
+    try:
+        return gpu.attention(
+            q, k, v, causal=causal, return_lse=True, mode="tile", warps=4, hopper=True
+        )
+    finally:
+        hopper.forward_tile = saved
+
+
+def time_shape(batch, seq, d, causal, rounds):
+    gen = torch.Generator(device="cuda").manual_seed(seq + d)
+    q, k, v = (
+        torch.randn(batch, seq, h, d, device="cuda", generator=gen).bfloat16()
+        for h in (HQ, HKV, HKV)
+    )
+    qt, kt, vt = (t.transpose(1, 2).contiguous() for t in (q, k, v))
+    paths = {
+        "sdpa": lambda: F.scaled_dot_product_attention(
+            qt, kt, vt, is_causal=causal, enable_gqa=True
+        ),
+        "hopper": lambda: run_hopper(q, k, v, causal),
+        "mma_sync": lambda: gpu.attention(
+            q, k, v, causal=causal, return_lse=True, mode="tile", warps=4, hopper=False
+        ),
+    }
+    if d == 64:
+        for stages in (3, 4):
+            if stages != hopper.STAGES[64]:
+                paths[f"hopper_s{stages}"] = lambda stages=stages: run_hopper(
+                    q, k, v, causal, stages
+                )
+    ref = paths["hopper"]()
+    for name in paths:
+        if name.startswith("hopper_s") or name == "mma_sync":
+            assert_bitwise_equal(paths[name](), ref, name=f"{name} vs hopper d={d}")
+    names = list(paths)
+    rows = []
+    for r in range(rounds):
+        order = names[r % len(names) :] + names[: r % len(names)]
+        times = {name: median_ms(paths[name], warmup_ms=50, rep_ms=250) for name in order}
+        rows.append({"batch": batch, "seq": seq, "d": d, "causal": causal, "round": r + 1} | times)
+        line = " ".join(f"{n}={times[n]:.3f}" for n in names)
+        ratios = ", ".join(f"{n} {times['sdpa'] / times[n]:.3f}x" for n in names if n != "sdpa")
+        print(
+            f"B={batch} S={seq} d={d} causal={causal} round {r + 1}: {line} ms | of SDPA: {ratios}"
+        )
+    return rows
+
+
+def main() -> None:
+    print(torch.cuda.get_device_name(), "| d = 64 default ring depth", hopper.STAGES[64])
+    rows = []
+    for shape in SHAPES:
+        rows += time_shape(*shape)
+        torch.cuda.empty_cache()
+    if len(sys.argv) > 1:
+        Path(sys.argv[1]).write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
