@@ -1,6 +1,7 @@
 // Attention forward, tile mode, on Hopper (sm_90a): the FlashAttention-3 structure (TMA
 // producer warpgroup, two wgmma consumer warpgroups) computing EXACTLY the per-row arithmetic
-// of kernels_cu/attention.cu's tile kernel.  d = 128, bf16 and fp16, causal and not.
+// of kernels_cu/attention.cu's tile kernel.  d = 128 and d = 64 (one body, templated on the head
+// dim D), bf16 and fp16, causal and not.
 //
 // Canonical layout and row contract: those of kernels_cu/attention.cu (read its header), mode
 // (a) only: one CTA per work item (query tile, head group, sequence) walks all splits of its
@@ -21,10 +22,11 @@
 //     the same arithmetic on the same values.
 //   - S = Q K^T: wgmma m64n128k16 with Q from registers (a warp's 16 rows as mma.sync's A
 //     fragments, read once from the swizzled Q tile) and K (128 keys) from 128B-swizzled shared
-//     memory, over d in increasing k16 steps (D += A * B from a zero accumulator, as the
-//     mma.sync chain).
-//   - O += P V: wgmma m64n128k16 with P (rounded to the input dtype) as the register A
-//     operand, V N-major from shared memory, the eight k16 key steps in increasing order.
+//     memory, over d in increasing k16 steps (D / 16 of them; D += A * B from a zero
+//     accumulator, as the mma.sync chain).
+//   - O += P V: wgmma m64nDk16 (m64n128k16 at d = 128, m64n64k16 at d = 64) with P (rounded to
+//     the input dtype) as the register A operand, V N-major from shared memory, the eight k16
+//     key steps in increasing order.  A thread holds D / 2 fp32 accumulators.
 //   That wgmma and mma.sync give the same bits for the same k16 step sequence is a measured
 //   property of the GPU (as in linear.cu), checked bitwise on every run by
 //   tests/gpu/test_attention_hopper_cuda.py against the mma.sync tile and split kernels.
@@ -44,8 +46,9 @@
 //   - No register that an in-flight wgmma reads or writes is touched before its wait: P of
 //     block j+1 is packed into the A registers only after P_j V_j completes, and nothing but
 //     wgmma runs between the two issues (ptxas would otherwise serialise every wgmma, C7513).
-//   - Loads: one producer thread issues TMA copies of 128-key K and V blocks (two boxes of 128
-//     rows x 64 columns each, 128B swizzle) into two rings of kStages = 2 shared-memory stages,
+//   - Loads: one producer thread issues TMA copies of 128-key K and V blocks (D / 64 boxes of
+//     128 rows x 64 columns each, 128B swizzle) into two rings of kStages shared-memory stages
+//     (kStagesD128 = 2 at d = 128, kStagesD64 at d = 64),
 //     K and V with their own mbarriers (full / empty): a K stage is freed once its S product is
 //     complete, a V stage once its P V product is; blocks no row of the tile sees are not
 //     loaded.  Q is copied once per consumer warpgroup and work item with cp.async (zeros for
@@ -56,7 +59,7 @@
 //     those K and V rows with zeros in shared memory, so the consumers see exactly the
 //     zero-filled tile attention.cu's cp.async builds.  Such rows are read from global memory
 //     but never used.  Query rows past q_len are never read.
-//   - finalize (out = acc / l) divides by one reciprocal per row where l and the thread's 32
+//   - finalize (out = acc / l) divides by one reciprocal per row where l and the thread's D / 4
 //     values of the row are in range, finalize_out otherwise: finalize_out's bits either way
 //     (finalize_row; tested against finalize_out by the test kernel attn_hopper_finalize_check).
 //     The last split's merge goes to registers, not through shared memory.
