@@ -874,33 +874,33 @@ __device__ __forceinline__ void attn_hopper_tile(const TensorMap& map_k, const T
 }  // namespace attn_hopper
 }  // namespace batchinv
 
-#define BATCHINV_ATTN_HOPPER(NAME, CODEC, D, STAGES)                                                            \
-    extern "C" __global__ void __launch_bounds__(384, 1) NAME(                                                     \
+#define BATCHINV_ATTN_HOPPER(SUFFIX, CODEC, D, STAGES)                                                          \
+    extern "C" __global__ void __launch_bounds__(384, 1) attn_hopper_fwd_##SUFFIX(                              \
         const __grid_constant__ batchinv::TensorMap map_k, const __grid_constant__ batchinv::TensorMap map_v,   \
-        const void* q, void* out, float* lse, const int* q_start, const int* q_len, const int* k_start,        \
+        const void* q, void* out, float* lse, const int* q_start, const int* q_len, const int* k_start,         \
         const int* k_len, int64_t q_row, int64_t q_head, int64_t out_row, int64_t out_head, int tq, int hq,     \
         int hkv, int pack, int causal, float scale_log2, int* queue, int q_tiles, int batch) {                  \
         const batchinv::attn_hopper::Params p{q,     out,   lse,      q_start, q_len, k_start, k_len, q_row,    \
                                               q_head, out_row, out_head, tq,   hq,    hkv,     pack,  causal,   \
-                                              scale_log2, queue, q_tiles, batch};                                \
-        batchinv::attn_hopper::attn_hopper_tile<CODEC, D, STAGES>(map_k, map_v, p);                              \
+                                              scale_log2, queue, q_tiles, batch};                               \
+        batchinv::attn_hopper::attn_hopper_tile<CODEC, D, STAGES>(map_k, map_v, p);                             \
     }
 
 // Signature: (map_k, map_v, q, out, lse, q_start, q_len, k_start, k_len, q_row, q_head, out_row,
 //             out_head, tq, hq, hkv, pack, causal, scale_log2, queue, q_tiles, batch).
 // batchinv-signature: attn_hopper_fwd_bf16_d128(tmap, tmap, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i32, i32, i32, i32, i32, f32, ptr, i32, i32)
-BATCHINV_ATTN_HOPPER(attn_hopper_fwd_bf16_d128, batchinv::Bf16Codec, 128, batchinv::attn_hopper::kStagesD128)
+BATCHINV_ATTN_HOPPER(bf16_d128, batchinv::Bf16Codec, 128, batchinv::attn_hopper::kStagesD128)
 // batchinv-signature: attn_hopper_fwd_f16_d128(tmap, tmap, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i32, i32, i32, i32, i32, f32, ptr, i32, i32)
-BATCHINV_ATTN_HOPPER(attn_hopper_fwd_f16_d128, batchinv::F16Codec, 128, batchinv::attn_hopper::kStagesD128)
+BATCHINV_ATTN_HOPPER(f16_d128, batchinv::F16Codec, 128, batchinv::attn_hopper::kStagesD128)
 // batchinv-signature: attn_hopper_fwd_bf16_d64(tmap, tmap, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i32, i32, i32, i32, i32, f32, ptr, i32, i32)
-BATCHINV_ATTN_HOPPER(attn_hopper_fwd_bf16_d64, batchinv::Bf16Codec, 64, batchinv::attn_hopper::kStagesD64)
+BATCHINV_ATTN_HOPPER(bf16_d64, batchinv::Bf16Codec, 64, batchinv::attn_hopper::kStagesD64)
 // batchinv-signature: attn_hopper_fwd_f16_d64(tmap, tmap, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i32, i32, i32, i32, i32, f32, ptr, i32, i32)
-BATCHINV_ATTN_HOPPER(attn_hopper_fwd_f16_d64, batchinv::F16Codec, 64, batchinv::attn_hopper::kStagesD64)
+BATCHINV_ATTN_HOPPER(f16_d64, batchinv::F16Codec, 64, batchinv::attn_hopper::kStagesD64)
 // Experiment (session 10): d = 64 with deeper K/V rings, timed against the default depth.
 // batchinv-signature: attn_hopper_fwd_bf16_d64_s3(tmap, tmap, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i32, i32, i32, i32, i32, f32, ptr, i32, i32)
-BATCHINV_ATTN_HOPPER(attn_hopper_fwd_bf16_d64_s3, batchinv::Bf16Codec, 64, 3)
+BATCHINV_ATTN_HOPPER(bf16_d64_s3, batchinv::Bf16Codec, 64, 3)
 // batchinv-signature: attn_hopper_fwd_bf16_d64_s4(tmap, tmap, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i32, i32, i32, i32, i32, f32, ptr, i32, i32)
-BATCHINV_ATTN_HOPPER(attn_hopper_fwd_bf16_d64_s4, batchinv::Bf16Codec, 64, 4)
+BATCHINV_ATTN_HOPPER(bf16_d64_s4, batchinv::Bf16Codec, 64, 4)
 
 // Test kernel: finalize_row (the tile kernel's division) next to finalize_out, element by element,
 // on rows of 32 given values and a given l each: out_row[r * 32 + k] and out_ref[r * 32 + k].

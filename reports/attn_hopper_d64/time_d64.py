@@ -71,7 +71,11 @@ def time_shape(batch, seq, d, causal, rounds):
     ref = paths["hopper"]()
     for name in paths:
         if name.startswith("hopper_s") or name == "mma_sync":
-            assert_bitwise_equal(paths[name](), ref, name=f"{name} vs hopper d={d}")
+            try:
+                assert_bitwise_equal(paths[name](), ref, name=f"{name} vs hopper d={d}")
+                print(f"B={batch} S={seq} d={d} causal={causal}: {name} bitwise equal to hopper")
+            except AssertionError as error:  # timed anyway; the tests decide
+                print(f"B={batch} S={seq} d={d} causal={causal}: {name} DIFFERS: {error}"[:400])
     names = list(paths)
     rows = []
     for r in range(rounds):
