@@ -1,5 +1,5 @@
 #!/bin/bash
-# attn-hopper-d64 device call 1 (run from the staged tree): card, a d = 64 smoke check, the timing
+# attn-hopper-d64 device call 1 and 2 (run from the staged tree): card, a d = 64 smoke check, the timing
 # script, the Hopper test file, the prefill benchmark; every log straight into $OUT.
 export PYTHONPATH=$PWD/py PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,uuid --format=csv,noheader | tee "$OUT/card.txt"
