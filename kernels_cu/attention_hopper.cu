@@ -91,24 +91,22 @@ static_assert(kHopperBlocksPerSplit * kHopperBlockKeys == kSplitKeys, "a split i
 [[maybe_unused]] constexpr int kQHalfBytes = 64 * 128;  // Q: 64 rows x 64 columns x 2 bytes
 [[maybe_unused]] constexpr int kKVHalfBytes = kHopperBlockKeys * 128;  // K/V: 128 rows x 64 columns
 
-// The CTA: a producer warpgroup and W consumer warpgroups of 64 rows each (128 (W + 1) threads).
-// Registers, W = 2: 128 x 24 (producer) + 256 x 240 (consumers) = 64512 = 384 x 168, the launch
+// The CTA: a producer warpgroup and 2 consumer warpgroups of 64 rows each (384 threads).
+// Registers: 128 x 24 (producer) + 256 x 240 (consumers) = 64512 = 384 x 168, the launch
 // allocation (__launch_bounds__(384, 1)): setmaxnreg moves registers within it, so a larger sum
-// makes the consumers' setmaxnreg.inc wait forever (a first build with 32 / 240 hung).  W = 3:
-// 128 x 24 + 384 x 160 = 64512 <= 512 x 128.
+// makes the consumers' setmaxnreg.inc wait forever (a first build with 32 / 240 hung).
+[[maybe_unused]] constexpr int kWarpgroups = 2;
+[[maybe_unused]] constexpr int kRows = 64 * kWarpgroups;  // tile rows
+[[maybe_unused]] constexpr int kConsumerThreads = 128 * kWarpgroups;
+[[maybe_unused]] constexpr int kProducerRegisters = 24;
+[[maybe_unused]] constexpr int kConsumerRegisters = 240;
 
 // What depends on the head dim D (128 or 64): a row of Q, K or V is D / 64 swizzled 64-column
 // halves (one TMA box each per 128-key block), S takes D / 16 k16 steps, and a thread holds
 // D / 2 fp32 accumulators (the D / 8 n8 tiles of its 16-row warp slice, 4 values each).
-template <int D, int Stages, int Warpgroups>
+template <int D, int Stages>
 struct Shape {
     static_assert(D == 64 || D == 128, "the Hopper kernel is built for d = 64 and d = 128");
-    static_assert(Warpgroups == 2 || Warpgroups == 3, "two or three consumer warpgroups");
-    static constexpr int kWarpgroups = Warpgroups;
-    static constexpr int kRows = 64 * kWarpgroups;  // tile rows
-    static constexpr int kConsumerThreads = 128 * kWarpgroups;
-    static constexpr int kProducerRegisters = 24;
-    static constexpr int kConsumerRegisters = kWarpgroups == 2 ? 240 : 160;
     static constexpr int kHalves = D / 64;
     static constexpr int kKSteps = D / 16;
     static constexpr int kAcc = D / 2;
@@ -117,12 +115,11 @@ struct Shape {
     static constexpr int kQBytes = kWarpgroups * kHalves * kQHalfBytes;  // warpgroups x halves
     static constexpr int kRunBytes = kAcc * kConsumerThreads * 4;  // the fp32 split state
 };
-// Ring depth and consumer warpgroups per head dim: d = 128, 2 x 32 KB per ring and 2
-// warpgroups (the tuned kernel); d = 64, 16 KB blocks.
+// Ring depth per head dim: d = 128, 2 x 32 KB per ring (the tuned kernel); d = 64, 2 x 16 KB
+// (3 and 4 stages timed the same; three consumer warpgroups, FA3's choice at d = 64, spilled at
+// 160 registers and were 9% slower: docs/operators/attention.md, session 10).
 [[maybe_unused]] constexpr int kStagesD128 = 2;
 [[maybe_unused]] constexpr int kStagesD64 = 2;
-[[maybe_unused]] constexpr int kWarpgroupsD128 = 2;
-[[maybe_unused]] constexpr int kWarpgroupsD64 = 3;
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 
@@ -270,7 +267,6 @@ struct Tile {
 // tiles of one (head group, sequence), heaviest (latest, most causal blocks) first, then the
 // next head group, then the next sequence.  CTAs take items from the queue in this order, the
 // greedy longest-first schedule the hardware's dispatch of that grid gave.
-template <int kRows>
 __device__ __forceinline__ Tile tile_at(const Params& p, int w) {
     const int groups = p.hq / p.pack;
     const int qtile = p.q_tiles - 1 - w % p.q_tiles;
@@ -292,15 +288,12 @@ __device__ __forceinline__ Tile tile_at(const Params& p, int w) {
     return t;
 }
 
-template <typename Codec, int D, int Stages, int Warpgroups>
+template <typename Codec, int D, int Stages>
 __device__ __forceinline__ void attn_hopper_tile(const TensorMap& map_k, const TensorMap& map_v, const Params& p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     using namespace hopper;
     using T = typename Codec::storage;
-    using Sh = Shape<D, Stages, Warpgroups>;
-    constexpr int kWarpgroups = Sh::kWarpgroups;
-    constexpr int kRows = Sh::kRows;
-    constexpr int kConsumerThreads = Sh::kConsumerThreads;
+    using Sh = Shape<D, Stages>;
     constexpr int kHalves = Sh::kHalves;
     constexpr int kKSteps = Sh::kKSteps;
     constexpr int kAcc = Sh::kAcc;
@@ -357,7 +350,7 @@ __device__ __forceinline__ void attn_hopper_tile(const TensorMap& map_k, const T
     const int lane = threadIdx.x % 32;
 
     if (warpgroup == 0) {
-        release_registers<Sh::kProducerRegisters>();
+        release_registers<kProducerRegisters>();
         if (threadIdx.x >= 32) return;
         // Producer warp: lane 0 takes the work items from the queue (item n + 1 when item n's
         // loads start, so that the consumers know it before they finish item n) and issues the
@@ -384,7 +377,7 @@ __device__ __forceinline__ void attn_hopper_tile(const TensorMap& map_k, const T
         for (int n = 0; w < items; ++n) {
             const int w_next = fetch();  // >= items once the queue is empty: the consumers stop
             publish(n + 1, w_next);
-            const Tile tl = tile_at<kRows>(p, w);
+            const Tile tl = tile_at(p, w);
             const int blk_end = tl.q0 < tl.q_len ? tl.blk_end : 0;  // a tile past q_len: nothing
             for (int blk = 0; blk < blk_end; ++blk, ++it) {
                 const int s = it % kStages;
@@ -443,7 +436,7 @@ __device__ __forceinline__ void attn_hopper_tile(const TensorMap& map_k, const T
         return;
     }
 
-    claim_registers<Sh::kConsumerRegisters>();
+    claim_registers<kConsumerRegisters>();
     // The consumers' code (cw: 0 or 1, the consumer warpgroup).
     const int cw = warpgroup - 1;
     const int ctid = threadIdx.x - 128;  // 0 .. 255
@@ -490,12 +483,12 @@ __device__ __forceinline__ void attn_hopper_tile(const TensorMap& map_k, const T
     };
     int w = read_item(0);
     if (w < items) {
-        const Tile first = tile_at<kRows>(p, w);
+        const Tile first = tile_at(p, w);
         if (first.q0 < first.q_len) load_q(first);
     }
     for (int n = 0; w < items; ++n) {
         const int w_next = read_item(n + 1);
-        const Tile tl = tile_at<kRows>(p, w);
+        const Tile tl = tile_at(p, w);
         const bool has_rows = tl.q0 < tl.q_len;
         // Q of the warp's 16 rows as the A fragments of the eight k16 steps of S (row g / g + 8,
         // columns 2c, 2c + 1 and 2c + 8, 2c + 9 of the step), read from the swizzled tile; then
@@ -522,7 +515,7 @@ __device__ __forceinline__ void attn_hopper_tile(const TensorMap& map_k, const T
         }
         auto load_next_q = [&]() {
             if (w_next < items) {
-                const Tile next = tile_at<kRows>(p, w_next);
+                const Tile next = tile_at(p, w_next);
                 if (next.q0 < next.q_len) load_q(next);
             }
         };
@@ -883,8 +876,8 @@ __device__ __forceinline__ void attn_hopper_tile(const TensorMap& map_k, const T
 }  // namespace attn_hopper
 }  // namespace batchinv
 
-#define BATCHINV_ATTN_HOPPER(SUFFIX, CODEC, D, STAGES, WG)                                                      \
-    extern "C" __global__ void __launch_bounds__(128 * ((WG) + 1), 1) attn_hopper_fwd_##SUFFIX(                 \
+#define BATCHINV_ATTN_HOPPER(SUFFIX, CODEC, D, STAGES)                                                          \
+    extern "C" __global__ void __launch_bounds__(384, 1) attn_hopper_fwd_##SUFFIX(                              \
         const __grid_constant__ batchinv::TensorMap map_k, const __grid_constant__ batchinv::TensorMap map_v,   \
         const void* q, void* out, float* lse, const int* q_start, const int* q_len, const int* k_start,         \
         const int* k_len, int64_t q_row, int64_t q_head, int64_t out_row, int64_t out_head, int tq, int hq,     \
@@ -892,22 +885,19 @@ __device__ __forceinline__ void attn_hopper_tile(const TensorMap& map_k, const T
         const batchinv::attn_hopper::Params p{q,     out,   lse,      q_start, q_len, k_start, k_len, q_row,    \
                                               q_head, out_row, out_head, tq,   hq,    hkv,     pack,  causal,   \
                                               scale_log2, queue, q_tiles, batch};                               \
-        batchinv::attn_hopper::attn_hopper_tile<CODEC, D, STAGES, WG>(map_k, map_v, p);                         \
+        batchinv::attn_hopper::attn_hopper_tile<CODEC, D, STAGES>(map_k, map_v, p);                             \
     }
 
 // Signature: (map_k, map_v, q, out, lse, q_start, q_len, k_start, k_len, q_row, q_head, out_row,
 //             out_head, tq, hq, hkv, pack, causal, scale_log2, queue, q_tiles, batch).
 // batchinv-signature: attn_hopper_fwd_bf16_d128(tmap, tmap, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i32, i32, i32, i32, i32, f32, ptr, i32, i32)
-BATCHINV_ATTN_HOPPER(bf16_d128, batchinv::Bf16Codec, 128, batchinv::attn_hopper::kStagesD128, batchinv::attn_hopper::kWarpgroupsD128)
+BATCHINV_ATTN_HOPPER(bf16_d128, batchinv::Bf16Codec, 128, batchinv::attn_hopper::kStagesD128)
 // batchinv-signature: attn_hopper_fwd_f16_d128(tmap, tmap, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i32, i32, i32, i32, i32, f32, ptr, i32, i32)
-BATCHINV_ATTN_HOPPER(f16_d128, batchinv::F16Codec, 128, batchinv::attn_hopper::kStagesD128, batchinv::attn_hopper::kWarpgroupsD128)
+BATCHINV_ATTN_HOPPER(f16_d128, batchinv::F16Codec, 128, batchinv::attn_hopper::kStagesD128)
 // batchinv-signature: attn_hopper_fwd_bf16_d64(tmap, tmap, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i32, i32, i32, i32, i32, f32, ptr, i32, i32)
-BATCHINV_ATTN_HOPPER(bf16_d64, batchinv::Bf16Codec, 64, batchinv::attn_hopper::kStagesD64, batchinv::attn_hopper::kWarpgroupsD64)
+BATCHINV_ATTN_HOPPER(bf16_d64, batchinv::Bf16Codec, 64, batchinv::attn_hopper::kStagesD64)
 // batchinv-signature: attn_hopper_fwd_f16_d64(tmap, tmap, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i32, i32, i32, i32, i32, f32, ptr, i32, i32)
-BATCHINV_ATTN_HOPPER(f16_d64, batchinv::F16Codec, 64, batchinv::attn_hopper::kStagesD64, batchinv::attn_hopper::kWarpgroupsD64)
-// Experiment (session 10): d = 64 with two consumer warpgroups, timed against the default.
-// batchinv-signature: attn_hopper_fwd_bf16_d64_w2(tmap, tmap, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i32, i32, i32, i32, i32, f32, ptr, i32, i32)
-BATCHINV_ATTN_HOPPER(bf16_d64_w2, batchinv::Bf16Codec, 64, batchinv::attn_hopper::kStagesD64, 2)
+BATCHINV_ATTN_HOPPER(f16_d64, batchinv::F16Codec, 64, batchinv::attn_hopper::kStagesD64)
 
 // Test kernel: finalize_row (the tile kernel's division) next to finalize_out, element by element,
 // on rows of 32 given values and a given l each: out_row[r * 32 + k] and out_ref[r * 32 + k].

@@ -74,20 +74,18 @@ def _nan_padding(q, k, v, seqlens_q, seqlens_k):
 
 
 def test_shared_memory_fits_hopper():
-    # d = 128, two warpgroups: Q 32 KB + two 32 KB stages of K and of V + the 64 KB running
-    # state; d = 64, three warpgroups: Q 24 KB + two 16 KB stages of K and of V + the 48 KB
-    # running state.  Every configuration the kernel is built with fits the 227 KB an sm_90 CTA
-    # may take, and only the alignment slack and the mbarriers come on top of the tiles.
+    # d = 128: Q 32 KB + two 32 KB stages of K and of V + the 64 KB running state; d = 64: Q
+    # 16 KB + two 16 KB stages + the 32 KB running state.  Both fit the 227 KB an sm_90 CTA may
+    # take, and only the alignment slack and the mbarriers come on top of the tiles.
     kb = 1024
     assert hopper.shared_bytes(128) == hopper.shared_bytes()
-    assert hopper.WARPGROUPS == {128: 2, 64: 3} and hopper.STAGES == {128: 2, 64: 2}
-    for d, warpgroups in ((128, 2), (64, 3), (64, 2)):
-        stages = hopper.STAGES[d]
-        tiles = warpgroups * 64 * d * 2 + 2 * stages * 128 * d * 2 + d // 2 * warpgroups * 128 * 4
-        assert tiles <= hopper.shared_bytes(d, warpgroups) <= tiles + 2 * kb
-        assert hopper.shared_bytes(d, warpgroups) <= 227 * kb
-    assert hopper.shared_bytes(128, 2) >= (32 + 4 * 32 + 64) * kb
-    assert hopper.shared_bytes(64) >= (24 + 4 * 16 + 48) * kb
+    assert hopper.STAGES == {128: 2, 64: 2}
+    for d in (128, 64):
+        tiles = 2 * 64 * d * 2 + 2 * hopper.STAGES[d] * 128 * d * 2 + d // 2 * 256 * 4
+        assert tiles <= hopper.shared_bytes(d) <= tiles + 2 * kb
+        assert hopper.shared_bytes(d) <= 227 * kb
+    assert hopper.shared_bytes(128) >= (32 + 4 * 32 + 64) * kb
+    assert hopper.shared_bytes(64) >= (16 + 4 * 16 + 32) * kb
 
 
 def test_shared_bytes_rejects_other_head_dims():
@@ -97,9 +95,9 @@ def test_shared_bytes_rejects_other_head_dims():
 
 def test_kernel_names():
     assert hopper.kernel_name(torch.bfloat16, 128) == "attn_hopper_fwd_bf16_d128"
+    assert hopper.kernel_name(torch.float16, 128) == "attn_hopper_fwd_f16_d128"
+    assert hopper.kernel_name(torch.bfloat16, 64) == "attn_hopper_fwd_bf16_d64"
     assert hopper.kernel_name(torch.float16, 64) == "attn_hopper_fwd_f16_d64"
-    assert hopper.kernel_name(torch.bfloat16, 64, 3) == "attn_hopper_fwd_bf16_d64"
-    assert hopper.kernel_name(torch.bfloat16, 64, 2) == "attn_hopper_fwd_bf16_d64_w2"
 
 
 def test_applies_needs_a_served_head_dim():

@@ -2,11 +2,10 @@
 
 The kernel computes exactly the per-row arithmetic of ``kernels_cu/attention.cu``'s tile kernel
 (same 128-key blocks, 1024-key splits, merge and finalize; see both headers) with the
-FlashAttention-3 structure: a TMA producer warpgroup and wgmma consumer warpgroups of 64 rows
-each (two at d = 128: 128-row tiles; three at d = 64: 192-row tiles), in a persistent grid
-(one CTA per SM taking work items from a queue, a counter zeroed for each launch).  Head dims
-64 and 128: a row of Q, K or V is d / 64 swizzled 64-column halves (one TMA box each per
-128-key block).
+FlashAttention-3 structure: a TMA producer warpgroup and two wgmma consumer warpgroups of 64
+rows each (128-row tiles), in a persistent grid (one CTA per SM taking work items from a
+queue, a counter zeroed for each launch).  Head dims 64 and 128: a row of Q, K or V is d / 64
+swizzled 64-column halves (one TMA box each per 128-key block).
 ``batchinv.gpu.attention.forward`` calls it for tile launches on sm_90 devices when
 :func:`applies` holds; every kernel gives the same bits (tested).
 """
@@ -21,33 +20,30 @@ from torch import Tensor
 from ._launch import allow_dynamic_shared, kernel_for, launch, multiprocessors, native, uses_hopper
 
 HEAD_DIMS = frozenset((64, 128))
-# Per head dim (kernels_cu/attention_hopper.cu kWarpgroupsD128 / D64, kStagesD128 / D64): the
-# consumer warpgroups (64 rows each: tiles of 64 x that rows) and the K and V ring depth, each.
-WARPGROUPS = {128: 2, 64: 3}
-STAGES = {128: 2, 64: 2}
+WARPGROUPS = 2  # consumer warpgroups (64 rows each: 128-row tiles)
 BLOCK_KEYS = 128  # keys per block: the contract's (attention.BLOCK_KEYS; tested equal)
+# K and V ring depth, each, per head dim (kernels_cu/attention_hopper.cu kStagesD128 / kStagesD64;
+# at d = 64, 3 and 4 stages timed the same as 2, session 10)
+STAGES = {128: 2, 64: 2}
 _Q_HALF_BYTES = 64 * 64 * 2  # 64 query rows x 64 columns of bf16/fp16
 _KV_HALF_BYTES = BLOCK_KEYS * 64 * 2  # one TMA box: 128 key rows x 64 columns
 _DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "f16"}
 _MAX_ITEMS = 2**31 - 1 - 1024  # the queue counter is an int32 (each CTA takes one past the end)
 
 
-def shared_bytes(head_dim: int = 128, warpgroups: int | None = None) -> int:
-    """Dynamic shared memory of the kernel at ``head_dim`` (64 or 128) with ``warpgroups``
-    consumer warpgroups (default ``WARPGROUPS[head_dim]``): Q (warpgroups x d / 64 column
-    halves), the ``STAGES[head_dim]`` K and V stages (d / 64 boxes of 128 keys x 64 columns
-    each), the fp32 running state (d / 2 values per consumer thread), the mbarriers (full /
-    empty of both rings, boundary block, work-item ring), and 1024 bytes to align the swizzled
-    tiles."""
+def shared_bytes(head_dim: int = 128) -> int:
+    """Dynamic shared memory of the kernel at ``head_dim`` (64 or 128): Q (two warpgroups x
+    d / 64 column halves), the ``STAGES[head_dim]`` K and V stages (d / 64 boxes of 128 keys x
+    64 columns each), the fp32 running state (d / 2 values per consumer thread), the mbarriers
+    (full / empty of both rings, boundary block, work-item ring), and 1024 bytes to align the
+    swizzled tiles."""
     if head_dim not in HEAD_DIMS:
         raise ValueError(f"head_dim must be one of {sorted(HEAD_DIMS)}, got {head_dim!r}")
-    if warpgroups is None:
-        warpgroups = WARPGROUPS[head_dim]
     stages = STAGES[head_dim]
     halves = head_dim // 64
-    q = warpgroups * halves * _Q_HALF_BYTES
+    q = WARPGROUPS * halves * _Q_HALF_BYTES
     kv = 2 * stages * halves * _KV_HALF_BYTES
-    run = head_dim // 2 * 128 * warpgroups * 4
+    run = head_dim // 2 * 128 * WARPGROUPS * 4
     barriers = 8 * (4 * stages + 1 + 4)
     return q + kv + run + barriers + 1024
 
@@ -104,19 +100,14 @@ def forced_ctas(count: int):
         _forced_ctas = previous
 
 
-def kernel_name(dtype: torch.dtype, head_dim: int, warpgroups: int | None = None) -> str:
-    """The entry of ``attention_hopper.cu`` for ``dtype``, ``head_dim`` and ``warpgroups``
-    (default ``WARPGROUPS[head_dim]``; another count exists only as the bf16 d = 64
-    experiment entry ``_w2`` that reports/attn_hopper_d64 times)."""
-    name = f"attn_hopper_fwd_{_DTYPE_NAMES[dtype]}_d{head_dim}"
-    if warpgroups is None or warpgroups == WARPGROUPS[head_dim]:
-        return name
-    return f"{name}_w{warpgroups}"
+def kernel_name(dtype: torch.dtype, head_dim: int) -> str:
+    """The entry of ``attention_hopper.cu`` for ``dtype`` and ``head_dim``."""
+    return f"attn_hopper_fwd_{_DTYPE_NAMES[dtype]}_d{head_dim}"
 
 
-def _kernel(name: str, device: torch.device, head_dim: int, warpgroups: int):
+def _kernel(name: str, device: torch.device, head_dim: int):
     kernel = kernel_for("attention_hopper", name, device)
-    allow_dynamic_shared(kernel, shared_bytes(head_dim, warpgroups), device.index or 0)
+    allow_dynamic_shared(kernel, shared_bytes(head_dim), device.index or 0)
     return kernel
 
 
@@ -130,16 +121,12 @@ def forward_tile(
     causal: bool,
     scale_log2: float,
     pack: int,
-    warpgroups: int | None = None,
 ) -> None:
     """Writes ``out``/``lse`` of every covered row (the canonical layout of
-    ``batchinv.gpu.attention``; ``q``, ``k``, ``v`` already pass :func:`applies`).
-    ``warpgroups``: the consumer warpgroups (default ``WARPGROUPS[d]``; timing scripts only)."""
+    ``batchinv.gpu.attention``; ``q``, ``k``, ``v`` already pass :func:`applies`)."""
     tq, hq, d = q.shape
-    if warpgroups is None:
-        warpgroups = WARPGROUPS[d]
     hkv = k.shape[1]
-    qpt = 64 * warpgroups // pack
+    qpt = 64 * WARPGROUPS // pack
     q_tiles = -(-layout.max_q_len // qpt)
     items = q_tiles * (hq // pack) * layout.batch
     if items > _MAX_ITEMS:
@@ -149,17 +136,17 @@ def forward_tile(
         )
     if items == 0:
         return
-    name = kernel_name(q.dtype, d, warpgroups)
+    name = kernel_name(q.dtype, d)
     # Persistent grid: one CTA per SM (at most one per item) takes the items from a queue; which
     # CTA computes a row never changes its arithmetic.
     ctas = min(items, _forced_ctas or multiprocessors(q.device.index or 0))
     # The counter (+0), then each CTA's two-slot ring of taken items (written before read).
     queue = torch.zeros(1 + 2 * ctas, dtype=torch.int32, device=q.device)
     launch(
-        _kernel(name, q.device, d, warpgroups),
+        _kernel(name, q.device, d),
         q.device,
         grid=(ctas,),
-        block=(128 * (warpgroups + 1),),
+        block=(128 * (WARPGROUPS + 1),),
         args=(
             _tensor_map(k),
             _tensor_map(v),
@@ -184,5 +171,5 @@ def forward_tile(
             q_tiles,
             layout.batch,
         ),
-        shared_mem=shared_bytes(d, warpgroups),
+        shared_mem=shared_bytes(d),
     )
