@@ -1,6 +1,7 @@
 // Attention forward, tile mode, on Hopper (sm_90a): the FlashAttention-3 structure (TMA
 // producer warpgroup, two wgmma consumer warpgroups) computing EXACTLY the per-row arithmetic
-// of kernels_cu/attention.cu's tile kernel.  d = 128, bf16 and fp16, causal and not.
+// of kernels_cu/attention.cu's tile kernel.  d = 128 and d = 64 (one body, templated on the head
+// dim D), bf16 and fp16, causal and not.
 //
 // Canonical layout and row contract: those of kernels_cu/attention.cu (read its header), mode
 // (a) only: one CTA per work item (query tile, head group, sequence) walks all splits of its
@@ -21,10 +22,11 @@
 //     the same arithmetic on the same values.
 //   - S = Q K^T: wgmma m64n128k16 with Q from registers (a warp's 16 rows as mma.sync's A
 //     fragments, read once from the swizzled Q tile) and K (128 keys) from 128B-swizzled shared
-//     memory, over d in increasing k16 steps (D += A * B from a zero accumulator, as the
-//     mma.sync chain).
-//   - O += P V: wgmma m64n128k16 with P (rounded to the input dtype) as the register A
-//     operand, V N-major from shared memory, the eight k16 key steps in increasing order.
+//     memory, over d in increasing k16 steps (D / 16 of them; D += A * B from a zero
+//     accumulator, as the mma.sync chain).
+//   - O += P V: wgmma m64nDk16 (m64n128k16 at d = 128, m64n64k16 at d = 64) with P (rounded to
+//     the input dtype) as the register A operand, V N-major from shared memory, the eight k16
+//     key steps in increasing order.  A thread holds D / 2 fp32 accumulators.
 //   That wgmma and mma.sync give the same bits for the same k16 step sequence is a measured
 //   property of the GPU (as in linear.cu), checked bitwise on every run by
 //   tests/gpu/test_attention_hopper_cuda.py against the mma.sync tile and split kernels.
@@ -44,8 +46,9 @@
 //   - No register that an in-flight wgmma reads or writes is touched before its wait: P of
 //     block j+1 is packed into the A registers only after P_j V_j completes, and nothing but
 //     wgmma runs between the two issues (ptxas would otherwise serialise every wgmma, C7513).
-//   - Loads: one producer thread issues TMA copies of 128-key K and V blocks (two boxes of 128
-//     rows x 64 columns each, 128B swizzle) into two rings of kStages = 2 shared-memory stages,
+//   - Loads: one producer thread issues TMA copies of 128-key K and V blocks (D / 64 boxes of
+//     128 rows x 64 columns each, 128B swizzle) into two rings of kStages shared-memory stages
+//     (kStagesD128 = 2 at d = 128, kStagesD64 at d = 64),
 //     K and V with their own mbarriers (full / empty): a K stage is freed once its S product is
 //     complete, a V stage once its P V product is; blocks no row of the tile sees are not
 //     loaded.  Q is copied once per consumer warpgroup and work item with cp.async (zeros for
@@ -56,7 +59,7 @@
 //     those K and V rows with zeros in shared memory, so the consumers see exactly the
 //     zero-filled tile attention.cu's cp.async builds.  Such rows are read from global memory
 //     but never used.  Query rows past q_len are never read.
-//   - finalize (out = acc / l) divides by one reciprocal per row where l and the thread's 32
+//   - finalize (out = acc / l) divides by one reciprocal per row where l and the thread's D / 4
 //     values of the row are in range, finalize_out otherwise: finalize_out's bits either way
 //     (finalize_row; tested against finalize_out by the test kernel attn_hopper_finalize_check).
 //     The last split's merge goes to registers, not through shared memory.
@@ -85,11 +88,8 @@ using namespace attn;  // the shared per-row arithmetic (common/attention_rows.c
 static_assert(kHopperBlockKeys == 128, "the Hopper kernel's S tile is 16 n8 tiles (wgmma n128)");
 static_assert(kHopperBlocksPerSplit * kHopperBlockKeys == kSplitKeys, "a split is whole blocks");
 
-[[maybe_unused]] constexpr int kD = 128;
-[[maybe_unused]] constexpr int kStages = 2;  // K and V ring depth (each: 2 x 32 KB)
 [[maybe_unused]] constexpr int kQHalfBytes = 64 * 128;  // Q: 64 rows x 64 columns x 2 bytes
 [[maybe_unused]] constexpr int kKVHalfBytes = kHopperBlockKeys * 128;  // K/V: 128 rows x 64 columns
-[[maybe_unused]] constexpr int kStageBytes = 2 * kKVHalfBytes;  // one K (or V) block: 128 x 128
 
 // The CTA: a producer warpgroup and 2 consumer warpgroups of 64 rows each (384 threads).
 // Registers: 128 x 24 (producer) + 256 x 240 (consumers) = 64512 = 384 x 168, the launch
@@ -98,10 +98,28 @@ static_assert(kHopperBlocksPerSplit * kHopperBlockKeys == kSplitKeys, "a split i
 [[maybe_unused]] constexpr int kWarpgroups = 2;
 [[maybe_unused]] constexpr int kRows = 64 * kWarpgroups;  // tile rows
 [[maybe_unused]] constexpr int kConsumerThreads = 128 * kWarpgroups;
-[[maybe_unused]] constexpr int kQBytes = kWarpgroups * 2 * kQHalfBytes;  // warpgroups x two column halves
-[[maybe_unused]] constexpr int kRunBytes = 64 * kConsumerThreads * 4;  // fp32 acc: 64 per thread
 [[maybe_unused]] constexpr int kProducerRegisters = 24;
 [[maybe_unused]] constexpr int kConsumerRegisters = 240;
+
+// What depends on the head dim D (128 or 64): a row of Q, K or V is D / 64 swizzled 64-column
+// halves (one TMA box each per 128-key block), S takes D / 16 k16 steps, and a thread holds
+// D / 2 fp32 accumulators (the D / 8 n8 tiles of its 16-row warp slice, 4 values each).
+template <int D, int Stages>
+struct Shape {
+    static_assert(D == 64 || D == 128, "the Hopper kernel is built for d = 64 and d = 128");
+    static constexpr int kHalves = D / 64;
+    static constexpr int kKSteps = D / 16;
+    static constexpr int kAcc = D / 2;
+    static constexpr int kStages = Stages;  // K and V ring depth
+    static constexpr int kStageBytes = kHalves * kKVHalfBytes;  // one K (or V) block: 128 x D
+    static constexpr int kQBytes = kWarpgroups * kHalves * kQHalfBytes;  // warpgroups x halves
+    static constexpr int kRunBytes = kAcc * kConsumerThreads * 4;  // the fp32 split state
+};
+// Ring depth per head dim: d = 128, 2 x 32 KB per ring (the tuned kernel); d = 64, 2 x 16 KB
+// (3 and 4 stages timed the same; three consumer warpgroups, FA3's choice at d = 64, spilled at
+// 160 registers and were 9% slower: docs/operators/attention.md, session 10).
+[[maybe_unused]] constexpr int kStagesD128 = 2;
+[[maybe_unused]] constexpr int kStagesD64 = 2;
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 
@@ -133,6 +151,7 @@ __device__ __forceinline__ void named_barrier_sync(int id, int threads) {
 // byte offset 16, unused when swizzled; V: the two 64-column halves kKVHalfBytes apart),
 // without 64-bit arithmetic per block.
 [[maybe_unused]] constexpr uint32_t kDescHigh = (1024 >> 4) | (1u << 30);
+template <int kStageBytes>
 __device__ __forceinline__ uint64_t stage_descriptor(uint32_t low0, int stage) {
     const uint32_t lo = low0 + static_cast<uint32_t>(stage) * (kStageBytes >> 4);
     uint64_t out;
@@ -175,18 +194,19 @@ __device__ __forceinline__ float divide_in_range(float n, float d, float r) {
     return __fmaf_rn(r, __fmaf_rn(-d, q, n), q);
 }
 
-// finalize_out for the 32 values of a row a thread holds (the same bits, see above).
-__device__ __forceinline__ void finalize_row(float (&o)[32], float l) {
+// finalize_out for the N = D / 4 values of a row a thread holds (the same bits, see above).
+template <int N>
+__device__ __forceinline__ void finalize_row(float (&o)[N], float l) {
     bool in_range = divisor_in_range(l);
 #pragma unroll
-    for (int k = 0; k < 32; ++k) in_range &= numerator_in_range(o[k]);
+    for (int k = 0; k < N; ++k) in_range &= numerator_in_range(o[k]);
     if (in_range) {
         const float r = divisor_reciprocal(l);
 #pragma unroll
-        for (int k = 0; k < 32; ++k) o[k] = divide_in_range(o[k], l, r);
+        for (int k = 0; k < N; ++k) o[k] = divide_in_range(o[k], l, r);
     } else {
 #pragma unroll
-        for (int k = 0; k < 32; ++k) o[k] = finalize_out(o[k], l);
+        for (int k = 0; k < N; ++k) o[k] = finalize_out(o[k], l);
     }
 }
 
@@ -202,12 +222,22 @@ __device__ __forceinline__ uint32_t store_pair(float lo, float hi) {
     }
 }
 
+// O += P V over one k16 key step: m64n128k16 (d = 128) or m64n64k16 (d = 64, one 64-column
+// half of V, so the descriptor's leading byte offset is unused).
 template <typename Codec>
 __device__ __forceinline__ void mma_pv(float (&acc)[64], const uint32_t (&a)[4], uint64_t desc_v) {
     if constexpr (Codec::kIsBf16)
         wgmma::mma_rs_m64n128k16_bf16(acc, a, desc_v);
     else
         wgmma::mma_rs_m64n128k16_f16(acc, a, desc_v);
+}
+
+template <typename Codec>
+__device__ __forceinline__ void mma_pv(float (&acc)[32], const uint32_t (&a)[4], uint64_t desc_v) {
+    if constexpr (Codec::kIsBf16)
+        wgmma::mma_rs_m64n64k16_bf16(acc, a, desc_v);
+    else
+        wgmma::mma_rs_m64n64k16_f16(acc, a, desc_v);
 }
 
 #endif
@@ -258,21 +288,30 @@ __device__ __forceinline__ Tile tile_at(const Params& p, int w) {
     return t;
 }
 
-template <typename Codec>
+template <typename Codec, int D, int Stages>
 __device__ __forceinline__ void attn_hopper_tile(const TensorMap& map_k, const TensorMap& map_v, const Params& p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     using namespace hopper;
     using T = typename Codec::storage;
+    using Sh = Shape<D, Stages>;
+    constexpr int kHalves = Sh::kHalves;
+    constexpr int kKSteps = Sh::kKSteps;
+    constexpr int kAcc = Sh::kAcc;
+    constexpr int kOut = kAcc / 2;  // values of one row a thread holds
+    constexpr int kStages = Sh::kStages;
+    constexpr int kStageBytes = Sh::kStageBytes;
+    constexpr int kQBytes = Sh::kQBytes;
+    constexpr int kRunBytes = Sh::kRunBytes;
     extern __shared__ uint8_t shared_raw[];
     // 128-byte swizzled tiles start on a 1024-byte boundary.  Offset from shared_raw (not an
     // integer round trip) so that the compiler knows every pointer below is shared memory and
     // emits LDS / STS (with the round trip it emitted generic LD / ST for the running state, the
     // Q fragments and the producer's zero fill).
     uint8_t* shared = shared_raw + ((1024u - (smem_address(shared_raw) & 1023u)) & 1023u);
-    uint8_t* sq = shared;                       // [warpgroups][2 halves][64][64]
-    uint8_t* sk = sq + kQBytes;                 // [kStages][2 halves][128][64]
-    uint8_t* sv = sk + kStages * kStageBytes;   // [kStages][2 halves][128][64]
-    // The split running state [64][consumer threads].
+    uint8_t* sq = shared;                       // [warpgroups][kHalves][64][64]
+    uint8_t* sk = sq + kQBytes;                 // [kStages][kHalves][128][64]
+    uint8_t* sv = sk + kStages * kStageBytes;   // [kStages][kHalves][128][64]
+    // The split running state [kAcc][consumer threads].
     float* srun = reinterpret_cast<float*>(sv + kStages * kStageBytes);
     uint64_t* k_full = reinterpret_cast<uint64_t*>(sv + kStages * kStageBytes + kRunBytes);
     uint64_t* k_empty = k_full + kStages;
@@ -347,26 +386,26 @@ __device__ __forceinline__ void attn_hopper_tile(const TensorMap& map_k, const T
                 const bool boundary = key0 + kBlockKeys > tl.k_len;
                 uint8_t* dk = sk + s * kStageBytes;
                 uint8_t* dv = sv + s * kStageBytes;
-                const int column = tl.kvh * kD;
+                const int column = tl.kvh * D;
                 const int row = tl.k_base + key0;
                 if (round > 0) barrier_wait(&k_empty[s], (round - 1) & 1);
                 if (!boundary) {
                     if (lane == 0) {
                         barrier_expect_bytes(&k_full[s], kStageBytes);
-                        for (int h = 0; h < 2; ++h)
+                        for (int h = 0; h < kHalves; ++h)
                             tma_load_2d(dk + h * kKVHalfBytes, map_k, &k_full[s], column + h * 64, row);
                     }
                     if (round > 0) barrier_wait(&v_empty[s], (round - 1) & 1);
                     if (lane == 0) {
                         barrier_expect_bytes(&v_full[s], kStageBytes);
-                        for (int h = 0; h < 2; ++h)
+                        for (int h = 0; h < kHalves; ++h)
                             tma_load_2d(dv + h * kKVHalfBytes, map_v, &v_full[s], column + h * 64, row);
                     }
                 } else {
                     if (round > 0) barrier_wait(&v_empty[s], (round - 1) & 1);
                     if (lane == 0) {
                         barrier_expect_bytes(side, 2 * kStageBytes);
-                        for (int h = 0; h < 2; ++h) {
+                        for (int h = 0; h < kHalves; ++h) {
                             tma_load_2d(dk + h * kKVHalfBytes, map_k, side, column + h * 64, row);
                             tma_load_2d(dv + h * kKVHalfBytes, map_v, side, column + h * 64, row);
                         }
@@ -378,10 +417,10 @@ __device__ __forceinline__ void attn_hopper_tile(const TensorMap& map_k, const T
                     // bytes of a box whatever the swizzle.
                     const int first = tl.k_len - key0;
                     const int chunks = (kBlockKeys - first) * 8;  // 16-byte chunks per box
-                    for (int idx = lane; idx < 4 * chunks; idx += 32) {
+                    for (int idx = lane; idx < 2 * kHalves * chunks; idx += 32) {
                         const int box = idx / chunks;
                         const int within = idx % chunks;
-                        uint8_t* base = (box < 2 ? dk : dv) + (box % 2) * kKVHalfBytes;
+                        uint8_t* base = (box < kHalves ? dk : dv) + (box % kHalves) * kKVHalfBytes;
                         *reinterpret_cast<uint4*>(base + first * 128 + within * 16) = make_uint4(0, 0, 0, 0);
                     }
                     fence_proxy_async();  // generic writes before the consumers' wgmma reads
@@ -410,10 +449,10 @@ __device__ __forceinline__ void attn_hopper_tile(const TensorMap& map_k, const T
     // chunk ch of row r at ch ^ (r % 8)); waited for when the item starts.
     auto load_q = [&](const Tile& tl) {
         const T* qp = static_cast<const T*>(p.q);
-        uint8_t* dq = sq + cw * 2 * kQHalfBytes;
-        for (int idx = wtid; idx < 64 * 16; idx += 128) {
-            const int rl = idx / 16;
-            const int ch = idx % 16;
+        uint8_t* dq = sq + cw * kHalves * kQHalfBytes;
+        for (int idx = wtid; idx < 64 * (D / 8); idx += 128) {
+            const int rl = idx / (D / 8);
+            const int ch = idx % (D / 8);
             const int r = cw * 64 + rl;
             const int qi = tl.q0 + r / p.pack;
             const bool valid = r < qpt * p.pack && qi < tl.q_len;
@@ -454,16 +493,16 @@ __device__ __forceinline__ void attn_hopper_tile(const TensorMap& map_k, const T
         // Q of the warp's 16 rows as the A fragments of the eight k16 steps of S (row g / g + 8,
         // columns 2c, 2c + 1 and 2c + 8, 2c + 9 of the step), read from the swizzled tile; then
         // the next item's Q copy into the same buffer (once every warp of the warpgroup read it).
-        uint32_t qa[8][4];
+        uint32_t qa[kKSteps][4];
         if (has_rows) {
             asm volatile("cp.async.wait_group 0;\n" ::: "memory");
             fence_proxy_async();
             named_barrier_sync(1 + cw, 128);
         }
         if (has_rows) {
-            const uint8_t* dq = sq + cw * 2 * kQHalfBytes;
+            const uint8_t* dq = sq + cw * kHalves * kQHalfBytes;
 #pragma unroll
-            for (int ks = 0; ks < 8; ++ks)
+            for (int ks = 0; ks < kKSteps; ++ks)
 #pragma unroll
                 for (int j = 0; j < 4; ++j) {
                     const int rl = warp * 16 + g + 8 * (j % 2);
@@ -510,14 +549,14 @@ __device__ __forceinline__ void attn_hopper_tile(const TensorMap& map_k, const T
             float l[2] = {0.0f, 0.0f};
             float run_m[2] = {kNegInf, kNegInf};
             float run_l[2] = {0.0f, 0.0f};
-            float acc[64];
+            float acc[kAcc];
 #pragma unroll
-            for (int i = 0; i < 64; ++i) acc[i] = 0.0f;
+            for (int i = 0; i < kAcc; ++i) acc[i] = 0.0f;
             float s[64];           // S of a block (invisible keys -inf), then its P
             uint32_t pa[8][4];     // P of a block, the A operand of its P V product
             bool prev_empty[2] = {false, false};
             bool prev_any_empty = false;
-            uint32_t negzero[2] = {0u, 0u};
+            uint32_t negzero[(kAcc + 31) / 32] = {};
 
             int cur_stage = 0;        // stage of the block whose softmax runs
             uint32_t cur_phase = 0;   // its full-barrier phase
@@ -536,11 +575,11 @@ __device__ __forceinline__ void attn_hopper_tile(const TensorMap& map_k, const T
             auto finish_pv = [&](int blk, auto split_end, auto last) {
                 // The product read pa and wrote acc until here: keep both live to this point, or
                 // the compiler reuses their registers (softmax's P) while the wgmma still reads them.
-                fence_operands<64>(acc);
+                fence_operands<kAcc>(acc);
                 fence_fragments(pa);
                 if (prev_any_empty) {
 #pragma unroll
-                    for (int i = 0; i < 64; ++i) {
+                    for (int i = 0; i < kAcc; ++i) {
                         const bool was_neg_zero = (negzero[i / 32] >> (i % 32)) & 1u;
                         if (prev_empty[(i / 2) % 2] && acc[i] == 0.0f) acc[i] = was_neg_zero ? -0.0f : 0.0f;
                     }
@@ -558,7 +597,7 @@ __device__ __forceinline__ void attn_hopper_tile(const TensorMap& map_k, const T
                         // per element (the same function, so the same bits).
                         auto merge_row = [&](auto pick_constant) {
 #pragma unroll
-                            for (int t = 0; t < 16; ++t)
+                            for (int t = 0; t < kAcc / 4; ++t)
 #pragma unroll
                                 for (int e = 0; e < 2; ++e) {
                                     float& slot = srun[(t * 4 + 2 * i + e) * kConsumerThreads + ctid];
@@ -587,18 +626,19 @@ __device__ __forceinline__ void attn_hopper_tile(const TensorMap& map_k, const T
             // their state exactly, zeros included).
             auto note_negzero = [&]() {
                 if (prev_any_empty) {
-                    negzero[0] = negzero[1] = 0u;
 #pragma unroll
-                    for (int i = 0; i < 64; ++i)
+                    for (int w32 = (kAcc + 31) / 32 - 1; w32 >= 0; --w32) negzero[w32] = 0u;
+#pragma unroll
+                    for (int i = 0; i < kAcc; ++i)
                         if (__float_as_uint(acc[i]) == 0x80000000u) negzero[i / 32] |= 1u << (i % 32);
                 }
             };
             // S = Q K^T of the block at stage s_stage (128 keys) over d in increasing k16 steps (32
             // bytes along a 128-byte swizzled row), into s; moves s_stage on.
             auto mma_s = [&]() {
-                const uint64_t k_stage = stage_descriptor(desc_k, s_stage);
+                const uint64_t k_stage = stage_descriptor<kStageBytes>(desc_k, s_stage);
 #pragma unroll
-                for (int ks = 0; ks < 8; ++ks) {
+                for (int ks = 0; ks < kKSteps; ++ks) {
                     const int off_k = ((ks / 4) * kKVHalfBytes + (ks % 4) * 32) >> 4;
                     mma_qk<Codec>(s, qa[ks], k_stage + off_k);
                 }
@@ -610,7 +650,7 @@ __device__ __forceinline__ void attn_hopper_tile(const TensorMap& map_k, const T
             };
             // O += P V of the block at pv_stage (pa), the eight k16 key steps in increasing order.
             auto mma_pv_block = [&]() {
-                const uint64_t v_stage = stage_descriptor(desc_v, pv_stage);
+                const uint64_t v_stage = stage_descriptor<kStageBytes>(desc_v, pv_stage);
 #pragma unroll
                 for (int kk = 0; kk < 8; ++kk) mma_pv<Codec>(acc, pa[kk], v_stage + ((kk * 16 * 128) >> 4));
                 wgmma_commit();
@@ -631,13 +671,13 @@ __device__ __forceinline__ void attn_hopper_tile(const TensorMap& map_k, const T
                     note_negzero();
                 }
                 fence_operands<64>(s);
-                fence_operands<64>(acc);
+                fence_operands<kAcc>(acc);
                 fence_fragments(pa);
                 wgmma_fence();
                 if constexpr (decltype(with_s)::value) mma_s();
                 if constexpr (decltype(with_pv)::value) mma_pv_block();
                 fence_operands<64>(s);
-                fence_operands<64>(acc);
+                fence_operands<kAcc>(acc);
             };
             // S of the block at cur_stage is complete in this warp: its K stage may be refilled once
             // every consumer warp has arrived.
@@ -742,7 +782,7 @@ __device__ __forceinline__ void attn_hopper_tile(const TensorMap& map_k, const T
 #pragma unroll
                     for (int j = 0; j < 4; ++j) pa[kk][j] = pack_pair<Codec>(s[8 * kk + 2 * j], s[8 * kk + 2 * j + 1]);
 #pragma unroll
-                for (int i = 0; i < 64; ++i)
+                for (int i = 0; i < kAcc; ++i)
                     acc[i] = decltype(split_start)::value ? 0.0f : __fmul_rn(acc[i], alpha[(i / 2) % 2]);
                 prev_empty[0] = empty_now[0];
                 prev_empty[1] = empty_now[1];
@@ -816,12 +856,12 @@ __device__ __forceinline__ void attn_hopper_tile(const TensorMap& map_k, const T
                 const int64_t t_row = q_base + row_q[i];
                 T* dst = op + t_row * p.out_row + row_h[i] * p.out_head;
                 const float l_row = run_l[i];
-                float o[32];
+                float o[kOut];
 #pragma unroll
-                for (int k = 0; k < 32; ++k) o[k] = acc[(k / 2) * 4 + 2 * i + k % 2];
+                for (int k = 0; k < kOut; ++k) o[k] = acc[(k / 2) * 4 + 2 * i + k % 2];
                 finalize_row(o, l_row);
 #pragma unroll
-                for (int t = 0; t < 16; ++t)
+                for (int t = 0; t < kOut / 2; ++t)
                     *reinterpret_cast<uint32_t*>(dst + t * 8 + 2 * c) = store_pair<Codec>(o[2 * t], o[2 * t + 1]);
                 if (c == 0) p.lse[static_cast<int64_t>(row_h[i]) * p.tq + t_row] = finalize_lse(run_m[i], l_row);
             }
@@ -836,24 +876,28 @@ __device__ __forceinline__ void attn_hopper_tile(const TensorMap& map_k, const T
 }  // namespace attn_hopper
 }  // namespace batchinv
 
-#define BATCHINV_ATTN_HOPPER(DTYPE, CODEC)                                                                      \
-    extern "C" __global__ void __launch_bounds__(384, 1) attn_hopper_fwd_##DTYPE##_d128(                          \
+#define BATCHINV_ATTN_HOPPER(SUFFIX, CODEC, D, STAGES)                                                          \
+    extern "C" __global__ void __launch_bounds__(384, 1) attn_hopper_fwd_##SUFFIX(                              \
         const __grid_constant__ batchinv::TensorMap map_k, const __grid_constant__ batchinv::TensorMap map_v,   \
-        const void* q, void* out, float* lse, const int* q_start, const int* q_len, const int* k_start,        \
+        const void* q, void* out, float* lse, const int* q_start, const int* q_len, const int* k_start,         \
         const int* k_len, int64_t q_row, int64_t q_head, int64_t out_row, int64_t out_head, int tq, int hq,     \
         int hkv, int pack, int causal, float scale_log2, int* queue, int q_tiles, int batch) {                  \
         const batchinv::attn_hopper::Params p{q,     out,   lse,      q_start, q_len, k_start, k_len, q_row,    \
                                               q_head, out_row, out_head, tq,   hq,    hkv,     pack,  causal,   \
-                                              scale_log2, queue, q_tiles, batch};                                \
-        batchinv::attn_hopper::attn_hopper_tile<CODEC>(map_k, map_v, p);                                         \
+                                              scale_log2, queue, q_tiles, batch};                               \
+        batchinv::attn_hopper::attn_hopper_tile<CODEC, D, STAGES>(map_k, map_v, p);                             \
     }
 
 // Signature: (map_k, map_v, q, out, lse, q_start, q_len, k_start, k_len, q_row, q_head, out_row,
 //             out_head, tq, hq, hkv, pack, causal, scale_log2, queue, q_tiles, batch).
 // batchinv-signature: attn_hopper_fwd_bf16_d128(tmap, tmap, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i32, i32, i32, i32, i32, f32, ptr, i32, i32)
-BATCHINV_ATTN_HOPPER(bf16, batchinv::Bf16Codec)
+BATCHINV_ATTN_HOPPER(bf16_d128, batchinv::Bf16Codec, 128, batchinv::attn_hopper::kStagesD128)
 // batchinv-signature: attn_hopper_fwd_f16_d128(tmap, tmap, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i32, i32, i32, i32, i32, f32, ptr, i32, i32)
-BATCHINV_ATTN_HOPPER(f16, batchinv::F16Codec)
+BATCHINV_ATTN_HOPPER(f16_d128, batchinv::F16Codec, 128, batchinv::attn_hopper::kStagesD128)
+// batchinv-signature: attn_hopper_fwd_bf16_d64(tmap, tmap, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i32, i32, i32, i32, i32, f32, ptr, i32, i32)
+BATCHINV_ATTN_HOPPER(bf16_d64, batchinv::Bf16Codec, 64, batchinv::attn_hopper::kStagesD64)
+// batchinv-signature: attn_hopper_fwd_f16_d64(tmap, tmap, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i32, i32, i32, i32, i32, f32, ptr, i32, i32)
+BATCHINV_ATTN_HOPPER(f16_d64, batchinv::F16Codec, 64, batchinv::attn_hopper::kStagesD64)
 
 // Test kernel: finalize_row (the tile kernel's division) next to finalize_out, element by element,
 // on rows of 32 given values and a given l each: out_row[r * 32 + k] and out_ref[r * 32 + k].

@@ -1,8 +1,8 @@
-"""The Hopper (sm_90a) tile kernel ``kernels_cu/attention_hopper.cu`` (128-key blocks): bitwise
-equal (out AND lse) to the mma.sync tile and split kernels and to the chunked-prefill / decode
-paths, on odd lengths, block and split edges, GQA 4:1 and 8:1, MHA, groups of 3 and 5 (tiles
-with padding rows), causal offsets, fully masked rows, NaN padding past ``k_len``; within the
-contract's tolerance of the fp32 reference.
+"""The Hopper (sm_90a) tile kernel ``kernels_cu/attention_hopper.cu`` (128-key blocks, head dims
+64 and 128): bitwise equal (out AND lse) to the mma.sync tile and split kernels and to the
+chunked-prefill / decode paths, on odd lengths, block and split edges, GQA 4:1 and 8:1, MHA,
+groups of 3 and 5 (tiles with padding rows), causal offsets, fully masked rows, NaN padding
+past ``k_len``; within the contract's tolerance of the fp32 reference.
 
 GPU tests skip (with the reason) where CUDA, an sm_90 device or the sm_90a image is absent.
 """
@@ -26,6 +26,8 @@ DTYPES = (torch.bfloat16, torch.float16)
 # padding rows) and a group of 5 (25 queries x 5 heads, 3 padding rows)
 HEADS = ((8, 2), (16, 2), (4, 4), (6, 2), (10, 2))
 LONG_CONTEXT = 2500  # three splits of 1024 keys
+D = (64, 128)  # head dims the kernel serves (one kernel body, D / 64 column halves)
+with_d = pytest.mark.parametrize("d", D)
 
 
 def _hopper_missing() -> str | None:
@@ -51,10 +53,10 @@ def _randn(*shape, dtype, seed, scale=1.0):
     return (scale * torch.randn(*shape, generator=gen)).to(dtype).to(DEVICE)
 
 
-def _qkv(batch, sq, sk, hq, hkv, dtype, seed):
-    q = _randn(batch, sq, hq, 128, dtype=dtype, seed=seed, scale=1.5)
-    k = _randn(batch, sk, hkv, 128, dtype=dtype, seed=seed + 1, scale=1.5)
-    v = _randn(batch, sk, hkv, 128, dtype=dtype, seed=seed + 2)
+def _qkv(batch, sq, sk, hq, hkv, dtype, seed, d=128):
+    q = _randn(batch, sq, hq, d, dtype=dtype, seed=seed, scale=1.5)
+    k = _randn(batch, sk, hkv, d, dtype=dtype, seed=seed + 1, scale=1.5)
+    v = _randn(batch, sk, hkv, d, dtype=dtype, seed=seed + 2)
     return q, k, v
 
 
@@ -72,10 +74,37 @@ def _nan_padding(q, k, v, seqlens_q, seqlens_k):
 
 
 def test_shared_memory_fits_hopper():
-    # Q 32 KB + two 32 KB stages of K and of V + the 64 KB running state, under the 227 KB an
-    # sm_90 CTA may take.
-    assert hopper.shared_bytes() <= 227 * 1024
-    assert hopper.shared_bytes() >= 32 * 1024 + 4 * 32 * 1024 + 64 * 1024
+    # d = 128: Q 32 KB + two 32 KB stages of K and of V + the 64 KB running state; d = 64: Q
+    # 16 KB + two 16 KB stages + the 32 KB running state.  Both fit the 227 KB an sm_90 CTA may
+    # take, and only the alignment slack and the mbarriers come on top of the tiles.
+    kb = 1024
+    assert hopper.shared_bytes(128) == hopper.shared_bytes()
+    assert hopper.STAGES == {128: 2, 64: 2}
+    for d in (128, 64):
+        tiles = 2 * 64 * d * 2 + 2 * hopper.STAGES[d] * 128 * d * 2 + d // 2 * 256 * 4
+        assert tiles <= hopper.shared_bytes(d) <= tiles + 2 * kb
+        assert hopper.shared_bytes(d) <= 227 * kb
+    assert hopper.shared_bytes(128) >= (32 + 4 * 32 + 64) * kb
+    assert hopper.shared_bytes(64) >= (16 + 4 * 16 + 32) * kb
+
+
+def test_shared_bytes_rejects_other_head_dims():
+    with pytest.raises(ValueError, match="head_dim"):
+        hopper.shared_bytes(96)
+
+
+def test_kernel_names():
+    assert hopper.kernel_name(torch.bfloat16, 128) == "attn_hopper_fwd_bf16_d128"
+    assert hopper.kernel_name(torch.float16, 128) == "attn_hopper_fwd_f16_d128"
+    assert hopper.kernel_name(torch.bfloat16, 64) == "attn_hopper_fwd_bf16_d64"
+    assert hopper.kernel_name(torch.float16, 64) == "attn_hopper_fwd_f16_d64"
+
+
+def test_applies_needs_a_served_head_dim():
+    # A head dim the kernel is not built for is refused before the device is looked at.
+    t = torch.zeros(8, 2, 96, dtype=torch.bfloat16)
+    assert not hopper.applies(t, t, t)
+    assert hopper.HEAD_DIMS == set(gpu.HEAD_DIMS) == {64, 128}
 
 
 def test_block_is_the_contracts_block():
@@ -83,11 +112,12 @@ def test_block_is_the_contracts_block():
     assert hopper.BLOCK_KEYS == gpu.BLOCK_KEYS == 128
 
 
-def test_tma_rows_needs_contiguous_heads():
-    assert hopper._tma_rows(torch.zeros(8, 2, 128, dtype=torch.bfloat16))
-    wide = torch.zeros(8, 2, 256, dtype=torch.bfloat16)[..., :128]  # head stride 256
+@with_d
+def test_tma_rows_needs_contiguous_heads(d):
+    assert hopper._tma_rows(torch.zeros(8, 2, d, dtype=torch.bfloat16))
+    wide = torch.zeros(8, 2, 2 * d, dtype=torch.bfloat16)[..., :d]  # head stride 2d
     assert not hopper._tma_rows(wide)
-    assert not hopper._tma_rows(torch.zeros(0, 2, 128, dtype=torch.bfloat16))
+    assert not hopper._tma_rows(torch.zeros(0, 2, d, dtype=torch.bfloat16))
 
 
 # ----------------------------------------------------------------------------- bitwise vs mma.sync
@@ -107,14 +137,15 @@ def _hopper_equal_to_mma_sync(q, k, v, what, **kwargs):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("heads", HEADS)
 @pytest.mark.parametrize("causal", (True, False))
-def test_hopper_equals_mma_sync_tile_and_split(dtype, heads, causal):
+@with_d
+def test_hopper_equals_mma_sync_tile_and_split(dtype, heads, causal, d):
     hq, hkv = heads
     # Split merges (2500 keys), a partial last block (1100, 70), causal offsets (queries at
     # the end of longer contexts), queries before the first key (130 queries, 70 keys: the
     # first 60 rows are fully masked when causal), a sequence with no key, NaN padding.
     seqlens_q = torch.tensor([37, 5, 130, 20], device=DEVICE)
     seqlens_k = torch.tensor([LONG_CONTEXT, 1100, 70, 0], device=DEVICE)
-    q, k, v = _qkv(4, 130, LONG_CONTEXT, hq, hkv, dtype, seed=hq * 7 + hkv)
+    q, k, v = _qkv(4, 130, LONG_CONTEXT, hq, hkv, dtype, seed=hq * 7 + hkv, d=d)
     q, k, v = _nan_padding(q, k, v, seqlens_q, seqlens_k)
     kwargs = dict(causal=causal, seqlens_q=seqlens_q, seqlens_k=seqlens_k, return_lse=True)
     new = _hopper_equal_to_mma_sync(q, k, v, "tile", **kwargs)
@@ -127,13 +158,14 @@ def test_hopper_equals_mma_sync_tile_and_split(dtype, heads, causal):
 @needs_hopper
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("causal", (True, False))
-def test_split_edges_equal_mma_sync(dtype, causal):
+@with_d
+def test_split_edges_equal_mma_sync(dtype, causal, d):
     # The kernel runs a block that starts a split as its own copy of the pipeline step: contexts
     # ending exactly on a split (1024, 2048), one 128-key block past it (1152: the block that
     # starts the second split is the last), one key past it (1025), and one key short (1023).
     seqlens_k = torch.tensor([1024, 1152, 2048, 1025, 1023], device=DEVICE)
     seqlens_q = torch.tensor([200, 70, 129, 1, 64], device=DEVICE)
-    q, k, v = _qkv(5, 200, 2048, 8, 2, dtype, seed=31)
+    q, k, v = _qkv(5, 200, 2048, 8, 2, dtype, seed=31, d=d)
     q, k, v = _nan_padding(q, k, v, seqlens_q, seqlens_k)
     kwargs = dict(causal=causal, seqlens_q=seqlens_q, seqlens_k=seqlens_k, return_lse=True)
     _hopper_equal_to_mma_sync(q, k, v, "tile at split edges", **kwargs)
@@ -143,13 +175,14 @@ def test_split_edges_equal_mma_sync(dtype, causal):
 @needs_hopper
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("causal", (True, False))
-def test_block_edges_equal_mma_sync(dtype, causal):
+@with_d
+def test_block_edges_equal_mma_sync(dtype, causal, d):
     # Contexts around the 128-key block edges (1, 127, 128, 129 keys; 2 and 3 blocks, one key
     # past 3), a block short of and past a split (9 blocks, one key short of 10), causal tiles
     # of 32 query positions that end inside a block and on its edges, a sequence with no query.
     seqlens_k = torch.tensor([1, 127, 128, 129, 256, 384, 385, 1151, 1280, 300], device=DEVICE)
     seqlens_q = torch.tensor([1, 127, 20, 129, 200, 100, 193, 200, 150, 0], device=DEVICE)
-    q, k, v = _qkv(10, 200, 1280, 8, 2, dtype, seed=53)
+    q, k, v = _qkv(10, 200, 1280, 8, 2, dtype, seed=53, d=d)
     q, k, v = _nan_padding(q, k, v, seqlens_q, seqlens_k)
     kwargs = dict(causal=causal, seqlens_q=seqlens_q, seqlens_k=seqlens_k, return_lse=True)
     new = _hopper_equal_to_mma_sync(q, k, v, "tile at block edges", **kwargs)
@@ -160,14 +193,15 @@ def test_block_edges_equal_mma_sync(dtype, causal):
 @needs_hopper
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("causal", (True, False))
-def test_split_loop_edges_equal_mma_sync(dtype, causal):
+@with_d
+def test_split_loop_edges_equal_mma_sync(dtype, causal, d):
     # The kernel runs one inner loop per split and the last block as a step of its own: block
     # counts one short of, on and one past the split edges (7, 8, 15, 16, 17, 24, 25 blocks of
     # 128 keys), a split that holds only the last block (1025 keys: block 8 starts the second
     # split and is the last), and 1 block.
     seqlens_k = torch.tensor([896, 1024, 1025, 1920, 2048, 2176, 3072, 3073, 128], device=DEVICE)
     seqlens_q = torch.tensor([40, 33, 1, 64, 100, 3, 90, 31, 64], device=DEVICE)
-    q, k, v = _qkv(9, 100, 3073, 8, 2, dtype, seed=67)
+    q, k, v = _qkv(9, 100, 3073, 8, 2, dtype, seed=67, d=d)
     q, k, v = _nan_padding(q, k, v, seqlens_q, seqlens_k)
     kwargs = dict(causal=causal, seqlens_q=seqlens_q, seqlens_k=seqlens_k, return_lse=True)
     new = _hopper_equal_to_mma_sync(q, k, v, "tile at the split-loop edges", **kwargs)
@@ -177,13 +211,14 @@ def test_split_loop_edges_equal_mma_sync(dtype, causal):
 @cuda
 @needs_hopper
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_causal_ends_around_a_split_edge_equal_mma_sync(dtype):
+@with_d
+def test_causal_ends_around_a_split_edge_equal_mma_sync(dtype, d):
     # Causal tiles (32 query positions at GQA 4:1) whose last block lies on both sides of the
     # first split edge (1040 and 1100 keys, 96 queries: tiles ending in blocks 8 and 9), a tile
     # whose rows see no key (50 queries over 20 keys), a tile past q_len.
     seqlens_k = torch.tensor([1040, 1100, 20, 1], device=DEVICE)
     seqlens_q = torch.tensor([96, 96, 50, 1], device=DEVICE)
-    q, k, v = _qkv(4, 96, 1100, 8, 2, dtype, seed=71)
+    q, k, v = _qkv(4, 96, 1100, 8, 2, dtype, seed=71, d=d)
     q, k, v = _nan_padding(q, k, v, seqlens_q, seqlens_k)
     kwargs = dict(causal=True, seqlens_q=seqlens_q, seqlens_k=seqlens_k, return_lse=True)
     new = _hopper_equal_to_mma_sync(q, k, v, "tile, causal ends around a split", **kwargs)
@@ -193,7 +228,8 @@ def test_causal_ends_around_a_split_edge_equal_mma_sync(dtype):
 @cuda
 @needs_hopper
 @pytest.mark.parametrize("ctas", (1, 3, 7))
-def test_persistent_grid_any_cta_count_equals_mma_sync(ctas):
+@with_d
+def test_persistent_grid_any_cta_count_equals_mma_sync(ctas, d):
     # The persistent grid: with few CTAs each takes many work items from the queue, its K/V ring
     # and barrier phases running on across items of every kind (split merges, partial last
     # blocks, boundary blocks zeroed by the producer, tiles past q_len, a sequence with no key,
@@ -201,7 +237,7 @@ def test_persistent_grid_any_cta_count_equals_mma_sync(ctas):
     seqlens_q = torch.tensor([37, 0, 130, 20, 64, 1], device=DEVICE)
     seqlens_k = torch.tensor([LONG_CONTEXT, 70, 70, 0, 1088, 129], device=DEVICE)
     for dtype in DTYPES:
-        q, k, v = _qkv(6, 130, LONG_CONTEXT, 6, 2, dtype, seed=101)
+        q, k, v = _qkv(6, 130, LONG_CONTEXT, 6, 2, dtype, seed=101, d=d)
         q, k, v = _nan_padding(q, k, v, seqlens_q, seqlens_k)
         for causal in (True, False):
             kwargs = dict(causal=causal, seqlens_q=seqlens_q, seqlens_k=seqlens_k, return_lse=True)
@@ -212,17 +248,18 @@ def test_persistent_grid_any_cta_count_equals_mma_sync(ctas):
 
 @cuda
 @needs_hopper
-def test_persistent_queue_in_a_cuda_graph_equals_eager():
+@with_d
+def test_persistent_queue_in_a_cuda_graph_equals_eager(d):
     # The queue's counter is zeroed by a memset captured with the kernel, so every replay starts
     # at item 0; a counter left at its end would skip every item (the +0/-inf fill would stay).
     batch, s, hq, hkv = 3, 700, 8, 2
     q, k, v = (
-        t.reshape(batch * s, t.shape[2], 128)
-        for t in _qkv(batch, s, s, hq, hkv, torch.bfloat16, seed=211)
+        t.reshape(batch * s, t.shape[2], d)
+        for t in _qkv(batch, s, s, hq, hkv, torch.bfloat16, seed=211, d=d)
     )
     starts, lens = torch.arange(batch) * s, torch.full((batch,), s)
     layout = gpu.make_layout(starts, lens, starts, lens, s, s, device=DEVICE)
-    scale = gpu.scale_of(None, 128)
+    scale = gpu.scale_of(None, d)
     run = dict(mode="tile", warps=4, hopper=True)
     with hopper.forced_ctas(5):  # many items per CTA: the queue decides who computes what
         graph, captured = capture_graph(lambda: gpu.forward(q, k, v, layout, True, scale, **run))
@@ -247,9 +284,10 @@ def test_forced_ctas_rejects_bad_counts():
 @cuda
 @needs_hopper
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_wide_score_range_equals_mma_sync(dtype):
+@with_d
+def test_wide_score_range_equals_mma_sync(dtype, d):
     # softmax_scale = 1: many P below 2^-126, flushed to +0 by exp2_ftz in both kernels.
-    q, k, v = _qkv(2, 300, 1500, 8, 2, dtype, seed=41)
+    q, k, v = _qkv(2, 300, 1500, 8, 2, dtype, seed=41, d=d)
     kwargs = dict(causal=True, softmax_scale=1.0, return_lse=True)
     _hopper_equal_to_mma_sync(q, k, v, "softmax_scale=1", **kwargs)
 
@@ -257,11 +295,12 @@ def test_wide_score_range_equals_mma_sync(dtype):
 @cuda
 @needs_hopper
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_varlen_packing_equals_padded(dtype):
+@with_d
+def test_varlen_packing_equals_padded(dtype, d):
     # Packed rows: the last block of a sequence brings the next sequence's keys into shared
     # memory; they must not count.
     lens = [300, 65, 1, 1030]
-    q, k, v = _qkv(len(lens), max(lens), max(lens), 8, 2, dtype, seed=51)
+    q, k, v = _qkv(len(lens), max(lens), max(lens), 8, 2, dtype, seed=51, d=d)
     cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], device=DEVICE)
     pq = torch.cat([q[b, :n] for b, n in enumerate(lens)])
     pk = torch.cat([k[b, :n] for b, n in enumerate(lens)])
@@ -286,10 +325,11 @@ def test_varlen_packing_equals_padded(dtype):
 @cuda
 @needs_hopper
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_row_bits_independent_of_batch_and_padding(dtype):
+@with_d
+def test_row_bits_independent_of_batch_and_padding(dtype, d):
     seqlens_q = torch.tensor([200, 17, 129], device=DEVICE)
     seqlens_k = torch.tensor([1300, 17, 640], device=DEVICE)
-    q, k, v = _qkv(3, 200, 1300, 16, 2, dtype, seed=61)
+    q, k, v = _qkv(3, 200, 1300, 16, 2, dtype, seed=61, d=d)
     q, k, v = _nan_padding(q, k, v, seqlens_q, seqlens_k)
     kwargs = dict(causal=True, return_lse=True)
     out, lse = batchinv.attention(q, k, v, seqlens_q=seqlens_q, seqlens_k=seqlens_k, **kwargs)
@@ -308,18 +348,19 @@ def test_row_bits_independent_of_batch_and_padding(dtype):
 @cuda
 @needs_hopper
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_chunked_prefill_and_decode_equal_hopper_prefill(dtype):
+@with_d
+def test_chunked_prefill_and_decode_equal_hopper_prefill(dtype, d):
     # The prefill runs the Hopper kernel.  Chunks of 100 and 128 forced onto the Hopper kernel
     # read the cache storage in place (unwritten slots hold NaN: the last block of every chunk
     # brings some into shared memory); the same chunks in auto mode (split launches) and
     # token-by-token decode (one-warp mma.sync kernels) must reproduce the same rows.
     total = 1300
-    q, k, v = _qkv(1, total, total, 8, 2, dtype, seed=71)
+    q, k, v = _qkv(1, total, total, 8, 2, dtype, seed=71, d=d)
     full = gpu.attention(q, k, v, causal=True, return_lse=True, mode="tile", warps=4, hopper=True)
     forced = dict(mode="tile", warps=4, hopper=True)
     for chunk, tuning in ((100, forced), (128, forced), (100, {}), (1, {})):
         starts = [0, *range(total - 20, total)] if chunk == 1 else list(range(0, total, chunk))
-        cache = KVCache(1, total, 2, 128, dtype=dtype, device=DEVICE)
+        cache = KVCache(1, total, 2, d, dtype=dtype, device=DEVICE)
         for i, s in enumerate(starts):
             e = starts[i + 1] if i + 1 < len(starts) else total
             # gpu.attention_with_kv_cache takes the tuning keywords; batchinv's does not.
@@ -401,13 +442,14 @@ def test_finalize_division_equals_ieee_division():
 @needs_hopper
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("causal", (True, False))
-def test_extreme_values_equal_mma_sync(dtype, causal):
+@with_d
+def test_extreme_values_equal_mma_sync(dtype, causal, d):
     # V columns of zeros, tiny and huge values and an inf key, and a head scaled down to tiny
     # values: outputs (and the threads' rows) on both sides of finalize's plain-division range.
     big, tiny = (1e30, 1e-30) if dtype == torch.bfloat16 else (6e4, 6e-8)
     seqlens_q = torch.tensor([300, 77, 64], device=DEVICE)
     seqlens_k = torch.tensor([1100, 1025, 300], device=DEVICE)
-    q, k, v = _qkv(3, 300, 1100, 12, 4, dtype, seed=97)
+    q, k, v = _qkv(3, 300, 1100, 12, 4, dtype, seed=97, d=d)
     v[:, :, :, 0] = 0
     v[:, :, :, 9] = tiny
     v[:, :, :, 18] = big
@@ -431,10 +473,11 @@ def test_extreme_values_equal_mma_sync(dtype, causal):
 @needs_hopper
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("causal", (True, False))
-def test_within_tolerance_of_fp32_reference(dtype, causal):
+@with_d
+def test_within_tolerance_of_fp32_reference(dtype, causal, d):
     seqlens_q = torch.tensor([150, 33], device=DEVICE)
     seqlens_k = torch.tensor([1200, 99], device=DEVICE)
-    q, k, v = _qkv(2, 150, 1200, 8, 2, dtype, seed=81)
+    q, k, v = _qkv(2, 150, 1200, 8, 2, dtype, seed=81, d=d)
     kwargs = dict(causal=causal, seqlens_q=seqlens_q, seqlens_k=seqlens_k, return_lse=True)
     out, lse = gpu.attention(q, k, v, mode="tile", warps=4, hopper=True, **kwargs)
     ref_out, ref_lse = attention_fp32(q, k, v, **kwargs)
@@ -444,8 +487,9 @@ def test_within_tolerance_of_fp32_reference(dtype, causal):
 
 @cuda
 @needs_hopper
-def test_fully_masked_rows_give_zero_and_minus_inf():
-    q, k, v = _qkv(2, 100, 40, 8, 2, torch.bfloat16, seed=91)
+@with_d
+def test_fully_masked_rows_give_zero_and_minus_inf(d):
+    q, k, v = _qkv(2, 100, 40, 8, 2, torch.bfloat16, seed=91, d=d)
     seqlens_k = torch.tensor([40, 0], device=DEVICE)
     out, lse = gpu.attention(
         q,
@@ -468,11 +512,16 @@ def test_fully_masked_rows_give_zero_and_minus_inf():
 
 @cuda
 @needs_hopper
-def test_hopper_true_where_it_does_not_apply_is_a_clear_error():
-    q = _randn(1, 8, 8, 64, dtype=torch.bfloat16, seed=1)
-    k = _randn(1, 8, 2, 64, dtype=torch.bfloat16, seed=2)
+@with_d
+def test_hopper_true_where_it_does_not_apply_is_a_clear_error(d):
+    # K/V heads not contiguous within a row (head stride 2d): no TMA map of the rows.
+    q = _randn(1, 8, 8, d, dtype=torch.bfloat16, seed=1)
+    k = _randn(1, 8, 2, 2 * d, dtype=torch.bfloat16, seed=2)[..., :d]
+    assert not hopper._tma_rows(k.reshape(8, 2, d))
     with pytest.raises(ValueError, match="hopper=True"):
         gpu.attention(q, k, k, mode="tile", warps=4, hopper=True)
+    # The same call runs the mma.sync tile kernel where hopper is left to choose.
+    gpu.attention(q, k, k, mode="tile", warps=4)
     q, k, v = _qkv(1, 8, 8, 8, 2, torch.bfloat16, seed=3)
     with pytest.raises(ValueError, match="hopper=True"):
         gpu.attention(q, k, v, mode="split", hopper=True)

@@ -34,7 +34,7 @@ def _randn(*shape, dtype, seed):
 @pytest.mark.parametrize(
     "mode, warps, options",
     (
-        ("tile", 4, {}),  # the Hopper tile kernel at d = 128 on sm_90a
+        ("tile", 4, {}),  # the Hopper tile kernel at d = 64 and 128 on sm_90a
         ("tile", 4, {"hopper": False}),  # the mma.sync tile kernel
         ("tile", 1, {}),
         ("split", 1, {"coop": False}),  # the one-warp split kernel

@@ -440,8 +440,8 @@ def _plan(
         return _Plan("hopper", reusable=reusable, pack=pack, **shapes), q, k, v
     if hopper:
         raise ValueError(
-            "hopper=True needs a 4-warp tile launch on an sm_90a device with d = 128 and K/V "
-            "rows readable by TMA"
+            "hopper=True needs a 4-warp tile launch on an sm_90a device with d = 64 or 128 and "
+            "K/V rows readable by TMA"
         )
     qpt = 16 * warps // pack
     q_tiles = -(-layout.max_q_len // qpt)

@@ -4,7 +4,8 @@ The kernel computes exactly the per-row arithmetic of ``kernels_cu/attention.cu`
 (same 128-key blocks, 1024-key splits, merge and finalize; see both headers) with the
 FlashAttention-3 structure: a TMA producer warpgroup and two wgmma consumer warpgroups of 64
 rows each (128-row tiles), in a persistent grid (one CTA per SM taking work items from a
-queue, a counter zeroed for each launch).
+queue, a counter zeroed for each launch).  Head dims 64 and 128: a row of Q, K or V is d / 64
+swizzled 64-column halves (one TMA box each per 128-key block).
 ``batchinv.gpu.attention.forward`` calls it for tile launches on sm_90 devices when
 :func:`applies` holds; every kernel gives the same bits (tested).
 """
@@ -18,24 +19,31 @@ from torch import Tensor
 
 from ._launch import allow_dynamic_shared, kernel_for, launch, multiprocessors, native, uses_hopper
 
-HEAD_DIM = 128
+HEAD_DIMS = frozenset((64, 128))
 WARPGROUPS = 2  # consumer warpgroups (64 rows each: 128-row tiles)
 BLOCK_KEYS = 128  # keys per block: the contract's (attention.BLOCK_KEYS; tested equal)
-STAGES = 2  # K and V ring depth, each (kernels_cu/attention_hopper.cu kStages)
+# K and V ring depth, each, per head dim (kernels_cu/attention_hopper.cu kStagesD128 / kStagesD64;
+# at d = 64, 3 and 4 stages timed the same as 2, session 10)
+STAGES = {128: 2, 64: 2}
 _Q_HALF_BYTES = 64 * 64 * 2  # 64 query rows x 64 columns of bf16/fp16
 _KV_HALF_BYTES = BLOCK_KEYS * 64 * 2  # one TMA box: 128 key rows x 64 columns
 _DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "f16"}
 _MAX_ITEMS = 2**31 - 1 - 1024  # the queue counter is an int32 (each CTA takes one past the end)
 
 
-def shared_bytes(stages: int = STAGES) -> int:
-    """Dynamic shared memory of the kernel: Q (two warpgroups x two 64-column halves), the K
-    and V stages (two 64-column boxes of 128 keys each), the fp32 running state (64 values per
-    consumer thread), the mbarriers (full / empty of both rings, boundary block, work-item
-    ring), and 1024 bytes to align the swizzled tiles."""
-    q = WARPGROUPS * 2 * _Q_HALF_BYTES
-    kv = 2 * stages * 2 * _KV_HALF_BYTES
-    run = 64 * 128 * WARPGROUPS * 4
+def shared_bytes(head_dim: int = 128) -> int:
+    """Dynamic shared memory of the kernel at ``head_dim`` (64 or 128): Q (two warpgroups x
+    d / 64 column halves), the ``STAGES[head_dim]`` K and V stages (d / 64 boxes of 128 keys x
+    64 columns each), the fp32 running state (d / 2 values per consumer thread), the mbarriers
+    (full / empty of both rings, boundary block, work-item ring), and 1024 bytes to align the
+    swizzled tiles."""
+    if head_dim not in HEAD_DIMS:
+        raise ValueError(f"head_dim must be one of {sorted(HEAD_DIMS)}, got {head_dim!r}")
+    stages = STAGES[head_dim]
+    halves = head_dim // 64
+    q = WARPGROUPS * halves * _Q_HALF_BYTES
+    kv = 2 * stages * halves * _KV_HALF_BYTES
+    run = head_dim // 2 * 128 * WARPGROUPS * 4
     barriers = 8 * (4 * stages + 1 + 4)
     return q + kv + run + barriers + 1024
 
@@ -53,10 +61,10 @@ def _tma_rows(t: Tensor) -> bool:
 
 
 def applies(q: Tensor, k: Tensor, v: Tensor) -> bool:
-    """Whether the Hopper kernel takes this tile launch (d = 128, an sm_90a device, K and V
-    readable by TMA); otherwise the mma.sync tile kernel runs (same bits)."""
+    """Whether the Hopper kernel takes this tile launch (d = 64 or 128, an sm_90a device, K and
+    V readable by TMA); otherwise the mma.sync tile kernel runs (same bits)."""
     return (
-        q.shape[-1] == HEAD_DIM
+        q.shape[-1] in HEAD_DIMS
         and q.dtype in _DTYPE_NAMES
         and uses_hopper(q.device)
         and _tma_rows(k)
@@ -66,7 +74,7 @@ def applies(q: Tensor, k: Tensor, v: Tensor) -> bool:
 
 def _tensor_map(t: Tensor) -> bytes:
     """TMA map of ``t [rows, H, d]`` as ``rows x (H * d)``, boxes of 128 rows (one key block)
-    x 64 columns."""
+    x 64 columns (the kernel loads d / 64 boxes per block)."""
     rows, heads, d = t.shape
     name = _DTYPE_NAMES[t.dtype]
     stride = t.stride(0) * 2
@@ -92,9 +100,14 @@ def forced_ctas(count: int):
         _forced_ctas = previous
 
 
-def _kernel(name: str, device: torch.device, stages: int):
+def kernel_name(dtype: torch.dtype, head_dim: int) -> str:
+    """The entry of ``attention_hopper.cu`` for ``dtype`` and ``head_dim``."""
+    return f"attn_hopper_fwd_{_DTYPE_NAMES[dtype]}_d{head_dim}"
+
+
+def _kernel(name: str, device: torch.device, head_dim: int):
     kernel = kernel_for("attention_hopper", name, device)
-    allow_dynamic_shared(kernel, shared_bytes(stages), device.index or 0)
+    allow_dynamic_shared(kernel, shared_bytes(head_dim), device.index or 0)
     return kernel
 
 
@@ -111,7 +124,7 @@ def forward_tile(
 ) -> None:
     """Writes ``out``/``lse`` of every covered row (the canonical layout of
     ``batchinv.gpu.attention``; ``q``, ``k``, ``v`` already pass :func:`applies`)."""
-    tq, hq, _ = q.shape
+    tq, hq, d = q.shape
     hkv = k.shape[1]
     qpt = 64 * WARPGROUPS // pack
     q_tiles = -(-layout.max_q_len // qpt)
@@ -123,14 +136,14 @@ def forward_tile(
         )
     if items == 0:
         return
-    name = f"attn_hopper_fwd_{_DTYPE_NAMES[q.dtype]}_d{HEAD_DIM}"
+    name = kernel_name(q.dtype, d)
     # Persistent grid: one CTA per SM (at most one per item) takes the items from a queue; which
     # CTA computes a row never changes its arithmetic.
     ctas = min(items, _forced_ctas or multiprocessors(q.device.index or 0))
     # The counter (+0), then each CTA's two-slot ring of taken items (written before read).
     queue = torch.zeros(1 + 2 * ctas, dtype=torch.int32, device=q.device)
     launch(
-        _kernel(name, q.device, STAGES),
+        _kernel(name, q.device, d),
         q.device,
         grid=(ctas,),
         block=(128 * (WARPGROUPS + 1),),
@@ -158,5 +171,5 @@ def forward_tile(
             q_tiles,
             layout.batch,
         ),
-        shared_mem=shared_bytes(STAGES),
+        shared_mem=shared_bytes(d),
     )
