@@ -117,7 +117,7 @@ struct Shape {
 };
 // Ring depth per head dim: d = 128, 2 x 32 KB per ring (the tuned kernel); d = 64, 2 x 16 KB
 // (3 and 4 stages timed the same; three consumer warpgroups, FA3's choice at d = 64, spilled at
-// 160 registers and were 9% slower: docs/operators/attention.md, session 10).
+// 160 registers and were 9% slower: docs/tuning/attention.md, session 10).
 [[maybe_unused]] constexpr int kStagesD128 = 2;
 [[maybe_unused]] constexpr int kStagesD64 = 2;
 
@@ -175,7 +175,7 @@ __device__ __forceinline__ void mma_qk(float (&d)[64], const uint32_t (&a)[4], u
 // range to a slow path, per element with a branch and a reconvergence around it.  For l in
 // [2^-32, 2^32] and |n| in [2^-64, 2^64] (quotient and residual normal, far from overflow) the
 // sequence is correctly rounded, so it gives __fdiv_rn's bits (the fast path is the same
-// instructions; compared against __fdiv_rn on the device, docs/operators/attention.md).
+// instructions; compared against __fdiv_rn on the device, docs/tuning/attention.md, session 7).
 // Outside that range (l = 0, +-0, subnormal, huge, inf or NaN values) finalize_out runs.
 __device__ __forceinline__ bool divisor_in_range(float l) { return l >= 0x1p-32f && l <= 0x1p32f; }
 

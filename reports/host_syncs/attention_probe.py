@@ -4,7 +4,7 @@ PYTHONPATH, plus the token_logprobs d_W-row check variants (label "after" only).
 Run as ``python3 attention_probe.py LABEL OUT.json``; "before" ran on a copy of ``py/`` whose
 four attention modules (gpu/attention.py, gpu/attention_backward.py, ops/attention.py,
 reference/attention.py) were those of 8780af1.  Results: the JSON files beside this one
-(NVIDIA H200, one call); summarised in docs/operators/attention.md "Host syncs" and
+(NVIDIA H200, one call); summarised in docs/tuning/attention.md "Host syncs, measured" and
 docs/tuning/token_logprobs.md.  (Lint fixes after the run: the two timed lambdas bind their
 loop variables as default arguments; same values.)"""
 
