@@ -579,7 +579,7 @@ __device__ __forceinline__ void backward_weight_grad_rows(const BackwardArgs& a,
 // ---- Rows held in registers (every geometry but the streaming one) -------------------------
 // The same per-row arithmetic and trees as forward_rows / backward_row (so the same bits), with
 // the loads moved: the weight's chunks are loaded with the row's, before the reduction instead
-// of after it (issue 6; the H200 sweep is in docs/operators/rms_norm.md).
+// of after it (issue 6; the H200 sweep is in docs/tuning/rms_norm.md).
 
 // Forward: one row per group of T threads (CTA b's group g takes row b * G + g).
 template <typename Codec, int T, int K, bool kFusedAdd>
