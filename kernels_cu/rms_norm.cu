@@ -443,6 +443,21 @@ __device__ __forceinline__ void store_group_sums(const float4* group_sums, float
     }
 }
 
+// Element e of a chunk in fp32: Codec::load's value.  For bf16 it is taken from the chunk's
+// 32-bit words, w << 16 (even e) or w & 0xffff0000 (odd e): one instruction, where nvcc turned
+// Codec::load of the 16-bit element into two for the odd ones (a PRMT extracting the half, then
+// a shift); the backward unpacks each of dy, x and the weight twice per row, and its bf16 kernels
+// were bound by instruction issue (Nsight Compute, H200, issue 6 session 10).
+template <typename Codec>
+__device__ __forceinline__ float chunk_value(const Chunk<Codec>& chunk, int e) {
+    if constexpr (Codec::kIsBf16) {
+        const uint32_t word = reinterpret_cast<const uint32_t*>(chunk.v)[e / 2];
+        return __uint_as_float(e % 2 == 0 ? word << 16 : word & 0xffff0000u);
+    } else {
+        return Codec::load(chunk.v[e]);
+    }
+}
+
 // dot + sum over the chunk's elements inside the row (first + e < d), in increasing e, of
 // (dy * w) * (x * inv_rms): the backward's per-thread dot.  A chunk wholly inside the row (every
 // chunk on the vector path, where d is a multiple of E) takes the loop without per-element
@@ -457,16 +472,16 @@ __device__ __forceinline__ float add_chunk_dot(float dot, const Chunk<Codec>& gs
     if (first + E <= d) {
 #pragma unroll
         for (int e = 0; e < E; ++e) {
-            const float gw = ieee_mul(Codec::load(gs.v[e]), Codec::load(w.v[e]));
-            const float x_hat = ieee_mul(Codec::load(xs.v[e]), inv_rms);
+            const float gw = ieee_mul(chunk_value(gs, e), chunk_value(w, e));
+            const float x_hat = ieee_mul(chunk_value(xs, e), inv_rms);
             dot = ieee_add(dot, ieee_mul(gw, x_hat));
         }
     } else {
 #pragma unroll
         for (int e = 0; e < E; ++e) {
             if (first + e >= d) continue;
-            const float gw = ieee_mul(Codec::load(gs.v[e]), Codec::load(w.v[e]));
-            const float x_hat = ieee_mul(Codec::load(xs.v[e]), inv_rms);
+            const float gw = ieee_mul(chunk_value(gs, e), chunk_value(w, e));
+            const float x_hat = ieee_mul(chunk_value(xs, e), inv_rms);
             dot = ieee_add(dot, ieee_mul(gw, x_hat));
         }
     }
@@ -540,11 +555,11 @@ __device__ __forceinline__ void backward_row(const BackwardArgs& a, int64_t row,
             float product[E], gx[E];
 #pragma unroll
             for (int e = 0; e < E; ++e) {
-                const float dy = Codec::load(gs[k].v[e]);
-                const float gw = ieee_mul(dy, Codec::load(w.v[e]));
-                const float x_hat = ieee_mul(Codec::load(xs[k].v[e]), inv_rms);
+                const float dy = chunk_value(gs[k], e);
+                const float gw = ieee_mul(dy, chunk_value(w, e));
+                const float x_hat = ieee_mul(chunk_value(xs[k], e), inv_rms);
                 float g = ieee_mul(inv_rms, ieee_sub(gw, ieee_mul(x_hat, mean_dot)));
-                if (grad_residual != nullptr) g = ieee_add(g, Codec::load(extra.v[e]));
+                if (grad_residual != nullptr) g = ieee_add(g, chunk_value(extra, e));
                 gx[e] = g;
                 product[e] = ieee_mul(dy, x_hat);
             }
@@ -754,11 +769,11 @@ __device__ __forceinline__ void backward_resident_row(const BackwardArgs& a, int
         float g[E], product[E];
 #pragma unroll
         for (int e = 0; e < E; ++e) {
-            const float dy = Codec::load(g_k.v[e]);
-            const float gw = ieee_mul(dy, Codec::load(w[k].v[e]));
-            const float x_hat = ieee_mul(Codec::load(x_k.v[e]), inv_rms);
+            const float dy = chunk_value<Codec>(g_k, e);
+            const float gw = ieee_mul(dy, chunk_value(w[k], e));
+            const float x_hat = ieee_mul(chunk_value<Codec>(x_k, e), inv_rms);
             g[e] = ieee_mul(inv_rms, ieee_sub(gw, ieee_mul(x_hat, mean_dot)));
-            if (grad_residual != nullptr) g[e] = ieee_add(g[e], Codec::load(extra.v[e]));
+            if (grad_residual != nullptr) g[e] = ieee_add(g[e], chunk_value(extra, e));
             product[e] = ieee_mul(dy, x_hat);
         }
         round_chunk(out, g);
