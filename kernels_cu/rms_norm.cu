@@ -98,8 +98,12 @@ constexpr int kWeightGradReduceRows = 64;  // partial rows per sum of the furthe
 constexpr int kWeightGradSharedBytes = 32768;  // per-column sums of a CTA in the fused backward
 constexpr int kWeightGradThreads = 256;  // columns per pass-1 / pass-2 CTA
 constexpr int kWeightGradUnroll = 8;     // rows loaded before they are added (loads in flight)
-constexpr int kLastLevelsColumns = 32;  // columns per CTA of weight_grad_last_levels
-constexpr int kLastLevelsWarps = 16;    // its warps, each summing runs of 64 partial rows
+// weight_grad_last_levels: columns per CTA, and threads per column (run slots), each summing
+// runs of 64 partial rows.  16 columns (64-byte row segments), not 32: at 16384 x 5120 bf16 (16
+// runs of 1024 partial rows) 32 gave 160 CTAs for 132 SMs, so 28 SMs read two CTAs' 128 KiB in
+// series; 320 CTAs of 64 KiB spread it (issue 6, session 10).
+constexpr int kLastLevelsColumns = 16;
+constexpr int kLastLevelsRunSlots = 32;
 // Rows of a run loaded before they are added, per thread (ptxas keeps part of them in flight;
 // on an H200 64 gave the last two levels of 16384 x 4096 bf16 in 10.9-11.6 us, 16 in 13.0-13.6).
 constexpr int kLastLevelsUnroll = 64;
@@ -447,10 +451,12 @@ __device__ __forceinline__ void store_group_sums(const float4* group_sums, float
 // 32-bit words, w << 16 (even e) or w & 0xffff0000 (odd e): one instruction, where nvcc turned
 // Codec::load of the 16-bit element into two for the odd ones (a PRMT extracting the half, then
 // a shift); the backward unpacks each of dy, x and the weight twice per row, and its bf16 kernels
-// were bound by instruction issue (Nsight Compute, H200, issue 6 session 10).
-template <typename Codec>
+// were bound by instruction issue (Nsight Compute, H200, issue 6 session 10).  kWords = false:
+// Codec::load (the K = 8 geometries: ptxas gave bf16 t128's grad_x kernel 108 registers instead
+// of 96 with the words, a CTA per SM less; kLeanBackward).
+template <typename Codec, bool kWords = true>
 __device__ __forceinline__ float chunk_value(const Chunk<Codec>& chunk, int e) {
-    if constexpr (Codec::kIsBf16) {
+    if constexpr (Codec::kIsBf16 && kWords) {
         const uint32_t word = reinterpret_cast<const uint32_t*>(chunk.v)[e / 2];
         return __uint_as_float(e % 2 == 0 ? word << 16 : word & 0xffff0000u);
     } else {
@@ -458,13 +464,46 @@ __device__ __forceinline__ float chunk_value(const Chunk<Codec>& chunk, int e) {
     }
 }
 
+// round_chunk's bits for grad_x with one NaN test per chunk: bf16 pairs packed by
+// cvt.rn.bf16x2.f32 and, only for a chunk that holds a NaN (else round_chunk's NaN patch does
+// nothing), by round_chunk itself.  round_chunk tests and patches every element (3 of the
+// backward's ~32 instructions per element; its bf16 kernels are bound by instruction issue).
+template <typename Codec>
+__device__ __forceinline__ void round_grad_chunk(Chunk<Codec>& chunk, const float* f) {
+#if !defined(__HIPCC__)
+    if constexpr (Codec::kIsBf16) {
+        constexpr int E = Chunk<Codec>::kElems;
+        bool nan = false;
+#pragma unroll
+        for (int e = 0; e < E; ++e) nan |= f[e] != f[e];
+        if (!nan) {
+            uint32_t* words = reinterpret_cast<uint32_t*>(chunk.v);
+#pragma unroll
+            for (int w = 0; w < E / 2; ++w) {
+                asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(words[w]) : "f"(f[2 * w + 1]), "f"(f[2 * w]));
+            }
+            return;
+        }
+    }
+#endif
+    round_chunk(chunk, f);
+}
+// The fused backward's row groups of 16 and 32 threads keep round_chunk: with round_grad_chunk
+// ptxas gave their kernels 107-112 registers instead of 95, a CTA per SM less.
+template <int T>
+constexpr bool kGradNanTestPerChunk = T != 16 && T != 32;
+// Where backward_row (grad_x kernels, the K = 8 fused ones) unpacks words and tests NaN once per
+// chunk: up to 5 chunks per thread (more registers for K = 8, above).
+template <int K>
+constexpr bool kLeanBackward = K <= kResidentWeightMaxChunks;
+
 // dot + sum over the chunk's elements inside the row (first + e < d), in increasing e, of
 // (dy * w) * (x * inv_rms): the backward's per-thread dot.  A chunk wholly inside the row (every
 // chunk on the vector path, where d is a multiple of E) takes the loop without per-element
 // checks: nvcc kept a 64-bit compare and a branch per element there, and t128k4's fused kernel
 // ran 4-8% faster without them (issue 6, H200).  Both loops add the same values in the same
 // order, so the bits do not change.
-template <typename Codec>
+template <typename Codec, bool kWords = true>
 __device__ __forceinline__ float add_chunk_dot(float dot, const Chunk<Codec>& gs,
                                                const Chunk<Codec>& w, const Chunk<Codec>& xs,
                                                float inv_rms, int64_t first, int64_t d) {
@@ -472,16 +511,18 @@ __device__ __forceinline__ float add_chunk_dot(float dot, const Chunk<Codec>& gs
     if (first + E <= d) {
 #pragma unroll
         for (int e = 0; e < E; ++e) {
-            const float gw = ieee_mul(chunk_value(gs, e), chunk_value(w, e));
-            const float x_hat = ieee_mul(chunk_value(xs, e), inv_rms);
+            const float gw =
+                ieee_mul(chunk_value<Codec, kWords>(gs, e), chunk_value<Codec, kWords>(w, e));
+            const float x_hat = ieee_mul(chunk_value<Codec, kWords>(xs, e), inv_rms);
             dot = ieee_add(dot, ieee_mul(gw, x_hat));
         }
     } else {
 #pragma unroll
         for (int e = 0; e < E; ++e) {
             if (first + e >= d) continue;
-            const float gw = ieee_mul(chunk_value(gs, e), chunk_value(w, e));
-            const float x_hat = ieee_mul(chunk_value(xs, e), inv_rms);
+            const float gw =
+                ieee_mul(chunk_value<Codec, kWords>(gs, e), chunk_value<Codec, kWords>(w, e));
+            const float x_hat = ieee_mul(chunk_value<Codec, kWords>(xs, e), inv_rms);
             dot = ieee_add(dot, ieee_mul(gw, x_hat));
         }
     }
@@ -500,6 +541,7 @@ __device__ __forceinline__ void backward_row(const BackwardArgs& a, int64_t row,
     using S = typename Codec::storage;
     constexpr int E = Chunk<Codec>::kElems;
     static_assert(!(kStreaming && kWeightGrad), "the streaming form keeps no per-column sums");
+    constexpr bool kLean = kLeanBackward<K>;
     const bool active = row < a.rows;
     const int64_t d = a.d;
     const int64_t chunks = (d + E - 1) / E;
@@ -529,7 +571,7 @@ __device__ __forceinline__ void backward_row(const BackwardArgs& a, int64_t row,
             if (!(active && c < chunks)) continue;
             Chunk<Codec> w;
             load_chunk(w, weight, c, d, vector);
-            dot = add_chunk_dot<Codec>(dot, gs[k], w, xs[k], inv_rms, c * E, d);
+            dot = add_chunk_dot<Codec, kLean>(dot, gs[k], w, xs[k], inv_rms, c * E, d);
         }
     }
     const float mean_dot = __fdiv_rn(row_group_sum<T>(dot, warp_partials), static_cast<float>(d));
@@ -555,15 +597,19 @@ __device__ __forceinline__ void backward_row(const BackwardArgs& a, int64_t row,
             float product[E], gx[E];
 #pragma unroll
             for (int e = 0; e < E; ++e) {
-                const float dy = chunk_value(gs[k], e);
-                const float gw = ieee_mul(dy, chunk_value(w, e));
-                const float x_hat = ieee_mul(chunk_value(xs[k], e), inv_rms);
+                const float dy = chunk_value<Codec, kLean>(gs[k], e);
+                const float gw = ieee_mul(dy, chunk_value<Codec, kLean>(w, e));
+                const float x_hat = ieee_mul(chunk_value<Codec, kLean>(xs[k], e), inv_rms);
                 float g = ieee_mul(inv_rms, ieee_sub(gw, ieee_mul(x_hat, mean_dot)));
-                if (grad_residual != nullptr) g = ieee_add(g, chunk_value(extra, e));
+                if (grad_residual != nullptr) g = ieee_add(g, chunk_value<Codec, kLean>(extra, e));
                 gx[e] = g;
                 product[e] = ieee_mul(dy, x_hat);
             }
-            round_chunk(out, gx);
+            if constexpr (kLean) {
+                round_grad_chunk(out, gx);
+            } else {
+                round_chunk(out, gx);
+            }
             store_chunk(grad_x, out, c, d, vector);
             if constexpr (kWeightGrad) {
                 // Elements past d in the last chunk were loaded as zeros: they add +0.
@@ -776,7 +822,11 @@ __device__ __forceinline__ void backward_resident_row(const BackwardArgs& a, int
             if (grad_residual != nullptr) g[e] = ieee_add(g[e], chunk_value(extra, e));
             product[e] = ieee_mul(dy, x_hat);
         }
-        round_chunk(out, g);
+        if constexpr (kGradNanTestPerChunk<T>) {
+            round_grad_chunk(out, g);
+        } else {
+            round_chunk(out, g);
+        }
         store_chunk(grad_x, out, c, d, vector);
         // Elements past d in the last chunk were loaded as zeros: they add +0.
 #pragma unroll
@@ -1102,9 +1152,9 @@ __device__ __forceinline__ void weight_grad_reduce(float* rows_out, const float*
 // partial rows: the runs of 64 consecutive rows summed in order from +0 (the level below the
 // last; with at most 64 rows there is one run and no level below), then, with more than one
 // run, the run sums added in run order from +0 (the last level); rounded once.  The same
-// operations as a reduce level followed by a final level of one thread per column.  Warp y of a
-// CTA sums runs y, y + kLastLevelsWarps, ...; 32 columns per CTA (128-byte row segments).
-// Launch: grid = ceil(d / kLastLevelsColumns), block = kLastLevelsColumns * kLastLevelsWarps.
+// operations as a reduce level followed by a final level of one thread per column.  Run slot y
+// of a CTA (threads y * kLastLevelsColumns ..) sums runs y, y + kLastLevelsRunSlots, ...
+// Launch: grid = ceil(d / kLastLevelsColumns), block = kLastLevelsColumns * kLastLevelsRunSlots.
 template <typename Codec>
 __device__ __forceinline__ void weight_grad_last_levels(typename Codec::storage* grad_weight,
                                                         const float* partials,
@@ -1116,7 +1166,7 @@ __device__ __forceinline__ void weight_grad_last_levels(typename Codec::storage*
     const int64_t col = static_cast<int64_t>(blockIdx.x) * kLastLevelsColumns + x;
     const int64_t runs = (num_partials + kWeightGradReduceRows - 1) / kWeightGradReduceRows;
     if (col < d) {
-        for (int64_t run = y; run < runs; run += kLastLevelsWarps) {
+        for (int64_t run = y; run < runs; run += kLastLevelsRunSlots) {
             const int64_t begin = run * kWeightGradReduceRows;
             const int64_t end = begin + kWeightGradReduceRows < num_partials
                                     ? begin + kWeightGradReduceRows
@@ -1207,7 +1257,7 @@ __device__ __forceinline__ void weight_grad_last_levels(typename Codec::storage*
                                                    x_stride, groups, in_sequence);             \
     }                                                                                          \
     extern "C" __global__ void __launch_bounds__(                                            \
-        batchinv::rms::kLastLevelsColumns * batchinv::rms::kLastLevelsWarps)                   \
+        batchinv::rms::kLastLevelsColumns * batchinv::rms::kLastLevelsRunSlots)                \
         rms_norm_weight_grad_last_levels_##SUFFIX(CODEC::storage* grad_weight,                 \
                                                   const float* partials,                       \
                                                   int64_t num_partials, int64_t d) {           \
