@@ -87,6 +87,7 @@ def level1(which, x, w, dy, rstd, extra):
     args = (dy, x, w, rstd, extra if extra is not None else 0, rows, d, x.stride(0))
 
     def run():
+        use(which)
         g.launch_fused_backward(
             name, x.dtype, DEV, blocks, cta, (grad_x, partials, *args), shape=shape
         )
