@@ -98,8 +98,12 @@ constexpr int kWeightGradReduceRows = 64;  // partial rows per sum of the furthe
 constexpr int kWeightGradSharedBytes = 32768;  // per-column sums of a CTA in the fused backward
 constexpr int kWeightGradThreads = 256;  // columns per pass-1 / pass-2 CTA
 constexpr int kWeightGradUnroll = 8;     // rows loaded before they are added (loads in flight)
-constexpr int kLastLevelsColumns = 32;  // columns per CTA of weight_grad_last_levels
-constexpr int kLastLevelsWarps = 16;    // its warps, each summing runs of 64 partial rows
+// weight_grad_last_levels: columns per CTA, and threads per column (run slots), each summing
+// runs of 64 partial rows.  16 columns (64-byte row segments), not 32: at 16384 x 5120 bf16 (16
+// runs of 1024 partial rows) 32 gave 160 CTAs for 132 SMs, so 28 SMs read two CTAs' 128 KiB in
+// series; 320 CTAs of 64 KiB spread it (issue 6, session 10).
+constexpr int kLastLevelsColumns = 16;
+constexpr int kLastLevelsRunSlots = 32;
 // Rows of a run loaded before they are added, per thread (ptxas keeps part of them in flight;
 // on an H200 64 gave the last two levels of 16384 x 4096 bf16 in 10.9-11.6 us, 16 in 13.0-13.6).
 constexpr int kLastLevelsUnroll = 64;
@@ -130,6 +134,12 @@ constexpr int kStagedRowStages = 2;
 // session 7: 0.5-1% faster at level 1 on an H200).
 template <int T>
 constexpr bool kAlternatePartials = T > BATCHINV_WARP_SIZE;
+// Fused backward, CTAs per SM that ptxas must leave room for (CUDA's __launch_bounds__ minimum):
+// t4 (q/k norm) with runs of one row writing fresh sums took 85 registers (5 CTAs per SM) and
+// ran 1.5% slower than main's 72 (7 CTAs); held to 7 CTAs (72 registers, no spill) it ran 4.5%
+// faster (issue 6, session 10, H200).  1 (no bound) elsewhere.
+template <int T>
+constexpr int kFusedBackwardMinBlocks = T == 4 ? 7 : 0;
 // Forward: the weight is loaded with the row up to this many threads per row.  Its 32 registers
 // per thread cost t256 half its CTAs per SM (2 instead of 4): 149 vs 137 us at 8192 x 16384 bf16
 // on an H200, where t128 gained (136 vs 137 us at 16384 x 8192).
@@ -373,49 +383,119 @@ __device__ __forceinline__ bool backward_vector_ok(const BackwardArgs& a) {
 }
 
 // A row group's per-column sums of grad_y * x_hat live in shared memory (T * K * E floats; in
-// registers they cost a third of the CTAs per SM): float4 number (k * E / 4 + q) * T + lane
-// holds elements 4q .. 4q + 3 of the thread's chunk k, so a warp's accesses are contiguous.
-template <int T, int E>
+// registers they cost a third of the CTAs per SM): float4 number (k * E / 4 + q) * kPlane + lane
+// of the group's sums holds elements 4q .. 4q + 3 of the thread's chunk k, so a warp's accesses
+// are contiguous.  kPlane = T (SumsLayout): each group's sums in a block of their own.
+template <int T, int E, int kPlane = T>
 __device__ __forceinline__ int group_sums_slot(int lane, int k, int q) {
-    return (k * (E / 4) + q) * T + lane;
+    return (k * (E / 4) + q) * kPlane + lane;
 }
 
+// Where the row groups' sums of a CTA lie.  By default group g's T * K * E / 4 float4s follow
+// group g - 1's.  Where a warp holds several groups (kInterleavedSums: t4, t16) that put the
+// float4s a warp stores for one (k, q) 2 KiB (t16) or 512 bytes (t4) apart, on the same banks:
+// 8-way conflicts at t4 (Nsight Compute, H200, issue 6 session 10).  Interleaved, the groups'
+// float4s of one (k, q) are contiguous (a plane of G * T), so a warp's stores are too, and
+// planes are kSumsPlanePad float4s (16 banks) apart, so that a warp's column reads in
+// store_group_sums (two planes, q = 0 and 1) do not meet on the same banks.
+template <int T>
+constexpr bool kInterleavedSums = T == 4;
+constexpr int kSumsPlanePad = 4;
+template <int T, int K, int E, int G>
+struct SumsLayout {
+    static constexpr bool kInterleaved = kInterleavedSums<T> && G > 1;
+    static constexpr int kPlane = kInterleaved ? G * T + kSumsPlanePad : T;  // float4s per (k, q)
+    static constexpr int kGroupOffset = kInterleaved ? T : T * K * E / 4;  // float4s per group
+    static constexpr int kFloat4s = kInterleaved ? K * E / 4 * kPlane : G * T * K * E / 4;
+};
+
 // Clears this thread's K x E sums in its row group's slots.
-template <int T, int K, int E>
+template <int T, int K, int E, int kPlane = T>
 __device__ __forceinline__ void zero_group_sums(float4* mine, int lane) {
 #pragma unroll
     for (int k = 0; k < K; ++k) {
 #pragma unroll
         for (int q = 0; q < E / 4; ++q) {
-            mine[group_sums_slot<T, E>(lane, k, q)] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            mine[group_sums_slot<T, E, kPlane>(lane, k, q)] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
         }
     }
 }
 
 // The float index of column col (element col of the row) in a row group's sums.
-template <int T, int E>
+template <int T, int E, int kPlane = T>
 __device__ __forceinline__ int group_sums_index(int64_t col) {
     const int c = static_cast<int>(col / E);
     const int e = static_cast<int>(col % E);
-    return group_sums_slot<T, E>(c % T, c / T, e / 4) * 4 + e % 4;
+    return group_sums_slot<T, E, kPlane>(c % T, c / T, e / 4) * 4 + e % 4;
 }
 
 // Once every row group has added its rows: the groups' sums of each column added in group order
 // from +0 (one column per thread) into this CTA's row of partials (fp32, [blocks, d]).
-template <int T, int K, int E, int kGroups>
+template <int T, int K, int E, int kGroups, typename Layout = SumsLayout<T, K, E, kGroups>>
 __device__ __forceinline__ void store_group_sums(const float4* group_sums, float* partials, int64_t d) {
-    constexpr int kGroupFloat4s = T * K * E / 4;
     __syncthreads();
     const float* sums = reinterpret_cast<const float*>(group_sums);
     float* out = partials + static_cast<int64_t>(blockIdx.x) * d;
     for (int64_t col = threadIdx.x; col < d; col += kGroups * T) {
-        const int index = group_sums_index<T, E>(col);
+        const int index = group_sums_index<T, E, Layout::kPlane>(col);
         float sum = 0.0f;
 #pragma unroll
-        for (int g = 0; g < kGroups; ++g) sum = ieee_add(sum, sums[g * kGroupFloat4s * 4 + index]);
+        for (int g = 0; g < kGroups; ++g) {
+            sum = ieee_add(sum, sums[g * Layout::kGroupOffset * 4 + index]);
+        }
         out[col] = sum;
     }
 }
+
+// Element e of a chunk in fp32: Codec::load's value.  For bf16 it is taken from the chunk's
+// 32-bit words, w << 16 (even e) or w & 0xffff0000 (odd e): one instruction, where nvcc turned
+// Codec::load of the 16-bit element into two for the odd ones (a PRMT extracting the half, then
+// a shift); the backward unpacks each of dy, x and the weight twice per row, and its bf16 kernels
+// were bound by instruction issue (Nsight Compute, H200, issue 6 session 10).  kWords = false:
+// Codec::load (the K = 8 geometries: ptxas gave bf16 t128's grad_x kernel 108 registers instead
+// of 96 with the words, a CTA per SM less; kLeanBackward).
+template <typename Codec, bool kWords = true>
+__device__ __forceinline__ float chunk_value(const Chunk<Codec>& chunk, int e) {
+    if constexpr (Codec::kIsBf16 && kWords) {
+        const uint32_t word = reinterpret_cast<const uint32_t*>(chunk.v)[e / 2];
+        return __uint_as_float(e % 2 == 0 ? word << 16 : word & 0xffff0000u);
+    } else {
+        return Codec::load(chunk.v[e]);
+    }
+}
+
+// round_chunk's bits for grad_x with one NaN test per chunk: bf16 pairs packed by
+// cvt.rn.bf16x2.f32 and, only for a chunk that holds a NaN (else round_chunk's NaN patch does
+// nothing), by round_chunk itself.  round_chunk tests and patches every element (3 of the
+// backward's ~32 instructions per element; its bf16 kernels are bound by instruction issue).
+template <typename Codec>
+__device__ __forceinline__ void round_grad_chunk(Chunk<Codec>& chunk, const float* f) {
+#if !defined(__HIPCC__)
+    if constexpr (Codec::kIsBf16) {
+        constexpr int E = Chunk<Codec>::kElems;
+        bool nan = false;
+#pragma unroll
+        for (int e = 0; e < E; ++e) nan |= f[e] != f[e];
+        if (!nan) {
+            uint32_t* words = reinterpret_cast<uint32_t*>(chunk.v);
+#pragma unroll
+            for (int w = 0; w < E / 2; ++w) {
+                asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(words[w]) : "f"(f[2 * w + 1]), "f"(f[2 * w]));
+            }
+            return;
+        }
+    }
+#endif
+    round_chunk(chunk, f);
+}
+// The fused backward's row groups of 16 and 32 threads keep round_chunk: with round_grad_chunk
+// ptxas gave their kernels 107-112 registers instead of 95, a CTA per SM less.
+template <int T>
+constexpr bool kGradNanTestPerChunk = T != 16 && T != 32;
+// Where backward_row (grad_x kernels, the K = 8 fused ones) unpacks words and tests NaN once per
+// chunk: up to 5 chunks per thread (more registers for K = 8, above).
+template <int K>
+constexpr bool kLeanBackward = K <= kResidentWeightMaxChunks;
 
 // dot + sum over the chunk's elements inside the row (first + e < d), in increasing e, of
 // (dy * w) * (x * inv_rms): the backward's per-thread dot.  A chunk wholly inside the row (every
@@ -423,7 +503,7 @@ __device__ __forceinline__ void store_group_sums(const float4* group_sums, float
 // checks: nvcc kept a 64-bit compare and a branch per element there, and t128k4's fused kernel
 // ran 4-8% faster without them (issue 6, H200).  Both loops add the same values in the same
 // order, so the bits do not change.
-template <typename Codec>
+template <typename Codec, bool kWords = true>
 __device__ __forceinline__ float add_chunk_dot(float dot, const Chunk<Codec>& gs,
                                                const Chunk<Codec>& w, const Chunk<Codec>& xs,
                                                float inv_rms, int64_t first, int64_t d) {
@@ -431,16 +511,18 @@ __device__ __forceinline__ float add_chunk_dot(float dot, const Chunk<Codec>& gs
     if (first + E <= d) {
 #pragma unroll
         for (int e = 0; e < E; ++e) {
-            const float gw = ieee_mul(Codec::load(gs.v[e]), Codec::load(w.v[e]));
-            const float x_hat = ieee_mul(Codec::load(xs.v[e]), inv_rms);
+            const float gw =
+                ieee_mul(chunk_value<Codec, kWords>(gs, e), chunk_value<Codec, kWords>(w, e));
+            const float x_hat = ieee_mul(chunk_value<Codec, kWords>(xs, e), inv_rms);
             dot = ieee_add(dot, ieee_mul(gw, x_hat));
         }
     } else {
 #pragma unroll
         for (int e = 0; e < E; ++e) {
             if (first + e >= d) continue;
-            const float gw = ieee_mul(Codec::load(gs.v[e]), Codec::load(w.v[e]));
-            const float x_hat = ieee_mul(Codec::load(xs.v[e]), inv_rms);
+            const float gw =
+                ieee_mul(chunk_value<Codec, kWords>(gs, e), chunk_value<Codec, kWords>(w, e));
+            const float x_hat = ieee_mul(chunk_value<Codec, kWords>(xs, e), inv_rms);
             dot = ieee_add(dot, ieee_mul(gw, x_hat));
         }
     }
@@ -459,6 +541,7 @@ __device__ __forceinline__ void backward_row(const BackwardArgs& a, int64_t row,
     using S = typename Codec::storage;
     constexpr int E = Chunk<Codec>::kElems;
     static_assert(!(kStreaming && kWeightGrad), "the streaming form keeps no per-column sums");
+    constexpr bool kLean = kLeanBackward<K>;
     const bool active = row < a.rows;
     const int64_t d = a.d;
     const int64_t chunks = (d + E - 1) / E;
@@ -488,7 +571,7 @@ __device__ __forceinline__ void backward_row(const BackwardArgs& a, int64_t row,
             if (!(active && c < chunks)) continue;
             Chunk<Codec> w;
             load_chunk(w, weight, c, d, vector);
-            dot = add_chunk_dot<Codec>(dot, gs[k], w, xs[k], inv_rms, c * E, d);
+            dot = add_chunk_dot<Codec, kLean>(dot, gs[k], w, xs[k], inv_rms, c * E, d);
         }
     }
     const float mean_dot = __fdiv_rn(row_group_sum<T>(dot, warp_partials), static_cast<float>(d));
@@ -514,15 +597,19 @@ __device__ __forceinline__ void backward_row(const BackwardArgs& a, int64_t row,
             float product[E], gx[E];
 #pragma unroll
             for (int e = 0; e < E; ++e) {
-                const float dy = Codec::load(gs[k].v[e]);
-                const float gw = ieee_mul(dy, Codec::load(w.v[e]));
-                const float x_hat = ieee_mul(Codec::load(xs[k].v[e]), inv_rms);
+                const float dy = chunk_value<Codec, kLean>(gs[k], e);
+                const float gw = ieee_mul(dy, chunk_value<Codec, kLean>(w, e));
+                const float x_hat = ieee_mul(chunk_value<Codec, kLean>(xs[k], e), inv_rms);
                 float g = ieee_mul(inv_rms, ieee_sub(gw, ieee_mul(x_hat, mean_dot)));
-                if (grad_residual != nullptr) g = ieee_add(g, Codec::load(extra.v[e]));
+                if (grad_residual != nullptr) g = ieee_add(g, chunk_value<Codec, kLean>(extra, e));
                 gx[e] = g;
                 product[e] = ieee_mul(dy, x_hat);
             }
-            round_chunk(out, gx);
+            if constexpr (kLean) {
+                round_grad_chunk(out, gx);
+            } else {
+                round_chunk(out, gx);
+            }
             store_chunk(grad_x, out, c, d, vector);
             if constexpr (kWeightGrad) {
                 // Elements past d in the last chunk were loaded as zeros: they add +0.
@@ -690,8 +777,8 @@ __device__ __forceinline__ float saved_inv_rms(const BackwardArgs& a, int64_t ro
 // chunks by k, in registers (Chunk arrays) or staged in shared memory (StagedChunks, read at
 // each use).  kReuse, kGroupBarrier: row_group_sum's (kReuse false where the caller alternates
 // two warp_partials buffers); group: this thread's row group in the CTA.
-template <typename Codec, int T, int K, bool kReuse, bool kGroupBarrier = false, typename Xs,
-          typename Gs>
+template <typename Codec, int T, int K, bool kReuse, bool kGroupBarrier = false,
+          bool kFreshSums = false, int kPlane = T, typename Xs, typename Gs>
 __device__ __forceinline__ void backward_resident_row(const BackwardArgs& a, int64_t row,
                                                       int lane, bool vector, const Xs& xs,
                                                       const Gs& gs, const Chunk<Codec> (&w)[K],
@@ -728,20 +815,25 @@ __device__ __forceinline__ void backward_resident_row(const BackwardArgs& a, int
         float g[E], product[E];
 #pragma unroll
         for (int e = 0; e < E; ++e) {
-            const float dy = Codec::load(g_k.v[e]);
-            const float gw = ieee_mul(dy, Codec::load(w[k].v[e]));
-            const float x_hat = ieee_mul(Codec::load(x_k.v[e]), inv_rms);
+            const float dy = chunk_value<Codec>(g_k, e);
+            const float gw = ieee_mul(dy, chunk_value(w[k], e));
+            const float x_hat = ieee_mul(chunk_value<Codec>(x_k, e), inv_rms);
             g[e] = ieee_mul(inv_rms, ieee_sub(gw, ieee_mul(x_hat, mean_dot)));
-            if (grad_residual != nullptr) g[e] = ieee_add(g[e], Codec::load(extra.v[e]));
+            if (grad_residual != nullptr) g[e] = ieee_add(g[e], chunk_value(extra, e));
             product[e] = ieee_mul(dy, x_hat);
         }
-        round_chunk(out, g);
+        if constexpr (kGradNanTestPerChunk<T>) {
+            round_grad_chunk(out, g);
+        } else {
+            round_chunk(out, g);
+        }
         store_chunk(grad_x, out, c, d, vector);
         // Elements past d in the last chunk were loaded as zeros: they add +0.
 #pragma unroll
         for (int q = 0; q < E / 4; ++q) {
-            float4* slot = group_sums + group_sums_slot<T, E>(lane, k, q);
-            float4 sum = *slot;
+            float4* slot = group_sums + group_sums_slot<T, E, kPlane>(lane, k, q);
+            // kFreshSums: the run's sums start here, at +0 (not read back from cleared slots).
+            float4 sum = kFreshSums ? make_float4(0.0f, 0.0f, 0.0f, 0.0f) : *slot;
             sum.x = ieee_add(sum.x, product[4 * q]);
             sum.y = ieee_add(sum.y, product[4 * q + 1]);
             sum.z = ieee_add(sum.z, product[4 * q + 2]);
@@ -756,7 +848,7 @@ __device__ __forceinline__ void backward_resident_row(const BackwardArgs& a, int
 // for K <= kResidentWeightMaxChunks: with 8 chunks the weight's 32 more registers per thread
 // cost a CTA per SM and it ran slower (issue 6, H200: 150 vs 148 us at 16384 x 4096 bf16).
 // kAlternatePartials<T>: row s reduces through warp partials s % 2 (one barrier per row).
-template <typename Codec, int T, int K, typename Chunking>
+template <typename Codec, int T, int K, typename Chunking, bool kFreshRuns = false>
 __device__ __forceinline__ void backward_weight_grad_resident(const BackwardArgs& a,
                                                               float* partials,
                                                               float* warp_partials,
@@ -765,7 +857,7 @@ __device__ __forceinline__ void backward_weight_grad_resident(const BackwardArgs
     constexpr int E = Chunk<Codec>::kElems;
     constexpr int kGroups = Chunking::kGroups;
     constexpr int kSequence = Chunking::kRowsInSequence;
-    constexpr int kGroupFloat4s = T * K * E / 4;
+    using Layout = SumsLayout<T, K, E, kGroups>;
     constexpr bool kAlternate = kAlternatePartials<T>;
     const int lane = threadIdx.x % T;
     const int group = threadIdx.x / T;
@@ -773,8 +865,11 @@ __device__ __forceinline__ void backward_weight_grad_resident(const BackwardArgs
         static_cast<int64_t>(blockIdx.x) * Chunking::kRows + group * kSequence;
     const bool vector = backward_vector_ok<S>(a);
     const int64_t chunks = (a.d + E - 1) / E;
-    float4* mine = group_sums + group * kGroupFloat4s;
-    zero_group_sums<T, K, E>(mine, lane);
+    float4* mine = group_sums + group * Layout::kGroupOffset;
+    // Runs of one row (kFresh): the row writes +0 + its products, so only a group whose row is
+    // past the end (it writes nothing) clears its sums to +0.
+    constexpr bool kFresh = kFreshRuns && kSequence == 1;
+    if (!kFresh || first_row >= a.rows) zero_group_sums<T, K, E, Layout::kPlane>(mine, lane);
     Chunk<Codec> w[K], xs[K], gs[K];
     load_backward_row<Codec, T, K>(xs, gs, a, first_row, lane, vector);
     const S* weight = static_cast<const S*>(a.weight);
@@ -793,7 +888,7 @@ __device__ __forceinline__ void backward_weight_grad_resident(const BackwardArgs
                 load_backward_row<Codec, T, K>(next_xs, next_gs, a, first_row + s + 1, lane,
                                                vector);
             }
-            backward_resident_row<Codec, T, K, !kAlternate>(
+            backward_resident_row<Codec, T, K, !kAlternate, false, false, Layout::kPlane>(
                 a, first_row + s, lane, vector, xs, gs, w, saved_inv_rms(a, first_row + s),
                 row_partials, mine);
 #pragma unroll
@@ -803,7 +898,7 @@ __device__ __forceinline__ void backward_weight_grad_resident(const BackwardArgs
             }
         } else {
             if (s > 0) load_backward_row<Codec, T, K>(xs, gs, a, first_row + s, lane, vector);
-            backward_resident_row<Codec, T, K, !kAlternate>(
+            backward_resident_row<Codec, T, K, !kAlternate, false, kFresh, Layout::kPlane>(
                 a, first_row + s, lane, vector, xs, gs, w, saved_inv_rms(a, first_row + s),
                 row_partials, mine);
         }
@@ -941,17 +1036,18 @@ __device__ __forceinline__ void backward_kernel(const BackwardArgs& a) {
     backward_rows<Codec, T, K, kStreaming>(a, warp_partials);
 }
 
-template <typename Codec, int T, int K, typename Chunking = WeightGradChunk<T>>
+template <typename Codec, int T, int K, typename Chunking = WeightGradChunk<T>,
+          bool kStaged = kStagedRows<Codec, T, K>, bool kFreshRuns = true>
 __device__ __forceinline__ void backward_weight_grad_kernel(const BackwardArgs& a,
                                                             float* partials) {
     constexpr int kSumBytes = Chunking::kThreads * K * Chunk<Codec>::kElems * 4;
     static_assert(kSumBytes <= kWeightGradSharedBytes, "instantiate only geometries that fit");
     constexpr bool kAlternate = K <= kResidentWeightMaxChunks && kAlternatePartials<T>;
     __shared__ float warp_partials[kAlternate ? 2 * kMaxWarps : kMaxWarps];
-    __shared__ float4 group_sums[kSumBytes / 16];
+    __shared__ float4 group_sums[SumsLayout<T, K, Chunk<Codec>::kElems, Chunking::kGroups>::kFloat4s];
     grid_launch_dependents();  // the next grid (the further levels) may start; it waits
 #if !defined(__HIPCC__)
-    if constexpr (kStagedRows<Codec, T, K>) {
+    if constexpr (kStaged) {
         static_assert(kAlternate, "the staged rows alternate two warp-partials buffers");
         extern __shared__ uint4 staged_rows[];  // kStagedRowsBytes<T, K>, from the host
         if (backward_vector_ok<typename Codec::storage>(a)) {
@@ -962,8 +1058,8 @@ __device__ __forceinline__ void backward_weight_grad_kernel(const BackwardArgs& 
     }
 #endif
     if constexpr (K <= kResidentWeightMaxChunks) {
-        backward_weight_grad_resident<Codec, T, K, Chunking>(a, partials, warp_partials,
-                                                             group_sums);
+        backward_weight_grad_resident<Codec, T, K, Chunking, kFreshRuns>(a, partials,
+                                                                         warp_partials, group_sums);
     } else {
         static_assert(Chunking::kRows == WeightGradChunk<T>::kRows, "other shapes: resident rows");
         backward_weight_grad_rows<Codec, T, K>(a, partials, warp_partials, group_sums);
@@ -1056,9 +1152,9 @@ __device__ __forceinline__ void weight_grad_reduce(float* rows_out, const float*
 // partial rows: the runs of 64 consecutive rows summed in order from +0 (the level below the
 // last; with at most 64 rows there is one run and no level below), then, with more than one
 // run, the run sums added in run order from +0 (the last level); rounded once.  The same
-// operations as a reduce level followed by a final level of one thread per column.  Warp y of a
-// CTA sums runs y, y + kLastLevelsWarps, ...; 32 columns per CTA (128-byte row segments).
-// Launch: grid = ceil(d / kLastLevelsColumns), block = kLastLevelsColumns * kLastLevelsWarps.
+// operations as a reduce level followed by a final level of one thread per column.  Run slot y
+// of a CTA (threads y * kLastLevelsColumns ..) sums runs y, y + kLastLevelsRunSlots, ...
+// Launch: grid = ceil(d / kLastLevelsColumns), block = kLastLevelsColumns * kLastLevelsRunSlots.
 template <typename Codec>
 __device__ __forceinline__ void weight_grad_last_levels(typename Codec::storage* grad_weight,
                                                         const float* partials,
@@ -1070,7 +1166,7 @@ __device__ __forceinline__ void weight_grad_last_levels(typename Codec::storage*
     const int64_t col = static_cast<int64_t>(blockIdx.x) * kLastLevelsColumns + x;
     const int64_t runs = (num_partials + kWeightGradReduceRows - 1) / kWeightGradReduceRows;
     if (col < d) {
-        for (int64_t run = y; run < runs; run += kLastLevelsWarps) {
+        for (int64_t run = y; run < runs; run += kLastLevelsRunSlots) {
             const int64_t begin = run * kWeightGradReduceRows;
             const int64_t end = begin + kWeightGradReduceRows < num_partials
                                     ? begin + kWeightGradReduceRows
@@ -1124,9 +1220,10 @@ __device__ __forceinline__ void weight_grad_last_levels(typename Codec::storage*
 // grad_x and grad_weight's first level in one pass (rows held in registers; see the header);
 // CHUNKING: WeightGradChunk<T> (the geometry's first level) or another shape of it, named
 // without commas.
-#define BATCHINV_RMS_NORM_BACKWARD_WEIGHT_GRAD_ENTRY_SHAPED(SUFFIX, CODEC, GEOMETRY, T, K,       \
-                                                            CHUNKING)                            \
-    extern "C" __global__ void __launch_bounds__(CHUNKING::kThreads)                             \
+// BOUNDS: __launch_bounds__(CHUNKING::kThreads), or with a minimum of CTAs per SM (t4 on CUDA).
+#define BATCHINV_RMS_NORM_BACKWARD_WEIGHT_GRAD_ENTRY_BOUNDED(SUFFIX, CODEC, GEOMETRY, T, K,      \
+                                                             CHUNKING, BOUNDS)                   \
+    extern "C" __global__ void BOUNDS                                                            \
         rms_norm_backward_weight_grad_##SUFFIX##_##GEOMETRY(                                     \
             CODEC::storage* grad_x, float* partials, const CODEC::storage* grad_y,               \
             const CODEC::storage* x, const CODEC::storage* weight, const float* rstd,            \
@@ -1135,9 +1232,21 @@ __device__ __forceinline__ void weight_grad_last_levels(typename Codec::storage*
                                                grad_residual, rows,   d, x_stride};              \
         batchinv::rms::backward_weight_grad_kernel<CODEC, T, K, CHUNKING>(args, partials);      \
     }
+#define BATCHINV_RMS_NORM_BACKWARD_WEIGHT_GRAD_ENTRY_SHAPED(SUFFIX, CODEC, GEOMETRY, T, K,       \
+                                                            CHUNKING)                            \
+    BATCHINV_RMS_NORM_BACKWARD_WEIGHT_GRAD_ENTRY_BOUNDED(SUFFIX, CODEC, GEOMETRY, T, K, CHUNKING, \
+                                                         __launch_bounds__(CHUNKING::kThreads))
 #define BATCHINV_RMS_NORM_BACKWARD_WEIGHT_GRAD_ENTRY(SUFFIX, CODEC, GEOMETRY, T, K)              \
     BATCHINV_RMS_NORM_BACKWARD_WEIGHT_GRAD_ENTRY_SHAPED(SUFFIX, CODEC, GEOMETRY, T, K,           \
                                                         batchinv::rms::WeightGradChunk<T>)
+// t4 (q/k norm): held to kFusedBackwardMinBlocks CTAs per SM on CUDA (a name without commas:
+// hipcc's __launch_bounds__ is a macro, and its second argument means something else).
+#if defined(__HIPCC__)
+#define BATCHINV_RMS_NORM_T4_FUSED_BOUNDS __launch_bounds__(batchinv::rms::kMinCtaThreads)
+#else
+#define BATCHINV_RMS_NORM_T4_FUSED_BOUNDS \
+    __launch_bounds__(batchinv::rms::kMinCtaThreads, batchinv::rms::kFusedBackwardMinBlocks<4>)
+#endif
 
 #define BATCHINV_RMS_NORM_WEIGHT_GRAD_KERNELS(SUFFIX, CODEC)                                   \
     extern "C" __global__ void __launch_bounds__(256) rms_norm_weight_grad_partials_##SUFFIX( \
@@ -1148,7 +1257,7 @@ __device__ __forceinline__ void weight_grad_last_levels(typename Codec::storage*
                                                    x_stride, groups, in_sequence);             \
     }                                                                                          \
     extern "C" __global__ void __launch_bounds__(                                            \
-        batchinv::rms::kLastLevelsColumns * batchinv::rms::kLastLevelsWarps)                   \
+        batchinv::rms::kLastLevelsColumns * batchinv::rms::kLastLevelsRunSlots)                \
         rms_norm_weight_grad_last_levels_##SUFFIX(CODEC::storage* grad_weight,                 \
                                                   const float* partials,                       \
                                                   int64_t num_partials, int64_t d) {           \
@@ -1201,7 +1310,8 @@ BATCHINV_RMS_NORM_ALL_GEOMETRIES(f32, batchinv::F32Codec)
 // The fused backward for the geometries whose per-column sums fit kWeightGradSharedBytes
 // (CTA threads * K * 16 bytes); longer rows take grad_x and the column pass separately.
 #define BATCHINV_RMS_NORM_FUSED_BACKWARD_UP_TO_T128(SUFFIX, CODEC)                     \
-    BATCHINV_RMS_NORM_BACKWARD_WEIGHT_GRAD_ENTRY(SUFFIX, CODEC, t4, 4, 4)              \
+    BATCHINV_RMS_NORM_BACKWARD_WEIGHT_GRAD_ENTRY_BOUNDED(SUFFIX, CODEC, t4, 4, 4,      \
+        batchinv::rms::WeightGradChunk<4>, BATCHINV_RMS_NORM_T4_FUSED_BOUNDS)          \
     BATCHINV_RMS_NORM_BACKWARD_WEIGHT_GRAD_ENTRY(SUFFIX, CODEC, t16, 16, 4)            \
     BATCHINV_RMS_NORM_BACKWARD_WEIGHT_GRAD_ENTRY(SUFFIX, CODEC, t32, 32, 4)            \
     BATCHINV_RMS_NORM_BACKWARD_WEIGHT_GRAD_ENTRY(SUFFIX, CODEC, t128k4, 128, 4)        \

@@ -703,6 +703,41 @@ def test_backward_t128k4_reduces_a_row_as_t128(dtype, trim):
     assert_bitwise_equal(two_partials, want, name="t128k4g2 partials")
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("trim", (0, 3))  # 0: whole 16-byte chunks (vector path); 3: element path
+def test_backward_t4_runs_of_one_row_are_the_documented_tree(dtype, trim):
+    # The q/k norm's fused backward (t4: 32 row groups of 4 threads, a partial row of 32 runs of
+    # one row) writes each run's sums as +0 + its products instead of adding them to cleared
+    # slots, and lays the groups' sums out interleaved (issue 6, session 10).  67 rows: three
+    # CTAs, the last with 3 rows and 29 groups past the end, whose sums must be +0; one row of
+    # -0 gradients, whose products are -0 (a run's sum from +0 is +0 there).
+    elems = 16 // dtype.itemsize
+    hidden = 4 * 4 * elems - trim
+    assert gpu_rms_norm.backward_geometry(hidden, dtype)[0] == "t4"
+    rows = 67
+    gen = torch.Generator(device=DEVICE).manual_seed(22)
+    x, grad_y, grad_residual = (
+        (2.0 * torch.randn(rows, hidden, device=DEVICE, generator=gen)).to(dtype) for _ in range(3)
+    )
+    grad_y[5] = -0.0
+    weight = _weight(hidden, dtype)
+    _, rstd = gpu_rms_norm.forward(x, weight, EPS)
+    groups, in_sequence = gpu_rms_norm.weight_grad_chunking(hidden, dtype, rows)
+    assert (groups, in_sequence) == (32, 1)
+    blocks = -(-rows // groups)
+    for extra in (None, grad_residual):
+        inputs = (grad_y, x, weight, rstd, extra if extra is not None else 0, rows, hidden, hidden)
+        fused_grad_x = torch.full_like(x, float("nan"))
+        partials = torch.full((blocks, hidden), float("nan"), device=DEVICE)
+        gpu_rms_norm.launch_fused_backward(
+            "t4", dtype, x.device, blocks, 128, (fused_grad_x, partials, *inputs)
+        )
+        want = _first_level_by_the_documented_tree(grad_y, x, rstd, groups, in_sequence)
+        assert_bitwise_equal(partials, want, name="t4 partial rows")
+        alone, _ = gpu_rms_norm.backward(grad_y, x, weight, rstd, extra, weight_grad=False)
+        assert_bitwise_equal(fused_grad_x, alone, name="t4 fused grad_x vs grad_x kernel")
+
+
 def test_nan_rows_do_not_leak_into_their_neighbours():
     x = torch.randn(5, 4096, device=DEVICE).bfloat16()
     weight = _weight(4096, torch.bfloat16)

@@ -51,9 +51,10 @@ TWO_GROUPS_MIN_ROWS = 16384
 WEIGHT_GRAD_REDUCE_ROWS = 64
 WEIGHT_GRAD_THREADS = 256
 # The last two levels (runs of 64 partial rows, then the run sums) run as one grid once at most
-# 64 * 64 partial rows remain: 32 columns per CTA, 16 warps summing runs.
+# 64 * 64 partial rows remain: 16 columns per CTA, 32 threads per column summing runs
+# (kLastLevelsColumns, kLastLevelsRunSlots in kernels_cu/rms_norm.cu).
 WEIGHT_GRAD_LAST_LEVELS_ROWS = WEIGHT_GRAD_REDUCE_ROWS * WEIGHT_GRAD_REDUCE_ROWS
-LAST_LEVELS_COLUMNS = 32
+LAST_LEVELS_COLUMNS = 16
 LAST_LEVELS_THREADS = 512
 # The fused backward keeps a CTA's per-column sums in shared memory (fp32, CTA threads * chunks
 # per thread * elements per chunk), at most this many bytes; longer rows take grad_x and a
