@@ -15,7 +15,7 @@ namespace batchinv {
 namespace attn {
 
 constexpr int kBlockKeys = 128;
-constexpr int kSplitKeys = 1024;
+constexpr int kSplitKeys = 2048;
 constexpr int kBlocksPerSplit = kSplitKeys / kBlockKeys;
 constexpr float kLn2 = 0.693147180559945309f;
 constexpr float kNegInf = -__builtin_huge_valf();

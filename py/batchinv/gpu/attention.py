@@ -42,7 +42,7 @@ from ._launch import (
 )
 
 BLOCK_KEYS = 128  # keys per block, at absolute positions [128j, 128j + 128) (64 until session 9)
-SPLIT_KEYS = 1024  # keys per split, at absolute positions (kernels_cu/attention.cu kSplitKeys)
+SPLIT_KEYS = 2048  # keys per split, at absolute positions (kernels_cu/attention.cu kSplitKeys)
 HEAD_DIMS = (64, 128)
 WARP_CHOICES = (1, 4)
 # K/V blocks held by the tile and one-warp split kernels, one and four warps alike (attention.cu
