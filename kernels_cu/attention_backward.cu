@@ -1802,6 +1802,175 @@ __device__ __forceinline__ void dq_wgmma_kernel(const uint16_t* q, const uint16_
 #endif
 }
 
+
+// ---- "wgmma pair" dQ kernel (sm_90a, D = 128): two warpgroups share each key block's K / V ----
+//
+// The default dQ launch of the "tiled" variant on sm_90a at D = 128 (the one-warpgroup kernel
+// above stays selectable, USE_WGMMA_DQ_PAIR = False).  One CTA of two warpgroups owns 128 query
+// rows [128 Q, 128 Q + 128) of a sequence and head; warpgroup w owns the 64 rows
+// [128 Q + 64 w, ...), i.e. exactly the rows of one CTA of the kernel above, and does exactly
+// that CTA's work: its k16 key chunks are `_tiled`'s for the enclosing 128-row block, which is
+// the same block for both warpgroups, so both walk the same key blocks and take the same
+// chunks; the same products, selection, rounding, order and final step.  So dq is bitwise that
+// of the kernel above (and of `_tiled`; tested).  What the two share is the copy of each key
+// block's K and V in shared memory (half the fill traffic per query row): warpgroup 0 copies K,
+// warpgroup 1 V.  A warpgroup with no rows in the sequence only copies and waits at the barrier.
+// Shared memory: Q and dO of each warpgroup, two buffers of K and V: 132 096 bytes, one CTA
+// (8 warps, the warps per SM of two CTAs of the kernel above) per SM.
+
+[[maybe_unused]] constexpr int kWgDqPairRows = 128;  // queries per CTA (64 per warpgroup)
+// Q and dO of both warpgroups, two buffers of K and V, 1024 bytes of alignment.
+[[maybe_unused]] constexpr int kWgDqPairSharedBytes = 8 * kWgTileBytes + 1024;
+
+template <typename Codec>
+__device__ __forceinline__ void dq_wgmma_pair_kernel(const uint16_t* q, const uint16_t* k, const uint16_t* v,
+                                                     const uint16_t* dout, const float* lse, const float* delta,
+                                                     const int* q_start_of, const int* q_len_of,
+                                                     const int* k_start_of, const int* k_len_of, uint16_t* dq,
+                                                     int num_q_heads, int num_kv_heads, int64_t total_q, int causal,
+                                                     float scale) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    using namespace hopper;
+    constexpr int D = 128;
+    int seq, head, query_block;
+    tiled_cta_place(seq, head, query_block, true);
+    const int q_len = q_len_of[seq];
+    const int cta_i0 = query_block * kWgDqPairRows;
+    if (cta_i0 >= q_len) return;
+    const int k_len = k_len_of[seq];
+    const int q_start = q_start_of[seq];
+    const int k_start = k_start_of[seq];
+    const int offset = k_len - q_len;
+    const int kv_head = head / (num_q_heads / num_kv_heads);
+    const int64_t q_stride = static_cast<int64_t>(num_q_heads) * D;
+    const int64_t kv_stride = static_cast<int64_t>(num_kv_heads) * D;
+    const int wg = threadIdx.x / kWgThreads;  // warpgroup
+    const int t = threadIdx.x % kWgThreads;   // thread within the warpgroup
+    const int i0 = cta_i0 + wg * kWgDqRows;   // this warpgroup's first row
+    const int rows = min(kWgDqRows, q_len - i0);  // <= 0: no rows (warpgroup 1 only)
+
+    extern __shared__ __align__(16) uint16_t smem[];
+    uint8_t* raw = reinterpret_cast<uint8_t*>(smem);
+    uint8_t* shared = raw + wg_bytes_to_1024(raw);
+    uint8_t* s_q = shared + wg * kWgTileBytes;          // this warpgroup's Q
+    uint8_t* s_do = shared + (2 + wg) * kWgTileBytes;   // and dO
+    uint8_t* s_k = shared + 4 * kWgTileBytes;           // 2 buffers
+    uint8_t* s_v = s_k + 2 * kWgTileBytes;              // 2 buffers
+
+    wg_load_tile_by(s_q, q + head * D, q_stride, q_start + i0, rows, t);
+    wg_load_tile_by(s_do, dout + head * D, q_stride, q_start + i0, rows, t);
+
+    // `_tiled`'s key chunks: 32-key steps up to the last key its 128-row block can see (the
+    // CTA's 128 rows: the same block for both warpgroups).
+    int chunks;
+    {
+        const int tiled_rows = min(kTiledDqRows, q_len - cta_i0);
+        int steps = (k_len + kTiledDqKeys - 1) / kTiledDqKeys;
+        if (causal) {
+            const int last_position = offset + cta_i0 + tiled_rows - 1;
+            steps = last_position < 0 ? 0 : min(steps, last_position / kTiledDqKeys + 1);
+        }
+        chunks = steps * (kTiledDqKeys / 16);
+    }
+    const int blocks = (chunks + 3) / 4;  // key blocks of 64 (four k16 chunks)
+
+    // Warpgroup 0 copies K, warpgroup 1 V.
+    auto stage = [&](int block, int buffer) {
+        const int key0 = block * kWgKeys;
+        const int valid = min(kWgKeys, k_len - key0);
+        if (wg == 0)
+            wg_load_tile_by(s_k + buffer * kWgTileBytes, k + kv_head * D, kv_stride, k_start + key0, valid, t);
+        else
+            wg_load_tile_by(s_v + buffer * kWgTileBytes, v + kv_head * D, kv_stride, k_start + key0, valid, t);
+    };
+
+    const int warp = t / 32, lane = t % 32;
+    const int g = lane / 4, c = 2 * (lane % 4);
+    float row_lse[2], row_delta[2];
+    int last_seen[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int r = 16 * warp + g + 8 * h;
+        const bool ok = r < rows;
+        const int64_t at = static_cast<int64_t>(head) * total_q + q_start + i0 + r;
+        row_lse[h] = ok ? lse[at] : -INFINITY;
+        row_delta[h] = ok ? delta[at] : 0.0f;
+        last_seen[h] = row_lse[h] == -INFINITY ? -1 : (causal ? min(k_len - 1, offset + i0 + r) : k_len - 1);
+    }
+
+    const uint64_t desc_q = smem_descriptor_128b(s_q);
+    const uint64_t desc_do = smem_descriptor_128b(s_do);
+
+    float acc_dq[64];
+#pragma unroll
+    for (int i = 0; i < 64; ++i) acc_dq[i] = 0.0f;
+
+    if (blocks > 0) stage(0, 0);
+    cp_async_commit();
+    for (int block = 0; block < blocks; ++block) {
+        const int buffer = block & 1;
+        wg_wait_staged();  // both warpgroups: this block landed, the other buffer is free
+        if (rows <= 0) {   // warpgroup-uniform: no rows, only the copies
+            if (block + 1 < blocks) stage(block + 1, buffer ^ 1);
+            cp_async_commit();
+            continue;
+        }
+
+        const uint8_t* tk = s_k + buffer * kWgTileBytes;
+        const uint8_t* tv = s_v + buffer * kWgTileBytes;
+        const int key0 = block * kWgKeys;
+
+        // From here on the one-warpgroup kernel's block, unchanged.
+        float s[32], dp[32];
+        wg_issue_score_products<Codec>(s, desc_q, tk, dp, desc_do, tv);
+        if (block + 1 < blocks) stage(block + 1, buffer ^ 1);
+        cp_async_commit();
+        wgmma_wait<1>();  // S is complete; dP may still run
+        fence_operands<32>(s);
+
+        uint32_t visible_mask = 0u;
+#pragma unroll
+        for (int i = 0; i < 32; ++i) {
+            const int h = (i / 2) % 2;
+            const int key = key0 + 8 * (i / 4) + c + (i % 2);
+            const bool visible = key <= last_seen[h];
+            visible_mask |= static_cast<uint32_t>(visible) << i;
+            float p = expf(ieee_sub(ieee_mul(s[i], scale), row_lse[h]));
+            asm volatile("" : "+f"(p));  // computed unconditionally, then selected
+            s[i] = visible ? p : 0.0f;
+        }
+        wgmma_wait<0>();  // dP is complete
+        fence_operands<32>(dp);
+        uint32_t a_ds[4][4];
+        wg_select_ds(dp, s, visible_mask, [=](int i) { return row_delta[(i / 2) % 2]; });
+        wg_pack_a<Codec>(a_ds, dp);
+
+        const uint64_t ndesc_k = wg_desc_nmajor(tk);
+        fence_operands<64>(acc_dq);
+        fence_registers(a_ds);
+        if (chunks - 4 * block >= 4)
+            wg_issue_grad_product<Codec, 4>(acc_dq, a_ds, ndesc_k);
+        else
+            wg_issue_grad_product<Codec, 2>(acc_dq, a_ds, ndesc_k);
+        wgmma_wait<0>();  // this buffer is restaged after the next barrier
+        fence_operands<64>(acc_dq);
+        fence_registers(a_ds);
+    }
+    cp_async_wait<0>();
+
+#pragma unroll
+    for (int i = 0; i < 64; i += 2) {
+        const int r = 16 * warp + g + ((i / 2) % 2) * 8;
+        if (r >= rows) continue;
+        const int64_t at = (static_cast<int64_t>(q_start) + i0 + r) * q_stride + head * D + 8 * (i / 4) + c;
+        *reinterpret_cast<uint32_t*>(dq + at) =
+            pack_floats<Codec>(ieee_mul(acc_dq[i], scale), ieee_mul(acc_dq[i + 1], scale));
+    }
+#elif defined(__CUDA_ARCH__)
+    __trap();  // built only into sm_90a images; the host never launches it elsewhere
+#endif
+}
+
 }  // namespace attn_bwd
 }  // namespace batchinv
 
@@ -1960,5 +2129,21 @@ BATCHINV_ATTN_BWD_DKDV_WGMMA_PAIR(f16, batchinv::F16Codec)
 BATCHINV_ATTN_BWD_DQ_WGMMA(bf16, batchinv::Bf16Codec)
 // batchinv-signature: attention_bwd_dq_f16_d128_wgmma(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
 BATCHINV_ATTN_BWD_DQ_WGMMA(f16, batchinv::F16Codec)
+
+#define BATCHINV_ATTN_BWD_DQ_WGMMA_PAIR(DTYPE, CODEC)                                                          \
+    extern "C" __global__ void __launch_bounds__(batchinv::attn_bwd::kWgPairThreads, 1)                        \
+        attention_bwd_dq_##DTYPE##_d128_wgmma_pair(                                                             \
+        const uint16_t* q, const uint16_t* k, const uint16_t* v, const uint16_t* dout, const float* lse,        \
+        const float* delta, const int* q_start, const int* q_len, const int* k_start, const int* k_len,         \
+        uint16_t* dq, int num_q_heads, int num_kv_heads, int64_t total_q, int causal, float scale) {            \
+        batchinv::attn_bwd::dq_wgmma_pair_kernel<CODEC>(q, k, v, dout, lse, delta, q_start, q_len, k_start,     \
+                                                        k_len, dq, num_q_heads, num_kv_heads, total_q, causal,  \
+                                                        scale);                                                 \
+    }
+
+// batchinv-signature: attention_bwd_dq_bf16_d128_wgmma_pair(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
+BATCHINV_ATTN_BWD_DQ_WGMMA_PAIR(bf16, batchinv::Bf16Codec)
+// batchinv-signature: attention_bwd_dq_f16_d128_wgmma_pair(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
+BATCHINV_ATTN_BWD_DQ_WGMMA_PAIR(f16, batchinv::F16Codec)
 
 #endif  // !__HIPCC__
