@@ -5,8 +5,8 @@ SDPA's backward with the default backend and with the flash backend when it is s
 (GQA through ``enable_gqa``; if a backend refuses it, k/v are expanded to Hq heads and the row
 says so), then batchinv's ``attention_backward.backward`` in each kernel variant (same bits,
 different speed; ``KERNEL_VARIANT`` is the default; on sm_90a its dK/dV and dQ kernels are the
-wgmma ones, and rows "tiled, one-warpgroup wgmma dK/dV" (dQ), "tiled, mma.sync _wide dK/dV"
-and "tiled, mma.sync _tiled dQ" time the former kernels), and each of its three kernels timed
+wgmma ones, and rows "tiled, one-warpgroup wgmma dK/dV", "tiled, mma.sync _wide dK/dV" and
+"tiled, mma.sync _tiled dQ" time the former kernels), and each of its three kernels timed
 alone (rows ending in "kernel").  The SDPA rows time ``autograd.grad`` of a forward recorded
 once (backward only); batchinv's rows time the backward call (argument checks with their one
 host sync, zeroed outputs and the three launches), whose inputs (out, lse) come from one fp32
@@ -187,11 +187,6 @@ def main() -> None:
                     "USE_WGMMA_DKDV_PAIR",
                     gpu_attention_backward.dkdv_uses_wgmma_pair,
                     "one-warpgroup wgmma dK/dV",
-                ),
-                (
-                    "USE_WGMMA_DQ_PAIR",
-                    gpu_attention_backward.dq_uses_wgmma_pair,
-                    "one-warpgroup wgmma dQ",
                 ),
                 ("USE_WGMMA_DKDV", gpu_attention_backward.dkdv_uses_wgmma, "mma.sync _wide dK/dV"),
                 ("USE_WGMMA_DQ", gpu_attention_backward.dq_uses_wgmma, "mma.sync _tiled dQ"),

@@ -1,5 +1,6 @@
 #!/bin/bash
-# attn-bwd device call 2 (session 10): run from the carried worktree's root on the device.
+# attn-bwd device call 2 (session 10, commit e7b5dfd, since reverted): run from the carried
+# worktree's root on the device.
 # The pair dQ kernel: paired timing rounds (with the bitwise check at the benchmark shape), the
 # GPU test file (BATCHINV_QUICK=1, -x), then the benchmark; each under its own time limit.
 export PYTHONPATH=$PWD/py PYTHONUNBUFFERED=1

@@ -4,7 +4,8 @@ default, forced with ``USE_WGMMA_DQ_PAIR = False``) and SDPA's default backward,
 interleaved rounds (the order rotated each round), ``median_ms`` (``do_bench`` medians);
 B = 8, S = 4096, Hq/Hkv = 32/8, d = 128, causal, bf16 (the benchmark's shape).  The dK/dV
 launch is the pair dK/dV kernel (call 1's) throughout.  ``time_pair.py`` with the dQ switch in
-place of the dK/dV one.
+place of the dK/dV one.  Ran at commit ``e7b5dfd``; the pair dQ kernel was then reverted (not
+faster in every round of the whole backward), so this script needs that commit's tree.
 
 First, bits at that shape: dq, dk and dv of ``pair`` against ``one`` (bitwise, every element).
 Per round: the dQ launch alone (each kernel) and the whole backward (argument checks, zeroed

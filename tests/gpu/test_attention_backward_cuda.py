@@ -477,33 +477,6 @@ def test_wgmma_pair_dkdv_gives_the_bits_of_the_one_warpgroup_kernel(
     _assert_padding_zero(pack, (dq, dk, dv), "wgmma pair pack")
 
 
-@pytest.mark.cuda
-@pytest.mark.parametrize("config", [c for c in CONFIGS if c[1] == 128], ids=_config_id)
-@pytest.mark.parametrize("kernel_variant", ["tiled"], indirect=True)  # the only one it replaces
-def test_wgmma_pair_dq_gives_the_bits_of_the_one_warpgroup_kernel(
-    config, kernel_variant, monkeypatch
-):
-    """The default wgmma dQ kernel (two warpgroups, 128 queries per CTA, shared K/V tiles) gives
-    the bits of the one-warpgroup kernel (USE_WGMMA_DQ_PAIR = False), -0 included, on a pack
-    where the second warpgroup has no rows (q_len <= 64 modulo 128) or some, and no keys."""
-    pack, causal, scale = _wgmma_pack(config, first_seed=1100, q_pad_shift=2, k_pad_shift=1)
-    (dq, dk, dv), (dq_one, dk_one, dv_one) = _wgmma_and_mma_sync_grads(
-        pack,
-        causal,
-        scale,
-        monkeypatch,
-        "USE_WGMMA_DQ_PAIR",
-        gpu_attention_backward.dq_uses_wgmma_pair,
-        "pair dQ",
-    )
-    assert gpu_attention_backward.dq_uses_wgmma(pack.q)  # the one-warpgroup kernel ran
-    assert_bitwise_equal(dq, dq_one, name="dq, pair vs one warpgroup")
-    assert_bitwise_equal(dk, dk_one, name="dk (same kernel)")
-    assert_bitwise_equal(dv, dv_one, name="dv (same kernel)")
-    assert float(dq.float().abs().max()) > 0
-    _assert_padding_zero(pack, (dq, dk, dv), "wgmma dq pair pack")
-
-
 # ----------------------------------------------------------------------------- bad inputs
 
 

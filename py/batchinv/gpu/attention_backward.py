@@ -16,9 +16,8 @@ variant's dK/dV launch at d = 128 is a wgmma kernel (two warpgroups per 128 keys
 the one-warpgroup kernel's work for its 64 keys; ``USE_WGMMA_DKDV_PAIR = False`` forces the
 one-warpgroup kernel) that gives the bits of its mma.sync kernel ``_wide`` (tested;
 ``USE_WGMMA_DKDV = False`` forces ``_wide``),
-and its dQ launch a wgmma kernel (two warpgroups per 128 queries, each doing the one-warpgroup
-kernel's work for its 64; ``USE_WGMMA_DQ_PAIR = False`` forces the one-warpgroup kernel) that
-gives the bits of ``_tiled`` (tested; ``USE_WGMMA_DQ = False`` forces ``_tiled``).
+and its dQ launch a wgmma kernel (one warpgroup per 64 queries) that gives the bits of
+``_tiled`` (tested; ``USE_WGMMA_DQ = False`` forces ``_tiled``).
 
 One host synchronisation per call: the lengths are read once to check that every sequence's
 rows lie inside the tensors, fit ``max_q_len`` / ``max_k_len``, and do not overlap another
@@ -75,13 +74,6 @@ WGMMA_DQ_ROWS = 64
 WGMMA_DQ_SHARED_BYTES = 6 * 64 * 128 * 2 + 1024
 # Tests and the benchmark only: False forces the `_tiled` dQ kernel (same bits).
 USE_WGMMA_DQ = True
-# "_wgmma_pair" (the default wgmma dQ kernel): two warpgroups per CTA, 128 queries, one copy of
-# each key block's K / V shared by both.  Shared memory: Q and dO of each warpgroup, two buffers
-# of K and V, 1024 bytes of alignment (one CTA per SM).
-WGMMA_DQ_PAIR_ROWS = 128
-WGMMA_DQ_PAIR_SHARED_BYTES = 8 * 64 * 128 * 2 + 1024
-# Tests and the benchmark only: False forces the one-warpgroup "_wgmma" dQ kernel (same bits).
-USE_WGMMA_DQ_PAIR = True
 _FLOAT_BYTES = 4
 
 # How tiles reach the mma, per variant: (dK/dV kernel, dQ kernel).  "tiled" (default): the
@@ -171,11 +163,6 @@ def dq_uses_wgmma(q: Tensor, variant: str | None = None) -> bool:
     """Whether the dQ launch for ``q`` takes the sm_90a wgmma kernel: the "tiled" variant,
     d = 128, an sm_90 device with the sm_90a image, and ``USE_WGMMA_DQ``."""
     return _uses_wgmma(q, variant, USE_WGMMA_DQ)
-
-
-def dq_uses_wgmma_pair(q: Tensor, variant: str | None = None) -> bool:
-    """Whether that wgmma dQ launch is the two-warpgroup kernel (``USE_WGMMA_DQ_PAIR``)."""
-    return dq_uses_wgmma(q, variant) and USE_WGMMA_DQ_PAIR
 
 
 def _geometry(variant: str) -> dict[str, int]:
@@ -468,13 +455,8 @@ def kernel_launches(
             )
         )
     if max_q_len > 0:
-        # The wgmma kernels: heavy-first grids like `_tiled`'s, 128 queries per CTA (pair, the
-        # default) or 64 (one warpgroup).
-        if dq_uses_wgmma_pair(q, variant):
-            name = f"attention_bwd_dq_{_SUFFIX[q.dtype]}_d{head_dim}_wgmma_pair"
-            shared, dq_rows = WGMMA_DQ_PAIR_SHARED_BYTES, WGMMA_DQ_PAIR_ROWS
-            dq_threads = WGMMA_PAIR_THREADS
-        elif dq_uses_wgmma(q, variant):
+        # The wgmma kernel: 64 queries per CTA, heavy-first grid like `_tiled`.
+        if dq_uses_wgmma(q, variant):
             name = f"attention_bwd_dq_{_SUFFIX[q.dtype]}_d{head_dim}_wgmma"
             shared, dq_rows, dq_threads = WGMMA_DQ_SHARED_BYTES, WGMMA_DQ_ROWS, WGMMA_THREADS
         else:
