@@ -39,8 +39,11 @@
 //     key blocks of 32 absolute positions.  Their grids put the block index slowest so that
 //     the heaviest causal blocks go first (tiled_cta_place).  See the "tiled" section below.
 //     On sm_90 devices with the sm_90a image, at D = 128, the host launches
-//     attention_bwd_dkdv_*_d128_wgmma instead of _wide: same grid, one warpgroup per CTA,
-//     wgmma, bitwise the same dk and dv (see the "wgmma" section at the end); and
+//     attention_bwd_dkdv_*_d128_wgmma_pair instead of _wide: grid (Hkv, B, ceil(max_k_len / 128)),
+//     two warpgroups per CTA, each doing for its 64 keys exactly what one CTA of
+//     attention_bwd_dkdv_*_d128_wgmma (same grid as _wide, one warpgroup, still selectable)
+//     does, sharing the Q / dO tiles; wgmma, bitwise the same dk and dv (see the "wgmma" and
+//     "wgmma pair" sections at the end); and
 //     attention_bwd_dq_*_d128_wgmma instead of _tiled: grid (Hq, B, ceil(max_q_len / 64)),
 //     one warpgroup per 64 queries, wgmma, bitwise the same dq (the k16 key chunks of _tiled).
 //

@@ -11,8 +11,9 @@
   blocks, q_len > k_len, k_len - q_len not a multiple of 64) are checked against the
   reference and across batches too.  On sm_90a the "tiled" variant's dK/dV kernel is the wgmma
   one (d = 128): its dk/dv are checked bitwise against the mma.sync kernel ``_wide`` on a varlen
-  pack with NaN padding, empty sequences and long sequences; likewise its wgmma dQ kernel's dq
-  against the mma.sync kernel ``_tiled``.
+  pack with NaN padding, empty sequences and long sequences, and those of the default
+  two-warpgroup ("pair") wgmma dK/dV kernel against the one-warpgroup one; likewise its wgmma
+  dQ kernel's dq against the mma.sync kernel ``_tiled``.
 - Bad inputs: clear errors (the type/shape checks run on CPU tensors, without a GPU).
 """
 
