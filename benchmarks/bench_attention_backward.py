@@ -5,11 +5,12 @@ SDPA's backward with the default backend and with the flash backend when it is s
 (GQA through ``enable_gqa``; if a backend refuses it, k/v are expanded to Hq heads and the row
 says so), then batchinv's ``attention_backward.backward`` in each kernel variant (same bits,
 different speed; ``KERNEL_VARIANT`` is the default; on sm_90a its dK/dV and dQ kernels are the
-wgmma ones, and rows "tiled, mma.sync _wide dK/dV" and "tiled, mma.sync _tiled dQ" time the
-former kernels), and each of its three kernels timed alone (rows ending in "kernel").  The SDPA
-rows time ``autograd.grad`` of a forward recorded once (backward only); batchinv's rows time
-the backward call (argument checks with their one host sync, zeroed outputs and the three
-launches), whose inputs (out, lse) come from one fp32 forward computed per sequence here.
+wgmma ones, and rows "tiled, one-warpgroup wgmma dK/dV", "tiled, mma.sync _wide dK/dV" and
+"tiled, mma.sync _tiled dQ" time the former kernels), and each of its three kernels timed
+alone (rows ending in "kernel").  The SDPA rows time ``autograd.grad`` of a forward recorded
+once (backward only); batchinv's rows time the backward call (argument checks with their one
+host sync, zeroed outputs and the three launches), whose inputs (out, lse) come from one fp32
+forward computed per sequence here.
 
 TFLOP/s use the 2.5x-forward convention: forward = 4 * B * Hq * S^2 * d (two matmuls), halved
 for causal; backward = 2.5 x forward (five matmuls instead of two).
@@ -179,16 +180,22 @@ def main() -> None:
             )
             timings.append((f"batchinv ({variant})", ms))
             timings.extend(_kernel_split_ms(call, seq_len, causal, scale, variant))
-            # The same variant with a former mma.sync kernel where a wgmma one runs (same bits).
+            # The same variant with a former kernel where a newer one runs (same bits): the
+            # one-warpgroup wgmma dK/dV, the mma.sync dK/dV and dQ.
             former = (
-                ("USE_WGMMA_DKDV", gpu_attention_backward.dkdv_uses_wgmma, "_wide dK/dV"),
-                ("USE_WGMMA_DQ", gpu_attention_backward.dq_uses_wgmma, "_tiled dQ"),
+                (
+                    "USE_WGMMA_DKDV_PAIR",
+                    gpu_attention_backward.dkdv_uses_wgmma_pair,
+                    "one-warpgroup wgmma dK/dV",
+                ),
+                ("USE_WGMMA_DKDV", gpu_attention_backward.dkdv_uses_wgmma, "mma.sync _wide dK/dV"),
+                ("USE_WGMMA_DQ", gpu_attention_backward.dq_uses_wgmma, "mma.sync _tiled dQ"),
             )
             for switch, uses_wgmma, kernel in former:
                 if variant != "tiled" or not uses_wgmma(q, variant):
                     continue
                 setattr(gpu_attention_backward, switch, False)
-                label = f"tiled, mma.sync {kernel}"
+                label = f"tiled, {kernel}"
                 ms = median_ms(
                     lambda call=call: gpu_attention_backward.backward(
                         *call, seq_len, seq_len, causal, scale

@@ -39,8 +39,11 @@
 //     key blocks of 32 absolute positions.  Their grids put the block index slowest so that
 //     the heaviest causal blocks go first (tiled_cta_place).  See the "tiled" section below.
 //     On sm_90 devices with the sm_90a image, at D = 128, the host launches
-//     attention_bwd_dkdv_*_d128_wgmma instead of _wide: same grid, one warpgroup per CTA,
-//     wgmma, bitwise the same dk and dv (see the "wgmma" section at the end); and
+//     attention_bwd_dkdv_*_d128_wgmma_pair instead of _wide: grid (Hkv, B, ceil(max_k_len / 128)),
+//     two warpgroups per CTA, each doing for its 64 keys exactly what one CTA of
+//     attention_bwd_dkdv_*_d128_wgmma (same grid as _wide, one warpgroup, still selectable)
+//     does, sharing the Q / dO tiles; wgmma, bitwise the same dk and dv (see the "wgmma" and
+//     "wgmma pair" sections at the end); and
 //     attention_bwd_dq_*_d128_wgmma instead of _tiled: grid (Hq, B, ceil(max_q_len / 64)),
 //     one warpgroup per 64 queries, wgmma, bitwise the same dq (the k16 key chunks of _tiled).
 //
@@ -1143,6 +1146,21 @@ __device__ __forceinline__ void wg_load_tile(uint8_t* tile, const uint16_t* base
     }
 }
 
+// The same copy by thread `tid` of one warpgroup of a larger CTA (the pair kernel).  A separate
+// copy rather than a parameter of the one above: that changed the one-warpgroup kernels' code.
+__device__ __forceinline__ void wg_load_tile_by(uint8_t* tile, const uint16_t* base, int64_t row_stride,
+                                                int first_row, int valid, int tid) {
+    const int ch = tid % 16;
+    const int r0 = tid / 16;
+    const uint32_t dst = shared_address(tile + (ch / 8) * kWgBoxBytes + r0 * 128 + (((ch % 8) ^ r0) << 4));
+    const uint16_t* src = base + static_cast<int64_t>(first_row + r0) * row_stride + ch * 8;
+#pragma unroll
+    for (int n = 0; n < 8; ++n) {
+        const bool ok = r0 + 8 * n < valid;
+        cp_async16_zfill(dst + n * 8 * 128, ok ? src + n * 8 * row_stride : base, ok);
+    }
+}
+
 // N-major B operand descriptor (dO / Q as the B of dV / dK: k = query rows, n = d): the two
 // 64-column boxes kWgBoxBytes apart (leading byte offset), 8-row groups 1024 bytes apart.
 __device__ __forceinline__ uint64_t wg_desc_nmajor(const void* tile) {
@@ -1399,6 +1417,214 @@ __device__ __forceinline__ void dkdv_wgmma_kernel(const uint16_t* q, const uint1
         const int key = warp_key0 + g + ((i / 2) % 2) * 8;
         if (key >= k_len) continue;
         const int64_t at = (static_cast<int64_t>(k_start) + key) * kv_stride + kv_head * D + 8 * (i / 4) + c;
+        *reinterpret_cast<uint32_t*>(dk + at) =
+            pack_floats<Codec>(ieee_mul(acc_dk[i], scale), ieee_mul(acc_dk[i + 1], scale));
+        *reinterpret_cast<uint32_t*>(dv + at) = pack_floats<Codec>(acc_dv[i], acc_dv[i + 1]);
+    }
+#elif defined(__CUDA_ARCH__)
+    __trap();  // built only into sm_90a images; the host never launches it elsewhere
+#endif
+}
+
+// ---- "wgmma pair" dK/dV kernel (sm_90a, D = 128): two warpgroups share each step's Q / dO ---
+//
+// The default dK/dV launch of the "tiled" variant on sm_90a at D = 128 (the one-warpgroup
+// kernel above stays selectable, USE_WGMMA_DKDV_PAIR = False).  One CTA of two warpgroups owns
+// 128 keys [128 J, 128 J + 128) of a sequence and kv head; warpgroup w owns the 64 keys
+// [128 J + 64 w, 128 J + 64 w + 64), i.e. exactly the keys of one CTA of the kernel above, and
+// does exactly that CTA's per-key work: the same walk (the group's heads in increasing order,
+// for each the query blocks of 64 from the first that sees ITS first key), the same products,
+// selection, rounding and k16 query steps in the same order, the same final step.  So dk and
+// dv are bitwise those of the kernel above (and of `_wide`; tested).  What the two share is the
+// copy of each step's Q, dO, lse and delta tiles in shared memory (half the fill traffic per
+// key): the CTA walks warpgroup 0's steps (its first block is <= warpgroup 1's), warpgroup 0
+// copies Q, lse and delta, warpgroup 1 dO, and a warpgroup whose keys cannot see a step's
+// queries (causal: the steps before its own first block; or it has no keys in the sequence)
+// only copies and waits at the barrier: it skips the step, it never adds zero chunks.
+// Shared memory: K and V of each warpgroup, two buffers of Q, dO, lse and delta: 133 120 bytes,
+// one CTA (8 warps, the same warps per SM as two CTAs of the kernel above) per SM.
+
+[[maybe_unused]] constexpr int kWgPairThreads = 256;
+[[maybe_unused]] constexpr int kWgPairKeys = 128;  // keys per CTA (64 per warpgroup)
+// K and V of both warpgroups, two buffers of Q and dO, two of lse and delta, 1024 of alignment.
+[[maybe_unused]] constexpr int kWgPairSharedBytes = 8 * kWgTileBytes + 2 * 2 * kWgRows * 4 + 1024;
+
+template <typename Codec>
+__device__ __forceinline__ void dkdv_wgmma_pair_kernel(const uint16_t* q, const uint16_t* k, const uint16_t* v,
+                                                       const uint16_t* dout, const float* lse, const float* delta,
+                                                       const int* q_start_of, const int* q_len_of,
+                                                       const int* k_start_of, const int* k_len_of, uint16_t* dk,
+                                                       uint16_t* dv, int num_q_heads, int num_kv_heads,
+                                                       int64_t total_q, int causal, float scale) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    using namespace hopper;
+    constexpr int D = 128;
+    int seq, kv_head, key_block;
+    tiled_cta_place(seq, kv_head, key_block, false);
+    const int k_len = k_len_of[seq];
+    const int cta_key0 = key_block * kWgPairKeys;
+    if (cta_key0 >= k_len) return;
+    const int q_len = q_len_of[seq];
+    const int q_start = q_start_of[seq];
+    const int k_start = k_start_of[seq];
+    const int offset = k_len - q_len;  // absolute position of query 0
+    const int group = num_q_heads / num_kv_heads;
+    const int64_t q_stride = static_cast<int64_t>(num_q_heads) * D;
+    const int64_t kv_stride = static_cast<int64_t>(num_kv_heads) * D;
+    const int wg = threadIdx.x / kWgThreads;  // warpgroup
+    const int t = threadIdx.x % kWgThreads;   // thread within the warpgroup
+    const int key0 = cta_key0 + wg * kWgKeys;  // this warpgroup's first key (absolute position)
+
+    extern __shared__ __align__(16) uint16_t smem[];
+    uint8_t* raw = reinterpret_cast<uint8_t*>(smem);
+    uint8_t* shared = raw + wg_bytes_to_1024(raw);
+    uint8_t* s_k = shared + wg * kWgTileBytes;            // this warpgroup's K
+    uint8_t* s_v = shared + (2 + wg) * kWgTileBytes;      // and V
+    uint8_t* s_q = shared + 4 * kWgTileBytes;             // 2 buffers
+    uint8_t* s_do = s_q + 2 * kWgTileBytes;               // 2 buffers
+    float* s_stats = reinterpret_cast<float*>(s_do + 2 * kWgTileBytes);  // [2][lse 64, delta 64]
+
+    // Keys past the sequence (all of warpgroup 1's when k_len <= key0) are zero-filled.
+    const int key_rows = min(kWgKeys, k_len - key0);
+    wg_load_tile_by(s_k, k + kv_head * D, kv_stride, k_start + key0, key_rows, t);
+    wg_load_tile_by(s_v, v + kv_head * D, kv_stride, k_start + key0, key_rows, t);
+
+    // The CTA walks warpgroup 0's steps (`_wide`'s walk for key cta_key0); this warpgroup's
+    // own walk is the subsequence of steps whose block is >= its own first block.
+    const int blocks = (q_len + kWgRows - 1) / kWgRows;
+    const int cta_first_block = (causal ? max(0, cta_key0 - offset) : 0) / kWgRows;
+    // No keys in the sequence (warpgroup 1 when k_len <= key0): no step at all.
+    const int own_first_block =
+        key0 < k_len ? (causal ? max(0, key0 - offset) : 0) / kWgRows : 0x7fffffff;
+    const int blocks_per_head = max(0, blocks - cta_first_block);
+    const int steps = group * blocks_per_head;
+
+    // Warpgroup 0 copies Q (and lse, delta), warpgroup 1 dO.  Everything from the kernel's
+    // parameters and threadIdx (no derived pointers: the step already takes all 255 registers).
+    auto stage = [&](int head, int block, int buffer) {
+        const int i0 = block * kWgRows;
+        const int rows = min(kWgRows, q_len - i0);
+        if (threadIdx.x < kWgThreads) {
+            wg_load_tile_by(s_q + buffer * kWgTileBytes, q + head * D, q_stride, q_start + i0, rows, threadIdx.x);
+            const int r = threadIdx.x % kWgRows;
+            const bool ok = r < rows;
+            const float* src = threadIdx.x < kWgRows ? lse : delta;
+            const int64_t at = static_cast<int64_t>(head) * total_q + q_start + i0 + r;
+            cp_async4_zfill(shared_address(s_stats + buffer * 2 * kWgRows + threadIdx.x), ok ? src + at : src, ok);
+        } else {
+            wg_load_tile_by(s_do + buffer * kWgTileBytes, dout + head * D, q_stride, q_start + i0, rows,
+                            threadIdx.x - kWgThreads);
+        }
+    };
+
+    const int lane = threadIdx.x % 32;
+    const int g = lane / 4, c = 2 * (lane % 4);
+    // This warp's first key (absolute position): key0 + 16 * (warp within the warpgroup).
+    const int warp_key0 = cta_key0 + 16 * static_cast<int>(threadIdx.x / 32);
+    const uint64_t desc_k = smem_descriptor_128b(s_k);
+    const uint64_t desc_v = smem_descriptor_128b(s_v);
+
+    float acc_dk[64], acc_dv[64];
+#pragma unroll
+    for (int i = 0; i < 64; ++i) acc_dk[i] = acc_dv[i] = 0.0f;
+
+    // The CTA's walk as (head, block) carried from step to step (no division per step: fewer
+    // live registers); `advance` moves to the next step and stages it into the other buffer.
+    int head = kv_head * group, block = cta_first_block;
+    auto advance = [&](int step) {
+        if (++block == blocks) {
+            block = cta_first_block;
+            ++head;
+        }
+        if (step + 1 < steps) stage(head, block, (step & 1) ^ 1);
+        cp_async_commit();
+    };
+    // Steps this warpgroup's keys cannot see (causal: before its own first block; all of them
+    // when it has no keys) are skipped, as its own walk (the one-warpgroup kernel's CTA for
+    // these keys) never takes them: the warpgroup only copies and waits at the barrier.
+    // Warpgroup-uniform.  (A `continue` inside the step loop instead made ptxas spill 200 bytes
+    // in the bf16 build.)
+    auto skip_invisible = [&](int& step) {
+        while (step < steps && block < own_first_block) {
+            wg_wait_staged();
+            advance(step);
+            ++step;
+        }
+    };
+
+    if (steps > 0) stage(head, block, 0);
+    cp_async_commit();
+    int step = 0;
+    skip_invisible(step);
+    for (; step < steps; ++step, skip_invisible(step)) {
+        const int buffer = step & 1;
+        wg_wait_staged();  // both warpgroups: this buffer landed, the other one is free
+
+        const uint8_t* tq = s_q + buffer * kWgTileBytes;
+        const uint8_t* tdo = s_do + buffer * kWgTileBytes;
+        const float* s_lse = s_stats + buffer * 2 * kWgRows;
+        const float* s_delta = s_lse + kWgRows;
+        const int i0 = block * kWgRows;
+        const int rows = min(kWgRows, q_len - i0);
+
+        // From here on the one-warpgroup kernel's step, unchanged.
+        float st[32], dpt[32];
+        wg_issue_score_products<Codec>(st, desc_k, tq, dpt, desc_v, tdo);
+        advance(step);  // the next step's Q, dO, lse and delta while the products run
+        wgmma_wait<1>();  // S^T is complete; dP^T may still run
+        fence_operands<32>(st);
+
+        uint32_t visible_mask = 0u;
+#pragma unroll
+        for (int j = 0; j < 8; ++j)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const int r = 8 * j + c + e;
+                const float row_lse = r < rows ? s_lse[r] : -INFINITY;
+                const int last_seen =
+                    row_lse == -INFINITY ? -1 : (causal ? min(k_len - 1, offset + i0 + r) : k_len - 1);
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const int i = 4 * j + 2 * h + e;
+                    const bool visible = warp_key0 + g + 8 * h <= last_seen;
+                    visible_mask |= static_cast<uint32_t>(visible) << i;
+                    float p = expf(ieee_sub(ieee_mul(st[i], scale), row_lse));
+                    asm volatile("" : "+f"(p));  // computed unconditionally, then selected
+                    st[i] = visible ? p : 0.0f;
+                }
+            }
+        uint32_t a_p[4][4], a_ds[4][4];
+        wg_pack_a<Codec>(a_p, st);
+        const uint64_t ndesc_do = wg_desc_nmajor(tdo);
+        const uint64_t ndesc_q = wg_desc_nmajor(tq);
+        fence_operands<64>(acc_dv);
+        fence_registers(a_p);
+        wg_issue_grad_product<Codec, 4>(acc_dv, a_p, ndesc_do);
+        wgmma_wait<1>();  // dP^T is complete; dV may still run
+        fence_operands<32>(dpt);
+
+        wg_select_ds(dpt, st, visible_mask, [=](int i) { return s_delta[8 * (i / 4) + c + (i % 2)]; });
+        wg_pack_a<Codec>(a_ds, dpt);
+        fence_operands<64>(acc_dk);
+        fence_registers(a_ds);
+        wg_issue_grad_product<Codec, 4>(acc_dk, a_ds, ndesc_q);
+        wgmma_wait<0>();  // this buffer is restaged after the next barrier
+        fence_operands<64>(acc_dv);
+        fence_operands<64>(acc_dk);
+        fence_registers(a_p);
+        fence_registers(a_ds);
+    }
+    cp_async_wait<0>();
+
+    // Accumulator i: key 16 * warp + g + 8 * ((i / 2) % 2), column 8 * (i / 4) + c + i % 2.
+    // The sequence's first key row read again (a memory clobber of the loop keeps the compiler
+    // from reusing the first read): one register fewer live through the loop.
+    const int k_start_out = k_start_of[seq];
+#pragma unroll
+    for (int i = 0; i < 64; i += 2) {
+        const int key = warp_key0 + g + ((i / 2) % 2) * 8;
+        if (key >= k_len) continue;
+        const int64_t at = (static_cast<int64_t>(k_start_out) + key) * kv_stride + kv_head * D + 8 * (i / 4) + c;
         *reinterpret_cast<uint32_t*>(dk + at) =
             pack_floats<Codec>(ieee_mul(acc_dk[i], scale), ieee_mul(acc_dk[i + 1], scale));
         *reinterpret_cast<uint32_t*>(dv + at) = pack_floats<Codec>(acc_dv[i], acc_dv[i + 1]);
@@ -1705,6 +1931,23 @@ BATCHINV_ATTN_BWD_ALL(f16, batchinv::F16Codec, 128)
 BATCHINV_ATTN_BWD_DKDV_WGMMA(bf16, batchinv::Bf16Codec)
 // batchinv-signature: attention_bwd_dkdv_f16_d128_wgmma(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
 BATCHINV_ATTN_BWD_DKDV_WGMMA(f16, batchinv::F16Codec)
+
+#define BATCHINV_ATTN_BWD_DKDV_WGMMA_PAIR(DTYPE, CODEC)                                                        \
+    extern "C" __global__ void __launch_bounds__(batchinv::attn_bwd::kWgPairThreads, 1)                        \
+        attention_bwd_dkdv_##DTYPE##_d128_wgmma_pair(                                                           \
+        const uint16_t* q, const uint16_t* k, const uint16_t* v, const uint16_t* dout, const float* lse,        \
+        const float* delta, const int* q_start, const int* q_len, const int* k_start, const int* k_len,         \
+        uint16_t* dk, uint16_t* dv, int num_q_heads, int num_kv_heads, int64_t total_q, int causal,             \
+        float scale) {                                                                                          \
+        batchinv::attn_bwd::dkdv_wgmma_pair_kernel<CODEC>(q, k, v, dout, lse, delta, q_start, q_len, k_start,   \
+                                                          k_len, dk, dv, num_q_heads, num_kv_heads, total_q,    \
+                                                          causal, scale);                                       \
+    }
+
+// batchinv-signature: attention_bwd_dkdv_bf16_d128_wgmma_pair(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
+BATCHINV_ATTN_BWD_DKDV_WGMMA_PAIR(bf16, batchinv::Bf16Codec)
+// batchinv-signature: attention_bwd_dkdv_f16_d128_wgmma_pair(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
+BATCHINV_ATTN_BWD_DKDV_WGMMA_PAIR(f16, batchinv::F16Codec)
 
 #define BATCHINV_ATTN_BWD_DQ_WGMMA(DTYPE, CODEC)                                                               \
     extern "C" __global__ void __launch_bounds__(batchinv::attn_bwd::kWgThreads, 2)                            \

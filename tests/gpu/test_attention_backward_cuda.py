@@ -11,8 +11,9 @@
   blocks, q_len > k_len, k_len - q_len not a multiple of 64) are checked against the
   reference and across batches too.  On sm_90a the "tiled" variant's dK/dV kernel is the wgmma
   one (d = 128): its dk/dv are checked bitwise against the mma.sync kernel ``_wide`` on a varlen
-  pack with NaN padding, empty sequences and long sequences; likewise its wgmma dQ kernel's dq
-  against the mma.sync kernel ``_tiled``.
+  pack with NaN padding, empty sequences and long sequences, and those of the default
+  two-warpgroup ("pair") wgmma dK/dV kernel against the one-warpgroup one; likewise its wgmma
+  dQ kernel's dq against the mma.sync kernel ``_tiled``.
 - Bad inputs: clear errors (the type/shape checks run on CPU tensors, without a GPU).
 """
 
@@ -447,6 +448,34 @@ def test_wgmma_dq_gives_the_bits_of_the_tiled_kernel(config, kernel_variant, mon
     # Not vacuous: real gradients, and the rows of no sequence are zero.
     assert float(dq.float().abs().max()) > 0
     _assert_padding_zero(pack, (dq, dk, dv), "wgmma dq pack")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("config", [c for c in CONFIGS if c[1] == 128], ids=_config_id)
+@pytest.mark.parametrize("kernel_variant", ["tiled"], indirect=True)  # the only one it replaces
+def test_wgmma_pair_dkdv_gives_the_bits_of_the_one_warpgroup_kernel(
+    config, kernel_variant, monkeypatch
+):
+    """The default wgmma dK/dV kernel (two warpgroups, 128 keys per CTA, shared Q/dO tiles) gives
+    the bits of the one-warpgroup kernel (USE_WGMMA_DKDV_PAIR = False), on a pack where the
+    second warpgroup has no keys (k_len <= 64 modulo 128), starts one query block later (causal)
+    or sees every step, and q_len > k_len."""
+    pack, causal, scale = _wgmma_pack(config, first_seed=900, q_pad_shift=1, k_pad_shift=2)
+    (dq, dk, dv), (dq_one, dk_one, dv_one) = _wgmma_and_mma_sync_grads(
+        pack,
+        causal,
+        scale,
+        monkeypatch,
+        "USE_WGMMA_DKDV_PAIR",
+        gpu_attention_backward.dkdv_uses_wgmma_pair,
+        "pair dK/dV",
+    )
+    assert gpu_attention_backward.dkdv_uses_wgmma(pack.q)  # the one-warpgroup kernel ran
+    assert_bitwise_equal(dk, dk_one, name="dk, pair vs one warpgroup")
+    assert_bitwise_equal(dv, dv_one, name="dv, pair vs one warpgroup")
+    assert_bitwise_equal(dq, dq_one, name="dq (same kernel)")
+    assert float(dk.float().abs().max()) > 0 and float(dv.float().abs().max()) > 0
+    _assert_padding_zero(pack, (dq, dk, dv), "wgmma pair pack")
 
 
 # ----------------------------------------------------------------------------- bad inputs
