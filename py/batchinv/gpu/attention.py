@@ -57,9 +57,14 @@ MAX_PACKED_HEADS = 16  # query heads of one kv head packed in a tile's rows
 # (a 128-key block at d = 128 is a 64 KB stage; H100, GQA 32/8 d=128 bf16, session 9: 1-block
 # ring B=64 @ 4096 0.375 ms, B=1 @ 32768 0.070 ms; 2-block ring B=64 0.374 ms).  Until session 9
 # (64-key blocks) launches with fewer than 4 CTAs per SM took 2 stages.
+# Session 10 (2048-key splits): a launch of at most one CTA per SM (small batches: B=1 at 32768
+# keys is 128 CTAs) takes COOP_ONE_WAVE_STAGES, which keeps a second 64 KB block in flight per
+# SM; H200, B=1 @ 32768: 60 -> 52 us, B=16 @ 2000: 58 -> 49 us; B=64 @ 4096 (1024 CTAs) is 3%
+# faster with one stage.  The stage count never changes a row's operations (tested).
 COOP_WARPS = 4
 COOP_STAGES = (1, 2, 3)
 COOP_DEFAULT_STAGES = 1
+COOP_ONE_WAVE_STAGES = 2
 # On sm_90a the cooperative kernel copies K/V by TMA (attn_split_coop_*_tma, where
 # coop_tma_applies; same bits).  H200, same shapes, one run, cp.async -> TMA: B=64 286.4 ->
 # 276.2 us (1-block ring), 286.7 -> 276.6 us (2-block ring); 0.891x -> 0.924x of SDPA.
@@ -456,7 +461,9 @@ def _plan(
     maps = None
     if coop:
         if stages is None:
-            stages = COOP_DEFAULT_STAGES
+            ctas = q_tiles * (hq // pack) * grid_z
+            one_wave = ctas <= multiprocessors(index)
+            stages = COOP_ONE_WAVE_STAGES if one_wave else COOP_DEFAULT_STAGES
         if stages not in COOP_STAGES:
             raise ValueError(f"stages must be one of {COOP_STAGES} with coop; got {stages!r}")
         use_tma = coop_tma_applies(k, v) if tma is None else tma
