@@ -25,7 +25,8 @@ QUICK = os.environ.get("BATCHINV_QUICK") == "1"
 DTYPES = (torch.bfloat16, torch.float16)
 HEAD_DIMS = (64, 128)
 HEADS = ((8, 2), (2, 2))  # (Hq, Hkv): GQA 4:1 (Qwen3's 32/8 scaled down) and MHA
-LONG_CONTEXT = 2500  # > 2 splits of 1024 keys: split merges are exercised
+SPLIT = gpu.SPLIT_KEYS  # the contract's split (2048 keys since session 10; 1024 before)
+LONG_CONTEXT = 2 * SPLIT + 452  # three splits: split merges are exercised
 CHUNK_SIZES = (1, 7, 64, 100)
 
 cuda = pytest.mark.cuda
@@ -170,7 +171,7 @@ def test_modes_and_tile_heights_give_the_same_bits(dtype, d, causal):
     kwargs = dict(
         causal=causal,
         seqlens_q=torch.tensor([37, 5, 20], device=DEVICE),
-        seqlens_k=torch.tensor([LONG_CONTEXT, 1100, 2049], device=DEVICE),
+        seqlens_k=torch.tensor([LONG_CONTEXT, 1100, SPLIT + 1], device=DEVICE),
         return_lse=True,
     )
     base = gpu.attention(q, k, v, mode="tile", warps=4, **kwargs)
@@ -207,10 +208,11 @@ def test_wide_score_range_same_bits_in_every_mode(dtype):
         assert_bitwise_equal(got, base, name=f"{mode}/{warps} warps/{stages} stages/coop {coop}")
 
 
-# Decode contexts around block (128; 64 until session 9) and split (1024) boundaries, and
-# (Hq, Hkv) groups whose packed rows fill a quarter, half and all of a 16-row tile.
+# Decode contexts around block (128; 64 until session 9) and split (SPLIT) boundaries, three
+# splits (2 * SPLIT + 1), and (Hq, Hkv) groups whose packed rows fill a quarter, half and all of
+# a 16-row tile.  1023-1025 (the split edge until session 10) stay as in-split block edges.
 BLOCK_EDGES = (1, 63, 65, 127, 128, 129, 255, 256, 257)
-DECODE_CONTEXTS = (*BLOCK_EDGES, 1023, 1024, 1025, 2047, 2048, 2049, 3001)
+DECODE_CONTEXTS = (*BLOCK_EDGES, 1023, 1024, 1025, SPLIT - 1, SPLIT, SPLIT + 1, 2 * SPLIT + 1)
 DECODE_HEADS = ((8, 2), (8, 1), (16, 1))
 
 
@@ -300,7 +302,7 @@ def test_decode_kernels_repeat_bitwise_with_an_empty_context(dtype, d):
     # twice each: context 0 (every split CTA returns at once and the combine writes +0 / -inf
     # into an unfilled output), 1 key, block and split boundaries, 5 splits, NaN past every
     # length.
-    lens = [0, 1, 63, 127, 129, 1023, 1024, 1025, 4097]
+    lens = [0, 1, 63, 127, 129, 1023, 1024, 1025, SPLIT - 1, SPLIT, SPLIT + 1, 4 * SPLIT + 1]
     q, k, v = _qkv(len(lens), 1, max(lens), 8, 2, d, dtype, seed=50 + d)
     for b, n in enumerate(lens):
         k[b, n:] = float("nan")
@@ -336,9 +338,9 @@ def test_coop_tma_copies_equal_cp_async_and_prefill(dtype, d, heads):
     _require_coop_tma()
     hq = heads[0]
     lens = (
-        [1, 65, 129, 0, 1024, 1025, 4097]
+        [1, 65, 129, 0, SPLIT, SPLIT + 1, 2 * SPLIT + 1]
         if QUICK
-        else [1, 63, 65, 127, 128, 129, 0, 1023, 1024, 1025, 2049, 4097]
+        else [1, 63, 65, 127, 128, 129, 0, 1023, 1025, SPLIT - 1, SPLIT, SPLIT + 1, 2 * SPLIT + 1]
     )
     batch = len(lens)
     q, q_new, k, v, k_lens = _decode_case(dtype, d, lens, seed=80 + hq, heads=heads)
@@ -421,7 +423,7 @@ def test_decode_with_pdl_equals_prefill_and_the_ordinary_launch(dtype, d):
     # Every split kernel with its combine launched programmatically (PDL) and ordinarily, into
     # poisoned memory: each row equals the last row of its sequence's one-shot prefill.
     _require_pdl()
-    lens = [1, 63, 129, 1024, 1025, 2049, 4097]
+    lens = [1, 63, 129, 1025, SPLIT, SPLIT + 1, 2 * SPLIT + 1]
     q, q_new, k, v, k_lens = _decode_case(dtype, d, lens)
     want = _prefill_answers(q, k, v, lens)
     variants = [(s, True) for s in gpu.COOP_STAGES] + [(gpu.TILE_STAGES, False)]
@@ -684,7 +686,8 @@ def test_chunked_prefill_and_decode_equal_one_prefill(dtype, d):
 @cuda
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_decode_batch_one_equals_batch_eight(dtype):
-    d, lens = 128, [2100, 5, 1024, 1025, 64, 700, 3, 2047]
+    # With the new key: contexts past the first split, ending on it and one key into the second.
+    d, lens = 128, [SPLIT + 52, 5, 1024, 1025, 64, SPLIT, 3, SPLIT - 1]
     ctx = max(lens) + 1
     q, k, v = _qkv(8, ctx, ctx, 8, 2, d, dtype, seed=13)
     big = KVCache(8, ctx, 2, d, dtype=dtype, device=DEVICE)

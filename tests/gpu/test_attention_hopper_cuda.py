@@ -25,7 +25,8 @@ DTYPES = (torch.bfloat16, torch.float16)
 # (Hq, Hkv): GQA 4:1, GQA 8:1, MHA, a group of 3 (128-row tiles: 42 queries x 3 heads, 2
 # padding rows) and a group of 5 (25 queries x 5 heads, 3 padding rows)
 HEADS = ((8, 2), (16, 2), (4, 4), (6, 2), (10, 2))
-LONG_CONTEXT = 2500  # three splits of 1024 keys
+SPLIT, BLOCK = gpu.SPLIT_KEYS, gpu.BLOCK_KEYS  # the contract's split (2048 keys) and block
+LONG_CONTEXT = 2 * SPLIT + 452  # three splits
 D = (64, 128)  # head dims the kernel serves (one kernel body, D / 64 column halves)
 with_d = pytest.mark.parametrize("d", D)
 
@@ -140,7 +141,7 @@ def _hopper_equal_to_mma_sync(q, k, v, what, **kwargs):
 @with_d
 def test_hopper_equals_mma_sync_tile_and_split(dtype, heads, causal, d):
     hq, hkv = heads
-    # Split merges (2500 keys), a partial last block (1100, 70), causal offsets (queries at
+    # Split merges (LONG_CONTEXT keys), a partial last block (1100, 70), causal offsets (queries at
     # the end of longer contexts), queries before the first key (130 queries, 70 keys: the
     # first 60 rows are fully masked when causal), a sequence with no key, NaN padding.
     seqlens_q = torch.tensor([37, 5, 130, 20], device=DEVICE)
@@ -161,11 +162,12 @@ def test_hopper_equals_mma_sync_tile_and_split(dtype, heads, causal, d):
 @with_d
 def test_split_edges_equal_mma_sync(dtype, causal, d):
     # The kernel runs a block that starts a split as its own copy of the pipeline step: contexts
-    # ending exactly on a split (1024, 2048), one 128-key block past it (1152: the block that
-    # starts the second split is the last), one key past it (1025), and one key short (1023).
-    seqlens_k = torch.tensor([1024, 1152, 2048, 1025, 1023], device=DEVICE)
+    # ending exactly on a split (SPLIT, 2 * SPLIT), one 128-key block past it (SPLIT + BLOCK: the
+    # block that starts the second split is the last), one key past it and one key short.
+    edges = [SPLIT, SPLIT + BLOCK, 2 * SPLIT, SPLIT + 1, SPLIT - 1]
+    seqlens_k = torch.tensor(edges, device=DEVICE)
     seqlens_q = torch.tensor([200, 70, 129, 1, 64], device=DEVICE)
-    q, k, v = _qkv(5, 200, 2048, 8, 2, dtype, seed=31, d=d)
+    q, k, v = _qkv(5, 200, 2 * SPLIT, 8, 2, dtype, seed=31, d=d)
     q, k, v = _nan_padding(q, k, v, seqlens_q, seqlens_k)
     kwargs = dict(causal=causal, seqlens_q=seqlens_q, seqlens_k=seqlens_k, return_lse=True)
     _hopper_equal_to_mma_sync(q, k, v, "tile at split edges", **kwargs)
@@ -178,11 +180,12 @@ def test_split_edges_equal_mma_sync(dtype, causal, d):
 @with_d
 def test_block_edges_equal_mma_sync(dtype, causal, d):
     # Contexts around the 128-key block edges (1, 127, 128, 129 keys; 2 and 3 blocks, one key
-    # past 3), a block short of and past a split (9 blocks, one key short of 10), causal tiles
-    # of 32 query positions that end inside a block and on its edges, a sequence with no query.
-    seqlens_k = torch.tensor([1, 127, 128, 129, 256, 384, 385, 1151, 1280, 300], device=DEVICE)
+    # past 3), one key short of a block past a split and two blocks past it, causal tiles of 32
+    # query positions that end inside a block and on its edges, a sequence with no query.
+    past = [SPLIT + BLOCK - 1, SPLIT + 2 * BLOCK]
+    seqlens_k = torch.tensor([1, 127, 128, 129, 256, 384, 385, *past, 300], device=DEVICE)
     seqlens_q = torch.tensor([1, 127, 20, 129, 200, 100, 193, 200, 150, 0], device=DEVICE)
-    q, k, v = _qkv(10, 200, 1280, 8, 2, dtype, seed=53, d=d)
+    q, k, v = _qkv(10, 200, past[1], 8, 2, dtype, seed=53, d=d)
     q, k, v = _nan_padding(q, k, v, seqlens_q, seqlens_k)
     kwargs = dict(causal=causal, seqlens_q=seqlens_q, seqlens_k=seqlens_k, return_lse=True)
     new = _hopper_equal_to_mma_sync(q, k, v, "tile at block edges", **kwargs)
@@ -196,12 +199,14 @@ def test_block_edges_equal_mma_sync(dtype, causal, d):
 @with_d
 def test_split_loop_edges_equal_mma_sync(dtype, causal, d):
     # The kernel runs one inner loop per split and the last block as a step of its own: block
-    # counts one short of, on and one past the split edges (7, 8, 15, 16, 17, 24, 25 blocks of
-    # 128 keys), a split that holds only the last block (1025 keys: block 8 starts the second
-    # split and is the last), and 1 block.
-    seqlens_k = torch.tensor([896, 1024, 1025, 1920, 2048, 2176, 3072, 3073, 128], device=DEVICE)
+    # counts one short of, on and one past the split edges (15, 16, 31, 32, 33, 48 blocks of
+    # 128 keys and one key more), a split that holds only the last block (SPLIT + 1 keys: block
+    # 16 starts the second split and is the last), and 1 block.
+    s = SPLIT
+    lens = [s - BLOCK, s, s + 1, 2 * s - BLOCK, 2 * s, 2 * s + BLOCK, 3 * s, 3 * s + 1, BLOCK]
+    seqlens_k = torch.tensor(lens, device=DEVICE)
     seqlens_q = torch.tensor([40, 33, 1, 64, 100, 3, 90, 31, 64], device=DEVICE)
-    q, k, v = _qkv(9, 100, 3073, 8, 2, dtype, seed=67, d=d)
+    q, k, v = _qkv(9, 100, 3 * s + 1, 8, 2, dtype, seed=67, d=d)
     q, k, v = _nan_padding(q, k, v, seqlens_q, seqlens_k)
     kwargs = dict(causal=causal, seqlens_q=seqlens_q, seqlens_k=seqlens_k, return_lse=True)
     new = _hopper_equal_to_mma_sync(q, k, v, "tile at the split-loop edges", **kwargs)
@@ -214,11 +219,12 @@ def test_split_loop_edges_equal_mma_sync(dtype, causal, d):
 @with_d
 def test_causal_ends_around_a_split_edge_equal_mma_sync(dtype, d):
     # Causal tiles (32 query positions at GQA 4:1) whose last block lies on both sides of the
-    # first split edge (1040 and 1100 keys, 96 queries: tiles ending in blocks 8 and 9), a tile
-    # whose rows see no key (50 queries over 20 keys), a tile past q_len.
-    seqlens_k = torch.tensor([1040, 1100, 20, 1], device=DEVICE)
+    # first split edge (SPLIT + 16 and SPLIT + 76 keys, 96 queries: tiles ending in the blocks
+    # just before and just after the edge), a tile whose rows see no key (50 queries over 20
+    # keys), a tile past q_len.
+    seqlens_k = torch.tensor([SPLIT + 16, SPLIT + 76, 20, 1], device=DEVICE)
     seqlens_q = torch.tensor([96, 96, 50, 1], device=DEVICE)
-    q, k, v = _qkv(4, 96, 1100, 8, 2, dtype, seed=71, d=d)
+    q, k, v = _qkv(4, 96, SPLIT + 76, 8, 2, dtype, seed=71, d=d)
     q, k, v = _nan_padding(q, k, v, seqlens_q, seqlens_k)
     kwargs = dict(causal=True, seqlens_q=seqlens_q, seqlens_k=seqlens_k, return_lse=True)
     new = _hopper_equal_to_mma_sync(q, k, v, "tile, causal ends around a split", **kwargs)

@@ -121,6 +121,37 @@ def test_a_reused_plan_gives_the_bits_of_a_fresh_one(dtype, d):
     assert_bitwise_equal(got, _fresh(rows, layout2, scale, mode=mode, warps=warps))
 
 
+def _uninitialised_decode(batch, ctx, hq=32, hkv=8, d=128):
+    """``(q, k, v)`` rows and layout of a GQA 32/8 decode batch at ``ctx`` keys each, left
+    uninitialised: a plan reads shapes, strides and alignment, never values."""
+    q = torch.empty(batch, hq, d, dtype=torch.bfloat16, device=DEVICE)
+    k = torch.empty(batch * ctx, hkv, d, dtype=torch.bfloat16, device=DEVICE)
+    return (q, k, torch.empty_like(k)), _layout([ctx] * batch, ctx, DEVICE)
+
+
+@cuda
+def test_coop_default_stages_follow_the_one_wave_rule():
+    # Session 10: a cooperative decode launch of at most one CTA per SM takes
+    # COOP_ONE_WAVE_STAGES K/V stages, a larger one COOP_DEFAULT_STAGES.  A GQA 32/8 decode
+    # launch has 8 (kv heads) x B x splits CTAs: B=1 at 32768 keys is 128 CTAs (2 stages on a
+    # 132-SM H100/H200), B=64 at 4096 keys 1024 CTAs (1 stage); one-split batches on both sides
+    # of the SM count.
+    sms = torch.cuda.get_device_properties(DEVICE).multi_processor_count
+    one_split = gpu.SPLIT_KEYS
+    cases = [(1, 32768), (64, 4096), (sms // 8, one_split), (sms // 8 + 1, one_split)]
+    for batch, ctx in cases:
+        rows, layout = _uninitialised_decode(batch, ctx)
+        ctas = 8 * batch * -(-ctx // gpu.SPLIT_KEYS)
+        plan = gpu._plan(*rows, layout, True)[0]
+        grid = plan.main.grid
+        assert grid[0] * grid[1] * grid[2] == ctas, (batch, ctx)
+        want = gpu.COOP_ONE_WAVE_STAGES if ctas <= sms else gpu.COOP_DEFAULT_STAGES
+        pinned = {s: gpu._plan(*rows, layout, True, stages=s)[0].main for s in gpu.COOP_STAGES}
+        chosen = [s for s, launch in pinned.items() if launch == plan.main]
+        assert chosen == [want], (batch, ctx, ctas, sms, chosen)
+    assert (gpu.COOP_ONE_WAVE_STAGES, gpu.COOP_DEFAULT_STAGES) == (2, 1)
+
+
 @cuda
 def test_a_plan_is_not_reused_for_other_strides_alignment_or_bounds():
     lens = [1, 1025, 4097]

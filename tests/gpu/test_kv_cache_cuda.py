@@ -12,6 +12,7 @@ import torch
 
 import batchinv
 from batchinv.contract import assert_bitwise_equal
+from batchinv.gpu import attention as gpu_attention
 from batchinv.host_syncs import count_host_syncs, sync_debug_mode
 from batchinv.reference.kv_cache import KVCache
 
@@ -20,8 +21,11 @@ pytestmark = pytest.mark.cuda
 DEVICE = "cuda"
 DTYPE = torch.bfloat16
 HQ, HKV, D = 8, 2, 128
-LENGTHS = (1500, 3, 1024, 1025, 64, 700)  # cached keys per slot before the step
-CAPACITY = 1600
+# Cached keys per slot before the step: a step's contexts end on and past the contract's split
+# (SPLIT_KEYS: 2048 keys since session 10), so its launch has two splits.
+SPLIT = gpu_attention.SPLIT_KEYS
+LENGTHS = (1500, 3, SPLIT, SPLIT + 1, 64, 700)
+CAPACITY = SPLIT + 100
 
 
 def _randn(*shape, seed):
@@ -81,7 +85,7 @@ def test_padded_chunk_with_cpu_lengths_makes_no_host_sync():
         got = _decode(cache, _IDS, lens, inputs)
     want = _decode(gpu_cache, _IDS.to(DEVICE), lens.to(DEVICE), inputs)
     assert_bitwise_equal(got, want, name="chunk, CPU vs GPU ids and lengths")
-    assert cache.host_lengths(_IDS).tolist() == [64 + 5, 1500, 1025 + 2]
+    assert cache.host_lengths(_IDS).tolist() == [64 + 5, 1500, SPLIT + 1 + 2]
 
 
 def test_gpu_ids_and_lengths_cost_exactly_one_sync():
@@ -106,7 +110,7 @@ def test_host_lengths_equal_the_device_state():
     b.copy_prefix(0, 2, 1000, source=a)
     a.copy_prefix(3, 1)
     a.reset(torch.tensor([5], device=DEVICE))
-    want_a = [1501, 1026, 1024, 1026, 65, 0]
+    want_a = [1501, SPLIT + 2, SPLIT, SPLIT + 2, 65, 0]
     for cache, want in ((a, want_a), (b, [0, 0, 1000])):
         assert cache.host_lengths().tolist() == want
         device_lengths = cache.lengths
