@@ -13,8 +13,8 @@
 // Per-row arithmetic (the same for every schedule; m is kept in the log2 domain, c =
 // scale_log2 = scale * log2 e in fp32, c > 0):
 //   Keys are processed in blocks of kBlockKeys = 128 at fixed ABSOLUTE positions
-//   [128j, 128j+128), grouped in splits of kSplitKeys = 1024 keys (kBlocksPerSplit = 8 blocks),
-//   also at absolute positions (64-key blocks until session 9).
+//   [128j, 128j+128), grouped in splits of kSplitKeys = 2048 keys (kBlocksPerSplit = 16 blocks),
+//   also at absolute positions (64-key blocks until session 9, 1024-key splits until session 10).
 //   1. Each split is reduced from the empty state (m, l, acc) = (-inf, 0, 0) by an online
 //      softmax over its blocks in increasing order (block_softmax): s = q . k by mma over d in
 //      k16 steps in increasing order; invisible keys get s = -inf by selection; then per row
@@ -879,8 +879,8 @@ __device__ __forceinline__ void attn_combine(const float* ws, void* out, float* 
     const int vis = causal ? max(0, min(lk, lk - lq + qi + 1)) : lk;
     const int splits = (vis + kSplitKeys - 1) / kSplitKeys;
     const int64_t t_row = q_start[b] + qi;
-    // Partials are loaded kBatch at a time (independent loads in flight; a long context has
-    // 32+ splits), then merged one by one in split order as before.
+    // Partials are loaded kBatch at a time (independent loads in flight; a 32768-key context has
+    // 16 splits), then merged one by one in split order as before.
     constexpr int kBatch = 8;
     const int64_t split_stride = static_cast<int64_t>(tq) * hq * (D + 2);
     const float* part = ws + (t_row * hq + h) * (D + 2);

@@ -12,8 +12,8 @@
 // one runs.  Which CTA computes an item, and in which order, never changes an operation of a
 // row: the grid size depends on the batch, the arithmetic does not.  Differences from
 // attention.cu are in who computes what, never in the arithmetic:
-//   - Blocks of kBlockKeys = 128 keys (session 9, the contract's block size; 8 blocks per
-//     1024-key split).  Tile rows: M = 128 (two consumer warpgroups of 64 rows, four warps of
+//   - Blocks of kBlockKeys = 128 keys (session 9, the contract's block size; 16 blocks per
+//     2048-key split since session 10).  Tile rows: M = 128 (two consumer warpgroups of 64 rows, four warps of
 //     16 rows each), row r = (query qtile * QPT + r / P, head hg * P + r % P) as in
 //     attention.cu.  A warp's 16 rows are held exactly as mma.sync holds them: wgmma's
 //     accumulator i of a thread is element (i / 4, i % 4) of mma.sync's n8 tile i / 4, so every

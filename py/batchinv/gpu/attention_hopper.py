@@ -1,7 +1,7 @@
 """Tile-mode attention forward on Hopper: launches ``kernels_cu/attention_hopper.cu``.
 
 The kernel computes exactly the per-row arithmetic of ``kernels_cu/attention.cu``'s tile kernel
-(same 128-key blocks, 1024-key splits, merge and finalize; see both headers) with the
+(same 128-key blocks, 2048-key splits, merge and finalize; see both headers) with the
 FlashAttention-3 structure: a TMA producer warpgroup and two wgmma consumer warpgroups of 64
 rows each (128-row tiles), in a persistent grid (one CTA per SM taking work items from a
 queue, a counter zeroed for each launch).  Head dims 64 and 128: a row of Q, K or V is d / 64

@@ -23,7 +23,7 @@ from ..reference.kv_cache import KVCache
 registry.register("attention", "cpu")(reference.attention)
 registry.register("attention_varlen", "cpu")(reference.attention_varlen)
 registry.register("attention_with_kv_cache", "cpu")(reference.attention_with_kv_cache)
-# CUDA: kernels_cu/attention.cu (mma.sync, fixed 128-key blocks and 1024-key splits at absolute
+# CUDA: kernels_cu/attention.cu (mma.sync, fixed 128-key blocks and 2048-key splits at absolute
 # positions; decode equals prefill bit for bit).  Not built for HIP.
 registry.register("attention", "cuda")(gpu.attention)
 registry.register("attention_varlen", "cuda")(gpu.attention_varlen)
