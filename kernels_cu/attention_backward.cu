@@ -40,10 +40,9 @@
 //     the heaviest causal blocks go first (tiled_cta_place).  See the "tiled" section below.
 //     On sm_90 devices with the sm_90a image, at D = 128, the host launches
 //     attention_bwd_dkdv_*_d128_wgmma_pair instead of _wide: grid (Hkv, B, ceil(max_k_len / 128)),
-//     two warpgroups per CTA, each doing for its 64 keys exactly what one CTA of
-//     attention_bwd_dkdv_*_d128_wgmma (same grid as _wide, one warpgroup, still selectable)
-//     does, sharing the Q / dO tiles; wgmma, bitwise the same dk and dv (see the "wgmma" and
-//     "wgmma pair" sections at the end); and
+//     two warpgroups per CTA, each doing for its 64 keys exactly what one CTA of _wide does,
+//     sharing the Q / dO tiles; wgmma, bitwise the same dk and dv (see the "wgmma pair"
+//     section at the end); and
 //     attention_bwd_dq_*_d128_wgmma instead of _tiled: grid (Hq, B, ceil(max_q_len / 64)),
 //     one warpgroup per 64 queries, wgmma, bitwise the same dq (the k16 key chunks of _tiled).
 //
@@ -1081,41 +1080,13 @@ __device__ __forceinline__ void dq_tiled_kernel(const uint16_t* q, const uint16_
 #endif
 }
 
-// ---- "wgmma" dK/dV kernel (sm_90a, D = 128): the `_wide` kernel's arithmetic on wgmma --------
-//
-// Replaces the `_wide` dK/dV launch of the "tiled" variant on sm_90 devices with the sm_90a
-// image (py/batchinv/gpu/attention_backward.py); dk and dv are bitwise those of `_wide`
-// (tested).  One warpgroup (4 warps, 128 threads) per CTA owns the same 64 keys of a sequence
-// and kv head, walks the same query blocks of 64 in the same order (heads of the group
-// increasing, blocks from the first that sees key0), with the same grid (heavy-first).
-//   - Shared memory: K, V (loaded once) and two buffers of Q and dO (64 rows each, prefetched
-//     one step ahead with cp.async) as 128-byte-swizzled tiles of two 64-column boxes (the
-//     layout of attention_hopper.cu's K/V stages); rows past the sequence are zero-filled
-//     (cp.async with source size 0), never read.  lse and delta of the step's rows likewise
-//     (zero-filled past the rows; the selection treats those rows as lse = -inf, as `_wide`).
-//   - S^T = K Q^T and dP^T = V dO^T: wgmma m64n64k16 (A = K / V, B = Q / dO, both K-major
-//     from shared memory) over d in increasing k16 steps from a zero accumulator: the mma.sync
-//     chain of `_wide`.  Two commit groups: p is computed once S^T is complete, while dP^T runs.  Warp w holds keys 16w..16w+15 of the tile exactly as mma.sync holds a
-//     16-row tile (accumulator i = element i % 4 of n8 tile i / 4), so p and ds are the same
-//     selection and the same IEEE steps (probability_and_grad's expressions, split in two
-//     passes: p first, then ds, with the visibility kept as a bit mask).
-//   - P^T and dS^T rounded to the input dtype become the register A operand (a_from_acc's
-//     packing, the bits `_wide` writes to shared memory and reads back with ldmatrix) of
-//     dV += P^T dO and dK += dS^T Q: wgmma m64n128k16 with dO / Q N-major from shared memory,
-//     the four k16 query steps in increasing order.  The dV product is issued before dS is
-//     computed and runs meanwhile.
-//   - dk = round(acc_dk * scale), dv = round(acc_dv): `_wide`'s final step.
-// That wgmma and mma.sync give the same bits for the same k16 step sequence is a measured
-// property of the GPU (linear.cu, attention_hopper.cu), checked bitwise against `_wide` by
-// tests/gpu/test_attention_backward_cuda.py.
+// ---- wgmma kernels (sm_90a, D = 128): constants and helpers of the pair dK/dV and dQ kernels ---
 
-[[maybe_unused]] constexpr int kWgKeys = 64;                // keys per CTA (one warpgroup, 16 per warp)
+[[maybe_unused]] constexpr int kWgKeys = 64;                // keys per warpgroup (16 per warp)
 [[maybe_unused]] constexpr int kWgRows = 64;                // queries per step
 [[maybe_unused]] constexpr int kWgThreads = 128;
 [[maybe_unused]] constexpr int kWgBoxBytes = 64 * 128;      // 64 rows x 64 columns of 2 bytes
 [[maybe_unused]] constexpr int kWgTileBytes = 2 * kWgBoxBytes;  // 64 rows x 128 columns
-// K, V, two buffers of Q and dO, two buffers of lse and delta, 1024 bytes of alignment.
-[[maybe_unused]] constexpr int kWgSharedBytes = 6 * kWgTileBytes + 2 * 2 * kWgRows * 4 + 1024;
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 
@@ -1147,7 +1118,8 @@ __device__ __forceinline__ void wg_load_tile(uint8_t* tile, const uint16_t* base
 }
 
 // The same copy by thread `tid` of one warpgroup of a larger CTA (the pair kernel).  A separate
-// copy rather than a parameter of the one above: that changed the one-warpgroup kernels' code.
+// copy rather than a parameter of the one above: that changed the code of the one-warpgroup
+// kernels (the dQ kernel and the one-warpgroup dK/dV kernel of the time).
 __device__ __forceinline__ void wg_load_tile_by(uint8_t* tile, const uint16_t* base, int64_t row_stride,
                                                 int first_row, int valid, int tid) {
     const int ch = tid % 16;
@@ -1191,8 +1163,8 @@ __device__ __forceinline__ void wg_mma_grads(float (&d)[64], const uint32_t (&a)
 }
 
 
-// ---- What both wgmma kernels do the same way (one copy, so that the two cannot drift apart:
-// their bits must match the mma.sync kernels step for step).
+// ---- What the wgmma kernels (pair dK/dV, dQ) do the same way (one copy, so that the two cannot
+// drift apart: their bits must match the mma.sync kernels step for step).
 
 // Bytes from raw (the dynamic shared memory) to its first 1024-byte boundary, where swizzled
 // tiles must start.  The caller adds it to the array itself, so that the compiler keeps knowing
@@ -1276,173 +1248,48 @@ __device__ __forceinline__ void wg_issue_grad_product(float (&acc)[64], const ui
 
 #endif
 
-template <typename Codec>
-__device__ __forceinline__ void dkdv_wgmma_kernel(const uint16_t* q, const uint16_t* k, const uint16_t* v,
-                                                  const uint16_t* dout, const float* lse, const float* delta,
-                                                  const int* q_start_of, const int* q_len_of, const int* k_start_of,
-                                                  const int* k_len_of, uint16_t* dk, uint16_t* dv, int num_q_heads,
-                                                  int num_kv_heads, int64_t total_q, int causal, float scale) {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    using namespace hopper;
-    constexpr int D = 128;
-    int seq, kv_head, key_block;
-    tiled_cta_place(seq, kv_head, key_block, false);
-    const int k_len = k_len_of[seq];
-    const int key0 = key_block * kWgKeys;
-    if (key0 >= k_len) return;
-    const int q_len = q_len_of[seq];
-    const int q_start = q_start_of[seq];
-    const int k_start = k_start_of[seq];
-    const int offset = k_len - q_len;  // absolute position of query 0
-    const int group = num_q_heads / num_kv_heads;
-    const int64_t q_stride = static_cast<int64_t>(num_q_heads) * D;
-    const int64_t kv_stride = static_cast<int64_t>(num_kv_heads) * D;
-
-    extern __shared__ __align__(16) uint16_t smem[];
-    uint8_t* raw = reinterpret_cast<uint8_t*>(smem);
-    uint8_t* shared = raw + wg_bytes_to_1024(raw);
-    uint8_t* s_k = shared;
-    uint8_t* s_v = s_k + kWgTileBytes;
-    uint8_t* s_q = s_v + kWgTileBytes;        // 2 buffers
-    uint8_t* s_do = s_q + 2 * kWgTileBytes;   // 2 buffers
-    float* s_stats = reinterpret_cast<float*>(s_do + 2 * kWgTileBytes);  // [2][lse 64, delta 64]
-
-    const int key_rows = min(kWgKeys, k_len - key0);
-    wg_load_tile(s_k, k + kv_head * D, kv_stride, k_start + key0, key_rows);
-    wg_load_tile(s_v, v + kv_head * D, kv_stride, k_start + key0, key_rows);
-
-    // The group's query heads in increasing order, for each the query blocks from the first
-    // that can see key0 (causal): `_wide`'s walk.
-    const int first_query = causal ? max(0, key0 - offset) : 0;
-    const int first_block = first_query / kWgRows;
-    const int blocks_per_head = max(0, (q_len + kWgRows - 1) / kWgRows - first_block);
-    const int steps = group * blocks_per_head;
-
-    auto stage = [&](int step, int buffer) {
-        const int head = kv_head * group + step / blocks_per_head;
-        const int i0 = (first_block + step % blocks_per_head) * kWgRows;
-        const int rows = min(kWgRows, q_len - i0);
-        wg_load_tile(s_q + buffer * kWgTileBytes, q + head * D, q_stride, q_start + i0, rows);
-        wg_load_tile(s_do + buffer * kWgTileBytes, dout + head * D, q_stride, q_start + i0, rows);
-        const int r = threadIdx.x % kWgRows;
-        const bool ok = r < rows;
-        const float* src = threadIdx.x < kWgRows ? lse : delta;
-        const int64_t at = static_cast<int64_t>(head) * total_q + q_start + i0 + r;
-        cp_async4_zfill(shared_address(s_stats + buffer * 2 * kWgRows + threadIdx.x), ok ? src + at : src, ok);
-    };
-
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const int g = lane / 4, c = 2 * (lane % 4);
-    const int warp_key0 = key0 + 16 * warp;  // this warp's first key (absolute position)
-    const uint64_t desc_k = smem_descriptor_128b(s_k);
-    const uint64_t desc_v = smem_descriptor_128b(s_v);
-
-    float acc_dk[64], acc_dv[64];
-#pragma unroll
-    for (int i = 0; i < 64; ++i) acc_dk[i] = acc_dv[i] = 0.0f;
-
-    if (steps > 0) stage(0, 0);
-    cp_async_commit();
-    for (int step = 0; step < steps; ++step) {
-        const int buffer = step & 1;
-        wg_wait_staged();
-
-        const uint8_t* tq = s_q + buffer * kWgTileBytes;
-        const uint8_t* tdo = s_do + buffer * kWgTileBytes;
-        const float* s_lse = s_stats + buffer * 2 * kWgRows;
-        const float* s_delta = s_lse + kWgRows;
-        const int i0 = (first_block + step % blocks_per_head) * kWgRows;
-        const int rows = min(kWgRows, q_len - i0);
-
-        // S^T and dP^T over d in increasing k16 steps (32 bytes along a swizzled row).
-        float st[32], dpt[32];
-        wg_issue_score_products<Codec>(st, desc_k, tq, dpt, desc_v, tdo);
-        // The next step's Q, dO, lse and delta into the other buffer while the products run.
-        if (step + 1 < steps) stage(step + 1, buffer ^ 1);
-        cp_async_commit();
-        wgmma_wait<1>();  // S^T is complete; dP^T may still run
-        fence_operands<32>(st);
-
-        // p (probability_and_grad's first line) with the visibility as a bit mask.  Visibility
-        // per query row r as the last key it sees (-1: none): row_lse != -inf, key < k_len and,
-        // causal, key <= offset + i0 + r; rows past the step's rows have lse = -inf.  exp is
-        // computed for every element and then selected (no branch per element; same values).
-        uint32_t visible_mask = 0u;
-#pragma unroll
-        for (int j = 0; j < 8; ++j)
-#pragma unroll
-            for (int e = 0; e < 2; ++e) {
-                const int r = 8 * j + c + e;
-                const float row_lse = r < rows ? s_lse[r] : -INFINITY;
-                const int last_seen =
-                    row_lse == -INFINITY ? -1 : (causal ? min(k_len - 1, offset + i0 + r) : k_len - 1);
-#pragma unroll
-                for (int h = 0; h < 2; ++h) {
-                    const int i = 4 * j + 2 * h + e;
-                    const bool visible = warp_key0 + g + 8 * h <= last_seen;
-                    visible_mask |= static_cast<uint32_t>(visible) << i;
-                    float p = expf(ieee_sub(ieee_mul(st[i], scale), row_lse));
-                    asm volatile("" : "+f"(p));  // computed unconditionally, then selected
-                    st[i] = visible ? p : 0.0f;
-                }
-            }
-        // P^T (rounded) as the A operand of the four k16 query steps; dV += P^T dO.
-        uint32_t a_p[4][4], a_ds[4][4];
-        wg_pack_a<Codec>(a_p, st);
-        const uint64_t ndesc_do = wg_desc_nmajor(tdo);
-        const uint64_t ndesc_q = wg_desc_nmajor(tq);
-        fence_operands<64>(acc_dv);
-        fence_registers(a_p);
-        wg_issue_grad_product<Codec, 4>(acc_dv, a_p, ndesc_do);
-        wgmma_wait<1>();  // dP^T is complete; dV may still run
-        fence_operands<32>(dpt);
-
-        // ds (probability_and_grad's second line) while the dV product runs; dK += dS^T Q.
-        wg_select_ds(dpt, st, visible_mask, [=](int i) { return s_delta[8 * (i / 4) + c + (i % 2)]; });
-        wg_pack_a<Codec>(a_ds, dpt);
-        fence_operands<64>(acc_dk);
-        fence_registers(a_ds);
-        wg_issue_grad_product<Codec, 4>(acc_dk, a_ds, ndesc_q);
-        wgmma_wait<0>();  // this buffer is restaged after the next barrier
-        fence_operands<64>(acc_dv);
-        fence_operands<64>(acc_dk);
-        fence_registers(a_p);
-        fence_registers(a_ds);
-    }
-    cp_async_wait<0>();
-
-    // Accumulator i: key 16 * warp + g + 8 * ((i / 2) % 2), column 8 * (i / 4) + c + i % 2.
-#pragma unroll
-    for (int i = 0; i < 64; i += 2) {
-        const int key = warp_key0 + g + ((i / 2) % 2) * 8;
-        if (key >= k_len) continue;
-        const int64_t at = (static_cast<int64_t>(k_start) + key) * kv_stride + kv_head * D + 8 * (i / 4) + c;
-        *reinterpret_cast<uint32_t*>(dk + at) =
-            pack_floats<Codec>(ieee_mul(acc_dk[i], scale), ieee_mul(acc_dk[i + 1], scale));
-        *reinterpret_cast<uint32_t*>(dv + at) = pack_floats<Codec>(acc_dv[i], acc_dv[i + 1]);
-    }
-#elif defined(__CUDA_ARCH__)
-    __trap();  // built only into sm_90a images; the host never launches it elsewhere
-#endif
-}
-
-// ---- "wgmma pair" dK/dV kernel (sm_90a, D = 128): two warpgroups share each step's Q / dO ---
+// ---- "wgmma pair" dK/dV kernel (sm_90a, D = 128): `_wide`'s arithmetic on wgmma -------------
 //
-// The default dK/dV launch of the "tiled" variant on sm_90a at D = 128 (the one-warpgroup
-// kernel above stays selectable, USE_WGMMA_DKDV_PAIR = False).  One CTA of two warpgroups owns
-// 128 keys [128 J, 128 J + 128) of a sequence and kv head; warpgroup w owns the 64 keys
-// [128 J + 64 w, 128 J + 64 w + 64), i.e. exactly the keys of one CTA of the kernel above, and
-// does exactly that CTA's per-key work: the same walk (the group's heads in increasing order,
-// for each the query blocks of 64 from the first that sees ITS first key), the same products,
-// selection, rounding and k16 query steps in the same order, the same final step.  So dk and
-// dv are bitwise those of the kernel above (and of `_wide`; tested).  What the two share is the
-// copy of each step's Q, dO, lse and delta tiles in shared memory (half the fill traffic per
-// key): the CTA walks warpgroup 0's steps (its first block is <= warpgroup 1's), warpgroup 0
-// copies Q, lse and delta, warpgroup 1 dO, and a warpgroup whose keys cannot see a step's
-// queries (causal: the steps before its own first block; or it has no keys in the sequence)
-// only copies and waits at the barrier: it skips the step, it never adds zero chunks.
-// Shared memory: K and V of each warpgroup, two buffers of Q, dO, lse and delta: 133 120 bytes,
-// one CTA (8 warps, the same warps per SM as two CTAs of the kernel above) per SM.
+// Replaces the `_wide` dK/dV launch of the "tiled" variant on sm_90 devices with the sm_90a
+// image (py/batchinv/gpu/attention_backward.py; USE_WGMMA_DKDV = False forces `_wide`); dk and
+// dv are bitwise those of `_wide` (tested).  Grid (Hkv, B, ceil(max_k_len / 128)), heavy-first.
+// One CTA of two warpgroups (8 warps) owns 128 keys [128 J, 128 J + 128) of a sequence and kv
+// head; warpgroup w owns the 64 keys [128 J + 64 w, 128 J + 64 w + 64) (warp w' of it 16 of
+// them), the keys of one `_wide` CTA, and does for them exactly `_wide`'s per-key work:
+//   - The walk: the group's query heads in increasing order, for each the query blocks of 64
+//     from the first that sees the warpgroup's first key (causal), in increasing position.
+//   - Shared memory: K and V of each warpgroup (loaded once) and two buffers of Q and dO (64
+//     rows each, prefetched one step ahead with cp.async) as 128-byte-swizzled tiles of two
+//     64-column boxes (the layout of attention_hopper.cu's K/V stages); rows past the sequence
+//     are zero-filled (cp.async with source size 0), never read.  lse and delta of the step's
+//     rows likewise (zero-filled past the rows; the selection treats those rows as lse = -inf,
+//     as `_wide`).
+//   - S^T = K Q^T and dP^T = V dO^T: wgmma m64n64k16 (A = K / V, B = Q / dO, both K-major
+//     from shared memory) over d in increasing k16 steps from a zero accumulator: the mma.sync
+//     chain of `_wide`.  Two commit groups: p is computed once S^T is complete, while dP^T
+//     runs.  Warp w' holds keys 16w'..16w'+15 of the warpgroup's tile exactly as mma.sync holds
+//     a 16-row tile (accumulator i = element i % 4 of n8 tile i / 4), so p and ds are the same
+//     selection and the same IEEE steps (probability_and_grad's expressions, split in two
+//     passes: p first, then ds, with the visibility kept as a bit mask).
+//   - P^T and dS^T rounded to the input dtype become the register A operand (a_from_acc's
+//     packing, the bits `_wide` writes to shared memory and reads back with ldmatrix) of
+//     dV += P^T dO and dK += dS^T Q: wgmma m64n128k16 with dO / Q N-major from shared memory,
+//     the four k16 query steps in increasing order.  The dV product is issued before dS is
+//     computed and runs meanwhile.
+//   - dk = round(acc_dk * scale), dv = round(acc_dv): `_wide`'s final step.
+// That wgmma and mma.sync give the same bits for the same k16 step sequence is a measured
+// property of the GPU (linear.cu, attention_hopper.cu), checked bitwise against `_wide` by
+// tests/gpu/test_attention_backward_cuda.py.
+// What the two warpgroups share is the copy of each step's Q, dO, lse and delta tiles in shared
+// memory (half the fill traffic per key of one warpgroup per CTA): the CTA walks warpgroup 0's
+// steps (its first block is <= warpgroup 1's), warpgroup 0 copies Q, lse and delta, warpgroup 1
+// dO, and a warpgroup whose keys cannot see a step's queries (causal: the steps before its own
+// first block; or it has no keys in the sequence) only copies and waits at the barrier: it
+// skips the step, it never adds zero chunks.  Shared memory: K and V of each warpgroup, two
+// buffers of Q, dO, lse and delta: 133 120 bytes, one CTA (8 warps) per SM.
+// "The one-warpgroup kernel" in the comments of the body is the session-7 kernel that did one
+// warpgroup's work per CTA of 64 keys (same bits); this kernel replaced it and it was removed in
+// session 10.
 
 [[maybe_unused]] constexpr int kWgPairThreads = 256;
 [[maybe_unused]] constexpr int kWgPairKeys = 128;  // keys per CTA (64 per warpgroup)
@@ -1915,22 +1762,6 @@ BATCHINV_ATTN_BWD_ALL(f16, batchinv::F16Codec, 64)
 // batchinv-signature: attention_bwd_dq_f16_d128_async(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
 // batchinv-signature: attention_bwd_dq_f16_d128_tiled(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
 BATCHINV_ATTN_BWD_ALL(f16, batchinv::F16Codec, 128)
-
-#define BATCHINV_ATTN_BWD_DKDV_WGMMA(DTYPE, CODEC)                                                             \
-    extern "C" __global__ void __launch_bounds__(batchinv::attn_bwd::kWgThreads, 2)                            \
-        attention_bwd_dkdv_##DTYPE##_d128_wgmma(                                                                \
-        const uint16_t* q, const uint16_t* k, const uint16_t* v, const uint16_t* dout, const float* lse,        \
-        const float* delta, const int* q_start, const int* q_len, const int* k_start, const int* k_len,         \
-        uint16_t* dk, uint16_t* dv, int num_q_heads, int num_kv_heads, int64_t total_q, int causal,             \
-        float scale) {                                                                                          \
-        batchinv::attn_bwd::dkdv_wgmma_kernel<CODEC>(q, k, v, dout, lse, delta, q_start, q_len, k_start, k_len, \
-                                                     dk, dv, num_q_heads, num_kv_heads, total_q, causal, scale); \
-    }
-
-// batchinv-signature: attention_bwd_dkdv_bf16_d128_wgmma(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
-BATCHINV_ATTN_BWD_DKDV_WGMMA(bf16, batchinv::Bf16Codec)
-// batchinv-signature: attention_bwd_dkdv_f16_d128_wgmma(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
-BATCHINV_ATTN_BWD_DKDV_WGMMA(f16, batchinv::F16Codec)
 
 #define BATCHINV_ATTN_BWD_DKDV_WGMMA_PAIR(DTYPE, CODEC)                                                        \
     extern "C" __global__ void __launch_bounds__(batchinv::attn_bwd::kWgPairThreads, 1)                        \
