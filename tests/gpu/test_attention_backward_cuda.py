@@ -9,11 +9,12 @@
   tiles with ldmatrix or plain shared loads, with or without cp.async double buffering) give
   the same bits, and every GPU test runs on each variant.  Long sequences (up to 19 key
   blocks, q_len > k_len, k_len - q_len not a multiple of 64) are checked against the
-  reference and across batches too.  On sm_90a the "tiled" variant's dK/dV kernel is the wgmma
-  one (d = 128): its dk/dv are checked bitwise against the mma.sync kernel ``_wide`` on a varlen
-  pack with NaN padding, empty sequences and long sequences, and those of the default
-  two-warpgroup ("pair") wgmma dK/dV kernel against the one-warpgroup one; likewise its wgmma
-  dQ kernel's dq against the mma.sync kernel ``_tiled``.
+  reference and across batches too.  On sm_90a the "tiled" variant's dK/dV kernel is the
+  two-warpgroup ("pair") wgmma one (d = 128): its dk/dv are checked bitwise against the
+  mma.sync kernel ``_wide`` on two varlen packs with NaN padding, empty sequences, q_len >
+  k_len, long sequences, CTAs whose second warpgroup has no keys and, causal, second warpgroups
+  that skip a query block per head (a CPU test checks that the packs hold those cases);
+  likewise its wgmma dQ kernel's dq against the mma.sync kernel ``_tiled``.
 - Bad inputs: clear errors (the type/shape checks run on CPU tensors, without a GPU).
 """
 
@@ -377,6 +378,46 @@ def test_empty_sides_give_exact_zero_gradients():
 # Varlen pack for the sm_90a dK/dV and dQ kernels: the neighbours, q_len > k_len, no queries,
 # no keys and the long sequences, with NaN rows between them.
 WGMMA_SEQUENCES = (*NEIGHBOUR_SEQUENCES, (5, 3), (0, 70), (9, 0), *LONG_SEQUENCES)
+# The pair dK/dV kernel's CTA: 128 keys, warpgroup w the 64 from 128 J + 64 w; query blocks of 64.
+PAIR_CTA_KEYS, PAIR_WARPGROUP_KEYS, PAIR_QUERY_BLOCK = 128, 64, 64
+
+
+def _pair_kernel_cases(q_len: int, k_len: int) -> set[str]:
+    """Which of the pair dK/dV kernel's special cases the sequence (q_len, k_len) reaches, from
+    the lengths alone: a CTA whose second warpgroup has no keys, and (causal) one whose second
+    warpgroup's first visible query block is later than the first warpgroup's and the first
+    warpgroup's is a block of the sequence (a step the second skips, for each head)."""
+    cases = set()
+    offset = k_len - q_len  # absolute position of query 0
+    blocks = -(-q_len // PAIR_QUERY_BLOCK)
+    for key0 in range(0, k_len, PAIR_CTA_KEYS):
+        second = key0 + PAIR_WARPGROUP_KEYS
+        if second >= k_len:
+            cases.add("second warpgroup without keys")
+            continue
+        first_block = max(0, key0 - offset) // PAIR_QUERY_BLOCK
+        second_block = max(0, second - offset) // PAIR_QUERY_BLOCK
+        if first_block < second_block and first_block < blocks:
+            cases.add("second warpgroup skips a block (causal)")
+    if q_len > k_len:
+        cases.add("q_len > k_len")
+    if q_len == 0 or k_len == 0:
+        cases.add("empty side")
+    return cases
+
+
+@pytest.mark.parametrize("kernel_variant", ["tiled"], indirect=True)  # data only: no kernel
+def test_wgmma_pack_reaches_the_pair_kernel_cases(kernel_variant):
+    """The pack the wgmma tests compare against the mma.sync kernels (CPU: lengths only) holds
+    every special case of the pair dK/dV kernel, so that the bitwise test against `_wide`
+    covers them."""
+    reached = set().union(*(_pair_kernel_cases(lq, lk) for lq, lk in WGMMA_SEQUENCES))
+    assert reached == {
+        "second warpgroup without keys",
+        "second warpgroup skips a block (causal)",
+        "q_len > k_len",
+        "empty side",
+    }
 
 
 def _wgmma_pack(config, first_seed, q_pad_shift, k_pad_shift):
@@ -411,10 +452,19 @@ def _wgmma_and_mma_sync_grads(pack, causal, scale, monkeypatch, switch, uses_wgm
 @pytest.mark.cuda
 @pytest.mark.parametrize("config", [c for c in CONFIGS if c[1] == 128], ids=_config_id)
 @pytest.mark.parametrize("kernel_variant", ["tiled"], indirect=True)  # the only one it replaces
-def test_wgmma_dkdv_gives_the_bits_of_the_wide_kernel(config, kernel_variant, monkeypatch):
-    """On sm_90a the "tiled" variant's dK/dV launch is the wgmma kernel: its dk and dv are
-    bitwise those of the mma.sync kernel ``_wide`` (forced with USE_WGMMA_DKDV = False)."""
-    pack, causal, scale = _wgmma_pack(config, first_seed=500, q_pad_shift=0, k_pad_shift=1)
+@pytest.mark.parametrize(
+    ("first_seed", "q_pad_shift", "k_pad_shift"), [(500, 0, 1), (900, 1, 2)], ids=("a", "b")
+)
+def test_wgmma_dkdv_gives_the_bits_of_the_wide_kernel(
+    config, kernel_variant, monkeypatch, first_seed, q_pad_shift, k_pad_shift
+):
+    """On sm_90a the "tiled" variant's dK/dV launch is the wgmma pair kernel (two warpgroups, 128
+    keys per CTA, shared Q/dO tiles): its dk and dv are bitwise those of the mma.sync kernel
+    ``_wide`` (forced with USE_WGMMA_DKDV = False), on two packs (own seeds and NaN padding
+    rotations) of WGMMA_SEQUENCES: CTAs whose second warpgroup has no keys, second warpgroups
+    that skip a query block per head (causal), q_len > k_len, empty sequences, long sequences
+    (test_wgmma_pack_reaches_the_pair_kernel_cases checks the list holds them)."""
+    pack, causal, scale = _wgmma_pack(config, first_seed, q_pad_shift, k_pad_shift)
     (_, dk, dv), (_, dk_wide, dv_wide) = _wgmma_and_mma_sync_grads(
         pack,
         causal,
@@ -448,34 +498,6 @@ def test_wgmma_dq_gives_the_bits_of_the_tiled_kernel(config, kernel_variant, mon
     # Not vacuous: real gradients, and the rows of no sequence are zero.
     assert float(dq.float().abs().max()) > 0
     _assert_padding_zero(pack, (dq, dk, dv), "wgmma dq pack")
-
-
-@pytest.mark.cuda
-@pytest.mark.parametrize("config", [c for c in CONFIGS if c[1] == 128], ids=_config_id)
-@pytest.mark.parametrize("kernel_variant", ["tiled"], indirect=True)  # the only one it replaces
-def test_wgmma_pair_dkdv_gives_the_bits_of_the_one_warpgroup_kernel(
-    config, kernel_variant, monkeypatch
-):
-    """The default wgmma dK/dV kernel (two warpgroups, 128 keys per CTA, shared Q/dO tiles) gives
-    the bits of the one-warpgroup kernel (USE_WGMMA_DKDV_PAIR = False), on a pack where the
-    second warpgroup has no keys (k_len <= 64 modulo 128), starts one query block later (causal)
-    or sees every step, and q_len > k_len."""
-    pack, causal, scale = _wgmma_pack(config, first_seed=900, q_pad_shift=1, k_pad_shift=2)
-    (dq, dk, dv), (dq_one, dk_one, dv_one) = _wgmma_and_mma_sync_grads(
-        pack,
-        causal,
-        scale,
-        monkeypatch,
-        "USE_WGMMA_DKDV_PAIR",
-        gpu_attention_backward.dkdv_uses_wgmma_pair,
-        "pair dK/dV",
-    )
-    assert gpu_attention_backward.dkdv_uses_wgmma(pack.q)  # the one-warpgroup kernel ran
-    assert_bitwise_equal(dk, dk_one, name="dk, pair vs one warpgroup")
-    assert_bitwise_equal(dv, dv_one, name="dv, pair vs one warpgroup")
-    assert_bitwise_equal(dq, dq_one, name="dq (same kernel)")
-    assert float(dk.float().abs().max()) > 0 and float(dv.float().abs().max()) > 0
-    _assert_padding_zero(pack, (dq, dk, dv), "wgmma pair pack")
 
 
 # ----------------------------------------------------------------------------- bad inputs

@@ -13,11 +13,10 @@ dQ (one CTA per sequence, query head and 128 queries of the sequence; 64 in the 
 variants).  The grids grow with the batch; a sequence's arithmetic does not.  Rows covered by
 no sequence get zero gradients.  On an sm_90 device with the sm_90a image, the "tiled"
 variant's dK/dV launch at d = 128 is a wgmma kernel (two warpgroups per 128 keys, each doing
-the one-warpgroup kernel's work for its 64 keys; ``USE_WGMMA_DKDV_PAIR = False`` forces the
-one-warpgroup kernel) that gives the bits of its mma.sync kernel ``_wide`` (tested;
-``USE_WGMMA_DKDV = False`` forces ``_wide``),
-and its dQ launch a wgmma kernel (one warpgroup per 64 queries) that gives the bits of
-``_tiled`` (tested; ``USE_WGMMA_DQ = False`` forces ``_tiled``).
+``_wide``'s work for its 64 keys) that gives the bits of its mma.sync kernel ``_wide`` (tested;
+``USE_WGMMA_DKDV = False`` forces ``_wide``), and its dQ launch a wgmma kernel (one warpgroup
+per 64 queries) that gives the bits of ``_tiled`` (tested; ``USE_WGMMA_DQ = False`` forces
+``_tiled``).
 
 One host synchronisation per call: the lengths are read once to check that every sequence's
 rows lie inside the tensors, fit ``max_q_len`` / ``max_k_len``, and do not overlap another
@@ -51,22 +50,18 @@ WIDE_THREADS = 256
 TILED_DQ_ROWS = 128  # "tiled" dQ: query rows per CTA (4 warps of 32)
 TILED_DQ_KEYS = 32  # "tiled" dQ: keys per step
 _PAD = 8  # shared-memory row padding, elements
-# "tiled" dK/dV on sm_90a ("_wgmma", d = 128): one warpgroup per 64 keys, the `_wide` kernel's
-# bits.  Shared memory: K, V, two buffers of Q and dO (64 x 128 swizzled tiles), two buffers
-# of lse and delta (64 floats each), 1024 bytes to align the swizzled tiles.
-WGMMA_HEAD_DIM = 128
-WGMMA_THREADS = 128
-WGMMA_SHARED_BYTES = 6 * 64 * 128 * 2 + 2 * 2 * 64 * 4 + 1024
-# Tests only: False forces the `_wide` dK/dV kernel where the wgmma one would run (same bits).
-USE_WGMMA_DKDV = True
-# "_wgmma_pair" (the default wgmma dK/dV kernel): two warpgroups per CTA, 128 keys, one copy of
-# each step's Q / dO / lse / delta shared by both.  Shared memory: K and V of each warpgroup, two
-# buffers of Q and dO, two of lse and delta, 1024 bytes of alignment (one CTA per SM).
+WGMMA_HEAD_DIM = 128  # the wgmma kernels (sm_90a) exist for d = 128 only
+WGMMA_THREADS = 128  # one warpgroup
+# "tiled" dK/dV on sm_90a ("_wgmma_pair", d = 128), the `_wide` kernel's bits: two warpgroups
+# per CTA, 128 keys (64 per warpgroup), one copy of each step's Q / dO / lse / delta shared by
+# both.  Shared memory: K and V of each warpgroup, two buffers of Q and dO (64 x 128 swizzled
+# tiles), two of lse and delta (64 floats each), 1024 bytes of alignment (one CTA per SM).
 WGMMA_PAIR_KEYS = 128
 WGMMA_PAIR_THREADS = 256
 WGMMA_PAIR_SHARED_BYTES = 8 * 64 * 128 * 2 + 2 * 2 * 64 * 4 + 1024
-# Tests and the benchmark only: False forces the one-warpgroup "_wgmma" dK/dV kernel (same bits).
-USE_WGMMA_DKDV_PAIR = True
+# Tests and the benchmark only: False forces the `_wide` dK/dV kernel where the wgmma one would
+# run (same bits).
+USE_WGMMA_DKDV = True
 # "tiled" dQ on sm_90a ("_wgmma", d = 128): one warpgroup per 64 queries, the `_tiled` kernel's
 # bits.  Shared memory: Q, dO, two buffers of K and V (64 x 128 swizzled tiles), 1024 bytes to
 # align them.
@@ -149,14 +144,10 @@ def _uses_wgmma(q: Tensor, variant: str | None, switch: bool) -> bool:
 
 
 def dkdv_uses_wgmma(q: Tensor, variant: str | None = None) -> bool:
-    """Whether the dK/dV launch for ``q`` takes the sm_90a wgmma kernel: the "tiled" variant,
-    d = 128, an sm_90 device with the sm_90a image, and ``USE_WGMMA_DKDV``."""
+    """Whether the dK/dV launch for ``q`` takes the sm_90a wgmma kernel (``_wgmma_pair``, two
+    warpgroups): the "tiled" variant, d = 128, an sm_90 device with the sm_90a image, and
+    ``USE_WGMMA_DKDV``."""
     return _uses_wgmma(q, variant, USE_WGMMA_DKDV)
-
-
-def dkdv_uses_wgmma_pair(q: Tensor, variant: str | None = None) -> bool:
-    """Whether that wgmma dK/dV launch is the two-warpgroup kernel (``USE_WGMMA_DKDV_PAIR``)."""
-    return dkdv_uses_wgmma(q, variant) and USE_WGMMA_DKDV_PAIR
 
 
 def dq_uses_wgmma(q: Tensor, variant: str | None = None) -> bool:
@@ -425,19 +416,15 @@ def kernel_launches(
             )
         )
     if max_k_len > 0:
-        # The wgmma kernels: heavy-first grids like `_wide`'s, 128 keys per CTA (pair, the
-        # default) or the same 64 keys per CTA as `_wide` (one warpgroup).
-        keys = geometry["keys"]
-        if dkdv_uses_wgmma_pair(q, variant):
+        # The wgmma kernel: 128 keys per CTA (two warpgroups), heavy-first grid like `_wide`'s.
+        if dkdv_uses_wgmma(q, variant):
             name = f"attention_bwd_dkdv_{_SUFFIX[q.dtype]}_d{head_dim}_wgmma_pair"
             shared, kv_threads = WGMMA_PAIR_SHARED_BYTES, WGMMA_PAIR_THREADS
             keys = WGMMA_PAIR_KEYS
-        elif dkdv_uses_wgmma(q, variant):
-            name = f"attention_bwd_dkdv_{_SUFFIX[q.dtype]}_d{head_dim}_wgmma"
-            shared, kv_threads = WGMMA_SHARED_BYTES, WGMMA_THREADS
         else:
             name = _kernel_name("dkdv", q.dtype, head_dim, variant)
             shared, kv_threads = dkdv_shared_bytes(head_dim, variant), geometry["kv_threads"]
+            keys = geometry["keys"]
         kernel = kernel_for("attention_backward", name, device)
         allow_dynamic_shared(kernel, shared, index)
         launches.append(
