@@ -5,8 +5,8 @@ SDPA's backward with the default backend and with the flash backend when it is s
 (GQA through ``enable_gqa``; if a backend refuses it, k/v are expanded to Hq heads and the row
 says so), then batchinv's ``attention_backward.backward`` in each kernel variant (same bits,
 different speed; ``KERNEL_VARIANT`` is the default; on sm_90a its dK/dV and dQ kernels are the
-wgmma ones, and rows "tiled, one-warpgroup wgmma dK/dV", "tiled, mma.sync _wide dK/dV" and
-"tiled, mma.sync _tiled dQ" time the former kernels), and each of its three kernels timed
+wgmma ones, and rows "tiled, mma.sync _wide dK/dV" and "tiled, mma.sync _tiled dQ" time the
+former kernels), and each of its three kernels timed
 alone (rows ending in "kernel").  The SDPA rows time ``autograd.grad`` of a forward recorded
 once (backward only); batchinv's rows time the backward call (argument checks with their one
 host sync, zeroed outputs and the three launches), whose inputs (out, lse) come from one fp32
@@ -181,13 +181,8 @@ def main() -> None:
             timings.append((f"batchinv ({variant})", ms))
             timings.extend(_kernel_split_ms(call, seq_len, causal, scale, variant))
             # The same variant with a former kernel where a newer one runs (same bits): the
-            # one-warpgroup wgmma dK/dV, the mma.sync dK/dV and dQ.
+            # mma.sync dK/dV and dQ.
             former = (
-                (
-                    "USE_WGMMA_DKDV_PAIR",
-                    gpu_attention_backward.dkdv_uses_wgmma_pair,
-                    "one-warpgroup wgmma dK/dV",
-                ),
                 ("USE_WGMMA_DKDV", gpu_attention_backward.dkdv_uses_wgmma, "mma.sync _wide dK/dV"),
                 ("USE_WGMMA_DQ", gpu_attention_backward.dq_uses_wgmma, "mma.sync _tiled dQ"),
             )
