@@ -134,12 +134,11 @@ constexpr int kStagedRowStages = 2;
 // session 7: 0.5-1% faster at level 1 on an H200).
 template <int T>
 constexpr bool kAlternatePartials = T > BATCHINV_WARP_SIZE;
-// Fused backward, CTAs per SM that ptxas must leave room for (CUDA's __launch_bounds__ minimum):
-// t4 (q/k norm) with runs of one row writing fresh sums took 85 registers (5 CTAs per SM) and
-// ran 1.5% slower than main's 72 (7 CTAs); held to 7 CTAs (72 registers, no spill) it ran 4.5%
-// faster (issue 6, session 10, H200).  1 (no bound) elsewhere.
-template <int T>
-constexpr int kFusedBackwardMinBlocks = T == 4 ? 7 : 0;
+// t4's (q/k norm) fused backward, CTAs per SM that ptxas must leave room for (CUDA's
+// __launch_bounds__ minimum; the other geometries have none): with runs of one row writing fresh
+// sums it took 85 registers (5 CTAs per SM) and ran 1.5% slower than before (72, 7 CTAs); held to
+// 7 CTAs (72 registers, no spill) it ran 4.5% faster (issue 6, session 10, H200).
+constexpr int kT4FusedBackwardMinBlocks = 7;
 // Forward: the weight is loaded with the row up to this many threads per row.  Its 32 registers
 // per thread cost t256 half its CTAs per SM (2 instead of 4): 149 vs 137 us at 8192 x 16384 bf16
 // on an H200, where t128 gained (136 vs 137 us at 16384 x 8192).
@@ -848,7 +847,7 @@ __device__ __forceinline__ void backward_resident_row(const BackwardArgs& a, int
 // for K <= kResidentWeightMaxChunks: with 8 chunks the weight's 32 more registers per thread
 // cost a CTA per SM and it ran slower (issue 6, H200: 150 vs 148 us at 16384 x 4096 bf16).
 // kAlternatePartials<T>: row s reduces through warp partials s % 2 (one barrier per row).
-template <typename Codec, int T, int K, typename Chunking, bool kFreshRuns = false>
+template <typename Codec, int T, int K, typename Chunking>
 __device__ __forceinline__ void backward_weight_grad_resident(const BackwardArgs& a,
                                                               float* partials,
                                                               float* warp_partials,
@@ -868,7 +867,7 @@ __device__ __forceinline__ void backward_weight_grad_resident(const BackwardArgs
     float4* mine = group_sums + group * Layout::kGroupOffset;
     // Runs of one row (kFresh): the row writes +0 + its products, so only a group whose row is
     // past the end (it writes nothing) clears its sums to +0.
-    constexpr bool kFresh = kFreshRuns && kSequence == 1;
+    constexpr bool kFresh = kSequence == 1;
     if (!kFresh || first_row >= a.rows) zero_group_sums<T, K, E, Layout::kPlane>(mine, lane);
     Chunk<Codec> w[K], xs[K], gs[K];
     load_backward_row<Codec, T, K>(xs, gs, a, first_row, lane, vector);
@@ -1036,8 +1035,7 @@ __device__ __forceinline__ void backward_kernel(const BackwardArgs& a) {
     backward_rows<Codec, T, K, kStreaming>(a, warp_partials);
 }
 
-template <typename Codec, int T, int K, typename Chunking = WeightGradChunk<T>,
-          bool kStaged = kStagedRows<Codec, T, K>, bool kFreshRuns = true>
+template <typename Codec, int T, int K, typename Chunking = WeightGradChunk<T>>
 __device__ __forceinline__ void backward_weight_grad_kernel(const BackwardArgs& a,
                                                             float* partials) {
     constexpr int kSumBytes = Chunking::kThreads * K * Chunk<Codec>::kElems * 4;
@@ -1047,7 +1045,7 @@ __device__ __forceinline__ void backward_weight_grad_kernel(const BackwardArgs& 
     __shared__ float4 group_sums[SumsLayout<T, K, Chunk<Codec>::kElems, Chunking::kGroups>::kFloat4s];
     grid_launch_dependents();  // the next grid (the further levels) may start; it waits
 #if !defined(__HIPCC__)
-    if constexpr (kStaged) {
+    if constexpr (kStagedRows<Codec, T, K>) {
         static_assert(kAlternate, "the staged rows alternate two warp-partials buffers");
         extern __shared__ uint4 staged_rows[];  // kStagedRowsBytes<T, K>, from the host
         if (backward_vector_ok<typename Codec::storage>(a)) {
@@ -1058,8 +1056,8 @@ __device__ __forceinline__ void backward_weight_grad_kernel(const BackwardArgs& 
     }
 #endif
     if constexpr (K <= kResidentWeightMaxChunks) {
-        backward_weight_grad_resident<Codec, T, K, Chunking, kFreshRuns>(a, partials,
-                                                                         warp_partials, group_sums);
+        backward_weight_grad_resident<Codec, T, K, Chunking>(a, partials, warp_partials,
+                                                             group_sums);
     } else {
         static_assert(Chunking::kRows == WeightGradChunk<T>::kRows, "other shapes: resident rows");
         backward_weight_grad_rows<Codec, T, K>(a, partials, warp_partials, group_sums);
@@ -1239,13 +1237,13 @@ __device__ __forceinline__ void weight_grad_last_levels(typename Codec::storage*
 #define BATCHINV_RMS_NORM_BACKWARD_WEIGHT_GRAD_ENTRY(SUFFIX, CODEC, GEOMETRY, T, K)              \
     BATCHINV_RMS_NORM_BACKWARD_WEIGHT_GRAD_ENTRY_SHAPED(SUFFIX, CODEC, GEOMETRY, T, K,           \
                                                         batchinv::rms::WeightGradChunk<T>)
-// t4 (q/k norm): held to kFusedBackwardMinBlocks CTAs per SM on CUDA (a name without commas:
+// t4 (q/k norm): held to kT4FusedBackwardMinBlocks CTAs per SM on CUDA (a name without commas:
 // hipcc's __launch_bounds__ is a macro, and its second argument means something else).
 #if defined(__HIPCC__)
 #define BATCHINV_RMS_NORM_T4_FUSED_BOUNDS __launch_bounds__(batchinv::rms::kMinCtaThreads)
 #else
 #define BATCHINV_RMS_NORM_T4_FUSED_BOUNDS \
-    __launch_bounds__(batchinv::rms::kMinCtaThreads, batchinv::rms::kFusedBackwardMinBlocks<4>)
+    __launch_bounds__(batchinv::rms::kMinCtaThreads, batchinv::rms::kT4FusedBackwardMinBlocks)
 #endif
 
 #define BATCHINV_RMS_NORM_WEIGHT_GRAD_KERNELS(SUFFIX, CODEC)                                   \
