@@ -47,8 +47,7 @@
 //     block j+1 is packed into the A registers only after P_j V_j completes, and nothing but
 //     wgmma runs between the two issues (ptxas would otherwise serialise every wgmma, C7513).
 //   - Loads: one producer thread issues TMA copies of 128-key K and V blocks (D / 64 boxes of
-//     128 rows x 64 columns each, 128B swizzle) into two rings of kStages shared-memory stages
-//     (kStagesD128 = 2 at d = 128, kStagesD64 at d = 64),
+//     128 rows x 64 columns each, 128B swizzle) into two rings of kStages = 2 shared-memory stages,
 //     K and V with their own mbarriers (full / empty): a K stage is freed once its S product is
 //     complete, a V stage once its P V product is; blocks no row of the tile sees are not
 //     loaded.  Q is copied once per consumer warpgroup and work item with cp.async (zeros for
@@ -101,25 +100,25 @@ static_assert(kHopperBlocksPerSplit * kHopperBlockKeys == kSplitKeys, "a split i
 [[maybe_unused]] constexpr int kProducerRegisters = 24;
 [[maybe_unused]] constexpr int kConsumerRegisters = 240;
 
+// K and V ring depth, both head dims: 2 x 32 KB per ring at d = 128, 2 x 16 KB at d = 64 (there 3
+// and 4 stages timed the same; three consumer warpgroups, FA3's choice at d = 64, spilled at 160
+// registers and were 9% slower: docs/tuning/attention.md, session 10).
+[[maybe_unused]] constexpr int kRingStages = 2;
+
 // What depends on the head dim D (128 or 64): a row of Q, K or V is D / 64 swizzled 64-column
 // halves (one TMA box each per 128-key block), S takes D / 16 k16 steps, and a thread holds
 // D / 2 fp32 accumulators (the D / 8 n8 tiles of its 16-row warp slice, 4 values each).
-template <int D, int Stages>
+template <int D>
 struct Shape {
     static_assert(D == 64 || D == 128, "the Hopper kernel is built for d = 64 and d = 128");
     static constexpr int kHalves = D / 64;
     static constexpr int kKSteps = D / 16;
     static constexpr int kAcc = D / 2;
-    static constexpr int kStages = Stages;  // K and V ring depth
+    static constexpr int kStages = kRingStages;  // K and V ring depth
     static constexpr int kStageBytes = kHalves * kKVHalfBytes;  // one K (or V) block: 128 x D
     static constexpr int kQBytes = kWarpgroups * kHalves * kQHalfBytes;  // warpgroups x halves
     static constexpr int kRunBytes = kAcc * kConsumerThreads * 4;  // the fp32 split state
 };
-// Ring depth per head dim: d = 128, 2 x 32 KB per ring (the tuned kernel); d = 64, 2 x 16 KB
-// (3 and 4 stages timed the same; three consumer warpgroups, FA3's choice at d = 64, spilled at
-// 160 registers and were 9% slower: docs/tuning/attention.md, session 10).
-[[maybe_unused]] constexpr int kStagesD128 = 2;
-[[maybe_unused]] constexpr int kStagesD64 = 2;
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 
@@ -288,12 +287,12 @@ __device__ __forceinline__ Tile tile_at(const Params& p, int w) {
     return t;
 }
 
-template <typename Codec, int D, int Stages>
+template <typename Codec, int D>
 __device__ __forceinline__ void attn_hopper_tile(const TensorMap& map_k, const TensorMap& map_v, const Params& p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     using namespace hopper;
     using T = typename Codec::storage;
-    using Sh = Shape<D, Stages>;
+    using Sh = Shape<D>;
     constexpr int kHalves = Sh::kHalves;
     constexpr int kKSteps = Sh::kKSteps;
     constexpr int kAcc = Sh::kAcc;
@@ -876,7 +875,7 @@ __device__ __forceinline__ void attn_hopper_tile(const TensorMap& map_k, const T
 }  // namespace attn_hopper
 }  // namespace batchinv
 
-#define BATCHINV_ATTN_HOPPER(SUFFIX, CODEC, D, STAGES)                                                          \
+#define BATCHINV_ATTN_HOPPER(SUFFIX, CODEC, D)                                                                  \
     extern "C" __global__ void __launch_bounds__(384, 1) attn_hopper_fwd_##SUFFIX(                              \
         const __grid_constant__ batchinv::TensorMap map_k, const __grid_constant__ batchinv::TensorMap map_v,   \
         const void* q, void* out, float* lse, const int* q_start, const int* q_len, const int* k_start,         \
@@ -885,19 +884,19 @@ __device__ __forceinline__ void attn_hopper_tile(const TensorMap& map_k, const T
         const batchinv::attn_hopper::Params p{q,     out,   lse,      q_start, q_len, k_start, k_len, q_row,    \
                                               q_head, out_row, out_head, tq,   hq,    hkv,     pack,  causal,   \
                                               scale_log2, queue, q_tiles, batch};                               \
-        batchinv::attn_hopper::attn_hopper_tile<CODEC, D, STAGES>(map_k, map_v, p);                             \
+        batchinv::attn_hopper::attn_hopper_tile<CODEC, D>(map_k, map_v, p);                                     \
     }
 
 // Signature: (map_k, map_v, q, out, lse, q_start, q_len, k_start, k_len, q_row, q_head, out_row,
 //             out_head, tq, hq, hkv, pack, causal, scale_log2, queue, q_tiles, batch).
 // batchinv-signature: attn_hopper_fwd_bf16_d128(tmap, tmap, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i32, i32, i32, i32, i32, f32, ptr, i32, i32)
-BATCHINV_ATTN_HOPPER(bf16_d128, batchinv::Bf16Codec, 128, batchinv::attn_hopper::kStagesD128)
+BATCHINV_ATTN_HOPPER(bf16_d128, batchinv::Bf16Codec, 128)
 // batchinv-signature: attn_hopper_fwd_f16_d128(tmap, tmap, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i32, i32, i32, i32, i32, f32, ptr, i32, i32)
-BATCHINV_ATTN_HOPPER(f16_d128, batchinv::F16Codec, 128, batchinv::attn_hopper::kStagesD128)
+BATCHINV_ATTN_HOPPER(f16_d128, batchinv::F16Codec, 128)
 // batchinv-signature: attn_hopper_fwd_bf16_d64(tmap, tmap, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i32, i32, i32, i32, i32, f32, ptr, i32, i32)
-BATCHINV_ATTN_HOPPER(bf16_d64, batchinv::Bf16Codec, 64, batchinv::attn_hopper::kStagesD64)
+BATCHINV_ATTN_HOPPER(bf16_d64, batchinv::Bf16Codec, 64)
 // batchinv-signature: attn_hopper_fwd_f16_d64(tmap, tmap, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i32, i32, i32, i32, i32, f32, ptr, i32, i32)
-BATCHINV_ATTN_HOPPER(f16_d64, batchinv::F16Codec, 64, batchinv::attn_hopper::kStagesD64)
+BATCHINV_ATTN_HOPPER(f16_d64, batchinv::F16Codec, 64)
 
 // Test kernel: finalize_row (the tile kernel's division) next to finalize_out, element by element,
 // on rows of 32 given values and a given l each: out_row[r * 32 + k] and out_ref[r * 32 + k].

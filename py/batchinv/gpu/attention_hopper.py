@@ -22,9 +22,9 @@ from ._launch import allow_dynamic_shared, kernel_for, launch, multiprocessors, 
 HEAD_DIMS = frozenset((64, 128))
 WARPGROUPS = 2  # consumer warpgroups (64 rows each: 128-row tiles)
 BLOCK_KEYS = 128  # keys per block: the contract's (attention.BLOCK_KEYS; tested equal)
-# K and V ring depth, each, per head dim (kernels_cu/attention_hopper.cu kStagesD128 / kStagesD64;
-# at d = 64, 3 and 4 stages timed the same as 2, session 10)
-STAGES = {128: 2, 64: 2}
+# K and V ring depth, each, at both head dims (kernels_cu/attention_hopper.cu kRingStages; at d = 64
+# 3 and 4 stages timed the same as 2, session 10)
+STAGES = 2
 _Q_HALF_BYTES = 64 * 64 * 2  # 64 query rows x 64 columns of bf16/fp16
 _KV_HALF_BYTES = BLOCK_KEYS * 64 * 2  # one TMA box: 128 key rows x 64 columns
 _DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "f16"}
@@ -33,18 +33,17 @@ _MAX_ITEMS = 2**31 - 1 - 1024  # the queue counter is an int32 (each CTA takes o
 
 def shared_bytes(head_dim: int = 128) -> int:
     """Dynamic shared memory of the kernel at ``head_dim`` (64 or 128): Q (two warpgroups x
-    d / 64 column halves), the ``STAGES[head_dim]`` K and V stages (d / 64 boxes of 128 keys x
+    d / 64 column halves), the ``STAGES`` K and V stages (d / 64 boxes of 128 keys x
     64 columns each), the fp32 running state (d / 2 values per consumer thread), the mbarriers
     (full / empty of both rings, boundary block, work-item ring), and 1024 bytes to align the
     swizzled tiles."""
     if head_dim not in HEAD_DIMS:
         raise ValueError(f"head_dim must be one of {sorted(HEAD_DIMS)}, got {head_dim!r}")
-    stages = STAGES[head_dim]
     halves = head_dim // 64
     q = WARPGROUPS * halves * _Q_HALF_BYTES
-    kv = 2 * stages * halves * _KV_HALF_BYTES
+    kv = 2 * STAGES * halves * _KV_HALF_BYTES
     run = head_dim // 2 * 128 * WARPGROUPS * 4
-    barriers = 8 * (4 * stages + 1 + 4)
+    barriers = 8 * (4 * STAGES + 1 + 4)
     return q + kv + run + barriers + 1024
 
 
