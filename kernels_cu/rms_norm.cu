@@ -745,6 +745,206 @@ __device__ __forceinline__ void forward_rows_resident(const ForwardArgs& a, floa
     }
 }
 
+// ---- Forward, vector launches (issue 6, session 11) -------------------------------------------
+// When every pointer, row stride and d * sizeof are multiples of 16 bytes, every chunk is whole:
+// forward_rows_vector then runs forward_rows_resident's operations, in the same order (the same
+// bits), with 32-bit chunk indices, no per-element bounds tests and round_chunk_rare_nan for the
+// output; the element path keeps forward_rows_resident.  kHints: cache hints of its accesses.
+constexpr int kHintXNoAllocate = 1;  // x (and residual): ld.global.L1::no_allocate
+constexpr int kHintXEvictFirst = 2;  // x (and residual): L2 evict_first policy
+constexpr int kHintYStreaming = 4;   // y (and new_residual): st.global.cs
+constexpr int kHintWEvictLast = 8;   // weight: L1::evict_last and an L2 evict_last policy
+constexpr int kHintInOrder = 16;     // x and weight loads as volatile asm: issued in program
+                                     // order, the weight's before the squares
+
+template <int kHints>
+__device__ __forceinline__ uint4 load_row_vector(const uint4* p) {
+    uint4 v;
+#if !defined(__HIPCC__)
+    if constexpr ((kHints & kHintXEvictFirst) != 0) {
+        uint64_t policy;
+        asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+        if constexpr ((kHints & kHintXNoAllocate) != 0) {
+            asm("ld.global.L1::no_allocate.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;"
+                : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                : "l"(p), "l"(policy));
+        } else {
+            asm("ld.global.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;"
+                : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                : "l"(p), "l"(policy));
+        }
+        return v;
+    } else if constexpr ((kHints & kHintXNoAllocate) != 0) {
+        asm("ld.global.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+            : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+            : "l"(p));
+        return v;
+    } else if constexpr ((kHints & kHintInOrder) != 0) {
+        asm volatile("ld.global.v4.u32 {%0, %1, %2, %3}, [%4];"
+                     : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                     : "l"(p));
+        return v;
+    }
+#endif
+    v = *p;
+    return v;
+}
+
+template <int kHints>
+__device__ __forceinline__ uint4 load_weight_vector(const uint4* p) {
+    uint4 v;
+#if !defined(__HIPCC__)
+    if constexpr ((kHints & kHintWEvictLast) != 0) {
+        uint64_t policy;
+        asm("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(policy));
+        asm("ld.global.L1::evict_last.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;"
+            : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+            : "l"(p), "l"(policy));
+        return v;
+    } else if constexpr ((kHints & kHintInOrder) != 0) {
+        asm volatile("ld.global.v4.u32 {%0, %1, %2, %3}, [%4];"
+                     : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                     : "l"(p));
+        return v;
+    }
+#endif
+    v = *p;
+    return v;
+}
+
+template <int kHints>
+__device__ __forceinline__ void store_row_vector(uint4* p, uint4 v) {
+#if !defined(__HIPCC__)
+    if constexpr ((kHints & kHintYStreaming) != 0) {
+        asm volatile("st.global.cs.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(v.x), "r"(v.y),
+                     "r"(v.z), "r"(v.w)
+                     : "memory");
+        return;
+    }
+#endif
+    *p = v;
+}
+
+template <typename Codec>
+__device__ __forceinline__ uint4 as_vector(const Chunk<Codec>& c) {
+    return *reinterpret_cast<const uint4*>(c.v);
+}
+
+template <typename Codec>
+__device__ __forceinline__ Chunk<Codec> as_chunk(uint4 v) {
+    Chunk<Codec> c;
+    *reinterpret_cast<uint4*>(c.v) = v;
+    return c;
+}
+
+// An empty asm that "changes" the chunk's words once `after` is known: values computed from
+// the words before it are not reused, nor can their conversions be moved above it (no
+// instruction is emitted).
+template <typename Codec>
+__device__ __forceinline__ void keep_packed(Chunk<Codec>& c, float after) {
+#if !defined(__HIPCC__)
+    uint32_t* words = reinterpret_cast<uint32_t*>(c.v);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) asm volatile("" : "+r"(words[i]) : "f"(after));
+#endif
+}
+
+// Whether a forward launch takes 16-byte vectors (the same for every row of the launch).
+template <typename S>
+__device__ __forceinline__ bool forward_vector_launch(const ForwardArgs& a) {
+    return aligned16(a.x) && aligned16(a.y) && aligned16(a.weight) && aligned16(a.residual) &&
+           aligned16(a.new_residual) && stride_aligned16<S>(a.x_stride) &&
+           stride_aligned16<S>(a.residual_stride) && stride_aligned16<S>(a.d);
+}
+
+// forward_rows_resident for a vector launch: G rows per CTA of T * G threads (CTA b's group g
+// takes row b * G + g).
+template <typename Codec, int T, int K, bool kFusedAdd, int kHints = 0,
+          int G = Cta<T>::kRowGroups>
+__device__ __forceinline__ void forward_rows_vector(const ForwardArgs& a, float* warp_partials) {
+    using S = typename Codec::storage;
+    constexpr int E = Chunk<Codec>::kElems;
+    const int lane = threadIdx.x % T;
+    const int64_t row = static_cast<int64_t>(blockIdx.x) * G + threadIdx.x / T;
+    const bool active = row < a.rows;
+    const int chunks = static_cast<int>(a.d / E);  // whole chunks (a vector launch)
+    const int64_t safe_row = active ? row : 0;
+    const uint4* x = reinterpret_cast<const uint4*>(static_cast<const S*>(a.x) + safe_row * a.x_stride);
+    const uint4* weight = static_cast<const uint4*>(a.weight);
+    Chunk<Codec> h[K], w[K];
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+        const int c = lane + k * T;
+        if (active && c < chunks) h[k] = as_chunk<Codec>(load_row_vector<kHints>(x + c));
+    }
+    Chunk<Codec> r[kFusedAdd ? K : 1];
+    if constexpr (kFusedAdd) {
+        const uint4* residual = reinterpret_cast<const uint4*>(static_cast<const S*>(a.residual) +
+                                                               safe_row * a.residual_stride);
+#pragma unroll
+        for (int k = 0; k < K; ++k) {
+            const int c = lane + k * T;
+            if (active && c < chunks) r[k] = as_chunk<Codec>(load_row_vector<kHints>(residual + c));
+        }
+    }
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+        const int c = lane + k * T;
+        if (c < chunks) w[k] = as_chunk<Codec>(load_weight_vector<kHints>(weight + c));
+    }
+    uint4* new_residual =
+        kFusedAdd ? reinterpret_cast<uint4*>(static_cast<S*>(a.new_residual) + safe_row * a.d)
+                  : nullptr;
+    float sum_sq = 0.0f;
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+        const int c = lane + k * T;
+        if (!(active && c < chunks)) continue;
+        if constexpr (kFusedAdd) {
+            float f[E];
+#pragma unroll
+            for (int e = 0; e < E; ++e) {
+                f[e] = ieee_add(Codec::load(h[k].v[e]), Codec::load(r[k].v[e]));
+            }
+            round_chunk_rare_nan(h[k], f);
+            store_row_vector<kHints>(new_residual + c, as_vector(h[k]));
+        }
+#pragma unroll
+        for (int e = 0; e < E; ++e) {
+            const float v = Codec::load(h[k].v[e]);
+            sum_sq = ieee_add(sum_sq, ieee_mul(v, v));
+        }
+    }
+    const float inv_rms = inv_rms_of(row_group_sum<T>(sum_sq, warp_partials), a.d, a.eps);
+    if (!active) return;
+    // The row and the weight stay packed until inv_rms is known (half the registers): otherwise
+    // the compiler keeps the squares' fp32 values of h for the output and converts the weight
+    // during the reduction (t64: 114 registers instead of 80).
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+        keep_packed(h[k], inv_rms);
+        keep_packed(w[k], inv_rms);
+    }
+    if (a.rstd != nullptr && lane == 0) a.rstd[row] = inv_rms;
+    uint4* y = reinterpret_cast<uint4*>(static_cast<S*>(a.y) + row * a.d);
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+        const int c = lane + k * T;
+        if (c >= chunks) continue;
+        float f[E];
+#pragma unroll
+        for (int e = 0; e < E; ++e) {
+            f[e] = ieee_mul(ieee_mul(Codec::load(h[k].v[e]), inv_rms), Codec::load(w[k].v[e]));
+        }
+        Chunk<Codec> out;
+        round_chunk_rare_nan(out, f);
+        store_row_vector<kHints>(y + c, as_vector(out));
+    }
+}
+
+// The hints the kernels' vector forward uses (kHint* bits above).
+constexpr int kForwardHints = 0;
+
 // dy and x of `row` into the thread's chunks (nothing for a row past the end).
 template <typename Codec, int T, int K>
 __device__ __forceinline__ void load_backward_row(Chunk<Codec> (&xs)[K], Chunk<Codec> (&gs)[K],
@@ -1024,6 +1224,8 @@ __device__ __forceinline__ void forward_kernel(const ForwardArgs& a) {
     __shared__ float warp_partials[kMaxWarps];
     if constexpr (kStreaming || T > kResidentForwardMaxThreads) {
         forward_rows<Codec, T, K, kStreaming, kFusedAdd>(a, warp_partials);
+    } else if (forward_vector_launch<typename Codec::storage>(a)) {
+        forward_rows_vector<Codec, T, K, kFusedAdd, kForwardHints>(a, warp_partials);
     } else {
         forward_rows_resident<Codec, T, K, kFusedAdd>(a, warp_partials);
     }

@@ -56,6 +56,40 @@ __device__ __forceinline__ void round_chunk(Chunk16<Codec>& c, const float* f) {
     }
 }
 
+// round_chunk with the NaN test moved off the common path (the same bits): bf16 on CUDA packs
+// every pair with cvt.rn.bf16x2.f32 first, tests the packed words for a NaN half with two
+// integer operations per word ((h & 0x7fff) + 0x7f carries into bit 15 only for h & 0x7fff >
+// 0x7f80, a bf16 NaN; cvt gives a NaN half exactly for a NaN input) and only then maps NaN
+// halves to 0x7fc0, where round_chunk tests both floats of every pair (issue 6, session 11).
+template <typename Codec>
+__device__ __forceinline__ void round_chunk_rare_nan(Chunk16<Codec>& c, const float* f) {
+#if !defined(__HIPCC__)
+    if constexpr (Codec::kIsBf16) {
+        constexpr int kWords = Chunk16<Codec>::kElems / 2;
+        uint32_t* words = reinterpret_cast<uint32_t*>(c.v);
+        uint32_t nan_halves = 0;
+#pragma unroll
+        for (int w = 0; w < kWords; ++w) {
+            uint32_t r;
+            asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(f[2 * w + 1]), "f"(f[2 * w]));
+            words[w] = r;
+            nan_halves |= ((r & 0x7fff7fffu) + 0x007f007fu) & 0x80008000u;
+        }
+        if (nan_halves != 0) {
+#pragma unroll
+            for (int w = 0; w < kWords; ++w) {
+                const uint32_t r = words[w];
+                const uint32_t lo = (r & 0x7fffu) > 0x7f80u ? 0x7fc0u : (r & 0xffffu);
+                const uint32_t hi = (r & 0x7fff0000u) > 0x7f800000u ? 0x7fc00000u : (r & 0xffff0000u);
+                words[w] = hi | lo;
+            }
+        }
+        return;
+    }
+#endif
+    round_chunk(c, f);
+}
+
 // Rounds f[0 .. kElems) once each to the storage type and stores them as one 16-byte vector.
 template <typename Codec>
 __device__ __forceinline__ void store_chunk(typename Codec::storage* p, const float* f) {
