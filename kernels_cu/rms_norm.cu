@@ -747,83 +747,11 @@ __device__ __forceinline__ void forward_rows_resident(const ForwardArgs& a, floa
 
 // ---- Forward, vector launches (issue 6, session 11) -------------------------------------------
 // When every pointer, row stride and d * sizeof are multiples of 16 bytes, every chunk is whole:
-// forward_rows_vector then runs forward_rows_resident's operations, in the same order (the same
-// bits), with 32-bit chunk indices, no per-element bounds tests and round_chunk_rare_nan for the
-// output; the element path keeps forward_rows_resident.  kHints: cache hints of its accesses.
-constexpr int kHintXNoAllocate = 1;  // x (and residual): ld.global.L1::no_allocate
-constexpr int kHintXEvictFirst = 2;  // x (and residual): L2 evict_first policy
-constexpr int kHintYStreaming = 4;   // y (and new_residual): st.global.cs
-constexpr int kHintWEvictLast = 8;   // weight: L1::evict_last and an L2 evict_last policy
-constexpr int kHintInOrder = 16;     // x and weight loads as volatile asm: issued in program
-                                     // order, the weight's before the squares
-
-template <int kHints>
-__device__ __forceinline__ uint4 load_row_vector(const uint4* p) {
-    uint4 v;
-#if !defined(__HIPCC__)
-    if constexpr ((kHints & kHintXEvictFirst) != 0) {
-        uint64_t policy;
-        asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
-        if constexpr ((kHints & kHintXNoAllocate) != 0) {
-            asm("ld.global.L1::no_allocate.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;"
-                : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-                : "l"(p), "l"(policy));
-        } else {
-            asm("ld.global.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;"
-                : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-                : "l"(p), "l"(policy));
-        }
-        return v;
-    } else if constexpr ((kHints & kHintXNoAllocate) != 0) {
-        asm("ld.global.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-            : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-            : "l"(p));
-        return v;
-    } else if constexpr ((kHints & kHintInOrder) != 0) {
-        asm volatile("ld.global.v4.u32 {%0, %1, %2, %3}, [%4];"
-                     : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-                     : "l"(p));
-        return v;
-    }
-#endif
-    v = *p;
-    return v;
-}
-
-template <int kHints>
-__device__ __forceinline__ uint4 load_weight_vector(const uint4* p) {
-    uint4 v;
-#if !defined(__HIPCC__)
-    if constexpr ((kHints & kHintWEvictLast) != 0) {
-        uint64_t policy;
-        asm("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(policy));
-        asm("ld.global.L1::evict_last.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;"
-            : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-            : "l"(p), "l"(policy));
-        return v;
-    } else if constexpr ((kHints & kHintInOrder) != 0) {
-        asm volatile("ld.global.v4.u32 {%0, %1, %2, %3}, [%4];"
-                     : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-                     : "l"(p));
-        return v;
-    }
-#endif
-    v = *p;
-    return v;
-}
-
-template <int kHints>
-__device__ __forceinline__ void store_row_vector(uint4* p, uint4 v) {
-#if !defined(__HIPCC__)
-    if constexpr ((kHints & kHintYStreaming) != 0) {
-        asm volatile("st.global.cs.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(v.x), "r"(v.y),
-                     "r"(v.z), "r"(v.w)
-                     : "memory");
-        return;
-    }
-#endif
-    *p = v;
-}
+// forward_rows_vector runs forward_rows_resident's operations in the same order (the same bits)
+// with 32-bit chunk indices, no per-element bounds tests and round_chunk_rare_nan for the
+// output, about half the instructions per element.  Kernel entries of their own (*_vec), which
+// the host picks for vector launches (forward_vector_launch's condition), so that the element
+// path's registers and code do not shape them.
 
 template <typename Codec>
 __device__ __forceinline__ uint4 as_vector(const Chunk<Codec>& c) {
@@ -849,18 +777,9 @@ __device__ __forceinline__ void keep_packed(Chunk<Codec>& c, float after) {
 #endif
 }
 
-// Whether a forward launch takes 16-byte vectors (the same for every row of the launch).
-template <typename S>
-__device__ __forceinline__ bool forward_vector_launch(const ForwardArgs& a) {
-    return aligned16(a.x) && aligned16(a.y) && aligned16(a.weight) && aligned16(a.residual) &&
-           aligned16(a.new_residual) && stride_aligned16<S>(a.x_stride) &&
-           stride_aligned16<S>(a.residual_stride) && stride_aligned16<S>(a.d);
-}
-
 // forward_rows_resident for a vector launch: G rows per CTA of T * G threads (CTA b's group g
 // takes row b * G + g).
-template <typename Codec, int T, int K, bool kFusedAdd, int kHints = 0,
-          int G = Cta<T>::kRowGroups>
+template <typename Codec, int T, int K, bool kFusedAdd, int G = Cta<T>::kRowGroups>
 __device__ __forceinline__ void forward_rows_vector(const ForwardArgs& a, float* warp_partials) {
     using S = typename Codec::storage;
     constexpr int E = Chunk<Codec>::kElems;
@@ -875,7 +794,7 @@ __device__ __forceinline__ void forward_rows_vector(const ForwardArgs& a, float*
 #pragma unroll
     for (int k = 0; k < K; ++k) {
         const int c = lane + k * T;
-        if (active && c < chunks) h[k] = as_chunk<Codec>(load_row_vector<kHints>(x + c));
+        if (active && c < chunks) h[k] = as_chunk<Codec>(x[c]);
     }
     Chunk<Codec> r[kFusedAdd ? K : 1];
     if constexpr (kFusedAdd) {
@@ -884,13 +803,13 @@ __device__ __forceinline__ void forward_rows_vector(const ForwardArgs& a, float*
 #pragma unroll
         for (int k = 0; k < K; ++k) {
             const int c = lane + k * T;
-            if (active && c < chunks) r[k] = as_chunk<Codec>(load_row_vector<kHints>(residual + c));
+            if (active && c < chunks) r[k] = as_chunk<Codec>(residual[c]);
         }
     }
 #pragma unroll
     for (int k = 0; k < K; ++k) {
         const int c = lane + k * T;
-        if (c < chunks) w[k] = as_chunk<Codec>(load_weight_vector<kHints>(weight + c));
+        if (c < chunks) w[k] = as_chunk<Codec>(weight[c]);
     }
     uint4* new_residual =
         kFusedAdd ? reinterpret_cast<uint4*>(static_cast<S*>(a.new_residual) + safe_row * a.d)
@@ -907,7 +826,7 @@ __device__ __forceinline__ void forward_rows_vector(const ForwardArgs& a, float*
                 f[e] = ieee_add(Codec::load(h[k].v[e]), Codec::load(r[k].v[e]));
             }
             round_chunk_rare_nan(h[k], f);
-            store_row_vector<kHints>(new_residual + c, as_vector(h[k]));
+            new_residual[c] = as_vector(h[k]);
         }
 #pragma unroll
         for (int e = 0; e < E; ++e) {
@@ -938,12 +857,9 @@ __device__ __forceinline__ void forward_rows_vector(const ForwardArgs& a, float*
         }
         Chunk<Codec> out;
         round_chunk_rare_nan(out, f);
-        store_row_vector<kHints>(y + c, as_vector(out));
+        y[c] = as_vector(out);
     }
 }
-
-// The hints the kernels' vector forward uses (kHint* bits above).
-constexpr int kForwardHints = 0;
 
 // dy and x of `row` into the thread's chunks (nothing for a row past the end).
 template <typename Codec, int T, int K>
@@ -1224,11 +1140,16 @@ __device__ __forceinline__ void forward_kernel(const ForwardArgs& a) {
     __shared__ float warp_partials[kMaxWarps];
     if constexpr (kStreaming || T > kResidentForwardMaxThreads) {
         forward_rows<Codec, T, K, kStreaming, kFusedAdd>(a, warp_partials);
-    } else if (forward_vector_launch<typename Codec::storage>(a)) {
-        forward_rows_vector<Codec, T, K, kFusedAdd, kForwardHints>(a, warp_partials);
     } else {
         forward_rows_resident<Codec, T, K, kFusedAdd>(a, warp_partials);
     }
+}
+
+// The *_vec entries: vector launches only (the host checks the alignment).
+template <typename Codec, int T, int K, bool kFusedAdd>
+__device__ __forceinline__ void forward_vector_kernel(const ForwardArgs& a) {
+    __shared__ float warp_partials[kMaxWarps];
+    forward_rows_vector<Codec, T, K, kFusedAdd>(a, warp_partials);
 }
 
 template <typename Codec, int T, int K, bool kStreaming>
@@ -1405,6 +1326,30 @@ __device__ __forceinline__ void weight_grad_last_levels(typename Codec::storage*
     BATCHINV_RMS_NORM_FORWARD_ENTRY(forward, SUFFIX, GEOMETRY, CODEC, T, K, STREAMING, false)     \
     BATCHINV_RMS_NORM_FORWARD_ENTRY(fused_forward, SUFFIX, GEOMETRY, CODEC, T, K, STREAMING, true)
 
+// forward_rows_vector for 16-byte vector launches (the host picks these entries when every
+// pointer, row stride and d * sizeof are multiples of 16 bytes; another launch would fault),
+// where it measured faster than the entries above (issue 6, session 11, H200): the plain
+// forward's t64 and the fused forward's t64 and t128k5.  MIN_BLOCKS: CTAs per SM that ptxas
+// must leave registers for (t64: 86 registers, 5 CTAs; without the bound 88 registers and 1.8%
+// slower; the fused t128k5 6 CTAs).
+#define BATCHINV_RMS_NORM_FORWARD_VECTOR_ENTRY(KIND, SUFFIX, GEOMETRY, CODEC, T, K, FUSED,      \
+                                               MIN_BLOCKS)                                     \
+    extern "C" __global__ void __launch_bounds__(batchinv::rms::Cta<T>::kThreads, MIN_BLOCKS)    \
+        rms_norm_##KIND##_##SUFFIX##_##GEOMETRY##_vec(                                           \
+        CODEC::storage* y, CODEC::storage* new_residual, float* rstd, const CODEC::storage* x,   \
+        const CODEC::storage* residual, const CODEC::storage* weight, int64_t rows, int64_t d,   \
+        int64_t x_stride, int64_t residual_stride, float eps) {                                  \
+        const batchinv::rms::ForwardArgs args{y,        new_residual, rstd, x,        residual,  \
+                                              weight,   rows,         d,    x_stride,            \
+                                              residual_stride, eps};                             \
+        batchinv::rms::forward_vector_kernel<CODEC, T, K, FUSED>(args);                          \
+    }
+
+#define BATCHINV_RMS_NORM_FORWARD_VECTOR_KERNELS(SUFFIX, CODEC)                                 \
+    BATCHINV_RMS_NORM_FORWARD_VECTOR_ENTRY(forward, SUFFIX, t64, CODEC, 64, 8, false, 5)          \
+    BATCHINV_RMS_NORM_FORWARD_VECTOR_ENTRY(fused_forward, SUFFIX, t64, CODEC, 64, 8, true, 4)     \
+    BATCHINV_RMS_NORM_FORWARD_VECTOR_ENTRY(fused_forward, SUFFIX, t128k5, CODEC, 128, 5, true, 6)
+
 // grad_x only (no grad_weight wanted, or rows the fused kernel below does not take).
 #define BATCHINV_RMS_NORM_BACKWARD_ENTRY(SUFFIX, CODEC, GEOMETRY, T, K, STREAMING)               \
     extern "C" __global__ void __launch_bounds__(batchinv::rms::Cta<T>::kThreads)                \
@@ -1506,6 +1451,9 @@ extern "C" __global__ void __launch_bounds__(256) rms_norm_weight_grad_reduce(
 BATCHINV_RMS_NORM_ALL_GEOMETRIES(bf16, batchinv::Bf16Codec)
 BATCHINV_RMS_NORM_ALL_GEOMETRIES(f16, batchinv::F16Codec)
 BATCHINV_RMS_NORM_ALL_GEOMETRIES(f32, batchinv::F32Codec)
+BATCHINV_RMS_NORM_FORWARD_VECTOR_KERNELS(bf16, batchinv::Bf16Codec)
+BATCHINV_RMS_NORM_FORWARD_VECTOR_KERNELS(f16, batchinv::F16Codec)
+BATCHINV_RMS_NORM_FORWARD_VECTOR_KERNELS(f32, batchinv::F32Codec)
 
 // The fused backward for the geometries whose per-column sums fit kWeightGradSharedBytes
 // (CTA threads * K * 16 bytes); longer rows take grad_x and the column pass separately.
@@ -1645,3 +1593,12 @@ BATCHINV_RMS_NORM_BACKWARD_WEIGHT_GRAD_ENTRY_SHAPED(f32, batchinv::F32Codec, t12
 // batchinv-signature: rms_norm_backward_f32_stream(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
 // batchinv-signature: rms_norm_weight_grad_partials_f32(ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64)
 // batchinv-signature: rms_norm_weight_grad_last_levels_f32(ptr, ptr, i64, i64)
+// batchinv-signature: rms_norm_forward_bf16_t64_vec(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
+// batchinv-signature: rms_norm_fused_forward_bf16_t64_vec(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
+// batchinv-signature: rms_norm_fused_forward_bf16_t128k5_vec(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
+// batchinv-signature: rms_norm_forward_f16_t64_vec(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
+// batchinv-signature: rms_norm_fused_forward_f16_t64_vec(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
+// batchinv-signature: rms_norm_fused_forward_f16_t128k5_vec(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
+// batchinv-signature: rms_norm_forward_f32_t64_vec(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
+// batchinv-signature: rms_norm_fused_forward_f32_t64_vec(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
+// batchinv-signature: rms_norm_fused_forward_f32_t128k5_vec(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)

@@ -286,8 +286,8 @@ def _forward_by_the_documented_tree(x, weight, threads, eps):
 def test_forward_rows_are_the_documented_tree_in_every_geometry(dtype, trim):
     # The forward's row tree (y and inv_rms bit for bit) rebuilt from elementwise operations for
     # every geometry that keeps the row in registers (t64: two warps per row, as t128 ... t512
-    # have more; t128k2 and t128k5 must reduce as t128).  The tree is a function of d and the
-    # dtype only.
+    # have more; t128k2 and t128k5 must reduce as t128; trim 0 runs t64's *_vec entry).  The
+    # tree is a function of d and the dtype only.
     elems = 16 // dtype.itemsize
     gen = torch.Generator(device=DEVICE).manual_seed(21)
     for threads, per_thread in gpu_rms_norm.GEOMETRIES:
@@ -487,6 +487,60 @@ def test_misaligned_and_strided_inputs_take_a_narrower_path_with_the_same_bits(
         assert_bitwise_equal(gx, gx_ref)
 
 
+# A negative NaN with a payload in each storage type (as a signed integer of its width).
+_NEGATIVE_NAN_PAYLOAD = {
+    torch.bfloat16: (torch.int16, -63),  # 0xffc1
+    torch.float16: (torch.int16, -511),  # 0xfe01
+    torch.float32: (torch.int32, -4194303),  # 0xffc00001
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hidden", (128, 4096, 5120))
+def test_special_values_have_the_same_bits_on_the_vector_and_element_paths(hidden, dtype):
+    # NaN, infinities, a negative NaN with a payload, signed zeros and a row of tiny values in
+    # x, the residual and the weight.  Vector launches (bf16: NaN tested after packing, in
+    # round_chunk_rare_nan) must give the element path's bits, and a bf16 NaN output must be
+    # PyTorch's canonical 0x7fc0.
+    rows = 9
+    gen = torch.Generator(device=DEVICE).manual_seed(13)
+    x = (2.0 * torch.randn(rows, hidden, device=DEVICE, generator=gen)).to(dtype)
+    residual = torch.randn(rows, hidden, device=DEVICE, generator=gen).to(dtype)
+    weight = _weight(hidden, dtype).clone()
+    x[1, 3] = float("nan")
+    x[2, 5] = float("inf")
+    x[3] *= 1e-30  # squares below the smallest fp32 subnormal, or zeros
+    residual[4, 6] = float("nan")
+    residual[5, 8] = -float("inf")
+    weight[7] = float("nan")
+    weight[9] = float("inf")
+    weight[10] = -float("inf")
+    int_type, payload = _NEGATIVE_NAN_PAYLOAD[dtype]
+    weight.view(int_type)[11] = payload
+    weight[12] = 0.0
+    weight[13] = -0.0
+
+    def shifted(t):  # the same values one element past a 16-byte boundary: the element path
+        storage = torch.empty(t.numel() + 1, dtype=dtype, device=DEVICE)
+        out = storage[1:].view(t.shape)
+        out.copy_(t)
+        return out
+
+    y, rstd = gpu_rms_norm.forward(x, weight, EPS)
+    y_element, rstd_element = gpu_rms_norm.forward(shifted(x), weight, EPS)
+    assert_bitwise_equal(y, y_element, name="y")
+    assert_bitwise_equal(rstd, rstd_element, name="inv_rms")
+    fused = gpu_rms_norm.fused_add_forward(x, residual, weight, EPS)
+    fused_element = gpu_rms_norm.fused_add_forward(shifted(x), shifted(residual), weight, EPS)
+    for got, want, name in zip(fused, fused_element, ("y", "new_residual", "inv_rms"), strict=True):
+        assert_bitwise_equal(got, want, name=f"fused {name}")
+    assert bool(y.isnan().any()) and bool(fused[0].isnan().any())
+    if dtype == torch.bfloat16:
+        for t in (y, *fused[:2]):
+            nan_bits = t.view(torch.int16)[t.isnan()]
+            assert bool((nan_bits == 0x7FC0).all()), "a bf16 NaN output is not 0x7fc0"
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_every_output_element_is_written_in_every_geometry(dtype):
     # One hidden size per kernel geometry (t4 ... t512 and the streaming form), outputs
@@ -619,6 +673,15 @@ def test_fewer_chunks_per_thread_reduce_a_row_as_the_wider_geometry(dtype, trim)
         results = (*got, *plain, *grad_x, *fused)
         if name == "t128k5":
             narrow = results
+    if trim == 0:  # the fused forward's vector entry (whole chunks only): the same bits
+        vector = run(
+            f"rms_norm_fused_forward_{suffix}_t128k5_vec",
+            rows,
+            (x, x, rstd),
+            (x, residual, weight, rows, hidden, hidden, hidden, EPS),
+        )
+        for label, a, b in zip(("y", "new_residual", "rstd"), vector, narrow[:3], strict=True):
+            assert_bitwise_equal(a, b, name=f"t128k5_vec fused {label}")
     for label, a, b in zip(
         ("y", "new_residual", "rstd", "plain y", "grad_x", "fused grad_x", "partials"),
         narrow,

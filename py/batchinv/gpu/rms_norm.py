@@ -33,6 +33,18 @@ GEOMETRIES = ((4, 4), (16, 4), (32, 4), (128, 2), (64, 8), (128, 5), (128, 8), (
 # and grad_weight's first level, as the forward's list fixes the forward's; both depend on d and
 # the dtype only.
 BACKWARD_GEOMETRIES = ((4, 4), (16, 4), (32, 4), (128, 4), (128, 5), (128, 8), (256, 8), (512, 8))
+# Forward kernels with an entry of their own for 16-byte vector launches (``*_vec``: no
+# per-element tests, the same operations and bits; kernels_cu/rms_norm.cu's
+# BATCHINV_RMS_NORM_FORWARD_VECTOR_KERNELS), where it measured faster on an H200 (issue 6,
+# session 11): 16384 x 4096 bf16 plain 2.2% (CUDA graphs 66.7 vs 68.2 us), 1024 x 4096 23%
+# (4.5 vs 5.8 us), fused 0.5% (t64) and 1.3% (t128k5).  Other geometries: level or slower.
+VECTOR_ENTRIES = frozenset(
+    {
+        ("rms_norm_forward", "t64"),
+        ("rms_norm_fused_forward", "t64"),
+        ("rms_norm_fused_forward", "t128k5"),
+    }
+)
 STREAMING_THREADS = 1024
 MIN_CTA_THREADS = 128
 # grad_weight's tree (kernels_cu/rms_norm.cu): first-level partials of at least this many rows
@@ -131,18 +143,32 @@ def as_rows(t: Tensor, width: int) -> Tensor:
     return rows
 
 
+def _forward_vector_launch(args, itemsize: int) -> bool:
+    """Whether a forward launch's ``args`` (the kernels' order: y, new_residual, rstd, x,
+    residual, weight, rows, d, x_stride, residual_stride, eps) take 16-byte vectors: every
+    pointer, row stride and ``d * itemsize`` a multiple of 16 (forward_rows' condition)."""
+    y, new_residual, _, x, residual, weight, _, d, x_stride, residual_stride, _ = args
+    pointers = (y, new_residual, x, residual, weight)
+    aligned = all(0 if isinstance(p, int) else p.data_ptr() % 16 == 0 for p in pointers)
+    return aligned and all((n * itemsize) % 16 == 0 for n in (d, x_stride, residual_stride))
+
+
 def _launch_rows(
     kernel: str, device: torch.device, d: int, dtype: torch.dtype, rows: int, args
 ) -> None:
-    """One row per group of threads; ``rms_norm_backward`` takes the backward's geometry."""
+    """One row per group of threads; ``rms_norm_backward`` takes the backward's geometry,
+    vector launches of ``VECTOR_ENTRIES`` their ``*_vec`` entry."""
     pick = backward_geometry if kernel == "rms_norm_backward" else geometry
     name, threads, cta = pick(d, dtype)
     rows_per_cta = cta // threads
     grid = -(-rows // rows_per_cta)
     if grid > _MAX_GRID_X:
         raise ValueError(f"x has {rows} rows; at most {_MAX_GRID_X * rows_per_cta} are supported")
+    entry = f"{kernel}_{_SUFFIX[dtype]}_{name}"
+    if (kernel, name) in VECTOR_ENTRIES and _forward_vector_launch(args, dtype.itemsize):
+        entry += "_vec"
     launch(
-        kernel_for("rms_norm", f"{kernel}_{_SUFFIX[dtype]}_{name}", device),
+        kernel_for("rms_norm", entry, device),
         device,
         grid=(grid,),
         block=(cta,),
