@@ -487,6 +487,45 @@ def test_misaligned_and_strided_inputs_take_a_narrower_path_with_the_same_bits(
         assert_bitwise_equal(gx, gx_ref)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_vector_launches_take_the_vec_entries(dtype, monkeypatch):
+    # Vector launches of VECTOR_ENTRIES' geometries run the *_vec kernels (the host checks the
+    # alignment), element launches the kernels that take both paths; both give the same bits.
+    launched = []
+    kernel_for = gpu_rms_norm.kernel_for
+
+    def recording(module, kernel, device):
+        launched.append(kernel)
+        return kernel_for(module, kernel, device)
+
+    monkeypatch.setattr(gpu_rms_norm, "kernel_for", recording)
+    elems = 16 // dtype.itemsize
+    for name in ("t64", "t128k5"):
+        threads, per_thread = {"t64": (64, 8), "t128k5": (128, 5)}[name]
+        hidden = threads * per_thread * elems
+        assert gpu_rms_norm.geometry(hidden, dtype)[0] == name
+        gen = torch.Generator(device=DEVICE).manual_seed(hidden)
+        x, residual = (torch.randn(7, hidden + 1, device=DEVICE, generator=gen) for _ in "xr")
+        x, residual = x.to(dtype), residual.to(dtype)
+        weight = _weight(hidden, dtype)
+        for kernel in ("rms_norm_forward", "rms_norm_fused_forward"):
+            outs = {}
+            for layout, cut in (("vector", slice(0, hidden)), ("element", slice(1, hidden + 1))):
+                launched.clear()
+                a = x[:, cut].contiguous() if layout == "vector" else x[:, cut]
+                r = residual[:, cut].contiguous() if layout == "vector" else residual[:, cut]
+                if kernel == "rms_norm_forward":
+                    outs[layout] = gpu_rms_norm.forward(a, weight, EPS)
+                else:
+                    outs[layout] = gpu_rms_norm.fused_add_forward(a, r, weight, EPS)
+                base = f"{kernel}_{gpu_rms_norm._SUFFIX[dtype]}_{name}"
+                vector_entry = (kernel, name) in gpu_rms_norm.VECTOR_ENTRIES
+                want = base + "_vec" if layout == "vector" and vector_entry else base
+                assert launched == [want], (layout, launched)
+            for got, want in zip(outs["vector"], outs["element"], strict=True):
+                assert_bitwise_equal(got, want, name=f"{kernel} {name}")
+
+
 # A negative NaN with a payload in each storage type (as a signed integer of its width).
 _NEGATIVE_NAN_PAYLOAD = {
     torch.bfloat16: (torch.int16, -63),  # 0xffc1

@@ -176,3 +176,23 @@ def test_as_rows_views_when_it_can_and_copies_when_it_must():
     transposed = gpu_rms_norm.as_rows(base.transpose(1, 2), 6)
     assert transposed.stride(1) == 1
     assert_bitwise_equal(transposed, base.transpose(1, 2).reshape(-1, 6))
+
+
+def test_forward_vector_launch_condition():
+    # The host's copy of the kernels' 16-byte condition (it picks the *_vec entries): every
+    # pointer (0 = absent), both row strides and d * itemsize multiples of 16 bytes.
+    x = torch.zeros(4, 4104, dtype=torch.bfloat16)
+    w = torch.zeros(4096, dtype=torch.bfloat16)
+    y = torch.zeros(4, 4096, dtype=torch.bfloat16)
+    rows = x[:, :4096]
+
+    def args(x_rows, residual=0, new_residual=0, d=4096):
+        strides = (x_rows.stride(0), 0 if isinstance(residual, int) else residual.stride(0))
+        return (y, new_residual, 0, x_rows, residual, w, 4, d, *strides, 1e-6)
+
+    vector = gpu_rms_norm._forward_vector_launch
+    assert vector(args(rows), 2)  # plain forward: residual and new_residual absent
+    assert vector(args(rows, rows, y), 2)  # fused
+    assert not vector(args(x[:, 1:4097]), 2)  # base one element past 16 bytes
+    assert not vector(args(torch.zeros(4, 4097, dtype=torch.bfloat16)[:, :4096]), 2)  # stride
+    assert not vector(args(rows, d=4092), 2)  # d * itemsize not a multiple of 16

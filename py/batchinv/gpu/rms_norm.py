@@ -149,7 +149,8 @@ def _forward_vector_launch(args, itemsize: int) -> bool:
     pointer, row stride and ``d * itemsize`` a multiple of 16 (forward_rows' condition)."""
     y, new_residual, _, x, residual, weight, _, d, x_stride, residual_stride, _ = args
     pointers = (y, new_residual, x, residual, weight)
-    aligned = all(0 if isinstance(p, int) else p.data_ptr() % 16 == 0 for p in pointers)
+    # an absent tensor is passed as the null pointer 0, which the kernels count as aligned
+    aligned = all((p if isinstance(p, int) else p.data_ptr()) % 16 == 0 for p in pointers)
     return aligned and all((n * itemsize) % 16 == 0 for n in (d, x_stride, residual_stride))
 
 
