@@ -77,7 +77,9 @@
 // pointer, row stride and d*sizeof are multiples of 16 (the same for all rows of a launch) and
 // element loads otherwise; both fill the same per-thread chunks, so the arithmetic, and the
 // bits, do not depend on the load width: a row alone in a fresh tensor and the same row at an
-// odd offset of a batch get the same result.
+// odd offset of a batch get the same result.  Vector launches of the plain forward's t64 and
+// the fused forward's t64 and t128k5 run entries of their own (*_vec, forward_rows_vector: the
+// same operations in the same order, without per-element bounds tests), picked by the host.
 #include "common/chunk16.cuh"
 #include "common/grid_dependency.cuh"
 #include "common/portability.cuh"
@@ -1332,9 +1334,17 @@ __device__ __forceinline__ void weight_grad_last_levels(typename Codec::storage*
 // forward's t64 and the fused forward's t64 and t128k5.  MIN_BLOCKS: CTAs per SM that ptxas
 // must leave registers for (t64: 86 registers, 5 CTAs; without the bound 88 registers and 1.8%
 // slower; the fused t128k5 6 CTAs).
+// (hipcc's __launch_bounds__ is a macro whose second argument means something else: HIP builds
+// the entries without the minimum; the host picks them on CUDA only.)
+#if defined(__HIPCC__)
+#define BATCHINV_RMS_NORM_VECTOR_BOUNDS(THREADS, MIN_BLOCKS) __launch_bounds__(THREADS)
+#else
+#define BATCHINV_RMS_NORM_VECTOR_BOUNDS(THREADS, MIN_BLOCKS) __launch_bounds__(THREADS, MIN_BLOCKS)
+#endif
 #define BATCHINV_RMS_NORM_FORWARD_VECTOR_ENTRY(KIND, SUFFIX, GEOMETRY, CODEC, T, K, FUSED,      \
                                                MIN_BLOCKS)                                     \
-    extern "C" __global__ void __launch_bounds__(batchinv::rms::Cta<T>::kThreads, MIN_BLOCKS)    \
+    extern "C" __global__ void BATCHINV_RMS_NORM_VECTOR_BOUNDS(batchinv::rms::Cta<T>::kThreads,  \
+                                                               MIN_BLOCKS)                     \
         rms_norm_##KIND##_##SUFFIX##_##GEOMETRY##_vec(                                           \
         CODEC::storage* y, CODEC::storage* new_residual, float* rstd, const CODEC::storage* x,   \
         const CODEC::storage* residual, const CODEC::storage* weight, int64_t rows, int64_t d,   \

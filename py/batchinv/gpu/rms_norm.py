@@ -158,7 +158,7 @@ def _launch_rows(
     kernel: str, device: torch.device, d: int, dtype: torch.dtype, rows: int, args
 ) -> None:
     """One row per group of threads; ``rms_norm_backward`` takes the backward's geometry,
-    vector launches of ``VECTOR_ENTRIES`` their ``*_vec`` entry."""
+    vector launches of ``VECTOR_ENTRIES`` their ``*_vec`` entry (CUDA)."""
     pick = backward_geometry if kernel == "rms_norm_backward" else geometry
     name, threads, cta = pick(d, dtype)
     rows_per_cta = cta // threads
@@ -166,7 +166,11 @@ def _launch_rows(
     if grid > _MAX_GRID_X:
         raise ValueError(f"x has {rows} rows; at most {_MAX_GRID_X * rows_per_cta} are supported")
     entry = f"{kernel}_{_SUFFIX[dtype]}_{name}"
-    if (kernel, name) in VECTOR_ENTRIES and _forward_vector_launch(args, dtype.itemsize):
+    if (
+        (kernel, name) in VECTOR_ENTRIES
+        and backend_of(device) == "cuda"  # measured on CUDA only
+        and _forward_vector_launch(args, dtype.itemsize)
+    ):
         entry += "_vec"
     launch(
         kernel_for("rms_norm", entry, device),
