@@ -148,22 +148,31 @@ def test_backward_geometry_differs_from_the_forward_only_where_documented():
     assert gpu_rms_norm.weight_grad_chunking(4096, torch.bfloat16, 9000) == (1, 16)
 
 
-def test_weight_grad_first_level_of_t128k4_from_the_row_threshold_on():
+def test_weight_grad_first_level_of_t128k4_and_t128k5_from_the_row_threshold_on():
     # A function of d, the dtype and the row count, never of the device: 2 groups x 16 rows for
-    # t128k4 in bf16 and fp32 from 16384 rows on, the geometry's 1 x 16 otherwise.
+    # t128k4 in bf16 and fp32 and for t128k5 in every dtype (issue 6, session 11) from 16384
+    # rows on, the geometry's 1 x 16 otherwise.
     edge = gpu_rms_norm.TWO_GROUPS_MIN_ROWS
     assert edge == 16384 and gpu_rms_norm.TWO_GROUPS_SHAPE == (2, 16)
-    for dtype, d in ((torch.bfloat16, 4096), (torch.float16, 1032), (torch.float32, 2048)):
-        assert gpu_rms_norm.backward_geometry(d, dtype)[0] == "t128k4"
-        wide = (2, 16) if dtype != torch.float16 else (1, 16)
+    cases = (
+        ("t128k4", torch.bfloat16, 4096, True),
+        ("t128k4", torch.float16, 1032, False),
+        ("t128k4", torch.float32, 2048, True),
+        ("t128k5", torch.bfloat16, 5120, True),
+        ("t128k5", torch.float16, 4104, True),
+        ("t128k5", torch.float32, 2560, True),
+    )
+    for geometry, dtype, d, two in cases:
+        assert gpu_rms_norm.backward_geometry(d, dtype)[0] == geometry
+        wide = (2, 16) if two else (1, 16)
         assert gpu_rms_norm.weight_grad_chunking(d, dtype, edge - 1) == (1, 16)
         assert gpu_rms_norm.weight_grad_chunking(d, dtype, edge) == wide
         assert gpu_rms_norm.weight_grad_chunking(d, dtype, 10 * edge) == wide
         name, blocks, cta, shape = gpu_rms_norm.fused_backward_plan(d, dtype, edge + 1)
-        assert (name, blocks) == ("t128k4", -(-(edge + 1) // 32) if wide == (2, 16) else 1025)
-        assert (cta, shape) == ((256, (2, 16)) if wide == (2, 16) else (128, None))
+        assert (name, blocks) == (geometry, -(-(edge + 1) // 32) if two else 1025)
+        assert (cta, shape) == ((256, (2, 16)) if two else (128, None))
     # Other geometries keep their first level at any row count.
-    for d, want in ((128, (32, 1)), (1000, (4, 4)), (5120, (1, 16)), (8192, (1, 16))):
+    for d, want in ((128, (32, 1)), (1000, (4, 4)), (8192, (1, 16))):
         for rows in (1, edge, 10 * edge):
             assert gpu_rms_norm.weight_grad_chunking(d, torch.bfloat16, rows) == want, (d, rows)
 

@@ -38,24 +38,29 @@ MIN_CTA_THREADS = 128
 # grad_weight's tree (kernels_cu/rms_norm.cu): first-level partials of at least this many rows
 # (a constant, not a tuning knob), then sums of 64 consecutive partial rows.
 WEIGHT_GRAD_CHUNK_ROWS = 16
-# t128k4's fused backward (bf16 hidden 4096, fp32 512 < d <= 2048) from TWO_GROUPS_MIN_ROWS rows
-# on runs 256-thread CTAs of two row groups of 16 rows (kernel entries ``*_t128k4g2``): a
+# The fused backward of the geometries in TWO_GROUPS (and dtypes there) from TWO_GROUPS_MIN_ROWS
+# rows on runs 256-thread CTAs of two row groups of 16 rows (kernel entries ``*_<geometry>g2``): a
 # first-level partial of 2 x 16 rows, so half the partial rows to write and reduce with as many
 # row groups in flight as 1 x 16.  A function of the row count, d and the dtype only, never of
-# the SM count.  Below 16384 rows it was 1-3% slower on an H200, and fp16's entry (164 registers,
-# one CTA per SM) 6.6% slower, so those keep 1 x 16 (issue 6, session 8).
-TWO_GROUPS_GEOMETRY = "t128k4"
+# the SM count.  t128k4 (bf16 hidden 4096, fp32 512 < d <= 2048): below 16384 rows it was 1-3%
+# slower on an H200, and fp16's entry (164 registers, one CTA per SM) 6.6% slower, so those keep
+# 1 x 16 (issue 6, session 8).  t128k5 (bf16/fp16 hidden 5120, fp32 2048 < d <= 2560): issue 6,
+# session 11.
+TWO_GROUPS = {
+    "t128k4": (torch.bfloat16, torch.float32),
+    "t128k5": (torch.bfloat16, torch.float16, torch.float32),
+}
 TWO_GROUPS_SHAPE = (2, 16)
-TWO_GROUPS_DTYPES = (torch.bfloat16, torch.float32)
 TWO_GROUPS_MIN_ROWS = 16384
 WEIGHT_GRAD_REDUCE_ROWS = 64
 WEIGHT_GRAD_THREADS = 256
 # The last two levels (runs of 64 partial rows, then the run sums) run as one grid once at most
-# 64 * 64 partial rows remain: 16 columns per CTA, 32 threads per column summing runs
-# (kLastLevelsColumns, kLastLevelsRunSlots in kernels_cu/rms_norm.cu).
+# 64 * 64 partial rows remain: 8 columns and 256 threads per CTA, which load up to 16 runs of
+# their columns into shared memory before adding each run in order (kLastLevelsColumns,
+# kLastLevelsThreads in kernels_cu/rms_norm.cu).
 WEIGHT_GRAD_LAST_LEVELS_ROWS = WEIGHT_GRAD_REDUCE_ROWS * WEIGHT_GRAD_REDUCE_ROWS
-LAST_LEVELS_COLUMNS = 16
-LAST_LEVELS_THREADS = 512
+LAST_LEVELS_COLUMNS = 8
+LAST_LEVELS_THREADS = 256
 # The fused backward keeps a CTA's per-column sums in shared memory (fp32, CTA threads * chunks
 # per thread * elements per chunk), at most this many bytes; longer rows take grad_x and a
 # column pass for the first level separately (the same tree, so the same bits).
@@ -211,7 +216,7 @@ def fused_add_forward(
 
 
 def _two_groups(name: str, dtype: torch.dtype) -> bool:
-    return name == TWO_GROUPS_GEOMETRY and dtype in TWO_GROUPS_DTYPES
+    return dtype in TWO_GROUPS.get(name, ())
 
 
 def weight_grad_chunking(d: int, dtype: torch.dtype, rows: int) -> tuple[int, int]:
@@ -219,8 +224,8 @@ def weight_grad_chunking(d: int, dtype: torch.dtype, rows: int) -> tuple[int, in
     rows of ``d`` elements: a partial row sums ``groups * rows_in_sequence`` consecutive rows,
     each group its own consecutive run in order, then the groups in order (a function of ``d``,
     the dtype and the row count only: from the backward's geometry, and ``TWO_GROUPS_SHAPE``
-    for ``TWO_GROUPS_GEOMETRY`` in ``TWO_GROUPS_DTYPES`` from ``TWO_GROUPS_MIN_ROWS`` rows
-    on)."""
+    for the geometries and dtypes of ``TWO_GROUPS`` (bf16/fp32 ``t128k4``, every dtype's
+    ``t128k5``) from ``TWO_GROUPS_MIN_ROWS`` rows on)."""
     name, threads, cta = backward_geometry(d, dtype)
     if _two_groups(name, dtype) and rows >= TWO_GROUPS_MIN_ROWS:
         return TWO_GROUPS_SHAPE
