@@ -28,8 +28,10 @@
 //             end are skipped).  G = the backward geometry's row groups per CTA (128 / T, or 1
 //             for T >= 128), S = max(1, 16 / G): q/k norm (T = 4) G = 32, S = 1; T = 16: 8 x 2;
 //             T = 32: 4 x 4; T >= 128 (hidden 4096 and 5120 bf16) and streaming: 1 x 16; except
-//             t128k4 (bf16 hidden 4096, fp32 512 < d <= 2048) in bf16 and fp32 from 16384 rows
-//             on: G = 2, S = 16 (entries *_t128k4g2, two row groups in a 256-thread CTA).
+//             from 16384 rows on t128k4 (bf16 hidden 4096, fp32 512 < d <= 2048) in bf16 and
+//             fp32, and t128k5 (bf16/fp16 4096 < d <= 5120, fp32 2048 < d <= 2560) in every
+//             dtype: G = 2, S = 16 (entries *_t128k4g2, *_t128k5g2: two row groups in a
+//             256-thread CTA).
 //           level 2+: while more than 64 partial rows remain, each run of 64 consecutive ones is
 //             summed in order; the last <= 64 are added in order and rounded once.  Grids:
 //             rms_norm_weight_grad_reduce for one level while more than 64 * 64 rows remain, then
@@ -98,19 +100,15 @@ constexpr int kWeightGradReduceRows = 64;  // partial rows per sum of the furthe
 constexpr int kWeightGradSharedBytes = 32768;  // per-column sums of a CTA in the fused backward
 constexpr int kWeightGradThreads = 256;  // columns per pass-1 / pass-2 CTA
 constexpr int kWeightGradUnroll = 8;     // rows loaded before they are added (loads in flight)
-// weight_grad_last_levels: columns per CTA, threads per CTA, and runs of 64 partial rows in its
-// shared-memory tile.  The CTA loads a tile of up to 16 runs x 64 rows x 8 columns (32-byte row
-// segments, as 16-byte vectors where d % 4 == 0) with all its threads, every load issued before
-// any add, then one thread per (run, column) adds the run's rows in order from the tile.  The
-// grid before (session 10: 16 columns x 32 run slots, each thread loading its run's 64 floats
-// of one column) kept only the run slots with a run busy: at 16384 x 4096 (8 runs) 128 of 512
-// threads, a few KiB in flight per SM, about 5.8 us after level 1 for 8 MiB (issue 6, session 11).
-constexpr int kLastLevelsColumns = 8;
-constexpr int kLastLevelsThreads = 256;
-constexpr int kLastLevelsTileRuns = 16;
-// Floats between two runs' blocks in the tile: a warp's four runs of the add phase read banks
-// 8 apart instead of the same ones.
-constexpr int kLastLevelsRunPad = 8;
+// weight_grad_last_levels: columns per CTA, and threads per column (run slots), each summing
+// runs of 64 partial rows.  16 columns (64-byte row segments), not 32: at 16384 x 5120 bf16 (16
+// runs of 1024 partial rows) 32 gave 160 CTAs for 132 SMs, so 28 SMs read two CTAs' 128 KiB in
+// series; 320 CTAs of 64 KiB spread it (issue 6, session 10).
+constexpr int kLastLevelsColumns = 16;
+constexpr int kLastLevelsRunSlots = 32;
+// Rows of a run loaded before they are added, per thread (ptxas keeps part of them in flight;
+// on an H200 64 gave the last two levels of 16384 x 4096 bf16 in 10.9-11.6 us, 16 in 13.0-13.6).
+constexpr int kLastLevelsUnroll = 64;
 constexpr int64_t kWeightGradLastLevelsRows =
     static_cast<int64_t>(kWeightGradReduceRows) * kWeightGradReduceRows;
 constexpr int kResidentWeightMaxChunks = 5;  // fused backward: weight in registers up to this K
@@ -183,7 +181,7 @@ __device__ __forceinline__ void store_chunk(typename Codec::storage* row, const 
 
 // The barrier of row_group_sum: the CTA's, or (kGroupBarrier, CUDA only) named barrier
 // 1 + group over the T threads of row group `group` alone, so that the row groups of a CTA do
-// not wait for each other (the t128k4g2 fused backward; issue 6, session 9).
+// not wait for each other (the t128k4g2 and t128k5g2 fused backward; issue 6, sessions 9, 11).
 template <int T, bool kGroupBarrier>
 __device__ __forceinline__ void row_group_barrier(int group) {
 #if !defined(__HIPCC__)
@@ -364,8 +362,8 @@ struct Cta {
 // grad_weight's first level for a row kept in registers: a CTA of the fused backward owns kRows
 // consecutive rows, its kGroups row groups kRowsInSequence consecutive rows each (see the
 // header).  By default the geometry's CTA (Cta<T>::kRowGroups groups) and
-// max(1, kWeightGradChunkRows / groups) rows per group; the t128k4g2 entries (issue 6, session
-// 8) take 2 groups of 16 rows in a CTA of 256 threads.
+// max(1, kWeightGradChunkRows / groups) rows per group; the t128k4g2 and t128k5g2 entries (issue
+// 6, sessions 8 and 11) take 2 groups of 16 rows in a CTA of 256 threads.
 template <int T, int G = Cta<T>::kRowGroups,
           int S = (kWeightGradChunkRows > G ? kWeightGradChunkRows / G : 1)>
 struct WeightGradChunk {
@@ -375,7 +373,7 @@ struct WeightGradChunk {
     static constexpr int kThreads = kGroups * T;  // of the fused backward's CTA
     static_assert(kThreads >= Cta<T>::kThreads, "at least the geometry's CTA");
 };
-// The t128k4g2 entries' shape (a name without commas: hipcc's __launch_bounds__ is a macro).
+// The *g2 entries' shape (a name without commas: hipcc's __launch_bounds__ is a macro).
 using TwoGroupsT128 = WeightGradChunk<128, 2, 16>;
 
 template <typename S>
@@ -894,7 +892,8 @@ __device__ __forceinline__ void backward_weight_grad_resident(const BackwardArgs
                 load_backward_row<Codec, T, K>(next_xs, next_gs, a, first_row + s + 1, lane,
                                                vector);
             }
-            backward_resident_row<Codec, T, K, !kAlternate, kGroupBarrier, false, Layout::kPlane>(
+            backward_resident_row<Codec, T, K, !kAlternate, kGroupBarrier, false,
+                                  Layout::kPlane>(
                 a, first_row + s, lane, vector, xs, gs, w, saved_inv_rms(a, first_row + s),
                 row_partials, mine, group);
 #pragma unroll
@@ -904,7 +903,8 @@ __device__ __forceinline__ void backward_weight_grad_resident(const BackwardArgs
             }
         } else {
             if (s > 0) load_backward_row<Codec, T, K>(xs, gs, a, first_row + s, lane, vector);
-            backward_resident_row<Codec, T, K, !kAlternate, kGroupBarrier, kFresh, Layout::kPlane>(
+            backward_resident_row<Codec, T, K, !kAlternate, kGroupBarrier, kFresh,
+                                  Layout::kPlane>(
                 a, first_row + s, lane, vector, xs, gs, w, saved_inv_rms(a, first_row + s),
                 row_partials, mine, group);
         }
@@ -1160,87 +1160,29 @@ __device__ __forceinline__ void weight_grad_reduce(float* rows_out, const float*
 // partial rows: the runs of 64 consecutive rows summed in order from +0 (the level below the
 // last; with at most 64 rows there is one run and no level below), then, with more than one
 // run, the run sums added in run order from +0 (the last level); rounded once.  The same
-// operations as a reduce level followed by a final level of one thread per column.  A CTA owns
-// kLastLevelsColumns columns: it loads kLastLevelsTileRuns runs of them at a time into its tile
-// (each thread some 16-byte pieces of rows, all loads issued before the barrier), then thread
-// (y, x), y < kLastLevelsTileRuns, adds run y's rows of column x in order.  Where the rows are
-// loaded from changes no addition, so the bits are the grid's before (session 10's).
-// Launch: grid = ceil(d / kLastLevelsColumns), block = kLastLevelsThreads.
+// operations as a reduce level followed by a final level of one thread per column.  Run slot y
+// of a CTA (threads y * kLastLevelsColumns ..) sums runs y, y + kLastLevelsRunSlots, ...
+// Launch: grid = ceil(d / kLastLevelsColumns), block = kLastLevelsColumns * kLastLevelsRunSlots.
 template <typename Codec>
 __device__ __forceinline__ void weight_grad_last_levels(typename Codec::storage* grad_weight,
                                                         const float* partials,
                                                         int64_t num_partials, int64_t d) {
-    constexpr int kColumns = kLastLevelsColumns;
-    constexpr int kRunRows = kWeightGradReduceRows;
-    constexpr int kRunFloats = kRunRows * kColumns + kLastLevelsRunPad;
-    constexpr int kPieces = kLastLevelsTileRuns * kRunRows * (kColumns / 4);  // 16-byte pieces
-    static_assert(kPieces % kLastLevelsThreads == 0, "every thread loads as many pieces");
-    static_assert(kLastLevelsThreads >= kLastLevelsTileRuns * kColumns, "a thread per sum");
-    __shared__ __align__(16) float tile[kLastLevelsTileRuns * kRunFloats];
-    __shared__ float run_sums[kWeightGradReduceRows][kColumns];
+    __shared__ float run_sums[kWeightGradReduceRows][kLastLevelsColumns];
     grid_wait_primary();  // partials are the previous grid's output
-    const int64_t col0 = static_cast<int64_t>(blockIdx.x) * kColumns;
-    const int64_t runs = (num_partials + kRunRows - 1) / kRunRows;
-    // 16-byte loads where every row's piece is 16-byte aligned and inside the row (col0 is a
-    // multiple of 8, so with d % 4 == 0 a piece is wholly inside or wholly outside).
-    const bool vector = d % 4 == 0 && (reinterpret_cast<uintptr_t>(partials) & 15) == 0;
-    const int x = threadIdx.x % kColumns;
-    const int y = threadIdx.x / kColumns;
-    // This thread's pieces: rows piece_row + i * kRowStep of the tile, 4 columns from load_col.
-    constexpr int kPiecesPerRow = kColumns / 4;
-    constexpr int kPerThread = kPieces / kLastLevelsThreads;
-    constexpr int kRowStep = kLastLevelsThreads / kPiecesPerRow;
-    const int piece_row = threadIdx.x / kPiecesPerRow;
-    const int piece_col = (threadIdx.x % kPiecesPerRow) * 4;
-    const int64_t load_col = col0 + piece_col;
-    float* const slot = tile + piece_row * kColumns + piece_col;
-    for (int64_t first_run = 0; first_run < runs; first_run += kLastLevelsTileRuns) {
-        const int64_t first_row = first_run * kRunRows + piece_row;
-        const float* src = partials + first_row * d + load_col;
-        float4 pieces[kPerThread];
-#pragma unroll
-        for (int i = 0; i < kPerThread; ++i) {
-            float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-            if (first_row + i * kRowStep < num_partials) {
-                const float* p = src + static_cast<int64_t>(i) * kRowStep * d;
-                if (vector) {
-                    if (load_col < d) v = *reinterpret_cast<const float4*>(p);
-                } else {
-                    if (load_col < d) v.x = p[0];
-                    if (load_col + 1 < d) v.y = p[1];
-                    if (load_col + 2 < d) v.z = p[2];
-                    if (load_col + 3 < d) v.w = p[3];
-                }
-            }
-            pieces[i] = v;
-        }
-        if (first_run > 0) __syncthreads();  // the previous tile's adds are done
-        // kRowStep rows are a whole number of runs apart: tile row piece_row + i * kRowStep
-        // lies in run (piece_row / kRunRows) + i * (kRowStep / kRunRows) at the same offset.
-        static_assert(kRowStep % kRunRows == 0, "pieces of one thread at one offset in runs");
-#pragma unroll
-        for (int i = 0; i < kPerThread; ++i) {
-            const int run_of_row = piece_row / kRunRows + i * (kRowStep / kRunRows);
-            *reinterpret_cast<float4*>(slot + run_of_row * (kRunFloats - kRunRows * kColumns) +
-                                       i * kRowStep * kColumns) = pieces[i];
-        }
-        __syncthreads();
-        const int64_t run = first_run + y;
-        if (y < kLastLevelsTileRuns && run < runs) {
-            const float* rows = tile + y * kRunFloats + x;
-            float sum = 0.0f;
-            const int64_t left = num_partials - run * kRunRows;
-            if (left >= kRunRows) {
-#pragma unroll 16
-                for (int r = 0; r < kRunRows; ++r) sum = ieee_add(sum, rows[r * kColumns]);
-            } else {
-                for (int r = 0; r < left; ++r) sum = ieee_add(sum, rows[r * kColumns]);
-            }
-            run_sums[run][x] = sum;
+    const int x = threadIdx.x % kLastLevelsColumns;
+    const int y = threadIdx.x / kLastLevelsColumns;
+    const int64_t col = static_cast<int64_t>(blockIdx.x) * kLastLevelsColumns + x;
+    const int64_t runs = (num_partials + kWeightGradReduceRows - 1) / kWeightGradReduceRows;
+    if (col < d) {
+        for (int64_t run = y; run < runs; run += kLastLevelsRunSlots) {
+            const int64_t begin = run * kWeightGradReduceRows;
+            const int64_t end = begin + kWeightGradReduceRows < num_partials
+                                    ? begin + kWeightGradReduceRows
+                                    : num_partials;
+            run_sums[run][x] = column_sum<kLastLevelsUnroll>(partials, begin, end, d, col);
         }
     }
     __syncthreads();
-    const int64_t col = col0 + x;
     if (y != 0 || col >= d) return;
     float total = run_sums[0][x];
     if (runs > 1) {
@@ -1322,7 +1264,8 @@ __device__ __forceinline__ void weight_grad_last_levels(typename Codec::storage*
         batchinv::rms::weight_grad_partials<CODEC>(partials, grad_y, x, rstd, rows, d,         \
                                                    x_stride, groups, in_sequence);             \
     }                                                                                          \
-    extern "C" __global__ void __launch_bounds__(batchinv::rms::kLastLevelsThreads)          \
+    extern "C" __global__ void __launch_bounds__(                                            \
+        batchinv::rms::kLastLevelsColumns * batchinv::rms::kLastLevelsRunSlots)                \
         rms_norm_weight_grad_last_levels_##SUFFIX(CODEC::storage* grad_weight,                 \
                                                   const float* partials,                       \
                                                   int64_t num_partials, int64_t d) {           \
@@ -1394,7 +1337,10 @@ BATCHINV_RMS_NORM_BACKWARD_WEIGHT_GRAD_ENTRY_SHAPED(bf16, batchinv::Bf16Codec, t
                                                     batchinv::rms::TwoGroupsT128)
 BATCHINV_RMS_NORM_BACKWARD_WEIGHT_GRAD_ENTRY_SHAPED(f32, batchinv::F32Codec, t128k4g2, 128, 4,
                                                     batchinv::rms::TwoGroupsT128)
-// t128k5 (bf16/fp16 hidden 5120) likewise, from 16384 rows on (issue 6, session 11).
+// t128k5 (bf16/fp16 hidden 5120, fp32 2048 < d <= 2560) likewise, in every dtype, from 16384 rows
+// on (issue 6, session 11: 2.1-3.2% faster than 1 x 16 at 16384 x 5120 bf16/fp16 and
+// 16384 x 2560 fp32 on an H200, 2.4-3% at 24576 and 32768 x 5120 bf16; 124 / 128 / 99
+// registers, so 2 CTAs (4 row groups) per SM as t128k5's 4 CTAs of one in bf16 and fp16).
 BATCHINV_RMS_NORM_BACKWARD_WEIGHT_GRAD_ENTRY_SHAPED(bf16, batchinv::Bf16Codec, t128k5g2, 128, 5,
                                                     batchinv::rms::TwoGroupsT128)
 BATCHINV_RMS_NORM_BACKWARD_WEIGHT_GRAD_ENTRY_SHAPED(f16, batchinv::F16Codec, t128k5g2, 128, 5,

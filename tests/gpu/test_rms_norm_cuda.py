@@ -438,12 +438,11 @@ def test_weight_gradient_tree_with_a_level_below_the_last_two(dtype):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("d", (8, 13, 4099))
 def test_levels_above_the_first_are_the_documented_tree_at_any_row_count(dtype, d):
-    # The last-levels grid loads up to 16 runs of 64 partial rows of its 8 columns into shared
-    # memory at a time, as 16-byte pieces where d % 4 == 0 (issue 6, session 11).  Row counts
-    # around a run (63, 64, 65), around one tile of runs (1024, 1025), several tiles, the most
-    # it takes (4096) and one more (a reduce level first); d = 13 and 4099: rows not 16-byte
-    # aligned (element loads) and a last CTA with columns past the end.  Column 0 is all -0:
-    # sums start at +0, so it must come out +0.
+    # The levels above the first (reduce grids, then the last-levels grid: runs of 64 partial
+    # rows, then the run sums) on partial rows given directly: row counts around a run (63, 64,
+    # 65), around 16 runs (1024, 1025), the most the last-levels grid takes (4096) and one more
+    # (a reduce level first); d = 13 and 4099: a last CTA with columns past the end.  Column 0
+    # is all -0: sums start at +0, so it must come out +0.
     gen = torch.Generator(device=DEVICE).manual_seed(24)
     for count in (1, 63, 64, 65, 1024, 1025, 2500, 4096, 4097):
         partials = torch.randn(count, d, device=DEVICE, generator=gen)

@@ -44,8 +44,9 @@ WEIGHT_GRAD_CHUNK_ROWS = 16
 # row groups in flight as 1 x 16.  A function of the row count, d and the dtype only, never of
 # the SM count.  t128k4 (bf16 hidden 4096, fp32 512 < d <= 2048): below 16384 rows it was 1-3%
 # slower on an H200, and fp16's entry (164 registers, one CTA per SM) 6.6% slower, so those keep
-# 1 x 16 (issue 6, session 8).  t128k5 (bf16/fp16 hidden 5120, fp32 2048 < d <= 2560): issue 6,
-# session 11.
+# 1 x 16 (issue 6, session 8).  t128k5 (bf16/fp16 hidden 5120, fp32 2048 < d <= 2560), every
+# dtype: 2.1-3.2% faster than 1 x 16 at 16384 rows on an H200, 2.4-3% at 24576 and 32768 rows
+# (issue 6, session 11).
 TWO_GROUPS = {
     "t128k4": (torch.bfloat16, torch.float32),
     "t128k5": (torch.bfloat16, torch.float16, torch.float32),
@@ -55,12 +56,11 @@ TWO_GROUPS_MIN_ROWS = 16384
 WEIGHT_GRAD_REDUCE_ROWS = 64
 WEIGHT_GRAD_THREADS = 256
 # The last two levels (runs of 64 partial rows, then the run sums) run as one grid once at most
-# 64 * 64 partial rows remain: 8 columns and 256 threads per CTA, which load up to 16 runs of
-# their columns into shared memory before adding each run in order (kLastLevelsColumns,
-# kLastLevelsThreads in kernels_cu/rms_norm.cu).
+# 64 * 64 partial rows remain: 16 columns per CTA, 32 threads per column summing runs
+# (kLastLevelsColumns, kLastLevelsRunSlots in kernels_cu/rms_norm.cu).
 WEIGHT_GRAD_LAST_LEVELS_ROWS = WEIGHT_GRAD_REDUCE_ROWS * WEIGHT_GRAD_REDUCE_ROWS
-LAST_LEVELS_COLUMNS = 8
-LAST_LEVELS_THREADS = 256
+LAST_LEVELS_COLUMNS = 16
+LAST_LEVELS_THREADS = 512
 # The fused backward keeps a CTA's per-column sums in shared memory (fp32, CTA threads * chunks
 # per thread * elements per chunk), at most this many bytes; longer rows take grad_x and a
 # column pass for the first level separately (the same tree, so the same bits).
