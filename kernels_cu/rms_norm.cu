@@ -28,9 +28,9 @@
 //             end are skipped).  G = the backward geometry's row groups per CTA (128 / T, or 1
 //             for T >= 128), S = max(1, 16 / G): q/k norm (T = 4) G = 32, S = 1; T = 16: 8 x 2;
 //             T = 32: 4 x 4; T >= 128 (hidden 4096 and 5120 bf16) and streaming: 1 x 16; except
-//             from 16384 rows on t128k4 (bf16 hidden 4096, fp32 512 < d <= 2048) in bf16 and
-//             fp32, and t128k5 (bf16/fp16 4096 < d <= 5120, fp32 2048 < d <= 2560) in every
-//             dtype: G = 2, S = 16 (entries *_t128k4g2, *_t128k5g2: two row groups in a
+//             t128k4 (bf16 hidden 4096, fp32 512 < d <= 2048) in bf16 and fp32 from 16384 rows
+//             on, and t128k5 (bf16/fp16 4096 < d <= 5120, fp32 2048 < d <= 2560) in every dtype
+//             from 8192 rows on: G = 2, S = 16 (entries *_t128k4g2, *_t128k5g2: two row groups in a
 //             256-thread CTA).
 //           level 2+: while more than 64 partial rows remain, each run of 64 consecutive ones is
 //             summed in order; the last <= 64 are added in order and rounded once.  Grids:
@@ -1337,10 +1337,11 @@ BATCHINV_RMS_NORM_BACKWARD_WEIGHT_GRAD_ENTRY_SHAPED(bf16, batchinv::Bf16Codec, t
                                                     batchinv::rms::TwoGroupsT128)
 BATCHINV_RMS_NORM_BACKWARD_WEIGHT_GRAD_ENTRY_SHAPED(f32, batchinv::F32Codec, t128k4g2, 128, 4,
                                                     batchinv::rms::TwoGroupsT128)
-// t128k5 (bf16/fp16 hidden 5120, fp32 2048 < d <= 2560) likewise, in every dtype, from 16384 rows
+// t128k5 (bf16/fp16 hidden 5120, fp32 2048 < d <= 2560) likewise, in every dtype, from 8192 rows
 // on (issue 6, session 11: 2.1-3.2% faster than 1 x 16 at 16384 x 5120 bf16/fp16 and
-// 16384 x 2560 fp32 on an H200, 2.4-3% at 24576 and 32768 x 5120 bf16; 124 / 128 / 99
-// registers, so 2 CTAs (4 row groups) per SM as t128k5's 4 CTAs of one in bf16 and fp16).
+// 16384 x 2560 fp32 on an H200, 2.4-3% at 24576 and 32768 x 5120 bf16, 1.0-1.8% at 8192 and
+// 12288 x 5120; 124 / 128 / 99 registers, so 2 CTAs (4 row groups) per SM as t128k5's 4 CTAs
+// of one in bf16 and fp16).
 BATCHINV_RMS_NORM_BACKWARD_WEIGHT_GRAD_ENTRY_SHAPED(bf16, batchinv::Bf16Codec, t128k5g2, 128, 5,
                                                     batchinv::rms::TwoGroupsT128)
 BATCHINV_RMS_NORM_BACKWARD_WEIGHT_GRAD_ENTRY_SHAPED(f16, batchinv::F16Codec, t128k5g2, 128, 5,

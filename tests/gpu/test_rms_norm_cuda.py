@@ -327,8 +327,9 @@ def _weight_grad_by_the_documented_tree(grad_y, x, rstd, groups, in_sequence):
 
 
 # One hidden size per first-level shape: q/k norm (32 row groups of 1 row), 8 and 4 groups
-# (500, 1000 bf16), one group (2500, 4096, 5120), and rows whose sums do not fit the fused
-# kernel (12000 bf16, t512, stream).
+# (500, 1000 bf16), one group (2500, 4096, 5120 at 300 rows), two groups of 16 (5120 at 9000
+# rows: t128k5 from 8192 rows on), and rows whose sums do not fit the fused kernel (12000 bf16,
+# t512, stream).
 TREE_HIDDENS = (128, 500, 1000, 2500, 4096, 5120, 12000, 20000, 40000)
 # Enough rows for the fused kernel (at least FUSED_WEIGHT_GRAD_MIN_BLOCKS CTAs of up to 32 rows);
 # fewer take grad_x and the column pass.
@@ -353,13 +354,14 @@ def test_weight_gradient_is_the_documented_fixed_tree(hidden, dtype, many_rows):
     assert_bitwise_equal(grad_weight, want, name=f"grad_weight ({groups}x{in_sequence} rows)")
 
 
-# The geometries whose first level is 2 x 16 rows from TWO_GROUPS_MIN_ROWS rows on in the dtypes
-# of TWO_GROUPS (1 x 16 below it, and in the other dtypes): t128k4 (hidden 4096 bf16/fp16, 2048
-# fp32; 4090: the element path; bf16 and fp32 two groups) and t128k5 (hidden 5120 bf16/fp16,
-# 2560 fp32; 5114 and 2554: the element path; every dtype two groups, issue 6 session 11).  Rows:
-# the two-pass path (300), the fused kernel (4097: a partial last CTA), both sides of the edge,
-# and the edge plus 16 rows (a last CTA with one group of rows past the end).
-TWO_GROUPS_EDGE = gpu_rms_norm.TWO_GROUPS_MIN_ROWS
+# The geometries whose first level is 2 x 16 rows from their edge (TWO_GROUP_EDGES) on in the
+# dtypes of TWO_GROUP_DTYPES (1 x 16 below it, and in the other dtypes): t128k4 (hidden 4096
+# bf16/fp16, 2048 fp32; 4090: the element path; bf16 and fp32 two groups from 16384 rows) and
+# t128k5 (hidden 5120 bf16/fp16, 2560 fp32; 5114 and 2554: the element path; every dtype two
+# groups from 8192 rows, issue 6 session 11).  Rows: the two-pass path (300), the fused kernel
+# (4097: a partial last CTA), both sides of the edge, and the edge plus 16 rows (a last CTA with
+# one group of rows past the end); t128k5 also at 16384 rows (t128k4's edge).
+TWO_GROUP_EDGES = {"t128k4": 16384, "t128k5": 8192}
 TWO_GROUP_HIDDENS = {
     "t128k4": {torch.bfloat16: (4096, 4090), torch.float16: (4096, 4090), torch.float32: (2048,)},
     "t128k5": {
@@ -373,7 +375,16 @@ TWO_GROUP_CASES = [
     for name, by_dtype in TWO_GROUP_HIDDENS.items()
     for t in DTYPES
     for h in by_dtype[t]
-    for rows in (300, 4097, TWO_GROUPS_EDGE - 1, TWO_GROUPS_EDGE, TWO_GROUPS_EDGE + 16)
+    for rows in sorted(
+        {
+            300,
+            4097,
+            16384,
+            TWO_GROUP_EDGES[name] - 1,
+            TWO_GROUP_EDGES[name],
+            TWO_GROUP_EDGES[name] + 16,
+        }
+    )
 ]
 # Two groups per CTA: (geometry, dtype) pairs; the other pairs of these geometries keep 1 x 16.
 TWO_GROUP_DTYPES = {
@@ -389,7 +400,7 @@ def _check_two_group_tree(name, hidden, dtype, rows):
     _, rstd = gpu_rms_norm.forward(x, weight, EPS)
     grad_x, grad_weight = gpu_rms_norm.backward(grad_y, x, weight, rstd)
     groups, in_sequence = gpu_rms_norm.weight_grad_chunking(hidden, dtype, rows)
-    two_groups = dtype in TWO_GROUP_DTYPES[name] and rows >= TWO_GROUPS_EDGE
+    two_groups = dtype in TWO_GROUP_DTYPES[name] and rows >= TWO_GROUP_EDGES[name]
     assert (groups, in_sequence) == ((2, 16) if two_groups else (1, 16))
     want = _weight_grad_by_the_documented_tree(grad_y, x, rstd, groups, in_sequence)
     assert_bitwise_equal(grad_weight, want, name=f"grad_weight ({groups}x{in_sequence} rows)")
@@ -415,7 +426,9 @@ def test_weight_gradient_tree_of_t128k5(hidden, dtype, rows):
 def test_two_group_rule_of_the_tests_is_the_hosts():
     # The expectations above are written out here, not read from the code under test; the
     # host's table must say the same.
-    assert {k: tuple(v) for k, v in gpu_rms_norm.TWO_GROUPS.items()} == TWO_GROUP_DTYPES
+    assert {k: (tuple(v[0]), v[1]) for k, v in gpu_rms_norm.TWO_GROUPS.items()} == {
+        name: (TWO_GROUP_DTYPES[name], TWO_GROUP_EDGES[name]) for name in TWO_GROUP_DTYPES
+    }
     assert gpu_rms_norm.TWO_GROUPS_SHAPE == (2, 16)
 
 
