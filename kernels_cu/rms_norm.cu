@@ -505,7 +505,7 @@ constexpr bool kLeanBackward = K <= kResidentWeightMaxChunks;
 // ran 4-8% faster without them (issue 6, H200).  Both loops add the same values in the same
 // order, so the bits do not change.  whole: the caller knows the chunk is whole (a vector
 // launch's chunk inside the row), so not even the chunk's 64-bit test is needed (issue 6,
-// session 11: 1.1% faster at 16384 x 5120 bf16 on an H200, 1.6% at 16384 x 1024).
+// session 11: 1.2% faster at 16384 x 5120 bf16 on an H200, 1.6% at 16384 x 1024).
 template <typename Codec, bool kWords = true>
 __device__ __forceinline__ float add_chunk_dot(float dot, const Chunk<Codec>& gs,
                                                const Chunk<Codec>& w, const Chunk<Codec>& xs,
@@ -751,18 +751,19 @@ __device__ __forceinline__ void forward_rows_resident(const ForwardArgs& a, floa
 }
 
 // Fused backward, t128k5: chunk k of a thread is tested against the thread's count of chunks
-// inside the row (lane_chunks, once per row: one 32-bit compare per chunk) instead of
-// lane + k * T < chunks in 64 bits (nvcc recomputed that for every chunk of every pass of every
-// row).  With the two copies below, the t128k5 fused kernels (bf16/fp16/fp32, 1 x 16 and g2)
-// take 115-128 registers instead of 96-128 and bf16 16384 x 5120 ran 2.5% faster (issue 6,
-// session 11, H200); for the other geometries it cost registers (t128k4 fp16 146 instead of
-// 128 without the whole-chunk hint of add_chunk_dot).
+// inside the row (lane_chunks: one 32-bit compare per chunk) instead of lane + k * T < chunks in
+// 64 bits, which nvcc recomputed for every chunk of every pass of every row.  With the copies
+// below and add_chunk_dot's whole-chunk hint, t128k5's fused entries take 125 / 127 / 94
+// registers (bf16 / fp16 / fp32; g2: 125 / 128 / 98; before: 124 / 128 / 96, g2 124 / 128 / 99)
+// and bf16 16384 x 5120 ran 2.5% faster (issue 6, session 11, H200).  Only t128k5: for every
+// geometry (the first try) ptxas gave t128k4's bf16 / fp16 entries 144 / 164 registers, not 128.
 template <int T, int K>
 constexpr bool kLaneChunkCount = T == 128 && K == 5;
 // Fused backward, t128k5 in bf16 and fp16: separate copies for launches with and without
-// grad_residual, chosen once per CTA (else 16 predicated instructions per chunk: the residual's
-// unpacks and additions, issued even where it is absent).  Not fp32 (150 registers instead of
-// 96 in t128k5's entry) nor the other geometries (t128k4g2 fp32 146 instead of 122).
+// grad_residual, chosen once per CTA (else 16 predicated instructions per chunk, the residual's
+// unpacks and additions, issued even where it is absent).  Not fp32 (t128k5's entry took 150
+// registers instead of 94: 3 CTAs per SM instead of 5), nor the other geometries (the first
+// try, for all of them: bf16 t128k4 168 and t128k4g2 158 registers instead of 128).
 template <typename Codec, int K>
 constexpr bool kResidualCopies = K == 5 && sizeof(typename Codec::storage) == 2;
 // How many of this thread's K chunks (lane + k * T, k = 0 .. K - 1) lie inside a row of `chunks`
