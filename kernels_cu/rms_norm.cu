@@ -29,7 +29,9 @@
 //             for T >= 128), S = max(1, 16 / G): q/k norm (T = 4) G = 32, S = 1; T = 16: 8 x 2;
 //             T = 32: 4 x 4; T >= 128 (hidden 4096 and 5120 bf16) and streaming: 1 x 16; except
 //             t128k4 (bf16 hidden 4096, fp32 512 < d <= 2048) in bf16 and fp32 from 16384 rows
-//             on: G = 2, S = 16 (entries *_t128k4g2, two row groups in a 256-thread CTA).
+//             on, and t128k5 (bf16/fp16 4096 < d <= 5120, fp32 2048 < d <= 2560) in every dtype
+//             from 8192 rows on: G = 2, S = 16 (entries *_t128k4g2, *_t128k5g2: two row groups in a
+//             256-thread CTA).
 //           level 2+: while more than 64 partial rows remain, each run of 64 consecutive ones is
 //             summed in order; the last <= 64 are added in order and rounded once.  Grids:
 //             rms_norm_weight_grad_reduce for one level while more than 64 * 64 rows remain, then
@@ -181,7 +183,7 @@ __device__ __forceinline__ void store_chunk(typename Codec::storage* row, const 
 
 // The barrier of row_group_sum: the CTA's, or (kGroupBarrier, CUDA only) named barrier
 // 1 + group over the T threads of row group `group` alone, so that the row groups of a CTA do
-// not wait for each other (the t128k4g2 fused backward; issue 6, session 9).
+// not wait for each other (the t128k4g2 and t128k5g2 fused backward; issue 6, sessions 9, 11).
 template <int T, bool kGroupBarrier>
 __device__ __forceinline__ void row_group_barrier(int group) {
 #if !defined(__HIPCC__)
@@ -362,8 +364,8 @@ struct Cta {
 // grad_weight's first level for a row kept in registers: a CTA of the fused backward owns kRows
 // consecutive rows, its kGroups row groups kRowsInSequence consecutive rows each (see the
 // header).  By default the geometry's CTA (Cta<T>::kRowGroups groups) and
-// max(1, kWeightGradChunkRows / groups) rows per group; the t128k4g2 entries (issue 6, session
-// 8) take 2 groups of 16 rows in a CTA of 256 threads.
+// max(1, kWeightGradChunkRows / groups) rows per group; the t128k4g2 and t128k5g2 entries (issue
+// 6, sessions 8 and 11) take 2 groups of 16 rows in a CTA of 256 threads.
 template <int T, int G = Cta<T>::kRowGroups,
           int S = (kWeightGradChunkRows > G ? kWeightGradChunkRows / G : 1)>
 struct WeightGradChunk {
@@ -373,7 +375,7 @@ struct WeightGradChunk {
     static constexpr int kThreads = kGroups * T;  // of the fused backward's CTA
     static_assert(kThreads >= Cta<T>::kThreads, "at least the geometry's CTA");
 };
-// The t128k4g2 entries' shape (a name without commas: hipcc's __launch_bounds__ is a macro).
+// The *g2 entries' shape (a name without commas: hipcc's __launch_bounds__ is a macro).
 using TwoGroupsT128 = WeightGradChunk<128, 2, 16>;
 
 template <typename S>
@@ -503,13 +505,16 @@ constexpr bool kLeanBackward = K <= kResidentWeightMaxChunks;
 // chunk on the vector path, where d is a multiple of E) takes the loop without per-element
 // checks: nvcc kept a 64-bit compare and a branch per element there, and t128k4's fused kernel
 // ran 4-8% faster without them (issue 6, H200).  Both loops add the same values in the same
-// order, so the bits do not change.
+// order, so the bits do not change.  whole: the caller knows the chunk is whole (a vector
+// launch's chunk inside the row), so not even the chunk's 64-bit test is needed (issue 6,
+// session 11: 1.2% faster at 16384 x 5120 bf16 on an H200, 1.6% at 16384 x 1024).
 template <typename Codec, bool kWords = true>
 __device__ __forceinline__ float add_chunk_dot(float dot, const Chunk<Codec>& gs,
                                                const Chunk<Codec>& w, const Chunk<Codec>& xs,
-                                               float inv_rms, int64_t first, int64_t d) {
+                                               float inv_rms, int64_t first, int64_t d,
+                                               bool whole = false) {
     constexpr int E = Chunk<Codec>::kElems;
-    if (first + E <= d) {
+    if (whole || first + E <= d) {
 #pragma unroll
         for (int e = 0; e < E; ++e) {
             const float gw =
@@ -863,6 +868,32 @@ __device__ __forceinline__ void forward_rows_vector(const ForwardArgs& a, float*
     }
 }
 
+// Fused backward, t128k5: chunk k of a thread is tested against the thread's count of chunks
+// inside the row (lane_chunks: one 32-bit compare per chunk) instead of lane + k * T < chunks in
+// 64 bits, which nvcc recomputed for every chunk of every pass of every row.  With the copies
+// below and add_chunk_dot's whole-chunk hint, t128k5's fused entries take 125 / 127 / 94
+// registers (bf16 / fp16 / fp32; g2: 125 / 128 / 98; before: 124 / 128 / 96, g2 124 / 128 / 99)
+// and bf16 16384 x 5120 ran 2.5% faster (issue 6, session 11, H200).  Only t128k5: for every
+// geometry (the first try) ptxas gave t128k4's bf16 / fp16 entries 144 / 164 registers, not 128.
+template <int T, int K>
+constexpr bool kLaneChunkCount = T == 128 && K == 5;
+// Fused backward, t128k5 in bf16 and fp16: separate copies for launches with and without
+// grad_residual, chosen once per CTA (else 16 predicated instructions per chunk, the residual's
+// unpacks and additions, issued even where it is absent).  Not fp32 (t128k5's entry took 150
+// registers instead of 94: 3 CTAs per SM instead of 5), nor the other geometries (the first
+// try, for all of them: bf16 t128k4 168 and t128k4g2 158 registers instead of 128).
+template <typename Codec, int K>
+constexpr bool kResidualCopies = K == 5 && sizeof(typename Codec::storage) == 2;
+// How many of this thread's K chunks (lane + k * T, k = 0 .. K - 1) lie inside a row of `chunks`
+// chunks: chunk k does iff k < lane_chunks.
+template <int T, int K>
+__device__ __forceinline__ int lane_chunks(int64_t chunks, int lane) {
+    const int64_t rest = chunks - lane;
+    if (rest <= 0) return 0;
+    const int64_t held = (rest + T - 1) / T;
+    return held < K ? static_cast<int>(held) : K;
+}
+
 // dy and x of `row` into the thread's chunks (nothing for a row past the end).
 template <typename Codec, int T, int K>
 __device__ __forceinline__ void load_backward_row(Chunk<Codec> (&xs)[K], Chunk<Codec> (&gs)[K],
@@ -872,12 +903,13 @@ __device__ __forceinline__ void load_backward_row(Chunk<Codec> (&xs)[K], Chunk<C
     constexpr int E = Chunk<Codec>::kElems;
     if (row >= a.rows) return;
     const int64_t chunks = (a.d + E - 1) / E;
+    const int held = kLaneChunkCount<T, K> ? lane_chunks<T, K>(chunks, lane) : K;
     const S* x = static_cast<const S*>(a.x) + row * a.x_stride;
     const S* grad_y = static_cast<const S*>(a.grad_y) + row * a.d;
 #pragma unroll
     for (int k = 0; k < K; ++k) {
         const int64_t c = lane + static_cast<int64_t>(k) * T;
-        if (c < chunks) {
+        if (kLaneChunkCount<T, K> ? k < held : c < chunks) {
             load_chunk(xs[k], x, c, a.d, vector);
             load_chunk(gs[k], grad_y, c, a.d, vector);
         }
@@ -894,7 +926,7 @@ __device__ __forceinline__ float saved_inv_rms(const BackwardArgs& a, int64_t ro
 // chunks by k, in registers (Chunk arrays) or staged in shared memory (StagedChunks, read at
 // each use).  kReuse, kGroupBarrier: row_group_sum's (kReuse false where the caller alternates
 // two warp_partials buffers); group: this thread's row group in the CTA.
-template <typename Codec, int T, int K, bool kReuse, bool kGroupBarrier = false,
+template <typename Codec, int T, int K, int kResidual, bool kReuse, bool kGroupBarrier = false,
           bool kFreshSums = false, int kPlane = T, typename Xs, typename Gs>
 __device__ __forceinline__ void backward_resident_row(const BackwardArgs& a, int64_t row,
                                                       int lane, bool vector, const Xs& xs,
@@ -906,29 +938,32 @@ __device__ __forceinline__ void backward_resident_row(const BackwardArgs& a, int
     const bool active = row < a.rows;
     const int64_t d = a.d;
     const int64_t chunks = (d + E - 1) / E;
+    const int held = kLaneChunkCount<T, K> ? lane_chunks<T, K>(chunks, lane) : K;
     float dot = 0.0f;
 #pragma unroll
     for (int k = 0; k < K; ++k) {
         const int64_t c = lane + static_cast<int64_t>(k) * T;
-        if (!(active && c < chunks)) continue;
-        dot = add_chunk_dot<Codec>(dot, gs[k], w[k], xs[k], inv_rms, c * E, d);
+        if (!(active && (kLaneChunkCount<T, K> ? k < held : c < chunks))) continue;
+        dot = add_chunk_dot<Codec>(dot, gs[k], w[k], xs[k], inv_rms, c * E, d, vector);
     }
     const float mean_dot = __fdiv_rn(
         row_group_sum<T, kReuse, kGroupBarrier>(dot, warp_partials, group), static_cast<float>(d));
     if (!active) return;
     S* grad_x = static_cast<S*>(a.grad_x) + row * d;
+    // kResidual: 1 (0) the caller's copy is for launches with (without) grad_residual; -1: test.
+    const bool residual = kResidual < 0 ? a.grad_residual != nullptr : kResidual == 1;
     const S* grad_residual =
-        a.grad_residual != nullptr ? static_cast<const S*>(a.grad_residual) + row * d : nullptr;
+        residual ? static_cast<const S*>(a.grad_residual) + row * d : nullptr;
 #pragma unroll
     for (int k = 0; k < K; ++k) {
         const int64_t c = lane + static_cast<int64_t>(k) * T;
-        if (c >= chunks) continue;
+        if (kLaneChunkCount<T, K> ? k >= held : c >= chunks) continue;
         // Array elements by reference (the code of a register row is unchanged), a staged
         // chunk read from shared memory once into a local.
         decltype(auto) x_k = xs[k];
         decltype(auto) g_k = gs[k];
         Chunk<Codec> extra, out;
-        if (grad_residual != nullptr) load_chunk(extra, grad_residual, c, d, vector);
+        if (residual) load_chunk(extra, grad_residual, c, d, vector);
         float g[E], product[E];
 #pragma unroll
         for (int e = 0; e < E; ++e) {
@@ -936,7 +971,7 @@ __device__ __forceinline__ void backward_resident_row(const BackwardArgs& a, int
             const float gw = ieee_mul(dy, chunk_value(w[k], e));
             const float x_hat = ieee_mul(chunk_value<Codec>(x_k, e), inv_rms);
             g[e] = ieee_mul(inv_rms, ieee_sub(gw, ieee_mul(x_hat, mean_dot)));
-            if (grad_residual != nullptr) g[e] = ieee_add(g[e], chunk_value(extra, e));
+            if (residual) g[e] = ieee_add(g[e], chunk_value(extra, e));
             product[e] = ieee_mul(dy, x_hat);
         }
         if constexpr (kGradNanTestPerChunk<T>) {
@@ -965,7 +1000,7 @@ __device__ __forceinline__ void backward_resident_row(const BackwardArgs& a, int
 // for K <= kResidentWeightMaxChunks: with 8 chunks the weight's 32 more registers per thread
 // cost a CTA per SM and it ran slower (issue 6, H200: 150 vs 148 us at 16384 x 4096 bf16).
 // kAlternatePartials<T>: row s reduces through warp partials s % 2 (one barrier per row).
-template <typename Codec, int T, int K, typename Chunking>
+template <typename Codec, int T, int K, typename Chunking, int kResidual>
 __device__ __forceinline__ void backward_weight_grad_resident(const BackwardArgs& a,
                                                               float* partials,
                                                               float* warp_partials,
@@ -976,6 +1011,9 @@ __device__ __forceinline__ void backward_weight_grad_resident(const BackwardArgs
     constexpr int kSequence = Chunking::kRowsInSequence;
     using Layout = SumsLayout<T, K, E, kGroups>;
     constexpr bool kAlternate = kAlternatePartials<T>;
+    // Several row groups of whole warps (t128k4g2, t128k5g2): each reduces its rows at a named
+    // barrier of its own (row_group_sum's kGroupBarrier), as on the staged path.
+    constexpr bool kGroupBarrier = kGroups > 1 && T > BATCHINV_WARP_SIZE;
     const int lane = threadIdx.x % T;
     const int group = threadIdx.x / T;
     const int64_t first_row =
@@ -1005,9 +1043,10 @@ __device__ __forceinline__ void backward_weight_grad_resident(const BackwardArgs
                 load_backward_row<Codec, T, K>(next_xs, next_gs, a, first_row + s + 1, lane,
                                                vector);
             }
-            backward_resident_row<Codec, T, K, !kAlternate, false, false, Layout::kPlane>(
+            backward_resident_row<Codec, T, K, kResidual, !kAlternate, kGroupBarrier, false,
+                                  Layout::kPlane>(
                 a, first_row + s, lane, vector, xs, gs, w, saved_inv_rms(a, first_row + s),
-                row_partials, mine);
+                row_partials, mine, group);
 #pragma unroll
             for (int k = 0; k < K; ++k) {
                 xs[k] = next_xs[k];
@@ -1015,9 +1054,10 @@ __device__ __forceinline__ void backward_weight_grad_resident(const BackwardArgs
             }
         } else {
             if (s > 0) load_backward_row<Codec, T, K>(xs, gs, a, first_row + s, lane, vector);
-            backward_resident_row<Codec, T, K, !kAlternate, false, kFresh, Layout::kPlane>(
+            backward_resident_row<Codec, T, K, kResidual, !kAlternate, kGroupBarrier, kFresh,
+                                  Layout::kPlane>(
                 a, first_row + s, lane, vector, xs, gs, w, saved_inv_rms(a, first_row + s),
-                row_partials, mine);
+                row_partials, mine, group);
         }
     }
     store_group_sums<T, K, E, kGroups>(group_sums, partials, a.d);
@@ -1064,7 +1104,7 @@ constexpr int kStagedRowsBytes = kStagedRowStages * 2 * T * K * kChunkBytes;
 // the row's cp.async wait it was the kernel's top stall (17% of the warp samples of t128k4g2 at
 // 16384 x 4096 bf16, Nsight Compute on an H100; issue 6, session 9).  Where a CTA holds two
 // row groups, each reduces its rows across its warps at a named barrier of its own.
-template <typename Codec, int T, int K, typename Chunking>
+template <typename Codec, int T, int K, typename Chunking, int kResidual>
 __device__ __forceinline__ void backward_weight_grad_staged(const BackwardArgs& a,
                                                             float* partials,
                                                             float* warp_partials,
@@ -1126,7 +1166,7 @@ __device__ __forceinline__ void backward_weight_grad_staged(const BackwardArgs& 
         cp_async_wait<kStages - 1>();  // row s has landed (this thread's chunks)
         const StagedChunks<Codec, T> xs{stage_of(st, 0), lane};
         const StagedChunks<Codec, T> gs{stage_of(st, 1), lane};
-        backward_resident_row<Codec, T, K, false, kGroupBarrier>(
+        backward_resident_row<Codec, T, K, kResidual, false, kGroupBarrier>(
             a, first_row + s, lane, true, xs, gs, w, inv_rms, warp_partials + (s % 2) * kMaxWarps,
             mine, group);
     }
@@ -1160,29 +1200,51 @@ __device__ __forceinline__ void backward_kernel(const BackwardArgs& a) {
     backward_rows<Codec, T, K, kStreaming>(a, warp_partials);
 }
 
+// The fused backward for K <= kResidentWeightMaxChunks (kResidual as backward_resident_row's):
+// the staged rows where they apply, else the rows in registers.
+template <typename Codec, int T, int K, typename Chunking, int kResidual>
+__device__ __forceinline__ void backward_weight_grad_fused(const BackwardArgs& a,
+                                                           float* partials,
+                                                           float* warp_partials,
+                                                           float4* group_sums) {
+#if !defined(__HIPCC__)
+    if constexpr (kStagedRows<Codec, T, K>) {
+        static_assert(kAlternatePartials<T>, "the staged rows alternate two warp-partials buffers");
+        extern __shared__ uint4 staged_rows[];  // kStagedRowsBytes<T, K>, from the host
+        if (backward_vector_ok<typename Codec::storage>(a)) {
+            backward_weight_grad_staged<Codec, T, K, Chunking, kResidual>(
+                a, partials, warp_partials, group_sums, staged_rows);
+            return;
+        }
+    }
+#endif
+    backward_weight_grad_resident<Codec, T, K, Chunking, kResidual>(a, partials, warp_partials,
+                                                                     group_sums);
+}
+
 template <typename Codec, int T, int K, typename Chunking = WeightGradChunk<T>>
 __device__ __forceinline__ void backward_weight_grad_kernel(const BackwardArgs& a,
                                                             float* partials) {
-    constexpr int kSumBytes = Chunking::kThreads * K * Chunk<Codec>::kElems * 4;
+    // The geometry's own CTA's sums fit kWeightGradSharedBytes (the host's rule); a CTA of two
+    // row groups of it (t128k4g2, t128k5g2) holds twice that, within the 48 KiB of static
+    // shared memory.
+    constexpr int kSumBytes = Cta<T>::kThreads * K * Chunk<Codec>::kElems * 4;
     static_assert(kSumBytes <= kWeightGradSharedBytes, "instantiate only geometries that fit");
     constexpr bool kAlternate = K <= kResidentWeightMaxChunks && kAlternatePartials<T>;
     __shared__ float warp_partials[kAlternate ? 2 * kMaxWarps : kMaxWarps];
     __shared__ float4 group_sums[SumsLayout<T, K, Chunk<Codec>::kElems, Chunking::kGroups>::kFloat4s];
     grid_launch_dependents();  // the next grid (the further levels) may start; it waits
-#if !defined(__HIPCC__)
-    if constexpr (kStagedRows<Codec, T, K>) {
-        static_assert(kAlternate, "the staged rows alternate two warp-partials buffers");
-        extern __shared__ uint4 staged_rows[];  // kStagedRowsBytes<T, K>, from the host
-        if (backward_vector_ok<typename Codec::storage>(a)) {
-            backward_weight_grad_staged<Codec, T, K, Chunking>(a, partials, warp_partials,
-                                                               group_sums, staged_rows);
-            return;
-        }
-    }
-#endif
     if constexpr (K <= kResidentWeightMaxChunks) {
-        backward_weight_grad_resident<Codec, T, K, Chunking>(a, partials, warp_partials,
-                                                             group_sums);
+        if constexpr (!kResidualCopies<Codec, K>) {
+            backward_weight_grad_fused<Codec, T, K, Chunking, -1>(a, partials, warp_partials,
+                                                                  group_sums);
+        } else if (a.grad_residual != nullptr) {
+            backward_weight_grad_fused<Codec, T, K, Chunking, 1>(a, partials, warp_partials,
+                                                                 group_sums);
+        } else {
+            backward_weight_grad_fused<Codec, T, K, Chunking, 0>(a, partials, warp_partials,
+                                                                 group_sums);
+        }
     } else {
         static_assert(Chunking::kRows == WeightGradChunk<T>::kRows, "other shapes: resident rows");
         backward_weight_grad_rows<Codec, T, K>(a, partials, warp_partials, group_sums);
@@ -1490,6 +1552,17 @@ BATCHINV_RMS_NORM_BACKWARD_WEIGHT_GRAD_ENTRY_SHAPED(bf16, batchinv::Bf16Codec, t
                                                     batchinv::rms::TwoGroupsT128)
 BATCHINV_RMS_NORM_BACKWARD_WEIGHT_GRAD_ENTRY_SHAPED(f32, batchinv::F32Codec, t128k4g2, 128, 4,
                                                     batchinv::rms::TwoGroupsT128)
+// t128k5 (bf16/fp16 hidden 5120, fp32 2048 < d <= 2560) likewise, in every dtype, from 8192 rows
+// on (issue 6, session 11: 2.1-3.2% faster than 1 x 16 at 16384 x 5120 bf16/fp16 and
+// 16384 x 2560 fp32 on an H200, 2.4-3% at 24576 and 32768 x 5120 bf16, 1.0-1.8% at 8192 and
+// 12288 x 5120; 124 / 128 / 99 registers, so 2 CTAs (4 row groups) per SM as t128k5's 4 CTAs
+// of one in bf16 and fp16).
+BATCHINV_RMS_NORM_BACKWARD_WEIGHT_GRAD_ENTRY_SHAPED(bf16, batchinv::Bf16Codec, t128k5g2, 128, 5,
+                                                    batchinv::rms::TwoGroupsT128)
+BATCHINV_RMS_NORM_BACKWARD_WEIGHT_GRAD_ENTRY_SHAPED(f16, batchinv::F16Codec, t128k5g2, 128, 5,
+                                                    batchinv::rms::TwoGroupsT128)
+BATCHINV_RMS_NORM_BACKWARD_WEIGHT_GRAD_ENTRY_SHAPED(f32, batchinv::F32Codec, t128k5g2, 128, 5,
+                                                    batchinv::rms::TwoGroupsT128)
 
 // Signatures of the entries above, for the launcher's argument checks.
 // batchinv-signature: rms_norm_forward_bf16_t4(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
@@ -1515,6 +1588,7 @@ BATCHINV_RMS_NORM_BACKWARD_WEIGHT_GRAD_ENTRY_SHAPED(f32, batchinv::F32Codec, t12
 // batchinv-signature: rms_norm_fused_forward_bf16_t128k5(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_backward_bf16_t128k5(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
 // batchinv-signature: rms_norm_backward_weight_grad_bf16_t128k5(ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
+// batchinv-signature: rms_norm_backward_weight_grad_bf16_t128k5g2(ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
 // batchinv-signature: rms_norm_forward_bf16_t128(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_fused_forward_bf16_t128(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_backward_bf16_t128(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
@@ -1552,6 +1626,7 @@ BATCHINV_RMS_NORM_BACKWARD_WEIGHT_GRAD_ENTRY_SHAPED(f32, batchinv::F32Codec, t12
 // batchinv-signature: rms_norm_fused_forward_f16_t128k5(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_backward_f16_t128k5(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
 // batchinv-signature: rms_norm_backward_weight_grad_f16_t128k5(ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
+// batchinv-signature: rms_norm_backward_weight_grad_f16_t128k5g2(ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
 // batchinv-signature: rms_norm_forward_f16_t128(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_fused_forward_f16_t128(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_backward_f16_t128(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
@@ -1590,6 +1665,7 @@ BATCHINV_RMS_NORM_BACKWARD_WEIGHT_GRAD_ENTRY_SHAPED(f32, batchinv::F32Codec, t12
 // batchinv-signature: rms_norm_fused_forward_f32_t128k5(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_backward_f32_t128k5(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
 // batchinv-signature: rms_norm_backward_weight_grad_f32_t128k5(ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
+// batchinv-signature: rms_norm_backward_weight_grad_f32_t128k5g2(ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
 // batchinv-signature: rms_norm_forward_f32_t128(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_fused_forward_f32_t128(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_backward_f32_t128(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)

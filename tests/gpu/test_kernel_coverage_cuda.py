@@ -169,11 +169,14 @@ def test_rms_norm_fused_and_two_pass_backward(dtype, rows, d):
     assert all(torch.isfinite(t.grad).all() for t in (x, residual, weight))
 
 
-@pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float32))
-def test_rms_norm_two_group_backward(dtype):
+@pytest.mark.parametrize(
+    "dtype, d, rows",
+    ((torch.bfloat16, 1032, 16384), (torch.float32, 1032, 16384), (torch.bfloat16, 4104, 8192)),
+)
+def test_rms_norm_two_group_backward(dtype, d, rows):
     # From 16384 rows the hidden-1024..4096 (bf16) / 512..2048 (fp32) backward runs the
-    # two-row-group kernel (t128k4g2); d = 1032 keeps it small under the sanitizer.
-    rows, d = 16384, 1032
+    # two-row-group kernel t128k4g2 (d = 1032 keeps it small under the sanitizer), and from 8192
+    # rows the hidden-4096..5120 one t128k5g2 (d = 4104, its smallest bf16 rows).
     assert gpu_rms_norm.fused_backward_plan(d, dtype, rows)[3] == gpu_rms_norm.TWO_GROUPS_SHAPE
     x = _randn(rows, d, dtype=dtype, seed=16).requires_grad_(True)
     weight = (1 + _randn(d, dtype=torch.float32, seed=17) / 4).to(dtype).requires_grad_(True)

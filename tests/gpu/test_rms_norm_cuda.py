@@ -327,8 +327,9 @@ def _weight_grad_by_the_documented_tree(grad_y, x, rstd, groups, in_sequence):
 
 
 # One hidden size per first-level shape: q/k norm (32 row groups of 1 row), 8 and 4 groups
-# (500, 1000 bf16), one group (2500, 4096, 5120), and rows whose sums do not fit the fused
-# kernel (12000 bf16, t512, stream).
+# (500, 1000 bf16), one group (2500, 4096, 5120 at 300 rows), two groups of 16 (5120 at 9000
+# rows: t128k5 from 8192 rows on), and rows whose sums do not fit the fused kernel (12000 bf16,
+# t512, stream).
 TREE_HIDDENS = (128, 500, 1000, 2500, 4096, 5120, 12000, 20000, 40000)
 # Enough rows for the fused kernel (at least FUSED_WEIGHT_GRAD_MIN_BLOCKS CTAs of up to 32 rows);
 # fewer take grad_x and the column pass.
@@ -353,34 +354,82 @@ def test_weight_gradient_is_the_documented_fixed_tree(hidden, dtype, many_rows):
     assert_bitwise_equal(grad_weight, want, name=f"grad_weight ({groups}x{in_sequence} rows)")
 
 
-# t128k4 (hidden 4096 bf16/fp16, 2048 fp32; 4090: the element path), whose first level is 2 x 16
-# rows from TWO_GROUPS_MIN_ROWS rows on in bf16 and fp32 (1 x 16 below it, and in fp16): the
-# two-pass path (300 rows), the fused kernel (4097 rows: a partial last CTA), the edge, and the
-# edge plus 16 rows (a last CTA with one group of rows past the end).
-TWO_GROUPS_EDGE = gpu_rms_norm.TWO_GROUPS_MIN_ROWS
-T128K4_CASES = [
-    (h, t, rows)
+# The geometries whose first level is 2 x 16 rows from their edge (TWO_GROUP_EDGES) on in the
+# dtypes of TWO_GROUP_DTYPES (1 x 16 below it, and in the other dtypes): t128k4 (hidden 4096
+# bf16/fp16, 2048 fp32; 4090: the element path; bf16 and fp32 two groups from 16384 rows) and
+# t128k5 (hidden 5120 bf16/fp16, 2560 fp32; 5114 and 2554: the element path; every dtype two
+# groups from 8192 rows, issue 6 session 11).  Rows: the two-pass path (300), the fused kernel
+# (4097: a partial last CTA), both sides of the edge, and the edge plus 16 rows (a last CTA with
+# one group of rows past the end); t128k5 also at 16384 rows (t128k4's edge).
+TWO_GROUP_EDGES = {"t128k4": 16384, "t128k5": 8192}
+TWO_GROUP_HIDDENS = {
+    "t128k4": {torch.bfloat16: (4096, 4090), torch.float16: (4096, 4090), torch.float32: (2048,)},
+    "t128k5": {
+        torch.bfloat16: (5120, 5114),
+        torch.float16: (5120, 5114),
+        torch.float32: (2560, 2554),
+    },
+}
+TWO_GROUP_CASES = [
+    (name, h, t, rows)
+    for name, by_dtype in TWO_GROUP_HIDDENS.items()
     for t in DTYPES
-    for h in ((2048,) if t == torch.float32 else (4096, 4090))
-    for rows in (300, 4097, TWO_GROUPS_EDGE - 1, TWO_GROUPS_EDGE, TWO_GROUPS_EDGE + 16)
+    for h in by_dtype[t]
+    for rows in sorted(
+        {
+            300,
+            4097,
+            16384,
+            TWO_GROUP_EDGES[name] - 1,
+            TWO_GROUP_EDGES[name],
+            TWO_GROUP_EDGES[name] + 16,
+        }
+    )
 ]
+# Two groups per CTA: (geometry, dtype) pairs; the other pairs of these geometries keep 1 x 16.
+TWO_GROUP_DTYPES = {
+    "t128k4": (torch.bfloat16, torch.float32),
+    "t128k5": (torch.bfloat16, torch.float16, torch.float32),
+}
 
 
-@pytest.mark.parametrize(("hidden", "dtype", "rows"), T128K4_CASES)
-def test_weight_gradient_tree_of_t128k4(hidden, dtype, rows):
-    assert gpu_rms_norm.backward_geometry(hidden, dtype)[0] == gpu_rms_norm.TWO_GROUPS_GEOMETRY
+def _check_two_group_tree(name, hidden, dtype, rows):
+    assert gpu_rms_norm.backward_geometry(hidden, dtype)[0] == name
     x, grad_y = _gpu_normals(2, rows, hidden, dtype, seed=18)
     weight = _weight(hidden, dtype)
     _, rstd = gpu_rms_norm.forward(x, weight, EPS)
     grad_x, grad_weight = gpu_rms_norm.backward(grad_y, x, weight, rstd)
     groups, in_sequence = gpu_rms_norm.weight_grad_chunking(hidden, dtype, rows)
-    two_groups = dtype != torch.float16 and rows >= TWO_GROUPS_EDGE
+    two_groups = dtype in TWO_GROUP_DTYPES[name] and rows >= TWO_GROUP_EDGES[name]
     assert (groups, in_sequence) == ((2, 16) if two_groups else (1, 16))
     want = _weight_grad_by_the_documented_tree(grad_y, x, rstd, groups, in_sequence)
     assert_bitwise_equal(grad_weight, want, name=f"grad_weight ({groups}x{in_sequence} rows)")
     # grad_x does not depend on the first level's shape: the grad_x-only kernel's bits.
     alone, _ = gpu_rms_norm.backward(grad_y, x, weight, rstd, weight_grad=False)
     assert_bitwise_equal(grad_x, alone, name="grad_x")
+
+
+@pytest.mark.parametrize(
+    ("hidden", "dtype", "rows"), [c[1:] for c in TWO_GROUP_CASES if c[0] == "t128k4"]
+)
+def test_weight_gradient_tree_of_t128k4(hidden, dtype, rows):
+    _check_two_group_tree("t128k4", hidden, dtype, rows)
+
+
+@pytest.mark.parametrize(
+    ("hidden", "dtype", "rows"), [c[1:] for c in TWO_GROUP_CASES if c[0] == "t128k5"]
+)
+def test_weight_gradient_tree_of_t128k5(hidden, dtype, rows):
+    _check_two_group_tree("t128k5", hidden, dtype, rows)
+
+
+def test_two_group_rule_of_the_tests_is_the_hosts():
+    # The expectations above are written out here, not read from the code under test; the
+    # host's table must say the same.
+    assert {k: (tuple(v[0]), v[1]) for k, v in gpu_rms_norm.TWO_GROUPS.items()} == {
+        name: (TWO_GROUP_DTYPES[name], TWO_GROUP_EDGES[name]) for name in TWO_GROUP_DTYPES
+    }
+    assert gpu_rms_norm.TWO_GROUPS_SHAPE == (2, 16)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -397,6 +446,27 @@ def test_weight_gradient_tree_with_a_level_below_the_last_two(dtype):
     assert groups * in_sequence == 32
     want = _weight_grad_by_the_documented_tree(grad_y, x, rstd, groups, in_sequence)
     assert_bitwise_equal(grad_weight, want, name="grad_weight")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("d", (8, 13, 4099))
+def test_levels_above_the_first_are_the_documented_tree_at_any_row_count(dtype, d):
+    # The levels above the first (reduce grids, then the last-levels grid: runs of 64 partial
+    # rows, then the run sums) on partial rows given directly: row counts around a run (63, 64,
+    # 65), around 16 runs (1024, 1025), the most the last-levels grid takes (4096) and one more
+    # (a reduce level first); d = 13 and 4099: a last CTA with columns past the end.  Column 0
+    # is all -0: sums start at +0, so it must come out +0.
+    gen = torch.Generator(device=DEVICE).manual_seed(24)
+    for count in (1, 63, 64, 65, 1024, 1025, 2500, 4096, 4097):
+        partials = torch.randn(count, d, device=DEVICE, generator=gen)
+        partials[:, 0] = -0.0
+        got = gpu_rms_norm._reduce_partials(partials, dtype)
+        rows = partials
+        while rows.shape[0] > gpu_rms_norm.WEIGHT_GRAD_REDUCE_ROWS:
+            rows = _in_order(_padded(rows, gpu_rms_norm.WEIGHT_GRAD_REDUCE_ROWS))
+        want = _in_order(rows[None])[0].to(dtype)
+        assert_bitwise_equal(got, want, name=f"{count} partial rows of {d}")
+        assert got[0].item() == 0.0 and not bool(torch.signbit(got[0]))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -792,7 +862,7 @@ def test_backward_t128k4_reduces_a_row_as_t128(dtype, trim):
     assert_bitwise_equal(op_grad_x, results["t128k4"][0], name="op vs t128k4")
     # Its two-group CTAs (bf16, fp32; 2 groups x 16 rows; here 67 rows: three CTAs, the last
     # with 3 rows) compute grad_x as t128 does and partial rows as the documented tree.
-    if dtype not in gpu_rms_norm.TWO_GROUPS_DTYPES:
+    if dtype not in TWO_GROUP_DTYPES["t128k4"]:
         return
     groups, in_sequence = gpu_rms_norm.TWO_GROUPS_SHAPE
     two_blocks = -(-rows // (groups * in_sequence))
@@ -810,6 +880,54 @@ def test_backward_t128k4_reduces_a_row_as_t128(dtype, trim):
     assert_bitwise_equal(two_grad_x, results["t128"][0], name="t128k4g2 grad_x vs t128")
     want = _first_level_by_the_documented_tree(grad_y, x, rstd, groups, in_sequence)
     assert_bitwise_equal(two_partials, want, name="t128k4g2 partials")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("trim", (0, 3))  # 0: whole 16-byte chunks (vector path); 3: element path
+def test_backward_t128k5_two_groups_are_the_documented_tree(dtype, trim):
+    # t128k5's two-group CTAs (t128k5g2: 2 groups x 16 rows, each group reducing its rows at a
+    # named barrier of its own; issue 6, session 11) launched directly on 67 rows: three CTAs,
+    # the last with 3 rows (its second group wholly past the end).  grad_x must be the grad_x-only
+    # kernel's, the partial rows the documented 2 x 16 first level, with and without a residual
+    # gradient.
+    elems = 16 // dtype.itemsize
+    hidden = 128 * 5 * elems - trim
+    assert gpu_rms_norm.backward_geometry(hidden, dtype)[0] == "t128k5"
+    rows = 67
+    suffix = gpu_rms_norm._SUFFIX[dtype]
+    gen = torch.Generator(device=DEVICE).manual_seed(23)
+    x, grad_y, grad_residual = (
+        (2.0 * torch.randn(rows, hidden, device=DEVICE, generator=gen)).to(dtype) for _ in range(3)
+    )
+    weight = _weight(hidden, dtype)
+    _, rstd = gpu_rms_norm.forward(x, weight, EPS)
+    groups, in_sequence = 2, 16
+    blocks = -(-rows // (groups * in_sequence))
+    for extra in (None, grad_residual):
+        inputs = (grad_y, x, weight, rstd, extra if extra is not None else 0, rows, hidden, hidden)
+        grad_x = torch.full_like(x, float("nan"))
+        gpu_rms_norm.launch(
+            gpu_rms_norm.kernel_for("rms_norm", f"rms_norm_backward_{suffix}_t128k5", x.device),
+            x.device,
+            grid=(rows,),
+            block=(128,),
+            args=(grad_x, *inputs),
+        )
+        two_grad_x = torch.full_like(x, float("nan"))
+        partials = torch.full((blocks, hidden), float("nan"), device=DEVICE)
+        gpu_rms_norm.launch_fused_backward(
+            "t128k5",
+            dtype,
+            x.device,
+            blocks,
+            128 * groups,
+            (two_grad_x, partials, *inputs),
+            shape=(groups, in_sequence),
+        )
+        assert not bool(grad_x.isnan().any()), "grad_x: unwritten elements"
+        assert_bitwise_equal(two_grad_x, grad_x, name="t128k5g2 grad_x vs grad_x kernel")
+        want = _first_level_by_the_documented_tree(grad_y, x, rstd, groups, in_sequence)
+        assert_bitwise_equal(partials, want, name="t128k5g2 partials")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

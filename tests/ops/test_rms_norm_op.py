@@ -148,24 +148,45 @@ def test_backward_geometry_differs_from_the_forward_only_where_documented():
     assert gpu_rms_norm.weight_grad_chunking(4096, torch.bfloat16, 9000) == (1, 16)
 
 
-def test_weight_grad_first_level_of_t128k4_from_the_row_threshold_on():
+def test_weight_grad_first_level_of_t128k4_and_t128k5_from_the_row_threshold_on():
     # A function of d, the dtype and the row count, never of the device: 2 groups x 16 rows for
-    # t128k4 in bf16 and fp32 from 16384 rows on, the geometry's 1 x 16 otherwise.
-    edge = gpu_rms_norm.TWO_GROUPS_MIN_ROWS
-    assert edge == 16384 and gpu_rms_norm.TWO_GROUPS_SHAPE == (2, 16)
-    for dtype, d in ((torch.bfloat16, 4096), (torch.float16, 1032), (torch.float32, 2048)):
-        assert gpu_rms_norm.backward_geometry(d, dtype)[0] == "t128k4"
-        wide = (2, 16) if dtype != torch.float16 else (1, 16)
+    # t128k4 in bf16 and fp32 from 16384 rows on (issue 6, session 8) and for t128k5 in every
+    # dtype from 8192 rows on (session 11), the geometry's 1 x 16 otherwise.  The edges are
+    # written out here, not read from the code under test.
+    assert gpu_rms_norm.TWO_GROUPS_SHAPE == (2, 16)
+    cases = (
+        ("t128k4", torch.bfloat16, 4096, 16384),
+        ("t128k4", torch.float16, 1032, None),
+        ("t128k4", torch.float32, 2048, 16384),
+        ("t128k5", torch.bfloat16, 5120, 8192),
+        ("t128k5", torch.float16, 4104, 8192),
+        ("t128k5", torch.float32, 2560, 8192),
+    )
+    for geometry, dtype, d, edge in cases:
+        assert gpu_rms_norm.backward_geometry(d, dtype)[0] == geometry
+        if edge is None:
+            for rows in (1, 8191, 8192, 16384, 163840):
+                assert gpu_rms_norm.weight_grad_chunking(d, dtype, rows) == (1, 16), rows
+                assert gpu_rms_norm.fused_backward_plan(d, dtype, rows)[3] is None
+            continue
         assert gpu_rms_norm.weight_grad_chunking(d, dtype, edge - 1) == (1, 16)
-        assert gpu_rms_norm.weight_grad_chunking(d, dtype, edge) == wide
-        assert gpu_rms_norm.weight_grad_chunking(d, dtype, 10 * edge) == wide
+        assert gpu_rms_norm.weight_grad_chunking(d, dtype, edge) == (2, 16)
+        assert gpu_rms_norm.weight_grad_chunking(d, dtype, 10 * edge) == (2, 16)
+        name, blocks, cta, shape = gpu_rms_norm.fused_backward_plan(d, dtype, edge - 1)
+        assert (name, blocks, cta, shape) == (geometry, edge // 16, 128, None)
         name, blocks, cta, shape = gpu_rms_norm.fused_backward_plan(d, dtype, edge + 1)
-        assert (name, blocks) == ("t128k4", -(-(edge + 1) // 32) if wide == (2, 16) else 1025)
-        assert (cta, shape) == ((256, (2, 16)) if wide == (2, 16) else (128, None))
+        assert (name, blocks, cta, shape) == (geometry, edge // 32 + 1, 256, (2, 16))
+    # t128k4 keeps 1 x 16 between t128k5's edge and its own.
+    assert gpu_rms_norm.weight_grad_chunking(4096, torch.bfloat16, 12288) == (1, 16)
     # Other geometries keep their first level at any row count.
-    for d, want in ((128, (32, 1)), (1000, (4, 4)), (5120, (1, 16)), (8192, (1, 16))):
-        for rows in (1, edge, 10 * edge):
+    for d, want in ((128, (32, 1)), (1000, (4, 4)), (8192, (1, 16))):
+        for rows in (1, 8192, 16384, 163840):
             assert gpu_rms_norm.weight_grad_chunking(d, torch.bfloat16, rows) == want, (d, rows)
+    # The host's table says the same.
+    assert {k: (tuple(v[0]), v[1]) for k, v in gpu_rms_norm.TWO_GROUPS.items()} == {
+        "t128k4": ((torch.bfloat16, torch.float32), 16384),
+        "t128k5": ((torch.bfloat16, torch.float16, torch.float32), 8192),
+    }
 
 
 def test_as_rows_views_when_it_can_and_copies_when_it_must():

@@ -50,16 +50,22 @@ MIN_CTA_THREADS = 128
 # grad_weight's tree (kernels_cu/rms_norm.cu): first-level partials of at least this many rows
 # (a constant, not a tuning knob), then sums of 64 consecutive partial rows.
 WEIGHT_GRAD_CHUNK_ROWS = 16
-# t128k4's fused backward (bf16 hidden 4096, fp32 512 < d <= 2048) from TWO_GROUPS_MIN_ROWS rows
-# on runs 256-thread CTAs of two row groups of 16 rows (kernel entries ``*_t128k4g2``): a
-# first-level partial of 2 x 16 rows, so half the partial rows to write and reduce with as many
-# row groups in flight as 1 x 16.  A function of the row count, d and the dtype only, never of
-# the SM count.  Below 16384 rows it was 1-3% slower on an H200, and fp16's entry (164 registers,
-# one CTA per SM) 6.6% slower, so those keep 1 x 16 (issue 6, session 8).
-TWO_GROUPS_GEOMETRY = "t128k4"
+# The fused backward of each geometry in TWO_GROUPS, in the dtypes listed there and from the
+# row count listed there on, runs 256-thread CTAs of two row groups of 16 rows (kernel entries
+# ``*_<geometry>g2``): a first-level partial of 2 x 16 rows, so half the partial rows to write
+# and reduce with as many row groups in flight as 1 x 16.  A function of the row count, d and
+# the dtype only, never of the SM count.  t128k4 (bf16 hidden 4096, fp32 512 < d <= 2048) from
+# 16384 rows: below it was 1-3% slower on an H200, and fp16's entry (164 registers, one CTA per
+# SM) 6.6% slower, so those keep 1 x 16 (issue 6, session 8).  t128k5 (bf16/fp16 hidden 5120,
+# fp32 2048 < d <= 2560), every dtype, from 8192 rows: 2.1-3.2% faster than 1 x 16 at 16384 rows
+# on an H200, 2.4-3% at 24576 and 32768 rows, 1.8% (bf16) and 1.6% (fp16) at 8192 rows, 1.0%
+# at 12288 rows, level at 4096 rows (issue 6, session 11).
+# geometry -> (dtypes, first row count with two groups)
+TWO_GROUPS = {
+    "t128k4": ((torch.bfloat16, torch.float32), 16384),
+    "t128k5": ((torch.bfloat16, torch.float16, torch.float32), 8192),
+}
 TWO_GROUPS_SHAPE = (2, 16)
-TWO_GROUPS_DTYPES = (torch.bfloat16, torch.float32)
-TWO_GROUPS_MIN_ROWS = 16384
 WEIGHT_GRAD_REDUCE_ROWS = 64
 WEIGHT_GRAD_THREADS = 256
 # The last two levels (runs of 64 partial rows, then the run sums) run as one grid once at most
@@ -242,7 +248,8 @@ def fused_add_forward(
 
 
 def _two_groups(name: str, dtype: torch.dtype) -> bool:
-    return name == TWO_GROUPS_GEOMETRY and dtype in TWO_GROUPS_DTYPES
+    """Whether geometry ``name`` has two-group entries in ``dtype`` (at any row count)."""
+    return name in TWO_GROUPS and dtype in TWO_GROUPS[name][0]
 
 
 def weight_grad_chunking(d: int, dtype: torch.dtype, rows: int) -> tuple[int, int]:
@@ -250,10 +257,10 @@ def weight_grad_chunking(d: int, dtype: torch.dtype, rows: int) -> tuple[int, in
     rows of ``d`` elements: a partial row sums ``groups * rows_in_sequence`` consecutive rows,
     each group its own consecutive run in order, then the groups in order (a function of ``d``,
     the dtype and the row count only: from the backward's geometry, and ``TWO_GROUPS_SHAPE``
-    for ``TWO_GROUPS_GEOMETRY`` in ``TWO_GROUPS_DTYPES`` from ``TWO_GROUPS_MIN_ROWS`` rows
-    on)."""
+    for the geometries and dtypes of ``TWO_GROUPS`` from the row count listed there on
+    (bf16/fp32 ``t128k4`` from 16384 rows, every dtype's ``t128k5`` from 8192))."""
     name, threads, cta = backward_geometry(d, dtype)
-    if _two_groups(name, dtype) and rows >= TWO_GROUPS_MIN_ROWS:
+    if _two_groups(name, dtype) and rows >= TWO_GROUPS[name][1]:
         return TWO_GROUPS_SHAPE
     groups = cta // threads
     return groups, max(1, WEIGHT_GRAD_CHUNK_ROWS // groups)
