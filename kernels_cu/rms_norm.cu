@@ -32,7 +32,8 @@
 //             on, and t128k5 (bf16/fp16 4096 < d <= 5120, fp32 2048 < d <= 2560) in every dtype
 //             from 8192 rows on: G = 2, S = max(16, ceil(rows / (2 * 256))) (entries *_t128k4g2,
 //             *_t128k5g2: two row groups in a 256-thread CTA, S their last argument; at most 256
-//             partial rows at any row count, a constant of the build, not the SM count).
+//             partial rows at any row count, a constant of the build, not the SM count), except
+//             bf16 t128k4 (the staged entry, S fixed): S = 16.
 //           level 2+: while more than 64 partial rows remain, each run of 64 consecutive ones is
 //             summed in order; the last <= 64 are added in order and rounded once.  Grids:
 //             rms_norm_weight_grad_reduce for one level while more than 64 * 64 rows remain, then
@@ -385,6 +386,10 @@ struct WeightGradChunk {
 };
 // The *g2 entries' shape (a name without commas: hipcc's __launch_bounds__ is a macro).
 using TwoGroupsT128 = WeightGradChunk<128, 2, 0>;
+// bf16 t128k4g2's (the staged path): 16 rows per group fixed at compile time.  With a runtime
+// count its loop was 2-3% slower (issue 6, session 11, third round: 140 registers, or 128 and a
+// spill when held to 2 CTAs per SM, instead of 124).
+using TwoGroupsOf16T128 = WeightGradChunk<128, 2, 16>;
 
 template <typename S>
 __device__ __forceinline__ bool backward_vector_ok(const BackwardArgs& a) {
@@ -1415,8 +1420,9 @@ BATCHINV_RMS_NORM_BACKWARD_WEIGHT_GRAD_ENTRY(f32, batchinv::F32Codec, t256, 256,
 // t128k4 in 256-thread CTAs of two row groups, 16 rows each (a partial row of 2 x 16 rows), for
 // bf16 and fp32 from 16384 rows on (the host decides; issue 6, session 8).  Not fp16: ptxas
 // gives its entry 164 registers, one CTA per SM (6.6% slower at 16384 x 4096 on an H200).
-BATCHINV_RMS_NORM_BACKWARD_WEIGHT_GRAD_ENTRY_SHAPED(bf16, batchinv::Bf16Codec, t128k4g2, 128, 4,
-                                                    batchinv::rms::TwoGroupsT128)
+BATCHINV_RMS_NORM_BACKWARD_WEIGHT_GRAD_ENTRY_BOUNDED(
+    bf16, batchinv::Bf16Codec, t128k4g2, 128, 4, batchinv::rms::TwoGroupsOf16T128,
+    __launch_bounds__(batchinv::rms::TwoGroupsOf16T128::kThreads))
 BATCHINV_RMS_NORM_BACKWARD_WEIGHT_GRAD_ENTRY_SHAPED(f32, batchinv::F32Codec, t128k4g2, 128, 4,
                                                     batchinv::rms::TwoGroupsT128)
 // t128k5 (bf16/fp16 hidden 5120, fp32 2048 < d <= 2560) likewise, in every dtype, from 8192 rows
@@ -1450,7 +1456,7 @@ BATCHINV_RMS_NORM_BACKWARD_WEIGHT_GRAD_ENTRY_SHAPED(f32, batchinv::F32Codec, t12
 // batchinv-signature: rms_norm_fused_forward_bf16_t64(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_backward_bf16_t128k4(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
 // batchinv-signature: rms_norm_backward_weight_grad_bf16_t128k4(ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
-// batchinv-signature: rms_norm_backward_weight_grad_bf16_t128k4g2(ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64)
+// batchinv-signature: rms_norm_backward_weight_grad_bf16_t128k4g2(ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
 // batchinv-signature: rms_norm_forward_bf16_t128k5(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_fused_forward_bf16_t128k5(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_backward_bf16_t128k5(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
