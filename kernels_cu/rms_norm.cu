@@ -810,7 +810,8 @@ __device__ __forceinline__ void forward_rows_vector(const ForwardArgs& a, float*
     const bool active = row < a.rows;
     const int chunks = static_cast<int>(a.d / E);  // whole chunks (a vector launch)
     const int64_t safe_row = active ? row : 0;
-    const uint4* x = reinterpret_cast<const uint4*>(static_cast<const S*>(a.x) + safe_row * a.x_stride);
+    const uint4* x =
+        reinterpret_cast<const uint4*>(static_cast<const S*>(a.x) + safe_row * a.x_stride);
     const uint4* weight = static_cast<const uint4*>(a.weight);
     Chunk<Codec> h[K], w[K];
 #pragma unroll
@@ -1468,9 +1469,9 @@ __device__ __forceinline__ void weight_grad_last_levels(typename Codec::storage*
         batchinv::rms::backward_weight_grad_kernel<CODEC, T, K, CHUNKING>(args, partials);      \
     }
 // Shapes with a runtime row count per group (kRowsInSequence 0): one more argument,
-// rows_in_sequence (>= 1, the host's).  Held to 2 CTAs per SM on CUDA (with
-// the runtime loop bound ptxas gave bf16 t128k4g2 140 registers, one CTA per SM, instead of
-// round 2's 124).
+// rows_in_sequence (>= 1, the host's).  Held to 2 CTAs per SM on CUDA (a runtime loop bound
+// costs registers: bf16 t128k4g2 took 140, one CTA per SM, which is why that entry keeps a
+// compile-time count).
 // (CHUNKING: TwoGroupsT128, whose CTA the bounds name.)
 #if defined(__HIPCC__)
 #define BATCHINV_RMS_NORM_TWO_GROUP_BOUNDS __launch_bounds__(batchinv::rms::TwoGroupsT128::kThreads)
@@ -1580,9 +1581,10 @@ BATCHINV_RMS_NORM_FUSED_BACKWARD_UP_TO_T128(bf16, batchinv::Bf16Codec)
 BATCHINV_RMS_NORM_FUSED_BACKWARD_UP_TO_T128(f16, batchinv::F16Codec)
 BATCHINV_RMS_NORM_FUSED_BACKWARD_UP_TO_T128(f32, batchinv::F32Codec)
 BATCHINV_RMS_NORM_BACKWARD_WEIGHT_GRAD_ENTRY(f32, batchinv::F32Codec, t256, 256, 8)
-// t128k4 in 256-thread CTAs of two row groups, 16 rows each (a partial row of 2 x 16 rows), for
-// bf16 and fp32 from 16384 rows on (the host decides; issue 6, session 8).  Not fp16: ptxas
-// gives its entry 164 registers, one CTA per SM (6.6% slower at 16384 x 4096 on an H200).
+// t128k4 in 256-thread CTAs of two row groups, for bf16 and fp32 from 16384 rows on (the host
+// decides; issue 6, session 8): bf16 16 rows per group (the staged path, a compile-time count),
+// fp32 the host's count (session 11).  Not fp16: ptxas gives its entry 164 registers, one CTA
+// per SM (6.6% slower at 16384 x 4096 on an H200).
 BATCHINV_RMS_NORM_BACKWARD_WEIGHT_GRAD_ENTRY_BOUNDED(
     bf16, batchinv::Bf16Codec, t128k4g2, 128, 4, batchinv::rms::TwoGroupsOf16T128,
     __launch_bounds__(batchinv::rms::TwoGroupsOf16T128::kThreads))
@@ -1591,8 +1593,8 @@ BATCHINV_RMS_NORM_BACKWARD_WEIGHT_GRAD_ENTRY_SHAPED(f32, batchinv::F32Codec, t12
 // t128k5 (bf16/fp16 hidden 5120, fp32 2048 < d <= 2560) likewise, in every dtype, from 8192 rows
 // on (issue 6, session 11: 2.1-3.2% faster than 1 x 16 at 16384 x 5120 bf16/fp16 and
 // 16384 x 2560 fp32 on an H200, 2.4-3% at 24576 and 32768 x 5120 bf16, 1.0-1.8% at 8192 and
-// 12288 x 5120; 124 / 128 / 99 registers, so 2 CTAs (4 row groups) per SM as t128k5's 4 CTAs
-// of one in bf16 and fp16).
+// 12288 x 5120; 125 / 128 / 98 registers, so 2 CTAs (4 row groups) per SM as t128k5's 4 CTAs
+// of one in bf16 and fp16; rows per group from the host since the third round).
 BATCHINV_RMS_NORM_BACKWARD_WEIGHT_GRAD_ENTRY_SHAPED(bf16, batchinv::Bf16Codec, t128k5g2, 128, 5,
                                                     batchinv::rms::TwoGroupsT128)
 BATCHINV_RMS_NORM_BACKWARD_WEIGHT_GRAD_ENTRY_SHAPED(f16, batchinv::F16Codec, t128k5g2, 128, 5,

@@ -36,8 +36,8 @@ BACKWARD_GEOMETRIES = ((4, 4), (16, 4), (32, 4), (128, 4), (128, 5), (128, 8), (
 # Forward kernels with an entry of their own for 16-byte vector launches (``*_vec``: no
 # per-element tests, the same operations and bits; kernels_cu/rms_norm.cu's
 # BATCHINV_RMS_NORM_FORWARD_VECTOR_KERNELS), where it measured faster on an H200 (issue 6,
-# session 11): 16384 x 4096 bf16 plain 2.2% (CUDA graphs 66.7 vs 68.2 us), 1024 x 4096 23%
-# (4.5 vs 5.8 us), fused 0.5% (t64) and 1.3% (t128k5).  Other geometries: level or slower.
+# session 11): 16384 x 4096 bf16 plain 2.2% (CUDA graphs 66.7 vs 68.2 us), 1024 x 4096 21%
+# (4.6 vs 5.8 us), fused 0.5% (t64) and 1.3% (t128k5).  Other geometries: level or slower.
 VECTOR_ENTRIES = frozenset(
     {
         ("rms_norm_forward", "t64"),
@@ -55,9 +55,9 @@ WEIGHT_GRAD_CHUNK_ROWS = 16
 # entries ``*_<geometry>g2``; below): a first-level partial of 2 x 16 rows or more, so half
 # the partial rows (or fewer) to write and reduce with as many row groups in flight as 1 x 16.
 # A function of the row count, d and the dtype only, never of the SM count.  t128k4 (bf16
-# hidden 4096, fp32 512 < d <= 2048) from
-# 16384 rows: below it was 1-3% slower on an H200, and fp16's entry (164 registers, one CTA per
-# SM) 6.6% slower, so those keep 1 x 16 (issue 6, session 8).  t128k5 (bf16/fp16 hidden 5120,
+# hidden 4096, fp32 512 < d <= 2048) from 16384 rows: below it was 1-3% slower on an H200, and
+# fp16's entry (164 registers, one CTA per SM) 6.6% slower, so those keep 1 x 16 (issue 6,
+# session 8).  t128k5 (bf16/fp16 hidden 5120,
 # fp32 2048 < d <= 2560), every dtype, from 8192 rows: 2.1-3.2% faster than 1 x 16 at 16384 rows
 # on an H200, 2.4-3% at 24576 and 32768 rows, 1.8% (bf16) and 1.6% (fp16) at 8192 rows, 1.0%
 # at 12288 rows, level at 4096 rows (issue 6, session 11).
