@@ -30,10 +30,8 @@
 //             T = 32: 4 x 4; T >= 128 (hidden 4096 and 5120 bf16) and streaming: 1 x 16; except
 //             t128k4 (bf16 hidden 4096, fp32 512 < d <= 2048) in bf16 and fp32 from 16384 rows
 //             on, and t128k5 (bf16/fp16 4096 < d <= 5120, fp32 2048 < d <= 2560) in every dtype
-//             from 8192 rows on: G = 2, S = max(16, ceil(rows / (2 * 256))) (entries *_t128k4g2,
-//             *_t128k5g2: two row groups in a 256-thread CTA, S their last argument; at most 256
-//             partial rows at any row count, a constant of the build, not the SM count), except
-//             bf16 t128k4 (the staged entry, S fixed): S = 16.
+//             from 8192 rows on: G = 2, S = 16 (entries *_t128k4g2, *_t128k5g2: two row groups in a
+//             256-thread CTA).
 //           level 2+: while more than 64 partial rows remain, each run of 64 consecutive ones is
 //             summed in order; the last <= 64 are added in order and rounded once.  Grids:
 //             rms_norm_weight_grad_reduce for one level while more than 64 * 64 rows remain, then
@@ -69,8 +67,7 @@
 //   its row tree (grad_x) and grad_weight's first level follow its own list, again from d and
 //   the dtype only.
 //   The fused backward gives a CTA R = G * S rows (above), grid.x = ceil(rows / R).  The batch
-//   changes only grid.x (and, for the two-group entries, S: the rows per group of grad_weight's
-//   tree, which is a function of the row count; grad_x's rows do not depend on it).
+//   changes only grid.x.
 //
 // Why a row's bits cannot depend on the batch: element e of a row belongs to 16-byte chunk
 // c = e / (16 / sizeof(storage)), chunk c to thread c % T of the row's group, and a thread
@@ -356,9 +353,6 @@ struct BackwardArgs {
     int64_t rows;
     int64_t d;
     int64_t x_stride;
-    // Rows per row group of the fused backward's first level where the shape's kRowsInSequence
-    // is 0 (the *g2 entries: chosen by the host from the row count); unused otherwise.
-    int64_t rows_in_sequence = 0;
 };
 
 template <int T>
@@ -371,27 +365,18 @@ struct Cta {
 // consecutive rows, its kGroups row groups kRowsInSequence consecutive rows each (see the
 // header).  By default the geometry's CTA (Cta<T>::kRowGroups groups) and
 // max(1, kWeightGradChunkRows / groups) rows per group; the t128k4g2 and t128k5g2 entries (issue
-// 6, sessions 8 and 11) take 2 groups in a CTA of 256 threads, S = 0: the rows per group are a
-// kernel argument (BackwardArgs::rows_in_sequence, from the row count; session 11, third round).
+// 6, sessions 8 and 11) take 2 groups of 16 rows in a CTA of 256 threads.
 template <int T, int G = Cta<T>::kRowGroups,
           int S = (kWeightGradChunkRows > G ? kWeightGradChunkRows / G : 1)>
 struct WeightGradChunk {
     static constexpr int kGroups = G;
     static constexpr int kRowsInSequence = S;
-    static constexpr int kRows = kGroups * kRowsInSequence;  // 0: a runtime count
+    static constexpr int kRows = kGroups * kRowsInSequence;
     static constexpr int kThreads = kGroups * T;  // of the fused backward's CTA
     static_assert(kThreads >= Cta<T>::kThreads, "at least the geometry's CTA");
-    // Rows per group of this launch.
-    __device__ __forceinline__ static int64_t sequence(const BackwardArgs& a) {
-        return kRowsInSequence > 0 ? kRowsInSequence : a.rows_in_sequence;
-    }
 };
 // The *g2 entries' shape (a name without commas: hipcc's __launch_bounds__ is a macro).
-using TwoGroupsT128 = WeightGradChunk<128, 2, 0>;
-// bf16 t128k4g2's (the staged path): 16 rows per group fixed at compile time.  With a runtime
-// count its loop was 2-3% slower (issue 6, session 11, third round: 140 registers, or 128 and a
-// spill when held to 2 CTAs per SM, instead of 124).
-using TwoGroupsOf16T128 = WeightGradChunk<128, 2, 16>;
+using TwoGroupsT128 = WeightGradChunk<128, 2, 16>;
 
 template <typename S>
 __device__ __forceinline__ bool backward_vector_ok(const BackwardArgs& a) {
@@ -1024,7 +1009,7 @@ __device__ __forceinline__ void backward_weight_grad_resident(const BackwardArgs
     using S = typename Codec::storage;
     constexpr int E = Chunk<Codec>::kElems;
     constexpr int kGroups = Chunking::kGroups;
-    const int sequence = static_cast<int>(Chunking::sequence(a));
+    constexpr int kSequence = Chunking::kRowsInSequence;
     using Layout = SumsLayout<T, K, E, kGroups>;
     constexpr bool kAlternate = kAlternatePartials<T>;
     // Several row groups of whole warps (t128k4g2, t128k5g2): each reduces its rows at a named
@@ -1033,13 +1018,13 @@ __device__ __forceinline__ void backward_weight_grad_resident(const BackwardArgs
     const int lane = threadIdx.x % T;
     const int group = threadIdx.x / T;
     const int64_t first_row =
-        static_cast<int64_t>(blockIdx.x) * kGroups * sequence + group * sequence;
+        static_cast<int64_t>(blockIdx.x) * Chunking::kRows + group * kSequence;
     const bool vector = backward_vector_ok<S>(a);
     const int64_t chunks = (a.d + E - 1) / E;
     float4* mine = group_sums + group * Layout::kGroupOffset;
     // Runs of one row (kFresh): the row writes +0 + its products, so only a group whose row is
     // past the end (it writes nothing) clears its sums to +0.
-    constexpr bool kFresh = Chunking::kRowsInSequence == 1;
+    constexpr bool kFresh = kSequence == 1;
     if (!kFresh || first_row >= a.rows) zero_group_sums<T, K, E, Layout::kPlane>(mine, lane);
     Chunk<Codec> w[K], xs[K], gs[K];
     load_backward_row<Codec, T, K>(xs, gs, a, first_row, lane, vector);
@@ -1049,13 +1034,13 @@ __device__ __forceinline__ void backward_weight_grad_resident(const BackwardArgs
         const int64_t c = lane + static_cast<int64_t>(k) * T;
         if (c < chunks) load_chunk(w[k], weight, c, a.d, vector);
     }
-    for (int s = 0; s < sequence; ++s) {
+    for (int s = 0; s < kSequence; ++s) {
         float* row_partials = kAlternate ? warp_partials + (s % 2) * kMaxWarps : warp_partials;
         if constexpr (kPrefetchNextRow<T, K>) {
             // The next row's loads go out before this row's reduction, stores and sums, so a
             // row group has loads in flight while it works (issue 6).
             Chunk<Codec> next_xs[K], next_gs[K];
-            if (s + 1 < sequence) {
+            if (s + 1 < kSequence) {
                 load_backward_row<Codec, T, K>(next_xs, next_gs, a, first_row + s + 1, lane,
                                                vector);
             }
@@ -1128,13 +1113,13 @@ __device__ __forceinline__ void backward_weight_grad_staged(const BackwardArgs& 
     using S = typename Codec::storage;
     constexpr int E = Chunk<Codec>::kElems;
     constexpr int kStages = kStagedRowStages;
-    const int sequence = static_cast<int>(Chunking::sequence(a));
+    constexpr int kSequence = Chunking::kRowsInSequence;
     constexpr int kGroupFloat4s = T * K * E / 4;
     static_assert(Cta<T>::kRowGroups == 1, "row groups of whole warps");
     const int lane = Chunking::kGroups == 1 ? static_cast<int>(threadIdx.x) : threadIdx.x % T;
     const int group = Chunking::kGroups == 1 ? 0 : threadIdx.x / T;
     const int64_t first_row =
-        static_cast<int64_t>(blockIdx.x) * Chunking::kGroups * sequence + group * sequence;
+        static_cast<int64_t>(blockIdx.x) * Chunking::kRows + group * kSequence;
     const int64_t d = a.d;
     const int64_t chunks = d / E;  // a vector launch: d is a multiple of E
     // The group's ring: stage st holds x at [(2 * st) * T * K ..] and dy at
@@ -1169,12 +1154,12 @@ __device__ __forceinline__ void backward_weight_grad_staged(const BackwardArgs& 
     zero_group_sums<T, K, E>(mine, lane);
     constexpr bool kGroupBarrier = Chunking::kGroups > 1;
     float next_inv_rms = saved_inv_rms(a, first_row);
-    for (int s = 0; s < sequence; ++s) {
+    for (int s = 0; s < kSequence; ++s) {
         const int st = s % kStages;
         const float inv_rms = next_inv_rms;
-        if (s + 1 < sequence) next_inv_rms = saved_inv_rms(a, first_row + s + 1);
+        if (s + 1 < kSequence) next_inv_rms = saved_inv_rms(a, first_row + s + 1);
         // Stage (s - 1) % kStages was read by this thread only, in row s - 1: free again.
-        if (s + kStages - 1 < sequence) {
+        if (s + kStages - 1 < kSequence) {
             stage_row(first_row + s + kStages - 1, (s + kStages - 1) % kStages);
         } else {
             cp_async_commit();
@@ -1468,33 +1453,13 @@ __device__ __forceinline__ void weight_grad_last_levels(typename Codec::storage*
                                                grad_residual, rows,   d, x_stride};              \
         batchinv::rms::backward_weight_grad_kernel<CODEC, T, K, CHUNKING>(args, partials);      \
     }
-// Shapes with a runtime row count per group (kRowsInSequence 0): one more argument,
-// rows_in_sequence (>= 1, the host's).  Held to 2 CTAs per SM on CUDA (a runtime loop bound
-// costs registers: bf16 t128k4g2 took 140, one CTA per SM, which is why that entry keeps a
-// compile-time count).
-// (CHUNKING: TwoGroupsT128, whose CTA the bounds name.)
-#if defined(__HIPCC__)
-#define BATCHINV_RMS_NORM_TWO_GROUP_BOUNDS __launch_bounds__(batchinv::rms::TwoGroupsT128::kThreads)
-#else
-#define BATCHINV_RMS_NORM_TWO_GROUP_BOUNDS \
-    __launch_bounds__(batchinv::rms::TwoGroupsT128::kThreads, 2)
-#endif
 #define BATCHINV_RMS_NORM_BACKWARD_WEIGHT_GRAD_ENTRY_SHAPED(SUFFIX, CODEC, GEOMETRY, T, K,       \
                                                             CHUNKING)                            \
-    extern "C" __global__ void BATCHINV_RMS_NORM_TWO_GROUP_BOUNDS                                \
-        rms_norm_backward_weight_grad_##SUFFIX##_##GEOMETRY(                                     \
-            CODEC::storage* grad_x, float* partials, const CODEC::storage* grad_y,               \
-            const CODEC::storage* x, const CODEC::storage* weight, const float* rstd,            \
-            const CODEC::storage* grad_residual, int64_t rows, int64_t d, int64_t x_stride,      \
-            int64_t rows_in_sequence) {                                                          \
-        const batchinv::rms::BackwardArgs args{grad_x, grad_y, x,        weight,  rstd,          \
-                                               grad_residual, rows, d, x_stride, rows_in_sequence}; \
-        batchinv::rms::backward_weight_grad_kernel<CODEC, T, K, CHUNKING>(args, partials);      \
-    }
+    BATCHINV_RMS_NORM_BACKWARD_WEIGHT_GRAD_ENTRY_BOUNDED(SUFFIX, CODEC, GEOMETRY, T, K, CHUNKING, \
+                                                         __launch_bounds__(CHUNKING::kThreads))
 #define BATCHINV_RMS_NORM_BACKWARD_WEIGHT_GRAD_ENTRY(SUFFIX, CODEC, GEOMETRY, T, K)              \
-    BATCHINV_RMS_NORM_BACKWARD_WEIGHT_GRAD_ENTRY_BOUNDED(SUFFIX, CODEC, GEOMETRY, T, K,          \
-                                                         batchinv::rms::WeightGradChunk<T>,      \
-                                                         __launch_bounds__(batchinv::rms::Cta<T>::kThreads))
+    BATCHINV_RMS_NORM_BACKWARD_WEIGHT_GRAD_ENTRY_SHAPED(SUFFIX, CODEC, GEOMETRY, T, K,           \
+                                                        batchinv::rms::WeightGradChunk<T>)
 // t4 (q/k norm): held to kT4FusedBackwardMinBlocks CTAs per SM on CUDA (a name without commas:
 // hipcc's __launch_bounds__ is a macro, and its second argument means something else).
 #if defined(__HIPCC__)
@@ -1581,20 +1546,18 @@ BATCHINV_RMS_NORM_FUSED_BACKWARD_UP_TO_T128(bf16, batchinv::Bf16Codec)
 BATCHINV_RMS_NORM_FUSED_BACKWARD_UP_TO_T128(f16, batchinv::F16Codec)
 BATCHINV_RMS_NORM_FUSED_BACKWARD_UP_TO_T128(f32, batchinv::F32Codec)
 BATCHINV_RMS_NORM_BACKWARD_WEIGHT_GRAD_ENTRY(f32, batchinv::F32Codec, t256, 256, 8)
-// t128k4 in 256-thread CTAs of two row groups, for bf16 and fp32 from 16384 rows on (the host
-// decides; issue 6, session 8): bf16 16 rows per group (the staged path, a compile-time count),
-// fp32 the host's count (session 11).  Not fp16: ptxas gives its entry 164 registers, one CTA
-// per SM (6.6% slower at 16384 x 4096 on an H200).
-BATCHINV_RMS_NORM_BACKWARD_WEIGHT_GRAD_ENTRY_BOUNDED(
-    bf16, batchinv::Bf16Codec, t128k4g2, 128, 4, batchinv::rms::TwoGroupsOf16T128,
-    __launch_bounds__(batchinv::rms::TwoGroupsOf16T128::kThreads))
+// t128k4 in 256-thread CTAs of two row groups, 16 rows each (a partial row of 2 x 16 rows), for
+// bf16 and fp32 from 16384 rows on (the host decides; issue 6, session 8).  Not fp16: ptxas
+// gives its entry 164 registers, one CTA per SM (6.6% slower at 16384 x 4096 on an H200).
+BATCHINV_RMS_NORM_BACKWARD_WEIGHT_GRAD_ENTRY_SHAPED(bf16, batchinv::Bf16Codec, t128k4g2, 128, 4,
+                                                    batchinv::rms::TwoGroupsT128)
 BATCHINV_RMS_NORM_BACKWARD_WEIGHT_GRAD_ENTRY_SHAPED(f32, batchinv::F32Codec, t128k4g2, 128, 4,
                                                     batchinv::rms::TwoGroupsT128)
 // t128k5 (bf16/fp16 hidden 5120, fp32 2048 < d <= 2560) likewise, in every dtype, from 8192 rows
 // on (issue 6, session 11: 2.1-3.2% faster than 1 x 16 at 16384 x 5120 bf16/fp16 and
 // 16384 x 2560 fp32 on an H200, 2.4-3% at 24576 and 32768 x 5120 bf16, 1.0-1.8% at 8192 and
 // 12288 x 5120; 125 / 128 / 98 registers, so 2 CTAs (4 row groups) per SM as t128k5's 4 CTAs
-// of one in bf16 and fp16; rows per group from the host since the third round).
+// of one in bf16 and fp16).
 BATCHINV_RMS_NORM_BACKWARD_WEIGHT_GRAD_ENTRY_SHAPED(bf16, batchinv::Bf16Codec, t128k5g2, 128, 5,
                                                     batchinv::rms::TwoGroupsT128)
 BATCHINV_RMS_NORM_BACKWARD_WEIGHT_GRAD_ENTRY_SHAPED(f16, batchinv::F16Codec, t128k5g2, 128, 5,
@@ -1626,7 +1589,7 @@ BATCHINV_RMS_NORM_BACKWARD_WEIGHT_GRAD_ENTRY_SHAPED(f32, batchinv::F32Codec, t12
 // batchinv-signature: rms_norm_fused_forward_bf16_t128k5(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_backward_bf16_t128k5(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
 // batchinv-signature: rms_norm_backward_weight_grad_bf16_t128k5(ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
-// batchinv-signature: rms_norm_backward_weight_grad_bf16_t128k5g2(ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64)
+// batchinv-signature: rms_norm_backward_weight_grad_bf16_t128k5g2(ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
 // batchinv-signature: rms_norm_forward_bf16_t128(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_fused_forward_bf16_t128(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_backward_bf16_t128(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
@@ -1664,7 +1627,7 @@ BATCHINV_RMS_NORM_BACKWARD_WEIGHT_GRAD_ENTRY_SHAPED(f32, batchinv::F32Codec, t12
 // batchinv-signature: rms_norm_fused_forward_f16_t128k5(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_backward_f16_t128k5(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
 // batchinv-signature: rms_norm_backward_weight_grad_f16_t128k5(ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
-// batchinv-signature: rms_norm_backward_weight_grad_f16_t128k5g2(ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64)
+// batchinv-signature: rms_norm_backward_weight_grad_f16_t128k5g2(ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
 // batchinv-signature: rms_norm_forward_f16_t128(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_fused_forward_f16_t128(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_backward_f16_t128(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
@@ -1698,12 +1661,12 @@ BATCHINV_RMS_NORM_BACKWARD_WEIGHT_GRAD_ENTRY_SHAPED(f32, batchinv::F32Codec, t12
 // batchinv-signature: rms_norm_fused_forward_f32_t64(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_backward_f32_t128k4(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
 // batchinv-signature: rms_norm_backward_weight_grad_f32_t128k4(ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
-// batchinv-signature: rms_norm_backward_weight_grad_f32_t128k4g2(ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64)
+// batchinv-signature: rms_norm_backward_weight_grad_f32_t128k4g2(ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
 // batchinv-signature: rms_norm_forward_f32_t128k5(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_fused_forward_f32_t128k5(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_backward_f32_t128k5(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
 // batchinv-signature: rms_norm_backward_weight_grad_f32_t128k5(ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
-// batchinv-signature: rms_norm_backward_weight_grad_f32_t128k5g2(ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64)
+// batchinv-signature: rms_norm_backward_weight_grad_f32_t128k5g2(ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
 // batchinv-signature: rms_norm_forward_f32_t128(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_fused_forward_f32_t128(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_backward_f32_t128(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)

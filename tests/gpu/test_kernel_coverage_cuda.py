@@ -177,9 +177,7 @@ def test_rms_norm_two_group_backward(dtype, d, rows):
     # From 16384 rows the hidden-1024..4096 (bf16) / 512..2048 (fp32) backward runs the
     # two-row-group kernel t128k4g2 (d = 1032 keeps it small under the sanitizer), and from 8192
     # rows the hidden-4096..5120 one t128k5g2 (d = 4104, its smallest bf16 rows).
-    # Two groups of max(16, ceil(rows / 512)) rows (at most 256 partial rows); bf16 t128k4: 16.
-    in_sequence = 16 if (d, dtype) == (1032, torch.bfloat16) else max(16, -(-rows // 512))
-    assert gpu_rms_norm.fused_backward_plan(d, dtype, rows)[3] == (2, in_sequence)
+    assert gpu_rms_norm.fused_backward_plan(d, dtype, rows)[3] == gpu_rms_norm.TWO_GROUPS_SHAPE
     x = _randn(rows, d, dtype=dtype, seed=16).requires_grad_(True)
     weight = (1 + _randn(d, dtype=torch.float32, seed=17) / 4).to(dtype).requires_grad_(True)
     batchinv.rms_norm(x, weight, 1e-6).float().sum().backward()

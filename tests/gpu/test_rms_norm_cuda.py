@@ -360,8 +360,7 @@ def test_weight_gradient_is_the_documented_fixed_tree(hidden, dtype, many_rows):
 # t128k5 (hidden 5120 bf16/fp16, 2560 fp32; 5114 and 2554: the element path; every dtype two
 # groups from 8192 rows, issue 6 session 11).  Rows: the two-pass path (300), the fused kernel
 # (4097: a partial last CTA), both sides of the edge, and the edge plus 16 rows (a last CTA with
-# one group of rows past the end); t128k5 also at 16384 rows (t128k4's edge).  8193 and 24577
-# rows: more than 16 rows per group (17 and 49; the last CTA's rows partly past the end).
+# one group of rows past the end); t128k5 also at 16384 rows (t128k4's edge).
 TWO_GROUP_EDGES = {"t128k4": 16384, "t128k5": 8192}
 TWO_GROUP_HIDDENS = {
     "t128k4": {torch.bfloat16: (4096, 4090), torch.float16: (4096, 4090), torch.float32: (2048,)},
@@ -380,9 +379,7 @@ TWO_GROUP_CASES = [
         {
             300,
             4097,
-            8193,
             16384,
-            24577,
             TWO_GROUP_EDGES[name] - 1,
             TWO_GROUP_EDGES[name],
             TWO_GROUP_EDGES[name] + 16,
@@ -390,15 +387,6 @@ TWO_GROUP_CASES = [
     )
 ]
 # Two groups per CTA: (geometry, dtype) pairs; the other pairs of these geometries keep 1 x 16.
-# Rows per group: at least 16, and at most TWO_GROUP_PARTIAL_ROWS partial rows at any row count
-# (issue 6, session 11, third round).
-TWO_GROUP_PARTIAL_ROWS = 256
-
-
-def _two_group_rows(rows):
-    return max(16, -(-rows // (2 * TWO_GROUP_PARTIAL_ROWS)))
-
-
 TWO_GROUP_DTYPES = {
     "t128k4": (torch.bfloat16, torch.float32),
     "t128k5": (torch.bfloat16, torch.float16, torch.float32),
@@ -413,9 +401,7 @@ def _check_two_group_tree(name, hidden, dtype, rows):
     grad_x, grad_weight = gpu_rms_norm.backward(grad_y, x, weight, rstd)
     groups, in_sequence = gpu_rms_norm.weight_grad_chunking(hidden, dtype, rows)
     two_groups = dtype in TWO_GROUP_DTYPES[name] and rows >= TWO_GROUP_EDGES[name]
-    fixed = (name, dtype) == ("t128k4", torch.bfloat16)  # its staged kernel: 16 rows per group
-    per_group = 16 if fixed else _two_group_rows(rows)
-    assert (groups, in_sequence) == ((2, per_group) if two_groups else (1, 16))
+    assert (groups, in_sequence) == ((2, 16) if two_groups else (1, 16))
     want = _weight_grad_by_the_documented_tree(grad_y, x, rstd, groups, in_sequence)
     assert_bitwise_equal(grad_weight, want, name=f"grad_weight ({groups}x{in_sequence} rows)")
     # grad_x does not depend on the first level's shape: the grad_x-only kernel's bits.
@@ -444,8 +430,6 @@ def test_two_group_rule_of_the_tests_is_the_hosts():
         name: (TWO_GROUP_DTYPES[name], TWO_GROUP_EDGES[name]) for name in TWO_GROUP_DTYPES
     }
     assert gpu_rms_norm.TWO_GROUPS_SHAPE == (2, 16)
-    assert gpu_rms_norm.WEIGHT_GRAD_PARTIAL_ROWS == TWO_GROUP_PARTIAL_ROWS
-    assert gpu_rms_norm.TWO_GROUPS_OF_16 == (("t128k4", torch.bfloat16),)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -880,31 +864,22 @@ def test_backward_t128k4_reduces_a_row_as_t128(dtype, trim):
     # with 3 rows) compute grad_x as t128 does and partial rows as the documented tree.
     if dtype not in TWO_GROUP_DTYPES["t128k4"]:
         return
-    # The rows per group are a kernel argument: 16, also 3 (23 CTAs, the last with one row) and
-    # 40 (one CTA, its second group's last 13 rows past the end); bf16's entry has 16 fixed.
-    groups = 2
-    if dtype == torch.bfloat16:
-        with pytest.raises(ValueError, match="no fused backward"):
-            gpu_rms_norm.launch_fused_backward(
-                "t128k4", dtype, x.device, 2, 256, (x, x, *inputs), shape=(groups, 40)
-            )
-    for in_sequence in (16,) if dtype == torch.bfloat16 else (16, 3, 40):
-        two_blocks = -(-rows // (groups * in_sequence))
-        two_grad_x = torch.full_like(x, float("nan"))
-        two_partials = torch.full((two_blocks, hidden), float("nan"), device=DEVICE)
-        gpu_rms_norm.launch_fused_backward(
-            "t128k4",
-            dtype,
-            x.device,
-            two_blocks,
-            128 * groups,
-            (two_grad_x, two_partials, *inputs),
-            shape=(groups, in_sequence),
-        )
-        tag = f"t128k4g2 of {groups} x {in_sequence}"
-        assert_bitwise_equal(two_grad_x, results["t128"][0], name=f"{tag} grad_x vs t128")
-        want = _first_level_by_the_documented_tree(grad_y, x, rstd, groups, in_sequence)
-        assert_bitwise_equal(two_partials, want, name=f"{tag} partials")
+    groups, in_sequence = gpu_rms_norm.TWO_GROUPS_SHAPE
+    two_blocks = -(-rows // (groups * in_sequence))
+    two_grad_x = torch.full_like(x, float("nan"))
+    two_partials = torch.full((two_blocks, hidden), float("nan"), device=DEVICE)
+    gpu_rms_norm.launch_fused_backward(
+        "t128k4",
+        dtype,
+        x.device,
+        two_blocks,
+        128 * groups,
+        (two_grad_x, two_partials, *inputs),
+        shape=(groups, in_sequence),
+    )
+    assert_bitwise_equal(two_grad_x, results["t128"][0], name="t128k4g2 grad_x vs t128")
+    want = _first_level_by_the_documented_tree(grad_y, x, rstd, groups, in_sequence)
+    assert_bitwise_equal(two_partials, want, name="t128k4g2 partials")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -912,8 +887,7 @@ def test_backward_t128k4_reduces_a_row_as_t128(dtype, trim):
 def test_backward_t128k5_two_groups_are_the_documented_tree(dtype, trim):
     # t128k5's two-group CTAs (t128k5g2: 2 groups x 16 rows, each group reducing its rows at a
     # named barrier of its own; issue 6, session 11) launched directly on 67 rows: three CTAs,
-    # the last with 3 rows (its second group wholly past the end); also 2 x 3 and 2 x 40 rows
-    # (the rows per group are a kernel argument).  grad_x must be the grad_x-only
+    # the last with 3 rows (its second group wholly past the end).  grad_x must be the grad_x-only
     # kernel's, the partial rows the documented 2 x 16 first level, with and without a residual
     # gradient.
     elems = 16 // dtype.itemsize
@@ -927,9 +901,9 @@ def test_backward_t128k5_two_groups_are_the_documented_tree(dtype, trim):
     )
     weight = _weight(hidden, dtype)
     _, rstd = gpu_rms_norm.forward(x, weight, EPS)
-    groups = 2
-    for extra, in_sequence in ((None, 16), (grad_residual, 16), (None, 3), (grad_residual, 40)):
-        blocks = -(-rows // (groups * in_sequence))
+    groups, in_sequence = 2, 16
+    blocks = -(-rows // (groups * in_sequence))
+    for extra in (None, grad_residual):
         inputs = (grad_y, x, weight, rstd, extra if extra is not None else 0, rows, hidden, hidden)
         grad_x = torch.full_like(x, float("nan"))
         gpu_rms_norm.launch(
@@ -951,10 +925,9 @@ def test_backward_t128k5_two_groups_are_the_documented_tree(dtype, trim):
             shape=(groups, in_sequence),
         )
         assert not bool(grad_x.isnan().any()), "grad_x: unwritten elements"
-        tag = f"t128k5g2 of {groups} x {in_sequence}, residual {extra is not None}"
-        assert_bitwise_equal(two_grad_x, grad_x, name=f"{tag}: grad_x vs grad_x kernel")
+        assert_bitwise_equal(two_grad_x, grad_x, name="t128k5g2 grad_x vs grad_x kernel")
         want = _first_level_by_the_documented_tree(grad_y, x, rstd, groups, in_sequence)
-        assert_bitwise_equal(partials, want, name=f"{tag}: partials")
+        assert_bitwise_equal(partials, want, name="t128k5g2 partials")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -51,31 +51,23 @@ MIN_CTA_THREADS = 128
 # (a constant, not a tuning knob), then sums of 64 consecutive partial rows.
 WEIGHT_GRAD_CHUNK_ROWS = 16
 # The fused backward of each geometry in TWO_GROUPS, in the dtypes listed there and from the
-# row count listed there on, runs 256-thread CTAs of two row groups of 16 or more rows (kernel
-# entries ``*_<geometry>g2``; below): a first-level partial of 2 x 16 rows or more, so half
-# the partial rows (or fewer) to write and reduce with as many row groups in flight as 1 x 16.
-# A function of the row count, d and the dtype only, never of the SM count.  t128k4 (bf16
-# hidden 4096, fp32 512 < d <= 2048) from 16384 rows: below it was 1-3% slower on an H200, and
-# fp16's entry (164 registers, one CTA per SM) 6.6% slower, so those keep 1 x 16 (issue 6,
-# session 8).  t128k5 (bf16/fp16 hidden 5120,
+# row count listed there on, runs 256-thread CTAs of two row groups of 16 rows (kernel entries
+# ``*_<geometry>g2``): a first-level partial of 2 x 16 rows, so half the partial rows to write
+# and reduce with as many row groups in flight as 1 x 16.  A function of the row count, d and
+# the dtype only, never of the SM count.  t128k4 (bf16 hidden 4096, fp32 512 < d <= 2048) from
+# 16384 rows: below it was 1-3% slower on an H200, and fp16's entry (164 registers, one CTA per
+# SM) 6.6% slower, so those keep 1 x 16 (issue 6, session 8).  t128k5 (bf16/fp16 hidden 5120,
 # fp32 2048 < d <= 2560), every dtype, from 8192 rows: 2.1-3.2% faster than 1 x 16 at 16384 rows
 # on an H200, 2.4-3% at 24576 and 32768 rows, 1.8% (bf16) and 1.6% (fp16) at 8192 rows, 1.0%
-# at 12288 rows, level at 4096 rows (issue 6, session 11).
+# at 12288 rows, level at 4096 rows (issue 6, session 11).  Not kept: more rows per group at
+# large row counts (at most 256 partial rows): 1.5% faster at 16384 x 5120 bf16 on an H200 but
+# 6% slower on an H100, 10% at 32768 rows (session 11, docs/tuning/rms_norm.md).
 # geometry -> (dtypes, first row count with two groups)
 TWO_GROUPS = {
     "t128k4": ((torch.bfloat16, torch.float32), 16384),
     "t128k5": ((torch.bfloat16, torch.float16, torch.float32), 8192),
 }
-# (row groups, fewest rows per group) of the two-group entries.  Rows per group
-# S = max(16, ceil(rows / (2 * WEIGHT_GRAD_PARTIAL_ROWS))): at most WEIGHT_GRAD_PARTIAL_ROWS
-# partial rows (CTAs) whatever the row count, one wave at 2 CTAs per SM of a 132-SM H100/H200;
-# up to 256 * 32 = 8192 rows it is the 2 x 16 of before (issue 6, session 11, third round).
-# A constant of the build, never the SM count; the kernels take S as an argument.
 TWO_GROUPS_SHAPE = (2, 16)
-WEIGHT_GRAD_PARTIAL_ROWS = 256
-# Except these (geometry, dtype): 16 rows per group at any row count, fixed in the kernel (bf16
-# t128k4g2's staged loop was 2-3% slower with a runtime count; session 11, third round).
-TWO_GROUPS_OF_16 = (("t128k4", torch.bfloat16),)
 WEIGHT_GRAD_REDUCE_ROWS = 64
 WEIGHT_GRAD_THREADS = 256
 # The last two levels (runs of 64 partial rows, then the run sums) run as one grid once at most
@@ -262,25 +254,16 @@ def _two_groups(name: str, dtype: torch.dtype) -> bool:
     return name in TWO_GROUPS and dtype in TWO_GROUPS[name][0]
 
 
-def two_groups_sequence(rows: int) -> int:
-    """Rows per group of the two-group first level for ``rows`` rows (see TWO_GROUPS_SHAPE)."""
-    groups, fewest = TWO_GROUPS_SHAPE
-    return max(fewest, -(-rows // (groups * WEIGHT_GRAD_PARTIAL_ROWS)))
-
-
 def weight_grad_chunking(d: int, dtype: torch.dtype, rows: int) -> tuple[int, int]:
     """``(row groups, rows in sequence per group)`` of grad_weight's first level for ``rows``
     rows of ``d`` elements: a partial row sums ``groups * rows_in_sequence`` consecutive rows,
     each group its own consecutive run in order, then the groups in order (a function of ``d``,
-    the dtype and the row count only: from the backward's geometry, and two groups of
-    ``two_groups_sequence(rows)`` rows for the geometries and dtypes of ``TWO_GROUPS`` from the
-    row count listed there on (bf16/fp32 ``t128k4`` from 16384 rows, every dtype's ``t128k5``
-    from 8192); 16 rows per group for ``TWO_GROUPS_OF_16``)."""
+    the dtype and the row count only: from the backward's geometry, and ``TWO_GROUPS_SHAPE``
+    for the geometries and dtypes of ``TWO_GROUPS`` from the row count listed there on
+    (bf16/fp32 ``t128k4`` from 16384 rows, every dtype's ``t128k5`` from 8192))."""
     name, threads, cta = backward_geometry(d, dtype)
     if _two_groups(name, dtype) and rows >= TWO_GROUPS[name][1]:
-        if (name, dtype) in TWO_GROUPS_OF_16:
-            return TWO_GROUPS_SHAPE
-        return TWO_GROUPS_SHAPE[0], two_groups_sequence(rows)
+        return TWO_GROUPS_SHAPE
     groups = cta // threads
     return groups, max(1, WEIGHT_GRAD_CHUNK_ROWS // groups)
 
@@ -331,23 +314,13 @@ def launch_fused_backward(
 ) -> None:
     """Launches ``rms_norm_backward_weight_grad_*`` of backward geometry ``name`` (grad_x and
     grad_weight's first level) with the dynamic shared memory it needs.  ``shape``: the first
-    level's (row groups per CTA, rows per group): two groups of any positive number of rows
-    (then ``cta`` is 256; the rows per group are the kernel's last argument), ``TWO_GROUPS_SHAPE``
-    only for ``TWO_GROUPS_OF_16``, or None for the geometry's own."""
+    level's (row groups per CTA, rows per group): ``TWO_GROUPS_SHAPE`` (then ``cta`` is 256),
+    or None for the geometry's own."""
     entry = name
     if shape is not None:
-        groups, in_sequence = shape
-        fixed = (name, dtype) in TWO_GROUPS_OF_16
-        if (
-            groups != TWO_GROUPS_SHAPE[0]
-            or in_sequence < 1
-            or not _two_groups(name, dtype)
-            or (fixed and shape != TWO_GROUPS_SHAPE)
-        ):
+        if shape != TWO_GROUPS_SHAPE or not _two_groups(name, dtype):
             raise ValueError(f"{name} {dtype} has no fused backward of {shape} first-level rows")
         entry = f"{name}g2"
-        if not fixed:
-            args = (*args, in_sequence)
     kernel = kernel_for(
         "rms_norm", f"rms_norm_backward_weight_grad_{_SUFFIX[dtype]}_{entry}", device
     )
@@ -369,8 +342,8 @@ def fused_backward_plan(
     ``d`` elements; ``shape`` as ``launch_fused_backward`` takes it."""
     name, threads, cta = backward_geometry(d, dtype)
     groups, in_sequence = weight_grad_chunking(d, dtype, rows)
-    two_groups = _two_groups(name, dtype) and groups == TWO_GROUPS_SHAPE[0]
-    shape = (groups, in_sequence) if two_groups else None
+    two_groups = _two_groups(name, dtype) and (groups, in_sequence) == TWO_GROUPS_SHAPE
+    shape = TWO_GROUPS_SHAPE if two_groups else None
     return name, -(-rows // (groups * in_sequence)), max(cta, groups * threads), shape
 
 
