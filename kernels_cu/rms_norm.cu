@@ -471,6 +471,8 @@ __device__ __forceinline__ float chunk_value(const Chunk<Codec>& chunk, int e) {
 // cvt.rn.bf16x2.f32 and, only for a chunk that holds a NaN (else round_chunk's NaN patch does
 // nothing), by round_chunk itself.  round_chunk tests and patches every element (3 of the
 // backward's ~32 instructions per element; its bf16 kernels are bound by instruction issue).
+// The forward's *_vec entries use chunk16.cuh's round_chunk_rare_nan instead (same bits, NaN
+// tested on the packed words; session 11); the two were not timed against each other.
 template <typename Codec>
 __device__ __forceinline__ void round_grad_chunk(Chunk<Codec>& chunk, const float* f) {
 #if !defined(__HIPCC__)
