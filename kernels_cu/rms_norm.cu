@@ -38,7 +38,11 @@
 //             rms_norm_weight_grad_last_levels for the last two (the runs' sums and their sum, or
 //             the one sum of <= 64 rows).  On sm_90 each is launched with programmatic
 //             dependent launch (griddepcontrol): it starts while the grid writing its rows ends
-//             and waits for it before reading them.
+//             and waits for it before reading them; where the last-levels grid follows the
+//             fused backward directly, the host may instead have it wait for each run of 64
+//             partial rows alone (per-run counts, signal_partial_row_stored / wait_for_run), so
+//             that it sums the runs stored first while the first level ends.  Same sums, same
+//             order, same bits.
 //           Bitwise the same run to run; zero-gradient rows appended at the end add +0 to sums
 //           that start at +0 (never -0) and leave the bits unchanged.  Level 1 is computed by
 //           rms_norm_backward_weight_grad_* (grad_x and the partials in one pass: CTA b's row
@@ -1225,9 +1229,76 @@ __device__ __forceinline__ void backward_weight_grad_fused(const BackwardArgs& a
                                                                      group_sums);
 }
 
+// Hand-off from the fused backward (grad_weight's first level) to the last-levels grid, where
+// one follows the other directly (at most kWeightGradLastLevelsRows partial rows, so at most
+// kMaxRuns runs; CUDA sm_90, programmatic launch): the fused backward counts, per run of
+// kWeightGradReduceRows partial rows, the CTAs whose partial row is stored, and the last-levels
+// grid sums each run as soon as its count is complete instead of waiting for the whole first
+// level to end.  The sums, their order and the bits are the same.
+// Counting without atomics that wait (an atomic compare-and-swap per CTA made the op 9% slower
+// at 16384 x 4096 bf16; issue 6, session 12): every call adds exactly kWeightGradReduceRows to
+// every one of the kMaxRuns counters (one per CTA of a run, the missing CTAs of the last run by
+// the last CTA, the runs past the last by CTA 0), so before call n (1, 2, ...) of a set of
+// counters each one reads 64 * (n - 1) and a run of call n is complete when its counter reads
+// 64 * n (mod 2^32): the host passes n as `generation` and may reuse the counters without
+// zeroing them.
+constexpr int kMaxRuns = kWeightGradReduceRows;
+constexpr int kRunCounterStride = 32;  // 32-bit words from one run's counter to the next (128 B)
+struct RunCounters {
+    unsigned* counters;  // null: no hand-off (the grid after waits for this one)
+    unsigned generation;
+};
+
+__device__ __forceinline__ void signal_partial_row_stored(const RunCounters& runs) {
+    if (runs.counters == nullptr) return;
+    const unsigned used_runs = (gridDim.x + kWeightGradReduceRows - 1) / kWeightGradReduceRows;
+    __syncthreads();  // every thread's part of this CTA's partial row is stored
+    if (threadIdx.x == 0) {
+        __threadfence();  // those stores are visible at gpu scope before the count is
+        unsigned add = 1;
+        if (blockIdx.x == gridDim.x - 1) add += used_runs * kWeightGradReduceRows - gridDim.x;
+        atomicAdd(runs.counters + (blockIdx.x / kWeightGradReduceRows) * kRunCounterStride, add);
+    }
+    if (blockIdx.x == 0 && threadIdx.x >= used_runs && threadIdx.x < kMaxRuns) {
+        atomicAdd(runs.counters + threadIdx.x * kRunCounterStride,
+                  static_cast<unsigned>(kWeightGradReduceRows));
+    }
+}
+
+__device__ __forceinline__ unsigned load_acquire(const unsigned* address) {
+#if defined(__HIPCC__)
+    return __atomic_load_n(address, __ATOMIC_ACQUIRE);
+#else
+    unsigned value;
+    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];\n" : "=r"(value) : "l"(address) : "memory");
+    return value;
+#endif
+}
+
+// Waits until a run's counter reads `complete`.  A count that never completes (a bug, not a
+// slow first level: it takes milliseconds at most) ends the launch with an error after
+// kRunWaitLimitNs instead of hanging the device.
+constexpr unsigned long long kRunWaitLimitNs = 10ull * 1000 * 1000 * 1000;
+__device__ __forceinline__ void wait_for_run(const unsigned* counter, unsigned complete) {
+#if defined(__HIPCC__)
+    while (load_acquire(counter) != complete) {
+    }
+#else
+    if (load_acquire(counter) == complete) return;
+    unsigned long long start, now;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
+    while (load_acquire(counter) != complete) {
+        __nanosleep(128);
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+        if (now - start > kRunWaitLimitNs) __trap();
+    }
+#endif
+}
+
 template <typename Codec, int T, int K, typename Chunking = WeightGradChunk<T>>
 __device__ __forceinline__ void backward_weight_grad_kernel(const BackwardArgs& a,
-                                                            float* partials) {
+                                                            float* partials,
+                                                            const RunCounters& runs) {
     // The geometry's own CTA's sums fit kWeightGradSharedBytes (the host's rule); a CTA of two
     // row groups of it (t128k4g2, t128k5g2) holds twice that, within the 48 KiB of static
     // shared memory.
@@ -1252,6 +1323,7 @@ __device__ __forceinline__ void backward_weight_grad_kernel(const BackwardArgs& 
         static_assert(Chunking::kRows == WeightGradChunk<T>::kRows, "other shapes: resident rows");
         backward_weight_grad_rows<Codec, T, K>(a, partials, warp_partials, group_sums);
     }
+    signal_partial_row_stored(runs);
 }
 
 // grad_weight's first level as a separate pass over columns, for rows whose sums do not fit
@@ -1342,34 +1414,56 @@ __device__ __forceinline__ void weight_grad_reduce(float* rows_out, const float*
 // run, the run sums added in run order from +0 (the last level); rounded once.  The same
 // operations as a reduce level followed by a final level of one thread per column.  Run slot y
 // of a CTA (threads y * kLastLevelsColumns ..) sums runs y, y + kLastLevelsRunSlots, ...
+// runs.counters: null, the grid waits for the grid before it (griddepcontrol) before reading any
+// partial row; else the fused backward's per-run counts (signal_partial_row_stored): a run slot
+// waits for its run's count only (one thread polls, the slot's others wait at a warp barrier), so
+// the runs stored first are summed while the first level's last CTAs still run.  Then it waits
+// for that grid at its end only, so that the work after this grid on the stream still finds the
+// fused backward complete.
 // Launch: grid = ceil(d / kLastLevelsColumns), block = kLastLevelsColumns * kLastLevelsRunSlots.
 template <typename Codec>
 __device__ __forceinline__ void weight_grad_last_levels(typename Codec::storage* grad_weight,
                                                         const float* partials,
-                                                        int64_t num_partials, int64_t d) {
+                                                        int64_t num_partials, int64_t d,
+                                                        const RunCounters& handoff) {
+#if defined(__HIPCC__)
+    const bool overlapped = false;  // no programmatic launch: the host never passes counters
+#else
+    static_assert(kLastLevelsColumns == 16 && BATCHINV_WARP_SIZE == 32, "a run slot: half a warp");
+    const bool overlapped = handoff.counters != nullptr;
+#endif
     __shared__ float run_sums[kWeightGradReduceRows][kLastLevelsColumns];
-    grid_wait_primary();  // partials are the previous grid's output
+    if (!overlapped) grid_wait_primary();  // partials are the previous grid's output
     const int x = threadIdx.x % kLastLevelsColumns;
     const int y = threadIdx.x / kLastLevelsColumns;
     const int64_t col = static_cast<int64_t>(blockIdx.x) * kLastLevelsColumns + x;
     const int64_t runs = (num_partials + kWeightGradReduceRows - 1) / kWeightGradReduceRows;
-    if (col < d) {
-        for (int64_t run = y; run < runs; run += kLastLevelsRunSlots) {
-            const int64_t begin = run * kWeightGradReduceRows;
-            const int64_t end = begin + kWeightGradReduceRows < num_partials
-                                    ? begin + kWeightGradReduceRows
-                                    : num_partials;
-            run_sums[run][x] = column_sum<kLastLevelsUnroll>(partials, begin, end, d, col);
+    for (int64_t run = y; run < runs; run += kLastLevelsRunSlots) {
+        const int64_t begin = run * kWeightGradReduceRows;
+        const int64_t end = begin + kWeightGradReduceRows < num_partials
+                                ? begin + kWeightGradReduceRows
+                                : num_partials;
+#if !defined(__HIPCC__)
+        if (overlapped) {
+            if (x == 0) {
+                wait_for_run(handoff.counters + run * kRunCounterStride,
+                             handoff.generation * static_cast<unsigned>(kWeightGradReduceRows));
+            }
+            __syncwarp(0xffffu << (threadIdx.x % 32 / kLastLevelsColumns * kLastLevelsColumns));
         }
+#endif
+        if (col < d) run_sums[run][x] = column_sum<kLastLevelsUnroll>(partials, begin, end, d, col);
     }
     __syncthreads();
-    if (y != 0 || col >= d) return;
-    float total = run_sums[0][x];
-    if (runs > 1) {
-        total = 0.0f;
-        for (int64_t run = 0; run < runs; ++run) total = ieee_add(total, run_sums[run][x]);
+    if (y == 0 && col < d) {
+        float total = run_sums[0][x];
+        if (runs > 1) {
+            total = 0.0f;
+            for (int64_t run = 0; run < runs; ++run) total = ieee_add(total, run_sums[run][x]);
+        }
+        grad_weight[col] = Codec::store(total);
     }
-    grad_weight[col] = Codec::store(total);
+    if (overlapped) grid_wait_primary();
 }
 
 }  // namespace rms
@@ -1450,10 +1544,12 @@ __device__ __forceinline__ void weight_grad_last_levels(typename Codec::storage*
         rms_norm_backward_weight_grad_##SUFFIX##_##GEOMETRY(                                     \
             CODEC::storage* grad_x, float* partials, const CODEC::storage* grad_y,               \
             const CODEC::storage* x, const CODEC::storage* weight, const float* rstd,            \
-            const CODEC::storage* grad_residual, int64_t rows, int64_t d, int64_t x_stride) {    \
+            const CODEC::storage* grad_residual, int64_t rows, int64_t d, int64_t x_stride,      \
+            unsigned* run_counters, unsigned generation) {                                       \
         const batchinv::rms::BackwardArgs args{grad_x,        grad_y, x, weight,  rstd,          \
                                                grad_residual, rows,   d, x_stride};              \
-        batchinv::rms::backward_weight_grad_kernel<CODEC, T, K, CHUNKING>(args, partials);      \
+        batchinv::rms::backward_weight_grad_kernel<CODEC, T, K, CHUNKING>(                      \
+            args, partials, batchinv::rms::RunCounters{run_counters, generation});               \
     }
 #define BATCHINV_RMS_NORM_BACKWARD_WEIGHT_GRAD_ENTRY_SHAPED(SUFFIX, CODEC, GEOMETRY, T, K,       \
                                                             CHUNKING)                            \
@@ -1483,8 +1579,12 @@ __device__ __forceinline__ void weight_grad_last_levels(typename Codec::storage*
         batchinv::rms::kLastLevelsColumns * batchinv::rms::kLastLevelsRunSlots)                \
         rms_norm_weight_grad_last_levels_##SUFFIX(CODEC::storage* grad_weight,                 \
                                                   const float* partials,                       \
-                                                  int64_t num_partials, int64_t d) {           \
-        batchinv::rms::weight_grad_last_levels<CODEC>(grad_weight, partials, num_partials, d); \
+                                                  int64_t num_partials, int64_t d,             \
+                                                  unsigned* run_counters,                      \
+                                                  unsigned generation) {                       \
+        batchinv::rms::weight_grad_last_levels<CODEC>(                                         \
+            grad_weight, partials, num_partials, d,                                            \
+            batchinv::rms::RunCounters{run_counters, generation});                             \
     }
 
 // The geometry lists: (name, threads per row T, chunks per thread K).  Keep in step with
@@ -1571,31 +1671,31 @@ BATCHINV_RMS_NORM_BACKWARD_WEIGHT_GRAD_ENTRY_SHAPED(f32, batchinv::F32Codec, t12
 // batchinv-signature: rms_norm_forward_bf16_t4(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_fused_forward_bf16_t4(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_backward_bf16_t4(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
-// batchinv-signature: rms_norm_backward_weight_grad_bf16_t4(ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
+// batchinv-signature: rms_norm_backward_weight_grad_bf16_t4(ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, ptr, u32)
 // batchinv-signature: rms_norm_forward_bf16_t16(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_fused_forward_bf16_t16(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_backward_bf16_t16(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
-// batchinv-signature: rms_norm_backward_weight_grad_bf16_t16(ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
+// batchinv-signature: rms_norm_backward_weight_grad_bf16_t16(ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, ptr, u32)
 // batchinv-signature: rms_norm_forward_bf16_t32(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_fused_forward_bf16_t32(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_backward_bf16_t32(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
-// batchinv-signature: rms_norm_backward_weight_grad_bf16_t32(ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
+// batchinv-signature: rms_norm_backward_weight_grad_bf16_t32(ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, ptr, u32)
 // batchinv-signature: rms_norm_forward_bf16_t128k2(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_fused_forward_bf16_t128k2(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_forward_bf16_t64(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_fused_forward_bf16_t64(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_backward_bf16_t128k4(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
-// batchinv-signature: rms_norm_backward_weight_grad_bf16_t128k4(ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
-// batchinv-signature: rms_norm_backward_weight_grad_bf16_t128k4g2(ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
+// batchinv-signature: rms_norm_backward_weight_grad_bf16_t128k4(ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, ptr, u32)
+// batchinv-signature: rms_norm_backward_weight_grad_bf16_t128k4g2(ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, ptr, u32)
 // batchinv-signature: rms_norm_forward_bf16_t128k5(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_fused_forward_bf16_t128k5(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_backward_bf16_t128k5(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
-// batchinv-signature: rms_norm_backward_weight_grad_bf16_t128k5(ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
-// batchinv-signature: rms_norm_backward_weight_grad_bf16_t128k5g2(ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
+// batchinv-signature: rms_norm_backward_weight_grad_bf16_t128k5(ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, ptr, u32)
+// batchinv-signature: rms_norm_backward_weight_grad_bf16_t128k5g2(ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, ptr, u32)
 // batchinv-signature: rms_norm_forward_bf16_t128(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_fused_forward_bf16_t128(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_backward_bf16_t128(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
-// batchinv-signature: rms_norm_backward_weight_grad_bf16_t128(ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
+// batchinv-signature: rms_norm_backward_weight_grad_bf16_t128(ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, ptr, u32)
 // batchinv-signature: rms_norm_forward_bf16_t256(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_fused_forward_bf16_t256(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_backward_bf16_t256(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
@@ -1606,34 +1706,34 @@ BATCHINV_RMS_NORM_BACKWARD_WEIGHT_GRAD_ENTRY_SHAPED(f32, batchinv::F32Codec, t12
 // batchinv-signature: rms_norm_fused_forward_bf16_stream(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_backward_bf16_stream(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
 // batchinv-signature: rms_norm_weight_grad_partials_bf16(ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64)
-// batchinv-signature: rms_norm_weight_grad_last_levels_bf16(ptr, ptr, i64, i64)
+// batchinv-signature: rms_norm_weight_grad_last_levels_bf16(ptr, ptr, i64, i64, ptr, u32)
 // batchinv-signature: rms_norm_forward_f16_t4(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_fused_forward_f16_t4(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_backward_f16_t4(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
-// batchinv-signature: rms_norm_backward_weight_grad_f16_t4(ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
+// batchinv-signature: rms_norm_backward_weight_grad_f16_t4(ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, ptr, u32)
 // batchinv-signature: rms_norm_forward_f16_t16(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_fused_forward_f16_t16(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_backward_f16_t16(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
-// batchinv-signature: rms_norm_backward_weight_grad_f16_t16(ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
+// batchinv-signature: rms_norm_backward_weight_grad_f16_t16(ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, ptr, u32)
 // batchinv-signature: rms_norm_forward_f16_t32(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_fused_forward_f16_t32(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_backward_f16_t32(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
-// batchinv-signature: rms_norm_backward_weight_grad_f16_t32(ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
+// batchinv-signature: rms_norm_backward_weight_grad_f16_t32(ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, ptr, u32)
 // batchinv-signature: rms_norm_forward_f16_t128k2(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_fused_forward_f16_t128k2(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_forward_f16_t64(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_fused_forward_f16_t64(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_backward_f16_t128k4(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
-// batchinv-signature: rms_norm_backward_weight_grad_f16_t128k4(ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
+// batchinv-signature: rms_norm_backward_weight_grad_f16_t128k4(ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, ptr, u32)
 // batchinv-signature: rms_norm_forward_f16_t128k5(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_fused_forward_f16_t128k5(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_backward_f16_t128k5(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
-// batchinv-signature: rms_norm_backward_weight_grad_f16_t128k5(ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
-// batchinv-signature: rms_norm_backward_weight_grad_f16_t128k5g2(ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
+// batchinv-signature: rms_norm_backward_weight_grad_f16_t128k5(ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, ptr, u32)
+// batchinv-signature: rms_norm_backward_weight_grad_f16_t128k5g2(ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, ptr, u32)
 // batchinv-signature: rms_norm_forward_f16_t128(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_fused_forward_f16_t128(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_backward_f16_t128(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
-// batchinv-signature: rms_norm_backward_weight_grad_f16_t128(ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
+// batchinv-signature: rms_norm_backward_weight_grad_f16_t128(ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, ptr, u32)
 // batchinv-signature: rms_norm_forward_f16_t256(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_fused_forward_f16_t256(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_backward_f16_t256(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
@@ -1644,39 +1744,39 @@ BATCHINV_RMS_NORM_BACKWARD_WEIGHT_GRAD_ENTRY_SHAPED(f32, batchinv::F32Codec, t12
 // batchinv-signature: rms_norm_fused_forward_f16_stream(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_backward_f16_stream(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
 // batchinv-signature: rms_norm_weight_grad_partials_f16(ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64)
-// batchinv-signature: rms_norm_weight_grad_last_levels_f16(ptr, ptr, i64, i64)
+// batchinv-signature: rms_norm_weight_grad_last_levels_f16(ptr, ptr, i64, i64, ptr, u32)
 // batchinv-signature: rms_norm_forward_f32_t4(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_fused_forward_f32_t4(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_backward_f32_t4(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
-// batchinv-signature: rms_norm_backward_weight_grad_f32_t4(ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
+// batchinv-signature: rms_norm_backward_weight_grad_f32_t4(ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, ptr, u32)
 // batchinv-signature: rms_norm_forward_f32_t16(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_fused_forward_f32_t16(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_backward_f32_t16(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
-// batchinv-signature: rms_norm_backward_weight_grad_f32_t16(ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
+// batchinv-signature: rms_norm_backward_weight_grad_f32_t16(ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, ptr, u32)
 // batchinv-signature: rms_norm_forward_f32_t32(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_fused_forward_f32_t32(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_backward_f32_t32(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
-// batchinv-signature: rms_norm_backward_weight_grad_f32_t32(ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
+// batchinv-signature: rms_norm_backward_weight_grad_f32_t32(ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, ptr, u32)
 // batchinv-signature: rms_norm_forward_f32_t128k2(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_fused_forward_f32_t128k2(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_forward_f32_t64(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_fused_forward_f32_t64(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_backward_f32_t128k4(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
-// batchinv-signature: rms_norm_backward_weight_grad_f32_t128k4(ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
-// batchinv-signature: rms_norm_backward_weight_grad_f32_t128k4g2(ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
+// batchinv-signature: rms_norm_backward_weight_grad_f32_t128k4(ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, ptr, u32)
+// batchinv-signature: rms_norm_backward_weight_grad_f32_t128k4g2(ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, ptr, u32)
 // batchinv-signature: rms_norm_forward_f32_t128k5(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_fused_forward_f32_t128k5(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_backward_f32_t128k5(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
-// batchinv-signature: rms_norm_backward_weight_grad_f32_t128k5(ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
-// batchinv-signature: rms_norm_backward_weight_grad_f32_t128k5g2(ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
+// batchinv-signature: rms_norm_backward_weight_grad_f32_t128k5(ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, ptr, u32)
+// batchinv-signature: rms_norm_backward_weight_grad_f32_t128k5g2(ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, ptr, u32)
 // batchinv-signature: rms_norm_forward_f32_t128(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_fused_forward_f32_t128(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_backward_f32_t128(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
-// batchinv-signature: rms_norm_backward_weight_grad_f32_t128(ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
+// batchinv-signature: rms_norm_backward_weight_grad_f32_t128(ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, ptr, u32)
 // batchinv-signature: rms_norm_forward_f32_t256(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_fused_forward_f32_t256(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_backward_f32_t256(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
-// batchinv-signature: rms_norm_backward_weight_grad_f32_t256(ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
+// batchinv-signature: rms_norm_backward_weight_grad_f32_t256(ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, ptr, u32)
 // batchinv-signature: rms_norm_forward_f32_t512(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_fused_forward_f32_t512(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_backward_f32_t512(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
@@ -1684,7 +1784,7 @@ BATCHINV_RMS_NORM_BACKWARD_WEIGHT_GRAD_ENTRY_SHAPED(f32, batchinv::F32Codec, t12
 // batchinv-signature: rms_norm_fused_forward_f32_stream(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_backward_f32_stream(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
 // batchinv-signature: rms_norm_weight_grad_partials_f32(ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64)
-// batchinv-signature: rms_norm_weight_grad_last_levels_f32(ptr, ptr, i64, i64)
+// batchinv-signature: rms_norm_weight_grad_last_levels_f32(ptr, ptr, i64, i64, ptr, u32)
 // batchinv-signature: rms_norm_forward_bf16_t64_vec(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_fused_forward_bf16_t64_vec(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
 // batchinv-signature: rms_norm_fused_forward_bf16_t128k5_vec(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)

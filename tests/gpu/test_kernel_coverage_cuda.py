@@ -178,6 +178,9 @@ def test_rms_norm_two_group_backward(dtype, d, rows):
     # two-row-group kernel t128k4g2 (d = 1032 keeps it small under the sanitizer), and from 8192
     # rows the hidden-4096..5120 one t128k5g2 (d = 4104, its smallest bf16 rows).
     assert gpu_rms_norm.fused_backward_plan(d, dtype, rows)[3] == gpu_rms_norm.TWO_GROUPS_SHAPE
+    # From 16384 rows the last-levels grid takes each run as it is stored (sm_90a): the sanitizer
+    # sees the counts and the waits.
+    assert gpu_rms_norm.overlap_rule(d, dtype, rows) == (rows >= 16384)
     x = _randn(rows, d, dtype=dtype, seed=16).requires_grad_(True)
     weight = (1 + _randn(d, dtype=torch.float32, seed=17) / 4).to(dtype).requires_grad_(True)
     batchinv.rms_norm(x, weight, 1e-6).float().sum().backward()

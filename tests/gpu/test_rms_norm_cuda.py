@@ -469,6 +469,137 @@ def test_levels_above_the_first_are_the_documented_tree_at_any_row_count(dtype, 
         assert got[0].item() == 0.0 and not bool(torch.signbit(got[0]))
 
 
+# The last-levels grid overlapped with the fused backward (per-run counts, programmatic launch;
+# sm_90a only): (dtype, rows, hidden) with one partial row (1 x 16 rows), 512 partial rows in 8
+# runs (t128k4g2), 513 (a last run of one partial row), 1024 in 16 runs (fp16 t128k4, 1 x 16),
+# t128k5g2 (bf16) and fp32 t128k4g2, and the most the grid takes, 4096 partial rows in 64 runs
+# (q/k rows: 32 rows per partial row).
+OVERLAP_CASES = (
+    (torch.bfloat16, 9, 4096),
+    (torch.bfloat16, 16384, 4096),
+    (torch.bfloat16, 16400, 4096),
+    (torch.float16, 16384, 4096),
+    (torch.bfloat16, 16384, 5120),
+    (torch.float32, 16384, 2048),
+    (torch.bfloat16, 131072, 128),
+)
+
+
+def _needs_programmatic_launch():
+    if not gpu_rms_norm._programmatic(torch.device(DEVICE)):
+        pytest.skip("the overlapped last levels need the sm_90a kernels (programmatic launch)")
+
+
+@pytest.mark.parametrize(("dtype", "rows", "hidden"), OVERLAP_CASES)
+def test_overlapped_last_levels_give_the_bits_of_the_waiting_form(dtype, rows, hidden, monkeypatch):
+    _needs_programmatic_launch()
+    x, grad_y = _gpu_normals(2, rows, hidden, dtype, seed=25)
+    weight = _weight(hidden, dtype)
+    _, rstd = gpu_rms_norm.forward(x, weight, EPS)
+    name, blocks, cta, shape = gpu_rms_norm.fused_backward_plan(hidden, dtype, rows)
+    counters = gpu_rms_norm.run_counters_for(x.device, blocks)
+    assert counters is not None, f"{blocks} partial rows: no overlapped last levels"
+    grad_x = torch.full_like(x, float("nan"))
+    partials = torch.full((blocks, hidden), float("nan"), device=DEVICE)
+    args = (grad_x, partials, grad_y, x, weight, rstd, 0, rows, hidden, hidden)
+    gpu_rms_norm.launch_fused_backward(
+        name, dtype, x.device, blocks, cta, args, shape=shape, run_counters=counters
+    )
+    overlapped = gpu_rms_norm._reduce_partials(partials, dtype, counters)
+    # Every counter advanced by 64 in this call (one per CTA of its run, the rest by the last
+    # CTA and by CTA 0), so each reads 64 times the call's number on these counters.
+    words = counters.counters.view(-1, gpu_rms_norm.RUN_COUNTER_STRIDE)[:, 0].tolist()
+    assert len(words) == 64 and counters.generation > 0
+    assert words == [64 * counters.generation] * 64
+    by_default_x, by_default = gpu_rms_norm.backward(grad_y, x, weight, rstd)
+    monkeypatch.setattr(gpu_rms_norm, "OVERLAP_LAST_LEVELS", False)
+    assert gpu_rms_norm.run_counters_for(x.device, blocks) is None
+    waiting_x, waiting = gpu_rms_norm.backward(grad_y, x, weight, rstd)
+    assert_bitwise_equal(overlapped, waiting, name="grad_weight, overlapped")
+    assert_bitwise_equal(by_default, waiting, name="grad_weight, the op's default")
+    assert_bitwise_equal(grad_x, waiting_x, name="grad_x")
+    assert_bitwise_equal(by_default_x, waiting_x, name="grad_x, the op's default")
+
+
+def test_overlapped_last_levels_are_the_same_bits_on_every_call_and_in_a_cuda_graph():
+    # The runs are read while the first level's last CTAs still write theirs: a missed wait
+    # would read unwritten or stale partial rows.  Repeated calls and graph replays (the counts
+    # are zeroed by a node of the graph) must all give the first call's bits, which are the
+    # documented tree's.
+    _needs_programmatic_launch()
+    dtype, rows, hidden = torch.bfloat16, 16384, 5120
+    x, grad_y = _gpu_normals(2, rows, hidden, dtype, seed=26)
+    weight = _weight(hidden, dtype)
+    _, rstd = gpu_rms_norm.forward(x, weight, EPS)
+    blocks = gpu_rms_norm.fused_backward_plan(hidden, dtype, rows)[1]
+    assert gpu_rms_norm.run_counters_for(x.device, blocks) is not None
+    first_x, first = gpu_rms_norm.backward(grad_y, x, weight, rstd)
+    groups, in_sequence = gpu_rms_norm.weight_grad_chunking(hidden, dtype, rows)
+    want = _weight_grad_by_the_documented_tree(grad_y, x, rstd, groups, in_sequence)
+    assert_bitwise_equal(first, want, name="grad_weight")
+    for call in range(20):
+        grad_x, grad_weight = gpu_rms_norm.backward(grad_y, x, weight, rstd)
+        assert_bitwise_equal(grad_weight, first, name=f"grad_weight, call {call}")
+        assert_bitwise_equal(grad_x, first_x, name=f"grad_x, call {call}")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        gpu_rms_norm.backward(grad_y, x, weight, rstd)  # warm-up outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        graph_x, graph_weight = gpu_rms_norm.backward(grad_y, x, weight, rstd)
+    for replay in range(5):
+        graph_weight.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_bitwise_equal(graph_weight, first, name=f"grad_weight, replay {replay}")
+        assert_bitwise_equal(graph_x, first_x, name=f"grad_x, replay {replay}")
+
+
+def test_run_counters_are_refused_where_levels_come_between():
+    _needs_programmatic_launch()
+    partials = torch.zeros(gpu_rms_norm.WEIGHT_GRAD_LAST_LEVELS_ROWS + 1, 8, device=DEVICE)
+    assert gpu_rms_norm.run_counters_for(partials.device, partials.shape[0]) is None
+    counters = gpu_rms_norm.run_counters_for(partials.device, partials.shape[0] - 1)
+    with pytest.raises(ValueError, match="run_counters"):
+        gpu_rms_norm._reduce_partials(partials, torch.bfloat16, counters)
+    with pytest.raises(ValueError, match="run_counters"):  # before any launch
+        gpu_rms_norm.launch_fused_backward(
+            "t4", torch.bfloat16, partials.device, partials.shape[0], 128, (), run_counters=counters
+        )
+
+
+@pytest.mark.parametrize("mode", ("stream", "call"))
+def test_counts_left_by_a_call_whose_last_levels_never_ran_do_not_pass_a_later_wait(
+    mode, monkeypatch
+):
+    # A first level whose last-levels grid was never launched (an error between the two) leaves
+    # complete counts behind; the next call on the stream reuses the counters ("stream") under
+    # a new generation and must still wait for its own first level.  Its bits are checked
+    # against the waiting form; a wait passed too early would read partial rows not yet
+    # written (the two calls' inputs differ).
+    _needs_programmatic_launch()
+    monkeypatch.setattr(gpu_rms_norm, "RUN_COUNTERS", mode)
+    dtype, rows, hidden = torch.bfloat16, 16384, 4096
+    weight = _weight(hidden, dtype)
+    name, blocks, cta, shape = gpu_rms_norm.fused_backward_plan(hidden, dtype, rows)
+    partials = torch.empty((blocks, hidden), device=DEVICE)
+    for seed in (27, 28):
+        x, grad_y = _gpu_normals(2, rows, hidden, dtype, seed=seed)
+        _, rstd = gpu_rms_norm.forward(x, weight, EPS)
+        counters = gpu_rms_norm.run_counters_for(x.device, blocks)
+        args = (torch.empty_like(x), partials, grad_y, x, weight, rstd, 0, rows, hidden, hidden)
+        gpu_rms_norm.launch_fused_backward(
+            name, dtype, x.device, blocks, cta, args, shape=shape, run_counters=counters
+        )  # no last levels after it
+        _, got = gpu_rms_norm.backward(grad_y, x, weight, rstd)
+        monkeypatch.setattr(gpu_rms_norm, "OVERLAP_LAST_LEVELS", False)
+        _, want = gpu_rms_norm.backward(grad_y, x, weight, rstd)
+        monkeypatch.setattr(gpu_rms_norm, "OVERLAP_LAST_LEVELS", True)
+        assert_bitwise_equal(got, want, name=f"grad_weight after an abandoned call ({mode})")
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("hidden", (128, 1000, 4096, 5120))
 def test_fused_and_two_pass_weight_gradients_have_the_same_bits(hidden, dtype):
@@ -784,7 +915,7 @@ def test_fewer_chunks_per_thread_reduce_a_row_as_the_wider_geometry(dtype, trim)
             f"rms_norm_backward_weight_grad_{suffix}_{name}",
             blocks,
             (x, torch.empty(blocks, hidden, device=DEVICE)),
-            (grad_y, got[1], weight, got[2], grad_residual, rows, hidden, hidden),
+            (grad_y, got[1], weight, got[2], grad_residual, rows, hidden, hidden, 0, 0),
         )
         results = (*got, *plain, *grad_x, *fused)
         if name == "t128k5":

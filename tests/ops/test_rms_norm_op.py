@@ -217,3 +217,14 @@ def test_forward_vector_launch_condition():
     assert not vector(args(x[:, 1:4097]), 2)  # base one element past 16 bytes
     assert not vector(args(torch.zeros(4, 4097, dtype=torch.bfloat16)[:, :4096]), 2)  # stride
     assert not vector(args(rows, d=4092), 2)  # d * itemsize not a multiple of 16
+
+
+def test_backward_overlaps_its_last_levels_from_16384_rows_of_wide_geometries():
+    # Written out here, not read from the code under test: from 16384 rows, for geometries of
+    # at least 128 threads per row.
+    assert gpu_rms_norm.overlap_rule(4096, torch.bfloat16, 16384)
+    assert gpu_rms_norm.overlap_rule(5120, torch.float16, 16384)
+    assert gpu_rms_norm.overlap_rule(2048, torch.float32, 65536)
+    assert not gpu_rms_norm.overlap_rule(4096, torch.bfloat16, 16383)
+    assert not gpu_rms_norm.overlap_rule(128, torch.bfloat16, 524288)  # t4: 4 threads per row
+    assert not gpu_rms_norm.overlap_rule(1024, torch.bfloat16, 65536)  # t32

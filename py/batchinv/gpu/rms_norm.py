@@ -84,6 +84,23 @@ FUSED_WEIGHT_GRAD_SHARED_BYTES = 32768
 # backward leaves SMs idle (1024 x 4096 bf16: 64 CTAs, about twice the time of the two passes);
 # the two passes then run instead, with the same bits.
 FUSED_WEIGHT_GRAD_MIN_BLOCKS = 256
+# The last-levels grid sums each run of partial rows as soon as the fused backward has stored
+# it (per-run counts, programmatic launch; same sums, same bits), instead of waiting for the
+# whole first level: ``run_counters_for``.  False: it waits for the first level to end.
+OVERLAP_LAST_LEVELS = True
+# ... for the fused backward of at least this many rows on geometries of at least this many
+# threads per row (CTAs that live long): on an H200 (issue 6, session 12) it ran 1-2% faster
+# from 16384 rows at hidden 2048-5120 (fp16 16384 x 4096: 4.7%), but 1% slower at 8192 x 4096
+# and 9% slower for t4 at 65536 x 128 (short CTAs, each ending with a fence and a count).
+OVERLAP_MIN_ROWS = 16384
+OVERLAP_MIN_THREADS = 128
+# Where the counts live: "stream", one set per (device, stream), reused call after call (every
+# call adds 64 to each counter; no zeroing); "call", zeroed for each call (the A/B of issue 6,
+# session 12).  A CUDA graph capture always takes zeroed counters of its own (each replay runs
+# the captured zeroing again).
+RUN_COUNTERS = "stream"
+RUN_COUNTER_RUNS = 64  # kMaxRuns: WEIGHT_GRAD_LAST_LEVELS_ROWS / WEIGHT_GRAD_REDUCE_ROWS
+RUN_COUNTER_STRIDE = 32  # 32-bit words from one run's counter to the next (128 bytes)
 # t128k4's bf16/fp16 fused backward on CUDA stages the next row's dy and x in shared memory
 # (two stages of 128 threads x 4 chunks x 16 bytes, both tensors: kStagedRows and
 # kStagedRowsBytes in kernels_cu/rms_norm.cu), passed as dynamic shared memory.
@@ -268,15 +285,92 @@ def weight_grad_chunking(d: int, dtype: torch.dtype, rows: int) -> tuple[int, in
     return groups, max(1, WEIGHT_GRAD_CHUNK_ROWS // groups)
 
 
-def _reduce_partials(partials: Tensor, dtype: torch.dtype) -> Tensor:
+def _programmatic(device: torch.device) -> bool:
+    """Whether grids after the first level are launched with programmatic dependent launch
+    (the sm_90a kernels on CUDA)."""
+    return backend_of(device) == "cuda" and uses_hopper(device)
+
+
+class RunCounters:
+    """The per-run counts of a fused backward and its call number on them (the kernels'
+    ``RunCounters``: the counters read ``64 * (generation - 1)`` before the call)."""
+
+    def __init__(self, counters: Tensor, generation: int, stream_entry: list | None = None):
+        self.counters = counters
+        self.generation = generation
+        self._stream_entry = stream_entry
+
+    def args(self) -> tuple:
+        return self.counters, self.generation
+
+    def launched(self) -> None:
+        """Records that a fused backward counting into these counters was launched: the next
+        call on them is the next generation (not counted before: a launch that raised leaves
+        the counters as they were)."""
+        if self._stream_entry is not None:
+            self._stream_entry[1] = self.generation
+
+
+_STREAM_COUNTERS: dict[tuple[int, int], list] = {}
+
+
+def run_counters_for(device: torch.device, first_level_rows: int) -> RunCounters | None:
+    """Counters for a fused backward of ``first_level_rows`` partial rows whose last-levels grid
+    follows it directly and may overlap it (None where it may not: only with a programmatic
+    launch and no reduce level between)."""
+    if not (
+        OVERLAP_LAST_LEVELS
+        and _programmatic(device)
+        and first_level_rows <= WEIGHT_GRAD_LAST_LEVELS_ROWS
+    ):
+        return None
+    size = RUN_COUNTER_RUNS * RUN_COUNTER_STRIDE
+    if RUN_COUNTERS == "call" or torch.cuda.is_current_stream_capturing():
+        return RunCounters(torch.zeros(size, dtype=torch.int32, device=device), 1)
+    # Calls on one stream run one after the other (a fused backward starts after the
+    # last-levels grid before it, which ends after its own first level), so they may share
+    # counters.
+    stream = torch.cuda.current_stream(device)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    key = (index, stream.cuda_stream)
+    entry = _STREAM_COUNTERS.get(key)
+    if entry is None:
+        entry = _STREAM_COUNTERS[key] = [torch.zeros(size, dtype=torch.int32, device=device), 0]
+    return RunCounters(entry[0], (entry[1] + 1) % 2**32, entry)
+
+
+def overlap_rule(d: int, dtype: torch.dtype, rows: int) -> bool:
+    """Whether ``backward`` overlaps the last-levels grid with the fused backward of ``rows``
+    rows of ``d`` elements where it can (``run_counters_for``): ``OVERLAP_MIN_ROWS`` and
+    ``OVERLAP_MIN_THREADS``.  The bits are the same either way."""
+    return rows >= OVERLAP_MIN_ROWS and backward_geometry(d, dtype)[1] >= OVERLAP_MIN_THREADS
+
+
+def _counter_args(run_counters: RunCounters | None) -> tuple:
+    """The kernels' (counters, generation) arguments; (0, 0): no hand-off."""
+    return run_counters.args() if run_counters is not None else (0, 0)
+
+
+def _reduce_partials(
+    partials: Tensor, dtype: torch.dtype, run_counters: RunCounters | None = None
+) -> Tensor:
     """grad_weight from first-level partial rows: sums of 64 consecutive partial rows while
     more than 64 remain, then the rest added in order and rounded once to ``dtype``.  The last
     two levels run as one grid.  Where the sm_90a kernels run, each grid is launched with
     programmatic dependent launch: it starts while the grid before it (the one writing its
-    partial rows) finishes, and waits for it before reading them (same bits)."""
+    partial rows) finishes, and waits for it before reading them (same bits).
+    ``run_counters`` (``run_counters_for``, counted by the fused backward that wrote
+    ``partials``): the last-levels grid waits for each run's count instead of for the whole
+    grid before it (same bits)."""
     d = partials.shape[1]
     device = partials.device
-    programmatic = backend_of(device) == "cuda" and uses_hopper(device)
+    programmatic = _programmatic(device)
+    if run_counters is not None and (
+        partials.shape[0] > WEIGHT_GRAD_LAST_LEVELS_ROWS or not programmatic
+    ):
+        raise ValueError(
+            "run_counters: only for a programmatic last-levels grid right after the first level"
+        )
     while partials.shape[0] > WEIGHT_GRAD_LAST_LEVELS_ROWS:
         count = partials.shape[0]
         chunks = -(-count // WEIGHT_GRAD_REDUCE_ROWS)
@@ -296,7 +390,7 @@ def _reduce_partials(partials: Tensor, dtype: torch.dtype) -> Tensor:
         device,
         grid=(-(-d // LAST_LEVELS_COLUMNS),),
         block=(LAST_LEVELS_THREADS,),
-        args=(grad_weight, partials, partials.shape[0], d),
+        args=(grad_weight, partials, partials.shape[0], d, *_counter_args(run_counters)),
         programmatic=programmatic,
     )
     return grad_weight
@@ -311,11 +405,18 @@ def launch_fused_backward(
     args,
     *,
     shape: tuple[int, int] | None = None,
+    run_counters: RunCounters | None = None,
 ) -> None:
     """Launches ``rms_norm_backward_weight_grad_*`` of backward geometry ``name`` (grad_x and
     grad_weight's first level) with the dynamic shared memory it needs.  ``shape``: the first
     level's (row groups per CTA, rows per group): ``TWO_GROUPS_SHAPE`` (then ``cta`` is 256),
-    or None for the geometry's own."""
+    or None for the geometry's own.  ``run_counters``: ``run_counters_for``'s counts, which
+    each CTA increments once its partial row is stored (None: not counted)."""
+    if run_counters is not None and blocks > WEIGHT_GRAD_LAST_LEVELS_ROWS:
+        raise ValueError(
+            f"run_counters: {blocks} partial rows, more than the "
+            f"{WEIGHT_GRAD_LAST_LEVELS_ROWS} the counters cover"
+        )
     entry = name
     if shape is not None:
         if shape != TWO_GROUPS_SHAPE or not _two_groups(name, dtype):
@@ -332,7 +433,16 @@ def launch_fused_backward(
     ):
         shared = STAGED_ROWS_BYTES * (cta // 128)  # one ring per row group
         allow_dynamic_shared(kernel, shared, device.index or 0)
-    launch(kernel, device, grid=(blocks,), block=(cta,), args=args, shared_mem=shared)
+    launch(
+        kernel,
+        device,
+        grid=(blocks,),
+        block=(cta,),
+        args=(*args, *_counter_args(run_counters)),
+        shared_mem=shared,
+    )
+    if run_counters is not None:
+        run_counters.launched()
 
 
 def fused_backward_plan(
@@ -428,10 +538,18 @@ def backward(
         if blocks > _MAX_GRID_X:
             raise ValueError(f"x has {rows} rows; too many for the weight gradient kernel")
         partials = torch.empty((blocks, d), dtype=torch.float32, device=x.device)
+        counters = run_counters_for(x.device, blocks) if overlap_rule(d, dtype, rows) else None
         launch_fused_backward(
-            name, dtype, x.device, blocks, fused_cta, (grad_x, partials, *args), shape=shape
+            name,
+            dtype,
+            x.device,
+            blocks,
+            fused_cta,
+            (grad_x, partials, *args),
+            shape=shape,
+            run_counters=counters,
         )
-        grad_weight = _reduce_partials(partials, weight.dtype)
+        grad_weight = _reduce_partials(partials, weight.dtype, counters)
     else:
         _launch_rows("rms_norm_backward", x.device, d, dtype, rows, (grad_x, *args))
         if weight_grad:
