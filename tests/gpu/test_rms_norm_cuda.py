@@ -5,6 +5,8 @@ that is bitwise the same run to run, every output element written, and clear err
 from __future__ import annotations
 
 import os
+import sys
+import threading
 
 import pytest
 import torch
@@ -555,6 +557,48 @@ def test_overlapped_last_levels_are_the_same_bits_on_every_call_and_in_a_cuda_gr
         torch.cuda.synchronize()
         assert_bitwise_equal(graph_weight, first, name=f"grad_weight, replay {replay}")
         assert_bitwise_equal(graph_x, first_x, name=f"grad_x, replay {replay}")
+
+
+def test_threads_on_one_stream_keep_each_calls_two_launches_together():
+    # Python threads running the backward on one stream share its counters: a call's first
+    # level and last-levels grid must stay next to each other on the stream (the counters'
+    # lock), or a call's waits would count another call's CTAs.  Every result must be its
+    # inputs' bits.
+    _needs_programmatic_launch()
+    dtype, rows, hidden = torch.bfloat16, 16384, 4096
+    inputs = []
+    for seed in (29, 30, 31):
+        x, grad_y = _gpu_normals(2, rows, hidden, dtype, seed=seed)
+        weight = _weight(hidden, dtype, seed=seed)
+        _, rstd = gpu_rms_norm.forward(x, weight, EPS)
+        inputs.append((grad_y, x, weight, rstd))
+    want = [gpu_rms_norm.backward(*args)[1] for args in inputs]
+    stream = torch.cuda.current_stream()
+    results, errors = [], []
+
+    def worker(k):
+        try:
+            with torch.cuda.stream(stream):
+                for _ in range(8):
+                    results.append((k, gpu_rms_norm.backward(*inputs[k])[1]))
+        except Exception as error:  # reported below, with the thread's input
+            errors.append((k, error))
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads often, between any two launches
+    try:
+        threads = [threading.Thread(target=worker, args=(k,)) for k in range(len(inputs))]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    finally:
+        sys.setswitchinterval(interval)
+    torch.cuda.synchronize()
+    assert not errors, errors
+    assert len(results) == 8 * len(inputs)
+    for k, got in results:
+        assert_bitwise_equal(got, want[k], name=f"grad_weight of input {k}")
 
 
 def test_run_counters_are_refused_where_levels_come_between():

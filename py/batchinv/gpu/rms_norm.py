@@ -12,7 +12,9 @@ variants are for callers that already did (the ops), to keep the host path short
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import threading
 
 import torch
 from torch import Tensor
@@ -291,14 +293,37 @@ def _programmatic(device: torch.device) -> bool:
     return backend_of(device) == "cuda" and uses_hopper(device)
 
 
+class _StreamCounters:
+    """One (device, stream)'s counters: zeroed once, then every call adds 64 to each.  The lock
+    keeps a call's two launches (first level, last levels) next to each other on the stream
+    when several threads launch on it, so that no other call's first level counts between."""
+
+    def __init__(self, counters: Tensor):
+        self.counters = counters
+        self.calls = 0  # fused backwards launched on these counters
+        self.lock = threading.Lock()
+
+
 class RunCounters:
     """The per-run counts of a fused backward and its call number on them (the kernels'
-    ``RunCounters``: the counters read ``64 * (generation - 1)`` before the call)."""
+    ``RunCounters``: the counters read ``64 * (generation - 1)`` before the call).  Use as a
+    context around the call's two launches (``backward`` does): counters shared by a stream are
+    then held by this call, and ``generation`` is read under that hold."""
 
-    def __init__(self, counters: Tensor, generation: int, stream_entry: list | None = None):
+    def __init__(self, counters: Tensor, generation: int, stream: _StreamCounters | None = None):
         self.counters = counters
         self.generation = generation
-        self._stream_entry = stream_entry
+        self._stream = stream
+
+    def __enter__(self) -> RunCounters:
+        if self._stream is not None:
+            self._stream.lock.acquire()
+            self.generation = (self._stream.calls + 1) % 2**32
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._stream is not None:
+            self._stream.lock.release()
 
     def args(self) -> tuple:
         return self.counters, self.generation
@@ -307,11 +332,11 @@ class RunCounters:
         """Records that a fused backward counting into these counters was launched: the next
         call on them is the next generation (not counted before: a launch that raised leaves
         the counters as they were)."""
-        if self._stream_entry is not None:
-            self._stream_entry[1] = self.generation
+        if self._stream is not None:
+            self._stream.calls = self.generation
 
 
-_STREAM_COUNTERS: dict[tuple[int, int], list] = {}
+_STREAM_COUNTERS: dict[tuple[int, int], _StreamCounters] = {}
 
 
 def run_counters_for(device: torch.device, first_level_rows: int) -> RunCounters | None:
@@ -333,10 +358,11 @@ def run_counters_for(device: torch.device, first_level_rows: int) -> RunCounters
     stream = torch.cuda.current_stream(device)
     index = device.index if device.index is not None else torch.cuda.current_device()
     key = (index, stream.cuda_stream)
-    entry = _STREAM_COUNTERS.get(key)
-    if entry is None:
-        entry = _STREAM_COUNTERS[key] = [torch.zeros(size, dtype=torch.int32, device=device), 0]
-    return RunCounters(entry[0], (entry[1] + 1) % 2**32, entry)
+    shared = _STREAM_COUNTERS.get(key)
+    if shared is None:
+        counters = torch.zeros(size, dtype=torch.int32, device=device)
+        shared = _STREAM_COUNTERS.setdefault(key, _StreamCounters(counters))
+    return RunCounters(shared.counters, (shared.calls + 1) % 2**32, shared)
 
 
 def overlap_rule(d: int, dtype: torch.dtype, rows: int) -> bool:
@@ -539,17 +565,18 @@ def backward(
             raise ValueError(f"x has {rows} rows; too many for the weight gradient kernel")
         partials = torch.empty((blocks, d), dtype=torch.float32, device=x.device)
         counters = run_counters_for(x.device, blocks) if overlap_rule(d, dtype, rows) else None
-        launch_fused_backward(
-            name,
-            dtype,
-            x.device,
-            blocks,
-            fused_cta,
-            (grad_x, partials, *args),
-            shape=shape,
-            run_counters=counters,
-        )
-        grad_weight = _reduce_partials(partials, weight.dtype, counters)
+        with counters if counters is not None else contextlib.nullcontext():
+            launch_fused_backward(
+                name,
+                dtype,
+                x.device,
+                blocks,
+                fused_cta,
+                (grad_x, partials, *args),
+                shape=shape,
+                run_counters=counters,
+            )
+            grad_weight = _reduce_partials(partials, weight.dtype, counters)
     else:
         _launch_rows("rms_norm_backward", x.device, d, dtype, rows, (grad_x, *args))
         if weight_grad:
