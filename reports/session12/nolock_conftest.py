@@ -1,3 +1,5 @@
+# ruff: noqa
+# fmt: off
 # Loaded with -p: replaces the stream counters' lock by a no-op, to see whether the thread test
 # can fail without it (session 12 check; not part of the suite).
 import contextlib
