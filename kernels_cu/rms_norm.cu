@@ -1242,8 +1242,9 @@ __device__ __forceinline__ void backward_weight_grad_fused(const BackwardArgs& a
 // counters each one reads 64 * (n - 1) and a run of call n is complete when its counter reads
 // 64 * n (mod 2^32): the host passes n as `generation` and may reuse the counters without
 // zeroing them.
-constexpr int kMaxRuns = kWeightGradReduceRows;
+constexpr int kMaxRuns = static_cast<int>(kWeightGradLastLevelsRows / kWeightGradReduceRows);
 constexpr int kRunCounterStride = 32;  // 32-bit words from one run's counter to the next (128 B)
+static_assert(kMinCtaThreads >= kMaxRuns, "CTA 0's threads advance the runs past the last");
 struct RunCounters {
     unsigned* counters;  // null: no hand-off (the grid after waits for this one)
     unsigned generation;
@@ -1265,14 +1266,13 @@ __device__ __forceinline__ void signal_partial_row_stored(const RunCounters& run
     }
 }
 
+#if !defined(__HIPCC__)
+// The waiting side is CUDA only: HIP has no programmatic launch, so its host never passes
+// counters (weight_grad_last_levels then waits for the whole first level).
 __device__ __forceinline__ unsigned load_acquire(const unsigned* address) {
-#if defined(__HIPCC__)
-    return __atomic_load_n(address, __ATOMIC_ACQUIRE);
-#else
     unsigned value;
     asm volatile("ld.acquire.gpu.global.u32 %0, [%1];\n" : "=r"(value) : "l"(address) : "memory");
     return value;
-#endif
 }
 
 // Waits until a run's counter reads `complete`.  A count that never completes (a bug, not a
@@ -1280,10 +1280,6 @@ __device__ __forceinline__ unsigned load_acquire(const unsigned* address) {
 // kRunWaitLimitNs instead of hanging the device.
 constexpr unsigned long long kRunWaitLimitNs = 10ull * 1000 * 1000 * 1000;
 __device__ __forceinline__ void wait_for_run(const unsigned* counter, unsigned complete) {
-#if defined(__HIPCC__)
-    while (load_acquire(counter) != complete) {
-    }
-#else
     if (load_acquire(counter) == complete) return;
     unsigned long long start, now;
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
@@ -1292,8 +1288,8 @@ __device__ __forceinline__ void wait_for_run(const unsigned* counter, unsigned c
         asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
         if (now - start > kRunWaitLimitNs) __trap();
     }
-#endif
 }
+#endif
 
 template <typename Codec, int T, int K, typename Chunking = WeightGradChunk<T>>
 __device__ __forceinline__ void backward_weight_grad_kernel(const BackwardArgs& a,
@@ -1427,7 +1423,7 @@ __device__ __forceinline__ void weight_grad_last_levels(typename Codec::storage*
                                                         int64_t num_partials, int64_t d,
                                                         const RunCounters& handoff) {
 #if defined(__HIPCC__)
-    const bool overlapped = false;  // no programmatic launch: the host never passes counters
+    const bool overlapped = false;  // see wait_for_run
 #else
     static_assert(kLastLevelsColumns == 16 && BATCHINV_WARP_SIZE == 32, "a run slot: half a warp");
     const bool overlapped = handoff.counters != nullptr;

@@ -101,7 +101,7 @@ OVERLAP_MIN_THREADS = 128
 # session 12).  A CUDA graph capture always takes zeroed counters of its own (each replay runs
 # the captured zeroing again).
 RUN_COUNTERS = "stream"
-RUN_COUNTER_RUNS = 64  # kMaxRuns: WEIGHT_GRAD_LAST_LEVELS_ROWS / WEIGHT_GRAD_REDUCE_ROWS
+RUN_COUNTER_RUNS = WEIGHT_GRAD_LAST_LEVELS_ROWS // WEIGHT_GRAD_REDUCE_ROWS  # kMaxRuns
 RUN_COUNTER_STRIDE = 32  # 32-bit words from one run's counter to the next (128 bytes)
 # t128k4's bf16/fp16 fused backward on CUDA stages the next row's dy and x in shared memory
 # (two stages of 128 threads x 4 chunks x 16 bytes, both tensors: kStagedRows and
@@ -303,6 +303,10 @@ class _StreamCounters:
         self.calls = 0  # fused backwards launched on these counters
         self.lock = threading.Lock()
 
+    def next_generation(self) -> int:
+        """The next call's number on these counters (mod 2**32, as the kernels count)."""
+        return (self.calls + 1) % 2**32
+
 
 class RunCounters:
     """The per-run counts of a fused backward and its call number on them (the kernels'
@@ -318,7 +322,7 @@ class RunCounters:
     def __enter__(self) -> RunCounters:
         if self._stream is not None:
             self._stream.lock.acquire()
-            self.generation = (self._stream.calls + 1) % 2**32
+            self.generation = self._stream.next_generation()
         return self
 
     def __exit__(self, *exc) -> None:
@@ -362,7 +366,7 @@ def run_counters_for(device: torch.device, first_level_rows: int) -> RunCounters
     if shared is None:
         counters = torch.zeros(size, dtype=torch.int32, device=device)
         shared = _STREAM_COUNTERS.setdefault(key, _StreamCounters(counters))
-    return RunCounters(shared.counters, (shared.calls + 1) % 2**32, shared)
+    return RunCounters(shared.counters, shared.next_generation(), shared)
 
 
 def overlap_rule(d: int, dtype: torch.dtype, rows: int) -> bool:
