@@ -145,7 +145,9 @@ def main(argv: list[str] | None = None) -> int:
     stale = [p for p, text in targets.items() if not p.exists() or p.read_text() != text]
     if args.check:
         for path in stale:
-            print(f"{path.relative_to(args.root)} is out of date: run python tools/results_table.py")
+            print(
+                f"{path.relative_to(args.root)} is out of date: run python tools/results_table.py"
+            )
         return 1 if stale else 0
     for path in stale:
         path.write_text(targets[path])

@@ -85,7 +85,13 @@ def _as_id_list(name: str, values, device: torch.device) -> list[Tensor]:
         raise TypeError(f"{name} must be a non-empty list of token id sequences")
     result = []
     for i, seq in enumerate(values):
-        t = seq if isinstance(seq, Tensor) else torch.tensor(seq, dtype=torch.int64)
+        if not isinstance(seq, Tensor):
+            if not isinstance(seq, Sequence) or not all(
+                isinstance(x, int) and not isinstance(x, bool) for x in seq
+            ):
+                raise TypeError(f"{name}[{i}] must be a 1-D integer tensor or a list of ints")
+            seq = torch.tensor(seq, dtype=torch.int64)
+        t = seq
         check_tensor(f"{name}[{i}]", t, dtypes=INDEX_DTYPES, ndim=1)
         if t.numel() == 0:
             raise ValueError(f"{name}[{i}] is empty")

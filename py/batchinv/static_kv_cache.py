@@ -1,0 +1,269 @@
+"""A KV cache of fixed shape whose lengths live on the device: the cache a captured decode uses.
+
+``KVCache`` keeps its lengths on the host so that eager calls never wait for the GPU; a step
+captured in a CUDA graph cannot read host values that change between replays, so this cache
+keeps them on the device and every step reads and advances them there.
+
+Storage: ``k, v [layers, slots + 1, capacity, Hkv, d]`` (one allocation each) and one
+``lengths [slots + 1]`` int32 device vector that all layers share (they hold the same tokens).
+Slot ``slots`` is the *pad slot*: the rows a batch is padded with to reach its CUDA-graph bucket
+use it, so they compute but never touch a sequence's storage.  One extra row after the storage
+of every layer is the *scratch row*: writes that must not happen (a failed check) go there.
+
+Key ``i`` of a slot sits at absolute position ``i``, as in ``KVCache``: a row attends to exactly
+the keys, at the same positions and through the same kernels, that it would see in a one-shot
+prefill, so its bits do not depend on the cache, the batch or the schedule.
+
+Failure atomicity: the appends of a step are predicated on a device status word
+(``DeviceStatus``): if any check of the step failed (a token id out of range, a slot past its
+capacity), every write of every layer goes to the scratch row and no length advances, so the
+cache is left exactly as it was.  The host reads the status at its next synchronisation and
+raises (``DeviceStatus.raise_if_failed``).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .registry import BackendNotImplementedError
+
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+class DeviceStatus:
+    """Failed device-side checks, as bits of one int32 word on the device.
+
+    Captured code cannot raise: a check ORs its bit into the word instead, and later writes
+    are predicated on ``ok()``.  ``raise_if_failed`` (a host sync) turns a set bit into the
+    Python error of that check, naming the op and the argument.
+    """
+
+    CHECKS = {
+        1: (IndexError, "embedding: an id in input_ids is outside [0, vocab_size)"),
+        2: (ValueError, "attention_with_static_kv_cache: a slot would grow past the capacity"),
+    }
+
+    def __init__(self, device: torch.device | str):
+        self.word = torch.zeros(1, dtype=torch.int32, device=device)
+
+    def record(self, bit: int, failed: Tensor) -> None:
+        """ORs ``bit`` into the word where the bool tensor ``failed`` has any True."""
+        if bit not in self.CHECKS:
+            raise ValueError(f"unknown status bit {bit}")
+        self.word.bitwise_or_(failed.any().to(torch.int32) * bit)
+
+    def ok(self) -> Tensor:
+        """A bool device scalar: no check has failed."""
+        return self.word[0] == 0
+
+    def clear(self) -> None:
+        self.word.zero_()
+
+    def raise_if_failed(self) -> None:
+        """Reads the word (one host sync) and raises the first failed check's error."""
+        word = int(self.word.item())
+        for bit, (error, message) in self.CHECKS.items():
+            if word & bit:
+                raise error(message)
+
+
+class StaticKVCache:
+    """Per-layer key/value storage for ``slots`` sequences of up to ``capacity`` tokens each,
+    with device lengths; ``layer(i)`` is the view the model's attention of layer ``i`` uses."""
+
+    def __init__(
+        self,
+        num_layers: int,
+        slots: int,
+        capacity: int,
+        num_kv_heads: int,
+        head_dim: int,
+        *,
+        dtype: torch.dtype = torch.bfloat16,
+        device: torch.device | str = "cuda",
+        name: str = "static_kv_cache",
+    ):
+        for arg, value in (
+            ("num_layers", num_layers),
+            ("slots", slots),
+            ("capacity", capacity),
+            ("num_kv_heads", num_kv_heads),
+            ("head_dim", head_dim),
+        ):
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"{name}: {arg} must be a positive int, got {value!r}")
+        if dtype not in SUPPORTED_DTYPES:
+            raise TypeError(f"{name}: dtype must be float32, bfloat16 or float16, got {dtype}")
+        device = torch.device(device)
+        if device.type not in ("cpu", "cuda"):
+            raise ValueError(f"{name}: device must be a CPU or CUDA device, got {device}")
+        self.name = name
+        self.slots = slots
+        self.capacity = capacity
+        rows = (slots + 1) * capacity + 1  # every slot (pad slot included), then the scratch row
+        shape = (num_layers, rows, num_kv_heads, head_dim)
+        self.k = torch.full(shape, float("nan"), dtype=dtype, device=device)
+        self.v = torch.full(shape, float("nan"), dtype=dtype, device=device)
+        self.lengths = torch.zeros(slots + 1, dtype=torch.int32, device=device)
+
+    @property
+    def pad_slot(self) -> int:
+        return self.slots
+
+    @property
+    def scratch_row(self) -> int:
+        return self.k.shape[1] - 1
+
+    @property
+    def num_layers(self) -> int:
+        return self.k.shape[0]
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.k.shape[2]
+
+    @property
+    def head_dim(self) -> int:
+        return self.k.shape[3]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.k.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.k.device
+
+    def layer(self, index: int) -> StaticKVLayer:
+        if not 0 <= index < self.num_layers:
+            raise IndexError(f"{self.name}: layer {index} is outside [0, {self.num_layers})")
+        return StaticKVLayer(self, index)
+
+    def layers(self) -> list[StaticKVLayer]:
+        return [StaticKVLayer(self, i) for i in range(self.num_layers)]
+
+    def advance(self, slot_ids: Tensor, counts: Tensor, status: DeviceStatus) -> None:
+        """Adds ``counts[i]`` to the length of slot ``slot_ids[i]`` (device tensors; the ids
+        unique apart from the pad slot, whose length never changes) if no check has failed."""
+        real = slot_ids != self.pad_slot
+        step = torch.where(real & status.ok(), counts.to(torch.int32), 0)
+        self.lengths.index_add_(0, slot_ids, step)
+
+    def reset(self, slot_ids: Tensor) -> None:
+        """Empties the slots ``slot_ids`` (their storage keeps stale bytes, never read)."""
+        self.lengths.index_fill_(0, slot_ids, 0)
+
+
+class StaticKVLayer:
+    """Layer ``index`` of a ``StaticKVCache``: what ``attention_with_static_kv_cache`` appends
+    to and reads; ``slot_lengths`` gives the chain its positions without a host read."""
+
+    def __init__(self, cache: StaticKVCache, index: int):
+        self.cache = cache
+        self.index = index
+        self.k = cache.k[index]
+        self.v = cache.v[index]
+
+    def slot_lengths(self, seq_ids: Tensor) -> Tensor:
+        return self.cache.lengths[seq_ids].long()
+
+
+def _append(
+    layer: StaticKVLayer,
+    k_new: Tensor,
+    v_new: Tensor,
+    seq_ids: Tensor,
+    seqlens_new: Tensor,
+    status: DeviceStatus,
+) -> Tensor:
+    """Writes the new keys/values after each slot's length (the padding columns of a row and
+    every row of a failed step go to the scratch row); returns the new lengths ``[n]`` int32."""
+    cache = layer.cache
+    n, s_new = k_new.shape[:2]
+    start = cache.lengths[seq_ids]
+    new_lengths = start + seqlens_new.to(torch.int32)
+    fits = new_lengths <= cache.capacity
+    status.record(2, ~fits)
+    column = torch.arange(s_new, device=k_new.device, dtype=torch.int32)
+    rows = seq_ids.to(torch.int32)[:, None] * cache.capacity + start[:, None] + column[None, :]
+    write = (column[None, :] < seqlens_new.to(torch.int32)[:, None]) & status.ok()
+    rows = torch.where(write, rows, cache.scratch_row).reshape(-1).long()
+    heads, d = cache.num_kv_heads, cache.head_dim
+    layer.k.index_copy_(0, rows, k_new.reshape(n * s_new, heads, d))
+    layer.v.index_copy_(0, rows, v_new.reshape(n * s_new, heads, d))
+    return new_lengths
+
+
+def attention_with_static_kv_cache(
+    q: Tensor,
+    k_new: Tensor,
+    v_new: Tensor,
+    layer: StaticKVLayer,
+    seq_ids: Tensor,
+    seqlens_new: Tensor,
+    status: DeviceStatus,
+    *,
+    softmax_scale: float | None = None,
+) -> Tensor:
+    """Causal attention of new tokens against a ``StaticKVCache`` layer, after appending them.
+
+    ``q [n, S, Hq, d]``, ``k_new, v_new [n, S, Hkv, d]``: row ``i`` holds ``seqlens_new[i]``
+    new tokens of slot ``seq_ids[i]`` (device int tensors ``[n]``), at absolute positions
+    ``length + t``; query ``t`` sees the slot's cached keys and the new ones up to itself.
+    Padding columns give zeros.  No host sync: the lengths are read on the device, and the
+    slot's length is *not* advanced here (``StaticKVCache.advance`` does that once per step,
+    after every layer).  The arguments' shapes and dtypes are the caller's to check.
+    """
+    cache = layer.cache
+    new_lengths = _append(layer, k_new, v_new, seq_ids, seqlens_new, status)
+    if q.device.type == "cpu":
+        return _reference_attend(q, layer, seq_ids, seqlens_new, new_lengths, softmax_scale)
+    if torch.version.hip:
+        raise BackendNotImplementedError("attention_with_static_kv_cache has no HIP kernels")
+    from .gpu import attention as gpu
+
+    n, s_new, hq, d = q.shape
+    heads = cache.num_kv_heads
+    q_start = torch.arange(0, n * s_new, s_new, device=q.device, dtype=torch.int32)
+    layout = gpu.Layout(
+        q_start,
+        seqlens_new.to(torch.int32),
+        seq_ids.to(torch.int32) * cache.capacity,
+        # After a failed capacity check a length may pass the storage: never read there.
+        new_lengths.clamp(max=cache.capacity),
+        s_new,
+        cache.capacity,  # the launch covers any length; rows stop at their own
+    )
+    rows = layer.k.shape[0]
+    out, _ = gpu.forward(
+        q.reshape(n * s_new, hq, d),
+        layer.k.view(rows, heads, d),
+        layer.v.view(rows, heads, d),
+        layout,
+        True,
+        gpu.scale_of(softmax_scale, d),
+    )
+    return out.reshape(n, s_new, hq, d)
+
+
+def _reference_attend(q, layer, seq_ids, seqlens_new, new_lengths, softmax_scale):
+    """The strict reference on the slots' storage rows (CPU: reading lengths costs nothing)."""
+    from .reference.attention import attention
+
+    cache = layer.cache
+    storage_k = layer.k[:-1].view(cache.slots + 1, cache.capacity, cache.num_kv_heads, -1)
+    storage_v = layer.v[:-1].view(cache.slots + 1, cache.capacity, cache.num_kv_heads, -1)
+    new_lengths = new_lengths.clamp(max=cache.capacity)
+    longest = max(1, int(new_lengths.max()))
+    k = storage_k[seq_ids.long(), :longest]
+    v = storage_v[seq_ids.long(), :longest]
+    return attention(
+        q,
+        k,
+        v,
+        causal=True,
+        softmax_scale=softmax_scale,
+        seqlens_q=torch.minimum(seqlens_new.long(), new_lengths.long()),
+        seqlens_k=new_lengths.long(),
+    )
