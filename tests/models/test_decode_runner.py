@@ -189,3 +189,32 @@ def test_the_runner_recovers_after_a_failed_device_check(model):
     runner.step()
     fresh, fresh_slots = run(model, PROMPTS[:2], 2, max_batch=2, capacity=16)
     assert [runner.tokens(s) for s in slots] == [fresh.tokens(s) for s in fresh_slots]
+
+
+def test_generate_through_the_sampler(model):
+    prompts = [torch.tensor(p) for p in PROMPTS]
+    greedy = model.generate(prompts, 4)
+    sequences, logprobs = model.generate(prompts, 4, return_logprobs=True)
+    assert [s.tolist() for s in sequences] == [g.tolist() for g in greedy]
+    trainer = model.token_logprobs(sequences, [len(p) for p in PROMPTS])
+    for got, want in zip(logprobs, trainer, strict=True):
+        assert_bitwise_equal(got, want.detach())
+    sampled = model.generate(prompts, 4, seeds=[1, 2, 3, 4], temperature=0.7)
+    runner, slots = run(model, PROMPTS, 3, seeds=[1, 2, 3, 4], temperature=0.7)
+    assert [s.tolist() for s in sampled] == [runner.tokens(s) for s in slots]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "words"),
+    [
+        ({"max_new_tokens": 10**6}, ValueError, "max_position_embeddings"),
+        ({"max_new_tokens": 2.0}, TypeError, "max_new_tokens"),
+        ({"generator": torch.Generator(), "seeds": [1, 2, 3, 4]}, ValueError, "generator"),
+        ({"ops": "stock", "return_logprobs": True}, ValueError, "batchinv"),
+        ({"cuda_graph": True}, ValueError, "CUDA"),
+    ],
+)
+def test_generate_refuses_bad_settings(model, kwargs, error, words):
+    kwargs = {"max_new_tokens": 3, **kwargs}
+    with pytest.raises(error, match=words):
+        model.generate([torch.tensor(p) for p in PROMPTS], **kwargs)

@@ -256,21 +256,45 @@ class Qwen3(nn.Module):
         generator: torch.Generator | Sequence[torch.Generator] | None = None,
         temperature: float = 1.0,
         ops: str | Qwen3Ops | None = None,
-    ) -> list[Tensor]:
+        seeds: Sequence[int] | None = None,
+        cuda_graph: bool = False,
+        return_logprobs: bool = False,
+    ) -> list[Tensor] | tuple[list[Tensor], list[Tensor]]:
         """Prompt + ``max_new_tokens`` tokens for each prompt: one padded prefill, then
         batched decode steps against KV caches.
 
-        Greedy when ``generator`` is None; otherwise sampled from ``softmax(logits /
-        temperature)`` with the exponential race (``argmax p / E``, ``E ~ Exp(1)`` drawn from
-        the generator).  Pass one generator per prompt to make each prompt's samples
-        independent of the batch; one shared generator draws the whole batch's noise.
+        Greedy when neither ``generator`` nor ``seeds`` is given; otherwise sampled from
+        ``softmax(logits / temperature)`` with the exponential race (``argmax p / E``,
+        ``E ~ Exp(1)``).  ``generator`` draws ``E`` (one per prompt makes each prompt's
+        samples independent of the batch; one shared generator draws the whole batch's noise).
+
+        ``seeds`` (one int per prompt), ``cuda_graph=True`` or ``return_logprobs=True`` run the
+        sampler (``Qwen3DecodeRunner``, ``docs/decode.md``): a static KV cache, steps replayed
+        from CUDA graphs where ``cuda_graph``, ``E`` hashed from each prompt's seed and
+        position, and with ``return_logprobs`` also each sampled token's fp32 logprob, the
+        bits ``token_logprobs`` gives the trainer.  Returns ``sequences`` or
+        ``(sequences, logprobs)``.
         """
-        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
+        if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool):
+            raise TypeError(f"max_new_tokens must be an int, got {max_new_tokens!r}")
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be positive, got {max_new_tokens!r}")
         if not isinstance(temperature, int | float) or not temperature > 0:
             raise ValueError(f"temperature must be > 0, got {temperature!r}")
-        ops = self._ops(ops)
         seqs = _as_id_list("prompts", prompts, self.device)
+        longest = max(s.numel() for s in seqs)
+        limit = self.config.max_position_embeddings
+        if longest + max_new_tokens > limit:
+            raise ValueError(
+                f"the longest prompt ({longest} tokens) + max_new_tokens ({max_new_tokens}) "
+                f"exceeds max_position_embeddings ({limit})"
+            )
+        if seeds is not None or cuda_graph or return_logprobs:
+            return self._generate_with_runner(
+                seqs, max_new_tokens, generator, temperature, ops, seeds, cuda_graph,
+                return_logprobs,
+            )  # fmt: skip
+        ops = self._ops(ops)
         generators = self._generators(generator, len(seqs))
         batch = len(seqs)
         lengths = torch.tensor([s.numel() for s in seqs], device=self.device)
@@ -288,6 +312,31 @@ class Qwen3(nn.Module):
                 last = self(token[:, None], caches=caches, ops=ops)[:, 0]
         completions = torch.stack(new_tokens, dim=1)
         return [torch.cat([s, completions[b]]) for b, s in enumerate(seqs)]
+
+    def _generate_with_runner(
+        self, seqs, max_new_tokens, generator, temperature, ops, seeds, cuda_graph, logprobs
+    ):
+        from .decode import Qwen3DecodeRunner
+
+        if generator is not None:
+            raise ValueError("generator cannot be combined with seeds, cuda_graph or "
+                             "return_logprobs: the sampler draws its noise from seeds")  # fmt: skip
+        if ops is not None and self._ops(ops) is not ops_by_name("batchinv"):
+            raise ValueError("the sampler runs batchinv's ops; ops must be None or 'batchinv'")
+        runner = Qwen3DecodeRunner(
+            self,
+            max_batch=len(seqs),
+            capacity=max(s.numel() for s in seqs) + max_new_tokens,
+            temperature=None if seeds is None else temperature,
+            cuda_graph=cuda_graph,
+        )
+        slots = runner.add(seqs, seeds=seeds)
+        for _ in range(max_new_tokens - 1):
+            runner.step()
+        sequences = [torch.tensor(runner.tokens(s), device=self.device) for s in slots]
+        if not logprobs:
+            return sequences
+        return sequences, [runner.logprobs(s).to(self.device) for s in slots]
 
     @staticmethod
     def _generators(generator, batch: int) -> list[torch.Generator] | torch.Generator | None:
