@@ -355,6 +355,11 @@ class Qwen3DecodeRunner:
         prompt, length = self._prompts[slot], self._lengths[slot]
         return self._logprobs[slot, len(prompt) : length + 1].cpu()
 
+    def sampled_count(self, slot: int) -> int:
+        """How many tokens the slot has sampled (host bookkeeping: no device read)."""
+        self._check_active(slot)
+        return self._lengths[slot] - len(self._prompts[slot]) + 1
+
     def release(self, slot: int) -> None:
         self._check_active(slot)
         del self._lengths[slot], self._prompts[slot]

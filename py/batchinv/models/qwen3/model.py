@@ -291,9 +291,15 @@ class Qwen3(nn.Module):
             )
         if seeds is not None or cuda_graph or return_logprobs:
             return self._generate_with_runner(
-                seqs, max_new_tokens, generator, temperature, ops, seeds, cuda_graph,
+                seqs,
+                max_new_tokens,
+                generator,
+                temperature,
+                ops,
+                seeds,
+                cuda_graph,
                 return_logprobs,
-            )  # fmt: skip
+            )
         ops = self._ops(ops)
         generators = self._generators(generator, len(seqs))
         batch = len(seqs)
@@ -319,8 +325,10 @@ class Qwen3(nn.Module):
         from .decode import Qwen3DecodeRunner
 
         if generator is not None:
-            raise ValueError("generator cannot be combined with seeds, cuda_graph or "
-                             "return_logprobs: the sampler draws its noise from seeds")  # fmt: skip
+            raise ValueError(
+                "generator cannot be combined with seeds, cuda_graph or return_logprobs: "
+                "the sampler draws its noise from seeds"
+            )
         if ops is not None and self._ops(ops) is not ops_by_name("batchinv"):
             raise ValueError("the sampler runs batchinv's ops; ops must be None or 'batchinv'")
         runner = Qwen3DecodeRunner(
