@@ -101,9 +101,16 @@ def prepare_targets(target_ids: Tensor, ignore_index: int, vocab: int) -> tuple[
 
 
 def forward(
-    hidden: Tensor, weight: Tensor, target_ids: Tensor, ignore_index: int, with_entropy: bool
+    hidden: Tensor,
+    weight: Tensor,
+    target_ids: Tensor,
+    ignore_index: int,
+    with_entropy: bool,
+    check_targets: bool = True,
 ) -> tuple[Tensor, Tensor, Tensor | None, Tensor]:
-    """``(logprob [T], lse [T], entropy [T] or None, targets32 [T])``, fp32, flat over tokens."""
+    """``(logprob [T], lse [T], entropy [T] or None, targets32 [T])``, fp32, flat over tokens.
+    ``check_targets=False`` skips reading the bad-target flag (no host sync); a bad target's
+    row then gets a logprob of 0 and reads nothing out of bounds."""
     check_gpu_args(hidden, weight)
     vocab, hidden_size = weight.shape
     rows = hidden.reshape(-1, hidden_size)
@@ -163,6 +170,8 @@ def forward(
             0 if entropy is None else entropy,
         ),
     )
+    if not check_targets:
+        return logprob, lse, entropy, targets32
     position = int(first_bad.item())  # the one synchronisation: a bad id must raise here
     if position != tokens:
         report_bad_index("target_ids", target_ids, position, vocab)

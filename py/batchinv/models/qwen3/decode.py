@@ -63,6 +63,15 @@ def exponential_noise(seeds: Tensor, positions: Tensor, vocab: int) -> Tensor:
     return (-torch.log(u)).float()
 
 
+def _token_logprob(hidden: Tensor, head: Tensor, token: Tensor) -> Tensor:
+    """``batchinv.token_logprobs`` without its host read of the target check."""
+    if hidden.device.type == "cuda":
+        from ...gpu import token_logprobs as gpu
+
+        return gpu.forward(hidden, head, token, IGNORE_INDEX, False, check_targets=False)[0]
+    return batchinv.token_logprobs(hidden, head, token, IGNORE_INDEX)
+
+
 class Qwen3DecodeRunner:
     """Generation for up to ``max_batch`` sequences of up to ``capacity`` tokens each.
 
@@ -179,7 +188,7 @@ class Qwen3DecodeRunner:
         token = logp.argmax(dim=-1)
         # The trainer's function (Qwen3.token_logprobs), so the trainer's bits; the token is
         # an argmax over the vocabulary, always in range.
-        logprob = batchinv.token_logprobs(hidden, head, token, IGNORE_INDEX, check_targets=False)
+        logprob = _token_logprob(hidden, head, token)
         # A failed step writes its outputs to the pad slot's position 0 (never read).
         ok = self.status.ok()
         slot_ids = torch.where(ok, slot_ids, self.cache.pad_slot)

@@ -1,0 +1,88 @@
+"""Value checks that run on the device and raise later: what a CUDA-graph capture allows.
+
+An op that must check values only the GPU holds (embedding ids, RoPE positions, token-logprob
+targets) reads a flag its kernel wrote; that read is a host sync, which a CUDA-graph capture
+(``torch.cuda.graph``, ``torch.compile(mode="reduce-overhead")``) forbids.  Under capture, or
+inside ``deferred()``, the op instead ORs its check's bit into a per-device word with one small
+device op and returns; the kernel has already made the bad rows harmless (NaN rows, nothing
+written out of bounds).  ``raise_device_errors()`` reads the word (one sync), clears it and
+raises the first failed check's error, naming the op and the argument.  Outside capture and
+``deferred()``, ops check at once as before.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+
+import torch
+from torch import Tensor
+
+# bit -> (error type, message): one per (op, argument) checked on the device.
+CHECKS: dict[int, tuple[type[Exception], str]] = {
+    1 << 0: (IndexError, "embedding: ids holds an id outside [0, num_embeddings)"),
+    1 << 1: (IndexError, "rope: position_ids holds a position outside [0, max_position)"),
+    1 << 2: (IndexError, "token_logprobs: target_ids holds an id outside [0, vocab)"),
+}
+EMBEDDING_IDS, ROPE_POSITIONS, TOKEN_LOGPROBS_TARGETS = CHECKS
+
+_words: dict[torch.device, Tensor] = {}
+_local = threading.local()
+
+
+def word(device: torch.device) -> Tensor:
+    """The device's status word (int64 ``[1]``, zero while every check passed)."""
+    index = torch.cuda.current_device() if device.index is None else device.index
+    key = torch.device(device.type, index)
+    found = _words.get(key)
+    if found is None:
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                "batchinv.device_checks: call batchinv.device_checks.word(device) once before "
+                "capturing (its word is allocated outside any graph)"
+            )
+        found = _words[key] = torch.zeros(1, dtype=torch.int64, device=key)
+    return found
+
+
+def deferring() -> bool:
+    """Whether a value check must not sync now: under CUDA-graph capture or ``deferred()``."""
+    return getattr(_local, "deferred", 0) > 0 or (
+        torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+    )
+
+
+@contextlib.contextmanager
+def deferred() -> Iterator[None]:
+    """Eager calls inside defer their value checks too (no sync per call); call
+    ``raise_device_errors()`` where a sync is acceptable."""
+    _local.deferred = getattr(_local, "deferred", 0) + 1
+    try:
+        yield
+    finally:
+        _local.deferred -= 1
+
+
+def record(bit: int, failed: Tensor) -> None:
+    """ORs ``bit`` into the word of ``failed``'s device where the bool tensor has any True."""
+    if bit not in CHECKS:
+        raise ValueError(f"unknown device check bit {bit}")
+    target = word(failed.device)
+    target.bitwise_or_(failed.any().to(torch.int64) * bit)
+
+
+def raise_device_errors(device: torch.device | str | None = None) -> None:
+    """Reads the status word of ``device`` (default: every device with one; a host sync),
+    clears it and raises the first failed check's error."""
+    devices = list(_words) if device is None else [torch.device(device)]
+    for key in devices:
+        status = _words.get(key if key.index is not None else torch.device(key.type, 0))
+        if status is None:
+            continue
+        value = int(status.item())
+        if value:
+            status.zero_()
+            for bit, (error, message) in CHECKS.items():
+                if value & bit:
+                    raise error(f"{message} (found on {key} by a deferred check)")
