@@ -26,6 +26,7 @@ Before timing, the runner's graphed steps are checked bitwise against its eager 
 from __future__ import annotations
 
 import argparse
+import gc
 import math
 from pathlib import Path
 
@@ -247,6 +248,7 @@ def main(argv=None) -> None:
         eager = wall_ms_per_step(runner.step, steps=10)
         runner.cuda_graph = True
         del runner
+        gc.collect()  # the runner's op table refers back to it: a cycle
         torch.cuda.empty_cache()
 
         stock = StockDecoder(weights, config, layers, batch, capacity, context, device)
@@ -259,6 +261,7 @@ def main(argv=None) -> None:
             stock.reset()
             stock_graphed = wall_ms_per_step(replay)
         del stock, replay
+        gc.collect()
         torch.cuda.empty_cache()
 
         read_bytes = (
@@ -297,6 +300,7 @@ def main(argv=None) -> None:
             summary_row("decode", case, "graphed step", graphed, "copy-rate limit", limit)
         )
         del model, weights
+        gc.collect()
         torch.cuda.empty_cache()
         print(rows[-1], flush=True)
     report(

@@ -55,7 +55,11 @@ def test_greedy_graph_equals_generate_and_the_trainer(model):
 def test_a_slot_has_the_same_bits_in_any_bucket(model, others):
     reference, ref_slots = run(model, PROMPTS[2:3], 9, cuda_graph=True, temperature=0.9)
     runner = Qwen3DecodeRunner(model, max_batch=8, capacity=64, temperature=0.9)
-    filler = runner.add([[11 + i, 3] for i in range(others)], seeds=[50 + i for i in range(others)])
+    filler = []
+    if others:
+        filler = runner.add(
+            [[11 + i, 3] for i in range(others)], seeds=[50 + i for i in range(others)]
+        )
     (slot,) = runner.add(PROMPTS[2:3], seeds=[0])
     for _ in range(9):
         runner.step([*filler, slot])  # buckets 1, 2, 4 and 8: padded with inert rows
