@@ -248,7 +248,7 @@ def main(argv=None) -> None:
         eager = wall_ms_per_step(runner.step, steps=10)
         runner.cuda_graph = True
         del runner
-        gc.collect()  # the runner's op table refers back to it: a cycle
+        gc.collect()
         torch.cuda.empty_cache()
 
         stock = StockDecoder(weights, config, layers, batch, capacity, context, device)

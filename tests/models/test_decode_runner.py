@@ -218,3 +218,17 @@ def test_generate_refuses_bad_settings(model, kwargs, error, words):
     kwargs = {"max_new_tokens": 3, **kwargs}
     with pytest.raises(error, match=words):
         model.generate([torch.tensor(p) for p in PROMPTS], **kwargs)
+
+
+def test_a_dropped_runner_frees_its_cache(model):
+    import gc
+    import weakref
+
+    runner, _ = run(model, PROMPTS[:1], 1)
+    cache = weakref.ref(runner.cache.k)
+    gc.disable()  # freed by reference counting alone, without the cycle collector
+    try:
+        del runner
+        assert cache() is None
+    finally:
+        gc.enable()

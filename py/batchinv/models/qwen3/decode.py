@@ -25,6 +25,7 @@ log-softmax path the trainer (``Qwen3.token_logprobs``) uses, hence the trainer'
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import replace
 
@@ -61,6 +62,25 @@ def exponential_noise(seeds: Tensor, positions: Tensor, vocab: int) -> Tensor:
     # 53 random bits -> u in (0, 1), never 0 or 1.
     u = ((x & ((1 << 53) - 1)).double() + 0.5) * 2.0**-53
     return (-torch.log(u)).float()
+
+
+# ----- the op table's steps that read device values ----------------------------------------
+
+
+def _embedding(ids: Tensor, weight: Tensor, *, status: DeviceStatus) -> Tensor:
+    status.record(1, (ids < 0) | (ids >= weight.shape[0]))
+    return batchinv.embedding(ids, weight, check_ids=False)  # bad ids: NaN rows, never read
+
+
+def _rope(q, k, position_ids, **kwargs):
+    # Positions are cache lengths, which the capacity checks keep below max_position.
+    return batchinv.rope(q, k, position_ids, check_positions=False, **kwargs)
+
+
+def _attention(q, k_new, v_new, layer, seq_ids, seqlens_new=None, causal=True, *, status):
+    if seqlens_new is None:
+        seqlens_new = torch.full((q.shape[0],), q.shape[1], device=q.device)
+    return attention_with_static_kv_cache(q, k_new, v_new, layer, seq_ids, seqlens_new, status)
 
 
 def _token_logprob(hidden: Tensor, head: Tensor, token: Tensor) -> Tensor:
@@ -140,11 +160,13 @@ class Qwen3DecodeRunner:
         self._sampled = torch.zeros(slots, capacity + 1, dtype=torch.int64, device=device)
         self._logprobs = torch.zeros(slots, capacity + 1, dtype=torch.float32, device=device)
         self._layers = self.cache.layers()
+        # Bound to the status, not to the runner: no reference cycle keeps a dropped
+        # runner's cache alive.
         self._ops = replace(
             BATCHINV_OPS,
-            embedding=self._embedding,
-            rope=self._rope,
-            attention_with_kv_cache=self._attention,
+            embedding=functools.partial(_embedding, status=self.status),
+            rope=_rope,
+            attention_with_kv_cache=functools.partial(_attention, status=self.status),
         )
         # Host bookkeeping: what each active slot holds (no device reads).
         self._prompts: dict[int, list[int]] = {}
@@ -154,23 +176,6 @@ class Qwen3DecodeRunner:
         self._loaded: dict[int, tuple[int, ...]] = {}  # bucket -> the slots its buffer holds
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._pool = None
-
-    # ----- the op table's steps that read device values ----------------------------------
-
-    def _embedding(self, ids: Tensor, weight: Tensor) -> Tensor:
-        self.status.record(1, (ids < 0) | (ids >= weight.shape[0]))
-        return batchinv.embedding(ids, weight, check_ids=False)  # bad ids: NaN rows
-
-    def _rope(self, q, k, position_ids, **kwargs):
-        # Positions are cache lengths, which the capacity checks keep below max_position.
-        return batchinv.rope(q, k, position_ids, check_positions=False, **kwargs)
-
-    def _attention(self, q, k_new, v_new, layer, seq_ids, seqlens_new=None, causal=True):
-        if seqlens_new is None:
-            seqlens_new = torch.full((q.shape[0],), q.shape[1], device=q.device)
-        return attention_with_static_kv_cache(
-            q, k_new, v_new, layer, seq_ids, seqlens_new, self.status
-        )
 
     # ----- sampling ------------------------------------------------------------------------
 
