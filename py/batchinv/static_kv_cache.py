@@ -23,6 +23,8 @@ raises (``DeviceStatus.raise_if_failed``).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor
 
@@ -169,30 +171,41 @@ class StaticKVLayer:
         return self.cache.lengths[seq_ids].long()
 
 
-def _append(
-    layer: StaticKVLayer,
-    k_new: Tensor,
-    v_new: Tensor,
-    seq_ids: Tensor,
-    seqlens_new: Tensor,
-    status: DeviceStatus,
-) -> Tensor:
-    """Writes the new keys/values after each slot's length (the padding columns of a row and
-    every row of a failed step go to the scratch row); returns the new lengths ``[n]`` int32."""
-    cache = layer.cache
-    n, s_new = k_new.shape[:2]
+@dataclass(frozen=True)
+class StepPlan:
+    """What every layer of one step shares, computed once per step on the device: where the
+    new keys go (``rows``, the scratch row where nothing may be written) and the attention
+    layout of the new tokens against their slots.  Layers only copy and attend."""
+
+    seq_ids: Tensor  # [n] int64, the slots
+    s_new: int  # new tokens per row (columns; row i holds seqlens_new[i] of them)
+    rows: Tensor  # [n * s_new] int64 storage rows of the new keys
+    q_start: Tensor  # [n] int32
+    q_len: Tensor  # [n] int32, seqlens_new
+    k_start: Tensor  # [n] int32, each slot's first storage row
+    k_len: Tensor  # [n] int32, the lengths after the append (at most the capacity)
+
+
+def plan_step(
+    cache: StaticKVCache, seq_ids: Tensor, seqlens_new: Tensor, s_new: int, status: DeviceStatus
+) -> StepPlan:
+    """The step's plan: checks that every slot has room (else the status bit is set and every
+    row of the plan is the scratch row: the step writes nothing) and lays out the new tokens
+    after each slot's length.  Device ops only: no host sync."""
+    device = cache.device
+    q_len = seqlens_new.to(torch.int32)
     start = cache.lengths[seq_ids]
-    new_lengths = start + seqlens_new.to(torch.int32)
-    fits = new_lengths <= cache.capacity
-    status.record(2, ~fits)
-    column = torch.arange(s_new, device=k_new.device, dtype=torch.int32)
-    rows = seq_ids.to(torch.int32)[:, None] * cache.capacity + start[:, None] + column[None, :]
-    write = (column[None, :] < seqlens_new.to(torch.int32)[:, None]) & status.ok()
+    new_lengths = start + q_len
+    status.record(2, new_lengths > cache.capacity)
+    column = torch.arange(s_new, device=device, dtype=torch.int32)
+    k_start = seq_ids.to(torch.int32) * cache.capacity
+    rows = (k_start + start)[:, None] + column[None, :]
+    write = (column[None, :] < q_len[:, None]) & status.ok()
     rows = torch.where(write, rows, cache.scratch_row).reshape(-1).long()
-    heads, d = cache.num_kv_heads, cache.head_dim
-    layer.k.index_copy_(0, rows, k_new.reshape(n * s_new, heads, d))
-    layer.v.index_copy_(0, rows, v_new.reshape(n * s_new, heads, d))
-    return new_lengths
+    q_start = torch.arange(0, seq_ids.numel() * s_new, s_new, device=device, dtype=torch.int32)
+    # After a failed capacity check a length may pass the storage: never read there.
+    k_len = new_lengths.clamp(max=cache.capacity)
+    return StepPlan(seq_ids, s_new, rows, q_start, q_len, k_start, k_len)
 
 
 def attention_with_static_kv_cache(
@@ -200,41 +213,30 @@ def attention_with_static_kv_cache(
     k_new: Tensor,
     v_new: Tensor,
     layer: StaticKVLayer,
-    seq_ids: Tensor,
-    seqlens_new: Tensor,
-    status: DeviceStatus,
+    plan: StepPlan,
     *,
     softmax_scale: float | None = None,
 ) -> Tensor:
     """Causal attention of new tokens against a ``StaticKVCache`` layer, after appending them.
 
-    ``q [n, S, Hq, d]``, ``k_new, v_new [n, S, Hkv, d]``: row ``i`` holds ``seqlens_new[i]``
-    new tokens of slot ``seq_ids[i]`` (device int tensors ``[n]``), at absolute positions
-    ``length + t``; query ``t`` sees the slot's cached keys and the new ones up to itself.
-    Padding columns give zeros.  No host sync: the lengths are read on the device, and the
-    slot's length is *not* advanced here (``StaticKVCache.advance`` does that once per step,
-    after every layer).  The arguments' shapes and dtypes are the caller's to check.
+    ``q [n, S, Hq, d]``, ``k_new, v_new [n, S, Hkv, d]``: row ``i`` holds ``plan.q_len[i]``
+    new tokens of slot ``plan.seq_ids[i]`` at absolute positions ``length + t``; query ``t``
+    sees the slot's cached keys and the new ones up to itself.  Padding columns give zeros.
+    No host sync.  The slot's length is *not* advanced here (``StaticKVCache.advance`` does
+    that once per step, after every layer).  Shapes and dtypes are the caller's to check.
     """
     cache = layer.cache
-    new_lengths = _append(layer, k_new, v_new, seq_ids, seqlens_new, status)
+    n, s_new, hq, d = q.shape
+    heads = cache.num_kv_heads
+    layer.k.index_copy_(0, plan.rows, k_new.reshape(n * s_new, heads, d))
+    layer.v.index_copy_(0, plan.rows, v_new.reshape(n * s_new, heads, d))
     if q.device.type == "cpu":
-        return _reference_attend(q, layer, seq_ids, seqlens_new, new_lengths, softmax_scale)
+        return _reference_attend(q, layer, plan, softmax_scale)
     if torch.version.hip:
         raise BackendNotImplementedError("attention_with_static_kv_cache has no HIP kernels")
     from .gpu import attention as gpu
 
-    n, s_new, hq, d = q.shape
-    heads = cache.num_kv_heads
-    q_start = torch.arange(0, n * s_new, s_new, device=q.device, dtype=torch.int32)
-    layout = gpu.Layout(
-        q_start,
-        seqlens_new.to(torch.int32),
-        seq_ids.to(torch.int32) * cache.capacity,
-        # After a failed capacity check a length may pass the storage: never read there.
-        new_lengths.clamp(max=cache.capacity),
-        s_new,
-        cache.capacity,  # the launch covers any length; rows stop at their own
-    )
+    layout = gpu.Layout(plan.q_start, plan.q_len, plan.k_start, plan.k_len, s_new, cache.capacity)
     rows = layer.k.shape[0]
     out, _ = gpu.forward(
         q.reshape(n * s_new, hq, d),
@@ -243,27 +245,27 @@ def attention_with_static_kv_cache(
         layout,
         True,
         gpu.scale_of(softmax_scale, d),
+        # A decode step covers every query row; only padded prefill rows need zeros first.
+        prefill_zero=s_new > 1,
     )
     return out.reshape(n, s_new, hq, d)
 
 
-def _reference_attend(q, layer, seq_ids, seqlens_new, new_lengths, softmax_scale):
+def _reference_attend(q, layer, plan, softmax_scale):
     """The strict reference on the slots' storage rows (CPU: reading lengths costs nothing)."""
     from .reference.attention import attention
 
     cache = layer.cache
-    storage_k = layer.k[:-1].view(cache.slots + 1, cache.capacity, cache.num_kv_heads, -1)
-    storage_v = layer.v[:-1].view(cache.slots + 1, cache.capacity, cache.num_kv_heads, -1)
-    new_lengths = new_lengths.clamp(max=cache.capacity)
-    longest = max(1, int(new_lengths.max()))
-    k = storage_k[seq_ids.long(), :longest]
-    v = storage_v[seq_ids.long(), :longest]
+    shape = (cache.slots + 1, cache.capacity, cache.num_kv_heads, cache.head_dim)
+    storage_k, storage_v = layer.k[:-1].view(shape), layer.v[:-1].view(shape)
+    longest = max(1, int(plan.k_len.max()))
+    ids = plan.seq_ids.long()
     return attention(
         q,
-        k,
-        v,
+        storage_k[ids, :longest],
+        storage_v[ids, :longest],
         causal=True,
         softmax_scale=softmax_scale,
-        seqlens_q=torch.minimum(seqlens_new.long(), new_lengths.long()),
-        seqlens_k=new_lengths.long(),
+        seqlens_q=torch.minimum(plan.q_len, plan.k_len).long(),
+        seqlens_k=plan.k_len.long(),
     )

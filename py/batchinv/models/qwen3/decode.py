@@ -35,7 +35,13 @@ from torch import Tensor
 import batchinv
 
 from ...reference.qwen3_chain import lm_head_weight, qwen3_final_hidden
-from ...static_kv_cache import DeviceStatus, StaticKVCache, attention_with_static_kv_cache
+from ...static_kv_cache import (
+    DeviceStatus,
+    StaticKVCache,
+    StepPlan,
+    attention_with_static_kv_cache,
+    plan_step,
+)
 from .ops import BATCHINV_OPS
 
 IGNORE_INDEX = -100
@@ -77,10 +83,12 @@ def _rope(q, k, position_ids, **kwargs):
     return batchinv.rope(q, k, position_ids, check_positions=False, **kwargs)
 
 
-def _attention(q, k_new, v_new, layer, seq_ids, seqlens_new=None, causal=True, *, status):
-    if seqlens_new is None:
-        seqlens_new = torch.full((q.shape[0],), q.shape[1], device=q.device)
-    return attention_with_static_kv_cache(q, k_new, v_new, layer, seq_ids, seqlens_new, status)
+def _attention(q, k_new, v_new, layer, seq_ids, seqlens_new=None, causal=True, *, plans):
+    # The step's plan, made once before the chain (``_planned``) for all layers.
+    (plan,) = plans
+    if plan.seq_ids is not seq_ids:
+        raise RuntimeError("internal: the chain ran with other slots than the step's plan")
+    return attention_with_static_kv_cache(q, k_new, v_new, layer, plan)
 
 
 def _token_logprob(hidden: Tensor, head: Tensor, token: Tensor) -> Tensor:
@@ -160,13 +168,14 @@ class Qwen3DecodeRunner:
         self._sampled = torch.zeros(slots, capacity + 1, dtype=torch.int64, device=device)
         self._logprobs = torch.zeros(slots, capacity + 1, dtype=torch.float32, device=device)
         self._layers = self.cache.layers()
-        # Bound to the status, not to the runner: no reference cycle keeps a dropped
-        # runner's cache alive.
+        # Bound to the status and the plan holder, not to the runner: no reference cycle keeps
+        # a dropped runner's cache alive.
+        self._plans: list[StepPlan] = []
         self._ops = replace(
             BATCHINV_OPS,
             embedding=functools.partial(_embedding, status=self.status),
             rope=_rope,
-            attention_with_kv_cache=functools.partial(_attention, status=self.status),
+            attention_with_kv_cache=functools.partial(_attention, plans=self._plans),
         )
         # Host bookkeeping: what each active slot holds (no device reads).
         self._prompts: dict[int, list[int]] = {}
@@ -201,6 +210,9 @@ class Qwen3DecodeRunner:
         self._next_token.index_copy_(0, slot_ids, token)
         self._sampled[slot_ids, positions] = token
         self._logprobs[slot_ids, positions] = logprob
+
+    def _plan(self, slot_ids: Tensor, seqlens: Tensor, s_new: int) -> None:
+        self._plans[:] = [plan_step(self.cache, slot_ids, seqlens, s_new, self.status)]
 
     # ----- prefill -------------------------------------------------------------------------
 
@@ -243,6 +255,7 @@ class Qwen3DecodeRunner:
         seqlens = torch.tensor(lengths, device=self.device)
         self._seeds[slot_ids] = torch.tensor(seeds, dtype=torch.int64, device=self.device)
         self.cache.reset(slot_ids)
+        self._plan(slot_ids, seqlens, ids.shape[1])
         hidden = qwen3_final_hidden(
             ids.to(self.device),
             self.model.hf_state_dict(),
@@ -271,6 +284,7 @@ class Qwen3DecodeRunner:
 
     def _step_body(self, bucket: int) -> None:
         slot_ids = self._buffers[bucket]
+        self._plan(slot_ids, torch.ones_like(slot_ids), 1)
         ids = self._next_token[slot_ids][:, None]
         positions = self.cache.lengths[slot_ids].long()
         hidden = qwen3_final_hidden(
