@@ -31,15 +31,15 @@ from torch import Tensor
 
 from ..reference.attention import check_attention_args, check_length_values
 from ..reference.kv_cache import host_index_copies
-from . import attention_backward, attention_hopper
-from ._launch import (
+from ..runtime import (
     allow_dynamic_shared,
     current_raw_stream,
     kernel_for,
     multiprocessors,
-    native,
+    tensor_map_2d,
     uses_hopper,
 )
+from . import attention_backward, attention_hopper
 
 BLOCK_KEYS = 128  # keys per block, at absolute positions [128j, 128j + 128) (64 until session 9)
 SPLIT_KEYS = 2048  # keys per split, at absolute positions (kernels_cu/attention.cu kSplitKeys)
@@ -230,7 +230,7 @@ def _tma_map_spec(t: Tensor) -> tuple[str, int, int, int]:
 def _encoded_tma_map(address: int, dtype_name: str, rows: int, cols: int, row_bytes: int) -> bytes:
     # A map holds only these numbers, so equal arguments give equal bytes: a KV cache's storage
     # (the same address every decode step) is encoded once.
-    return native().tensor_map_2d(address, dtype_name, rows, cols, row_bytes, 64, 64, 128)
+    return tensor_map_2d(address, dtype_name, rows, cols, row_bytes, 64, 64, 128)
 
 
 def coop_shared_bytes(d: int, stages: int) -> int:

@@ -37,7 +37,7 @@ import torch
 from torch import Tensor
 
 from .._validate import check_same_device, check_same_dtype, check_tensor
-from ._launch import allow_dynamic_shared, kernel_for, launch, uses_hopper
+from ..runtime import allow_dynamic_shared, kernel_for, launch, uses_hopper
 
 # Keep in step with kernels_cu/attention_backward.cu.
 SUPPORTED_HEAD_DIMS = (64, 128)

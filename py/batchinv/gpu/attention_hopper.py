@@ -17,7 +17,14 @@ import contextlib
 import torch
 from torch import Tensor
 
-from ._launch import allow_dynamic_shared, kernel_for, launch, multiprocessors, native, uses_hopper
+from ..runtime import (
+    allow_dynamic_shared,
+    kernel_for,
+    launch,
+    multiprocessors,
+    tensor_map_2d,
+    uses_hopper,
+)
 
 HEAD_DIMS = frozenset((64, 128))
 WARPGROUPS = 2  # consumer warpgroups (64 rows each: 128-row tiles)
@@ -77,7 +84,7 @@ def _tensor_map(t: Tensor) -> bytes:
     rows, heads, d = t.shape
     name = _DTYPE_NAMES[t.dtype]
     stride = t.stride(0) * 2
-    return native().tensor_map_2d(t.data_ptr(), name, rows, heads * d, stride, BLOCK_KEYS, 64, 128)
+    return tensor_map_2d(t.data_ptr(), name, rows, heads * d, stride, BLOCK_KEYS, 64, 128)
 
 
 _forced_ctas: int | None = None

@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 
 from .._validate import report_bad_index
-from ._launch import kernel_for, launch
+from ..runtime import kernel_for, launch
 
 _MAX_GRID_X = 2**31 - 1
 _BACKWARD_KERNELS = {

@@ -14,8 +14,16 @@ import re
 import torch
 from torch import Tensor
 
+from ..runtime import (
+    allow_dynamic_shared,
+    declared_kernels,
+    kernel_for,
+    launch,
+    multiprocessors,
+    tensor_map_2d,
+    uses_hopper,
+)
 from . import linear_cublaslt
-from ._launch import allow_dynamic_shared, kernel_for, launch, multiprocessors, native, uses_hopper
 
 _DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "f16"}
 _HOPPER_NAME = re.compile(r"linear_hopper_(bf16|f16)_bm(\d+)_bn(\d+)_k(\d+)_s(\d+)$")
@@ -57,7 +65,7 @@ class TileConfig:
 @functools.cache
 def hopper_configs() -> tuple[TileConfig, ...]:
     """The configurations built into this extension (read from the kernel names)."""
-    names = native().RawModule(embedded="linear").declared_kernels()
+    names = declared_kernels("linear")
     configs = {
         TileConfig(int(m[2]), int(m[3]), int(m[4]), int(m[5]))
         for name in names
@@ -98,7 +106,7 @@ class SmallMConfig:
 @functools.cache
 def small_m_configs() -> tuple[SmallMConfig, ...]:
     """The small-M configurations built into this extension (read from the kernel names)."""
-    names = native().RawModule(embedded="linear").declared_kernels()
+    names = declared_kernels("linear")
     configs = {
         SmallMConfig(int(m[2]), int(m[3]), int(m[4]))
         for name in names
@@ -156,7 +164,7 @@ def choose_config(m: int, n: int, multiprocessors: int) -> TileConfig:
 
 @functools.lru_cache(maxsize=256)
 def _tensor_map(address: int, dtype_name: str, rows: int, cols: int, box_rows: int) -> bytes:
-    return native().tensor_map_2d(address, dtype_name, rows, cols, cols * 2, box_rows, 64, 128)
+    return tensor_map_2d(address, dtype_name, rows, cols, cols * 2, box_rows, 64, 128)
 
 
 def _aligned(t: Tensor) -> Tensor:

@@ -18,7 +18,7 @@ import functools
 import torch
 from torch import Tensor
 
-from ._launch import allow_dynamic_shared, kernel_for, launch, uses_hopper
+from ..runtime import allow_dynamic_shared, kernel_for, launch, uses_hopper
 from .rms_norm import as_rows
 
 # Keep in step with kernels_cu/log_softmax.cu.

@@ -19,7 +19,7 @@ from torch import Tensor
 
 from .._validate import report_bad_index
 from ..reference.rope import DEFAULT_MAX_POSITION, check_rope_args, rope_inv_freq
-from ._launch import kernel_for, launch
+from ..runtime import kernel_for, launch
 
 THREADS = 128  # kThreads in kernels_cu/rope.cu
 _MAX_GRID_X = 2**31 - 1

@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 from ..reference.silu_mul import check_silu_mul_args, check_silu_mul_fused_args
-from ._launch import kernel_for, launch
+from ..runtime import kernel_for, launch
 from .rms_norm import as_rows
 
 THREADS = 128  # kThreads in kernels_cu/silu_mul.cu
