@@ -17,8 +17,8 @@ from _streams import capture_graph
 from batchinv.contract import assert_bitwise_equal, assert_within_tolerance
 from batchinv.gpu import attention as gpu
 from batchinv.gpu import attention_hopper as hopper
+from batchinv.kv_cache import KVCache
 from batchinv.reference.attention import attention_fp32
-from batchinv.reference.kv_cache import KVCache
 
 DEVICE = "cuda"
 DTYPES = (torch.bfloat16, torch.float16)

@@ -29,8 +29,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ..reference.attention import check_attention_args, check_length_values
-from ..reference.kv_cache import host_index_copies
+from ..kv_cache import host_index_copies
 from ..runtime import (
     allow_dynamic_shared,
     current_raw_stream,
@@ -39,6 +38,7 @@ from ..runtime import (
     tensor_map_2d,
     uses_hopper,
 )
+from ..validation import check_attention_args, check_length_values
 from . import attention_backward, attention_hopper
 
 BLOCK_KEYS = 128  # keys per block, at absolute positions [128j, 128j + 128) (64 until session 9)

@@ -36,8 +36,8 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from .._validate import check_same_device, check_same_dtype, check_tensor
 from ..runtime import allow_dynamic_shared, kernel_for, launch, uses_hopper
+from ..validation import check_same_device, check_same_dtype, check_tensor
 
 # Keep in step with kernels_cu/attention_backward.cu.
 SUPPORTED_HEAD_DIMS = (64, 128)

@@ -19,9 +19,9 @@ import threading
 import torch
 from torch import Tensor
 
-from ..reference.rms_norm import check_fused_add_rms_norm_args, check_rms_norm_args
 from ..registry import backend_of
 from ..runtime import allow_dynamic_shared, kernel_for, launch, uses_hopper
+from ..validation import check_fused_add_rms_norm_args, check_rms_norm_args
 
 # Keep in step with kernels_cu/rms_norm.cu: (threads per row, 16-byte chunks per thread), the
 # first that holds the row is used.  The tree follows the threads per row only, so (128, 2),

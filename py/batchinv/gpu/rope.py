@@ -17,9 +17,9 @@ import functools
 import torch
 from torch import Tensor
 
-from .._validate import report_bad_index
-from ..reference.rope import DEFAULT_MAX_POSITION, check_rope_args, rope_inv_freq
+from ..reference.rope import rope_inv_freq
 from ..runtime import kernel_for, launch
+from ..validation import DEFAULT_MAX_POSITION, check_rope_args, report_bad_index
 
 THREADS = 128  # kThreads in kernels_cu/rope.cu
 _MAX_GRID_X = 2**31 - 1

@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..reference.silu_mul import check_silu_mul_args, check_silu_mul_fused_args
 from ..runtime import kernel_for, launch
+from ..validation import check_silu_mul_args, check_silu_mul_fused_args
 from .rms_norm import as_rows
 
 THREADS = 128  # kThreads in kernels_cu/silu_mul.cu

@@ -19,8 +19,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .._validate import report_bad_index
 from ..runtime import allow_dynamic_shared, kernel_for, launch, tensor_map_2d, uses_hopper
+from ..validation import report_bad_index
 
 VOCAB_TILE = 256  # kVocabTile in the kernel: part of the forward's definition (bits)
 GRAD_VOCAB_CHUNK = 4096  # vocabulary columns per backward step: part of d_hidden's definition

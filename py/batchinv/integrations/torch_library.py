@@ -47,14 +47,18 @@ from ..ops import rms_norm as rms_norm_ops
 from ..ops import rope as rope_ops
 from ..ops import silu_mul as silu_mul_ops
 from ..ops import token_logprobs as token_logprobs_ops
-from ..reference import attention as attention_reference
-from ..reference import embedding as embedding_reference
-from ..reference import linear as linear_reference
-from ..reference import log_softmax as log_softmax_reference
-from ..reference import rope as rope_reference
-from ..reference import silu_mul as silu_mul_reference
-from ..reference import token_logprobs as token_logprobs_reference
-from ..reference.rms_norm import check_fused_add_rms_norm_args, check_rms_norm_args
+from ..validation import (
+    check_attention_args,
+    check_embedding_args,
+    check_fused_add_rms_norm_args,
+    check_linear_args,
+    check_log_softmax_args,
+    check_rms_norm_args,
+    check_rope_args,
+    check_silu_mul_args,
+    check_silu_mul_fused_args,
+    check_token_logprobs_args,
+)
 
 NAMESPACE = "batchinv"
 
@@ -193,7 +197,7 @@ class _OpSpec:
 
 
 def _linear_fake(x, weight, bias):
-    linear_reference.check_linear_args(x, weight, bias)
+    check_linear_args(x, weight, bias)
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
@@ -206,7 +210,7 @@ def _linear_backward(grads, needs, outputs, x, weight, bias):
 
 
 def _embedding_fake(ids, weight, check_ids):
-    embedding_reference.check_embedding_args(ids, weight, check_values=False)
+    check_embedding_args(ids, weight, check_values=False)
     return weight.new_empty((*ids.shape, weight.shape[1]))
 
 
@@ -226,7 +230,7 @@ def _fused_add_rms_norm_fake(x, residual, weight, eps):
 def _rope_fake(q, k, position_ids, theta, head_dim, max_position, check_positions):
     # The validator wants a Python int; the head dim is a constant of the model.
     head_dim = int(q.shape[-1]) if head_dim is None else head_dim
-    rope_reference.check_rope_args(
+    check_rope_args(
         q,
         k,
         position_ids,
@@ -242,22 +246,22 @@ def _rope_fake(q, k, position_ids, theta, head_dim, max_position, check_position
 
 
 def _silu_mul_fake(gate, up):
-    silu_mul_reference.check_silu_mul_args(gate, up)
+    check_silu_mul_args(gate, up)
     return torch.empty_like(gate, memory_format=torch.contiguous_format)
 
 
 def _silu_mul_fused_fake(gate_up):
-    silu_mul_reference.check_silu_mul_fused_args(gate_up)
+    check_silu_mul_fused_args(gate_up)
     return gate_up.new_empty((*gate_up.shape[:-1], gate_up.shape[-1] // 2))
 
 
 def _log_softmax_fake(x, dim, out_dtype, chunk_size):
-    log_softmax_reference.check_log_softmax_args(x, dim, out_dtype, chunk_size)
+    check_log_softmax_args(x, dim, out_dtype, chunk_size)
     return x.new_empty(x.shape, dtype=out_dtype)
 
 
 def _attention_fake(q, k, v, causal, softmax_scale, seqlens_q, seqlens_k, key_padding_mask):
-    attention_reference.check_attention_args(
+    check_attention_args(
         q,
         k,
         v,
@@ -273,7 +277,7 @@ def _attention_fake(q, k, v, causal, softmax_scale, seqlens_q, seqlens_k, key_pa
 
 
 def _attention_varlen_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, softmax_scale):
-    attention_reference.check_attention_args(
+    check_attention_args(
         q,
         k,
         v,
@@ -287,7 +291,7 @@ def _attention_varlen_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, softmax_
 
 
 def _token_logprobs_fake(hidden, lm_head_weight, target_ids, ignore_index, vocab_chunk, entropy):
-    token_logprobs_reference.check_token_logprobs_args(
+    check_token_logprobs_args(
         hidden, lm_head_weight, target_ids, ignore_index, vocab_chunk, check_values=False
     )
     logprobs = hidden.new_empty(target_ids.shape, dtype=torch.float32)
@@ -362,7 +366,7 @@ def _token_logprobs_eager(hidden, lm_head_weight, target_ids, ignore_index, voca
         )
         lse = hidden.new_empty((0,), dtype=torch.float32)
         return (*out, lse) if entropy else (out, torch.empty_like(lse), lse)
-    token_logprobs_reference.check_token_logprobs_args(
+    check_token_logprobs_args(
         hidden, lm_head_weight, target_ids, ignore_index, vocab_chunk, check_values=False
     )
     saving_forward = registry.lookup("token_logprobs.saving_forward", hidden.device)

@@ -17,8 +17,9 @@ from torch import Tensor
 
 from .. import registry
 from ..gpu import attention as gpu
+from ..kv_cache import KVCache
 from ..reference import attention as reference
-from ..reference.kv_cache import KVCache
+from ..validation import check_attention_args
 
 registry.register("attention", "cpu")(reference.attention)
 registry.register("attention_varlen", "cpu")(reference.attention_varlen)
@@ -57,7 +58,7 @@ def attention(
         args = (causal, softmax_scale, seqlens_q, seqlens_k, key_padding_mask)
         out, lse = torch.ops.batchinv.attention(q, k, v, *args)
         return (out, lse) if return_lse else out
-    reference.check_attention_args(
+    check_attention_args(
         q,
         k,
         v,
@@ -101,7 +102,7 @@ def attention_varlen(
         args = (cu_seqlens_q, cu_seqlens_k, causal, softmax_scale)
         out, lse = torch.ops.batchinv.attention_varlen(q, k, v, *args)
         return (out, lse) if return_lse else out
-    reference.check_attention_args(
+    check_attention_args(
         q,
         k,
         v,

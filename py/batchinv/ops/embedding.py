@@ -13,6 +13,7 @@ from torch import Tensor
 from .. import registry
 from ..gpu import embedding as gpu_embedding
 from ..reference import embedding as reference
+from ..validation import check_embedding_args
 
 for _backend in ("cuda", "hip"):
     registry.register("embedding.forward", _backend)(gpu_embedding.forward)
@@ -48,7 +49,7 @@ def embedding(ids: Tensor, weight: Tensor, *, check_ids: bool = True) -> Tensor:
     """
     if torch.compiler.is_compiling():  # one opaque node (integrations/torch_library.py)
         return torch.ops.batchinv.embedding(ids, weight, check_ids)
-    reference.check_embedding_args(ids, weight, check_values=False)
+    check_embedding_args(ids, weight, check_values=False)
     if torch.is_grad_enabled() and weight.requires_grad:
         return _Embedding.apply(ids, weight, check_ids)
     # No gradient wanted: the forward without an autograd node (the same gather and check).

@@ -15,6 +15,7 @@ from torch import Tensor
 from .. import registry
 from ..gpu import linear as gpu_linear
 from ..reference import linear as reference
+from ..validation import check_linear_args
 
 
 def _reference_forward(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
@@ -49,7 +50,7 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """
     if torch.compiler.is_compiling():  # one opaque node (integrations/torch_library.py)
         return torch.ops.batchinv.linear(x, weight, bias)
-    reference.check_linear_args(x, weight, bias)
+    check_linear_args(x, weight, bias)
     if _needs_grad(x, weight, bias):
         return _Linear.apply(x, weight, bias)
     # No gradient wanted: the registry's forward without an autograd node (the same kernels

@@ -16,6 +16,7 @@ from .. import registry
 from ..gpu import log_softmax as gpu
 from ..reference import log_softmax as reference
 from ..reference.log_softmax import LSE_CHUNK
+from ..validation import check_log_softmax_args
 
 
 class _LogSoftmaxGPU(torch.autograd.Function):
@@ -60,5 +61,5 @@ def log_softmax(
     """
     if torch.compiler.is_compiling():  # one opaque node (integrations/torch_library.py)
         return torch.ops.batchinv.log_softmax(x, dim, out_dtype, chunk_size)
-    reference.check_log_softmax_args(x, dim, out_dtype, chunk_size)
+    check_log_softmax_args(x, dim, out_dtype, chunk_size)
     return registry.lookup("log_softmax", x.device)(x, dim, out_dtype, chunk_size=chunk_size)

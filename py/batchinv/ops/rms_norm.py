@@ -16,6 +16,7 @@ from torch import Tensor
 from .. import registry
 from ..gpu import rms_norm as gpu
 from ..reference import rms_norm as reference
+from ..validation import check_fused_add_rms_norm_args, check_rms_norm_args
 
 
 class _RMSNormGPU(torch.autograd.Function):
@@ -88,7 +89,7 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     """
     if torch.compiler.is_compiling():  # one opaque node (integrations/torch_library.py)
         return torch.ops.batchinv.rms_norm(x, weight, eps)
-    reference.check_rms_norm_args(x, weight, eps)
+    check_rms_norm_args(x, weight, eps)
     return registry.lookup("rms_norm", x.device)(x, weight, eps)
 
 
@@ -103,5 +104,5 @@ def fused_add_rms_norm(
     """
     if torch.compiler.is_compiling():
         return torch.ops.batchinv.fused_add_rms_norm(x, residual, weight, eps)
-    reference.check_fused_add_rms_norm_args(x, residual, weight, eps)
+    check_fused_add_rms_norm_args(x, residual, weight, eps)
     return registry.lookup("fused_add_rms_norm", x.device)(x, residual, weight, eps)

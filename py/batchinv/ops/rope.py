@@ -15,7 +15,7 @@ from torch import Tensor
 from .. import registry
 from ..gpu import rope as gpu
 from ..reference import rope as reference
-from ..reference.rope import DEFAULT_MAX_POSITION
+from ..validation import DEFAULT_MAX_POSITION, check_rope_args
 
 
 class _RopeGPU(torch.autograd.Function):
@@ -81,7 +81,7 @@ def rope(
     if torch.compiler.is_compiling():  # one opaque node (integrations/torch_library.py)
         args = (theta, head_dim, max_position, check_positions)
         return torch.ops.batchinv.rope(q, k, position_ids, *args)
-    reference.check_rope_args(
+    check_rope_args(
         q,
         k,
         position_ids,

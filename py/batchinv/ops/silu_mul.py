@@ -14,6 +14,7 @@ from torch import Tensor
 from .. import registry
 from ..gpu import silu_mul as gpu
 from ..reference import silu_mul as reference
+from ..validation import check_silu_mul_args, check_silu_mul_fused_args
 
 
 class _SiluMulGPU(torch.autograd.Function):
@@ -66,7 +67,7 @@ def silu_mul(gate: Tensor, up: Tensor) -> Tensor:
     fp32) and device; any strides.  Differentiable; the inputs are never modified."""
     if torch.compiler.is_compiling():  # one opaque node (integrations/torch_library.py)
         return torch.ops.batchinv.silu_mul(gate, up)
-    reference.check_silu_mul_args(gate, up)
+    check_silu_mul_args(gate, up)
     return registry.lookup("silu_mul", gate.device)(gate, up)
 
 
@@ -75,5 +76,5 @@ def silu_mul_fused(gate_up: Tensor) -> Tensor:
     ``SiluAndMul`` order: a merged ``[gate_proj; up_proj]`` output).  Returns ``[..., I]``."""
     if torch.compiler.is_compiling():
         return torch.ops.batchinv.silu_mul_fused(gate_up)
-    reference.check_silu_mul_fused_args(gate_up)
+    check_silu_mul_fused_args(gate_up)
     return registry.lookup("silu_mul_fused", gate_up.device)(gate_up)

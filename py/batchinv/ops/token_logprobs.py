@@ -17,6 +17,7 @@ from .. import registry
 from ..gpu import token_logprobs as gpu
 from ..reference import token_logprobs as reference
 from ..reference.token_logprobs import DEFAULT_IGNORE_INDEX, VOCAB_CHUNK
+from ..validation import check_token_logprobs_args
 
 
 class _TokenLogprobsGPU(torch.autograd.Function):
@@ -150,7 +151,7 @@ def token_logprobs(
             hidden, lm_head_weight, target_ids, *args
         )
         return (logprobs, entropy) if return_entropy else logprobs
-    reference.check_token_logprobs_args(
+    check_token_logprobs_args(
         hidden, lm_head_weight, target_ids, ignore_index, vocab_chunk, check_values=False
     )
     return registry.lookup("token_logprobs", hidden.device)(
