@@ -6,11 +6,10 @@ padding around it or the schedule that computed it.  ``batchinv.contract`` judge
 """
 
 from . import contract, nn, reference, registry
-
-# Registers the torch.ops.batchinv.* custom ops (about 0.1 s); after the ops, which it wraps.
-from .integrations import torch_library  # noqa: E402, F401, I001
-from .integrations.enable import enable  # noqa: E402, I001
+from .integrations.enable import enable
 from .kv_cache import KVCache
+
+# Importing an op module registers its torch.ops.batchinv.* custom ops.
 from .ops.attention import attention, attention_varlen, attention_with_kv_cache
 from .ops.embedding import embedding
 from .ops.linear import linear

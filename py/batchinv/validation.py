@@ -460,7 +460,7 @@ def check_length_values(
     Reads all length tensors to the host together: no device sync when they are CPU tensors,
     exactly one when any is on a GPU (whatever the number of tensors and checks).  Returns the
     host copies that were checked, so that a caller builds its layout from the very values that
-    passed (``batchinv.gpu.attention`` does).
+    passed (``batchinv.ops.attention`` does, for ``batchinv.gpu.attention``).
     """
     values = _to_host(
         cu_seqlens_q=cu_seqlens_q,

@@ -6,8 +6,8 @@ the number of rows, so a row's reduction order, and its bits, are the same in an
 forward can also write ``inv_rms`` per row (fp32), which the backward reads instead of
 recomputing it.  No call synchronises with the device.
 
-``forward``/``fused_add_forward``/``backward`` validate their arguments; the ``*_unchecked``
-variants are for callers that already did (the ops), to keep the host path short.
+Arguments are validated once by the op (``batchinv.ops.rms_norm``); nothing here checks them
+again, so the host path of a call is the launch alone.
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ from torch import Tensor
 
 from ..registry import backend_of
 from ..runtime import allow_dynamic_shared, kernel_for, launch, uses_hopper
-from ..validation import check_fused_add_rms_norm_args, check_rms_norm_args
 
 # Keep in step with kernels_cu/rms_norm.cu: (threads per row, 16-byte chunks per thread), the
 # first that holds the row is used.  The tree follows the threads per row only, so (128, 2),
@@ -208,7 +207,7 @@ def _launch_rows(
     )
 
 
-def forward_unchecked(
+def run_forward(
     x: Tensor,
     weight: Tensor,
     eps: float,
@@ -216,9 +215,8 @@ def forward_unchecked(
     *,
     need_rstd: bool = True,
 ) -> tuple[Tensor, Tensor | None, Tensor | None]:
-    """``(y, new_residual, rstd)`` for already validated arguments; ``new_residual`` is None
-    without a residual, ``rstd`` None when ``need_rstd`` is False (nothing saved for a
-    backward: one allocation less)."""
+    """``(y, new_residual, rstd)``; ``new_residual`` is None without a residual, ``rstd`` None
+    when ``need_rstd`` is False (nothing saved for a backward: one allocation less)."""
     d = x.shape[-1]
     x_rows = as_rows(x, d)
     rows = x_rows.shape[0]
@@ -255,8 +253,7 @@ def forward_unchecked(
 
 def forward(x: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
     """``(y, rstd)``: y in x's shape and dtype, rstd the fp32 ``inv_rms`` of each row."""
-    check_rms_norm_args(x, weight, eps)
-    y, _, rstd = forward_unchecked(x, weight, eps)
+    y, _, rstd = run_forward(x, weight, eps)
     return y, rstd
 
 
@@ -264,8 +261,7 @@ def fused_add_forward(
     x: Tensor, residual: Tensor, weight: Tensor, eps: float
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``(y, new_residual, rstd)`` with ``new_residual = round(x + residual)``."""
-    check_fused_add_rms_norm_args(x, residual, weight, eps)
-    return forward_unchecked(x, weight, eps, residual)
+    return run_forward(x, weight, eps, residual)
 
 
 def _two_groups(name: str, dtype: torch.dtype) -> bool:

@@ -15,57 +15,14 @@ from .. import registry
 from ..gpu import silu_mul as gpu
 from ..reference import silu_mul as reference
 from ..validation import check_silu_mul_args, check_silu_mul_fused_args
-
-
-class _SiluMulGPU(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, gate: Tensor, up: Tensor) -> Tensor:
-        ctx.save_for_backward(gate, up)
-        return gpu.forward_unchecked(gate, up)
-
-    @staticmethod
-    def backward(ctx, grad_out: Tensor):
-        gate, up = ctx.saved_tensors
-        return gpu.backward(grad_out, gate, up)
-
-
-class _SiluMulFusedGPU(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, gate_up: Tensor) -> Tensor:
-        ctx.save_for_backward(gate_up)
-        return gpu.forward_fused_unchecked(gate_up)
-
-    @staticmethod
-    def backward(ctx, grad_out: Tensor):
-        (gate_up,) = ctx.saved_tensors
-        return gpu.backward_fused(grad_out, gate_up)
-
-
-# Without gradients the kernel runs directly (no autograd node): the same kernel and bits.
-def _gpu_silu_mul(gate: Tensor, up: Tensor) -> Tensor:
-    if torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad):
-        return _SiluMulGPU.apply(gate, up)
-    return gpu.forward_unchecked(gate, up)
-
-
-def _gpu_silu_mul_fused(gate_up: Tensor) -> Tensor:
-    if torch.is_grad_enabled() and gate_up.requires_grad:
-        return _SiluMulFusedGPU.apply(gate_up)
-    return gpu.forward_fused_unchecked(gate_up)
-
-
-for _backend in ("cuda", "hip"):
-    registry.register("silu_mul", _backend)(_gpu_silu_mul)
-    registry.register("silu_mul_fused", _backend)(_gpu_silu_mul_fused)
-registry.register("silu_mul", "cpu")(reference.silu_mul)
-registry.register("silu_mul_fused", "cpu")(reference.silu_mul_fused)
+from ._custom_op import CustomOp
 
 
 def silu_mul(gate: Tensor, up: Tensor) -> Tensor:
     """``silu(gate) * up`` elementwise in fp32 (``silu(g) = g / (1 + exp(-g))``), rounded once
     to the inputs' dtype.  ``gate``, ``up``: the same shape ``[..., I]``, dtype (bf16, fp16,
     fp32) and device; any strides.  Differentiable; the inputs are never modified."""
-    if torch.compiler.is_compiling():  # one opaque node (integrations/torch_library.py)
+    if torch.compiler.is_compiling():  # one opaque node (the custom ops below)
         return torch.ops.batchinv.silu_mul(gate, up)
     check_silu_mul_args(gate, up)
     return registry.lookup("silu_mul", gate.device)(gate, up)
@@ -78,3 +35,64 @@ def silu_mul_fused(gate_up: Tensor) -> Tensor:
         return torch.ops.batchinv.silu_mul_fused(gate_up)
     check_silu_mul_fused_args(gate_up)
     return registry.lookup("silu_mul_fused", gate_up.device)(gate_up)
+
+
+class _SiluMulGPU(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, gate: Tensor, up: Tensor) -> Tensor:
+        ctx.save_for_backward(gate, up)
+        return gpu.forward(gate, up)
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor):
+        gate, up = ctx.saved_tensors
+        return gpu.backward(grad_out, gate, up)
+
+
+class _SiluMulFusedGPU(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, gate_up: Tensor) -> Tensor:
+        ctx.save_for_backward(gate_up)
+        return gpu.forward_fused(gate_up)
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor):
+        (gate_up,) = ctx.saved_tensors
+        return gpu.backward_fused(grad_out, gate_up)
+
+
+# Without gradients the kernel runs directly (no autograd node): the same kernel and bits.
+def _gpu_silu_mul(gate: Tensor, up: Tensor) -> Tensor:
+    if torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad):
+        return _SiluMulGPU.apply(gate, up)
+    return gpu.forward(gate, up)
+
+
+def _gpu_silu_mul_fused(gate_up: Tensor) -> Tensor:
+    if torch.is_grad_enabled() and gate_up.requires_grad:
+        return _SiluMulFusedGPU.apply(gate_up)
+    return gpu.forward_fused(gate_up)
+
+
+for _backend in ("cuda", "hip"):
+    registry.register("silu_mul", _backend)(_gpu_silu_mul)
+    registry.register("silu_mul_fused", _backend)(_gpu_silu_mul_fused)
+registry.register("silu_mul", "cpu")(reference.silu_mul)
+registry.register("silu_mul_fused", "cpu")(reference.silu_mul_fused)
+
+
+# ----------------------------------------------------------------------------- custom ops
+
+
+def _silu_mul_fake(gate, up):
+    check_silu_mul_args(gate, up)
+    return torch.empty_like(gate, memory_format=torch.contiguous_format)
+
+
+def _silu_mul_fused_fake(gate_up):
+    check_silu_mul_fused_args(gate_up)
+    return gate_up.new_empty((*gate_up.shape[:-1], gate_up.shape[-1] // 2))
+
+
+CustomOp("silu_mul", "(Tensor gate, Tensor up) -> Tensor", silu_mul, _silu_mul_fake, (0, 1))
+CustomOp("silu_mul_fused", "(Tensor gate_up) -> Tensor", silu_mul_fused, _silu_mul_fused_fake, (0,))
