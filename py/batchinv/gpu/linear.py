@@ -311,7 +311,7 @@ def matmul_rows(rows: Tensor, weight: Tensor, bias: Tensor | None = None) -> Ten
     if large and bias is None and linear_cublaslt.enabled() and uses_hopper(rows.device):
         rows, weight = _aligned(rows), _aligned(weight)
         out = torch.empty(rows.shape[0], weight.shape[0], dtype=rows.dtype, device=rows.device)
-        if linear_cublaslt.serves(rows, weight, bias, out):
+        if linear_cublaslt.serves(rows, weight, bias, out, matmul_nt):
             return linear_cublaslt.matmul_nt(rows, weight, out)
     return matmul_nt(rows, weight, bias)
 

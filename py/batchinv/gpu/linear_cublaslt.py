@@ -26,6 +26,7 @@ import ctypes
 import functools
 import os
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -109,26 +110,24 @@ def _run(x: Tensor, weight: Tensor, out: Tensor, plan: _Plan) -> Tensor:
 _CHECKED: dict[tuple[int, int, int, torch.dtype], bool] = {}
 
 
-def _agrees_with_batchinv(weight: Tensor) -> bool:
+def _agrees_with_batchinv(weight: Tensor, batchinv_matmul: Callable) -> bool:
     """The first-use self-check per (device, N, K, dtype): a random probe through both paths
     with this weight, bit for bit."""
     n, k = weight.shape
     key = (weight.device.index, n, k, weight.dtype)
     if key not in _CHECKED:
-        _CHECKED[key] = _self_check(weight)
+        _CHECKED[key] = _self_check(weight, batchinv_matmul)
     return _CHECKED[key]
 
 
-def _self_check(weight: Tensor) -> bool:
-    from .linear import matmul_nt  # the kernels this path must equal
-
+def _self_check(weight: Tensor, batchinv_matmul: Callable) -> bool:
     (n, k), dtype, device = weight.shape, weight.dtype, weight.device
     gen = torch.Generator(device=device).manual_seed(_PROBE_SEED)
     probe = torch.randn(MIN_ROWS, k, device=device, generator=gen).to(dtype)
     plan = _plan(device.index, MIN_ROWS, n, k, dtype)
     if plan is None:
         return False
-    ours = matmul_nt(probe, weight, family="hopper")
+    ours = batchinv_matmul(probe, weight, family="hopper")
     theirs = _run(probe, weight, torch.empty_like(ours), plan)
     bits = torch.int16
     same = bool(torch.equal(ours.view(bits), theirs.view(bits)))
@@ -143,8 +142,12 @@ def _self_check(weight: Tensor) -> bool:
     return same
 
 
-def serves(x: Tensor, weight: Tensor, bias: Tensor | None, out: Tensor) -> bool:
-    """Whether ``x @ weightᵀ`` may take the pinned path (the caller checked sm_90 and dtypes)."""
+def serves(
+    x: Tensor, weight: Tensor, bias: Tensor | None, out: Tensor, batchinv_matmul: Callable
+) -> bool:
+    """Whether ``x @ weightᵀ`` may take the pinned path (the caller checked sm_90 and dtypes).
+    ``batchinv_matmul`` is batchinv's own kernel that the path must equal bit for bit
+    (``batchinv.gpu.linear.matmul_nt``; passed in, since that module calls this one)."""
     m, k = x.shape
     n = weight.shape[0]
     if not enabled() or bias is not None or m < MIN_ROWS:
@@ -154,7 +157,7 @@ def serves(x: Tensor, weight: Tensor, bias: Tensor | None, out: Tensor) -> bool:
     try:
         if _plan(x.device.index, m, n, k, x.dtype) is None:
             return False
-        return _agrees_with_batchinv(weight)
+        return _agrees_with_batchinv(weight, batchinv_matmul)
     except (OSError, RuntimeError, CublasLtError):  # no usable libcublasLt: batchinv's kernels
         return False
 
