@@ -40,33 +40,30 @@ from ..runtime import (
 )
 from . import attention_backward, attention_hopper
 
-BLOCK_KEYS = 128  # keys per block, at absolute positions [128j, 128j + 128) (64 until session 9)
+BLOCK_KEYS = 128  # keys per block, at absolute positions [128j, 128j + 128)
 SPLIT_KEYS = 2048  # keys per split, at absolute positions (kernels_cu/attention.cu kSplitKeys)
 HEAD_DIMS = (64, 128)
 WARP_CHOICES = (1, 4)
 # K/V blocks held by the tile and one-warp split kernels, one and four warps alike (attention.cu
 # attn_tile): one K and one V buffer, V_j loading during S_j, K_{j+1} during P_j V_j (FA2's split
-# pipeline; until session 9's attn-tile-q four warps kept a ring of 2 whole blocks).
+# pipeline).
 TILE_STAGES = 1
 MODES = ("auto", "tile", "split")
 MAX_PACKED_HEADS = 16  # query heads of one kv head packed in a tile's rows
 # Split launches of 16-row tiles (decode) run the cooperative kernel (attn_split_coop_*):
 # COOP_WARPS warps share one tile and one split, same bits as one warp per tile (the one-warp
 # kernel stays reachable with coop=False).  Its K/V pipeline depth by default: COOP_DEFAULT_STAGES
-# (a 128-key block at d = 128 is a 64 KB stage; H100, GQA 32/8 d=128 bf16, session 9: 1-block
-# ring B=64 @ 4096 0.375 ms, B=1 @ 32768 0.070 ms; 2-block ring B=64 0.374 ms).  Until session 9
-# (64-key blocks) launches with fewer than 4 CTAs per SM took 2 stages.
-# Session 10 (2048-key splits): a launch of at most one CTA per SM (small batches: B=1 at 32768
-# keys is 128 CTAs) takes COOP_ONE_WAVE_STAGES, which keeps a second 64 KB block in flight per
-# SM; H200, B=1 @ 32768: 60 -> 52 us, B=16 @ 2000: 58 -> 49 us; B=64 @ 4096 (1024 CTAs) is 3%
-# faster with one stage.  The stage count never changes a row's operations (tested).
+# (a 128-key block at d = 128 is a 64 KB stage, and a second one is no faster at large
+# batches).  A launch of at most one CTA per SM (small batches: B=1 at 32768 keys is 128 CTAs)
+# takes COOP_ONE_WAVE_STAGES: with few CTAs per SM, a second block in flight hides the load
+# latency that other CTAs would otherwise hide (measurements: docs/tuning/attention.md).  The
+# stage count never changes a row's operations (tested).
 COOP_WARPS = 4
 COOP_STAGES = (1, 2, 3)
 COOP_DEFAULT_STAGES = 1
 COOP_ONE_WAVE_STAGES = 2
 # On sm_90a the cooperative kernel copies K/V by TMA (attn_split_coop_*_tma, where
-# coop_tma_applies; same bits).  H200, same shapes, one run, cp.async -> TMA: B=64 286.4 ->
-# 276.2 us (1-block ring), 286.7 -> 276.6 us (2-block ring); 0.891x -> 0.924x of SDPA.
+# coop_tma_applies; same bits), which measured faster than cp.async (docs/tuning/attention.md).
 
 _SUFFIX = {torch.bfloat16: "bf16", torch.float16: "f16"}
 _LOG2E = 1.4426950408889634
@@ -253,8 +250,8 @@ def choose(
         warps = 1 if layout.max_q_len * pack <= 16 else 4
     if mode == "auto" and warps == 1:
         # Decode-like launches run the cooperative split kernel, whatever the context: with
-        # 128-key blocks the one-warp tile kernel was 1.3-3x slower at 128-1000 keys (H100,
-        # session 9).
+        # 128-key blocks the one-warp tile kernel is slower even at short contexts
+        # (docs/tuning/attention.md).
         mode = "split"
     elif mode == "auto":
         qpt = 16 * warps // pack

@@ -1,14 +1,12 @@
 """The large-M path of ``batchinv.linear`` on Hopper: cuBLASLt with ONE pinned algorithm.
 
-Why it may serve a batch-invariant op: the issue 4 study (``reports/cublaslt/study.md``,
-``tools/study_cublaslt.py``) found on an H200 that cuBLASLt's algorithm 66, pinned with
-split-K 1 and no reduction scheme, gives bitwise the same row whatever M (1 ... 8191) at every
-Qwen3-8B shape, bf16 and fp16, and a probe in the same session found its bits equal to
-batchinv's own wgmma kernels' at M = 1, 64 and 4096 (measured, not documented by NVIDIA).  At
-M >= 1024 it ran at 0.98-1.12x ``torch.mm`` (qkv_proj at M = 1024: 0.78) where batchinv's
-kernels reached 0.75-0.94x.  So batches of at least
-``MIN_ROWS`` rows take it, smaller ones take batchinv's kernels, and a row's bits are the same
-either way.
+Why it may serve a batch-invariant op: a study (``tools/study_cublaslt.py``; results in
+``docs/tuning/linear.md``) found on an H200 that cuBLASLt's algorithm 66, pinned with split-K 1
+and no reduction scheme, gives bitwise the same row whatever M (1 ... 8191) at every Qwen3-8B
+shape, bf16 and fp16, and that its bits equal batchinv's own wgmma kernels' at M = 1, 64 and
+4096 (measured, not documented by NVIDIA).  At large M it runs faster than batchinv's kernels.
+So batches of at least ``MIN_ROWS`` rows take it, smaller ones take batchinv's kernels, and a
+row's bits are the same either way.
 
 Nothing here is trusted blindly; each guard only decides whether the pinned path is used, never
 what a row's bits are:
@@ -35,7 +33,7 @@ from torch import Tensor
 from .cublaslt import CublasLt, CublasLtError, find_cublaslt
 
 MIN_ROWS = 1024
-# The configuration the heuristic chose for every Qwen3-8B shape on the H200 (study.md):
+# The configuration the heuristic chose for every Qwen3-8B shape in the study:
 # algorithm 66, tile 24 (N <= 6144) or 248 (N >= 24576), stages 35, custom option 7, cluster 5.
 PINNED = {
     "algo_id": 66,

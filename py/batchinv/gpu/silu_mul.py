@@ -18,9 +18,9 @@ THREADS = 128  # kThreads in kernels_cu/silu_mul.cu
 # A CTA covers at most this many elements of one row: 128 threads x 2 chunks of each input
 # (kUnroll forward, kBackwardUnroll backward) x 8 bf16, so each thread issues all its loads
 # before it computes; tiles are multiples of TILE_QUANTUM elements so that, on the vector path,
-# they are whole 16-byte chunks for every dtype and every thread gets work.  (The forward had
-# tiles of 4096, 4 chunks, until its session-8 arithmetic made 2 chunks the faster shape.)
-# Elementwise: the tiling changes speed only, never bits.
+# they are whole 16-byte chunks for every dtype and every thread gets work (2 chunks measured
+# faster than 4 for the forward's arithmetic: docs/tuning/silu_mul.md).  Elementwise: the
+# tiling changes speed only, never bits.
 MAX_TILE_ELEMENTS = 2048
 MAX_BACKWARD_TILE_ELEMENTS = 2048
 TILE_QUANTUM = 8 * THREADS

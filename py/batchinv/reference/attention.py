@@ -18,7 +18,7 @@ Positions.  Queries are the *last* tokens of their sequence: query ``i`` of a se
 chunked prefill; 0 in a plain prefill).  This is flash-attention's bottom-right alignment.
 
 The fixed order, and why decode equals prefill bit for bit.  Keys are processed in blocks
-of ``KV_BLOCK = 128`` (64 until session 9) at fixed *absolute* positions
+of ``KV_BLOCK = 128`` at fixed *absolute* positions
 ``[j*128, (j+1)*128)``, intersected with the row's visible keys, blocks in increasing ``j``.
 For each non-empty block::
 
