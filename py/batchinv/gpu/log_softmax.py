@@ -296,36 +296,57 @@ def _forward_into(out: Tensor, lse: Tensor | None, rows_view: Tensor) -> None:
     lse_arg = lse if lse is not None else 0
     if threads == CLUSTER_ONLY_THREADS:
         rows_view = _aligned(rows_view)  # this T has no one-CTA form to fall back on
+    args = (out, lse_arg, rows_view, rows, vocab, rows_view.stride(0))
+    _launch_rows("forward", suffix, rows_view, threads, hopper, rows_view.dtype, (out,), args)
+
+
+def _launch_rows(
+    kind: str,
+    suffix: str,
+    rows_view: Tensor,
+    threads: int,
+    hopper_threads: int | None,
+    cached_dtype: torch.dtype,
+    others: tuple[Tensor, ...],
+    args: tuple,
+) -> None:
+    """Launches the ``kind`` ("forward" or "backward") kernel over ``rows_view`` ``[rows, V]``
+    with ``args`` (its pointers, rows, V and row stride): the Hopper cluster form where
+    ``_cluster_plan`` gives one (``others``: the other tensors of rows it reads or writes, whose
+    alignment it checks), else the one-CTA form with its shared-memory tier (``cached_dtype``:
+    what the kernel keeps on chip)."""
+    rows, vocab = rows_view.shape
+    device = rows_view.device
     plan = _cluster_plan(
-        "forward",
+        kind,
         suffix,
-        rows_view.device,
+        device,
         vocab,
-        (threads, hopper),
-        rows_view.dtype,
-        (rows_view, out),
+        (threads, hopper_threads),
+        cached_dtype,
+        (rows_view, *others),
         rows,
     )
     if plan is not None:
         kernel, ctas, shared, clusters = plan
         launch(
             kernel,
-            rows_view.device,
+            device,
             grid=(clusters * ctas,),
             block=(threads // ctas,),
-            args=(out, lse_arg, rows_view, rows, vocab, rows_view.stride(0)),
+            args=args,
             shared_mem=shared,
         )
         return
     _require_one_cta_form(threads)
-    kernel = kernel_for("log_softmax", f"log_softmax_forward_{suffix}_t{threads}", rows_view.device)
-    smem_groups, shared = _tiering(kernel, rows_view.device, vocab, threads, rows_view.dtype)
+    kernel = kernel_for("log_softmax", f"log_softmax_{kind}_{suffix}_t{threads}", device)
+    smem_groups, shared = _tiering(kernel, device, vocab, threads, cached_dtype)
     launch(
         kernel,
-        rows_view.device,
+        device,
         grid=(rows,),
         block=(threads,),
-        args=(out, lse_arg, rows_view, rows, vocab, rows_view.stride(0), smem_groups),
+        args=(*args, smem_groups),
         shared_mem=shared,
     )
 
@@ -358,36 +379,6 @@ def _backward_into(grad_x: Tensor, grad_rows: Tensor, rows_view: Tensor, lse: Te
     suffix = f"{_SUFFIX[rows_view.dtype]}_{_SUFFIX[grad_rows.dtype]}"
     if threads == CLUSTER_ONLY_THREADS:
         rows_view, grad_rows = _aligned(rows_view), _aligned(grad_rows)
-    plan = _cluster_plan(
-        "backward",
-        suffix,
-        rows_view.device,
-        vocab,
-        (threads, hopper),
-        grad_rows.dtype,
-        (rows_view, grad_rows, grad_x),
-        rows,
-    )
-    if plan is not None:
-        kernel, ctas, shared, clusters = plan
-        launch(
-            kernel,
-            rows_view.device,
-            grid=(clusters * ctas,),
-            block=(threads // ctas,),
-            args=(grad_x, grad_rows, rows_view, lse, rows, vocab, rows_view.stride(0)),
-            shared_mem=shared,
-        )
-        return
-    _require_one_cta_form(threads)
-    name = f"log_softmax_backward_{suffix}_t{threads}"
-    kernel = kernel_for("log_softmax", name, rows_view.device)
-    smem_groups, shared = _tiering(kernel, rows_view.device, vocab, threads, grad_rows.dtype)
-    launch(
-        kernel,
-        rows_view.device,
-        grid=(rows,),
-        block=(threads,),
-        args=(grad_x, grad_rows, rows_view, lse, rows, vocab, rows_view.stride(0), smem_groups),
-        shared_mem=shared,
-    )
+    args = (grad_x, grad_rows, rows_view, lse, rows, vocab, rows_view.stride(0))
+    others = (grad_rows, grad_x)
+    _launch_rows("backward", suffix, rows_view, threads, hopper, grad_rows.dtype, others, args)
