@@ -19,7 +19,7 @@ import torch
 
 import batchinv
 from batchinv.host_syncs import count_host_syncs, host_and_wall_seconds
-from batchinv.reference.kv_cache import KVCache
+from batchinv.kv_cache import KVCache
 
 
 def main() -> None:

@@ -14,13 +14,13 @@ import json
 import torch
 from triton.testing import do_bench
 
-from batchinv.gpu._launch import multiprocessors
 from batchinv.gpu.linear import (
     TileConfig,
     choose_config,
     matmul_nt,
     small_m_configs,
 )
+from batchinv.runtime import multiprocessors
 from batchinv.shapes import QWEN3_8B_LINEAR
 
 M_VALUES = (1, 2, 4, 8, 16, 32, 64)

@@ -6,10 +6,10 @@ padding around it or the schedule that computed it.  ``batchinv.contract`` judge
 """
 
 from . import contract, nn, reference, registry
+from .integrations.enable import enable
+from .kv_cache import KVCache
 
-# Registers the torch.ops.batchinv.* custom ops (about 0.1 s); after the ops, which it wraps.
-from .integrations import torch_library  # noqa: E402, F401, I001
-from .integrations.enable import enable  # noqa: E402, I001
+# Importing an op module registers its torch.ops.batchinv.* custom ops.
 from .ops.attention import attention, attention_varlen, attention_with_kv_cache
 from .ops.embedding import embedding
 from .ops.linear import linear
@@ -18,7 +18,6 @@ from .ops.rms_norm import fused_add_rms_norm, rms_norm
 from .ops.rope import rope
 from .ops.silu_mul import silu_mul, silu_mul_fused
 from .ops.token_logprobs import token_logprobs
-from .reference.kv_cache import KVCache
 
 __version__ = "0.1.0"
 

@@ -12,6 +12,7 @@ from .ops.rms_norm import fused_add_rms_norm, rms_norm
 from .ops.rope import rope
 from .ops.silu_mul import silu_mul, silu_mul_fused
 from .ops.token_logprobs import token_logprobs
+from .validation import check_eps, check_rope_params
 
 
 class Embedding(nn.Module):
@@ -111,8 +112,6 @@ class RMSNorm(nn.Module):
         super().__init__()
         if isinstance(hidden_size, bool) or not isinstance(hidden_size, int) or hidden_size <= 0:
             raise ValueError(f"hidden_size must be a positive int, got {hidden_size!r}")
-        from .reference.rms_norm import check_eps
-
         check_eps(eps)
         self.hidden_size = hidden_size
         self.eps = eps
@@ -141,8 +140,6 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, head_dim: int, theta: float = 1_000_000.0, max_position: int = 40960):
         super().__init__()
-        from .reference.rope import check_rope_params
-
         check_rope_params(head_dim, theta, max_position)
         self.head_dim = head_dim
         self.theta = theta

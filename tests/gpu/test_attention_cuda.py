@@ -17,8 +17,8 @@ import batchinv
 from _streams import capture_graph, run_interleaved_on_streams
 from batchinv.contract import assert_bitwise_equal, assert_within_tolerance
 from batchinv.gpu import attention as gpu
+from batchinv.kv_cache import KVCache
 from batchinv.reference.attention import attention_fp32, attention_varlen_fp32
-from batchinv.reference.kv_cache import KVCache
 
 DEVICE = "cuda"
 QUICK = os.environ.get("BATCHINV_QUICK") == "1"

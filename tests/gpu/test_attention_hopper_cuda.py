@@ -17,8 +17,8 @@ from _streams import capture_graph
 from batchinv.contract import assert_bitwise_equal, assert_within_tolerance
 from batchinv.gpu import attention as gpu
 from batchinv.gpu import attention_hopper as hopper
+from batchinv.kv_cache import KVCache
 from batchinv.reference.attention import attention_fp32
-from batchinv.reference.kv_cache import KVCache
 
 DEVICE = "cuda"
 DTYPES = (torch.bfloat16, torch.float16)
@@ -37,7 +37,7 @@ def _hopper_missing() -> str | None:
         return "needs an NVIDIA GPU"
     if torch.cuda.get_device_capability() != (9, 0):
         return "needs an sm_90 (Hopper) GPU"
-    from batchinv.gpu._launch import native
+    from batchinv.runtime import native
 
     if "90a" not in native().build_info()["cuda_archs"]:
         return "the native module was built without an sm_90a image"
@@ -381,7 +381,7 @@ def test_chunked_prefill_and_decode_equal_hopper_prefill(dtype, d):
 def _finalize_rows(values: torch.Tensor, l: torch.Tensor):
     """The tile kernel's division of each row of 32 values by its l (finalize_row), and
     finalize_out element by element, from the test kernel attn_hopper_finalize_check."""
-    from batchinv.gpu._launch import kernel_for, launch
+    from batchinv.runtime import kernel_for, launch
 
     rows = l.numel()
     values, l = values.contiguous().to(DEVICE), l.contiguous().to(DEVICE)

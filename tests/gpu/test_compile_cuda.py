@@ -2,7 +2,7 @@
 compiled token_logprobs training step give eager's bits, and the compiled forward stays
 batch-invariant when the batch shape changes (inductor recompiles with dynamic shapes).
 
-The batchinv ops are opaque custom ops to the compiler (integrations/torch_library.py); what
+The batchinv ops are opaque custom ops to the compiler (batchinv/ops/_custom_op.py); what
 inductor generates is the glue between them (residual adds, views, the loss), so these tests
 check that inductor's own kernels change no bit on the way."""
 

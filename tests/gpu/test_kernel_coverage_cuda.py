@@ -16,7 +16,7 @@ from batchinv.gpu import attention as gpu_attention
 from batchinv.gpu import linear as gpu_linear
 from batchinv.gpu import log_softmax as gpu_log_softmax
 from batchinv.gpu import rms_norm as gpu_rms_norm
-from batchinv.reference.kv_cache import KVCache
+from batchinv.kv_cache import KVCache
 
 pytestmark = pytest.mark.cuda
 

@@ -14,7 +14,7 @@ import batchinv
 from batchinv.contract import assert_bitwise_equal
 from batchinv.gpu import attention as gpu_attention
 from batchinv.host_syncs import count_host_syncs, sync_debug_mode
-from batchinv.reference.kv_cache import KVCache
+from batchinv.kv_cache import KVCache
 
 pytestmark = pytest.mark.cuda
 

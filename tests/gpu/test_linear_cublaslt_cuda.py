@@ -40,7 +40,9 @@ def test_pinned_path_serves_and_equals_batchinv_kernels(shape, dtype):
     m = linear_cublaslt.MIN_ROWS + 3  # odd, above the threshold
     x, w = _data(m, k, n, dtype)
     out = torch.empty(m, n, dtype=dtype, device=DEVICE)
-    assert linear_cublaslt.serves(x, w, None, out), "pinned path refused a Qwen3-8B shape"
+    assert linear_cublaslt.serves(x, w, None, out, gpu_linear.matmul_nt), (
+        "pinned path refused a Qwen3-8B shape"
+    )
     pinned = linear_cublaslt.matmul_nt(x, w, out)
     ours = gpu_linear.matmul_nt(x, w, family="hopper")
     assert_bitwise_equal(pinned, ours, name=f"{shape[0]} pinned cuBLASLt vs batchinv kernel")
@@ -76,8 +78,8 @@ def test_switch_bias_and_small_batches_stay_on_batchinv_kernels(monkeypatch):
     x, w = _data(linear_cublaslt.MIN_ROWS, 4096, 4096, torch.bfloat16)
     out = torch.empty(x.shape[0], w.shape[0], dtype=x.dtype, device=DEVICE)
     bias = torch.zeros(4096, dtype=x.dtype, device=DEVICE)
-    assert linear_cublaslt.serves(x, w, None, out)
-    assert not linear_cublaslt.serves(x, w, bias, out)
-    assert not linear_cublaslt.serves(x[:-1], w, None, out[:-1])
+    assert linear_cublaslt.serves(x, w, None, out, gpu_linear.matmul_nt)
+    assert not linear_cublaslt.serves(x, w, bias, out, gpu_linear.matmul_nt)
+    assert not linear_cublaslt.serves(x[:-1], w, None, out[:-1], gpu_linear.matmul_nt)
     monkeypatch.setenv("BATCHINV_LINEAR_CUBLASLT", "0")
-    assert not linear_cublaslt.serves(x, w, None, out)
+    assert not linear_cublaslt.serves(x, w, None, out, gpu_linear.matmul_nt)

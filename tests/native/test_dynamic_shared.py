@@ -1,10 +1,10 @@
-"""batchinv.gpu._launch.allow_dynamic_shared: when it raises a kernel's shared-memory limit."""
+"""batchinv.runtime.allow_dynamic_shared: when it raises a kernel's shared-memory limit."""
 
 from __future__ import annotations
 
 import pytest
 
-from batchinv.gpu import _launch
+from batchinv import runtime
 
 
 class RecordingKernel:
@@ -28,36 +28,36 @@ class RecordingKernel:
 
 @pytest.fixture(autouse=True)
 def fresh_cache(monkeypatch):
-    monkeypatch.setattr(_launch, "_DYNAMIC_SHARED_LIMITS", {})
+    monkeypatch.setattr(runtime, "_DYNAMIC_SHARED_LIMITS", {})
 
 
 def test_sizes_within_the_default_limit_raise_nothing():
     kernel = RecordingKernel()
-    _launch.allow_dynamic_shared(kernel, 48 * 1024, 0)
-    _launch.allow_dynamic_shared(kernel, 1024, 0)
+    runtime.allow_dynamic_shared(kernel, 48 * 1024, 0)
+    runtime.allow_dynamic_shared(kernel, 1024, 0)
     assert kernel.raised == []
     assert kernel.attribute_reads == 1  # the limit is read once, then remembered
 
 
 def test_static_shared_memory_lowers_the_default():
     kernel = RecordingKernel(static_shared=4096)
-    _launch.allow_dynamic_shared(kernel, 48 * 1024 - 4096, 0)
+    runtime.allow_dynamic_shared(kernel, 48 * 1024 - 4096, 0)
     assert kernel.raised == []
-    _launch.allow_dynamic_shared(kernel, 48 * 1024, 0)
+    runtime.allow_dynamic_shared(kernel, 48 * 1024, 0)
     assert kernel.raised == [(48 * 1024, 0)]
 
 
 def test_a_larger_size_later_raises_again_and_a_smaller_one_does_not():
     kernel = RecordingKernel()
-    _launch.allow_dynamic_shared(kernel, 100_000, 0)
-    _launch.allow_dynamic_shared(kernel, 80_000, 0)
-    _launch.allow_dynamic_shared(kernel, 200_000, 0)
-    _launch.allow_dynamic_shared(kernel, 200_000, 0)
+    runtime.allow_dynamic_shared(kernel, 100_000, 0)
+    runtime.allow_dynamic_shared(kernel, 80_000, 0)
+    runtime.allow_dynamic_shared(kernel, 200_000, 0)
+    runtime.allow_dynamic_shared(kernel, 200_000, 0)
     assert kernel.raised == [(100_000, 0), (200_000, 0)]
 
 
 def test_each_device_has_its_own_limit():
     kernel = RecordingKernel()
-    _launch.allow_dynamic_shared(kernel, 100_000, 0)
-    _launch.allow_dynamic_shared(kernel, 100_000, 1)
+    runtime.allow_dynamic_shared(kernel, 100_000, 0)
+    runtime.allow_dynamic_shared(kernel, 100_000, 1)
     assert kernel.raised == [(100_000, 0), (100_000, 1)]

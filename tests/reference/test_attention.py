@@ -22,17 +22,16 @@ from batchinv.contract import (
     padding_fill,
     sequence_invariance_sweep,
 )
+from batchinv.kv_cache import KVCache
 from batchinv.reference.attention import (
     KV_BLOCK,
     AttentionReference,
-    KVCache,
     attention,
     attention_fp32,
     attention_varlen,
     attention_with_kv_cache,
-    check_attention_args,
-    check_length_values,
 )
+from batchinv.validation import check_attention_args, check_length_values
 
 # (Hq, Hkv, d): MHA, GQA 2:1 and 3:1, MQA, and the three kernel head dims.
 HEAD_CONFIGS = [(4, 2, 64), (4, 4, 128), (6, 2, 32), (3, 1, 256)]

@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 
 from batchinv.contract import assert_bitwise_equal
-from batchinv.reference.kv_cache import KVCache, host_index_copies
+from batchinv.kv_cache import KVCache, host_index_copies
 
 HKV, D = 2, 8
 

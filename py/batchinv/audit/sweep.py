@@ -25,8 +25,7 @@ from .adapter import ModelAdapter
 __all__ = ["AUDIT_PATHS", "AuditResult", "CaseResult", "PathResult", "count_cases", "run_audit"]
 
 AUDIT_PATHS = ("stock", "batchinv")
-# Probe length: odd, past one 128-key attention block (67, past one 64-key block, until the
-# blocks grew to 128 keys in session 9).
+# Probe length: odd, past one 128-key attention block.
 AUDIT_SEQ_LEN = 131
 
 Progress = Callable[[str, int], None]  # (label, cases done so far in this path)

@@ -150,6 +150,16 @@ def _max_abs_diff(actual: Tensor, expected: Tensor, mask: Tensor) -> str:
     return f"{float(diff[finite].max()):.6g}{note}"
 
 
+def _mismatches(actual: Tensor, expected: Tensor) -> tuple[Tensor, Tensor, Tensor, int]:
+    """``(actual, expected, mask, count)``: both tensors on one device, the mask of elements
+    whose bits differ (a complex element where either part does) and how many there are."""
+    actual, expected = _same_device(actual, expected)
+    mask = _mismatch_mask(actual, expected)
+    if actual.is_complex():
+        mask = mask.any(dim=-1)
+    return actual, expected, mask, int(mask.sum())
+
+
 @dataclass(frozen=True)
 class BitwiseComparison:
     """What ``compare_bits`` found: the mismatch count, the first one, the largest |diff|."""
@@ -170,11 +180,7 @@ def compare_bits(actual: Tensor, expected: Tensor, *, name: str = "") -> Bitwise
     numel = actual.numel()
     if numel == 0:
         return BitwiseComparison(0, 0, None, 0.0)
-    actual, expected = _same_device(actual, expected)
-    mask = _mismatch_mask(actual, expected)
-    if actual.is_complex():
-        mask = mask.any(dim=-1)
-    count = int(mask.sum())
+    actual, expected, mask, count = _mismatches(actual, expected)
     if count == 0:
         return BitwiseComparison(0, numel, None, 0.0)
     first = tuple(int(i) for i in mask.nonzero()[0].cpu().tolist())
@@ -221,11 +227,7 @@ def assert_bitwise_equal(
     numel = actual.numel()
     if numel == 0:
         return
-    actual, expected = _same_device(actual, expected)
-    mask = _mismatch_mask(actual, expected)
-    if actual.is_complex():
-        mask = mask.any(dim=-1)
-    count = int(mask.sum())
+    actual, expected, mask, count = _mismatches(actual, expected)
     if count == 0:
         return
     positions = mask.nonzero()[:_QUOTED_MISMATCHES].cpu().tolist()

@@ -29,45 +29,41 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ..reference.attention import check_attention_args, check_length_values
-from ..reference.kv_cache import host_index_copies
-from . import attention_backward, attention_hopper
-from ._launch import (
+from ..kv_cache import upload
+from ..runtime import (
     allow_dynamic_shared,
     current_raw_stream,
     kernel_for,
     multiprocessors,
-    native,
+    tensor_map_2d,
     uses_hopper,
 )
+from . import attention_backward, attention_hopper
 
-BLOCK_KEYS = 128  # keys per block, at absolute positions [128j, 128j + 128) (64 until session 9)
+BLOCK_KEYS = 128  # keys per block, at absolute positions [128j, 128j + 128)
 SPLIT_KEYS = 2048  # keys per split, at absolute positions (kernels_cu/attention.cu kSplitKeys)
 HEAD_DIMS = (64, 128)
 WARP_CHOICES = (1, 4)
 # K/V blocks held by the tile and one-warp split kernels, one and four warps alike (attention.cu
 # attn_tile): one K and one V buffer, V_j loading during S_j, K_{j+1} during P_j V_j (FA2's split
-# pipeline; until session 9's attn-tile-q four warps kept a ring of 2 whole blocks).
+# pipeline).
 TILE_STAGES = 1
 MODES = ("auto", "tile", "split")
 MAX_PACKED_HEADS = 16  # query heads of one kv head packed in a tile's rows
 # Split launches of 16-row tiles (decode) run the cooperative kernel (attn_split_coop_*):
 # COOP_WARPS warps share one tile and one split, same bits as one warp per tile (the one-warp
 # kernel stays reachable with coop=False).  Its K/V pipeline depth by default: COOP_DEFAULT_STAGES
-# (a 128-key block at d = 128 is a 64 KB stage; H100, GQA 32/8 d=128 bf16, session 9: 1-block
-# ring B=64 @ 4096 0.375 ms, B=1 @ 32768 0.070 ms; 2-block ring B=64 0.374 ms).  Until session 9
-# (64-key blocks) launches with fewer than 4 CTAs per SM took 2 stages.
-# Session 10 (2048-key splits): a launch of at most one CTA per SM (small batches: B=1 at 32768
-# keys is 128 CTAs) takes COOP_ONE_WAVE_STAGES, which keeps a second 64 KB block in flight per
-# SM; H200, B=1 @ 32768: 60 -> 52 us, B=16 @ 2000: 58 -> 49 us; B=64 @ 4096 (1024 CTAs) is 3%
-# faster with one stage.  The stage count never changes a row's operations (tested).
+# (a 128-key block at d = 128 is a 64 KB stage, and a second one is no faster at large
+# batches).  A launch of at most one CTA per SM (small batches: B=1 at 32768 keys is 128 CTAs)
+# takes COOP_ONE_WAVE_STAGES: with few CTAs per SM, a second block in flight hides the load
+# latency that other CTAs would otherwise hide (measurements: docs/tuning/attention.md).  The
+# stage count never changes a row's operations (tested).
 COOP_WARPS = 4
 COOP_STAGES = (1, 2, 3)
 COOP_DEFAULT_STAGES = 1
 COOP_ONE_WAVE_STAGES = 2
 # On sm_90a the cooperative kernel copies K/V by TMA (attn_split_coop_*_tma, where
-# coop_tma_applies; same bits).  H200, same shapes, one run, cp.async -> TMA: B=64 286.4 ->
-# 276.2 us (1-block ring), 286.7 -> 276.6 us (2-block ring); 0.891x -> 0.924x of SDPA.
+# coop_tma_applies; same bits), which measured faster than cp.async (docs/tuning/attention.md).
 
 _SUFFIX = {torch.bfloat16: "bf16", torch.float16: "f16"}
 _LOG2E = 1.4426950408889634
@@ -129,15 +125,6 @@ def make_layout(
                 parts[i] = row
             packed = torch.stack([t.to(torch.int32) for t in parts])
     return Layout(*packed.unbind(0), int(max_q_len), int(max_k_len))
-
-
-def upload(t: Tensor, device: torch.device) -> Tensor:
-    """A copy of host tensor ``t`` on ``device`` that does not wait for the GPU: ``t`` is first
-    copied into fresh pinned memory (so later edits of ``t`` cannot race the transfer), then
-    sent with ``non_blocking=True``."""
-    pinned = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-    pinned.copy_(t)
-    return pinned.to(device, non_blocking=True)
 
 
 def check_supported(q: Tensor, k: Tensor, v: Tensor) -> None:
@@ -230,7 +217,7 @@ def _tma_map_spec(t: Tensor) -> tuple[str, int, int, int]:
 def _encoded_tma_map(address: int, dtype_name: str, rows: int, cols: int, row_bytes: int) -> bytes:
     # A map holds only these numbers, so equal arguments give equal bytes: a KV cache's storage
     # (the same address every decode step) is encoded once.
-    return native().tensor_map_2d(address, dtype_name, rows, cols, row_bytes, 64, 64, 128)
+    return tensor_map_2d(address, dtype_name, rows, cols, row_bytes, 64, 64, 128)
 
 
 def coop_shared_bytes(d: int, stages: int) -> int:
@@ -263,8 +250,8 @@ def choose(
         warps = 1 if layout.max_q_len * pack <= 16 else 4
     if mode == "auto" and warps == 1:
         # Decode-like launches run the cooperative split kernel, whatever the context: with
-        # 128-key blocks the one-warp tile kernel was 1.3-3x slower at 128-1000 keys (H100,
-        # session 9).
+        # 128-key blocks the one-warp tile kernel is slower even at short contexts
+        # (docs/tuning/attention.md).
         mode = "split"
     elif mode == "auto":
         qpt = 16 * warps // pack
@@ -645,32 +632,10 @@ def _rounded_scale(softmax_scale: float | None, head_dim: int) -> float:
     return scale
 
 
-# ----------------------------------------------------------------------------- autograd
+# ----------------------------------------------------------------------------- backward
 
 
-class _AttentionFunction(torch.autograd.Function):
-    """Forward on the canonical layout; backward by ``attention_backward``'s kernels."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, layout: Layout, causal: bool, scale: float, prefill_zero: bool):
-        out, lse = forward(q, k, v, layout, causal, scale, prefill_zero=prefill_zero)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.layout = layout
-        ctx.causal = causal
-        ctx.scale = scale
-        ctx.mark_non_differentiable(lse)
-        return out, lse
-
-    @staticmethod
-    def backward(ctx, grad_out, _grad_lse):
-        q, k, v, out, lse = ctx.saved_tensors
-        # The forward's layout owns its tensors and was checked before the forward ran: the
-        # backward trusts it (no second range check, no host sync).
-        dq, dk, dv = _backward_rows(q, k, v, out, lse, grad_out, ctx.layout, ctx.causal, ctx.scale)
-        return dq, dk, dv, None, None, None, None
-
-
-def _backward_rows(q, k, v, out, lse, grad_out, layout: Layout, causal: bool, scale: float):
+def backward_rows(q, k, v, out, lse, grad_out, layout: Layout, causal: bool, scale: float):
     """``(dq, dk, dv)`` on the canonical layout (rows ``[T, H, d]``, lse ``[Hq, Tq]``) of a
     ``Layout`` whose lengths were checked (the backward kernels then skip their range check)."""
     # The backward kernels take dense rows; the forward also accepts strided views.
@@ -693,21 +658,19 @@ def _backward_rows(q, k, v, out, lse, grad_out, layout: Layout, causal: bool, sc
     )
 
 
-def _run(q, k, v, layout: Layout, causal: bool, scale: float, prefill_zero: bool, **tuning):
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
-        if tuning:
-            raise ValueError("mode/warps overrides are for the no-grad path")
-        q, k, v = (as_rows(t.contiguous()) for t in (q, k, v))
-        return _AttentionFunction.apply(q, k, v, layout, causal, scale, prefill_zero)
+def run_forward(q, k, v, layout: Layout, causal: bool, scale: float, prefill_zero: bool, **tuning):
+    """The entry points' default ``run``: ``forward`` without autograd."""
     return forward(q, k, v, layout, causal, scale, prefill_zero=prefill_zero, **tuning)
 
 
 # ----------------------------------------------------------------------------- entry points
-# Arguments are validated by batchinv.ops.attention (the reference's check_attention_args)
-# except the values of the length tensors: each entry point reads and checks them here with
-# check_length_values (one host sync when they are on the GPU, none when they are CPU tensors)
-# and builds its layout from the host copies that passed.  What only the kernels lack (dtype,
-# head dim, capability) is checked by check_supported.
+# The CUDA implementations of batchinv.attention / attention_varlen / attention_with_kv_cache
+# on arguments that batchinv.ops.attention validated, the values of the length tensors
+# included: lengths arrive as the host (CPU) copies that passed check_length_values (GPU
+# tensors work too, for callers that built them themselves), and the layout is built from them.
+# ``run`` runs the canonical-layout forward: ``run_forward`` by default, the op's autograd
+# runner when the op calls; ``tuning`` (mode, warps, ...; tests and benchmarks) goes to
+# ``forward``.
 
 
 # Host index rows built once per size (a decode step asks for the same ones every layer).
@@ -771,17 +734,14 @@ def attention(
     seqlens_k: Tensor | None = None,
     key_padding_mask: Tensor | None = None,
     return_lse: bool = False,
+    run=run_forward,
     **tuning,
 ):
-    """CUDA ``batchinv.attention`` (padded layout); ``tuning``: ``mode``/``warps`` (tests)."""
-    lengths = check_length_values(q, k, seqlens_q=seqlens_q, seqlens_k=seqlens_k)
-    check_supported(q, k, v)
+    """CUDA ``batchinv.attention`` (padded layout)."""
     batch, sq, hq, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
-    k, v, layout, _ = _padded_layout(
-        q, k, v, lengths.seqlens_q, lengths.seqlens_k, key_padding_mask
-    )
-    out, lse = _run(
+    k, v, layout, _ = _padded_layout(q, k, v, seqlens_q, seqlens_k, key_padding_mask)
+    out, lse = run(
         q.reshape(batch * sq, hq, d),
         k.reshape(batch * sk, hkv, d),
         v.reshape(batch * sk, hkv, d),
@@ -807,21 +767,19 @@ def attention_varlen(
     causal: bool = False,
     softmax_scale: float | None = None,
     return_lse: bool = False,
+    run=run_forward,
     **tuning,
 ):
-    """CUDA ``batchinv.attention_varlen`` (packed rows; ``lse [Hq, Tq]``)."""
-    lengths = check_length_values(q, k, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
-    check_supported(q, k, v)
-    layout = _varlen_layout(lengths.cu_seqlens_q, lengths.cu_seqlens_k, q.device)
-    out, lse = _run(q, k, v, layout, causal, scale_of(softmax_scale, q.shape[-1]), False, **tuning)
+    """CUDA ``batchinv.attention_varlen`` (packed rows; ``lse [Hq, Tq]``); host ``cu_seqlens``."""
+    layout = _varlen_layout(cu_seqlens_q, cu_seqlens_k, q.device)
+    scale = scale_of(softmax_scale, q.shape[-1])
+    out, lse = run(q, k, v, layout, causal, scale, False, **tuning)
     return (out, lse) if return_lse else out
 
 
-# The torch.library ops' backward (integrations/torch_library.py): the eager autograd's
-# kernels on the forward's saved outputs, with the same layout and the same views, hence the
-# eager bits, without running the forward again.  The op saved the caller's length tensors,
-# not a layout, so their values are checked again here (one host sync where they are on the
-# GPU: the caller may have edited them since the forward).
+# The custom ops' backward (batchinv.ops.attention): the eager autograd's kernels on the
+# forward's saved outputs, with the same layout and the same views, hence the eager bits,
+# without running the forward again.
 
 
 def attention_saved_backward(
@@ -841,11 +799,8 @@ def attention_saved_backward(
     """``(dq, dk, dv)`` of ``attention`` from its ``(out, lse [B, Hq, Sq])``."""
     batch, sq, hq, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
-    lengths = check_length_values(q, k, seqlens_q=seqlens_q, seqlens_k=seqlens_k)
-    k_used, v_used, layout, index = _padded_layout(
-        q, k, v, lengths.seqlens_q, lengths.seqlens_k, key_padding_mask
-    )
-    dq, dk, dv = _backward_rows(
+    k_used, v_used, layout, index = _padded_layout(q, k, v, seqlens_q, seqlens_k, key_padding_mask)
+    dq, dk, dv = backward_rows(
         as_rows(q.reshape(batch * sq, hq, d).contiguous()),
         as_rows(k_used.reshape(batch * sk, hkv, d).contiguous()),
         as_rows(v_used.reshape(batch * sk, hkv, d).contiguous()),
@@ -877,11 +832,10 @@ def attention_varlen_saved_backward(
     softmax_scale: float | None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``(dq, dk, dv)`` of ``attention_varlen`` from its ``(out, lse [Hq, Tq])``."""
-    lengths = check_length_values(q, k, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
-    layout = _varlen_layout(lengths.cu_seqlens_q, lengths.cu_seqlens_k, q.device)
+    layout = _varlen_layout(cu_seqlens_q, cu_seqlens_k, q.device)
     rows = (as_rows(t.contiguous()) for t in (q, k, v))
     scale = scale_of(softmax_scale, q.shape[-1])
-    return _backward_rows(*rows, out, lse, grad_out, layout, causal, scale)
+    return backward_rows(*rows, out, lse, grad_out, layout, causal, scale)
 
 
 def attention_with_kv_cache(
@@ -890,44 +844,21 @@ def attention_with_kv_cache(
     v_new: Tensor,
     cache,
     seq_ids: Tensor | None = None,
-    *,
     seqlens_new: Tensor | None = None,
+    *,
     causal: bool = True,
     softmax_scale: float | None = None,
     return_lse: bool = False,
     **tuning,
 ):
     """CUDA ``batchinv.attention_with_kv_cache``: append, then attend straight from the cache
-    storage (no copy); inference only.
-
-    Host syncs: none when ``seq_ids`` and ``seqlens_new`` are CPU tensors or None (the cache
-    keeps its lengths on the host and the layout is uploaded from pinned memory); one when
-    either is on a GPU (both are read to the host together, then checked there)."""
-    check_attention_args(
-        q,
-        k_new,
-        v_new,
-        seqlens_q=seqlens_new,
-        softmax_scale=softmax_scale,
-        causal=causal,
-        check_values=False,  # checked below on the host copies
-    )
-    seq_ids, seqlens_new = host_index_copies(seq_ids=seq_ids, seqlens_new=seqlens_new)
-    lengths = check_length_values(q, k_new, seqlens_q=seqlens_new)
-    check_supported(q, k_new, v_new)
-    scale = scale_of(softmax_scale, q.shape[-1])  # before the append: a bad scale writes nothing
-    if q.dtype != cache.dtype:
-        raise TypeError(f"q has dtype {q.dtype} but {cache.name} holds {cache.dtype}")
-    if cache.k.device != q.device:
-        raise ValueError(f"q is on {q.device} but {cache.name} is on {cache.k.device}")
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k_new, v_new)):
-        raise RuntimeError(
-            "attention_with_kv_cache on CUDA is inference-only: call it under torch.no_grad() "
-            "or with inputs that do not require grad"
-        )
+    storage (no copy); inference only.  ``seq_ids`` and ``seqlens_new`` are host (CPU) int64
+    tensors or None; with them the call makes no host sync (the cache keeps its lengths on the
+    host and the layout is uploaded from pinned memory)."""
     n, s_new, hq, d = q.shape
+    scale = scale_of(softmax_scale, d)
     ids, k_len = cache.append_host(k_new, v_new, seq_ids, seqlens_new)
-    q_len = _full(n, s_new) if seqlens_new is None else lengths.seqlens_q
+    q_len = _full(n, s_new) if seqlens_new is None else seqlens_new
     layout = make_layout(
         _host_arange(n, s_new),
         q_len,

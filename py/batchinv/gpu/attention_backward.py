@@ -36,8 +36,8 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from .._validate import check_same_device, check_same_dtype, check_tensor
-from ._launch import allow_dynamic_shared, kernel_for, launch, uses_hopper
+from ..runtime import allow_dynamic_shared, kernel_for, launch, uses_hopper
+from ..validation import check_same_device, check_same_dtype, check_tensor
 
 # Keep in step with kernels_cu/attention_backward.cu.
 SUPPORTED_HEAD_DIMS = (64, 128)
@@ -397,6 +397,15 @@ def kernel_launches(
     inputs = (q, k, v, grad_out, lse, delta, q_start, q_len, k_start, k_len)
     shape_args = (num_q_heads, num_kv_heads, total_q, 1 if causal else 0, float(scale))
 
+    def queue(stage: str, name: str, grid, threads: int, args: tuple, shared: int) -> None:
+        """Queues a launch of kernel ``name`` with ``shared`` bytes of dynamic shared memory."""
+        kernel = kernel_for("attention_backward", name, device)
+        allow_dynamic_shared(kernel, shared, index)
+        run = functools.partial(
+            launch, kernel, device, grid=grid, block=(threads,), args=args, shared_mem=shared
+        )
+        launches.append((stage, run))
+
     if max_q_len > 0:
         name = _kernel_name("delta", q.dtype, head_dim, variant)
         blocks = -(-max_q_len * num_q_heads // THREADS)
@@ -425,22 +434,8 @@ def kernel_launches(
             name = _kernel_name("dkdv", q.dtype, head_dim, variant)
             shared, kv_threads = dkdv_shared_bytes(head_dim, variant), geometry["kv_threads"]
             keys = geometry["keys"]
-        kernel = kernel_for("attention_backward", name, device)
-        allow_dynamic_shared(kernel, shared, index)
-        launches.append(
-            (
-                "dkdv",
-                functools.partial(
-                    launch,
-                    kernel,
-                    device,
-                    grid=_grid(-(-max_k_len // keys), num_kv_heads, batch, kernel_kinds[0]),
-                    block=(kv_threads,),
-                    args=(*inputs, dk, dv, *shape_args),
-                    shared_mem=shared,
-                ),
-            )
-        )
+        grid = _grid(-(-max_k_len // keys), num_kv_heads, batch, kernel_kinds[0])
+        queue("dkdv", name, grid, kv_threads, (*inputs, dk, dv, *shape_args), shared)
     if max_q_len > 0:
         # The wgmma kernel: 64 queries per CTA, heavy-first grid like `_tiled`.
         if dq_uses_wgmma(q, variant):
@@ -450,50 +445,15 @@ def kernel_launches(
             name = _kernel_name("dq", q.dtype, head_dim, variant)
             shared, dq_rows = dq_shared_bytes(head_dim, variant), geometry["rows"]
             dq_threads = geometry["dq_threads"]
-        kernel = kernel_for("attention_backward", name, device)
-        allow_dynamic_shared(kernel, shared, index)
-        launches.append(
-            (
-                "dq",
-                functools.partial(
-                    launch,
-                    kernel,
-                    device,
-                    grid=_grid(-(-max_q_len // dq_rows), num_q_heads, batch, kernel_kinds[1]),
-                    block=(dq_threads,),
-                    args=(*inputs, dq, *shape_args),
-                    shared_mem=shared,
-                ),
-            )
-        )
+        grid = _grid(-(-max_q_len // dq_rows), num_q_heads, batch, kernel_kinds[1])
+        queue("dq", name, grid, dq_threads, (*inputs, dq, *shape_args), shared)
     return (dq, dk, dv), launches
 
 
-def backward(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    out: Tensor,
-    lse: Tensor,
-    grad_out: Tensor,
-    q_start: Tensor,
-    q_len: Tensor,
-    k_start: Tensor,
-    k_len: Tensor,
-    max_q_len: int,
-    max_k_len: int,
-    causal: bool,
-    scale: float,
-    *,
-    ranges_checked: bool = False,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """``(dq, dk, dv)`` in the input dtype (fp32 accumulation); see the module docstring
-    (``ranges_checked`` too)."""
-    grads, launches = kernel_launches(
-        *(q, k, v, out, lse, grad_out, q_start, q_len, k_start, k_len),
-        *(max_q_len, max_k_len, causal, scale),
-        ranges_checked=ranges_checked,
-    )
+def backward(*args, **kwargs) -> tuple[Tensor, Tensor, Tensor]:
+    """``(dq, dk, dv)`` in the input dtype (fp32 accumulation): ``kernel_launches``'s arguments,
+    its launches run in order; see the module docstring (``ranges_checked`` too)."""
+    grads, launches = kernel_launches(*args, **kwargs)
     for _, run in launches:
         run()
     return grads

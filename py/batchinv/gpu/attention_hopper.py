@@ -17,13 +17,20 @@ import contextlib
 import torch
 from torch import Tensor
 
-from ._launch import allow_dynamic_shared, kernel_for, launch, multiprocessors, native, uses_hopper
+from ..runtime import (
+    allow_dynamic_shared,
+    kernel_for,
+    launch,
+    multiprocessors,
+    tensor_map_2d,
+    uses_hopper,
+)
 
 HEAD_DIMS = frozenset((64, 128))
 WARPGROUPS = 2  # consumer warpgroups (64 rows each: 128-row tiles)
 BLOCK_KEYS = 128  # keys per block: the contract's (attention.BLOCK_KEYS; tested equal)
-# K and V ring depth, each, at both head dims (kernels_cu/attention_hopper.cu kRingStages; at d = 64
-# 3 and 4 stages timed the same as 2, session 10)
+# K and V ring depth, each, at both head dims (kernels_cu/attention_hopper.cu kRingStages; deeper
+# rings were no faster at d = 64: docs/tuning/attention.md)
 STAGES = 2
 _Q_HALF_BYTES = 64 * 64 * 2  # 64 query rows x 64 columns of bf16/fp16
 _KV_HALF_BYTES = BLOCK_KEYS * 64 * 2  # one TMA box: 128 key rows x 64 columns
@@ -77,7 +84,7 @@ def _tensor_map(t: Tensor) -> bytes:
     rows, heads, d = t.shape
     name = _DTYPE_NAMES[t.dtype]
     stride = t.stride(0) * 2
-    return native().tensor_map_2d(t.data_ptr(), name, rows, heads * d, stride, BLOCK_KEYS, 64, 128)
+    return tensor_map_2d(t.data_ptr(), name, rows, heads * d, stride, BLOCK_KEYS, 64, 128)
 
 
 _forced_ctas: int | None = None

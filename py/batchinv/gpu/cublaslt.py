@@ -1,7 +1,7 @@
 """ctypes bindings to cuBLASLt, just enough for one pinned NT matmul algorithm.
 
 Used by ``linear_cublaslt.py`` (the pinned large-M path of ``batchinv.linear``) and by
-``tools/study_cublaslt.py`` (the issue 4 study that found the pinned algorithm).  The library
+``tools/study_cublaslt.py`` (the study that found the pinned algorithm).  The library
 is the libcublasLt that PyTorch loads (the nvidia-cublas wheel); nothing is compiled.
 """
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .._validate import report_bad_index
-from ._launch import kernel_for, launch
+from ..runtime import kernel_for, launch
+from ..validation import report_bad_index
 
 _MAX_GRID_X = 2**31 - 1
 _BACKWARD_KERNELS = {

@@ -14,8 +14,16 @@ import re
 import torch
 from torch import Tensor
 
+from ..runtime import (
+    allow_dynamic_shared,
+    declared_kernels,
+    kernel_for,
+    launch,
+    multiprocessors,
+    tensor_map_2d,
+    uses_hopper,
+)
 from . import linear_cublaslt
-from ._launch import allow_dynamic_shared, kernel_for, launch, multiprocessors, native, uses_hopper
 
 _DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "f16"}
 _HOPPER_NAME = re.compile(r"linear_hopper_(bf16|f16)_bm(\d+)_bn(\d+)_k(\d+)_s(\d+)$")
@@ -57,7 +65,7 @@ class TileConfig:
 @functools.cache
 def hopper_configs() -> tuple[TileConfig, ...]:
     """The configurations built into this extension (read from the kernel names)."""
-    names = native().RawModule(embedded="linear").declared_kernels()
+    names = declared_kernels("linear")
     configs = {
         TileConfig(int(m[2]), int(m[3]), int(m[4]), int(m[5]))
         for name in names
@@ -98,7 +106,7 @@ class SmallMConfig:
 @functools.cache
 def small_m_configs() -> tuple[SmallMConfig, ...]:
     """The small-M configurations built into this extension (read from the kernel names)."""
-    names = native().RawModule(embedded="linear").declared_kernels()
+    names = declared_kernels("linear")
     configs = {
         SmallMConfig(int(m[2]), int(m[3]), int(m[4]))
         for name in names
@@ -108,11 +116,10 @@ def small_m_configs() -> tuple[SmallMConfig, ...]:
 
 
 # Which batches take the small-M kernel on sm_90 (a speed choice: it gives the bits of every
-# other configuration).  tools/tune_linear_small_m.py on an H200 (reports/linear_small_m/):
-# at M <= 8 it beats the Hopper tiles at every Qwen3-8B shape (0.93-1.09x cuBLAS against
-# 0.64-0.97x); at M = 16 its 64-row CTAs do where N <= 32768 (qkv 0.96 vs 0.81, o 1.03 vs
-# 0.85, gate_up 0.96 vs 0.94, down 1.00 vs 0.69) and lose at the lm_head (0.88 vs 0.97); at
-# M = 32 the tiles win at three of five shapes, so from 17 rows on the tiles run.
+# other configuration), from tools/tune_linear_small_m.py (docs/tuning/linear.md): at M <= 8 it
+# beats the Hopper tiles at every Qwen3-8B shape; at M = 16 its 64-row CTAs do where
+# N <= 32768 and lose at the lm_head; at M = 32 the tiles win at most shapes, so from 17 rows
+# on the tiles run.
 SMALL_M_MAX_ROWS = 8
 SMALL_M_WIDE_MAX_ROWS = 16
 SMALL_M_WIDE_MAX_N = 32768
@@ -130,8 +137,8 @@ def choose_small_m_config(m: int) -> SmallMConfig:
     return SmallMConfig(32, 128, 8) if m <= SMALL_M_MAX_ROWS else SmallMConfig(64, 128, 6)
 
 
-# Relative throughput of one tile of each shape (bigger tiles reuse more of what they load).
-# Fitted to tools/tune_linear.py on an H200 (2026-11-26): with it, choose_config picks the
+# Relative throughput of one tile of each shape (bigger tiles reuse more of what they load),
+# fitted to tools/tune_linear.py runs (docs/tuning/linear.md): with it, choose_config picks the
 # fastest configuration, or one within 5% of it, at every Qwen3-8B shape and M measured.
 _TILE_EFFICIENCY = {(128, 256): 1.0, (128, 128): 0.85, (64, 256): 0.8, (64, 128): 0.7}
 _SMALL_TILE_EFFICIENCY = {64: 0.55, 32: 0.5}  # (64, BN) tiles with 128-wide k stages
@@ -156,7 +163,7 @@ def choose_config(m: int, n: int, multiprocessors: int) -> TileConfig:
 
 @functools.lru_cache(maxsize=256)
 def _tensor_map(address: int, dtype_name: str, rows: int, cols: int, box_rows: int) -> bytes:
-    return native().tensor_map_2d(address, dtype_name, rows, cols, cols * 2, box_rows, 64, 128)
+    return tensor_map_2d(address, dtype_name, rows, cols, cols * 2, box_rows, 64, 128)
 
 
 def _aligned(t: Tensor) -> Tensor:
@@ -303,7 +310,7 @@ def matmul_rows(rows: Tensor, weight: Tensor, bias: Tensor | None = None) -> Ten
     if large and bias is None and linear_cublaslt.enabled() and uses_hopper(rows.device):
         rows, weight = _aligned(rows), _aligned(weight)
         out = torch.empty(rows.shape[0], weight.shape[0], dtype=rows.dtype, device=rows.device)
-        if linear_cublaslt.serves(rows, weight, bias, out):
+        if linear_cublaslt.serves(rows, weight, bias, out, matmul_nt):
             return linear_cublaslt.matmul_nt(rows, weight, out)
     return matmul_nt(rows, weight, bias)
 
@@ -354,7 +361,7 @@ def _check_gpu_args(x: Tensor, weight: Tensor, bias: Tensor | None) -> None:
         raise ValueError("bias must be contiguous on the GPU")
 
 
-# ---- EXPERIMENTAL: the K-group tree of issue 4 (not used by batchinv.linear) ---------------
+# ---- EXPERIMENTAL: the K-group tree (not used by batchinv.linear) ---------------------------
 K_GROUPS = 4  # kKGroups in kernels_cu/linear.cu
 _K_GROUP_BIG_TILE = TileConfig(128, 256, 64, 4)
 _K_GROUP_SMALL_M = SmallMConfig(32, 128, 8)

@@ -1,14 +1,12 @@
 """The large-M path of ``batchinv.linear`` on Hopper: cuBLASLt with ONE pinned algorithm.
 
-Why it may serve a batch-invariant op: the issue 4 study (``reports/cublaslt/study.md``,
-``tools/study_cublaslt.py``) found on an H200 that cuBLASLt's algorithm 66, pinned with
-split-K 1 and no reduction scheme, gives bitwise the same row whatever M (1 ... 8191) at every
-Qwen3-8B shape, bf16 and fp16, and a probe in the same session found its bits equal to
-batchinv's own wgmma kernels' at M = 1, 64 and 4096 (measured, not documented by NVIDIA).  At
-M >= 1024 it ran at 0.98-1.12x ``torch.mm`` (qkv_proj at M = 1024: 0.78) where batchinv's
-kernels reached 0.75-0.94x.  So batches of at least
-``MIN_ROWS`` rows take it, smaller ones take batchinv's kernels, and a row's bits are the same
-either way.
+Why it may serve a batch-invariant op: a study (``tools/study_cublaslt.py``; results in
+``docs/tuning/linear.md``) found on an H200 that cuBLASLt's algorithm 66, pinned with split-K 1
+and no reduction scheme, gives bitwise the same row whatever M (1 ... 8191) at every Qwen3-8B
+shape, bf16 and fp16, and that its bits equal batchinv's own wgmma kernels' at M = 1, 64 and
+4096 (measured, not documented by NVIDIA).  At large M it runs faster than batchinv's kernels.
+So batches of at least ``MIN_ROWS`` rows take it, smaller ones take batchinv's kernels, and a
+row's bits are the same either way.
 
 Nothing here is trusted blindly; each guard only decides whether the pinned path is used, never
 what a row's bits are:
@@ -26,6 +24,7 @@ import ctypes
 import functools
 import os
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -34,7 +33,7 @@ from torch import Tensor
 from .cublaslt import CublasLt, CublasLtError, find_cublaslt
 
 MIN_ROWS = 1024
-# The configuration the heuristic chose for every Qwen3-8B shape on the H200 (study.md):
+# The configuration the heuristic chose for every Qwen3-8B shape in the study:
 # algorithm 66, tile 24 (N <= 6144) or 248 (N >= 24576), stages 35, custom option 7, cluster 5.
 PINNED = {
     "algo_id": 66,
@@ -109,26 +108,24 @@ def _run(x: Tensor, weight: Tensor, out: Tensor, plan: _Plan) -> Tensor:
 _CHECKED: dict[tuple[int, int, int, torch.dtype], bool] = {}
 
 
-def _agrees_with_batchinv(weight: Tensor) -> bool:
+def _agrees_with_batchinv(weight: Tensor, batchinv_matmul: Callable) -> bool:
     """The first-use self-check per (device, N, K, dtype): a random probe through both paths
     with this weight, bit for bit."""
     n, k = weight.shape
     key = (weight.device.index, n, k, weight.dtype)
     if key not in _CHECKED:
-        _CHECKED[key] = _self_check(weight)
+        _CHECKED[key] = _self_check(weight, batchinv_matmul)
     return _CHECKED[key]
 
 
-def _self_check(weight: Tensor) -> bool:
-    from .linear import matmul_nt  # the kernels this path must equal
-
+def _self_check(weight: Tensor, batchinv_matmul: Callable) -> bool:
     (n, k), dtype, device = weight.shape, weight.dtype, weight.device
     gen = torch.Generator(device=device).manual_seed(_PROBE_SEED)
     probe = torch.randn(MIN_ROWS, k, device=device, generator=gen).to(dtype)
     plan = _plan(device.index, MIN_ROWS, n, k, dtype)
     if plan is None:
         return False
-    ours = matmul_nt(probe, weight, family="hopper")
+    ours = batchinv_matmul(probe, weight, family="hopper")
     theirs = _run(probe, weight, torch.empty_like(ours), plan)
     bits = torch.int16
     same = bool(torch.equal(ours.view(bits), theirs.view(bits)))
@@ -143,8 +140,12 @@ def _self_check(weight: Tensor) -> bool:
     return same
 
 
-def serves(x: Tensor, weight: Tensor, bias: Tensor | None, out: Tensor) -> bool:
-    """Whether ``x @ weightᵀ`` may take the pinned path (the caller checked sm_90 and dtypes)."""
+def serves(
+    x: Tensor, weight: Tensor, bias: Tensor | None, out: Tensor, batchinv_matmul: Callable
+) -> bool:
+    """Whether ``x @ weightᵀ`` may take the pinned path (the caller checked sm_90 and dtypes).
+    ``batchinv_matmul`` is batchinv's own kernel that the path must equal bit for bit
+    (``batchinv.gpu.linear.matmul_nt``; passed in, since that module calls this one)."""
     m, k = x.shape
     n = weight.shape[0]
     if not enabled() or bias is not None or m < MIN_ROWS:
@@ -154,7 +155,7 @@ def serves(x: Tensor, weight: Tensor, bias: Tensor | None, out: Tensor) -> bool:
     try:
         if _plan(x.device.index, m, n, k, x.dtype) is None:
             return False
-        return _agrees_with_batchinv(weight)
+        return _agrees_with_batchinv(weight, batchinv_matmul)
     except (OSError, RuntimeError, CublasLtError):  # no usable libcublasLt: batchinv's kernels
         return False
 

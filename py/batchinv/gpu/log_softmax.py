@@ -18,7 +18,7 @@ import functools
 import torch
 from torch import Tensor
 
-from ._launch import allow_dynamic_shared, kernel_for, launch, uses_hopper
+from ..runtime import allow_dynamic_shared, kernel_for, launch, uses_hopper
 from .rms_norm import as_rows
 
 # Keep in step with kernels_cu/log_softmax.cu.
@@ -34,8 +34,7 @@ _SUFFIX = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32"}
 # The Hopper form's cluster shape for each T: (CTAs per row, threads per CTA).  The shapes
 # compiled are in CLUSTER_SHAPES (kernels_cu/log_softmax.cu); for T <= 1024 the shape changes
 # speed only (the same tree as the one-CTA form), T = 2048 exists only in the Hopper form.  For
-# T = 1024, 8 CTAs of 128 threads measured faster than 16 of 64 (H200: bf16 -> fp32 forward
-# 1.12 vs 1.24 ms, bf16 backward 1.14 vs 1.34 ms at 4096 x 151936, both with streaming hints).
+# T = 1024, 8 CTAs of 128 threads measured faster than 16 of 64 (docs/tuning/log_softmax.md).
 CLUSTER_SHAPES = frozenset({(8, 64), (8, 128), (16, 64), (16, 128)})
 CLUSTER_SHAPE = {512: (8, 64), 1024: (8, 128), 2048: (16, 128)}
 CLUSTER_THREADS = (512, 1024, 2048)  # the T compiled in the Hopper form
@@ -47,22 +46,18 @@ USE_CLUSTER = True  # the Hopper form where it applies (tests switch it off to c
 # its next row while it finishes the current one.  Elsewhere, or with PERSISTENT_CLUSTERS off: one
 # cluster per row.  Which cluster handles a row changes speed only.  MAX_CLUSTERS caps the count
 # (tests use it to give each cluster many rows).  With the push exchange (no cluster barrier per
-# row) one cluster per row measured faster in every case (H200, 4096 x 151936, same run, ms, one
-# per row / persistent): forward bf16 -> fp32 0.945 / 1.084, fp32 1.267 / 1.431; backward bf16 x
-# with fp32 dy 1.337 / 1.420, with bf16 dy 1.029 / 1.063, fp32 1.869 / 1.931.  So no case loops
-# by default; the form stays for tests and future measurements.
+# row) one cluster per row measured faster in every case (docs/tuning/log_softmax.md), so no
+# case loops by default; the form stays for tests and future measurements.
 PERSISTENT_CLUSTERS = True
 PERSISTENT_CASES: frozenset[tuple[str, str]] | None = frozenset()
 MAX_CLUSTERS: int | None = None
 _BARRIER_BYTES = 8  # one mbarrier per shared-memory segment
 # T on sm_90 for the cases where the Hopper form measured faster than the one-CTA form with
-# T = 512 on an H200 at 4096 x 151936 (same run, ms): forward bf16 -> fp32 1.12 vs 1.34 and
-# fp16 -> fp32 1.11 vs 1.34 (T = 1024), backward bf16 x / bf16 dy 1.13 vs 1.18 (T = 1024),
-# backward bf16 x / fp32 dy 1.42 vs 1.69 and fp16 x / fp32 dy 1.40 (with streaming hints, since
-# dropped) vs 1.68, forward fp32 1.59 vs 1.95, backward fp32 2.12 vs 2.47 (T = 2048, 16-CTA
-# clusters: an fp32 row, or fp32 dy row, is too long for 8 CTAs).  Slower there: forward
-# bf16 -> bf16 (T = 2048: 1.18 vs 0.97).  The other dtype pairs were not measured and keep the
-# one-CTA form.
+# T = 512 at 4096 x 151936 (docs/tuning/log_softmax.md): T = 1024 for the forward of bf16/fp16
+# into fp32 and the backward of bf16 x with bf16 dy; T = 2048 (16-CTA clusters: an fp32 row, or
+# fp32 dy row, is too long for 8 CTAs) for the backward with fp32 dy and the fp32 forward.  The
+# forward bf16 -> bf16 was slower in the Hopper form; the other dtype pairs were not measured.
+# Both keep the one-CTA form.
 # (direction, x dtype, out / grad_out dtype) -> T; other cases keep LARGE_ROW_THREADS.
 HOPPER_FORM_THREADS = {
     ("forward", torch.bfloat16, torch.float32): 1024,
@@ -301,36 +296,57 @@ def _forward_into(out: Tensor, lse: Tensor | None, rows_view: Tensor) -> None:
     lse_arg = lse if lse is not None else 0
     if threads == CLUSTER_ONLY_THREADS:
         rows_view = _aligned(rows_view)  # this T has no one-CTA form to fall back on
+    args = (out, lse_arg, rows_view, rows, vocab, rows_view.stride(0))
+    _launch_rows("forward", suffix, rows_view, threads, hopper, rows_view.dtype, (out,), args)
+
+
+def _launch_rows(
+    kind: str,
+    suffix: str,
+    rows_view: Tensor,
+    threads: int,
+    hopper_threads: int | None,
+    cached_dtype: torch.dtype,
+    others: tuple[Tensor, ...],
+    args: tuple,
+) -> None:
+    """Launches the ``kind`` ("forward" or "backward") kernel over ``rows_view`` ``[rows, V]``
+    with ``args`` (its pointers, rows, V and row stride): the Hopper cluster form where
+    ``_cluster_plan`` gives one (``others``: the other tensors of rows it reads or writes, whose
+    alignment it checks), else the one-CTA form with its shared-memory tier (``cached_dtype``:
+    what the kernel keeps on chip)."""
+    rows, vocab = rows_view.shape
+    device = rows_view.device
     plan = _cluster_plan(
-        "forward",
+        kind,
         suffix,
-        rows_view.device,
+        device,
         vocab,
-        (threads, hopper),
-        rows_view.dtype,
-        (rows_view, out),
+        (threads, hopper_threads),
+        cached_dtype,
+        (rows_view, *others),
         rows,
     )
     if plan is not None:
         kernel, ctas, shared, clusters = plan
         launch(
             kernel,
-            rows_view.device,
+            device,
             grid=(clusters * ctas,),
             block=(threads // ctas,),
-            args=(out, lse_arg, rows_view, rows, vocab, rows_view.stride(0)),
+            args=args,
             shared_mem=shared,
         )
         return
     _require_one_cta_form(threads)
-    kernel = kernel_for("log_softmax", f"log_softmax_forward_{suffix}_t{threads}", rows_view.device)
-    smem_groups, shared = _tiering(kernel, rows_view.device, vocab, threads, rows_view.dtype)
+    kernel = kernel_for("log_softmax", f"log_softmax_{kind}_{suffix}_t{threads}", device)
+    smem_groups, shared = _tiering(kernel, device, vocab, threads, cached_dtype)
     launch(
         kernel,
-        rows_view.device,
+        device,
         grid=(rows,),
         block=(threads,),
-        args=(out, lse_arg, rows_view, rows, vocab, rows_view.stride(0), smem_groups),
+        args=(*args, smem_groups),
         shared_mem=shared,
     )
 
@@ -363,36 +379,6 @@ def _backward_into(grad_x: Tensor, grad_rows: Tensor, rows_view: Tensor, lse: Te
     suffix = f"{_SUFFIX[rows_view.dtype]}_{_SUFFIX[grad_rows.dtype]}"
     if threads == CLUSTER_ONLY_THREADS:
         rows_view, grad_rows = _aligned(rows_view), _aligned(grad_rows)
-    plan = _cluster_plan(
-        "backward",
-        suffix,
-        rows_view.device,
-        vocab,
-        (threads, hopper),
-        grad_rows.dtype,
-        (rows_view, grad_rows, grad_x),
-        rows,
-    )
-    if plan is not None:
-        kernel, ctas, shared, clusters = plan
-        launch(
-            kernel,
-            rows_view.device,
-            grid=(clusters * ctas,),
-            block=(threads // ctas,),
-            args=(grad_x, grad_rows, rows_view, lse, rows, vocab, rows_view.stride(0)),
-            shared_mem=shared,
-        )
-        return
-    _require_one_cta_form(threads)
-    name = f"log_softmax_backward_{suffix}_t{threads}"
-    kernel = kernel_for("log_softmax", name, rows_view.device)
-    smem_groups, shared = _tiering(kernel, rows_view.device, vocab, threads, grad_rows.dtype)
-    launch(
-        kernel,
-        rows_view.device,
-        grid=(rows,),
-        block=(threads,),
-        args=(grad_x, grad_rows, rows_view, lse, rows, vocab, rows_view.stride(0), smem_groups),
-        shared_mem=shared,
-    )
+    args = (grad_x, grad_rows, rows_view, lse, rows, vocab, rows_view.stride(0))
+    others = (grad_rows, grad_x)
+    _launch_rows("backward", suffix, rows_view, threads, hopper, grad_rows.dtype, others, args)

@@ -6,8 +6,8 @@ the number of rows, so a row's reduction order, and its bits, are the same in an
 forward can also write ``inv_rms`` per row (fp32), which the backward reads instead of
 recomputing it.  No call synchronises with the device.
 
-``forward``/``fused_add_forward``/``backward`` validate their arguments; the ``*_unchecked``
-variants are for callers that already did (the ops), to keep the host path short.
+Arguments are validated once by the op (``batchinv.ops.rms_norm``); nothing here checks them
+again, so the host path of a call is the launch alone.
 """
 
 from __future__ import annotations
@@ -19,27 +19,25 @@ import threading
 import torch
 from torch import Tensor
 
-from ..reference.rms_norm import check_fused_add_rms_norm_args, check_rms_norm_args
 from ..registry import backend_of
-from ._launch import allow_dynamic_shared, kernel_for, launch, uses_hopper
+from ..runtime import allow_dynamic_shared, kernel_for, launch, uses_hopper
 
 # Keep in step with kernels_cu/rms_norm.cu: (threads per row, 16-byte chunks per thread), the
 # first that holds the row is used.  The tree follows the threads per row only, so (128, 2),
 # (128, 5) and (128, 8) reduce a row alike; fewer chunks only bound the registers.  (128, 2): rows
-# of 129 .. 256 chunks (bf16 hidden 2048), 13% faster than (64, 8) on an H200 and 7% on an H100
-# (issue 6, session 9); (128, 5): bf16 d in (4096, 5120] (Qwen3-14B/32B).
+# of 129 .. 256 chunks (bf16 hidden 2048), faster there than (64, 8) (docs/tuning/rms_norm.md);
+# (128, 5): bf16 d in (4096, 5120] (Qwen3-14B/32B).
 GEOMETRIES = ((4, 4), (16, 4), (32, 4), (128, 2), (64, 8), (128, 5), (128, 8), (256, 8), (512, 8))
 # The backward's list: the same, except that rows of 129 .. 512 chunks (bf16 hidden 2048 .. 4096)
-# use 128 threads of 4 chunks instead of (128, 2) and (64, 8) (issue 6: the fused backward with 8
-# chunks of x and dy per thread was latency bound).  It fixes the backward's row tree (grad_x)
+# use 128 threads of 4 chunks instead of (128, 2) and (64, 8) (the fused backward with 8 chunks of
+# x and dy per thread is latency bound).  It fixes the backward's row tree (grad_x)
 # and grad_weight's first level, as the forward's list fixes the forward's; both depend on d and
 # the dtype only.
 BACKWARD_GEOMETRIES = ((4, 4), (16, 4), (32, 4), (128, 4), (128, 5), (128, 8), (256, 8), (512, 8))
 # Forward kernels with an entry of their own for 16-byte vector launches (``*_vec``: no
 # per-element tests, the same operations and bits; kernels_cu/rms_norm.cu's
-# BATCHINV_RMS_NORM_FORWARD_VECTOR_KERNELS), where it measured faster on an H200 (issue 6,
-# session 11): 16384 x 4096 bf16 plain 2.2% (CUDA graphs 66.7 vs 68.2 us), 1024 x 4096 21%
-# (4.6 vs 5.8 us), fused 0.5% (t64) and 1.3% (t128k5).  Other geometries: level or slower.
+# BATCHINV_RMS_NORM_FORWARD_VECTOR_KERNELS), where it measured faster; for the other geometries
+# it was level or slower (docs/tuning/rms_norm.md).
 VECTOR_ENTRIES = frozenset(
     {
         ("rms_norm_forward", "t64"),
@@ -57,13 +55,11 @@ WEIGHT_GRAD_CHUNK_ROWS = 16
 # ``*_<geometry>g2``): a first-level partial of 2 x 16 rows, so half the partial rows to write
 # and reduce with as many row groups in flight as 1 x 16.  A function of the row count, d and
 # the dtype only, never of the SM count.  t128k4 (bf16 hidden 4096, fp32 512 < d <= 2048) from
-# 16384 rows: below it was 1-3% slower on an H200, and fp16's entry (164 registers, one CTA per
-# SM) 6.6% slower, so those keep 1 x 16 (issue 6, session 8).  t128k5 (bf16/fp16 hidden 5120,
-# fp32 2048 < d <= 2560), every dtype, from 8192 rows: 2.1-3.2% faster than 1 x 16 at 16384 rows
-# on an H200, 2.4-3% at 24576 and 32768 rows, 1.8% (bf16) and 1.6% (fp16) at 8192 rows, 1.0%
-# at 12288 rows, level at 4096 rows (issue 6, session 11).  Not kept: more rows per group at
-# large row counts (at most 256 partial rows): 1.5% faster at 16384 x 5120 bf16 on an H200 but
-# 6% slower on an H100, 10% at 32768 rows (session 11, docs/tuning/rms_norm.md).
+# 16384 rows: below that it was slower, and fp16's entry (164 registers, one CTA per SM) slower
+# at every row count, so those keep 1 x 16.  t128k5 (bf16/fp16 hidden 5120, fp32
+# 2048 < d <= 2560), every dtype, from 8192 rows: faster than 1 x 16 from there on, level at
+# 4096 rows.  Not kept: more rows per group at large row counts (at most 256 partial rows),
+# faster on one GPU and slower on another.  Measurements: docs/tuning/rms_norm.md.
 # geometry -> (dtypes, first row count with two groups)
 TWO_GROUPS = {
     "t128k4": ((torch.bfloat16, torch.float32), 16384),
@@ -91,15 +87,15 @@ FUSED_WEIGHT_GRAD_MIN_BLOCKS = 256
 # whole first level: ``run_counters_for``.  False: it waits for the first level to end.
 OVERLAP_LAST_LEVELS = True
 # ... for the fused backward of at least this many rows on geometries of at least this many
-# threads per row (CTAs that live long): on an H200 (issue 6, session 12) it ran 1-2% faster
-# from 16384 rows at hidden 2048-5120 (fp16 16384 x 4096: 4.7%), but 1% slower at 8192 x 4096
-# and 9% slower for t4 at 65536 x 128 (short CTAs, each ending with a fence and a count).
+# threads per row (CTAs that live long): it ran faster from 16384 rows at hidden 2048-5120, but
+# slower at fewer rows and for short CTAs (t4), each of which ends with a fence and a count
+# (docs/tuning/rms_norm.md).
 OVERLAP_MIN_ROWS = 16384
 OVERLAP_MIN_THREADS = 128
 # Where the counts live: "stream", one set per (device, stream), reused call after call (every
-# call adds 64 to each counter; no zeroing); "call", zeroed for each call (the A/B of issue 6,
-# session 12).  A CUDA graph capture always takes zeroed counters of its own (each replay runs
-# the captured zeroing again).
+# call adds 64 to each counter; no zeroing); "call", zeroed for each call (kept for comparing the
+# two).  A CUDA graph capture always takes zeroed counters of its own (each replay runs the
+# captured zeroing again).
 RUN_COUNTERS = "stream"
 RUN_COUNTER_RUNS = WEIGHT_GRAD_LAST_LEVELS_ROWS // WEIGHT_GRAD_REDUCE_ROWS  # kMaxRuns
 RUN_COUNTER_STRIDE = 32  # 32-bit words from one run's counter to the next (128 bytes)
@@ -208,7 +204,7 @@ def _launch_rows(
     )
 
 
-def forward_unchecked(
+def run_forward(
     x: Tensor,
     weight: Tensor,
     eps: float,
@@ -216,9 +212,8 @@ def forward_unchecked(
     *,
     need_rstd: bool = True,
 ) -> tuple[Tensor, Tensor | None, Tensor | None]:
-    """``(y, new_residual, rstd)`` for already validated arguments; ``new_residual`` is None
-    without a residual, ``rstd`` None when ``need_rstd`` is False (nothing saved for a
-    backward: one allocation less)."""
+    """``(y, new_residual, rstd)``; ``new_residual`` is None without a residual, ``rstd`` None
+    when ``need_rstd`` is False (nothing saved for a backward: one allocation less)."""
     d = x.shape[-1]
     x_rows = as_rows(x, d)
     rows = x_rows.shape[0]
@@ -255,8 +250,7 @@ def forward_unchecked(
 
 def forward(x: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
     """``(y, rstd)``: y in x's shape and dtype, rstd the fp32 ``inv_rms`` of each row."""
-    check_rms_norm_args(x, weight, eps)
-    y, _, rstd = forward_unchecked(x, weight, eps)
+    y, _, rstd = run_forward(x, weight, eps)
     return y, rstd
 
 
@@ -264,8 +258,7 @@ def fused_add_forward(
     x: Tensor, residual: Tensor, weight: Tensor, eps: float
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``(y, new_residual, rstd)`` with ``new_residual = round(x + residual)``."""
-    check_fused_add_rms_norm_args(x, residual, weight, eps)
-    return forward_unchecked(x, weight, eps, residual)
+    return run_forward(x, weight, eps, residual)
 
 
 def _two_groups(name: str, dtype: torch.dtype) -> bool:

@@ -17,9 +17,9 @@ import functools
 import torch
 from torch import Tensor
 
-from .._validate import report_bad_index
-from ..reference.rope import DEFAULT_MAX_POSITION, check_rope_args, rope_inv_freq
-from ._launch import kernel_for, launch
+from ..reference.rope import rope_inv_freq
+from ..runtime import kernel_for, launch
+from ..validation import report_bad_index
 
 THREADS = 128  # kThreads in kernels_cu/rope.cu
 _MAX_GRID_X = 2**31 - 1
@@ -116,34 +116,12 @@ def forward(
     q: Tensor,
     k: Tensor,
     position_ids: Tensor,
-    *,
-    theta: float,
-    head_dim: int | None = None,
-    max_position: int = DEFAULT_MAX_POSITION,
-    check_positions: bool = True,
-) -> tuple[Tensor, Tensor]:
-    """``(q_rot, k_rot)``, new tensors; IndexError for a position outside [0, max_position)."""
-    check_rope_args(
-        q,
-        k,
-        position_ids,
-        theta=theta,
-        head_dim=head_dim,
-        max_position=max_position,
-        check_values=False,
-    )
-    return forward_unchecked(q, k, position_ids, theta, max_position, check_positions)
-
-
-def forward_unchecked(
-    q: Tensor,
-    k: Tensor,
-    position_ids: Tensor,
     theta: float,
     max_position: int,
     check_positions: bool,
 ) -> tuple[Tensor, Tensor]:
-    """``forward`` for already validated arguments."""
+    """``(q_rot, k_rot)``, new tensors; with ``check_positions``, IndexError for a position
+    outside [0, max_position) (the op validated everything else)."""
     q_rot, k_rot, first_bad = launch_rotation(
         q, k, position_ids, theta, max_position, inverse=False, want_flag=check_positions
     )

@@ -3,6 +3,7 @@
 Elementwise: every output element is one function of its own inputs, computed by the same
 code on every path, so it is bitwise the same in any batch.  The fused ``[..., 2I]`` layout
 is read in place (gate and up are two strided views of it).  No call synchronises.
+Arguments are validated once by the op (``batchinv.ops.silu_mul``), not here.
 """
 
 from __future__ import annotations
@@ -10,17 +11,16 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..reference.silu_mul import check_silu_mul_args, check_silu_mul_fused_args
-from ._launch import kernel_for, launch
+from ..runtime import kernel_for, launch
 from .rms_norm import as_rows
 
 THREADS = 128  # kThreads in kernels_cu/silu_mul.cu
 # A CTA covers at most this many elements of one row: 128 threads x 2 chunks of each input
 # (kUnroll forward, kBackwardUnroll backward) x 8 bf16, so each thread issues all its loads
 # before it computes; tiles are multiples of TILE_QUANTUM elements so that, on the vector path,
-# they are whole 16-byte chunks for every dtype and every thread gets work.  (The forward had
-# tiles of 4096, 4 chunks, until its session-8 arithmetic made 2 chunks the faster shape.)
-# Elementwise: the tiling changes speed only, never bits.
+# they are whole 16-byte chunks for every dtype and every thread gets work (2 chunks measured
+# faster than 4 for the forward's arithmetic: docs/tuning/silu_mul.md).  Elementwise: the
+# tiling changes speed only, never bits.
 MAX_TILE_ELEMENTS = 2048
 MAX_BACKWARD_TILE_ELEMENTS = 2048
 TILE_QUANTUM = 8 * THREADS
@@ -56,11 +56,6 @@ def _forward_rows(out: Tensor, gate: Tensor, up: Tensor, rows: int, inter: int) 
 
 def forward(gate: Tensor, up: Tensor) -> Tensor:
     """``silu(gate) * up``; gate and up ``[..., I]``, any strides (copied only if needed)."""
-    check_silu_mul_args(gate, up)
-    return forward_unchecked(gate, up)
-
-
-def forward_unchecked(gate: Tensor, up: Tensor) -> Tensor:
     inter = gate.shape[-1]
     gate_rows, up_rows = as_rows(gate, inter), as_rows(up, inter)
     rows = gate_rows.shape[0]
@@ -71,11 +66,6 @@ def forward_unchecked(gate: Tensor, up: Tensor) -> Tensor:
 
 def forward_fused(gate_up: Tensor) -> Tensor:
     """``silu(gate_up[..., :I]) * gate_up[..., I:]``, read in place."""
-    check_silu_mul_fused_args(gate_up)
-    return forward_fused_unchecked(gate_up)
-
-
-def forward_fused_unchecked(gate_up: Tensor) -> Tensor:
     inter = gate_up.shape[-1] // 2
     both = as_rows(gate_up, 2 * inter)
     rows = both.shape[0]

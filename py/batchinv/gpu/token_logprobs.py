@@ -19,8 +19,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .._validate import report_bad_index
-from ._launch import allow_dynamic_shared, kernel_for, launch, native, uses_hopper
+from ..runtime import allow_dynamic_shared, kernel_for, launch, tensor_map_2d, uses_hopper
+from ..validation import report_bad_index
 
 VOCAB_TILE = 256  # kVocabTile in the kernel: part of the forward's definition (bits)
 GRAD_VOCAB_CHUNK = 4096  # vocabulary columns per backward step: part of d_hidden's definition
@@ -55,7 +55,7 @@ def _tensor_map(t: Tensor, rows: int, cols: int, row_stride: int, box_rows: int)
     """A TMA map of ``rows x cols`` elements of ``t`` (rows ``row_stride`` elements apart);
     reads past ``cols`` or ``rows`` arrive as zeros."""
     name = _DTYPE_NAMES[t.dtype]
-    return native().tensor_map_2d(t.data_ptr(), name, rows, cols, row_stride * 2, box_rows, 64, 128)
+    return tensor_map_2d(t.data_ptr(), name, rows, cols, row_stride * 2, box_rows, 64, 128)
 
 
 def _aligned(t: Tensor) -> Tensor:

@@ -1,5 +1,6 @@
-"""Integrations: torch.library custom ops, ``batchinv.enable()`` and Hugging Face transformers.
+"""Integrations: ``batchinv.enable()`` and Hugging Face transformers.
 
-``torch_library`` registers the ``batchinv::*`` custom ops (imported by ``batchinv``);
-``enable`` routes stock torch calls to batchinv; ``transformers`` imports transformers lazily.
+``enable`` routes stock torch calls to batchinv; ``transformers`` imports transformers lazily;
+``attention_masks`` maps their attention masks to batchinv's attention.  (The
+``torch.ops.batchinv.*`` custom ops are registered by the op modules, ``batchinv.ops``.)
 """

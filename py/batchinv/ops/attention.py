@@ -1,36 +1,35 @@
 """``batchinv.attention`` and friends: padded, varlen and KV-cache attention.
 
-Each public function validates its arguments once and dispatches through the registry
-(the values of the length tensors are read and checked by the implementation it dispatches
-to, once: the reference in its own check, the CUDA backend with one host sync for GPU
-lengths and none for CPU lengths, from the copies that also build its layout):
-the CPU implementation is the strict reference (``batchinv.reference.attention``, fixed
-128-key blocks at absolute positions); a GPU backend registers its own implementation of
-the same three entry points, with its own autograd.  There is no fallback from a GPU
-tensor to the reference.
+Each public function validates its arguments once and dispatches through the registry.  The
+values of the length tensors (``seqlens``, ``cu_seqlens``) are read and checked once, by the
+implementation the call dispatches to: the CPU reference in its own check, the CUDA backend
+here, with one host sync for GPU lengths and none for CPU lengths, handing the host copies
+that passed to ``batchinv.gpu.attention``, which builds its layout from them.  The CPU
+implementation is the strict reference (``batchinv.reference.attention``, fixed 128-key
+blocks at absolute positions); on CUDA, ``kernels_cu/attention.cu`` (mma.sync, fixed 128-key
+blocks and 2048-key splits at absolute positions; decode equals prefill bit for bit) with its
+own autograd (below).  Not built for HIP.  There is no fallback from a GPU tensor to the
+reference.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
 
 from .. import registry
 from ..gpu import attention as gpu
+from ..kv_cache import KVCache, host_index_copies
 from ..reference import attention as reference
-from ..reference.kv_cache import KVCache
+from ..validation import check_attention_args, check_length_values
+from ._custom_op import CustomOp
 
-registry.register("attention", "cpu")(reference.attention)
-registry.register("attention_varlen", "cpu")(reference.attention_varlen)
-registry.register("attention_with_kv_cache", "cpu")(reference.attention_with_kv_cache)
-# CUDA: kernels_cu/attention.cu (mma.sync, fixed 128-key blocks and 2048-key splits at absolute
-# positions; decode equals prefill bit for bit).  Not built for HIP.
-registry.register("attention", "cuda")(gpu.attention)
-registry.register("attention_varlen", "cuda")(gpu.attention_varlen)
-registry.register("attention_with_kv_cache", "cuda")(gpu.attention_with_kv_cache)
-# The torch.library ops' backward from saved outputs (integrations/torch_library.py).
-registry.register("attention.saved_backward", "cuda")(gpu.attention_saved_backward)
-registry.register("attention_varlen.saved_backward", "cuda")(gpu.attention_varlen_saved_backward)
+# The custom ops' arguments after q, k, v (their schemas below), which are also the keyword
+# arguments of the registry's ``<op>.saved_backward``.
+_PADDED_OPTIONS = ("causal", "softmax_scale", "seqlens_q", "seqlens_k", "key_padding_mask")
+_VARLEN_OPTIONS = ("cu_seqlens_q", "cu_seqlens_k", "causal", "softmax_scale")
 
 
 def attention(
@@ -53,32 +52,13 @@ def attention(
     (True = keep) drops keys.  With ``return_lse``: ``(out, lse [B, Hq, Sq] fp32)``.
     The full definition and its fixed order: ``batchinv.reference.attention``.
     """
-    if torch.compiler.is_compiling():  # one opaque node (integrations/torch_library.py)
-        args = (causal, softmax_scale, seqlens_q, seqlens_k, key_padding_mask)
-        out, lse = torch.ops.batchinv.attention(q, k, v, *args)
+    options = (causal, softmax_scale, seqlens_q, seqlens_k, key_padding_mask)
+    if torch.compiler.is_compiling():  # one opaque node (the custom ops below)
+        out, lse = torch.ops.batchinv.attention(q, k, v, *options)
         return (out, lse) if return_lse else out
-    reference.check_attention_args(
-        q,
-        k,
-        v,
-        seqlens_q=seqlens_q,
-        seqlens_k=seqlens_k,
-        key_padding_mask=key_padding_mask,
-        softmax_scale=softmax_scale,
-        causal=causal,
-        check_values=False,  # read once by the implementation (module docstring)
-    )
-    return registry.lookup("attention", q.device)(
-        q,
-        k,
-        v,
-        causal=causal,
-        softmax_scale=softmax_scale,
-        seqlens_q=seqlens_q,
-        seqlens_k=seqlens_k,
-        key_padding_mask=key_padding_mask,
-        return_lse=return_lse,
-    )
+    _check_padded(q, k, v, *options)
+    keywords = dict(zip(_PADDED_OPTIONS, options, strict=True))
+    return registry.lookup("attention", q.device)(q, k, v, **keywords, return_lse=return_lse)
 
 
 def attention_varlen(
@@ -101,16 +81,7 @@ def attention_varlen(
         args = (cu_seqlens_q, cu_seqlens_k, causal, softmax_scale)
         out, lse = torch.ops.batchinv.attention_varlen(q, k, v, *args)
         return (out, lse) if return_lse else out
-    reference.check_attention_args(
-        q,
-        k,
-        v,
-        cu_seqlens_q=cu_seqlens_q,
-        cu_seqlens_k=cu_seqlens_k,
-        softmax_scale=softmax_scale,
-        causal=causal,
-        check_values=False,  # read once by the implementation (module docstring)
-    )
+    _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, softmax_scale)
     return registry.lookup("attention_varlen", q.device)(
         q,
         k,
@@ -144,6 +115,8 @@ def attention_with_kv_cache(
     """
     if not isinstance(cache, KVCache):
         raise TypeError(f"cache must be a batchinv KVCache, got {type(cache).__name__}")
+    # The rest is checked by the implementation: the reference checks as it appends and
+    # attends, the CUDA backend checks everything before it appends (a bad call writes nothing).
     return registry.lookup("attention_with_kv_cache", q.device)(
         q,
         k_new,
@@ -155,3 +128,215 @@ def attention_with_kv_cache(
         softmax_scale=softmax_scale,
         return_lse=return_lse,
     )
+
+
+def _check_padded(q, k, v, causal, softmax_scale, seqlens_q, seqlens_k, key_padding_mask):
+    """The checks of a padded call that read no tensor values (see the module docstring)."""
+    check_attention_args(
+        q,
+        k,
+        v,
+        seqlens_q=seqlens_q,
+        seqlens_k=seqlens_k,
+        key_padding_mask=key_padding_mask,
+        softmax_scale=softmax_scale,
+        causal=causal,
+        check_values=False,
+    )
+
+
+def _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, softmax_scale):
+    """The checks of a varlen call that read no tensor values."""
+    check_attention_args(
+        q,
+        k,
+        v,
+        cu_seqlens_q=cu_seqlens_q,
+        cu_seqlens_k=cu_seqlens_k,
+        softmax_scale=softmax_scale,
+        causal=causal,
+        check_values=False,
+    )
+
+
+# ----------------------------------------------------------------------------- CUDA
+
+
+class _AttentionGPU(torch.autograd.Function):
+    """Forward on the canonical layout; backward by ``attention_backward``'s kernels."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, layout: gpu.Layout, causal: bool, scale: float, prefill_zero: bool):
+        out, lse = gpu.forward(q, k, v, layout, causal, scale, prefill_zero=prefill_zero)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.layout = layout
+        ctx.causal = causal
+        ctx.scale = scale
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, grad_out, _grad_lse):
+        q, k, v, out, lse = ctx.saved_tensors
+        # The forward's layout owns its tensors and was checked before the forward ran: the
+        # backward trusts it (no second range check, no host sync).
+        dq, dk, dv = gpu.backward_rows(
+            q, k, v, out, lse, grad_out, ctx.layout, ctx.causal, ctx.scale
+        )
+        return dq, dk, dv, None, None, None, None
+
+
+def _run(q, k, v, layout: gpu.Layout, causal: bool, scale: float, prefill_zero: bool, **tuning):
+    """The canonical-layout forward, through ``_AttentionGPU`` when a gradient is wanted."""
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+        if tuning:
+            raise ValueError("mode/warps overrides are for the no-grad path")
+        q, k, v = (gpu.as_rows(t.contiguous()) for t in (q, k, v))
+        return _AttentionGPU.apply(q, k, v, layout, causal, scale, prefill_zero)
+    return gpu.forward(q, k, v, layout, causal, scale, prefill_zero=prefill_zero, **tuning)
+
+
+# The CUDA implementations read and check the length values here (check_length_values: one
+# host sync when they are on the GPU, none for CPU tensors) and hand the host copies that
+# passed to batchinv.gpu.attention; what only the kernels lack (dtype, head dim, capability)
+# is gpu.check_supported.  The custom ops' backward (``*_saved_backward``) checks the values
+# again: the op saved the caller's length tensors, which the caller may have edited since.
+
+
+def _gpu_attention(q, k, v, *, seqlens_q, seqlens_k, **options):
+    lengths = check_length_values(q, k, seqlens_q=seqlens_q, seqlens_k=seqlens_k)
+    gpu.check_supported(q, k, v)
+    host = {"seqlens_q": lengths.seqlens_q, "seqlens_k": lengths.seqlens_k}
+    return gpu.attention(q, k, v, **host, run=_run, **options)
+
+
+def _gpu_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, **options):
+    lengths = check_length_values(q, k, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
+    gpu.check_supported(q, k, v)
+    cu_q, cu_k = lengths.cu_seqlens_q, lengths.cu_seqlens_k
+    return gpu.attention_varlen(q, k, v, cu_q, cu_k, run=_run, **options)
+
+
+def _gpu_attention_saved_backward(grad_out, q, k, v, out, lse, *, seqlens_q, seqlens_k, **options):
+    lengths = check_length_values(q, k, seqlens_q=seqlens_q, seqlens_k=seqlens_k)
+    host = {"seqlens_q": lengths.seqlens_q, "seqlens_k": lengths.seqlens_k}
+    return gpu.attention_saved_backward(grad_out, q, k, v, out, lse, **host, **options)
+
+
+def _gpu_attention_varlen_saved_backward(
+    grad_out, q, k, v, out, lse, *, cu_seqlens_q, cu_seqlens_k, **options
+):
+    lengths = check_length_values(q, k, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
+    host = {"cu_seqlens_q": lengths.cu_seqlens_q, "cu_seqlens_k": lengths.cu_seqlens_k}
+    return gpu.attention_varlen_saved_backward(grad_out, q, k, v, out, lse, **host, **options)
+
+
+def _gpu_attention_with_kv_cache(
+    q, k_new, v_new, cache, seq_ids, *, seqlens_new, causal, softmax_scale, return_lse
+):
+    """Every check of a CUDA KV-cache call, before anything is appended; ``seq_ids`` and
+    ``seqlens_new`` are read to the host together (one host sync when either is on a GPU)."""
+    _check_padded(q, k_new, v_new, causal, softmax_scale, seqlens_new, None, None)
+    seq_ids, seqlens_new = host_index_copies(seq_ids=seq_ids, seqlens_new=seqlens_new)
+    check_length_values(q, k_new, seqlens_q=seqlens_new)
+    gpu.check_supported(q, k_new, v_new)
+    gpu.scale_of(softmax_scale, q.shape[-1])  # a bad scale raises before the append
+    if q.dtype != cache.dtype:
+        raise TypeError(f"q has dtype {q.dtype} but {cache.name} holds {cache.dtype}")
+    if cache.k.device != q.device:
+        raise ValueError(f"q is on {q.device} but {cache.name} is on {cache.k.device}")
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k_new, v_new)):
+        raise RuntimeError(
+            "attention_with_kv_cache on CUDA is inference-only: call it under torch.no_grad() "
+            "or with inputs that do not require grad"
+        )
+    return gpu.attention_with_kv_cache(
+        q,
+        k_new,
+        v_new,
+        cache,
+        seq_ids,
+        seqlens_new,
+        causal=causal,
+        softmax_scale=softmax_scale,
+        return_lse=return_lse,
+    )
+
+
+registry.register("attention", "cpu")(reference.attention)
+registry.register("attention_varlen", "cpu")(reference.attention_varlen)
+registry.register("attention_with_kv_cache", "cpu")(reference.attention_with_kv_cache)
+registry.register("attention", "cuda")(_gpu_attention)
+registry.register("attention_varlen", "cuda")(_gpu_attention_varlen)
+registry.register("attention_with_kv_cache", "cuda")(_gpu_attention_with_kv_cache)
+registry.register("attention.saved_backward", "cuda")(_gpu_attention_saved_backward)
+registry.register("attention_varlen.saved_backward", "cuda")(_gpu_attention_varlen_saved_backward)
+
+
+# ----------------------------------------------------------------------------- custom ops
+
+
+def _attention_eager(q, k, v, *options):
+    keywords = dict(zip(_PADDED_OPTIONS, options, strict=True))
+    return attention(q, k, v, **keywords, return_lse=True)
+
+
+def _attention_varlen_eager(q, k, v, *options):
+    keywords = dict(zip(_VARLEN_OPTIONS, options, strict=True))
+    cu_seqlens_q, cu_seqlens_k = keywords.pop("cu_seqlens_q"), keywords.pop("cu_seqlens_k")
+    return attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, **keywords, return_lse=True)
+
+
+def _attention_fake(q, k, v, *options):
+    _check_padded(q, k, v, *options)
+    batch, sq, hq, _ = q.shape
+    return q.new_empty(q.shape), q.new_empty((batch, hq, sq), dtype=torch.float32)
+
+
+def _attention_varlen_fake(q, k, v, *options):
+    _check_varlen(q, k, v, *options)
+    return q.new_empty(q.shape), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+
+
+def _output_grad(grad: Tensor | None, output: Tensor) -> Tensor:
+    return torch.zeros_like(output) if grad is None else grad
+
+
+def _backward_of(name: str, options: tuple[str, ...]) -> Callable:
+    """The backward op body of ``attention`` or ``attention_varlen``, whose arguments after
+    ``q, k, v`` are the keyword ``options`` of the registry's ``<name>.saved_backward``."""
+
+    def backward(grads, needs, outputs, *args):
+        q, k, v, *rest = args
+        if q.device.type == "cpu":
+            return _CUSTOM_OPS[name].recompute_backward(grads, needs, outputs, *args)
+        saved_backward = registry.lookup(f"{name}.saved_backward", q.device)
+        grad_out = _output_grad(grads[0], outputs[0])  # the lse carries no gradient
+        keywords = dict(zip(options, rest, strict=True))
+        return list(saved_backward(grad_out, q, k, v, *outputs, **keywords))
+
+    return backward
+
+
+_CUSTOM_OPS = {
+    "attention": CustomOp(
+        "attention",
+        "(Tensor q, Tensor k, Tensor v, bool causal, float? softmax_scale, Tensor? seqlens_q, "
+        "Tensor? seqlens_k, Tensor? key_padding_mask) -> (Tensor, Tensor)",
+        _attention_eager,
+        _attention_fake,
+        (0, 1, 2),
+        backward=_backward_of("attention", _PADDED_OPTIONS),
+        saves_outputs=True,
+    ),
+    "attention_varlen": CustomOp(
+        "attention_varlen",
+        "(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, bool causal, "
+        "float? softmax_scale) -> (Tensor, Tensor)",
+        _attention_varlen_eager,
+        _attention_varlen_fake,
+        (0, 1, 2),
+        backward=_backward_of("attention_varlen", _VARLEN_OPTIONS),
+        saves_outputs=True,
+    ),
+}

@@ -13,12 +13,26 @@ from torch import Tensor
 from .. import registry
 from ..gpu import embedding as gpu_embedding
 from ..reference import embedding as reference
+from ..validation import check_embedding_args
+from ._custom_op import CustomOp
 
-for _backend in ("cuda", "hip"):
-    registry.register("embedding.forward", _backend)(gpu_embedding.forward)
-    registry.register("embedding.backward", _backend)(gpu_embedding.backward)
-registry.register("embedding.forward", "cpu")(reference.embedding)
-registry.register("embedding.backward", "cpu")(reference.embedding_backward)
+
+def embedding(ids: Tensor, weight: Tensor, *, check_ids: bool = True) -> Tensor:
+    """Rows of ``weight`` ([vocab, hidden]; fp32, bf16 or fp16) picked by ``ids`` (int32/int64).
+
+    Returns ``[*ids.shape, hidden]`` in ``weight``'s dtype.  An id outside ``[0, vocab)``
+    raises ``IndexError`` naming its position.  On a GPU that check reads a flag back from
+    the device (one synchronisation per call); ``check_ids=False`` skips the read, and
+    rows of out-of-range ids then come back filled with NaN (never read from memory).
+    Differentiable with respect to ``weight``.
+    """
+    if torch.compiler.is_compiling():  # one opaque node (the custom op below)
+        return torch.ops.batchinv.embedding(ids, weight, check_ids)
+    check_embedding_args(ids, weight, check_values=False)
+    if torch.is_grad_enabled() and weight.requires_grad:
+        return _Embedding.apply(ids, weight, check_ids)
+    # No gradient wanted: the forward without an autograd node (the same gather and check).
+    return registry.lookup("embedding.forward", weight.device)(ids, weight, check_ids)
 
 
 class _Embedding(torch.autograd.Function):
@@ -37,19 +51,23 @@ class _Embedding(torch.autograd.Function):
         return None, backward(ids, grad_out, ctx.num_embeddings, ctx.weight_dtype), None
 
 
-def embedding(ids: Tensor, weight: Tensor, *, check_ids: bool = True) -> Tensor:
-    """Rows of ``weight`` ([vocab, hidden]; fp32, bf16 or fp16) picked by ``ids`` (int32/int64).
+for _backend in ("cuda", "hip"):
+    registry.register("embedding.forward", _backend)(gpu_embedding.forward)
+    registry.register("embedding.backward", _backend)(gpu_embedding.backward)
+registry.register("embedding.forward", "cpu")(reference.embedding)
+registry.register("embedding.backward", "cpu")(reference.embedding_backward)
 
-    Returns ``[*ids.shape, hidden]`` in ``weight``'s dtype.  An id outside ``[0, vocab)``
-    raises ``IndexError`` naming its position.  On a GPU that check reads a flag back from
-    the device (one synchronisation per call); ``check_ids=False`` skips the read, and
-    rows of out-of-range ids then come back filled with NaN (never read from memory).
-    Differentiable with respect to ``weight``.
-    """
-    if torch.compiler.is_compiling():  # one opaque node (integrations/torch_library.py)
-        return torch.ops.batchinv.embedding(ids, weight, check_ids)
-    reference.check_embedding_args(ids, weight, check_values=False)
-    if torch.is_grad_enabled() and weight.requires_grad:
-        return _Embedding.apply(ids, weight, check_ids)
-    # No gradient wanted: the forward without an autograd node (the same gather and check).
-    return registry.lookup("embedding.forward", weight.device)(ids, weight, check_ids)
+
+# ----------------------------------------------------------------------------- custom op
+
+
+def _eager(ids, weight, check_ids):
+    return embedding(ids, weight, check_ids=check_ids)
+
+
+def _fake(ids, weight, check_ids):
+    check_embedding_args(ids, weight, check_values=False)
+    return weight.new_empty((*ids.shape, weight.shape[1]))
+
+
+CustomOp("embedding", "(Tensor ids, Tensor weight, bool check_ids) -> Tensor", _eager, _fake, (1,))

@@ -15,16 +15,30 @@ from torch import Tensor
 from .. import registry
 from ..gpu import linear as gpu_linear
 from ..reference import linear as reference
+from ..validation import check_linear_args
+from ._custom_op import CustomOp, empty_grad
 
 
-def _reference_forward(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
-    return reference.linear_forward_fp32(x, weight, bias).to(x.dtype)
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """``x [..., in] · weight[out, in]ᵀ (+ bias[out])`` in ``x``'s dtype, fp32 accumulation.
+
+    A row's result is bitwise the same whatever other rows are in the batch.  The GPU path
+    takes bf16/fp16 with ``in_features % 8 == 0``; the CPU path is the strict reference.
+    """
+    if torch.compiler.is_compiling():  # one opaque node (the custom op below)
+        return torch.ops.batchinv.linear(x, weight, bias)
+    check_linear_args(x, weight, bias)
+    if _needs_grad(x, weight, bias):
+        return _Linear.apply(x, weight, bias)
+    # No gradient wanted: the registry's forward without an autograd node (the same kernels
+    # and bits); it keeps an inference call's host path short.
+    return registry.lookup("linear.forward", x.device)(x, weight, bias)
 
 
-registry.register("linear.forward", "cpu")(_reference_forward)
-registry.register("linear.backward", "cpu")(reference.linear_backward)
-registry.register("linear.forward", "cuda")(gpu_linear.forward)
-registry.register("linear.backward", "cuda")(gpu_linear.backward)
+def _needs_grad(x: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
+    if not torch.is_grad_enabled():
+        return False
+    return x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
 
 
 class _Linear(torch.autograd.Function):
@@ -41,23 +55,38 @@ class _Linear(torch.autograd.Function):
         return backward(grad_out, x, weight, ctx.bias_dtype, ctx.needs_input_grad)
 
 
-def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-    """``x [..., in] · weight[out, in]ᵀ (+ bias[out])`` in ``x``'s dtype, fp32 accumulation.
-
-    A row's result is bitwise the same whatever other rows are in the batch.  The GPU path
-    takes bf16/fp16 with ``in_features % 8 == 0``; the CPU path is the strict reference.
-    """
-    if torch.compiler.is_compiling():  # one opaque node (integrations/torch_library.py)
-        return torch.ops.batchinv.linear(x, weight, bias)
-    reference.check_linear_args(x, weight, bias)
-    if _needs_grad(x, weight, bias):
-        return _Linear.apply(x, weight, bias)
-    # No gradient wanted: the registry's forward without an autograd node (the same kernels
-    # and bits); it keeps an inference call's host path short.
-    return registry.lookup("linear.forward", x.device)(x, weight, bias)
+def _reference_forward(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    return reference.linear_forward_fp32(x, weight, bias).to(x.dtype)
 
 
-def _needs_grad(x: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
-    if not torch.is_grad_enabled():
-        return False
-    return x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
+registry.register("linear.forward", "cpu")(_reference_forward)
+registry.register("linear.backward", "cpu")(reference.linear_backward)
+registry.register("linear.forward", "cuda")(gpu_linear.forward)
+registry.register("linear.backward", "cuda")(gpu_linear.backward)
+
+
+# ----------------------------------------------------------------------------- custom op
+
+
+def _fake(x, weight, bias):
+    check_linear_args(x, weight, bias)
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+def _custom_backward(grads, needs, outputs, x, weight, bias):
+    # The registry's backward (the fixed-order kernels) directly: nothing to recompute.
+    (grad_out,) = grads
+    bias_dtype = None if bias is None else bias.dtype
+    backward = registry.lookup("linear.backward", grad_out.device)
+    got = backward(grad_out, x, weight, bias_dtype, tuple(needs))
+    return [empty_grad(grad_out) if g is None else g for g in got]
+
+
+CustomOp(
+    "linear",
+    "(Tensor x, Tensor weight, Tensor? bias) -> Tensor",
+    linear,
+    _fake,
+    (0, 1, 2),
+    backward=_custom_backward,
+)

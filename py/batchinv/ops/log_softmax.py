@@ -16,6 +16,29 @@ from .. import registry
 from ..gpu import log_softmax as gpu
 from ..reference import log_softmax as reference
 from ..reference.log_softmax import LSE_CHUNK
+from ..validation import check_log_softmax_args
+from ._custom_op import CustomOp
+
+
+def log_softmax(
+    x: Tensor,
+    dim: int = -1,
+    out_dtype: torch.dtype = torch.float32,
+    *,
+    chunk_size: int = LSE_CHUNK,
+) -> Tensor:
+    """``x - logsumexp(x)`` over the last dimension with fp32 statistics, rounded once to
+    ``out_dtype`` (fp32 by default, also bf16/fp16).
+
+    ``x: [..., V]`` in bf16/fp16/fp32, any strides; ``dim`` must be the last dimension.  A row
+    of all ``-inf`` gives ``-inf`` everywhere and a zero gradient.  ``chunk_size`` sets the
+    CPU reference's summation order (see ``batchinv.reference.log_softmax``) and is validated
+    but unused on the GPU.  Differentiable: ``dx = dy - exp(out) * sum(dy)``.
+    """
+    if torch.compiler.is_compiling():  # one opaque node (the custom op below)
+        return torch.ops.batchinv.log_softmax(x, dim, out_dtype, chunk_size)
+    check_log_softmax_args(x, dim, out_dtype, chunk_size)
+    return registry.lookup("log_softmax", x.device)(x, dim, out_dtype, chunk_size=chunk_size)
 
 
 class _LogSoftmaxGPU(torch.autograd.Function):
@@ -43,22 +66,22 @@ for _backend in ("cuda", "hip"):
 registry.register("log_softmax", "cpu")(reference.log_softmax)
 
 
-def log_softmax(
-    x: Tensor,
-    dim: int = -1,
-    out_dtype: torch.dtype = torch.float32,
-    *,
-    chunk_size: int = LSE_CHUNK,
-) -> Tensor:
-    """``x - logsumexp(x)`` over the last dimension with fp32 statistics, rounded once to
-    ``out_dtype`` (fp32 by default, also bf16/fp16).
+# ----------------------------------------------------------------------------- custom op
 
-    ``x: [..., V]`` in bf16/fp16/fp32, any strides; ``dim`` must be the last dimension.  A row
-    of all ``-inf`` gives ``-inf`` everywhere and a zero gradient.  ``chunk_size`` sets the
-    CPU reference's summation order (see ``batchinv.reference.log_softmax``) and is validated
-    but unused on the GPU.  Differentiable: ``dx = dy - exp(out) * sum(dy)``.
-    """
-    if torch.compiler.is_compiling():  # one opaque node (integrations/torch_library.py)
-        return torch.ops.batchinv.log_softmax(x, dim, out_dtype, chunk_size)
-    reference.check_log_softmax_args(x, dim, out_dtype, chunk_size)
-    return registry.lookup("log_softmax", x.device)(x, dim, out_dtype, chunk_size=chunk_size)
+
+def _eager(x, dim, out_dtype, chunk_size):
+    return log_softmax(x, dim, out_dtype, chunk_size=chunk_size)
+
+
+def _fake(x, dim, out_dtype, chunk_size):
+    check_log_softmax_args(x, dim, out_dtype, chunk_size)
+    return x.new_empty(x.shape, dtype=out_dtype)
+
+
+CustomOp(
+    "log_softmax",
+    "(Tensor x, int dim, ScalarType out_dtype, int chunk_size) -> Tensor",
+    _eager,
+    _fake,
+    (0,),
+)

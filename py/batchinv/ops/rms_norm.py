@@ -16,12 +16,43 @@ from torch import Tensor
 from .. import registry
 from ..gpu import rms_norm as gpu
 from ..reference import rms_norm as reference
+from ..validation import check_fused_add_rms_norm_args, check_rms_norm_args
+from ._custom_op import CustomOp
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """``x / sqrt(mean(x^2 over the last dim) + eps) * weight``, fp32 inside, x's dtype out.
+
+    ``x: [..., d]`` in bf16/fp16/fp32 (any leading shape and strides: the per-head q/k norm
+    is ``x: [..., heads, head_dim]``, ``weight: [head_dim]``); ``weight: [d]`` of x's dtype;
+    ``eps`` a Python float > 0 (also in fp32).  Differentiable in x and weight.  Bad input
+    raises TypeError/ValueError naming the argument; inputs are never modified.
+    """
+    if torch.compiler.is_compiling():  # one opaque node (the custom ops below)
+        return torch.ops.batchinv.rms_norm(x, weight, eps)
+    check_rms_norm_args(x, weight, eps)
+    return registry.lookup("rms_norm", x.device)(x, weight, eps)
+
+
+def fused_add_rms_norm(
+    x: Tensor, residual: Tensor, weight: Tensor, eps: float
+) -> tuple[Tensor, Tensor]:
+    """``(rms_norm(new_residual, weight, eps), new_residual)``, ``new_residual = x + residual``
+    added in fp32 and rounded once to x's dtype (the norm reads the rounded value).
+
+    Returns new tensors (x and residual are not updated in place).  Differentiable; the
+    gradient of x and of residual is the same tensor's values.
+    """
+    if torch.compiler.is_compiling():
+        return torch.ops.batchinv.fused_add_rms_norm(x, residual, weight, eps)
+    check_fused_add_rms_norm_args(x, residual, weight, eps)
+    return registry.lookup("fused_add_rms_norm", x.device)(x, residual, weight, eps)
 
 
 class _RMSNormGPU(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor, eps: float) -> Tensor:
-        y, _, rstd = gpu.forward_unchecked(x, weight, eps)
+        y, _, rstd = gpu.run_forward(x, weight, eps)
         ctx.save_for_backward(x, weight, rstd)
         return y
 
@@ -36,7 +67,7 @@ class _RMSNormGPU(torch.autograd.Function):
 class _FusedAddRMSNormGPU(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, residual: Tensor, weight: Tensor, eps: float):
-        y, new_residual, rstd = gpu.forward_unchecked(x, weight, eps, residual)
+        y, new_residual, rstd = gpu.run_forward(x, weight, eps, residual)
         ctx.save_for_backward(new_residual, weight, rstd)
         return y, new_residual
 
@@ -61,13 +92,13 @@ def _needs_grad(*tensors: Tensor) -> bool:
 def _gpu_rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     if _needs_grad(x, weight):
         return _RMSNormGPU.apply(x, weight, eps)
-    return gpu.forward_unchecked(x, weight, eps, need_rstd=False)[0]
+    return gpu.run_forward(x, weight, eps, need_rstd=False)[0]
 
 
 def _gpu_fused_add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float):
     if _needs_grad(x, residual, weight):
         return _FusedAddRMSNormGPU.apply(x, residual, weight, eps)
-    y, new_residual, _ = gpu.forward_unchecked(x, weight, eps, residual, need_rstd=False)
+    y, new_residual, _ = gpu.run_forward(x, weight, eps, residual, need_rstd=False)
     return y, new_residual
 
 
@@ -78,30 +109,33 @@ registry.register("rms_norm", "cpu")(reference.rms_norm)
 registry.register("fused_add_rms_norm", "cpu")(reference.fused_add_rms_norm)
 
 
-def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    """``x / sqrt(mean(x^2 over the last dim) + eps) * weight``, fp32 inside, x's dtype out.
-
-    ``x: [..., d]`` in bf16/fp16/fp32 (any leading shape and strides: the per-head q/k norm
-    is ``x: [..., heads, head_dim]``, ``weight: [head_dim]``); ``weight: [d]`` of x's dtype;
-    ``eps`` a Python float > 0 (also in fp32).  Differentiable in x and weight.  Bad input
-    raises TypeError/ValueError naming the argument; inputs are never modified.
-    """
-    if torch.compiler.is_compiling():  # one opaque node (integrations/torch_library.py)
-        return torch.ops.batchinv.rms_norm(x, weight, eps)
-    reference.check_rms_norm_args(x, weight, eps)
-    return registry.lookup("rms_norm", x.device)(x, weight, eps)
+# ----------------------------------------------------------------------------- custom ops
 
 
-def fused_add_rms_norm(
-    x: Tensor, residual: Tensor, weight: Tensor, eps: float
-) -> tuple[Tensor, Tensor]:
-    """``(rms_norm(new_residual, weight, eps), new_residual)``, ``new_residual = x + residual``
-    added in fp32 and rounded once to x's dtype (the norm reads the rounded value).
+def _rms_norm_fake(x, weight, eps):
+    check_rms_norm_args(x, weight, eps)
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
 
-    Returns new tensors (x and residual are not updated in place).  Differentiable; the
-    gradient of x and of residual is the same tensor's values.
-    """
-    if torch.compiler.is_compiling():
-        return torch.ops.batchinv.fused_add_rms_norm(x, residual, weight, eps)
-    reference.check_fused_add_rms_norm_args(x, residual, weight, eps)
-    return registry.lookup("fused_add_rms_norm", x.device)(x, residual, weight, eps)
+
+def _fused_add_rms_norm_fake(x, residual, weight, eps):
+    check_fused_add_rms_norm_args(x, residual, weight, eps)
+    return (
+        torch.empty_like(x, memory_format=torch.contiguous_format),
+        torch.empty_like(x, memory_format=torch.contiguous_format),
+    )
+
+
+CustomOp(
+    "rms_norm",
+    "(Tensor x, Tensor weight, float eps) -> Tensor",
+    rms_norm,
+    _rms_norm_fake,
+    (0, 1),
+)
+CustomOp(
+    "fused_add_rms_norm",
+    "(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)",
+    fused_add_rms_norm,
+    _fused_add_rms_norm_fake,
+    (0, 1, 2),
+)

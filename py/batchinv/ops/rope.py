@@ -15,47 +15,8 @@ from torch import Tensor
 from .. import registry
 from ..gpu import rope as gpu
 from ..reference import rope as reference
-from ..reference.rope import DEFAULT_MAX_POSITION
-
-
-class _RopeGPU(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, position_ids, theta, max_position, check_positions):
-        q_rot, k_rot = gpu.forward_unchecked(
-            q, k, position_ids, theta, max_position, check_positions
-        )
-        ctx.save_for_backward(position_ids)
-        ctx.theta = theta
-        ctx.max_position = max_position
-        return q_rot, k_rot
-
-    @staticmethod
-    def backward(ctx, grad_q_rot: Tensor, grad_k_rot: Tensor):
-        (position_ids,) = ctx.saved_tensors
-        grad_q, grad_k = gpu.backward(
-            grad_q_rot, grad_k_rot, position_ids, ctx.theta, ctx.max_position
-        )
-        return grad_q, grad_k, None, None, None, None
-
-
-def _gpu_rope(q, k, position_ids, *, theta, head_dim, max_position, check_positions):
-    # Arguments were validated by ``rope``; head_dim only states the expected last dimension.
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad):
-        return _RopeGPU.apply(q, k, position_ids, theta, max_position, check_positions)
-    # No gradient wanted: the same kernel without an autograd node.
-    return gpu.forward_unchecked(q, k, position_ids, theta, max_position, check_positions)
-
-
-def _cpu_rope(q, k, position_ids, *, theta, head_dim, max_position, check_positions):
-    # The reference always checks the position ids (reading them costs nothing on the CPU).
-    return reference.rope(
-        q, k, position_ids, theta=theta, head_dim=head_dim, max_position=max_position
-    )
-
-
-for _backend in ("cuda", "hip"):
-    registry.register("rope", _backend)(_gpu_rope)
-registry.register("rope", "cpu")(_cpu_rope)
+from ..validation import DEFAULT_MAX_POSITION, check_rope_args
+from ._custom_op import CustomOp
 
 
 def rope(
@@ -78,18 +39,10 @@ def rope(
     and ``check_positions=False`` skips it (such tokens then come back as NaN).
     Differentiable in q and k (the backward is the inverse rotation); inputs never modified.
     """
-    if torch.compiler.is_compiling():  # one opaque node (integrations/torch_library.py)
+    if torch.compiler.is_compiling():  # one opaque node (the custom op below)
         args = (theta, head_dim, max_position, check_positions)
         return torch.ops.batchinv.rope(q, k, position_ids, *args)
-    reference.check_rope_args(
-        q,
-        k,
-        position_ids,
-        theta=theta,
-        head_dim=head_dim,
-        max_position=max_position,
-        check_values=False,
-    )
+    _check_args(q, k, position_ids, theta, head_dim, max_position)
     if not isinstance(check_positions, bool):
         raise TypeError(f"check_positions must be a bool, got {type(check_positions).__name__}")
     return registry.lookup("rope", q.device)(
@@ -101,3 +54,90 @@ def rope(
         max_position=max_position,
         check_positions=check_positions,
     )
+
+
+def _check_args(q, k, position_ids, theta, head_dim, max_position) -> None:
+    """Every check of ``rope``'s arguments that reads no tensor values (the positions are
+    checked by the implementation: the kernel's flag, or the reference on the CPU)."""
+    check_rope_args(
+        q,
+        k,
+        position_ids,
+        theta=theta,
+        head_dim=head_dim,
+        max_position=max_position,
+        check_values=False,
+    )
+
+
+class _RopeGPU(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, position_ids, theta, max_position, check_positions):
+        q_rot, k_rot = gpu.forward(q, k, position_ids, theta, max_position, check_positions)
+        ctx.save_for_backward(position_ids)
+        ctx.theta = theta
+        ctx.max_position = max_position
+        return q_rot, k_rot
+
+    @staticmethod
+    def backward(ctx, grad_q_rot: Tensor, grad_k_rot: Tensor):
+        (position_ids,) = ctx.saved_tensors
+        grad_q, grad_k = gpu.backward(
+            grad_q_rot, grad_k_rot, position_ids, ctx.theta, ctx.max_position
+        )
+        return grad_q, grad_k, None, None, None, None
+
+
+def _gpu_rope(q, k, position_ids, *, theta, head_dim, max_position, check_positions):
+    # Arguments were validated by ``rope``; head_dim only states the expected last dimension.
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad):
+        return _RopeGPU.apply(q, k, position_ids, theta, max_position, check_positions)
+    # No gradient wanted: the same kernel without an autograd node.
+    return gpu.forward(q, k, position_ids, theta, max_position, check_positions)
+
+
+def _cpu_rope(q, k, position_ids, *, theta, head_dim, max_position, check_positions):
+    # The reference always checks the position ids (reading them costs nothing on the CPU).
+    return reference.rope(
+        q, k, position_ids, theta=theta, head_dim=head_dim, max_position=max_position
+    )
+
+
+for _backend in ("cuda", "hip"):
+    registry.register("rope", _backend)(_gpu_rope)
+registry.register("rope", "cpu")(_cpu_rope)
+
+
+# ----------------------------------------------------------------------------- custom op
+
+
+def _eager(q, k, position_ids, theta, head_dim, max_position, check_positions):
+    return rope(
+        q,
+        k,
+        position_ids,
+        theta=theta,
+        head_dim=head_dim,
+        max_position=max_position,
+        check_positions=check_positions,
+    )
+
+
+def _fake(q, k, position_ids, theta, head_dim, max_position, check_positions):
+    # The validator wants a Python int; the head dim is a constant of the model.
+    head_dim = int(q.shape[-1]) if head_dim is None else head_dim
+    _check_args(q, k, position_ids, theta, head_dim, max_position)
+    return (
+        torch.empty_like(q, memory_format=torch.contiguous_format),
+        torch.empty_like(k, memory_format=torch.contiguous_format),
+    )
+
+
+CustomOp(
+    "rope",
+    "(Tensor q, Tensor k, Tensor position_ids, float theta, int? head_dim, int max_position, "
+    "bool check_positions) -> (Tensor, Tensor)",
+    _eager,
+    _fake,
+    (0, 1),
+)

@@ -14,13 +14,34 @@ from torch import Tensor
 from .. import registry
 from ..gpu import silu_mul as gpu
 from ..reference import silu_mul as reference
+from ..validation import check_silu_mul_args, check_silu_mul_fused_args
+from ._custom_op import CustomOp
+
+
+def silu_mul(gate: Tensor, up: Tensor) -> Tensor:
+    """``silu(gate) * up`` elementwise in fp32 (``silu(g) = g / (1 + exp(-g))``), rounded once
+    to the inputs' dtype.  ``gate``, ``up``: the same shape ``[..., I]``, dtype (bf16, fp16,
+    fp32) and device; any strides.  Differentiable; the inputs are never modified."""
+    if torch.compiler.is_compiling():  # one opaque node (the custom ops below)
+        return torch.ops.batchinv.silu_mul(gate, up)
+    check_silu_mul_args(gate, up)
+    return registry.lookup("silu_mul", gate.device)(gate, up)
+
+
+def silu_mul_fused(gate_up: Tensor) -> Tensor:
+    """``silu_mul(gate_up[..., :I], gate_up[..., I:])`` for ``gate_up: [..., 2 * I]`` (vLLM's
+    ``SiluAndMul`` order: a merged ``[gate_proj; up_proj]`` output).  Returns ``[..., I]``."""
+    if torch.compiler.is_compiling():
+        return torch.ops.batchinv.silu_mul_fused(gate_up)
+    check_silu_mul_fused_args(gate_up)
+    return registry.lookup("silu_mul_fused", gate_up.device)(gate_up)
 
 
 class _SiluMulGPU(torch.autograd.Function):
     @staticmethod
     def forward(ctx, gate: Tensor, up: Tensor) -> Tensor:
         ctx.save_for_backward(gate, up)
-        return gpu.forward_unchecked(gate, up)
+        return gpu.forward(gate, up)
 
     @staticmethod
     def backward(ctx, grad_out: Tensor):
@@ -32,7 +53,7 @@ class _SiluMulFusedGPU(torch.autograd.Function):
     @staticmethod
     def forward(ctx, gate_up: Tensor) -> Tensor:
         ctx.save_for_backward(gate_up)
-        return gpu.forward_fused_unchecked(gate_up)
+        return gpu.forward_fused(gate_up)
 
     @staticmethod
     def backward(ctx, grad_out: Tensor):
@@ -44,13 +65,13 @@ class _SiluMulFusedGPU(torch.autograd.Function):
 def _gpu_silu_mul(gate: Tensor, up: Tensor) -> Tensor:
     if torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad):
         return _SiluMulGPU.apply(gate, up)
-    return gpu.forward_unchecked(gate, up)
+    return gpu.forward(gate, up)
 
 
 def _gpu_silu_mul_fused(gate_up: Tensor) -> Tensor:
     if torch.is_grad_enabled() and gate_up.requires_grad:
         return _SiluMulFusedGPU.apply(gate_up)
-    return gpu.forward_fused_unchecked(gate_up)
+    return gpu.forward_fused(gate_up)
 
 
 for _backend in ("cuda", "hip"):
@@ -60,20 +81,18 @@ registry.register("silu_mul", "cpu")(reference.silu_mul)
 registry.register("silu_mul_fused", "cpu")(reference.silu_mul_fused)
 
 
-def silu_mul(gate: Tensor, up: Tensor) -> Tensor:
-    """``silu(gate) * up`` elementwise in fp32 (``silu(g) = g / (1 + exp(-g))``), rounded once
-    to the inputs' dtype.  ``gate``, ``up``: the same shape ``[..., I]``, dtype (bf16, fp16,
-    fp32) and device; any strides.  Differentiable; the inputs are never modified."""
-    if torch.compiler.is_compiling():  # one opaque node (integrations/torch_library.py)
-        return torch.ops.batchinv.silu_mul(gate, up)
-    reference.check_silu_mul_args(gate, up)
-    return registry.lookup("silu_mul", gate.device)(gate, up)
+# ----------------------------------------------------------------------------- custom ops
 
 
-def silu_mul_fused(gate_up: Tensor) -> Tensor:
-    """``silu_mul(gate_up[..., :I], gate_up[..., I:])`` for ``gate_up: [..., 2 * I]`` (vLLM's
-    ``SiluAndMul`` order: a merged ``[gate_proj; up_proj]`` output).  Returns ``[..., I]``."""
-    if torch.compiler.is_compiling():
-        return torch.ops.batchinv.silu_mul_fused(gate_up)
-    reference.check_silu_mul_fused_args(gate_up)
-    return registry.lookup("silu_mul_fused", gate_up.device)(gate_up)
+def _silu_mul_fake(gate, up):
+    check_silu_mul_args(gate, up)
+    return torch.empty_like(gate, memory_format=torch.contiguous_format)
+
+
+def _silu_mul_fused_fake(gate_up):
+    check_silu_mul_fused_args(gate_up)
+    return gate_up.new_empty((*gate_up.shape[:-1], gate_up.shape[-1] // 2))
+
+
+CustomOp("silu_mul", "(Tensor gate, Tensor up) -> Tensor", silu_mul, _silu_mul_fake, (0, 1))
+CustomOp("silu_mul_fused", "(Tensor gate_up) -> Tensor", silu_mul_fused, _silu_mul_fused_fake, (0,))

@@ -17,6 +17,47 @@ from .. import registry
 from ..gpu import token_logprobs as gpu
 from ..reference import token_logprobs as reference
 from ..reference.token_logprobs import DEFAULT_IGNORE_INDEX, VOCAB_CHUNK
+from ..validation import check_token_logprobs_args
+from ._custom_op import CustomOp, empty_grad
+
+
+def token_logprobs(
+    hidden: Tensor,
+    lm_head_weight: Tensor,
+    target_ids: Tensor,
+    ignore_index: int = DEFAULT_IGNORE_INDEX,
+    *,
+    vocab_chunk: int = VOCAB_CHUNK,
+    return_entropy: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """``log_softmax(hidden @ lm_head_weight.T)[target_ids]`` in fp32, without the logits.
+
+    ``hidden [..., H]`` and ``lm_head_weight [V, H]`` share a dtype (bf16/fp16 on the GPU,
+    also fp32 on the CPU); ``target_ids [...]`` is int32/int64.  Returns fp32 logprobs of
+    ``target_ids.shape`` (and the fp32 entropy of each token's distribution with
+    ``return_entropy=True``).  Tokens whose target is ``ignore_index`` give 0.0 and zero
+    gradient; any other target outside ``[0, V)`` raises ``IndexError`` naming its position
+    (on the GPU after one read back from the device).  ``vocab_chunk`` sets the CPU
+    reference's order and is validated but unused on the GPU.  Differentiable in ``hidden``
+    (per token, batch-invariant) and ``lm_head_weight`` (tokens reduced in a fixed order).
+    """
+    if torch.compiler.is_compiling():  # one opaque node (the custom op below)
+        args = (ignore_index, vocab_chunk, bool(return_entropy))
+        logprobs, entropy, _lse = torch.ops.batchinv.token_logprobs(
+            hidden, lm_head_weight, target_ids, *args
+        )
+        return (logprobs, entropy) if return_entropy else logprobs
+    check_token_logprobs_args(
+        hidden, lm_head_weight, target_ids, ignore_index, vocab_chunk, check_values=False
+    )
+    return registry.lookup("token_logprobs", hidden.device)(
+        hidden,
+        lm_head_weight,
+        target_ids,
+        ignore_index,
+        vocab_chunk=vocab_chunk,
+        return_entropy=return_entropy,
+    )
 
 
 class _TokenLogprobsGPU(torch.autograd.Function):
@@ -76,9 +117,9 @@ registry.register("token_logprobs", "cuda")(_gpu_token_logprobs)
 registry.register("token_logprobs", "cpu")(reference.token_logprobs)
 
 
-# The torch.library op (integrations/torch_library.py) saves the log-sum-exp instead of
-# recomputing the forward in its backward: these two run the eager autograd's forward and
-# backward kernels on the same tensors, hence its bits.  GPU only; the CPU op recomputes.
+# The custom op (below) saves the log-sum-exp instead of recomputing the forward in its
+# backward: these two run the eager autograd's forward and backward kernels on the same
+# tensors, hence its bits.  GPU only; the CPU op recomputes.
 @registry.register("token_logprobs.saving_forward", "cuda")
 def _gpu_saving_forward(
     hidden: Tensor,
@@ -124,40 +165,67 @@ def _gpu_saved_backward(
     )
 
 
-def token_logprobs(
-    hidden: Tensor,
-    lm_head_weight: Tensor,
-    target_ids: Tensor,
-    ignore_index: int = DEFAULT_IGNORE_INDEX,
-    *,
-    vocab_chunk: int = VOCAB_CHUNK,
-    return_entropy: bool = False,
-) -> Tensor | tuple[Tensor, Tensor]:
-    """``log_softmax(hidden @ lm_head_weight.T)[target_ids]`` in fp32, without the logits.
+# ----------------------------------------------------------------------------- custom op
 
-    ``hidden [..., H]`` and ``lm_head_weight [V, H]`` share a dtype (bf16/fp16 on the GPU,
-    also fp32 on the CPU); ``target_ids [...]`` is int32/int64.  Returns fp32 logprobs of
-    ``target_ids.shape`` (and the fp32 entropy of each token's distribution with
-    ``return_entropy=True``).  Tokens whose target is ``ignore_index`` give 0.0 and zero
-    gradient; any other target outside ``[0, V)`` raises ``IndexError`` naming its position
-    (on the GPU after one read back from the device).  ``vocab_chunk`` sets the CPU
-    reference's order and is validated but unused on the GPU.  Differentiable in ``hidden``
-    (per token, batch-invariant) and ``lm_head_weight`` (tokens reduced in a fixed order).
-    """
-    if torch.compiler.is_compiling():  # one opaque node (integrations/torch_library.py)
-        args = (ignore_index, vocab_chunk, bool(return_entropy))
-        logprobs, entropy, _lse = torch.ops.batchinv.token_logprobs(
-            hidden, lm_head_weight, target_ids, *args
+
+def _eager(hidden, lm_head_weight, target_ids, ignore_index, vocab_chunk, entropy):
+    # A custom op has a fixed number of outputs: (logprobs, entropy, lse), the entropy empty
+    # when not requested, the lse empty on the CPU (whose backward recomputes the forward).
+    if hidden.device.type == "cpu":
+        out = token_logprobs(
+            hidden,
+            lm_head_weight,
+            target_ids,
+            ignore_index,
+            vocab_chunk=vocab_chunk,
+            return_entropy=entropy,
         )
-        return (logprobs, entropy) if return_entropy else logprobs
-    reference.check_token_logprobs_args(
+        lse = hidden.new_empty((0,), dtype=torch.float32)
+        return (*out, lse) if entropy else (out, torch.empty_like(lse), lse)
+    check_token_logprobs_args(
         hidden, lm_head_weight, target_ids, ignore_index, vocab_chunk, check_values=False
     )
-    return registry.lookup("token_logprobs", hidden.device)(
+    saving_forward = registry.lookup("token_logprobs.saving_forward", hidden.device)
+    return saving_forward(hidden, lm_head_weight, target_ids, ignore_index, entropy)
+
+
+def _fake(hidden, lm_head_weight, target_ids, ignore_index, vocab_chunk, entropy):
+    check_token_logprobs_args(
+        hidden, lm_head_weight, target_ids, ignore_index, vocab_chunk, check_values=False
+    )
+    logprobs = hidden.new_empty(target_ids.shape, dtype=torch.float32)
+    lse = logprobs.new_empty((0,) if hidden.device.type == "cpu" else target_ids.shape)
+    return logprobs, torch.empty_like(logprobs) if entropy else logprobs.new_empty((0,)), lse
+
+
+def _custom_backward(grads, needs, outputs, *args):
+    hidden, lm_head_weight, target_ids, ignore_index, _vocab_chunk, entropy = args
+    if hidden.device.type == "cpu":
+        return _CUSTOM_OP.recompute_backward(grads, needs, outputs, *args)
+    grad_logprob, grad_entropy, _grad_lse = grads  # the lse carries no gradient
+    _logprobs, entropy_out, lse = outputs
+    saved_backward = registry.lookup("token_logprobs.saved_backward", hidden.device)
+    got = saved_backward(
+        grad_logprob,
+        grad_entropy if entropy else None,
         hidden,
         lm_head_weight,
         target_ids,
         ignore_index,
-        vocab_chunk=vocab_chunk,
-        return_entropy=return_entropy,
+        lse,
+        entropy_out if entropy else None,
+        tuple(needs),
     )
+    return [empty_grad(lse) if g is None else g for g in got]
+
+
+_CUSTOM_OP = CustomOp(
+    "token_logprobs",
+    "(Tensor hidden, Tensor lm_head_weight, Tensor target_ids, int ignore_index, "
+    "int vocab_chunk, bool entropy) -> (Tensor, Tensor, Tensor)",
+    _eager,
+    _fake,
+    (0, 1),
+    backward=_custom_backward,
+    saves_outputs=True,
+)

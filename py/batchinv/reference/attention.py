@@ -18,7 +18,7 @@ Positions.  Queries are the *last* tokens of their sequence: query ``i`` of a se
 chunked prefill; 0 in a plain prefill).  This is flash-attention's bottom-right alignment.
 
 The fixed order, and why decode equals prefill bit for bit.  Keys are processed in blocks
-of ``KV_BLOCK = 128`` (64 until session 9) at fixed *absolute* positions
+of ``KV_BLOCK = 128`` at fixed *absolute* positions
 ``[j*128, (j+1)*128)``, intersected with the row's visible keys, blocks in increasing ``j``.
 For each non-empty block::
 
@@ -75,263 +75,36 @@ varlen packed ``q [Tq, Hq, d]``, ``k, v [Tk, Hkv, d]`` with ``cu_seqlens_q/k [B+
 from __future__ import annotations
 
 import math
-import numbers
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
 
-from .._validate import (
+from ..kv_cache import KVCache
+from ..validation import (
     FLOAT_DTYPES,
-    INDEX_DTYPES,
-    check_dim_size,
-    check_same_device,
-    check_same_dtype,
+    MAX_HEAD_DIM,
+    check_attention_args,
     check_tensor,
+    is_supported_head_dim,
 )
 from ._fixed_order import fixed_order_matmul, fixed_order_sum
-from .kv_cache import KVCache
 
 __all__ = [
     "KV_BLOCK",
     "MAX_HEAD_DIM",
     "AttentionReference",
-    "KVCache",
-    "LengthValues",
     "attention",
     "attention_fp32",
     "attention_varlen",
     "attention_varlen_fp32",
     "attention_with_kv_cache",
-    "check_attention_args",
-    "check_length_values",
     "is_supported_head_dim",
 ]
 
 KV_BLOCK = 128  # the CUDA kernels' kBlockKeys (kernels_cu/common/attention_rows.cuh)
-MAX_HEAD_DIM = 256
 
 _NEG_INF = float("-inf")
-
-
-def is_supported_head_dim(head_dim: int) -> bool:
-    """Head dims of the reference: even, 2 <= d <= 256 (the kernels target 64, 128, 256)."""
-    return 2 <= head_dim <= MAX_HEAD_DIM and head_dim % 2 == 0
-
-
-# ----------------------------------------------------------------------------- validation
-
-
-def _check_not_empty(name: str, cu: Tensor) -> None:
-    if cu.numel() < 2:
-        raise ValueError(
-            f"{name} must hold at least 2 entries (one sequence), got shape {tuple(cu.shape)}"
-            " (empty batch)"
-        )
-
-
-def _check_cu_seqlens(name: str, cu: Tensor, total: int, total_what: str) -> None:
-    """Value checks of a host (CPU) ``cu_seqlens``: reading it costs no device sync."""
-    _check_not_empty(name, cu)
-    if int(cu[0]) != 0:
-        raise ValueError(f"{name}[0] must be 0, got {int(cu[0])}")
-    steps = cu[1:] - cu[:-1]
-    if bool((steps < 0).any()):
-        i = int((steps < 0).nonzero()[0, 0])
-        raise ValueError(
-            f"{name} must be non-decreasing, got {name}[{i}] = {int(cu[i])} > "
-            f"{name}[{i + 1}] = {int(cu[i + 1])}"
-        )
-    if int(cu[-1]) != total:
-        raise ValueError(
-            f"{name}[-1] must equal the number of packed rows of {total_what} ({total}), "
-            f"got {int(cu[-1])}"
-        )
-
-
-def _check_seqlens(name: str, seqlens: Tensor, upper: int, upper_what: str) -> None:
-    """Value checks of host (CPU) ``seqlens``: reading them costs no device sync."""
-    bad = (seqlens < 0) | (seqlens > upper)
-    if bool(bad.any()):
-        i = int(bad.nonzero()[0, 0])
-        raise ValueError(f"{name}[{i}] = {int(seqlens[i])} is outside [0, {upper}] ({upper_what})")
-
-
-def _check_lengths_device(q: Tensor, **lengths: Tensor | None) -> None:
-    """Length tensors live on ``q``'s device or on the CPU (host lengths cost no sync)."""
-    for name, t in lengths.items():
-        if t is not None and t.device != q.device and t.device.type != "cpu":
-            raise ValueError(
-                f"{name} is on {t.device} but q is on {q.device}; lengths must be on q's "
-                "device or on the CPU"
-            )
-
-
-@dataclass(frozen=True)
-class LengthValues:
-    """Host (CPU) copies of a call's length tensors, as checked (None where not given).
-
-    A CPU argument is kept as it is (not copied); a GPU argument is a fresh copy."""
-
-    cu_seqlens_q: Tensor | None = None
-    cu_seqlens_k: Tensor | None = None
-    seqlens_q: Tensor | None = None
-    seqlens_k: Tensor | None = None
-
-
-def _to_host(**lengths: Tensor | None) -> LengthValues:
-    """Every length tensor on the host, with at most one device sync: the ones on a GPU are
-    concatenated (int64) and copied in a single transfer; CPU ones are used as they are."""
-    on_gpu = {name: t for name, t in lengths.items() if t is not None and t.device.type != "cpu"}
-    host = {name: t for name, t in lengths.items() if t is not None and t.device.type == "cpu"}
-    if on_gpu:
-        flat = torch.cat([t.reshape(-1).to(torch.int64) for t in on_gpu.values()]).cpu()
-        sizes = [t.numel() for t in on_gpu.values()]
-        host.update(zip(on_gpu, flat.split(sizes), strict=True))
-    return LengthValues(**host)
-
-
-def check_length_values(
-    q: Tensor,
-    k: Tensor,
-    *,
-    cu_seqlens_q: Tensor | None = None,
-    cu_seqlens_k: Tensor | None = None,
-    seqlens_q: Tensor | None = None,
-    seqlens_k: Tensor | None = None,
-) -> LengthValues:
-    """The value checks of ``check_attention_args`` (call it first for the other checks).
-
-    Reads all length tensors to the host together: no device sync when they are CPU tensors,
-    exactly one when any is on a GPU (whatever the number of tensors and checks).  Returns the
-    host copies that were checked, so that a caller builds its layout from the very values that
-    passed (``batchinv.gpu.attention`` does).
-    """
-    values = _to_host(
-        cu_seqlens_q=cu_seqlens_q,
-        cu_seqlens_k=cu_seqlens_k,
-        seqlens_q=seqlens_q,
-        seqlens_k=seqlens_k,
-    )
-    if values.cu_seqlens_q is not None:
-        _check_cu_seqlens("cu_seqlens_q", values.cu_seqlens_q, q.shape[0], "q")
-    if values.cu_seqlens_k is not None:
-        _check_cu_seqlens("cu_seqlens_k", values.cu_seqlens_k, k.shape[0], "k")
-    if values.seqlens_q is not None:
-        sq = q.shape[1]
-        _check_seqlens("seqlens_q", values.seqlens_q, sq, f"q's sequence length Sq={sq}")
-    if values.seqlens_k is not None:
-        sk = k.shape[1]
-        _check_seqlens("seqlens_k", values.seqlens_k, sk, f"k's sequence length Sk={sk}")
-    return values
-
-
-def check_attention_args(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    *,
-    cu_seqlens_q: Tensor | None = None,
-    cu_seqlens_k: Tensor | None = None,
-    seqlens_q: Tensor | None = None,
-    seqlens_k: Tensor | None = None,
-    key_padding_mask: Tensor | None = None,
-    softmax_scale: float | None = None,
-    causal: bool = False,
-    check_values: bool = True,
-    require_contiguous: bool = False,
-) -> LengthValues | None:
-    """Validates an attention call; varlen when ``cu_seqlens_q/k`` are given, else padded.
-
-    Length tensors may be on ``q``'s device or on the CPU.  ``check_values`` reads
-    ``cu_seqlens``/``seqlens`` (``check_length_values``: one device sync when any is on a GPU,
-    none for CPU lengths) and returns their checked host copies; without it, returns None.
-    ``require_contiguous`` is for kernels that need dense inputs (the reference takes any
-    strides).
-    """
-    varlen = cu_seqlens_q is not None or cu_seqlens_k is not None
-    ndim = 3 if varlen else 4
-    layout = "[T, H, d] (varlen)" if varlen else "[B, S, H, d] (padded)"
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        check_tensor(name, t, dtypes=FLOAT_DTYPES, contiguous=require_contiguous)
-        if t.dim() != ndim:
-            hint = "" if varlen else " (3-d varlen inputs need cu_seqlens_q and cu_seqlens_k)"
-            raise ValueError(
-                f"{name} must be {layout} with {ndim} dimensions, got shape {tuple(t.shape)}{hint}"
-            )
-    check_same_dtype(q=q, k=k, v=v)
-    check_same_device(q=q, k=k, v=v)
-    if not isinstance(causal, bool):
-        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
-    if softmax_scale is not None:
-        if not isinstance(softmax_scale, numbers.Real) or isinstance(softmax_scale, bool):
-            raise TypeError(
-                f"softmax_scale must be a real number or None, got {type(softmax_scale).__name__}"
-            )
-        if not math.isfinite(float(softmax_scale)):
-            raise ValueError(f"softmax_scale must be finite, got {softmax_scale}")
-    if k.shape != v.shape:
-        raise ValueError(
-            f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}"
-        )
-    head_dim = q.shape[-1]
-    if k.shape[-1] != head_dim:
-        raise ValueError(
-            f"q and k must have the same head dim, got d={head_dim} (q) and d={k.shape[-1]} (k)"
-        )
-    if not is_supported_head_dim(head_dim):
-        raise ValueError(
-            f"head dim d={head_dim} is not supported (supported: even d with 2 <= d <= "
-            f"{MAX_HEAD_DIM})"
-        )
-    hq, hkv = q.shape[-2], k.shape[-2]
-    if hkv == 0 or hq == 0 or hq % hkv != 0:
-        raise ValueError(
-            f"the number of query heads Hq={hq} must be a positive multiple of the number of "
-            f"kv heads Hkv={hkv}"
-        )
-
-    if varlen:
-        if seqlens_q is not None or seqlens_k is not None or key_padding_mask is not None:
-            raise ValueError(
-                "seqlens_q/seqlens_k/key_padding_mask belong to the padded layout; varlen "
-                "lengths come from cu_seqlens_q/cu_seqlens_k"
-            )
-        for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
-            if cu is None:
-                raise ValueError("varlen attention needs both cu_seqlens_q and cu_seqlens_k")
-            check_tensor(name, cu, dtypes=INDEX_DTYPES, ndim=1)
-        _check_lengths_device(q, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
-        if cu_seqlens_q.numel() != cu_seqlens_k.numel():
-            raise ValueError(
-                f"cu_seqlens_q and cu_seqlens_k must describe the same number of sequences, "
-                f"got {cu_seqlens_q.numel()} and {cu_seqlens_k.numel()} entries"
-            )
-        if check_values:
-            return check_length_values(q, k, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
-        _check_not_empty("cu_seqlens_q", cu_seqlens_q)
-        return None
-
-    batch, sk = q.shape[0], k.shape[1]
-    if batch == 0:
-        raise ValueError(f"empty batch: q has shape {tuple(q.shape)}")
-    check_dim_size("k", k, 0, batch, "the batch size of q")
-    for name, seqlens in (("seqlens_q", seqlens_q), ("seqlens_k", seqlens_k)):
-        if seqlens is not None:
-            check_tensor(name, seqlens, dtypes=INDEX_DTYPES, ndim=1)
-            _check_lengths_device(q, **{name: seqlens})
-            check_dim_size(name, seqlens, 0, batch, "the batch size")
-    if key_padding_mask is not None:
-        check_tensor("key_padding_mask", key_padding_mask, dtypes=(torch.bool,), ndim=2)
-        check_same_device(q=q, key_padding_mask=key_padding_mask)
-        if tuple(key_padding_mask.shape) != (batch, sk):
-            raise ValueError(
-                f"key_padding_mask must be [B, Sk] = [{batch}, {sk}], got "
-                f"{tuple(key_padding_mask.shape)}"
-            )
-    if not check_values:
-        return None
-    return check_length_values(q, k, seqlens_q=seqlens_q, seqlens_k=seqlens_k)
 
 
 # ----------------------------------------------------------------------------- layout

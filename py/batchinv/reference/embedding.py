@@ -14,20 +14,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from .._validate import INDEX_DTYPES, check_index_range, check_same_device, check_tensor
+from ..validation import check_embedding_args
 
 SUPPORTED_TABLE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-def check_embedding_args(ids: Tensor, weight: Tensor, *, check_values: bool = True) -> None:
-    """Validates ``ids`` and ``weight``; ``check_values`` reads the ids (a device sync)."""
-    check_tensor("ids", ids, dtypes=INDEX_DTYPES)
-    check_tensor("weight", weight, dtypes=SUPPORTED_TABLE_DTYPES, ndim=2)
-    check_same_device(ids=ids, weight=weight)
-    if weight.shape[0] == 0:
-        raise ValueError("weight must have at least one row (vocabulary size 0)")
-    if check_values:
-        check_index_range("ids", ids, weight.shape[0])
 
 
 def embedding(ids: Tensor, weight: Tensor, check_ids: bool = True) -> Tensor:

@@ -25,33 +25,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from .._validate import (
-    FLOAT_DTYPES,
-    check_dim_size,
-    check_same_device,
-    check_same_dtype,
-    check_tensor,
-)
 from ..contract import deterministic_context
+from ..validation import FLOAT_DTYPES, check_linear_args
 from ._fixed_order import fixed_order_matmul, fixed_order_sum
 
 SUPPORTED_DTYPES = FLOAT_DTYPES
-
-
-def check_linear_args(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> None:
-    """Validates ``x [..., in]``, ``weight [out, in]`` and ``bias [out]`` (or None)."""
-    check_tensor("x", x, dtypes=SUPPORTED_DTYPES)
-    check_tensor("weight", weight, dtypes=SUPPORTED_DTYPES, ndim=2)
-    if bias is not None:
-        check_tensor("bias", bias, dtypes=SUPPORTED_DTYPES, ndim=1)
-    if x.dim() < 1:
-        raise ValueError("x must have at least 1 dimension [..., in_features], got a 0-d tensor")
-    named = {"x": x, "weight": weight} | ({"bias": bias} if bias is not None else {})
-    check_same_device(**named)
-    check_same_dtype(**named)
-    check_dim_size("x", x, -1, weight.shape[1], "weight.shape[1] (in_features)")
-    if bias is not None:
-        check_dim_size("bias", bias, 0, weight.shape[0], "weight.shape[0] (out_features)")
 
 
 def linear_forward_fp32(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:

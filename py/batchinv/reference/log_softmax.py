@@ -31,8 +31,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from .._validate import FLOAT_DTYPES, check_tensor
 from ..contract import deterministic_context
+from ..validation import FLOAT_DTYPES, check_log_softmax_args
 from ._fixed_order import fixed_order_sum
 
 SUPPORTED_DTYPES = FLOAT_DTYPES
@@ -41,38 +41,6 @@ SUPPORTED_DTYPES = FLOAT_DTYPES
 LSE_CHUNK = 4096
 
 _NEG_INF = float("-inf")
-
-
-def check_positive_int(name: str, value: object) -> int:
-    """Checks that ``value`` is a Python int >= 1 (bool excluded); returns it."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value < 1:
-        raise ValueError(f"{name} must be >= 1, got {value}")
-    return value
-
-
-def check_log_softmax_args(
-    x: Tensor, dim: int = -1, out_dtype: torch.dtype = torch.float32, chunk_size: int = LSE_CHUNK
-) -> None:
-    """Validates ``x [..., V]``, ``dim`` (last dimension only), ``out_dtype``, ``chunk_size``."""
-    check_tensor("x", x, dtypes=SUPPORTED_DTYPES)
-    if x.dim() < 1:
-        raise ValueError("x must have at least 1 dimension [..., V], got a 0-d tensor")
-    if isinstance(dim, bool) or not isinstance(dim, int):
-        raise TypeError(f"dim must be an int, got {type(dim).__name__}")
-    if dim not in (-1, x.dim() - 1):
-        raise ValueError(
-            f"dim must be the last dimension (-1 or {x.dim() - 1}), got dim={dim} for x of "
-            f"shape {tuple(x.shape)}; move the reduced dimension last first"
-        )
-    if out_dtype not in SUPPORTED_DTYPES:
-        raise TypeError(f"out_dtype must be one of float32, bfloat16, float16, got {out_dtype}")
-    check_positive_int("chunk_size", chunk_size)
-    if x.shape[-1] == 0:
-        raise ValueError(
-            f"x.shape[-1] must be >= 1 (an empty row has no distribution), got {tuple(x.shape)}"
-        )
 
 
 def _shift(m: Tensor) -> Tensor:

@@ -45,10 +45,10 @@ from dataclasses import dataclass, fields
 import torch
 from torch import Tensor, nn
 
-from .._validate import FLOAT_DTYPES, INDEX_DTYPES, check_tensor
+from ..kv_cache import KVCache
+from ..validation import FLOAT_DTYPES, INDEX_DTYPES, check_tensor
 from .attention import attention, attention_varlen, attention_with_kv_cache
 from .embedding import embedding_with_grad
-from .kv_cache import KVCache
 from .linear import linear
 from .log_softmax import log_softmax as reference_log_softmax
 from .rms_norm import rms_norm

@@ -37,58 +37,21 @@ their sum); rows whose ``grad_y`` is zero (masked padding) add exactly zero and 
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import Tensor, nn
 
-from .._validate import FLOAT_DTYPES, check_same_device, check_same_dtype, check_tensor
 from ..contract import deterministic_context
+from ..validation import (
+    FLOAT_DTYPES,
+    check_eps,
+    check_fused_add_rms_norm_args,
+    check_rms_norm_args,
+    check_tensor,
+)
 from ._fixed_order import fixed_order_sum
 
 SUPPORTED_DTYPES = FLOAT_DTYPES
 QWEN3_RMS_NORM_EPS = 1e-6
-
-
-def check_eps(eps: object) -> None:
-    """``eps`` must be a Python number, finite, and > 0 after rounding to fp32."""
-    if isinstance(eps, bool) or not isinstance(eps, int | float):
-        raise TypeError(f"eps must be a Python float, got {type(eps).__name__}")
-    if not math.isfinite(eps) or eps <= 0:
-        raise ValueError(f"eps must be a finite number > 0, got {eps!r}")
-    # An eps that rounds to 0 in fp32 would give 0/0 = NaN on an all-zero row.
-    if float(torch.tensor(eps, dtype=torch.float32)) == 0.0:
-        raise ValueError(f"eps must be > 0 in float32, got {eps!r} which rounds to 0")
-
-
-def check_rms_norm_args(x: Tensor, weight: Tensor, eps: float) -> None:
-    """Validates the arguments of ``rms_norm`` (no value is read from the tensors)."""
-    check_tensor("x", x, dtypes=SUPPORTED_DTYPES)
-    check_tensor("weight", weight, dtypes=SUPPORTED_DTYPES, ndim=1)
-    check_same_device(x=x, weight=weight)
-    check_same_dtype(x=x, weight=weight)
-    if x.dim() == 0 or x.shape[-1] == 0:
-        raise ValueError(
-            f"x must have a non-empty last (normalised) dimension, got shape {tuple(x.shape)}"
-        )
-    if weight.shape != x.shape[-1:]:
-        raise ValueError(
-            f"weight must have shape x.shape[-1:] = {tuple(x.shape[-1:])}, "
-            f"got {tuple(weight.shape)}"
-        )
-    check_eps(eps)
-
-
-def check_fused_add_rms_norm_args(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> None:
-    """Validates ``fused_add_rms_norm``: ``residual`` must match ``x`` exactly."""
-    check_tensor("residual", residual, dtypes=SUPPORTED_DTYPES)
-    check_rms_norm_args(x, weight, eps)
-    check_same_device(x=x, residual=residual)
-    check_same_dtype(x=x, residual=residual)
-    if residual.shape != x.shape:
-        raise ValueError(
-            f"residual must have the shape of x {tuple(x.shape)}, got {tuple(residual.shape)}"
-        )
 
 
 def _ieee_sqrt(v: Tensor) -> Tensor:

@@ -33,101 +33,20 @@ Backward: the transpose of the rotation, elementwise in fp32 with the same cos/s
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import Tensor, nn
 
-from .._validate import (
-    FLOAT_DTYPES,
-    INDEX_DTYPES,
-    check_index_range,
-    check_same_device,
-    check_same_dtype,
-    check_tensor,
-)
 from ..contract import deterministic_context
+from ..validation import (
+    DEFAULT_MAX_POSITION,
+    FLOAT_DTYPES,
+    check_rope_args,
+    check_rope_params,
+)
+from ..validation import MAX_EXACT_POSITION as MAX_EXACT_POSITION  # the reference's limit
 
 SUPPORTED_DTYPES = FLOAT_DTYPES
-# Every integer below 2^24 is exact in fp32, so angle = position * inv_freq has one rounding
-# and distinct positions stay distinct.  Callers pass the model's max_position_embeddings.
-MAX_EXACT_POSITION = 1 << 24
-DEFAULT_MAX_POSITION = MAX_EXACT_POSITION
 ROPE_TABLE_BLOCK = 64
-
-
-def _check_number(name: str, value: object, *, integer: bool) -> None:
-    kinds = int if integer else int | float
-    if isinstance(value, bool) or not isinstance(value, kinds):
-        want = "int" if integer else "float"
-        raise TypeError(f"{name} must be a Python {want}, got {type(value).__name__}")
-
-
-def check_rope_params(head_dim: int, theta: float, max_position: int) -> None:
-    """Validates the scalar parameters: even ``head_dim`` > 0, ``theta`` > 0, ``max_position``."""
-    _check_number("head_dim", head_dim, integer=True)
-    if head_dim <= 0 or head_dim % 2:
-        raise ValueError(f"head_dim must be even and > 0 (rotate-half pairs), got {head_dim}")
-    _check_number("theta", theta, integer=False)
-    if not math.isfinite(theta) or theta <= 0:
-        raise ValueError(f"theta must be a finite number > 0, got {theta!r}")
-    _check_number("max_position", max_position, integer=True)
-    if not 1 <= max_position <= MAX_EXACT_POSITION:
-        raise ValueError(
-            f"max_position must be in [1, {MAX_EXACT_POSITION}] (positions must be exact in "
-            f"float32), got {max_position}"
-        )
-
-
-def check_rope_args(
-    q: Tensor,
-    k: Tensor,
-    position_ids: Tensor,
-    *,
-    theta: float,
-    head_dim: int | None = None,
-    max_position: int = DEFAULT_MAX_POSITION,
-    check_values: bool = True,
-    names: tuple[str, str] = ("q", "k"),
-) -> None:
-    """Validates ``rope``'s arguments; ``check_values`` reads the position ids (a device sync).
-
-    ``names`` are the names reported for ``q`` and ``k`` (the backward passes its grads).
-    """
-    q_name, k_name = names
-    check_tensor(q_name, q, dtypes=SUPPORTED_DTYPES)
-    check_tensor(k_name, k, dtypes=SUPPORTED_DTYPES)
-    check_tensor("position_ids", position_ids, dtypes=INDEX_DTYPES)
-    check_same_device(**{q_name: q, k_name: k, "position_ids": position_ids})
-    check_same_dtype(**{q_name: q, k_name: k})
-    for name, t in ((q_name, q), (k_name, k)):
-        if t.dim() < 3:
-            raise ValueError(
-                f"{name} must be [*tokens, heads, head_dim] with at least one token dimension, "
-                f"got shape {tuple(t.shape)}"
-            )
-        if t.shape[-2] == 0:
-            raise ValueError(f"{name} must have at least one head, got shape {tuple(t.shape)}")
-    if head_dim is None:
-        head_dim = q.shape[-1]
-    check_rope_params(head_dim, theta, max_position)
-    for name, t in ((q_name, q), (k_name, k)):
-        if t.shape[-1] != head_dim:
-            raise ValueError(
-                f"{name}.shape[-1] must equal head_dim ({head_dim}), got shape {tuple(t.shape)}"
-            )
-    if q.shape[:-2] != k.shape[:-2]:
-        raise ValueError(
-            f"{q_name} and {k_name} must have the same token dimensions, got "
-            f"{q_name} {tuple(q.shape)} and {k_name} {tuple(k.shape)}"
-        )
-    if position_ids.shape != q.shape[:-2]:
-        raise ValueError(
-            f"position_ids must have shape {q_name}.shape[:-2] = {tuple(q.shape[:-2])}, "
-            f"got {tuple(position_ids.shape)}"
-        )
-    if check_values:
-        check_index_range("position_ids", position_ids, max_position)
 
 
 def rope_inv_freq(head_dim: int, theta: float) -> Tensor:

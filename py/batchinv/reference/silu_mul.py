@@ -28,36 +28,15 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from .._validate import FLOAT_DTYPES, check_same_device, check_same_dtype, check_tensor
 from ..contract import deterministic_context
+from ..validation import (
+    FLOAT_DTYPES,
+    check_silu_mul_args,
+    check_silu_mul_fused_args,
+    check_tensor,
+)
 
 SUPPORTED_DTYPES = FLOAT_DTYPES
-
-
-def check_silu_mul_args(gate: Tensor, up: Tensor) -> None:
-    """``gate`` and ``up``: same shape ``[..., I]`` (I > 0), dtype and device."""
-    check_tensor("gate", gate, dtypes=SUPPORTED_DTYPES)
-    check_tensor("up", up, dtypes=SUPPORTED_DTYPES)
-    check_same_device(gate=gate, up=up)
-    check_same_dtype(gate=gate, up=up)
-    if gate.dim() == 0 or gate.shape[-1] == 0:
-        raise ValueError(
-            f"gate must have a non-empty last dimension, got shape {tuple(gate.shape)}"
-        )
-    if up.shape != gate.shape:
-        raise ValueError(
-            f"up must have the shape of gate {tuple(gate.shape)}, got {tuple(up.shape)}"
-        )
-
-
-def check_silu_mul_fused_args(gate_up: Tensor) -> None:
-    """``gate_up: [..., 2 * I]`` with I > 0."""
-    check_tensor("gate_up", gate_up, dtypes=SUPPORTED_DTYPES)
-    if gate_up.dim() == 0 or gate_up.shape[-1] == 0 or gate_up.shape[-1] % 2:
-        raise ValueError(
-            "gate_up must have an even, non-empty last dimension [..., 2 * I], got shape "
-            f"{tuple(gate_up.shape)}"
-        )
 
 
 def _exp_neg_rowwise(g32: Tensor) -> Tensor:

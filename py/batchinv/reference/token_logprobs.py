@@ -40,21 +40,16 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from .._validate import (
-    FLOAT_DTYPES,
-    INDEX_DTYPES,
-    check_dim_size,
-    check_index_range,
-    check_same_device,
-    check_same_dtype,
-    check_tensor,
-)
 from ..contract import deterministic_context
+from ..validation import (
+    FLOAT_DTYPES,
+    check_positive_int,
+    check_token_logprobs_args,
+)
 from ._fixed_order import fixed_order_matmul, fixed_order_sum
 from .log_softmax import (
     LSE_CHUNK,
     _shift,
-    check_positive_int,
     chunk_lse_state,
     lse_merge_scales,
 )
@@ -66,38 +61,6 @@ SUPPORTED_DTYPES = FLOAT_DTYPES
 VOCAB_CHUNK = LSE_CHUNK
 
 DEFAULT_IGNORE_INDEX = -100
-
-
-def check_token_logprobs_args(
-    hidden: Tensor,
-    lm_head_weight: Tensor,
-    target_ids: Tensor,
-    ignore_index: int = DEFAULT_IGNORE_INDEX,
-    vocab_chunk: int = VOCAB_CHUNK,
-    *,
-    check_values: bool = True,
-) -> None:
-    """Validates the arguments; ``check_values`` reads ``target_ids`` (a device sync)."""
-    check_tensor("hidden", hidden, dtypes=SUPPORTED_DTYPES)
-    check_tensor("lm_head_weight", lm_head_weight, dtypes=SUPPORTED_DTYPES, ndim=2)
-    check_tensor("target_ids", target_ids, dtypes=INDEX_DTYPES)
-    if hidden.dim() < 1:
-        raise ValueError("hidden must have at least 1 dimension [..., H], got a 0-d tensor")
-    check_same_device(hidden=hidden, lm_head_weight=lm_head_weight, target_ids=target_ids)
-    check_same_dtype(hidden=hidden, lm_head_weight=lm_head_weight)
-    check_dim_size("hidden", hidden, -1, lm_head_weight.shape[1], "lm_head_weight.shape[1] (H)")
-    if target_ids.shape != hidden.shape[:-1]:
-        raise ValueError(
-            f"target_ids must have shape hidden.shape[:-1] = {tuple(hidden.shape[:-1])}, got "
-            f"{tuple(target_ids.shape)}"
-        )
-    if lm_head_weight.shape[0] == 0:
-        raise ValueError("lm_head_weight must have at least one row (vocabulary size 0)")
-    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
-        raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
-    check_positive_int("vocab_chunk", vocab_chunk)
-    if check_values:
-        check_index_range("target_ids", target_ids, lm_head_weight.shape[0], allowed=ignore_index)
 
 
 def _chunk_logits(hidden32: Tensor, lm_head_weight: Tensor, start: int, stop: int) -> Tensor:

@@ -17,8 +17,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from ..._validate import FLOAT_DTYPES, INDEX_DTYPES, check_tensor
-from ...reference.kv_cache import KVCache
+from ...kv_cache import KVCache
 from ...reference.qwen3_chain import (
     Qwen3ChainConfig,
     Qwen3Ops,
@@ -28,6 +27,7 @@ from ...reference.qwen3_chain import (
     qwen3_final_hidden,
     qwen3_state_dict_shapes,
 )
+from ...validation import FLOAT_DTYPES, INDEX_DTYPES, check_tensor
 from .config import Qwen3Config
 from .ops import ops_by_name
 from .weights import load_safetensors, random_state_dict

@@ -19,7 +19,7 @@ from torch import Tensor
 
 import batchinv
 
-from ...reference.kv_cache import KVCache
+from ...kv_cache import KVCache
 from ...reference.qwen3_chain import REFERENCE_OPS, Qwen3Ops
 
 __all__ = ["BATCHINV_OPS", "OPS_BY_NAME", "REFERENCE_OPS", "STOCK_OPS", "ops_by_name"]

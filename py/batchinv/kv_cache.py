@@ -1,14 +1,15 @@
-"""A KV cache for the attention reference: decode, chunked prefill and prefix reuse.
+"""``batchinv.KVCache``: the KV cache of ``batchinv.attention_with_kv_cache`` (decode,
+chunked prefill and prefix reuse), on every backend.
 
 Storage is ``k, v: [batch, max_len, num_kv_heads, head_dim]`` with one length per
 sequence slot.  Key ``i`` of slot ``s`` sits at absolute position ``i`` (position 0 is
-the first token of the sequence), which is what the attention reference's fixed KV
-blocks are measured in: a row computed against the cache sees exactly the keys, at the
-same absolute positions, that it would see in a one-shot prefill.
+the first token of the sequence), which is what attention's fixed KV blocks are measured
+in: a row computed against the cache sees exactly the keys, at the same absolute
+positions, that it would see in a one-shot prefill.
 
 Unwritten slots hold NaN (for every dtype here), so a read of a position beyond a
-sequence's length would show up as NaN in the output; the attention reference selects
-keys by length and never reads them.  The cache is an inference structure: appends are
+sequence's length would show up as NaN in the output; attention selects keys by length
+and never reads them.  The cache is an inference structure: appends are
 copies made under ``torch.no_grad()`` and no gradient flows through it.
 
 Host syncs.  The lengths live on the host (a CPU int64 tensor): the cache is their only
@@ -27,7 +28,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .._validate import INDEX_DTYPES, check_same_device, check_tensor
+from .validation import INDEX_DTYPES, check_same_device, check_tensor
 
 SUPPORTED_CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 

@@ -1,4 +1,10 @@
-"""Loading batchinv's embedded kernels and launching them on PyTorch's stream."""
+"""The Python side of the boundary with the compiled extension ``batchinv._native``.
+
+This is the only module that imports ``batchinv._native``; the rest of the package reaches the
+native code through it: loading batchinv's embedded kernels, launching them on PyTorch's
+current stream, the device queries the launch code needs (``uses_hopper``,
+``multiprocessors``) and the extension's own helpers (``native()``: TMA maps, build info).
+"""
 
 from __future__ import annotations
 
@@ -6,10 +12,10 @@ import functools
 
 import torch
 
-from ..registry import backend_of
+from .registry import backend_of
 
 try:
-    from .. import _native
+    from . import _native
 except ImportError as error:  # a source checkout that was never built
     _native = None
     _NATIVE_IMPORT_ERROR = error
@@ -29,6 +35,33 @@ def native():
             f"install the wheel or run `maturin develop` ({_NATIVE_IMPORT_ERROR})"
         )
     return _native
+
+
+def build_info() -> dict:
+    """What the extension was built with (``cuda_archs``, ``hip_archs``, versions)."""
+    return native().build_info()
+
+
+def declared_kernels(module: str) -> dict[str, str]:
+    """The kernels (name -> signature) that ``kernels_cu/<module>.cu`` declares (CUDA build)."""
+    return native().RawModule(embedded=module).declared_kernels()
+
+
+def tensor_map_2d(
+    address: int,
+    dtype_name: str,
+    rows: int,
+    cols: int,
+    row_bytes: int,
+    box_rows: int,
+    box_cols: int,
+    swizzle_bytes: int,
+) -> bytes:
+    """An encoded TMA descriptor of a ``rows x cols`` matrix at ``address`` (rows ``row_bytes``
+    apart), read in ``box_rows x box_cols`` boxes with a ``swizzle_bytes`` swizzle."""
+    return native().tensor_map_2d(
+        address, dtype_name, rows, cols, row_bytes, box_rows, box_cols, swizzle_bytes
+    )
 
 
 @functools.cache
@@ -61,10 +94,7 @@ def multiprocessors(index: int | None) -> int:
 @functools.cache
 def _hopper_device(index: int) -> bool:
     # Asked on every call of the ops that use it: capability and build do not change.
-    return (
-        torch.cuda.get_device_capability(index) == (9, 0)
-        and "90a" in native().build_info()["cuda_archs"]
-    )
+    return torch.cuda.get_device_capability(index) == (9, 0) and "90a" in build_info()["cuda_archs"]
 
 
 # The dynamic shared-memory limit each (kernel, device) has now: CUDA's default (48 KiB less
