@@ -33,11 +33,12 @@ _local = threading.local()
 
 def word(device: torch.device) -> Tensor:
     """The device's status word (int64 ``[1]``, zero while every check passed)."""
-    index = torch.cuda.current_device() if device.index is None else device.index
-    key = torch.device(device.type, index)
+    key = device
+    if device.type == "cuda" and device.index is None:
+        key = torch.device("cuda", torch.cuda.current_device())
     found = _words.get(key)
     if found is None:
-        if torch.cuda.is_current_stream_capturing():
+        if key.type == "cuda" and torch.cuda.is_current_stream_capturing():
             raise RuntimeError(
                 "batchinv.device_checks: call batchinv.device_checks.word(device) once before "
                 "capturing (its word is allocated outside any graph)"
@@ -75,9 +76,15 @@ def record(bit: int, failed: Tensor) -> None:
 def raise_device_errors(device: torch.device | str | None = None) -> None:
     """Reads the status word of ``device`` (default: every device with one; a host sync),
     clears it and raises the first failed check's error."""
-    devices = list(_words) if device is None else [torch.device(device)]
+    if device is None:
+        devices = list(_words)
+    else:
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        devices = [device]
     for key in devices:
-        status = _words.get(key if key.index is not None else torch.device(key.type, 0))
+        status = _words.get(key)
         if status is None:
             continue
         value = int(status.item())

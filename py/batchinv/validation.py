@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -587,3 +587,24 @@ def check_attention_args(
     if not check_values:
         return None
     return check_length_values(q, k, seqlens_q=seqlens_q, seqlens_k=seqlens_k)
+
+
+def token_id_lists(name: str, values, device: torch.device) -> list[Tensor]:
+    """``values`` (a non-empty list of 1-D integer tensors or lists of ints) as int64 tensors
+    on ``device``; a float, a bool or an empty sequence is an error naming its place."""
+    if not isinstance(values, Sequence) or isinstance(values, str | bytes) or not values:
+        raise TypeError(f"{name} must be a non-empty list of token id sequences")
+    result = []
+    for i, seq in enumerate(values):
+        if not isinstance(seq, Tensor):
+            if not isinstance(seq, Sequence) or not all(
+                isinstance(x, int) and not isinstance(x, bool) for x in seq
+            ):
+                raise TypeError(f"{name}[{i}] must be a 1-D integer tensor or a list of ints")
+            seq = torch.tensor(seq, dtype=torch.int64)
+        t = seq
+        check_tensor(f"{name}[{i}]", t, dtypes=INDEX_DTYPES, ndim=1)
+        if t.numel() == 0:
+            raise ValueError(f"{name}[{i}] is empty")
+        result.append(t.to(device=device, dtype=torch.int64))
+    return result

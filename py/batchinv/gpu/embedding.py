@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .. import device_checks
 from ..runtime import kernel_for, launch
 from ..validation import report_bad_index
 
@@ -57,7 +58,9 @@ def launch_forward(ids: Tensor, weight: Tensor) -> tuple[Tensor, Tensor]:
 
 def forward(ids: Tensor, weight: Tensor, check_ids: bool = True) -> Tensor:
     out, first_bad = launch_forward(ids, weight)
-    if check_ids:
+    if check_ids and device_checks.deferring():  # CUDA-graph capture: no sync allowed
+        device_checks.record(device_checks.EMBEDDING_IDS, first_bad != -1)
+    elif check_ids:
         position = int(first_bad.item())  # the one synchronisation: bad ids must raise here
         if position != -1:
             report_bad_index("ids", ids, position, weight.shape[0])

@@ -17,6 +17,7 @@ import functools
 import torch
 from torch import Tensor
 
+from .. import device_checks
 from ..reference.rope import rope_inv_freq
 from ..runtime import kernel_for, launch
 from ..validation import report_bad_index
@@ -125,7 +126,9 @@ def forward(
     q_rot, k_rot, first_bad = launch_rotation(
         q, k, position_ids, theta, max_position, inverse=False, want_flag=check_positions
     )
-    if check_positions and position_ids.numel() > 0:
+    if check_positions and position_ids.numel() > 0 and device_checks.deferring():
+        device_checks.record(device_checks.ROPE_POSITIONS, first_bad != -1)
+    elif check_positions and position_ids.numel() > 0:
         token = int(first_bad.item())  # the one synchronisation: a bad position must raise here
         if token != -1:
             report_bad_index("position_ids", position_ids, token, max_position)

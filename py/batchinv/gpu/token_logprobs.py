@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .. import device_checks
 from ..runtime import allow_dynamic_shared, kernel_for, launch, tensor_map_2d, uses_hopper
 from ..validation import report_bad_index
 
@@ -171,6 +172,9 @@ def forward(
         ),
     )
     if not check_targets:
+        return logprob, lse, entropy, targets32
+    if device_checks.deferring():  # CUDA-graph capture: no sync allowed
+        device_checks.record(device_checks.TOKEN_LOGPROBS_TARGETS, first_bad != tokens)
         return logprob, lse, entropy, targets32
     position = int(first_bad.item())  # the one synchronisation: a bad id must raise here
     if position != tokens:

@@ -34,6 +34,7 @@ from torch import Tensor
 
 import batchinv
 
+from ... import device_checks
 from ...reference.qwen3_chain import lm_head_weight, qwen3_final_hidden
 from ...static_kv_cache import (
     DeviceStatus,
@@ -42,6 +43,7 @@ from ...static_kv_cache import (
     attention_with_static_kv_cache,
     plan_step,
 )
+from ...validation import token_id_lists
 from .ops import BATCHINV_OPS
 
 IGNORE_INDEX = -100
@@ -89,15 +91,6 @@ def _attention(q, k_new, v_new, layer, seq_ids, seqlens_new=None, causal=True, *
     if plan.seq_ids is not seq_ids:
         raise RuntimeError("internal: the chain ran with other slots than the step's plan")
     return attention_with_static_kv_cache(q, k_new, v_new, layer, plan)
-
-
-def _token_logprob(hidden: Tensor, head: Tensor, token: Tensor) -> Tensor:
-    """``batchinv.token_logprobs`` without its host read of the target check."""
-    if hidden.device.type == "cuda":
-        from ...gpu import token_logprobs as gpu
-
-        return gpu.forward(hidden, head, token, IGNORE_INDEX, False, check_targets=False)[0]
-    return batchinv.token_logprobs(hidden, head, token, IGNORE_INDEX)
 
 
 class Qwen3DecodeRunner:
@@ -161,6 +154,7 @@ class Qwen3DecodeRunner:
             device=device,
         )
         self.status = DeviceStatus(device)
+        device_checks.word(device)  # allocated outside any graph
         slots = max_batch + 1  # with the pad slot
         self._next_token = torch.zeros(slots, dtype=torch.int64, device=device)
         self._seeds = torch.zeros(slots, dtype=torch.int64, device=device)
@@ -202,7 +196,7 @@ class Qwen3DecodeRunner:
         token = logp.argmax(dim=-1)
         # The trainer's function (Qwen3.token_logprobs), so the trainer's bits; the token is
         # an argmax over the vocabulary, always in range.
-        logprob = _token_logprob(hidden, head, token)
+        logprob = batchinv.token_logprobs(hidden, head, token, IGNORE_INDEX)
         # A failed step writes its outputs to the pad slot's position 0 (never read).
         ok = self.status.ok()
         slot_ids = torch.where(ok, slot_ids, self.cache.pad_slot)
@@ -221,9 +215,7 @@ class Qwen3DecodeRunner:
         """Prefills ``prompts`` (eager, one padded batch) into free slots, samples each one's
         first token; returns the slots.  ``seeds`` (one int per prompt, default 0) key the
         sampling noise; a slot's samples depend only on its seed and its tokens."""
-        from .model import _as_id_list
-
-        seqs = _as_id_list("prompts", prompts, torch.device("cpu"))
+        seqs = token_id_lists("prompts", prompts, torch.device("cpu"))
         if seeds is None:
             seeds = [0] * len(seqs)
         seeds = list(seeds)
@@ -283,6 +275,10 @@ class Qwen3DecodeRunner:
         raise ValueError(f"{n} slots exceed the largest bucket ({self.buckets[-1]})")
 
     def _step_body(self, bucket: int) -> None:
+        with device_checks.deferred():  # the public ops' value checks: no sync in a step
+            self._run_step(bucket)
+
+    def _run_step(self, bucket: int) -> None:
         slot_ids = self._buffers[bucket]
         self._plan(slot_ids, torch.ones_like(slot_ids), 1)
         ids = self._next_token[slot_ids][:, None]
@@ -361,6 +357,7 @@ class Qwen3DecodeRunner:
         again once the cause is fixed."""
         try:
             self.status.raise_if_failed()
+            device_checks.raise_device_errors(self.device)
         except (IndexError, ValueError):
             device_lengths = self.cache.lengths.tolist()
             for slot in self._lengths:

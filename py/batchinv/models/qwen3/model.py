@@ -27,7 +27,7 @@ from ...reference.qwen3_chain import (
     qwen3_final_hidden,
     qwen3_state_dict_shapes,
 )
-from ...validation import FLOAT_DTYPES, INDEX_DTYPES, check_tensor
+from ...validation import FLOAT_DTYPES, INDEX_DTYPES, check_tensor, token_id_lists
 from .config import Qwen3Config
 from .ops import ops_by_name
 from .weights import load_safetensors, random_state_dict
@@ -78,25 +78,6 @@ def _install(root: nn.Module, dotted_name: str, parameter: nn.Parameter) -> None
             module.add_module(part, child)
         module = child
     module.register_parameter(leaf, parameter)
-
-
-def _as_id_list(name: str, values, device: torch.device) -> list[Tensor]:
-    if not isinstance(values, Sequence) or isinstance(values, str | bytes) or not values:
-        raise TypeError(f"{name} must be a non-empty list of token id sequences")
-    result = []
-    for i, seq in enumerate(values):
-        if not isinstance(seq, Tensor):
-            if not isinstance(seq, Sequence) or not all(
-                isinstance(x, int) and not isinstance(x, bool) for x in seq
-            ):
-                raise TypeError(f"{name}[{i}] must be a 1-D integer tensor or a list of ints")
-            seq = torch.tensor(seq, dtype=torch.int64)
-        t = seq
-        check_tensor(f"{name}[{i}]", t, dtypes=INDEX_DTYPES, ndim=1)
-        if t.numel() == 0:
-            raise ValueError(f"{name}[{i}] is empty")
-        result.append(t.to(device=device, dtype=torch.int64))
-    return result
 
 
 class Qwen3(nn.Module):
@@ -281,7 +262,7 @@ class Qwen3(nn.Module):
             raise ValueError(f"max_new_tokens must be positive, got {max_new_tokens!r}")
         if not isinstance(temperature, int | float) or not temperature > 0:
             raise ValueError(f"temperature must be > 0, got {temperature!r}")
-        seqs = _as_id_list("prompts", prompts, self.device)
+        seqs = token_id_lists("prompts", prompts, self.device)
         longest = max(s.numel() for s in seqs)
         limit = self.config.max_position_embeddings
         if longest + max_new_tokens > limit:
@@ -390,7 +371,7 @@ class Qwen3(nn.Module):
         Returns one 1-D fp32 tensor per sequence, differentiable w.r.t. the parameters.
         """
         ops = self._ops(ops)
-        seqs = _as_id_list("sequences", sequences, self.device)
+        seqs = token_id_lists("sequences", sequences, self.device)
         if isinstance(prompt_lens, Tensor):
             check_tensor("prompt_lens", prompt_lens, dtypes=INDEX_DTYPES, ndim=1)
             prompt_lens = prompt_lens.tolist()
