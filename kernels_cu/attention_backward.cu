@@ -1722,45 +1722,9 @@ __device__ __forceinline__ void dq_wgmma_kernel(const uint16_t* q, const uint16_
     BATCHINV_ATTN_BWD_DQ(DTYPE, CODEC, D, _async, true, true)                   \
     BATCHINV_ATTN_BWD_TILED(DTYPE, CODEC, D)
 
-// batchinv-signature: attention_bwd_delta_bf16_d64(ptr, ptr, ptr, ptr, ptr, i32, i64)
-// batchinv-signature: attention_bwd_dkdv_bf16_d64_ldsm(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
-// batchinv-signature: attention_bwd_dkdv_bf16_d64_lds(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
-// batchinv-signature: attention_bwd_dkdv_bf16_d64_async(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
-// batchinv-signature: attention_bwd_dkdv_bf16_d64_wide(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
-// batchinv-signature: attention_bwd_dq_bf16_d64_ldsm(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
-// batchinv-signature: attention_bwd_dq_bf16_d64_lds(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
-// batchinv-signature: attention_bwd_dq_bf16_d64_async(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
-// batchinv-signature: attention_bwd_dq_bf16_d64_tiled(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
 BATCHINV_ATTN_BWD_ALL(bf16, batchinv::Bf16Codec, 64)
-// batchinv-signature: attention_bwd_delta_bf16_d128(ptr, ptr, ptr, ptr, ptr, i32, i64)
-// batchinv-signature: attention_bwd_dkdv_bf16_d128_ldsm(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
-// batchinv-signature: attention_bwd_dkdv_bf16_d128_lds(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
-// batchinv-signature: attention_bwd_dkdv_bf16_d128_async(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
-// batchinv-signature: attention_bwd_dkdv_bf16_d128_wide(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
-// batchinv-signature: attention_bwd_dq_bf16_d128_ldsm(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
-// batchinv-signature: attention_bwd_dq_bf16_d128_lds(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
-// batchinv-signature: attention_bwd_dq_bf16_d128_async(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
-// batchinv-signature: attention_bwd_dq_bf16_d128_tiled(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
 BATCHINV_ATTN_BWD_ALL(bf16, batchinv::Bf16Codec, 128)
-// batchinv-signature: attention_bwd_delta_f16_d64(ptr, ptr, ptr, ptr, ptr, i32, i64)
-// batchinv-signature: attention_bwd_dkdv_f16_d64_ldsm(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
-// batchinv-signature: attention_bwd_dkdv_f16_d64_lds(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
-// batchinv-signature: attention_bwd_dkdv_f16_d64_async(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
-// batchinv-signature: attention_bwd_dkdv_f16_d64_wide(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
-// batchinv-signature: attention_bwd_dq_f16_d64_ldsm(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
-// batchinv-signature: attention_bwd_dq_f16_d64_lds(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
-// batchinv-signature: attention_bwd_dq_f16_d64_async(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
-// batchinv-signature: attention_bwd_dq_f16_d64_tiled(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
 BATCHINV_ATTN_BWD_ALL(f16, batchinv::F16Codec, 64)
-// batchinv-signature: attention_bwd_delta_f16_d128(ptr, ptr, ptr, ptr, ptr, i32, i64)
-// batchinv-signature: attention_bwd_dkdv_f16_d128_ldsm(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
-// batchinv-signature: attention_bwd_dkdv_f16_d128_lds(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
-// batchinv-signature: attention_bwd_dkdv_f16_d128_async(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
-// batchinv-signature: attention_bwd_dkdv_f16_d128_wide(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
-// batchinv-signature: attention_bwd_dq_f16_d128_ldsm(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
-// batchinv-signature: attention_bwd_dq_f16_d128_lds(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
-// batchinv-signature: attention_bwd_dq_f16_d128_async(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
-// batchinv-signature: attention_bwd_dq_f16_d128_tiled(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
 BATCHINV_ATTN_BWD_ALL(f16, batchinv::F16Codec, 128)
 
 #define BATCHINV_ATTN_BWD_DKDV_WGMMA_PAIR(DTYPE, CODEC)                                                        \
@@ -1775,9 +1739,7 @@ BATCHINV_ATTN_BWD_ALL(f16, batchinv::F16Codec, 128)
                                                           causal, scale);                                       \
     }
 
-// batchinv-signature: attention_bwd_dkdv_bf16_d128_wgmma_pair(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
 BATCHINV_ATTN_BWD_DKDV_WGMMA_PAIR(bf16, batchinv::Bf16Codec)
-// batchinv-signature: attention_bwd_dkdv_f16_d128_wgmma_pair(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
 BATCHINV_ATTN_BWD_DKDV_WGMMA_PAIR(f16, batchinv::F16Codec)
 
 #define BATCHINV_ATTN_BWD_DQ_WGMMA(DTYPE, CODEC)                                                               \
@@ -1790,9 +1752,7 @@ BATCHINV_ATTN_BWD_DKDV_WGMMA_PAIR(f16, batchinv::F16Codec)
                                                    dq, num_q_heads, num_kv_heads, total_q, causal, scale);      \
     }
 
-// batchinv-signature: attention_bwd_dq_bf16_d128_wgmma(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
 BATCHINV_ATTN_BWD_DQ_WGMMA(bf16, batchinv::Bf16Codec)
-// batchinv-signature: attention_bwd_dq_f16_d128_wgmma(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
 BATCHINV_ATTN_BWD_DQ_WGMMA(f16, batchinv::F16Codec)
 
 #endif  // !__HIPCC__

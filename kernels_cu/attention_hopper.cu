@@ -887,15 +887,11 @@ __device__ __forceinline__ void attn_hopper_tile(const TensorMap& map_k, const T
         batchinv::attn_hopper::attn_hopper_tile<CODEC, D>(map_k, map_v, p);                                     \
     }
 
-// Signature: (map_k, map_v, q, out, lse, q_start, q_len, k_start, k_len, q_row, q_head, out_row,
+// Arguments: (map_k, map_v, q, out, lse, q_start, q_len, k_start, k_len, q_row, q_head, out_row,
 //             out_head, tq, hq, hkv, pack, causal, scale_log2, queue, q_tiles, batch).
-// batchinv-signature: attn_hopper_fwd_bf16_d128(tmap, tmap, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i32, i32, i32, i32, i32, f32, ptr, i32, i32)
 BATCHINV_ATTN_HOPPER(bf16_d128, batchinv::Bf16Codec, 128)
-// batchinv-signature: attn_hopper_fwd_f16_d128(tmap, tmap, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i32, i32, i32, i32, i32, f32, ptr, i32, i32)
 BATCHINV_ATTN_HOPPER(f16_d128, batchinv::F16Codec, 128)
-// batchinv-signature: attn_hopper_fwd_bf16_d64(tmap, tmap, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i32, i32, i32, i32, i32, f32, ptr, i32, i32)
 BATCHINV_ATTN_HOPPER(bf16_d64, batchinv::Bf16Codec, 64)
-// batchinv-signature: attn_hopper_fwd_f16_d64(tmap, tmap, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i32, i32, i32, i32, i32, f32, ptr, i32, i32)
 BATCHINV_ATTN_HOPPER(f16_d64, batchinv::F16Codec, 64)
 
 // Test kernel: finalize_row (the tile kernel's division) next to finalize_out, element by element,

@@ -424,12 +424,6 @@ __device__ __forceinline__ void backward(const BackwardArgs& a) {
         batchinv::silu::backward<CODEC>(args);                                                  \
     }
 
-// batchinv-signature: silu_mul_forward_bf16(ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64)
-// batchinv-signature: silu_mul_backward_bf16(ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i64)
 BATCHINV_SILU_MUL_KERNELS(bf16, batchinv::Bf16Codec)
-// batchinv-signature: silu_mul_forward_f16(ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64)
-// batchinv-signature: silu_mul_backward_f16(ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i64)
 BATCHINV_SILU_MUL_KERNELS(f16, batchinv::F16Codec)
-// batchinv-signature: silu_mul_forward_f32(ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64)
-// batchinv-signature: silu_mul_backward_f32(ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i64)
 BATCHINV_SILU_MUL_KERNELS(f32, batchinv::F32Codec)
