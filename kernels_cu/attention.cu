@@ -14,7 +14,7 @@
 // scale_log2 = scale * log2 e in fp32, c > 0):
 //   Keys are processed in blocks of kBlockKeys = 128 at fixed ABSOLUTE positions
 //   [128j, 128j+128), grouped in splits of kSplitKeys = 2048 keys (kBlocksPerSplit = 16 blocks),
-//   also at absolute positions (64-key blocks until session 9, 1024-key splits until session 10).
+//   also at absolute positions.
 //   1. Each split is reduced from the empty state (m, l, acc) = (-inf, 0, 0) by an online
 //      softmax over its blocks in increasing order (block_softmax): s = q . k by mma over d in
 //      k16 steps in increasing order; invisible keys get s = -inf by selection; then per row
@@ -978,7 +978,7 @@ BATCHINV_ATTN_KERNELS(f16, batchinv::F16Codec, 128, 1)
 BATCHINV_ATTN_KERNELS(f16, batchinv::F16Codec, 128, 4)
 // Cooperative split kernels (16-row tiles, NW warps): decode.  MINB (CTAs per SM the register
 // cap allows): 2 at 1 stage (shared memory would allow 3 at d = 128, 73-75 KB each, but the
-// 168-register cap of 3 spilled and was 11-13% slower on an H100, session 9), 1 at 2 and 3
+// 168-register cap of 3 spills and measures slower: docs/tuning/attention.md), 1 at 2 and 3
 // stages (137-202 KB of shared memory at d = 128).
 BATCHINV_ATTN_SPLIT_COOP(bf16, batchinv::Bf16Codec, 64, 4, 1, 2)
 BATCHINV_ATTN_SPLIT_COOP(bf16, batchinv::Bf16Codec, 64, 4, 2, 1)

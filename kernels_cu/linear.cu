@@ -276,7 +276,7 @@ __device__ __forceinline__ void small_m_gemm(const TensorMap& map_x, const Tenso
     small_m_k_range<Codec, BN, STAGE_K, STAGES>(map_x, map_w, M, N, 0, K, epilogue);
 }
 
-// ---- EXPERIMENTAL: the K-group tree (issue 4; not used by batchinv.linear) ----------------
+// ---- EXPERIMENTAL: the K-group tree (not used by batchinv.linear) --------------------------
 // K is cut into kKGroups groups of whole 64-wide boxes (group width a function of K only);
 // each group is reduced as above from a zero accumulator into an fp32 partial
 // partial[g][M][N], and the partials are combined in one fixed tree, ((p0 + p1) + (p2 + p3)),
