@@ -678,8 +678,8 @@ struct KvShape {
                                         2 * Keys * kScoreStride * 2;
 };
 // 64 keys, 8 warps of 32 x 16 (phase 1) and 32 keys x D/4 (phase 2), no prefetch: two CTAs per
-// SM.  (Measured slower on an H200: 128 keys with 8 warps of 32 x 32 and prefetch, one CTA per
-// SM; 64 keys with 32-query steps and prefetch; see docs/tuning/attention_backward.md.)
+// SM.  (Measured slower: 128 keys with 8 warps of 32 x 32 and prefetch, one CTA per SM; 64 keys
+// with 32-query steps and prefetch; see docs/tuning/attention_backward.md.)
 template <int D>
 using WideKv = KvShape<D, 64, 64, 256, 2, 2, 1, 2>;
 
@@ -799,7 +799,7 @@ __device__ __forceinline__ void dkdv_tiled_accumulate(float (&acc_dk)[Shape::kMt
 // Which CTA does which block (speed only, never the arithmetic): grid (heads, B, blocks) with
 // the block slowest, so that the heaviest causal blocks (dK/dV: key block 0, dQ: the last
 // query block) of every sequence and head are dispatched first and the light ones fill the
-// tail (4-5% faster per kernel on an H200 than (blocks, heads, B) with the light blocks first).
+// tail (measured faster than (blocks, heads, B) with the light blocks first).
 __device__ __forceinline__ void tiled_cta_place(int& seq, int& head, int& block, bool heaviest_is_last) {
     head = blockIdx.x;
     seq = blockIdx.y;
@@ -1287,9 +1287,6 @@ __device__ __forceinline__ void wg_issue_grad_product(float (&acc)[64], const ui
 // first block; or it has no keys in the sequence) only copies and waits at the barrier: it
 // skips the step, it never adds zero chunks.  Shared memory: K and V of each warpgroup, two
 // buffers of Q, dO, lse and delta: 133 120 bytes, one CTA (8 warps) per SM.
-// "The one-warpgroup kernel" in the comments of the body is the session-7 kernel that did one
-// warpgroup's work per CTA of 64 keys (same bits); this kernel replaced it and it was removed in
-// session 10.
 
 [[maybe_unused]] constexpr int kWgPairThreads = 256;
 [[maybe_unused]] constexpr int kWgPairKeys = 128;  // keys per CTA (64 per warpgroup)
@@ -1387,10 +1384,9 @@ __device__ __forceinline__ void dkdv_wgmma_pair_kernel(const uint16_t* q, const 
         cp_async_commit();
     };
     // Steps this warpgroup's keys cannot see (causal: before its own first block; all of them
-    // when it has no keys) are skipped, as its own walk (the one-warpgroup kernel's CTA for
-    // these keys) never takes them: the warpgroup only copies and waits at the barrier.
-    // Warpgroup-uniform.  (A `continue` inside the step loop instead made ptxas spill 200 bytes
-    // in the bf16 build.)
+    // when it has no keys) are skipped, as its own walk (that of `_wide`'s CTA for these keys)
+    // never takes them: the warpgroup only copies and waits at the barrier.  Warpgroup-uniform.
+    // (A `continue` inside the step loop instead makes ptxas spill in the bf16 build.)
     auto skip_invisible = [&](int& step) {
         while (step < steps && block < own_first_block) {
             wg_wait_staged();
@@ -1414,7 +1410,7 @@ __device__ __forceinline__ void dkdv_wgmma_pair_kernel(const uint16_t* q, const 
         const int i0 = block * kWgRows;
         const int rows = min(kWgRows, q_len - i0);
 
-        // From here on the one-warpgroup kernel's step, unchanged.
+        // From here on the warpgroup's own step, as for 64 keys alone.
         float st[32], dpt[32];
         wg_issue_score_products<Codec>(st, desc_k, tq, dpt, desc_v, tdo);
         advance(step);  // the next step's Q, dO, lse and delta while the products run
@@ -1722,45 +1718,9 @@ __device__ __forceinline__ void dq_wgmma_kernel(const uint16_t* q, const uint16_
     BATCHINV_ATTN_BWD_DQ(DTYPE, CODEC, D, _async, true, true)                   \
     BATCHINV_ATTN_BWD_TILED(DTYPE, CODEC, D)
 
-// batchinv-signature: attention_bwd_delta_bf16_d64(ptr, ptr, ptr, ptr, ptr, i32, i64)
-// batchinv-signature: attention_bwd_dkdv_bf16_d64_ldsm(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
-// batchinv-signature: attention_bwd_dkdv_bf16_d64_lds(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
-// batchinv-signature: attention_bwd_dkdv_bf16_d64_async(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
-// batchinv-signature: attention_bwd_dkdv_bf16_d64_wide(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
-// batchinv-signature: attention_bwd_dq_bf16_d64_ldsm(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
-// batchinv-signature: attention_bwd_dq_bf16_d64_lds(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
-// batchinv-signature: attention_bwd_dq_bf16_d64_async(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
-// batchinv-signature: attention_bwd_dq_bf16_d64_tiled(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
 BATCHINV_ATTN_BWD_ALL(bf16, batchinv::Bf16Codec, 64)
-// batchinv-signature: attention_bwd_delta_bf16_d128(ptr, ptr, ptr, ptr, ptr, i32, i64)
-// batchinv-signature: attention_bwd_dkdv_bf16_d128_ldsm(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
-// batchinv-signature: attention_bwd_dkdv_bf16_d128_lds(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
-// batchinv-signature: attention_bwd_dkdv_bf16_d128_async(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
-// batchinv-signature: attention_bwd_dkdv_bf16_d128_wide(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
-// batchinv-signature: attention_bwd_dq_bf16_d128_ldsm(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
-// batchinv-signature: attention_bwd_dq_bf16_d128_lds(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
-// batchinv-signature: attention_bwd_dq_bf16_d128_async(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
-// batchinv-signature: attention_bwd_dq_bf16_d128_tiled(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
 BATCHINV_ATTN_BWD_ALL(bf16, batchinv::Bf16Codec, 128)
-// batchinv-signature: attention_bwd_delta_f16_d64(ptr, ptr, ptr, ptr, ptr, i32, i64)
-// batchinv-signature: attention_bwd_dkdv_f16_d64_ldsm(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
-// batchinv-signature: attention_bwd_dkdv_f16_d64_lds(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
-// batchinv-signature: attention_bwd_dkdv_f16_d64_async(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
-// batchinv-signature: attention_bwd_dkdv_f16_d64_wide(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
-// batchinv-signature: attention_bwd_dq_f16_d64_ldsm(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
-// batchinv-signature: attention_bwd_dq_f16_d64_lds(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
-// batchinv-signature: attention_bwd_dq_f16_d64_async(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
-// batchinv-signature: attention_bwd_dq_f16_d64_tiled(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
 BATCHINV_ATTN_BWD_ALL(f16, batchinv::F16Codec, 64)
-// batchinv-signature: attention_bwd_delta_f16_d128(ptr, ptr, ptr, ptr, ptr, i32, i64)
-// batchinv-signature: attention_bwd_dkdv_f16_d128_ldsm(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
-// batchinv-signature: attention_bwd_dkdv_f16_d128_lds(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
-// batchinv-signature: attention_bwd_dkdv_f16_d128_async(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
-// batchinv-signature: attention_bwd_dkdv_f16_d128_wide(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
-// batchinv-signature: attention_bwd_dq_f16_d128_ldsm(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
-// batchinv-signature: attention_bwd_dq_f16_d128_lds(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
-// batchinv-signature: attention_bwd_dq_f16_d128_async(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
-// batchinv-signature: attention_bwd_dq_f16_d128_tiled(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
 BATCHINV_ATTN_BWD_ALL(f16, batchinv::F16Codec, 128)
 
 #define BATCHINV_ATTN_BWD_DKDV_WGMMA_PAIR(DTYPE, CODEC)                                                        \
@@ -1775,9 +1735,7 @@ BATCHINV_ATTN_BWD_ALL(f16, batchinv::F16Codec, 128)
                                                           causal, scale);                                       \
     }
 
-// batchinv-signature: attention_bwd_dkdv_bf16_d128_wgmma_pair(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
 BATCHINV_ATTN_BWD_DKDV_WGMMA_PAIR(bf16, batchinv::Bf16Codec)
-// batchinv-signature: attention_bwd_dkdv_f16_d128_wgmma_pair(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
 BATCHINV_ATTN_BWD_DKDV_WGMMA_PAIR(f16, batchinv::F16Codec)
 
 #define BATCHINV_ATTN_BWD_DQ_WGMMA(DTYPE, CODEC)                                                               \
@@ -1790,9 +1748,7 @@ BATCHINV_ATTN_BWD_DKDV_WGMMA_PAIR(f16, batchinv::F16Codec)
                                                    dq, num_q_heads, num_kv_heads, total_q, causal, scale);      \
     }
 
-// batchinv-signature: attention_bwd_dq_bf16_d128_wgmma(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
 BATCHINV_ATTN_BWD_DQ_WGMMA(bf16, batchinv::Bf16Codec)
-// batchinv-signature: attention_bwd_dq_f16_d128_wgmma(ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i32, f32)
 BATCHINV_ATTN_BWD_DQ_WGMMA(f16, batchinv::F16Codec)
 
 #endif  // !__HIPCC__

@@ -6,16 +6,15 @@
 // Canonical layout and row contract: those of kernels_cu/attention.cu (read its header), mode
 // (a) only: one CTA per work item (query tile, head group, sequence) walks all splits of its
 // tile and merges them as it goes.  The grid is persistent: min(SMs, items) CTAs take the items
-// from a queue (an atomic counter, zeroed for each launch) in the order of the former
-// one-CTA-per-item grid (tile_at); the K/V rings run on across a CTA's items, so the next
+// from a queue (an atomic counter, zeroed for each launch) in the order a one-CTA-per-item grid
+// would dispatch them (tile_at); the K/V rings run on across a CTA's items, so the next
 // item's first blocks load while this one finishes, and the next item's Q is copied while this
 // one runs.  Which CTA computes an item, and in which order, never changes an operation of a
 // row: the grid size depends on the batch, the arithmetic does not.  Differences from
 // attention.cu are in who computes what, never in the arithmetic:
-//   - Blocks of kBlockKeys = 128 keys (session 9, the contract's block size; 16 blocks per
-//     2048-key split since session 10).  Tile rows: M = 128 (two consumer warpgroups of 64 rows, four warps of
-//     16 rows each), row r = (query qtile * QPT + r / P, head hg * P + r % P) as in
-//     attention.cu.  A warp's 16 rows are held exactly as mma.sync holds them: wgmma's
+//   - Blocks of kBlockKeys = 128 keys (the contract's block size; 16 blocks per 2048-key
+//     split).  Tile rows: M = 128 (two consumer warpgroups of 64 rows, four warps of 16 rows
+//     each), row r = (query qtile * QPT + r / P, head hg * P + r % P) as in attention.cu.  A warp's 16 rows are held exactly as mma.sync holds them: wgmma's
 //     accumulator i of a thread is element (i / 4, i % 4) of mma.sync's n8 tile i / 4, so every
 //     per-row step (block max over the 16 n8 tiles + quad butterfly, exp2_ftz, the sum scan over
 //     t = 0..15 + butterfly, alpha, P rounding, the -0 restore, the split merge, finalize) is
@@ -79,8 +78,8 @@ namespace attn_hopper {
 
 using namespace attn;  // the shared per-row arithmetic (common/attention_rows.cuh)
 
-// The contract's key block (128 keys since session 9) and blocks per split: the shared constants
-// of common/attention_rows.cuh.  The shared-memory layout, the TMA boxes and the register tiles
+// The contract's key block (128 keys) and blocks per split: the shared constants of
+// common/attention_rows.cuh.  The shared-memory layout, the TMA boxes and the register tiles
 // below are written for 128-key blocks.
 [[maybe_unused]] constexpr int kHopperBlockKeys = kBlockKeys;
 [[maybe_unused]] constexpr int kHopperBlocksPerSplit = kBlocksPerSplit;
@@ -93,7 +92,7 @@ static_assert(kHopperBlocksPerSplit * kHopperBlockKeys == kSplitKeys, "a split i
 // The CTA: a producer warpgroup and 2 consumer warpgroups of 64 rows each (384 threads).
 // Registers: 128 x 24 (producer) + 256 x 240 (consumers) = 64512 = 384 x 168, the launch
 // allocation (__launch_bounds__(384, 1)): setmaxnreg moves registers within it, so a larger sum
-// makes the consumers' setmaxnreg.inc wait forever (a first build with 32 / 240 hung).
+// makes the consumers' setmaxnreg.inc wait forever (32 / 240 hangs).
 [[maybe_unused]] constexpr int kWarpgroups = 2;
 [[maybe_unused]] constexpr int kRows = 64 * kWarpgroups;  // tile rows
 [[maybe_unused]] constexpr int kConsumerThreads = 128 * kWarpgroups;
@@ -101,8 +100,8 @@ static_assert(kHopperBlocksPerSplit * kHopperBlockKeys == kSplitKeys, "a split i
 [[maybe_unused]] constexpr int kConsumerRegisters = 240;
 
 // K and V ring depth, both head dims: 2 x 32 KB per ring at d = 128, 2 x 16 KB at d = 64 (there 3
-// and 4 stages timed the same; three consumer warpgroups, FA3's choice at d = 64, spilled at 160
-// registers and were 9% slower: docs/tuning/attention.md, session 10).
+// and 4 stages time the same; three consumer warpgroups, FA3's choice at d = 64, spill at 160
+// registers and measure slower: docs/tuning/attention.md).
 [[maybe_unused]] constexpr int kRingStages = 2;
 
 // What depends on the head dim D (128 or 64): a row of Q, K or V is D / 64 swizzled 64-column
@@ -174,7 +173,7 @@ __device__ __forceinline__ void mma_qk(float (&d)[64], const uint32_t (&a)[4], u
 // range to a slow path, per element with a branch and a reconvergence around it.  For l in
 // [2^-32, 2^32] and |n| in [2^-64, 2^64] (quotient and residual normal, far from overflow) the
 // sequence is correctly rounded, so it gives __fdiv_rn's bits (the fast path is the same
-// instructions; compared against __fdiv_rn on the device, docs/tuning/attention.md, session 7).
+// instructions; compared against __fdiv_rn on the device, docs/tuning/attention.md).
 // Outside that range (l = 0, +-0, subnormal, huge, inf or NaN values) finalize_out runs.
 __device__ __forceinline__ bool divisor_in_range(float l) { return l >= 0x1p-32f && l <= 0x1p32f; }
 
@@ -262,7 +261,7 @@ struct Tile {
     int64_t q_base;
 };
 
-// Work item w in the order of the former one-CTA-per-item grid (grid x fastest): the query
+// Work item w in the order of a one-CTA-per-item grid (grid x fastest): the query
 // tiles of one (head group, sequence), heaviest (latest, most causal blocks) first, then the
 // next head group, then the next sequence.  CTAs take items from the queue in this order, the
 // greedy longest-first schedule the hardware's dispatch of that grid gave.
@@ -304,7 +303,7 @@ __device__ __forceinline__ void attn_hopper_tile(const TensorMap& map_k, const T
     extern __shared__ uint8_t shared_raw[];
     // 128-byte swizzled tiles start on a 1024-byte boundary.  Offset from shared_raw (not an
     // integer round trip) so that the compiler knows every pointer below is shared memory and
-    // emits LDS / STS (with the round trip it emitted generic LD / ST for the running state, the
+    // emits LDS / STS (with the round trip it emits generic LD / ST for the running state, the
     // Q fragments and the producer's zero fill).
     uint8_t* shared = shared_raw + ((1024u - (smem_address(shared_raw) & 1023u)) & 1023u);
     uint8_t* sq = shared;                       // [warpgroups][kHalves][64][64]
@@ -887,15 +886,11 @@ __device__ __forceinline__ void attn_hopper_tile(const TensorMap& map_k, const T
         batchinv::attn_hopper::attn_hopper_tile<CODEC, D>(map_k, map_v, p);                                     \
     }
 
-// Signature: (map_k, map_v, q, out, lse, q_start, q_len, k_start, k_len, q_row, q_head, out_row,
+// Arguments: (map_k, map_v, q, out, lse, q_start, q_len, k_start, k_len, q_row, q_head, out_row,
 //             out_head, tq, hq, hkv, pack, causal, scale_log2, queue, q_tiles, batch).
-// batchinv-signature: attn_hopper_fwd_bf16_d128(tmap, tmap, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i32, i32, i32, i32, i32, f32, ptr, i32, i32)
 BATCHINV_ATTN_HOPPER(bf16_d128, batchinv::Bf16Codec, 128)
-// batchinv-signature: attn_hopper_fwd_f16_d128(tmap, tmap, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i32, i32, i32, i32, i32, f32, ptr, i32, i32)
 BATCHINV_ATTN_HOPPER(f16_d128, batchinv::F16Codec, 128)
-// batchinv-signature: attn_hopper_fwd_bf16_d64(tmap, tmap, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i32, i32, i32, i32, i32, f32, ptr, i32, i32)
 BATCHINV_ATTN_HOPPER(bf16_d64, batchinv::Bf16Codec, 64)
-// batchinv-signature: attn_hopper_fwd_f16_d64(tmap, tmap, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i32, i32, i32, i32, i32, f32, ptr, i32, i32)
 BATCHINV_ATTN_HOPPER(f16_d64, batchinv::F16Codec, 64)
 
 // Test kernel: finalize_row (the tile kernel's division) next to finalize_out, element by element,

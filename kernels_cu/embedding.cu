@@ -119,9 +119,6 @@ extern "C" __global__ void embedding_forward_i64(uint8_t* out, const uint8_t* we
                                             segment_offsets, segment_ids, hidden);            \
     }
 
-// batchinv-signature: embedding_backward_bf16(ptr, ptr, ptr, ptr, ptr, i64)
 BATCHINV_EMBEDDING_BACKWARD(bf16, batchinv::Bf16Codec)
-// batchinv-signature: embedding_backward_f16(ptr, ptr, ptr, ptr, ptr, i64)
 BATCHINV_EMBEDDING_BACKWARD(f16, batchinv::F16Codec)
-// batchinv-signature: embedding_backward_f32(ptr, ptr, ptr, ptr, ptr, i64)
 BATCHINV_EMBEDDING_BACKWARD(f32, batchinv::F32Codec)

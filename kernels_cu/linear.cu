@@ -276,7 +276,7 @@ __device__ __forceinline__ void small_m_gemm(const TensorMap& map_x, const Tenso
     small_m_k_range<Codec, BN, STAGE_K, STAGES>(map_x, map_w, M, N, 0, K, epilogue);
 }
 
-// ---- EXPERIMENTAL: the K-group tree (issue 4; not used by batchinv.linear) ----------------
+// ---- EXPERIMENTAL: the K-group tree (not used by batchinv.linear) --------------------------
 // K is cut into kKGroups groups of whole 64-wide boxes (group width a function of K only);
 // each group is reduced as above from a zero accumulator into an fp32 partial
 // partial[g][M][N], and the partials are combined in one fixed tree, ((p0 + p1) + (p2 + p3)),
@@ -459,52 +459,29 @@ __device__ __forceinline__ void mma_gemm(const typename Codec::storage* x, const
 // linear's own kernels out of its module.
 #if !defined(BATCHINV_LINEAR_NO_KERNELS)
 #if !defined(__HIPCC__)
-// batchinv-signature: linear_hopper_bf16_bm64_bn32_k128_s8(tmap, tmap, ptr, ptr, i32, i32, i32)
 BATCHINV_LINEAR_HOPPER(bf16, batchinv::Bf16Codec, 64, 32, 128, 8)
-// batchinv-signature: linear_hopper_bf16_bm64_bn64_k128_s6(tmap, tmap, ptr, ptr, i32, i32, i32)
 BATCHINV_LINEAR_HOPPER(bf16, batchinv::Bf16Codec, 64, 64, 128, 6)
-// batchinv-signature: linear_hopper_bf16_bm64_bn128_k64_s6(tmap, tmap, ptr, ptr, i32, i32, i32)
 BATCHINV_LINEAR_HOPPER(bf16, batchinv::Bf16Codec, 64, 128, 64, 6)
-// batchinv-signature: linear_hopper_bf16_bm64_bn256_k64_s4(tmap, tmap, ptr, ptr, i32, i32, i32)
 BATCHINV_LINEAR_HOPPER(bf16, batchinv::Bf16Codec, 64, 256, 64, 4)
-// batchinv-signature: linear_hopper_bf16_bm128_bn128_k64_s6(tmap, tmap, ptr, ptr, i32, i32, i32)
 BATCHINV_LINEAR_HOPPER(bf16, batchinv::Bf16Codec, 128, 128, 64, 6)
-// batchinv-signature: linear_hopper_bf16_bm128_bn256_k64_s4(tmap, tmap, ptr, ptr, i32, i32, i32)
 BATCHINV_LINEAR_HOPPER(bf16, batchinv::Bf16Codec, 128, 256, 64, 4)
-// batchinv-signature: linear_hopper_f16_bm64_bn32_k128_s8(tmap, tmap, ptr, ptr, i32, i32, i32)
 BATCHINV_LINEAR_HOPPER(f16, batchinv::F16Codec, 64, 32, 128, 8)
-// batchinv-signature: linear_hopper_f16_bm64_bn64_k128_s6(tmap, tmap, ptr, ptr, i32, i32, i32)
 BATCHINV_LINEAR_HOPPER(f16, batchinv::F16Codec, 64, 64, 128, 6)
-// batchinv-signature: linear_hopper_f16_bm64_bn128_k64_s6(tmap, tmap, ptr, ptr, i32, i32, i32)
 BATCHINV_LINEAR_HOPPER(f16, batchinv::F16Codec, 64, 128, 64, 6)
-// batchinv-signature: linear_hopper_f16_bm64_bn256_k64_s4(tmap, tmap, ptr, ptr, i32, i32, i32)
 BATCHINV_LINEAR_HOPPER(f16, batchinv::F16Codec, 64, 256, 64, 4)
-// batchinv-signature: linear_hopper_f16_bm128_bn128_k64_s6(tmap, tmap, ptr, ptr, i32, i32, i32)
 BATCHINV_LINEAR_HOPPER(f16, batchinv::F16Codec, 128, 128, 64, 6)
-// batchinv-signature: linear_hopper_f16_bm128_bn256_k64_s4(tmap, tmap, ptr, ptr, i32, i32, i32)
 BATCHINV_LINEAR_HOPPER(f16, batchinv::F16Codec, 128, 256, 64, 4)
-// batchinv-signature: linear_small_m_bf16_bn16_k128_s8(tmap, tmap, ptr, ptr, i32, i32, i32)
 BATCHINV_LINEAR_SMALL_M(bf16, batchinv::Bf16Codec, 16, 128, 8)
-// batchinv-signature: linear_small_m_bf16_bn32_k128_s8(tmap, tmap, ptr, ptr, i32, i32, i32)
 BATCHINV_LINEAR_SMALL_M(bf16, batchinv::Bf16Codec, 32, 128, 8)
-// batchinv-signature: linear_small_m_bf16_bn64_k128_s6(tmap, tmap, ptr, ptr, i32, i32, i32)
 BATCHINV_LINEAR_SMALL_M(bf16, batchinv::Bf16Codec, 64, 128, 6)
-// batchinv-signature: linear_small_m_f16_bn16_k128_s8(tmap, tmap, ptr, ptr, i32, i32, i32)
 BATCHINV_LINEAR_SMALL_M(f16, batchinv::F16Codec, 16, 128, 8)
-// batchinv-signature: linear_small_m_f16_bn32_k128_s8(tmap, tmap, ptr, ptr, i32, i32, i32)
 BATCHINV_LINEAR_SMALL_M(f16, batchinv::F16Codec, 32, 128, 8)
-// batchinv-signature: linear_small_m_f16_bn64_k128_s6(tmap, tmap, ptr, ptr, i32, i32, i32)
 BATCHINV_LINEAR_SMALL_M(f16, batchinv::F16Codec, 64, 128, 6)
-// batchinv-signature: linear_kgroup_hopper_bf16_bm128_bn256_k64_s4(tmap, tmap, ptr, i32, i32, i32)
 BATCHINV_LINEAR_KGROUP_HOPPER(bf16, batchinv::Bf16Codec, 128, 256, 64, 4)
-// batchinv-signature: linear_kgroup_small_m_bf16_bn32_k128_s8(tmap, tmap, ptr, i32, i32, i32)
 BATCHINV_LINEAR_KGROUP_SMALL_M(bf16, batchinv::Bf16Codec, 32, 128, 8)
-// batchinv-signature: linear_kgroup_combine_bf16(ptr, ptr, ptr, i64, i32)
 BATCHINV_LINEAR_KGROUP_COMBINE(bf16, batchinv::Bf16Codec)
 #endif
 
-// batchinv-signature: linear_mma_bf16(ptr, ptr, ptr, ptr, i32, i32, i32)
 BATCHINV_LINEAR_MMA(bf16, batchinv::Bf16Codec)
-// batchinv-signature: linear_mma_f16(ptr, ptr, ptr, ptr, i32, i32, i32)
 BATCHINV_LINEAR_MMA(f16, batchinv::F16Codec)
 #endif  // BATCHINV_LINEAR_NO_KERNELS

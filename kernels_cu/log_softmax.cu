@@ -203,9 +203,7 @@ __device__ __forceinline__ bool warp_full(int group, int groups) {
 
 // A 32-byte group (8 fp32) stored by a plain per-lane vector store writes 16 of each 32-byte
 // sector's bytes per instruction (lanes are 32 bytes apart), so every sector takes two L2 write
-// requests (Nsight Compute on the H200: L2 87% busy, DRAM 68%, for the bf16 -> fp32 forward).
-// Measured there: one-CTA forward at V = 32000 0.26 -> 0.20 ms, fp32 backward 2.20 -> 1.93 ms.
-// Here lanes 2j and 2j + 1 (groups g and g + 1) swap halves through a shuffle and each
+// requests, which bound the fp32-output kernels (docs/tuning/log_softmax.md).  Here lanes 2j and 2j + 1 (groups g and g + 1) swap halves through a shuffle and each
 // instruction writes two whole sectors per lane pair.  Stores only: the values are unchanged.
 // Needs the whole warp present (warp_full) and the vector path.
 template <typename Codec, bool kStream>
@@ -671,9 +669,8 @@ struct Exchange {
     static constexpr int kPerLane = (kParts + BATCHINV_WARP_SIZE - 1) / BATCHINV_WARP_SIZE;
 };
 
-// The exchange, without cluster barriers per row (issue 6, fifth session; it replaced two
-// barrier.cluster rounds per row in which warp 0 of each CTA fetched the parts from the other CTAs,
-// measured 13-21% slower): every part (a warp's value, or for T = 2048 a CTA's) is pushed by its
+// The exchange, without cluster barriers per row (two barrier.cluster rounds per row in which
+// warp 0 of each CTA fetches the parts from the other CTAs measure slower): every part (a warp's value, or for T = 2048 a CTA's) is pushed by its
 // owner into slot `part` of every CTA of the cluster (st.async, counted in bytes on that CTA's
 // `full` mbarrier), and each CTA's warp 0 waits on its own mbarrier, combines the parts in part
 // order (lane j reads part j, a chain over shuffles) and broadcasts the result through shared
@@ -787,9 +784,8 @@ __device__ __forceinline__ float push_sum(float v, PushExchange<C, TC, float>& e
 }
 
 // Evict-first stores (st.global.cs) for the cluster forward's output, written once; speed only.
-// The backward keeps plain loads and stores: with the same hints on x and grad_x it measured
-// slower (H200, 4096 x 151936, bf16 x: fp32 dy 1.51 vs 1.42 ms, bf16 dy 1.16 vs 1.13 ms), while
-// the forward gained a little (bf16 -> fp32 1.122 vs 1.126 ms, fp32 1.595 vs 1.624 ms).
+// The backward keeps plain loads and stores: with the same hints on x and grad_x it measures
+// slower, while the forward gains a little (docs/tuning/log_softmax.md).
 constexpr bool kForwardStreamStores = true;
 constexpr bool kBackwardStreamHints = false;
 
@@ -797,8 +793,8 @@ constexpr bool kBackwardStreamHints = false;
 // the CTA is done with them.  Callers have already used the values they read from these segments
 // (stored results computed from them), so each thread's shared-memory reads have completed before
 // it reaches the barrier; the bulk copy (async proxy) cannot overwrite a slot that is still being
-// read.  (The first version issued the barrier right after the reads, before using them; at
-// 4096 x 151936 its backward results differed from one cluster per row in an A/B on the H200.)
+// read.  (A barrier right after the reads, before their values are used, is not enough: with it
+// the backward's results differed from those of one cluster per row.)
 template <typename S, int C, int TC>
 __device__ __forceinline__ void refill_after_reading(const Slice<S, C, TC>& slice, const S* next_row, int64_t vocab,
                                                      uint8_t* segments, uint64_t* barriers, int k0, int count) {
@@ -899,19 +895,18 @@ __device__ __forceinline__ void forward(const ForwardArgs& a) {
         }
     }
     // Every part pushed to this CTA has arrived (its last wait) and nothing reads another CTA's
-    // memory, so no CTA waits for the others before it exits.  (A cluster barrier here measured
-    // slower: 1.01 vs 0.95-0.97 ms, bf16 -> fp32, H200.)
+    // memory, so no CTA waits for the others before it exits.  (A cluster barrier here measures
+    // slower.)
 }
 
 // How the backward's second pass loads x (speed only; the same operations on the same values):
 // kBatch x groups per thread are loaded before their first use, and with kEarly the first batch
 // is loaded at the start of the row, before the sum(dy) pass and its exchange wait, so the x
-// stream's latency overlaps that work.  The third round's profile put two thirds of the bf16 x /
-// fp32 dy backward's long-scoreboard stalls (38% of all) on the first use of these loads.
-// Measured on the H200 (fifth round, 4096 x 151936, same run): bf16 x / fp32 dy (16 x 128)
-// 1.294 vs 1.341 ms with 12 groups loaded early (at V = 151936 that is the CTA's whole slice, 10
-// groups per thread); for bf16 x / bf16 dy (8 x 128) every deeper form was slower (1.085 vs
-// 1.033 ms), so the other cases keep 4 groups loaded after the exchange (others not measured).
+// stream's latency overlaps that work: a profile of the bf16 x / fp32 dy backward puts two thirds
+// of its long-scoreboard stalls on the first use of these loads.  bf16 x / fp32 dy (16 x 128)
+// measures faster with 12 groups loaded early (at V = 151936 the CTA's whole slice, 10 groups
+// per thread); for bf16 x / bf16 dy (8 x 128) every deeper form measures slower, so the other
+// cases keep 4 groups loaded after the exchange (others not measured; docs/tuning/log_softmax.md).
 template <typename InCodec, typename OutCodec, int C, int TC>
 struct XLoads {
     static constexpr int kBatch = 4;
@@ -1085,131 +1080,3 @@ BATCHINV_LOG_SOFTMAX_ALL_CLUSTERS(f32_f32, batchinv::F32Codec, batchinv::F32Code
 BATCHINV_LOG_SOFTMAX_ALL_CLUSTERS(f32_bf16, batchinv::F32Codec, batchinv::Bf16Codec)
 BATCHINV_LOG_SOFTMAX_ALL_CLUSTERS(f32_f16, batchinv::F32Codec, batchinv::F16Codec)
 #endif  // !__HIPCC__
-
-// Signatures of the entries above (<in>_<out>_t<T>), for the launcher's argument checks.
-// batchinv-signature: log_softmax_forward_bf16_f32_t128(ptr, ptr, ptr, i64, i64, i64, i64)
-// batchinv-signature: log_softmax_backward_bf16_f32_t128(ptr, ptr, ptr, ptr, i64, i64, i64, i64)
-// batchinv-signature: log_softmax_forward_bf16_f32_t512(ptr, ptr, ptr, i64, i64, i64, i64)
-// batchinv-signature: log_softmax_backward_bf16_f32_t512(ptr, ptr, ptr, ptr, i64, i64, i64, i64)
-// batchinv-signature: log_softmax_forward_bf16_f32_t1024(ptr, ptr, ptr, i64, i64, i64, i64)
-// batchinv-signature: log_softmax_backward_bf16_f32_t1024(ptr, ptr, ptr, ptr, i64, i64, i64, i64)
-// batchinv-signature: log_softmax_forward_bf16_bf16_t128(ptr, ptr, ptr, i64, i64, i64, i64)
-// batchinv-signature: log_softmax_backward_bf16_bf16_t128(ptr, ptr, ptr, ptr, i64, i64, i64, i64)
-// batchinv-signature: log_softmax_forward_bf16_bf16_t512(ptr, ptr, ptr, i64, i64, i64, i64)
-// batchinv-signature: log_softmax_backward_bf16_bf16_t512(ptr, ptr, ptr, ptr, i64, i64, i64, i64)
-// batchinv-signature: log_softmax_forward_bf16_bf16_t1024(ptr, ptr, ptr, i64, i64, i64, i64)
-// batchinv-signature: log_softmax_backward_bf16_bf16_t1024(ptr, ptr, ptr, ptr, i64, i64, i64, i64)
-// batchinv-signature: log_softmax_forward_bf16_f16_t128(ptr, ptr, ptr, i64, i64, i64, i64)
-// batchinv-signature: log_softmax_backward_bf16_f16_t128(ptr, ptr, ptr, ptr, i64, i64, i64, i64)
-// batchinv-signature: log_softmax_forward_bf16_f16_t512(ptr, ptr, ptr, i64, i64, i64, i64)
-// batchinv-signature: log_softmax_backward_bf16_f16_t512(ptr, ptr, ptr, ptr, i64, i64, i64, i64)
-// batchinv-signature: log_softmax_forward_bf16_f16_t1024(ptr, ptr, ptr, i64, i64, i64, i64)
-// batchinv-signature: log_softmax_backward_bf16_f16_t1024(ptr, ptr, ptr, ptr, i64, i64, i64, i64)
-// batchinv-signature: log_softmax_forward_f16_f32_t128(ptr, ptr, ptr, i64, i64, i64, i64)
-// batchinv-signature: log_softmax_backward_f16_f32_t128(ptr, ptr, ptr, ptr, i64, i64, i64, i64)
-// batchinv-signature: log_softmax_forward_f16_f32_t512(ptr, ptr, ptr, i64, i64, i64, i64)
-// batchinv-signature: log_softmax_backward_f16_f32_t512(ptr, ptr, ptr, ptr, i64, i64, i64, i64)
-// batchinv-signature: log_softmax_forward_f16_f32_t1024(ptr, ptr, ptr, i64, i64, i64, i64)
-// batchinv-signature: log_softmax_backward_f16_f32_t1024(ptr, ptr, ptr, ptr, i64, i64, i64, i64)
-// batchinv-signature: log_softmax_forward_f16_bf16_t128(ptr, ptr, ptr, i64, i64, i64, i64)
-// batchinv-signature: log_softmax_backward_f16_bf16_t128(ptr, ptr, ptr, ptr, i64, i64, i64, i64)
-// batchinv-signature: log_softmax_forward_f16_bf16_t512(ptr, ptr, ptr, i64, i64, i64, i64)
-// batchinv-signature: log_softmax_backward_f16_bf16_t512(ptr, ptr, ptr, ptr, i64, i64, i64, i64)
-// batchinv-signature: log_softmax_forward_f16_bf16_t1024(ptr, ptr, ptr, i64, i64, i64, i64)
-// batchinv-signature: log_softmax_backward_f16_bf16_t1024(ptr, ptr, ptr, ptr, i64, i64, i64, i64)
-// batchinv-signature: log_softmax_forward_f16_f16_t128(ptr, ptr, ptr, i64, i64, i64, i64)
-// batchinv-signature: log_softmax_backward_f16_f16_t128(ptr, ptr, ptr, ptr, i64, i64, i64, i64)
-// batchinv-signature: log_softmax_forward_f16_f16_t512(ptr, ptr, ptr, i64, i64, i64, i64)
-// batchinv-signature: log_softmax_backward_f16_f16_t512(ptr, ptr, ptr, ptr, i64, i64, i64, i64)
-// batchinv-signature: log_softmax_forward_f16_f16_t1024(ptr, ptr, ptr, i64, i64, i64, i64)
-// batchinv-signature: log_softmax_backward_f16_f16_t1024(ptr, ptr, ptr, ptr, i64, i64, i64, i64)
-// batchinv-signature: log_softmax_forward_f32_f32_t128(ptr, ptr, ptr, i64, i64, i64, i64)
-// batchinv-signature: log_softmax_backward_f32_f32_t128(ptr, ptr, ptr, ptr, i64, i64, i64, i64)
-// batchinv-signature: log_softmax_forward_f32_f32_t512(ptr, ptr, ptr, i64, i64, i64, i64)
-// batchinv-signature: log_softmax_backward_f32_f32_t512(ptr, ptr, ptr, ptr, i64, i64, i64, i64)
-// batchinv-signature: log_softmax_forward_f32_f32_t1024(ptr, ptr, ptr, i64, i64, i64, i64)
-// batchinv-signature: log_softmax_backward_f32_f32_t1024(ptr, ptr, ptr, ptr, i64, i64, i64, i64)
-// batchinv-signature: log_softmax_forward_f32_bf16_t128(ptr, ptr, ptr, i64, i64, i64, i64)
-// batchinv-signature: log_softmax_backward_f32_bf16_t128(ptr, ptr, ptr, ptr, i64, i64, i64, i64)
-// batchinv-signature: log_softmax_forward_f32_bf16_t512(ptr, ptr, ptr, i64, i64, i64, i64)
-// batchinv-signature: log_softmax_backward_f32_bf16_t512(ptr, ptr, ptr, ptr, i64, i64, i64, i64)
-// batchinv-signature: log_softmax_forward_f32_bf16_t1024(ptr, ptr, ptr, i64, i64, i64, i64)
-// batchinv-signature: log_softmax_backward_f32_bf16_t1024(ptr, ptr, ptr, ptr, i64, i64, i64, i64)
-// batchinv-signature: log_softmax_forward_f32_f16_t128(ptr, ptr, ptr, i64, i64, i64, i64)
-// batchinv-signature: log_softmax_backward_f32_f16_t128(ptr, ptr, ptr, ptr, i64, i64, i64, i64)
-// batchinv-signature: log_softmax_forward_f32_f16_t512(ptr, ptr, ptr, i64, i64, i64, i64)
-// batchinv-signature: log_softmax_backward_f32_f16_t512(ptr, ptr, ptr, ptr, i64, i64, i64, i64)
-// batchinv-signature: log_softmax_forward_f32_f16_t1024(ptr, ptr, ptr, i64, i64, i64, i64)
-// batchinv-signature: log_softmax_backward_f32_f16_t1024(ptr, ptr, ptr, ptr, i64, i64, i64, i64)
-// batchinv-signature: log_softmax_cluster_forward_bf16_f32_c8_t64(ptr, ptr, ptr, i64, i64, i64)
-// batchinv-signature: log_softmax_cluster_backward_bf16_f32_c8_t64(ptr, ptr, ptr, ptr, i64, i64, i64)
-// batchinv-signature: log_softmax_cluster_forward_bf16_f32_c8_t128(ptr, ptr, ptr, i64, i64, i64)
-// batchinv-signature: log_softmax_cluster_backward_bf16_f32_c8_t128(ptr, ptr, ptr, ptr, i64, i64, i64)
-// batchinv-signature: log_softmax_cluster_forward_bf16_bf16_c8_t64(ptr, ptr, ptr, i64, i64, i64)
-// batchinv-signature: log_softmax_cluster_backward_bf16_bf16_c8_t64(ptr, ptr, ptr, ptr, i64, i64, i64)
-// batchinv-signature: log_softmax_cluster_forward_bf16_bf16_c8_t128(ptr, ptr, ptr, i64, i64, i64)
-// batchinv-signature: log_softmax_cluster_backward_bf16_bf16_c8_t128(ptr, ptr, ptr, ptr, i64, i64, i64)
-// batchinv-signature: log_softmax_cluster_forward_bf16_f16_c8_t64(ptr, ptr, ptr, i64, i64, i64)
-// batchinv-signature: log_softmax_cluster_backward_bf16_f16_c8_t64(ptr, ptr, ptr, ptr, i64, i64, i64)
-// batchinv-signature: log_softmax_cluster_forward_bf16_f16_c8_t128(ptr, ptr, ptr, i64, i64, i64)
-// batchinv-signature: log_softmax_cluster_backward_bf16_f16_c8_t128(ptr, ptr, ptr, ptr, i64, i64, i64)
-// batchinv-signature: log_softmax_cluster_forward_f16_f32_c8_t64(ptr, ptr, ptr, i64, i64, i64)
-// batchinv-signature: log_softmax_cluster_backward_f16_f32_c8_t64(ptr, ptr, ptr, ptr, i64, i64, i64)
-// batchinv-signature: log_softmax_cluster_forward_f16_f32_c8_t128(ptr, ptr, ptr, i64, i64, i64)
-// batchinv-signature: log_softmax_cluster_backward_f16_f32_c8_t128(ptr, ptr, ptr, ptr, i64, i64, i64)
-// batchinv-signature: log_softmax_cluster_forward_f16_bf16_c8_t64(ptr, ptr, ptr, i64, i64, i64)
-// batchinv-signature: log_softmax_cluster_backward_f16_bf16_c8_t64(ptr, ptr, ptr, ptr, i64, i64, i64)
-// batchinv-signature: log_softmax_cluster_forward_f16_bf16_c8_t128(ptr, ptr, ptr, i64, i64, i64)
-// batchinv-signature: log_softmax_cluster_backward_f16_bf16_c8_t128(ptr, ptr, ptr, ptr, i64, i64, i64)
-// batchinv-signature: log_softmax_cluster_forward_f16_f16_c8_t64(ptr, ptr, ptr, i64, i64, i64)
-// batchinv-signature: log_softmax_cluster_backward_f16_f16_c8_t64(ptr, ptr, ptr, ptr, i64, i64, i64)
-// batchinv-signature: log_softmax_cluster_forward_f16_f16_c8_t128(ptr, ptr, ptr, i64, i64, i64)
-// batchinv-signature: log_softmax_cluster_backward_f16_f16_c8_t128(ptr, ptr, ptr, ptr, i64, i64, i64)
-// batchinv-signature: log_softmax_cluster_forward_f32_f32_c8_t64(ptr, ptr, ptr, i64, i64, i64)
-// batchinv-signature: log_softmax_cluster_backward_f32_f32_c8_t64(ptr, ptr, ptr, ptr, i64, i64, i64)
-// batchinv-signature: log_softmax_cluster_forward_f32_f32_c8_t128(ptr, ptr, ptr, i64, i64, i64)
-// batchinv-signature: log_softmax_cluster_backward_f32_f32_c8_t128(ptr, ptr, ptr, ptr, i64, i64, i64)
-// batchinv-signature: log_softmax_cluster_forward_f32_bf16_c8_t64(ptr, ptr, ptr, i64, i64, i64)
-// batchinv-signature: log_softmax_cluster_backward_f32_bf16_c8_t64(ptr, ptr, ptr, ptr, i64, i64, i64)
-// batchinv-signature: log_softmax_cluster_forward_f32_bf16_c8_t128(ptr, ptr, ptr, i64, i64, i64)
-// batchinv-signature: log_softmax_cluster_backward_f32_bf16_c8_t128(ptr, ptr, ptr, ptr, i64, i64, i64)
-// batchinv-signature: log_softmax_cluster_forward_f32_f16_c8_t64(ptr, ptr, ptr, i64, i64, i64)
-// batchinv-signature: log_softmax_cluster_backward_f32_f16_c8_t64(ptr, ptr, ptr, ptr, i64, i64, i64)
-// batchinv-signature: log_softmax_cluster_forward_f32_f16_c8_t128(ptr, ptr, ptr, i64, i64, i64)
-// batchinv-signature: log_softmax_cluster_backward_f32_f16_c8_t128(ptr, ptr, ptr, ptr, i64, i64, i64)
-// batchinv-signature: log_softmax_cluster_forward_bf16_f32_c16_t64(ptr, ptr, ptr, i64, i64, i64)
-// batchinv-signature: log_softmax_cluster_backward_bf16_f32_c16_t64(ptr, ptr, ptr, ptr, i64, i64, i64)
-// batchinv-signature: log_softmax_cluster_forward_bf16_f32_c16_t128(ptr, ptr, ptr, i64, i64, i64)
-// batchinv-signature: log_softmax_cluster_backward_bf16_f32_c16_t128(ptr, ptr, ptr, ptr, i64, i64, i64)
-// batchinv-signature: log_softmax_cluster_forward_bf16_bf16_c16_t64(ptr, ptr, ptr, i64, i64, i64)
-// batchinv-signature: log_softmax_cluster_backward_bf16_bf16_c16_t64(ptr, ptr, ptr, ptr, i64, i64, i64)
-// batchinv-signature: log_softmax_cluster_forward_bf16_bf16_c16_t128(ptr, ptr, ptr, i64, i64, i64)
-// batchinv-signature: log_softmax_cluster_backward_bf16_bf16_c16_t128(ptr, ptr, ptr, ptr, i64, i64, i64)
-// batchinv-signature: log_softmax_cluster_forward_bf16_f16_c16_t64(ptr, ptr, ptr, i64, i64, i64)
-// batchinv-signature: log_softmax_cluster_backward_bf16_f16_c16_t64(ptr, ptr, ptr, ptr, i64, i64, i64)
-// batchinv-signature: log_softmax_cluster_forward_bf16_f16_c16_t128(ptr, ptr, ptr, i64, i64, i64)
-// batchinv-signature: log_softmax_cluster_backward_bf16_f16_c16_t128(ptr, ptr, ptr, ptr, i64, i64, i64)
-// batchinv-signature: log_softmax_cluster_forward_f16_f32_c16_t64(ptr, ptr, ptr, i64, i64, i64)
-// batchinv-signature: log_softmax_cluster_backward_f16_f32_c16_t64(ptr, ptr, ptr, ptr, i64, i64, i64)
-// batchinv-signature: log_softmax_cluster_forward_f16_f32_c16_t128(ptr, ptr, ptr, i64, i64, i64)
-// batchinv-signature: log_softmax_cluster_backward_f16_f32_c16_t128(ptr, ptr, ptr, ptr, i64, i64, i64)
-// batchinv-signature: log_softmax_cluster_forward_f16_bf16_c16_t64(ptr, ptr, ptr, i64, i64, i64)
-// batchinv-signature: log_softmax_cluster_backward_f16_bf16_c16_t64(ptr, ptr, ptr, ptr, i64, i64, i64)
-// batchinv-signature: log_softmax_cluster_forward_f16_bf16_c16_t128(ptr, ptr, ptr, i64, i64, i64)
-// batchinv-signature: log_softmax_cluster_backward_f16_bf16_c16_t128(ptr, ptr, ptr, ptr, i64, i64, i64)
-// batchinv-signature: log_softmax_cluster_forward_f16_f16_c16_t64(ptr, ptr, ptr, i64, i64, i64)
-// batchinv-signature: log_softmax_cluster_backward_f16_f16_c16_t64(ptr, ptr, ptr, ptr, i64, i64, i64)
-// batchinv-signature: log_softmax_cluster_forward_f16_f16_c16_t128(ptr, ptr, ptr, i64, i64, i64)
-// batchinv-signature: log_softmax_cluster_backward_f16_f16_c16_t128(ptr, ptr, ptr, ptr, i64, i64, i64)
-// batchinv-signature: log_softmax_cluster_forward_f32_f32_c16_t64(ptr, ptr, ptr, i64, i64, i64)
-// batchinv-signature: log_softmax_cluster_backward_f32_f32_c16_t64(ptr, ptr, ptr, ptr, i64, i64, i64)
-// batchinv-signature: log_softmax_cluster_forward_f32_f32_c16_t128(ptr, ptr, ptr, i64, i64, i64)
-// batchinv-signature: log_softmax_cluster_backward_f32_f32_c16_t128(ptr, ptr, ptr, ptr, i64, i64, i64)
-// batchinv-signature: log_softmax_cluster_forward_f32_bf16_c16_t64(ptr, ptr, ptr, i64, i64, i64)
-// batchinv-signature: log_softmax_cluster_backward_f32_bf16_c16_t64(ptr, ptr, ptr, ptr, i64, i64, i64)
-// batchinv-signature: log_softmax_cluster_forward_f32_bf16_c16_t128(ptr, ptr, ptr, i64, i64, i64)
-// batchinv-signature: log_softmax_cluster_backward_f32_bf16_c16_t128(ptr, ptr, ptr, ptr, i64, i64, i64)
-// batchinv-signature: log_softmax_cluster_forward_f32_f16_c16_t64(ptr, ptr, ptr, i64, i64, i64)
-// batchinv-signature: log_softmax_cluster_backward_f32_f16_c16_t64(ptr, ptr, ptr, ptr, i64, i64, i64)
-// batchinv-signature: log_softmax_cluster_forward_f32_f16_c16_t128(ptr, ptr, ptr, i64, i64, i64)
-// batchinv-signature: log_softmax_cluster_backward_f32_f16_c16_t128(ptr, ptr, ptr, ptr, i64, i64, i64)

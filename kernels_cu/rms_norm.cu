@@ -108,27 +108,26 @@ constexpr int kWeightGradThreads = 256;  // columns per pass-1 / pass-2 CTA
 constexpr int kWeightGradUnroll = 8;     // rows loaded before they are added (loads in flight)
 // weight_grad_last_levels: columns per CTA, and threads per column (run slots), each summing
 // runs of 64 partial rows.  16 columns (64-byte row segments), not 32: at 16384 x 5120 bf16 (16
-// runs of 1024 partial rows) 32 gave 160 CTAs for 132 SMs, so 28 SMs read two CTAs' 128 KiB in
-// series; 320 CTAs of 64 KiB spread it (issue 6, session 10).
+// runs of 1024 partial rows) 32 gives 160 CTAs for 132 SMs, so 28 SMs read two CTAs' 128 KiB in
+// series; 320 CTAs of 64 KiB spread it.
 constexpr int kLastLevelsColumns = 16;
 constexpr int kLastLevelsRunSlots = 32;
 // Rows of a run loaded before they are added, per thread (ptxas keeps part of them in flight;
-// on an H200 64 gave the last two levels of 16384 x 4096 bf16 in 10.9-11.6 us, 16 in 13.0-13.6).
+// 64 measures faster than 16: docs/tuning/rms_norm.md).
 constexpr int kLastLevelsUnroll = 64;
 constexpr int64_t kWeightGradLastLevelsRows =
     static_cast<int64_t>(kWeightGradReduceRows) * kWeightGradReduceRows;
 constexpr int kResidentWeightMaxChunks = 5;  // fused backward: weight in registers up to this K
 // Fused backward: t128k4 (bf16 hidden 4096) issues the next row's dy and x loads before the current
-// row's work (128 registers, 4 CTAs per SM).  On an H200, 16384 x 4096 bf16: level 1 131 vs 134 us;
-// the same for t128k5 ran 24% slower (146 registers, 3 CTAs per SM), for t32 no faster (issue 6).
+// row's work (128 registers, 4 CTAs per SM), which measures faster; the same for t128k5 measures
+// slower (146 registers, 3 CTAs per SM), for t32 no faster.
 template <int T, int K>
 constexpr bool kPrefetchNextRow = T == 128 && K == 4;
 // Fused backward, t128k4 bf16/fp16 on CUDA, vector launches: the next row's dy and x are copied
 // into a two-stage ring in dynamic shared memory by cp.async (each thread copies the chunks it
 // reads, so no barrier) while the CTA works on the current row, which it reads from the ring
-// (issue 6, session 7, second round, H200: level 1 of 16384 x 4096 bf16 115 vs 125 us, 4096 x
-// 4096 41 vs 51 us; fp16 level, fp32 1% slower, so fp32 keeps the register prefetch, as do
-// element launches).
+// (faster for bf16, on par for fp16; fp32 measures slower, so it keeps the register prefetch,
+// as do element launches).
 #if defined(__HIPCC__)
 template <typename Codec, int T, int K>
 constexpr bool kStagedRows = false;
@@ -138,18 +137,18 @@ constexpr bool kStagedRows = T == 128 && K == 4 && sizeof(typename Codec::storag
 #endif
 constexpr int kStagedRowStages = 2;
 // Fused backward, one row group over several warps (T > warp size): row s of a group reduces
-// through warp partials s % 2, so its row_group_sum needs one barrier instead of two (issue 6,
-// session 7: 0.5-1% faster at level 1 on an H200).
+// through warp partials s % 2, so its row_group_sum needs one barrier instead of two (measured
+// slightly faster).
 template <int T>
 constexpr bool kAlternatePartials = T > BATCHINV_WARP_SIZE;
 // t4's (q/k norm) fused backward, CTAs per SM that ptxas must leave room for (CUDA's
-// __launch_bounds__ minimum; the other geometries have none): with runs of one row writing fresh
-// sums it took 85 registers (5 CTAs per SM) and ran 1.5% slower than before (72, 7 CTAs); held to
-// 7 CTAs (72 registers, no spill) it ran 4.5% faster (issue 6, session 10, H200).
+// __launch_bounds__ minimum; the other geometries have none): unbounded, its runs of one row
+// writing fresh sums take 85 registers (5 CTAs per SM); held to 7 CTAs (72 registers, no
+// spill) it measures faster.
 constexpr int kT4FusedBackwardMinBlocks = 7;
 // Forward: the weight is loaded with the row up to this many threads per row.  Its 32 registers
-// per thread cost t256 half its CTAs per SM (2 instead of 4): 149 vs 137 us at 8192 x 16384 bf16
-// on an H200, where t128 gained (136 vs 137 us at 16384 x 8192).
+// per thread cost t256 half its CTAs per SM (2 instead of 4), which measures slower, while t128
+// gains a little.
 constexpr int kResidentForwardMaxThreads = 128;
 
 // A row chunk is common/chunk16.cuh's 16-byte vector (its round_chunk rounds one).
@@ -187,7 +186,7 @@ __device__ __forceinline__ void store_chunk(typename Codec::storage* row, const 
 
 // The barrier of row_group_sum: the CTA's, or (kGroupBarrier, CUDA only) named barrier
 // 1 + group over the T threads of row group `group` alone, so that the row groups of a CTA do
-// not wait for each other (the t128k4g2 and t128k5g2 fused backward; issue 6, sessions 9, 11).
+// not wait for each other (the t128k4g2 and t128k5g2 fused backward).
 template <int T, bool kGroupBarrier>
 __device__ __forceinline__ void row_group_barrier(int group) {
 #if !defined(__HIPCC__)
@@ -368,8 +367,8 @@ struct Cta {
 // grad_weight's first level for a row kept in registers: a CTA of the fused backward owns kRows
 // consecutive rows, its kGroups row groups kRowsInSequence consecutive rows each (see the
 // header).  By default the geometry's CTA (Cta<T>::kRowGroups groups) and
-// max(1, kWeightGradChunkRows / groups) rows per group; the t128k4g2 and t128k5g2 entries (issue
-// 6, sessions 8 and 11) take 2 groups of 16 rows in a CTA of 256 threads.
+// max(1, kWeightGradChunkRows / groups) rows per group; the t128k4g2 and t128k5g2 entries take
+// 2 groups of 16 rows in a CTA of 256 threads.
 template <int T, int G = Cta<T>::kRowGroups,
           int S = (kWeightGradChunkRows > G ? kWeightGradChunkRows / G : 1)>
 struct WeightGradChunk {
@@ -401,7 +400,7 @@ __device__ __forceinline__ int group_sums_slot(int lane, int k, int q) {
 // Where the row groups' sums of a CTA lie.  By default group g's T * K * E / 4 float4s follow
 // group g - 1's.  Where a warp holds several groups (kInterleavedSums: t4, t16) that put the
 // float4s a warp stores for one (k, q) 2 KiB (t16) or 512 bytes (t4) apart, on the same banks:
-// 8-way conflicts at t4 (Nsight Compute, H200, issue 6 session 10).  Interleaved, the groups'
+// 8-way conflicts at t4 (seen in a profile).  Interleaved, the groups'
 // float4s of one (k, q) are contiguous (a plane of G * T), so a warp's stores are too, and
 // planes are kSumsPlanePad float4s (16 banks) apart, so that a warp's column reads in
 // store_group_sums (two planes, q = 0 and 1) do not meet on the same banks.
@@ -458,9 +457,9 @@ __device__ __forceinline__ void store_group_sums(const float4* group_sums, float
 // 32-bit words, w << 16 (even e) or w & 0xffff0000 (odd e): one instruction, where nvcc turned
 // Codec::load of the 16-bit element into two for the odd ones (a PRMT extracting the half, then
 // a shift); the backward unpacks each of dy, x and the weight twice per row, and its bf16 kernels
-// were bound by instruction issue (Nsight Compute, H200, issue 6 session 10).  kWords = false:
-// Codec::load (the K = 8 geometries: ptxas gave bf16 t128's grad_x kernel 108 registers instead
-// of 96 with the words, a CTA per SM less; kLeanBackward).
+// are bound by instruction issue (seen in a profile).  kWords = false: Codec::load (the K = 8
+// geometries: ptxas gives bf16 t128's grad_x kernel 108 registers instead of 96 with the words,
+// a CTA per SM less; kLeanBackward).
 template <typename Codec, bool kWords = true>
 __device__ __forceinline__ float chunk_value(const Chunk<Codec>& chunk, int e) {
     if constexpr (Codec::kIsBf16 && kWords) {
@@ -476,7 +475,7 @@ __device__ __forceinline__ float chunk_value(const Chunk<Codec>& chunk, int e) {
 // nothing), by round_chunk itself.  round_chunk tests and patches every element (3 of the
 // backward's ~32 instructions per element; its bf16 kernels are bound by instruction issue).
 // The forward's *_vec entries use chunk16.cuh's round_chunk_rare_nan instead (same bits, NaN
-// tested on the packed words; session 11); the two were not timed against each other.
+// tested on the packed words); the two were not timed against each other.
 template <typename Codec>
 __device__ __forceinline__ void round_grad_chunk(Chunk<Codec>& chunk, const float* f) {
 #if !defined(__HIPCC__)
@@ -498,7 +497,7 @@ __device__ __forceinline__ void round_grad_chunk(Chunk<Codec>& chunk, const floa
     round_chunk(chunk, f);
 }
 // The fused backward's row groups of 16 and 32 threads keep round_chunk: with round_grad_chunk
-// ptxas gave their kernels 107-112 registers instead of 95, a CTA per SM less.
+// ptxas gives their kernels 107-112 registers instead of 95, a CTA per SM less.
 template <int T>
 constexpr bool kGradNanTestPerChunk = T != 16 && T != 32;
 // Where backward_row (grad_x kernels, the K = 8 fused ones) unpacks words and tests NaN once per
@@ -509,11 +508,10 @@ constexpr bool kLeanBackward = K <= kResidentWeightMaxChunks;
 // dot + sum over the chunk's elements inside the row (first + e < d), in increasing e, of
 // (dy * w) * (x * inv_rms): the backward's per-thread dot.  A chunk wholly inside the row (every
 // chunk on the vector path, where d is a multiple of E) takes the loop without per-element
-// checks: nvcc kept a 64-bit compare and a branch per element there, and t128k4's fused kernel
-// ran 4-8% faster without them (issue 6, H200).  Both loops add the same values in the same
-// order, so the bits do not change.  whole: the caller knows the chunk is whole (a vector
-// launch's chunk inside the row), so not even the chunk's 64-bit test is needed (issue 6,
-// session 11: 1.2% faster at 16384 x 5120 bf16 on an H200, 1.6% at 16384 x 1024).
+// checks: nvcc keeps a 64-bit compare and a branch per element there, and t128k4's fused kernel
+// measures faster without them.  Both loops add the same values in the same order, so the bits
+// do not change.  whole: the caller knows the chunk is whole (a vector launch's chunk inside the
+// row), so not even the chunk's 64-bit test is needed (measured faster again).
 template <typename Codec, bool kWords = true>
 __device__ __forceinline__ float add_chunk_dot(float dot, const Chunk<Codec>& gs,
                                                const Chunk<Codec>& w, const Chunk<Codec>& xs,
@@ -678,7 +676,7 @@ __device__ __forceinline__ void backward_weight_grad_rows(const BackwardArgs& a,
 // ---- Rows held in registers (every geometry but the streaming one) -------------------------
 // The same per-row arithmetic and trees as forward_rows / backward_row (so the same bits), with
 // the loads moved: the weight's chunks are loaded with the row's, before the reduction instead
-// of after it (issue 6; the H200 sweep is in docs/tuning/rms_norm.md).
+// of after it (the sweep is in docs/tuning/rms_norm.md).
 
 // Forward: one row per group of T threads (CTA b's group g takes row b * G + g).
 template <typename Codec, int T, int K, bool kFusedAdd>
@@ -758,7 +756,7 @@ __device__ __forceinline__ void forward_rows_resident(const ForwardArgs& a, floa
     }
 }
 
-// ---- Forward, vector launches (issue 6, session 11) -------------------------------------------
+// ---- Forward, vector launches --------------------------------------------------------------
 // When every pointer, row stride and d * sizeof are multiples of 16 bytes, every chunk is whole:
 // forward_rows_vector runs forward_rows_resident's operations in the same order (the same bits)
 // with 32-bit chunk indices, no per-element bounds tests and round_chunk_rare_nan for the
@@ -879,9 +877,8 @@ __device__ __forceinline__ void forward_rows_vector(const ForwardArgs& a, float*
 // inside the row (lane_chunks: one 32-bit compare per chunk) instead of lane + k * T < chunks in
 // 64 bits, which nvcc recomputed for every chunk of every pass of every row.  With the copies
 // below and add_chunk_dot's whole-chunk hint, t128k5's fused entries take 125 / 127 / 94
-// registers (bf16 / fp16 / fp32; g2: 125 / 128 / 98; before: 124 / 128 / 96, g2 124 / 128 / 99)
-// and bf16 16384 x 5120 ran 2.5% faster (issue 6, session 11, H200).  Only t128k5: for every
-// geometry (the first try) ptxas gave t128k4's bf16 / fp16 entries 144 / 164 registers, not 128.
+// registers (bf16 / fp16 / fp32; g2: 125 / 128 / 98) and measure faster.  Only t128k5: for every
+// geometry ptxas gives t128k4's bf16 / fp16 entries 144 / 164 registers, not 128.
 template <int T, int K>
 constexpr bool kLaneChunkCount = T == 128 && K == 5;
 // Fused backward, t128k5 in bf16 and fp16: separate copies for launches with and without
@@ -1005,7 +1002,7 @@ __device__ __forceinline__ void backward_resident_row(const BackwardArgs& a, int
 // backward_weight_grad_rows' rows, order and sums, with the weight's chunks loaded once per row
 // group (they are the same for its kRowsInSequence rows) together with the first row's.  Used
 // for K <= kResidentWeightMaxChunks: with 8 chunks the weight's 32 more registers per thread
-// cost a CTA per SM and it ran slower (issue 6, H200: 150 vs 148 us at 16384 x 4096 bf16).
+// cost a CTA per SM and it measures slower.
 // kAlternatePartials<T>: row s reduces through warp partials s % 2 (one barrier per row).
 template <typename Codec, int T, int K, typename Chunking, int kResidual>
 __device__ __forceinline__ void backward_weight_grad_resident(const BackwardArgs& a,
@@ -1044,7 +1041,7 @@ __device__ __forceinline__ void backward_weight_grad_resident(const BackwardArgs
         float* row_partials = kAlternate ? warp_partials + (s % 2) * kMaxWarps : warp_partials;
         if constexpr (kPrefetchNextRow<T, K>) {
             // The next row's loads go out before this row's reduction, stores and sums, so a
-            // row group has loads in flight while it works (issue 6).
+            // row group has loads in flight while it works.
             Chunk<Codec> next_xs[K], next_gs[K];
             if (s + 1 < kSequence) {
                 load_backward_row<Codec, T, K>(next_xs, next_gs, a, first_row + s + 1, lane,
@@ -1108,9 +1105,8 @@ constexpr int kStagedRowsBytes = kStagedRowStages * 2 * T * K * kChunkBytes;
 // T >= warp size; vector launches only), with the rows staged in `ring` (one ring per group) by
 // cp.async kStagedRowStages - 1 rows ahead instead of loaded into registers: the same
 // operations in the same order.  Each row's inv_rms is loaded one row ahead too: read after
-// the row's cp.async wait it was the kernel's top stall (17% of the warp samples of t128k4g2 at
-// 16384 x 4096 bf16, Nsight Compute on an H100; issue 6, session 9).  Where a CTA holds two
-// row groups, each reduces its rows across its warps at a named barrier of its own.
+// the row's cp.async wait it is the kernel's top stall in a profile of t128k4g2.  Where a CTA
+// holds two row groups, each reduces its rows across its warps at a named barrier of its own.
 template <typename Codec, int T, int K, typename Chunking, int kResidual>
 __device__ __forceinline__ void backward_weight_grad_staged(const BackwardArgs& a,
                                                             float* partials,
@@ -1235,13 +1231,12 @@ __device__ __forceinline__ void backward_weight_grad_fused(const BackwardArgs& a
 // kWeightGradReduceRows partial rows, the CTAs whose partial row is stored, and the last-levels
 // grid sums each run as soon as its count is complete instead of waiting for the whole first
 // level to end.  The sums, their order and the bits are the same.
-// Counting without atomics that wait (an atomic compare-and-swap per CTA made the op 9% slower
-// at 16384 x 4096 bf16; issue 6, session 12): every call adds exactly kWeightGradReduceRows to
-// every one of the kMaxRuns counters (one per CTA of a run, the missing CTAs of the last run by
-// the last CTA, the runs past the last by CTA 0), so before call n (1, 2, ...) of a set of
-// counters each one reads 64 * (n - 1) and a run of call n is complete when its counter reads
-// 64 * n (mod 2^32): the host passes n as `generation` and may reuse the counters without
-// zeroing them.
+// Counting without atomics that wait (an atomic compare-and-swap per CTA measures slower): every
+// call adds exactly kWeightGradReduceRows to every one of the kMaxRuns counters (one per CTA of a
+// run, the missing CTAs of the last run by the last CTA, the runs past the last by CTA 0), so
+// before call n (1, 2, ...) of a set of counters each one reads 64 * (n - 1) and a run of call n
+// is complete when its counter reads 64 * n (mod 2^32): the host passes n as `generation` and
+// may reuse the counters without zeroing them.
 constexpr int kMaxRuns = static_cast<int>(kWeightGradLastLevelsRows / kWeightGradReduceRows);
 constexpr int kRunCounterStride = 32;  // 32-bit words from one run's counter to the next (128 B)
 static_assert(kMinCtaThreads >= kMaxRuns, "CTA 0's threads advance the runs past the last");
@@ -1485,10 +1480,9 @@ __device__ __forceinline__ void weight_grad_last_levels(typename Codec::storage*
 
 // forward_rows_vector for 16-byte vector launches (the host picks these entries when every
 // pointer, row stride and d * sizeof are multiples of 16 bytes; another launch would fault),
-// where it measured faster than the entries above (issue 6, session 11, H200): the plain
-// forward's t64 and the fused forward's t64 and t128k5.  MIN_BLOCKS: CTAs per SM that ptxas
-// must leave registers for (t64: 86 registers, 5 CTAs; without the bound 88 registers and 1.8%
-// slower; the fused t128k5 6 CTAs).
+// where they measure faster than the entries above: the plain forward's t64 and the fused
+// forward's t64 and t128k5.  MIN_BLOCKS: CTAs per SM that ptxas must leave registers for (t64:
+// 86 registers, 5 CTAs; without the bound 88 registers, slower; the fused t128k5 6 CTAs).
 // (hipcc's __launch_bounds__ is a macro whose second argument means something else: HIP builds
 // the entries without the minimum; the host picks them on CUDA only.)
 #if defined(__HIPCC__)
@@ -1496,9 +1490,7 @@ __device__ __forceinline__ void weight_grad_last_levels(typename Codec::storage*
 #else
 #define BATCHINV_RMS_NORM_VECTOR_BOUNDS(THREADS, MIN_BLOCKS) __launch_bounds__(THREADS, MIN_BLOCKS)
 #endif
-// BOUNDS: BATCHINV_RMS_NORM_VECTOR_BOUNDS(Cta<T>::kThreads, MIN_BLOCKS), passed whole so that
-// the build's signature scan reads the kernel's name (with ##, a macro body it skips) before the
-// first parenthesis.
+// BOUNDS: the entry's BATCHINV_RMS_NORM_VECTOR_BOUNDS(Cta<T>::kThreads, MIN_BLOCKS).
 #define BATCHINV_RMS_NORM_FORWARD_VECTOR_ENTRY(KIND, SUFFIX, GEOMETRY, CODEC, T, K, FUSED, BOUNDS) \
     extern "C" __global__ void BOUNDS rms_norm_##KIND##_##SUFFIX##_##GEOMETRY##_vec(             \
         CODEC::storage* y, CODEC::storage* new_residual, float* rstd, const CODEC::storage* x,   \
@@ -1586,13 +1578,12 @@ __device__ __forceinline__ void weight_grad_last_levels(typename Codec::storage*
 // The geometry lists: (name, threads per row T, chunks per thread K).  Keep in step with
 // GEOMETRIES and BACKWARD_GEOMETRIES in py/batchinv/gpu/rms_norm.py.  Forward: four chunks for
 // the sub-warp rows (q/k norm); rows of 129 .. 256 chunks (bf16 hidden 2048) on 128 threads of 2
-// chunks (issue 6, session 9: 13% faster than t64 on an H200, 7% on an H100); eight from 64
-// threads up otherwise, so that each thread has 128 bytes in flight before the reduction (a
-// row-per-CTA kernel with less was latency bound on an H200).  t128k2 and t128k5 are t128 with
-// room for 2 and 5 chunks: the same tree (a thread's chunks are c = lane + k*T in increasing k
-// either way), fewer registers, more CTAs per SM.  Backward: the same, except that rows of
-// 129 .. 512 chunks (bf16 hidden 2048 .. 4096) take t128k4 instead of t128k2 and t64 (t64's 8
-// chunks of x and dy per thread left the fused backward latency bound, issue 6).
+// chunks (measured faster than t64); eight from 64 threads up otherwise, so that each thread has
+// 128 bytes in flight before the reduction (a row-per-CTA kernel with less is latency bound).
+// t128k2 and t128k5 are t128 with room for 2 and 5 chunks: the same tree (a thread's chunks are
+// c = lane + k*T in increasing k either way), fewer registers, more CTAs per SM.  Backward: the
+// same, except that rows of 129 .. 512 chunks (bf16 hidden 2048 .. 4096) take t128k4 instead of
+// t128k2 and t64 (t64's 8 chunks of x and dy per thread leave the fused backward latency bound).
 #define BATCHINV_RMS_NORM_ALL_GEOMETRIES(SUFFIX, CODEC)                                          \
     BATCHINV_RMS_NORM_FORWARD_KERNELS(SUFFIX, CODEC, t4, 4, 4, false)                            \
     BATCHINV_RMS_NORM_FORWARD_KERNELS(SUFFIX, CODEC, t16, 16, 4, false)                          \
@@ -1645,148 +1636,18 @@ BATCHINV_RMS_NORM_FUSED_BACKWARD_UP_TO_T128(f16, batchinv::F16Codec)
 BATCHINV_RMS_NORM_FUSED_BACKWARD_UP_TO_T128(f32, batchinv::F32Codec)
 BATCHINV_RMS_NORM_BACKWARD_WEIGHT_GRAD_ENTRY(f32, batchinv::F32Codec, t256, 256, 8)
 // t128k4 in 256-thread CTAs of two row groups, 16 rows each (a partial row of 2 x 16 rows), for
-// bf16 and fp32 from 16384 rows on (the host decides; issue 6, session 8).  Not fp16: ptxas
-// gives its entry 164 registers, one CTA per SM (6.6% slower at 16384 x 4096 on an H200).
+// bf16 and fp32 from 16384 rows on (the host decides).  Not fp16: ptxas gives its entry 164
+// registers, one CTA per SM, which measures slower.
 BATCHINV_RMS_NORM_BACKWARD_WEIGHT_GRAD_ENTRY_SHAPED(bf16, batchinv::Bf16Codec, t128k4g2, 128, 4,
                                                     batchinv::rms::TwoGroupsT128)
 BATCHINV_RMS_NORM_BACKWARD_WEIGHT_GRAD_ENTRY_SHAPED(f32, batchinv::F32Codec, t128k4g2, 128, 4,
                                                     batchinv::rms::TwoGroupsT128)
 // t128k5 (bf16/fp16 hidden 5120, fp32 2048 < d <= 2560) likewise, in every dtype, from 8192 rows
-// on (issue 6, session 11: 2.1-3.2% faster than 1 x 16 at 16384 x 5120 bf16/fp16 and
-// 16384 x 2560 fp32 on an H200, 2.4-3% at 24576 and 32768 x 5120 bf16, 1.0-1.8% at 8192 and
-// 12288 x 5120; 125 / 128 / 98 registers, so 2 CTAs (4 row groups) per SM as t128k5's 4 CTAs
-// of one in bf16 and fp16).
+// on (measured faster than 1 x 16 from there on: docs/tuning/rms_norm.md; 125 / 128 / 98
+// registers, so 2 CTAs (4 row groups) per SM as t128k5's 4 CTAs of one in bf16 and fp16).
 BATCHINV_RMS_NORM_BACKWARD_WEIGHT_GRAD_ENTRY_SHAPED(bf16, batchinv::Bf16Codec, t128k5g2, 128, 5,
                                                     batchinv::rms::TwoGroupsT128)
 BATCHINV_RMS_NORM_BACKWARD_WEIGHT_GRAD_ENTRY_SHAPED(f16, batchinv::F16Codec, t128k5g2, 128, 5,
                                                     batchinv::rms::TwoGroupsT128)
 BATCHINV_RMS_NORM_BACKWARD_WEIGHT_GRAD_ENTRY_SHAPED(f32, batchinv::F32Codec, t128k5g2, 128, 5,
                                                     batchinv::rms::TwoGroupsT128)
-
-// Signatures of the entries above, for the launcher's argument checks.
-// batchinv-signature: rms_norm_forward_bf16_t4(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
-// batchinv-signature: rms_norm_fused_forward_bf16_t4(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
-// batchinv-signature: rms_norm_backward_bf16_t4(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
-// batchinv-signature: rms_norm_backward_weight_grad_bf16_t4(ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, ptr, u32)
-// batchinv-signature: rms_norm_forward_bf16_t16(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
-// batchinv-signature: rms_norm_fused_forward_bf16_t16(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
-// batchinv-signature: rms_norm_backward_bf16_t16(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
-// batchinv-signature: rms_norm_backward_weight_grad_bf16_t16(ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, ptr, u32)
-// batchinv-signature: rms_norm_forward_bf16_t32(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
-// batchinv-signature: rms_norm_fused_forward_bf16_t32(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
-// batchinv-signature: rms_norm_backward_bf16_t32(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
-// batchinv-signature: rms_norm_backward_weight_grad_bf16_t32(ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, ptr, u32)
-// batchinv-signature: rms_norm_forward_bf16_t128k2(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
-// batchinv-signature: rms_norm_fused_forward_bf16_t128k2(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
-// batchinv-signature: rms_norm_forward_bf16_t64(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
-// batchinv-signature: rms_norm_fused_forward_bf16_t64(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
-// batchinv-signature: rms_norm_backward_bf16_t128k4(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
-// batchinv-signature: rms_norm_backward_weight_grad_bf16_t128k4(ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, ptr, u32)
-// batchinv-signature: rms_norm_backward_weight_grad_bf16_t128k4g2(ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, ptr, u32)
-// batchinv-signature: rms_norm_forward_bf16_t128k5(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
-// batchinv-signature: rms_norm_fused_forward_bf16_t128k5(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
-// batchinv-signature: rms_norm_backward_bf16_t128k5(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
-// batchinv-signature: rms_norm_backward_weight_grad_bf16_t128k5(ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, ptr, u32)
-// batchinv-signature: rms_norm_backward_weight_grad_bf16_t128k5g2(ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, ptr, u32)
-// batchinv-signature: rms_norm_forward_bf16_t128(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
-// batchinv-signature: rms_norm_fused_forward_bf16_t128(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
-// batchinv-signature: rms_norm_backward_bf16_t128(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
-// batchinv-signature: rms_norm_backward_weight_grad_bf16_t128(ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, ptr, u32)
-// batchinv-signature: rms_norm_forward_bf16_t256(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
-// batchinv-signature: rms_norm_fused_forward_bf16_t256(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
-// batchinv-signature: rms_norm_backward_bf16_t256(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
-// batchinv-signature: rms_norm_forward_bf16_t512(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
-// batchinv-signature: rms_norm_fused_forward_bf16_t512(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
-// batchinv-signature: rms_norm_backward_bf16_t512(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
-// batchinv-signature: rms_norm_forward_bf16_stream(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
-// batchinv-signature: rms_norm_fused_forward_bf16_stream(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
-// batchinv-signature: rms_norm_backward_bf16_stream(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
-// batchinv-signature: rms_norm_weight_grad_partials_bf16(ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64)
-// batchinv-signature: rms_norm_weight_grad_last_levels_bf16(ptr, ptr, i64, i64, ptr, u32)
-// batchinv-signature: rms_norm_forward_f16_t4(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
-// batchinv-signature: rms_norm_fused_forward_f16_t4(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
-// batchinv-signature: rms_norm_backward_f16_t4(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
-// batchinv-signature: rms_norm_backward_weight_grad_f16_t4(ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, ptr, u32)
-// batchinv-signature: rms_norm_forward_f16_t16(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
-// batchinv-signature: rms_norm_fused_forward_f16_t16(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
-// batchinv-signature: rms_norm_backward_f16_t16(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
-// batchinv-signature: rms_norm_backward_weight_grad_f16_t16(ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, ptr, u32)
-// batchinv-signature: rms_norm_forward_f16_t32(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
-// batchinv-signature: rms_norm_fused_forward_f16_t32(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
-// batchinv-signature: rms_norm_backward_f16_t32(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
-// batchinv-signature: rms_norm_backward_weight_grad_f16_t32(ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, ptr, u32)
-// batchinv-signature: rms_norm_forward_f16_t128k2(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
-// batchinv-signature: rms_norm_fused_forward_f16_t128k2(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
-// batchinv-signature: rms_norm_forward_f16_t64(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
-// batchinv-signature: rms_norm_fused_forward_f16_t64(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
-// batchinv-signature: rms_norm_backward_f16_t128k4(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
-// batchinv-signature: rms_norm_backward_weight_grad_f16_t128k4(ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, ptr, u32)
-// batchinv-signature: rms_norm_forward_f16_t128k5(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
-// batchinv-signature: rms_norm_fused_forward_f16_t128k5(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
-// batchinv-signature: rms_norm_backward_f16_t128k5(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
-// batchinv-signature: rms_norm_backward_weight_grad_f16_t128k5(ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, ptr, u32)
-// batchinv-signature: rms_norm_backward_weight_grad_f16_t128k5g2(ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, ptr, u32)
-// batchinv-signature: rms_norm_forward_f16_t128(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
-// batchinv-signature: rms_norm_fused_forward_f16_t128(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
-// batchinv-signature: rms_norm_backward_f16_t128(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
-// batchinv-signature: rms_norm_backward_weight_grad_f16_t128(ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, ptr, u32)
-// batchinv-signature: rms_norm_forward_f16_t256(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
-// batchinv-signature: rms_norm_fused_forward_f16_t256(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
-// batchinv-signature: rms_norm_backward_f16_t256(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
-// batchinv-signature: rms_norm_forward_f16_t512(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
-// batchinv-signature: rms_norm_fused_forward_f16_t512(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
-// batchinv-signature: rms_norm_backward_f16_t512(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
-// batchinv-signature: rms_norm_forward_f16_stream(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
-// batchinv-signature: rms_norm_fused_forward_f16_stream(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
-// batchinv-signature: rms_norm_backward_f16_stream(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
-// batchinv-signature: rms_norm_weight_grad_partials_f16(ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64)
-// batchinv-signature: rms_norm_weight_grad_last_levels_f16(ptr, ptr, i64, i64, ptr, u32)
-// batchinv-signature: rms_norm_forward_f32_t4(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
-// batchinv-signature: rms_norm_fused_forward_f32_t4(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
-// batchinv-signature: rms_norm_backward_f32_t4(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
-// batchinv-signature: rms_norm_backward_weight_grad_f32_t4(ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, ptr, u32)
-// batchinv-signature: rms_norm_forward_f32_t16(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
-// batchinv-signature: rms_norm_fused_forward_f32_t16(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
-// batchinv-signature: rms_norm_backward_f32_t16(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
-// batchinv-signature: rms_norm_backward_weight_grad_f32_t16(ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, ptr, u32)
-// batchinv-signature: rms_norm_forward_f32_t32(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
-// batchinv-signature: rms_norm_fused_forward_f32_t32(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
-// batchinv-signature: rms_norm_backward_f32_t32(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
-// batchinv-signature: rms_norm_backward_weight_grad_f32_t32(ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, ptr, u32)
-// batchinv-signature: rms_norm_forward_f32_t128k2(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
-// batchinv-signature: rms_norm_fused_forward_f32_t128k2(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
-// batchinv-signature: rms_norm_forward_f32_t64(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
-// batchinv-signature: rms_norm_fused_forward_f32_t64(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
-// batchinv-signature: rms_norm_backward_f32_t128k4(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
-// batchinv-signature: rms_norm_backward_weight_grad_f32_t128k4(ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, ptr, u32)
-// batchinv-signature: rms_norm_backward_weight_grad_f32_t128k4g2(ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, ptr, u32)
-// batchinv-signature: rms_norm_forward_f32_t128k5(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
-// batchinv-signature: rms_norm_fused_forward_f32_t128k5(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
-// batchinv-signature: rms_norm_backward_f32_t128k5(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
-// batchinv-signature: rms_norm_backward_weight_grad_f32_t128k5(ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, ptr, u32)
-// batchinv-signature: rms_norm_backward_weight_grad_f32_t128k5g2(ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, ptr, u32)
-// batchinv-signature: rms_norm_forward_f32_t128(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
-// batchinv-signature: rms_norm_fused_forward_f32_t128(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
-// batchinv-signature: rms_norm_backward_f32_t128(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
-// batchinv-signature: rms_norm_backward_weight_grad_f32_t128(ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, ptr, u32)
-// batchinv-signature: rms_norm_forward_f32_t256(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
-// batchinv-signature: rms_norm_fused_forward_f32_t256(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
-// batchinv-signature: rms_norm_backward_f32_t256(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
-// batchinv-signature: rms_norm_backward_weight_grad_f32_t256(ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, ptr, u32)
-// batchinv-signature: rms_norm_forward_f32_t512(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
-// batchinv-signature: rms_norm_fused_forward_f32_t512(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
-// batchinv-signature: rms_norm_backward_f32_t512(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
-// batchinv-signature: rms_norm_forward_f32_stream(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
-// batchinv-signature: rms_norm_fused_forward_f32_stream(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
-// batchinv-signature: rms_norm_backward_f32_stream(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64)
-// batchinv-signature: rms_norm_weight_grad_partials_f32(ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64)
-// batchinv-signature: rms_norm_weight_grad_last_levels_f32(ptr, ptr, i64, i64, ptr, u32)
-// batchinv-signature: rms_norm_forward_bf16_t64_vec(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
-// batchinv-signature: rms_norm_fused_forward_bf16_t64_vec(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
-// batchinv-signature: rms_norm_fused_forward_bf16_t128k5_vec(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
-// batchinv-signature: rms_norm_forward_f16_t64_vec(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
-// batchinv-signature: rms_norm_fused_forward_f16_t64_vec(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
-// batchinv-signature: rms_norm_fused_forward_f16_t128k5_vec(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
-// batchinv-signature: rms_norm_forward_f32_t64_vec(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
-// batchinv-signature: rms_norm_fused_forward_f32_t64_vec(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)
-// batchinv-signature: rms_norm_fused_forward_f32_t128k5_vec(ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32)

@@ -205,15 +205,9 @@ __device__ __forceinline__ void rope_token(const Args& a) {
         batchinv::rope::rope_token<CODEC, INDEX>(args);                                          \
     }
 
-// batchinv-signature: rope_bf16_i32(ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i64, i32)
 BATCHINV_ROPE_KERNEL(bf16_i32, batchinv::Bf16Codec, int32_t)
-// batchinv-signature: rope_bf16_i64(ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i64, i32)
 BATCHINV_ROPE_KERNEL(bf16_i64, batchinv::Bf16Codec, int64_t)
-// batchinv-signature: rope_f16_i32(ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i64, i32)
 BATCHINV_ROPE_KERNEL(f16_i32, batchinv::F16Codec, int32_t)
-// batchinv-signature: rope_f16_i64(ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i64, i32)
 BATCHINV_ROPE_KERNEL(f16_i64, batchinv::F16Codec, int64_t)
-// batchinv-signature: rope_f32_i32(ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i64, i32)
 BATCHINV_ROPE_KERNEL(f32_i32, batchinv::F32Codec, int32_t)
-// batchinv-signature: rope_f32_i64(ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i64, i32)
 BATCHINV_ROPE_KERNEL(f32_i64, batchinv::F32Codec, int64_t)

@@ -5,7 +5,7 @@
 //                        up_stride in elements (the fused [rows, 2I] layout is gate = base,
 //                        up = base + I, both with stride 2I)
 //   out       [rows, I]  same dtype, row stride out_stride
-//   fp32 arithmetic (silu_mul_value, since session 8; before it expf and IEEE division):
+//   fp32 arithmetic (silu_mul_value):
 //     e = ex2.approx.ftz(g * -log2 e), s = rcp.approx.ftz(fma(e, 0.25, 0.25)) * 0.25,
 //     out = (g * s) * up, every step one explicit operation; one rounding to the storage type.
 //   ex2/rcp.approx are the GPU's special-function approximations (not IEEE): a fixed function
@@ -46,28 +46,24 @@ namespace silu {
 
 
 constexpr int kThreads = 128;
-// Forward: 16-byte chunks of each input per thread loaded before use.  With the session-8
-// arithmetic, 2 chunks (tiles of 2048, 48 registers, 10 CTAs per SM) ran 1.5-2% faster than 4
-// (64 registers, 8 CTAs) at 16384 x 4096 bf16 and 1% at 12288 (H200, same run); with the
-// expf / IEEE-division arithmetic 2 chunks had been 5% slower than 4 (session 5).
+// Forward: 16-byte chunks of each input per thread loaded before use.  2 chunks (tiles of 2048,
+// 48 registers, 10 CTAs per SM) measure faster than 4 (64 registers, 8 CTAs) with this
+// arithmetic (docs/tuning/silu_mul.md).
 constexpr int kUnroll = 2;
 // Backward: 2 chunks of each of its 3 inputs (6 in flight); with 4 the 89 registers per thread
-// held 5 CTAs per SM instead of 8 and it ran 6% slower (H200, 16384 x 4096 bf16).
+// hold 5 CTAs per SM instead of 8 and it measures slower.
 constexpr int kBackwardUnroll = 2;
-// Register caps (CTAs of 128 threads per SM): the backward at 8 (64 registers, as before its
-// in-range division) ran 1% faster than at 7 at 16384 x 4096 and the same within noise at
-// 16384 x 12288 (H200, same run; docs/tuning/silu_mul.md).  The forward needs 48 at 8
-// (no spill; 10 CTAs per SM resident).
+// Register caps (CTAs of 128 threads per SM): the backward at 8 (64 registers) measures no
+// slower than at 7 (docs/tuning/silu_mul.md).  The forward needs 48 at 8 (no spill; 10 CTAs
+// per SM resident).
 constexpr int kForwardMinCtasPerSm = 8;
 constexpr int kBackwardMinCtasPerSm = 8;
 
-// The backward vector path's cheaper division for the same functions (the forward used it too
-// until session 8).  nvcc compiles each __fdiv_rn into a reciprocal, five FMAs and an operand
-// check (FCHK) branching to a slow path; the branch, its reconvergence and the constants
-// reloaded around the call cost a sixth (forward) to a quarter (backward) of the kernel's
-// instructions (Nsight Compute, H200: 34 instructions per forward
-// element and 64 backward against Liger's 19 and 28, issue slots 78-83% busy; 29 and 48 with
-// this path, 64-65% busy).  div_rn_checked_range runs the same reciprocal and FMAs without
+// The backward vector path's cheaper division for the same functions.  nvcc compiles each
+// __fdiv_rn into a reciprocal, five FMAs and an operand check (FCHK) branching to a slow path;
+// the branch, its reconvergence and the constants reloaded around the call cost a sixth
+// (forward) to a quarter (backward) of the kernel's instructions (profiles in
+// docs/tuning/silu_mul.md).  div_rn_checked_range runs the same reciprocal and FMAs without
 // the check, for operands where that sequence is the correctly rounded quotient: a chunk whose
 // gate values all pass in_fast_division_range, 2^-60 <= |g| <= 40 (so the numerator g or 1 and
 // the denominator 1 + exp(-g) in [1, 2.4e17] are normal and far from overflow and underflow).  A chunk with any
@@ -137,8 +133,8 @@ constexpr float kMinusLog2e = -1.44269502162933349609375f;  // -log2(e) rounded 
 // the reciprocal's and four roundings: measured over all 2^32 fp32 gate values with up = 1 on
 // an H200, at most 3.1 ulp for g > -1, 4 ulp for g > -2, growing to 67 ulp near g = -88 where
 // silu(g) ~ g e^g is tiny (expf and __fdiv_rn: 3.4 ulp), every value within the contract's
-// elementwise fp32 tolerance (docs/operators/silu_mul.md).  Was 19 instructions per element
-// (expf 8, division 6, ...); this is 7.
+// elementwise fp32 tolerance (docs/operators/silu_mul.md).  7 instructions per element, where
+// expf and IEEE division take 19.
 __device__ __forceinline__ float silu_mul_value(float g, float u) {
     const float e = exp2_approx_ftz(ieee_mul(g, kMinusLog2e));
     const float quarter_d = __fmaf_rn(e, 0.25f, 0.25f);
@@ -424,12 +420,6 @@ __device__ __forceinline__ void backward(const BackwardArgs& a) {
         batchinv::silu::backward<CODEC>(args);                                                  \
     }
 
-// batchinv-signature: silu_mul_forward_bf16(ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64)
-// batchinv-signature: silu_mul_backward_bf16(ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i64)
 BATCHINV_SILU_MUL_KERNELS(bf16, batchinv::Bf16Codec)
-// batchinv-signature: silu_mul_forward_f16(ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64)
-// batchinv-signature: silu_mul_backward_f16(ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i64)
 BATCHINV_SILU_MUL_KERNELS(f16, batchinv::F16Codec)
-// batchinv-signature: silu_mul_forward_f32(ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64)
-// batchinv-signature: silu_mul_backward_f32(ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i64)
 BATCHINV_SILU_MUL_KERNELS(f32, batchinv::F32Codec)

@@ -8,6 +8,12 @@
 //! - `BATCHINV_NO_CUDA=1`   build without CUDA images; GPU ops then raise at run time.
 //! - `BATCHINV_HIP_ARCHS`   also build AMD code objects with hipcc, e.g. `gfx90a`.
 //! - `BATCHINV_HIPCC`       the hipcc to use (default `hipcc` on PATH).
+//! - `CC`                   the C compiler whose preprocessor expands each source's macros
+//!   before its kernel declarations are read (default `cc`).
+//!
+//! Every kernel's signature comes from its `extern "C" __global__` declaration (macro-made
+//! ones after preprocessing); a CUDA build checks them against the PTX entries nvcc emits and
+//! fails, naming the file and kernel, where they disagree (build_support/signatures.rs).
 
 #[path = "build_support/signatures.rs"]
 mod signatures;
@@ -42,12 +48,13 @@ fn main() {
         "BATCHINV_HIPCC",
         "CUDA_HOME",
         "PYO3_PYTHON",
+        "CC",
     ] {
         println!("cargo:rerun-if-env-changed={var}");
     }
     println!("cargo:rerun-if-changed={}", kernels_dir.display());
 
-    let sources = read_sources(&kernels_dir);
+    let sources = read_sources(&kernels_dir, &out_dir);
     let no_cuda = env::var("BATCHINV_NO_CUDA").map(|v| v == "1").unwrap_or(false);
     let cuda_archs = env::var("BATCHINV_CUDA_ARCHS").unwrap_or_else(|_| DEFAULT_CUDA_ARCHS.to_string());
     let hip_archs = env::var("BATCHINV_HIP_ARCHS").unwrap_or_default();
@@ -78,22 +85,75 @@ fn main() {
     fs::write(out_dir.join("module_table.rs"), table).unwrap();
 }
 
-fn read_sources(kernels_dir: &Path) -> Vec<Source> {
+fn read_sources(kernels_dir: &Path, out_dir: &Path) -> Vec<Source> {
     let mut paths: Vec<PathBuf> = fs::read_dir(kernels_dir)
         .unwrap()
         .map(|e| e.unwrap().path())
         .filter(|p| p.extension().is_some_and(|e| e == "cu"))
         .collect();
     paths.sort();
+    let stubs = write_header_stubs(kernels_dir, out_dir);
     paths
         .into_iter()
         .map(|path| {
-            let text = fs::read_to_string(&path).unwrap();
+            let text = preprocess(&path, kernels_dir, &stubs);
             let kernels = signatures::parse_signatures(&text).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
             let op = path.file_stem().unwrap().to_string_lossy().into_owned();
             Source { op, path, kernels }
         })
         .collect()
+}
+
+/// An empty file for every `#include <...>` under kernels_cu/: reading the declarations needs
+/// the sources' own macros only, so no CUDA, HIP or C++ headers have to be installed.
+fn write_header_stubs(kernels_dir: &Path, out_dir: &Path) -> PathBuf {
+    let stubs = out_dir.join("header_stubs");
+    let mut pending = vec![kernels_dir.to_path_buf()];
+    while let Some(dir) = pending.pop() {
+        for entry in fs::read_dir(&dir).unwrap() {
+            let path = entry.unwrap().path();
+            if path.is_dir() {
+                pending.push(path);
+                continue;
+            }
+            let Ok(text) = fs::read_to_string(&path) else { continue };
+            for line in text.lines() {
+                let line = line.trim_start();
+                let Some(rest) = line.strip_prefix('#') else { continue };
+                let Some(rest) = rest.trim_start().strip_prefix("include") else { continue };
+                let rest = rest.trim_start();
+                if let Some(header) = rest.strip_prefix('<').and_then(|r| r.split('>').next()) {
+                    let stub = stubs.join(header);
+                    fs::create_dir_all(stub.parent().unwrap()).unwrap();
+                    fs::write(stub, "").unwrap();
+                }
+            }
+        }
+    }
+    fs::create_dir_all(&stubs).unwrap();
+    stubs
+}
+
+/// The source after the C preprocessor, as the CUDA host compilation sees it (no
+/// `__CUDA_ARCH__`, no `__HIPCC__`): every kernel a CUDA image exports is declared there.
+fn preprocess(source: &Path, kernels_dir: &Path, stubs: &Path) -> String {
+    let cc = env::var("CC").unwrap_or_else(|_| "cc".to_string());
+    let output = Command::new(&cc)
+        .args(["-E", "-P", "-x", "c", "-std=c11", "-nostdinc", "-I"])
+        .arg(stubs)
+        .arg("-I")
+        .arg(kernels_dir)
+        .arg(source)
+        .output()
+        .unwrap_or_else(|e| panic!("cannot run the C preprocessor '{cc} -E' (set CC to a C compiler): {e}"));
+    if !output.status.success() {
+        panic!(
+            "preprocessing {} to read its kernel declarations failed:\n{}",
+            source.display(),
+            String::from_utf8_lossy(&output.stderr)
+        );
+    }
+    String::from_utf8(output.stdout).expect("preprocessed source is not UTF-8")
 }
 
 fn find_nvcc() -> Option<PathBuf> {
@@ -160,10 +220,15 @@ fn run(command: &mut Command, what: &str, report: &Path) {
 
 fn compile_cuda(nvcc: &Path, arch_args: &[String], kernels_dir: &Path, source: &Source, out_dir: &Path) -> PathBuf {
     let image = out_dir.join(format!("{}.fatbin", source.op));
+    // nvcc's intermediate files hold the PTX of every target, whose entries are checked below.
+    let keep = out_dir.join(format!("{}.keep", source.op));
+    let _ = fs::remove_dir_all(&keep);
+    fs::create_dir_all(&keep).unwrap();
     // No fast-math: every kernel keeps IEEE rounding so paths that must agree do.
     let mut command = Command::new(nvcc);
     command
-        .args(["-fatbin", "-O3", "-std=c++17", "-Xptxas", "-v", "-lineinfo"])
+        .args(["-fatbin", "-O3", "-std=c++17", "-Xptxas", "-v", "-lineinfo", "--keep", "--keep-dir"])
+        .arg(&keep)
         .args(arch_args)
         .arg("-I")
         .arg(kernels_dir)
@@ -171,7 +236,34 @@ fn compile_cuda(nvcc: &Path, arch_args: &[String], kernels_dir: &Path, source: &
         .arg("-o")
         .arg(&image);
     run(&mut command, &source.path.display().to_string(), &out_dir.join(format!("{}.ptxas.txt", source.op)));
+    check_ptx_entries(source, &keep);
+    fs::remove_dir_all(&keep).unwrap();
     image
+}
+
+/// Fails the build unless every PTX image nvcc made for `source` exports exactly its declared
+/// kernels with parameters of the declared sizes.
+fn check_ptx_entries(source: &Source, keep: &Path) {
+    let mut ptx_files: Vec<PathBuf> = fs::read_dir(keep)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|e| e == "ptx"))
+        .collect();
+    ptx_files.sort();
+    assert!(!ptx_files.is_empty(), "nvcc kept no PTX for {} in {}", source.path.display(), keep.display());
+    let mut report = String::new();
+    for ptx in &ptx_files {
+        let target = ptx.file_stem().unwrap().to_string_lossy();
+        let target = target.strip_prefix(&format!("{}.", source.op)).unwrap_or(&target).to_string();
+        let text = fs::read_to_string(ptx).unwrap();
+        let entries = signatures::parse_ptx_entries(&text).unwrap_or_else(|e| panic!("{}: {e}", ptx.display()));
+        for problem in signatures::check_image(&source.kernels, &entries) {
+            writeln!(report, "  {target} PTX: {problem}").unwrap();
+        }
+    }
+    if !report.is_empty() {
+        panic!("{}: the kernel declarations and the compiled image disagree:\n{report}", source.path.display());
+    }
 }
 
 fn compile_hip(hipcc: &str, archs: &str, kernels_dir: &Path, source: &Source, out_dir: &Path) -> PathBuf {

@@ -60,9 +60,9 @@ __device__ __forceinline__ void round_chunk(Chunk16<Codec>& c, const float* f) {
 // every pair with cvt.rn.bf16x2.f32 first, tests the packed words for a NaN half with two
 // integer operations per word ((h & 0x7fff) + 0x7f carries into bit 15 only for h & 0x7fff >
 // 0x7f80, a bf16 NaN; cvt gives a NaN half exactly for a NaN input) and only then maps NaN
-// halves to 0x7fc0, where round_chunk tests both floats of every pair (issue 6, session 11).
-// rms_norm.cu's round_grad_chunk (the backward, session 10) gets the same bits by testing the
-// floats before packing; each is kept where it was timed, a single helper was not measured.
+// halves to 0x7fc0, where round_chunk tests both floats of every pair.  rms_norm.cu's
+// round_grad_chunk (the backward) gets the same bits by testing the floats before packing; each
+// form is kept where it was timed, a single helper was not measured.
 template <typename Codec>
 __device__ __forceinline__ void round_chunk_rare_nan(Chunk16<Codec>& c, const float* f) {
 #if !defined(__HIPCC__)

@@ -119,13 +119,12 @@ __device__ __forceinline__ uint64_t gemm_step_descriptor(const uint8_t* box, int
 // epilogue(acc, row, n0, lane) with each consumer thread's accumulators (layout: wgmma.cuh),
 // its first row (the other is row + 8), the tile's first column and its lane.
 // shared_raw: the caller's `extern __shared__` array.  Its PTX symbol is named after the
-// namespace that declares it, so each file keeps its own and its PTX stays as it was.
+// namespace that declares it, so each file keeps its own (and its own PTX).
 // kKRange: true (linear.cu): any STAGE_K and any [k_begin, k_end); boxes wholly past k_end (a
 // stage's second box with STAGE_K = 128, or past a K-group's end) are skipped.  false
 // (token_logprobs.cu's backward): one box per stage over [0, K), nothing to skip.  The two
-// producer branches issue the same copies; each keeps the spelling of the loop it replaced
-// because the compiler keeps the address arithmetic in written order, and so each file's PTX is
-// byte-identical to what its own loop gave (how this merge was checked without a GPU).
+// producer branches issue the same copies, each in its own spelling: the compiler keeps the
+// address arithmetic in written order, so the spelling decides each file's PTX.
 template <typename Codec, int BM, int BN, int STAGE_K, int STAGES, int kTransA, int kTransB, bool kKRange,
           typename Epilogue>
 __device__ __forceinline__ void gemm_k_range(uint8_t* shared_raw, const TensorMap& map_a, const TensorMap& map_b,

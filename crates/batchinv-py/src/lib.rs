@@ -207,10 +207,10 @@ impl RawKernel {
             programmatic,
         };
         let values = kernel_args(self.kernel.name(), self.kernel.signature(), args)?;
-        // Everything that needs no device is checked before the driver is even loaded.
-        self.kernel.check_call(&config, &values).map_err(to_py_err)?;
+        // Everything that needs no device is checked, once, before the driver is even loaded.
+        let call = self.kernel.check_call(&config, &values).map_err(to_py_err)?;
         let device = self.device_or_current(device)?;
-        self.kernel.launch(device, &config, &values).map_err(to_py_err)
+        call.launch(device).map_err(to_py_err)
     }
 
     /// Validates a call without launching (no device needed).
@@ -230,7 +230,7 @@ impl RawKernel {
             programmatic: false,
         };
         let values = kernel_args(self.kernel.name(), self.kernel.signature(), args)?;
-        self.kernel.check_call(&config, &values).map_err(to_py_err)
+        self.kernel.check_call(&config, &values).map(|_| ()).map_err(to_py_err)
     }
 
     /// Allows `bytes` of dynamic shared memory per block (needed above 48 KiB).

@@ -23,6 +23,6 @@ pub use config::{
 };
 pub use driver::{driver_for, Backend, Driver, TensorMapSpec};
 pub use error::{Error, Result};
-pub use module::{Kernel, Module};
+pub use module::{CheckedCall, Kernel, Module};
 pub use nvrtc::compile_cuda_source;
 pub use signature::{ArgValue, ParamKind, Signature, TENSOR_MAP_BYTES};

@@ -131,31 +131,21 @@ impl Kernel {
 
     /// Checks everything that can be checked without a device: the arguments against the
     /// signature, the launch shape against the limits all supported GPUs share, and that a
-    /// programmatic launch is not asked of a HIP module.
-    pub fn check_call(&self, config: &LaunchConfig, args: &[ArgValue]) -> Result<()> {
+    /// programmatic launch is not asked of a HIP module.  The checked call launches without
+    /// repeating these checks.
+    pub fn check_call<'a>(&'a self, config: &'a LaunchConfig, args: &'a [ArgValue]) -> Result<CheckedCall<'a>> {
         self.signature.check(&self.name, args)?;
         check_static_limits(&self.name, config, &STATIC_LIMITS)?;
         if config.programmatic && self.module.backend != Backend::Cuda {
-            return check_programmatic_launch(&self.name, self.module.backend, (0, 0), false);
+            check_programmatic_launch(&self.name, self.module.backend, (0, 0), false)?;
         }
-        Ok(())
+        Ok(CheckedCall { kernel: self, config, args })
     }
 
     /// Validates and launches on `device` (asynchronously, on `config.stream`).  A
     /// programmatic launch on a device or driver without it is [`Error::Unavailable`].
     pub fn launch(&self, device: i32, config: &LaunchConfig, args: &[ArgValue]) -> Result<()> {
-        self.check_call(config, args)?;
-        self.with_resolved(device, |driver, entry| {
-            config.check_device(&self.name, &entry.device_limits, &entry.function_limits)?;
-            if config.programmatic && !entry.programmatic_checked {
-                let capability = driver.compute_capability(device)?;
-                check_programmatic_launch(&self.name, driver.backend(), capability, driver.has_programmatic_launch())?;
-                entry.programmatic_checked = true;
-            }
-            let mut packed = PackedArgs::new(args);
-            let mut pointers = packed.pointers();
-            driver.launch(device, entry.function, config, &mut pointers)
-        })
+        self.check_call(config, args)?.launch(device)
     }
 
     /// The kernel's limits on `device` (loads the module there if needed).
@@ -205,5 +195,67 @@ impl Kernel {
             config.check_device(&self.name, &entry.device_limits, &entry.function_limits)?;
             driver.max_active_clusters(device, entry.function, config)
         })
+    }
+}
+
+/// A call that passed [`Kernel::check_call`]; launching it checks only what needs the device.
+#[must_use = "a checked call does nothing until it is launched"]
+pub struct CheckedCall<'a> {
+    kernel: &'a Kernel,
+    config: &'a LaunchConfig,
+    args: &'a [ArgValue],
+}
+
+impl CheckedCall<'_> {
+    /// Launches on `device` (asynchronously, on the config's stream) after the checks that
+    /// need the device: its limits and, for a programmatic launch, its support for one.
+    pub fn launch(self, device: i32) -> Result<()> {
+        let CheckedCall { kernel, config, args } = self;
+        kernel.with_resolved(device, |driver, entry| {
+            config.check_device(&kernel.name, &entry.device_limits, &entry.function_limits)?;
+            if config.programmatic && !entry.programmatic_checked {
+                let capability = driver.compute_capability(device)?;
+                check_programmatic_launch(
+                    &kernel.name,
+                    driver.backend(),
+                    capability,
+                    driver.has_programmatic_launch(),
+                )?;
+                entry.programmatic_checked = true;
+            }
+            let mut packed = PackedArgs::new(args);
+            let mut pointers = packed.pointers();
+            driver.launch(device, entry.function, config, &mut pointers)
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn kernel(backend: Backend) -> Kernel {
+        let module = Module::new(backend, "test module", Arc::from(&b"not loaded"[..])).unwrap();
+        Kernel::new(Arc::new(module), "k", Signature::parse("ptr, i64").unwrap()).unwrap()
+    }
+
+    fn config(programmatic: bool) -> LaunchConfig {
+        LaunchConfig { grid: [4, 1, 1], block: [128, 1, 1], shared_mem_bytes: 0, stream: 0, programmatic }
+    }
+
+    #[test]
+    fn a_call_is_checked_without_a_device() {
+        let kernel = kernel(Backend::Cuda);
+        let config = config(false);
+        let args = [ArgValue::Ptr(16), ArgValue::I64(3)];
+        let call = kernel.check_call(&config, &args).unwrap();
+        assert!(std::ptr::eq(call.kernel, &kernel) && call.args.len() == 2);
+        let err = kernel.check_call(&config, &args[..1]).err().unwrap();
+        assert_eq!(err.to_string(), "kernel 'k' takes 2 arguments ((ptr, i64)), got 1");
+        let too_wide = LaunchConfig { block: [2048, 1, 1], ..config };
+        assert!(matches!(kernel.check_call(&too_wide, &args), Err(Error::Config(_))));
+        let hip = self::kernel(Backend::Hip);
+        let err = hip.check_call(&self::config(true), &args).err().unwrap();
+        assert!(matches!(err, Error::Unavailable { .. }), "{err}");
     }
 }
