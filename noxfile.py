@@ -28,6 +28,10 @@ NVCC_WHEELS = [
     "nvidia-cuda-runtime==13.0.*",
     "nvidia-cuda-cccl==13.0.*",
 ]
+# zig links the module against glibc 2.28's symbols, so the wheel installs where PyTorch's
+# manylinux_2_28 wheels do (RHEL 8, Ubuntu 20.04) whatever glibc the build machine has.
+ZIG = "ziglang==0.15.*"
+MANYLINUX = "manylinux_2_28"
 TORCH = "torch>=2.4"
 TEST_DEPS = ["pytest>=8", "transformers>=4.51", "safetensors", "numpy"]
 HIP_TARGETS = ["gfx90a", "gfx942"]
@@ -91,11 +95,30 @@ def lint(session: nox.Session) -> None:
 
 @nox.session
 def build(session: nox.Session) -> None:
-    """Builds the abi3 wheel (CUDA fatbins embedded) into dist/."""
-    session.install("maturin>=1.7,<2", *NVCC_WHEELS)
+    """Builds the abi3 wheel (CUDA fatbins embedded) for manylinux_2_28 into dist/ and checks
+    its tag and the glibc symbols its module needs (tools/check_wheel.py)."""
+    session.install("maturin>=1.7,<2", *NVCC_WHEELS, ZIG)
+    # Built apart from dist/, which may hold older wheels, so the check sees this one only.
+    out = Path(session.create_tmp()) / "wheel"
+    shutil.rmtree(out, ignore_errors=True)
     session.run(
-        "maturin", "build", "--release", "--out", "dist", *session.posargs, env=_nvcc_env(session)
+        "maturin",
+        "build",
+        "--release",
+        "--zig",
+        "--compatibility",
+        MANYLINUX,
+        "--out",
+        str(out),
+        *session.posargs,
+        env=_nvcc_env(session),
     )
+    wheels = sorted(out.glob("batchinv-*.whl"))
+    session.run("python", str(ROOT / "tools" / "check_wheel.py"), *map(str, wheels))
+    (ROOT / "dist").mkdir(exist_ok=True)
+    for wheel in wheels:
+        shutil.copy2(wheel, ROOT / "dist")
+        session.log(f"built dist/{wheel.name}")
 
 
 @nox.session(venv_backend="none")
