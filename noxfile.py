@@ -1,9 +1,11 @@
 """Developer and CI sessions.  `nox --list` shows them; each is a thin wrapper over pytest,
 cargo or a script, so the same commands work without nox.
 
-CPU sessions build a virtualenv and install what they need (torch from PyPI, the pinned
-CUDA 13.0 compiler wheels).  `cuda_parity`, `sanitize` and `bench` run on GPU machines,
-which are offline with torch preinstalled: they use the current environment as it is.
+CPU sessions build a virtualenv.  `build` makes the wheel (the pinned CUDA 13.0 compiler
+wheels compile the kernels); `demo` and `tests` require it and install that wheel, whose
+metadata brings PyTorch and the rest from PyPI, so they run what a user installs.
+`cuda_parity`, `sanitize` and `bench` run on GPU machines, which are offline with torch
+preinstalled: they use the current environment as it is.
 """
 
 from __future__ import annotations
@@ -21,6 +23,10 @@ nox.options.reuse_existing_virtualenvs = True
 nox.options.default_venv_backend = "venv"
 
 ROOT = Path(__file__).parent
+PYPROJECT = nox.project.load_toml(ROOT / "pyproject.toml")
+# Only build-time tools are named here; what batchinv needs to run or test comes from its
+# metadata ([project.dependencies] and the `test` extra).
+BUILD_REQUIRES = PYPROJECT["build-system"]["requires"]
 NVCC_WHEELS = [
     "nvidia-cuda-nvcc==13.0.88",
     "nvidia-nvvm==13.0.*",
@@ -28,8 +34,10 @@ NVCC_WHEELS = [
     "nvidia-cuda-runtime==13.0.*",
     "nvidia-cuda-cccl==13.0.*",
 ]
-TORCH = "torch>=2.4"
-TEST_DEPS = ["pytest>=8", "transformers>=4.51", "safetensors", "numpy"]
+# zig links the module against glibc 2.28's symbols, so the wheel installs where PyTorch's
+# manylinux_2_28 wheels do (RHEL 8, Ubuntu 20.04) whatever glibc the build machine has.
+ZIG = "ziglang==0.15.*"
+MANYLINUX = "manylinux_2_28"
 HIP_TARGETS = ["gfx90a", "gfx942"]
 # Names of every kernel in kernels_cu/, for compute-sanitizer's kernel filter.
 CUBLASLT_TESTS = "tests/gpu/test_linear_cublaslt_cuda.py"
@@ -52,19 +60,37 @@ def _nvcc_env(session: nox.Session) -> dict[str, str]:
     return {"BATCHINV_NVCC": nvcc}
 
 
-def _install_batchinv(session: nox.Session, *extra: str) -> dict[str, str]:
-    session.install(TORCH, "maturin>=1.7,<2", *NVCC_WHEELS, *extra)
-    env = _nvcc_env(session)
-    session.run("pip", "install", "--no-build-isolation", "--no-deps", "-e", ".", env=env)
-    return env
+def _wheel_dir(session: nox.Session) -> Path:
+    """Where `build` leaves the checked wheel for the sessions that require it."""
+    return Path(session.cache_dir).resolve() / "wheel"
 
 
-@nox.session
+def _install_wheel(session: nox.Session, extras: str = "", *tools: str) -> None:
+    """Installs the wheel `build` made, with the dependencies (and `extras`) its metadata
+    names, and any build `tools`."""
+    wheels = sorted(_wheel_dir(session).glob("batchinv-*.whl"))
+    if len(wheels) != 1:
+        session.error(f"expected one wheel from `nox -s build` in {_wheel_dir(session)}")
+    session.install(f"{wheels[0]}{extras}", *tools)
+    # A reused virtualenv already has this version: replace it with the new build.
+    session.install("--force-reinstall", "--no-deps", str(wheels[0]))
+
+
+@nox.session(requires=["build"])
 def tests(session: nox.Session) -> None:
-    """CPU tests: cargo tests of the Rust crates, then pytest (GPU tests skip without a GPU)."""
-    env = _install_batchinv(session, *TEST_DEPS)
+    """CPU tests: cargo tests of the Rust crates, then pytest on the installed wheel (GPU
+    tests skip without a GPU)."""
+    # The kernels crate's own tests compile the kernels: they need nvcc too.
+    _install_wheel(session, "[test]", *NVCC_WHEELS)
     session.run(
-        "cargo", "test", "-p", "batchinv-runtime", "-p", "batchinv-kernels", external=True, env=env
+        "cargo",
+        "test",
+        "-p",
+        "batchinv-runtime",
+        "-p",
+        "batchinv-kernels",
+        external=True,
+        env=_nvcc_env(session),
     )
     session.run("pytest", "tests", *session.posargs)
 
@@ -91,11 +117,33 @@ def lint(session: nox.Session) -> None:
 
 @nox.session
 def build(session: nox.Session) -> None:
-    """Builds the abi3 wheel (CUDA fatbins embedded) into dist/."""
-    session.install("maturin>=1.7,<2", *NVCC_WHEELS)
+    """Builds the abi3 wheel (CUDA fatbins embedded) for manylinux_2_28 into dist/ and checks
+    its tag and the glibc symbols its module needs (tools/check_wheel.py).  `demo` and `tests`
+    require it, so it takes no arguments: theirs would reach it too."""
+    session.install(*BUILD_REQUIRES, *NVCC_WHEELS, ZIG)
+    # Built apart from dist/, which may hold older wheels, so the check sees this one only.
+    out = Path(session.create_tmp()).resolve() / "wheel"
+    shutil.rmtree(out, ignore_errors=True)
     session.run(
-        "maturin", "build", "--release", "--out", "dist", *session.posargs, env=_nvcc_env(session)
+        "maturin",
+        "build",
+        "--release",
+        "--zig",
+        "--compatibility",
+        MANYLINUX,
+        "--out",
+        str(out),
+        env=_nvcc_env(session),
     )
+    wheels = sorted(out.glob("batchinv-*.whl"))
+    session.run("python", str(ROOT / "tools" / "check_wheel.py"), *map(str, wheels))
+    shutil.rmtree(_wheel_dir(session), ignore_errors=True)
+    _wheel_dir(session).mkdir(parents=True)
+    (ROOT / "dist").mkdir(exist_ok=True)
+    for wheel in wheels:
+        shutil.copy2(wheel, _wheel_dir(session))
+        shutil.copy2(wheel, ROOT / "dist")
+        session.log(f"built dist/{wheel.name}")
 
 
 @nox.session(venv_backend="none")
@@ -155,11 +203,11 @@ def hip_compile(session: nox.Session) -> None:
     )
 
 
-@nox.session
+@nox.session(requires=["build"])
 def demo(session: nox.Session) -> None:
     """The main job: `batchinv audit`, the transform sweep on the built-in Qwen3, stock PyTorch
     vs batchinv (on CUDA when present, else CPU); exits 1 if batchinv breaks invariance."""
-    _install_batchinv(session, "safetensors")
+    _install_wheel(session)
     session.run("batchinv", "audit", *session.posargs)
 
 
