@@ -28,9 +28,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .validation import INDEX_DTYPES, check_same_device, check_tensor
-
-SUPPORTED_CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+from .validation import INDEX_DTYPES, check_cache_settings, check_same_device, check_tensor
 
 
 def upload(t: Tensor, device: torch.device) -> Tensor:
@@ -83,16 +81,9 @@ class KVCache:
         *,
         name: str = "kv_cache",
     ):
-        for arg, value in (
-            ("batch", batch),
-            ("max_len", max_len),
-            ("num_kv_heads", num_kv_heads),
-            ("head_dim", head_dim),
-        ):
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"{name}: {arg} must be a positive int, got {value!r}")
-        if dtype not in SUPPORTED_CACHE_DTYPES:
-            raise TypeError(f"{name}: dtype must be float32, bfloat16 or float16, got {dtype}")
+        check_cache_settings(
+            name, dtype, batch=batch, max_len=max_len, num_kv_heads=num_kv_heads, head_dim=head_dim
+        )
         self.name = name
         self.max_len = max_len
         shape = (batch, max_len, num_kv_heads, head_dim)

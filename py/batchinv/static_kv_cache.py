@@ -29,8 +29,7 @@ import torch
 from torch import Tensor
 
 from .registry import BackendNotImplementedError
-
-SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+from .validation import check_cache_settings
 
 
 class DeviceStatus:
@@ -86,17 +85,15 @@ class StaticKVCache:
         device: torch.device | str = "cuda",
         name: str = "static_kv_cache",
     ):
-        for arg, value in (
-            ("num_layers", num_layers),
-            ("slots", slots),
-            ("capacity", capacity),
-            ("num_kv_heads", num_kv_heads),
-            ("head_dim", head_dim),
-        ):
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"{name}: {arg} must be a positive int, got {value!r}")
-        if dtype not in SUPPORTED_DTYPES:
-            raise TypeError(f"{name}: dtype must be float32, bfloat16 or float16, got {dtype}")
+        check_cache_settings(
+            name,
+            dtype,
+            num_layers=num_layers,
+            slots=slots,
+            capacity=capacity,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+        )
         device = torch.device(device)
         if device.type not in ("cpu", "cuda"):
             raise ValueError(f"{name}: device must be a CPU or CUDA device, got {device}")

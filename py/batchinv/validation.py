@@ -608,3 +608,13 @@ def token_id_lists(name: str, values, device: torch.device) -> list[Tensor]:
             raise ValueError(f"{name}[{i}] is empty")
         result.append(t.to(device=device, dtype=torch.int64))
     return result
+
+
+def check_cache_settings(name: str, dtype: torch.dtype, **sizes: int) -> None:
+    """A KV cache's sizes are positive ints (bool excluded) and its dtype a float dtype;
+    errors name the cache and the argument."""
+    for arg, value in sizes.items():
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise ValueError(f"{name}: {arg} must be a positive int, got {value!r}")
+    if dtype not in FLOAT_DTYPES:
+        raise TypeError(f"{name}: dtype must be float32, bfloat16 or float16, got {dtype}")
