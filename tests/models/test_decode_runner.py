@@ -232,3 +232,26 @@ def test_a_dropped_runner_frees_its_cache(model):
         assert cache() is None
     finally:
         gc.enable()
+
+
+def test_a_bad_token_makes_every_write_of_the_step_a_no_op(model, monkeypatch):
+    """As on the GPU, where the embedding kernel gives a NaN row for a bad id and raises
+    nothing: the step runs to its end and must still write nothing to any slot."""
+    from batchinv.models.qwen3 import decode
+
+    def gpu_like_embedding(ids, weight):
+        safe = torch.where((ids >= 0) & (ids < weight.shape[0]), ids, 0)
+        rows = weight[safe]
+        return torch.where(((ids < 0) | (ids >= weight.shape[0]))[..., None], float("nan"), rows)
+
+    monkeypatch.setattr(decode, "_embedding", gpu_like_embedding)
+    runner, slots = run(model, PROMPTS[:2], 1, max_batch=2, capacity=16)
+    k, v = runner.cache.k.clone(), runner.cache.v.clone()
+    lengths = runner.cache.lengths.clone()
+    runner._next_token[slots[0]] = 10_000
+    runner.step()
+    with pytest.raises(IndexError, match="embedding"):
+        runner.sync()
+    assert_bitwise_equal(runner.cache.k[:, :-1], k[:, :-1])  # the last row: the scratch row
+    assert_bitwise_equal(runner.cache.v[:, :-1], v[:, :-1])
+    assert_bitwise_equal(runner.cache.lengths, lengths)

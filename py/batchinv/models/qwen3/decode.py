@@ -75,9 +75,10 @@ def exponential_noise(seeds: Tensor, positions: Tensor, vocab: int) -> Tensor:
 # ----- the op table's steps that read device values ----------------------------------------
 
 
-def _embedding(ids: Tensor, weight: Tensor, *, status: DeviceStatus) -> Tensor:
-    status.record(1, (ids < 0) | (ids >= weight.shape[0]))
-    return batchinv.embedding(ids, weight, check_ids=False)  # bad ids: NaN rows, never read
+def _embedding(ids: Tensor, weight: Tensor) -> Tensor:
+    # The step checked the ids before planning its writes (``_run_step``); a bad id gives a
+    # NaN row here, never a read out of bounds.
+    return batchinv.embedding(ids, weight, check_ids=False)
 
 
 def _rope(q, k, position_ids, **kwargs):
@@ -162,12 +163,12 @@ class Qwen3DecodeRunner:
         self._sampled = torch.zeros(slots, capacity + 1, dtype=torch.int64, device=device)
         self._logprobs = torch.zeros(slots, capacity + 1, dtype=torch.float32, device=device)
         self._layers = self.cache.layers()
-        # Bound to the status and the plan holder, not to the runner: no reference cycle keeps
-        # a dropped runner's cache alive.
+        # Bound to the plan holder, not to the runner: no reference cycle keeps a dropped
+        # runner's cache alive.
         self._plans: list[StepPlan] = []
         self._ops = replace(
             BATCHINV_OPS,
-            embedding=functools.partial(_embedding, status=self.status),
+            embedding=_embedding,
             rope=_rope,
             attention_with_kv_cache=functools.partial(_attention, plans=self._plans),
         )
@@ -280,8 +281,10 @@ class Qwen3DecodeRunner:
 
     def _run_step(self, bucket: int) -> None:
         slot_ids = self._buffers[bucket]
-        self._plan(slot_ids, torch.ones_like(slot_ids), 1)
         ids = self._next_token[slot_ids][:, None]
+        # Before the plan: a bad id must turn every write of the step into a no-op.
+        self.status.record(1, (ids < 0) | (ids >= self.config.vocab_size))
+        self._plan(slot_ids, torch.ones_like(slot_ids), 1)
         positions = self.cache.lengths[slot_ids].long()
         hidden = qwen3_final_hidden(
             ids,
@@ -323,7 +326,11 @@ class Qwen3DecodeRunner:
             graph = self._graphs.get(bucket) or self._capture(bucket)
             graph.replay()
         else:
-            self._step_body(bucket)
+            try:
+                self._step_body(bucket)
+            except Exception:
+                self.status.clear()  # raised here already: the next step starts clean
+                raise
         for slot in slots:
             self._lengths[slot] += 1
 
