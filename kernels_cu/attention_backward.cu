@@ -58,6 +58,7 @@
 // them in, which no result depends on).  Shared-memory fragment loads use ldmatrix or plain
 // loads (kLdmatrix); both give the mma the same operand bits, so the same results.
 #include "common/hopper.cuh"
+#include "common/mma_sync.cuh"
 #include "common/portability.cuh"
 #include "common/wgmma.cuh"
 
@@ -127,49 +128,9 @@ __device__ __forceinline__ uint32_t pack_floats(float lo, float hi) {
     return pack(store_bits<Codec>(lo), store_bits<Codec>(hi));
 }
 
-// ---- mma.sync m16n8k16, fp32 accumulation ----------------------------------------------
-//
-// Fragments (g = lane / 4, c = 2 * (lane % 4)):
-//   A 16x16 row-major: a0 (g, c..c+1), a1 (g+8, c..), a2 (g, c+8..), a3 (g+8, c+8..)
-//   B 16x8 (k x n):    b0 (k = c..c+1, n = g), b1 (k = c+8..c+9, n = g)
-//   C 16x8:            c0, c1 (g, c..c+1), c2, c3 (g+8, c..c+1)
-
-template <typename Codec>
-__device__ __forceinline__ void mma(float (&acc)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-    if constexpr (Codec::kIsBf16) {
-        asm volatile(
-            "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
-            "{%8, %9}, {%0, %1, %2, %3};"
-            : "+f"(acc[0]), "+f"(acc[1]), "+f"(acc[2]), "+f"(acc[3])
-            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-    } else {
-        asm volatile(
-            "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
-            "{%8, %9}, {%0, %1, %2, %3};"
-            : "+f"(acc[0]), "+f"(acc[1]), "+f"(acc[2]), "+f"(acc[3])
-            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-    }
-}
-
 // ---- fragment loads from shared memory (row stride S elements) -----------------------------
 
 __device__ __forceinline__ uint32_t lds32(const uint16_t* p) { return *reinterpret_cast<const uint32_t*>(p); }
-
-__device__ __forceinline__ uint32_t shared_address(const void* p) {
-    return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const uint16_t* row) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(shared_address(row)));
-}
-
-__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const uint16_t* row) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(shared_address(row)));
-}
 
 // A operand, rows m0..m0+15 and columns k0..k0+15 of a row-major [m][k] tile.
 template <bool kLdmatrix, int S>
@@ -230,15 +191,6 @@ __device__ __forceinline__ void a_from_acc(uint32_t (&a)[4], const float (&lo)[4
 }
 
 // ---- global -> shared ---------------------------------------------------------------------
-
-__device__ __forceinline__ void cp_async16(uint16_t* dst, const uint16_t* src) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(shared_address(dst)), "l"(src));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-    asm volatile("cp.async.wait_group %0;" ::"n"(N));
-}
 
 // Rows [first_row, first_row + valid) of a [rows, heads, D] tensor (base points at the head's
 // first element, row_stride = heads * D) into a Rows x (D + kPad) tile; slots of rows >= valid
@@ -337,11 +289,11 @@ __device__ __forceinline__ void dkdv_step(float (&acc_dk)[D / 8][4], float (&acc
         for (int n = 0; n < kRows / 8; n += 2) {
             uint32_t b[4];
             load_b_nk<kLdmatrix, S>(b, s_q, n * 8, k0, lane);
-            mma<Codec>(st[n], a_k, b[0], b[1]);
-            mma<Codec>(st[n + 1], a_k, b[2], b[3]);
+            mma_m16n8k16<Codec>(st[n], a_k, b[0], b[1]);
+            mma_m16n8k16<Codec>(st[n + 1], a_k, b[2], b[3]);
             load_b_nk<kLdmatrix, S>(b, s_do, n * 8, k0, lane);
-            mma<Codec>(dpt[n], a_v, b[0], b[1]);
-            mma<Codec>(dpt[n + 1], a_v, b[2], b[3]);
+            mma_m16n8k16<Codec>(dpt[n], a_v, b[0], b[1]);
+            mma_m16n8k16<Codec>(dpt[n + 1], a_v, b[2], b[3]);
         }
     }
     // P^T and dS^T in place.
@@ -366,11 +318,11 @@ __device__ __forceinline__ void dkdv_step(float (&acc_dk)[D / 8][4], float (&acc
         for (int n = 0; n < D / 8; n += 2) {
             uint32_t b[4];
             load_b_kn<kLdmatrix, S>(b, s_do, n * 8, t * 16, lane);
-            mma<Codec>(acc_dv[n], a_p, b[0], b[1]);
-            mma<Codec>(acc_dv[n + 1], a_p, b[2], b[3]);
+            mma_m16n8k16<Codec>(acc_dv[n], a_p, b[0], b[1]);
+            mma_m16n8k16<Codec>(acc_dv[n + 1], a_p, b[2], b[3]);
             load_b_kn<kLdmatrix, S>(b, s_q, n * 8, t * 16, lane);
-            mma<Codec>(acc_dk[n], a_ds, b[0], b[1]);
-            mma<Codec>(acc_dk[n + 1], a_ds, b[2], b[3]);
+            mma_m16n8k16<Codec>(acc_dk[n], a_ds, b[0], b[1]);
+            mma_m16n8k16<Codec>(acc_dk[n + 1], a_ds, b[2], b[3]);
         }
     }
 }
@@ -499,11 +451,11 @@ __device__ __forceinline__ void dq_step(float (&acc_dq)[D / 8][4], const uint16_
         for (int n = 0; n < kKeyBlock / 8; n += 2) {
             uint32_t b[4];
             load_b_nk<kLdmatrix, S>(b, s_k, n * 8, k0, lane);
-            mma<Codec>(s[n], a_q, b[0], b[1]);
-            mma<Codec>(s[n + 1], a_q, b[2], b[3]);
+            mma_m16n8k16<Codec>(s[n], a_q, b[0], b[1]);
+            mma_m16n8k16<Codec>(s[n + 1], a_q, b[2], b[3]);
             load_b_nk<kLdmatrix, S>(b, s_v, n * 8, k0, lane);
-            mma<Codec>(dp[n], a_do, b[0], b[1]);
-            mma<Codec>(dp[n + 1], a_do, b[2], b[3]);
+            mma_m16n8k16<Codec>(dp[n], a_do, b[0], b[1]);
+            mma_m16n8k16<Codec>(dp[n + 1], a_do, b[2], b[3]);
         }
     }
 #pragma unroll
@@ -526,8 +478,8 @@ __device__ __forceinline__ void dq_step(float (&acc_dq)[D / 8][4], const uint16_
         for (int n = 0; n < D / 8; n += 2) {
             uint32_t b[4];
             load_b_kn<kLdmatrix, S>(b, s_k, n * 8, t * 16, lane);
-            mma<Codec>(acc_dq[n], a_ds, b[0], b[1]);
-            mma<Codec>(acc_dq[n + 1], a_ds, b[2], b[3]);
+            mma_m16n8k16<Codec>(acc_dq[n], a_ds, b[0], b[1]);
+            mma_m16n8k16<Codec>(acc_dq[n + 1], a_ds, b[2], b[3]);
         }
     }
 }
@@ -719,14 +671,14 @@ __device__ __forceinline__ void dkdv_tiled_scores(uint16_t* s_pt, uint16_t* s_ds
             load_b_nk<true, S>(b, s_q, q_base + 16 * np, k0, lane);
 #pragma unroll
             for (int mi = 0; mi < kMt; ++mi) {
-                mma<Codec>(st[mi][2 * np], a_k[mi], b[0], b[1]);
-                mma<Codec>(st[mi][2 * np + 1], a_k[mi], b[2], b[3]);
+                mma_m16n8k16<Codec>(st[mi][2 * np], a_k[mi], b[0], b[1]);
+                mma_m16n8k16<Codec>(st[mi][2 * np + 1], a_k[mi], b[2], b[3]);
             }
             load_b_nk<true, S>(b, s_do, q_base + 16 * np, k0, lane);
 #pragma unroll
             for (int mi = 0; mi < kMt; ++mi) {
-                mma<Codec>(dpt[mi][2 * np], a_v[mi], b[0], b[1]);
-                mma<Codec>(dpt[mi][2 * np + 1], a_v[mi], b[2], b[3]);
+                mma_m16n8k16<Codec>(dpt[mi][2 * np], a_v[mi], b[0], b[1]);
+                mma_m16n8k16<Codec>(dpt[mi][2 * np + 1], a_v[mi], b[2], b[3]);
             }
         }
     }
@@ -783,14 +735,14 @@ __device__ __forceinline__ void dkdv_tiled_accumulate(float (&acc_dk)[Shape::kMt
             load_b_kn<true, S>(b, s_do, d_base + 16 * np, 16 * t, lane);
 #pragma unroll
             for (int mi = 0; mi < kMt; ++mi) {
-                mma<Codec>(acc_dv[mi][2 * np], a_p[mi], b[0], b[1]);
-                mma<Codec>(acc_dv[mi][2 * np + 1], a_p[mi], b[2], b[3]);
+                mma_m16n8k16<Codec>(acc_dv[mi][2 * np], a_p[mi], b[0], b[1]);
+                mma_m16n8k16<Codec>(acc_dv[mi][2 * np + 1], a_p[mi], b[2], b[3]);
             }
             load_b_kn<true, S>(b, s_q, d_base + 16 * np, 16 * t, lane);
 #pragma unroll
             for (int mi = 0; mi < kMt; ++mi) {
-                mma<Codec>(acc_dk[mi][2 * np], a_ds[mi], b[0], b[1]);
-                mma<Codec>(acc_dk[mi][2 * np + 1], a_ds[mi], b[2], b[3]);
+                mma_m16n8k16<Codec>(acc_dk[mi][2 * np], a_ds[mi], b[0], b[1]);
+                mma_m16n8k16<Codec>(acc_dk[mi][2 * np + 1], a_ds[mi], b[2], b[3]);
             }
         }
     }
@@ -940,8 +892,8 @@ __device__ __forceinline__ void dq_tiled_step(float (&acc_dq)[2][D / 8][4], cons
             load_b_nk<true, S>(b, s_k, 16 * np, k0, lane);
 #pragma unroll
             for (int mi = 0; mi < 2; ++mi) {
-                mma<Codec>(s[mi][2 * np], a[mi], b[0], b[1]);
-                mma<Codec>(s[mi][2 * np + 1], a[mi], b[2], b[3]);
+                mma_m16n8k16<Codec>(s[mi][2 * np], a[mi], b[0], b[1]);
+                mma_m16n8k16<Codec>(s[mi][2 * np + 1], a[mi], b[2], b[3]);
             }
         }
 #pragma unroll
@@ -952,8 +904,8 @@ __device__ __forceinline__ void dq_tiled_step(float (&acc_dq)[2][D / 8][4], cons
             load_b_nk<true, S>(b, s_v, 16 * np, k0, lane);
 #pragma unroll
             for (int mi = 0; mi < 2; ++mi) {
-                mma<Codec>(dp[mi][2 * np], a[mi], b[0], b[1]);
-                mma<Codec>(dp[mi][2 * np + 1], a[mi], b[2], b[3]);
+                mma_m16n8k16<Codec>(dp[mi][2 * np], a[mi], b[0], b[1]);
+                mma_m16n8k16<Codec>(dp[mi][2 * np + 1], a[mi], b[2], b[3]);
             }
         }
     }
@@ -986,8 +938,8 @@ __device__ __forceinline__ void dq_tiled_step(float (&acc_dq)[2][D / 8][4], cons
             load_b_kn<true, S>(b, s_k, 16 * np, 16 * t, lane);
 #pragma unroll
             for (int mi = 0; mi < 2; ++mi) {
-                mma<Codec>(acc_dq[mi][2 * np], a_ds[mi], b[0], b[1]);
-                mma<Codec>(acc_dq[mi][2 * np + 1], a_ds[mi], b[2], b[3]);
+                mma_m16n8k16<Codec>(acc_dq[mi][2 * np], a_ds[mi], b[0], b[1]);
+                mma_m16n8k16<Codec>(acc_dq[mi][2 * np + 1], a_ds[mi], b[2], b[3]);
             }
         }
     }
@@ -1090,16 +1042,6 @@ __device__ __forceinline__ void dq_tiled_kernel(const uint16_t* q, const uint16_
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 
-__device__ __forceinline__ void cp_async16_zfill(uint32_t dst, const void* src, bool valid) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0));
-}
-__device__ __forceinline__ void cp_async4_zfill(uint32_t dst, const void* src, bool valid) {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(dst), "l"(src), "r"(valid ? 4 : 0));
-}
-__device__ __forceinline__ void fence_proxy_async_shared() {
-    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-}
-
 // Rows [first_row, first_row + valid) of a [rows, heads, 128] tensor (base at the head's first
 // element) into a swizzled 64 x 128 tile: 16-byte chunk ch of row r at box ch / 8, chunk
 // (ch % 8) ^ (r % 8).  Thread t copies chunk t % 16 of rows t / 16 + 8 n (n = 0..7): its
@@ -1108,7 +1050,7 @@ __device__ __forceinline__ void wg_load_tile(uint8_t* tile, const uint16_t* base
                                              int valid) {
     const int ch = threadIdx.x % 16;
     const int r0 = threadIdx.x / 16;
-    const uint32_t dst = shared_address(tile + (ch / 8) * kWgBoxBytes + r0 * 128 + (((ch % 8) ^ r0) << 4));
+    const uint32_t dst = smem_address(tile + (ch / 8) * kWgBoxBytes + r0 * 128 + (((ch % 8) ^ r0) << 4));
     const uint16_t* src = base + static_cast<int64_t>(first_row + r0) * row_stride + ch * 8;
 #pragma unroll
     for (int n = 0; n < 8; ++n) {
@@ -1118,13 +1060,12 @@ __device__ __forceinline__ void wg_load_tile(uint8_t* tile, const uint16_t* base
 }
 
 // The same copy by thread `tid` of one warpgroup of a larger CTA (the pair kernel).  A separate
-// copy rather than a parameter of the one above: that changed the code of the one-warpgroup
-// kernels (the dQ kernel and the one-warpgroup dK/dV kernel of the time).
+// copy rather than a parameter of the one above: an int parameter changes the dQ kernel's code.
 __device__ __forceinline__ void wg_load_tile_by(uint8_t* tile, const uint16_t* base, int64_t row_stride,
                                                 int first_row, int valid, int tid) {
     const int ch = tid % 16;
     const int r0 = tid / 16;
-    const uint32_t dst = shared_address(tile + (ch / 8) * kWgBoxBytes + r0 * 128 + (((ch % 8) ^ r0) << 4));
+    const uint32_t dst = smem_address(tile + (ch / 8) * kWgBoxBytes + r0 * 128 + (((ch % 8) ^ r0) << 4));
     const uint16_t* src = base + static_cast<int64_t>(first_row + r0) * row_stride + ch * 8;
 #pragma unroll
     for (int n = 0; n < 8; ++n) {
@@ -1136,7 +1077,7 @@ __device__ __forceinline__ void wg_load_tile_by(uint8_t* tile, const uint16_t* b
 // N-major B operand descriptor (dO / Q as the B of dV / dK: k = query rows, n = d): the two
 // 64-column boxes kWgBoxBytes apart (leading byte offset), 8-row groups 1024 bytes apart.
 __device__ __forceinline__ uint64_t wg_desc_nmajor(const void* tile) {
-    uint64_t desc = (shared_address(tile) & 0x3FFFF) >> 4;
+    uint64_t desc = (smem_address(tile) & 0x3FFFF) >> 4;
     desc |= static_cast<uint64_t>(kWgBoxBytes >> 4) << 16;
     desc |= static_cast<uint64_t>(1024 >> 4) << 32;
     desc |= 1ull << 62;
@@ -1146,21 +1087,6 @@ __device__ __forceinline__ uint64_t wg_desc_nmajor(const void* tile) {
 using hopper::fence_operands;  // register fences around wgmma (common/hopper.cuh)
 using hopper::fence_registers;
 
-template <typename Codec>
-__device__ __forceinline__ void wg_mma_scores(float (&d)[32], uint64_t desc_a, uint64_t desc_b) {
-    if constexpr (Codec::kIsBf16)
-        wgmma::mma_m64n64k16_bf16(d, desc_a, desc_b);
-    else
-        wgmma::mma_m64n64k16_f16(d, desc_a, desc_b);
-}
-
-template <typename Codec>
-__device__ __forceinline__ void wg_mma_grads(float (&d)[64], const uint32_t (&a)[4], uint64_t desc_b) {
-    if constexpr (Codec::kIsBf16)
-        wgmma::mma_rs_m64n128k16_bf16(d, a, desc_b);
-    else
-        wgmma::mma_rs_m64n128k16_f16(d, a, desc_b);
-}
 
 
 // ---- What the wgmma kernels (pair dK/dV, dQ) do the same way (one copy, so that the two cannot
@@ -1170,14 +1096,14 @@ __device__ __forceinline__ void wg_mma_grads(float (&d)[64], const uint32_t (&a)
 // tiles must start.  The caller adds it to the array itself, so that the compiler keeps knowing
 // these are shared-memory pointers (a helper returning the pointer changed the compiled code).
 __device__ __forceinline__ uint32_t wg_bytes_to_1024(const void* raw) {
-    return (1024u - (shared_address(raw) & 1023u)) & 1023u;
+    return (1024u - (smem_address(raw) & 1023u)) & 1023u;
 }
 
 // The head of a step: this buffer's cp.async copies landed in every thread and are visible to
 // the wgmma (async proxy); after the barrier the other buffer is free to restage.
 __device__ __forceinline__ void wg_wait_staged() {
     cp_async_wait<0>();
-    fence_proxy_async_shared();  // the cp.async writes before the wgmma (async proxy) reads
+    hopper::fence_proxy_async_shared();  // the cp.async writes before the wgmma (async proxy) reads
     __syncthreads();             // every thread's copies landed; the other buffer is free
 }
 
@@ -1199,13 +1125,13 @@ __device__ __forceinline__ void wg_issue_score_products(float (&first)[32], uint
 #pragma unroll
     for (int ks = 0; ks < 8; ++ks) {
         const int off = ((ks / 4) * kWgBoxBytes + (ks % 4) * 32) >> 4;
-        wg_mma_scores<Codec>(first, desc_a_first + off, desc_b_first + off);
+        wgmma::mma<Codec>(first, desc_a_first + off, desc_b_first + off);
     }
     hopper::wgmma_commit();
 #pragma unroll
     for (int ks = 0; ks < 8; ++ks) {
         const int off = ((ks / 4) * kWgBoxBytes + (ks % 4) * 32) >> 4;
-        wg_mma_scores<Codec>(second, desc_a_second + off, desc_b_second + off);
+        wgmma::mma<Codec>(second, desc_a_second + off, desc_b_second + off);
     }
     hopper::wgmma_commit();
 }
@@ -1242,7 +1168,7 @@ template <typename Codec, int Chunks>
 __device__ __forceinline__ void wg_issue_grad_product(float (&acc)[64], const uint32_t (&a)[4][4], uint64_t ndesc_b) {
     hopper::wgmma_fence();
 #pragma unroll
-    for (int t = 0; t < Chunks; ++t) wg_mma_grads<Codec>(acc, a[t], ndesc_b + ((t * 16 * 128) >> 4));
+    for (int t = 0; t < Chunks; ++t) wgmma::mma_rs<Codec>(acc, a[t], ndesc_b + ((t * 16 * 128) >> 4));
     hopper::wgmma_commit();
 }
 
@@ -1354,7 +1280,7 @@ __device__ __forceinline__ void dkdv_wgmma_pair_kernel(const uint16_t* q, const 
             const bool ok = r < rows;
             const float* src = threadIdx.x < kWgRows ? lse : delta;
             const int64_t at = static_cast<int64_t>(head) * total_q + q_start + i0 + r;
-            cp_async4_zfill(shared_address(s_stats + buffer * 2 * kWgRows + threadIdx.x), ok ? src + at : src, ok);
+            cp_async4_zfill(smem_address(s_stats + buffer * 2 * kWgRows + threadIdx.x), ok ? src + at : src, ok);
         } else {
             wg_load_tile_by(s_do + buffer * kWgTileBytes, dout + head * D, q_stride, q_start + i0, rows,
                             threadIdx.x - kWgThreads);

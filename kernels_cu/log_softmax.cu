@@ -44,6 +44,7 @@
 // the same order, so which form runs changes speed, never bits.  T = 2048 (16 CTAs of 128 threads)
 // exists only in the cluster form and has its own tree (see Exchange).  A cluster exchanges
 // state only inside itself (its one row).
+#include "common/chunk16.cuh"
 #include "common/hopper.cuh"
 
 
@@ -302,15 +303,6 @@ __device__ __forceinline__ float block_sum(float v, float* warp_sums) {
         v = warp_sums[kWarps];
     }
     return v;
-}
-
-__device__ __forceinline__ bool aligned16(const void* p) {
-    return (reinterpret_cast<uintptr_t>(p) & 15) == 0;
-}
-
-template <typename S>
-__device__ __forceinline__ bool stride_aligned16(int64_t elements) {
-    return ((elements * static_cast<int64_t>(sizeof(S))) & 15) == 0;
 }
 
 template <typename InCodec, typename OutCodec, bool kStream = false>

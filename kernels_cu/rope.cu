@@ -50,15 +50,6 @@ __device__ __forceinline__ float rotate_second(float x1, float x2, float c, floa
     return ieee_add(ieee_mul(x2, c), ieee_mul(x1, s));
 }
 
-__device__ __forceinline__ bool aligned16(const void* p) {
-    return (reinterpret_cast<uintptr_t>(p) & 15) == 0;
-}
-
-template <typename S>
-__device__ __forceinline__ bool stride_aligned16(int64_t elements) {
-    return ((elements * static_cast<int64_t>(sizeof(S))) & 15) == 0;
-}
-
 struct Args {
     void* q_out;
     void* k_out;
