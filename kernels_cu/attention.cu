@@ -119,6 +119,51 @@ __device__ __forceinline__ int kv_offset(int key, int col) {
     return (col / 64) * (kBlockKeys * 64) + key * 64 + ((((col % 64) / 8) ^ (key % 8)) * 8);
 }
 
+// This thread's rows first_row and first_row + 8 of a tile whose queries start at q0 (qpt per
+// head, P = p.pack heads interleaved): query index in the sequence (-1: padding), head, and the
+// count of keys it sees (0 for padding).
+__device__ __forceinline__ void thread_rows(const Params& p, int first_row, int q0, int qpt, int hg, int q_len,
+                                            int k_len, int offset, int (&row_q)[2], int (&row_h)[2],
+                                            int (&vis_end)[2]) {
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+        const int r = first_row + 8 * i;
+        const int qi = q0 + r / p.pack;
+        const bool valid = r < qpt * p.pack && qi < q_len;
+        row_q[i] = valid ? qi : -1;
+        row_h[i] = hg * p.pack + r % p.pack;
+        vis_end[i] = !valid ? 0 : (p.causal ? max(0, min(k_len, offset + qi + 1)) : k_len);
+    }
+}
+
+// The smallest visible-key count of the warp's real rows (padding rows never need a mask: their
+// results are not stored).
+__device__ __forceinline__ int warp_visible_min(const int (&row_q)[2], const int (&vis_end)[2]) {
+    int vis_min = 0x7fffffff;
+#pragma unroll
+    for (int i = 0; i < 2; ++i)
+        if (row_q[i] >= 0) vis_min = min(vis_min, vis_end[i]);
+    return __reduce_min_sync(0xffffffffu, vis_min);
+}
+
+// The tile's M query rows -> sq ([M][Smem<D>::kStride]) by cp.async, zeros for rows that are not
+// a query; the caller commits the group.
+template <int D, int M, int kThreads, typename T>
+__device__ __forceinline__ void copy_q_tile(T* sq, const T* qp, const Params& p, int q0, int qpt, int hg, int q_len,
+                                            int64_t q_base, int tid) {
+    constexpr int kStride = Smem<D>::kStride;
+    constexpr int kChunksPerRow = D / 8;  // 16-byte chunks per row
+    for (int idx = tid; idx < M * kChunksPerRow; idx += kThreads) {
+        const int r = idx / kChunksPerRow;
+        const int ch = idx % kChunksPerRow;
+        const int qi = q0 + r / p.pack;
+        const bool valid = r < qpt * p.pack && qi < q_len;
+        const int h = hg * p.pack + r % p.pack;
+        const T* src = valid ? qp + (q_base + qi) * p.q_row + h * p.q_head + ch * 8 : qp;
+        cp_async16_zfill(sq + r * kStride + ch * 8, src, valid);
+    }
+}
+
 // The online softmax of one 128-key block for a warp's two rows (g and g + 8 of its 16; s[t][e]
 // is mma.sync's n8 tile t = 0..15): raw scores (keys at or past vis_end -inf where `masked`),
 // their block max by column scan (t = 0..15, e = 0..1) + quad butterfly scaled once to the log2
@@ -249,42 +294,19 @@ __device__ __forceinline__ void attn_tile(const Params& p) {
         blk_end = (tile_end + kBlockKeys - 1) / kBlockKeys;
     }
 
-    // This thread's two rows (g and g + 8 of its warp): visible key count (0 = padding row).
+    // This thread's two rows (g and g + 8 of its warp), and whether any real row of the warp sits
+    // in the upper half-tile.
     int vis_end[2];
     int row_q[2], row_h[2];
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-        const int r = warp * 16 + g + 8 * i;
-        const int qi = q0 + r / p.pack;
-        const bool valid = r < qpt * p.pack && qi < q_len;
-        row_q[i] = valid ? qi : -1;
-        row_h[i] = hg * p.pack + r % p.pack;
-        vis_end[i] = !valid ? 0 : (p.causal ? max(0, min(k_len, offset + qi + 1)) : k_len);
-    }
-
-    // Smallest visible-key count of the warp's real rows (padding rows never need a mask:
-    // their results are not stored), and whether any real row sits in the upper half-tile.
-    int vis_min = 0x7fffffff;
-#pragma unroll
-    for (int i = 0; i < 2; ++i)
-        if (row_q[i] >= 0) vis_min = min(vis_min, vis_end[i]);
-    const int warp_vis_min = __reduce_min_sync(0xffffffffu, vis_min);
+    thread_rows(p, warp * 16 + g, q0, qpt, hg, q_len, k_len, offset, row_q, row_h, vis_end);
+    const int warp_vis_min = warp_visible_min(row_q, vis_end);
     const bool hi_rows = __any_sync(0xffffffffu, row_q[1] >= 0);
 
     const T* qp = static_cast<const T*>(p.q);
     const T* kp = static_cast<const T*>(p.k);
     const T* vp = static_cast<const T*>(p.v);
 
-    // Q tile -> shared (zeros for rows that are not a query).
-    for (int idx = tid; idx < M * kChunksPerRow; idx += kThreads) {
-        const int r = idx / kChunksPerRow;
-        const int ch = idx % kChunksPerRow;
-        const int qi = q0 + r / p.pack;
-        const bool valid = r < qpt * p.pack && qi < q_len;
-        const int h = hg * p.pack + r % p.pack;
-        const T* src = valid ? qp + (q_base + qi) * p.q_row + h * p.q_head + ch * 8 : qp;
-        cp_async16_zfill(sq + r * kStride + ch * 8, src, valid);
-    }
+    copy_q_tile<D, M, kThreads>(sq, qp, p, q0, qpt, hg, q_len, q_base, tid);
     cp_async_commit();
 
     // One K or V block into its buffer (src: p.k or p.v), zeros for keys at or past k_len.
@@ -573,35 +595,15 @@ __device__ __forceinline__ void attn_split_coop(const Params& p, [[maybe_unused]
     // Every warp holds the tile's rows g and g + 8 (the same rows in every warp).
     int vis_end[2];
     int row_q[2], row_h[2];
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-        const int r = g + 8 * i;
-        const int qi = q0 + r / p.pack;
-        const bool valid = r < qpt * p.pack && qi < q_len;
-        row_q[i] = valid ? qi : -1;
-        row_h[i] = hg * p.pack + r % p.pack;
-        vis_end[i] = !valid ? 0 : (p.causal ? max(0, min(k_len, offset + qi + 1)) : k_len);
-    }
-    int vis_min = 0x7fffffff;
-#pragma unroll
-    for (int i = 0; i < 2; ++i)
-        if (row_q[i] >= 0) vis_min = min(vis_min, vis_end[i]);
-    const int warp_vis_min = __reduce_min_sync(0xffffffffu, vis_min);
+    thread_rows(p, g, q0, qpt, hg, q_len, k_len, offset, row_q, row_h, vis_end);
+    const int warp_vis_min = warp_visible_min(row_q, vis_end);
     const bool hi_rows = __any_sync(0xffffffffu, row_q[1] >= 0);
 
     const T* qp = static_cast<const T*>(p.q);
     const T* kp = static_cast<const T*>(p.k);
     const T* vp = static_cast<const T*>(p.v);
 
-    for (int idx = tid; idx < M * kChunksPerRow; idx += kThreads) {
-        const int r = idx / kChunksPerRow;
-        const int ch = idx % kChunksPerRow;
-        const int qi = q0 + r / p.pack;
-        const bool valid = r < qpt * p.pack && qi < q_len;
-        const int h = hg * p.pack + r % p.pack;
-        const T* src = valid ? qp + (q_base + qi) * p.q_row + h * p.q_head + ch * 8 : qp;
-        cp_async16_zfill(sq + r * kStride + ch * 8, src, valid);
-    }
+    copy_q_tile<D, M, kThreads>(sq, qp, p, q0, qpt, hg, q_len, q_base, tid);
     cp_async_commit();
 
     // Each thread copies the same 16-byte chunk column of rows r0, r0 + kRowStep, ... of a block.

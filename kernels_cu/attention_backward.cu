@@ -265,6 +265,33 @@ __device__ __forceinline__ void delta_kernel(const uint16_t* out, const uint16_t
 
 // ---- dK, dV ------------------------------------------------------------------------------------
 
+// The two score products of a step for this warp's 16 rows m0.. of the A tiles: x = A1 B1^T and
+// y = A2 B2^T over d in increasing k16 steps, accumulated into x and y (zero on entry); the B
+// tiles are stored [n][k], NT n8 tiles.  The dK/dV step computes S^T and dP^T (A = K, V;
+// B = Q, dO), the dQ step S and dP (A = Q, dO; B = K, V).
+template <typename Codec, int D, bool kLdmatrix, int NT>
+__device__ __forceinline__ void score_products(float (&x)[NT][4], float (&y)[NT][4], const uint16_t* a1,
+                                               const uint16_t* a2, const uint16_t* b1, const uint16_t* b2, int m0,
+                                               int lane) {
+    constexpr int S = D + kPad;
+#pragma unroll
+    for (int k0 = 0; k0 < D; k0 += 16) {
+        uint32_t a_1[4], a_2[4];
+        load_a<kLdmatrix, S>(a_1, a1, m0, k0, lane);
+        load_a<kLdmatrix, S>(a_2, a2, m0, k0, lane);
+#pragma unroll
+        for (int n = 0; n < NT; n += 2) {
+            uint32_t b[4];
+            load_b_nk<kLdmatrix, S>(b, b1, n * 8, k0, lane);
+            mma_m16n8k16<Codec>(x[n], a_1, b[0], b[1]);
+            mma_m16n8k16<Codec>(x[n + 1], a_1, b[2], b[3]);
+            load_b_nk<kLdmatrix, S>(b, b2, n * 8, k0, lane);
+            mma_m16n8k16<Codec>(y[n], a_2, b[0], b[1]);
+            mma_m16n8k16<Codec>(y[n + 1], a_2, b[2], b[3]);
+        }
+    }
+}
+
 // One step of the dK/dV kernel: this warp's 16 keys against kRows queries of one head.
 template <typename Codec, int D, bool kLdmatrix>
 __device__ __forceinline__ void dkdv_step(float (&acc_dk)[D / 8][4], float (&acc_dv)[D / 8][4], const uint16_t* s_k,
@@ -280,22 +307,7 @@ __device__ __forceinline__ void dkdv_step(float (&acc_dk)[D / 8][4], float (&acc
     // S^T = K Q^T and dP^T = V dO^T for this warp's 16 keys x kRows queries.
     float st[kRows / 8][4] = {};
     float dpt[kRows / 8][4] = {};
-#pragma unroll
-    for (int k0 = 0; k0 < D; k0 += 16) {
-        uint32_t a_k[4], a_v[4];
-        load_a<kLdmatrix, S>(a_k, s_k, m0, k0, lane);
-        load_a<kLdmatrix, S>(a_v, s_v, m0, k0, lane);
-#pragma unroll
-        for (int n = 0; n < kRows / 8; n += 2) {
-            uint32_t b[4];
-            load_b_nk<kLdmatrix, S>(b, s_q, n * 8, k0, lane);
-            mma_m16n8k16<Codec>(st[n], a_k, b[0], b[1]);
-            mma_m16n8k16<Codec>(st[n + 1], a_k, b[2], b[3]);
-            load_b_nk<kLdmatrix, S>(b, s_do, n * 8, k0, lane);
-            mma_m16n8k16<Codec>(dpt[n], a_v, b[0], b[1]);
-            mma_m16n8k16<Codec>(dpt[n + 1], a_v, b[2], b[3]);
-        }
-    }
+    score_products<Codec, D, kLdmatrix>(st, dpt, s_k, s_v, s_q, s_do, m0, lane);
     // P^T and dS^T in place.
 #pragma unroll
     for (int n = 0; n < kRows / 8; ++n) {
@@ -325,6 +337,31 @@ __device__ __forceinline__ void dkdv_step(float (&acc_dk)[D / 8][4], float (&acc
             mma_m16n8k16<Codec>(acc_dk[n + 1], a_ds, b[2], b[3]);
         }
     }
+}
+
+// The step loop of the dK/dV and dQ kernels: step s's tiles are staged into buffer s % 2 by
+// cp.async one step ahead (kAsync: the copy runs during the previous step) or into buffer 0 by
+// plain loads at the top of the step; body(step, buffer) runs between two barriers.
+template <bool kAsync, typename Stage, typename Body>
+__device__ __forceinline__ void staged_steps(int steps, const Stage& stage, const Body& body) {
+    if constexpr (kAsync) {
+        if (steps > 0) stage(0, 0);
+        cp_async_commit();
+    }
+    for (int step = 0; step < steps; ++step) {
+        const int buffer = kAsync ? (step & 1) : 0;
+        if constexpr (kAsync) {
+            if (step + 1 < steps) stage(step + 1, buffer ^ 1);  // prefetch during this step
+            cp_async_commit();
+            cp_async_wait<1>();  // everything but the prefetch has landed
+        } else {
+            stage(step, 0);
+        }
+        __syncthreads();
+        body(step, buffer);
+        __syncthreads();  // this buffer is restaged next (or in two steps)
+    }
+    if constexpr (kAsync) cp_async_wait<0>();
 }
 
 template <typename Codec, int D, bool kLdmatrix, bool kAsync>
@@ -383,27 +420,12 @@ __device__ __forceinline__ void dkdv_kernel(const uint16_t* q, const uint16_t* k
 
     float acc_dk[D / 8][4] = {};
     float acc_dv[D / 8][4] = {};
-    if constexpr (kAsync) {
-        if (steps > 0) stage(0, 0);
-        cp_async_commit();
-    }
-    for (int step = 0; step < steps; ++step) {
-        const int buffer = kAsync ? (step & 1) : 0;
-        if constexpr (kAsync) {
-            if (step + 1 < steps) stage(step + 1, buffer ^ 1);  // prefetch during this step
-            cp_async_commit();
-            cp_async_wait<1>();  // everything but the prefetch has landed
-        } else {
-            stage(step, 0);
-        }
-        __syncthreads();
+    staged_steps<kAsync>(steps, stage, [&](int step, int buffer) {
         const int i0 = (first_block + step % blocks_per_head) * kRows;
         dkdv_step<Codec, D, kLdmatrix>(acc_dk, acc_dv, s_k, s_v, s_q + buffer * kRows * S,
                                        s_do + buffer * kRows * S, s_lse + buffer * kRows,
                                        s_delta + buffer * kRows, key0, i0, k_len, offset, causal, scale);
-        __syncthreads();  // this buffer is restaged next (or in two steps)
-    }
-    if constexpr (kAsync) cp_async_wait<0>();
+    });
 
     const int lane = threadIdx.x % 32;
     const int m0 = (threadIdx.x / 32) * 16;
@@ -440,24 +462,10 @@ __device__ __forceinline__ void dq_step(float (&acc_dq)[D / 8][4], const uint16_
     const int m0 = (threadIdx.x / 32) * 16;  // this warp's 16 query rows within the block
     const int g = lane / 4, c = 2 * (lane % 4);
 
+    // S = Q K^T and dP = dO V^T for this warp's 16 queries x kKeyBlock keys.
     float s[kKeyBlock / 8][4] = {};
     float dp[kKeyBlock / 8][4] = {};
-#pragma unroll
-    for (int k0 = 0; k0 < D; k0 += 16) {
-        uint32_t a_q[4], a_do[4];
-        load_a<kLdmatrix, S>(a_q, s_q, m0, k0, lane);
-        load_a<kLdmatrix, S>(a_do, s_do, m0, k0, lane);
-#pragma unroll
-        for (int n = 0; n < kKeyBlock / 8; n += 2) {
-            uint32_t b[4];
-            load_b_nk<kLdmatrix, S>(b, s_k, n * 8, k0, lane);
-            mma_m16n8k16<Codec>(s[n], a_q, b[0], b[1]);
-            mma_m16n8k16<Codec>(s[n + 1], a_q, b[2], b[3]);
-            load_b_nk<kLdmatrix, S>(b, s_v, n * 8, k0, lane);
-            mma_m16n8k16<Codec>(dp[n], a_do, b[0], b[1]);
-            mma_m16n8k16<Codec>(dp[n + 1], a_do, b[2], b[3]);
-        }
-    }
+    score_products<Codec, D, kLdmatrix>(s, dp, s_q, s_do, s_k, s_v, m0, lane);
 #pragma unroll
     for (int n = 0; n < kKeyBlock / 8; ++n) {
 #pragma unroll
@@ -537,25 +545,10 @@ __device__ __forceinline__ void dq_kernel(const uint16_t* q, const uint16_t* k, 
     };
 
     float acc_dq[D / 8][4] = {};
-    if constexpr (kAsync) {
-        if (steps > 0) stage(0, 0);
-        cp_async_commit();
-    }
-    for (int step = 0; step < steps; ++step) {
-        const int buffer = kAsync ? (step & 1) : 0;
-        if constexpr (kAsync) {
-            if (step + 1 < steps) stage(step + 1, buffer ^ 1);  // prefetch during this step
-            cp_async_commit();
-            cp_async_wait<1>();
-        } else {
-            stage(step, 0);
-        }
-        __syncthreads();
+    staged_steps<kAsync>(steps, stage, [&](int step, int buffer) {
         dq_step<Codec, D, kLdmatrix>(acc_dq, s_q, s_do, s_k + buffer * kKeyBlock * S, s_v + buffer * kKeyBlock * S,
                                      s_lse, s_delta, step * kKeyBlock, i0, k_len, offset, causal, scale);
-        __syncthreads();  // this buffer is restaged next (or in two steps)
-    }
-    if constexpr (kAsync) cp_async_wait<0>();
+    });
 
     const int lane = threadIdx.x % 32;
     const int m0 = (threadIdx.x / 32) * 16;
@@ -1043,26 +1036,14 @@ __device__ __forceinline__ void dq_tiled_kernel(const uint16_t* q, const uint16_
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 
 // Rows [first_row, first_row + valid) of a [rows, heads, 128] tensor (base at the head's first
-// element) into a swizzled 64 x 128 tile: 16-byte chunk ch of row r at box ch / 8, chunk
-// (ch % 8) ^ (r % 8).  Thread t copies chunk t % 16 of rows t / 16 + 8 n (n = 0..7): its
-// swizzled column is the same for all eight.  Rows >= valid are zero-filled, never read.
+// element) into a swizzled 64 x 128 tile, by the 128 threads tid = 0..127 of one warpgroup:
+// 16-byte chunk ch of row r at box ch / 8, chunk (ch % 8) ^ (r % 8).  Thread tid copies chunk
+// tid % 16 of rows tid / 16 + 8 n (n = 0..7): its swizzled column is the same for all eight.
+// Rows >= valid are zero-filled, never read.  Tid: the caller's type (threadIdx.x's unsigned, or
+// int), kept because the index arithmetic, and so the kernel's code, differs between the two.
+template <typename Tid>
 __device__ __forceinline__ void wg_load_tile(uint8_t* tile, const uint16_t* base, int64_t row_stride, int first_row,
-                                             int valid) {
-    const int ch = threadIdx.x % 16;
-    const int r0 = threadIdx.x / 16;
-    const uint32_t dst = smem_address(tile + (ch / 8) * kWgBoxBytes + r0 * 128 + (((ch % 8) ^ r0) << 4));
-    const uint16_t* src = base + static_cast<int64_t>(first_row + r0) * row_stride + ch * 8;
-#pragma unroll
-    for (int n = 0; n < 8; ++n) {
-        const bool ok = r0 + 8 * n < valid;
-        cp_async16_zfill(dst + n * 8 * 128, ok ? src + n * 8 * row_stride : base, ok);
-    }
-}
-
-// The same copy by thread `tid` of one warpgroup of a larger CTA (the pair kernel).  A separate
-// copy rather than a parameter of the one above: an int parameter changes the dQ kernel's code.
-__device__ __forceinline__ void wg_load_tile_by(uint8_t* tile, const uint16_t* base, int64_t row_stride,
-                                                int first_row, int valid, int tid) {
+                                             int valid, Tid tid) {
     const int ch = tid % 16;
     const int r0 = tid / 16;
     const uint32_t dst = smem_address(tile + (ch / 8) * kWgBoxBytes + r0 * 128 + (((ch % 8) ^ r0) << 4));
@@ -1256,8 +1237,8 @@ __device__ __forceinline__ void dkdv_wgmma_pair_kernel(const uint16_t* q, const 
 
     // Keys past the sequence (all of warpgroup 1's when k_len <= key0) are zero-filled.
     const int key_rows = min(kWgKeys, k_len - key0);
-    wg_load_tile_by(s_k, k + kv_head * D, kv_stride, k_start + key0, key_rows, t);
-    wg_load_tile_by(s_v, v + kv_head * D, kv_stride, k_start + key0, key_rows, t);
+    wg_load_tile(s_k, k + kv_head * D, kv_stride, k_start + key0, key_rows, t);
+    wg_load_tile(s_v, v + kv_head * D, kv_stride, k_start + key0, key_rows, t);
 
     // The CTA walks warpgroup 0's steps (`_wide`'s walk for key cta_key0); this warpgroup's
     // own walk is the subsequence of steps whose block is >= its own first block.
@@ -1275,15 +1256,16 @@ __device__ __forceinline__ void dkdv_wgmma_pair_kernel(const uint16_t* q, const 
         const int i0 = block * kWgRows;
         const int rows = min(kWgRows, q_len - i0);
         if (threadIdx.x < kWgThreads) {
-            wg_load_tile_by(s_q + buffer * kWgTileBytes, q + head * D, q_stride, q_start + i0, rows, threadIdx.x);
+            wg_load_tile(s_q + buffer * kWgTileBytes, q + head * D, q_stride, q_start + i0, rows,
+                         static_cast<int>(threadIdx.x));
             const int r = threadIdx.x % kWgRows;
             const bool ok = r < rows;
             const float* src = threadIdx.x < kWgRows ? lse : delta;
             const int64_t at = static_cast<int64_t>(head) * total_q + q_start + i0 + r;
             cp_async4_zfill(smem_address(s_stats + buffer * 2 * kWgRows + threadIdx.x), ok ? src + at : src, ok);
         } else {
-            wg_load_tile_by(s_do + buffer * kWgTileBytes, dout + head * D, q_stride, q_start + i0, rows,
-                            threadIdx.x - kWgThreads);
+            wg_load_tile(s_do + buffer * kWgTileBytes, dout + head * D, q_stride, q_start + i0, rows,
+                         static_cast<int>(threadIdx.x - kWgThreads));
         }
     };
 
@@ -1461,8 +1443,8 @@ __device__ __forceinline__ void dq_wgmma_kernel(const uint16_t* q, const uint16_
     uint8_t* s_k = s_do + kWgTileBytes;      // 2 buffers
     uint8_t* s_v = s_k + 2 * kWgTileBytes;   // 2 buffers
 
-    wg_load_tile(s_q, q + head * D, q_stride, q_start + i0, rows);
-    wg_load_tile(s_do, dout + head * D, q_stride, q_start + i0, rows);
+    wg_load_tile(s_q, q + head * D, q_stride, q_start + i0, rows, threadIdx.x);
+    wg_load_tile(s_do, dout + head * D, q_stride, q_start + i0, rows, threadIdx.x);
 
     // `_tiled`'s key chunks: 32-key steps up to the last key its 128-row block can see.
     int chunks;
@@ -1481,8 +1463,8 @@ __device__ __forceinline__ void dq_wgmma_kernel(const uint16_t* q, const uint16_
     auto stage = [&](int block, int buffer) {
         const int key0 = block * kWgKeys;
         const int valid = min(kWgKeys, k_len - key0);
-        wg_load_tile(s_k + buffer * kWgTileBytes, k + kv_head * D, kv_stride, k_start + key0, valid);
-        wg_load_tile(s_v + buffer * kWgTileBytes, v + kv_head * D, kv_stride, k_start + key0, valid);
+        wg_load_tile(s_k + buffer * kWgTileBytes, k + kv_head * D, kv_stride, k_start + key0, valid, threadIdx.x);
+        wg_load_tile(s_v + buffer * kWgTileBytes, v + kv_head * D, kv_stride, k_start + key0, valid, threadIdx.x);
     };
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
