@@ -76,54 +76,10 @@
 #include "common/attention_rows.cuh"
 #include "common/grid_dependency.cuh"
 #include "common/hopper.cuh"
+#include "common/mma_sync.cuh"
 
 namespace batchinv {
 namespace attn {
-
-// ---- small PTX helpers ---------------------------------------------------------------------
-
-__device__ __forceinline__ uint32_t smem_addr(const void* p) {
-    return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-// 16 bytes global -> shared; src_bytes = 0 writes zeros and reads nothing.
-__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src),
-                 "r"(valid ? 16 : 0));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-    asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
-}
-
-__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* p) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(smem_addr(p)));
-}
-__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* p) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(smem_addr(p)));
-}
-
-template <typename Codec>
-__device__ __forceinline__ void mma16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-    if constexpr (Codec::kIsBf16) {
-        asm volatile(
-            "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
-            "{%8, %9}, {%0, %1, %2, %3};\n"
-            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-    } else {
-        asm volatile(
-            "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
-            "{%8, %9}, {%0, %1, %2, %3};\n"
-            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-    }
-}
 
 // ---- the tile kernel ----------------------------------------------------------------------
 
@@ -161,6 +117,51 @@ struct Smem {
 template <int D>
 __device__ __forceinline__ int kv_offset(int key, int col) {
     return (col / 64) * (kBlockKeys * 64) + key * 64 + ((((col % 64) / 8) ^ (key % 8)) * 8);
+}
+
+// This thread's rows first_row and first_row + 8 of a tile whose queries start at q0 (qpt per
+// head, P = p.pack heads interleaved): query index in the sequence (-1: padding), head, and the
+// count of keys it sees (0 for padding).
+__device__ __forceinline__ void thread_rows(const Params& p, int first_row, int q0, int qpt, int hg, int q_len,
+                                            int k_len, int offset, int (&row_q)[2], int (&row_h)[2],
+                                            int (&vis_end)[2]) {
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+        const int r = first_row + 8 * i;
+        const int qi = q0 + r / p.pack;
+        const bool valid = r < qpt * p.pack && qi < q_len;
+        row_q[i] = valid ? qi : -1;
+        row_h[i] = hg * p.pack + r % p.pack;
+        vis_end[i] = !valid ? 0 : (p.causal ? max(0, min(k_len, offset + qi + 1)) : k_len);
+    }
+}
+
+// The smallest visible-key count of the warp's real rows (padding rows never need a mask: their
+// results are not stored).
+__device__ __forceinline__ int warp_visible_min(const int (&row_q)[2], const int (&vis_end)[2]) {
+    int vis_min = 0x7fffffff;
+#pragma unroll
+    for (int i = 0; i < 2; ++i)
+        if (row_q[i] >= 0) vis_min = min(vis_min, vis_end[i]);
+    return __reduce_min_sync(0xffffffffu, vis_min);
+}
+
+// The tile's M query rows -> sq ([M][Smem<D>::kStride]) by cp.async, zeros for rows that are not
+// a query; the caller commits the group.
+template <int D, int M, int kThreads, typename T>
+__device__ __forceinline__ void copy_q_tile(T* sq, const T* qp, const Params& p, int q0, int qpt, int hg, int q_len,
+                                            int64_t q_base, int tid) {
+    constexpr int kStride = Smem<D>::kStride;
+    constexpr int kChunksPerRow = D / 8;  // 16-byte chunks per row
+    for (int idx = tid; idx < M * kChunksPerRow; idx += kThreads) {
+        const int r = idx / kChunksPerRow;
+        const int ch = idx % kChunksPerRow;
+        const int qi = q0 + r / p.pack;
+        const bool valid = r < qpt * p.pack && qi < q_len;
+        const int h = hg * p.pack + r % p.pack;
+        const T* src = valid ? qp + (q_base + qi) * p.q_row + h * p.q_head + ch * 8 : qp;
+        cp_async16_zfill(sq + r * kStride + ch * 8, src, valid);
+    }
 }
 
 // The online softmax of one 128-key block for a warp's two rows (g and g + 8 of its 16; s[t][e]
@@ -293,42 +294,19 @@ __device__ __forceinline__ void attn_tile(const Params& p) {
         blk_end = (tile_end + kBlockKeys - 1) / kBlockKeys;
     }
 
-    // This thread's two rows (g and g + 8 of its warp): visible key count (0 = padding row).
+    // This thread's two rows (g and g + 8 of its warp), and whether any real row of the warp sits
+    // in the upper half-tile.
     int vis_end[2];
     int row_q[2], row_h[2];
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-        const int r = warp * 16 + g + 8 * i;
-        const int qi = q0 + r / p.pack;
-        const bool valid = r < qpt * p.pack && qi < q_len;
-        row_q[i] = valid ? qi : -1;
-        row_h[i] = hg * p.pack + r % p.pack;
-        vis_end[i] = !valid ? 0 : (p.causal ? max(0, min(k_len, offset + qi + 1)) : k_len);
-    }
-
-    // Smallest visible-key count of the warp's real rows (padding rows never need a mask:
-    // their results are not stored), and whether any real row sits in the upper half-tile.
-    int vis_min = 0x7fffffff;
-#pragma unroll
-    for (int i = 0; i < 2; ++i)
-        if (row_q[i] >= 0) vis_min = min(vis_min, vis_end[i]);
-    const int warp_vis_min = __reduce_min_sync(0xffffffffu, vis_min);
+    thread_rows(p, warp * 16 + g, q0, qpt, hg, q_len, k_len, offset, row_q, row_h, vis_end);
+    const int warp_vis_min = warp_visible_min(row_q, vis_end);
     const bool hi_rows = __any_sync(0xffffffffu, row_q[1] >= 0);
 
     const T* qp = static_cast<const T*>(p.q);
     const T* kp = static_cast<const T*>(p.k);
     const T* vp = static_cast<const T*>(p.v);
 
-    // Q tile -> shared (zeros for rows that are not a query).
-    for (int idx = tid; idx < M * kChunksPerRow; idx += kThreads) {
-        const int r = idx / kChunksPerRow;
-        const int ch = idx % kChunksPerRow;
-        const int qi = q0 + r / p.pack;
-        const bool valid = r < qpt * p.pack && qi < q_len;
-        const int h = hg * p.pack + r % p.pack;
-        const T* src = valid ? qp + (q_base + qi) * p.q_row + h * p.q_head + ch * 8 : qp;
-        cp_async16(sq + r * kStride + ch * 8, src, valid);
-    }
+    copy_q_tile<D, M, kThreads>(sq, qp, p, q0, qpt, hg, q_len, q_base, tid);
     cp_async_commit();
 
     // One K or V block into its buffer (src: p.k or p.v), zeros for keys at or past k_len.
@@ -340,7 +318,7 @@ __device__ __forceinline__ void attn_tile(const Params& p) {
             const int j = blk * kBlockKeys + r;
             const bool valid = j < k_len;
             const T* from = valid ? src + (k_base + j) * row_stride + kvh * head_stride + ch * 8 : src;
-            cp_async16(dst + kv_offset<D>(r, ch * 8), from, valid);
+            cp_async16_zfill(dst + kv_offset<D>(r, ch * 8), from, valid);
         }
     };
     auto load_k = [&](int blk) { load_block(sk, kp, p.k_row, p.k_head, blk); };
@@ -393,8 +371,8 @@ __device__ __forceinline__ void attn_tile(const Params& p) {
             for (int tp = 0; tp < kScoreTiles / 2; ++tp) {
                 uint32_t bk[4];  // keys 16 tp + k_row, columns 16 ks + 8 k_half (kv_offset)
                 ldmatrix_x4(bk, sk + (ks / 4) * (kBlockKeys * 64) + tp * 16 * 64 + k_lane[ks % 4]);
-                mma16816<Codec>(s[2 * tp], qf, bk[0], bk[1]);
-                mma16816<Codec>(s[2 * tp + 1], qf, bk[2], bk[3]);
+                mma_m16n8k16<Codec>(s[2 * tp], qf, bk[0], bk[1]);
+                mma_m16n8k16<Codec>(s[2 * tp + 1], qf, bk[2], bk[3]);
             }
         }
         __syncthreads();  // every warp has read K_blk: the next block's K may overwrite it
@@ -443,8 +421,8 @@ __device__ __forceinline__ void attn_tile(const Params& p) {
             for (int dp = 0; dp < NT / 2; ++dp) {
                 uint32_t bv[4];  // keys 16 kk + v_row, columns 16 dp + 8 v_half (kv_offset)
                 ldmatrix_x4_trans(bv, sv + (dp / 4) * (kBlockKeys * 64) + kk * 16 * 64 + v_lane[dp % 4]);
-                mma16816<Codec>(acc[2 * dp], pa[kk], bv[0], bv[1]);
-                mma16816<Codec>(acc[2 * dp + 1], pa[kk], bv[2], bv[3]);
+                mma_m16n8k16<Codec>(acc[2 * dp], pa[kk], bv[0], bv[1]);
+                mma_m16n8k16<Codec>(acc[2 * dp + 1], pa[kk], bv[2], bv[3]);
             }
         }
         if (any_empty) {
@@ -566,7 +544,7 @@ __device__ __forceinline__ void attn_split_coop(const Params& p, [[maybe_unused]
     extern __shared__ __align__(16) unsigned char smem_raw[];
     // TMA: the swizzled boxes need 1024-byte alignment (the host adds 1024 bytes).
     unsigned char* smem_base =
-        TMA ? smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023) : smem_raw;
+        TMA ? smem_raw + ((1024 - (smem_address(smem_raw) & 1023)) & 1023) : smem_raw;
     T* sk = reinterpret_cast<T*>(smem_base);  // [kStages][kTile]
     T* sv = sk + kStages * kTile;             // [kStages][kTile]
     // Q [16][kStride], then (once every warp holds Q in registers) S [16][kSStride] fp32:
@@ -617,35 +595,15 @@ __device__ __forceinline__ void attn_split_coop(const Params& p, [[maybe_unused]
     // Every warp holds the tile's rows g and g + 8 (the same rows in every warp).
     int vis_end[2];
     int row_q[2], row_h[2];
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-        const int r = g + 8 * i;
-        const int qi = q0 + r / p.pack;
-        const bool valid = r < qpt * p.pack && qi < q_len;
-        row_q[i] = valid ? qi : -1;
-        row_h[i] = hg * p.pack + r % p.pack;
-        vis_end[i] = !valid ? 0 : (p.causal ? max(0, min(k_len, offset + qi + 1)) : k_len);
-    }
-    int vis_min = 0x7fffffff;
-#pragma unroll
-    for (int i = 0; i < 2; ++i)
-        if (row_q[i] >= 0) vis_min = min(vis_min, vis_end[i]);
-    const int warp_vis_min = __reduce_min_sync(0xffffffffu, vis_min);
+    thread_rows(p, g, q0, qpt, hg, q_len, k_len, offset, row_q, row_h, vis_end);
+    const int warp_vis_min = warp_visible_min(row_q, vis_end);
     const bool hi_rows = __any_sync(0xffffffffu, row_q[1] >= 0);
 
     const T* qp = static_cast<const T*>(p.q);
     const T* kp = static_cast<const T*>(p.k);
     const T* vp = static_cast<const T*>(p.v);
 
-    for (int idx = tid; idx < M * kChunksPerRow; idx += kThreads) {
-        const int r = idx / kChunksPerRow;
-        const int ch = idx % kChunksPerRow;
-        const int qi = q0 + r / p.pack;
-        const bool valid = r < qpt * p.pack && qi < q_len;
-        const int h = hg * p.pack + r % p.pack;
-        const T* src = valid ? qp + (q_base + qi) * p.q_row + h * p.q_head + ch * 8 : qp;
-        cp_async16(sq + r * kStride + ch * 8, src, valid);
-    }
+    copy_q_tile<D, M, kThreads>(sq, qp, p, q0, qpt, hg, q_len, q_base, tid);
     cp_async_commit();
 
     // Each thread copies the same 16-byte chunk column of rows r0, r0 + kRowStep, ... of a block.
@@ -667,7 +625,7 @@ __device__ __forceinline__ void attn_split_coop(const Params& p, [[maybe_unused]
         if (tid == 0) {
             // The stage's last readers passed a __syncthreads before this point; order their
             // generic reads (and any zero stores) before the async proxy's writes.
-            asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+            hopper::fence_proxy_async_shared();
             const int keys = k_len - blk * kBlockKeys;  // > 0: the block holds a visible key
             const int boxes = min(kBoxes, (keys + kBoxRows - 1) / kBoxRows);
             hopper::barrier_expect_bytes(&full[stage], 2u * boxes * kBoxRows * D * sizeof(T));
@@ -713,8 +671,8 @@ __device__ __forceinline__ void attn_split_coop(const Params& p, [[maybe_unused]
             const bool valid = j0 + r < k_len;
             const T* srck = valid ? k_thread + static_cast<int64_t>(j0 + r) * p.k_row : kp;
             const T* srcv = valid ? v_thread + static_cast<int64_t>(j0 + r) * p.v_row : vp;
-            cp_async16(dk + kv_offset<D>(r0 + r, ch0), srck, valid);
-            cp_async16(dv + kv_offset<D>(r0 + r, ch0), srcv, valid);
+            cp_async16_zfill(dk + kv_offset<D>(r0 + r, ch0), srck, valid);
+            cp_async16_zfill(dv + kv_offset<D>(r0 + r, ch0), srcv, valid);
         }
     };
 
@@ -771,8 +729,8 @@ __device__ __forceinline__ void attn_split_coop(const Params& p, [[maybe_unused]
                 const int key = tp * 16 + (lane % 8) + 8 * (lane / 16);
                 const int col = ks * 16 + 8 * ((lane / 8) % 2);
                 ldmatrix_x4(bk, tk + kv_offset<D>(key, col));
-                mma16816<Codec>(s2[0], qf[ks], bk[0], bk[1]);
-                mma16816<Codec>(s2[1], qf[ks], bk[2], bk[3]);
+                mma_m16n8k16<Codec>(s2[0], qf[ks], bk[0], bk[1]);
+                mma_m16n8k16<Codec>(s2[1], qf[ks], bk[2], bk[3]);
             }
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
@@ -830,8 +788,8 @@ __device__ __forceinline__ void attn_split_coop(const Params& p, [[maybe_unused]
                 const int key = kk * 16 + (lane % 8) + 8 * ((lane / 8) % 2);
                 const int col = (warp * kOutTiles / 2 + dp) * 16 + 8 * (lane / 16);
                 ldmatrix_x4_trans(bv, tv + kv_offset<D>(key, col));
-                mma16816<Codec>(acc[2 * dp], pa[kk], bv[0], bv[1]);
-                mma16816<Codec>(acc[2 * dp + 1], pa[kk], bv[2], bv[3]);
+                mma_m16n8k16<Codec>(acc[2 * dp], pa[kk], bv[0], bv[1]);
+                mma_m16n8k16<Codec>(acc[2 * dp + 1], pa[kk], bv[2], bv[3]);
             }
         }
         if (any_empty) {

@@ -58,6 +58,7 @@
 // them in, which no result depends on).  Shared-memory fragment loads use ldmatrix or plain
 // loads (kLdmatrix); both give the mma the same operand bits, so the same results.
 #include "common/hopper.cuh"
+#include "common/mma_sync.cuh"
 #include "common/portability.cuh"
 #include "common/wgmma.cuh"
 
@@ -127,49 +128,9 @@ __device__ __forceinline__ uint32_t pack_floats(float lo, float hi) {
     return pack(store_bits<Codec>(lo), store_bits<Codec>(hi));
 }
 
-// ---- mma.sync m16n8k16, fp32 accumulation ----------------------------------------------
-//
-// Fragments (g = lane / 4, c = 2 * (lane % 4)):
-//   A 16x16 row-major: a0 (g, c..c+1), a1 (g+8, c..), a2 (g, c+8..), a3 (g+8, c+8..)
-//   B 16x8 (k x n):    b0 (k = c..c+1, n = g), b1 (k = c+8..c+9, n = g)
-//   C 16x8:            c0, c1 (g, c..c+1), c2, c3 (g+8, c..c+1)
-
-template <typename Codec>
-__device__ __forceinline__ void mma(float (&acc)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-    if constexpr (Codec::kIsBf16) {
-        asm volatile(
-            "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
-            "{%8, %9}, {%0, %1, %2, %3};"
-            : "+f"(acc[0]), "+f"(acc[1]), "+f"(acc[2]), "+f"(acc[3])
-            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-    } else {
-        asm volatile(
-            "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
-            "{%8, %9}, {%0, %1, %2, %3};"
-            : "+f"(acc[0]), "+f"(acc[1]), "+f"(acc[2]), "+f"(acc[3])
-            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-    }
-}
-
 // ---- fragment loads from shared memory (row stride S elements) -----------------------------
 
 __device__ __forceinline__ uint32_t lds32(const uint16_t* p) { return *reinterpret_cast<const uint32_t*>(p); }
-
-__device__ __forceinline__ uint32_t shared_address(const void* p) {
-    return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const uint16_t* row) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(shared_address(row)));
-}
-
-__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const uint16_t* row) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(shared_address(row)));
-}
 
 // A operand, rows m0..m0+15 and columns k0..k0+15 of a row-major [m][k] tile.
 template <bool kLdmatrix, int S>
@@ -230,15 +191,6 @@ __device__ __forceinline__ void a_from_acc(uint32_t (&a)[4], const float (&lo)[4
 }
 
 // ---- global -> shared ---------------------------------------------------------------------
-
-__device__ __forceinline__ void cp_async16(uint16_t* dst, const uint16_t* src) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(shared_address(dst)), "l"(src));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-    asm volatile("cp.async.wait_group %0;" ::"n"(N));
-}
 
 // Rows [first_row, first_row + valid) of a [rows, heads, D] tensor (base points at the head's
 // first element, row_stride = heads * D) into a Rows x (D + kPad) tile; slots of rows >= valid
@@ -313,6 +265,33 @@ __device__ __forceinline__ void delta_kernel(const uint16_t* out, const uint16_t
 
 // ---- dK, dV ------------------------------------------------------------------------------------
 
+// The two score products of a step for this warp's 16 rows m0.. of the A tiles: x = A1 B1^T and
+// y = A2 B2^T over d in increasing k16 steps, accumulated into x and y (zero on entry); the B
+// tiles are stored [n][k], NT n8 tiles.  The dK/dV step computes S^T and dP^T (A = K, V;
+// B = Q, dO), the dQ step S and dP (A = Q, dO; B = K, V).
+template <typename Codec, int D, bool kLdmatrix, int NT>
+__device__ __forceinline__ void score_products(float (&x)[NT][4], float (&y)[NT][4], const uint16_t* a1,
+                                               const uint16_t* a2, const uint16_t* b1, const uint16_t* b2, int m0,
+                                               int lane) {
+    constexpr int S = D + kPad;
+#pragma unroll
+    for (int k0 = 0; k0 < D; k0 += 16) {
+        uint32_t a_1[4], a_2[4];
+        load_a<kLdmatrix, S>(a_1, a1, m0, k0, lane);
+        load_a<kLdmatrix, S>(a_2, a2, m0, k0, lane);
+#pragma unroll
+        for (int n = 0; n < NT; n += 2) {
+            uint32_t b[4];
+            load_b_nk<kLdmatrix, S>(b, b1, n * 8, k0, lane);
+            mma_m16n8k16<Codec>(x[n], a_1, b[0], b[1]);
+            mma_m16n8k16<Codec>(x[n + 1], a_1, b[2], b[3]);
+            load_b_nk<kLdmatrix, S>(b, b2, n * 8, k0, lane);
+            mma_m16n8k16<Codec>(y[n], a_2, b[0], b[1]);
+            mma_m16n8k16<Codec>(y[n + 1], a_2, b[2], b[3]);
+        }
+    }
+}
+
 // One step of the dK/dV kernel: this warp's 16 keys against kRows queries of one head.
 template <typename Codec, int D, bool kLdmatrix>
 __device__ __forceinline__ void dkdv_step(float (&acc_dk)[D / 8][4], float (&acc_dv)[D / 8][4], const uint16_t* s_k,
@@ -328,22 +307,7 @@ __device__ __forceinline__ void dkdv_step(float (&acc_dk)[D / 8][4], float (&acc
     // S^T = K Q^T and dP^T = V dO^T for this warp's 16 keys x kRows queries.
     float st[kRows / 8][4] = {};
     float dpt[kRows / 8][4] = {};
-#pragma unroll
-    for (int k0 = 0; k0 < D; k0 += 16) {
-        uint32_t a_k[4], a_v[4];
-        load_a<kLdmatrix, S>(a_k, s_k, m0, k0, lane);
-        load_a<kLdmatrix, S>(a_v, s_v, m0, k0, lane);
-#pragma unroll
-        for (int n = 0; n < kRows / 8; n += 2) {
-            uint32_t b[4];
-            load_b_nk<kLdmatrix, S>(b, s_q, n * 8, k0, lane);
-            mma<Codec>(st[n], a_k, b[0], b[1]);
-            mma<Codec>(st[n + 1], a_k, b[2], b[3]);
-            load_b_nk<kLdmatrix, S>(b, s_do, n * 8, k0, lane);
-            mma<Codec>(dpt[n], a_v, b[0], b[1]);
-            mma<Codec>(dpt[n + 1], a_v, b[2], b[3]);
-        }
-    }
+    score_products<Codec, D, kLdmatrix>(st, dpt, s_k, s_v, s_q, s_do, m0, lane);
     // P^T and dS^T in place.
 #pragma unroll
     for (int n = 0; n < kRows / 8; ++n) {
@@ -366,13 +330,38 @@ __device__ __forceinline__ void dkdv_step(float (&acc_dk)[D / 8][4], float (&acc
         for (int n = 0; n < D / 8; n += 2) {
             uint32_t b[4];
             load_b_kn<kLdmatrix, S>(b, s_do, n * 8, t * 16, lane);
-            mma<Codec>(acc_dv[n], a_p, b[0], b[1]);
-            mma<Codec>(acc_dv[n + 1], a_p, b[2], b[3]);
+            mma_m16n8k16<Codec>(acc_dv[n], a_p, b[0], b[1]);
+            mma_m16n8k16<Codec>(acc_dv[n + 1], a_p, b[2], b[3]);
             load_b_kn<kLdmatrix, S>(b, s_q, n * 8, t * 16, lane);
-            mma<Codec>(acc_dk[n], a_ds, b[0], b[1]);
-            mma<Codec>(acc_dk[n + 1], a_ds, b[2], b[3]);
+            mma_m16n8k16<Codec>(acc_dk[n], a_ds, b[0], b[1]);
+            mma_m16n8k16<Codec>(acc_dk[n + 1], a_ds, b[2], b[3]);
         }
     }
+}
+
+// The step loop of the dK/dV and dQ kernels: step s's tiles are staged into buffer s % 2 by
+// cp.async one step ahead (kAsync: the copy runs during the previous step) or into buffer 0 by
+// plain loads at the top of the step; body(step, buffer) runs between two barriers.
+template <bool kAsync, typename Stage, typename Body>
+__device__ __forceinline__ void staged_steps(int steps, const Stage& stage, const Body& body) {
+    if constexpr (kAsync) {
+        if (steps > 0) stage(0, 0);
+        cp_async_commit();
+    }
+    for (int step = 0; step < steps; ++step) {
+        const int buffer = kAsync ? (step & 1) : 0;
+        if constexpr (kAsync) {
+            if (step + 1 < steps) stage(step + 1, buffer ^ 1);  // prefetch during this step
+            cp_async_commit();
+            cp_async_wait<1>();  // everything but the prefetch has landed
+        } else {
+            stage(step, 0);
+        }
+        __syncthreads();
+        body(step, buffer);
+        __syncthreads();  // this buffer is restaged next (or in two steps)
+    }
+    if constexpr (kAsync) cp_async_wait<0>();
 }
 
 template <typename Codec, int D, bool kLdmatrix, bool kAsync>
@@ -431,27 +420,12 @@ __device__ __forceinline__ void dkdv_kernel(const uint16_t* q, const uint16_t* k
 
     float acc_dk[D / 8][4] = {};
     float acc_dv[D / 8][4] = {};
-    if constexpr (kAsync) {
-        if (steps > 0) stage(0, 0);
-        cp_async_commit();
-    }
-    for (int step = 0; step < steps; ++step) {
-        const int buffer = kAsync ? (step & 1) : 0;
-        if constexpr (kAsync) {
-            if (step + 1 < steps) stage(step + 1, buffer ^ 1);  // prefetch during this step
-            cp_async_commit();
-            cp_async_wait<1>();  // everything but the prefetch has landed
-        } else {
-            stage(step, 0);
-        }
-        __syncthreads();
+    staged_steps<kAsync>(steps, stage, [&](int step, int buffer) {
         const int i0 = (first_block + step % blocks_per_head) * kRows;
         dkdv_step<Codec, D, kLdmatrix>(acc_dk, acc_dv, s_k, s_v, s_q + buffer * kRows * S,
                                        s_do + buffer * kRows * S, s_lse + buffer * kRows,
                                        s_delta + buffer * kRows, key0, i0, k_len, offset, causal, scale);
-        __syncthreads();  // this buffer is restaged next (or in two steps)
-    }
-    if constexpr (kAsync) cp_async_wait<0>();
+    });
 
     const int lane = threadIdx.x % 32;
     const int m0 = (threadIdx.x / 32) * 16;
@@ -488,24 +462,10 @@ __device__ __forceinline__ void dq_step(float (&acc_dq)[D / 8][4], const uint16_
     const int m0 = (threadIdx.x / 32) * 16;  // this warp's 16 query rows within the block
     const int g = lane / 4, c = 2 * (lane % 4);
 
+    // S = Q K^T and dP = dO V^T for this warp's 16 queries x kKeyBlock keys.
     float s[kKeyBlock / 8][4] = {};
     float dp[kKeyBlock / 8][4] = {};
-#pragma unroll
-    for (int k0 = 0; k0 < D; k0 += 16) {
-        uint32_t a_q[4], a_do[4];
-        load_a<kLdmatrix, S>(a_q, s_q, m0, k0, lane);
-        load_a<kLdmatrix, S>(a_do, s_do, m0, k0, lane);
-#pragma unroll
-        for (int n = 0; n < kKeyBlock / 8; n += 2) {
-            uint32_t b[4];
-            load_b_nk<kLdmatrix, S>(b, s_k, n * 8, k0, lane);
-            mma<Codec>(s[n], a_q, b[0], b[1]);
-            mma<Codec>(s[n + 1], a_q, b[2], b[3]);
-            load_b_nk<kLdmatrix, S>(b, s_v, n * 8, k0, lane);
-            mma<Codec>(dp[n], a_do, b[0], b[1]);
-            mma<Codec>(dp[n + 1], a_do, b[2], b[3]);
-        }
-    }
+    score_products<Codec, D, kLdmatrix>(s, dp, s_q, s_do, s_k, s_v, m0, lane);
 #pragma unroll
     for (int n = 0; n < kKeyBlock / 8; ++n) {
 #pragma unroll
@@ -526,8 +486,8 @@ __device__ __forceinline__ void dq_step(float (&acc_dq)[D / 8][4], const uint16_
         for (int n = 0; n < D / 8; n += 2) {
             uint32_t b[4];
             load_b_kn<kLdmatrix, S>(b, s_k, n * 8, t * 16, lane);
-            mma<Codec>(acc_dq[n], a_ds, b[0], b[1]);
-            mma<Codec>(acc_dq[n + 1], a_ds, b[2], b[3]);
+            mma_m16n8k16<Codec>(acc_dq[n], a_ds, b[0], b[1]);
+            mma_m16n8k16<Codec>(acc_dq[n + 1], a_ds, b[2], b[3]);
         }
     }
 }
@@ -585,25 +545,10 @@ __device__ __forceinline__ void dq_kernel(const uint16_t* q, const uint16_t* k, 
     };
 
     float acc_dq[D / 8][4] = {};
-    if constexpr (kAsync) {
-        if (steps > 0) stage(0, 0);
-        cp_async_commit();
-    }
-    for (int step = 0; step < steps; ++step) {
-        const int buffer = kAsync ? (step & 1) : 0;
-        if constexpr (kAsync) {
-            if (step + 1 < steps) stage(step + 1, buffer ^ 1);  // prefetch during this step
-            cp_async_commit();
-            cp_async_wait<1>();
-        } else {
-            stage(step, 0);
-        }
-        __syncthreads();
+    staged_steps<kAsync>(steps, stage, [&](int step, int buffer) {
         dq_step<Codec, D, kLdmatrix>(acc_dq, s_q, s_do, s_k + buffer * kKeyBlock * S, s_v + buffer * kKeyBlock * S,
                                      s_lse, s_delta, step * kKeyBlock, i0, k_len, offset, causal, scale);
-        __syncthreads();  // this buffer is restaged next (or in two steps)
-    }
-    if constexpr (kAsync) cp_async_wait<0>();
+    });
 
     const int lane = threadIdx.x % 32;
     const int m0 = (threadIdx.x / 32) * 16;
@@ -719,14 +664,14 @@ __device__ __forceinline__ void dkdv_tiled_scores(uint16_t* s_pt, uint16_t* s_ds
             load_b_nk<true, S>(b, s_q, q_base + 16 * np, k0, lane);
 #pragma unroll
             for (int mi = 0; mi < kMt; ++mi) {
-                mma<Codec>(st[mi][2 * np], a_k[mi], b[0], b[1]);
-                mma<Codec>(st[mi][2 * np + 1], a_k[mi], b[2], b[3]);
+                mma_m16n8k16<Codec>(st[mi][2 * np], a_k[mi], b[0], b[1]);
+                mma_m16n8k16<Codec>(st[mi][2 * np + 1], a_k[mi], b[2], b[3]);
             }
             load_b_nk<true, S>(b, s_do, q_base + 16 * np, k0, lane);
 #pragma unroll
             for (int mi = 0; mi < kMt; ++mi) {
-                mma<Codec>(dpt[mi][2 * np], a_v[mi], b[0], b[1]);
-                mma<Codec>(dpt[mi][2 * np + 1], a_v[mi], b[2], b[3]);
+                mma_m16n8k16<Codec>(dpt[mi][2 * np], a_v[mi], b[0], b[1]);
+                mma_m16n8k16<Codec>(dpt[mi][2 * np + 1], a_v[mi], b[2], b[3]);
             }
         }
     }
@@ -783,14 +728,14 @@ __device__ __forceinline__ void dkdv_tiled_accumulate(float (&acc_dk)[Shape::kMt
             load_b_kn<true, S>(b, s_do, d_base + 16 * np, 16 * t, lane);
 #pragma unroll
             for (int mi = 0; mi < kMt; ++mi) {
-                mma<Codec>(acc_dv[mi][2 * np], a_p[mi], b[0], b[1]);
-                mma<Codec>(acc_dv[mi][2 * np + 1], a_p[mi], b[2], b[3]);
+                mma_m16n8k16<Codec>(acc_dv[mi][2 * np], a_p[mi], b[0], b[1]);
+                mma_m16n8k16<Codec>(acc_dv[mi][2 * np + 1], a_p[mi], b[2], b[3]);
             }
             load_b_kn<true, S>(b, s_q, d_base + 16 * np, 16 * t, lane);
 #pragma unroll
             for (int mi = 0; mi < kMt; ++mi) {
-                mma<Codec>(acc_dk[mi][2 * np], a_ds[mi], b[0], b[1]);
-                mma<Codec>(acc_dk[mi][2 * np + 1], a_ds[mi], b[2], b[3]);
+                mma_m16n8k16<Codec>(acc_dk[mi][2 * np], a_ds[mi], b[0], b[1]);
+                mma_m16n8k16<Codec>(acc_dk[mi][2 * np + 1], a_ds[mi], b[2], b[3]);
             }
         }
     }
@@ -940,8 +885,8 @@ __device__ __forceinline__ void dq_tiled_step(float (&acc_dq)[2][D / 8][4], cons
             load_b_nk<true, S>(b, s_k, 16 * np, k0, lane);
 #pragma unroll
             for (int mi = 0; mi < 2; ++mi) {
-                mma<Codec>(s[mi][2 * np], a[mi], b[0], b[1]);
-                mma<Codec>(s[mi][2 * np + 1], a[mi], b[2], b[3]);
+                mma_m16n8k16<Codec>(s[mi][2 * np], a[mi], b[0], b[1]);
+                mma_m16n8k16<Codec>(s[mi][2 * np + 1], a[mi], b[2], b[3]);
             }
         }
 #pragma unroll
@@ -952,8 +897,8 @@ __device__ __forceinline__ void dq_tiled_step(float (&acc_dq)[2][D / 8][4], cons
             load_b_nk<true, S>(b, s_v, 16 * np, k0, lane);
 #pragma unroll
             for (int mi = 0; mi < 2; ++mi) {
-                mma<Codec>(dp[mi][2 * np], a[mi], b[0], b[1]);
-                mma<Codec>(dp[mi][2 * np + 1], a[mi], b[2], b[3]);
+                mma_m16n8k16<Codec>(dp[mi][2 * np], a[mi], b[0], b[1]);
+                mma_m16n8k16<Codec>(dp[mi][2 * np + 1], a[mi], b[2], b[3]);
             }
         }
     }
@@ -986,8 +931,8 @@ __device__ __forceinline__ void dq_tiled_step(float (&acc_dq)[2][D / 8][4], cons
             load_b_kn<true, S>(b, s_k, 16 * np, 16 * t, lane);
 #pragma unroll
             for (int mi = 0; mi < 2; ++mi) {
-                mma<Codec>(acc_dq[mi][2 * np], a_ds[mi], b[0], b[1]);
-                mma<Codec>(acc_dq[mi][2 * np + 1], a_ds[mi], b[2], b[3]);
+                mma_m16n8k16<Codec>(acc_dq[mi][2 * np], a_ds[mi], b[0], b[1]);
+                mma_m16n8k16<Codec>(acc_dq[mi][2 * np + 1], a_ds[mi], b[2], b[3]);
             }
         }
     }
@@ -1090,41 +1035,18 @@ __device__ __forceinline__ void dq_tiled_kernel(const uint16_t* q, const uint16_
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 
-__device__ __forceinline__ void cp_async16_zfill(uint32_t dst, const void* src, bool valid) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0));
-}
-__device__ __forceinline__ void cp_async4_zfill(uint32_t dst, const void* src, bool valid) {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(dst), "l"(src), "r"(valid ? 4 : 0));
-}
-__device__ __forceinline__ void fence_proxy_async_shared() {
-    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-}
-
 // Rows [first_row, first_row + valid) of a [rows, heads, 128] tensor (base at the head's first
-// element) into a swizzled 64 x 128 tile: 16-byte chunk ch of row r at box ch / 8, chunk
-// (ch % 8) ^ (r % 8).  Thread t copies chunk t % 16 of rows t / 16 + 8 n (n = 0..7): its
-// swizzled column is the same for all eight.  Rows >= valid are zero-filled, never read.
+// element) into a swizzled 64 x 128 tile, by the 128 threads tid = 0..127 of one warpgroup:
+// 16-byte chunk ch of row r at box ch / 8, chunk (ch % 8) ^ (r % 8).  Thread tid copies chunk
+// tid % 16 of rows tid / 16 + 8 n (n = 0..7): its swizzled column is the same for all eight.
+// Rows >= valid are zero-filled, never read.  Tid: the caller's type (threadIdx.x's unsigned, or
+// int), kept because the index arithmetic, and so the kernel's code, differs between the two.
+template <typename Tid>
 __device__ __forceinline__ void wg_load_tile(uint8_t* tile, const uint16_t* base, int64_t row_stride, int first_row,
-                                             int valid) {
-    const int ch = threadIdx.x % 16;
-    const int r0 = threadIdx.x / 16;
-    const uint32_t dst = shared_address(tile + (ch / 8) * kWgBoxBytes + r0 * 128 + (((ch % 8) ^ r0) << 4));
-    const uint16_t* src = base + static_cast<int64_t>(first_row + r0) * row_stride + ch * 8;
-#pragma unroll
-    for (int n = 0; n < 8; ++n) {
-        const bool ok = r0 + 8 * n < valid;
-        cp_async16_zfill(dst + n * 8 * 128, ok ? src + n * 8 * row_stride : base, ok);
-    }
-}
-
-// The same copy by thread `tid` of one warpgroup of a larger CTA (the pair kernel).  A separate
-// copy rather than a parameter of the one above: that changed the code of the one-warpgroup
-// kernels (the dQ kernel and the one-warpgroup dK/dV kernel of the time).
-__device__ __forceinline__ void wg_load_tile_by(uint8_t* tile, const uint16_t* base, int64_t row_stride,
-                                                int first_row, int valid, int tid) {
+                                             int valid, Tid tid) {
     const int ch = tid % 16;
     const int r0 = tid / 16;
-    const uint32_t dst = shared_address(tile + (ch / 8) * kWgBoxBytes + r0 * 128 + (((ch % 8) ^ r0) << 4));
+    const uint32_t dst = smem_address(tile + (ch / 8) * kWgBoxBytes + r0 * 128 + (((ch % 8) ^ r0) << 4));
     const uint16_t* src = base + static_cast<int64_t>(first_row + r0) * row_stride + ch * 8;
 #pragma unroll
     for (int n = 0; n < 8; ++n) {
@@ -1136,7 +1058,7 @@ __device__ __forceinline__ void wg_load_tile_by(uint8_t* tile, const uint16_t* b
 // N-major B operand descriptor (dO / Q as the B of dV / dK: k = query rows, n = d): the two
 // 64-column boxes kWgBoxBytes apart (leading byte offset), 8-row groups 1024 bytes apart.
 __device__ __forceinline__ uint64_t wg_desc_nmajor(const void* tile) {
-    uint64_t desc = (shared_address(tile) & 0x3FFFF) >> 4;
+    uint64_t desc = (smem_address(tile) & 0x3FFFF) >> 4;
     desc |= static_cast<uint64_t>(kWgBoxBytes >> 4) << 16;
     desc |= static_cast<uint64_t>(1024 >> 4) << 32;
     desc |= 1ull << 62;
@@ -1146,21 +1068,6 @@ __device__ __forceinline__ uint64_t wg_desc_nmajor(const void* tile) {
 using hopper::fence_operands;  // register fences around wgmma (common/hopper.cuh)
 using hopper::fence_registers;
 
-template <typename Codec>
-__device__ __forceinline__ void wg_mma_scores(float (&d)[32], uint64_t desc_a, uint64_t desc_b) {
-    if constexpr (Codec::kIsBf16)
-        wgmma::mma_m64n64k16_bf16(d, desc_a, desc_b);
-    else
-        wgmma::mma_m64n64k16_f16(d, desc_a, desc_b);
-}
-
-template <typename Codec>
-__device__ __forceinline__ void wg_mma_grads(float (&d)[64], const uint32_t (&a)[4], uint64_t desc_b) {
-    if constexpr (Codec::kIsBf16)
-        wgmma::mma_rs_m64n128k16_bf16(d, a, desc_b);
-    else
-        wgmma::mma_rs_m64n128k16_f16(d, a, desc_b);
-}
 
 
 // ---- What the wgmma kernels (pair dK/dV, dQ) do the same way (one copy, so that the two cannot
@@ -1170,14 +1077,14 @@ __device__ __forceinline__ void wg_mma_grads(float (&d)[64], const uint32_t (&a)
 // tiles must start.  The caller adds it to the array itself, so that the compiler keeps knowing
 // these are shared-memory pointers (a helper returning the pointer changed the compiled code).
 __device__ __forceinline__ uint32_t wg_bytes_to_1024(const void* raw) {
-    return (1024u - (shared_address(raw) & 1023u)) & 1023u;
+    return (1024u - (smem_address(raw) & 1023u)) & 1023u;
 }
 
 // The head of a step: this buffer's cp.async copies landed in every thread and are visible to
 // the wgmma (async proxy); after the barrier the other buffer is free to restage.
 __device__ __forceinline__ void wg_wait_staged() {
     cp_async_wait<0>();
-    fence_proxy_async_shared();  // the cp.async writes before the wgmma (async proxy) reads
+    hopper::fence_proxy_async_shared();  // the cp.async writes before the wgmma (async proxy) reads
     __syncthreads();             // every thread's copies landed; the other buffer is free
 }
 
@@ -1199,13 +1106,13 @@ __device__ __forceinline__ void wg_issue_score_products(float (&first)[32], uint
 #pragma unroll
     for (int ks = 0; ks < 8; ++ks) {
         const int off = ((ks / 4) * kWgBoxBytes + (ks % 4) * 32) >> 4;
-        wg_mma_scores<Codec>(first, desc_a_first + off, desc_b_first + off);
+        wgmma::mma<Codec>(first, desc_a_first + off, desc_b_first + off);
     }
     hopper::wgmma_commit();
 #pragma unroll
     for (int ks = 0; ks < 8; ++ks) {
         const int off = ((ks / 4) * kWgBoxBytes + (ks % 4) * 32) >> 4;
-        wg_mma_scores<Codec>(second, desc_a_second + off, desc_b_second + off);
+        wgmma::mma<Codec>(second, desc_a_second + off, desc_b_second + off);
     }
     hopper::wgmma_commit();
 }
@@ -1242,7 +1149,7 @@ template <typename Codec, int Chunks>
 __device__ __forceinline__ void wg_issue_grad_product(float (&acc)[64], const uint32_t (&a)[4][4], uint64_t ndesc_b) {
     hopper::wgmma_fence();
 #pragma unroll
-    for (int t = 0; t < Chunks; ++t) wg_mma_grads<Codec>(acc, a[t], ndesc_b + ((t * 16 * 128) >> 4));
+    for (int t = 0; t < Chunks; ++t) wgmma::mma_rs<Codec>(acc, a[t], ndesc_b + ((t * 16 * 128) >> 4));
     hopper::wgmma_commit();
 }
 
@@ -1330,8 +1237,8 @@ __device__ __forceinline__ void dkdv_wgmma_pair_kernel(const uint16_t* q, const 
 
     // Keys past the sequence (all of warpgroup 1's when k_len <= key0) are zero-filled.
     const int key_rows = min(kWgKeys, k_len - key0);
-    wg_load_tile_by(s_k, k + kv_head * D, kv_stride, k_start + key0, key_rows, t);
-    wg_load_tile_by(s_v, v + kv_head * D, kv_stride, k_start + key0, key_rows, t);
+    wg_load_tile(s_k, k + kv_head * D, kv_stride, k_start + key0, key_rows, t);
+    wg_load_tile(s_v, v + kv_head * D, kv_stride, k_start + key0, key_rows, t);
 
     // The CTA walks warpgroup 0's steps (`_wide`'s walk for key cta_key0); this warpgroup's
     // own walk is the subsequence of steps whose block is >= its own first block.
@@ -1349,15 +1256,16 @@ __device__ __forceinline__ void dkdv_wgmma_pair_kernel(const uint16_t* q, const 
         const int i0 = block * kWgRows;
         const int rows = min(kWgRows, q_len - i0);
         if (threadIdx.x < kWgThreads) {
-            wg_load_tile_by(s_q + buffer * kWgTileBytes, q + head * D, q_stride, q_start + i0, rows, threadIdx.x);
+            wg_load_tile(s_q + buffer * kWgTileBytes, q + head * D, q_stride, q_start + i0, rows,
+                         static_cast<int>(threadIdx.x));
             const int r = threadIdx.x % kWgRows;
             const bool ok = r < rows;
             const float* src = threadIdx.x < kWgRows ? lse : delta;
             const int64_t at = static_cast<int64_t>(head) * total_q + q_start + i0 + r;
-            cp_async4_zfill(shared_address(s_stats + buffer * 2 * kWgRows + threadIdx.x), ok ? src + at : src, ok);
+            cp_async4_zfill(smem_address(s_stats + buffer * 2 * kWgRows + threadIdx.x), ok ? src + at : src, ok);
         } else {
-            wg_load_tile_by(s_do + buffer * kWgTileBytes, dout + head * D, q_stride, q_start + i0, rows,
-                            threadIdx.x - kWgThreads);
+            wg_load_tile(s_do + buffer * kWgTileBytes, dout + head * D, q_stride, q_start + i0, rows,
+                         static_cast<int>(threadIdx.x - kWgThreads));
         }
     };
 
@@ -1535,8 +1443,8 @@ __device__ __forceinline__ void dq_wgmma_kernel(const uint16_t* q, const uint16_
     uint8_t* s_k = s_do + kWgTileBytes;      // 2 buffers
     uint8_t* s_v = s_k + 2 * kWgTileBytes;   // 2 buffers
 
-    wg_load_tile(s_q, q + head * D, q_stride, q_start + i0, rows);
-    wg_load_tile(s_do, dout + head * D, q_stride, q_start + i0, rows);
+    wg_load_tile(s_q, q + head * D, q_stride, q_start + i0, rows, threadIdx.x);
+    wg_load_tile(s_do, dout + head * D, q_stride, q_start + i0, rows, threadIdx.x);
 
     // `_tiled`'s key chunks: 32-key steps up to the last key its 128-row block can see.
     int chunks;
@@ -1555,8 +1463,8 @@ __device__ __forceinline__ void dq_wgmma_kernel(const uint16_t* q, const uint16_
     auto stage = [&](int block, int buffer) {
         const int key0 = block * kWgKeys;
         const int valid = min(kWgKeys, k_len - key0);
-        wg_load_tile(s_k + buffer * kWgTileBytes, k + kv_head * D, kv_stride, k_start + key0, valid);
-        wg_load_tile(s_v + buffer * kWgTileBytes, v + kv_head * D, kv_stride, k_start + key0, valid);
+        wg_load_tile(s_k + buffer * kWgTileBytes, k + kv_head * D, kv_stride, k_start + key0, valid, threadIdx.x);
+        wg_load_tile(s_v + buffer * kWgTileBytes, v + kv_head * D, kv_stride, k_start + key0, valid, threadIdx.x);
     };
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;

@@ -64,10 +64,12 @@
 // Launch: grid min(SMs, items), items = ceil(max_q_len / QPT) x Hq / P x B (q_tiles, batch
 // arguments; queue: 1 + 2 * grid int32, the first +0), block 384 threads (warpgroup 0 =
 // producer), dynamic shared memory shared_bytes (py/batchinv/gpu/attention_hopper.py).
+#include "common/cp_async.cuh"
 #include "common/hopper.cuh"
 #include "common/wgmma.cuh"
 
 #if !defined(__HIPCC__)
+#include "common/approx.cuh"
 #include "common/attention_rows.cuh"
 #include "common/chunk16.cuh"
 
@@ -122,21 +124,7 @@ struct Shape {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 
 using hopper::fence_operands;  // register fences around wgmma (common/hopper.cuh)
-
-// The same for P's A operand of a 128-key block: eight k16 steps of four registers.
-template <int N>
-__device__ __forceinline__ void fence_fragments(uint32_t (&r)[N][4]) {
-#pragma unroll
-    for (int i = 0; i < N; ++i)
-#pragma unroll
-        for (int j = 0; j < 4; ++j) asm volatile("" : "+r"(r[i][j])::"memory");
-}
-
-__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool valid) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0));
-}
-
-__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+using hopper::fence_registers;
 
 __device__ __forceinline__ void named_barrier_sync(int id, int threads) {
     asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
@@ -157,39 +145,17 @@ __device__ __forceinline__ uint64_t stage_descriptor(uint32_t low0, int stage) {
     return out;
 }
 
-// S += Q K^T over one k16 step for 128 keys: Q (a warp's 16 rows as mma.sync's A fragment) from
-// registers, K K-major from shared memory (common/wgmma.cuh, B K-major).
-template <typename Codec>
-__device__ __forceinline__ void mma_qk(float (&d)[64], const uint32_t (&a)[4], uint64_t desc_k) {
-    if constexpr (Codec::kIsBf16)
-        wgmma::mma_rs_kmajor_m64n128k16_bf16(d, a, desc_k);
-    else
-        wgmma::mma_rs_kmajor_m64n128k16_f16(d, a, desc_k);
-}
-
-// finalize_out's division (__fdiv_rn) for a row's values, the reciprocal of l computed once.
-// nvcc compiles __fdiv_rn(n, d) into a reciprocal of d refined by two FMAs, then q = n * r and
-// one correction FMA, plus an operand check (FCHK) that sends operands outside the sequence's
-// range to a slow path, per element with a branch and a reconvergence around it.  For l in
-// [2^-32, 2^32] and |n| in [2^-64, 2^64] (quotient and residual normal, far from overflow) the
-// sequence is correctly rounded, so it gives __fdiv_rn's bits (the fast path is the same
-// instructions; compared against __fdiv_rn on the device, docs/tuning/attention.md).
-// Outside that range (l = 0, +-0, subnormal, huge, inf or NaN values) finalize_out runs.
+// finalize_out's division (__fdiv_rn) for a row's values, the reciprocal of l computed once
+// (divisor_reciprocal / divide_in_range, common/approx.cuh: __fdiv_rn's fast path without its
+// per-element operand check, branch and reconvergence).  For l in [2^-32, 2^32] and |n| in
+// [2^-64, 2^64] (quotient and residual normal, far from overflow) the sequence is correctly
+// rounded, so it gives __fdiv_rn's bits (compared against __fdiv_rn on the device,
+// docs/tuning/attention.md).  Outside that range (l = 0, +-0, subnormal, huge, inf or NaN
+// values) finalize_out runs.
 __device__ __forceinline__ bool divisor_in_range(float l) { return l >= 0x1p-32f && l <= 0x1p32f; }
 
 __device__ __forceinline__ bool numerator_in_range(float n) {
     return fabsf(n) >= 0x1p-64f && fabsf(n) <= 0x1p64f;
-}
-
-__device__ __forceinline__ float divisor_reciprocal(float d) {
-    float r;
-    asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(d));
-    return __fmaf_rn(r, __fmaf_rn(-d, r, 1.0f), r);
-}
-
-__device__ __forceinline__ float divide_in_range(float n, float d, float r) {
-    const float q = __fmul_rn(n, r);
-    return __fmaf_rn(r, __fmaf_rn(-d, q, n), q);
 }
 
 // finalize_out for the N = D / 4 values of a row a thread holds (the same bits, see above).
@@ -218,24 +184,6 @@ __device__ __forceinline__ uint32_t store_pair(float lo, float hi) {
         typename Codec::storage pair[2] = {Codec::store(lo), Codec::store(hi)};
         return *reinterpret_cast<uint32_t*>(pair);
     }
-}
-
-// O += P V over one k16 key step: m64n128k16 (d = 128) or m64n64k16 (d = 64, one 64-column
-// half of V, so the descriptor's leading byte offset is unused).
-template <typename Codec>
-__device__ __forceinline__ void mma_pv(float (&acc)[64], const uint32_t (&a)[4], uint64_t desc_v) {
-    if constexpr (Codec::kIsBf16)
-        wgmma::mma_rs_m64n128k16_bf16(acc, a, desc_v);
-    else
-        wgmma::mma_rs_m64n128k16_f16(acc, a, desc_v);
-}
-
-template <typename Codec>
-__device__ __forceinline__ void mma_pv(float (&acc)[32], const uint32_t (&a)[4], uint64_t desc_v) {
-    if constexpr (Codec::kIsBf16)
-        wgmma::mma_rs_m64n64k16_bf16(acc, a, desc_v);
-    else
-        wgmma::mma_rs_m64n64k16_f16(acc, a, desc_v);
 }
 
 #endif
@@ -421,7 +369,7 @@ __device__ __forceinline__ void attn_hopper_tile(const TensorMap& map_k, const T
                         uint8_t* base = (box < kHalves ? dk : dv) + (box % kHalves) * kKVHalfBytes;
                         *reinterpret_cast<uint4*>(base + first * 128 + within * 16) = make_uint4(0, 0, 0, 0);
                     }
-                    fence_proxy_async();  // generic writes before the consumers' wgmma reads
+                    fence_proxy_async_shared();  // generic writes before the consumers' wgmma reads
                     __syncwarp();
                     if (lane == 0) {
                         barrier_arrive(&k_full[s]);
@@ -457,9 +405,9 @@ __device__ __forceinline__ void attn_hopper_tile(const TensorMap& map_k, const T
             const int h = tl.hg * p.pack + r % p.pack;
             const T* src = valid ? qp + (tl.q_base + qi) * p.q_row + h * p.q_head + ch * 8 : qp;
             const uint32_t dst = smem_address(dq + (ch / 8) * kQHalfBytes + rl * 128 + (((ch % 8) ^ (rl % 8)) << 4));
-            cp_async16(dst, src, valid);
+            cp_async16_zfill(dst, src, valid);
         }
-        asm volatile("cp.async.commit_group;\n" ::: "memory");
+        cp_async_commit();
     };
 
     // Descriptors: a k16 step, a stage or a V key step is a constant added to the start-address
@@ -493,8 +441,8 @@ __device__ __forceinline__ void attn_hopper_tile(const TensorMap& map_k, const T
         // the next item's Q copy into the same buffer (once every warp of the warpgroup read it).
         uint32_t qa[kKSteps][4];
         if (has_rows) {
-            asm volatile("cp.async.wait_group 0;\n" ::: "memory");
-            fence_proxy_async();
+            cp_async_wait<0>();
+            fence_proxy_async_shared();
             named_barrier_sync(1 + cw, 128);
         }
         if (has_rows) {
@@ -574,7 +522,7 @@ __device__ __forceinline__ void attn_hopper_tile(const TensorMap& map_k, const T
                 // The product read pa and wrote acc until here: keep both live to this point, or
                 // the compiler reuses their registers (softmax's P) while the wgmma still reads them.
                 fence_operands<kAcc>(acc);
-                fence_fragments(pa);
+                fence_registers(pa);
                 if (prev_any_empty) {
 #pragma unroll
                     for (int i = 0; i < kAcc; ++i) {
@@ -632,13 +580,14 @@ __device__ __forceinline__ void attn_hopper_tile(const TensorMap& map_k, const T
                 }
             };
             // S = Q K^T of the block at stage s_stage (128 keys) over d in increasing k16 steps (32
-            // bytes along a 128-byte swizzled row), into s; moves s_stage on.
+            // bytes along a 128-byte swizzled row), into s; moves s_stage on.  Q (a warp's 16 rows
+            // as mma.sync's A fragment) from registers, K K-major from shared memory.
             auto mma_s = [&]() {
                 const uint64_t k_stage = stage_descriptor<kStageBytes>(desc_k, s_stage);
 #pragma unroll
                 for (int ks = 0; ks < kKSteps; ++ks) {
                     const int off_k = ((ks / 4) * kKVHalfBytes + (ks % 4) * 32) >> 4;
-                    mma_qk<Codec>(s, qa[ks], k_stage + off_k);
+                    wgmma::mma_rs_kmajor<Codec>(s, qa[ks], k_stage + off_k);
                 }
                 wgmma_commit();
                 if (++s_stage == kStages) {
@@ -646,11 +595,15 @@ __device__ __forceinline__ void attn_hopper_tile(const TensorMap& map_k, const T
                     s_phase ^= 1u;
                 }
             };
-            // O += P V of the block at pv_stage (pa), the eight k16 key steps in increasing order.
+            // O += P V of the block at pv_stage (pa), the eight k16 key steps in increasing order:
+            // m64n128k16 at d = 128, m64n64k16 at d = 64 (one 64-column half of V, so the
+            // descriptor's leading byte offset is unused).
             auto mma_pv_block = [&]() {
                 const uint64_t v_stage = stage_descriptor<kStageBytes>(desc_v, pv_stage);
 #pragma unroll
-                for (int kk = 0; kk < 8; ++kk) mma_pv<Codec>(acc, pa[kk], v_stage + ((kk * 16 * 128) >> 4));
+                for (int kk = 0; kk < 8; ++kk) {
+                    wgmma::mma_rs<Codec>(acc, pa[kk], v_stage + ((kk * 16 * 128) >> 4));
+                }
                 wgmma_commit();
             };
 
@@ -670,7 +623,7 @@ __device__ __forceinline__ void attn_hopper_tile(const TensorMap& map_k, const T
                 }
                 fence_operands<64>(s);
                 fence_operands<kAcc>(acc);
-                fence_fragments(pa);
+                fence_registers(pa);
                 wgmma_fence();
                 if constexpr (decltype(with_s)::value) mma_s();
                 if constexpr (decltype(with_pv)::value) mma_pv_block();

@@ -33,6 +33,7 @@
 // - linear_mma_*: sm_80 (mma.sync m16n8k16), the same k-step order; on HIP a SIMT loop (its
 //   own order, fixed the same way).  Grid (ceil(N/32), ceil(M/64)); block 128.
 #include "common/hopper_gemm.cuh"
+#include "common/mma_sync.cuh"
 
 namespace batchinv {
 namespace linear {
@@ -116,42 +117,11 @@ __device__ __forceinline__ void hopper_gemm(const TensorMap& map_x, const Tensor
     hopper_gemm_tiles<Codec, BM, BN, STAGE_K, STAGES>(map_x, map_w, M, N, K, epilogue);
 }
 
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800 && !defined(__HIPCC__)
-// One mma.sync m16n8k16 step, d += a * b, fp32 accumulators.  Shared by every mma.sync
-// kernel so that they issue the same instruction.
-template <typename Codec>
-__device__ __forceinline__ void mma_m16n8k16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-    if constexpr (Codec::kIsBf16) {
-        asm volatile(
-            "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
-            "{%8, %9}, {%0, %1, %2, %3};"
-            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-    } else {
-        asm volatile(
-            "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
-            "{%8, %9}, {%0, %1, %2, %3};"
-            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-    }
-}
-#endif
-
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 // Byte offset of the 16-byte chunk `chunk` (8 elements) of row `row` inside a TMA box of
 // 64-element rows written with the 128-byte swizzle (box base 1024-byte aligned).
 __device__ __forceinline__ uint32_t swizzled_128b(int row, int chunk) {
     return static_cast<uint32_t>(row * 128 + ((chunk ^ (row % 8)) << 4));
-}
-
-__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t address) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(address));
-}
-
-__device__ __forceinline__ void ldmatrix_x2(uint32_t& r0, uint32_t& r1, uint32_t address) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0, %1}, [%2];" : "=r"(r0), "=r"(r1) : "r"(address));
 }
 #endif
 

@@ -44,6 +44,7 @@
 // the same order, so which form runs changes speed, never bits.  T = 2048 (16 CTAs of 128 threads)
 // exists only in the cluster form and has its own tree (see Exchange).  A cluster exchanges
 // state only inside itself (its one row).
+#include "common/chunk16.cuh"
 #include "common/hopper.cuh"
 
 
@@ -304,15 +305,6 @@ __device__ __forceinline__ float block_sum(float v, float* warp_sums) {
     return v;
 }
 
-__device__ __forceinline__ bool aligned16(const void* p) {
-    return (reinterpret_cast<uintptr_t>(p) & 15) == 0;
-}
-
-template <typename S>
-__device__ __forceinline__ bool stride_aligned16(int64_t elements) {
-    return ((elements * static_cast<int64_t>(sizeof(S))) & 15) == 0;
-}
-
 template <typename InCodec, typename OutCodec, bool kStream = false>
 __device__ __forceinline__ void write_output(typename OutCodec::storage* out, const Group<InCodec>& g,
                                              int group, int64_t vocab, float lse, bool vector,
@@ -324,6 +316,42 @@ __device__ __forceinline__ void write_output(typename OutCodec::storage* out, co
         o.v[e] = OutCodec::store(empty_row ? -INFINITY : ieee_sub(InCodec::load(g.v[e]), lse));
     }
     store_group_of_warp<OutCodec, kStream>(out, o, group, vocab, vector, whole_warp);
+}
+
+// Pass 1 of a one-CTA row (forward: x and its (m, l) state; backward: grad_out and its sum):
+// thread t folds its groups g = t + k * T in increasing k into acc = fold(acc, group, valid),
+// keeping the first R in `regs` and caching the next ones in shared memory (`tier`) up to
+// `cached` per thread; past the registers, kUnroll groups are loaded before their first use.
+template <typename Codec, int T, int R, int kUnroll, typename Acc, typename Fold>
+__device__ __forceinline__ void first_pass(Group<Codec> (&regs)[R], const typename Codec::storage* row, int groups,
+                                           int64_t vocab, bool vector, int cached, uint4* tier, Acc& acc, Fold fold) {
+    const int t = threadIdx.x;
+#pragma unroll
+    for (int k = 0; k < R; ++k) {
+        const int g = t + k * T;
+        if (g < groups) load_group(regs[k], row, g, vocab, vector);
+    }
+#pragma unroll
+    for (int k = 0; k < R; ++k) {
+        const int g = t + k * T;
+        if (g < groups) acc = fold(acc, regs[k], valid_in(g, vocab));
+    }
+    for (int k0 = R; t + k0 * T < groups; k0 += kUnroll) {
+        Group<Codec> buf[kUnroll];
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+            const int g = t + (k0 + u) * T;
+            if (g < groups) load_group(buf[u], row, g, vocab, vector);
+        }
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+            const int k = k0 + u;
+            const int g = t + k * T;
+            if (g >= groups) continue;
+            if (k < cached) smem_put(tier, (k - R) * T + t, buf[u]);
+            acc = fold(acc, buf[u], valid_in(g, vocab));
+        }
+    }
 }
 
 struct ForwardArgs {
@@ -358,32 +386,10 @@ __device__ __forceinline__ void forward(const ForwardArgs& a) {
     // Pass 1: load, cache and merge the thread's groups in increasing index.
     State st{-INFINITY, 0.0f};
     Group<InCodec> regs[R];
-#pragma unroll
-    for (int k = 0; k < R; ++k) {
-        const int g = t + k * T;
-        if (g < groups) load_group(regs[k], x, g, vocab, vector);
-    }
-#pragma unroll
-    for (int k = 0; k < R; ++k) {
-        const int g = t + k * T;
-        if (g < groups) st = merge(st, group_state(regs[k], valid_in(g, vocab)));
-    }
-    for (int k0 = R; t + k0 * T < groups; k0 += kUnroll) {
-        Group<InCodec> buf[kUnroll];
-#pragma unroll
-        for (int u = 0; u < kUnroll; ++u) {
-            const int g = t + (k0 + u) * T;
-            if (g < groups) load_group(buf[u], x, g, vocab, vector);
-        }
-#pragma unroll
-        for (int u = 0; u < kUnroll; ++u) {
-            const int k = k0 + u;
-            const int g = t + k * T;
-            if (g >= groups) continue;
-            if (k < cached) smem_put(tier, (k - R) * T + t, buf[u]);
-            st = merge(st, group_state(buf[u], valid_in(g, vocab)));
-        }
-    }
+    first_pass<InCodec, T, R, kUnroll>(regs, x, groups, vocab, vector, cached, tier, st,
+                                       [](State s, const Group<InCodec>& g, int valid) {
+                                           return merge(s, group_state(g, valid));
+                                       });
     st = block_merge<T>(st, warp_states);
     const float lse = ieee_add(st.m, logf(st.l));
     if (a.lse != nullptr && t == 0) a.lse[row] = lse;
@@ -465,32 +471,9 @@ __device__ __forceinline__ void backward(const BackwardArgs& a) {
 
     float sum = 0.0f;
     Group<OutCodec> regs[R];
-#pragma unroll
-    for (int k = 0; k < R; ++k) {
-        const int g = t + k * T;
-        if (g < groups) load_group(regs[k], grad_out, g, vocab, vector);
-    }
-#pragma unroll
-    for (int k = 0; k < R; ++k) {
-        const int g = t + k * T;
-        if (g < groups) sum = group_sum(regs[k], valid_in(g, vocab), sum);
-    }
-    for (int k0 = R; t + k0 * T < groups; k0 += kBackwardUnroll) {
-        Group<OutCodec> buf[kBackwardUnroll];
-#pragma unroll
-        for (int u = 0; u < kBackwardUnroll; ++u) {
-            const int g = t + (k0 + u) * T;
-            if (g < groups) load_group(buf[u], grad_out, g, vocab, vector);
-        }
-#pragma unroll
-        for (int u = 0; u < kBackwardUnroll; ++u) {
-            const int k = k0 + u;
-            const int g = t + k * T;
-            if (g >= groups) continue;
-            if (k < cached) smem_put(tier, (k - R) * T + t, buf[u]);
-            sum = group_sum(buf[u], valid_in(g, vocab), sum);
-        }
-    }
+    first_pass<OutCodec, T, R, kBackwardUnroll>(
+        regs, grad_out, groups, vocab, vector, cached, tier, sum,
+        [](float acc, const Group<OutCodec>& g, int valid) { return group_sum(g, valid, acc); });
     const float dy_sum = block_sum<T>(sum, warp_sums);
 
 #pragma unroll
@@ -619,6 +602,17 @@ struct Slice {
         return n > 0 ? static_cast<uint32_t>(n * static_cast<int64_t>(sizeof(S))) : 0u;
     }
 };
+
+// This CTA's part of a row of `vocab` elements: its rank, the row's groups and the segments per
+// CTA; returns the segments' mbarriers, which follow the segments in shared memory.
+template <typename S, int C, int TC>
+__device__ __forceinline__ uint64_t* init_slice(Slice<S, C, TC>& slice, uint8_t* shared_row, int64_t vocab) {
+    slice.rank = cta_rank();
+    slice.groups = static_cast<int>((vocab + kGroup - 1) / kGroup);
+    slice.segments = (slice.groups + C * TC - 1) / (C * TC);
+    return reinterpret_cast<uint64_t*>(shared_row + static_cast<int64_t>(slice.segments) *
+                                                        Slice<S, C, TC>::kSegmentBytes);
+}
 
 // Issues the copy of segment k of `row` (a row of the same length) into its slot; thread 0 only.
 template <typename S, int C, int TC>
@@ -858,11 +852,7 @@ __device__ __forceinline__ void forward(const ForwardArgs& a) {
     const int64_t row_step = gridDim.x / C;
     if (first_row >= a.rows) return;
     Slice<S, C, TC> slice;
-    slice.rank = cta_rank();
-    slice.groups = static_cast<int>((vocab + kGroup - 1) / kGroup);
-    slice.segments = (slice.groups + C * TC - 1) / (C * TC);
-    uint64_t* barriers = reinterpret_cast<uint64_t*>(shared_row + static_cast<int64_t>(slice.segments) *
-                                                                      Slice<S, C, TC>::kSegmentBytes);
+    uint64_t* barriers = init_slice(slice, shared_row, vocab);
     const S* x_rows = static_cast<const S*>(a.x);
     init_push_exchange(exchange);
     start_row_copies(slice, x_rows + first_row * a.x_stride, vocab, shared_row, barriers);
@@ -946,11 +936,7 @@ __device__ __forceinline__ void backward(const BackwardArgs& a) {
     const int64_t row_step = gridDim.x / C;
     if (first_row >= a.rows) return;
     Slice<O, C, TC> slice;
-    slice.rank = cta_rank();
-    slice.groups = static_cast<int>((vocab + kGroup - 1) / kGroup);
-    slice.segments = (slice.groups + C * TC - 1) / (C * TC);
-    uint64_t* barriers = reinterpret_cast<uint64_t*>(shared_row + static_cast<int64_t>(slice.segments) *
-                                                                      Slice<O, C, TC>::kSegmentBytes);
+    uint64_t* barriers = init_slice(slice, shared_row, vocab);
     const O* grad_rows = static_cast<const O*>(a.grad_out);
     init_push_exchange(exchange);
     start_row_copies(slice, grad_rows + first_row * vocab, vocab, shared_row, barriers);

@@ -87,6 +87,7 @@
 // the fused forward's t64 and t128k5 run entries of their own (*_vec, forward_rows_vector: the
 // same operations in the same order, without per-element bounds tests), picked by the host.
 #include "common/chunk16.cuh"
+#include "common/cp_async.cuh"
 #include "common/grid_dependency.cuh"
 #include "common/portability.cuh"
 
@@ -231,15 +232,6 @@ __device__ __forceinline__ float row_group_sum(float value, float* warp_partials
 __device__ __forceinline__ float inv_rms_of(float sum_sq, int64_t d, float eps) {
     const float mean_sq = __fdiv_rn(sum_sq, static_cast<float>(d));
     return __fdiv_rn(1.0f, __fsqrt_rn(ieee_add(mean_sq, eps)));
-}
-
-__device__ __forceinline__ bool aligned16(const void* p) {
-    return (reinterpret_cast<uintptr_t>(p) & (kChunkBytes - 1)) == 0;
-}
-
-template <typename Storage>
-__device__ __forceinline__ bool stride_aligned16(int64_t elements) {
-    return ((elements * static_cast<int64_t>(sizeof(Storage))) & (kChunkBytes - 1)) == 0;
 }
 
 // The partial rows of grad_weight's levels are handed on by programmatic dependent launch
@@ -481,17 +473,7 @@ __device__ __forceinline__ void round_grad_chunk(Chunk<Codec>& chunk, const floa
 #if !defined(__HIPCC__)
     if constexpr (Codec::kIsBf16) {
         constexpr int E = Chunk<Codec>::kElems;
-        bool nan = false;
-#pragma unroll
-        for (int e = 0; e < E; ++e) nan |= f[e] != f[e];
-        if (!nan) {
-            uint32_t* words = reinterpret_cast<uint32_t*>(chunk.v);
-#pragma unroll
-            for (int w = 0; w < E / 2; ++w) {
-                asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(words[w]) : "f"(f[2 * w + 1]), "f"(f[2 * w]));
-            }
-            return;
-        }
+        if (cvt_bf16_chunk_without_nan<E>(reinterpret_cast<uint32_t*>(chunk.v), f)) return;
     }
 #endif
     round_chunk(chunk, f);
@@ -1068,21 +1050,6 @@ __device__ __forceinline__ void backward_weight_grad_resident(const BackwardArgs
 }
 
 #if !defined(__HIPCC__)
-// cp.async (sm_80+): 16 bytes global -> shared, bypassing L1; groups committed and awaited per
-// thread.
-__device__ __forceinline__ void cp_async16(void* shared, const void* global) {
-    const unsigned address = static_cast<unsigned>(__cvta_generic_to_shared(shared));
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(address), "l"(global)
-                 : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() {
-    asm volatile("cp.async.commit_group;\n" ::: "memory");
-}
-template <int kPending>
-__device__ __forceinline__ void cp_async_wait() {
-    asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
-}
-
 // A staged row's chunks of one tensor: chunk k of this thread is slot k * T + lane of its
 // stage, written by this thread's own cp.async.
 template <typename Codec, int T>
@@ -1136,8 +1103,10 @@ __device__ __forceinline__ void backward_weight_grad_staged(const BackwardArgs& 
             for (int k = 0; k < K; ++k) {
                 const int64_t c = lane + static_cast<int64_t>(k) * T;
                 if (c < chunks) {
-                    cp_async16(stage_of(st, 0) + k * T + lane, x + c * E);
-                    cp_async16(stage_of(st, 1) + k * T + lane, grad_y + c * E);
+                    // Sources as void*: element-typed ones reorder this loop's address arithmetic
+                    // (common/cp_async.cuh).
+                    cp_async16(stage_of(st, 0) + k * T + lane, static_cast<const void*>(x + c * E));
+                    cp_async16(stage_of(st, 1) + k * T + lane, static_cast<const void*>(grad_y + c * E));
                 }
             }
         }

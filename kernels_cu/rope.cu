@@ -50,15 +50,6 @@ __device__ __forceinline__ float rotate_second(float x1, float x2, float c, floa
     return ieee_add(ieee_mul(x2, c), ieee_mul(x1, s));
 }
 
-__device__ __forceinline__ bool aligned16(const void* p) {
-    return (reinterpret_cast<uintptr_t>(p) & 15) == 0;
-}
-
-template <typename S>
-__device__ __forceinline__ bool stride_aligned16(int64_t elements) {
-    return ((elements * static_cast<int64_t>(sizeof(S))) & 15) == 0;
-}
-
 struct Args {
     void* q_out;
     void* k_out;
@@ -91,6 +82,17 @@ __device__ __forceinline__ void head_pointers(const Args& a, int64_t token, int6
         src = static_cast<const S*>(a.k) + token * a.k_token_stride + kh * a.k_head_stride;
         dst = static_cast<S*>(a.k_out) + (token * a.hk + kh) * a.head_dim;
     }
+}
+
+// Vector unit `unit` (E elements of each half of one head, units_per_head per head): the
+// pointers of its head; returns the unit's first element in the half.
+template <int E, typename S>
+__device__ __forceinline__ int unit_pointers(const Args& a, int64_t token, int unit, int units_per_head,
+                                             const S*& src, S*& dst) {
+    const int head = unit / units_per_head;
+    const int j = (unit - head * units_per_head) * E;
+    head_pointers(a, token, head, src, dst);
+    return j;
 }
 
 template <typename Codec, typename Index>
@@ -140,11 +142,9 @@ __device__ __forceinline__ void rope_token(const Args& a) {
             for (int u = 0; u < kUnroll; ++u) {
                 const int unit = base + u * kThreads;
                 if (unit >= units) continue;
-                const int head = unit / units_per_head;
-                const int j = (unit - head * units_per_head) * E;
                 const S* src;
                 S* dst;
-                head_pointers(a, token, head, src, dst);
+                const int j = unit_pointers<E>(a, token, unit, units_per_head, src, dst);
                 load_chunk(x1[u], src + j);
                 load_chunk(x2[u], src + half + j);
             }
@@ -152,11 +152,9 @@ __device__ __forceinline__ void rope_token(const Args& a) {
             for (int u = 0; u < kUnroll; ++u) {
                 const int unit = base + u * kThreads;
                 if (unit >= units) continue;
-                const int head = unit / units_per_head;
-                const int j = (unit - head * units_per_head) * E;
                 const S* src;
                 S* dst;
-                head_pointers(a, token, head, src, dst);
+                const int j = unit_pointers<E>(a, token, unit, units_per_head, src, dst);
                 float o1[E], o2[E];
 #pragma unroll
                 for (int e = 0; e < E; ++e) {

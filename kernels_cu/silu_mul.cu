@@ -37,6 +37,7 @@
 // (in_fast_division_range), so which instructions an element takes depends on its chunk's
 // other gate values; both give __fdiv_rn's bits (compared for every fp32, bf16 and fp16 gate
 // value on an H200; tests/gpu/test_silu_mul_cuda.py checks them side by side).
+#include "common/approx.cuh"
 #include "common/chunk16.cuh"
 #include "common/portability.cuh"
 
@@ -78,11 +79,7 @@ __device__ __forceinline__ float div_rn_checked_range(float n, float d) {
 #if defined(__HIPCC__)
     return __fdiv_rn(n, d);
 #else
-    float r;
-    asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(d));
-    r = __fmaf_rn(r, __fmaf_rn(-d, r, 1.0f), r);
-    const float q = __fmul_rn(n, r);
-    return __fmaf_rn(r, __fmaf_rn(-d, q, n), q);
+    return divide_in_range(n, d, divisor_reciprocal(d));  // common/approx.cuh
 #endif
 }
 
@@ -94,37 +91,15 @@ __device__ __forceinline__ float silu_div(float n, float d) {
     return __fdiv_rn(n, d);
 }
 
-// The special function unit's 2^x and 1/x, subnormal inputs and results flushed to zero (one
-// MUFU.EX2 / MUFU.RCP each on CUDA).  Their bits are the hardware's, not IEEE's: deterministic on
-// one GPU (that is all invariance needs); HIP's v_exp_f32 / v_rcp_f32 are other approximations,
-// so HIP bits differ from CUDA bits (as expf's already did).
-__device__ __forceinline__ float exp2_approx_ftz(float x) {
-    float y;
-#if defined(__HIPCC__)
-    asm("v_exp_f32 %0, %1" : "=v"(y) : "v"(x));  // no clang builtin before LLVM 17
-#else
-    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-#endif
-    return y;
-}
-
-__device__ __forceinline__ float rcp_approx_ftz(float x) {
-#if defined(__HIPCC__)
-    return __builtin_amdgcn_rcpf(x);
-#else
-    float y;
-    asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-    return y;
-#endif
-}
-
 constexpr float kMinusLog2e = -1.44269502162933349609375f;  // -log2(e) rounded to fp32
 
 // The forward's function of one element, on every path (vector body, element loop, any CTA):
-//   e   = exp2_approx_ftz(g * -log2(e))        2^x of the rounded product (e^-g, x rounded once)
-//   r4  = rcp_approx_ftz(fma(e, 0.25, 0.25))   4 / (1 + e): (1 + e) / 4 rounded once, >= 0.25
-//   s   = r4 * 0.25                            1 / (1 + e): exact, or rounded where subnormal
-//   out = (g * s) * u                          silu(g) rounded, times up rounded
+//   e   = exp2_ftz(g * -log2(e))         2^x of the rounded product (e^-g, x rounded once)
+//   r4  = rcp_ftz(fma(e, 0.25, 0.25))    4 / (1 + e): (1 + e) / 4 rounded once, >= 0.25
+//   s   = r4 * 0.25                      1 / (1 + e): exact, or rounded where subnormal
+//   out = (g * s) * u                    silu(g) rounded, times up rounded
+// exp2_ftz and rcp_ftz are the special function unit's (common/approx.cuh); HIP's
+// approximations differ, so HIP bits differ from CUDA bits (as expf's do).
 // The quarter keeps the reciprocal normal for every finite 1 + e (< 2^128), so silu(g) of
 // -88.7 < g < -87.3 (1 + e > 2^126) is ~-1e-36, not a flushed -0.  Special values: e = inf
 // (g < -88.7) gives s = 0, silu = -0; g = -inf gives NaN (-inf * 0); g = +inf gives e = 0,
@@ -136,9 +111,9 @@ constexpr float kMinusLog2e = -1.44269502162933349609375f;  // -log2(e) rounded 
 // elementwise fp32 tolerance (docs/operators/silu_mul.md).  7 instructions per element, where
 // expf and IEEE division take 19.
 __device__ __forceinline__ float silu_mul_value(float g, float u) {
-    const float e = exp2_approx_ftz(ieee_mul(g, kMinusLog2e));
+    const float e = exp2_ftz(ieee_mul(g, kMinusLog2e));
     const float quarter_d = __fmaf_rn(e, 0.25f, 0.25f);
-    const float s = ieee_mul(rcp_approx_ftz(quarter_d), 0.25f);
+    const float s = ieee_mul(rcp_ftz(quarter_d), 0.25f);
     return ieee_mul(ieee_mul(g, s), u);
 }
 
@@ -193,31 +168,14 @@ __device__ __forceinline__ void store_result_chunk(typename Codec::storage* p,
     constexpr int E = Chunk16<Codec>::kElems;
 #if !defined(__HIPCC__)
     if constexpr (Codec::kIsBf16) {
-        bool any_nan = false;
-#pragma unroll
-        for (int e = 0; e < E; ++e) any_nan |= f[e] != f[e];
-        if (!any_nan) {
-            uint4 words;
-            uint32_t* w = reinterpret_cast<uint32_t*>(&words);
-#pragma unroll
-            for (int i = 0; i < E / 2; ++i) {
-                asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(w[i]) : "f"(f[2 * i + 1]), "f"(f[2 * i]));
-            }
+        uint4 words;
+        if (cvt_bf16_chunk_without_nan<E>(reinterpret_cast<uint32_t*>(&words), f)) {
             *reinterpret_cast<uint4*>(p) = words;
             return;
         }
     }
 #endif
     store_chunk<Codec>(p, f);
-}
-
-__device__ __forceinline__ bool aligned16(const void* p) {
-    return (reinterpret_cast<uintptr_t>(p) & 15) == 0;
-}
-
-template <typename S>
-__device__ __forceinline__ bool stride_aligned16(int64_t elements) {
-    return ((elements * static_cast<int64_t>(sizeof(S))) & 15) == 0;
 }
 
 // The CTA's tile: row blockIdx.x / tiles_per_row, units [tile * tile_units, +tile_units) of

@@ -10,6 +10,9 @@ from __future__ import annotations
 from pathlib import Path
 
 N_SIZES = (32, 64, 128, 256)
+# Variants with the transpose flags as template parameters (M-major A, N-major B): the
+# token_logprobs backward GEMMs.
+TRANS_N_SIZES = (256,)
 # Register-A variants (A from registers, B N-major in shared memory): attention's P V product.
 RS_N_SIZES = (64, 128)
 # Register-A variants with B K-major (imm-trans-b = 0): attention's S = Q K^T of 128 keys.
@@ -26,6 +29,11 @@ HEADER = """\
 // k 2c..2c+1), a[1] (g + 8, same k), a[2] (g, k + 8), a[3] (g + 8, k + 8)), B N-major in
 // shared memory (imm-trans-b = 1), D += A * B.
 // mma_rs_kmajor_*: the same with B K-major in shared memory (imm-trans-b = 0).
+// mma_trans_*<kTransA, kTransB>: the shared-memory form with the transpose flags given (1: A
+// M-major, B N-major in shared memory).
+// mma<Codec>, mma_rs<Codec>, mma_rs_kmajor<Codec>, mma_trans<Codec, kTransA, kTransB>: the shape
+// chosen by the accumulator array's size (N / 2 floats), the type by Codec::kIsBf16 (bf16, else
+// f16).
 #pragma once
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -63,6 +71,32 @@ __device__ __forceinline__ void {signature} {{
 """
 
 
+def trans_wrapper(n: int, dtype: str) -> str:
+    regs = n // 2
+    outs = ", ".join(f"%{i}" for i in range(regs))
+    constraints = ",\n          ".join(
+        ", ".join(f'"+f"(d[{i}])' for i in range(row, min(row + 8, regs)))
+        for row in range(0, regs, 8)
+    )
+    signature = (
+        f"mma_trans_m64n{n}k16_{dtype}(float (&d)[{regs}], uint64_t desc_a, uint64_t desc_b)"
+    )
+    return f"""
+template <int kTransA, int kTransB>
+__device__ __forceinline__ void {signature} {{
+    asm volatile(
+        "{{\\n"
+        ".reg .pred accumulate;\\n"
+        "setp.ne.b32 accumulate, %{regs + 2}, 0;\\n"
+        "wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{DTYPES[dtype]}.{DTYPES[dtype]} "
+        "{{{outs}}}, %{regs}, %{regs + 1}, accumulate, 1, 1, %{regs + 3}, %{regs + 4};\\n"
+        "}}\\n"
+        : {constraints}
+        : "l"(desc_a), "l"(desc_b), "r"(1), "n"(kTransA), "n"(kTransB));
+}}
+"""
+
+
 def rs_wrapper(n: int, dtype: str, kmajor: bool = False) -> str:
     regs = n // 2
     name = "mma_rs_kmajor" if kmajor else "mma_rs"
@@ -91,12 +125,45 @@ __device__ __forceinline__ void {signature} {{
 """
 
 
+def dispatch(name: str, n: int, a_param: str, a_arg: str) -> str:
+    regs = n // 2
+    signature = f"{name}(float (&d)[{regs}], {a_param}, uint64_t desc_b)"
+    return f"""
+template <typename Codec>
+__device__ __forceinline__ void {signature} {{
+    if constexpr (Codec::kIsBf16)
+        {name}_m64n{n}k16_bf16(d, {a_arg}, desc_b);
+    else
+        {name}_m64n{n}k16_f16(d, {a_arg}, desc_b);
+}}
+"""
+
+
+def trans_dispatch(n: int) -> str:
+    regs = n // 2
+    return f"""
+template <typename Codec, int kTransA, int kTransB>
+__device__ __forceinline__ void mma_trans(float (&d)[{regs}], uint64_t desc_a, uint64_t desc_b) {{
+    if constexpr (Codec::kIsBf16)
+        mma_trans_m64n{n}k16_bf16<kTransA, kTransB>(d, desc_a, desc_b);
+    else
+        mma_trans_m64n{n}k16_f16<kTransA, kTransB>(d, desc_a, desc_b);
+}}
+"""
+
+
 def main() -> None:
     body = "".join(wrapper(n, dtype) for dtype in DTYPES for n in N_SIZES)
     body += "".join(rs_wrapper(n, dtype) for dtype in DTYPES for n in RS_N_SIZES)
     body += "".join(
         rs_wrapper(n, dtype, kmajor=True) for dtype in DTYPES for n in RS_KMAJOR_N_SIZES
     )
+    body += "".join(trans_wrapper(n, dtype) for dtype in DTYPES for n in TRANS_N_SIZES)
+    body += "".join(dispatch("mma", n, "uint64_t desc_a", "desc_a") for n in N_SIZES)
+    a_regs = ("const uint32_t (&a)[4]", "a")
+    body += "".join(dispatch("mma_rs", n, *a_regs) for n in RS_N_SIZES)
+    body += "".join(dispatch("mma_rs_kmajor", n, *a_regs) for n in RS_KMAJOR_N_SIZES)
+    body += "".join(trans_dispatch(n) for n in TRANS_N_SIZES)
     target = Path(__file__).resolve().parent.parent / "kernels_cu" / "common" / "wgmma.cuh"
     target.write_text(HEADER + body + FOOTER)
     print(f"wrote {target}")

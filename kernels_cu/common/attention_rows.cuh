@@ -9,6 +9,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include "approx.cuh"
 #include "portability.cuh"
 
 namespace batchinv {
@@ -58,14 +59,6 @@ __device__ __forceinline__ float finalize_lse(float m, float l) {
     return l > 0.0f ? __fmul_rn(__fadd_rn(m, log2f(l)), kLn2) : kNegInf;
 }
 
-// 2^x with a subnormal result flushed to +0 (one MUFU.EX2; exp2f adds a rescale for results
-// below 2^-126).  Used for every P element in every mode; equal to exp2f for x >= -126.
-__device__ __forceinline__ float exp2_ftz(float x) {
-    float y;
-    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-    return y;
-}
-
 // The block max of a row's RAW scores (invisible keys -inf) in the log2 domain: scaled once, a
 // zero normalised to +0.  Rounding is monotone and c = scale_log2 > 0 (the host refuses a
 // softmax_scale <= 0), so this is the max of the scaled scores, whatever the scan order.
@@ -74,8 +67,9 @@ __device__ __forceinline__ float scaled_block_max(float mx_raw, float scale_log2
     return mx == 0.0f ? 0.0f : mx;
 }
 
-// P of a raw score s: exp2_ftz of s * c - m_new rounded ONCE (one FFMA, the contract's only
-// fused step).  s = -inf (an invisible key) gives +0 where m_new is finite.
+// P of a raw score s: exp2_ftz (common/approx.cuh: a result below 2^-126 is +0, equal to exp2f
+// elsewhere) of s * c - m_new rounded ONCE (one FFMA, the contract's only fused step).  Used for
+// every P element in every mode.  s = -inf (an invisible key) gives +0 where m_new is finite.
 __device__ __forceinline__ float p_of_score(float s, float scale_log2, float m_new) {
     return exp2_ftz(__fmaf_rn(s, scale_log2, -m_new));
 }

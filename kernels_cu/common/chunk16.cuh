@@ -1,5 +1,6 @@
-// 16-byte chunks of bf16/fp16/fp32 for the memory-bound kernels (silu_mul, rope, rms_norm): one
-// vector load or store moves a chunk; elements are converted to fp32 and back one at a time.
+// 16-byte chunks of bf16/fp16/fp32 for the memory-bound kernels (silu_mul, rope, rms_norm,
+// log_softmax's alignment tests): one vector load or store moves a chunk; elements are converted
+// to fp32 and back one at a time.
 //
 // store_chunk rounds each fp32 value once to the storage type with the same bits as the codec's
 // store(): for bf16 the CUDA path uses the hardware's paired round-to-nearest-even conversion
@@ -19,19 +20,50 @@ struct alignas(16) Chunk16 {
     typename Codec::storage v[kElems];
 };
 
+// Whether a pointer, or a row stride of `elements` elements of type S, allows 16-byte vector
+// accesses (the kernels' vector paths test every pointer and stride of a launch).
+__device__ __forceinline__ bool aligned16(const void* p) {
+    return (reinterpret_cast<uintptr_t>(p) & 15) == 0;
+}
+
+template <typename S>
+__device__ __forceinline__ bool stride_aligned16(int64_t elements) {
+    return ((elements * static_cast<int64_t>(sizeof(S))) & 15) == 0;
+}
+
 template <typename Codec>
 __device__ __forceinline__ void load_chunk(Chunk16<Codec>& c, const typename Codec::storage* p) {
     *reinterpret_cast<uint4*>(c.v) = *reinterpret_cast<const uint4*>(p);
 }
 
 #if !defined(__HIPCC__)
-// Two fp32 values -> two bf16 in one word (lo in the low half), NaN -> 0x7fc0.
-__device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
+// cvt.rn.bf16x2.f32: two fp32 values -> two bf16 in one word (lo in the low half), rounded to
+// nearest even; a NaN becomes a bf16 NaN that is not necessarily 0x7fc0.
+__device__ __forceinline__ uint32_t cvt_bf16x2(float lo, float hi) {
     uint32_t r;
     asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+
+// Two fp32 values -> two bf16 in one word (lo in the low half), NaN -> 0x7fc0.
+__device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
+    uint32_t r = cvt_bf16x2(lo, hi);
     if (lo != lo) r = (r & 0xffff0000u) | 0x7fc0u;
     if (hi != hi) r = (r & 0x0000ffffu) | 0x7fc00000u;
     return r;
+}
+
+// f[0 .. E) packed pairwise by cvt_bf16x2 into words[0 .. E / 2) when none is NaN (one test per
+// chunk, where pack_bf16x2 tests every pair); false, and nothing written, when one is.
+template <int E>
+__device__ __forceinline__ bool cvt_bf16_chunk_without_nan(uint32_t* words, const float* f) {
+    bool nan = false;
+#pragma unroll
+    for (int e = 0; e < E; ++e) nan |= f[e] != f[e];
+    if (nan) return false;
+#pragma unroll
+    for (int w = 0; w < E / 2; ++w) words[w] = cvt_bf16x2(f[2 * w], f[2 * w + 1]);
+    return true;
 }
 #endif
 
@@ -72,8 +104,7 @@ __device__ __forceinline__ void round_chunk_rare_nan(Chunk16<Codec>& c, const fl
         uint32_t nan_halves = 0;
 #pragma unroll
         for (int w = 0; w < kWords; ++w) {
-            uint32_t r;
-            asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(f[2 * w + 1]), "f"(f[2 * w]));
+            const uint32_t r = cvt_bf16x2(f[2 * w], f[2 * w + 1]);
             words[w] = r;
             nan_halves |= ((r & 0x7fff7fffu) + 0x007f007fu) & 0x80008000u;
         }

@@ -3,15 +3,14 @@
 // still build for sm_80, PTX and HIP; kernels guard their Hopper bodies the same way.
 #pragma once
 
+#include "cp_async.cuh"
 #include "portability.cuh"
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 namespace batchinv {
 namespace hopper {
 
-__device__ __forceinline__ uint32_t smem_address(const void* pointer) {
-    return static_cast<uint32_t>(__cvta_generic_to_shared(pointer));
-}
+using batchinv::smem_address;  // common/cp_async.cuh
 
 // Shared-memory matrix descriptor for a tile written by TMA with 128-byte swizzling, 8-row
 // core groups 1024 bytes apart.  K-major (rows of 64 bf16/f16, 128 bytes): the leading byte
@@ -67,6 +66,12 @@ __device__ __forceinline__ void tma_load_2d(void* destination, const TensorMap& 
         : "memory");
 }
 
+// Orders this thread's generic-proxy accesses to shared memory (cp.async writes, plain stores
+// and reads) before later async-proxy ones (wgmma operand reads, TMA and bulk-copy writes).
+__device__ __forceinline__ void fence_proxy_async_shared() {
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+}
+
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
 template <int Pending>
@@ -81,10 +86,11 @@ __device__ __forceinline__ void fence_operands(float* r) {
 #pragma unroll
     for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i])::"memory");
 }
-// The same for a 16-bit A operand held as mma.sync's four 4-register fragments.
-__device__ __forceinline__ void fence_registers(uint32_t (&r)[4][4]) {
+// The same for a 16-bit register A operand: N k16 steps of mma.sync's 4-register fragments.
+template <int N>
+__device__ __forceinline__ void fence_registers(uint32_t (&r)[N][4]) {
 #pragma unroll
-    for (int i = 0; i < 4; ++i)
+    for (int i = 0; i < N; ++i)
 #pragma unroll
         for (int j = 0; j < 4; ++j) asm volatile("" : "+r"(r[i][j])::"memory");
 }
