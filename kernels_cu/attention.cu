@@ -238,6 +238,24 @@ __device__ __forceinline__ void block_softmax(float (&s)[kScoreTiles][4], bool m
     }
 }
 
+// acc *= alpha of its row (alpha[0] for a thread's row g, alpha[1] for g + 8); the upper row's
+// half only where the warp has a real row there (hi_rows).
+template <int NT>
+__device__ __forceinline__ void rescale_acc(float (&acc)[NT][4], const float (&alpha)[2], bool hi_rows) {
+#pragma unroll
+    for (int t = 0; t < NT; ++t) {
+        acc[t][0] = __fmul_rn(acc[t][0], alpha[0]);
+        acc[t][1] = __fmul_rn(acc[t][1], alpha[0]);
+    }
+    if (hi_rows) {
+#pragma unroll
+        for (int t = 0; t < NT; ++t) {
+            acc[t][2] = __fmul_rn(acc[t][2], alpha[1]);
+            acc[t][3] = __fmul_rn(acc[t][3], alpha[1]);
+        }
+    }
+}
+
 // The tile kernels keep one K buffer and one V buffer (py/batchinv/gpu/attention.py
 // TILE_STAGES = 1 block) and split their loads as FlashAttention-2 does: V of block j loads
 // while S_j = Q K_j^T and its softmax run, K of block j + 1 while P_j V_j runs.
@@ -388,18 +406,7 @@ __device__ __forceinline__ void attn_tile(const Params& p) {
         float alpha[2];
         uint32_t pa[kPvSteps][4];  // P as A fragments of the eight k16 steps of PV
         block_softmax<Codec>(s, masked, hi_rows, key0, c, vis_end, p.scale_log2, m, l, empty, alpha, pa);
-#pragma unroll
-        for (int t = 0; t < NT; ++t) {
-            acc[t][0] = __fmul_rn(acc[t][0], alpha[0]);
-            acc[t][1] = __fmul_rn(acc[t][1], alpha[0]);
-        }
-        if (hi_rows) {
-#pragma unroll
-            for (int t = 0; t < NT; ++t) {
-                acc[t][2] = __fmul_rn(acc[t][2], alpha[1]);
-                acc[t][3] = __fmul_rn(acc[t][3], alpha[1]);
-            }
-        }
+        rescale_acc(acc, alpha, hi_rows);
         // A row with no visible key here adds only zero products; P = 0 could still turn an
         // acc of -0 into +0, so those signs are remembered and restored (warp-uniform branch).
         // (Padding rows are always empty and never written: they do not need the fix-up.)
@@ -757,18 +764,7 @@ __device__ __forceinline__ void attn_split_coop(const Params& p, [[maybe_unused]
         float alpha[2];
         uint32_t pa[kPvSteps][4];
         block_softmax<Codec>(s, masked, hi_rows, key0, c, vis_end, p.scale_log2, m, l, empty, alpha, pa);
-#pragma unroll
-        for (int t = 0; t < kOutTiles; ++t) {
-            acc[t][0] = __fmul_rn(acc[t][0], alpha[0]);
-            acc[t][1] = __fmul_rn(acc[t][1], alpha[0]);
-        }
-        if (hi_rows) {
-#pragma unroll
-            for (int t = 0; t < kOutTiles; ++t) {
-                acc[t][2] = __fmul_rn(acc[t][2], alpha[1]);
-                acc[t][3] = __fmul_rn(acc[t][3], alpha[1]);
-            }
-        }
+        rescale_acc(acc, alpha, hi_rows);
         const bool any_empty =
             __any_sync(0xffffffffu, (empty[0] && row_q[0] >= 0) || (empty[1] && row_q[1] >= 0));
         uint32_t negzero = 0;  // kOutTiles * 4 <= 32 bits

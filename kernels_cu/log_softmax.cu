@@ -318,42 +318,6 @@ __device__ __forceinline__ void write_output(typename OutCodec::storage* out, co
     store_group_of_warp<OutCodec, kStream>(out, o, group, vocab, vector, whole_warp);
 }
 
-// Pass 1 of a one-CTA row (forward: x and its (m, l) state; backward: grad_out and its sum):
-// thread t folds its groups g = t + k * T in increasing k into acc = fold(acc, group, valid),
-// keeping the first R in `regs` and caching the next ones in shared memory (`tier`) up to
-// `cached` per thread; past the registers, kUnroll groups are loaded before their first use.
-template <typename Codec, int T, int R, int kUnroll, typename Acc, typename Fold>
-__device__ __forceinline__ void first_pass(Group<Codec> (&regs)[R], const typename Codec::storage* row, int groups,
-                                           int64_t vocab, bool vector, int cached, uint4* tier, Acc& acc, Fold fold) {
-    const int t = threadIdx.x;
-#pragma unroll
-    for (int k = 0; k < R; ++k) {
-        const int g = t + k * T;
-        if (g < groups) load_group(regs[k], row, g, vocab, vector);
-    }
-#pragma unroll
-    for (int k = 0; k < R; ++k) {
-        const int g = t + k * T;
-        if (g < groups) acc = fold(acc, regs[k], valid_in(g, vocab));
-    }
-    for (int k0 = R; t + k0 * T < groups; k0 += kUnroll) {
-        Group<Codec> buf[kUnroll];
-#pragma unroll
-        for (int u = 0; u < kUnroll; ++u) {
-            const int g = t + (k0 + u) * T;
-            if (g < groups) load_group(buf[u], row, g, vocab, vector);
-        }
-#pragma unroll
-        for (int u = 0; u < kUnroll; ++u) {
-            const int k = k0 + u;
-            const int g = t + k * T;
-            if (g >= groups) continue;
-            if (k < cached) smem_put(tier, (k - R) * T + t, buf[u]);
-            acc = fold(acc, buf[u], valid_in(g, vocab));
-        }
-    }
-}
-
 struct ForwardArgs {
     void* out;
     float* lse;
@@ -386,10 +350,32 @@ __device__ __forceinline__ void forward(const ForwardArgs& a) {
     // Pass 1: load, cache and merge the thread's groups in increasing index.
     State st{-INFINITY, 0.0f};
     Group<InCodec> regs[R];
-    first_pass<InCodec, T, R, kUnroll>(regs, x, groups, vocab, vector, cached, tier, st,
-                                       [](State s, const Group<InCodec>& g, int valid) {
-                                           return merge(s, group_state(g, valid));
-                                       });
+#pragma unroll
+    for (int k = 0; k < R; ++k) {
+        const int g = t + k * T;
+        if (g < groups) load_group(regs[k], x, g, vocab, vector);
+    }
+#pragma unroll
+    for (int k = 0; k < R; ++k) {
+        const int g = t + k * T;
+        if (g < groups) st = merge(st, group_state(regs[k], valid_in(g, vocab)));
+    }
+    for (int k0 = R; t + k0 * T < groups; k0 += kUnroll) {
+        Group<InCodec> buf[kUnroll];
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+            const int g = t + (k0 + u) * T;
+            if (g < groups) load_group(buf[u], x, g, vocab, vector);
+        }
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+            const int k = k0 + u;
+            const int g = t + k * T;
+            if (g >= groups) continue;
+            if (k < cached) smem_put(tier, (k - R) * T + t, buf[u]);
+            st = merge(st, group_state(buf[u], valid_in(g, vocab)));
+        }
+    }
     st = block_merge<T>(st, warp_states);
     const float lse = ieee_add(st.m, logf(st.l));
     if (a.lse != nullptr && t == 0) a.lse[row] = lse;
@@ -471,9 +457,32 @@ __device__ __forceinline__ void backward(const BackwardArgs& a) {
 
     float sum = 0.0f;
     Group<OutCodec> regs[R];
-    first_pass<OutCodec, T, R, kBackwardUnroll>(
-        regs, grad_out, groups, vocab, vector, cached, tier, sum,
-        [](float acc, const Group<OutCodec>& g, int valid) { return group_sum(g, valid, acc); });
+#pragma unroll
+    for (int k = 0; k < R; ++k) {
+        const int g = t + k * T;
+        if (g < groups) load_group(regs[k], grad_out, g, vocab, vector);
+    }
+#pragma unroll
+    for (int k = 0; k < R; ++k) {
+        const int g = t + k * T;
+        if (g < groups) sum = group_sum(regs[k], valid_in(g, vocab), sum);
+    }
+    for (int k0 = R; t + k0 * T < groups; k0 += kBackwardUnroll) {
+        Group<OutCodec> buf[kBackwardUnroll];
+#pragma unroll
+        for (int u = 0; u < kBackwardUnroll; ++u) {
+            const int g = t + (k0 + u) * T;
+            if (g < groups) load_group(buf[u], grad_out, g, vocab, vector);
+        }
+#pragma unroll
+        for (int u = 0; u < kBackwardUnroll; ++u) {
+            const int k = k0 + u;
+            const int g = t + k * T;
+            if (g >= groups) continue;
+            if (k < cached) smem_put(tier, (k - R) * T + t, buf[u]);
+            sum = group_sum(buf[u], valid_in(g, vocab), sum);
+        }
+    }
     const float dy_sum = block_sum<T>(sum, warp_sums);
 
 #pragma unroll

@@ -84,17 +84,6 @@ __device__ __forceinline__ void head_pointers(const Args& a, int64_t token, int6
     }
 }
 
-// Vector unit `unit` (E elements of each half of one head, units_per_head per head): the
-// pointers of its head; returns the unit's first element in the half.
-template <int E, typename S>
-__device__ __forceinline__ int unit_pointers(const Args& a, int64_t token, int unit, int units_per_head,
-                                             const S*& src, S*& dst) {
-    const int head = unit / units_per_head;
-    const int j = (unit - head * units_per_head) * E;
-    head_pointers(a, token, head, src, dst);
-    return j;
-}
-
 template <typename Codec, typename Index>
 __device__ __forceinline__ void rope_token(const Args& a) {
     using S = typename Codec::storage;
@@ -142,9 +131,11 @@ __device__ __forceinline__ void rope_token(const Args& a) {
             for (int u = 0; u < kUnroll; ++u) {
                 const int unit = base + u * kThreads;
                 if (unit >= units) continue;
+                const int head = unit / units_per_head;
+                const int j = (unit - head * units_per_head) * E;
                 const S* src;
                 S* dst;
-                const int j = unit_pointers<E>(a, token, unit, units_per_head, src, dst);
+                head_pointers(a, token, head, src, dst);
                 load_chunk(x1[u], src + j);
                 load_chunk(x2[u], src + half + j);
             }
@@ -152,9 +143,11 @@ __device__ __forceinline__ void rope_token(const Args& a) {
             for (int u = 0; u < kUnroll; ++u) {
                 const int unit = base + u * kThreads;
                 if (unit >= units) continue;
+                const int head = unit / units_per_head;
+                const int j = (unit - head * units_per_head) * E;
                 const S* src;
                 S* dst;
-                const int j = unit_pointers<E>(a, token, unit, units_per_head, src, dst);
+                head_pointers(a, token, head, src, dst);
                 float o1[E], o2[E];
 #pragma unroll
                 for (int e = 0; e < E; ++e) {
