@@ -32,22 +32,11 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from bench_qwen3_e2e import QWEN3_8B
 
 GOAL = 0.9
 CASES = ((1, 4096), (8, 4096), (64, 4096), (256, 4096), (1, 32768))
 MAX_LAYERS = 36
-QWEN3_8B = dict(
-    vocab_size=151936,
-    hidden_size=4096,
-    intermediate_size=12288,
-    num_attention_heads=32,
-    num_key_value_heads=8,
-    head_dim=128,
-    rms_norm_eps=1e-6,
-    rope_theta=1_000_000.0,
-    max_position_embeddings=40960,
-    tie_word_embeddings=False,
-)
 STEPS = 30  # timed steps per path (the context grows by as many tokens)
 
 

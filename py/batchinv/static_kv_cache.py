@@ -71,7 +71,7 @@ class DeviceStatus:
 
 class StaticKVCache:
     """Per-layer key/value storage for ``slots`` sequences of up to ``capacity`` tokens each,
-    with device lengths; ``layer(i)`` is the view the model's attention of layer ``i`` uses."""
+    with device lengths; ``layers()[i]`` is the view the model's attention of layer ``i`` uses."""
 
     def __init__(
         self,
@@ -133,11 +133,6 @@ class StaticKVCache:
     @property
     def device(self) -> torch.device:
         return self.k.device
-
-    def layer(self, index: int) -> StaticKVLayer:
-        if not 0 <= index < self.num_layers:
-            raise IndexError(f"{self.name}: layer {index} is outside [0, {self.num_layers})")
-        return StaticKVLayer(self, index)
 
     def layers(self) -> list[StaticKVLayer]:
         return [StaticKVLayer(self, i) for i in range(self.num_layers)]
