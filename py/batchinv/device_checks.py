@@ -47,11 +47,17 @@ def word(device: torch.device) -> Tensor:
     return found
 
 
-def deferring() -> bool:
-    """Whether a value check must not sync now: under CUDA-graph capture or ``deferred()``."""
-    return getattr(_local, "deferred", 0) > 0 or (
-        torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
-    )
+def deferring(device: torch.device | None = None) -> bool:
+    """Whether a value check must not sync now: under CUDA-graph capture or ``deferred()``.
+
+    Given the op's ``device``, an eager call also allocates that device's word: torch.compile's
+    CUDA graphs (``mode="reduce-overhead"``) run each op eagerly before capturing it, and the
+    capture then finds the word it cannot allocate itself.
+    """
+    capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+    if device is not None and not capturing:
+        word(device)
+    return capturing or getattr(_local, "deferred", 0) > 0
 
 
 @contextlib.contextmanager

@@ -157,14 +157,18 @@ def check_embedding_args(ids: Tensor, weight: Tensor, *, check_values: bool = Tr
 # ----------------------------------------------------------------------------- rms_norm
 
 
+_FP32_ROUNDS_TO_ZERO = 2.0**-150
+
+
 def check_eps(eps: object) -> None:
     """``eps`` must be a Python number, finite, and > 0 after rounding to fp32."""
     if isinstance(eps, bool) or not isinstance(eps, int | float):
         raise TypeError(f"eps must be a Python float, got {type(eps).__name__}")
     if not math.isfinite(eps) or eps <= 0:
         raise ValueError(f"eps must be a finite number > 0, got {eps!r}")
-    # An eps that rounds to 0 in fp32 would give 0/0 = NaN on an all-zero row.
-    if float(torch.tensor(eps, dtype=torch.float32)) == 0.0:
+    # An eps that rounds to 0 in fp32 would give 0/0 = NaN on an all-zero row: one at most
+    # half the smallest fp32 subnormal (2**-149) does (the tie rounds to the even 0).
+    if eps <= _FP32_ROUNDS_TO_ZERO:
         raise ValueError(f"eps must be > 0 in float32, got {eps!r} which rounds to 0")
 
 

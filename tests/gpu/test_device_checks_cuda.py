@@ -80,3 +80,42 @@ def test_eager_calls_inside_deferred_do_not_raise_until_asked():
     assert torch.isnan(out[1].float()).all()
     with pytest.raises(IndexError, match="embedding"):
         device_checks.raise_device_errors()
+
+
+def test_an_eager_call_readies_the_word_for_a_later_capture(monkeypatch):
+    # torch.compile's CUDA graphs run an op eagerly (checks at once), then capture it: the
+    # capture must find the word the eager call allocated, not raise for want of one.
+    monkeypatch.setattr(device_checks, "_words", {})
+    table = torch.randn(100, 64, device="cuda", dtype=torch.bfloat16)
+    ids = torch.tensor([3, 7, 99], device="cuda")
+    want = batchinv.embedding(ids, table)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = batchinv.embedding(ids, table)
+    graph.replay()
+    device_checks.raise_device_errors()
+    assert_bitwise_equal(out, want)
+
+
+def test_reduce_overhead_compile_of_the_checked_ops():
+    # The three ops with value checks under torch.compile's CUDA graphs, first call included.
+    table = torch.randn(1000, 128, device="cuda", dtype=torch.bfloat16)
+    heads_q = torch.randn(4 * 128, 128, device="cuda", dtype=torch.bfloat16) / 16
+
+    def step(ids, positions):
+        hidden = batchinv.embedding(ids, table)
+        q = batchinv.linear(hidden, heads_q).view(-1, 4, 128)
+        q_rot, _ = batchinv.rope(q, q[:, :1], positions, theta=1e6, max_position=64)
+        return batchinv.token_logprobs(q_rot.reshape(-1, 128), table, ids.repeat_interleave(4))
+
+    ids = torch.tensor([3, 7, 99, 0], device="cuda")
+    positions = torch.tensor([0, 5, 9, 11], device="cuda")
+    compiled = torch.compile(step, mode="reduce-overhead", fullgraph=True)
+    for _ in range(3):  # warm-up, capture, replay
+        got = compiled(ids, positions).clone()
+    device_checks.raise_device_errors()
+    assert_bitwise_equal(got, step(ids, positions))
+    positions[1] = 64
+    compiled(ids, positions)
+    with pytest.raises(IndexError, match="rope: position_ids"):
+        device_checks.raise_device_errors()

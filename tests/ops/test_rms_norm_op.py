@@ -90,6 +90,19 @@ def test_bad_input_names_the_argument():
         batchinv.fused_add_rms_norm(x, x[:1], weight, EPS)
 
 
+@pytest.mark.parametrize("eps", [1e-46, 2.0**-150])
+def test_eps_that_rounds_to_zero_in_fp32_is_refused(eps):
+    assert float(torch.tensor(eps, dtype=torch.float32)) == 0.0  # what the check stands for
+    x, weight = _case((2, 8), torch.float32)
+    with pytest.raises(ValueError, match="rounds to 0"):
+        batchinv.rms_norm(x, weight, eps)
+
+
+def test_smallest_fp32_eps_is_accepted():
+    x, weight = _case((2, 8), torch.float32)
+    batchinv.rms_norm(x, weight, 2.0**-149)
+
+
 def test_inputs_are_not_mutated():
     x, weight = _case((3, 8), torch.bfloat16)
     residual = x.flip(0)

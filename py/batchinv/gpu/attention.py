@@ -702,6 +702,9 @@ def _padded_layout(q, k, v, q_len, k_len, key_padding_mask):
     a mask."""
     batch, sq = q.shape[:2]
     sk = k.shape[1]
+    if q_len is None and k_len is None and key_padding_mask is None:
+        if not torch.cuda.is_current_stream_capturing():
+            return k, v, _full_layout(batch, sq, sk, q.device), None
     q_len = _full(batch, sq) if q_len is None else q_len
     k_len = _full(batch, sk) if k_len is None else k_len
     index = None
@@ -713,6 +716,22 @@ def _padded_layout(q, k, v, q_len, k_len, key_padding_mask):
         _host_arange(batch, sq), q_len, _host_arange(batch, sk), k_len, sq, sk, device=q.device
     )
     return k, v, layout, index
+
+
+@functools.lru_cache(maxsize=64)
+def _full_layout(batch: int, sq: int, sk: int, device: torch.device) -> Layout:
+    """The layout of a call without lengths or mask, built once per shape: its upload is most
+    of a small call's host time, and a layout is never written after it is made.  Not used
+    under capture, whose allocations belong to the graph's pool."""
+    return make_layout(
+        _host_arange(batch, sq),
+        _full(batch, sq),
+        _host_arange(batch, sk),
+        _full(batch, sk),
+        sq,
+        sk,
+        device=device,
+    )
 
 
 def _varlen_layout(cu_q: Tensor, cu_k: Tensor, device: torch.device) -> Layout:

@@ -58,7 +58,7 @@ def launch_forward(ids: Tensor, weight: Tensor) -> tuple[Tensor, Tensor]:
 
 def forward(ids: Tensor, weight: Tensor, check_ids: bool = True) -> Tensor:
     out, first_bad = launch_forward(ids, weight)
-    if check_ids and device_checks.deferring():  # CUDA-graph capture: no sync allowed
+    if check_ids and device_checks.deferring(out.device):  # CUDA-graph capture: no sync allowed
         device_checks.record(device_checks.EMBEDDING_IDS, first_bad != -1)
     elif check_ids:
         position = int(first_bad.item())  # the one synchronisation: bad ids must raise here

@@ -126,7 +126,7 @@ def forward(
     q_rot, k_rot, first_bad = launch_rotation(
         q, k, position_ids, theta, max_position, inverse=False, want_flag=check_positions
     )
-    if check_positions and position_ids.numel() > 0 and device_checks.deferring():
+    if check_positions and position_ids.numel() > 0 and device_checks.deferring(q_rot.device):
         device_checks.record(device_checks.ROPE_POSITIONS, first_bad != -1)
     elif check_positions and position_ids.numel() > 0:
         token = int(first_bad.item())  # the one synchronisation: a bad position must raise here

@@ -173,7 +173,7 @@ def forward(
     )
     if not check_targets:
         return logprob, lse, entropy, targets32
-    if device_checks.deferring():  # CUDA-graph capture: no sync allowed
+    if device_checks.deferring(logprob.device):  # CUDA-graph capture: no sync allowed
         device_checks.record(device_checks.TOKEN_LOGPROBS_TARGETS, first_bad != tokens)
         return logprob, lse, entropy, targets32
     position = int(first_bad.item())  # the one synchronisation: a bad id must raise here

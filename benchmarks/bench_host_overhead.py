@@ -1,0 +1,225 @@
+"""Host time of one eager call of each public op at decode shapes, against its torch equivalent.
+
+At 1-64 rows a kernel takes a few microseconds and an eager call's time is the host's: Python
+checks, dispatch and the launches.  Each row times ``CALLS`` back-to-back calls without a
+synchronisation; the time until the calls return, per call, is the host time launch to
+launch (the GPU never holds the host back: fewer launches than the queue holds).  The wall
+time (after the final synchronize) is printed beside it.  Goal: a batchinv call costs at most
+1.5x the host time of the torch code a user would write instead (ratio >= 1 / 1.5).
+
+Ops whose default checks read values back (``embedding``'s id check, ``rope``'s position
+check) synchronise once per call by design; they are measured with the check (the default)
+and without it (``check_ids=False`` / ``check_positions=False``), each row labelled.
+
+``--profile DIR`` also writes a cProfile table per batchinv op (the functions the host time
+goes to).
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import pstats
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from _common import report, require_cuda, summary_row
+
+import batchinv
+from batchinv.host_syncs import host_and_wall_seconds
+
+ROWS = (1, 8, 64)
+HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTERMEDIATE, VOCAB = 4096, 32, 8, 128, 12288, 151936
+CONTEXT = 256  # keys per sequence in the attention rows: small, so the host dominates
+THETA = 1_000_000.0
+EPS = 1e-6
+CALLS, WARMUP, ROUNDS = 200, 50, 5
+GOAL = 1 / 1.5
+
+
+def _rotate_half(x):
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _cases(rows: int, device: torch.device):
+    """(op, variant, batchinv call, torch call, torch code) for ``rows`` rows."""
+    bf16 = dict(device=device, dtype=torch.bfloat16)
+    x = torch.randn(rows, HIDDEN, **bf16)
+    residual = torch.randn(rows, HIDDEN, **bf16)
+    norm_w = torch.randn(HIDDEN, **bf16)
+    w = torch.randn(HIDDEN, HIDDEN, **bf16) / 64
+    gate, up = torch.randn(rows, INTERMEDIATE, **bf16), torch.randn(rows, INTERMEDIATE, **bf16)
+    table = torch.randn(VOCAB, HIDDEN, **bf16)
+    ids = torch.randint(0, VOCAB, (rows,), device=device)
+    q = torch.randn(rows, 1, HEADS, HEAD_DIM, **bf16)
+    k1 = torch.randn(rows, 1, KV_HEADS, HEAD_DIM, **bf16)
+    positions = torch.randint(0, 4096, (rows, 1), device=device)
+    inv_freq = 1.0 / THETA ** (torch.arange(0, HEAD_DIM, 2, device=device).float() / HEAD_DIM)
+    angles = torch.outer(torch.arange(40960, device=device).float(), inv_freq)
+    cos_table = torch.cat((angles, angles), -1).cos().to(torch.bfloat16)
+    sin_table = torch.cat((angles, angles), -1).sin().to(torch.bfloat16)
+    k = torch.randn(rows, CONTEXT, KV_HEADS, HEAD_DIM, **bf16)
+    v = torch.randn(rows, CONTEXT, KV_HEADS, HEAD_DIM, **bf16)
+    logits = torch.randn(rows, VOCAB, **bf16)
+    targets = torch.randint(0, VOCAB, (rows,), device=device)
+
+    def torch_rope():
+        cos, sin = cos_table[positions].unsqueeze(2), sin_table[positions].unsqueeze(2)
+        return q * cos + _rotate_half(q) * sin, k1 * cos + _rotate_half(k1) * sin
+
+    def torch_token_logprobs():
+        logp = torch.log_softmax(F.linear(x, table).float(), dim=-1)
+        return logp.gather(-1, targets[:, None]).squeeze(-1)
+
+    qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    rope = dict(theta=THETA)
+    return [
+        (
+            "rms_norm",
+            "",
+            lambda: batchinv.rms_norm(x, norm_w, EPS),
+            lambda: F.rms_norm(x, (HIDDEN,), norm_w, EPS),
+            "F.rms_norm",
+        ),
+        (
+            "fused_add_rms_norm",
+            "",
+            lambda: batchinv.fused_add_rms_norm(x, residual, norm_w, EPS),
+            lambda: F.rms_norm(x + residual, (HIDDEN,), norm_w, EPS),
+            "x + residual; F.rms_norm",
+        ),
+        (
+            "linear",
+            f"{HIDDEN}x{HIDDEN}",
+            lambda: batchinv.linear(x, w),
+            lambda: F.linear(x, w),
+            "F.linear",
+        ),
+        (
+            "silu_mul",
+            "",
+            lambda: batchinv.silu_mul(gate, up),
+            lambda: F.silu(gate) * up,
+            "F.silu(gate) * up",
+        ),
+        (
+            "embedding",
+            "check_ids=True (default)",
+            lambda: batchinv.embedding(ids, table),
+            lambda: F.embedding(ids, table),
+            "F.embedding",
+        ),
+        (
+            "embedding",
+            "check_ids=False",
+            lambda: batchinv.embedding(ids, table, check_ids=False),
+            lambda: F.embedding(ids, table),
+            "F.embedding",
+        ),
+        (
+            "rope",
+            "check_positions=True (default)",
+            lambda: batchinv.rope(q, k1, positions, **rope),
+            torch_rope,
+            "HF rotate_half on cos/sin tables",
+        ),
+        (
+            "rope",
+            "check_positions=False",
+            lambda: batchinv.rope(q, k1, positions, check_positions=False, **rope),
+            torch_rope,
+            "HF rotate_half on cos/sin tables",
+        ),
+        (
+            "attention",
+            f"decode, {CONTEXT} keys",
+            lambda: batchinv.attention(q, k, v),
+            lambda: F.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True),
+            "F.scaled_dot_product_attention (GQA)",
+        ),
+        (
+            "log_softmax",
+            f"vocab {VOCAB}",
+            lambda: batchinv.log_softmax(logits),
+            lambda: torch.log_softmax(logits, -1, dtype=torch.float32),
+            "torch.log_softmax(dtype=fp32)",
+        ),
+        (
+            "token_logprobs",
+            f"vocab {VOCAB}",
+            lambda: batchinv.token_logprobs(x, table, targets),
+            torch_token_logprobs,
+            "F.linear; log_softmax; gather",
+        ),
+    ]
+
+
+def _best_host_us(fn) -> tuple[float, float]:
+    """(host, wall) microseconds per call: the best of ``ROUNDS`` rounds (the least disturbed)."""
+    runs = [host_and_wall_seconds(fn, CALLS, warmup=WARMUP) for _ in range(ROUNDS)]
+    host, wall = min(runs)
+    return host * 1e6, wall * 1e6
+
+
+def _profile(fn, path: Path) -> None:
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(CALLS):
+        fn()
+    profiler.disable()
+    torch.cuda.synchronize()
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(25)
+    path.write_text(text.getvalue())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", type=Path, default=None, help="also write the results here")
+    parser.add_argument("--profile", type=Path, default=None, help="cProfile tables to this dir")
+    args = parser.parse_args()
+    device = require_cuda()
+    torch.manual_seed(0)
+    rows_out, summary = [], []
+    for rows in ROWS:
+        for op, variant, ours, theirs, anchor in _cases(rows, device):
+            ours_host, ours_wall = _best_host_us(ours)
+            torch_host, torch_wall = _best_host_us(theirs)
+            case = f"rows {rows}" + (f", {variant}" if variant else "")
+            rows_out.append(
+                {
+                    "op": op,
+                    "case": case,
+                    "batchinv_host_us": ours_host,
+                    "batchinv_wall_us": ours_wall,
+                    "torch_host_us": torch_host,
+                    "torch_wall_us": torch_wall,
+                    "torch_code": anchor,
+                    "ratio": torch_host / ours_host,
+                }
+            )
+            summary.append(
+                summary_row(
+                    op,
+                    case,
+                    "eager host time per call",
+                    ours_host / 1e3,
+                    f"{anchor} (host time)",
+                    torch_host / 1e3,
+                    GOAL,
+                )
+            )
+            if args.profile is not None and rows == ROWS[-1]:
+                args.profile.mkdir(parents=True, exist_ok=True)
+                name = f"{op}_{variant.split(' ')[0] or 'default'}".replace("=", "_")
+                _profile(ours, args.profile / f"{name}.txt")
+    columns = ["op", "case", "batchinv_host_us", "torch_host_us", "ratio"]
+    columns += ["batchinv_wall_us", "torch_wall_us", "torch_code"]
+    report("host overhead per eager call", rows_out, columns, args.json, summary)
+
+
+if __name__ == "__main__":
+    main()
