@@ -204,12 +204,23 @@ def test_an_unavailable_algorithm(monkeypatch, unavailable, message):
 def test_inside_a_capture_an_unchecked_shape_takes_batchinv_kernels(monkeypatch):
     fake = FakeCublasLt(monkeypatch)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+
+    def no_library_in_a_capture(index):  # loading it synchronises
+        raise AssertionError("cuBLASLt must not be loaded inside a capture")
+
+    monkeypatch.setattr(lc, "_library_error", no_library_in_a_capture)
+    monkeypatch.setattr(lc, "_plan", no_library_in_a_capture)
     with pytest.warns(RuntimeWarning, match="outside the capture"):
         assert gpu_linear.rows_path(MIN, _weight(), has_bias=False) == "own"
     assert fake.self_checks == 0
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(lc, "_library_error", lambda index: None)
+    monkeypatch.setattr(lc, "_plan", lambda *args: "plan")
     assert gpu_linear.rows_path(MIN, _weight(), has_bias=False) == "cublaslt"
     assert fake.self_checks == 1
+    # Once checked, a capture may take the pinned path (planning is host-only).
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    assert gpu_linear.rows_path(2 * MIN, _weight(), has_bias=False) == "cublaslt"
 
 
 # ------------------------------------------------------------------------- the self-check

@@ -267,6 +267,10 @@ def _refusal(m: int, weight: Tensor, batchinv_matmul: Callable) -> str | None:
         return f"it takes bf16 or fp16, not {dtype}"
     if not uses_hopper(device):
         return "it needs an sm_90 GPU and a build with the sm_90a image"
+    key = (device.index, n, k, dtype)
+    if key not in _CHECKED and torch.cuda.is_current_stream_capturing():
+        # Loading the library and the self-check synchronise, which a capture forbids.
+        return "its self-check for this shape has not run (call once outside the capture)"
     error = _library_error(device.index)
     if error is not None:
         return error
@@ -276,11 +280,7 @@ def _refusal(m: int, weight: Tensor, batchinv_matmul: Callable) -> str | None:
         return f"cuBLASLt cannot describe the product ({error})"
     if plan is None:
         return f"cublasLtMatmulAlgoCheck refuses the pinned algorithm for M = {m}"
-    key = (device.index, n, k, dtype)
     if key not in _CHECKED:
-        if torch.cuda.is_current_stream_capturing():
-            # The self-check reads its result on the host, which a capture forbids.
-            return "its self-check for this shape has not run (call once outside the capture)"
         _CHECKED[key] = _self_check(weight, batchinv_matmul)
     return _CHECKED[key]
 
