@@ -236,16 +236,33 @@ def _self_check(weight: Tensor, batchinv_matmul: Callable) -> str | None:
         if plan is None:
             return f"cublasLtMatmulAlgoCheck refuses the pinned algorithm for the {m}-row probe"
         rows = probe(m, k, dtype, device)
-        ours = batchinv_matmul(rows, weight, family="hopper").view(torch.int16)
+        ours = batchinv_matmul(rows, weight, family="hopper")
         theirs = _run(rows, weight, torch.empty(m, n, dtype=dtype, device=device), plan)
-        theirs = theirs.view(torch.int16)
-        if not torch.equal(ours, theirs):
-            rows_differing = int((ours != theirs).any(dim=1).sum())
-            return (
-                f"its bits differ from batchinv's kernels in {rows_differing} of the {m} rows "
-                "of a self-check probe"
-            )
+        if not torch.equal(ours.view(torch.int16), theirs.view(torch.int16)):
+            return _difference(ours, theirs)
     return None
+
+
+def _difference(ours: Tensor, theirs: Tensor) -> str:
+    """How a probe's two results differ, NaN payloads told apart (the comparator counts two
+    NaNs with different bits as different)."""
+    ours_bits, theirs_bits = ours.view(torch.int16), theirs.view(torch.int16)
+    differ = ours_bits != theirs_bits
+    both_nan = differ & ours.isnan() & theirs.isnan()
+    rows_differing = int(differ.any(dim=1).sum())
+    detail = f"differing elements: {int(differ.sum())}"
+    nan_pairs = int(both_nan.sum())
+    if nan_pairs:
+        index = both_nan.nonzero()[0]
+        example = tuple(int(t[index[0], index[1]]) & 0xFFFF for t in (ours_bits, theirs_bits))
+        detail += (
+            f", {nan_pairs} of them NaN on both paths with other bits "
+            f"(batchinv {example[0]:#06x}, cuBLASLt {example[1]:#06x})"
+        )
+    return (
+        f"its bits differ from batchinv's kernels in {rows_differing} of the {ours.shape[0]} "
+        f"rows of a self-check probe ({detail})"
+    )
 
 
 # ------------------------------------------------------------------------------ the decision
