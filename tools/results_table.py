@@ -65,7 +65,8 @@ def _ratio(value: object) -> str:
 
 
 def scope(row: dict) -> str:
-    """ "op", "kernel", or "unlabelled" (a row of a several-path op that names no path)."""
+    """What a summary row times: "op", "kernel", or "unlabelled" (a row of an op with several
+    paths that names none)."""
     if row.get("op") in PATH_VARIANTS and not row.get("ran"):
         return "unlabelled"
     if row.get("scope") in ("op", "kernel"):
