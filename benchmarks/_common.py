@@ -10,11 +10,15 @@ Result file (``--json``), schema ``batchinv-bench/1``::
                      "date_utc"},
      "ratio_convention": str,
      "summary": [{"op", "case", "variant", "batchinv_ms", "anchor", "anchor_ms", "ratio",
-                  "goal"}, ...],
+                  "goal", ["scope", "ran"]}, ...],
      "rows": [...]}          # every measured path, columns specific to the benchmark
 
 ``summary`` holds one row per batchinv measurement against its anchor (see
-``RATIO_CONVENTION``); ``goal`` is the issue's target ratio for that row, or null.
+``RATIO_CONVENTION``); ``goal`` is the issue's target ratio for that row, or null.  Optional:
+``scope`` says what was timed, ``"op"`` (the public op as a user calls it) or ``"kernel"`` (below
+it: no checks, no autograd); ``ran`` names the path that served the measurement where an op has
+several (``linear``: batchinv's kernels or the pinned cuBLASLt algorithm).  A goal counts only
+on ``"op"`` rows (``tools/results_table.py``).
 """
 
 from __future__ import annotations
@@ -132,9 +136,15 @@ def summary_row(
     anchor: str,
     anchor_ms: float,
     goal: float | None = None,
+    *,
+    scope: str | None = None,
+    ran: str | None = None,
 ) -> dict:
-    """One row of the uniform ``summary`` list (``anchor_ms`` already for the same work)."""
-    return {
+    """One row of the uniform ``summary`` list (``anchor_ms`` already for the same work);
+    ``scope`` and ``ran`` are written only when given."""
+    if scope not in (None, "op", "kernel"):
+        raise ValueError(f"scope must be 'op' or 'kernel', got {scope!r}")
+    row = {
         "op": op,
         "case": case,
         "variant": variant,
@@ -144,6 +154,11 @@ def summary_row(
         "ratio": anchor_ms / batchinv_ms,
         "goal": goal,
     }
+    if scope is not None:
+        row["scope"] = scope
+    if ran is not None:
+        row["ran"] = ran
+    return row
 
 
 def copy_ms_for(copy_ms: float, copy_bytes: int, op_bytes: int) -> float:

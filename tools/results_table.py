@@ -4,10 +4,16 @@ Reads every ``benchmarks/results/*.json`` with a ``summary`` list (schema ``batc
 see ``benchmarks/_common.py``) and writes:
 
 - in ``README.md``, between ``<!-- results:begin -->`` and ``<!-- results:end -->``: one row
-  per (op, variant): its anchor, the range of ratios over the measured cases, the goal, and
-  how many cases meet it;
+  per (op, variant): what it times, its anchor, the range of ratios over the measured cases,
+  the goal, and how many cases meet it;
 - ``docs/results.md``: every summary row, grouped by benchmark file, with the card, commit and
   versions of the run that made it.
+
+A goal counts only on the public op: a row that times the kernels alone (``scope`` "kernel",
+or, in files without ``scope``, a variant naming a kernel or "no autograd") is quoted beside
+the op's rows, never counted.  An op with several GPU paths (``linear``: batchinv's kernels
+and the pinned cuBLASLt algorithm) must name the path that ran (``ran``); its rows without one
+count nothing, and each path's variant missing from the file shows as "not measured".
 
 Nothing in either table is typed by hand: rerun this after ``nox -s bench``.
 
@@ -26,6 +32,21 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 BEGIN, END = "<!-- results:begin -->", "<!-- results:end -->"
 
+# Ops with more than one GPU path: each path's summary variant (benchmarks/bench_linear.py's
+# VARIANTS), and the anchor and benchmark of those rows.
+PATH_VARIANTS = {
+    "linear": {
+        "variants": (
+            "forward, own kernels",
+            "forward, own kernels, CUDA graph",
+            "forward, pinned cuBLASLt",
+        ),
+        "anchor": "cuBLAS (torch.mm)",
+        "bench": "benchmarks/bench_linear.py",
+    }
+}
+SCOPE_LABELS = {"op": "public op", "kernel": "kernel only", "unlabelled": "path not recorded"}
+
 
 def load(results: Path) -> list[dict]:
     """The benchmark files that carry a summary, sorted by name."""
@@ -43,11 +64,35 @@ def _ratio(value: object) -> str:
     return f"{value:.2f}x"
 
 
+def scope(row: dict) -> str:
+    """What a summary row times: "op", "kernel", or "unlabelled" (a row of an op with several
+    paths that names none)."""
+    if row.get("op") in PATH_VARIANTS and not row.get("ran"):
+        return "unlabelled"
+    if row.get("scope") in ("op", "kernel"):
+        return row["scope"]
+    variant = row.get("variant", "")
+    return "kernel" if "kernel" in variant or "no autograd" in variant else "op"
+
+
 def _meets(row: dict) -> bool | None:
     goal, ratio = row.get("goal"), row.get("ratio")
     if goal is None or not isinstance(ratio, int | float):
         return None
     return ratio >= goal
+
+
+def _missing_variants(data: dict) -> list[tuple[str, str]]:
+    """(op, variant) of every path variant that an op with several paths should report but
+    this file lacks."""
+    ops = {row["op"] for row in data["summary"]}
+    present = {(row["op"], row["variant"]) for row in data["summary"]}
+    return [
+        (op, variant)
+        for op in sorted(ops & PATH_VARIANTS.keys())
+        for variant in PATH_VARIANTS[op]["variants"]
+        if (op, variant) not in present
+    ]
 
 
 def _run(environment: dict) -> str:
@@ -58,14 +103,15 @@ def _run(environment: dict) -> str:
 def summary_table(files: list[dict]) -> str:
     """One line per (op, variant): min-max ratio over its cases and how many meet the goal."""
     lines = [
-        "| op | variant | anchor | ratio (min-max) | goal | cases at goal | run |",
-        "|---|---|---|---|---|---|---|",
+        "| op | variant | times | anchor | ratio (min-max) | goal | cases at goal | run |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for data in files:
         groups: dict[tuple[str, str], list[dict]] = {}
         for row in data["summary"]:
             groups.setdefault((row["op"], row["variant"]), []).append(row)
         for (op, variant), rows in groups.items():
+            kind = scope(rows[0])
             ratios = [r["ratio"] for r in rows if isinstance(r.get("ratio"), int | float)]
             span = (
                 f"{_ratio(min(ratios))}-{_ratio(max(ratios))}"
@@ -77,10 +123,19 @@ def summary_table(files: list[dict]) -> str:
             verdicts = [_meets(r) for r in rows]
             judged = [v for v in verdicts if v is not None]
             at_goal = f"{sum(judged)} of {len(judged)}" if judged else "-"
+            if judged and kind != "op":
+                at_goal = f"not counted ({SCOPE_LABELS[kind]}: {at_goal})"
             anchors = ", ".join(dict.fromkeys(r["anchor"] for r in rows))
             lines.append(
-                f"| {op} | {variant} | {anchors} | {span} | {goal} | {at_goal} "
-                f"| {_run(data['environment'])} |"
+                f"| {op} | {variant} | {SCOPE_LABELS[kind]} | {anchors} | {span} | {goal} "
+                f"| {at_goal} | {_run(data['environment'])} |"
+            )
+        for op, variant in _missing_variants(data):
+            spec = PATH_VARIANTS[op]
+            anchor = spec["anchor"] + (", CUDA graph" if variant.endswith(", CUDA graph") else "")
+            lines.append(
+                f"| {op} | {variant} | public op | {anchor} | not measured | - | - "
+                f"| rerun `{spec['bench']}` |"
             )
     return "\n".join(lines)
 
@@ -92,9 +147,11 @@ def full_page(files: list[dict]) -> str:
         "",
         "Generated by `tools/results_table.py` from `benchmarks/results/*.json`; do not edit.",
         "ratio = anchor time / batchinv time for the same work, measured in the same run on the",
-        "same card (higher is better; 1.00x = as fast as the anchor). A row whose variant names",
-        'a kernel ("kernel", "no autograd") times the kernels alone; the other rows time the',
-        "public op as a user calls it.",
+        'same card (higher is better; 1.00x = as fast as the anchor). "times": the public op',
+        'as a user calls it, or the kernels alone (a variant naming a kernel or "no autograd");',
+        'a goal counts only on the public op. "ran": the path that served the row, for an op',
+        "with several (`linear`: batchinv's kernels or the pinned cuBLASLt algorithm); such an",
+        'op\'s rows without it are marked "path not recorded" and count nothing.',
     ]
     for data in files:
         env = data["environment"]
@@ -106,18 +163,29 @@ def full_page(files: list[dict]) -> str:
             f"{_run(env)}, driver {env.get('driver', 'unknown')}, {versions}; "
             f"{env.get('date_utc', 'undated')}.",
             "",
-            "| variant | case | batchinv ms | anchor | anchor ms | ratio | goal |",
-            "|---|---|---|---|---|---|---|",
+            "| variant | case | times | ran | batchinv ms | anchor | anchor ms | ratio | goal |",
+            "|---|---|---|---|---|---|---|---|---|",
         ]
         for row in data["summary"]:
-            goal = row.get("goal")
-            mark = {True: " (met)", False: " (missed)", None: ""}[_meets(row)]
+            goal, kind = row.get("goal"), scope(row)
+            verdict = _meets(row)
+            if verdict is None:
+                mark = ""
+            elif kind != "op":
+                mark = " (not counted)"
+            else:
+                mark = " (met)" if verdict else " (missed)"
             out.append(
-                f"| {row['variant']} | {row['case']} | {row.get('batchinv_ms', float('nan')):.4f} "
+                f"| {row['variant']} | {row['case']} | {SCOPE_LABELS[kind]} "
+                f"| {row.get('ran') or '-'} | {row.get('batchinv_ms', float('nan')):.4f} "
                 f"| {row['anchor']} | {row.get('anchor_ms', float('nan')):.4f} "
                 f"| {_ratio(row.get('ratio'))} | "
                 f"{'-' if goal is None else f'{goal:.2f}x'}{mark} |"
             )
+        missing = _missing_variants(data)
+        if missing:
+            names = ", ".join(f'{op} "{variant}"' for op, variant in missing)
+            out += ["", f"Not measured in this file: {names}."]
     return "\n".join(out) + "\n"
 
 

@@ -15,5 +15,11 @@ QWEN3_8B_LINEAR = (
 # plus 9 and 16, which sit on either side of the small-M kernel's switches (gpu/linear.py).
 LINEAR_M_SWEEP = (1, 2, 3, 9, 16, 17, 64, 65, 257, 1024, 4096, 8191)
 
+# Batches of the large-M invariance tests, up to the 16-64k rows a trainer recomputes: the
+# first batch on the pinned cuBLASLt path, then sizes that are no multiple of any tile.  Each
+# batch is compared at the rows below (both ends, tile and MIN_ROWS boundaries), not everywhere.
+LINEAR_LARGE_M = (1024, 4099, 16411, 32768)
+LINEAR_LARGE_M_ROWS = (0, 1, 127, 1023, 1024, 4098, 8191, 16410, 32767)
+
 # Token counts the linear benchmark reports (decode, small batch, prefill).
 LINEAR_BENCH_M = (1, 16, 64, 4096)

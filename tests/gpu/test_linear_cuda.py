@@ -10,6 +10,12 @@ import pytest
 import torch
 
 import batchinv
+from _linear_rows import (
+    LARGE_M_DTYPES,
+    LARGE_M_SHAPES,
+    forward_rows_match_rows_alone,
+    grad_x_rows_match_rows_alone,
+)
 from batchinv.contract import assert_bitwise_equal, assert_within_tolerance
 from batchinv.gpu import linear as gpu_linear
 from batchinv.reference.linear import linear_backward, linear_fp32
@@ -64,6 +70,20 @@ def test_grad_x_row_is_bitwise_the_same_for_every_m(name, k, n, dtype):
                 assert_bitwise_equal(
                     grad_x[i : i + 1], expected, name=f"{name} grad_x row {i} of M={m}"
                 )
+
+
+@pytest.mark.parametrize("dtype", LARGE_M_DTYPES, ids=str)
+@pytest.mark.parametrize("shape", LARGE_M_SHAPES, ids=[s[0] for s in LARGE_M_SHAPES])
+def test_large_m_forward_rows_on_own_kernels(shape, dtype):
+    """Up to 32768 rows (trainer recompute batches) on batchinv's kernels alone
+    (``set_linear_path("own")``); the pinned path's twin is in test_linear_cublaslt_cuda.py."""
+    forward_rows_match_rows_alone(shape, dtype, "own")
+
+
+@pytest.mark.parametrize("dtype", LARGE_M_DTYPES, ids=str)
+@pytest.mark.parametrize("shape", LARGE_M_SHAPES, ids=[s[0] for s in LARGE_M_SHAPES])
+def test_large_m_grad_x_rows_on_own_kernels(shape, dtype):
+    grad_x_rows_match_rows_alone(shape, dtype, "own")
 
 
 @pytest.mark.parametrize("scale", (1.0, 2.0**40), ids=("unit", "wide-exponent"))

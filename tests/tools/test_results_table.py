@@ -66,4 +66,60 @@ def test_goal_verdicts(results_table):
         }
     ]  # fmt: skip
     table = results_table.summary_table(files)
-    assert "| o | v | copy | 0.85x-0.95x | 0.90x | 1 of 2 | G, `abcdef0` |" in table
+    assert "| o | v | public op | copy | 0.85x-0.95x | 0.90x | 1 of 2 | G, `abcdef0` |" in table
+
+
+def _file(*summary: dict) -> dict:
+    return {"name": "x.json", "environment": {"gpu": "G", "commit": "abcdef0"}, "summary": summary}
+
+
+def _row(op: str, variant: str, ratio: float, **extra) -> dict:
+    return {"op": op, "case": "c", "variant": variant, "anchor": "a", "ratio": ratio,
+            "goal": 0.9, "batchinv_ms": 1.0, "anchor_ms": ratio, **extra}  # fmt: skip
+
+
+def test_kernel_rows_are_quoted_but_never_count_toward_a_goal(results_table):
+    data = _file(
+        _row("rope", "forward kernel (no check)", 0.95),
+        _row("rope", "forward op (+position check)", 0.72),
+        _row("rms_norm", "backward kernel (no autograd)", 0.91),
+        _row("x", "fast path", 0.99, scope="kernel"),  # an explicit scope wins over the name
+    )
+    table = results_table.summary_table([data])
+    assert "| rope | forward kernel (no check) | kernel only | a | 0.95x | 0.90x " in table
+    assert "| not counted (kernel only: 1 of 1) |" in table
+    assert (
+        "| rope | forward op (+position check) | public op | a | 0.72x | 0.90x | 0 of 1 |" in table
+    )
+    assert "| x | fast path | kernel only |" in table
+    page = results_table.full_page([data])
+    assert "| 0.95x | 0.90x (not counted) |" in page
+    assert "| 0.72x | 0.90x (missed) |" in page
+
+
+def test_linear_rows_must_name_their_path_and_each_path_is_quoted(results_table):
+    old = _file(_row("linear", "forward", 1.0))
+    table = results_table.summary_table([old])
+    assert "| linear | forward | path not recorded |" in table
+    assert "not counted (path not recorded: 1 of 1)" in table
+    for variant in results_table.PATH_VARIANTS["linear"]["variants"]:
+        assert f"| linear | {variant} | public op |" in table
+    assert table.count("| not measured |") == 3
+    assert 'Not measured in this file: linear "forward, own kernels"' in (
+        results_table.full_page([old])
+    )
+
+    own = "own: hopper bm128 bn256 k64 s4"
+    pinned = "cublaslt: cuBLASLt algo 66 tile 24 stages 35 split-K 1"
+    new = _file(
+        _row("linear", "forward, own kernels", 0.88, scope="op", ran=own),
+        _row("linear", "forward, own kernels, CUDA graph", 0.97, scope="op", ran=own),
+        _row("linear", "forward, pinned cuBLASLt", 0.99, scope="op", ran=pinned),
+    )
+    table = results_table.summary_table([new])
+    assert "not measured" not in table and "path not recorded" not in table
+    assert "| linear | forward, own kernels | public op | a | 0.88x | 0.90x | 0 of 1 |" in table
+    assert "| linear | forward, pinned cuBLASLt | public op | a | 0.99x | 0.90x | 1 of 1 |" in table
+    page = results_table.full_page([new])
+    assert f"| public op | {pinned} | 1.0000 |" in page
+    assert f"| public op | {own} | 1.0000 |" in page

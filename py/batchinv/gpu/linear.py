@@ -297,21 +297,48 @@ def _pad_columns(t: Tensor, multiple: int = 8) -> Tensor:
 
 def forward(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """The registry's ``linear.forward`` on CUDA: ``x [..., K]`` -> ``[..., N]``."""
-    _check_gpu_args(x, weight, bias)
+    check_gpu_args(x, weight, bias)
     rows = x.reshape(-1, x.shape[-1]).contiguous()
     return matmul_rows(rows, weight, bias).reshape(*x.shape[:-1], weight.shape[0])
 
 
-def matmul_rows(rows: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-    """``matmul_nt`` for products whose rows are tokens (the forward and grad_x): on sm_90,
-    batches of ``linear_cublaslt.MIN_ROWS`` rows or more take cuBLASLt's pinned algorithm,
-    which gives the same bits as batchinv's kernels (checked on first use, see that module)."""
-    large = rows.shape[0] >= linear_cublaslt.MIN_ROWS
-    if large and bias is None and linear_cublaslt.enabled() and uses_hopper(rows.device):
+def rows_path(m: int, weight: Tensor, has_bias: bool, path: str | None = None) -> str:
+    """``"own"`` or ``"cublaslt"``: which path ``matmul_rows`` takes for ``[m, K] @ weightᵀ``.
+
+    ``path`` is the switch's value (``None``: ``linear_cublaslt.configured_path()``).  On first
+    use per shape this may run the pinned path's self-check, as the call itself would; the
+    answer is then fixed for the process (see ``linear_cublaslt``)."""
+    path = (
+        linear_cublaslt.configured_path() if path is None else linear_cublaslt.validate_path(path)
+    )
+    if has_bias or path == "own" or m < linear_cublaslt.MIN_ROWS:
+        return "own"
+    return "cublaslt" if linear_cublaslt.takes_pinned(m, weight, path, matmul_nt) else "own"
+
+
+def describe(m: int, n: int, path: str, device: torch.device) -> str:
+    """What runs an ``[m, K] x [n, K]ᵀ`` product on ``path`` (as ``rows_path`` answered), e.g.
+    ``"own: hopper bm128 bn256 k64 s4"`` or ``"cublaslt: cuBLASLt algo 66 tile 24 ..."``."""
+    if path == "cublaslt":
+        return f"cublaslt: {linear_cublaslt.pinned_label(n)}"
+    index = torch.cuda.current_device() if device.index is None else device.index
+    family, config = _auto_choice(m, n, index)
+    if family == "mma":
+        return "own: mma.sync"
+    return f"own: {config}" if family == "small_m" else f"own: hopper {config}"
+
+
+def matmul_rows(
+    rows: Tensor, weight: Tensor, bias: Tensor | None = None, *, path: str | None = None
+) -> Tensor:
+    """``matmul_nt`` for products whose rows are tokens (the forward and grad_x), on the path
+    that ``rows_path`` names: on sm_90, under the switch's ``"auto"`` or ``"cublaslt"``,
+    batches of ``linear_cublaslt.MIN_ROWS`` rows or more without bias take cuBLASLt's pinned
+    algorithm, checked to give the same bits as batchinv's kernels (see that module)."""
+    if rows_path(rows.shape[0], weight, bias is not None, path) == "cublaslt":
         rows, weight = _aligned(rows), _aligned(weight)
         out = torch.empty(rows.shape[0], weight.shape[0], dtype=rows.dtype, device=rows.device)
-        if linear_cublaslt.serves(rows, weight, bias, out, matmul_nt):
-            return linear_cublaslt.matmul_nt(rows, weight, out)
+        return linear_cublaslt.matmul_nt(rows, weight, out)
     return matmul_nt(rows, weight, bias)
 
 
@@ -348,7 +375,7 @@ def backward(
     return grad_x, grad_weight, grad_bias
 
 
-def _check_gpu_args(x: Tensor, weight: Tensor, bias: Tensor | None) -> None:
+def check_gpu_args(x: Tensor, weight: Tensor, bias: Tensor | None) -> None:
     """What only the GPU path needs; ``batchinv.linear`` has already run check_linear_args."""
     if x.dtype not in _DTYPE_NAMES:
         raise TypeError(

@@ -9,11 +9,14 @@ increasing order (bitwise identical run to run).
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
 from .. import registry
 from ..gpu import linear as gpu_linear
+from ..gpu import linear_cublaslt
 from ..reference import linear as reference
 from ..validation import check_linear_args
 from ._custom_op import CustomOp, empty_grad
@@ -33,6 +36,32 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     # No gradient wanted: the registry's forward without an autograd node (the same kernels
     # and bits); it keeps an inference call's host path short.
     return registry.lookup("linear.forward", x.device)(x, weight, bias)
+
+
+def linear_path(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> str:
+    """Which path ``linear(x, weight, bias)`` takes for its forward: ``"own"`` (batchinv's
+    kernels), ``"cublaslt"`` (cuBLASLt's pinned algorithm, checked to give the same bits) or
+    ``"reference"`` (the strict CPU reference).
+
+    The answer follows the switch (``set_linear_path``, ``BATCHINV_LINEAR_PATH``) and, under
+    ``"auto"``, the pinned path's self-check, which this may run on first use per shape just
+    as the call would; it is then fixed for the process.  ``grad_x`` follows the same rule for
+    the product ``grad_y @ weight`` (``batchinv.gpu.linear.rows_path`` on ``weightᵀ``).  Under
+    ``"cublaslt"`` it raises where the call would."""
+    check_linear_args(x, weight, bias)
+    if x.device.type != "cuda":
+        return "reference"
+    gpu_linear.check_gpu_args(x, weight, bias)
+    return gpu_linear.rows_path(math.prod(x.shape[:-1]), weight, bias is not None)
+
+
+def set_linear_path(path: str | None) -> None:
+    """Selects which path serves ``linear``'s large products from now on in this process:
+    ``"auto"``, ``"own"`` or ``"cublaslt"`` (see ``docs/operators/linear.md``); ``None`` goes
+    back to ``BATCHINV_LINEAR_PATH`` (default ``"auto"``).  An unknown name raises
+    ``ValueError``.  Every path gives a row the same bits (``"auto"`` and ``"cublaslt"`` only
+    use the pinned algorithm where its self-check found batchinv's bits)."""
+    linear_cublaslt.set_path(path)
 
 
 def _needs_grad(x: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
