@@ -24,8 +24,13 @@ CHECKS: dict[int, tuple[type[Exception], str]] = {
     1 << 0: (IndexError, "embedding: ids holds an id outside [0, num_embeddings)"),
     1 << 1: (IndexError, "rope: position_ids holds a position outside [0, max_position)"),
     1 << 2: (IndexError, "token_logprobs: target_ids holds an id outside [0, vocab)"),
+    1 << 3: (
+        ValueError,
+        "attention: attention_mask of a decode row is not one run of visible keys in a 0/-inf "
+        "mask shared by all heads (the row's output was set to zeros)",
+    ),
 }
-EMBEDDING_IDS, ROPE_POSITIONS, TOKEN_LOGPROBS_TARGETS = CHECKS
+EMBEDDING_IDS, ROPE_POSITIONS, TOKEN_LOGPROBS_TARGETS, DECODE_ATTENTION_MASK = CHECKS
 
 _words: dict[torch.device, Tensor] = {}
 _local = threading.local()

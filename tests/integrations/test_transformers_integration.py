@@ -135,6 +135,46 @@ def test_generate_with_cache_equals_full_forward():
         assert_bitwise_equal(step_logits[0], full[0, 5 + step], name=f"decode step {step}")
 
 
+def _generate_logits(model, ids, mask, **kwargs):
+    with torch.no_grad():
+        out = model.generate(
+            ids,
+            attention_mask=mask,
+            max_new_tokens=4,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+            disable_compile=True,
+            **kwargs,
+        )
+    return out.sequences, torch.stack(out.logits)
+
+
+def test_token_major_static_cache_generates_hf_static_cache_bits():
+    """batchinv's static cache stores keys token-major but is otherwise HF's StaticCache: a
+    left-padded batch generates the bits of HF's own static cache (CPU: the packed route)."""
+    model = make_hf_model("sdpa")
+    hf.apply_batchinv_to_qwen3(model)
+    ids = token_ids(2, 6, seed=7)
+    mask = torch.ones_like(ids)
+    mask[1, :2] = 0
+    cache = hf.static_cache(model, max_cache_len=16)
+    got_ids, got = _generate_logits(model, ids, mask, past_key_values=cache)
+    want_ids, want = _generate_logits(model, ids, mask, cache_implementation="static")
+    assert torch.equal(got_ids, want_ids)
+    assert_bitwise_equal(got, want, name="logits, token-major vs HF static cache")
+    keys = cache.layers[0].keys
+    assert keys.shape == (2, 2, 16, 16)  # HF's [B, H, L, d] view ...
+    assert keys.transpose(1, 2).is_contiguous()  # ... of [B, L, H, d] storage
+
+
+def test_static_cache_rejects_a_bad_length():
+    model = make_hf_model("sdpa")
+    for bad in (0, -3, 2.5, True):
+        with pytest.raises(ValueError, match="max_cache_len must be a positive int"):
+            hf.static_cache(model, max_cache_len=bad)
+
+
 def test_attention_errors():
     q = torch.randn(1, 4, 3, 16)
     k = torch.randn(1, 2, 3, 16)

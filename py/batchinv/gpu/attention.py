@@ -703,8 +703,7 @@ def _padded_layout(q, k, v, q_len, k_len, key_padding_mask):
     batch, sq = q.shape[:2]
     sk = k.shape[1]
     if q_len is None and k_len is None and key_padding_mask is None:
-        if not torch.cuda.is_current_stream_capturing():
-            return k, v, _full_layout(batch, sq, sk, q.device), None
+        return k, v, _full_layout(batch, sq, sk, q.device), None
     q_len = _full(batch, sq) if q_len is None else q_len
     k_len = _full(batch, sk) if k_len is None else k_len
     index = None
@@ -718,20 +717,32 @@ def _padded_layout(q, k, v, q_len, k_len, key_padding_mask):
     return k, v, layout, index
 
 
-@functools.lru_cache(maxsize=64)
+_FULL_LAYOUTS: dict[tuple, Layout] = {}
+_MAX_FULL_LAYOUTS = 64
+
+
 def _full_layout(batch: int, sq: int, sk: int, device: torch.device) -> Layout:
-    """The layout of a call without lengths or mask, built once per shape: its upload is most
-    of a small call's host time, and a layout is never written after it is made.  Not used
-    under capture, whose allocations belong to the graph's pool."""
-    return make_layout(
-        _host_arange(batch, sq),
-        _full(batch, sq),
-        _host_arange(batch, sk),
-        _full(batch, sk),
-        sq,
-        sk,
-        device=device,
-    )
+    """The layout of a call without lengths or mask, kept per shape: its upload is most of a
+    small call's host time, and a layout is never written after it is made.  One made during a
+    CUDA-graph capture lives in the graph's memory pool and is written only by a replay, so it
+    is not kept (a capture reuses one kept by an earlier eager call)."""
+    key = (batch, sq, sk, device)
+    layout = _FULL_LAYOUTS.get(key)
+    if layout is None:
+        layout = make_layout(
+            _host_arange(batch, sq),
+            _full(batch, sq),
+            _host_arange(batch, sk),
+            _full(batch, sk),
+            sq,
+            sk,
+            device=device,
+        )
+        if not torch.cuda.is_current_stream_capturing():
+            if len(_FULL_LAYOUTS) >= _MAX_FULL_LAYOUTS:
+                _FULL_LAYOUTS.clear()
+            _FULL_LAYOUTS[key] = layout
+    return layout
 
 
 def _varlen_layout(cu_q: Tensor, cu_k: Tensor, device: torch.device) -> Layout:

@@ -21,6 +21,16 @@ The runs are packed and run through ``batchinv.attention_varlen`` (one call for 
 runs, one for the others); a query that sees no key gives zeros (stock SDPA gives NaN
 there).  Without a mask the call goes to ``batchinv.attention`` directly.  Reading the mask
 needs its values: a host sync per call.
+
+Decode on CUDA (one query per row, a mask, no gradient) takes another route, with no host
+sync, so a decode step can be captured in a CUDA graph (Hugging Face's static cache under
+``torch.compile``): ``decode_with_mask``.  A decode row's visible keys must be one run
+``[first, first + count)`` of its cache (left or right padding, keys past the end); the run is
+read on the device into the kernels' layout (``k_start = first``, ``k_len = count``), so the
+row computes exactly what the packed route computes for it: the same keys in the same order,
+the same kernels, whose split boundaries count from the row's first key.  A mask that breaks
+the rule gives that row zeros and raises ``ValueError`` at once in eager code, or at
+``batchinv.device_checks.raise_device_errors()`` under capture.
 """
 
 from __future__ import annotations
@@ -28,6 +38,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .. import device_checks
 from ..ops.attention import attention, attention_varlen
 
 
@@ -138,6 +149,17 @@ def attention_with_mask(
         return attention(q, k, v, causal=causal, softmax_scale=softmax_scale)
     if causal:
         raise ValueError("pass either an attention mask or causal=True, not both")
+    wants_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    if q.shape[1] == 1 and q.device.type == "cuda" and not torch.version.hip and not wants_grad:
+        return decode_with_mask(q, k, v, mask, softmax_scale=softmax_scale)
+    return packed_with_mask(q, k, v, mask, softmax_scale=softmax_scale)
+
+
+def packed_with_mask(
+    q: Tensor, k: Tensor, v: Tensor, mask: Tensor, *, softmax_scale: float | None
+) -> Tensor:
+    """The mask read on the host into runs packed through ``attention_varlen`` (module
+    docstring); any number of queries, any backend."""
     batch, sq, hq, d = q.shape
     sk = k.shape[1]
     runs = query_runs(visible_keys(mask.to(q.device), batch, sq, sk))
@@ -168,3 +190,100 @@ def attention_with_mask(
         # index_put (not in place) keeps the gradient path to ``packed``.
         out = out.index_put((rows,), packed)
     return out.reshape(batch, sq, hq, d)
+
+
+# ----------------------------------------------------------------------------- decode, on device
+
+
+def decode_with_mask(
+    q: Tensor, k: Tensor, v: Tensor, mask: Tensor, *, softmax_scale: float | None
+) -> Tensor:
+    """``q [B, 1, Hq, d]`` against ``k, v [B, Sk, Hkv, d]`` under ``mask`` (bool or additive,
+    broadcastable to ``[B, H, 1, Sk]``) -> ``[B, 1, Hq, d]``, with no host sync (module
+    docstring).  CUDA only; ``k``/``v`` laid out ``[B, Sk, Hkv, d]`` contiguously are read in
+    place (otherwise copied once)."""
+    batch, sq, hq, d = q.shape
+    if sq != 1:
+        raise ValueError(
+            f"decode_with_mask takes one query per row, got q of shape {tuple(q.shape)}"
+        )
+    if not isinstance(mask, Tensor) or not (mask.dtype == torch.bool or mask.is_floating_point()):
+        raise TypeError("attention mask must be a bool or floating-point torch.Tensor")
+    if mask.dim() > 4:
+        raise ValueError(f"attention mask must have at most 4 dimensions, got {tuple(mask.shape)}")
+    sk = k.shape[1]
+    rows = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))
+    try:
+        rows = rows.expand(batch, rows.shape[1], 1, sk)[:, :, 0]  # [B, H or 1, Sk]
+    except RuntimeError as err:
+        raise ValueError(
+            f"attention mask of shape {tuple(mask.shape)} does not broadcast to "
+            f"[B={batch}, H, 1, Sk={sk}]"
+        ) from err
+    scale = 0.0 if softmax_scale is None else float(softmax_scale)
+    return torch.ops.batchinv.attention_decode_with_mask(
+        q, k, v, rows.to(q.device), scale, softmax_scale is None
+    )
+
+
+def _run_of_visible_keys(rows: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """``(first, count, usable)`` per row of ``rows [B, H, Sk]`` (bool or additive): the run of
+    visible keys of head 0 and whether the row follows the rule (0/-inf values, the same mask
+    for every head, one run).  Device ops only."""
+    if rows.dtype == torch.bool:
+        visible = rows
+        values_ok = torch.ones(rows.shape[0], dtype=torch.bool, device=rows.device)
+    else:
+        masked = (rows == float("-inf")) | (rows <= torch.finfo(rows.dtype).min)
+        values_ok = ((rows == 0) | masked).flatten(1).all(dim=1)
+        visible = rows == 0
+    heads_ok = (visible == visible[:, :1]).flatten(1).all(dim=1)
+    visible = visible[:, 0]
+    sk = visible.shape[1]
+    flags = visible.to(torch.int32)
+    count = flags.sum(dim=1)
+    first = flags.argmax(dim=1)  # first True (0 when none)
+    end = sk - flags.flip(1).argmax(dim=1)  # one past the last True
+    one_run = (count == 0) | (end - first == count)
+    return first, count, values_ok & heads_ok & one_run
+
+
+@torch.library.custom_op("batchinv::attention_decode_with_mask", mutates_args=())
+def _attention_decode_with_mask(
+    q: Tensor, k: Tensor, v: Tensor, rows: Tensor, softmax_scale: float, default_scale: bool
+) -> Tensor:
+    from ..gpu import attention as gpu
+
+    batch, _, hq, d = q.shape
+    sk, hkv = k.shape[1], k.shape[2]
+    gpu.check_supported(q, k, v)
+    first, count, usable = _run_of_visible_keys(rows)
+    if device_checks.deferring(q.device):
+        device_checks.record(device_checks.DECODE_ATTENTION_MASK, ~usable)
+    elif not bool(usable.all()):  # eager: the one sync of this route
+        bad = int((~usable).nonzero()[0, 0])
+        raise ValueError(
+            f"attention mask row {bad} is not one run of visible keys in a 0/-inf mask shared "
+            "by all heads; batchinv's decode route reads a row's keys as one run"
+        )
+    k_len = torch.where(usable, count, 0)
+    arange = torch.arange(batch, device=q.device)
+    layout = gpu.make_layout(
+        arange, (k_len > 0).to(torch.int32), arange * sk + first, k_len, 1, sk, device=q.device
+    )
+    scale = gpu.scale_of(None if default_scale else softmax_scale, d)
+    out, _ = gpu.forward(
+        q.reshape(batch, hq, d),
+        k.reshape(batch * sk, hkv, d),
+        v.reshape(batch * sk, hkv, d),
+        layout,
+        False,
+        scale,
+        prefill_zero=True,  # rows with no visible key (or a refused mask) stay zero
+    )
+    return out.view(batch, 1, hq, d)
+
+
+@_attention_decode_with_mask.register_fake
+def _(q, k, v, rows, softmax_scale, default_scale):
+    return torch.empty_like(q, memory_format=torch.contiguous_format)

@@ -29,6 +29,14 @@ the patch.  What each flag swaps:
 - ``attention``: ``config._attn_implementation = "batchinv"``.
 
 The embedding stays ``nn.Embedding`` (a gather is bitwise the same in any batch).
+
+``static_cache(model, max_cache_len)`` is a transformers ``StaticCache`` whose layers keep
+their keys and values token-major (``[B, L, H, d]`` storage, seen by HF as ``[B, H, L, d]``
+views), the layout batchinv's attention reads in place.  Pass it as ``past_key_values`` to
+``generate``: decode steps then run with no host sync and no copy of the cache, so
+transformers' ``torch.compile`` of the decode step (CUDA graphs) captures them.  HF's own
+static cache (``cache_implementation="static"``) works too, at the cost of copying each
+layer's cache per step.
 """
 
 from __future__ import annotations
@@ -36,6 +44,7 @@ from __future__ import annotations
 import types
 from collections.abc import Callable
 
+import torch
 from torch import Tensor, nn
 
 from .. import nn as batchinv_nn
@@ -51,6 +60,7 @@ __all__ = [
     "apply_batchinv_to_qwen3",
     "batchinv_attention_forward",
     "register_attention",
+    "static_cache",
 ]
 
 
@@ -105,6 +115,45 @@ def register_attention() -> None:
 
     transformers.AttentionInterface.register(ATTENTION_NAME, batchinv_attention_forward)
     AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
+
+
+# ----------------------------------------------------------------------------- static cache
+
+
+def static_cache(model: nn.Module, max_cache_len: int):
+    """A transformers ``StaticCache`` for ``model`` holding ``max_cache_len`` tokens per row,
+    its keys and values stored token-major (module docstring)."""
+    transformers = _import_transformers()
+    if isinstance(max_cache_len, bool) or not isinstance(max_cache_len, int) or max_cache_len < 1:
+        raise ValueError(f"max_cache_len must be a positive int, got {max_cache_len!r}")
+    cache = transformers.StaticCache(config=model.config, max_cache_len=max_cache_len)
+    layers = getattr(cache, "layers", None)
+    if not layers or not all(hasattr(layer, "lazy_initialization") for layer in layers):
+        raise TypeError(
+            f"transformers {transformers.__version__}: StaticCache has no per-layer lazy "
+            "initialization; batchinv.integrations.transformers.static_cache needs one"
+        )
+    for layer in layers:
+        _store_token_major(layer)
+    return cache
+
+
+def _store_token_major(layer) -> None:
+    """After HF allocates a layer's ``keys``/``values [B, H, L, d]``, replace them with
+    transposed views of ``[B, L, H, d]`` storage (same shape, dtype, device, zeros)."""
+    allocate = layer.lazy_initialization
+
+    def lazy_initialization(*args, **kwargs):
+        allocate(*args, **kwargs)
+        for name in ("keys", "values"):
+            head_major = getattr(layer, name)
+            b, h, length, d = head_major.shape
+            storage = head_major.new_zeros((b, length, h, d))
+            setattr(layer, name, storage.transpose(1, 2))
+            if not torch.compiler.is_compiling():  # as HF does: fixed addresses for CUDA graphs
+                torch._dynamo.mark_static_address(getattr(layer, name))
+
+    layer.lazy_initialization = lazy_initialization
 
 
 # ----------------------------------------------------------------------------- forwards
