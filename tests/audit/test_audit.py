@@ -84,14 +84,14 @@ def test_default_audit_passes_on_builtin_config(tmp_path, capsys):
 
 def test_audit_result_and_json_structure():
     model = Qwen3.from_config(seed=0, dtype=torch.bfloat16)
-    result = run_audit(model, **SMALL)
+    result = run_audit(model, run_name="small", **SMALL)
     assert result.passed
     top = json.loads(json.dumps(audit_json(result), allow_nan=False))  # strict JSON
     assert set(top) >= {"passed", "device", "dtype", "commit", "build", "card", "runs"}
     assert top["card"] == {"name": "CPU"} and top["build"]["version"] == batchinv.__version__
     (report,) = top["runs"]
     assert set(report) >= {"name", "passed", "model", "config", "sweep", "transforms", "paths"}
-    assert report["sweep"] == json.loads(json.dumps(SMALL))
+    assert report["name"] == "small" and report["sweep"] == json.loads(json.dumps(SMALL))
     assert list(report["paths"]) == list(AUDIT_PATHS)
     for name in AUDIT_PATHS:
         path = report["paths"][name]

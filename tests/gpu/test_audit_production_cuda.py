@@ -24,7 +24,7 @@ def result():
     if not torch.cuda.is_available() or not uses_hopper(torch.device("cuda")):
         pytest.skip("the production paths (pinned cuBLASLt, cluster log_softmax) are sm_90's")
     model = Qwen3.from_config(PRODUCTION_CONFIG, seed=0, device="cuda", dtype=torch.bfloat16)
-    result = run_audit(model, paths=("batchinv",), name="production", **PRODUCTION_SWEEP)
+    result = run_audit(model, paths=("batchinv",), run_name="production", **PRODUCTION_SWEEP)
     del model
     torch.cuda.empty_cache()
     return result

@@ -176,7 +176,7 @@ def run(args: argparse.Namespace) -> int:
                     seed=args.seed,
                     model_label=label,
                     progress=progress,
-                    name=planned.name,
+                    run_name=planned.name,
                     **planned.sweep,
                 )
             )

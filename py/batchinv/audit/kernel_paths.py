@@ -52,11 +52,8 @@ def merge_paths(per_case: list[dict | None]) -> dict[str, dict[str, dict[str, in
                 total = merged.setdefault(op, {}).setdefault(path, {"cases": 0})
                 total["cases"] += 1
                 for key, value in entry.items():
-                    total[key] = (
-                        total.get(key, 0) + value
-                        if key == "calls"
-                        else max(total.get(key, 0), value)
-                    )
+                    combine = sum if key == "calls" else max
+                    total[key] = combine((total.get(key, 0), value))
     return merged
 
 

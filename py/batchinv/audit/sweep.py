@@ -17,7 +17,13 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from ..contract import TRANSFORMS, DriftReport, compare_bits, sequence_invariance_sweep
+from ..contract import (
+    SEQUENCE_BATCH_SIZES,
+    TRANSFORMS,
+    DriftReport,
+    compare_bits,
+    sequence_invariance_sweep,
+)
 from ..models.qwen3.config import Qwen3Config
 from ..models.qwen3.model import Qwen3
 from ..models.qwen3.ops import ops_by_name
@@ -205,8 +211,6 @@ def count_cases(seq_len: int = AUDIT_SEQ_LEN, **sweep_kwargs) -> int:
 
 def _t3_batch(sweep_kwargs) -> int:
     """The contract's T3 batch (probe in the middle), which the audit's T3 cases share."""
-    from ..contract import SEQUENCE_BATCH_SIZES
-
     return max(3, max(sweep_kwargs.get("batch_sizes", SEQUENCE_BATCH_SIZES)))
 
 
@@ -338,11 +342,11 @@ def run_audit(
     seed: int = 0,
     model_label: str = "built-in tiny Qwen3 (random weights)",
     progress: Progress | None = None,
-    name: str = "audit",
+    run_name: str = "audit",
     **sweep_kwargs,
 ) -> AuditResult:
-    """Runs the transform sweep on ``model`` for each path in ``paths``; ``name`` labels the
-    run in reports."""
+    """Runs the transform sweep on ``model`` for each path in ``paths``; ``run_name`` labels
+    the run in reports."""
     for name in paths:
         ops_by_name(name)  # an unknown path is an error before any work
     device = model.device
@@ -359,7 +363,7 @@ def run_audit(
         config=config,
         seq_len=seq_len,
         paths=results,
-        name=name,
+        name=run_name,
         sweep={"seq_len": seq_len, **sweep_kwargs},
     )
 
