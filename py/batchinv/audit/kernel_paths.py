@@ -1,12 +1,13 @@
 """Which kernel paths batchinv's ops took in each audit case (CUDA only).
 
 ``recording_ops(ops, recorder)`` wraps the op table's linear, attention and log_softmax: before
-each call it asks the op's GPU module which path the call takes (``gpu.linear.path_for``,
-``gpu.attention.path_for``, ``gpu.log_softmax.forward_path``: the launch's own decisions), notes
-it with the call's size, then runs the op unchanged.  The adapter takes the notes after each
-case, so every case reports the paths it reached::
+each call it asks which path the call takes (``batchinv.linear_path`` and
+``gpu.linear.describe``, ``gpu.attention.path_for``, ``gpu.log_softmax.forward_path``: the
+launch's own decisions), notes it with the call's size, then runs the op unchanged.  The
+adapter takes the notes after each case, so every case reports the paths it reached::
 
-    {"linear": {"cublaslt": {"calls": 28, "max_rows": 15005}, "small_m": {...}},
+    {"linear": {"own: hopper bm128 bn256 k64 s4": {"calls": 14, "max_rows": 15005},
+                "own: small-m bn32 k128 s8": {...}, "cublaslt: ...": {...}},
      "attention": {"split w1": {"calls": 270, "max_keys": 2177}},
      "log_softmax": {"cluster x8 T1024": {"calls": 1, "max_rows": 15005}}}
 
@@ -66,11 +67,14 @@ def recording_ops(ops: Qwen3Ops, recorder: PathRecorder) -> Qwen3Ops:
     from ..gpu import attention as gpu_attention
     from ..gpu import linear as gpu_linear
     from ..gpu import log_softmax as gpu_log_softmax
+    from ..ops.linear import linear_path
 
     def linear(x, weight, bias):
         if x.is_cuda:
-            path = gpu_linear.path_for(_rows(x), weight, bias)
-            recorder.note("linear", path, "max_rows", _rows(x))
+            rows = _rows(x)
+            path = linear_path(x, weight, bias)  # "own" or "cublaslt"
+            label = gpu_linear.describe(rows, weight.shape[0], path, x.device)
+            recorder.note("linear", label, "max_rows", rows)
         return ops.linear(x, weight, bias)
 
     def note_attention(bounds, hq, hkv, device, keys: int) -> None:
