@@ -18,12 +18,18 @@ import batchinv
 from batchinv.audit import (
     AUDIT_PATHS,
     AUDIT_SEQ_LEN,
+    PRODUCTION_CONFIG,
+    PRODUCTION_SWEEP,
     QUICK_SWEEP,
     audit_json,
     count_cases,
     main,
+    plan_cases,
+    plan_runs,
     run_audit,
 )
+from batchinv.audit.kernel_paths import PathRecorder, merge_paths
+from batchinv.audit.sweep import TOKEN_NEIGHBOUR_KINDS
 from batchinv.contract import TRANSFORMS
 from batchinv.models import Qwen3
 from batchinv.models.qwen3 import ops as model_ops
@@ -65,25 +71,31 @@ def test_default_audit_passes_on_builtin_config(tmp_path, capsys):
     assert report["passed"] is True
     default_device = "cuda:0" if torch.cuda.is_available() else "cpu"  # the audit's default
     assert report["device"] == default_device and report["dtype"] == "bfloat16"
-    assert report["seq_len"] == AUDIT_SEQ_LEN == 131 and report["config"]["vocab_size"] == 512
-    assert [t["id"] for t in report["transforms"]] == TRANSFORM_IDS
-    cases = report["paths"]["batchinv"]["cases"]
-    assert len(cases) == len(report["paths"]["stock"]["cases"]) == count_cases(seq_len=131) - 1
+    tiny = report["runs"][0]
+    assert tiny["seq_len"] == AUDIT_SEQ_LEN == 131 and tiny["config"]["vocab_size"] == 512
+    assert [t["id"] for t in tiny["transforms"]] == TRANSFORM_IDS
+    cases = tiny["paths"]["batchinv"]["cases"]
+    assert len(cases) == len(tiny["paths"]["stock"]["cases"]) == count_cases(seq_len=131) - 1
     assert {c["transform_id"] for c in cases} == set(TRANSFORM_IDS)
     assert all(c["status"] == "ok" and c["max_abs_logprob_diff"] == 0.0 for c in cases)
-    for transform in report["transforms"]:
+    for transform in tiny["transforms"]:
         assert transform["paths"]["batchinv"]["bitwise"] is True, transform["id"]
 
 
 def test_audit_result_and_json_structure():
     model = Qwen3.from_config(seed=0, dtype=torch.bfloat16)
-    result = run_audit(model, **SMALL)
+    result = run_audit(model, run_name="small", **SMALL)
     assert result.passed
-    report = json.loads(json.dumps(audit_json(result), allow_nan=False))  # strict JSON
-    assert set(report) >= {"passed", "device", "dtype", "model", "config", "transforms", "paths"}
+    top = json.loads(json.dumps(audit_json(result), allow_nan=False))  # strict JSON
+    assert set(top) >= {"passed", "device", "dtype", "commit", "build", "card", "runs"}
+    assert top["card"] == {"name": "CPU"} and top["build"]["version"] == batchinv.__version__
+    (report,) = top["runs"]
+    assert set(report) >= {"name", "passed", "model", "config", "sweep", "transforms", "paths"}
+    assert report["name"] == "small" and report["sweep"] == json.loads(json.dumps(SMALL))
     assert list(report["paths"]) == list(AUDIT_PATHS)
     for name in AUDIT_PATHS:
         path = report["paths"][name]
+        assert path["kernel_paths"] is None  # recorded for batchinv on CUDA only
         assert path["error"] is None and path["seconds"] > 0
         assert len(path["cases"]) == count_cases(**SMALL) - 1
         for case in path["cases"]:
@@ -138,7 +150,7 @@ def test_audit_of_a_local_checkpoint(tmp_path, capsys):
     out = tmp_path / "a.json"
     args = ["--model", str(tmp_path / "ckpt"), "--quick", "--no-progress", "--json", str(out)]
     assert main(args) == 0
-    assert json.loads(out.read_text())["model"] == str(tmp_path / "ckpt")
+    assert json.loads(out.read_text())["runs"][0]["model"] == str(tmp_path / "ckpt")
 
 
 def test_bad_input_exit_code_2_before_any_work(tmp_path, capsys):
@@ -168,3 +180,100 @@ def test_python_m_batchinv_demo_alias():
     )
     assert done.returncode == 0, done.stderr
     assert "PASS" in done.stdout and "T7 prefix reuse" in done.stdout
+
+
+def test_json_names_the_commit(monkeypatch):
+    monkeypatch.setenv("BATCHINV_GIT_COMMIT", "0123abc")
+    model = Qwen3.from_config(seed=0, dtype=torch.bfloat16)
+    result = run_audit(model, paths=("batchinv",), **SMALL)
+    assert audit_json(result)["commit"] == "0123abc"
+    monkeypatch.delenv("BATCHINV_GIT_COMMIT")
+    commit = audit_json(result)["commit"]  # this checkout's HEAD (+dirty), or None outside one
+    assert commit is None or len(commit.removesuffix("+dirty")) == 40
+
+
+def test_t3_neighbours_with_distinct_tokens():
+    """The audit's T3 neighbours differ from the probe, so a batch-wide dependence on content
+    drifts there, while the contract's "copies" neighbour cannot see it."""
+
+    def linear(x, weight, bias):  # every row shifted by the batch's largest input
+        out = batchinv.linear(x, weight, bias)
+        return out + 1e-2 * x.abs().amax().to(out.dtype)
+
+    model = Qwen3.from_config(seed=0, dtype=torch.bfloat16)
+    model_ops.OPS_BY_NAME["content"] = dataclasses.replace(
+        model_ops.BATCHINV_OPS, name="content", linear=linear
+    )
+    try:
+        result = run_audit(model, paths=("content",), **SMALL)
+    finally:
+        del model_ops.OPS_BY_NAME["content"]
+    t3 = {c.case.split(": ")[-1]: c.status for c in result.paths["content"].transform_cases("T3")}
+    assert list(t3) == ["copies", *TOKEN_NEIGHBOUR_KINDS]
+    assert t3["copies"] == "ok"
+    assert all(t3[kind] == "DRIFT" for kind in TOKEN_NEIGHBOUR_KINDS), t3
+
+
+def test_planned_runs():
+    assert [(r.name, r.model) for r in plan_runs("cpu")] == [("tiny", "tiny")]
+    assert [(r.name, r.model) for r in plan_runs("cuda")] == [
+        ("tiny", "tiny"),
+        ("production", "production"),
+    ]
+    assert plan_runs("cuda")[1].sweep == PRODUCTION_SWEEP
+    assert [(r.name, r.model) for r in plan_runs("cuda", checkpoint=True)] == [
+        ("production", "checkpoint")
+    ]
+    for device in ("cpu", "cuda"):
+        (quick,) = plan_runs(device, quick=True)
+        assert quick.sweep == QUICK_SWEEP
+
+
+def test_production_sweep_reaches_the_risky_shapes():
+    """What the CUDA default's production run computes: batches of 1024..8191 rows and beyond
+    8191 (the pinned cuBLASLt range and past it) in prefill, packed and decode prompts; every
+    case's probe past the 2048-key split; the full Qwen3 vocabulary; Qwen3-8B's shapes."""
+    plans = plan_cases(**PRODUCTION_SWEEP)
+    assert len(plans) == count_cases(**PRODUCTION_SWEEP)
+    rows = {p.method: [] for p in plans}
+    for p in plans:
+        rows[p.method].append(p.rows)
+    assert any(1024 <= r <= 8191 for r in rows["prefill_padded"])
+    assert any(r > 8191 for r in rows["prefill_padded"])
+    assert any(r > 8191 for r in rows["prefill_varlen"])
+    assert max(p.rows for p in plans) <= 16384  # memory: [rows, vocab] fp32 logprobs
+    assert all(p.keys > 2048 for p in plans)  # the probe (or a longer neighbour) crosses it
+    assert PRODUCTION_SWEEP["seq_len"] > 2048
+    assert any(p < 2048 < PRODUCTION_SWEEP["seq_len"] for p in PRODUCTION_SWEEP["prompt_lengths"])
+    assert 2048 in PRODUCTION_SWEEP["prefix_lengths"]
+    assert PRODUCTION_CONFIG.vocab_size == 151936
+    assert (PRODUCTION_CONFIG.hidden_size, PRODUCTION_CONFIG.intermediate_size) == (4096, 12288)
+    assert PRODUCTION_CONFIG.num_attention_heads * PRODUCTION_CONFIG.head_dim == 4096
+    methods = {p.method for p in plans}
+    assert methods == {
+        "prefill_padded",
+        "prefill_varlen",
+        "prefill_chunked",
+        "decode",
+        "prefix_reuse",
+    }
+
+
+def test_kernel_path_records_merge():
+    recorder = PathRecorder()
+    recorder.note("linear", "cublaslt", "max_rows", 2048)
+    recorder.note("linear", "cublaslt", "max_rows", 9000)
+    recorder.note("attention", "split w1", "max_keys", 2100)
+    first = recorder.take()
+    assert first == {
+        "linear": {"cublaslt": {"calls": 2, "max_rows": 9000}},
+        "attention": {"split w1": {"calls": 1, "max_keys": 2100}},
+    }
+    assert recorder.take() == {}
+    recorder.note("linear", "cublaslt", "max_rows", 1024)
+    recorder.note("linear", "small_m", "max_rows", 5)
+    merged = merge_paths([first, None, recorder.take()])
+    assert merged["linear"] == {
+        "cublaslt": {"cases": 2, "calls": 3, "max_rows": 9000},
+        "small_m": {"cases": 1, "calls": 1, "max_rows": 5},
+    }

@@ -20,6 +20,7 @@ from torch import Tensor
 from ..contract import padding_fill
 from ..models.qwen3.model import Qwen3
 from ..reference.qwen3_chain import Qwen3Ops
+from .kernel_paths import PathRecorder
 
 __all__ = ["AuditOpError", "ModelAdapter"]
 
@@ -31,10 +32,14 @@ class AuditOpError(RuntimeError):
 class ModelAdapter:
     """Runs ``model`` with ``ops`` in each of the sweep's schedules; records call times."""
 
-    def __init__(self, model: Qwen3, ops: Qwen3Ops):
+    def __init__(self, model: Qwen3, ops: Qwen3Ops, recorder: PathRecorder | None = None):
+        """``recorder``: where ``ops`` (from ``recording_ops``) note their kernel paths; taken
+        after each call into ``kernel_paths``."""
         self.model = model
         self.ops = ops
+        self.recorder = recorder
         self.calls: list[tuple[str, float]] = []  # (method, seconds), in call order
+        self.kernel_paths: list[dict | None] = []  # per call: the recorder's notes, or None
 
     # ----- helpers -------------------------------------------------------------------------
 
@@ -49,6 +54,7 @@ class ModelAdapter:
             raise AuditOpError(f"{self.ops.name} path, {method}: {err}") from err
         finally:
             self.calls.append((method, time.perf_counter() - start))
+            self.kernel_paths.append(None if self.recorder is None else self.recorder.take())
         return result
 
     def _logprobs(self, logits: Tensor) -> Tensor:

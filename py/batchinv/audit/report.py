@@ -4,14 +4,20 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Sequence
 from pathlib import Path
+
+import torch
 
 import batchinv
 
 from ..contract import TRANSFORMS
-from .sweep import AuditResult, transform_summary
+from ..provenance import source_commit
+from .sweep import AuditResult, kernel_paths_summary, transform_summary
 
-__all__ = ["audit_json", "format_audit", "write_json"]
+__all__ = ["audit_json", "format_audit", "provenance", "write_json"]
+
+_PROJECT_ROOT = Path(batchinv.__file__).resolve().parents[2]  # a checkout's root, if any
 
 
 def _diff(summary: dict) -> str:
@@ -38,7 +44,7 @@ def _seconds(value: float | None) -> str:
 def format_audit(result: AuditResult) -> str:
     """Header, one table per transform (path, max |Δ logprob|, bitwise, time), verdict."""
     lines = [
-        f"batchinv {batchinv.__version__} audit: {result.model}",
+        f"batchinv {batchinv.__version__} audit, {result.name} run: {result.model}",
         f"device {result.device_name} ({result.device}), dtype {result.dtype}, "
         f"probe of {result.seq_len} tokens; every case compares the probe's fp32 logprobs "
         "with the probe computed alone",
@@ -64,6 +70,14 @@ def format_audit(result: AuditResult) -> str:
                 f"  {name:<{width}}  {_diff(s):>15}  {_bitwise(s):<22}  {_seconds(s['seconds'])}"
             )
         lines.append("")
+    paths = result.paths.get("batchinv")
+    summary = kernel_paths_summary(paths) if paths is not None else None
+    if summary:
+        lines.append("kernel paths batchinv took (every case, the probe alone included):")
+        for op, by_path in summary.items():
+            taken = ", ".join(f"{path} {_extent(entry)}" for path, entry in by_path.items())
+            lines.append(f"  {op}: {taken}")
+        lines.append("")
     for name, path in result.paths.items():
         status = "error" if path.error else "ran"
         lines.append(f"{name}: {status}, {len(path.cases)} cases in {path.seconds:.1f} s")
@@ -82,6 +96,12 @@ def format_audit(result: AuditResult) -> str:
     return "\n".join(lines)
 
 
+def _extent(entry: dict) -> str:
+    if "max_rows" in entry:
+        return f"(up to {entry['max_rows']} rows, {entry['cases']} cases)"
+    return f"(up to {entry['max_keys']} keys, {entry['cases']} cases)"
+
+
 def _clean(value):
     """JSON has no NaN/inf: they become null."""
     if isinstance(value, float) and not math.isfinite(value):
@@ -93,8 +113,7 @@ def _clean(value):
     return value
 
 
-def audit_json(result: AuditResult) -> dict:
-    """The result as a JSON-ready dict (schema in docs/audit.md)."""
+def _run_json(result: AuditResult) -> dict:
     transforms = []
     for transform in TRANSFORMS:
         transforms.append(
@@ -111,28 +130,73 @@ def audit_json(result: AuditResult) -> dict:
         name: {
             "seconds": path.seconds,
             "error": path.error,
+            "kernel_paths": kernel_paths_summary(path),
+            "baseline_kernel_paths": path.baseline_kernel_paths,
             "cases": [vars(c) for c in path.cases],
         }
         for name, path in result.paths.items()
     }
+    return {
+        "name": result.name,
+        "passed": result.passed,
+        "model": result.model,
+        "config": result.config,
+        "seq_len": result.seq_len,
+        "sweep": result.sweep,
+        "transforms": transforms,
+        "paths": paths,
+    }
+
+
+def provenance(device: str) -> dict:
+    """What produced a result: the source commit (``BATCHINV_GIT_COMMIT`` or the checkout's
+    HEAD, see ``batchinv.provenance``; None when unknown), the native build and the card."""
+    from ..runtime import NativeModuleMissingError, build_info
+
+    try:
+        build = dict(build_info())
+    except NativeModuleMissingError:  # a source checkout never built: the CPU references ran
+        build = None
+    card = {"name": "CPU"}
+    if torch.device(device).type == "cuda":
+        props = torch.cuda.get_device_properties(torch.device(device))
+        card = {
+            "name": props.name,
+            "compute_capability": f"{props.major}.{props.minor}",
+            "multiprocessors": props.multi_processor_count,
+            "memory_gib": round(props.total_memory / 2**30, 1),
+        }
+    return {
+        "commit": source_commit(_PROJECT_ROOT),
+        "build": build,
+        "card": card,
+        "torch": torch.__version__,
+        "torch_cuda": torch.version.cuda,
+    }
+
+
+def audit_json(results: AuditResult | Sequence[AuditResult]) -> dict:
+    """One or more runs (same device and dtype) as a JSON-ready dict (schema in
+    docs/audit.md)."""
+    runs = [results] if isinstance(results, AuditResult) else list(results)
+    if not runs:
+        raise ValueError("audit_json needs at least one run")
+    first = runs[0]
     return _clean(
         {
             "batchinv_version": batchinv.__version__,
-            "passed": result.passed,
-            "device": result.device,
-            "device_name": result.device_name,
-            "dtype": result.dtype,
-            "model": result.model,
-            "config": result.config,
-            "seq_len": result.seq_len,
-            "transforms": transforms,
-            "paths": paths,
+            "passed": all(r.passed for r in runs),
+            **provenance(first.device),
+            "device": first.device,
+            "device_name": first.device_name,
+            "dtype": first.dtype,
+            "runs": [_run_json(r) for r in runs],
         }
     )
 
 
-def write_json(result: AuditResult, path: str | Path) -> Path:
+def write_json(results: AuditResult | Sequence[AuditResult], path: str | Path) -> Path:
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
-    target.write_text(json.dumps(audit_json(result), indent=2) + "\n")
+    target.write_text(json.dumps(audit_json(results), indent=2) + "\n")
     return target

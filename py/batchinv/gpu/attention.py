@@ -263,6 +263,40 @@ def choose(
     return mode, warps
 
 
+@dataclass(frozen=True)
+class Bounds:
+    """What ``choose`` reads of a layout: its sequences and the bounds of its launch grid."""
+
+    batch: int
+    max_q_len: int
+    max_k_len: int
+
+
+def padded_bounds(q: Tensor, k: Tensor) -> Bounds:
+    """The bounds of a padded call (``attention``): the padded widths, whatever the lengths."""
+    return Bounds(q.shape[0], q.shape[1], k.shape[1])
+
+
+def varlen_bounds(cu_q: Tensor, cu_k: Tensor) -> Bounds:
+    """The bounds of a packed call (``attention_varlen``) with host ``cu_seqlens``."""
+    q_len = cu_q[1:] - cu_q[:-1]
+    k_len = cu_k[1:] - cu_k[:-1]
+    return Bounds(q_len.numel(), int(q_len.max()), int(k_len.max()))  # host tensors: no sync
+
+
+def kv_cache_bounds(q: Tensor, cache) -> Bounds:
+    """The bounds of a KV-cache call (``attention_with_kv_cache``): the key bound is the
+    cache's capacity (the kernels read each slot's length on the device)."""
+    return Bounds(q.shape[0], q.shape[1], cache.max_len)
+
+
+def path_for(bounds: Bounds, hq: int, hkv: int, device: torch.device) -> str:
+    """The execution mode ``forward`` takes with its default options for a layout with these
+    bounds: ``"split"`` or ``"tile"`` and the tile's warps (``choose``, nothing launched)."""
+    mode, warps = choose(bounds, hq, hkv, device, "auto", None)
+    return f"{mode} w{warps}"
+
+
 def forward(
     q: Tensor,
     k: Tensor,
@@ -700,8 +734,8 @@ def _padded_layout(q, k, v, q_len, k_len, key_padding_mask):
     """``(k, v, layout, gather index or None)`` of a padded call with lengths ``q_len, k_len``
     (host or GPU tensors, None for full): ``k, v`` with the kept keys compacted where there is
     a mask."""
-    batch, sq = q.shape[:2]
-    sk = k.shape[1]
+    bounds = padded_bounds(q, k)
+    batch, sq, sk = bounds.batch, bounds.max_q_len, bounds.max_k_len
     if q_len is None and k_len is None and key_padding_mask is None:
         return k, v, _full_layout(batch, sq, sk, q.device), None
     q_len = _full(batch, sq) if q_len is None else q_len
@@ -749,8 +783,10 @@ def _varlen_layout(cu_q: Tensor, cu_k: Tensor, device: torch.device) -> Layout:
     """The layout of host (CPU) ``cu_seqlens`` that passed ``check_length_values``."""
     q_len = cu_q[1:] - cu_q[:-1]
     k_len = cu_k[1:] - cu_k[:-1]
-    bounds = (int(q_len.max()), int(k_len.max()))  # host tensors: no sync
-    return make_layout(cu_q[:-1], q_len, cu_k[:-1], k_len, *bounds, device=device)
+    bounds = varlen_bounds(cu_q, cu_k)
+    return make_layout(
+        cu_q[:-1], q_len, cu_k[:-1], k_len, bounds.max_q_len, bounds.max_k_len, device=device
+    )
 
 
 def attention(
@@ -889,13 +925,14 @@ def attention_with_kv_cache(
     scale = scale_of(softmax_scale, d)
     ids, k_len = cache.append_host(k_new, v_new, seq_ids, seqlens_new)
     q_len = _full(n, s_new) if seqlens_new is None else seqlens_new
+    bounds = kv_cache_bounds(q, cache)
     layout = make_layout(
         _host_arange(n, s_new),
         q_len,
         ids * cache.max_len,
         k_len,
-        s_new,
-        cache.max_len,
+        bounds.max_q_len,
+        bounds.max_k_len,
         device=q.device,
     )
     storage = (cache.batch * cache.max_len, cache.num_kv_heads, cache.head_dim)

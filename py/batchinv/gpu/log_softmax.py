@@ -287,17 +287,50 @@ def forward(
     return out.view(x.shape), lse
 
 
+def _forward_choice(
+    rows_view: Tensor, out_dtype: torch.dtype
+) -> tuple[int, int | None, str, Tensor]:
+    """``(T, the Hopper form's T or None, kernel suffix, rows_view)`` of a forward (rows_view
+    aligned where T has no one-CTA form)."""
+    vocab = rows_view.shape[1]
+    threads = threads_for(vocab, rows_view.dtype, rows_view.device, out_dtype)
+    hopper = _hopper_form_threads(rows_view.device, vocab, rows_view.dtype, out_dtype, False)
+    suffix = f"{_SUFFIX[rows_view.dtype]}_{_SUFFIX[out_dtype]}"
+    if threads == CLUSTER_ONLY_THREADS:
+        rows_view = _aligned(rows_view)  # this T has no one-CTA form to fall back on
+    return threads, hopper, suffix, rows_view
+
+
 def _forward_into(out: Tensor, lse: Tensor | None, rows_view: Tensor) -> None:
     """Launches the forward of ``rows_view`` ``[rows, V]`` into ``out`` (and ``lse``)."""
     rows, vocab = rows_view.shape
-    threads = threads_for(vocab, rows_view.dtype, rows_view.device, out.dtype)
-    hopper = _hopper_form_threads(rows_view.device, vocab, rows_view.dtype, out.dtype, False)
-    suffix = f"{_SUFFIX[rows_view.dtype]}_{_SUFFIX[out.dtype]}"
+    threads, hopper, suffix, rows_view = _forward_choice(rows_view, out.dtype)
     lse_arg = lse if lse is not None else 0
-    if threads == CLUSTER_ONLY_THREADS:
-        rows_view = _aligned(rows_view)  # this T has no one-CTA form to fall back on
     args = (out, lse_arg, rows_view, rows, vocab, rows_view.stride(0))
     _launch_rows("forward", suffix, rows_view, threads, hopper, rows_view.dtype, (out,), args)
+
+
+def forward_path(x: Tensor, out_dtype: torch.dtype = torch.float32) -> str:
+    """Which form ``forward`` launches for ``x`` (rows over the last dimension): ``"cluster
+    x<CTAs> T<T>"`` (the Hopper form) or ``"one-cta T<T>"``; the launch's own decisions,
+    nothing launched.  ``forward``'s output is a fresh tensor whose rows are 16-byte
+    multiples wherever the cluster form applies, so only ``x``'s rows can rule it out."""
+    rows_view = as_rows(x, x.shape[-1])
+    rows, vocab = rows_view.shape
+    threads, hopper, suffix, rows_view = _forward_choice(rows_view, out_dtype)
+    plan = _cluster_plan(
+        "forward",
+        suffix,
+        rows_view.device,
+        vocab,
+        (threads, hopper),
+        rows_view.dtype,
+        (rows_view,),
+        rows,
+    )
+    if plan is not None:
+        return f"cluster x{plan[1]} T{threads}"
+    return f"one-cta T{threads}"
 
 
 def _launch_rows(
