@@ -189,8 +189,10 @@ def _attention_forward(
     **kwargs,
 ):
     """``Qwen3Attention.forward`` with ``batchinv.rope`` on ``position_ids`` (HF's cos/sin
-    tables are not used); the rest is HF's code path."""
-    modeling = _import_transformers().models.qwen3.modeling_qwen3
+    tables are not used); the rest is HF's code path.  It imports nothing and reads no config
+    (``_patch_instance`` resolved both): an import inside a ``torch.compile``d forward is a
+    graph break, which splits the decode step into pieces and one recompile per layer."""
+    modeling = _QWEN3_MODELING
     cache = cache if cache is not None else past_key_values
     position_ids = kwargs.get("position_ids")
     if position_ids is None:
@@ -201,7 +203,8 @@ def _attention_forward(
     k = self.k_norm(self.k_proj(hidden_states).view(hidden_shape))
     v = self.v_proj(hidden_states).view(hidden_shape)
     positions = position_ids.expand(*input_shape).contiguous()
-    q, k = batchinv_rope(q, k, positions, theta=_rope_theta(self.config), head_dim=self.head_dim)
+    theta = self._batchinv_rope_theta
+    q, k = batchinv_rope(q, k, positions, theta=theta, head_dim=self.head_dim)
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))
     if cache is not None:
         k, v = cache.update(k, v, self.layer_idx, kwargs=kwargs)
@@ -226,8 +229,13 @@ def _attention_forward(
 # ----------------------------------------------------------------------------- patching
 
 
+# transformers' Qwen3 modeling module, for the patched attention forward (set when patching).
+_QWEN3_MODELING = None
+
+
 def _patch_instance(model: nn.Module, flags: dict[str, bool], undo: list[Callable]) -> None:
-    modeling = _import_transformers().models.qwen3.modeling_qwen3
+    global _QWEN3_MODELING
+    modeling = _QWEN3_MODELING = _import_transformers().models.qwen3.modeling_qwen3
     forwards = {
         modeling.Qwen3RMSNorm: (flags["rms_norm"], _rms_norm_forward),
         modeling.Qwen3MLP: (flags["mlp"], _mlp_forward),
@@ -237,7 +245,9 @@ def _patch_instance(model: nn.Module, flags: dict[str, bool], undo: list[Callabl
         enabled, forward = forwards.get(type(module), (False, None))
         if enabled and "forward" not in module.__dict__:
             if forward is _attention_forward:
-                _rope_theta(module.config)  # refuse an unsupported RoPE now, not mid-forward
+                # An unsupported RoPE is refused now, not mid-forward.
+                module._batchinv_rope_theta = _rope_theta(module.config)
+                undo.append(lambda m=module: m.__dict__.pop("_batchinv_rope_theta", None))
             module.forward = types.MethodType(forward, module)
             undo.append(lambda m=module: m.__dict__.pop("forward", None))
     if flags["linear"]:
