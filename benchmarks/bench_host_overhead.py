@@ -157,6 +157,15 @@ def _cases(rows: int, device: torch.device):
     ]
 
 
+def _path(op: str, rows: int, device: torch.device) -> str | None:
+    """The GEMM path a ``linear`` row took (the op with several paths); None for the others."""
+    if op != "linear":
+        return None
+    x = torch.empty(rows, HIDDEN, device=device, dtype=torch.bfloat16)
+    w = torch.empty(HIDDEN, HIDDEN, device=device, dtype=torch.bfloat16)
+    return batchinv.linear_path(x, w)
+
+
 def _best_host_us(fn) -> tuple[float, float]:
     """(host, wall) microseconds per call: the best of ``ROUNDS`` rounds (the least disturbed)."""
     runs = [host_and_wall_seconds(fn, CALLS, warmup=WARMUP) for _ in range(ROUNDS)]
@@ -210,6 +219,8 @@ def main() -> None:
                     f"{anchor} (host time)",
                     torch_host / 1e3,
                     GOAL,
+                    scope="op",
+                    ran=_path(op, rows, device),
                 )
             )
             if args.profile is not None and rows == ROWS[-1]:

@@ -41,6 +41,12 @@ PATH_VARIANTS = {
             "forward, own kernels, CUDA graph",
             "forward, pinned cuBLASLt",
         ),
+        # the path each variant times (bench_linear.py's rows name it in "path")
+        "paths": {
+            "forward, own kernels": "own",
+            "forward, own kernels, CUDA graph": "own",
+            "forward, pinned cuBLASLt": "cublaslt",
+        },
         "anchor": "cuBLAS (torch.mm)",
         "bench": "benchmarks/bench_linear.py",
     }
@@ -82,17 +88,29 @@ def _meets(row: dict) -> bool | None:
     return ratio >= goal
 
 
-def _missing_variants(data: dict) -> list[tuple[str, str]]:
-    """(op, variant) of every path variant that an op with several paths should report but
-    this file lacks."""
-    ops = {row["op"] for row in data["summary"]}
+def _missing_variants(data: dict) -> list[tuple[str, str, str | None]]:
+    """(op, variant, refusal) of every path variant that an op with several paths should
+    report but this file lacks.  Expected in a file whose rows of that op time its paths (a
+    path variant, or a row that names no path); ``refusal`` is the reason the benchmark
+    recorded when the path refused every case (its rows with a ``note``), else None."""
     present = {(row["op"], row["variant"]) for row in data["summary"]}
-    return [
-        (op, variant)
-        for op in sorted(ops & PATH_VARIANTS.keys())
-        for variant in PATH_VARIANTS[op]["variants"]
-        if (op, variant) not in present
-    ]
+    timed = {
+        row["op"]
+        for row in data["summary"]
+        if row["op"] in PATH_VARIANTS
+        and (not row.get("ran") or row["variant"] in PATH_VARIANTS[row["op"]]["variants"])
+    }
+    missing = []
+    for op in sorted(timed):
+        for variant in PATH_VARIANTS[op]["variants"]:
+            if (op, variant) in present:
+                continue
+            path = PATH_VARIANTS[op]["paths"][variant]
+            notes = [
+                r["note"] for r in data.get("rows", []) if r.get("path") == path and r.get("note")
+            ]
+            missing.append((op, variant, notes[0] if notes else None))
+    return missing
 
 
 def _run(environment: dict) -> str:
@@ -130,9 +148,15 @@ def summary_table(files: list[dict]) -> str:
                 f"| {op} | {variant} | {SCOPE_LABELS[kind]} | {anchors} | {span} | {goal} "
                 f"| {at_goal} | {_run(data['environment'])} |"
             )
-        for op, variant in _missing_variants(data):
+        for op, variant, refusal in _missing_variants(data):
             spec = PATH_VARIANTS[op]
             anchor = spec["anchor"] + (", CUDA graph" if variant.endswith(", CUDA graph") else "")
+            if refusal is not None:
+                lines.append(
+                    f"| {op} | {variant} | public op | {anchor} | refused on this card "
+                    f"([results](docs/results.md)) | - | - | {_run(data['environment'])} |"
+                )
+                continue
             lines.append(
                 f"| {op} | {variant} | public op | {anchor} | not measured | - | - "
                 f"| rerun `{spec['bench']}` |"
@@ -183,9 +207,13 @@ def full_page(files: list[dict]) -> str:
                 f"{'-' if goal is None else f'{goal:.2f}x'}{mark} |"
             )
         missing = _missing_variants(data)
-        if missing:
-            names = ", ".join(f'{op} "{variant}"' for op, variant in missing)
+        unmeasured = [(op, variant) for op, variant, refusal in missing if refusal is None]
+        if unmeasured:
+            names = ", ".join(f'{op} "{variant}"' for op, variant in unmeasured)
             out += ["", f"Not measured in this file: {names}."]
+        for op, variant, refusal in missing:
+            if refusal is not None:
+                out += ["", f'{op} "{variant}": the path refused these cases: {refusal}']
     return "\n".join(out) + "\n"
 
 

@@ -123,3 +123,24 @@ def test_linear_rows_must_name_their_path_and_each_path_is_quoted(results_table)
     page = results_table.full_page([new])
     assert f"| public op | {pinned} | 1.0000 |" in page
     assert f"| public op | {own} | 1.0000 |" in page
+
+
+def test_a_path_that_refused_is_shown_as_refused_with_its_reason(results_table):
+    own = "own: hopper bm128 bn256 k64 s4"
+    data = _file(
+        _row("linear", "forward, own kernels", 0.88, scope="op", ran=own),
+        _row("linear", "forward, own kernels, CUDA graph", 0.97, scope="op", ran=own),
+    )
+    data["rows"] = [{"path": "cublaslt", "ran": None, "note": "bits differ (NaN 0x7fff)"}]
+    table = results_table.summary_table([data])
+    assert "| linear | forward, pinned cuBLASLt | public op | cuBLAS (torch.mm) | refused" in table
+    assert "not measured" not in table
+    assert "the path refused these cases: bits differ (NaN 0x7fff)" in results_table.full_page(
+        [data]
+    )
+
+
+def test_rows_of_a_multi_path_op_that_name_their_path_expect_no_other_variants(results_table):
+    data = _file(_row("linear", "eager host time per call", 0.6, scope="op", ran="own: x"))
+    table = results_table.summary_table([data])
+    assert "not measured" not in table and "refused" not in table
