@@ -1,0 +1,83 @@
+"""``batchinv.lm_head``: vocabulary logits ``hidden · weightᵀ (+ bias)``, in three forms.
+
+- ``lm_head``: logits in ``hidden``'s dtype.  It is ``batchinv.linear`` with one weight row
+  per vocabulary entry (the same kernels and bits), under its own registry entry so a
+  caller can ask for it by name and see which backends have it.
+- ``lm_head_fp32``: fp32 logits from the strict reference (inputs upcast, K reduced in
+  order, ``deterministic_context``).  It is the same reference on the CPU and on a CUDA
+  device (it runs on the tensors where they are); it is the ground truth, not a fast path.
+- The fused path, ``batchinv.token_logprobs``: target-token logprobs through the lm_head
+  without materialising the ``[tokens, vocab]`` logits.
+
+HIP has no entry: ``lm_head`` raises ``BackendNotImplementedError`` there, like ``linear``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .. import registry
+from ..reference import linear as reference
+from ..validation import check_linear_args
+from ._custom_op import CustomOp, empty_grad
+from .linear import linear
+
+
+def lm_head(hidden: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """``hidden [..., H] · weight[V, H]ᵀ (+ bias[V])`` -> logits ``[..., V]`` in ``hidden``'s
+    dtype, fp32 accumulation, one rounding.
+
+    The same op and bits as ``batchinv.linear(hidden, weight, bias)``: a row's logits do not
+    depend on the other rows.  GPU: bf16/fp16; CPU: the strict reference (also fp32).
+    Differentiable in all three inputs.
+    """
+    if torch.compiler.is_compiling():  # one opaque node (the custom op below)
+        return torch.ops.batchinv.lm_head(hidden, weight, bias)
+    check_linear_args(hidden, weight, bias)
+    return registry.lookup("lm_head", hidden.device)(hidden, weight, bias)
+
+
+def lm_head_fp32(hidden: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """The strict fp32 logits: inputs upcast to fp32, the K loop of
+    ``batchinv.reference.linear`` in order, fp32 result (differentiable).
+
+    This is the Axis-B reference of ``lm_head``; on a GPU it runs the reference's loop on
+    the GPU tensors (slow by design: one elementwise step per hidden unit)."""
+    check_linear_args(hidden, weight, bias)
+    return registry.lookup("lm_head.fp32", hidden.device)(hidden, weight, bias)
+
+
+# The input-dtype form is batchinv.linear (it dispatches to its own registry entries); the
+# fp32 form is the reference on the devices it is meant to serve as ground truth on.
+for _backend in ("cpu", "cuda"):
+    registry.register("lm_head", _backend)(linear)
+    registry.register("lm_head.fp32", _backend)(reference.linear_fp32)
+
+
+# ----------------------------------------------------------------------------- custom op
+
+
+def _fake(hidden, weight, bias):
+    check_linear_args(hidden, weight, bias)
+    return hidden.new_empty((*hidden.shape[:-1], weight.shape[0]))
+
+
+def _custom_backward(grads, needs, outputs, hidden, weight, bias):
+    # linear's fixed-order backward directly: recomputing a vocabulary-sized forward to
+    # get the gradients would double the cost of the largest GEMM of the model.
+    (grad_out,) = grads
+    bias_dtype = None if bias is None else bias.dtype
+    backward = registry.lookup("linear.backward", grad_out.device)
+    got = backward(grad_out, hidden, weight, bias_dtype, tuple(needs))
+    return [empty_grad(grad_out) if g is None else g for g in got]
+
+
+CustomOp(
+    "lm_head",
+    "(Tensor hidden, Tensor weight, Tensor? bias) -> Tensor",
+    lm_head,
+    _fake,
+    (0, 1, 2),
+    backward=_custom_backward,
+)
