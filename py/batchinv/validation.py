@@ -693,6 +693,12 @@ def check_cache_settings(
     return device
 
 
+def check_seqlens_new(seqlens_new: Tensor | None, s_new: int) -> None:
+    """Values of a host (CPU) ``seqlens_new``: each row holds ``0 <= n <= S_new`` new tokens."""
+    if seqlens_new is not None:
+        _check_seqlens("seqlens_new", seqlens_new, s_new, f"the new tokens per row S_new={s_new}")
+
+
 def check_kv_cache_attention_args(
     q: object,
     k_new: object,
@@ -716,14 +722,12 @@ def check_kv_cache_attention_args(
             f"{tuple(q.shape)} and k_new {tuple(k_new.shape)}"
         )
     check_attention_args(
-        q,
-        k_new,
-        v_new,
-        seqlens_q=seqlens_new,
-        softmax_scale=softmax_scale,
-        causal=causal,
-        check_values=False,
+        q, k_new, v_new, softmax_scale=softmax_scale, causal=causal, check_values=False
     )
+    if seqlens_new is not None:
+        check_tensor("seqlens_new", seqlens_new, dtypes=INDEX_DTYPES, ndim=1)
+        _check_lengths_device(q, seqlens_new=seqlens_new)
+        check_dim_size("seqlens_new", seqlens_new, 0, q.shape[0], "the number of rows of q")
     if q.dtype != cache.dtype:
         raise TypeError(f"q has dtype {q.dtype} but {cache.name} holds {cache.dtype}")
     if q.device != cache.device:

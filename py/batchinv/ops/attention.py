@@ -27,6 +27,7 @@ from ..validation import (
     check_attention_args,
     check_kv_cache_attention_args,
     check_length_values,
+    check_seqlens_new,
     check_tensor,
 )
 from ._custom_op import CustomOp
@@ -247,7 +248,7 @@ def _gpu_attention_with_kv_cache(
         q, k_new, v_new, cache, seqlens_new=seqlens_new, causal=causal, softmax_scale=softmax_scale
     )
     seq_ids, seqlens_new = host_index_copies(seq_ids=seq_ids, seqlens_new=seqlens_new)
-    check_length_values(q, k_new, seqlens_q=seqlens_new)
+    check_seqlens_new(seqlens_new, q.shape[1])
     gpu.check_supported(q, k_new, v_new)
     gpu.scale_of(softmax_scale, q.shape[-1])  # a bad scale raises before the append
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k_new, v_new)):

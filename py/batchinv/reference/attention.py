@@ -80,11 +80,12 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from ..kv_cache import KVCache
+from ..kv_cache import KVCache, host_index_copies
 from ..validation import (
     MAX_HEAD_DIM,
     check_attention_args,
     check_kv_cache_attention_args,
+    check_seqlens_new,
     is_supported_head_dim,
 )
 from ._fixed_order import fixed_order_matmul, fixed_order_sum
@@ -507,6 +508,8 @@ def attention_with_kv_cache(
     check_kv_cache_attention_args(
         q, k_new, v_new, cache, seqlens_new=seqlens_new, causal=causal, softmax_scale=softmax_scale
     )
+    seq_ids, seqlens_new = host_index_copies(seq_ids=seq_ids, seqlens_new=seqlens_new)
+    check_seqlens_new(seqlens_new, q.shape[1])
     # Host ids and lengths (the cache keeps its lengths on the host): no device sync below.
     ids, seqlens_k = cache.append_host(k_new, v_new, seq_ids, seqlens_new)
     k, v, _ = cache.read(ids)
