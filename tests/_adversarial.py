@@ -413,18 +413,23 @@ def model_cache_cases(where: Device) -> list[Case]:
     def tokens(width=3, offset=0):
         return torch.arange(1 + offset, 1 + offset + 2 * width, device=where.device).view(2, -1)
 
+    # KV-cache forwards are inference (the CUDA cache attention refuses gradients).
+    @torch.no_grad()
     def good(state, width=3):
         return state["model"](tokens(width), caches=state["caches"])
 
+    @torch.no_grad()
     def with_bad(state):
         return state["model"](tokens(), caches=[state["caches"][0], state["bad"]])
 
     def forward(ids=None, **kw):
+        @torch.no_grad()
         def run(state):
             return state["model"](tokens() if ids is None else ids, caches=state["caches"], **kw)
 
         return run
 
+    @torch.no_grad()
     def one_cache(state):
         return state["model"](tokens(), caches=state["caches"][:1])
 
