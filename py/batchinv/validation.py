@@ -347,7 +347,9 @@ def check_rope_args(
 
 def check_positive_int(name: str, value: object) -> int:
     """Checks that ``value`` is a Python int >= 1 (bool excluded); returns it."""
-    check_int(name, value)
+    if isinstance(value, Tensor):
+        raise TypeError(f"{name} must be an int, got a tensor")
+    value = check_int(name, value)
     if value < 1:
         raise ValueError(f"{name} must be >= 1, got {value}")
     return value
