@@ -70,7 +70,7 @@ def _open(file: Path) -> Iterator:
     safetensors = _safetensors()
     try:
         handle = safetensors.safe_open(str(file), framework="pt")
-    except (OSError, safetensors.SafetensorError) as err:
+    except safetensors.SafetensorError as err:  # an OSError (permissions) stays one
         raise CheckpointError(
             f"{file}: not a readable safetensors file (corrupt or truncated?): {err}"
         ) from err
