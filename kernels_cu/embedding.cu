@@ -18,6 +18,8 @@
 //   segment_offsets  [num_segments + 1] i64   segment s covers sorted_positions[off[s]:off[s+1]]
 //   segment_ids      [num_segments] i64       the id shared by segment s
 //   grad_out [num_ids, hidden], grad_weight [vocab, hidden] (zeroed by the caller), same dtype
+//   A segment whose id is outside [0, vocab) (possible only when the caller skipped the id
+//   check) writes nothing: its gradient is dropped, never stored out of bounds.
 //   Launch: grid = (num_segments, ceil(hidden / block.x)), any block.x.
 //   Invariance: each output element is a sequential fp32 sum over its own occurrences in
 //   increasing position order, rounded once.  No atomics, so the result does not depend on
@@ -81,17 +83,20 @@ __device__ __forceinline__ void embedding_backward(typename Codec::storage* grad
                                                    const typename Codec::storage* grad_out,
                                                    const int64_t* sorted_positions,
                                                    const int64_t* segment_offsets,
-                                                   const int64_t* segment_ids, int64_t hidden) {
+                                                   const int64_t* segment_ids, int64_t hidden,
+                                                   int64_t vocab) {
     const int64_t segment = blockIdx.x;
     const int64_t column = static_cast<int64_t>(blockIdx.y) * blockDim.x + threadIdx.x;
     if (column >= hidden) return;
+    const int64_t id = segment_ids[segment];
+    if (id < 0 || id >= vocab) return;
     const int64_t begin = segment_offsets[segment];
     const int64_t end = segment_offsets[segment + 1];
     float sum = 0.0f;
     for (int64_t k = begin; k < end; ++k) {
         sum = __fadd_rn(sum, Codec::load(grad_out[sorted_positions[k] * hidden + column]));
     }
-    grad_weight[segment_ids[segment] * hidden + column] = Codec::store(sum);
+    grad_weight[id * hidden + column] = Codec::store(sum);
 }
 
 }  // namespace batchinv
@@ -114,9 +119,9 @@ extern "C" __global__ void embedding_forward_i64(uint8_t* out, const uint8_t* we
     extern "C" __global__ void embedding_backward_##SUFFIX(                                  \
         CODEC::storage* grad_weight, const CODEC::storage* grad_out,                          \
         const int64_t* sorted_positions, const int64_t* segment_offsets,                      \
-        const int64_t* segment_ids, int64_t hidden) {                                         \
+        const int64_t* segment_ids, int64_t hidden, int64_t vocab) {                          \
         batchinv::embedding_backward<CODEC>(grad_weight, grad_out, sorted_positions,          \
-                                            segment_offsets, segment_ids, hidden);            \
+                                            segment_offsets, segment_ids, hidden, vocab);     \
     }
 
 BATCHINV_EMBEDDING_BACKWARD(bf16, batchinv::Bf16Codec)

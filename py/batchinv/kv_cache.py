@@ -28,7 +28,13 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .validation import INDEX_DTYPES, check_cache_settings, check_same_device, check_tensor
+from .validation import (
+    INDEX_DTYPES,
+    check_cache_settings,
+    check_int,
+    check_same_device,
+    check_tensor,
+)
 
 
 def upload(t: Tensor, device: torch.device) -> Tensor:
@@ -68,6 +74,11 @@ class KVCache:
     storage rows of some slots with their lengths, ready for
     ``attention(q, k, v, seqlens_k=lengths)``.  Appending beyond ``max_len`` raises
     ``ValueError`` naming the cache, the slot and the length it would reach.
+
+    Failure atomicity: every method that mutates (``append``, ``copy_prefix``, ``reset``,
+    ``set_lengths``) checks all its arguments before it writes, so a call that raises leaves
+    every byte of ``k``/``v`` and every length as it was.  Slots, lengths and counts must be
+    ints or integer tensors (a bool or a float is a TypeError, never rounded).
     """
 
     def __init__(
@@ -81,8 +92,14 @@ class KVCache:
         *,
         name: str = "kv_cache",
     ):
-        check_cache_settings(
-            name, dtype, batch=batch, max_len=max_len, num_kv_heads=num_kv_heads, head_dim=head_dim
+        device = check_cache_settings(
+            name,
+            dtype,
+            device,
+            batch=batch,
+            max_len=max_len,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
         )
         self.name = name
         self.max_len = max_len
@@ -263,6 +280,10 @@ class KVCache:
         source = self if source is None else source
         if not isinstance(source, KVCache):
             raise TypeError(f"source must be a KVCache, got {type(source).__name__}")
+        src = check_int("src", src)
+        dst = check_int("dst", dst)
+        if length is not None:
+            length = check_int("length", length)
         same_layout = (source.num_kv_heads, source.head_dim, source.dtype) == (
             self.num_kv_heads,
             self.head_dim,

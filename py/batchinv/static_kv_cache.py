@@ -23,13 +23,15 @@ raises (``DeviceStatus.raise_if_failed``).
 
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from .registry import BackendNotImplementedError
-from .validation import check_cache_settings
+from .validation import check_cache_settings, check_same_device, check_tensor
 
 
 class DeviceStatus:
@@ -85,18 +87,16 @@ class StaticKVCache:
         device: torch.device | str = "cuda",
         name: str = "static_kv_cache",
     ):
-        check_cache_settings(
+        device = check_cache_settings(
             name,
             dtype,
+            device,
             num_layers=num_layers,
             slots=slots,
             capacity=capacity,
             num_kv_heads=num_kv_heads,
             head_dim=head_dim,
         )
-        device = torch.device(device)
-        if device.type not in ("cpu", "cuda"):
-            raise ValueError(f"{name}: device must be a CPU or CUDA device, got {device}")
         self.name = name
         self.slots = slots
         self.capacity = capacity
@@ -215,19 +215,21 @@ def attention_with_static_kv_cache(
     new tokens of slot ``plan.seq_ids[i]`` at absolute positions ``length + t``; query ``t``
     sees the slot's cached keys and the new ones up to itself.  Padding columns give zeros.
     No host sync.  The slot's length is *not* advanced here (``StaticKVCache.advance`` does
-    that once per step, after every layer).  Shapes and dtypes are the caller's to check.
+    that once per step, after every layer).  The host checks (shapes, dtypes, the scale) run
+    before the append, so a call that raises has written nothing.
     """
     cache = layer.cache
+    _check_static_call(q, k_new, v_new, cache, plan, softmax_scale)
     n, s_new, hq, d = q.shape
     heads = cache.num_kv_heads
+    if q.device.type != "cpu":
+        from .gpu import attention as gpu
+
+        scale = gpu.scale_of(softmax_scale, d)  # a bad scale raises before the append
     layer.k.index_copy_(0, plan.rows, k_new.reshape(n * s_new, heads, d))
     layer.v.index_copy_(0, plan.rows, v_new.reshape(n * s_new, heads, d))
     if q.device.type == "cpu":
         return _reference_attend(q, layer, plan, softmax_scale)
-    if torch.version.hip:
-        raise BackendNotImplementedError("attention_with_static_kv_cache has no HIP kernels")
-    from .gpu import attention as gpu
-
     layout = gpu.Layout(plan.q_start, plan.q_len, plan.k_start, plan.k_len, s_new, cache.capacity)
     rows = layer.k.shape[0]
     out, _ = gpu.forward(
@@ -236,11 +238,45 @@ def attention_with_static_kv_cache(
         layer.v.view(rows, heads, d),
         layout,
         True,
-        gpu.scale_of(softmax_scale, d),
+        scale,
         # A decode step covers every query row; only padded prefill rows need zeros first.
         prefill_zero=s_new > 1,
     )
     return out.reshape(n, s_new, hq, d)
+
+
+def _check_static_call(q, k_new, v_new, cache: StaticKVCache, plan: StepPlan, softmax_scale):
+    """What ``attention_with_static_kv_cache`` checks on the host before it appends: reads no
+    tensor value (capture-safe); the values (slots' room, token ids) are the plan's device
+    checks."""
+    check_tensor("q", q, dtypes=(cache.dtype,), ndim=4)
+    for name, t in (("k_new", k_new), ("v_new", v_new)):
+        check_tensor(name, t, dtypes=(cache.dtype,), ndim=4)
+    check_same_device(cache=cache.k, q=q, k_new=k_new, v_new=v_new)
+    n, s_new, hq, d = q.shape
+    want = (n, s_new, cache.num_kv_heads, cache.head_dim)
+    for name, t in (("k_new", k_new), ("v_new", v_new)):
+        if tuple(t.shape) != want:
+            raise ValueError(f"{name} must be {list(want)} for {cache.name}, got {tuple(t.shape)}")
+    if d != cache.head_dim or hq % cache.num_kv_heads:
+        raise ValueError(
+            f"q must be [n, S, Hq, {cache.head_dim}] with Hq a multiple of "
+            f"{cache.num_kv_heads} for {cache.name}, got {tuple(q.shape)}"
+        )
+    if (plan.seq_ids.numel(), plan.s_new) != (n, s_new):
+        raise ValueError(
+            f"q holds [{n}, {s_new}] new tokens but the step's plan is for "
+            f"[{plan.seq_ids.numel()}, {plan.s_new}]"
+        )
+    if softmax_scale is not None:
+        if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real):
+            raise TypeError(
+                f"softmax_scale must be a real number or None, got {type(softmax_scale).__name__}"
+            )
+        if not math.isfinite(softmax_scale):
+            raise ValueError(f"softmax_scale must be finite, got {softmax_scale}")
+    if q.device.type != "cpu" and torch.version.hip:
+        raise BackendNotImplementedError("attention_with_static_kv_cache has no HIP kernels")
 
 
 def _reference_attend(q, layer, plan, softmax_scale):

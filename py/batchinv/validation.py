@@ -121,6 +121,38 @@ def report_bad_index(name: str, index: Tensor, flat_position: int, upper: int) -
     )
 
 
+def check_int(name: str, value: object) -> int:
+    """``value`` as a Python int: an ``int`` (a numpy integer too) or a one-element tensor of
+    an integer dtype; a bool, a float (even 2.0), a string or a float tensor is a TypeError
+    naming ``name``.  Nothing is rounded or parsed."""
+    if isinstance(value, Tensor):
+        if value.numel() != 1 or value.dtype == torch.bool or value.is_floating_point():
+            raise TypeError(
+                f"{name} must be an int, got a tensor of dtype "
+                f"{str(value.dtype).removeprefix('torch.')} and shape {tuple(value.shape)}"
+            )
+        if value.is_complex():
+            raise TypeError(f"{name} must be an int, got a complex tensor")
+        return int(value.item())
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    return int(value)
+
+
+def int_list(name: str, values: object) -> list[int]:
+    """A 1-d integer tensor or a sequence of ints as a list of Python ints; a scalar, a
+    string, a bool, a float or a float tensor is a TypeError naming ``name`` (or its entry)."""
+    if isinstance(values, Tensor):
+        check_tensor(name, values, dtypes=INDEX_DTYPES, ndim=1)
+        return values.tolist()
+    if not isinstance(values, Sequence) or isinstance(values, str | bytes):
+        raise TypeError(
+            f"{name} must be a sequence of ints or a 1-d integer tensor, got "
+            f"{type(values).__name__}"
+        )
+    return [check_int(f"{name}[{i}]", v) for i, v in enumerate(values)]
+
+
 # ----------------------------------------------------------------------------- linear
 
 
@@ -136,6 +168,12 @@ def check_linear_args(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> 
     check_same_device(**named)
     check_same_dtype(**named)
     check_dim_size("x", x, -1, weight.shape[1], "weight.shape[1] (in_features)")
+    if weight.shape[1] == 0:
+        # Every backend rejects it (the GPU GEMM has no empty reduction): one answer everywhere.
+        raise ValueError(
+            f"in_features must be >= 1, got weight of shape {tuple(weight.shape)} and x of "
+            f"shape {tuple(x.shape)} (an empty reduction)"
+        )
     if bias is not None:
         check_dim_size("bias", bias, 0, weight.shape[0], "weight.shape[0] (out_features)")
 
@@ -313,8 +351,9 @@ def check_rope_args(
 
 def check_positive_int(name: str, value: object) -> int:
     """Checks that ``value`` is a Python int >= 1 (bool excluded); returns it."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if isinstance(value, Tensor):
+        raise TypeError(f"{name} must be an int, got a tensor")
+    value = check_int(name, value)
     if value < 1:
         raise ValueError(f"{name} must be >= 1, got {value}")
     return value
@@ -605,6 +644,11 @@ def token_id_lists(name: str, values, device: torch.device) -> list[Tensor]:
                 isinstance(x, int) and not isinstance(x, bool) for x in seq
             ):
                 raise TypeError(f"{name}[{i}] must be a 1-D integer tensor or a list of ints")
+            for j, x in enumerate(seq):
+                if not -(2**63) <= x < 2**63:
+                    raise ValueError(
+                        f"{name}[{i}][{j}] = {x} does not fit in int64 (not a token id)"
+                    )
             seq = torch.tensor(seq, dtype=torch.int64)
         t = seq
         check_tensor(f"{name}[{i}]", t, dtypes=INDEX_DTYPES, ndim=1)
@@ -614,11 +658,88 @@ def token_id_lists(name: str, values, device: torch.device) -> list[Tensor]:
     return result
 
 
-def check_cache_settings(name: str, dtype: torch.dtype, **sizes: int) -> None:
-    """A KV cache's sizes are positive ints (bool excluded) and its dtype a float dtype;
-    errors name the cache and the argument."""
+def check_cache_settings(
+    name: str, dtype: torch.dtype, device: torch.device | str = "cpu", **sizes: int
+) -> torch.device:
+    """A KV cache that can run, checked where it is created: sizes are positive ints (bool
+    excluded), the dtype a float dtype, the device a CPU or CUDA device (not ``meta``), and the
+    head dim one the attention on that device supports (CPU: the reference's even
+    ``2 <= d <= 256``; CUDA: the kernels' head dims and dtypes).  Errors name the cache and the
+    argument; returns the device."""
     for arg, value in sizes.items():
         if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
             raise ValueError(f"{name}: {arg} must be a positive int, got {value!r}")
     if dtype not in FLOAT_DTYPES:
         raise TypeError(f"{name}: dtype must be float32, bfloat16 or float16, got {dtype}")
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError) as error:
+        raise ValueError(f"{name}: device {device!r} is not a torch device ({error})") from None
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"{name}: device must be a CPU or CUDA device, got {device}")
+    head_dim = sizes.get("head_dim")
+    if head_dim is not None and not is_supported_head_dim(head_dim):
+        raise ValueError(
+            f"{name}: head_dim={head_dim} is not supported by attention (supported: even d with "
+            f"2 <= d <= {MAX_HEAD_DIM})"
+        )
+    if device.type == "cuda" and torch.version.hip is None:
+        from .gpu.attention import HEAD_DIMS  # lazily: gpu imports this module
+
+        if head_dim is not None and head_dim not in HEAD_DIMS:
+            raise ValueError(
+                f"{name}: head_dim={head_dim} is not supported by the CUDA attention kernels "
+                f"(supported: {', '.join(map(str, HEAD_DIMS))})"
+            )
+        if dtype not in LOW_PRECISION_DTYPES:
+            raise TypeError(
+                f"{name}: the CUDA attention kernels take bfloat16 or float16, got {dtype} "
+                "(float32 caches run on the CPU)"
+            )
+    return device
+
+
+def check_seqlens_new(seqlens_new: Tensor | None, s_new: int) -> None:
+    """Values of a host (CPU) ``seqlens_new``: each row holds ``0 <= n <= S_new`` new tokens."""
+    if seqlens_new is not None:
+        _check_seqlens("seqlens_new", seqlens_new, s_new, f"the new tokens per row S_new={s_new}")
+
+
+def check_kv_cache_attention_args(
+    q: object,
+    k_new: object,
+    v_new: object,
+    cache,
+    *,
+    seqlens_new: Tensor | None = None,
+    causal: bool = True,
+    softmax_scale: float | None = None,
+) -> None:
+    """Every check of ``attention_with_kv_cache`` that reads no tensor value, run before the
+    cache is touched (``KVCache.append_host`` then checks the slot ids, the new lengths and
+    the capacity, also before it writes).  ``q`` and ``k_new`` must agree on ``[n, S_new]``:
+    every backend rejects a call where they do not."""
+    check_tensor("q", q, dtypes=FLOAT_DTYPES, ndim=4)
+    check_tensor("k_new", k_new, dtypes=FLOAT_DTYPES, ndim=4)
+    check_tensor("v_new", v_new, dtypes=FLOAT_DTYPES, ndim=4)
+    if q.shape[:2] != k_new.shape[:2]:
+        raise ValueError(
+            f"q and k_new must agree on [n, S_new] (one key per new token), got q "
+            f"{tuple(q.shape)} and k_new {tuple(k_new.shape)}"
+        )
+    check_attention_args(
+        q, k_new, v_new, softmax_scale=softmax_scale, causal=causal, check_values=False
+    )
+    if seqlens_new is not None:
+        check_tensor("seqlens_new", seqlens_new, dtypes=INDEX_DTYPES, ndim=1)
+        _check_lengths_device(q, seqlens_new=seqlens_new)
+        check_dim_size("seqlens_new", seqlens_new, 0, q.shape[0], "the number of rows of q")
+    if q.dtype != cache.dtype:
+        raise TypeError(f"q has dtype {q.dtype} but {cache.name} holds {cache.dtype}")
+    if q.device != cache.device:
+        raise ValueError(f"q is on {q.device} but {cache.name} is on {cache.device}")
+    if tuple(k_new.shape[2:]) != (cache.num_kv_heads, cache.head_dim):
+        raise ValueError(
+            f"k_new must be [n, S_new, {cache.num_kv_heads}, {cache.head_dim}] for "
+            f"{cache.name}, got {tuple(k_new.shape)}"
+        )

@@ -3,7 +3,9 @@
 Out-of-range ids are found by the kernel itself (it never reads their rows, fills them
 with NaN and records the first bad position), so a bad id becomes a Python IndexError and
 never an illegal memory access.  Reading that flag synchronises with the device once per
-call; ``check_ids=False`` skips the read (bad rows then come back as NaN).
+call; ``check_ids=False`` skips the read (bad rows then come back as NaN).  The backward
+drops the gradient of an out-of-range id (the kernel writes nothing for it), so no
+combination of flags lets it store outside ``grad_weight``.
 """
 
 from __future__ import annotations
@@ -85,6 +87,14 @@ def backward(ids: Tensor, grad_out: Tensor, num_embeddings: int, dtype: torch.dt
         grad_out.device,
         grid=(segment_ids.numel(), -(-hidden // threads)),
         block=(threads,),
-        args=(grad_weight, grad_rows, sorted_positions, segment_offsets, segment_ids, hidden),
+        args=(
+            grad_weight,
+            grad_rows,
+            sorted_positions,
+            segment_offsets,
+            segment_ids,
+            hidden,
+            num_embeddings,
+        ),
     )
     return grad_weight

@@ -23,7 +23,13 @@ from .. import registry
 from ..gpu import attention as gpu
 from ..kv_cache import KVCache, host_index_copies
 from ..reference import attention as reference
-from ..validation import check_attention_args, check_length_values
+from ..validation import (
+    check_attention_args,
+    check_kv_cache_attention_args,
+    check_length_values,
+    check_seqlens_new,
+    check_tensor,
+)
 from ._custom_op import CustomOp
 
 # The custom ops' arguments after q, k, v (their schemas below), which are also the keyword
@@ -115,8 +121,10 @@ def attention_with_kv_cache(
     """
     if not isinstance(cache, KVCache):
         raise TypeError(f"cache must be a batchinv KVCache, got {type(cache).__name__}")
-    # The rest is checked by the implementation: the reference checks as it appends and
-    # attends, the CUDA backend checks everything before it appends (a bad call writes nothing).
+    check_tensor("q", q)  # the dispatch reads q.device
+    # The rest is checked by the implementation, all of it before the append (a call that
+    # raises leaves the cache as it was): check_kv_cache_attention_args, then the append's
+    # own checks of ids, lengths and capacity.
     return registry.lookup("attention_with_kv_cache", q.device)(
         q,
         k_new,
@@ -236,15 +244,13 @@ def _gpu_attention_with_kv_cache(
 ):
     """Every check of a CUDA KV-cache call, before anything is appended; ``seq_ids`` and
     ``seqlens_new`` are read to the host together (one host sync when either is on a GPU)."""
-    _check_padded(q, k_new, v_new, causal, softmax_scale, seqlens_new, None, None)
+    check_kv_cache_attention_args(
+        q, k_new, v_new, cache, seqlens_new=seqlens_new, causal=causal, softmax_scale=softmax_scale
+    )
     seq_ids, seqlens_new = host_index_copies(seq_ids=seq_ids, seqlens_new=seqlens_new)
-    check_length_values(q, k_new, seqlens_q=seqlens_new)
+    check_seqlens_new(seqlens_new, q.shape[1])
     gpu.check_supported(q, k_new, v_new)
     gpu.scale_of(softmax_scale, q.shape[-1])  # a bad scale raises before the append
-    if q.dtype != cache.dtype:
-        raise TypeError(f"q has dtype {q.dtype} but {cache.name} holds {cache.dtype}")
-    if cache.k.device != q.device:
-        raise ValueError(f"q is on {q.device} but {cache.name} is on {cache.k.device}")
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k_new, v_new)):
         raise RuntimeError(
             "attention_with_kv_cache on CUDA is inference-only: call it under torch.no_grad() "

@@ -80,12 +80,12 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from ..kv_cache import KVCache
+from ..kv_cache import KVCache, host_index_copies
 from ..validation import (
-    FLOAT_DTYPES,
     MAX_HEAD_DIM,
     check_attention_args,
-    check_tensor,
+    check_kv_cache_attention_args,
+    check_seqlens_new,
     is_supported_head_dim,
 )
 from ._fixed_order import fixed_order_matmul, fixed_order_sum
@@ -503,13 +503,13 @@ def attention_with_kv_cache(
     """
     if not isinstance(cache, KVCache):
         raise TypeError(f"cache must be a KVCache, got {type(cache).__name__}")
-    check_tensor("q", q, dtypes=FLOAT_DTYPES, ndim=4)
-    if q.shape[:2] != k_new.shape[:2]:
-        raise ValueError(
-            f"q and k_new must agree on [n, S_new], got {tuple(q.shape)} and {tuple(k_new.shape)}"
-        )
-    if q.dtype != cache.dtype:
-        raise TypeError(f"q has dtype {q.dtype} but {cache.name} holds {cache.dtype}")
+    # Everything is checked before the append (which checks ids, lengths and capacity before
+    # it writes): a call that raises leaves the cache as it was.
+    check_kv_cache_attention_args(
+        q, k_new, v_new, cache, seqlens_new=seqlens_new, causal=causal, softmax_scale=softmax_scale
+    )
+    seq_ids, seqlens_new = host_index_copies(seq_ids=seq_ids, seqlens_new=seqlens_new)
+    check_seqlens_new(seqlens_new, q.shape[1])
     # Host ids and lengths (the cache keeps its lengths on the host): no device sync below.
     ids, seqlens_k = cache.append_host(k_new, v_new, seq_ids, seqlens_new)
     k, v, _ = cache.read(ids)

@@ -42,9 +42,14 @@ def embedding_backward(
     The adds are done in rounds: round r adds the r-th occurrence of every id that
     occurs more than r times.  Within a round every id appears once, so an indexed
     add has no collisions, and each row of the result sees its adds in position order.
+    An id outside ``[0, num_embeddings)`` (reachable only with the id check skipped) has no
+    row: its gradient is dropped, as on the GPU.
     """
     flat_ids = ids.reshape(-1).long()
     grads = grad_out.reshape(flat_ids.numel(), -1).float()
+    in_range = (flat_ids >= 0) & (flat_ids < num_embeddings)
+    if not bool(in_range.all()):
+        flat_ids, grads = flat_ids[in_range], grads[in_range]
     hidden = grads.shape[1]
     acc = torch.zeros(num_embeddings, hidden, dtype=torch.float32, device=grads.device)
     if flat_ids.numel() == 0:

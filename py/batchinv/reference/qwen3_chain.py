@@ -39,14 +39,22 @@ op's fixed-order backward.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields
 
 import torch
 from torch import Tensor, nn
 
-from ..kv_cache import KVCache
-from ..validation import FLOAT_DTYPES, INDEX_DTYPES, check_tensor
+from ..kv_cache import KVCache, host_index_copies
+from ..validation import (
+    FLOAT_DTYPES,
+    INDEX_DTYPES,
+    MAX_EXACT_POSITION,
+    MAX_HEAD_DIM,
+    check_tensor,
+    is_supported_head_dim,
+)
 from .attention import attention, attention_varlen, attention_with_kv_cache
 from .embedding import embedding_with_grad
 from .linear import linear
@@ -97,6 +105,27 @@ class Qwen3ChainConfig:
             raise ValueError(
                 f"num_attention_heads={self.num_attention_heads} must be a multiple of "
                 f"num_key_value_heads={self.num_key_value_heads}"
+            )
+        # What would otherwise fail at the first forward fails here, where the config is made.
+        for name in ("rms_norm_eps", "rope_theta"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise TypeError(f"Qwen3ChainConfig.{name} must be a float, got {value!r}")
+            # rms_norm divides by sqrt(mean + eps) in fp32: eps must stay > 0 there.
+            if not math.isfinite(value) or float(torch.tensor(value, dtype=torch.float32)) <= 0:
+                raise ValueError(
+                    f"Qwen3ChainConfig.{name} must be a finite number > 0 (in float32), "
+                    f"got {value!r}"
+                )
+        if self.max_position_embeddings > MAX_EXACT_POSITION:
+            raise ValueError(
+                f"Qwen3ChainConfig.max_position_embeddings must be at most {MAX_EXACT_POSITION} "
+                f"(positions exact in float32), got {self.max_position_embeddings}"
+            )
+        if not is_supported_head_dim(self.head_dim):
+            raise ValueError(
+                f"Qwen3ChainConfig.head_dim must be even with 2 <= head_dim <= {MAX_HEAD_DIM}, "
+                f"got {self.head_dim}"
             )
 
     @classmethod
@@ -320,6 +349,76 @@ def _check_forward_args(
         )
 
 
+def _check_caches(
+    input_ids: Tensor,
+    config: Qwen3ChainConfig,
+    seqlens: Tensor | None,
+    caches: Sequence[KVCache],
+    seq_ids: Tensor | None,
+    weight: Tensor,
+) -> None:
+    """Every layer's cache can take this step, checked before layer 0 appends anything, so a
+    forward that raises leaves every cache as it was: one layout, dtype and device per cache,
+    the same slots and lengths in every layer, and room for the new tokens everywhere.
+
+    Runs for ``KVCache``s; other cache objects (the decode runner's device-side layers) are
+    checked by their own plan.  Reads ``seq_ids`` / ``seqlens`` to the host (one device sync
+    when either is on a GPU; none for CPU tensors or None)."""
+    if not any(isinstance(c, KVCache) for c in caches):
+        return
+    for i, cache in enumerate(caches):
+        if not isinstance(cache, KVCache):
+            raise TypeError(f"caches[{i}] must be a KVCache, got {type(cache).__name__}")
+        layout = (cache.num_kv_heads, cache.head_dim)
+        if layout != (config.num_key_value_heads, config.head_dim):
+            raise ValueError(
+                f"caches[{i}] ({cache.name}) stores [{cache.num_kv_heads}, {cache.head_dim}] "
+                f"heads x head_dim but the model needs [{config.num_key_value_heads}, "
+                f"{config.head_dim}]"
+            )
+        if cache.dtype != weight.dtype or cache.device != weight.device:
+            raise TypeError(
+                f"caches[{i}] ({cache.name}) holds {cache.dtype} on {cache.device} but the "
+                f"model runs {weight.dtype} on {weight.device}"
+            )
+        if cache.batch != caches[0].batch:
+            raise ValueError(
+                f"caches[{i}] ({cache.name}) has {cache.batch} slots but caches[0] has "
+                f"{caches[0].batch}"
+            )
+    ids, counts = host_index_copies(seq_ids=seq_ids, seqlens=seqlens)
+    ids = caches[0]._checked_ids(ids)
+    rows, width = input_ids.shape
+    if ids.numel() != rows:
+        raise ValueError(
+            f"seq_ids names {ids.numel()} slots but input_ids has {rows} rows "
+            f"(shape {tuple(input_ids.shape)})"
+        )
+    if counts is None:
+        counts = torch.full((rows,), width, dtype=torch.int64)
+    bad = (counts < 0) | (counts > width)
+    if bool(bad.any()):
+        j = int(bad.nonzero()[0, 0])
+        raise ValueError(f"seqlens[{j}] = {int(counts[j])} is outside [0, {width}]")
+    lengths = caches[0].host_lengths(ids)
+    for i, cache in enumerate(caches):
+        own = cache.host_lengths(ids)
+        if not torch.equal(own, lengths):
+            raise ValueError(
+                f"caches[{i}] ({cache.name}) holds lengths {own.tolist()} for slots "
+                f"{ids.tolist()} but caches[0] holds {lengths.tolist()}; every layer's cache "
+                "must hold the same tokens"
+            )
+        over = (own + counts) > cache.max_len
+        if bool(over.any()):
+            j = int(over.nonzero()[0, 0])
+            raise ValueError(
+                f"caches[{i}] ({cache.name}): appending {int(counts[j])} keys to slot "
+                f"{int(ids[j])} (length {int(own[j])}) would pass its capacity "
+                f"max_len={cache.max_len}"
+            )
+
+
 def _position_ids(
     input_ids: Tensor,
     caches: Sequence[KVCache] | None,
@@ -364,6 +463,10 @@ def qwen3_final_hidden(
     _check_forward_args(input_ids, config, seqlens, caches, cu_seqlens)
     if check_weights:
         check_qwen3_state_dict(state_dict, config)
+    if caches is not None:
+        _check_caches(
+            input_ids, config, seqlens, caches, seq_ids, state_dict["model.embed_tokens.weight"]
+        )
     w = state_dict
     tokens = tuple(input_ids.shape)
     heads, kv_heads, head_dim = (

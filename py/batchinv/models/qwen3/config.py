@@ -54,17 +54,27 @@ class Qwen3Config(Qwen3ChainConfig):
 
     @classmethod
     def from_json(cls, path: str | Path) -> Qwen3Config:
-        """From a config.json file, or a checkpoint directory holding one."""
+        """From a config.json file, or a checkpoint directory holding one.  Every failure
+        names the file: ``FileNotFoundError`` (absent), ``CheckpointError`` (a ``ValueError``:
+        not text, not JSON, or a config the chain cannot run)."""
+        from .weights import CheckpointError
+
         path = Path(path)
         if path.is_dir():
             path = path / "config.json"
         if not path.is_file():
             raise FileNotFoundError(f"no Qwen3 config.json at {path}")
         try:
-            parsed = json.loads(path.read_text())
+            parsed = json.loads(path.read_text(encoding="utf-8"))
+        except UnicodeDecodeError as err:
+            raise CheckpointError(f"{path}: not a text (JSON) file: {err}") from err
         except json.JSONDecodeError as err:
-            raise ValueError(f"{path} is not valid JSON: {err}") from err
-        return cls.from_dict(parsed)
+            raise CheckpointError(f"{path} is not valid JSON: {err}") from err
+        try:
+            return cls.from_dict(parsed)
+        except (KeyError, TypeError, ValueError) as err:
+            message = err.args[0] if isinstance(err, KeyError) and err.args else err
+            raise CheckpointError(f"{path}: {message}") from err
 
     @classmethod
     def tiny(cls) -> Qwen3Config:

@@ -11,6 +11,7 @@ KV caches -- gives a sequence's logits the same bits with the batchinv table.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -27,7 +28,7 @@ from ...reference.qwen3_chain import (
     qwen3_final_hidden,
     qwen3_state_dict_shapes,
 )
-from ...validation import FLOAT_DTYPES, INDEX_DTYPES, check_tensor, token_id_lists
+from ...validation import FLOAT_DTYPES, INDEX_DTYPES, check_tensor, int_list, token_id_lists
 from .config import Qwen3Config
 from .ops import ops_by_name
 from .weights import load_safetensors, random_state_dict
@@ -125,7 +126,15 @@ class Qwen3(nn.Module):
     ) -> Qwen3:
         """A local checkpoint directory: config.json and safetensors (single or sharded).
         The config, every tensor's name, shape and dtype, and the device/dtype pair are all
-        checked before a tensor is loaded."""
+        checked before a tensor is loaded.  Every failure names the file: an ``OSError``
+        (missing, not a directory) or a ``ValueError`` (``CheckpointError``: corrupt,
+        truncated, or not what the config needs)."""
+        path = Path(path)
+        if path.exists() and not path.is_dir():
+            raise NotADirectoryError(
+                f"{path} is a file, not a checkpoint directory: pass the directory that holds "
+                "config.json and the safetensors files"
+            )
         config = Qwen3Config.from_json(path)
         device = check_device_dtype(device, dtype)
         return cls(config, load_safetensors(path, config, dtype=dtype, device=device), ops=ops)
@@ -212,7 +221,7 @@ class Qwen3(nn.Module):
         """Prefills ``input_ids [B, S]`` in consecutive chunks (lengths summing to S) through
         KV caches (new ones unless given); returns the logits of all chunks ``[B, S, V]``."""
         check_tensor("input_ids", input_ids, dtypes=INDEX_DTYPES, ndim=2)
-        lengths = [int(c) for c in chunk_lengths]
+        lengths = int_list("chunk_lengths", chunk_lengths)
         if any(c < 1 for c in lengths) or sum(lengths) != input_ids.shape[1]:
             raise ValueError(
                 f"chunk_lengths must be positive and sum to {input_ids.shape[1]}, got {lengths}"
@@ -260,7 +269,9 @@ class Qwen3(nn.Module):
             raise TypeError(f"max_new_tokens must be an int, got {max_new_tokens!r}")
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be positive, got {max_new_tokens!r}")
-        if not isinstance(temperature, int | float) or not temperature > 0:
+        if isinstance(temperature, bool) or not isinstance(temperature, int | float):
+            raise TypeError(f"temperature must be a float, got {type(temperature).__name__}")
+        if not temperature > 0 or not math.isfinite(temperature):
             raise ValueError(f"temperature must be > 0, got {temperature!r}")
         seqs = token_id_lists("prompts", prompts, self.device)
         longest = max(s.numel() for s in seqs)
@@ -372,10 +383,7 @@ class Qwen3(nn.Module):
         """
         ops = self._ops(ops)
         seqs = token_id_lists("sequences", sequences, self.device)
-        if isinstance(prompt_lens, Tensor):
-            check_tensor("prompt_lens", prompt_lens, dtypes=INDEX_DTYPES, ndim=1)
-            prompt_lens = prompt_lens.tolist()
-        prompts = [int(p) for p in prompt_lens]
+        prompts = int_list("prompt_lens", prompt_lens)
         if len(prompts) != len(seqs):
             raise ValueError(
                 f"prompt_lens must have one entry per sequence ({len(seqs)}), got {len(prompts)}"

@@ -4,13 +4,18 @@
 (``model.safetensors.index.json``).  Every tensor's name, shape and dtype is checked from
 the files' headers against the configuration BEFORE any tensor is read, so a wrong
 checkpoint fails fast with an error naming the tensor.  Nothing is downloaded.
+
+Every failure names the file and what is wrong with it, and is a ``ValueError``
+(``CheckpointError``: corrupt, truncated or wrong content) or an ``OSError`` (missing, not a
+directory), which the command line maps to exit code 2.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import torch
@@ -18,7 +23,13 @@ from torch import Tensor
 
 from ...reference.qwen3_chain import Qwen3ChainConfig, qwen3_state_dict_shapes
 
-__all__ = ["checkpoint_files", "load_safetensors", "random_state_dict", "save_safetensors"]
+__all__ = [
+    "CheckpointError",
+    "checkpoint_files",
+    "load_safetensors",
+    "random_state_dict",
+    "save_safetensors",
+]
 
 _SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
 INDEX_FILE = "model.safetensors.index.json"
@@ -37,6 +48,53 @@ def _safetensors():
     return safetensors
 
 
+class CheckpointError(ValueError):
+    """A checkpoint file that cannot be used (corrupt, truncated, not what its name says, or
+    holding the wrong tensors); the message names the file."""
+
+
+class CheckpointKeyError(CheckpointError, KeyError):
+    """A tensor the configuration needs is absent (also a ``KeyError``)."""
+
+    def __str__(self) -> str:  # a KeyError would quote its message
+        return str(self.args[0]) if self.args else ""
+
+
+class CheckpointDtypeError(CheckpointError, TypeError):
+    """A tensor's dtype is not one batchinv loads (also a ``TypeError``)."""
+
+
+@contextlib.contextmanager
+def _open(file: Path) -> Iterator:
+    """``safe_open(file)``; a file safetensors cannot parse is a ``CheckpointError`` naming it."""
+    safetensors = _safetensors()
+    try:
+        handle = safetensors.safe_open(str(file), framework="pt")
+    except safetensors.SafetensorError as err:  # an OSError (permissions) stays one
+        raise CheckpointError(
+            f"{file}: not a readable safetensors file (corrupt or truncated?): {err}"
+        ) from err
+    with handle:
+        yield handle
+
+
+def _read_json(file: Path, what: str):
+    """``file`` parsed as JSON; unreadable text or invalid JSON is a ``CheckpointError``."""
+    try:
+        return json.loads(file.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as err:
+        raise CheckpointError(f"{file}: {what} is not a text (JSON) file: {err}") from err
+    except json.JSONDecodeError as err:
+        raise CheckpointError(f"{file}: {what} is not valid JSON: {err}") from err
+
+
+def _where(located: Mapping[str, Path]) -> str:
+    files = sorted({str(f) for f in located.values()})
+    if len(files) == 1:
+        return files[0]
+    return f"{Path(files[0]).parent} ({len(files)} shards)" if files else "the checkpoint"
+
+
 def _ignorable(name: str) -> bool:
     # A non-persistent buffer some exports keep; the chain recomputes it.
     return name.endswith("rotary_emb.inv_freq")
@@ -45,15 +103,18 @@ def _ignorable(name: str) -> bool:
 def checkpoint_files(path: str | Path) -> dict[str, Path]:
     """Tensor name -> the safetensors file holding it, for a checkpoint directory (single file
     or sharded with an index) or a single ``.safetensors`` file."""
-    safe_open = _safetensors().safe_open
     path = Path(path)
     if path.is_file():
         files = [path]
     elif (path / INDEX_FILE).is_file():
-        index = json.loads((path / INDEX_FILE).read_text())
-        weight_map = index.get("weight_map")
-        if not isinstance(weight_map, dict):
-            raise ValueError(f"{path / INDEX_FILE} has no 'weight_map' object")
+        index = _read_json(path / INDEX_FILE, "the shard index")
+        weight_map = index.get("weight_map") if isinstance(index, dict) else None
+        if not isinstance(weight_map, dict) or not all(
+            isinstance(f, str) for f in weight_map.values()
+        ):
+            raise CheckpointError(
+                f"{path / INDEX_FILE}: has no 'weight_map' object of tensor name -> file name"
+            )
         missing = sorted({f for f in weight_map.values() if not (path / f).is_file()})
         if missing:
             raise FileNotFoundError(f"{path / INDEX_FILE} names missing shard files: {missing}")
@@ -64,7 +125,7 @@ def checkpoint_files(path: str | Path) -> dict[str, Path]:
         raise FileNotFoundError(f"no {SINGLE_FILE} or {INDEX_FILE} in {path}")
     located: dict[str, Path] = {}
     for file in files:
-        with safe_open(str(file), framework="pt") as handle:
+        with _open(file) as handle:
             for name in handle.keys():
                 located[name] = file
     return located
@@ -72,17 +133,16 @@ def checkpoint_files(path: str | Path) -> dict[str, Path]:
 
 def _header_shapes(located: Mapping[str, Path]) -> dict[str, tuple[tuple[int, ...], str]]:
     """(shape, safetensors dtype) of every tensor, read from the file headers only."""
-    safe_open = _safetensors().safe_open
     by_file: dict[Path, list[str]] = {}
     for name, file in located.items():
         by_file.setdefault(file, []).append(name)
     headers = {}
     for file, names in by_file.items():
-        with safe_open(str(file), framework="pt") as handle:
+        with _open(file) as handle:
             present = set(handle.keys())
             for name in names:
                 if name not in present:
-                    raise ValueError(f"the index places {name} in {file.name}, which lacks it")
+                    raise CheckpointError(f"{file}: the index places {name} here, but it lacks it")
                 piece = handle.get_slice(name)
                 headers[name] = (tuple(piece.get_shape()), piece.get_dtype())
     return headers
@@ -91,28 +151,31 @@ def _header_shapes(located: Mapping[str, Path]) -> dict[str, tuple[tuple[int, ..
 def check_checkpoint(located: Mapping[str, Path], config: Qwen3ChainConfig) -> None:
     """Names, shapes and dtypes against ``config``, from the headers; raises naming the tensor."""
     headers = _header_shapes(located)
+    where = _where(located)
     expected = qwen3_state_dict_shapes(config)
     missing = [name for name in expected if name not in headers]
     if missing:
-        raise KeyError(
-            f"checkpoint is missing {len(missing)} tensors the Qwen3 config needs, "
+        raise CheckpointKeyError(
+            f"{where}: checkpoint is missing {len(missing)} tensors the Qwen3 config needs, "
             f"first: {missing[:3]}"
         )
     tied_copy = {"lm_head.weight"} if config.tie_word_embeddings else set()
     unexpected = [n for n in headers if n not in expected and n not in tied_copy]
     unexpected = [n for n in unexpected if not _ignorable(n)]
     if unexpected:
-        raise ValueError(
-            f"checkpoint has {len(unexpected)} tensors a dense Qwen3 does not use (not a dense "
-            f"Qwen3 checkpoint?), first: {unexpected[:3]}"
+        raise CheckpointError(
+            f"{where}: checkpoint has {len(unexpected)} tensors a dense Qwen3 does not use "
+            f"(not a dense Qwen3 checkpoint?), first: {unexpected[:3]}"
         )
     for name, shape in expected.items():
         got, dtype = headers[name]
         if got != shape:
-            raise ValueError(f"checkpoint tensor {name} has shape {got}, expected {shape}")
+            raise CheckpointError(
+                f"{located[name]}: checkpoint tensor {name} has shape {got}, expected {shape}"
+            )
         if dtype not in _SAFETENSORS_DTYPES:
-            raise TypeError(
-                f"checkpoint tensor {name} has dtype {dtype}; expected one of "
+            raise CheckpointDtypeError(
+                f"{located[name]}: checkpoint tensor {name} has dtype {dtype}; expected one of "
                 f"{sorted(_SAFETENSORS_DTYPES)}"
             )
 
@@ -125,7 +188,6 @@ def load_safetensors(
     device: torch.device | str = "cpu",
 ) -> dict[str, Tensor]:
     """The checked state dict (only the tensors ``config`` needs), cast to ``dtype``."""
-    safe_open = _safetensors().safe_open
     located = checkpoint_files(path)
     check_checkpoint(located, config)
     state: dict[str, Tensor] = {}
@@ -134,9 +196,13 @@ def load_safetensors(
     for name in needed:
         by_file.setdefault(located[name], []).append(name)
     for file, names in by_file.items():
-        with safe_open(str(file), framework="pt") as handle:
+        with _open(file) as handle:
             for name in names:
-                state[name] = handle.get_tensor(name).to(device=device, dtype=dtype)
+                try:
+                    tensor = handle.get_tensor(name)
+                except _safetensors().SafetensorError as err:
+                    raise CheckpointError(f"{file}: cannot read tensor {name}: {err}") from err
+                state[name] = tensor.to(device=device, dtype=dtype)
     return state
 
 
