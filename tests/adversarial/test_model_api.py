@@ -84,10 +84,55 @@ CHUNKED = [
     ("chunk_lengths_zero", _chunked([3, 0]), ValueError, "chunk_lengths"),
     ("chunk_lengths_scalar", _chunked(3), TypeError, "chunk_lengths"),
 ]
+
+
+def _with_caches(max_len=8, filled=0):
+    def setup():
+        model = tiny_model("cpu", torch.float32)
+        caches = model.new_caches(2, max_len)
+        for cache in caches:
+            cache.set_lengths(filled)
+        return {"model": model, "caches": caches}
+
+    return setup
+
+
+def _chunked_into(ids_, chunks=(2, 1)):
+    @torch.no_grad()
+    def run(s):
+        return s["model"].prefill_chunked(ids_, list(chunks), caches=s["caches"])
+
+    return run
+
+
+_GOOD_IDS = torch.arange(1, 7).view(2, 3)
+_BAD_LAST_CHUNK = torch.tensor([[1, 2, 3], [4, 5, 512]])  # only the last chunk is bad
+NEAR_END = LIMIT - 2
+CHUNKED_INTO_CACHES = [
+    (
+        "bad_id_in_last_chunk",
+        _with_caches(),
+        _chunked_into(_BAD_LAST_CHUNK),
+        IndexError,
+        "input_ids",
+    ),
+    ("past_capacity", _with_caches(max_len=2), _chunked_into(_GOOD_IDS), ValueError, "max_len=2"),
+    (
+        "past_positions",
+        _with_caches(LIMIT + 4, NEAR_END),
+        _chunked_into(_GOOD_IDS),
+        ValueError,
+        "max_position",
+    ),
+]
 CASES = (
     [Case(f"generate_{n}", _setup, bad, e, m, _good_generate) for n, bad, e, m in GENERATE]
     + [Case(f"token_logprobs_{n}", _setup, bad, e, m, _good_logprobs) for n, bad, e, m in LOGPROBS]
     + [Case(f"prefill_chunked_{n}", _setup, bad, e, m, _good_chunked) for n, bad, e, m in CHUNKED]
+    + [
+        Case(f"prefill_chunked_{n}", setup, bad, e, m, _chunked_into(_GOOD_IDS[:, :1], (1,)))
+        for n, setup, bad, e, m in CHUNKED_INTO_CACHES
+    ]
 )
 
 

@@ -69,6 +69,7 @@ __all__ = [
     "Qwen3ChainConfig",
     "Qwen3Ops",
     "Qwen3Reference",
+    "check_kv_caches",
     "check_qwen3_state_dict",
     "lm_head_weight",
     "make_kv_caches",
@@ -349,7 +350,7 @@ def _check_forward_args(
         )
 
 
-def _check_caches(
+def check_kv_caches(
     input_ids: Tensor,
     config: Qwen3ChainConfig,
     seqlens: Tensor | None,
@@ -464,7 +465,7 @@ def qwen3_final_hidden(
     if check_weights:
         check_qwen3_state_dict(state_dict, config)
     if caches is not None:
-        _check_caches(
+        check_kv_caches(
             input_ids, config, seqlens, caches, seq_ids, state_dict["model.embed_tokens.weight"]
         )
     w = state_dict

@@ -22,13 +22,21 @@ from ...kv_cache import KVCache
 from ...reference.qwen3_chain import (
     Qwen3ChainConfig,
     Qwen3Ops,
+    check_kv_caches,
     check_qwen3_state_dict,
     lm_head_weight,
     make_kv_caches,
     qwen3_final_hidden,
     qwen3_state_dict_shapes,
 )
-from ...validation import FLOAT_DTYPES, INDEX_DTYPES, check_tensor, int_list, token_id_lists
+from ...validation import (
+    FLOAT_DTYPES,
+    INDEX_DTYPES,
+    check_index_range,
+    check_tensor,
+    int_list,
+    token_id_lists,
+)
 from .config import Qwen3Config
 from .ops import ops_by_name
 from .weights import load_safetensors, random_state_dict
@@ -219,7 +227,9 @@ class Qwen3(nn.Module):
         ops: str | Qwen3Ops | None = None,
     ) -> Tensor:
         """Prefills ``input_ids [B, S]`` in consecutive chunks (lengths summing to S) through
-        KV caches (new ones unless given); returns the logits of all chunks ``[B, S, V]``."""
+        KV caches (new ones unless given); returns the logits of all chunks ``[B, S, V]``.
+        Given caches are checked for every chunk before the first (room, ids, positions), so
+        a call that raises leaves them as they were."""
         check_tensor("input_ids", input_ids, dtypes=INDEX_DTYPES, ndim=2)
         lengths = int_list("chunk_lengths", chunk_lengths)
         if any(c < 1 for c in lengths) or sum(lengths) != input_ids.shape[1]:
@@ -228,6 +238,24 @@ class Qwen3(nn.Module):
             )
         if caches is None:
             caches = self.new_caches(input_ids.shape[0], input_ids.shape[1])
+        else:
+            # A later chunk must not fail after earlier ones appended: check the whole prefill.
+            if len(caches) != self.config.num_hidden_layers:
+                raise ValueError(
+                    f"caches must hold one KVCache per layer ({self.config.num_hidden_layers}), "
+                    f"got {len(caches)}"
+                )
+            weight = self.model.embed_tokens.weight
+            check_kv_caches(input_ids, self.config, None, caches, None, weight)
+            check_index_range("input_ids", input_ids, self.config.vocab_size)
+            if isinstance(caches[0], KVCache):
+                end = int(caches[0].host_lengths().max()) + input_ids.shape[1]
+                limit = self.config.max_position_embeddings
+                if end > limit:
+                    raise ValueError(
+                        f"the caches hold up to {end - input_ids.shape[1]} tokens; prefilling "
+                        f"{input_ids.shape[1]} more passes max_position_embeddings ({limit})"
+                    )
         pieces, start = [], 0
         for length in lengths:
             chunk = input_ids[:, start : start + length]
