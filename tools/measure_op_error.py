@@ -82,6 +82,7 @@ class Sizes:
     chunk_queries: int = 64
     max_position: int = 40960
     embedding_tokens: int = 512
+    embedding_vocab: int = 16384  # its error does not depend on the vocabulary size
 
 
 QUICK = Sizes(
@@ -98,6 +99,7 @@ QUICK = Sizes(
     chunk_queries=8,
     max_position=4096,
     embedding_tokens=40,
+    embedding_vocab=1000,
 )
 
 
@@ -331,19 +333,20 @@ def case_token_logprobs(s: Sizes, dtype, device, gen) -> Measured:
 
 
 def case_embedding(s: Sizes, dtype, device, gen) -> Measured:
-    weight = _randn((s.vocab, s.hidden), gen, device, dtype)
+    weight = _randn((s.embedding_vocab, s.hidden), gen, device, dtype)
     # Repeated ids: their gradients are sums.
     ids = _randint(64, (s.embedding_tokens,), gen, device)
     cot = _randn((s.embedding_tokens, s.hidden), gen, device, dtype)
     (wl,) = _leaves(weight)
     out = batchinv.embedding(ids, wl)
     (grad,) = _grads(out, (wl,), cot)
-    (w32,) = _leaves(weight, dtype=torch.float32)
-    ref = embedding_ref.embedding_with_grad(ids, w32)
-    (ref_grad,) = _grads(ref, (w32,), cot.float())
+    # On the host: the reference's backward builds its index tensors on the CPU.
+    (w32,) = _leaves(weight.cpu(), dtype=torch.float32)
+    ref = embedding_ref.embedding_with_grad(ids.cpu(), w32)
+    (ref_grad,) = _grads(ref, (w32,), cot.float().cpu())
     m = Measured()
-    m.add("forward", "out", out, ref)
-    m.add("grad", "grad_weight", grad, ref_grad)
+    m.add("forward", "out", out, ref.to(device))
+    m.add("grad", "grad_weight", grad, ref_grad.to(device))
     return m
 
 
@@ -374,7 +377,7 @@ def cases(s: Sizes) -> list[tuple[str, str, str, Callable]]:
         (
             "embedding",
             "embedding",
-            f"ids [{s.embedding_tokens}] weight [{s.vocab}, {s.hidden}]",
+            f"ids [{s.embedding_tokens}] weight [{s.embedding_vocab}, {s.hidden}]",
             case_embedding,
         ),
     ]
