@@ -38,6 +38,7 @@ sys.path.insert(0, str(ROOT / "py"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from calibrate_tolerances import fit_error  # noqa: E402
+from tolerance_table import atol_at_rtol  # noqa: E402
 
 import batchinv  # noqa: E402
 from batchinv.contract import deterministic_context  # noqa: E402
@@ -441,7 +442,9 @@ def _fit(actual: torch.Tensor, ref: torch.Tensor) -> dict:
         atol_fit=fit.atol,
         rtol_fit=fit.rtol,
         max_ref=float(r.abs().max()),
+        median_ref=float(r.abs().median()),
         bitwise_equal_fraction=float((a == r).double().mean()),
+        atol_at_rtol=atol_at_rtol(a, r),
     )
     return record
 
