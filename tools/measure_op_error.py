@@ -370,7 +370,7 @@ def cases(s: Sizes) -> list[tuple[str, str, str, Callable]]:
             case_rms_norm_head,
         ),
         (
-            "rms_norm",
+            "fused_add_rms_norm",
             "fused_add_rms_norm",
             f"x,residual [{s.tokens}, {s.hidden}]",
             case_fused_add_rms_norm,

@@ -51,6 +51,7 @@ OPS: Mapping[str, str] = MappingProxyType(
         "rope": "elementwise",
         "embedding": "elementwise",
         "rms_norm": "reduction",
+        "fused_add_rms_norm": "reduction",
         "linear": "reduction",
         "attention": "attention",
         "log_softmax": "logprob",
@@ -176,101 +177,155 @@ _TABLE: dict[tuple[str, str, str], tuple[float, float, str]] = {
     ("embedding", "bfloat16", "forward"): (
         3.7e-40,
         0,
-        "4x atol and 2x rtol of the joint bound 0 + 0*|ref| (chosen at |ref| = 0.688). no "
-        "NVIDIA H200 kernel for this dtype or no measurement. CPU reference vs float64: max "
-        "abs 0, fit 0 + 0*|ref| (embedding/out0)",
+        "4x atol and 2x rtol of the joint bound 0 + 0*|ref| (chosen at |ref| = 0.688). no GPU"
+        " measurement: a gather copies rows (no rounding), the GPU tests compare it bitwise, "
+        "and its gradient's per-id fp32 sums are measured on the CPU. CPU reference vs "
+        "float64: max abs 0, fit 0 + 0*|ref| (embedding/out0)",
     ),
     ("embedding", "bfloat16", "grad"): (
         3.7e-40,
         0.0079,
         "4x atol and 2x rtol of the joint bound 0 + 0.00391*|ref| (chosen at |ref| = 0). no "
-        "NVIDIA H200 kernel for this dtype or no measurement. CPU reference vs float64: max "
-        "abs 0.0312, fit 0 + 0.00389*|ref| (embedding/grad1)",
+        "GPU measurement: a gather copies rows (no rounding), the GPU tests compare it "
+        "bitwise, and its gradient's per-id fp32 sums are measured on the CPU. CPU reference "
+        "vs float64: max abs 0.0312, fit 0 + 0.00389*|ref| (embedding/grad1)",
     ),
     ("embedding", "float16", "forward"): (
         2.4e-07,
         0,
-        "4x atol and 2x rtol of the joint bound 0 + 0*|ref| (chosen at |ref| = 0.687). no "
-        "NVIDIA H200 kernel for this dtype or no measurement. CPU reference vs float64: max "
-        "abs 0, fit 0 + 0*|ref| (embedding/out0)",
+        "4x atol and 2x rtol of the joint bound 0 + 0*|ref| (chosen at |ref| = 0.687). no GPU"
+        " measurement: a gather copies rows (no rounding), the GPU tests compare it bitwise, "
+        "and its gradient's per-id fp32 sums are measured on the CPU. CPU reference vs "
+        "float64: max abs 0, fit 0 + 0*|ref| (embedding/out0)",
     ),
     ("embedding", "float16", "grad"): (
         2.4e-07,
         0.00098,
         "4x atol and 2x rtol of the joint bound 0 + 0.000488*|ref| (chosen at |ref| = 0). no "
-        "NVIDIA H200 kernel for this dtype or no measurement. CPU reference vs float64: max "
-        "abs 0.00391, fit 0 + 0.000488*|ref| (embedding/grad1)",
+        "GPU measurement: a gather copies rows (no rounding), the GPU tests compare it "
+        "bitwise, and its gradient's per-id fp32 sums are measured on the CPU. CPU reference "
+        "vs float64: max abs 0.00391, fit 0 + 0.000488*|ref| (embedding/grad1)",
     ),
     ("embedding", "float32", "forward"): (
         5.7e-45,
         0,
-        "4x atol and 2x rtol of the joint bound 0 + 0*|ref| (chosen at |ref| = 0.687). no "
-        "NVIDIA H200 kernel for this dtype or no measurement. CPU reference vs float64: max "
-        "abs 0, fit 0 + 0*|ref| (embedding/out0)",
+        "4x atol and 2x rtol of the joint bound 0 + 0*|ref| (chosen at |ref| = 0.687). no GPU"
+        " measurement: a gather copies rows (no rounding), the GPU tests compare it bitwise, "
+        "and its gradient's per-id fp32 sums are measured on the CPU. CPU reference vs "
+        "float64: max abs 0, fit 0 + 0*|ref| (embedding/out0)",
     ),
     ("embedding", "float32", "grad"): (
         5.7e-45,
         0.00025,
         "4x atol and 2x rtol of the joint bound 0 + 0.000122*|ref| (chosen at |ref| = 0). no "
-        "NVIDIA H200 kernel for this dtype or no measurement. CPU reference vs float64: max "
-        "abs 1.47e-06, fit 0 + 0.000108*|ref| (embedding/grad1)",
+        "GPU measurement: a gather copies rows (no rounding), the GPU tests compare it "
+        "bitwise, and its gradient's per-id fp32 sums are measured on the CPU. CPU reference "
+        "vs float64: max abs 1.47e-06, fit 0 + 0.000108*|ref| (embedding/grad1)",
     ),
     ("rms_norm", "bfloat16", "forward"): (
         1.9e-05,
         0.0079,
         "4x atol and 2x rtol of the joint bound 4.73e-06 + 0.00391*|ref| (chosen at |ref| = "
-        "1). NVIDIA H200 op vs fp32 reference: max abs 0.125, fit 4.73e-06 + 0.00389*|ref| "
-        "(fused_add_rms_norm/new_residual, fused_add_rms_norm/out, rms_norm hidden/out, "
-        "rms_norm per head/out). CPU reference vs float64: max abs 0.0132, fit 0 + "
-        "0.00389*|ref| (rms_norm/out0)",
+        "1). NVIDIA H200 op vs fp32 reference: max abs 0.0152, fit 4.73e-06 + 0.00389*|ref| "
+        "(rms_norm hidden/out, rms_norm per head/out). CPU reference vs float64: max abs "
+        "0.0132, fit 0 + 0.00389*|ref| (rms_norm/out0)",
     ),
     ("rms_norm", "bfloat16", "grad"): (
         0.0018,
         0.0079,
         "4x atol and 2x rtol of the joint bound 0.000428 + 0.00391*|ref| (chosen at |ref| = "
         "5.29). NVIDIA H200 op vs fp32 reference: max abs 7.92, fit 0.000428 + 0.00389*|ref| "
-        "(fused_add_rms_norm/grad_weight, fused_add_rms_norm/grad_x, rms_norm "
-        "hidden/grad_weight, rms_norm hidden/grad_x, rms_norm per head/grad_weight, rms_norm "
-        "per head/grad_x). CPU reference vs float64: max abs 7.94, fit 2.58e-07 + "
+        "(rms_norm hidden/grad_weight, rms_norm hidden/grad_x, rms_norm per head/grad_weight,"
+        " rms_norm per head/grad_x). CPU reference vs float64: max abs 7.94, fit 2.58e-07 + "
         "0.00389*|ref| (rms_norm/grad0, rms_norm/grad1)",
     ),
     ("rms_norm", "float16", "forward"): (
         2.2e-06,
         0.00098,
         "4x atol and 2x rtol of the joint bound 5.37e-07 + 0.000488*|ref| (chosen at |ref| = "
-        "1). NVIDIA H200 op vs fp32 reference: max abs 0.0156, fit 5.37e-07 + 0.000488*|ref| "
-        "(fused_add_rms_norm/new_residual, fused_add_rms_norm/out, rms_norm hidden/out, "
-        "rms_norm per head/out). CPU reference vs float64: max abs 0.00156, fit 1.68e-06 + "
-        "0.000484*|ref| (rms_norm/out0)",
+        "1). NVIDIA H200 op vs fp32 reference: max abs 0.00193, fit 5.37e-07 + 0.000487*|ref|"
+        " (rms_norm hidden/out, rms_norm per head/out). CPU reference vs float64: max abs "
+        "0.00156, fit 1.68e-06 + 0.000484*|ref| (rms_norm/out0)",
     ),
     ("rms_norm", "float16", "grad"): (
         3.2e-05,
         0.00098,
         "4x atol and 2x rtol of the joint bound 7.95e-06 + 0.000488*|ref| (chosen at |ref| = "
         "5.29). NVIDIA H200 op vs fp32 reference: max abs 0.965, fit 7.95e-06 + "
-        "0.000488*|ref| (fused_add_rms_norm/grad_weight, fused_add_rms_norm/grad_x, rms_norm "
-        "hidden/grad_weight, rms_norm hidden/grad_x, rms_norm per head/grad_weight, rms_norm "
-        "per head/grad_x). CPU reference vs float64: max abs 0.932, fit 5.36e-06 + "
-        "0.000486*|ref| (rms_norm/grad0, rms_norm/grad1)",
+        "0.000488*|ref| (rms_norm hidden/grad_weight, rms_norm hidden/grad_x, rms_norm per "
+        "head/grad_weight, rms_norm per head/grad_x). CPU reference vs float64: max abs "
+        "0.932, fit 5.36e-06 + 0.000486*|ref| (rms_norm/grad0, rms_norm/grad1)",
     ),
     ("rms_norm", "float32", "forward"): (
-        3.4e-08,
+        2.5e-08,
         3.9e-06,
-        "4x atol and 2x rtol of the joint bound 8.37e-09 + 1.91e-06*|ref| (chosen at |ref| = "
-        "1). NVIDIA H200 op vs fp32 reference: max abs 7.15e-06, fit 8.37e-09 + "
-        "1.88e-06*|ref| (fused_add_rms_norm/new_residual, fused_add_rms_norm/out, rms_norm "
-        "hidden/out, rms_norm per head/out). CPU reference vs float64: max abs 3.94e-06, fit "
-        "0 + 1.14e-06*|ref| (rms_norm/out0)",
+        "4x atol and 2x rtol of the joint bound 6.11e-09 + 1.91e-06*|ref| (chosen at |ref| = "
+        "1). NVIDIA H200 op vs fp32 reference: max abs 5.25e-06, fit 6.11e-09 + "
+        "1.41e-06*|ref| (rms_norm hidden/out, rms_norm per head/out). CPU reference vs "
+        "float64: max abs 3.94e-06, fit 0 + 1.14e-06*|ref| (rms_norm/out0)",
     ),
     ("rms_norm", "float32", "grad"): (
         0.00028,
         3.9e-06,
         "4x atol and 2x rtol of the joint bound 6.84e-05 + 1.91e-06*|ref| (chosen at |ref| = "
         "5.29). NVIDIA H200 op vs fp32 reference: max abs 0.00146, fit 5.15e-05 + "
-        "1.66e-06*|ref| (fused_add_rms_norm/grad_weight, fused_add_rms_norm/grad_x, rms_norm "
-        "hidden/grad_weight, rms_norm hidden/grad_x, rms_norm per head/grad_weight, rms_norm "
-        "per head/grad_x). CPU reference vs float64: max abs 0.000761, fit 7.04e-05 + "
-        "1.16e-06*|ref| (rms_norm/grad0, rms_norm/grad1)",
+        "1.66e-06*|ref| (rms_norm hidden/grad_weight, rms_norm hidden/grad_x, rms_norm per "
+        "head/grad_weight, rms_norm per head/grad_x). CPU reference vs float64: max abs "
+        "0.000761, fit 7.04e-05 + 1.16e-06*|ref| (rms_norm/grad0, rms_norm/grad1)",
+    ),
+    ("fused_add_rms_norm", "bfloat16", "forward"): (
+        0.039,
+        0.0079,
+        "4x atol and 2x rtol of the joint bound 0.0097 + 0.00391*|ref| (chosen at |ref| = "
+        "2.92). NVIDIA H200 op vs fp32 reference: max abs 0.125, fit 0 + 0.00389*|ref| "
+        "(fused_add_rms_norm/new_residual, fused_add_rms_norm/out). CPU reference vs float64:"
+        " max abs 0.125, fit 0.000292 + 0.00708*|ref| (fused_add_rms_norm/out0, "
+        "fused_add_rms_norm/out1)",
+    ),
+    ("fused_add_rms_norm", "bfloat16", "grad"): (
+        0.12,
+        0.0079,
+        "4x atol and 2x rtol of the joint bound 0.0284 + 0.00391*|ref| (chosen at |ref| = "
+        "3.71). NVIDIA H200 op vs fp32 reference: max abs 0.0623, fit 6.7e-06 + 0.00389*|ref|"
+        " (fused_add_rms_norm/grad_weight, fused_add_rms_norm/grad_x). CPU reference vs "
+        "float64: max abs 0.0784, fit 0.0283 + 0.0042*|ref| (fused_add_rms_norm/grad0, "
+        "fused_add_rms_norm/grad1, fused_add_rms_norm/grad2)",
+    ),
+    ("fused_add_rms_norm", "float16", "forward"): (
+        0.0055,
+        0.00098,
+        "4x atol and 2x rtol of the joint bound 0.00136 + 0.000488*|ref| (chosen at |ref| = "
+        "2.92). NVIDIA H200 op vs fp32 reference: max abs 0.0156, fit 2.98e-08 + "
+        "0.000488*|ref| (fused_add_rms_norm/new_residual, fused_add_rms_norm/out). CPU "
+        "reference vs float64: max abs 0.0156, fit 6.05e-06 + 0.000927*|ref| "
+        "(fused_add_rms_norm/out0, fused_add_rms_norm/out1)",
+    ),
+    ("fused_add_rms_norm", "float16", "grad"): (
+        0.017,
+        0.00098,
+        "4x atol and 2x rtol of the joint bound 0.00421 + 0.000488*|ref| (chosen at |ref| = "
+        "3.71). NVIDIA H200 op vs fp32 reference: max abs 0.0114, fit 4.27e-06 + "
+        "0.000487*|ref| (fused_add_rms_norm/grad_weight, fused_add_rms_norm/grad_x). CPU "
+        "reference vs float64: max abs 0.00845, fit 0.00411 + 0.000512*|ref| "
+        "(fused_add_rms_norm/grad0, fused_add_rms_norm/grad1, fused_add_rms_norm/grad2)",
+    ),
+    ("fused_add_rms_norm", "float32", "forward"): (
+        3.4e-08,
+        3.9e-06,
+        "4x atol and 2x rtol of the joint bound 8.37e-09 + 1.91e-06*|ref| (chosen at |ref| = "
+        "2.92). NVIDIA H200 op vs fp32 reference: max abs 7.15e-06, fit 8.37e-09 + "
+        "1.88e-06*|ref| (fused_add_rms_norm/new_residual, fused_add_rms_norm/out). CPU "
+        "reference vs float64: max abs 4.99e-06, fit 0 + 1.38e-06*|ref| "
+        "(fused_add_rms_norm/out0, fused_add_rms_norm/out1)",
+    ),
+    ("fused_add_rms_norm", "float32", "grad"): (
+        6.5e-05,
+        0,
+        "4x atol and 2x rtol of the joint bound 1.62e-05 + 0*|ref| (chosen at |ref| = 3.72). "
+        "NVIDIA H200 op vs fp32 reference: max abs 1.62e-05, fit 1.62e-05 + 2.03e-07*|ref| "
+        "(fused_add_rms_norm/grad_weight, fused_add_rms_norm/grad_x). CPU reference vs "
+        "float64: max abs 1.29e-05, fit 1.29e-05 + 0*|ref| (fused_add_rms_norm/grad0, "
+        "fused_add_rms_norm/grad1, fused_add_rms_norm/grad2)",
     ),
     ("linear", "bfloat16", "forward"): (
         8.4e-05,
@@ -312,16 +367,17 @@ _TABLE: dict[tuple[str, str, str], tuple[float, float, str]] = {
         2.8e-05,
         7.7e-06,
         "4x atol and 2x rtol of the joint bound 6.8e-06 + 3.81e-06*|ref| (chosen at |ref| = "
-        "0.658). no NVIDIA H200 kernel for this dtype or no measurement. CPU reference vs "
-        "float64: max abs 1.24e-05, fit 6.64e-06 + 3.95e-06*|ref| (linear/out0)",
+        "0.658). no GPU measurement: the CUDA kernels take bf16/fp16 (fp32 stays on the CPU)."
+        " CPU reference vs float64: max abs 1.24e-05, fit 6.64e-06 + 3.95e-06*|ref| "
+        "(linear/out0)",
     ),
     ("linear", "float32", "grad"): (
         4.1e-06,
         9.6e-07,
         "4x atol and 2x rtol of the joint bound 1e-06 + 4.77e-07*|ref| (chosen at |ref| = "
-        "1.76). no NVIDIA H200 kernel for this dtype or no measurement. CPU reference vs "
-        "float64: max abs 3.66e-06, fit 1.01e-06 + 1.18e-06*|ref| (linear/grad0, "
-        "linear/grad1)",
+        "1.76). no GPU measurement: the CUDA kernels take bf16/fp16 (fp32 stays on the CPU). "
+        "CPU reference vs float64: max abs 3.66e-06, fit 1.01e-06 + 1.18e-06*|ref| "
+        "(linear/grad0, linear/grad1)",
     ),
     ("attention", "bfloat16", "forward"): (
         0.069,
@@ -374,9 +430,9 @@ _TABLE: dict[tuple[str, str, str], tuple[float, float, str]] = {
         1.4e-05,
         6.2e-05,
         "4x atol and 2x rtol of the joint bound 3.41e-06 + 3.05e-05*|ref| (chosen at |ref| = "
-        "0.0867). no NVIDIA H200 kernel for this dtype or no measurement. CPU reference vs "
-        "float64: max abs 1.16e-05, fit 3.35e-06 + 3.38e-05*|ref| (attention causal/grad0, "
-        "attention causal/grad1, attention causal/grad2)",
+        "0.0867). no GPU measurement: the CUDA kernels take bf16/fp16 (fp32 stays on the "
+        "CPU). CPU reference vs float64: max abs 1.16e-05, fit 3.35e-06 + 3.38e-05*|ref| "
+        "(attention causal/grad0, attention causal/grad1, attention causal/grad2)",
     ),
     ("log_softmax", "bfloat16", "forward"): (
         0.25,
@@ -466,17 +522,17 @@ _TABLE: dict[tuple[str, str, str], tuple[float, float, str]] = {
         4.2e-05,
         0,
         "4x atol and 2x rtol of the joint bound 1.03e-05 + 0*|ref| (chosen at |ref| = 13.1). "
-        "no NVIDIA H200 kernel for this dtype or no measurement. CPU reference vs float64: "
-        "max abs 1.03e-05, fit 1.03e-05 + 1.85e-07*|ref| (token_logprobs/out0, "
-        "token_logprobs/out1)",
+        "no GPU measurement: the CUDA kernels take bf16/fp16 (fp32 stays on the CPU). CPU "
+        "reference vs float64: max abs 1.03e-05, fit 1.03e-05 + 1.85e-07*|ref| "
+        "(token_logprobs/out0, token_logprobs/out1)",
     ),
     ("token_logprobs", "float32", "grad"): (
         1.1e-05,
         6.2e-05,
         "4x atol and 2x rtol of the joint bound 2.69e-06 + 3.05e-05*|ref| (chosen at |ref| = "
-        "0.0313). no NVIDIA H200 kernel for this dtype or no measurement. CPU reference vs "
-        "float64: max abs 0.000105, fit 2.85e-06 + 0.00122*|ref| (token_logprobs/grad0, "
-        "token_logprobs/grad1)",
+        "0.0313). no GPU measurement: the CUDA kernels take bf16/fp16 (fp32 stays on the "
+        "CPU). CPU reference vs float64: max abs 0.000105, fit 2.85e-06 + 0.00122*|ref| "
+        "(token_logprobs/grad0, token_logprobs/grad1)",
     ),
 }
 
