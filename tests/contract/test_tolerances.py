@@ -85,8 +85,8 @@ def test_table_is_what_the_committed_measurements_give():
 
 def test_ops_have_their_own_entries():
     # The fp32 token logprob of a bf16 path errs orders of magnitude less than a bf16-rounded
-    # log-softmax: the reason the table is per op.  Logits scaled by 1 + 2^-7 pass the class
-    # envelope at logprob-sized values and fail the op's entry.
+    # log-softmax: the reason the table is per op.  Logits scaled by 1 + 2^-7 fail the op's
+    # entry at logprob-sized values.
     tight = tolerance("token_logprobs", torch.bfloat16)
     loose = tolerance("logprob", torch.bfloat16)
     assert tight.atol + 12 * tight.rtol < (loose.atol + 12 * loose.rtol) / 100
