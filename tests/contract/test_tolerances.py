@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import json
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
 from batchinv.contract import (
     KINDS,
     OP_CLASSES,
+    OPS,
     TOLERANCE_DTYPES,
     TOLERANCES,
     Tolerance,
@@ -15,25 +20,89 @@ from batchinv.contract import (
     tolerance,
     tolerance_table_markdown,
 )
+from batchinv.contract.tolerances import _TABLE
 
 
 def test_table_is_complete_and_positive():
-    assert len(TOLERANCES) == len(OP_CLASSES) * len(TOLERANCE_DTYPES) * len(KINDS)
+    names = set(OPS) | set(OP_CLASSES)  # "attention" is both
+    assert len(TOLERANCES) == len(names) * len(TOLERANCE_DTYPES) * len(KINDS)
+    for name in names:
+        for dtype in TOLERANCE_DTYPES:
+            for kind in KINDS:
+                entry = tolerance(name, dtype, kind)
+                assert isinstance(entry, Tolerance)
+                assert entry.atol > 0 and entry.rtol >= 0
+                if name in OPS:
+                    assert "4x atol and 2x rtol" in entry.note and "max abs" in entry.note
+
+
+def test_class_entries_are_the_envelope_of_their_ops():
     for op_class in OP_CLASSES:
+        ops = [op for op, cls in OPS.items() if cls == op_class]
+        assert ops
         for dtype in TOLERANCE_DTYPES:
             for kind in KINDS:
                 entry = tolerance(op_class, dtype, kind)
-                assert isinstance(entry, Tolerance)
-                assert entry.atol >= 0 and entry.rtol >= 0 and entry.atol + entry.rtol > 0
-                assert "max abs" in entry.note and "4x" in entry.note
+                assert entry.atol == max(tolerance(op, dtype, kind).atol for op in ops)
+                assert entry.rtol == max(tolerance(op, dtype, kind).rtol for op in ops)
 
 
-def test_table_orders_dtypes_by_precision():
-    # A calibration slip (an entry pasted into the wrong row) would break this ordering.
-    for op_class in OP_CLASSES:
+# Entries whose error does not grow as the dtype narrows: a copy (exact in every dtype, only
+# the subnormal floors differ) and token logprobs (fp32 out, fp32 arithmetic, any inputs).
+UNORDERED = {("embedding", "forward"), ("token_logprobs", "forward")}
+
+
+def test_low_precision_entries_allow_more_than_fp32():
+    # A calibration slip (an entry pasted into the wrong row) would break this.  bf16 and
+    # fp16 are not ordered between themselves: fp16's narrow range flushes tiny gradients
+    # that bf16 keeps, so some fp16 gradient entries are the wider.
+    for name in (*OPS, *OP_CLASSES):
         for kind in KINDS:
-            bf16, fp16, fp32 = (tolerance(op_class, d, kind) for d in TOLERANCE_DTYPES)
-            assert bf16.rtol > fp16.rtol > fp32.rtol, (op_class, kind)
+            if (name, kind) in UNORDERED:
+                continue
+            fp32 = tolerance(name, torch.float32, kind)
+            for dtype in (torch.bfloat16, torch.float16):
+                low = tolerance(name, dtype, kind)
+                assert low.atol + low.rtol > fp32.atol + fp32.rtol, (name, dtype, kind)
+
+
+def test_table_is_what_the_committed_measurements_give():
+    """The literal in tolerances.py is tools/tolerance_table.py's output for the committed
+    measurements (reports/tolerances/), so every entry's derivation can be re-run."""
+    root = Path(__file__).resolve().parents[2]
+    sys.path.insert(0, str(root / "tools"))
+    try:
+        import tolerance_table
+    finally:
+        sys.path.remove(str(root / "tools"))
+    cpu = json.loads((root / "reports/tolerances/cpu.json").read_text())
+    gpu = json.loads((root / "reports/tolerances/nvidia-h200.json").read_text())
+    built = tolerance_table.build(cpu, gpu)
+    assert set(built) == {(op, d, k) for (op, d, k) in _TABLE}
+    for key, (atol, rtol, note) in built.items():
+        assert _TABLE[key] == (float(f"{atol:.2g}"), float(f"{rtol:.2g}"), note), key
+
+
+def test_ops_have_their_own_entries():
+    # The fp32 token logprob of a bf16 path errs orders of magnitude less than a bf16-rounded
+    # log-softmax: the reason the table is per op.  Logits scaled by 1 + 2^-7 fail the op's
+    # entry at logprob-sized values.
+    tight = tolerance("token_logprobs", torch.bfloat16)
+    loose = tolerance("logprob", torch.bfloat16)
+    assert tight.atol + 12 * tight.rtol < (loose.atol + 12 * loose.rtol) / 100
+    ref = _reference((8, 16)) - 12.0  # logprob-sized values
+    scaled = ref * (1 + 2**-7)
+    with pytest.raises(AssertionError, match="token_logprobs/bfloat16/forward"):
+        assert_within_tolerance(scaled, ref, op="token_logprobs", dtype=torch.bfloat16)
+
+
+def test_exactly_one_of_op_and_op_class():
+    ref = _reference((2, 3))
+    with pytest.raises(TypeError, match="exactly one"):
+        assert_within_tolerance(ref, ref)
+    with pytest.raises(TypeError, match="exactly one"):
+        assert_within_tolerance(ref, ref, op="linear", op_class="reduction")
+    assert_within_tolerance(ref, ref, op="linear")
 
 
 def test_lookup_by_name_equals_lookup_by_dtype():

@@ -4,7 +4,7 @@
   ``TRANSFORMS`` (T1-T7) and the sweeps ``row_invariance_sweep`` /
   ``sequence_invariance_sweep`` apply them and return ``DriftReport``s.
 - Axis-B (accuracy): ``tolerance`` / ``assert_within_tolerance`` and the one ``TOLERANCES``
-  table, calibrated by ``tools/calibrate_tolerances.py``.
+  table, per op and derived from measured error by ``tools/tolerance_table.py``.
 - ``deterministic_context`` is where strict fp32 references run.
 
 This package never imports ``batchinv.reference`` or ``batchinv.ops``: it does not import
@@ -23,6 +23,7 @@ from .context import deterministic_context
 from .tolerances import (
     KINDS,
     OP_CLASSES,
+    OPS,
     TOLERANCE_DTYPES,
     TOLERANCES,
     Tolerance,
@@ -69,6 +70,7 @@ __all__ = [
     # tolerances
     "KINDS",
     "OP_CLASSES",
+    "OPS",
     "TOLERANCE_DTYPES",
     "TOLERANCES",
     "Tolerance",
