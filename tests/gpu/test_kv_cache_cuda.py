@@ -126,7 +126,7 @@ def test_host_lengths_equal_the_device_state():
     [
         ([4, 6, 0], None, IndexError, r"seq_ids\[1\] = 6 is outside"),
         ([4, 4, 0], None, ValueError, "must not repeat"),
-        ([4, 3, 0], [1, 2, 1], ValueError, r"seqlens_q\[1\] = 2"),
+        ([4, 3, 0], [1, 2, 1], ValueError, r"seqlens_new\[1\] = 2"),
     ],
 )
 def test_bad_gpu_ids_or_lengths_raise_before_writing(ids, lens, error, match):

@@ -113,19 +113,16 @@ def _float64_grads(hidden, weight, targets, g):
 def test_gradients_match_float64_across_chunks_and_token_tiles(dtype):
     """300 tokens (five 64-token k-tiles of the weight gradient, the last partial), H 320 (a
     partial 256-column tile and a partial 64-column box of the N-major operands), V 9000
-    (three backward chunks, the last 808 wide).  The cotangent is scaled by 8 so that more of
-    the weight gradient stands above the tolerance's absolute floor (17% of its bf16 entries
-    instead of 5%): an operand laid out wrongly could not hide under it.  (At 64 the bf16
-    rounding of d_z alone, which the GPU path shares with Liger, exceeds the tolerance; a CPU
-    model of that rounding gives 0.2 of the allowed error at 8, and the GPU's values matched
-    the model's.)"""
+    (three backward chunks, the last 808 wide).  The cotangent is N(0, 1), as in the
+    measurement the tolerance entry comes from (docs/tolerances.md): the entry's absolute term
+    is per unit of cotangent (the bf16 rounding of d_z, which the GPU path shares with Liger,
+    grows with it), so a scaled cotangent would need a scaled entry."""
     tokens, hidden_size, vocab = 300, 320, 9000
     ignored = (0, 63, 64, 299)
     hidden, weight, targets = _inputs(tokens, hidden_size, vocab, dtype, seed=11, ignored=ignored)
-    g = 8 * torch.randn(tokens, generator=torch.Generator().manual_seed(12)).to(DEVICE)
+    g = torch.randn(tokens, generator=torch.Generator().manual_seed(12)).to(DEVICE)
     _, grad_h, grad_w = _grads(_batchinv, hidden, weight, targets, g)
     ref_h, ref_w = _float64_grads(hidden, weight, targets, g)
-    assert grad_w.abs().max() > 1.0  # the scaling worked: rows far above the tolerance
     opts = {"op_class": "logprob", "kind": "grad", "dtype": dtype}
     assert_within_tolerance(grad_h.float(), ref_h, name="d_hidden", **opts)
     assert_within_tolerance(grad_w.float(), ref_w, name="d_weight", **opts)
