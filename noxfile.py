@@ -206,7 +206,8 @@ def hip_compile(session: nox.Session) -> None:
 @nox.session(requires=["build"])
 def demo(session: nox.Session) -> None:
     """The main job: `batchinv audit`, the transform sweep on the built-in Qwen3, stock PyTorch
-    vs batchinv (on CUDA when present, else CPU); exits 1 if batchinv breaks invariance."""
+    vs batchinv (on CUDA when present, with a production-shaped run too, else CPU); exits 1 if
+    batchinv breaks invariance."""
     _install_wheel(session)
     session.run("batchinv", "audit", *session.posargs)
 

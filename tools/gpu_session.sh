@@ -11,6 +11,9 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD/py${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+# Reports name the commit: from git here, or from the caller on a machine without .git.
+BATCHINV_GIT_COMMIT="${BATCHINV_GIT_COMMIT:-$(git rev-parse HEAD 2>/dev/null)}"
+export BATCHINV_GIT_COMMIT
 if [ -d .whl ]; then  # nox, Liger-Kernel, ... carried as wheels to an offline machine
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/carried-site .whl/*.whl || exit 1
   export PYTHONPATH="$PYTHONPATH:/tmp/carried-site"

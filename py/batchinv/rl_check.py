@@ -232,16 +232,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _check_writable(path: str, option: str) -> None:
-    import os
-
-    directory = os.path.dirname(os.path.abspath(path))
-    if os.path.isdir(path) or not os.path.isdir(directory) or not os.access(directory, os.W_OK):
-        raise ValueError(f"{option} {path!r}: cannot write a file there")
-
-
 def run(args: argparse.Namespace) -> int:
     from .audit import _load_model
+    from .cli import check_writable  # cli imports this module
 
     try:
         for name in ("prompts", "new_tokens"):
@@ -250,9 +243,9 @@ def run(args: argparse.Namespace) -> int:
         if not (args.temperature > 0 and math.isfinite(args.temperature)):
             raise ValueError("--temperature must be a positive number")
         if args.json:
-            _check_writable(args.json, "--json")
+            check_writable(args.json, "--json")
         if args.png:
-            _check_writable(args.png, "--png")
+            check_writable(args.png, "--png")
             import matplotlib  # noqa: F401
         model, label = _load_model(args)
     except ImportError:

@@ -127,6 +127,9 @@ def _assert_unchanged(runner, before):
         (lambda r, s: r.add([]), TypeError, "prompts"),
         (lambda r, s: r.tokens(3), ValueError, "slot 3"),
         (lambda r, s: r.release(3), ValueError, "slot 3"),
+        (lambda r, s: r.step([True]), TypeError, "slots[0]"),  # True == 1, an active slot
+        (lambda r, s: r.step([1.0]), TypeError, "slots[0]"),
+        (lambda r, s: r.tokens(True), TypeError, "slot"),
     ],
 )
 def test_bad_input_changes_nothing(model, call, error, words):
@@ -255,3 +258,24 @@ def test_a_bad_token_makes_every_write_of_the_step_a_no_op(model, monkeypatch):
     assert_bitwise_equal(runner.cache.k[:, :-1], k[:, :-1])  # the last row: the scratch row
     assert_bitwise_equal(runner.cache.v[:, :-1], v[:, :-1])
     assert_bitwise_equal(runner.cache.lengths, lengths)
+
+
+def test_a_prefill_that_fails_leaves_its_slots_free(model, monkeypatch):
+    """A failure inside the prefill (out of memory, say) after every check passed: the slots
+    it took are free again and the runner goes on as if the call had not been made."""
+    from batchinv.models.qwen3 import decode
+
+    runner, slots = run(model, PROMPTS[:2], 1, max_batch=4, capacity=16)
+    before = _state(runner)
+    free = list(runner._free)
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("simulated failure inside the prefill")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(decode, "qwen3_final_hidden", fail)
+        with pytest.raises(RuntimeError, match="simulated failure"):
+            runner.add([PROMPTS[2], PROMPTS[3]])
+    assert runner._free == free
+    assert dict(runner._lengths) == before[3]
+    assert (runner.add([PROMPTS[2]]), runner.add([PROMPTS[3]])) == ([free[-1]], [free[-2]])

@@ -57,8 +57,9 @@ def embedding_backward(
     sorted_ids, order = torch.sort(flat_ids, stable=True)
     starts = torch.ones_like(sorted_ids, dtype=torch.bool)
     starts[1:] = sorted_ids[1:] != sorted_ids[:-1]
-    group_start = torch.cummax(torch.where(starts, torch.arange(len(sorted_ids)), 0), 0).values
-    rank = torch.arange(len(sorted_ids)) - group_start
+    positions = torch.arange(len(sorted_ids), device=sorted_ids.device)
+    group_start = torch.cummax(torch.where(starts, positions, 0), 0).values
+    rank = positions - group_start
     for r in range(int(rank.max()) + 1):
         take = rank == r
         rows = sorted_ids[take]

@@ -43,7 +43,7 @@ from ...static_kv_cache import (
     attention_with_static_kv_cache,
     plan_step,
 )
-from ...validation import token_id_lists
+from ...validation import check_int, token_id_lists
 from .ops import BATCHINV_OPS
 
 IGNORE_INDEX = -100
@@ -240,6 +240,18 @@ class Qwen3DecodeRunner:
                 j = int(bad[0, 0])
                 raise IndexError(f"prompts[{i}][{j}] = {int(s[j])} is outside [0, {vocab})")
         slots = [self._free.pop() for _ in seqs]
+        try:
+            self._prefill(seqs, slots, seeds)
+        except BaseException:  # the slots stay free; their lengths were not advanced
+            self._free.extend(reversed(slots))
+            raise
+        for slot, s in zip(slots, seqs, strict=True):
+            self._prompts[slot] = s.tolist()
+            self._lengths[slot] = s.numel()
+        return slots
+
+    def _prefill(self, seqs: list[Tensor], slots: list[int], seeds: Sequence[int]) -> None:
+        """Prefills ``seqs`` into ``slots`` and samples each first token (checked arguments)."""
         lengths = [s.numel() for s in seqs]
         ids = torch.zeros(len(seqs), max(lengths), dtype=torch.int64)
         for b, s in enumerate(seqs):
@@ -262,10 +274,6 @@ class Qwen3DecodeRunner:
         last = hidden[torch.arange(len(seqs), device=self.device), seqlens - 1]
         self._sample(last, slot_ids, seqlens)
         self.cache.advance(slot_ids, seqlens, self.status)
-        for slot, s in zip(slots, seqs, strict=True):
-            self._prompts[slot] = s.tolist()
-            self._lengths[slot] = s.numel()
-        return slots
 
     # ----- decode --------------------------------------------------------------------------
 
@@ -301,7 +309,10 @@ class Qwen3DecodeRunner:
     @torch.no_grad()
     def step(self, slots: Sequence[int] | None = None) -> None:
         """Samples one more token for each of ``slots`` (default: every active slot)."""
-        slots = sorted(self._lengths) if slots is None else list(slots)
+        if slots is None:
+            slots = sorted(self._lengths)
+        else:  # a bool would find slot 1 (True == 1 as a dict key)
+            slots = [check_int(f"slots[{i}]", slot) for i, slot in enumerate(slots)]
         if not slots:
             raise ValueError("no active slots: add prompts first")
         if len(set(slots)) != len(slots):
@@ -398,5 +409,6 @@ class Qwen3DecodeRunner:
         self._free.append(slot)
 
     def _check_active(self, slot: int) -> None:
+        check_int("slot", slot)
         if slot not in self._lengths:
             raise ValueError(f"slot {slot!r} is not active")
