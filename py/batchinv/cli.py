@@ -3,7 +3,8 @@
 ``batchinv audit``: the contract's transform sweep (T1-T7) on a Qwen3 model -- by default
 the built-in tiny configuration with random weights, on CUDA when present (then also a
 production-shaped run) and on the CPU otherwise -- comparing stock PyTorch with batchinv;
-exit code 1 if batchinv breaks invariance anywhere.  ``batchinv demo`` is an alias of ``batchinv audit``.
+exit code 1 if batchinv breaks invariance anywhere.  ``batchinv demo`` is an alias of
+``batchinv audit``.
 
 ``batchinv rl-check``: samples with changing decode batches, recomputes the logprobs as a
 trainer does, and reports how far each path is off-policy (``batchinv.rl_check``).
