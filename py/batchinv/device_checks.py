@@ -27,7 +27,8 @@ CHECKS: dict[int, tuple[type[Exception], str]] = {
     1 << 3: (
         ValueError,
         "attention: attention_mask of a decode row is not one run of visible keys in a 0/-inf "
-        "mask shared by all heads (the row's output was set to zeros)",
+        "mask shared by all heads, which a captured decode step needs (the row's output was "
+        "set to zeros; eager calls take the packed route for such a mask)",
     ),
 }
 EMBEDDING_IDS, ROPE_POSITIONS, TOKEN_LOGPROBS_TARGETS, DECODE_ATTENTION_MASK = CHECKS

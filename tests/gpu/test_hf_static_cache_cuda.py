@@ -69,12 +69,16 @@ def test_decode_route_row_is_the_same_in_any_batch():
         assert_bitwise_equal(alone, whole[b : b + 1], name=f"row {b}")
 
 
-def test_decode_route_refuses_a_mask_with_holes():
+def test_eager_decode_hands_a_mask_with_holes_to_the_packed_route():
     q, k, v = _decode_case(2, 64)
     mask = _runs_mask(2, 64, [(0, 10), (0, 64)])
     mask[0, 0, 0, 5] = False
-    with pytest.raises(ValueError, match="mask row 0 is not one run"):
-        decode_with_mask(q, k, v, mask, softmax_scale=None)
+    got = decode_with_mask(q, k, v, mask, softmax_scale=None)
+    want = packed_with_mask(q, k, v, mask, softmax_scale=None)
+    assert_bitwise_equal(got, want, name="a mask with a hole, eager")
+    bias = torch.zeros(mask.shape, **BF16).masked_fill(~mask, 0.5)  # not a 0/-inf mask
+    with pytest.raises(ValueError, match="values other than 0 and -inf"):
+        decode_with_mask(q, k, v, bias, softmax_scale=None)
 
 
 def test_decode_route_in_a_cuda_graph_defers_its_mask_check():

@@ -28,9 +28,11 @@ sync, so a decode step can be captured in a CUDA graph (Hugging Face's static ca
 ``[first, first + count)`` of its cache (left or right padding, keys past the end); the run is
 read on the device into the kernels' layout (``k_start = first``, ``k_len = count``), so the
 row computes exactly what the packed route computes for it: the same keys in the same order,
-the same kernels, whose split boundaries count from the row's first key.  A mask that breaks
-the rule gives that row zeros and raises ``ValueError`` at once in eager code, or at
-``batchinv.device_checks.raise_device_errors()`` under capture.
+the same kernels, whose split boundaries count from the row's first key.  A batch with a row
+that breaks the rule (holes in its visible keys, values other than 0/-inf, masks that differ
+between heads) takes the packed route in eager code, which computes it or names the problem
+(one host sync); under capture such a row gives zeros and the error is raised by
+``batchinv.device_checks.raise_device_errors()``.
 """
 
 from __future__ import annotations
@@ -261,11 +263,8 @@ def _attention_decode_with_mask(
     if device_checks.deferring(q.device):
         device_checks.record(device_checks.DECODE_ATTENTION_MASK, ~usable)
     elif not bool(usable.all()):  # eager: the one sync of this route
-        bad = int((~usable).nonzero()[0, 0])
-        raise ValueError(
-            f"attention mask row {bad} is not one run of visible keys in a 0/-inf mask shared "
-            "by all heads; batchinv's decode route reads a row's keys as one run"
-        )
+        scale_arg = None if default_scale else softmax_scale
+        return packed_with_mask(q, k, v, rows[:, :, None], softmax_scale=scale_arg)
     k_len = torch.where(usable, count, 0)
     arange = torch.arange(batch, device=q.device)
     layout = gpu.make_layout(
