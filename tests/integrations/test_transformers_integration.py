@@ -170,8 +170,11 @@ def test_token_major_static_cache_generates_hf_static_cache_bits():
 
 def test_static_cache_rejects_a_bad_length():
     model = make_hf_model("sdpa")
-    for bad in (0, -3, 2.5, True):
-        with pytest.raises(ValueError, match="max_cache_len must be a positive int"):
+    for bad in (0, -3):
+        with pytest.raises(ValueError, match="max_cache_len must be >= 1"):
+            hf.static_cache(model, max_cache_len=bad)
+    for bad in (2.5, True, "8"):
+        with pytest.raises(TypeError, match="max_cache_len must be an int"):
             hf.static_cache(model, max_cache_len=bad)
 
 

@@ -51,6 +51,7 @@ from .. import nn as batchinv_nn
 from ..ops.rms_norm import rms_norm as batchinv_rms_norm
 from ..ops.rope import rope as batchinv_rope
 from ..ops.silu_mul import silu_mul
+from ..validation import check_positive_int
 from .attention_masks import attention_with_mask
 
 ATTENTION_NAME = "batchinv"
@@ -124,8 +125,7 @@ def static_cache(model: nn.Module, max_cache_len: int):
     """A transformers ``StaticCache`` for ``model`` holding ``max_cache_len`` tokens per row,
     its keys and values stored token-major (module docstring)."""
     transformers = _import_transformers()
-    if isinstance(max_cache_len, bool) or not isinstance(max_cache_len, int) or max_cache_len < 1:
-        raise ValueError(f"max_cache_len must be a positive int, got {max_cache_len!r}")
+    max_cache_len = check_positive_int("max_cache_len", max_cache_len)
     cache = transformers.StaticCache(config=model.config, max_cache_len=max_cache_len)
     layers = getattr(cache, "layers", None)
     if not layers or not all(hasattr(layer, "lazy_initialization") for layer in layers):
