@@ -756,11 +756,14 @@ _MAX_FULL_LAYOUTS = 64
 
 
 def _full_layout(batch: int, sq: int, sk: int, device: torch.device) -> Layout:
-    """The layout of a call without lengths or mask, kept per shape: its upload is most of a
-    small call's host time, and a layout is never written after it is made.  One made during a
-    CUDA-graph capture lives in the graph's memory pool and is written only by a replay, so it
-    is not kept (a capture reuses one kept by an earlier eager call)."""
-    key = (batch, sq, sk, device)
+    """The layout of a call without lengths or mask, kept per shape and stream: its upload is
+    most of a small call's host time, and a layout is never written after it is made.  Per
+    stream, because the upload is ordered on the stream that made it, before that stream's
+    kernels only.  One made during a CUDA-graph capture lives in the graph's memory pool and is
+    written only by a replay, so it is not kept (a capture reuses one kept by an earlier eager
+    call on the capturing stream)."""
+    index = torch.cuda.current_device() if device.index is None else device.index
+    key = (batch, sq, sk, index, current_raw_stream(index))
     layout = _FULL_LAYOUTS.get(key)
     if layout is None:
         layout = make_layout(
