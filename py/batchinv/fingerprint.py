@@ -80,20 +80,45 @@ def case_seed(name: str) -> int:
     return int.from_bytes(digest.digest()[:8], "little") & (2**63 - 1)
 
 
+# While ``reused_inputs()`` is active: each (case, input)'s CPU tensor and digest, drawn once.
+_REUSED: dict[tuple[str, str], list] | None = None
+
+
+@contextlib.contextmanager
+def reused_inputs() -> Iterator[None]:
+    """Within the block each case draws its inputs once and reuses them (the same bits: a
+    case always draws the same tensors): the cross-path comparison runs each case many times."""
+    global _REUSED
+    outer = _REUSED
+    _REUSED = {} if outer is None else outer
+    try:
+        yield
+    finally:
+        _REUSED = outer
+
+
 class Inputs:
     """A case's input generator: every tensor from one seeded torch CPU generator, built from
     integers only, then moved to ``device``.  ``made`` keeps the CPU tensors (for the digest
     of the inputs), in the order drawn."""
 
     def __init__(self, name: str, device: torch.device):
+        self.name = name
         self.generator = torch.Generator().manual_seed(case_seed(name))
         self.device = device
         self.made: dict[str, Tensor] = {}
         self.noted: dict[str, str] = {}  # digests of inputs drawn elsewhere (shared weights)
 
-    def _keep(self, name: str, t: Tensor) -> Tensor:
+    def _draw(self, name: str, make: Callable[[], Tensor]) -> Tensor:
         if name in self.made:
             raise ValueError(f"input {name!r} drawn twice")
+        key = (self.name, name)
+        if _REUSED is not None and key in _REUSED:
+            t = _REUSED[key][0]
+        else:
+            t = make()
+            if _REUSED is not None:
+                _REUSED[key] = [t, None]
         self.made[name] = t
         return t.to(self.device)
 
@@ -111,30 +136,46 @@ class Inputs:
         real data does: inputs on a coarse grid would make fp32 sums exact in any order)."""
         if scale <= 0 or math.frexp(scale)[0] != 0.5:
             raise ValueError(f"scale must be a positive power of two, got {scale}")
-        mantissa = torch.randint(
-            -_MANTISSA, _MANTISSA + 1, tuple(shape), generator=self.generator, dtype=torch.int64
-        )
-        octave = torch.randint(0, octaves, tuple(shape), generator=self.generator)
-        # Powers of two written by Python (exact), chosen by index: no pow on tensors.
-        powers = torch.tensor([scale * 2.0 ** -(24 + i) for i in range(octaves)])
-        exact = mantissa.to(torch.float64) * powers[octave]  # exact: 24 bits times 2**e
-        return self._keep(name, exact.to(torch.float32).to(dtype))
+
+        def make() -> Tensor:
+            mantissa = torch.randint(
+                -_MANTISSA, _MANTISSA + 1, tuple(shape), generator=self.generator, dtype=torch.int64
+            )
+            octave = torch.randint(0, octaves, tuple(shape), generator=self.generator)
+            # Powers of two written by Python (exact), chosen by index: no pow on tensors.
+            powers = torch.tensor([scale * 2.0 ** -(24 + i) for i in range(octaves)])
+            exact = mantissa.to(torch.float64) * powers[octave]  # exact: 24 bits times 2**e
+            return exact.to(torch.float32).to(dtype)
+
+        return self._draw(name, make)
 
     def ids(self, name: str, shape: Sequence[int], high: int) -> Tensor:
         """int64 ids in ``[0, high)``."""
-        return self._keep(
-            name, torch.randint(0, high, tuple(shape), generator=self.generator, dtype=torch.int64)
+        return self._draw(
+            name,
+            lambda: torch.randint(
+                0, high, tuple(shape), generator=self.generator, dtype=torch.int64
+            ),
         )
 
     def fixed(self, name: str, t: Tensor) -> Tensor:
         """A tensor the case builds itself (positions, lengths), recorded like the others."""
-        return self._keep(name, t.cpu())
+        return self._draw(name, t.cpu)
+
+    def _tensor_sha256(self, name: str, t: Tensor) -> str:
+        entry = None if _REUSED is None else _REUSED.get((self.name, name))
+        if entry is not None and entry[1] is not None:
+            return entry[1]
+        sha = tensor_digest(t)["sha256"]
+        if entry is not None:
+            entry[1] = sha
+        return sha
 
     def digest(self) -> str:
         h = hashlib.sha256()
         for name, t in self.made.items():
             h.update(name.encode())
-            h.update(tensor_digest(t)["sha256"].encode())
+            h.update(self._tensor_sha256(name, t).encode())
         for name, digest in self.noted.items():
             h.update(name.encode())
             h.update(digest.encode())
@@ -1015,6 +1056,7 @@ def path_variants() -> tuple[PathVariant, ...]:
         ("tma=False", {"tma": False}, "cp.async instead of TMA (sm_80)"),
         ("pdl=False", {"pdl": False}, "a stream-ordered combine (sm_80)"),
         ("warps=4", {"warps": 4}, "64-row tiles"),
+        ("stages=3", {"stages": 3}, "a deeper cooperative K/V pipeline"),
     )
     for name, options, why in attention:
         variants.append(
@@ -1091,18 +1133,30 @@ def cross_path(
     variants = path_variants() if variants is None else variants
     table: dict[str, dict[str, str]] = {}
     try:
-        baseline = {case.name: run_case(case, device) for case in selected}
-        for variant in variants:
-            row = table.setdefault(variant.name, {})
-            for case in selected:
-                if case.op not in variant.ops:
-                    continue
-                with variant.context():
-                    entry = run_case(case, device)
-                row[case.name] = _verdict(baseline[case.name], entry)
+        with reused_inputs():
+            baseline = {case.name: run_case(case, device) for case in selected}
+            for variant in variants:
+                table[variant.name] = run_variant(variant, baseline, device, selected)
     finally:
         _MODELS.clear()
     return {"baseline": baseline, "variants": table}
+
+
+def run_variant(
+    variant: PathVariant,
+    baseline: Mapping[str, Mapping],
+    device: torch.device | str,
+    selected: Sequence[Case],
+) -> dict[str, str]:
+    """``{case: verdict}`` of the cases ``variant`` touches, each against its ``baseline``
+    entry (``run_case`` on the default path)."""
+    row = {}
+    for case in selected:
+        if case.op in variant.ops:
+            with variant.context():
+                entry = run_case(case, torch.device(device))
+            row[case.name] = _verdict(baseline[case.name], entry)
+    return row
 
 
 def _verdict(base: Mapping, entry: Mapping) -> str:
@@ -1116,3 +1170,121 @@ def _verdict(base: Mapping, entry: Mapping) -> str:
         if entry["outputs"].get(name, {}).get("sha256") != digest["sha256"]
     ]
     return "same" if not differing else "differs: " + ", ".join(differing)
+
+
+def unexpected_differences(table: Mapping[str, Mapping[str, str]]) -> list[str]:
+    """``"variant / case: verdict"`` for every difference not in ``KNOWN_PATH_DIFFERENCES``."""
+    return [
+        f"{variant} / {case}: {verdict}"
+        for variant, row in table.items()
+        for case, verdict in row.items()
+        if verdict.startswith("differs") and (case, variant) not in KNOWN_PATH_DIFFERENCES
+    ]
+
+
+# ----------------------------------------------------------------------------- command line
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument(
+        "--device", default=None, help="cpu or cuda (default: cuda if present, else cpu)"
+    )
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="the small CPU case set (default on the CPU; the full set on CUDA)",
+    )
+    parser.add_argument(
+        "--case",
+        action="append",
+        default=None,
+        metavar="NAME",
+        help="only this case (repeatable)",
+    )
+    parser.add_argument(
+        "--paths",
+        action="store_true",
+        help="also run every case under each code path other cards take (CUDA) and report "
+        "which agree with this card's default",
+    )
+    parser.add_argument(
+        "--json",
+        default=None,
+        metavar="OUT",
+        help="write the fingerprint here (committed ones: reports/fingerprints/<card>.json)",
+    )
+
+
+def _summary(result: Mapping) -> str:
+    card = result["card"]["name"]
+    lines = [
+        f"batchinv {result['batchinv_version']} fingerprint v{result['fingerprint_version']} "
+        f"({result['case_set']} set) on {card}, commit {result['commit']}"
+    ]
+    for name, entry in result["cases"].items():
+        if "error" in entry:
+            lines.append(f"  {name:24s} ERROR {entry['error']}")
+            continue
+        first = next(iter(entry["outputs"].values()))["sha256"][:16]
+        path = entry.get("path") or ""
+        lines.append(f"  {name:24s} {first}  {len(entry['outputs'])} outputs  {path}")
+    return "\n".join(lines)
+
+
+def _paths_summary(table: Mapping[str, Mapping[str, str]]) -> str:
+    lines = ["code paths against this card's default:"]
+    for variant, row in table.items():
+        for case, verdict in row.items():
+            known = KNOWN_PATH_DIFFERENCES.get((case, variant))
+            note = f"  (known: {known})" if known and verdict.startswith("differs") else ""
+            lines.append(f"  {variant:34s} {case:24s} {verdict}{note}")
+    return "\n".join(lines)
+
+
+def run(args) -> int:
+    """``batchinv fingerprint``: 0 done (and, with ``--paths``, no unexpected difference),
+    1 a path differs where no difference is known, 2 bad input."""
+    import sys
+
+    prog = "batchinv fingerprint"
+    try:
+        name = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        device = torch.device(name)
+        if device.type not in ("cpu", "cuda"):
+            raise ValueError(f"--device must be cpu or cuda, got {name!r}")
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"--device {name} was asked for, but CUDA is not available")
+        if args.paths and device.type != "cuda":
+            raise ValueError("--paths compares the CUDA code paths: it needs --device cuda")
+        case_set = "quick" if args.quick else None
+        set_name = case_set or ("full" if device.type == "cuda" else "quick")
+        known = {c.name for c in cases(set_name)}
+        unknown = sorted(set(args.case or ()) - known)
+        if unknown:
+            raise ValueError(
+                f"--case {', '.join(unknown)}: not in the {set_name!r} set "
+                f"({', '.join(sorted(known))})"
+            )
+    except (RuntimeError, ValueError) as err:
+        print(f"{prog}: error: {err}", file=sys.stderr)
+        return 2
+
+    def progress(case: str, seconds: float) -> None:
+        print(f"  {case}: {seconds:.1f} s", file=sys.stderr)
+
+    result = fingerprint(device, case_set, only=args.case, progress=progress)
+    print(_summary(result))
+    status = 0
+    if args.paths:
+        selected = tuple(c for c in cases(set_name) if args.case is None or c.name in args.case)
+        table = cross_path(device, selected)["variants"]
+        result["cross_path"] = table
+        print(_paths_summary(table))
+        unexpected = unexpected_differences(table)
+        for line in unexpected:
+            print(f"UNEXPECTED: {line}")
+        status = 1 if unexpected else 0
+    if args.json:
+        write(result, args.json)
+        print(f"JSON written to {args.json}")
+    return status
