@@ -999,8 +999,12 @@ def log_softmax_form(cluster: bool = True, hopper_threads: bool = True) -> Itera
 def sm80_paths() -> Iterator[None]:
     """Everything an sm_80 card (A100) runs where this card has a choice: the mma.sync linear,
     the mma.sync attention kernels without TMA or PDL, the mma.sync backward, log_softmax's
-    one-CTA T.  (token_logprobs has no sm_80 kernel: it still runs the sm_90a one here.)"""
+    one-CTA T, rms_norm's backward without programmatic dependent launch.  (token_logprobs
+    has no sm_80 kernel: it still runs the sm_90a one here.)"""
+    from .gpu import rms_norm as gpu_rms_norm
+
     with (
+        _patched(gpu_rms_norm, _programmatic=lambda device: False),
         linear_family("mma"),
         attention_options(hopper=False, tma=False, pdl=False),
         attention_backward_kernels("tiled", wgmma=False),
