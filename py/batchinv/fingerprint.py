@@ -996,6 +996,35 @@ def log_softmax_form(cluster: bool = True, hopper_threads: bool = True) -> Itera
 
 
 @contextlib.contextmanager
+def sm_count(count: int) -> Iterator[None]:
+    """Every launch decision that reads the SM count (``batchinv.runtime.multiprocessors``:
+    the linear tile choice, attention's mode and pipeline depth, the Hopper attention grid)
+    made as on a card with ``count`` SMs; cached decisions (linear's per-shape choice,
+    attention's plans) are bypassed for the block."""
+    from .gpu import attention as gpu_attention
+    from .gpu import attention_hopper
+    from .gpu import linear as gpu_linear
+
+    def multiprocessors(index: int | None = None) -> int:
+        return count
+
+    with (
+        _patched(
+            gpu_linear,
+            multiprocessors=multiprocessors,
+            _auto_choice=gpu_linear._auto_choice.__wrapped__,
+        ),
+        _patched(gpu_attention, multiprocessors=multiprocessors, _PLANS={}),
+        _patched(attention_hopper, multiprocessors=multiprocessors),
+    ):
+        yield
+
+
+# SM counts of other cards: H20, A100, H100 PCIe; and a small one, far from any.
+OTHER_SM_COUNTS = (78, 108, 114, 16)
+
+
+@contextlib.contextmanager
 def sm80_paths() -> Iterator[None]:
     """Everything an sm_80 card (A100) runs where this card has a choice: the mma.sync linear,
     the mma.sync attention kernels without TMA or PDL, the mma.sync backward, log_softmax's
@@ -1088,6 +1117,15 @@ def path_variants() -> tuple[PathVariant, ...]:
                 _ATTENTION_BACKWARD_OPS,
                 functools.partial(attention_backward_kernels, variant, False),
                 "another backward kernel variant",
+            )
+        )
+    for count in OTHER_SM_COUNTS:
+        variants.append(
+            PathVariant(
+                f"sm_count={count}",
+                _LINEAR_OPS | _ATTENTION_OPS,
+                functools.partial(sm_count, count),
+                "the launch decisions a card with this many SMs makes",
             )
         )
     variants += [
