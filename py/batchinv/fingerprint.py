@@ -108,19 +108,25 @@ class Inputs:
         self.generator = torch.Generator().manual_seed(case_seed(name))
         self.device = device
         self.made: dict[str, Tensor] = {}
+        self.specs: dict[str, tuple | None] = {}
         self.noted: dict[str, str] = {}  # digests of inputs drawn elsewhere (shared weights)
 
-    def _draw(self, name: str, make: Callable[[], Tensor]) -> Tensor:
+    def _draw(self, name: str, make: Callable[[], Tensor], spec: tuple | None) -> Tensor:
+        """``make()`` (or, under ``reused_inputs``, the tensor an earlier draw of the same case,
+        name and ``spec`` made; ``spec=None``: never reused) recorded and moved to the device."""
         if name in self.made:
             raise ValueError(f"input {name!r} drawn twice")
-        key = (self.name, name)
-        if _REUSED is not None and key in _REUSED:
+        key = (self.name, name, spec)
+        if spec is None:
+            t = make()
+        elif _REUSED is not None and key in _REUSED:
             t = _REUSED[key][0]
         else:
             t = make()
             if _REUSED is not None:
                 _REUSED[key] = [t, None]
         self.made[name] = t
+        self.specs[name] = spec
         return t.to(self.device)
 
     def values(
@@ -148,7 +154,7 @@ class Inputs:
             exact = mantissa.to(torch.float64) * powers[octave]  # exact: 24 bits times 2**e
             return exact.to(torch.float32).to(dtype)
 
-        return self._draw(name, make)
+        return self._draw(name, make, ("values", tuple(shape), str(dtype), scale, octaves))
 
     def ids(self, name: str, shape: Sequence[int], high: int) -> Tensor:
         """int64 ids in ``[0, high)``."""
@@ -157,14 +163,16 @@ class Inputs:
             lambda: torch.randint(
                 0, high, tuple(shape), generator=self.generator, dtype=torch.int64
             ),
+            ("ids", tuple(shape), high),
         )
 
     def fixed(self, name: str, t: Tensor) -> Tensor:
         """A tensor the case builds itself (positions, lengths), recorded like the others."""
-        return self._draw(name, t.cpu)
+        return self._draw(name, t.cpu, None)
 
     def _tensor_sha256(self, name: str, t: Tensor) -> str:
-        entry = None if _REUSED is None else _REUSED.get((self.name, name))
+        spec = self.specs[name]
+        entry = None if _REUSED is None or spec is None else _REUSED.get((self.name, name, spec))
         if entry is not None and entry[1] is not None:
             return entry[1]
         sha = tensor_digest(t)["sha256"]
@@ -631,7 +639,7 @@ def _qwen3_model(p: Mapping, inputs: Inputs):
                 state[name] = weights.values(name, shape, torch.bfloat16, 0.125)
             elif name == "model.embed_tokens.weight":
                 state[name] = weights.values(name, shape, torch.bfloat16, 1.0)
-            else:  # |w| < 2 / sqrt(fan_in), rounded up to a power of two: activations keep scale
+            else:  # |w| below the power of two at or above 1/sqrt(fan_in): activations keep scale
                 scale = 2.0 ** -math.floor(math.log2(math.sqrt(shape[1])))
                 state[name] = weights.values(name, shape, torch.bfloat16, scale)
         digest = weights.digest()
@@ -1021,18 +1029,21 @@ def sm_count(count: int) -> Iterator[None]:
 
 
 # SM counts of other cards: H20, A100, H100 PCIe; and a small one, far from any.
-OTHER_SM_COUNTS = (78, 108, 114, 16)
+A100_SMS = 108
+OTHER_SM_COUNTS = (78, A100_SMS, 114, 16)
 
 
 @contextlib.contextmanager
 def sm80_paths() -> Iterator[None]:
     """Everything an sm_80 card (A100) runs where this card has a choice: the mma.sync linear,
     the mma.sync attention kernels without TMA or PDL, the mma.sync backward, log_softmax's
-    one-CTA T, rms_norm's backward without programmatic dependent launch.  (token_logprobs
+    one-CTA T, rms_norm's backward without programmatic dependent launch, the launch
+    decisions of its 108 SMs.  (token_logprobs
     has no sm_80 kernel: it still runs the sm_90a one here.)"""
     from .gpu import rms_norm as gpu_rms_norm
 
     with (
+        sm_count(A100_SMS),
         _patched(gpu_rms_norm, _programmatic=lambda device: False),
         linear_family("mma"),
         attention_options(hopper=False, tma=False, pdl=False),
