@@ -257,3 +257,23 @@ def test_run_variant_reports_same_differs_and_not_applicable(monkeypatch):
     assert fp.unexpected_differences({"test": row}) == ["test / linear: differs: grad_x"]
     known = next(iter(fp.KNOWN_PATH_DIFFERENCES))
     assert fp.unexpected_differences({known[1]: {known[0]: "differs: out"}}) == []
+
+
+@pytest.mark.parametrize("debug", [[], ["--debug"]])
+def test_cli_internal_error_exits_3(debug, monkeypatch, capsys):
+    def broken(*args, **kwargs):
+        raise RuntimeError("an invariant of batchinv itself\nsecond line")
+
+    monkeypatch.setattr(fp, "fingerprint", broken)
+    assert main(["fingerprint", "--device", "cpu", *debug]) == 3
+    err = capsys.readouterr().err
+    assert "internal error: RuntimeError: an invariant of batchinv itself" in err
+    assert ("Traceback" in err) == bool(debug)
+
+
+@pytest.mark.parametrize("device", ["nonsense", "meta"])
+def test_cli_bad_device_exits_2_with_one_line(device, tmp_path, capsys):
+    assert main(["fingerprint", "--device", device, "--json", str(tmp_path / "x.json")]) == 2
+    err = capsys.readouterr().err
+    assert device in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+    assert list(tmp_path.iterdir()) == []
