@@ -939,7 +939,7 @@ def _patched(module, **values) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def linear_path(path: str) -> Iterator[None]:
+def forced_linear_path(path: str) -> Iterator[None]:
     """``batchinv.set_linear_path(path)`` for the block, then back to the setting before."""
     from .gpu import linear_cublaslt
 
@@ -960,7 +960,7 @@ def linear_family(family: str, config=None) -> Iterator[None]:
     def forced(m: int, n: int, device_index: int):
         return family, config
 
-    with linear_path("own"), _patched(gpu_linear, _auto_choice=forced):
+    with forced_linear_path("own"), _patched(gpu_linear, _auto_choice=forced):
         yield
 
 
@@ -1066,11 +1066,13 @@ def path_variants() -> tuple[PathVariant, ...]:
     from .gpu import linear as gpu_linear
 
     variants = [
-        PathVariant("linear:own", _LINEAR_OPS, lambda: linear_path("own"), "batchinv's GEMM"),
+        PathVariant(
+            "linear:own", _LINEAR_OPS, lambda: forced_linear_path("own"), "batchinv's GEMM"
+        ),
         PathVariant(
             "linear:cublaslt",
             _LINEAR_OPS,
-            lambda: linear_path("cublaslt"),
+            lambda: forced_linear_path("cublaslt"),
             "cuBLASLt's pinned algorithm where it serves (NVIDIA's kernel)",
         ),
         PathVariant("linear:mma", _LINEAR_OPS, lambda: linear_family("mma"), "the sm_80 GEMM"),
