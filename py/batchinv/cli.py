@@ -6,6 +6,10 @@ production-shaped run) and on the CPU otherwise -- comparing stock PyTorch with 
 exit code 1 if batchinv breaks invariance anywhere.  ``batchinv demo`` is an alias of
 ``batchinv audit``.
 
+``batchinv fingerprint``: the SHA-256 of every output of a fixed, seeded set of inputs per op
+and for a whole Qwen3 on this card (``batchinv.fingerprint``); ``--paths`` also compares the
+code paths other cards take.
+
 ``batchinv rl-check``: samples with changing decode batches, recomputes the logprobs as a
 trainer does, and reports how far each path is off-policy (``batchinv.rl_check``).
 
@@ -56,7 +60,7 @@ def _debug_option(parser: argparse.ArgumentParser, default) -> None:
 
 
 def _parser() -> argparse.ArgumentParser:
-    from . import audit, rl_check
+    from . import audit, fingerprint, rl_check
 
     parser = argparse.ArgumentParser(
         prog="batchinv",
@@ -80,6 +84,14 @@ def _parser() -> argparse.ArgumentParser:
     )
     rl_check.add_arguments(sub)
     sub.set_defaults(run=rl_check.run)
+    _debug_option(sub, argparse.SUPPRESS)
+    sub = commands.add_parser(
+        "fingerprint",
+        help="SHA-256 of every op's outputs on fixed inputs: compare cards bit for bit",
+        description=fingerprint.__doc__.splitlines()[0],
+    )
+    fingerprint.add_arguments(sub)
+    sub.set_defaults(run=fingerprint.run)
     _debug_option(sub, argparse.SUPPRESS)
     return parser
 
