@@ -32,7 +32,8 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from bench_qwen3_e2e import QWEN3_8B
+
+from batchinv.shapes import QWEN3_8B_CONFIG as QWEN3_8B
 
 GOAL = 0.9
 CASES = ((1, 4096), (8, 4096), (64, 4096), (256, 4096), (1, 32768))

@@ -28,17 +28,8 @@ from _common import report, require_cuda, summary_row
 
 from batchinv.contract import bitwise_equal
 from batchinv.integrations import transformers as hf
+from batchinv.shapes import QWEN3_8B_CONFIG
 
-SHAPES = dict(
-    hidden_size=4096,
-    intermediate_size=12288,
-    num_attention_heads=32,
-    num_key_value_heads=8,
-    head_dim=128,
-    vocab_size=151936,
-    rope_theta=1_000_000.0,
-    max_position_embeddings=40960,
-)
 GOAL = 1.0
 
 
@@ -46,7 +37,7 @@ def _model(layers: int, patched: bool):
     import transformers
 
     torch.manual_seed(0)
-    config = transformers.Qwen3Config(**SHAPES, num_hidden_layers=layers)
+    config = transformers.Qwen3Config(**QWEN3_8B_CONFIG, num_hidden_layers=layers)
     config._attn_implementation = "sdpa"
     with torch.device("cuda"):
         model = transformers.Qwen3ForCausalLM(config).to(torch.bfloat16).eval()
@@ -97,7 +88,9 @@ def main() -> None:
     require_cuda()
     capacity = args.prompt + args.long + 8
     gen = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, SHAPES["vocab_size"], (args.batch, args.prompt), generator=gen).cuda()
+    ids = torch.randint(
+        0, QWEN3_8B_CONFIG["vocab_size"], (args.batch, args.prompt), generator=gen
+    ).cuda()
     mask = torch.ones_like(ids)
     for b in range(1, args.batch, 2):
         mask[b, : 7 * b] = 0  # left padding of different lengths

@@ -22,20 +22,11 @@ from pathlib import Path
 
 import torch
 
+from batchinv.shapes import QWEN3_8B_CONFIG
+
 PATHS = ("stock", "batchinv")
 GOAL = 1 / 1.10  # batchinv <= 1.10x the stock time (issue 7, item 4), as stock / batchinv
-QWEN3_8B = dict(
-    vocab_size=151936,
-    hidden_size=4096,
-    intermediate_size=12288,
-    num_attention_heads=32,
-    num_key_value_heads=8,
-    head_dim=128,
-    rms_norm_eps=1e-6,
-    rope_theta=1_000_000.0,
-    max_position_embeddings=40960,
-    tie_word_embeddings=False,
-)
+QWEN3_8B = QWEN3_8B_CONFIG
 
 
 def _positive(text: str) -> int:

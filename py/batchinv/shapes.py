@@ -2,6 +2,21 @@
 
 from __future__ import annotations
 
+# Qwen3-8B's configuration but its layer count (``Qwen3Config`` / transformers' ``Qwen3Config``
+# keyword arguments): the production shapes of the audit and the model benchmarks.
+QWEN3_8B_CONFIG = dict(
+    vocab_size=151936,
+    hidden_size=4096,
+    intermediate_size=12288,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=128,
+    rms_norm_eps=1e-6,
+    rope_theta=1_000_000.0,
+    max_position_embeddings=40960,
+    tie_word_embeddings=False,
+)
+
 # Qwen3-8B linear layers as (name, in_features K, out_features N).
 QWEN3_8B_LINEAR = (
     ("qkv_proj", 4096, 6144),

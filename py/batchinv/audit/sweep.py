@@ -27,6 +27,7 @@ from ..contract import (
 from ..models.qwen3.config import Qwen3Config
 from ..models.qwen3.model import Qwen3
 from ..models.qwen3.ops import ops_by_name
+from ..shapes import QWEN3_8B_CONFIG
 from .adapter import ModelAdapter
 from .kernel_paths import PathRecorder, merge_paths, recording_ops
 
@@ -52,19 +53,7 @@ AUDIT_SEQ_LEN = 131
 # The production-shaped run (the CUDA default besides the tiny model): Qwen3-8B's layer shapes
 # and 151936-token vocabulary (so the lm_head and log_softmax are full size), two layers of
 # random weights (the paths are per layer; more layers only cost time).
-PRODUCTION_CONFIG = Qwen3Config(
-    vocab_size=151936,
-    hidden_size=4096,
-    intermediate_size=12288,
-    num_hidden_layers=2,
-    num_attention_heads=32,
-    num_key_value_heads=8,
-    head_dim=128,
-    rms_norm_eps=1e-6,
-    rope_theta=1_000_000.0,
-    max_position_embeddings=40960,
-    tie_word_embeddings=False,
-)
+PRODUCTION_CONFIG = Qwen3Config(num_hidden_layers=2, **QWEN3_8B_CONFIG)
 # Its sweep: a probe one 128-key block and one key past the 2048-key split, so every case's
 # last rows attend across the split; neighbours up to 3001 tokens, so padded batches of 3 and
 # 5 hold 1024 < rows <= 8191 and > 8191 rows (the pinned cuBLASLt range and beyond), and so
