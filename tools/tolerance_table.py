@@ -37,7 +37,6 @@ import argparse
 import json
 import math
 import sys
-import textwrap
 import time
 from pathlib import Path
 
@@ -48,25 +47,16 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "py"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from calibrate_tolerances import fit_error, smallest_subnormal  # noqa: E402
+from calibrate_tolerances import fit_error, python_literal, smallest_subnormal  # noqa: E402
+
+# The ops of the table and their classes, in the table's order.
+from batchinv.contract.tolerances import OPS  # noqa: E402
 
 ATOL_MARGIN = 4
 RTOL_MARGIN = 2
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 KINDS = ("forward", "grad")
 
-# The ops of the table and their classes; the order is the table's.
-OPS = {
-    "silu_mul": "elementwise",
-    "rope": "elementwise",
-    "embedding": "elementwise",
-    "rms_norm": "reduction",
-    "fused_add_rms_norm": "reduction",
-    "linear": "reduction",
-    "attention": "attention",
-    "log_softmax": "logprob",
-    "token_logprobs": "logprob",
-}
 INPUT_DTYPE_KEYED = ("token_logprobs",)
 FP32_ON_CPU_ONLY = ("linear", "attention", "token_logprobs")
 
@@ -485,22 +475,6 @@ def build(cpu: dict, gpu: dict | None) -> dict:
                     parts.append(_describe("CPU reference vs float64", picked["cpu"]))
                 table[(op, dtype_name, kind)] = (atol, rtol, ". ".join(parts))
     return table
-
-
-def python_literal(table) -> str:
-    """The ``_TABLE`` literal of batchinv/contract/tolerances.py, within 100 columns."""
-    lines = ["_TABLE: dict[tuple[str, str, str], tuple[float, float, str]] = {"]
-    for (op, dtype_name, kind), (atol, rtol, note) in table.items():
-        key = ", ".join(json.dumps(k) for k in (op, dtype_name, kind))
-        lines.append(f"    ({key}): (")
-        lines.append(f"        {atol:.2g},")
-        lines.append(f"        {rtol:.2g},")
-        for chunk in textwrap.wrap(note, 84, drop_whitespace=False):
-            lines.append(f"        {json.dumps(chunk)}")
-        lines[-1] += ","
-        lines.append("    ),")
-    lines.append("}")
-    return "\n".join(lines)
 
 
 def markdown(table) -> str:
