@@ -140,6 +140,22 @@ def _ref(fn, *args, **kwargs):
         return fn(*args, **kwargs)
 
 
+def _two_inputs(op, ref_op, a, b, cot, grad_names, *args) -> Measured:
+    """``op(a, b, *args)`` and its gradients in ``a`` and ``b`` (cotangent ``cot``) against
+    ``ref_op`` on fp32 copies of the same inputs."""
+    al, bl = _leaves(a, b)
+    out = op(al, bl, *args)
+    grads = _grads(out, (al, bl), cot)
+    a32, b32 = _leaves(a, b, dtype=torch.float32)
+    ref = _ref(ref_op, a32, b32, *args)
+    ref_grads = _grads(ref, (a32, b32), cot.float())
+    m = Measured()
+    m.add("forward", "out", out, ref)
+    for name, got, want in zip(grad_names, grads, ref_grads, strict=True):
+        m.add("grad", name, got, want)
+    return m
+
+
 # ----- cases ---------------------------------------------------------------------------------
 # Each case: (inputs on device in dtype) -> Measured.  Gradients use a random cotangent.
 
@@ -148,17 +164,8 @@ def case_silu_mul(s: Sizes, dtype, device, gen) -> Measured:
     gate = _randn((s.tokens, s.intermediate), gen, device, dtype, 2.0)
     up = _randn((s.tokens, s.intermediate), gen, device, dtype)
     cot = _randn((s.tokens, s.intermediate), gen, device, dtype)
-    g, u = _leaves(gate, up)
-    out = batchinv.silu_mul(g, u)
-    grads = _grads(out, (g, u), cot)
-    g32, u32 = _leaves(gate, up, dtype=torch.float32)
-    ref = _ref(silu_mul_ref.silu_mul_fp32, g32, u32)
-    ref_grads = _grads(ref, (g32, u32), cot.float())
-    m = Measured()
-    m.add("forward", "out", out, ref)
-    m.add("grad", "grad_gate", grads[0], ref_grads[0])
-    m.add("grad", "grad_up", grads[1], ref_grads[1])
-    return m
+    names = ("grad_gate", "grad_up")
+    return _two_inputs(batchinv.silu_mul, silu_mul_ref.silu_mul_fp32, gate, up, cot, names)
 
 
 def case_rope(s: Sizes, dtype, device, gen) -> Measured:
@@ -193,17 +200,9 @@ def _rms_rows(s: Sizes, width, gen, device, dtype, rows):
 def _rms_case(s: Sizes, dtype, device, gen, rows, width) -> Measured:
     x, weight = _rms_rows(s, width, gen, device, dtype, rows)
     cot = _randn(x.shape, gen, device, dtype)
-    xl, wl = _leaves(x, weight)
-    out = batchinv.rms_norm(xl, wl, RMS_EPS)
-    grads = _grads(out, (xl, wl), cot)
-    x32, w32 = _leaves(x, weight, dtype=torch.float32)
-    ref = _ref(rms_norm_ref.rms_norm_fp32, x32, w32, RMS_EPS)
-    ref_grads = _grads(ref, (x32, w32), cot.float())
-    m = Measured()
-    m.add("forward", "out", out, ref)
-    m.add("grad", "grad_x", grads[0], ref_grads[0])
-    m.add("grad", "grad_weight", grads[1], ref_grads[1])
-    return m
+    names = ("grad_x", "grad_weight")
+    ref_op = rms_norm_ref.rms_norm_fp32
+    return _two_inputs(batchinv.rms_norm, ref_op, x, weight, cot, names, RMS_EPS)
 
 
 def case_rms_norm_hidden(s: Sizes, dtype, device, gen) -> Measured:
@@ -242,17 +241,8 @@ def _linear_case(rows, k, n):
         x = _randn((rows, k), gen, device, dtype)
         weight = _randn((n, k), gen, device, dtype, k**-0.5)
         cot = _randn((rows, n), gen, device, dtype)
-        xl, wl = _leaves(x, weight)
-        out = batchinv.linear(xl, wl)
-        grads = _grads(out, (xl, wl), cot)
-        x32, w32 = _leaves(x, weight, dtype=torch.float32)
-        ref = _ref(linear_ref.linear_fp32, x32, w32)
-        ref_grads = _grads(ref, (x32, w32), cot.float())
-        m = Measured()
-        m.add("forward", "out", out, ref)
-        m.add("grad", "grad_x", grads[0], ref_grads[0])
-        m.add("grad", "grad_weight", grads[1], ref_grads[1])
-        return m
+        names = ("grad_x", "grad_weight")
+        return _two_inputs(batchinv.linear, linear_ref.linear_fp32, x, weight, cot, names)
 
     return run
 
