@@ -31,6 +31,11 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     if torch.compiler.is_compiling():  # one opaque node (the custom op below)
         return torch.ops.batchinv.linear(x, weight, bias)
     check_linear_args(x, weight, bias)
+    return checked_linear(x, weight, bias)
+
+
+def checked_linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """``linear`` after ``check_linear_args``: ops built on linear (``lm_head``) check once."""
     if _needs_grad(x, weight, bias):
         return _Linear.apply(x, weight, bias)
     # No gradient wanted: the registry's forward without an autograd node (the same kernels

@@ -20,8 +20,8 @@ from torch import Tensor
 from .. import registry
 from ..reference import linear as reference
 from ..validation import check_linear_args
-from ._custom_op import CustomOp, empty_grad
-from .linear import linear
+from ._custom_op import CustomOp
+from .linear import _custom_backward, _fake, checked_linear
 
 
 def lm_head(hidden: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
@@ -48,31 +48,18 @@ def lm_head_fp32(hidden: Tensor, weight: Tensor, bias: Tensor | None = None) -> 
     return registry.lookup("lm_head.fp32", hidden.device)(hidden, weight, bias)
 
 
-# The input-dtype form is batchinv.linear (it dispatches to its own registry entries); the
-# fp32 form is the reference on the devices it is meant to serve as ground truth on.
+# The input-dtype form is batchinv.linear past its checks (it dispatches to its own registry
+# entries); the fp32 form is the reference on the devices it is meant to serve as ground
+# truth on.
 for _backend in ("cpu", "cuda"):
-    registry.register("lm_head", _backend)(linear)
+    registry.register("lm_head", _backend)(checked_linear)
     registry.register("lm_head.fp32", _backend)(reference.linear_fp32)
 
 
 # ----------------------------------------------------------------------------- custom op
 
-
-def _fake(hidden, weight, bias):
-    check_linear_args(hidden, weight, bias)
-    return hidden.new_empty((*hidden.shape[:-1], weight.shape[0]))
-
-
-def _custom_backward(grads, needs, outputs, hidden, weight, bias):
-    # linear's fixed-order backward directly: recomputing a vocabulary-sized forward to
-    # get the gradients would double the cost of the largest GEMM of the model.
-    (grad_out,) = grads
-    bias_dtype = None if bias is None else bias.dtype
-    backward = registry.lookup("linear.backward", grad_out.device)
-    got = backward(grad_out, hidden, weight, bias_dtype, tuple(needs))
-    return [empty_grad(grad_out) if g is None else g for g in got]
-
-
+# linear's: the same shapes, and its fixed-order backward directly (recomputing a
+# vocabulary-sized forward to get the gradients would double the model's largest GEMM).
 CustomOp(
     "lm_head",
     "(Tensor hidden, Tensor weight, Tensor? bias) -> Tensor",
