@@ -12,9 +12,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import pytest
 import torch
 
 import batchinv
+from batchinv.contract import assert_within_tolerance
 from batchinv.reference.attention import KV_BLOCK, attention_fp32
 from batchinv.reference.linear import linear_fp32
 from batchinv.reference.log_softmax import log_softmax_fp32
@@ -273,3 +275,20 @@ MUTANTS = {
 def judged_dtype(op: str, input_dtype: torch.dtype, output: torch.Tensor) -> torch.dtype:
     """The table dtype of a result: token_logprobs is judged at its inputs' precision."""
     return input_dtype if op == "token_logprobs" else output.dtype
+
+
+def assert_op_passes_and_mutant_fails(mutant: str, dtype: torch.dtype, sizes, device) -> None:
+    """The op is within its table entry of the reference on ``sizes``; the mutant is not."""
+    op, make_inputs, reference_fn, op_fn, mutant_fn = MUTANTS[mutant]
+    inputs = make_inputs(sizes, dtype, device)
+
+    def check(actual, label):
+        judged = judged_dtype(op, dtype, actual)
+        assert_within_tolerance(actual, reference, op=op, dtype=judged, name=label)
+
+    with torch.no_grad():
+        reference = reference_fn(*inputs)
+        check(op_fn(*inputs), "op")
+        mutated = mutant_fn(*inputs)
+    with pytest.raises(AssertionError, match="elements outside"):
+        check(mutated, mutant)
