@@ -63,7 +63,7 @@ def main() -> None:
         ]
         default_threads = gpu_log_softmax.LARGE_ROW_THREADS
         for threads in TUNING_THREADS:
-            if gpu_log_softmax.threads_for(vocab, dtype, device) != default_threads:
+            if gpu_log_softmax.threads_for(vocab, dtype) != default_threads:
                 continue  # a short row or the Hopper form: the tuning knob does not apply
             gpu_log_softmax.LARGE_ROW_THREADS = threads
             try:

@@ -41,9 +41,9 @@
 // On sm_90a the host launches the cluster form below instead for some cases (one cluster of 8 or
 // 16 CTAs per row, the row read once into shared memory) wherever V % 8 == 0, the rows are
 // 16-byte aligned and the slice fits: for the same T <= 1024 it performs the same operations in
-// the same order, so which form runs changes speed, never bits.  T = 2048 (16 CTAs of 128 threads)
-// exists only in the cluster form and has its own tree (see Exchange).  A cluster exchanges
-// state only inside itself (its one row).
+// the same order, so which form runs changes speed, never bits.  T never exceeds 1024, so every
+// card can compute every tree with the one-CTA form.  A cluster exchanges state only inside
+// itself (its one row).
 #include "common/chunk16.cuh"
 #include "common/hopper.cuh"
 
@@ -529,14 +529,12 @@ __device__ __forceinline__ void backward(const BackwardArgs& a) {
 // butterfly is the same, and the 32-lane warps' states are merged in global warp order (warp w
 // lives in CTA w / (T / C / 32)) after an exchange through distributed shared memory.  So for
 // equal T <= 1024 the two forms compute the same operations in the same order: the same bits
-// (tested).  T = 2048 (C = 16, a non-portable cluster size) has no one-CTA form; its warps are
-// merged in order inside each CTA, then the 16 CTA states in rank order (Exchange below).
+// (tested).
 // Shared memory of CTA `rank`: segment k = the T / C groups [k * T + rank * T / C, + T / C),
 // contiguous in the row, copied by one bulk async copy (cp.async.bulk) with its own mbarrier,
 // so a thread can start on segment 0 while later segments are still in flight.  The segments
 // come first, then one 8-byte mbarrier per segment.  Needs V % 8 == 0 and 16-byte aligned row
-// starts (the host checks; otherwise it uses the one-CTA form with the same T: same bits, or for
-// T = 2048 copies the rows to an aligned buffer first).
+// starts (the host checks; otherwise it uses the one-CTA form with the same T: the same bits).
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 namespace cluster {
 
@@ -659,21 +657,21 @@ __device__ __forceinline__ void read_group(Group<Codec>& g, const uint8_t* segme
              static_cast<int>(threadIdx.x));
 }
 
-// How the cluster's warp results are combined.  T = C * TC <= 1024 (kFlat): the warps of the whole
-// cluster in global warp order, exactly the one-CTA form's tree for that T.  T = 2048 (no one-CTA
-// form exists): each CTA combines its own warps in order, then the C CTA results in rank order.
+// How the cluster's warp results are combined: the warps of the whole cluster in global warp
+// order, exactly the one-CTA form's tree for T = C * TC.  A larger T would be a tree that cards
+// without clusters cannot compute (a block holds at most 1024 threads), so it is not compiled.
 // The kParts parts are exchanged by push_reduce below; every thread of every CTA gets the same
 // bits.
 template <int C, int TC>
 struct Exchange {
+    static_assert(C * TC <= 1024, "the cluster form computes a one-CTA form's tree");
     static constexpr int kLocalWarps = TC / BATCHINV_WARP_SIZE;
-    static constexpr bool kFlat = C * TC <= 1024;
-    static constexpr int kParts = kFlat ? C * kLocalWarps : C;
+    static constexpr int kParts = C * kLocalWarps;
     static constexpr int kPerLane = (kParts + BATCHINV_WARP_SIZE - 1) / BATCHINV_WARP_SIZE;
 };
 
 // The exchange, without cluster barriers per row (two barrier.cluster rounds per row in which
-// warp 0 of each CTA fetches the parts from the other CTAs measure slower): every part (a warp's value, or for T = 2048 a CTA's) is pushed by its
+// warp 0 of each CTA fetches the parts from the other CTAs measure slower): every part (a warp's value) is pushed by its
 // owner into slot `part` of every CTA of the cluster (st.async, counted in bytes on that CTA's
 // `full` mbarrier), and each CTA's warp 0 waits on its own mbarrier, combines the parts in part
 // order (lane j reads part j, a chain over shuffles) and broadcasts the result through shared
@@ -721,24 +719,9 @@ __device__ __forceinline__ V push_reduce(V v, PushExchange<C, TC, V>& ex, uint32
     static_assert(C <= W, "one pushing lane per CTA of the cluster");
     const int lane = static_cast<int>(threadIdx.x) % W;
     const int warp = static_cast<int>(threadIdx.x) / W;
-    int part = static_cast<int>(rank) * X::kLocalWarps + warp;
-    bool pushes = true;
-    if constexpr (!X::kFlat) {
-        // The CTA's warps in order first (warp 0 reads `local` before the __syncthreads below).
-        __shared__ V local[X::kLocalWarps];
-        if (lane == 0) local[warp] = v;
-        __syncthreads();
-        if (warp == 0) {
-            V c = local[0];
-#pragma unroll
-            for (int w = 1; w < X::kLocalWarps; ++w) c = combine(c, local[w]);
-            v = c;
-        }
-        part = static_cast<int>(rank);
-        pushes = warp == 0;
-    }
+    const int part = static_cast<int>(rank) * X::kLocalWarps + warp;
     if (first) cluster_wait();  // every CTA's mbarriers are initialised
-    if (pushes && lane < C) {
+    if (lane < C) {
         const uint32_t peer = static_cast<uint32_t>(lane);
         push_value(remote_address(&ex.parts[buffer][part], peer), v, remote_address(&ex.full[buffer], peer));
     }
@@ -902,17 +885,18 @@ __device__ __forceinline__ void forward(const ForwardArgs& a) {
 // kBatch x groups per thread are loaded before their first use, and with kEarly the first batch
 // is loaded at the start of the row, before the sum(dy) pass and its exchange wait, so the x
 // stream's latency overlaps that work: a profile of the bf16 x / fp32 dy backward puts two thirds
-// of its long-scoreboard stalls on the first use of these loads.  bf16 x / fp32 dy (16 x 128)
-// measures faster with 12 groups loaded early (at V = 151936 the CTA's whole slice, 10 groups
-// per thread); for bf16 x / bf16 dy (8 x 128) every deeper form measures slower, so the other
-// cases keep 4 groups loaded after the exchange (others not measured; docs/tuning/log_softmax.md).
+// of its long-scoreboard stalls on the first use of these loads.  bf16 x / fp32 dy measured
+// faster with 12 groups loaded early in 16 CTAs of 128 threads (a shape no longer compiled) and
+// keeps that choice in 16 CTAs of 64; for bf16 x / bf16 dy (8 x 128) every deeper form measures
+// slower, so the other cases keep 4 groups loaded after the exchange (others not measured;
+// docs/tuning/log_softmax.md).
 template <typename InCodec, typename OutCodec, int C, int TC>
 struct XLoads {
     static constexpr int kBatch = 4;
     static constexpr bool kEarly = false;
 };
 template <>
-struct XLoads<Bf16Codec, F32Codec, 16, 128> {
+struct XLoads<Bf16Codec, F32Codec, 16, 64> {
     static constexpr int kBatch = 12;
     static constexpr bool kEarly = true;
 };
@@ -1057,13 +1041,12 @@ BATCHINV_LOG_SOFTMAX_ALL_THREADS(f32_f16, batchinv::F32Codec, batchinv::F16Codec
     }
 
 // Cluster shapes (keep in step with py/batchinv/gpu/log_softmax.py: CLUSTER_SHAPES): 8 CTAs of 64
-// threads (T = 512), 8 or 16 CTAs of 64 or 128 threads (T = 1024) and 16 CTAs of 128 threads
-// (T = 2048).  16 CTAs is a non-portable cluster size: the host opts each kernel in first.
+// threads (T = 512), 8 CTAs of 128 or 16 CTAs of 64 threads (T = 1024).  16 CTAs is a
+// non-portable cluster size: the host opts each kernel in first.
 #define BATCHINV_LOG_SOFTMAX_ALL_CLUSTERS(SUFFIX, IN, OUT)          \
     BATCHINV_LOG_SOFTMAX_CLUSTER_KERNELS(SUFFIX, IN, OUT, 8, 64)    \
     BATCHINV_LOG_SOFTMAX_CLUSTER_KERNELS(SUFFIX, IN, OUT, 8, 128)   \
-    BATCHINV_LOG_SOFTMAX_CLUSTER_KERNELS(SUFFIX, IN, OUT, 16, 64)   \
-    BATCHINV_LOG_SOFTMAX_CLUSTER_KERNELS(SUFFIX, IN, OUT, 16, 128)
+    BATCHINV_LOG_SOFTMAX_CLUSTER_KERNELS(SUFFIX, IN, OUT, 16, 64)
 
 BATCHINV_LOG_SOFTMAX_ALL_CLUSTERS(bf16_f32, batchinv::Bf16Codec, batchinv::F32Codec)
 BATCHINV_LOG_SOFTMAX_ALL_CLUSTERS(bf16_bf16, batchinv::Bf16Codec, batchinv::Bf16Codec)

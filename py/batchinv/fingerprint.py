@@ -991,15 +991,12 @@ def attention_backward_kernels(variant: str = "tiled", wgmma: bool = True) -> It
 
 
 @contextlib.contextmanager
-def log_softmax_form(cluster: bool = True, hopper_threads: bool = True) -> Iterator[None]:
-    """log_softmax's forms: ``cluster=False`` the one-CTA form with the same T;
-    ``hopper_threads=False`` the T every card without the sm_90a cluster form takes."""
+def log_softmax_form(cluster: bool = True) -> Iterator[None]:
+    """log_softmax's forms: ``cluster=False`` the one-CTA form with the same T, which is what
+    a card without the sm_90a cluster form runs (T never follows the card)."""
     from .gpu import log_softmax as gpu_log_softmax
 
-    values = {"USE_CLUSTER": cluster}
-    if not hopper_threads:
-        values["HOPPER_FORM_THREADS"] = {}
-    with _patched(gpu_log_softmax, **values):
+    with _patched(gpu_log_softmax, USE_CLUSTER=cluster):
         yield
 
 
@@ -1048,7 +1045,7 @@ def sm80_paths() -> Iterator[None]:
         linear_family("mma"),
         attention_options(hopper=False, tma=False, pdl=False),
         attention_backward_kernels("tiled", wgmma=False),
-        log_softmax_form(cluster=False, hopper_threads=False),
+        log_softmax_form(cluster=False),
     ):
         yield
 
@@ -1146,13 +1143,7 @@ def path_variants() -> tuple[PathVariant, ...]:
             "log_softmax:one-cta",
             _LOG_SOFTMAX_OPS,
             functools.partial(log_softmax_form, cluster=False),
-            "the one-CTA form with the same T",
-        ),
-        PathVariant(
-            "log_softmax:sm80",
-            _LOG_SOFTMAX_OPS,
-            functools.partial(log_softmax_form, cluster=False, hopper_threads=False),
-            "the T a card without the cluster form takes",
+            "the one-CTA form with the same T (what a card without clusters runs)",
         ),
         PathVariant(
             "sm80",
@@ -1165,33 +1156,15 @@ def path_variants() -> tuple[PathVariant, ...]:
 
 
 # What the cross-path comparison is known to find different, by (case, variant): each entry
-# says why.  Everything else must give the default path's bits.
-KNOWN_PATH_DIFFERENCES: dict[tuple[str, str], str] = {
-    **{
-        (case, variant): (
-            "log_softmax's reduction tree is T threads wide; at V = 151936 sm_90a takes the "
-            "cluster form's T (1024 or 2048) and every other card T = 512"
-        )
-        for case in ("log_softmax", "log_softmax_bf16_out", "log_softmax_fp32_in")
-        for variant in ("log_softmax:sm80", "sm80")
-    },
-}
+# says why.  Everything else must give the default path's bits.  None today.
+KNOWN_PATH_DIFFERENCES: dict[tuple[str, str], str] = {}
 
 
 # Cases whose bits, or whether they run at all, depend on the card's architecture (compute
 # capability): two fingerprints of different architectures may differ here, and only here.
 ARCHITECTURE_DEPENDENT_CASES: dict[str, str] = {
-    **{
-        case: (
-            "log_softmax's reduction tree is T threads wide and T follows the device: on "
-            "sm_90a the cluster form's T (1024 or 2048) at V = 151936, elsewhere T = 512"
-        )
-        for case in ("log_softmax", "log_softmax_bf16_out", "log_softmax_fp32_in")
-    },
-    **{
-        case: "the fused token_logprobs kernel exists for sm_90a only; elsewhere it raises"
-        for case in ("token_logprobs", "qwen3_token_logprobs")
-    },
+    case: "the fused token_logprobs kernel exists for sm_90a only; elsewhere it raises"
+    for case in ("token_logprobs", "qwen3_token_logprobs")
 }
 
 

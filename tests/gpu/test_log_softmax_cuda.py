@@ -169,18 +169,8 @@ def test_every_output_element_is_written(vocab, dtype):
     poisoned = torch.full((rows, vocab), float("nan"), device=DEVICE)
     out, lse = gpu_log_softmax.forward(x)
     assert_bitwise_equal(out, expected)
-    threads = gpu_log_softmax.threads_for(vocab, dtype, x.device, torch.float32)
-    if threads > 1024:
-        # T = 2048 has only the cluster form (sm_90): the op's own launch into poisoned buffers
-        lse_out = torch.full((rows,), float("nan"), device=DEVICE)
-        gpu_log_softmax._forward_into(poisoned, lse_out, x)
-        assert_bitwise_equal(poisoned, expected)
-        assert_bitwise_equal(lse_out, lse)
-        grad_x = torch.full((rows, vocab), float("nan"), dtype=dtype, device=DEVICE)
-        gpu_log_softmax._backward_into(grad_x, torch.randn(rows, vocab, device=DEVICE), x, lse)
-        assert not bool(grad_x.isnan().any())
-        return
-    # the one-CTA kernel with the T the op uses on this device (the same bits in either form)
+    threads = gpu_log_softmax.threads_for(vocab, dtype, torch.float32)
+    # the one-CTA kernel with the T the op uses (the same bits in either form)
     kernel = gpu_log_softmax.kernel_for(
         "log_softmax",
         f"log_softmax_forward_{gpu_log_softmax._SUFFIX[dtype]}_f32_t{threads}",
@@ -277,64 +267,62 @@ def _forward_and_grad(x, grad, out_dtype=torch.float32):
 
 
 def test_cluster_form_is_chosen_where_it_was_measured_faster():
-    # The cases of HOPPER_FORM_THREADS at V = 151936 take the Hopper form with their T; T
-    # follows V, the dtypes and the device only.  Other cases keep the one-CTA form's T.
+    # The cases of LONG_ROW_THREADS at V = 151936 take the Hopper form with their T (8 CTAs of
+    # 128 threads for 2-byte cached rows, 16 of 64 for 4-byte ones); T follows V and the dtypes
+    # only.  Other cases keep the one-CTA form's T and form.
     _require_cluster_form()
     device = torch.device(DEVICE)
     f32, bf16 = torch.float32, torch.bfloat16
-    one_cta = gpu_log_softmax.LARGE_ROW_THREADS
-    threads_for = gpu_log_softmax.threads_for
-    table = gpu_log_softmax.HOPPER_FORM_THREADS
+    table = gpu_log_softmax.LONG_ROW_THREADS
     assert table, "the Hopper form is used somewhere"
     for (direction, dtype, out_dtype), threads in table.items():
         backward = direction == "backward"
-        assert threads_for(BIG_VOCAB, dtype, device, out_dtype, backward=backward) == threads
-    for dtype, out_dtype, backward in (
-        (bf16, bf16, False),
-        (bf16, f32, True),
-        (f32, f32, False),
-        (f32, f32, True),
-        (torch.float16, f32, False),
-    ):
-        if ("backward" if backward else "forward", dtype, out_dtype) not in table:
-            assert threads_for(BIG_VOCAB, dtype, device, out_dtype, backward=backward) == one_cta
-    assert threads_for(32000, bf16, device, f32) == one_cta
+        cached = out_dtype if backward else dtype
+        assert gpu_log_softmax.threads_for(BIG_VOCAB, dtype, out_dtype, backward=backward) == (
+            threads
+        )
+        x = torch.zeros(2, BIG_VOCAB, dtype=dtype, device=DEVICE)
+        other = torch.zeros(2, BIG_VOCAB, dtype=out_dtype, device=DEVICE)
+        suffix = f"{gpu_log_softmax._SUFFIX[dtype]}_{gpu_log_softmax._SUFFIX[out_dtype]}"
+        plan = gpu_log_softmax._cluster_plan(
+            direction, suffix, device, BIG_VOCAB, (threads, threads), cached, (x, other), 2
+        )
+        assert plan is not None, (direction, dtype, out_dtype)
+        assert plan[1] == gpu_log_softmax.cluster_shape(threads, cached)[0]
+    one_cta = gpu_log_softmax.LARGE_ROW_THREADS
+    assert gpu_log_softmax.threads_for(BIG_VOCAB, bf16, bf16) == one_cta
+    assert gpu_log_softmax.threads_for(32000, bf16, f32) == one_cta
     x = torch.zeros(2, BIG_VOCAB, dtype=bf16, device=DEVICE)
     out = torch.empty(2, BIG_VOCAB, device=DEVICE)
-    for threads in (1024, 2048):
-        plan = gpu_log_softmax._cluster_plan(
-            "forward", "bf16_f32", device, BIG_VOCAB, (threads, threads), bf16, (x, out), 2
-        )
-        assert plan is not None and plan[1] == gpu_log_softmax.CLUSTER_SHAPE[threads][0]
-        # a misaligned row start does not take the cluster kernel (for T <= 1024 the one-CTA
-        # form runs with the same T; T = 2048 copies the rows to an aligned buffer first)
-        shifted = torch.zeros(2 * BIG_VOCAB + 8, dtype=bf16, device=DEVICE)[1:][: 2 * BIG_VOCAB]
-        shifted = shifted.view(2, -1)
-        plan = gpu_log_softmax._cluster_plan(
-            "forward", "bf16_f32", device, BIG_VOCAB, (threads, threads), bf16, (shifted, out), 2
-        )
-        assert plan is None
-        # a T other than this case's Hopper T is the one-CTA form's
-        plan = gpu_log_softmax._cluster_plan(
-            "forward", "bf16_f32", device, BIG_VOCAB, (threads, None), bf16, (x, out), 2
-        )
-        assert plan is None
+    # a misaligned row start does not take the cluster kernel (the one-CTA form runs with the
+    # same T)
+    shifted = torch.zeros(2 * BIG_VOCAB + 8, dtype=bf16, device=DEVICE)[1:][: 2 * BIG_VOCAB]
+    shifted = shifted.view(2, -1)
+    plan = gpu_log_softmax._cluster_plan(
+        "forward", "bf16_f32", device, BIG_VOCAB, (1024, 1024), bf16, (shifted, out), 2
+    )
+    assert plan is None
+    # a T other than this case's long-row T is the one-CTA form's
+    plan = gpu_log_softmax._cluster_plan(
+        "forward", "bf16_f32", device, BIG_VOCAB, (1024, None), bf16, (x, out), 2
+    )
+    assert plan is None
+    assert gpu_log_softmax.forward_path(x) == "cluster x8 T1024"
+    assert gpu_log_softmax.forward_path(x.float()) == "cluster x16 T1024"
 
 
 def _force_cluster_form(monkeypatch, threads: int, shape: tuple[int, int] | None = None) -> None:
-    if threads <= 1024:
-        monkeypatch.setattr(gpu_log_softmax, "LARGE_ROW_THREADS", threads)
-    monkeypatch.setattr(gpu_log_softmax, "_hopper_form_threads", lambda *args: threads)
+    monkeypatch.setattr(gpu_log_softmax, "LARGE_ROW_THREADS", threads)
+    monkeypatch.setattr(gpu_log_softmax, "_long_row_threads", lambda *args: threads)
     if shape is not None:
-        shapes = {**gpu_log_softmax.CLUSTER_SHAPE, threads: shape}
+        shapes = {**gpu_log_softmax.CLUSTER_SHAPE, (threads, 2): shape, (threads, 4): shape}
         monkeypatch.setattr(gpu_log_softmax, "CLUSTER_SHAPE", shapes)
 
 
-# Every compiled cluster shape with a one-CTA counterpart (T <= 1024).
+# Every compiled cluster shape (each has a one-CTA counterpart: T <= 1024).
 SAME_TREE_SHAPES = tuple(
     (ctas * cta_threads, (ctas, cta_threads))
     for ctas, cta_threads in sorted(gpu_log_softmax.CLUSTER_SHAPES)
-    if ctas * cta_threads <= 1024
 )
 
 
@@ -344,7 +332,7 @@ SAME_TREE_SHAPES = tuple(
 def test_cluster_form_gives_the_bits_of_the_one_cta_form(vocab, dtype, threads, shape, monkeypatch):
     _require_cluster_form()
     _force_cluster_form(monkeypatch, threads, shape)
-    assert gpu_log_softmax.threads_for(vocab, dtype, torch.device(DEVICE)) == threads
+    assert gpu_log_softmax.threads_for(vocab, dtype) == threads
     gen = torch.Generator(device=DEVICE).manual_seed(21)
     x = (4.0 * torch.randn(6, vocab, device=DEVICE, generator=gen)).to(dtype)
     x[1, ::5] = float("-inf")  # masked logits
@@ -381,57 +369,31 @@ def test_cluster_form_writes_every_output_element(vocab, dtype, threads, monkeyp
     assert_bitwise_equal(poisoned_grad, grad_x)
 
 
-# T = 2048 (16 CTAs of 128 threads) has no one-CTA form: its own tree (the warps of each CTA in
-# order, then the CTAs in rank order), checked for invariance, tolerance and the -inf rules.
-CLUSTER_ONLY = gpu_log_softmax.CLUSTER_ONLY_THREADS
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("vocab", (4104, 40008, BIG_VOCAB))
-def test_cluster_only_tree_rows_are_batch_invariant(vocab, dtype, monkeypatch):
+def test_a_card_without_the_cluster_form_gets_the_same_bits(monkeypatch):
+    # What an A100 (or any card without the sm_90a cluster form) runs: the one-CTA kernel with
+    # the same T, chosen without looking at the card.  Every long-row case, forward and backward.
     _require_cluster_form()
-    _force_cluster_form(monkeypatch, CLUSTER_ONLY)
-    reports = row_invariance_sweep(
-        lambda x: _forward_and_grad(x[0].to(DEVICE), x[1].to(DEVICE))[0],
-        _logits(vocab, dtype, grads=True),
-        batch_sizes=(1, 3, 17),
-    )
-    assert_no_drift(reports)
-    reports = row_invariance_sweep(
-        lambda x: _forward_and_grad(x[0].to(DEVICE), x[1].to(DEVICE))[2],
-        _logits(vocab, dtype, grads=True),
-        batch_sizes=(1, 3, 17),
-    )
-    assert_no_drift(reports)
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("vocab", (4104, BIG_VOCAB))
-def test_cluster_only_tree_is_within_tolerance_of_fp32_reference(vocab, dtype, monkeypatch):
-    _require_cluster_form()
-    _force_cluster_form(monkeypatch, CLUSTER_ONLY)
-    gen = torch.Generator().manual_seed(23)
-    x = (4.0 * torch.randn(4, vocab, generator=gen)).to(dtype)
-    x[1, ::7] = float("-inf")  # masked logits
-    x[2] = float("-inf")  # a row with no distribution
-    grad = torch.randn(4, vocab, generator=gen)
-    out, _, grad_x = _forward_and_grad(x.to(DEVICE), grad.to(DEVICE))
-    ref_x = x.float().clone().requires_grad_(True)
-    ref = log_softmax_fp32(ref_x)
-    ref.backward(grad)
-    finite = ref.isfinite()
-    assert_bitwise_equal(out.cpu().isinf(), ref.detach().isinf())
-    assert bool((out[2] == float("-inf")).all()) and bool((grad_x[2] == 0).all())
-    assert_within_tolerance(
-        out.cpu()[finite], ref.detach()[finite], op_class="logprob", dtype=dtype
-    )
-    assert_within_tolerance(grad_x.cpu(), ref_x.grad, op_class="logprob", kind="grad")
+    gen = torch.Generator(device=DEVICE).manual_seed(25)
+    for (direction, dtype, out_dtype), _ in gpu_log_softmax.LONG_ROW_THREADS.items():
+        x = (4.0 * torch.randn(3, BIG_VOCAB, device=DEVICE, generator=gen)).to(dtype)
+        x[1, ::9] = float("-inf")
+        grad = torch.randn(3, BIG_VOCAB, device=DEVICE, generator=gen)
+        hopper = _forward_and_grad(x, grad, out_dtype)
+        assert gpu_log_softmax.forward_path(x, out_dtype).startswith("cluster") or (
+            direction == "backward"
+        )
+        with monkeypatch.context() as m:
+            m.setattr(gpu_log_softmax, "_cluster_capable", lambda index: False)
+            assert gpu_log_softmax.forward_path(x, out_dtype).startswith("one-cta")
+            other_card = _forward_and_grad(x, grad, out_dtype)
+        for got, expected in zip(other_card, hopper, strict=True):
+            assert_bitwise_equal(got, expected)
 
 
 @pytest.mark.parametrize("offset", (1, 3))
-def test_cluster_only_tree_misaligned_rows_give_the_same_bits(offset, monkeypatch):
+def test_misaligned_long_rows_give_the_same_bits(offset):
+    # misaligned rows cannot take the cluster form: the one-CTA form with the same T runs
     _require_cluster_form()
-    _force_cluster_form(monkeypatch, CLUSTER_ONLY)
     rows, vocab = 3, BIG_VOCAB
     gen = torch.Generator(device=DEVICE).manual_seed(24)
     storage = 4.0 * torch.randn(rows * (vocab + 8) + 16, device=DEVICE, generator=gen)

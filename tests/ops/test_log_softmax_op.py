@@ -3,6 +3,8 @@ input; and the GPU block size, which must follow the row length and dtype only."
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 
@@ -63,10 +65,46 @@ def test_inputs_are_not_mutated():
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_gpu_block_size_follows_the_row_length_only(dtype):
-    sizes = set()
+    sizes = []
     for vocab in (1, 7, 111, 2048, 4096, 4097, 8192, 8193, 32000, 151936, 262144):
         threads = gpu_log_softmax.threads_for(vocab, dtype)
         assert threads == gpu_log_softmax.threads_for(vocab, dtype)
-        assert threads in (gpu_log_softmax.SMALL_ROW_THREADS, gpu_log_softmax.LARGE_ROW_THREADS)
-        sizes.add(threads)
-    assert sizes == {gpu_log_softmax.SMALL_ROW_THREADS, gpu_log_softmax.LARGE_ROW_THREADS}
+        sizes.append(threads)
+    assert sizes == sorted(sizes)  # longer rows never get a narrower tree
+    assert set(sizes) == {
+        gpu_log_softmax.SMALL_ROW_THREADS,
+        gpu_log_softmax.LARGE_ROW_THREADS,
+        1024,  # the long-row T of the forward into fp32 (QWEN3_VOCAB_THREADS)
+    }
+
+
+# The tree of every case at the Qwen3 vocabulary, written out: it is the same on every card (no
+# device argument exists), and a change here changes every card's bits at once.
+QWEN3_VOCAB_THREADS = [
+    # (direction, x dtype, out / grad_out dtype, T)
+    ("forward", torch.bfloat16, torch.float32, 1024),
+    ("forward", torch.float16, torch.float32, 1024),
+    ("forward", torch.float32, torch.float32, 1024),
+    ("forward", torch.bfloat16, torch.bfloat16, 512),
+    ("forward", torch.float16, torch.float16, 512),
+    ("backward", torch.bfloat16, torch.bfloat16, 1024),
+    ("backward", torch.bfloat16, torch.float32, 1024),
+    ("backward", torch.float16, torch.float32, 1024),
+    ("backward", torch.float32, torch.float32, 1024),
+    ("backward", torch.float16, torch.float16, 512),
+]
+
+
+@pytest.mark.parametrize("direction, dtype, out_dtype, threads", QWEN3_VOCAB_THREADS)
+def test_gpu_block_size_at_the_qwen3_vocabulary(direction, dtype, out_dtype, threads):
+    backward = direction == "backward"
+    assert gpu_log_softmax.threads_for(151936, dtype, out_dtype, backward=backward) == threads
+    # rows that fit one CTA on chip, or whose length is not a multiple of 8, keep T = 512
+    assert gpu_log_softmax.threads_for(32000, dtype, out_dtype, backward=backward) == 512
+    assert gpu_log_softmax.threads_for(151937, dtype, out_dtype, backward=backward) == 512
+
+
+def test_gpu_block_size_takes_no_device():
+    # the tree may not follow the card: threads_for has no way to see one
+    params = inspect.signature(gpu_log_softmax.threads_for).parameters
+    assert "device" not in params

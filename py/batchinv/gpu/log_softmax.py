@@ -2,8 +2,8 @@
 
 One CTA per row (on sm_90, for some long-row cases, a thread-block cluster of 8 or 16 CTAs per
 row instead; clusters can also loop over rows, see PERSISTENT_CASES).  The block size, and with
-it the reduction tree, is chosen from the row length V, the dtypes and the device alone
-(``threads_for``), so a row's bits are the same in any batch.  How much of the row stays on
+it the reduction tree, is chosen from the row length V and the dtypes alone (``threads_for``),
+so a row's bits are the same in any batch and on any card.  How much of the row stays on
 chip between the two passes (registers, then dynamic shared memory sized from the device's
 limits, then a second read from global memory) changes speed only: the arithmetic is defined
 on element indices.  The GPU's reduction order is its own fixed tree (see the kernel), not the
@@ -31,14 +31,15 @@ _DRIVER_RESERVED_SHARED = 1024  # per CTA on sm_80+
 _DEFAULT_SHARED = 48 * 1024
 _MAX_GRID_X = 2**31 - 1
 _SUFFIX = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32"}
-# The Hopper form's cluster shape for each T: (CTAs per row, threads per CTA).  The shapes
-# compiled are in CLUSTER_SHAPES (kernels_cu/log_softmax.cu); for T <= 1024 the shape changes
-# speed only (the same tree as the one-CTA form), T = 2048 exists only in the Hopper form.  For
-# T = 1024, 8 CTAs of 128 threads measured faster than 16 of 64 (docs/tuning/log_softmax.md).
-CLUSTER_SHAPES = frozenset({(8, 64), (8, 128), (16, 64), (16, 128)})
-CLUSTER_SHAPE = {512: (8, 64), 1024: (8, 128), 2048: (16, 128)}
-CLUSTER_THREADS = (512, 1024, 2048)  # the T compiled in the Hopper form
-CLUSTER_ONLY_THREADS = 2048  # no one-CTA form: a block holds at most 1024 threads
+# The Hopper form's cluster shapes: (CTAs per row, threads per CTA), T = CTAs x threads.  Keep in
+# step with the cluster kernels of kernels_cu/log_softmax.cu.  The shape changes speed only:
+# the cluster form computes the one-CTA form's tree for its T.
+CLUSTER_SHAPES = frozenset({(8, 64), (8, 128), (16, 64)})
+# The shape for each T and bytes per cached element.  For T = 1024, 8 CTAs of 128 threads
+# measured faster than 16 of 64 (docs/tuning/log_softmax.md); a row of 4-byte elements is too
+# long for 8 CTAs to stay resident, so it is split over 16.
+CLUSTER_SHAPE = {(512, 2): (8, 64), (512, 4): (8, 64), (1024, 2): (8, 128), (1024, 4): (16, 64)}
+CLUSTER_THREADS = (512, 1024)  # the T compiled in the Hopper form
 _PORTABLE_CLUSTER_CTAS = 8  # larger clusters need the kernel's non-portable opt-in
 USE_CLUSTER = True  # the Hopper form where it applies (tests switch it off to compare bits)
 # For the cases in PERSISTENT_CASES (None: every case) the Hopper form launches at most as many
@@ -52,22 +53,25 @@ PERSISTENT_CLUSTERS = True
 PERSISTENT_CASES: frozenset[tuple[str, str]] | None = frozenset()
 MAX_CLUSTERS: int | None = None
 _BARRIER_BYTES = 8  # one mbarrier per shared-memory segment
-# T on sm_90 for the cases where the Hopper form measured faster than the one-CTA form with
-# T = 512 at 4096 x 151936 (docs/tuning/log_softmax.md): T = 1024 for the forward of bf16/fp16
-# into fp32 and the backward of bf16 x with bf16 dy; T = 2048 (16-CTA clusters: an fp32 row, or
-# fp32 dy row, is too long for 8 CTAs) for the backward with fp32 dy and the fp32 forward.  The
-# forward bf16 -> bf16 was slower in the Hopper form; the other dtype pairs were not measured.
-# Both keep the one-CTA form.
-# (direction, x dtype, out / grad_out dtype) -> T; other cases keep LARGE_ROW_THREADS.
-HOPPER_FORM_THREADS = {
+# T for long rows, by (direction, x dtype, out / grad_out dtype): T = 1024 where the Hopper form
+# with that T measured faster than the one-CTA form with T = 512 at 4096 x 151936
+# (docs/tuning/log_softmax.md).  Other cases keep LARGE_ROW_THREADS.  T is chosen from V and
+# the dtypes only, never from the card: every card computes the same tree (a card without the
+# Hopper form runs the one-CTA kernel with this T), so a row's bits are the same on every GPU.
+LONG_ROW_THREADS = {
     ("forward", torch.bfloat16, torch.float32): 1024,
     ("forward", torch.float16, torch.float32): 1024,
     ("backward", torch.bfloat16, torch.bfloat16): 1024,
-    ("backward", torch.bfloat16, torch.float32): 2048,
-    ("backward", torch.float16, torch.float32): 2048,
-    ("forward", torch.float32, torch.float32): 2048,
-    ("backward", torch.float32, torch.float32): 2048,
+    ("backward", torch.bfloat16, torch.float32): 1024,
+    ("backward", torch.float16, torch.float32): 1024,
+    ("forward", torch.float32, torch.float32): 1024,
+    ("backward", torch.float32, torch.float32): 1024,
 }
+# A row takes LONG_ROW_THREADS once what the kernel keeps of it on chip (x in the forward,
+# grad_out in the backward) exceeds this many bytes: what one 512-thread CTA keeps on an sm_90 SM
+# (64 bytes of registers per thread plus half of 228 KiB of shared memory, less the driver's
+# 1 KiB).  A constant, so the choice does not follow the card.
+LONG_ROW_BYTES = 512 * REGISTER_BYTES + 228 * 1024 // 2 - _DRIVER_RESERVED_SHARED
 _MIN_CLUSTER_CTAS_PER_SM = 4  # a guard for rows far longer than measured
 
 
@@ -78,57 +82,41 @@ def _register_groups(dtype: torch.dtype) -> int:
 def threads_for(
     vocab: int,
     dtype: torch.dtype,
-    device: torch.device | None = None,
     out_dtype: torch.dtype | None = None,
     *,
     backward: bool = False,
 ) -> int:
     """The block size (the reduction tree) for rows of ``vocab`` elements of ``dtype`` (the
-    input's dtype) with output (forward) or grad_out (``backward``) of ``out_dtype`` on
-    ``device``: a function of V, the dtypes and the device, never of the batch."""
+    input's dtype) with output (forward) or grad_out (``backward``) of ``out_dtype``: a
+    function of V and the dtypes, never of the batch or the card."""
     groups = -(-vocab // GROUP)
     if groups <= SMALL_ROW_THREADS * _register_groups(dtype):
         return SMALL_ROW_THREADS
-    if device is not None:
-        hopper = _hopper_form_threads(device, vocab, dtype, out_dtype or torch.float32, backward)
-        if hopper is not None:
-            return hopper
-    return LARGE_ROW_THREADS
+    long_row = _long_row_threads(vocab, dtype, out_dtype or torch.float32, backward)
+    return long_row if long_row is not None else LARGE_ROW_THREADS
+
+
+def _long_row_threads(
+    vocab: int, dtype: torch.dtype, out_dtype: torch.dtype, backward: bool
+) -> int | None:
+    """T of LONG_ROW_THREADS for these rows, or None where LARGE_ROW_THREADS applies.  Only
+    these cases take the Hopper form where it can run: elsewhere it was not measured faster."""
+    direction = "backward" if backward else "forward"
+    threads = LONG_ROW_THREADS.get((direction, dtype, out_dtype))
+    cached_dtype = out_dtype if backward else dtype  # what the kernel keeps on chip
+    if threads is None or vocab % GROUP != 0 or vocab * cached_dtype.itemsize <= LONG_ROW_BYTES:
+        return None
+    return threads
 
 
 def _device_index(device: torch.device) -> int:
     return device.index if device.index is not None else torch.cuda.current_device()
 
 
-def _hopper_form_threads(
-    device: torch.device,
-    vocab: int,
-    dtype: torch.dtype,
-    out_dtype: torch.dtype,
-    backward: bool,
-) -> int | None:
-    """T of the Hopper form for these rows on this device (see HOPPER_FORM_THREADS), or None
-    where the one-CTA form is used; decided from V, the dtypes and the device only."""
-    direction = "backward" if backward else "forward"
-    threads = HOPPER_FORM_THREADS.get((direction, dtype, out_dtype))
-    if threads is None or device.type != "cuda" or vocab % GROUP != 0:
-        return None
-    index = _device_index(device)
-    if not _cluster_capable(index):
-        return None
-    cached_dtype = out_dtype if backward else dtype  # what the kernel keeps on chip
-    per_sm = torch.cuda.get_device_properties(index).shared_memory_per_multiprocessor
-    one_cta_on_chip = (
-        LARGE_ROW_THREADS * REGISTER_BYTES
-        + per_sm // _CTAS_PER_SM[LARGE_ROW_THREADS]
-        - _DRIVER_RESERVED_SHARED
-    )
-    if vocab * cached_dtype.itemsize <= one_cta_on_chip:
-        return None
-    per_cta = cluster_shared_bytes(vocab, threads, cached_dtype) + _DRIVER_RESERVED_SHARED
-    if per_sm // per_cta < _MIN_CLUSTER_CTAS_PER_SM:
-        return None
-    return threads
+def cluster_shape(threads: int, cached_dtype: torch.dtype) -> tuple[int, int] | None:
+    """``(CTAs, threads per CTA)`` of the Hopper form for T = ``threads`` keeping elements of
+    ``cached_dtype`` on chip, or None where T has no cluster form."""
+    return CLUSTER_SHAPE.get((threads, cached_dtype.itemsize))
 
 
 @functools.cache
@@ -160,7 +148,7 @@ def cluster_shared_bytes(vocab: int, threads: int, dtype: torch.dtype) -> int:
     """Dynamic shared memory of one CTA of the Hopper form: its slice of a row of ``dtype``."""
     groups = -(-vocab // GROUP)
     segments = -(-groups // threads)
-    ctas, cta_threads = CLUSTER_SHAPE[threads]
+    ctas, cta_threads = CLUSTER_SHAPE[(threads, dtype.itemsize)]
     return segments * (cta_threads * GROUP * dtype.itemsize + _BARRIER_BYTES)
 
 
@@ -176,13 +164,6 @@ def _allow_cluster_size(kernel, device_index: int, ctas: int) -> None:
         _OPTED_IN_CLUSTERS.add(key)
 
 
-def _aligned(t: Tensor) -> Tensor:
-    """``t`` if its rows start 16-byte aligned, else an aligned contiguous copy (same values)."""
-    if t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0:
-        return t
-    return torch.empty(t.shape, dtype=t.dtype, device=t.device).copy_(t)
-
-
 def _cluster_plan(
     kind: str,
     suffix: str,
@@ -194,27 +175,29 @@ def _cluster_plan(
     rows: int,
 ) -> tuple[object, int, int, int] | None:
     """``(kernel, CTAs per cluster, shared bytes, clusters)`` of the Hopper form for this call,
-    or None where it does not apply: T (``threads[0]``) is not the Hopper form's T for this case
-    (``threads[1]``, from ``_hopper_form_threads``), a row start is not 16-byte aligned, or
-    the clusters cannot be resident.  There the one-CTA form runs with the same T: the same
-    bits.  ``kind`` is "forward" or "backward"."""
-    threads, hopper_threads = threads
-    if not USE_CLUSTER or threads not in CLUSTER_SHAPE or vocab % GROUP != 0:
-        return None
-    if threads != hopper_threads:
+    or None where it does not apply: T (``threads[0]``) is not this case's long-row T
+    (``threads[1]``, from ``_long_row_threads``), the device has no cluster form, a row start
+    is not 16-byte aligned, or too few clusters fit.  There the one-CTA form runs with the same
+    T: the same bits.  ``kind`` is "forward" or "backward"."""
+    threads, long_row_threads = threads
+    shape = cluster_shape(threads, cached_dtype)
+    if not USE_CLUSTER or shape is None or vocab % GROUP != 0 or threads != long_row_threads:
         return None
     if any(t.data_ptr() % 16 != 0 or (t.stride(0) * t.element_size()) % 16 != 0 for t in tensors):
         return None
     index = _device_index(device)
     if not _cluster_capable(index):
         return None
-    ctas, cta_threads = CLUSTER_SHAPE[threads]
+    props = torch.cuda.get_device_properties(index)
+    shared = cluster_shared_bytes(vocab, threads, cached_dtype)
+    if props.shared_memory_per_multiprocessor // (shared + _DRIVER_RESERVED_SHARED) < (
+        _MIN_CLUSTER_CTAS_PER_SM
+    ):
+        return None
+    ctas, cta_threads = shape
     name = f"log_softmax_cluster_{kind}_{suffix}_c{ctas}_t{cta_threads}"
     kernel = kernel_for("log_softmax", name, device)
-    static = _static_shared(kernel, index)
-    limit = torch.cuda.get_device_properties(index).shared_memory_per_block_optin - static
-    shared = cluster_shared_bytes(vocab, threads, cached_dtype)
-    if shared > limit:
+    if shared > props.shared_memory_per_block_optin - _static_shared(kernel, index):
         return None
     allow_dynamic_shared(kernel, shared, index)
     _allow_cluster_size(kernel, index, ctas)
@@ -287,27 +270,21 @@ def forward(
     return out.view(x.shape), lse
 
 
-def _forward_choice(
-    rows_view: Tensor, out_dtype: torch.dtype
-) -> tuple[int, int | None, str, Tensor]:
-    """``(T, the Hopper form's T or None, kernel suffix, rows_view)`` of a forward (rows_view
-    aligned where T has no one-CTA form)."""
+def _forward_choice(rows_view: Tensor, out_dtype: torch.dtype) -> tuple[int, int | None, str]:
+    """``(T, the long-row T or None, kernel suffix)`` of a forward."""
     vocab = rows_view.shape[1]
-    threads = threads_for(vocab, rows_view.dtype, rows_view.device, out_dtype)
-    hopper = _hopper_form_threads(rows_view.device, vocab, rows_view.dtype, out_dtype, False)
-    suffix = f"{_SUFFIX[rows_view.dtype]}_{_SUFFIX[out_dtype]}"
-    if threads == CLUSTER_ONLY_THREADS:
-        rows_view = _aligned(rows_view)  # this T has no one-CTA form to fall back on
-    return threads, hopper, suffix, rows_view
+    threads = threads_for(vocab, rows_view.dtype, out_dtype)
+    long_row = _long_row_threads(vocab, rows_view.dtype, out_dtype, False)
+    return threads, long_row, f"{_SUFFIX[rows_view.dtype]}_{_SUFFIX[out_dtype]}"
 
 
 def _forward_into(out: Tensor, lse: Tensor | None, rows_view: Tensor) -> None:
     """Launches the forward of ``rows_view`` ``[rows, V]`` into ``out`` (and ``lse``)."""
     rows, vocab = rows_view.shape
-    threads, hopper, suffix, rows_view = _forward_choice(rows_view, out.dtype)
+    threads, long_row, suffix = _forward_choice(rows_view, out.dtype)
     lse_arg = lse if lse is not None else 0
     args = (out, lse_arg, rows_view, rows, vocab, rows_view.stride(0))
-    _launch_rows("forward", suffix, rows_view, threads, hopper, rows_view.dtype, (out,), args)
+    _launch_rows("forward", suffix, rows_view, threads, long_row, rows_view.dtype, (out,), args)
 
 
 def forward_path(x: Tensor, out_dtype: torch.dtype = torch.float32) -> str:
@@ -317,13 +294,13 @@ def forward_path(x: Tensor, out_dtype: torch.dtype = torch.float32) -> str:
     multiples wherever the cluster form applies, so only ``x``'s rows can rule it out."""
     rows_view = as_rows(x, x.shape[-1])
     rows, vocab = rows_view.shape
-    threads, hopper, suffix, rows_view = _forward_choice(rows_view, out_dtype)
+    threads, long_row, suffix = _forward_choice(rows_view, out_dtype)
     plan = _cluster_plan(
         "forward",
         suffix,
         rows_view.device,
         vocab,
-        (threads, hopper),
+        (threads, long_row),
         rows_view.dtype,
         (rows_view,),
         rows,
@@ -338,7 +315,7 @@ def _launch_rows(
     suffix: str,
     rows_view: Tensor,
     threads: int,
-    hopper_threads: int | None,
+    long_row_threads: int | None,
     cached_dtype: torch.dtype,
     others: tuple[Tensor, ...],
     args: tuple,
@@ -355,7 +332,7 @@ def _launch_rows(
         suffix,
         device,
         vocab,
-        (threads, hopper_threads),
+        (threads, long_row_threads),
         cached_dtype,
         (rows_view, *others),
         rows,
@@ -371,7 +348,6 @@ def _launch_rows(
             shared_mem=shared,
         )
         return
-    _require_one_cta_form(threads)
     kernel = kernel_for("log_softmax", f"log_softmax_{kind}_{suffix}_t{threads}", device)
     smem_groups, shared = _tiering(kernel, device, vocab, threads, cached_dtype)
     launch(
@@ -382,14 +358,6 @@ def _launch_rows(
         args=(*args, smem_groups),
         shared_mem=shared,
     )
-
-
-def _require_one_cta_form(threads: int) -> None:
-    if threads > 1024:
-        raise RuntimeError(
-            f"log_softmax: T = {threads} exists only in the Hopper cluster form, which cannot run "
-            "here (USE_CLUSTER is off or the slice exceeds the shared memory)"
-        )
 
 
 def backward(grad_out: Tensor, x: Tensor, lse: Tensor) -> Tensor:
@@ -407,11 +375,9 @@ def backward(grad_out: Tensor, x: Tensor, lse: Tensor) -> Tensor:
 def _backward_into(grad_x: Tensor, grad_rows: Tensor, rows_view: Tensor, lse: Tensor) -> None:
     """Launches the backward of ``rows_view`` ``[rows, V]`` into ``grad_x``."""
     rows, vocab = rows_view.shape
-    threads = threads_for(vocab, rows_view.dtype, rows_view.device, grad_rows.dtype, backward=True)
-    hopper = _hopper_form_threads(rows_view.device, vocab, rows_view.dtype, grad_rows.dtype, True)
+    threads = threads_for(vocab, rows_view.dtype, grad_rows.dtype, backward=True)
+    long_row = _long_row_threads(vocab, rows_view.dtype, grad_rows.dtype, True)
     suffix = f"{_SUFFIX[rows_view.dtype]}_{_SUFFIX[grad_rows.dtype]}"
-    if threads == CLUSTER_ONLY_THREADS:
-        rows_view, grad_rows = _aligned(rows_view), _aligned(grad_rows)
     args = (grad_x, grad_rows, rows_view, lse, rows, vocab, rows_view.stride(0))
     others = (grad_rows, grad_x)
-    _launch_rows("backward", suffix, rows_view, threads, hopper, grad_rows.dtype, others, args)
+    _launch_rows("backward", suffix, rows_view, threads, long_row, grad_rows.dtype, others, args)
