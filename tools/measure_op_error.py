@@ -304,11 +304,26 @@ def case_log_softmax(s: Sizes, dtype, device, gen) -> Measured:
 
 
 def case_token_logprobs(s: Sizes, dtype, device, gen) -> Measured:
-    hidden = _randn((s.tokens, s.hidden), gen, device, dtype)
-    weight = _randn((s.vocab, s.hidden), gen, device, dtype, 3.0 * s.hidden**-0.5)
-    targets = _randint(s.vocab, (s.tokens,), gen, device)
-    cot_lp = _randn((s.tokens,), gen, device, torch.float32)
-    cot_ent = _randn((s.tokens,), gen, device, torch.float32)
+    return _token_logprobs(s.tokens, s.hidden, s.vocab, 3.0 * s.hidden**-0.5, dtype, device, gen)
+
+
+def case_token_logprobs_sharp(s: Sizes, dtype, device, gen) -> Measured:
+    # A small H with larger weights: logits of std ~4 and a sharper softmax, where the bf16
+    # rounding of d_z leaves a larger absolute error in d_hidden than at the Qwen3 shape; the
+    # partial token tiles, column tiles and vocabulary chunks of the kernels' backward.
+    tokens, hidden, vocab = SHARP_TOKEN_LOGPROBS
+    return _token_logprobs(tokens, hidden, vocab, hidden**-0.25, dtype, device, gen)
+
+
+SHARP_TOKEN_LOGPROBS = (300, 320, 9000)  # tokens, hidden, vocab
+
+
+def _token_logprobs(tokens, hidden_size, vocab, weight_scale, dtype, device, gen) -> Measured:
+    hidden = _randn((tokens, hidden_size), gen, device, dtype)
+    weight = _randn((vocab, hidden_size), gen, device, dtype, weight_scale)
+    targets = _randint(vocab, (tokens,), gen, device)
+    cot_lp = _randn((tokens,), gen, device, torch.float32)
+    cot_ent = _randn((tokens,), gen, device, torch.float32)
     hl, wl = _leaves(hidden, weight)
     logprob, entropy = batchinv.token_logprobs(hl, wl, targets, return_entropy=True)
     grads = _grads((logprob, entropy), (hl, wl), (cot_lp, cot_ent))
@@ -401,6 +416,12 @@ def cases(s: Sizes) -> list[tuple[str, str, str, Callable]]:
             "token_logprobs",
             f"hidden [{s.tokens}, {s.hidden}] W [{s.vocab}, {s.hidden}]",
             case_token_logprobs,
+        ),
+        (
+            "token_logprobs",
+            "token_logprobs sharp",
+            "hidden [{0}, {1}] W [{2}, {1}], W std {1}^-1/4".format(*SHARP_TOKEN_LOGPROBS),
+            case_token_logprobs_sharp,
         ),
     ]
     return out
