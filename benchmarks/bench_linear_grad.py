@@ -251,7 +251,7 @@ def main(argv: list[str] | None = None) -> tuple[list[dict], list[dict], list[di
             print(f"{name} (N={n}, K={k}), {tokens} tokens ...", flush=True)
             try:
                 case_rows, case_summary, check = measure_case(name, k, n, tokens, device, ms)
-            except torch.OutOfMemoryError as error:
+            except torch.cuda.OutOfMemoryError as error:
                 note = f"skipped: out of GPU memory ({str(error).splitlines()[0]})"
                 print(f"note: {name} {tokens} tokens {note}")
                 checks.append({"layer": name, "tokens": tokens, "N": n, "K": k, "note": note})

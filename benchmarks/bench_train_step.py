@@ -226,7 +226,7 @@ class Clock:
             from _common import median_ms
 
             return median_ms(fn, warmup_ms=10, rep_ms=40)
-        return self.steps_ms(fn, 3)
+        return self.steps_ms(fn, 1)
 
     def reset_peak(self) -> None:
         if self.device.type == "cuda":
@@ -277,7 +277,7 @@ def packed_refusal(hf_model, batch: Batch) -> str | None:
     try:
         with torch.no_grad():
             hf_model.model(input_ids=ids, position_ids=positions[None], use_cache=False)
-    except ValueError as error:
+    except (ValueError, RuntimeError, NotImplementedError) as error:
         return f"{type(error).__name__}: {error}"
     return None
 
@@ -448,14 +448,63 @@ def run_path(name: str, layout: str, step, clock: Clock, reps: int, tokens: int)
     try:
         row["step_ms"] = clock.steps_ms(step, reps)
         row["peak_GiB"] = clock.peak_gib()
-    except torch.OutOfMemoryError as error:
+    except torch.cuda.OutOfMemoryError as error:
         row["step_ms"], row["note"] = None, f"out of GPU memory: {str(error).splitlines()[0]}"
         print(f"  note: {name}: {row['note']}")
     clock.reset_peak()
     return row
 
 
-def summary_rows(rows: list[dict], args, batches: dict[int, Batch]) -> list[dict]:
+def breakdown_rows(config, model, batch, stock, clock, step_rows, tokens) -> list[dict]:
+    """The component rows of one token count (batchinv's table against ``stock``), closed by
+    "other": each table's step time minus the sum of its components."""
+    from batchinv.models.qwen3.ops import BATCHINV_OPS
+
+    try:
+        mine = components(config, model, batch, BATCHINV_OPS, clock)
+        theirs = components(config, model, batch, stock, clock)
+    except torch.cuda.OutOfMemoryError as error:
+        note = f"breakdown skipped: out of GPU memory: {str(error).splitlines()[0]}"
+        print(f"  note: {note}")
+        return [{"kind": "component", "tokens": tokens, "note": note}]
+    rows = []
+    sums = {"batchinv": 0.0, "stock": 0.0}
+    for component, (count, mine_ms) in mine.items():
+        stock_ms = theirs[component][1]
+        sums["batchinv"] += count * mine_ms
+        sums["stock"] += count * stock_ms
+        rows.append(
+            {
+                "kind": "component",
+                "tokens": tokens,
+                "component": component,
+                "count": count,
+                "batchinv_ms": count * mine_ms,
+                "stock_ms": count * stock_ms,
+                "vs_stock": mine_ms / stock_ms,
+            }
+        )
+    totals = {r["path"]: r.get("step_ms") for r in step_rows if r["tokens"] == tokens}
+    steps = {"batchinv": totals.get("batchinv.models.Qwen3"), "stock": totals.get("stock PyTorch")}
+    if None not in steps.values():
+        other = {path: steps[path] - sums[path] for path in sums}
+        rows.append(
+            {
+                "kind": "component",
+                "tokens": tokens,
+                "component": "other (step - components)",
+                "count": 1,
+                "batchinv_ms": other["batchinv"],
+                "stock_ms": other["stock"],
+                "vs_stock": other["batchinv"] / other["stock"] if other["stock"] else None,
+            }
+        )
+    return rows
+
+
+def summary_rows(
+    rows: list[dict], args, batches: dict[int, Batch], shapes: str = "Qwen3-8B shapes"
+) -> list[dict]:
     """Per token count: batchinv.models.Qwen3 against the stock table, and the patched
     transformers model against the unpatched one (goal 1 / 1.05), and against Liger-Kernel
     (no goal) when it ran."""
@@ -471,7 +520,7 @@ def summary_rows(rows: list[dict], args, batches: dict[int, Batch]) -> list[dict
     for tokens, batch in batches.items():
         case = (
             f"{tokens} tokens ({len(batch.sequences)} sequences), {args.layers} layers + lm_head "
-            "(Qwen3-8B shapes), bf16"
+            f"({shapes}), bf16"
         )
         for mine, anchor_path, anchor, goal in pairs:
             mine_ms, anchor_ms = times.get((tokens, mine)), times.get((tokens, anchor_path))
@@ -539,42 +588,7 @@ def main(argv: list[str] | None = None) -> tuple[list[dict], list[dict], list[di
         step_rows.append(row)
 
         print("  components ...", flush=True)
-        mine = components(config, model, batch, BATCHINV_OPS, clock)
-        theirs = components(config, model, batch, stock, clock)
-        totals = {r["path"]: r.get("step_ms") for r in step_rows if r["tokens"] == tokens}
-        sums = {"batchinv": 0.0, "stock": 0.0}
-        for component, (count, mine_ms) in mine.items():
-            stock_ms = theirs[component][1]
-            sums["batchinv"] += count * mine_ms
-            sums["stock"] += count * stock_ms
-            component_rows.append(
-                {
-                    "kind": "component",
-                    "tokens": tokens,
-                    "component": component,
-                    "count": count,
-                    "batchinv_ms": count * mine_ms,
-                    "stock_ms": count * stock_ms,
-                    "vs_stock": mine_ms / stock_ms,
-                }
-            )
-        rest = {
-            "batchinv": totals.get("batchinv.models.Qwen3"),
-            "stock": totals.get("stock PyTorch"),
-        }
-        if None not in rest.values():
-            other = {path: rest[path] - sums[path] for path in sums}
-            component_rows.append(
-                {
-                    "kind": "component",
-                    "tokens": tokens,
-                    "component": "other (step - components)",
-                    "count": 1,
-                    "batchinv_ms": other["batchinv"],
-                    "stock_ms": other["stock"],
-                    "vs_stock": other["batchinv"] / other["stock"] if other["stock"] else None,
-                }
-            )
+        component_rows += breakdown_rows(config, model, batch, stock, clock, step_rows, tokens)
 
     liger_note = liger_patch(hf_model)
     for tokens, batch in batches.items():
@@ -602,8 +616,8 @@ def main(argv: list[str] | None = None) -> tuple[list[dict], list[dict], list[di
         anchor_ms = times.get((row["tokens"], anchors.get(row["path"], row["path"])))
         if row.get("step_ms") is not None and anchor_ms:
             row["vs_anchor"] = row["step_ms"] / anchor_ms  # time ratio: <= 1.05 meets the goal
-    summary = summary_rows(step_rows, args, batches)
     shapes = "the tiny model" if args.smoke else "Qwen3-8B shapes"
+    summary = summary_rows(step_rows, args, batches, shapes)
     name = f"train_step ({args.layers} layers, {shapes}, bf16)"
     from _common import _print_table, report
 
