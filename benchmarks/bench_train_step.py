@@ -16,9 +16,9 @@ CUDA events):
 - stock, the anchor of the goal: the same model, weights and packed batch on the stock op
   table (``F.linear`` = cuBLAS, Hugging Face's RMSNorm and RoPE formulas, ``silu(g) * u``,
   ``F.linear`` + ``log_softmax`` + gather for the logprobs) with one change: attention runs
-  SDPA per sequence (``is_causal``, ``enable_gqa``; SDPA picks flash, cuDNN or efficient),
-  not the stock table's single SDPA call under a dense block-diagonal mask, which would
-  spend most of its time on masked-out blocks;
+  SDPA per sequence (``is_causal``, ``enable_gqa``, SDPA's own choice of backend), not the
+  stock table's single SDPA call under a dense block-diagonal mask, which would spend most
+  of its time on masked-out blocks;
 - transformers ``Qwen3ForCausalLM`` holding the same weights, unpatched (``sdpa``) and
   patched with ``apply_batchinv_to_qwen3``: both run the sequences as a right-padded batch
   with an attention mask, because the patched attention refuses the block-diagonal mask that
@@ -26,7 +26,8 @@ CUDA events):
   model is not timed packed either).  Their loss takes the final hidden states of the
   completion positions through the lm_head (``batchinv.token_logprobs`` when patched, the
   stock table's unfused logprobs otherwise);
-- transformers with Liger-Kernel's Qwen3 patch (RMSNorm, RoPE, SwiGLU), when liger_kernel is
+- transformers with Liger-Kernel's Qwen3 patch (RMSNorm, RoPE, SwiGLU) and its fused linear
+  cross entropy as the loss (the same loss), padded likewise, when liger_kernel is
   importable; otherwise a row says "not installed".
 
 Breakdown (batchinv and stock tables): each component is timed alone with CUDA events
@@ -253,8 +254,9 @@ def qwen3_step(model, batch: Batch, ops):
     return step
 
 
-def hf_step(hf_model, batch: Batch, token_logprobs):
-    """The loss from the final hidden states at the completion positions (padded batch)."""
+def hf_step(hf_model, batch: Batch, loss_of):
+    """A step of ``hf_model`` on the padded batch: its final hidden states at the completion
+    positions, ``loss_of(rows, lm_head_weight, targets)`` and the gradients."""
     params = [p for p in hf_model.parameters() if p.requires_grad]
 
     def step():
@@ -262,11 +264,20 @@ def hf_step(hf_model, batch: Batch, token_logprobs):
             input_ids=batch.padded_ids, attention_mask=batch.padded_mask, use_cache=False
         ).last_hidden_state
         rows = hidden.reshape(-1, hidden.shape[-1])[batch.target_rows]
-        logprobs = token_logprobs(rows, hf_model.lm_head.weight, batch.targets, IGNORE_INDEX)
-        loss = -logprobs.sum() / batch.completion_tokens
+        loss = loss_of(rows, hf_model.lm_head.weight, batch.targets)
         return torch.autograd.grad(loss, params)
 
     return step
+
+
+def logprob_loss(token_logprobs):
+    """``loss_of`` for ``hf_step`` from a ``token_logprobs(hidden, weight, targets, ignore)``:
+    minus the mean logprob of the targets."""
+
+    def loss_of(rows, weight, targets):
+        return -token_logprobs(rows, weight, targets, IGNORE_INDEX).sum() / targets.numel()
+
+    return loss_of
 
 
 def packed_refusal(hf_model, batch: Batch) -> str | None:
@@ -306,25 +317,35 @@ def build_hf(config, state_dict, device):
     return model.train()
 
 
-def liger_patch(hf_model) -> str | None:
-    """Patches ``hf_model`` with Liger-Kernel's Qwen3 ops in place; the reason it cannot, or
-    None when patched."""
+def liger_patch(hf_model):
+    """``(note, loss_of)``: patches ``hf_model`` in place with Liger-Kernel's Qwen3 ops (RoPE,
+    RMSNorm, SwiGLU) and returns its fused linear cross entropy as the loss (the mean of
+    ``-log p(target)``, the same loss); or the reason it cannot, and None."""
     if importlib.util.find_spec("liger_kernel") is None:
-        return "liger_kernel not installed"
+        return "liger_kernel not installed", None
     try:
-        from liger_kernel.transformers import apply_liger_kernel_to_qwen3
+        from liger_kernel.transformers import (
+            LigerFusedLinearCrossEntropyLoss,
+            apply_liger_kernel_to_qwen3,
+        )
 
         apply_liger_kernel_to_qwen3(
             rope=True,
             rms_norm=True,
             swiglu=True,
             cross_entropy=False,
-            fused_linear_cross_entropy=False,
+            fused_linear_cross_entropy=False,  # the loss below is the fused one, called directly
             model=hf_model,
         )
-    except Exception as error:  # any API drift is reported, not fatal
-        return f"Liger-Kernel's Qwen3 patch failed: {type(error).__name__}: {error}"
-    return None
+        fused = LigerFusedLinearCrossEntropyLoss(ignore_index=IGNORE_INDEX, reduction="mean")
+    except Exception as error:  # an API change is reported in the row, not fatal
+        return f"Liger-Kernel's Qwen3 patch failed: {type(error).__name__}: {error}", None
+
+    def loss_of(rows, weight, targets):
+        out = fused(weight, rows, targets)
+        return out[0] if isinstance(out, tuple) else out
+
+    return None, loss_of
 
 
 # ----- the breakdown -------------------------------------------------------------------------
@@ -572,14 +593,14 @@ def main(argv: list[str] | None = None) -> tuple[list[dict], list[dict], list[di
         for name, ops in (("batchinv.models.Qwen3", BATCHINV_OPS), ("stock PyTorch", stock)):
             step = qwen3_step(model, batch, ops)
             step_rows.append(run_path(name, "packed", step, clock, args.reps, tokens))
-        step = hf_step(hf_model, batch, stock.token_logprobs)
+        step = hf_step(hf_model, batch, logprob_loss(stock.token_logprobs))
         step_rows.append(run_path("transformers, stock", padded, step, clock, args.reps, tokens))
         from batchinv.integrations.transformers import apply_batchinv_to_qwen3
 
         undo = apply_batchinv_to_qwen3(hf_model)
         try:
             refusal = packed_refusal(hf_model, batch)
-            step = hf_step(hf_model, batch, batchinv_token_logprobs)
+            step = hf_step(hf_model, batch, logprob_loss(batchinv_token_logprobs))
             row = run_path("transformers + batchinv", padded, step, clock, args.reps, tokens)
         finally:
             undo()
@@ -590,21 +611,20 @@ def main(argv: list[str] | None = None) -> tuple[list[dict], list[dict], list[di
         print("  components ...", flush=True)
         component_rows += breakdown_rows(config, model, batch, stock, clock, step_rows, tokens)
 
-    liger_note = liger_patch(hf_model)
+    liger_note, liger_loss = liger_patch(hf_model)
     for tokens, batch in batches.items():
-        if liger_note is None:
-            step = hf_step(hf_model, batch, stock.token_logprobs)
-            name, layout = "transformers + Liger-Kernel", f"padded {tuple(batch.padded_ids.shape)}"
-            step_rows.append(run_path(name, layout, step, clock, args.reps, tokens))
-        else:
-            step_rows.append(
-                {
-                    "kind": "step",
-                    "tokens": tokens,
-                    "path": "transformers + Liger-Kernel",
-                    "note": liger_note,
-                }
-            )
+        name = "transformers + Liger-Kernel"
+        row = {"kind": "step", "tokens": tokens, "path": name, "note": liger_note}
+        if liger_loss is not None:
+            print(f"{tokens} tokens:", flush=True)
+            layout = f"padded {tuple(batch.padded_ids.shape)}"
+            try:
+                row = run_path(
+                    name, layout, hf_step(hf_model, batch, liger_loss), clock, args.reps, tokens
+                )
+            except Exception as error:  # a third-party failure is reported in the row
+                row["note"] = f"failed: {type(error).__name__}: {str(error)[:200]}"
+        step_rows.append(row)
 
     anchors = {
         "batchinv.models.Qwen3": "stock PyTorch",

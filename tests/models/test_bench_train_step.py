@@ -111,3 +111,40 @@ def test_smoke_run_times_every_path(bench):
     assert names[-1] == "other (step - components)"
     assert [r["count"] for r in components[:3]] == [14, 14, 14]  # 7 projections x 2 layers
     assert {r["variant"] for r in summary} >= {"train step, batchinv.models.Qwen3"}
+
+
+def test_liger_path_patches_the_model_and_uses_its_fused_loss(bench, monkeypatch):
+    """Liger-Kernel is absent here: a stand-in records how the bench calls it."""
+    import importlib.machinery
+    import types
+
+    calls = {}
+
+    class FusedLoss:
+        def __init__(self, **kwargs):
+            calls["loss_init"] = kwargs
+
+        def __call__(self, weight, rows, targets):
+            calls["loss_args"] = (weight, rows, targets)
+            return torch.tensor(2.0), None
+
+    def apply(**kwargs):
+        calls["patch"] = kwargs
+
+    package = types.ModuleType("liger_kernel")
+    package.__spec__ = importlib.machinery.ModuleSpec("liger_kernel", None)
+    package.__path__ = []
+    sub = types.ModuleType("liger_kernel.transformers")
+    sub.LigerFusedLinearCrossEntropyLoss = FusedLoss
+    sub.apply_liger_kernel_to_qwen3 = apply
+    monkeypatch.setitem(sys.modules, "liger_kernel", package)
+    monkeypatch.setitem(sys.modules, "liger_kernel.transformers", sub)
+    model = object()
+    note, loss_of = bench.liger_patch(model)
+    assert note is None
+    assert calls["patch"]["model"] is model
+    assert calls["patch"]["rms_norm"] and calls["patch"]["rope"] and calls["patch"]["swiglu"]
+    assert calls["loss_init"] == {"ignore_index": bench.IGNORE_INDEX, "reduction": "mean"}
+    weight, rows, targets = torch.ones(3, 2), torch.ones(4, 2), torch.zeros(4, dtype=torch.long)
+    assert float(loss_of(rows, weight, targets)) == 2.0
+    assert all(a is b for a, b in zip(calls["loss_args"], (weight, rows, targets), strict=True))
