@@ -39,6 +39,11 @@ backward, and the lm_head + logprobs forward + backward.  "other" is the step ti
 their sum: embedding, residual adds, reshapes, the loss, host gaps, and whatever running the
 components in one step changes (caches, overlap).
 
+A case that runs out of GPU memory is recorded as skipped (a row with a ``note``).  A path or
+breakdown that fails otherwise is recorded the same way, the other paths still run, and the
+script exits with status 1 after writing the results (Liger-Kernel's failures are recorded
+only).
+
     python benchmarks/bench_train_step.py [--layers N] [--tokens 16384 32768] [--json PATH]
     python benchmarks/bench_train_step.py --smoke     # tiny model; runs on the CPU too
 """
@@ -49,7 +54,9 @@ import argparse
 import dataclasses
 import importlib.util
 import math
+import sys
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -288,7 +295,7 @@ def packed_refusal(hf_model, batch: Batch) -> str | None:
     try:
         with torch.no_grad():
             hf_model.model(input_ids=ids, position_ids=positions[None], use_cache=False)
-    except (ValueError, RuntimeError, NotImplementedError) as error:
+    except Exception as error:  # a probe: whatever stops the packed row is the answer
         return f"{type(error).__name__}: {error}"
     return None
 
@@ -472,6 +479,10 @@ def run_path(name: str, layout: str, step, clock: Clock, reps: int, tokens: int)
     except torch.cuda.OutOfMemoryError as error:
         row["step_ms"], row["note"] = None, f"out of GPU memory: {str(error).splitlines()[0]}"
         print(f"  note: {name}: {row['note']}")
+    except Exception as error:  # recorded, the other paths still run; main() exits 1 after
+        traceback.print_exc()
+        row["step_ms"], row["failed"] = None, True
+        row["note"] = f"failed: {type(error).__name__}: {str(error)[:300]}"
     clock.reset_peak()
     return row
 
@@ -488,6 +499,10 @@ def breakdown_rows(config, model, batch, stock, clock, step_rows, tokens) -> lis
         note = f"breakdown skipped: out of GPU memory: {str(error).splitlines()[0]}"
         print(f"  note: {note}")
         return [{"kind": "component", "tokens": tokens, "note": note}]
+    except Exception as error:  # recorded like a failed step
+        traceback.print_exc()
+        note = f"breakdown failed: {type(error).__name__}: {str(error)[:300]}"
+        return [{"kind": "component", "tokens": tokens, "note": note, "failed": True}]
     rows = []
     sums = {"batchinv": 0.0, "stock": 0.0}
     for component, (count, mine_ms) in mine.items():
@@ -618,12 +633,10 @@ def main(argv: list[str] | None = None) -> tuple[list[dict], list[dict], list[di
         if liger_loss is not None:
             print(f"{tokens} tokens:", flush=True)
             layout = f"padded {tuple(batch.padded_ids.shape)}"
-            try:
-                row = run_path(
-                    name, layout, hf_step(hf_model, batch, liger_loss), clock, args.reps, tokens
-                )
-            except Exception as error:  # a third-party failure is reported in the row
-                row["note"] = f"failed: {type(error).__name__}: {str(error)[:200]}"
+            row = run_path(
+                name, layout, hf_step(hf_model, batch, liger_loss), clock, args.reps, tokens
+            )
+            row.pop("failed", None)  # a third-party failure is reported, not ours to fail on
         step_rows.append(row)
 
     anchors = {
@@ -650,6 +663,11 @@ def main(argv: list[str] | None = None) -> tuple[list[dict], list[dict], list[di
     print("\nbreakdown (each component alone; ms per step = count x one call)")
     _print_table(component_rows, COMPONENT_COLUMNS)
     print("goal: batchinv step / stock step <= 1.05 (vs_anchor)")
+    failed = [r for r in step_rows + component_rows if r.get("failed")]
+    for row in failed:
+        print(f"FAILED: {row.get('path', 'breakdown')} at {row['tokens']} tokens: {row['note']}")
+    if failed:
+        sys.exit(1)
     return step_rows, component_rows, summary
 
 

@@ -148,3 +148,22 @@ def test_liger_path_patches_the_model_and_uses_its_fused_loss(bench, monkeypatch
     weight, rows, targets = torch.ones(3, 2), torch.ones(4, 2), torch.zeros(4, dtype=torch.long)
     assert float(loss_of(rows, weight, targets)) == 2.0
     assert all(a is b for a, b in zip(calls["loss_args"], (weight, rows, targets), strict=True))
+
+
+def test_a_failing_path_is_recorded_and_fails_the_run(bench, monkeypatch, capsys):
+    pytest.importorskip("transformers")
+
+    def broken(token_logprobs):
+        def loss_of(rows, weight, targets):
+            raise RuntimeError("broken loss")
+
+        return loss_of
+
+    monkeypatch.setattr(bench, "logprob_loss", broken)
+    with pytest.raises(SystemExit) as exit_info:
+        bench.main(["--smoke", "--reps", "1"])
+    assert exit_info.value.code == 1
+    out = capsys.readouterr().out
+    assert "FAILED: transformers, stock at 48 tokens: failed: RuntimeError: broken loss" in out
+    assert "FAILED: transformers + batchinv" in out
+    assert "FAILED: batchinv.models.Qwen3" not in out  # the other paths still ran
