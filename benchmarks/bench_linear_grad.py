@@ -1,0 +1,291 @@
+"""batchinv.linear's gradients (grad_x, grad_w) against cuBLAS, Qwen3-8B shapes, 16k/32k tokens.
+
+Goal (issue 26, item 3): >= 0.9x cuBLAS for grad_x and grad_w, bits deterministic run to run.
+Shapes: ``batchinv.shapes.QWEN3_8B_LINEAR`` (qkv, o, gate_up, down, lm_head) with
+``TOKENS`` = 16384 and 32768 tokens, bf16.  A case that runs out of GPU memory is recorded as
+skipped (a row with a ``note``), not timed.
+
+Timed per case, each against cuBLAS in the same run:
+
+- the public op through autograd (``scope`` "op", the rows with the goal): the output of
+  ``batchinv.linear`` and of ``F.linear`` recorded once, then ``torch.autograd.grad`` of it
+  for grad_x alone (only ``x`` requires grad), grad_w alone (only the weight does) and both;
+  the transposed copies batchinv's backward makes are inside these times;
+- the GEMMs alone (``scope`` "kernel", no goal): grad_x as ``matmul_rows(grad_y, Wᵀ)`` on a
+  contiguous ``Wᵀ`` against ``torch.mm(grad_y, W)``, grad_w as ``matmul_nt(grad_yᵀ, xᵀ)`` on
+  contiguous transposes against ``torch.mm(grad_yᵀ, x)``.
+
+Bits (``docs/operators/linear.md``, "Backward"): grad_x reduces over out_features per token,
+so a token's row is the same whatever other tokens are present or where they sit; grad_w
+reduces over the tokens, in increasing token order, as one fp32 chain of k16 tensor-core
+steps (16 tokens per step, 64 per pipeline tile), no split, no atomics.  The contract is:
+
+- grad_w and grad_x are bitwise identical run to run for the same inputs in the same order
+  (checked here: ``deterministic``);
+- grad_x follows the tokens: permuting the tokens permutes grad_x's rows, bit for bit
+  (``grad_x_rows_follow``);
+- grad_w depends on the token order.  No chunk is promised to be order-free: the 16 products
+  of one k16 step are added inside one MMA instruction in a hardware-defined way, and the
+  steps are chained in order.  The benchmark records what this card does when the tokens are
+  permuted within each 16-token step (``grad_w_perm16_same``) and within each 64-token tile
+  (``grad_w_perm64_same``); those columns are measurements, not promises.
+
+A violated contract check is printed and makes the script exit with status 1 after the tables.
+
+    python benchmarks/bench_linear_grad.py [--json PATH]
+    python benchmarks/bench_linear_grad.py --smoke     # tiny shapes, runs on the CPU too
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+import batchinv
+from batchinv.shapes import QWEN3_8B_LINEAR
+
+TOKENS = (16384, 32768)
+GOAL = 0.9  # of cuBLAS (issue 26, item 3)
+OP_ANCHOR = "cuBLAS (F.linear autograd)"
+KERNEL_ANCHOR = "cuBLAS (torch.mm)"
+# The summary variant of each measurement; grads "x", "w" or "x+w".
+OP_VARIANTS = {"x": "grad_x", "w": "grad_w", "x+w": "grad_x + grad_w"}
+KERNEL_VARIANTS = {"x": "grad_x GEMM kernel", "w": "grad_w GEMM kernel"}
+SMOKE_SHAPES = (("tiny", 64, 48),)
+SMOKE_TOKENS = (128,)
+STEP_TOKENS, TILE_TOKENS = 16, 64  # tokens per k16 step and per pipeline tile (linear.cu)
+COLUMNS = ["layer", "tokens", "N", "K", "grad", "scope", "path", "ms", "TFLOP/s", "vs_cuBLAS"]
+CHECK_COLUMNS = [
+    "layer",
+    "tokens",
+    "deterministic",
+    "grad_x_rows_follow",
+    "grad_w_perm16_same",
+    "grad_w_perm64_same",
+    "note",
+]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", type=Path, default=None, help="also write the results here")
+    parser.add_argument(
+        "--smoke", action="store_true", help="tiny shapes, a few repetitions; runs on the CPU"
+    )
+    return parser.parse_args(argv)
+
+
+def timer(device: torch.device, smoke: bool):
+    """``ms(fn)``: the median time of ``fn()``; CUDA events on a GPU (``_common.median_ms``),
+    wall time on the CPU (smoke runs only)."""
+    if device.type == "cuda":
+        from _common import median_ms
+
+        if smoke:
+            return lambda fn: median_ms(fn, warmup_ms=5, rep_ms=20)
+        return lambda fn: median_ms(fn, warmup_ms=50, rep_ms=300)
+
+    def cpu_ms(fn) -> float:
+        fn()
+        times = []
+        for _ in range(3):
+            start = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - start) * 1e3)
+        return sorted(times)[1]
+
+    return cpu_ms
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """The raw bits of a 16- or 32-bit float tensor (NaN payloads and -0 compared exactly)."""
+    return t.contiguous().view(torch.int16 if t.element_size() == 2 else torch.int32)
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(bits(a), bits(b))
+
+
+def within_blocks(tokens: int, block: int, generator: torch.Generator) -> torch.Tensor:
+    """A permutation of ``range(tokens)`` that moves tokens only inside aligned blocks of
+    ``block`` (the last, partial block included)."""
+    perm = torch.arange(tokens)
+    for start in range(0, tokens, block):
+        stop = min(start + block, tokens)
+        perm[start:stop] = start + torch.randperm(stop - start, generator=generator)
+    return perm
+
+
+def recorded(linear, x, weight, which: str):
+    """``(y, wanted)``: ``y = linear(x, weight)`` recorded for autograd with only the inputs
+    in ``wanted`` (``x`` for "x", the weight for "w", both for "x+w") requiring grad."""
+    x = x.detach().requires_grad_("x" in which)
+    weight = weight.detach().requires_grad_("w" in which)
+    y = linear(x, weight)
+    wanted = [t for t in (x, weight) if t.requires_grad]
+    return y, wanted
+
+
+def timed_backward(linear, x, weight, grad_y, which: str):
+    """A callable running the backward of ``linear`` recorded once (autograd.grad)."""
+    y, wanted = recorded(linear, x, weight, which)
+    return lambda: torch.autograd.grad(y, wanted, grad_y, retain_graph=True)
+
+
+def contract_checks(x, weight, grad_y) -> dict:
+    """The bit checks of one case (module docstring)."""
+    gen = torch.Generator().manual_seed(1)
+    tokens = x.shape[0]
+
+    def backward(x_in, g_in):
+        y, wanted = recorded(batchinv.linear, x_in, weight, "x+w")
+        return torch.autograd.grad(y, wanted, g_in)
+
+    gx, gw = backward(x, grad_y)
+    gx2, gw2 = backward(x, grad_y)
+    checks = {"deterministic": same_bits(gx, gx2) and same_bits(gw, gw2)}
+    del gx2, gw2
+    for block, key in ((STEP_TOKENS, "grad_w_perm16_same"), (TILE_TOKENS, "grad_w_perm64_same")):
+        perm = within_blocks(tokens, block, gen).to(x.device)
+        gx_p, gw_p = backward(x[perm], grad_y[perm])
+        checks[key] = same_bits(gw_p, gw)
+        if block == TILE_TOKENS:
+            checks["grad_x_rows_follow"] = same_bits(gx_p, gx[perm])
+        del gx_p, gw_p
+    return checks
+
+
+def measure_case(name, k, n, tokens, device, ms) -> tuple[list[dict], list[dict], dict]:
+    """Rows, summary rows and the checks of one (shape, tokens) case."""
+    from _common import summary_row
+
+    gen = torch.Generator(device=device).manual_seed(0)
+    weight = (torch.randn(n, k, device=device, generator=gen) / k**0.5).bfloat16()
+    x = torch.randn(tokens, k, device=device, generator=gen).bfloat16()
+    grad_y = torch.randn(tokens, n, device=device, generator=gen).bfloat16()
+    case = f"{name} {tokens} tokens (N={n}, K={k}), bf16"
+    base = {"layer": name, "tokens": tokens, "N": n, "K": k}
+    ran_x, ran_w = _ran_labels(tokens, k, n, weight, device)
+    rows, summary = [], []
+
+    def record(grad, scope, ran, mine_ms, anchor, anchor_ms, flops, variant, goal):
+        for path, t in (("batchinv", mine_ms), (anchor, anchor_ms)):
+            rows.append(
+                base
+                | {
+                    "grad": grad,
+                    "scope": scope,
+                    "path": path if path != "batchinv" else f"batchinv ({ran})",
+                    "ms": t,
+                    "TFLOP/s": flops / t / 1e9,
+                    "vs_cuBLAS": anchor_ms / t,
+                }
+            )
+        summary.append(
+            summary_row(
+                "linear", case, variant, mine_ms, anchor, anchor_ms, goal, scope=scope, ran=ran
+            )
+        )
+
+    flops_one = 2.0 * tokens * n * k
+    for which, variant in OP_VARIANTS.items():
+        ran = {"x": ran_x, "w": ran_w, "x+w": f"{ran_x}; {ran_w}"}[which]
+        mine = ms(timed_backward(batchinv.linear, x, weight, grad_y, which))
+        anchor = ms(timed_backward(F.linear, x, weight, grad_y, which))
+        flops = flops_one * (2 if which == "x+w" else 1)
+        record(which, "op", ran, mine, OP_ANCHOR, anchor, flops, variant, GOAL)
+    if device.type == "cuda":  # the GEMMs alone exist on the GPU only
+        from batchinv.gpu import linear as gpu_linear
+
+        weight_t = weight.t().contiguous()
+        mine = ms(lambda: gpu_linear.matmul_rows(grad_y, weight_t))
+        anchor = ms(lambda: torch.mm(grad_y, weight))
+        record(
+            "x", "kernel", ran_x, mine, KERNEL_ANCHOR, anchor, flops_one, KERNEL_VARIANTS["x"], None
+        )
+        del weight_t
+        grad_t, x_t = grad_y.t().contiguous(), x.t().contiguous()
+        mine = ms(lambda: gpu_linear.matmul_nt(grad_t, x_t))
+        anchor = ms(lambda: torch.mm(grad_y.t(), x))
+        record(
+            "w", "kernel", ran_w, mine, KERNEL_ANCHOR, anchor, flops_one, KERNEL_VARIANTS["w"], None
+        )
+        del grad_t, x_t
+    check = base | contract_checks(x, weight, grad_y)
+    return rows, summary, check
+
+
+def _ran_labels(tokens: int, k: int, n: int, weight: torch.Tensor, device) -> tuple[str, str]:
+    """What serves grad_x (``grad_y[tokens, N] · W``: the rows path of ``Wᵀ``) and grad_w
+    (``grad_yᵀ · x``: batchinv's kernels with the tokens reduced)."""
+    if device.type != "cuda":
+        return "reference", "reference"
+    from batchinv.gpu.linear import describe, rows_path
+
+    path_x = rows_path(tokens, weight.t().contiguous(), False)
+    return describe(tokens, k, path_x, device), describe(n, k, "own", device)
+
+
+def main(argv: list[str] | None = None) -> tuple[list[dict], list[dict], list[dict]]:
+    """Runs the benchmark; returns (rows, summary, checks) for the smoke test."""
+    args = parse_args(argv)
+    if args.smoke and not torch.cuda.is_available():
+        if args.json is not None:
+            raise SystemExit("--json needs a GPU run: a CPU smoke run has no card to record")
+        device = torch.device("cpu")
+    else:
+        from _common import require_cuda
+
+        device = require_cuda()
+    ms = timer(device, args.smoke)
+    shapes = SMOKE_SHAPES if args.smoke else QWEN3_8B_LINEAR
+    token_counts = SMOKE_TOKENS if args.smoke else TOKENS
+    rows, summary, checks = [], [], []
+    for name, k, n in shapes:
+        for tokens in token_counts:
+            print(f"{name} (N={n}, K={k}), {tokens} tokens ...", flush=True)
+            try:
+                case_rows, case_summary, check = measure_case(name, k, n, tokens, device, ms)
+            except torch.cuda.OutOfMemoryError as error:
+                note = f"skipped: out of GPU memory ({str(error).splitlines()[0]})"
+                print(f"note: {name} {tokens} tokens {note}")
+                checks.append({"layer": name, "tokens": tokens, "N": n, "K": k, "note": note})
+                rows.append(
+                    {"layer": name, "tokens": tokens, "N": n, "K": k, "ms": None, "note": note}
+                )
+                torch.cuda.empty_cache()
+                continue
+            for row in case_rows:  # each timed row carries its case's bit checks
+                row.update({key: check[key] for key in CHECK_COLUMNS if key in check})
+            rows += case_rows
+            summary += case_summary
+            checks.append(check)
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    violated = [
+        c for c in checks if c.get("deterministic") is False or c.get("grad_x_rows_follow") is False
+    ]
+    name = "linear_grad (bf16)"
+    from _common import _print_table, report
+
+    if device.type == "cuda":
+        report(name, rows, COLUMNS, args.json, summary)
+    else:
+        print(f"\n{name}, CPU smoke run (the strict reference; times mean nothing)")
+        _print_table(rows, COLUMNS)
+    print("\nbit checks (module docstring: the first two are the contract)")
+    _print_table(checks, CHECK_COLUMNS)
+    for c in violated:
+        print(f"CONTRACT VIOLATED: {c['layer']} {c['tokens']} tokens: {c}")
+    if violated:
+        sys.exit(1)
+    return rows, summary, checks
+
+
+if __name__ == "__main__":
+    main()
