@@ -884,21 +884,15 @@ __device__ __forceinline__ void forward(const ForwardArgs& a) {
 // How the backward's second pass loads x (speed only; the same operations on the same values):
 // kBatch x groups per thread are loaded before their first use, and with kEarly the first batch
 // is loaded at the start of the row, before the sum(dy) pass and its exchange wait, so the x
-// stream's latency overlaps that work: a profile of the bf16 x / fp32 dy backward puts two thirds
-// of its long-scoreboard stalls on the first use of these loads.  bf16 x / fp32 dy measured
-// faster with 12 groups loaded early in 16 CTAs of 128 threads (a shape no longer compiled) and
-// keeps that choice in 16 CTAs of 64; for bf16 x / bf16 dy (8 x 128) every deeper form measures
-// slower, so the other cases keep 4 groups loaded after the exchange (others not measured;
-// docs/tuning/log_softmax.md).
+// stream's latency overlaps that work.  Loading 12 groups early measured faster for bf16 x /
+// fp32 dy in 16 CTAs of 128 threads (T = 2048, no longer compiled) but slower in 16 CTAs of 64
+// (1.87 vs 1.50 ms for fp16, which loads 4 after the exchange, at 4096 x 151936 on an H200);
+// for bf16 x / bf16 dy (8 x 128) every deeper form measures slower.  Every case loads 4 groups
+// after the exchange (docs/tuning/log_softmax.md).
 template <typename InCodec, typename OutCodec, int C, int TC>
 struct XLoads {
     static constexpr int kBatch = 4;
     static constexpr bool kEarly = false;
-};
-template <>
-struct XLoads<Bf16Codec, F32Codec, 16, 64> {
-    static constexpr int kBatch = 12;
-    static constexpr bool kEarly = true;
 };
 
 // Loads this thread's x groups of segments k0 .. k0 + kBatch - 1 (those inside the row).
