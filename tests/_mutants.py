@@ -102,6 +102,14 @@ def token_logprobs_dropped_tile(hidden, weight, targets):
     return batchinv.token_logprobs(hidden, weight[:-VOCAB_TILE].contiguous(), targets)
 
 
+def token_logprobs_without_target_term(hidden, weight, targets):
+    """The backward drops the target's one-hot term of d_z (d_z = -g * p instead of
+    g * (onehot - p)): the forward's value, with the target logit's gradient taken away."""
+    out = batchinv.token_logprobs(hidden, weight, targets)
+    picked = (hidden.float() * weight[targets].float()).sum(-1)
+    return out - picked + picked.detach()
+
+
 def log_softmax_inputs(sizes: Sizes, dtype, device, seed=1):
     gen = torch.Generator().manual_seed(seed)
     return (_randn((sizes.tokens, sizes.vocab), gen, device, dtype, 3.0),)
@@ -270,6 +278,53 @@ MUTANTS = {
         rms_norm_eps_outside_root,
     ),
 }
+
+
+# Mutants of a backward: name -> (op, inputs, reference, op, mutant), each a function of the
+# inputs whose gradients (of sum(cotangent * output)) are judged by the op's "grad" entry.
+GRAD_MUTANTS = {
+    "target term dropped from d_z (token_logprobs backward)": (
+        "token_logprobs",
+        logprob_inputs,
+        token_logprobs_reference,
+        token_logprobs_op,
+        token_logprobs_without_target_term,
+    ),
+}
+
+
+def _input_grads(fn, inputs, cotangent, dtype=None):
+    """Gradients of ``sum(cotangent * fn(*inputs))`` for the floating inputs (cast to
+    ``dtype`` first when given: the reference runs on fp32 copies)."""
+    leaves = [
+        t.detach().to(dtype or t.dtype).requires_grad_(True) if t.is_floating_point() else t
+        for t in inputs
+    ]
+    out = fn(*leaves)
+    floating = [t for t in leaves if t.is_floating_point()]
+    return torch.autograd.grad(out, floating, cotangent.to(out.dtype))
+
+
+def assert_grads_pass_and_mutant_fails(mutant: str, dtype: torch.dtype, sizes, device) -> None:
+    """The op's input gradients are within its "grad" entry of the fp32 reference's on
+    ``sizes``; the mutant's are not (at least one gradient fails)."""
+    op, make_inputs, reference_fn, op_fn, mutant_fn = GRAD_MUTANTS[mutant]
+    inputs = make_inputs(sizes, dtype, device)
+    rows = inputs[0].shape[0]
+    cotangent = torch.randn(rows, generator=torch.Generator().manual_seed(9)).to(device)
+    reference = _input_grads(reference_fn, inputs, cotangent, torch.float32)
+
+    def failures(grads) -> list[str]:
+        failed = []
+        for i, (got, ref) in enumerate(zip(grads, reference, strict=True)):
+            try:
+                assert_within_tolerance(got, ref, op=op, dtype=dtype, kind="grad", name=f"d{i}")
+            except AssertionError as exc:
+                failed.append(str(exc).splitlines()[0])
+        return failed
+
+    assert failures(_input_grads(op_fn, inputs, cotangent)) == []
+    assert failures(_input_grads(mutant_fn, inputs, cotangent)), f"{mutant} passed"
 
 
 def judged_dtype(op: str, input_dtype: torch.dtype, output: torch.Tensor) -> torch.dtype:

@@ -7,7 +7,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from _mutants import GPU_SIZES, MUTANTS, assert_op_passes_and_mutant_fails
+from _mutants import (
+    GPU_SIZES,
+    GRAD_MUTANTS,
+    MUTANTS,
+    assert_grads_pass_and_mutant_fails,
+    assert_op_passes_and_mutant_fails,
+)
 
 pytestmark = pytest.mark.cuda
 
@@ -18,3 +24,9 @@ DTYPES = (torch.bfloat16, torch.float16)  # the CUDA kernels' dtypes (fp32 stays
 @pytest.mark.parametrize("mutant", list(MUTANTS))
 def test_the_cuda_op_passes_and_the_mutant_fails(mutant, dtype):
     assert_op_passes_and_mutant_fails(mutant, dtype, GPU_SIZES, "cuda")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("mutant", list(GRAD_MUTANTS))
+def test_the_cuda_op_grads_pass_and_the_mutant_fails(mutant, dtype):
+    assert_grads_pass_and_mutant_fails(mutant, dtype, GPU_SIZES, "cuda")
