@@ -14,7 +14,7 @@ Result file (``--json``), schema ``batchinv-bench/1``::
      "rows": [...]}          # every measured path, columns specific to the benchmark
 
 ``summary`` holds one row per batchinv measurement against its anchor (see
-``RATIO_CONVENTION``); ``goal`` is the issue's target ratio for that row, or null.  Optional:
+``RATIO_CONVENTION``); ``goal`` is the target ratio for that row, or null.  Optional:
 ``scope`` says what was timed, ``"op"`` (the public op as a user calls it) or ``"kernel"`` (below
 it: no checks, no autograd); ``ran`` names the path that served the measurement where an op has
 several (``linear``: batchinv's kernels or the pinned cuBLASLt algorithm).  A goal counts only

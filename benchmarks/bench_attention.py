@@ -1,8 +1,8 @@
 """Attention forward (prefill and KV-cache decode) against torch SDPA in the same run.
 
-Goals (issue 5): prefill >= 0.9x SDPA default, decode B=64 @ 4096 >= 0.9x, decode B=1 @ 32768
+Goals: prefill >= 0.9x SDPA default, decode B=64 @ 4096 >= 0.9x, decode B=1 @ 32768
 >= 0.8x.  Anchors: SDPA's default backend (cuDNN on Hopper) and, where selectable, its flash
-backend.  Prefill (session 10): SDPA default, batchinv and the forced mma.sync tile kernel are
+backend.  Prefill: SDPA default, batchinv and the forced mma.sync tile kernel are
 timed in PREFILL_ROUNDS interleaved rounds (the order rotated each round and reversed every
 other round), each a do_bench median; a path's time is the median over its rounds, and every
 round's value is printed and kept in the JSON row (``rounds_ms``), so the spread is visible.
@@ -30,7 +30,7 @@ PREFILL = [(8, 4096, 128), (8, 4096, 64)]  # (batch, sequence length, head dim),
 PREFILL_ROUNDS = 5  # interleaved timing rounds of the prefill paths (medians over rounds)
 DECODE = [(64, 4096), (1, 32768)]  # (batch, context)
 DTYPE = torch.bfloat16
-GOALS = {  # of SDPA's default backend, by (phase, batch, sequence length or context) (issue 5)
+GOALS = {  # of SDPA's default backend, by (phase, batch, sequence length or context)
     ("prefill", 8, 4096): 0.9,
     ("decode", 64, 4096): 0.9,
     ("decode", 1, 32768): 0.8,
@@ -58,7 +58,7 @@ def summary_rows(results: list[dict]) -> list[dict]:
                 r["batchinv_ms"],
                 "SDPA default" + suffix,
                 r["sdpa_ms"],
-                # The issue's goals are for d = 128; the d = 64 case has none.
+                # The goals are for d = 128; the d = 64 case has none.
                 GOALS.get((r["phase"], r["batch"], r["length"])) if r.get("d", D) == D else None,
             )
         )
@@ -160,7 +160,7 @@ def main() -> None:
         qt, kt, vt = (t.transpose(1, 2).contiguous() for t in (q, k, v))
         flops = 4 * batch * HQ * seq * seq * d / 2  # causal: half of the score matrix
         label = f"prefill B={batch} S={seq} d={d}"
-        # SDPA default, batchinv and the mma.sync tile kernel (which sm_90 devices no longer run
+        # SDPA default, batchinv and the mma.sync tile kernel (which sm_90 devices do not run
         # by default for this case; attention_hopper: same bits) in interleaved rounds: one
         # do_bench median per path moved by several percent between runs (clocks, other work).
         rounds = interleaved_rounds(

@@ -1,6 +1,6 @@
 """Attention backward: batchinv's CUDA kernels against SDPA's backward, same run, same card.
 
-Shape (issue 5): B=8 sequences of S=4096, Hq=32, Hkv=8 (GQA), d=128, causal, bf16.  Rows:
+Shape: B=8 sequences of S=4096, Hq=32, Hkv=8 (GQA), d=128, causal, bf16.  Rows:
 SDPA's backward with the default backend and with the flash backend when it is selectable
 (GQA through ``enable_gqa``; if a backend refuses it, k/v are expanded to Hq heads and the row
 says so), then batchinv's ``attention_backward.backward`` in each kernel variant (same bits,
@@ -34,7 +34,7 @@ SHAPES = [
 
 def summary_rows(rows: list[dict], variant: str) -> list[dict]:
     """The uniform summary from the detailed ``rows``: per shape, batchinv's backward with
-    the default kernel ``variant`` against SDPA's default backend (no goal in issue 5).  A
+    the default kernel ``variant`` against SDPA's default backend (no goal).  A
     shape without an SDPA default row or without that variant's row has no summary row."""
     cases: dict[tuple, dict[str, dict]] = {}
     for row in rows:

@@ -8,7 +8,7 @@ it applies, and every row names what actually ran (``batchinv.gpu.linear.describ
 cuBLASLt measurement is never credited to batchinv's kernels.  ``default_path`` marks the path
 that the default setting ("auto") takes for that case.
 
-Goals (issue 4): >= 0.9x cuBLAS at M = 4096, >= 0.8x at M = 64 and M = 1 (M = 16, a common
+Goals: >= 0.9x cuBLAS at M = 4096, >= 0.8x at M = 64 and M = 1 (M = 16, a common
 decode batch, is timed without a goal).  M = 1 is also timed as a CUDA-graph replay (both
 sides), which removes Python launch overhead from both.  The Triton matmul of
 thinking-machines-lab/batch_invariant_ops is added to ``rows`` when importable.
@@ -24,7 +24,7 @@ from batchinv.gpu.linear import describe, rows_path
 from batchinv.gpu.linear_cublaslt import MIN_ROWS
 from batchinv.shapes import LINEAR_BENCH_M, QWEN3_8B_LINEAR
 
-GOALS = {1: 0.8, 64: 0.8, 4096: 0.9}  # of cuBLAS, by M (issue 4)
+GOALS = {1: 0.8, 64: 0.8, 4096: 0.9}  # of cuBLAS, by M
 ANCHOR = "cuBLAS (torch.mm)"
 # The summary variant of each path; tools/results_table.py expects these names.
 VARIANTS = {"own": "forward, own kernels", "cublaslt": "forward, pinned cuBLASLt"}

@@ -1,6 +1,6 @@
 """batchinv.linear's gradients (grad_x, grad_w) against cuBLAS, Qwen3-8B shapes, 16k/32k tokens.
 
-Goal (issue 26, item 3): >= 0.9x cuBLAS for grad_x and grad_w, bits deterministic run to run.
+Goal: >= 0.9x cuBLAS for grad_x and grad_w, bits deterministic run to run.
 Shapes: ``batchinv.shapes.QWEN3_8B_LINEAR`` (qkv, o, gate_up, down, lm_head) with
 ``TOKENS`` = 16384 and 32768 tokens, bf16.  A case that runs out of GPU memory is recorded as
 skipped (a row with a ``note``), not timed.
@@ -50,7 +50,7 @@ import batchinv
 from batchinv.shapes import QWEN3_8B_LINEAR
 
 TOKENS = (16384, 32768)
-GOAL = 0.9  # of cuBLAS (issue 26, item 3)
+GOAL = 0.9  # of cuBLAS
 OP_ANCHOR = "cuBLAS (F.linear autograd)"
 KERNEL_ANCHOR = "cuBLAS (torch.mm)"
 # The summary variant of each measurement; grads "x", "w" or "x+w".

@@ -1,6 +1,6 @@
 """The Qwen3 model end to end: batchinv against stock PyTorch, Qwen3-8B shapes, random weights.
 
-Goal (issue 7, item 4): batchinv <= 1.10x the stock time.  One model (Qwen3-8B layer shapes:
+Goal: batchinv <= 1.10x the stock time.  One model (Qwen3-8B layer shapes:
 hidden 4096, intermediate 12288, 32 query / 8 KV heads of 128, vocab 151936; ``--layers N``
 layers, random bf16 weights) runs with both op tables in the same process:
 
@@ -25,7 +25,7 @@ import torch
 from batchinv.shapes import QWEN3_8B_CONFIG
 
 PATHS = ("stock", "batchinv")
-GOAL = 1 / 1.10  # batchinv <= 1.10x the stock time (issue 7, item 4), as stock / batchinv
+GOAL = 1 / 1.10  # batchinv <= 1.10x the stock time, as stock / batchinv
 QWEN3_8B = QWEN3_8B_CONFIG
 
 

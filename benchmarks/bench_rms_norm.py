@@ -1,6 +1,6 @@
 """RMSNorm (plain, fused residual add, per-head q/k norm) against a copy of the same bytes.
 
-Goal (issue 6): >= 0.9 of the copy's bandwidth at 16384 tokens x hidden 4096, bf16.  Rows per
+Goal: >= 0.9 of the copy's bandwidth at 16384 tokens x hidden 4096, bf16.  Rows per
 shape: the copy (the anchor, measured in this run), stock ``F.rms_norm``, Liger-Kernel's
 ``LigerRMSNormFunction`` when importable, and batchinv; forward and backward.  Bandwidth is
 counted from the bytes the op must move at least (read x, write y; the backward reads dy and
@@ -37,7 +37,7 @@ SHAPES = [
     (16384 * 32, 128, torch.bfloat16, "q/k norm (32 heads)"),
 ]
 EPS = 1e-6
-GOAL = 0.9  # of the copy's bandwidth (issue 6)
+GOAL = 0.9  # of the copy's bandwidth
 GRAPH_ROWS_MAX = 1024  # shapes this small are also timed as CUDA-graph replays
 GRAPHED = " (CUDA graph)"
 
@@ -137,7 +137,7 @@ def main() -> None:
             except Exception as error:
                 print(f"note: backward row {path!r} skipped ({type(error).__name__}: {error})")
         # The kernels alone (the op's backward without the autograd engine): through autograd
-        # the host work of one call (about 0.14 ms measured on an H200 host, session 6) can
+        # the host work of one call (about 0.14 ms measured on an H200 host) can
         # exceed the kernels' time, and then the row above measures the host.
         rstd = gpu_rms_norm.forward(x, weight, EPS)[1]
         timings.append(

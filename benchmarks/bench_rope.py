@@ -1,6 +1,6 @@
 """RoPE on q and k against a copy of the same bytes.
 
-Goal (issue 6): >= 0.9 of the copy's bandwidth.  Rows per shape: the copy (the anchor,
+Goal: >= 0.9 of the copy's bandwidth.  Rows per shape: the copy (the anchor,
 measured in this run), stock HF-style ``q * cos + rotate_half(q) * sin`` with cos/sin tables
 gathered by position, Liger-Kernel's ``LigerRopeFunction`` when importable (its own
 ``[B, H, S, d]`` layout), batchinv with ``check_positions=False`` (the kernel alone) and the
@@ -24,7 +24,7 @@ SHAPES = [
 ]
 THETA = 1_000_000.0
 MAX_POSITION = 40960
-GOAL = 0.9  # of the copy's bandwidth (issue 6)
+GOAL = 0.9  # of the copy's bandwidth
 
 
 def _liger():

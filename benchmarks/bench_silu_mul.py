@@ -1,6 +1,6 @@
 """SiLU-mul (SwiGLU) against a copy of the same bytes.
 
-Goal (issue 6): >= 0.9 of the copy's bandwidth.  Rows per shape: the copy (the anchor,
+Goal: >= 0.9 of the copy's bandwidth.  Rows per shape: the copy (the anchor,
 measured in this run), stock ``F.silu(g) * u``, Liger-Kernel's ``LigerSiLUMulFunction`` when
 importable, batchinv on two tensors and on the fused ``[.., 2I]`` layout; forward and
 backward.  Bytes: forward reads gate and up and writes out (3 tensors); backward reads dy,
@@ -21,7 +21,7 @@ SHAPES = [
     (16384, 12288, torch.bfloat16),
     (1024, 12288, torch.bfloat16),
 ]
-GOAL = 0.9  # of the copy's bandwidth (issue 6)
+GOAL = 0.9  # of the copy's bandwidth
 
 
 def _liger():

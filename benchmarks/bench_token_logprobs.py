@@ -1,6 +1,6 @@
 """Token logprobs through the lm_head against the unfused stock chain and Liger-Kernel.
 
-Goal (issue 6): at 8192 tokens, H 4096, V 151936, bf16, batchinv is no slower than Liger's
+Goal: at 8192 tokens, H 4096, V 151936, bf16, batchinv is no slower than Liger's
 fused linear cross-entropy (reduction="none", logprob = -loss) and uses no more peak extra
 memory, while bitwise batch-invariant.  Rows, forward and forward+backward (gradients of
 hidden and weight, a random per-token cotangent), each with its time and peak extra memory
@@ -26,12 +26,12 @@ SHAPES = [
     (1024, 4096, 151936),
 ]
 IGNORE = -100
-GOALS = {(8192, 4096, 151936): 1.0}  # of Liger's fused time, by (tokens, H, V) (issue 6)
+GOALS = {(8192, 4096, 151936): 1.0}  # of Liger's fused time, by (tokens, H, V)
 
 
 def summary_rows(rows: list[dict]) -> list[dict]:
     """The uniform summary from the detailed ``rows``: per shape, batchinv's forward and
-    forward+backward against Liger's fused linear cross-entropy (goal at the issue's shape),
+    forward+backward against Liger's fused linear cross-entropy (a goal at the shape in GOALS),
     or against the stock unfused chain (no goal) when Liger was not importable."""
     shapes: dict[tuple, dict[str, dict]] = {}
     for row in rows:

@@ -1,6 +1,6 @@
 """One training step (forward + backward of the token-logprob loss): batchinv against stock.
 
-Goal (issue 26, item 4): a batchinv step <= 1.05x the stock step time, same run.  The model
+Goal: a batchinv step <= 1.05x the stock step time, same run.  The model
 has Qwen3-8B layer shapes (hidden 4096, intermediate 12288, 32 query / 8 KV heads of 128,
 vocab 151936), ``--layers`` decoder layers (2) and random bf16 weights.  The batch is
 ``--sequences`` sequences (16) of mixed lengths (0.5x to 1.5x the mean, fixed pattern) summing
@@ -64,7 +64,7 @@ import torch.nn.functional as F
 
 from batchinv.shapes import QWEN3_8B_CONFIG
 
-GOAL = 1 / 1.05  # batchinv <= 1.05x the stock step time (issue 26, item 4), as stock / batchinv
+GOAL = 1 / 1.05  # batchinv <= 1.05x the stock step time, as stock / batchinv
 ANCHOR = "stock PyTorch (cuBLAS, SDPA per sequence)"
 HF_ANCHOR = "transformers, stock (sdpa, padded)"
 IGNORE_INDEX = -100

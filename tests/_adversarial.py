@@ -247,7 +247,7 @@ def kv_cache_method_cases(where: Device) -> list[Case]:
         return KVCache(1, MAX_LEN, 1, where.head_dim, where.dtype, where.device, name="narrow")
 
     copies = [
-        ("copy_dst_true", copy(0, True, length=2), TypeError, "dst"),  # the issue's reproducer
+        ("copy_dst_true", copy(0, True, length=2), TypeError, "dst"),  # a bool, not an index
         ("copy_src_true", copy(True, 1), TypeError, "src"),
         ("copy_src_float", copy(0.0, 1), TypeError, "src"),
         ("copy_dst_float", copy(0, 1.0), TypeError, "dst"),
@@ -384,7 +384,7 @@ def tiny_model(device: str, dtype: torch.dtype):
 
 def model_cache_cases(where: Device) -> list[Case]:
     """``Qwen3.forward`` with per-layer caches: a failure in any layer's cache is found before
-    layer 0 appends (the issue's reproducer: ``caches[1]`` of the wrong capacity).  The state
+    layer 0 appends (e.g. ``caches[1]`` of the wrong capacity).  The state
     holds good caches and, where a case needs one, a bad layer-1 cache: the bad call runs with
     ``[caches[0], bad]`` and must leave ``caches[0]`` as it was."""
     dtype = where.dtype if where.device == "cuda" else torch.float32

@@ -1,4 +1,4 @@
-"""Host time of one ``gpu.forward`` decode call (issue 5: decode B=1 @ 32768 is host-bound).
+"""Host time of one ``gpu.forward`` decode call (decode B=1 @ 32768 is host-bound).
 
 The decode cases of ``benchmarks/bench_attention.py`` (GQA 32/8, d=128, bf16, a prebuilt
 layout, ``prefill_zero=False``): per round and case, host us/call (``--calls`` calls without a

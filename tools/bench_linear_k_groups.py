@@ -1,4 +1,4 @@
-"""EXPERIMENTAL: the cost and gain of the K-group tree (issue 4) at M = 1 and M = 4096.
+"""EXPERIMENTAL: the cost and gain of the K-group tree at M = 1 and M = 4096.
 
 Times cuBLAS (``torch.mm``), batchinv's linear (sequential K) and
 ``batchinv.gpu.linear.matmul_nt_k_groups`` (4 K groups, fp32 partials, fixed tree) in the

@@ -8,8 +8,8 @@ resetting the caches' lengths and running ``final_hidden``), measured three ways
   wall = after the final synchronize), ``--rounds`` rounds;
 - the bench's decode row: ``median_ms`` of the step plus that of the lm_head on 64 rows;
 - host syncs per step (torch's sync debug mode), and with ``--profile`` the torch.profiler CPU
-  table of 5 steps (``--stack``: ``aten::arange`` grouped by Python stack; on the H200 run of
-  session 8, torch 2.11, the groups came back without stacks).
+  table of 5 steps (``--stack``: ``aten::arange`` grouped by Python stack; with torch 2.11 on an
+  H200 the groups have come back without stacks).
 
 ``--save FILE`` writes the batchinv step's hidden states, to compare two trees bit for bit.
 Run it once per tree (old and new code) in the same device call, alternating:

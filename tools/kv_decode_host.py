@@ -1,4 +1,4 @@
-"""Host time and host syncs of one KV-cache decode step on CUDA (issue 5's decode path).
+"""Host time and host syncs of one KV-cache decode step on CUDA (attention's decode path).
 
 B=64 sequences at context 4096, GQA 32/8, d=128, bf16 (the e2e decode shapes).  Per case:
 host us/call (the loop of ``--calls`` calls without a sync), wall us/call (after the final

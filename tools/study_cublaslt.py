@@ -1,4 +1,4 @@
-"""Issue 4 study: can cuBLASLt with one pinned algorithm serve as a batch-invariant linear?
+"""Study: can cuBLASLt with one pinned algorithm serve as a batch-invariant linear?
 
 For each Qwen3-8B linear shape and dtype: ask cuBLASLt's heuristic (no workspace allowed) for
 its top algorithm at M = 4096, pin it (algo id, tile, stages, swizzle, custom option, inner and

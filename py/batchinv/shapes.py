@@ -26,8 +26,8 @@ QWEN3_8B_LINEAR = (
     ("lm_head", 4096, 151936),
 )
 
-# Token counts of the bitwise M sweep: the 1, 2, 3, 17, 64, 65, 257, 1024, 4096, 8191,
-# plus 9 and 16, which sit on either side of the small-M kernel's switches (gpu/linear.py).
+# Token counts of the bitwise M sweep: 1, 2, 3, 17, 64, 65, 257, 1024, 4096, 8191, plus 9 and
+# 16, which sit on either side of the small-M kernel's switches (gpu/linear.py).
 LINEAR_M_SWEEP = (1, 2, 3, 9, 16, 17, 64, 65, 257, 1024, 4096, 8191)
 
 # Batches of the large-M invariance tests, up to the 16-64k rows a trainer recomputes: the

@@ -76,7 +76,7 @@ def _no_weights(path: Path) -> Path:
 
 
 def _config_file(path: Path) -> Path:
-    return path / "config.json"  # the issue's `--model .../config.json`
+    return path / "config.json"  # as in `--model .../config.json`
 
 
 def _weights_file(path: Path) -> Path:

@@ -105,7 +105,7 @@ def test_case_sets_cover_every_public_op_and_the_model():
         names = [c.name for c in fp.cases(case_set)]
         assert len(names) == len(set(names))
     full = {c.name: c.params for c in fp.FULL_CASES}
-    # The production paths the issue names.
+    # The production paths the full case set must reach.
     assert any(p.get("rows", 0) >= 1024 for c, p in full.items() if c.startswith("linear"))
     assert full["lm_head"]["out"] == 151936
     assert max(full["attention_varlen"]["lengths"]) > 2048

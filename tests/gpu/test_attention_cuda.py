@@ -25,7 +25,7 @@ QUICK = os.environ.get("BATCHINV_QUICK") == "1"
 DTYPES = (torch.bfloat16, torch.float16)
 HEAD_DIMS = (64, 128)
 HEADS = ((8, 2), (2, 2))  # (Hq, Hkv): GQA 4:1 (Qwen3's 32/8 scaled down) and MHA
-SPLIT = gpu.SPLIT_KEYS  # the contract's split (2048 keys since session 10; 1024 before)
+SPLIT = gpu.SPLIT_KEYS  # the contract's split (2048 keys)
 LONG_CONTEXT = 2 * SPLIT + 452  # three splits: split merges are exercised
 CHUNK_SIZES = (1, 7, 64, 100)
 
@@ -208,9 +208,9 @@ def test_wide_score_range_same_bits_in_every_mode(dtype):
         assert_bitwise_equal(got, base, name=f"{mode}/{warps} warps/{stages} stages/coop {coop}")
 
 
-# Decode contexts around block (128; 64 until session 9) and split (SPLIT) boundaries, three
+# Decode contexts around multiples of 64 keys, block (128) and split (SPLIT) boundaries, three
 # splits (2 * SPLIT + 1), and (Hq, Hkv) groups whose packed rows fill a quarter, half and all of
-# a 16-row tile.  1023-1025 (the split edge until session 10) stay as in-split block edges.
+# a 16-row tile.  1023-1025 are block edges inside a split.
 BLOCK_EDGES = (1, 63, 65, 127, 128, 129, 255, 256, 257)
 DECODE_CONTEXTS = (*BLOCK_EDGES, 1023, 1024, 1025, SPLIT - 1, SPLIT, SPLIT + 1, 2 * SPLIT + 1)
 DECODE_HEADS = ((8, 2), (8, 1), (16, 1))

@@ -131,7 +131,7 @@ def _uninitialised_decode(batch, ctx, hq=32, hkv=8, d=128):
 
 @cuda
 def test_coop_default_stages_follow_the_one_wave_rule():
-    # Session 10: a cooperative decode launch of at most one CTA per SM takes
+    # A cooperative decode launch of at most one CTA per SM takes
     # COOP_ONE_WAVE_STAGES K/V stages, a larger one COOP_DEFAULT_STAGES.  A GQA 32/8 decode
     # launch has 8 (kv heads) x B x splits CTAs: B=1 at 32768 keys is 128 CTAs (2 stages on a
     # 132-SM H100/H200), B=64 at 4096 keys 1024 CTAs (1 stage); one-split batches on both sides
@@ -174,8 +174,8 @@ def test_a_plan_is_not_reused_for_other_strides_alignment_or_bounds():
 
 @cuda
 def test_a_misaligned_k_is_copied_and_its_plan_never_kept():
-    # A contiguous K at an 8-byte base: as_rows copies it (before session 8's fix it passed it
-    # on unchanged: a misaligned-address fault), and a plan made on a copy is never kept.
+    # A contiguous K at an 8-byte base: as_rows copies it (passed on unchanged it would be a
+    # misaligned-address fault), and a plan made on a copy is never kept.
     lens = [1, 1025, 4097]
     (q, k, v), layout = _decode(lens, seed=4)
     scale = gpu.scale_of(None, 128)

@@ -1,5 +1,5 @@
 """The production-shaped run of ``batchinv audit`` on an sm_90 GPU, in bf16 and fp16: batchinv
-stays bitwise invariant in every case, and the kernel paths the issue named were reached --
+stays bitwise invariant in every case, and the production kernel paths were reached --
 linear batches of 1024-8191 rows and beyond 8191 rows (on the pinned cuBLASLt GEMM in fp16,
 which the path switch's ``auto`` serves there; bf16 stays on batchinv's tiles), attention in
 tile and split mode with contexts past the 2048-key split, and the Hopper cluster form of

@@ -4,7 +4,7 @@ fused RMSNorm backward and the reworked RoPE and SiLU-mul bodies, run once on sm
 (NaN in the padding where there is padding), and checked for finite results and exact zeros
 where nothing may be written.  The value and invariance checks live in each op's own test file;
 this file is the short target that `nox -s sanitize` runs under compute-sanitizer (memcheck is
-~50x slower than a plain run, so the full op files do not fit a session)."""
+~50x slower than a plain run, so the full op files would take too long)."""
 
 from __future__ import annotations
 
@@ -46,7 +46,7 @@ def _randn(*shape, dtype, seed):
     ids=lambda p: "-".join(f"{k}{v}" for k, v in p.items()) if isinstance(p, dict) else str(p),
 )
 def test_attention_forward_variants(dtype, d, mode, warps, options):
-    # more than one split (SPLIT_KEYS = 2048 since session 10), lengths not multiples of 64
+    # more than one split (SPLIT_KEYS = 2048), lengths not multiples of 64
     sq, sk = 70, gpu_attention.SPLIT_KEYS + 76
     q = _randn(2, sq, 4, d, dtype=dtype, seed=1)
     k = _randn(2, sk, 2, d, dtype=dtype, seed=2)

@@ -22,7 +22,7 @@ DEVICE = "cuda"
 DTYPE = torch.bfloat16
 HQ, HKV, D = 8, 2, 128
 # Cached keys per slot before the step: two slots on and one key past the contract's split
-# (SPLIT_KEYS: 2048 keys since session 10), so a step's contexts span two splits.
+# (SPLIT_KEYS: 2048 keys), so a step's contexts span two splits.
 SPLIT = gpu_attention.SPLIT_KEYS
 LENGTHS = (1500, 3, SPLIT, SPLIT + 1, 64, 700)
 CAPACITY = SPLIT + 100

@@ -360,7 +360,7 @@ def test_weight_gradient_is_the_documented_fixed_tree(hidden, dtype, many_rows):
 # dtypes of TWO_GROUP_DTYPES (1 x 16 below it, and in the other dtypes): t128k4 (hidden 4096
 # bf16/fp16, 2048 fp32; 4090: the element path; bf16 and fp32 two groups from 16384 rows) and
 # t128k5 (hidden 5120 bf16/fp16, 2560 fp32; 5114 and 2554: the element path; every dtype two
-# groups from 8192 rows, issue 6 session 11).  Rows: the two-pass path (300), the fused kernel
+# groups from 8192 rows).  Rows: the two-pass path (300), the fused kernel
 # (4097: a partial last CTA), both sides of the edge, and the edge plus 16 rows (a last CTA with
 # one group of rows past the end); t128k5 also at 16384 rows (t128k4's edge).
 TWO_GROUP_EDGES = {"t128k4": 16384, "t128k5": 8192}
@@ -1061,7 +1061,7 @@ def test_backward_t128k4_reduces_a_row_as_t128(dtype, trim):
 @pytest.mark.parametrize("trim", (0, 3))  # 0: whole 16-byte chunks (vector path); 3: element path
 def test_backward_t128k5_two_groups_are_the_documented_tree(dtype, trim):
     # t128k5's two-group CTAs (t128k5g2: 2 groups x 16 rows, each group reducing its rows at a
-    # named barrier of its own; issue 6, session 11) launched directly on 67 rows: three CTAs,
+    # named barrier of its own) launched directly on 67 rows: three CTAs,
     # the last with 3 rows (its second group wholly past the end).  grad_x must be the grad_x-only
     # kernel's, the partial rows the documented 2 x 16 first level, with and without a residual
     # gradient.
@@ -1110,7 +1110,7 @@ def test_backward_t128k5_two_groups_are_the_documented_tree(dtype, trim):
 def test_backward_t4_runs_of_one_row_are_the_documented_tree(dtype, trim):
     # The q/k norm's fused backward (t4: 32 row groups of 4 threads, a partial row of 32 runs of
     # one row) writes each run's sums as +0 + its products instead of adding them to cleared
-    # slots, and lays the groups' sums out interleaved (issue 6, session 10).  67 rows: three
+    # slots, and lays the groups' sums out interleaved.  67 rows: three
     # CTAs, the last with 3 rows and 29 groups past the end, whose sums must be +0; one row of
     # -0 gradients, whose products are -0 (a run's sum from +0 is +0 there).
     elems = 16 // dtype.itemsize

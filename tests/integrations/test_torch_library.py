@@ -249,7 +249,7 @@ def test_compiled_block_fullgraph_same_bits_as_eager():
 
 @pytest.mark.parametrize("padded", (False, True))
 def test_qwen3_model_forward_compiles_fullgraph_with_eager_bits(padded):
-    """Issue 7: torch.compile(fullgraph=True) works on the Qwen3 forward (aot_eager on CPU)."""
+    """torch.compile(fullgraph=True) works on the Qwen3 forward (aot_eager on CPU)."""
     from batchinv.models import Qwen3
 
     model = Qwen3.from_config(seed=0)

@@ -163,8 +163,8 @@ def test_backward_geometry_differs_from_the_forward_only_where_documented():
 
 def test_weight_grad_first_level_of_t128k4_and_t128k5_from_the_row_threshold_on():
     # A function of d, the dtype and the row count, never of the device: 2 groups x 16 rows for
-    # t128k4 in bf16 and fp32 from 16384 rows on (issue 6, session 8) and for t128k5 in every
-    # dtype from 8192 rows on (session 11), the geometry's 1 x 16 otherwise.  The edges are
+    # t128k4 in bf16 and fp32 from 16384 rows on and for t128k5 in every dtype from 8192 rows
+    # on, the geometry's 1 x 16 otherwise.  The edges are
     # written out here, not read from the code under test.
     assert gpu_rms_norm.TWO_GROUPS_SHAPE == (2, 16)
     cases = (

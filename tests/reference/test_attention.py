@@ -37,7 +37,7 @@ from batchinv.validation import check_attention_args, check_length_values
 HEAD_CONFIGS = [(4, 2, 64), (4, 4, 128), (6, 2, 32), (3, 1, 256)]
 # (Sq, Sk): plain prefill, queries at the end of a longer key sequence (offset), block edges.
 SEQ_CONFIGS = [(37, 37), (20, 150), (128, 128), (129, 129)]
-# 128: chunks of one KV block (64 was, until the blocks grew to 128 keys in session 9).
+# 128: chunks of one KV block.
 CHUNK_SIZES = [1, 7, 64, 100, 128]
 # Probe length of the T1-T7 sweeps: odd and past one 128-key block (the contract's default probe,
 # 67 tokens, stays inside the first block).
@@ -850,7 +850,7 @@ def test_require_contiguous_and_cu_dtype_checks():
 
 def test_kv_block_is_the_documented_constant():
     # Changing it changes every bit pattern the GPU kernels are compared against (their
-    # kBlockKeys: kernels_cu/common/attention_rows.cuh; 64 until session 9).
+    # kBlockKeys: kernels_cu/common/attention_rows.cuh).
     assert KV_BLOCK == 128
 
 
