@@ -3,9 +3,9 @@
 On CUDA each output element is reduced over K in 64-wide tiles of four k16 tensor-core
 steps, in increasing k, whatever the number of rows (kernels_cu/linear.cu); on HIP by one
 FMA chain in increasing k (a portable loop, never run on AMD hardware: docs/amd.md); on the
-CPU the strict reference reduces K one element at a time.  Gradients use the same kernels: grad_x
-is a per-row reduction (batch-invariant), grad_weight and grad_bias reduce over tokens in
-increasing order (bitwise identical run to run).
+CPU the strict reference reduces K one element at a time.  Gradients use the same kernels:
+grad_x is a per-row reduction (batch-invariant), grad_weight and grad_bias reduce over
+tokens in increasing order (bitwise identical run to run).
 """
 
 from __future__ import annotations
