@@ -12,7 +12,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-import batchinv  # noqa: F401  (registers every op)
 from batchinv import registry
 from batchinv.gpu import linear as gpu_linear
 from batchinv.gpu import linear_cublaslt
