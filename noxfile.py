@@ -201,8 +201,8 @@ def hip_compile(session: nox.Session) -> None:
     clang = shutil.which(os.environ.get("BATCHINV_HIP_CLANG", HIP_CLANG))
     if clang is None:
         session.error(
-            f"{HIP_CLANG} is not installed (Debian 12: apt-get install clang-19 lld-19 "
-            "libamdhip64-dev rocm-device-libs)"
+            f"{HIP_CLANG} is not installed (Debian 12: apt-get install clang-19 clang-tools-19 "
+            "lld-19 llvm-19 libamdhip64-dev rocm-device-libs)"
         )
     llvm_bin = Path(clang).resolve().parent
     out = ROOT / "build" / "hip"
@@ -214,18 +214,24 @@ def hip_compile(session: nox.Session) -> None:
         "BATCHINV_HIP_DEVICE_LIBS": str(device_libs),
     }
     # build.rs compiles the images; its output directory comes from cargo's JSON messages.
-    messages = subprocess.run(
+    cargo = subprocess.run(
         ["cargo", "build", "-p", "batchinv-kernels", "--message-format=json"],
         stdout=subprocess.PIPE,
         text=True,
         env={**os.environ, **env},
         cwd=ROOT,
     )
-    if messages.returncode != 0:
-        session.error("the HIP build of batchinv-kernels failed (cargo's output above)")
+    messages = [json.loads(line) for line in cargo.stdout.splitlines()]
+    if cargo.returncode != 0:
+        # A failing build script (a kernel that does not compile) is reported on stderr
+        # above; Rust's own errors come only as JSON.
+        for message in messages:
+            if message.get("reason") == "compiler-message":
+                session.log(message["message"]["rendered"])
+        session.error("the HIP build of batchinv-kernels failed")
     out_dirs = [
         message["out_dir"]
-        for message in map(json.loads, messages.stdout.splitlines())
+        for message in messages
         if message.get("reason") == "build-script-executed"
         and "batchinv-kernels" in message["package_id"]
     ]
