@@ -11,6 +11,7 @@ preinstalled: they use the current environment as it is.
 from __future__ import annotations
 
 import glob
+import json
 import os
 import shutil
 import subprocess
@@ -38,7 +39,11 @@ NVCC_WHEELS = [
 # manylinux_2_28 wheels do (RHEL 8, Ubuntu 20.04) whatever glibc the build machine has.
 ZIG = "ziglang==0.15.*"
 MANYLINUX = "manylinux_2_28"
+# AMD targets of `hip_compile`, each of which must build.  Debian 12's clang-19 (LLVM 19) knows
+# both; the HIP headers and device libraries are Debian's ROCm 5.2 packages (docs/amd.md).
 HIP_TARGETS = ["gfx90a", "gfx942"]
+HIP_CLANG = "clang++-19"
+HIP_DEVICE_LIBS = Path("/usr/lib/x86_64-linux-gnu/amdgcn/bitcode")
 # Names of every kernel in kernels_cu/, for compute-sanitizer's kernel filter.
 CUBLASLT_TESTS = "tests/gpu/test_linear_cublaslt_cuda.py"
 OUR_KERNELS = (
@@ -146,61 +151,124 @@ def build(session: nox.Session) -> None:
         session.log(f"built dist/{wheel.name}")
 
 
+def _isa_version(target: str) -> int:
+    """The ROCm device libraries' __oclc_ISA_version of a target: gfx942 -> 9402, gfx90a -> 9010."""
+    digits = target.removeprefix("gfx")
+    return int(digits[:-2]) * 1000 + int(digits[-2], 16) * 100 + int(digits[-1], 16)
+
+
+def _hip_device_libs(session: nox.Session, llvm_bin: Path, out: Path) -> Path:
+    """A device-library directory for every HIP_TARGETS entry: Debian's ROCm 5.2 bitcode, plus,
+    for targets newer than it (gfx942), the one per-target file it lacks, oclc_isa_version_<n>.bc.
+    That file holds a single constant, so it is made from another target's by changing the
+    value (checked against _isa_version first)."""
+    if not HIP_DEVICE_LIBS.is_dir():
+        session.error(f"no ROCm device libraries in {HIP_DEVICE_LIBS} (Debian: rocm-device-libs)")
+    libs = out / "device-libs"
+    shutil.rmtree(libs, ignore_errors=True)
+    libs.mkdir(parents=True)
+    for bitcode in HIP_DEVICE_LIBS.glob("*.bc"):
+        (libs / bitcode.name).symlink_to(bitcode)
+    template_target = "gfx900"
+    template = subprocess.run(
+        [llvm_bin / "llvm-dis", HIP_DEVICE_LIBS / "oclc_isa_version_900.bc", "-o", "-"],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
+    constant = f"constant i32 {_isa_version(template_target)},"
+    if template.count(constant) != 1:
+        session.error(f"oclc_isa_version_900.bc does not hold one '{constant}'")
+    for target in HIP_TARGETS:
+        name = f"oclc_isa_version_{target.removeprefix('gfx')}.bc"
+        if (libs / name).exists():
+            continue
+        session.log(f"{HIP_DEVICE_LIBS} has no {name}: writing it ({_isa_version(target)})")
+        subprocess.run(
+            [llvm_bin / "llvm-as", "-o", libs / name],
+            input=template.replace(constant, f"constant i32 {_isa_version(target)},"),
+            check=True,
+            text=True,
+        )
+    return libs
+
+
 @nox.session(venv_backend="none")
 def hip_compile(session: nox.Session) -> None:
-    """Compiles every kernels_cu/*.cu with hipcc for AMD targets and embeds them in a Rust build."""
-    hipcc = shutil.which("hipcc")
-    if hipcc is None:
-        session.error("hipcc is not installed (Debian: apt-get install hipcc)")
+    """Builds batchinv-kernels with a HIP code object of every kernels_cu/*.cu for each of
+    HIP_TARGETS (clang++-19, docs/amd.md), fails if any source or target does not build, and
+    lists each image's kernels per target; the images are left in build/hip/."""
+    clang = shutil.which(os.environ.get("BATCHINV_HIP_CLANG", HIP_CLANG))
+    if clang is None:
+        session.error(
+            f"{HIP_CLANG} is not installed (Debian 12: apt-get install clang-19 clang-tools-19 "
+            "lld-19 llvm-19 libamdhip64-dev rocm-device-libs)"
+        )
+    llvm_bin = Path(clang).resolve().parent
     out = ROOT / "build" / "hip"
-    out.mkdir(parents=True, exist_ok=True)
-    env = {"HIP_PLATFORM": "amd"}
-    supported = []
-    probe_source = out / "probe.hip"  # hipcc finds its ROCm paths only for file inputs
-    probe_source.write_text("__global__ void probe() {}\n")
-    for target in HIP_TARGETS:
-        probe = subprocess.run(
-            [hipcc, "--genco", f"--offload-arch={target}", "-x", "hip", str(probe_source)]
-            + ["-o", str(out / "probe.hsaco")],
-            text=True,
-            capture_output=True,
-            env={**os.environ, **env},
-        )
-        if probe.returncode == 0:
-            supported.append(target)
-        else:
-            session.log(
-                f"this hipcc cannot target {target}; skipping it ({probe.stderr.strip()[:200]})"
-            )
-    if not supported:
-        session.error("hipcc supports none of " + ", ".join(HIP_TARGETS))
-    for source in sorted(glob.glob(str(ROOT / "kernels_cu" / "*.cu"))):
-        name = Path(source).stem
-        arch_flags = [f"--offload-arch={t}" for t in supported]
-        session.run(
-            hipcc,
-            "--genco",
-            *arch_flags,
-            "-O3",
-            "-std=c++17",
-            "-x",
-            "hip",
-            "-I",
-            str(ROOT / "kernels_cu"),
-            source,
-            "-o",
-            str(out / f"{name}.hsaco"),
-            env=env,
-            external=True,
-        )
-    session.run(
-        "cargo",
-        "build",
-        "-p",
-        "batchinv-kernels",
-        external=True,
-        env={"BATCHINV_NO_CUDA": "1", "BATCHINV_HIP_ARCHS": ";".join(supported)},
+    device_libs = _hip_device_libs(session, llvm_bin, out)
+    env = {
+        "BATCHINV_NO_CUDA": "1",
+        "BATCHINV_HIP_ARCHS": ";".join(HIP_TARGETS),
+        "BATCHINV_HIP_CLANG": clang,
+        "BATCHINV_HIP_DEVICE_LIBS": str(device_libs),
+    }
+    # build.rs compiles the images; its output directory comes from cargo's JSON messages.
+    cargo = subprocess.run(
+        ["cargo", "build", "-p", "batchinv-kernels", "--message-format=json"],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, **env},
+        cwd=ROOT,
     )
+    messages = [json.loads(line) for line in cargo.stdout.splitlines()]
+    if cargo.returncode != 0:
+        # A failing build script (a kernel that does not compile) is reported on stderr
+        # above; Rust's own errors come only as JSON.
+        for message in messages:
+            if message.get("reason") == "compiler-message":
+                session.log(message["message"]["rendered"])
+        session.error("the HIP build of batchinv-kernels failed")
+    out_dirs = [
+        message["out_dir"]
+        for message in messages
+        if message.get("reason") == "build-script-executed"
+        and "batchinv-kernels" in message["package_id"]
+    ]
+    if len(out_dirs) != 1:
+        session.error("cargo named no build-script output directory for batchinv-kernels")
+    bundler = llvm_bin / "clang-offload-bundler"
+    for source in sorted((ROOT / "kernels_cu").glob("*.cu")):
+        image = Path(out_dirs[0]) / f"{source.stem}.hsaco"
+        if not image.is_file():
+            session.error(f"build.rs made no HIP image for {source.name}")
+        shutil.copy2(image, out / image.name)
+        listed = subprocess.run(
+            [bundler, "--list", "--type=o", f"--input={image}"],
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout.split()
+        counts = []
+        for target in HIP_TARGETS:
+            bundle_id = f"hipv4-amdgcn-amd-amdhsa--{target}"
+            if bundle_id not in listed:
+                session.error(f"{image.name} holds no {target} code object ({listed})")
+            code_object = out / f"{source.stem}.{target}.o"
+            subprocess.run(
+                [bundler, "--unbundle", "--type=o", f"--input={image}"]
+                + [f"--targets={bundle_id}", f"--output={code_object}"],
+                check=True,
+            )
+            symbols = subprocess.run(
+                [llvm_bin / "llvm-readelf", "--symbols", "--wide", code_object],
+                check=True,
+                capture_output=True,
+                text=True,
+            ).stdout
+            kernels = {line.split()[-1] for line in symbols.splitlines() if line.endswith(".kd")}
+            counts.append(f"{target}: {len(kernels)} kernels")
+        session.log(f"{source.name}: " + ", ".join(counts))
 
 
 @nox.session(requires=["build"])

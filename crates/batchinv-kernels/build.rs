@@ -6,8 +6,12 @@
 //! - `BATCHINV_NVCC`        the nvcc to use (default: `nvcc` on PATH, `$CUDA_HOME/bin`, then
 //!   the `nvidia-cuda-nvcc` wheel of the Python that `PYO3_PYTHON` or `python3` names).
 //! - `BATCHINV_NO_CUDA=1`   build without CUDA images; GPU ops then raise at run time.
-//! - `BATCHINV_HIP_ARCHS`   also build AMD code objects with hipcc, e.g. `gfx90a`.
-//! - `BATCHINV_HIPCC`       the hipcc to use (default `hipcc` on PATH).
+//! - `BATCHINV_HIP_ARCHS`   also build AMD code objects, e.g. `gfx90a;gfx942`, one offload
+//!   bundle per source compiled as HIP by clang's driver (docs/amd.md).
+//! - `BATCHINV_HIP_CLANG`   the clang++ that compiles them (default `clang++-19`): its AMDGPU
+//!   target, HIP headers and ROCm device libraries are found the way clang finds them.
+//! - `BATCHINV_HIP_DEVICE_LIBS` the ROCm device-library bitcode directory, where clang's own
+//!   search finds none for a target (default: clang's search).
 //! - `CC`                   the C compiler whose preprocessor expands each source's macros
 //!   before its kernel declarations are read (default `cc`).
 //!
@@ -25,6 +29,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 const DEFAULT_CUDA_ARCHS: &str = "80;90a";
+const DEFAULT_HIP_CLANG: &str = "clang++-19";
 const NVCC_HELP: &str = "nvcc was not found. Install the pinned CUDA 13.0 compiler wheels:\n    \
     pip install nvidia-cuda-nvcc==13.0.88 'nvidia-nvvm==13.0.*' 'nvidia-cuda-crt==13.0.*' \
     'nvidia-cuda-runtime==13.0.*' 'nvidia-cuda-cccl==13.0.*'\n\
@@ -45,7 +50,8 @@ fn main() {
         "BATCHINV_NVCC",
         "BATCHINV_NO_CUDA",
         "BATCHINV_HIP_ARCHS",
-        "BATCHINV_HIPCC",
+        "BATCHINV_HIP_CLANG",
+        "BATCHINV_HIP_DEVICE_LIBS",
         "CUDA_HOME",
         "PYO3_PYTHON",
         "CC",
@@ -71,8 +77,11 @@ fn main() {
     let hip_images = if hip_archs.trim().is_empty() {
         vec![None; sources.len()]
     } else {
-        let hipcc = env::var("BATCHINV_HIPCC").unwrap_or_else(|_| "hipcc".to_string());
-        let images = compile_all(&sources, |source| compile_hip(&hipcc, &hip_archs, &kernels_dir, source, &out_dir));
+        let clang = env::var("BATCHINV_HIP_CLANG").unwrap_or_else(|_| DEFAULT_HIP_CLANG.to_string());
+        let device_libs = env::var_os("BATCHINV_HIP_DEVICE_LIBS").map(PathBuf::from);
+        let images = compile_all(&sources, |source| {
+            compile_hip(&clang, device_libs.as_deref(), &hip_archs, &kernels_dir, source, &out_dir)
+        });
         images.into_iter().map(Some).collect()
     };
 
@@ -266,15 +275,27 @@ fn check_ptx_entries(source: &Source, keep: &Path) {
     }
 }
 
-fn compile_hip(hipcc: &str, archs: &str, kernels_dir: &Path, source: &Source, out_dir: &Path) -> PathBuf {
+/// One offload bundle (the format hipModuleLoadData reads) holding a code object per target;
+/// any target clang cannot build fails the build.
+fn compile_hip(
+    clang: &str,
+    device_libs: Option<&Path>,
+    archs: &str,
+    kernels_dir: &Path,
+    source: &Source,
+    out_dir: &Path,
+) -> PathBuf {
     let image = out_dir.join(format!("{}.hsaco", source.op));
-    let mut command = Command::new(hipcc);
-    command.env("HIP_PLATFORM", "amd").args(["--genco", "-O3", "-std=c++17", "-x", "hip"]);
+    let mut command = Command::new(clang);
+    command.args(["-x", "hip", "--offload-device-only", "-O3", "-std=c++17"]);
     for arch in archs.split([';', ',']).map(str::trim).filter(|a| !a.is_empty()) {
         command.arg(format!("--offload-arch={arch}"));
     }
+    if let Some(dir) = device_libs {
+        command.arg(format!("--rocm-device-lib-path={}", dir.display()));
+    }
     command.arg("-I").arg(kernels_dir).arg(&source.path).arg("-o").arg(&image);
-    run(&mut command, &format!("{} for HIP", source.path.display()), &out_dir.join(format!("{}.hipcc.txt", source.op)));
+    run(&mut command, &format!("{} for HIP", source.path.display()), &out_dir.join(format!("{}.hip.txt", source.op)));
     image
 }
 

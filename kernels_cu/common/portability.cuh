@@ -18,6 +18,13 @@
 #include <hip/hip_runtime.h>
 #define BATCHINV_WARP_SIZE 64
 #define BATCHINV_SHFL_XOR(value, mask) __shfl_xor((value), (mask))
+// The HIP reductions are written for CDNA's 64-lane wavefronts (gfx90a, gfx942, docs/amd.md).
+// RDNA targets compile for 32 lanes by default, where a 64-lane butterfly would read lanes that
+// do not exist: refuse to build for them rather than compute wrong sums.
+#if defined(__HIP_DEVICE_COMPILE__) && defined(__AMDGCN_WAVEFRONT_SIZE__) && \
+    __AMDGCN_WAVEFRONT_SIZE__ != BATCHINV_WARP_SIZE
+#error "batchinv's HIP kernels need 64-lane wavefronts (CDNA targets such as gfx90a and gfx942)"
+#endif
 #else
 #include <cuda_fp16.h>
 #include <stdint.h>

@@ -1,4 +1,5 @@
-"""Linear on CUDA: picks a tile configuration of ``kernels_cu/linear.cu`` and launches it.
+"""Linear on CUDA: picks a tile configuration of ``kernels_cu/linear.cu`` and launches it
+(on HIP: the portable loop at the end of this module).
 
 Every configuration reduces K in the same order (see the kernel's contract), so the choice
 below may follow M freely: it is a performance decision, not a numerical one.  Tests run
@@ -10,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import re
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -228,7 +230,8 @@ def matmul_nt(
             raise TypeError(f"family 'hopper' takes a TileConfig, got {type(config).__name__}")
         _launch_tma_gemm(config, config.block_m, x, weight, out, bias_arg)
     elif family == "mma":
-        _require_sm80(x.device)
+        if not torch.version.hip:  # on HIP these entries are the portable loop (see hip_forward)
+            _require_sm80(x.device)
         launch(
             kernel_for("linear", f"linear_mma_{dtype_name}", x.device),
             x.device,
@@ -355,6 +358,20 @@ def backward(
     grad_weight = grad_yᵀ · x and grad_bias = 1ᵀ · grad_y reduce over the tokens in
     increasing token order (64-token tiles, k16 steps), bitwise identical run to run.
     """
+    return _backward(grad_out, x, weight, bias_dtype, needs_input_grad, matmul_rows, matmul_nt)
+
+
+def _backward(
+    grad_out: Tensor,
+    x: Tensor,
+    weight: Tensor,
+    bias_dtype: torch.dtype | None,
+    needs_input_grad: tuple[bool, bool, bool],
+    rows_matmul: Callable[[Tensor, Tensor], Tensor],
+    matmul: Callable[[Tensor, Tensor], Tensor],
+) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+    """``backward``'s products: ``rows_matmul`` for grad_x (its rows are tokens), ``matmul``
+    for the two that reduce over the tokens."""
     n, k = weight.shape
     grad_rows = grad_out.reshape(-1, n).to(x.dtype).contiguous()
     grad_x = grad_weight = grad_bias = None
@@ -362,17 +379,49 @@ def backward(
         weight_t = _pad_columns(
             weight.t().contiguous()
         )  # [K, N]: out_features become the reduction
-        grad_x = matmul_rows(_pad_columns(grad_rows), weight_t).reshape(x.shape)
+        grad_x = rows_matmul(_pad_columns(grad_rows), weight_t).reshape(x.shape)
     needs_tokens_major = needs_input_grad[1] or (bias_dtype is not None and needs_input_grad[2])
     if needs_tokens_major:
         grad_t = _pad_columns(grad_rows.t().contiguous())  # [N, M]: tokens become the reduction
     if needs_input_grad[1]:
         x_t = _pad_columns(x.reshape(-1, k).t().contiguous())  # [K, M]
-        grad_weight = matmul_nt(grad_t, x_t)
+        grad_weight = matmul(grad_t, x_t)
     if bias_dtype is not None and needs_input_grad[2]:
         ones = torch.ones(1, grad_t.shape[1], dtype=grad_t.dtype, device=grad_t.device)
-        grad_bias = matmul_nt(ones, grad_t).reshape(n).to(bias_dtype)
+        grad_bias = matmul(ones, grad_t).reshape(n).to(bias_dtype)
     return grad_x, grad_weight, grad_bias
+
+
+# ---- HIP: the portable loop ---------------------------------------------------------------
+# On HIP the linear_mma_* entries are kernels_cu/linear.cu's SIMT loop (no matrix cores): each
+# output is one fp32 FMA chain over k in increasing order, rounded once, so a row's bits cannot
+# depend on the batch, and the products over tokens are bitwise identical run to run.  Neither
+# the Hopper kernels nor cuBLASLt exist there.  Compiled for gfx90a and gfx942, never run on
+# AMD hardware (docs/amd.md).
+
+
+def _hip_matmul_nt(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    return matmul_nt(x, weight, bias, family="mma")
+
+
+def hip_forward(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """The registry's ``linear.forward`` on HIP: ``x [..., K]`` -> ``[..., N]`` (see above)."""
+    check_gpu_args(x, weight, bias)
+    rows = x.reshape(-1, x.shape[-1]).contiguous()
+    return _hip_matmul_nt(rows, weight, bias).reshape(*x.shape[:-1], weight.shape[0])
+
+
+def hip_backward(
+    grad_out: Tensor,
+    x: Tensor,
+    weight: Tensor,
+    bias_dtype: torch.dtype | None,
+    needs_input_grad: tuple[bool, bool, bool] = (True, True, True),
+) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+    """The registry's ``linear.backward`` on HIP: ``backward``'s products on the loop."""
+    return _backward(
+        grad_out, x, weight, bias_dtype, needs_input_grad, _hip_matmul_nt, _hip_matmul_nt
+    )
 
 
 def check_gpu_args(x: Tensor, weight: Tensor, bias: Tensor | None) -> None:

@@ -1,10 +1,11 @@
 """``batchinv.linear``: ``x · weightᵀ + bias`` with a K order that never depends on M.
 
 On CUDA each output element is reduced over K in 64-wide tiles of four k16 tensor-core
-steps, in increasing k, whatever the number of rows (kernels_cu/linear.cu); on the CPU the
-strict reference reduces K one element at a time.  Gradients use the same kernels: grad_x
-is a per-row reduction (batch-invariant), grad_weight and grad_bias reduce over tokens in
-increasing order (bitwise identical run to run).
+steps, in increasing k, whatever the number of rows (kernels_cu/linear.cu); on HIP by one
+FMA chain in increasing k (a portable loop, never run on AMD hardware: docs/amd.md); on the
+CPU the strict reference reduces K one element at a time.  Gradients use the same kernels:
+grad_x is a per-row reduction (batch-invariant), grad_weight and grad_bias reduce over
+tokens in increasing order (bitwise identical run to run).
 """
 
 from __future__ import annotations
@@ -57,6 +58,8 @@ def linear_path(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> str:
     if x.device.type != "cuda":
         return "reference"
     gpu_linear.check_gpu_args(x, weight, bias)
+    if registry.backend_of(x.device) == "hip":
+        return "own"  # the portable loop: no cuBLASLt on HIP
     return gpu_linear.rows_path(math.prod(x.shape[:-1]), weight, bias is not None)
 
 
@@ -97,6 +100,8 @@ registry.register("linear.forward", "cpu")(_reference_forward)
 registry.register("linear.backward", "cpu")(reference.linear_backward)
 registry.register("linear.forward", "cuda")(gpu_linear.forward)
 registry.register("linear.backward", "cuda")(gpu_linear.backward)
+registry.register("linear.forward", "hip")(gpu_linear.hip_forward)
+registry.register("linear.backward", "hip")(gpu_linear.hip_backward)
 
 
 # ----------------------------------------------------------------------------- custom op
