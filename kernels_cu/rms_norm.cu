@@ -370,7 +370,7 @@ struct WeightGradChunk {
     static constexpr int kThreads = kGroups * T;  // of the fused backward's CTA
     static_assert(kThreads >= Cta<T>::kThreads, "at least the geometry's CTA");
 };
-// The *g2 entries' shape (a name without commas: hipcc's __launch_bounds__ is a macro).
+// The *g2 entries' shape (a name without commas: HIP's __launch_bounds__ is a macro).
 using TwoGroupsT128 = WeightGradChunk<128, 2, 16>;
 
 template <typename S>
@@ -1452,7 +1452,7 @@ __device__ __forceinline__ void weight_grad_last_levels(typename Codec::storage*
 // where they measure faster than the entries above: the plain forward's t64 and the fused
 // forward's t64 and t128k5.  MIN_BLOCKS: CTAs per SM that ptxas must leave registers for (t64:
 // 86 registers, 5 CTAs; without the bound 88 registers, slower; the fused t128k5 6 CTAs).
-// (hipcc's __launch_bounds__ is a macro whose second argument means something else: HIP builds
+// (HIP's __launch_bounds__ is a macro whose second argument means something else: HIP builds
 // the entries without the minimum; the host picks them on CUDA only.)
 #if defined(__HIPCC__)
 #define BATCHINV_RMS_NORM_VECTOR_BOUNDS(THREADS, MIN_BLOCKS) __launch_bounds__(THREADS)
@@ -1516,7 +1516,7 @@ __device__ __forceinline__ void weight_grad_last_levels(typename Codec::storage*
     BATCHINV_RMS_NORM_BACKWARD_WEIGHT_GRAD_ENTRY_SHAPED(SUFFIX, CODEC, GEOMETRY, T, K,           \
                                                         batchinv::rms::WeightGradChunk<T>)
 // t4 (q/k norm): held to kT4FusedBackwardMinBlocks CTAs per SM on CUDA (a name without commas:
-// hipcc's __launch_bounds__ is a macro, and its second argument means something else).
+// HIP's __launch_bounds__ is a macro, and its second argument means something else).
 #if defined(__HIPCC__)
 #define BATCHINV_RMS_NORM_T4_FUSED_BOUNDS __launch_bounds__(batchinv::rms::kMinCtaThreads)
 #else

@@ -93,7 +93,11 @@ def multiprocessors(index: int | None) -> int:
 
 @functools.cache
 def _hopper_device(index: int) -> bool:
-    # Asked on every call of the ops that use it: capability and build do not change.
+    # Asked on every call of the ops that use it: capability and build do not change.  ROCm's
+    # torch reports an AMD GPU's own version numbers as the capability (gfx90a: 9.0), so a HIP
+    # device is never taken for sm_90.
+    if torch.version.hip:
+        return False
     return torch.cuda.get_device_capability(index) == (9, 0) and "90a" in build_info()["cuda_archs"]
 
 

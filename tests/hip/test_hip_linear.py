@@ -109,3 +109,20 @@ def test_hip_backward_launches_only_what_is_asked_for(launches):
     got = gpu_linear.hip_backward(grad, x, weight, None, (False, True, False))
     assert got[0] is None and got[2] is None and got[1].shape == weight.shape
     assert [launch["args"][4:] for launch in launches] == [(12, 24, 8)]
+
+
+def test_an_amd_gpu_reporting_capability_9_0_is_not_taken_for_sm90(monkeypatch):
+    # ROCm's torch reports gfx90a as capability (9, 0): the sm_90a-only kernels (cluster
+    # log_softmax, wgmma, TMA) must not be chosen for it, whatever the build holds.
+    from batchinv import runtime
+
+    runtime._hopper_device.cache_clear()
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (9, 0))
+    monkeypatch.setattr(runtime, "build_info", lambda: {"cuda_archs": "80;90a"})
+    try:
+        assert runtime._hopper_device(0) is True  # the CUDA build on an sm_90 card
+        runtime._hopper_device.cache_clear()
+        monkeypatch.setattr(torch.version, "hip", "6.2")
+        assert runtime._hopper_device(0) is False
+    finally:
+        runtime._hopper_device.cache_clear()
