@@ -194,3 +194,26 @@ def test_missing_transformers_is_a_clear_import_error(monkeypatch):
     monkeypatch.setitem(sys.modules, "transformers", None)
     with pytest.raises(ImportError, match="needs Hugging Face transformers"):
         hf.register_attention()
+
+
+def test_packed_rows_give_each_sequence_its_bits_alone():
+    """A trainer's packed row: sequences one after another with restarting ``position_ids``;
+    transformers builds a block-diagonal causal mask, which is routed as one causal run per
+    sequence.  Each sequence's logits are its logits alone, bit for bit, and gradients flow."""
+    model = make_hf_model("sdpa")
+    hf.apply_batchinv_to_qwen3(model)
+    lengths = (5, 3, 6)
+    seqs = [token_ids(1, n, seed=20 + i)[0] for i, n in enumerate(lengths)]
+    ids = torch.cat(seqs)[None]
+    positions = torch.cat([torch.arange(n) for n in lengths])[None]
+    with torch.no_grad():
+        packed = model(input_ids=ids, position_ids=positions, use_cache=False).logits[0]
+        start = 0
+        for seq in seqs:
+            alone = model(input_ids=seq[None], use_cache=False).logits[0]
+            assert_bitwise_equal(packed[start : start + seq.numel()], alone)
+            start += seq.numel()
+    loss = model(input_ids=ids, position_ids=positions, use_cache=False).logits.logsumexp(-1)
+    loss.sum().backward()
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    assert grads and all(bool(g.isfinite().all()) for g in grads)

@@ -7,15 +7,18 @@ a sequence's queries are its last tokens and query ``r`` of ``Lq`` sees the firs
 reads a mask back into that form:
 
 - a *kept key* is one that some query of its batch row sees;
-- every query must see a prefix of its row's kept keys (``c`` of them, ``c = 0`` allowed):
-  right or left padding, causal or not, decode and chunked prefill against a cache all
-  have this form.  Anything else (sliding windows, several sequences packed in one row, a
-  per-head mask, an additive bias other than 0 / -inf) raises ``ValueError``; it is never
-  sent to a stock kernel;
-- consecutive queries whose counts grow by one form a causal run (``Lq`` queries, the first
-  ``Lk`` = last count keys); consecutive other queries with equal counts form a non-causal
-  run.  A sequence's real tokens are one causal run, so they are computed exactly as the
-  sequence alone; the padded queries HF lets see the real keys are computed as the mask says.
+- every query must see an interval of its row's kept keys (``c`` of them from the
+  ``first``-th, ``c = 0`` allowed), and two consecutive queries either start at the same kept
+  key or see intervals that do not overlap.  Right or left padding, causal or not, decode and
+  chunked prefill against a cache, and several sequences packed in one row (a block-diagonal
+  causal mask, as Hugging Face builds from restarting ``position_ids``) all have this form.
+  Anything else (holes, sliding windows, a per-head mask, an additive bias other than
+  0 / -inf) raises ``ValueError``; it is never sent to a stock kernel;
+- consecutive queries with the same first key whose counts grow by one form a causal run
+  (``Lq`` queries, ``Lk`` = the last count keys from the first); consecutive other queries
+  with the same first key and count form a non-causal run.  A sequence's real tokens are one
+  causal run, so they are computed exactly as the sequence alone, packed or padded; the padded
+  queries HF lets see the real keys are computed as the mask says.
 
 The runs are packed and run through ``batchinv.attention_varlen`` (one call for the causal
 runs, one for the others); a query that sees no key gives zeros (stock SDPA gives NaN
@@ -87,26 +90,37 @@ def query_runs(visible: Tensor) -> dict[str, Tensor]:
     """Splits the queries of ``visible [B, Sq, Sk]`` into runs (module docstring), or raises.
 
     Returns flat query rows (``b * Sq + i``) in order, each row's run, and per run its batch
-    row, ``lq``, ``lk`` and whether it is causal; and the flat kept keys (``b * Sk + j``).
+    row, the rank of its first key among the row's kept keys, ``lq``, ``lk`` and whether it is
+    causal; and the flat kept keys (``b * Sk + j``) with each batch row's start among them.
     """
     batch, sq, sk = visible.shape
     counts = visible.sum(dim=-1)
     kept = visible.any(dim=-2)
     key_rank = kept.cumsum(dim=-1) - 1
-    prefix = kept[:, None, :] & (key_rank[:, None, :] < counts[:, :, None])
-    if not torch.equal(visible, prefix):
-        raise ValueError(
-            "attention mask is not padding / causal: some query sees keys that are not the "
-            "first ones of its row's visible keys (sliding windows, packed block-diagonal "
-            "masks and arbitrary masks are not routed to batchinv)"
-        )
     real = counts > 0
+    first = torch.where(visible, key_rank[:, None, :], sk).amin(dim=-1)
+    first = torch.where(real, first, 0)
+    rank = key_rank[:, None, :]
+    interval = kept[:, None, :] & (rank >= first[..., None]) & (rank < (first + counts)[..., None])
     both_real = real[:, 1:] & real[:, :-1]
+    same_first = first[:, 1:] == first[:, :-1]
+    overlapping = (first[:, 1:] < first[:, :-1] + counts[:, :-1]) & (
+        first[:, :-1] < first[:, 1:] + counts[:, 1:]
+    )
+    if not torch.equal(visible, interval) or bool((both_real & ~same_first & overlapping).any()):
+        raise ValueError(
+            "attention mask is not padding / causal / packed sequences: some query sees keys "
+            "that are not one interval of its row's visible keys, or two neighbouring queries "
+            "see overlapping intervals that start apart (sliding windows and arbitrary masks "
+            "are not routed to batchinv)"
+        )
     step = counts[:, 1:] - counts[:, :-1]
-    causal_link = _link_to_previous(both_real & (step == 1))
+    causal_link = _link_to_previous(both_real & same_first & (step == 1))
     in_causal = causal_link | torch.cat([causal_link[:, 1:], real.new_zeros((batch, 1))], 1)
     prev_in_causal = _link_to_previous(in_causal[:, :-1])
-    same_link = _link_to_previous(both_real & (step == 0)) & ~in_causal & ~prev_in_causal
+    same_link = (
+        _link_to_previous(both_real & same_first & (step == 0)) & ~in_causal & ~prev_in_causal
+    )
     starts = (real & ~causal_link & ~same_link).flatten()
     rows = real.flatten().nonzero().squeeze(1)
     run = (starts.cumsum(0) - 1)[rows]
@@ -121,6 +135,7 @@ def query_runs(visible: Tensor) -> dict[str, Tensor]:
         "rows": rows,
         "run": run,
         "run_batch": first_rows // sq,
+        "run_first": first.flatten()[first_rows],
         "lq": torch.bincount(run, minlength=num_runs),
         "lk": lk,
         "causal": causal.bool(),
@@ -175,8 +190,8 @@ def packed_with_mask(
         rows = runs["rows"][runs["causal"][runs["run"]] == run_is_causal]
         lq, lk = runs["lq"][selected], runs["lk"][selected]
         cu_q, cu_k = _exclusive_cumsum(lq), _exclusive_cumsum(lk)
-        # Run r reads the first lk[r] kept keys of its batch row.
-        first_key = runs["kept_start"][runs["run_batch"][selected]]
+        # Run r reads lk[r] kept keys of its batch row from its first one.
+        first_key = runs["kept_start"][runs["run_batch"][selected]] + runs["run_first"][selected]
         offset = torch.arange(int(cu_k[-1]), device=q.device)
         offset = offset - torch.repeat_interleave(cu_k[:-1], lk)
         keys = runs["kept_keys"][torch.repeat_interleave(first_key, lk) + offset]

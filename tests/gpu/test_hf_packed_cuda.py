@@ -1,0 +1,47 @@
+"""A trainer's packed row through a patched Hugging Face Qwen3 on the GPU: the block-diagonal
+causal mask transformers builds from restarting ``position_ids`` is routed as one causal run
+per sequence, so each sequence's logits are its logits alone, bit for bit, and its gradients
+reach every weight."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from _hf_tiny_qwen3 import make_hf_model, token_ids
+from batchinv.contract import assert_bitwise_equal
+from batchinv.integrations import transformers as hf
+
+pytestmark = pytest.mark.cuda
+
+transformers = pytest.importorskip("transformers")
+
+# Head dim 128 (a size the CUDA attention kernels take), GQA 4:1.
+CONFIG = dict(
+    hidden_size=512,
+    intermediate_size=1024,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    head_dim=128,
+    num_hidden_layers=2,
+)
+
+
+def test_packed_row_gives_each_sequence_its_bits_alone():
+    model = make_hf_model("sdpa", **CONFIG).to(device="cuda", dtype=torch.bfloat16)
+    hf.apply_batchinv_to_qwen3(model)
+    lengths = (70, 1, 130, 33)  # crosses the kernels' 64-key blocks, and a one-token sequence
+    seqs = [token_ids(1, n, seed=30 + i)[0].cuda() for i, n in enumerate(lengths)]
+    ids = torch.cat(seqs)[None]
+    positions = torch.cat([torch.arange(n, device="cuda") for n in lengths])[None]
+    with torch.no_grad():
+        packed = model(input_ids=ids, position_ids=positions, use_cache=False).logits[0]
+        start = 0
+        for seq in seqs:
+            alone = model(input_ids=seq[None], use_cache=False).logits[0]
+            assert_bitwise_equal(packed[start : start + seq.numel()], alone)
+            start += seq.numel()
+    loss = model(input_ids=ids, position_ids=positions, use_cache=False).logits.float()
+    loss.logsumexp(-1).sum().backward()
+    grads = [p.grad for p in model.parameters() if p.requires_grad]
+    assert all(g is not None and bool(g.isfinite().all()) for g in grads)
