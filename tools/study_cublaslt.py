@@ -198,7 +198,7 @@ def study_shape(
 def _markdown(result: dict) -> str:
     env = result["environment"]
     lines = [
-        "# cuBLASLt with one pinned algorithm (issue 4 study)",
+        "# cuBLASLt with one pinned algorithm: a study",
         "",
         f"{env['gpu']}, driver {env['driver']}, torch {env['versions']['torch']}, "
         f"cuBLASLt {result['cublaslt_version']}, commit {env['commit']}, {env['date_utc']}.",
