@@ -22,9 +22,9 @@ CUDA events):
 - transformers ``Qwen3ForCausalLM`` holding the same weights, unpatched (``sdpa``) and
   patched with ``apply_batchinv_to_qwen3``: both run the sequences as a right-padded batch
   with an attention mask (the patched model is also given the packed row once, untimed, and
-  a refusal of its block-diagonal mask is recorded in the rows).  Their loss takes the final hidden states of the
-  completion positions through the lm_head (``batchinv.token_logprobs`` when patched, the
-  stock table's unfused logprobs otherwise);
+  a refusal of its block-diagonal mask is recorded in the rows).  Their loss takes the final
+  hidden states of the completion positions through the lm_head (``batchinv.token_logprobs``
+  when patched, the stock table's unfused logprobs otherwise);
 - transformers with Liger-Kernel's Qwen3 patch (RMSNorm, RoPE, SwiGLU) and its fused linear
   cross entropy as the loss (the same loss), padded likewise, when liger_kernel is
   importable; otherwise a row says "not installed".
