@@ -55,6 +55,27 @@ def require_cuda() -> torch.device:
     return torch.device("cuda")
 
 
+def bench_device(smoke: bool, json_path: Path | None) -> torch.device:
+    """The GPU; or, for a ``--smoke`` run on a machine without one, the CPU (which records
+    nothing: ``--json`` needs a card)."""
+    if smoke and not torch.cuda.is_available():
+        if json_path is not None:
+            raise SystemExit("--json needs a GPU run: a CPU smoke run has no card to record")
+        return torch.device("cpu")
+    return require_cuda()
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from err
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
 def median_ms(fn, *, warmup_ms: float = 100, rep_ms: float = 500) -> float:
     """Median time of ``fn()`` in milliseconds, measured with CUDA events."""
     try:

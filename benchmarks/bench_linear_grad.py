@@ -45,8 +45,10 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from _common import bench_device
 
 import batchinv
+from batchinv.contract import bitwise_equal
 from batchinv.shapes import QWEN3_8B_LINEAR
 
 TOKENS = (16384, 32768)
@@ -102,15 +104,6 @@ def timer(device: torch.device, smoke: bool):
     return cpu_ms
 
 
-def bits(t: torch.Tensor) -> torch.Tensor:
-    """The raw bits of a 16- or 32-bit float tensor (NaN payloads and -0 compared exactly)."""
-    return t.contiguous().view(torch.int16 if t.element_size() == 2 else torch.int32)
-
-
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(bits(a), bits(b))
-
-
 def within_blocks(tokens: int, block: int, generator: torch.Generator) -> torch.Tensor:
     """A permutation of ``range(tokens)`` that moves tokens only inside aligned blocks of
     ``block`` (the last, partial block included)."""
@@ -148,14 +141,14 @@ def contract_checks(x, weight, grad_y) -> dict:
 
     gx, gw = backward(x, grad_y)
     gx2, gw2 = backward(x, grad_y)
-    checks = {"deterministic": same_bits(gx, gx2) and same_bits(gw, gw2)}
+    checks = {"deterministic": bitwise_equal(gx, gx2) and bitwise_equal(gw, gw2)}
     del gx2, gw2
     for block, key in ((STEP_TOKENS, "grad_w_perm16_same"), (TILE_TOKENS, "grad_w_perm64_same")):
         perm = within_blocks(tokens, block, gen).to(x.device)
         gx_p, gw_p = backward(x[perm], grad_y[perm])
-        checks[key] = same_bits(gw_p, gw)
+        checks[key] = bitwise_equal(gw_p, gw)
         if block == TILE_TOKENS:
-            checks["grad_x_rows_follow"] = same_bits(gx_p, gx[perm])
+            checks["grad_x_rows_follow"] = bitwise_equal(gx_p, gx[perm])
         del gx_p, gw_p
     return checks
 
@@ -234,14 +227,7 @@ def _ran_labels(tokens: int, k: int, n: int, weight: torch.Tensor, device) -> tu
 def main(argv: list[str] | None = None) -> tuple[list[dict], list[dict], list[dict]]:
     """Runs the benchmark; returns (rows, summary, checks) for the smoke test."""
     args = parse_args(argv)
-    if args.smoke and not torch.cuda.is_available():
-        if args.json is not None:
-            raise SystemExit("--json needs a GPU run: a CPU smoke run has no card to record")
-        device = torch.device("cpu")
-    else:
-        from _common import require_cuda
-
-        device = require_cuda()
+    device = bench_device(args.smoke, args.json)
     ms = timer(device, args.smoke)
     shapes = SMOKE_SHAPES if args.smoke else QWEN3_8B_LINEAR
     token_counts = SMOKE_TOKENS if args.smoke else TOKENS

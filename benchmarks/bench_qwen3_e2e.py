@@ -21,6 +21,7 @@ import math
 from pathlib import Path
 
 import torch
+from _common import positive_int
 
 from batchinv.shapes import QWEN3_8B_CONFIG
 
@@ -29,24 +30,14 @@ GOAL = 1 / 1.10  # batchinv <= 1.10x the stock time, as stock / batchinv
 QWEN3_8B = QWEN3_8B_CONFIG
 
 
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError as err:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from err
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
-    parser.add_argument("--layers", type=_positive, default=2, help="decoder layers (2)")
-    parser.add_argument("--prefill-batch", type=_positive, default=8)
-    parser.add_argument("--prefill-len", type=_positive, default=4096)
-    parser.add_argument("--decode-batch", type=_positive, default=64)
-    parser.add_argument("--context", type=_positive, default=4096, help="cached tokens (4096)")
+    parser.add_argument("--layers", type=positive_int, default=2, help="decoder layers (2)")
+    parser.add_argument("--prefill-batch", type=positive_int, default=8)
+    parser.add_argument("--prefill-len", type=positive_int, default=4096)
+    parser.add_argument("--decode-batch", type=positive_int, default=64)
+    parser.add_argument("--context", type=positive_int, default=4096, help="cached tokens (4096)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     if args.prefill_len + 1 > QWEN3_8B["max_position_embeddings"]:

@@ -60,6 +60,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from _common import bench_device, positive_int
 
 from batchinv.shapes import QWEN3_8B_CONFIG
 
@@ -77,23 +78,13 @@ COMPONENT_COLUMNS = ["tokens", "component", "count", "batchinv_ms", "stock_ms", 
 ROW_COLUMNS = ["kind", *STEP_COLUMNS[:-1], *COMPONENT_COLUMNS[1:], "note"]
 
 
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError as err:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from err
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
-    parser.add_argument("--layers", type=_positive, default=2, help="decoder layers (2)")
-    parser.add_argument("--tokens", type=_positive, nargs="+", default=[16384, 32768])
-    parser.add_argument("--sequences", type=_positive, default=16, help="sequences per batch")
-    parser.add_argument("--reps", type=_positive, default=3, help="timed steps per path (3)")
+    parser.add_argument("--layers", type=positive_int, default=2, help="decoder layers (2)")
+    parser.add_argument("--tokens", type=positive_int, nargs="+", default=[16384, 32768])
+    parser.add_argument("--sequences", type=positive_int, default=16, help="sequences per batch")
+    parser.add_argument("--reps", type=positive_int, default=3, help="timed steps per path (3)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--smoke", action="store_true", help="the tiny model, one small batch; runs on the CPU"
@@ -302,20 +293,7 @@ def packed_refusal(hf_model, batch: Batch) -> str | None:
 def build_hf(config, state_dict, device):
     import transformers
 
-    hf_config = transformers.Qwen3Config(
-        vocab_size=config.vocab_size,
-        hidden_size=config.hidden_size,
-        intermediate_size=config.intermediate_size,
-        num_hidden_layers=config.num_hidden_layers,
-        num_attention_heads=config.num_attention_heads,
-        num_key_value_heads=config.num_key_value_heads,
-        head_dim=config.head_dim,
-        rms_norm_eps=config.rms_norm_eps,
-        rope_theta=config.rope_theta,
-        max_position_embeddings=config.max_position_embeddings,
-        tie_word_embeddings=config.tie_word_embeddings,
-        attn_implementation="sdpa",
-    )
+    hf_config = transformers.Qwen3Config(**config.to_dict(), attn_implementation="sdpa")
     with torch.device(device):
         model = transformers.Qwen3ForCausalLM(hf_config)
     model.to(state_dict["model.embed_tokens.weight"].dtype)
@@ -575,14 +553,7 @@ def main(argv: list[str] | None = None) -> tuple[list[dict], list[dict], list[di
     from batchinv.models.qwen3.ops import BATCHINV_OPS
     from batchinv.ops.token_logprobs import token_logprobs as batchinv_token_logprobs
 
-    if args.smoke and not torch.cuda.is_available():
-        if args.json is not None:
-            raise SystemExit("--json needs a GPU run: a CPU smoke run has no card to record")
-        device = torch.device("cpu")
-    else:
-        from _common import require_cuda
-
-        device = require_cuda()
+    device = bench_device(args.smoke, args.json)
     clock = Clock(device, args.smoke)
     if args.smoke:
         config = Qwen3Config.tiny()
