@@ -8,8 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from _hf_tiny_qwen3 import make_hf_model, token_ids
-from batchinv.contract import assert_bitwise_equal
+from _hf_tiny_qwen3 import assert_packed_row_matches_alone, make_hf_model
 from batchinv.integrations import transformers as hf
 
 pytestmark = pytest.mark.cuda
@@ -30,18 +29,5 @@ CONFIG = dict(
 def test_packed_row_gives_each_sequence_its_bits_alone():
     model = make_hf_model("sdpa", **CONFIG).to(device="cuda", dtype=torch.bfloat16)
     hf.apply_batchinv_to_qwen3(model)
-    lengths = (70, 1, 130, 33)  # crosses the kernels' 64-key blocks, and a one-token sequence
-    seqs = [token_ids(1, n, seed=30 + i)[0].cuda() for i, n in enumerate(lengths)]
-    ids = torch.cat(seqs)[None]
-    positions = torch.cat([torch.arange(n, device="cuda") for n in lengths])[None]
-    with torch.no_grad():
-        packed = model(input_ids=ids, position_ids=positions, use_cache=False).logits[0]
-        start = 0
-        for seq in seqs:
-            alone = model(input_ids=seq[None], use_cache=False).logits[0]
-            assert_bitwise_equal(packed[start : start + seq.numel()], alone)
-            start += seq.numel()
-    loss = model(input_ids=ids, position_ids=positions, use_cache=False).logits.float()
-    loss.logsumexp(-1).sum().backward()
-    grads = [p.grad for p in model.parameters() if p.requires_grad]
-    assert all(g is not None and bool(g.isfinite().all()) for g in grads)
+    # crosses the kernels' 64-key blocks, and a one-token sequence
+    assert_packed_row_matches_alone(model, (70, 1, 130, 33), device="cuda")
