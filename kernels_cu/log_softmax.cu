@@ -886,7 +886,7 @@ __device__ __forceinline__ void forward(const ForwardArgs& a) {
 // is loaded at the start of the row, before the sum(dy) pass and its exchange wait, so the x
 // stream's latency overlaps that work.  Loading 12 groups early measured faster for bf16 x /
 // fp32 dy in 16 CTAs of 128 threads (T = 2048, no longer compiled) but slower in 16 CTAs of 64
-// (1.87 vs 1.50 ms for fp16, which loads 4 after the exchange, at 4096 x 151936 on an H200);
+// (1.87 ms against 1.63 with 4 loaded after the exchange, 4096 x 151936 on an H200);
 // for bf16 x / bf16 dy (8 x 128) every deeper form measures slower.  Every case loads 4 groups
 // after the exchange (docs/tuning/log_softmax.md).
 template <typename InCodec, typename OutCodec, int C, int TC>
