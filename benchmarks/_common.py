@@ -198,9 +198,9 @@ def report(
     """Prints ``rows`` and ``summary`` as tables with the card; writes the JSON if asked."""
     env = environment()
     print(f"\n{name} on {env['gpu']} (torch {env['versions']['torch']})")
-    _print_table(rows, columns)
+    print_table(rows, columns)
     print(f"\nsummary ({RATIO_CONVENTION})")
-    _print_table(summary, ["op", "case", "variant", "batchinv_ms", "anchor", "ratio", "goal"])
+    print_table(summary, ["op", "case", "variant", "batchinv_ms", "anchor", "ratio", "goal"])
     if json_path is not None:
         json_path.parent.mkdir(parents=True, exist_ok=True)
         result = {
@@ -214,7 +214,7 @@ def report(
         json_path.write_text(json.dumps(result, indent=1) + "\n")
 
 
-def _print_table(rows: list[dict], columns: list[str]) -> None:
+def print_table(rows: list[dict], columns: list[str]) -> None:
     widths = {c: max([len(c)] + [len(_fmt(r.get(c))) for r in rows]) for c in columns}
     print("  ".join(c.ljust(widths[c]) for c in columns))
     for row in rows:

@@ -257,15 +257,15 @@ def main(argv: list[str] | None = None) -> tuple[list[dict], list[dict], list[di
         c for c in checks if c.get("deterministic") is False or c.get("grad_x_rows_follow") is False
     ]
     name = "linear_grad (bf16)"
-    from _common import _print_table, report
+    from _common import print_table, report
 
     if device.type == "cuda":
         report(name, rows, COLUMNS, args.json, summary)
     else:
         print(f"\n{name}, CPU smoke run (the strict reference; times mean nothing)")
-        _print_table(rows, COLUMNS)
+        print_table(rows, COLUMNS)
     print("\nbit checks (module docstring: the first two are the contract)")
-    _print_table(checks, CHECK_COLUMNS)
+    print_table(checks, CHECK_COLUMNS)
     for c in violated:
         print(f"CONTRACT VIOLATED: {c['layer']} {c['tokens']} tokens: {c}")
     if violated:

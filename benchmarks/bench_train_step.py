@@ -622,16 +622,16 @@ def main(argv: list[str] | None = None) -> tuple[list[dict], list[dict], list[di
     shapes = "the tiny model" if args.smoke else "Qwen3-8B shapes"
     summary = summary_rows(step_rows, args, batches, shapes)
     name = f"train_step ({args.layers} layers, {shapes}, bf16)"
-    from _common import _print_table, report
+    from _common import print_table, report
 
     if device.type == "cuda":
         report(name, step_rows + component_rows, ROW_COLUMNS, args.json, summary)
     else:
         print(f"\n{name}, CPU smoke run (strict references; the times mean nothing)")
     print("\nsteps")
-    _print_table(step_rows, STEP_COLUMNS)
+    print_table(step_rows, STEP_COLUMNS)
     print("\nbreakdown (each component alone; ms per step = count x one call)")
-    _print_table(component_rows, COMPONENT_COLUMNS)
+    print_table(component_rows, COMPONENT_COLUMNS)
     print("goal: batchinv step / stock step <= 1.05 (vs_anchor)")
     failed = [r for r in step_rows + component_rows if r.get("failed")]
     for row in failed:

@@ -21,6 +21,18 @@ TINY_CONFIG = dict(
     initializer_range=0.2,
 )
 
+# For the CUDA tests: head dim 128 (a size the CUDA attention kernels take), GQA 4:1.
+CUDA_CONFIG = dict(
+    hidden_size=512,
+    intermediate_size=1024,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    head_dim=128,
+    num_hidden_layers=2,
+    vocab_size=1024,
+    max_position_embeddings=1024,
+)
+
 
 def make_hf_model(attn_implementation: str = "sdpa", seed: int = 0, **overrides):
     import transformers

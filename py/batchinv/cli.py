@@ -77,22 +77,18 @@ def _parser() -> argparse.ArgumentParser:
         audit.add_arguments(sub)
         sub.set_defaults(run=audit.run)
         _debug_option(sub, argparse.SUPPRESS)  # `batchinv --debug audit` or `audit --debug`
-    sub = commands.add_parser(
-        "rl-check",
-        help="sampler vs trainer logprobs: how far off-policy each path is",
-        description=rl_check.__doc__.splitlines()[0],
-    )
-    rl_check.add_arguments(sub)
-    sub.set_defaults(run=rl_check.run)
-    _debug_option(sub, argparse.SUPPRESS)
-    sub = commands.add_parser(
-        "fingerprint",
-        help="SHA-256 of every op's outputs on fixed inputs: compare cards bit for bit",
-        description=fingerprint.__doc__.splitlines()[0],
-    )
-    fingerprint.add_arguments(sub)
-    sub.set_defaults(run=fingerprint.run)
-    _debug_option(sub, argparse.SUPPRESS)
+    for name, module, help_text in (
+        ("rl-check", rl_check, "sampler vs trainer logprobs: how far off-policy each path is"),
+        (
+            "fingerprint",
+            fingerprint,
+            "SHA-256 of every op's outputs on fixed inputs: compare cards bit for bit",
+        ),
+    ):
+        sub = commands.add_parser(name, help=help_text, description=module.__doc__.splitlines()[0])
+        module.add_arguments(sub)
+        sub.set_defaults(run=module.run)
+        _debug_option(sub, argparse.SUPPRESS)
     return parser
 
 

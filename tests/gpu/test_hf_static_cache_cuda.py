@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from _hf_tiny_qwen3 import make_hf_model
+from _hf_tiny_qwen3 import CUDA_CONFIG, make_hf_model
 from batchinv import device_checks
 from batchinv.contract import assert_bitwise_equal
 from batchinv.integrations import transformers as hf
@@ -99,18 +99,6 @@ def test_decode_route_in_a_cuda_graph_defers_its_mask_check():
     assert_bitwise_equal(out[1], want[1], name="the good row")
 
 
-HF_CONFIG = dict(
-    hidden_size=512,
-    intermediate_size=1024,
-    num_attention_heads=8,
-    num_key_value_heads=2,
-    head_dim=128,
-    num_hidden_layers=2,
-    vocab_size=1024,
-    max_position_embeddings=1024,
-)
-
-
 def _generate(model, ids, mask, cache, compiled: bool):
     kwargs = dict(
         max_new_tokens=12,
@@ -127,7 +115,7 @@ def _generate(model, ids, mask, cache, compiled: bool):
 
 
 def test_compiled_hf_generation_with_the_static_cache_gives_eager_bits():
-    model = make_hf_model("sdpa", **HF_CONFIG).cuda().to(torch.bfloat16)
+    model = make_hf_model("sdpa", **CUDA_CONFIG).cuda().to(torch.bfloat16)
     hf.apply_batchinv_to_qwen3(model)
     ids = torch.randint(0, 1024, (3, 10), generator=torch.Generator().manual_seed(0)).cuda()
     mask = torch.ones_like(ids)
