@@ -15,6 +15,15 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(autouse=True)
+def _no_remembered_signatures():
+    """Each test starts with no op signature remembered (``batchinv.ops._checked``), so a test
+    that swaps registry entries before its calls sees its swap."""
+    from batchinv.ops import _checked
+
+    _checked.clear_all()
+
+
 # --- the cuda_parity report -------------------------------------------------------------
 # `pytest --parity-report PATH` writes what ran where: commit, GPU, driver, versions and
 # every test's outcome.  `nox -s cuda_parity` uses it; the JSON is committed under reports/.

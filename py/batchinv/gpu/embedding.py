@@ -10,11 +10,13 @@ combination of flags lets it store outside ``grad_weight``.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import Tensor
 
 from .. import device_checks
-from ..runtime import kernel_for, launch
+from ..runtime import current_raw_stream, kernel_for, launch
 from ..validation import report_bad_index
 
 _MAX_GRID_X = 2**31 - 1
@@ -59,14 +61,73 @@ def launch_forward(ids: Tensor, weight: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def forward(ids: Tensor, weight: Tensor, check_ids: bool = True) -> Tensor:
-    out, first_bad = launch_forward(ids, weight)
+    if ids.is_contiguous() and weight.is_contiguous():
+        out, first_bad = _launch_contiguous(ids, weight, check_ids)
+    else:
+        out, first_bad = launch_forward(ids, weight)
+        out = out.reshape(*ids.shape, weight.shape[1])
     if check_ids and device_checks.deferring(out.device):  # CUDA-graph capture: no sync allowed
         device_checks.record(device_checks.EMBEDDING_IDS, first_bad != -1)
     elif check_ids:
         position = int(first_bad.item())  # the one synchronisation: bad ids must raise here
         if position != -1:
             report_bad_index("ids", ids, position, weight.shape[0])
-    return out.reshape(*ids.shape, weight.shape[1])
+    return out
+
+
+# Where an unchecked call's kernel records its first bad position: nobody reads it, so one
+# buffer per device serves every such call (a launch fewer than a fresh flag per call).
+_UNREAD_FLAGS: dict[torch.device, Tensor] = {}
+
+
+def _unread_flag(device: torch.device) -> Tensor | None:
+    flag = _UNREAD_FLAGS.get(device)
+    if flag is None and not torch.cuda.is_current_stream_capturing():
+        flag = _UNREAD_FLAGS[device] = torch.full((1,), -1, dtype=torch.int64, device=device)
+    return flag
+
+
+def _launch_contiguous(ids: Tensor, weight: Tensor, check_ids: bool) -> tuple[Tensor, Tensor]:
+    """``launch_forward`` for contiguous ids and weight, in fewer host steps: the output
+    allocated in its final shape, pointers passed as ints; an unchecked call's flag is the
+    device's unread one (the same kernel, hence bits)."""
+    vocab, hidden = weight.shape
+    num_ids = ids.numel()
+    if num_ids > _MAX_GRID_X:
+        raise ValueError(f"ids has {num_ids} elements; at most {_MAX_GRID_X} are supported")
+    device = weight.device
+    out = weight.new_empty((*ids.shape, hidden))
+    first_bad = None if check_ids else _unread_flag(device)
+    if first_bad is None:
+        first_bad = torch.full((1,), -1, dtype=torch.int64, device=device)  # UINT64_MAX
+    if num_ids == 0 or hidden == 0:
+        return out, first_bad
+    row_bytes = hidden * weight.element_size()
+    index = device.index
+    _forward_kernel(ids.dtype, device)(
+        (num_ids,),
+        (_threads_for(row_bytes),),
+        (
+            out.data_ptr(),
+            weight.data_ptr(),
+            ids.data_ptr(),
+            num_ids,
+            row_bytes,
+            vocab,
+            first_bad.data_ptr(),
+        ),
+        0,
+        current_raw_stream(index),
+        index,
+        False,
+    )
+    return out, first_bad
+
+
+@functools.cache
+def _forward_kernel(ids_dtype: torch.dtype, device: torch.device):
+    name = "embedding_forward_i64" if ids_dtype == torch.int64 else "embedding_forward_i32"
+    return kernel_for("embedding", name, device)
 
 
 def backward(ids: Tensor, grad_out: Tensor, num_embeddings: int, dtype: torch.dtype) -> Tensor:

@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from ..registry import backend_of
-from ..runtime import allow_dynamic_shared, kernel_for, launch, uses_hopper
+from ..runtime import allow_dynamic_shared, current_raw_stream, kernel_for, launch, uses_hopper
 
 # Keep in step with kernels_cu/rms_norm.cu: (threads per row, 16-byte chunks per thread), the
 # first that holds the row is used.  The tree follows the threads per row only, so (128, 2),
@@ -246,6 +246,68 @@ def run_forward(
     if new_residual is not None:
         new_residual = new_residual.view(x.shape)
     return y, new_residual, rstd
+
+
+@functools.cache
+def _forward_launch(kernel: str, d: int, dtype: torch.dtype, device: torch.device):
+    """``(kernel, its *_vec entry or None, rows per CTA, CTA threads)`` of a forward launch on
+    contiguous rows of ``d`` elements (what ``_launch_rows`` picks, looked up once)."""
+    name, threads, cta = geometry(d, dtype)
+    entry = f"{kernel}_{_SUFFIX[dtype]}_{name}"
+    vector = (
+        (kernel, name) in VECTOR_ENTRIES
+        and backend_of(device) == "cuda"  # measured on CUDA only
+        and (d * dtype.itemsize) % 16 == 0
+    )
+    vec_kernel = kernel_for("rms_norm", entry + "_vec", device) if vector else None
+    return kernel_for("rms_norm", entry, device), vec_kernel, cta // threads, cta
+
+
+def forward_no_grad(
+    x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = None
+) -> Tensor | tuple[Tensor, Tensor]:
+    """``y``, or ``(y, new_residual)`` with a residual: ``run_forward`` for a call that needs
+    no backward, in as few host steps as the launch allows when x, weight (and residual) are
+    contiguous: one allocation per output, no reshapes, pointers passed as ints, the same
+    kernels (hence bits) as ``run_forward``.  Other layouts take ``run_forward``."""
+    if not (
+        x.is_contiguous()
+        and weight.is_contiguous()
+        and (residual is None or residual.is_contiguous())
+    ):
+        y, new_residual, _ = run_forward(x, weight, eps, residual, need_rstd=False)
+        return y if residual is None else (y, new_residual)
+    d = x.shape[-1]
+    rows = x.numel() // d
+    y = torch.empty_like(x)
+    new_residual = None if residual is None else torch.empty_like(x)
+    if rows == 0:
+        return y if residual is None else (y, new_residual)
+    device = x.device
+    kernel, vec_kernel, rows_per_cta, cta = _forward_launch(
+        "rms_norm_forward" if residual is None else "rms_norm_fused_forward", d, x.dtype, device
+    )
+    grid = -(-rows // rows_per_cta)
+    if grid > _MAX_GRID_X:
+        raise ValueError(f"x has {rows} rows; at most {_MAX_GRID_X * rows_per_cta} are supported")
+    x_ptr, w_ptr, y_ptr = x.data_ptr(), weight.data_ptr(), y.data_ptr()
+    if residual is None:
+        r_ptr = n_ptr = 0
+    else:
+        r_ptr, n_ptr = residual.data_ptr(), new_residual.data_ptr()
+    if vec_kernel is not None and not (x_ptr | w_ptr | y_ptr | r_ptr | n_ptr) & 15:
+        kernel = vec_kernel
+    index = device.index
+    kernel(
+        (grid,),
+        (cta,),
+        (y_ptr, n_ptr, 0, x_ptr, r_ptr, w_ptr, rows, d, d, 0 if residual is None else d, eps),
+        0,
+        current_raw_stream(index),
+        index,
+        False,
+    )
+    return y if residual is None else (y, new_residual)
 
 
 def forward(x: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:

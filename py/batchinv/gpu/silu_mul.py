@@ -8,10 +8,12 @@ Arguments are validated once by the op (``batchinv.ops.silu_mul``), not here.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import Tensor
 
-from ..runtime import kernel_for, launch
+from ..runtime import current_raw_stream, kernel_for, launch
 from .rms_norm import as_rows
 
 THREADS = 128  # kThreads in kernels_cu/silu_mul.cu
@@ -62,6 +64,62 @@ def forward(gate: Tensor, up: Tensor) -> Tensor:
     out = torch.empty((rows, inter), dtype=gate.dtype, device=gate.device)
     _forward_rows(out, gate_rows, up_rows, rows, inter)
     return out.reshape(gate.shape)
+
+
+@functools.cache
+def _forward_launch(inter: int, dtype: torch.dtype, device: torch.device):
+    """``(kernel, tiles per row, tile elements)`` of a forward over rows of ``inter``."""
+    _, tiles, tile = _tiling(1, inter)
+    return kernel_for("silu_mul", f"silu_mul_forward_{_SUFFIX[dtype]}", device), tiles, tile
+
+
+def _launch_contiguous(out: Tensor, gate_ptr: int, up_ptr: int, in_stride: int, rows: int):
+    """The forward on ``rows`` rows of ``out.shape[-1]`` elements, gate and up rows
+    ``in_stride`` apart, out contiguous: the launch of ``_forward_rows`` with its arguments
+    as ints."""
+    inter = out.shape[-1]
+    device = out.device
+    kernel, tiles, tile = _forward_launch(inter, out.dtype, device)
+    grid = rows * tiles
+    if grid > _MAX_GRID_X:
+        raise ValueError(f"{rows} rows of {inter} elements are more than one launch supports")
+    index = device.index
+    kernel(
+        (grid,),
+        (THREADS,),
+        (out.data_ptr(), gate_ptr, up_ptr, rows, inter, inter, in_stride, in_stride, tiles, tile),
+        0,
+        current_raw_stream(index),
+        index,
+        False,
+    )
+
+
+def forward_no_grad(gate: Tensor, up: Tensor) -> Tensor:
+    """``forward`` for a call that needs no backward, in fewer host steps when gate and up
+    are contiguous (the same kernel, hence bits); other layouts take ``forward``."""
+    if not (gate.is_contiguous() and up.is_contiguous()):
+        return forward(gate, up)
+    out = torch.empty_like(gate)
+    rows = gate.numel() // gate.shape[-1]
+    if rows:
+        _launch_contiguous(out, gate.data_ptr(), up.data_ptr(), gate.shape[-1], rows)
+    return out
+
+
+def forward_fused_no_grad(gate_up: Tensor) -> Tensor:
+    """``forward_fused`` for a call that needs no backward, in fewer host steps when gate_up
+    is contiguous; other layouts take ``forward_fused``."""
+    if not gate_up.is_contiguous():
+        return forward_fused(gate_up)
+    width = gate_up.shape[-1]
+    inter = width // 2
+    out = gate_up.new_empty((*gate_up.shape[:-1], inter))
+    rows = gate_up.numel() // width
+    if rows:
+        base = gate_up.data_ptr()
+        _launch_contiguous(out, base, base + inter * gate_up.element_size(), width, rows)
+    return out
 
 
 def forward_fused(gate_up: Tensor) -> Tensor:

@@ -30,6 +30,7 @@ from ..validation import (
     check_seqlens_new,
     check_tensor,
 )
+from ._checked import CheckedCalls
 from ._custom_op import CustomOp
 
 # The custom ops' arguments after q, k, v (their schemas below), which are also the keyword
@@ -62,9 +63,45 @@ def attention(
     if torch.compiler.is_compiling():  # one opaque node (the custom ops below)
         out, lse = torch.ops.batchinv.attention(q, k, v, *options)
         return (out, lse) if return_lse else out
-    _check_padded(q, k, v, *options)
     keywords = dict(zip(_PADDED_OPTIONS, options, strict=True))
-    return registry.lookup("attention", q.device)(q, k, v, **keywords, return_lse=return_lse)
+    signature = None
+    if seqlens_q is None and seqlens_k is None and key_padding_mask is None:
+        signature = _signature(q, k, v, causal, softmax_scale)
+    if signature is not None:
+        run = _PADDED_WITHOUT_LENGTHS.lookup(signature, q, k, v, *options)
+    else:
+        _check_padded(q, k, v, *options)
+        run = registry.lookup("attention", q.device)
+    return run(q, k, v, **keywords, return_lse=return_lse)
+
+
+# A padded call without length or mask tensors reads nothing but metadata and plain values in
+# its checks, so they run once per signature (``_checked``); calls with lengths check them
+# every time (their values are read).
+
+
+def _signature(q, k, v, causal, softmax_scale) -> tuple | None:
+    """What ``_check_padded`` reads when no length or mask tensor is given, or None where the
+    full checks must run (arguments of other types than the op takes)."""
+    if causal.__class__ is not bool or softmax_scale.__class__ not in (float, type(None)):
+        return None
+    try:
+        return (
+            q.__class__, q.shape, q.dtype, q.device,
+            k.__class__, k.shape, k.dtype, k.device,
+            v.__class__, v.shape, v.dtype, v.device,
+            causal, softmax_scale,
+        )  # fmt: skip
+    except AttributeError:
+        return None
+
+
+def _resolve_padded(q, k, v, *options):
+    _check_padded(q, k, v, *options)
+    return registry.lookup("attention", q.device)
+
+
+_PADDED_WITHOUT_LENGTHS = CheckedCalls(_resolve_padded)
 
 
 def attention_varlen(

@@ -14,6 +14,7 @@ from .. import registry
 from ..gpu import embedding as gpu_embedding
 from ..reference import embedding as reference
 from ..validation import check_embedding_args
+from ._checked import CheckedCalls
 from ._custom_op import CustomOp
 
 
@@ -28,11 +29,35 @@ def embedding(ids: Tensor, weight: Tensor, *, check_ids: bool = True) -> Tensor:
     """
     if torch.compiler.is_compiling():  # one opaque node (the custom op below)
         return torch.ops.batchinv.embedding(ids, weight, check_ids)
+    signature = _signature(ids, weight)
+    if signature is not None and not (torch.is_grad_enabled() and weight.requires_grad):
+        # No gradient wanted: the forward without an autograd node (the same gather and
+        # check), its signature's checks run once.
+        return _FORWARD.lookup(signature, ids, weight)(ids, weight, check_ids)
     check_embedding_args(ids, weight, check_values=False)
     if torch.is_grad_enabled() and weight.requires_grad:
         return _Embedding.apply(ids, weight, check_ids)
-    # No gradient wanted: the forward without an autograd node (the same gather and check).
     return registry.lookup("embedding.forward", weight.device)(ids, weight, check_ids)
+
+
+def _signature(ids: Tensor, weight: Tensor) -> tuple | None:
+    """What ``check_embedding_args`` reads without values (``_checked``), or None for
+    arguments without tensor attributes."""
+    try:
+        return (
+            ids.__class__, ids.shape, ids.dtype, ids.device,
+            weight.__class__, weight.shape, weight.dtype, weight.device,
+        )  # fmt: skip
+    except AttributeError:
+        return None
+
+
+def _resolve_forward(ids: Tensor, weight: Tensor):
+    check_embedding_args(ids, weight, check_values=False)
+    return registry.lookup("embedding.forward", weight.device)
+
+
+_FORWARD = CheckedCalls(_resolve_forward)
 
 
 class _Embedding(torch.autograd.Function):

@@ -20,6 +20,7 @@ from ..gpu import linear as gpu_linear
 from ..gpu import linear_cublaslt
 from ..reference import linear as reference
 from ..validation import check_linear_args
+from ._checked import CheckedCalls
 from ._custom_op import CustomOp, empty_grad
 
 
@@ -31,8 +32,37 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """
     if torch.compiler.is_compiling():  # one opaque node (the custom op below)
         return torch.ops.batchinv.linear(x, weight, bias)
+    signature = _signature(x, weight, bias)
+    if signature is not None and not _needs_grad(x, weight, bias):
+        return _FORWARD.lookup(signature, x, weight, bias)(x, weight, bias)
     check_linear_args(x, weight, bias)
     return checked_linear(x, weight, bias)
+
+
+# A call that needs no gradient runs its signature's checks once (``_checked``): what
+# ``check_linear_args`` reads is the tensors' class, shape, dtype and device.
+
+
+def _signature(x: Tensor, weight: Tensor, bias: Tensor | None) -> tuple | None:
+    """What ``check_linear_args`` reads, or None for arguments without tensor attributes."""
+    try:
+        signature = (
+            x.__class__, x.shape, x.dtype, x.device,
+            weight.__class__, weight.shape, weight.dtype, weight.device,
+        )  # fmt: skip
+        if bias is not None:
+            signature += (bias.__class__, bias.shape, bias.dtype, bias.device)
+    except AttributeError:
+        return None
+    return signature
+
+
+def _resolve_forward(x: Tensor, weight: Tensor, bias: Tensor | None):
+    check_linear_args(x, weight, bias)
+    return registry.lookup("linear.forward", x.device)
+
+
+_FORWARD = CheckedCalls(_resolve_forward)
 
 
 def checked_linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:

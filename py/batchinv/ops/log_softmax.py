@@ -17,6 +17,7 @@ from ..gpu import log_softmax as gpu
 from ..reference import log_softmax as reference
 from ..reference.log_softmax import LSE_CHUNK
 from ..validation import check_log_softmax_args
+from ._checked import CheckedCalls
 from ._custom_op import CustomOp
 
 
@@ -37,8 +38,33 @@ def log_softmax(
     """
     if torch.compiler.is_compiling():  # one opaque node (the custom op below)
         return torch.ops.batchinv.log_softmax(x, dim, out_dtype, chunk_size)
+    signature = _signature(x, dim, out_dtype, chunk_size)
+    if signature is not None and not (torch.is_grad_enabled() and x.requires_grad):
+        run = _NO_GRAD.lookup(signature, x, dim, out_dtype, chunk_size)
+        return run(x, dim, out_dtype, chunk_size=chunk_size)
     check_log_softmax_args(x, dim, out_dtype, chunk_size)
     return registry.lookup("log_softmax", x.device)(x, dim, out_dtype, chunk_size=chunk_size)
+
+
+def _signature(x: Tensor, dim: int, out_dtype: torch.dtype, chunk_size: int) -> tuple | None:
+    """What ``check_log_softmax_args`` reads (``_checked``), or None where the full checks
+    must run (arguments of other types than the op takes)."""
+    if not (
+        dim.__class__ is int and chunk_size.__class__ is int and out_dtype.__class__ is torch.dtype
+    ):
+        return None
+    try:
+        return (x.__class__, x.shape, x.dtype, x.device, dim, out_dtype, chunk_size)
+    except AttributeError:
+        return None
+
+
+def _resolve_no_grad(x: Tensor, dim: int, out_dtype: torch.dtype, chunk_size: int):
+    check_log_softmax_args(x, dim, out_dtype, chunk_size)
+    return registry.lookup("log_softmax.no_grad", x.device)
+
+
+_NO_GRAD = CheckedCalls(_resolve_no_grad)
 
 
 class _LogSoftmaxGPU(torch.autograd.Function):
@@ -58,12 +84,18 @@ def _gpu_log_softmax(x: Tensor, dim: int, out_dtype: torch.dtype, *, chunk_size:
     # chunk_size defines the CPU reference's order; the kernel's order is its own fixed tree.
     if torch.is_grad_enabled() and x.requires_grad:
         return _LogSoftmaxGPU.apply(x, out_dtype)
+    return _gpu_log_softmax_no_grad(x, dim, out_dtype, chunk_size=chunk_size)
+
+
+def _gpu_log_softmax_no_grad(x: Tensor, dim: int, out_dtype: torch.dtype, *, chunk_size: int):
     return gpu.forward(x, out_dtype, need_lse=False)[0]  # the same kernel, no autograd node
 
 
 for _backend in ("cuda", "hip"):
     registry.register("log_softmax", _backend)(_gpu_log_softmax)
+    registry.register("log_softmax.no_grad", _backend)(_gpu_log_softmax_no_grad)
 registry.register("log_softmax", "cpu")(reference.log_softmax)
+registry.register("log_softmax.no_grad", "cpu")(reference.log_softmax)
 
 
 # ----------------------------------------------------------------------------- custom op

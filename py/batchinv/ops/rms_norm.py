@@ -17,6 +17,7 @@ from .. import registry
 from ..gpu import rms_norm as gpu
 from ..reference import rms_norm as reference
 from ..validation import check_fused_add_rms_norm_args, check_rms_norm_args
+from ._checked import CheckedCalls
 from ._custom_op import CustomOp
 
 
@@ -30,6 +31,9 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     """
     if torch.compiler.is_compiling():  # one opaque node (the custom ops below)
         return torch.ops.batchinv.rms_norm(x, weight, eps)
+    signature = _signature(x, weight, eps)
+    if signature is not None and not _needs_grad(x, weight):
+        return _RMS_NORM_NO_GRAD.lookup(signature, x, weight, eps)(x, weight, eps)
     check_rms_norm_args(x, weight, eps)
     return registry.lookup("rms_norm", x.device)(x, weight, eps)
 
@@ -45,8 +49,52 @@ def fused_add_rms_norm(
     """
     if torch.compiler.is_compiling():
         return torch.ops.batchinv.fused_add_rms_norm(x, residual, weight, eps)
+    signature = _signature(x, weight, eps, residual)
+    if signature is not None and not _needs_grad(x, weight, residual):
+        run = _FUSED_ADD_RMS_NORM_NO_GRAD.lookup(signature, x, residual, weight, eps)
+        return run(x, weight, eps, residual)
     check_fused_add_rms_norm_args(x, residual, weight, eps)
     return registry.lookup("fused_add_rms_norm", x.device)(x, residual, weight, eps)
+
+
+# ----------------------------------------------------------------------------- host path
+# A call that needs no gradient runs its signature's checks once (``_checked``): what the
+# checks read is the tensors' class, shape, dtype and device, and eps.
+
+
+def _signature(x, weight, eps, residual=None) -> tuple | None:
+    """What ``check_(fused_add_)rms_norm_args`` read, or None where a full check must run
+    (an eps that is not a float, arguments without tensor attributes)."""
+    if eps.__class__ is not float:
+        return None
+    try:
+        signature = (
+            x.__class__, x.shape, x.dtype, x.device,
+            weight.__class__, weight.shape, weight.dtype, weight.device, eps,
+        )  # fmt: skip
+        if residual is not None:
+            signature += (residual.__class__, residual.shape, residual.dtype, residual.device)
+    except AttributeError:
+        return None
+    return signature
+
+
+def _resolve_rms_norm(x: Tensor, weight: Tensor, eps: float):
+    check_rms_norm_args(x, weight, eps)
+    return registry.lookup("rms_norm.no_grad", x.device)
+
+
+def _resolve_fused_add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float):
+    check_fused_add_rms_norm_args(x, residual, weight, eps)
+    return registry.lookup("fused_add_rms_norm.no_grad", x.device)
+
+
+_RMS_NORM_NO_GRAD = CheckedCalls(_resolve_rms_norm)
+_FUSED_ADD_RMS_NORM_NO_GRAD = CheckedCalls(_resolve_fused_add_rms_norm)
+
+
+def _reference_fused_add_no_grad(x: Tensor, weight: Tensor, eps: float, residual: Tensor):
+    return reference.fused_add_rms_norm(x, residual, weight, eps)
 
 
 class _RMSNormGPU(torch.autograd.Function):
@@ -83,8 +131,12 @@ class _FusedAddRMSNormGPU(torch.autograd.Function):
         return grad_h, grad_h.clone(), grad_weight, None
 
 
-def _needs_grad(*tensors: Tensor) -> bool:
-    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+def _needs_grad(x: Tensor, weight: Tensor, residual: Tensor | None = None) -> bool:
+    if not torch.is_grad_enabled():
+        return False
+    return (
+        x.requires_grad or weight.requires_grad or (residual is not None and residual.requires_grad)
+    )
 
 
 # Without gradients the kernels run directly: no autograd node and no saved inv_rms (the same
@@ -92,21 +144,24 @@ def _needs_grad(*tensors: Tensor) -> bool:
 def _gpu_rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     if _needs_grad(x, weight):
         return _RMSNormGPU.apply(x, weight, eps)
-    return gpu.run_forward(x, weight, eps, need_rstd=False)[0]
+    return gpu.forward_no_grad(x, weight, eps)
 
 
 def _gpu_fused_add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float):
-    if _needs_grad(x, residual, weight):
+    if _needs_grad(x, weight, residual):
         return _FusedAddRMSNormGPU.apply(x, residual, weight, eps)
-    y, new_residual, _ = gpu.run_forward(x, weight, eps, residual, need_rstd=False)
-    return y, new_residual
+    return gpu.forward_no_grad(x, weight, eps, residual)
 
 
 for _backend in ("cuda", "hip"):
     registry.register("rms_norm", _backend)(_gpu_rms_norm)
     registry.register("fused_add_rms_norm", _backend)(_gpu_fused_add_rms_norm)
+    registry.register("rms_norm.no_grad", _backend)(gpu.forward_no_grad)
+    registry.register("fused_add_rms_norm.no_grad", _backend)(gpu.forward_no_grad)
 registry.register("rms_norm", "cpu")(reference.rms_norm)
 registry.register("fused_add_rms_norm", "cpu")(reference.fused_add_rms_norm)
+registry.register("rms_norm.no_grad", "cpu")(reference.rms_norm)
+registry.register("fused_add_rms_norm.no_grad", "cpu")(_reference_fused_add_no_grad)
 
 
 # ----------------------------------------------------------------------------- custom ops

@@ -15,6 +15,7 @@ from .. import registry
 from ..gpu import silu_mul as gpu
 from ..reference import silu_mul as reference
 from ..validation import check_silu_mul_args, check_silu_mul_fused_args
+from ._checked import CheckedCalls
 from ._custom_op import CustomOp
 
 
@@ -24,6 +25,9 @@ def silu_mul(gate: Tensor, up: Tensor) -> Tensor:
     fp32) and device; any strides.  Differentiable; the inputs are never modified."""
     if torch.compiler.is_compiling():  # one opaque node (the custom ops below)
         return torch.ops.batchinv.silu_mul(gate, up)
+    signature = _signature(gate, up)
+    if signature is not None and not _needs_grad(gate, up):
+        return _SILU_MUL_NO_GRAD.lookup(signature, gate, up)(gate, up)
     check_silu_mul_args(gate, up)
     return registry.lookup("silu_mul", gate.device)(gate, up)
 
@@ -33,8 +37,47 @@ def silu_mul_fused(gate_up: Tensor) -> Tensor:
     ``SiluAndMul`` order: a merged ``[gate_proj; up_proj]`` output).  Returns ``[..., I]``."""
     if torch.compiler.is_compiling():
         return torch.ops.batchinv.silu_mul_fused(gate_up)
+    signature = _signature(gate_up)
+    if signature is not None and not _needs_grad(gate_up):
+        return _SILU_MUL_FUSED_NO_GRAD.lookup(signature, gate_up)(gate_up)
     check_silu_mul_fused_args(gate_up)
     return registry.lookup("silu_mul_fused", gate_up.device)(gate_up)
+
+
+# ----------------------------------------------------------------------------- host path
+# A call that needs no gradient runs its signature's checks once (``_checked``): what the
+# checks read is the tensors' class, shape, dtype and device.
+
+
+def _signature(gate: Tensor, up: Tensor | None = None) -> tuple | None:
+    """What the checks read, or None for arguments without tensor attributes."""
+    try:
+        signature = (gate.__class__, gate.shape, gate.dtype, gate.device)
+        if up is not None:
+            signature += (up.__class__, up.shape, up.dtype, up.device)
+    except AttributeError:
+        return None
+    return signature
+
+
+def _needs_grad(gate: Tensor, up: Tensor | None = None) -> bool:
+    if not torch.is_grad_enabled():
+        return False
+    return gate.requires_grad or (up is not None and up.requires_grad)
+
+
+def _resolve_silu_mul(gate: Tensor, up: Tensor):
+    check_silu_mul_args(gate, up)
+    return registry.lookup("silu_mul.no_grad", gate.device)
+
+
+def _resolve_silu_mul_fused(gate_up: Tensor):
+    check_silu_mul_fused_args(gate_up)
+    return registry.lookup("silu_mul_fused.no_grad", gate_up.device)
+
+
+_SILU_MUL_NO_GRAD = CheckedCalls(_resolve_silu_mul)
+_SILU_MUL_FUSED_NO_GRAD = CheckedCalls(_resolve_silu_mul_fused)
 
 
 class _SiluMulGPU(torch.autograd.Function):
@@ -63,22 +106,26 @@ class _SiluMulFusedGPU(torch.autograd.Function):
 
 # Without gradients the kernel runs directly (no autograd node): the same kernel and bits.
 def _gpu_silu_mul(gate: Tensor, up: Tensor) -> Tensor:
-    if torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad):
+    if _needs_grad(gate, up):
         return _SiluMulGPU.apply(gate, up)
-    return gpu.forward(gate, up)
+    return gpu.forward_no_grad(gate, up)
 
 
 def _gpu_silu_mul_fused(gate_up: Tensor) -> Tensor:
-    if torch.is_grad_enabled() and gate_up.requires_grad:
+    if _needs_grad(gate_up):
         return _SiluMulFusedGPU.apply(gate_up)
-    return gpu.forward_fused(gate_up)
+    return gpu.forward_fused_no_grad(gate_up)
 
 
 for _backend in ("cuda", "hip"):
     registry.register("silu_mul", _backend)(_gpu_silu_mul)
     registry.register("silu_mul_fused", _backend)(_gpu_silu_mul_fused)
+    registry.register("silu_mul.no_grad", _backend)(gpu.forward_no_grad)
+    registry.register("silu_mul_fused.no_grad", _backend)(gpu.forward_fused_no_grad)
 registry.register("silu_mul", "cpu")(reference.silu_mul)
 registry.register("silu_mul_fused", "cpu")(reference.silu_mul_fused)
+registry.register("silu_mul.no_grad", "cpu")(reference.silu_mul)
+registry.register("silu_mul_fused.no_grad", "cpu")(reference.silu_mul_fused)
 
 
 # ----------------------------------------------------------------------------- custom ops
