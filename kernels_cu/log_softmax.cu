@@ -596,7 +596,7 @@ __device__ __forceinline__ void backward(const BackwardArgs& a) {
 // equal T <= 1024 the two forms compute the same operations in the same order: the same bits
 // (tested).  For T = 2048 (16 x 128, the backward) each CTA first adds its 4 warps in order and
 // the 16 CTA sums are then added in rank order: the tree of the one-CTA T = 2048 kernel
-// (wide_block_sum), the same bits again (tested).
+// (wide_block_sum), so the same bits again (test_wide_backward_* compare the two).
 // Shared memory of CTA `rank`: segment k = the T / C groups [k * T + rank * T / C, + T / C),
 // contiguous in the row, copied by one bulk async copy (cp.async.bulk) with its own mbarrier,
 // so a thread can start on segment 0 while later segments are still in flight.  The segments
