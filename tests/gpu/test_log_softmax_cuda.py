@@ -556,10 +556,11 @@ def test_wide_backward_misaligned_rows_give_the_bits_of_the_cluster_form(
     strided = storage[: rows * (vocab + 8)].view(rows, vocab + 8)[:, offset : offset + vocab]
     grad = torch.randn(rows, vocab, device=DEVICE, generator=gen)
     for x in (shifted, strided):
-        _, lse = gpu_log_softmax.forward(x.contiguous())
+        aligned = x.clone()  # a fresh allocation: contiguous and 16-byte aligned
+        _, lse = gpu_log_softmax.forward(aligned)
         assert gpu_log_softmax.backward_path(x) == f"one-cta T{WIDE}"
         got = gpu_log_softmax.backward(grad, x, lse)
-        expected = _wide_grad(x.contiguous(), grad, lse, "cluster", monkeypatch)
+        expected = _wide_grad(aligned, grad, lse, "cluster", monkeypatch)
         assert_bitwise_equal(got, expected)
 
 
