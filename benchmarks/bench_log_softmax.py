@@ -6,10 +6,12 @@ the op must: read x, write out), stock ``torch.log_softmax(x, -1, dtype=float32)
 batchinv; forward and backward (reads dy and x, writes dx).  Liger-Kernel has no standalone
 log-softmax, so it has no row here.  Tuning rows ("T=1024 ...") rerun batchinv with another
 block size for long rows; that changes the reduction tree (other bits), so they are for
-choosing ``LARGE_ROW_THREADS``, not a mode to ship.  The copy is timed again after each shape's
-other rows ("copy (anchor, again after)", its vs_copy = first / second copy time): the ratios use
-the first copy, so a device that slows down during a shape shows there (the same fp32 forward
-on the same buffers can take about 5% longer in one round than in the one before).
+choosing ``LARGE_ROW_THREADS``, not a mode to ship.  Where batchinv takes the sm_90a cluster
+form, a "one-CTA form" row reruns it with the cluster form off: the same bits, what a card
+without clusters (or a misaligned row) runs.  The copy is timed again after each shape's other
+rows ("copy (anchor, again after)", its vs_copy = first / second copy time): the ratios use the
+first copy, so a device that slows down during a shape shows there (the same fp32 forward on
+the same buffers can take about 5% longer in one round than in the one before).
 """
 
 from __future__ import annotations
@@ -61,6 +63,19 @@ def main() -> None:
             ("backward", "torch log_softmax", backward_bytes, _backward_ms(stock, x, grad)),
             ("backward", "batchinv", backward_bytes, _backward_ms(batchinv.log_softmax, x, grad)),
         ]
+        paths = (gpu_log_softmax.forward_path(x), gpu_log_softmax.backward_path(x))
+        if any(path.startswith("cluster") for path in paths):
+            gpu_log_softmax.USE_CLUSTER = False
+            try:
+                path = "batchinv one-CTA form (same bits)"
+                fwd = median_ms(lambda: batchinv.log_softmax(x))
+                bwd = _backward_ms(batchinv.log_softmax, x, grad)
+            finally:
+                gpu_log_softmax.USE_CLUSTER = True
+            timings += [
+                ("forward", path, forward_bytes, fwd),
+                ("backward", path, backward_bytes, bwd),
+            ]
         default_threads = gpu_log_softmax.LARGE_ROW_THREADS
         for threads in TUNING_THREADS:
             if gpu_log_softmax.threads_for(vocab, dtype) != default_threads:

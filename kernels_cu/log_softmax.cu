@@ -19,14 +19,18 @@
 //   expf/logf are the accurate ones (no fast math); every step is an explicit IEEE intrinsic.
 // Backward: dx = dy - expf(x - lse) * sum(dy), zero in rows whose lse is -inf; sum(dy) in the
 //   same layout: per thread over its groups in index order, then the same butterfly and warp
-//   order; rounded once to x's dtype.
+//   order; rounded once to x's dtype.  T = 2048 (the backward only) orders the warps in two
+//   levels instead: the warps of each run of 128 threads in order, then the 16 run sums in order
+//   (the tree of a cluster of 16 CTAs of 128 threads; see wide_block_sum).
 //
 //   x    [rows, V]  bf16/fp16/fp32, unit stride along V, row stride x_stride (elements)
 //   out  [rows, V]  bf16/fp16/fp32 (the output dtype; fp32 by default), contiguous
 //   lse  [rows]     fp32
 //   dy   [rows, V]  the output dtype, contiguous;  dx [rows, V] x's dtype, contiguous
-//   Launch: grid.x = rows (one CTA per row), block = T from {128, 512, 1024}: the host picks it
-//   from V alone.  Dynamic shared memory = smem_groups * T groups (see "where a row lives").
+//   Launch: grid.x = rows (one CTA per row), T from {128, 512, 1024, and 2048 for the backward}:
+//   the host picks it from V and the dtypes alone; block = T threads, or 1024 for T = 2048, each
+//   thread then playing two threads of the tree (see Block).  Dynamic shared memory =
+//   smem_groups * block groups (see "where a row lives").
 //
 // Where a row lives (this changes speed, never bits): a thread keeps its first kRegGroups
 // groups in registers, the next smem_groups in shared memory, and reads any further ones from
@@ -40,10 +44,10 @@
 //
 // On sm_90a the host launches the cluster form below instead for some cases (one cluster of 8 or
 // 16 CTAs per row, the row read once into shared memory) wherever V % 8 == 0, the rows are
-// 16-byte aligned and the slice fits: for the same T <= 1024 it performs the same operations in
-// the same order, so which form runs changes speed, never bits.  T never exceeds 1024, so every
-// card can compute every tree with the one-CTA form.  A cluster exchanges state only inside
-// itself (its one row).
+// 16-byte aligned and the slice fits: for the same T it performs the same operations in the same
+// order, so which form runs changes speed, never bits.  Every compiled T has a one-CTA kernel,
+// so every card can compute every tree.  A cluster exchanges state only inside itself (its one
+// row).
 #include "common/chunk16.cuh"
 #include "common/hopper.cuh"
 
@@ -305,6 +309,53 @@ __device__ __forceinline__ float block_sum(float v, float* warp_sums) {
     return v;
 }
 
+// The block of the one-CTA form for a tree T threads wide: T threads, or for T = 2048 (the
+// backward only) 1024 threads that each play two threads of the tree, t and t + 1024 (a CTA holds
+// at most 1024 threads).  Thread t's k-th group t + k * kThreads is then the group of tree thread
+// t + (k % kPlays) * kThreads, whose groups it visits in the same increasing order.
+template <int T>
+struct Block {
+    static constexpr int kThreads = T < 1024 ? T : 1024;
+    static constexpr int kPlays = T / kThreads;
+    static_assert(kPlays * kThreads == T && kPlays <= 2, "T = 128, 512, 1024 or 2048");
+};
+
+// sum(dy) over the tree T = 2048 played by 1024 threads (`sums[j]`: this thread's sum for tree
+// thread threadIdx.x + j * 1024): the tree the cluster form with 16 CTAs of 128 threads computes.
+// Each tree warp (W consecutive tree threads) by the butterfly; then each run of 128 tree threads
+// (one CTA of that cluster) adds its warps in order; then the 16 run sums are added in order.
+// `warp_sums` holds 2 * kMaxWarps + 1 entries.  Every thread gets the same bits.
+__device__ __forceinline__ float wide_block_sum(float (&sums)[2], float* warp_sums) {
+    constexpr int W = BATCHINV_WARP_SIZE;
+    constexpr int kWarpsPerRun = 128 / W;
+    constexpr int kRuns = 2048 / 128;
+#pragma unroll
+    for (int offset = W / 2; offset > 0; offset >>= 1) {
+        sums[0] = ieee_add(sums[0], BATCHINV_SHFL_XOR(sums[0], offset));
+        sums[1] = ieee_add(sums[1], BATCHINV_SHFL_XOR(sums[1], offset));
+    }
+    // Tree warp w: tree threads [w * W, (w + 1) * W); tree thread t + 1024 is in warp
+    // kMaxWarps + t / W.
+    if (threadIdx.x % W == 0) {
+        warp_sums[threadIdx.x / W] = sums[0];
+        warp_sums[kMaxWarps + threadIdx.x / W] = sums[1];
+    }
+    __syncthreads();
+    if (threadIdx.x < W) {
+        float total = 0.0f;
+#pragma unroll
+        for (int run = 0; run < kRuns; ++run) {
+            float v = warp_sums[run * kWarpsPerRun];
+#pragma unroll
+            for (int w = 1; w < kWarpsPerRun; ++w) v = ieee_add(v, warp_sums[run * kWarpsPerRun + w]);
+            total = run == 0 ? v : ieee_add(total, v);
+        }
+        if (threadIdx.x == 0) warp_sums[2 * kMaxWarps] = total;
+    }
+    __syncthreads();
+    return warp_sums[2 * kMaxWarps];
+}
+
 template <typename InCodec, typename OutCodec, bool kStream = false>
 __device__ __forceinline__ void write_output(typename OutCodec::storage* out, const Group<InCodec>& g,
                                              int group, int64_t vocab, float lse, bool vector,
@@ -434,14 +485,21 @@ __device__ __forceinline__ void write_grad(typename InCodec::storage* grad_x, co
     store_group_of_warp<InCodec, kStream>(grad_x, o, group, vocab, vector, whole_warp);
 }
 
-// The grad_out row is cached like x in the forward (it is read twice); x is read once.
+// The grad_out row is cached like x in the forward (it is read twice); x is read once.  The
+// block is Block<T>::kThreads threads; for T = 2048 each plays two tree threads (see Block), and
+// the row is laid out over the block exactly as for T = 1024: the tiers and loads are the same,
+// only the sum a group is added to alternates.
 template <typename InCodec, typename OutCodec, int T>
 __device__ __forceinline__ void backward(const BackwardArgs& a) {
     using S = typename InCodec::storage;
     using O = typename OutCodec::storage;
+    constexpr int B = Block<T>::kThreads;
+    constexpr int P = Block<T>::kPlays;
     constexpr int R = RegGroups<OutCodec>::value;
+    // k % P is then u % P in the unrolled loops below (k0 is a multiple of P).
+    static_assert(R % P == 0 && kBackwardUnroll % P == 0, "tree threads alternate with k");
     extern __shared__ uint4 tier[];
-    __shared__ float warp_sums[kMaxWarps + 1];
+    __shared__ float warp_sums[P * kMaxWarps + 1];
     const int64_t row = blockIdx.x;
     if (row >= a.rows) return;
     const int64_t vocab = a.vocab;
@@ -455,55 +513,62 @@ __device__ __forceinline__ void backward(const BackwardArgs& a) {
     const int cached = R + static_cast<int>(a.smem_groups);
     const float lse = a.lse[row];
 
-    float sum = 0.0f;
+    float sums[P];
+#pragma unroll
+    for (int j = 0; j < P; ++j) sums[j] = 0.0f;
     Group<OutCodec> regs[R];
 #pragma unroll
     for (int k = 0; k < R; ++k) {
-        const int g = t + k * T;
+        const int g = t + k * B;
         if (g < groups) load_group(regs[k], grad_out, g, vocab, vector);
     }
 #pragma unroll
     for (int k = 0; k < R; ++k) {
-        const int g = t + k * T;
-        if (g < groups) sum = group_sum(regs[k], valid_in(g, vocab), sum);
+        const int g = t + k * B;
+        if (g < groups) sums[k % P] = group_sum(regs[k], valid_in(g, vocab), sums[k % P]);
     }
-    for (int k0 = R; t + k0 * T < groups; k0 += kBackwardUnroll) {
+    for (int k0 = R; t + k0 * B < groups; k0 += kBackwardUnroll) {
         Group<OutCodec> buf[kBackwardUnroll];
 #pragma unroll
         for (int u = 0; u < kBackwardUnroll; ++u) {
-            const int g = t + (k0 + u) * T;
+            const int g = t + (k0 + u) * B;
             if (g < groups) load_group(buf[u], grad_out, g, vocab, vector);
         }
 #pragma unroll
         for (int u = 0; u < kBackwardUnroll; ++u) {
             const int k = k0 + u;
-            const int g = t + k * T;
+            const int g = t + k * B;
             if (g >= groups) continue;
-            if (k < cached) smem_put(tier, (k - R) * T + t, buf[u]);
-            sum = group_sum(buf[u], valid_in(g, vocab), sum);
+            if (k < cached) smem_put(tier, (k - R) * B + t, buf[u]);
+            sums[u % P] = group_sum(buf[u], valid_in(g, vocab), sums[u % P]);
         }
     }
-    const float dy_sum = block_sum<T>(sum, warp_sums);
+    float dy_sum;
+    if constexpr (P == 1) {
+        dy_sum = block_sum<T>(sums[0], warp_sums);
+    } else {
+        dy_sum = wide_block_sum(sums, warp_sums);
+    }
 
 #pragma unroll
     for (int k = 0; k < R; ++k) {
-        const int g = t + k * T;
+        const int g = t + k * B;
         if (g < groups) {
             Group<InCodec> xg;
             load_group(xg, x, g, vocab, vector);
             write_grad<InCodec, OutCodec>(grad_x, regs[k], xg, g, vocab, lse, dy_sum, vector, warp_full(g, groups));
         }
     }
-    for (int k0 = R; t + k0 * T < groups; k0 += kBackwardUnroll) {
+    for (int k0 = R; t + k0 * B < groups; k0 += kBackwardUnroll) {
         Group<OutCodec> buf[kBackwardUnroll];
         Group<InCodec> xg[kBackwardUnroll];
 #pragma unroll
         for (int u = 0; u < kBackwardUnroll; ++u) {
             const int k = k0 + u;
-            const int g = t + k * T;
+            const int g = t + k * B;
             if (g >= groups) continue;
             if (k < cached) {
-                smem_get(buf[u], tier, (k - R) * T + t);
+                smem_get(buf[u], tier, (k - R) * B + t);
             } else {
                 load_group(buf[u], grad_out, g, vocab, vector);
             }
@@ -511,7 +576,7 @@ __device__ __forceinline__ void backward(const BackwardArgs& a) {
         }
 #pragma unroll
         for (int u = 0; u < kBackwardUnroll; ++u) {
-            const int g = t + (k0 + u) * T;
+            const int g = t + (k0 + u) * B;
             if (g < groups) {
                 write_grad<InCodec, OutCodec>(grad_x, buf[u], xg[u], g, vocab, lse, dy_sum, vector,
                                               warp_full(g, groups));
@@ -529,7 +594,9 @@ __device__ __forceinline__ void backward(const BackwardArgs& a) {
 // butterfly is the same, and the 32-lane warps' states are merged in global warp order (warp w
 // lives in CTA w / (T / C / 32)) after an exchange through distributed shared memory.  So for
 // equal T <= 1024 the two forms compute the same operations in the same order: the same bits
-// (tested).
+// (tested).  For T = 2048 (16 x 128, the backward) each CTA first adds its 4 warps in order and
+// the 16 CTA sums are then added in rank order: the tree of the one-CTA T = 2048 kernel
+// (wide_block_sum), so the same bits again (test_wide_backward_* compare the two).
 // Shared memory of CTA `rank`: segment k = the T / C groups [k * T + rank * T / C, + T / C),
 // contiguous in the row, copied by one bulk async copy (cp.async.bulk) with its own mbarrier,
 // so a thread can start on segment 0 while later segments are still in flight.  The segments
@@ -657,30 +724,33 @@ __device__ __forceinline__ void read_group(Group<Codec>& g, const uint8_t* segme
              static_cast<int>(threadIdx.x));
 }
 
-// How the cluster's warp results are combined: the warps of the whole cluster in global warp
-// order, exactly the one-CTA form's tree for T = C * TC.  A larger T would be a tree that cards
-// without clusters cannot compute (a block holds at most 1024 threads), so it is not compiled.
-// The kParts parts are exchanged by push_reduce below; every thread of every CTA gets the same
-// bits.
+// How the cluster's warp results are combined.  T = C * TC <= 1024 (kFlat): the warps of the
+// whole cluster in global warp order, exactly the one-CTA form's tree for that T.  T = 2048
+// (16 x 128, the backward only): each CTA combines its own warps in order, then the C CTA
+// results in rank order, exactly the tree of the one-CTA form's 1024 threads playing two tree
+// threads each (wide_block_sum).  The kParts parts are exchanged by push_reduce below; every
+// thread of every CTA gets the same bits.
 template <int C, int TC>
 struct Exchange {
-    static_assert(C * TC <= 1024, "the cluster form computes a one-CTA form's tree");
+    static_assert(C * TC <= 1024 || (C == 16 && TC == 128), "a tree the one-CTA form computes");
     static constexpr int kLocalWarps = TC / BATCHINV_WARP_SIZE;
-    static constexpr int kParts = C * kLocalWarps;
+    static constexpr bool kFlat = C * TC <= 1024;
+    static constexpr int kParts = kFlat ? C * kLocalWarps : C;
     static constexpr int kPerLane = (kParts + BATCHINV_WARP_SIZE - 1) / BATCHINV_WARP_SIZE;
 };
 
 // The exchange, without cluster barriers per row (two barrier.cluster rounds per row in which
-// warp 0 of each CTA fetches the parts from the other CTAs measure slower): every part (a warp's value) is pushed by its
-// owner into slot `part` of every CTA of the cluster (st.async, counted in bytes on that CTA's
-// `full` mbarrier), and each CTA's warp 0 waits on its own mbarrier, combines the parts in part
-// order (lane j reads part j, a chain over shuffles) and broadcasts the result through shared
-// memory: every CTA performs the same operations in the same order, the same bits.  Row i of a CTA uses buffer i % 2 and waits on parity
-// (i / 2) % 2.  A peer pushes row i + 2 into a buffer only after it has received this CTA's row
-// i + 1 parts, which this CTA pushes after it has read the buffer for row i: no slot is overwritten
-// unread.  Set up once per kernel (init_push_exchange): the peers' mbarriers must be initialised
-// before the first push, hence one cluster barrier per kernel, whose wait comes after the first
-// pass.  V: float2 (a state (m, l)) or float (a sum).
+// warp 0 of each CTA fetches the parts from the other CTAs measure slower): every part (a warp's
+// value, or for T = 2048 a CTA's) is pushed by its owner into slot `part` of every CTA of the
+// cluster (st.async, counted in bytes on that CTA's `full` mbarrier), and each CTA's warp 0 waits
+// on its own mbarrier, combines the parts in part order (lane j reads part j, a chain over
+// shuffles) and broadcasts the result through shared memory: every CTA performs the same
+// operations in the same order, the same bits.  Row i of a CTA uses buffer i % 2 and waits on
+// parity (i / 2) % 2.  A peer pushes row i + 2 into a buffer only after it has received this
+// CTA's row i + 1 parts, which this CTA pushes after it has read the buffer for row i: no slot is
+// overwritten unread.  Set up once per kernel (init_push_exchange): the peers' mbarriers must be
+// initialised before the first push, hence one cluster barrier per kernel, whose wait comes after
+// the first pass.  V: float2 (a state (m, l)) or float (a sum).
 template <int C, int TC, typename V>
 struct PushExchange {
     V parts[2][Exchange<C, TC>::kParts];
@@ -719,9 +789,25 @@ __device__ __forceinline__ V push_reduce(V v, PushExchange<C, TC, V>& ex, uint32
     static_assert(C <= W, "one pushing lane per CTA of the cluster");
     const int lane = static_cast<int>(threadIdx.x) % W;
     const int warp = static_cast<int>(threadIdx.x) / W;
-    const int part = static_cast<int>(rank) * X::kLocalWarps + warp;
+    int part = static_cast<int>(rank) * X::kLocalWarps + warp;
+    bool pushes = true;
+    if constexpr (!X::kFlat) {
+        // The CTA's warps in order first (warp 0 reads `local` before the __syncthreads below,
+        // which every thread passes before it writes `local` again for its next row).
+        __shared__ V local[X::kLocalWarps];
+        if (lane == 0) local[warp] = v;
+        __syncthreads();
+        if (warp == 0) {
+            V c = local[0];
+#pragma unroll
+            for (int w = 1; w < X::kLocalWarps; ++w) c = combine(c, local[w]);
+            v = c;
+        }
+        part = static_cast<int>(rank);
+        pushes = warp == 0;
+    }
     if (first) cluster_wait();  // every CTA's mbarriers are initialised
-    if (lane < C) {
+    if (pushes && lane < C) {
         const uint32_t peer = static_cast<uint32_t>(lane);
         push_value(remote_address(&ex.parts[buffer][part], peer), v, remote_address(&ex.full[buffer], peer));
     }
@@ -885,14 +971,19 @@ __device__ __forceinline__ void forward(const ForwardArgs& a) {
 // kBatch x groups per thread are loaded before their first use, and with kEarly the first batch
 // is loaded at the start of the row, before the sum(dy) pass and its exchange wait, so the x
 // stream's latency overlaps that work.  Loading 12 groups early measured faster for bf16 x /
-// fp32 dy in 16 CTAs of 128 threads (T = 2048, no longer compiled) but slower in 16 CTAs of 64
-// (1.87 ms against 1.63 with 4 loaded after the exchange, 4096 x 151936 on an H200);
-// for bf16 x / bf16 dy (8 x 128) every deeper form measures slower.  Every case loads 4 groups
-// after the exchange (docs/tuning/log_softmax.md).
+// fp32 dy in 16 CTAs of 128 threads (T = 2048) but slower in 16 CTAs of 64 (1.87 ms against
+// 1.63 with 4 loaded after the exchange, 4096 x 151936 on an H200); for bf16 x / bf16 dy
+// (8 x 128) every deeper form measures slower.  Every other case loads 4 groups after the
+// exchange (docs/tuning/log_softmax.md).
 template <typename InCodec, typename OutCodec, int C, int TC>
 struct XLoads {
     static constexpr int kBatch = 4;
     static constexpr bool kEarly = false;
+};
+template <>
+struct XLoads<Bf16Codec, F32Codec, 16, 128> {
+    static constexpr int kBatch = 12;
+    static constexpr bool kEarly = true;
 };
 
 // Loads this thread's x groups of segments k0 .. k0 + kBatch - 1 (those inside the row).
@@ -974,20 +1065,29 @@ __device__ __forceinline__ void backward(const BackwardArgs& a) {
 }  // namespace lsm
 }  // namespace batchinv
 
-#define BATCHINV_LOG_SOFTMAX_KERNELS(SUFFIX, IN, OUT, T)                                          \
+#define BATCHINV_LOG_SOFTMAX_FORWARD_KERNEL(SUFFIX, IN, OUT, T)                                   \
     extern "C" __global__ void __launch_bounds__(T) log_softmax_forward_##SUFFIX##_t##T(          \
         OUT::storage* out, float* lse, const IN::storage* x, int64_t rows, int64_t vocab,        \
         int64_t x_stride, int64_t smem_groups) {                                                 \
         const batchinv::lsm::ForwardArgs args{out, lse, x, rows, vocab, x_stride, smem_groups};   \
         batchinv::lsm::forward<IN, OUT, T>(args);                                                \
-    }                                                                                            \
-    extern "C" __global__ void __launch_bounds__(T) log_softmax_backward_##SUFFIX##_t##T(         \
-        IN::storage* grad_x, const OUT::storage* grad_out, const IN::storage* x, const float* lse, \
-        int64_t rows, int64_t vocab, int64_t x_stride, int64_t smem_groups) {                    \
-        const batchinv::lsm::BackwardArgs args{grad_x, grad_out, x,        lse,                  \
-                                               rows,   vocab,    x_stride, smem_groups};         \
-        batchinv::lsm::backward<IN, OUT, T>(args);                                               \
     }
+
+// block = Block<T>::kThreads threads (T, or 1024 for T = 2048).
+#define BATCHINV_LOG_SOFTMAX_BACKWARD_KERNEL(SUFFIX, IN, OUT, T)                                 \
+    extern "C" __global__ void __launch_bounds__(batchinv::lsm::Block<T>::kThreads)             \
+        log_softmax_backward_##SUFFIX##_t##T(                                                   \
+            IN::storage* grad_x, const OUT::storage* grad_out, const IN::storage* x,            \
+            const float* lse, int64_t rows, int64_t vocab, int64_t x_stride,                    \
+            int64_t smem_groups) {                                                              \
+        const batchinv::lsm::BackwardArgs args{grad_x, grad_out, x,        lse,                 \
+                                               rows,   vocab,    x_stride, smem_groups};        \
+        batchinv::lsm::backward<IN, OUT, T>(args);                                              \
+    }
+
+#define BATCHINV_LOG_SOFTMAX_KERNELS(SUFFIX, IN, OUT, T)     \
+    BATCHINV_LOG_SOFTMAX_FORWARD_KERNEL(SUFFIX, IN, OUT, T)  \
+    BATCHINV_LOG_SOFTMAX_BACKWARD_KERNEL(SUFFIX, IN, OUT, T)
 
 // The block sizes (keep in step with py/batchinv/gpu/log_softmax.py: THREADS).
 #define BATCHINV_LOG_SOFTMAX_ALL_THREADS(SUFFIX, IN, OUT)  \
@@ -1005,6 +1105,12 @@ BATCHINV_LOG_SOFTMAX_ALL_THREADS(f32_f32, batchinv::F32Codec, batchinv::F32Codec
 BATCHINV_LOG_SOFTMAX_ALL_THREADS(f32_bf16, batchinv::F32Codec, batchinv::Bf16Codec)
 BATCHINV_LOG_SOFTMAX_ALL_THREADS(f32_f16, batchinv::F32Codec, batchinv::F16Codec)
 
+// T = 2048: the backward with fp32 grad_out only, 1024 threads playing two tree threads each
+// (keep in step with py/batchinv/gpu/log_softmax.py: WIDE_BACKWARD_SUFFIXES).
+BATCHINV_LOG_SOFTMAX_BACKWARD_KERNEL(bf16_f32, batchinv::Bf16Codec, batchinv::F32Codec, 2048)
+BATCHINV_LOG_SOFTMAX_BACKWARD_KERNEL(f16_f32, batchinv::F16Codec, batchinv::F32Codec, 2048)
+BATCHINV_LOG_SOFTMAX_BACKWARD_KERNEL(f32_f32, batchinv::F32Codec, batchinv::F32Codec, 2048)
+
 // Hopper cluster entries: C CTAs of TC threads per row (T = C * TC), grid.x = clusters * C with
 // 1 <= clusters <= rows (each cluster loops over rows: see cluster::forward); dynamic
 // shared memory = segments * (TC * 8 * sizeof(storage) + 8) bytes (see "Hopper (sm_90a) form").
@@ -1018,14 +1124,16 @@ BATCHINV_LOG_SOFTMAX_ALL_THREADS(f32_f16, batchinv::F32Codec, batchinv::F16Codec
 #endif
 
 #if !defined(__HIPCC__)
-#define BATCHINV_LOG_SOFTMAX_CLUSTER_KERNELS(SUFFIX, IN, OUT, C, TC)                                   \
+#define BATCHINV_LOG_SOFTMAX_CLUSTER_FORWARD_KERNEL(SUFFIX, IN, OUT, C, TC)                           \
     extern "C" BATCHINV_LSM_CLUSTER_DIMS(C) __global__ void __launch_bounds__(TC)                             \
         log_softmax_cluster_forward_##SUFFIX##_c##C##_t##TC(OUT::storage* out, float* lse,               \
                                                             const IN::storage* x, int64_t rows,          \
                                                             int64_t vocab, int64_t x_stride) {           \
         BATCHINV_LSM_HOPPER_ONLY((batchinv::lsm::cluster::forward<IN, OUT, C, TC>(                      \
             batchinv::lsm::ForwardArgs{out, lse, x, rows, vocab, x_stride, 0})));                       \
-    }                                                                                                   \
+    }
+
+#define BATCHINV_LOG_SOFTMAX_CLUSTER_BACKWARD_KERNEL(SUFFIX, IN, OUT, C, TC)                          \
     extern "C" BATCHINV_LSM_CLUSTER_DIMS(C) __global__ void __launch_bounds__(TC)                             \
         log_softmax_cluster_backward_##SUFFIX##_c##C##_t##TC(                                            \
             IN::storage* grad_x, const OUT::storage* grad_out, const IN::storage* x, const float* lse,  \
@@ -1034,8 +1142,13 @@ BATCHINV_LOG_SOFTMAX_ALL_THREADS(f32_f16, batchinv::F32Codec, batchinv::F16Codec
             batchinv::lsm::BackwardArgs{grad_x, grad_out, x, lse, rows, vocab, x_stride, 0})));         \
     }
 
+#define BATCHINV_LOG_SOFTMAX_CLUSTER_KERNELS(SUFFIX, IN, OUT, C, TC)     \
+    BATCHINV_LOG_SOFTMAX_CLUSTER_FORWARD_KERNEL(SUFFIX, IN, OUT, C, TC)  \
+    BATCHINV_LOG_SOFTMAX_CLUSTER_BACKWARD_KERNEL(SUFFIX, IN, OUT, C, TC)
+
 // Cluster shapes (keep in step with py/batchinv/gpu/log_softmax.py: CLUSTER_SHAPES): 8 CTAs of 64
-// threads (T = 512), 8 CTAs of 128 or 16 CTAs of 64 threads (T = 1024).  16 CTAs is a
+// threads (T = 512), 8 CTAs of 128 or 16 CTAs of 64 threads (T = 1024); and for the backward
+// with fp32 grad_out 16 CTAs of 128 threads (T = 2048, WIDE_BACKWARD_SUFFIXES).  16 CTAs is a
 // non-portable cluster size: the host opts each kernel in first.
 #define BATCHINV_LOG_SOFTMAX_ALL_CLUSTERS(SUFFIX, IN, OUT)          \
     BATCHINV_LOG_SOFTMAX_CLUSTER_KERNELS(SUFFIX, IN, OUT, 8, 64)    \
@@ -1051,4 +1164,8 @@ BATCHINV_LOG_SOFTMAX_ALL_CLUSTERS(f16_f16, batchinv::F16Codec, batchinv::F16Code
 BATCHINV_LOG_SOFTMAX_ALL_CLUSTERS(f32_f32, batchinv::F32Codec, batchinv::F32Codec)
 BATCHINV_LOG_SOFTMAX_ALL_CLUSTERS(f32_bf16, batchinv::F32Codec, batchinv::Bf16Codec)
 BATCHINV_LOG_SOFTMAX_ALL_CLUSTERS(f32_f16, batchinv::F32Codec, batchinv::F16Codec)
+
+BATCHINV_LOG_SOFTMAX_CLUSTER_BACKWARD_KERNEL(bf16_f32, batchinv::Bf16Codec, batchinv::F32Codec, 16, 128)
+BATCHINV_LOG_SOFTMAX_CLUSTER_BACKWARD_KERNEL(f16_f32, batchinv::F16Codec, batchinv::F32Codec, 16, 128)
+BATCHINV_LOG_SOFTMAX_CLUSTER_BACKWARD_KERNEL(f32_f32, batchinv::F32Codec, batchinv::F32Codec, 16, 128)
 #endif  // !__HIPCC__

@@ -1,10 +1,11 @@
 """Every kernel variant added for attention (the Hopper tile and cooperative decode kernels
-included), token logprobs, the cluster log-softmax, the small-M and K-group linear kernels, the
-fused RMSNorm backward and the reworked RoPE and SiLU-mul bodies, run once on small odd shapes
-(NaN in the padding where there is padding), and checked for finite results and exact zeros
-where nothing may be written.  The value and invariance checks live in each op's own test file;
-this file is the short target that `nox -s sanitize` runs under compute-sanitizer (memcheck is
-~50x slower than a plain run, so the full op files would take too long)."""
+included), token logprobs, the cluster log-softmax and its one-CTA 2048-wide backward, the
+small-M and K-group linear kernels, the fused RMSNorm backward and the reworked RoPE and SiLU-mul
+bodies, run once on small odd shapes (NaN in the padding where there is padding), and checked
+for finite results and exact zeros where nothing may be written.  The value and invariance
+checks live in each op's own test file; this file is the short target that `nox -s sanitize`
+runs under compute-sanitizer (memcheck is ~50x slower than a plain run, so the full op files
+would take too long)."""
 
 from __future__ import annotations
 
@@ -130,6 +131,25 @@ def test_log_softmax_cluster_form(dtype, backward):
     if backward:
         out.sum().backward()
         assert torch.isfinite(x.grad).all()
+
+
+@pytest.mark.parametrize("dtype", (*DTYPES, torch.float32))
+@pytest.mark.parametrize("offset", (0, 1))  # 16-byte vector path, element path
+def test_log_softmax_wide_backward_one_cta_form(dtype, offset, monkeypatch):
+    # T = 2048 played by one CTA of 1024 threads (what cards without clusters, and misaligned
+    # rows, run for the backward with fp32 dy; fp32 rows are forced to T = 2048), into a
+    # NaN-poisoned gradient.
+    monkeypatch.setattr(gpu_log_softmax, "USE_CLUSTER", False)
+    monkeypatch.setitem(gpu_log_softmax.LONG_ROW_THREADS, ("backward", dtype, torch.float32), 2048)
+    rows, vocab = 3, 151936
+    storage = _randn(rows * vocab + 8, dtype=dtype, seed=20)
+    x = storage[offset : offset + rows * vocab].view(rows, vocab)
+    assert gpu_log_softmax.backward_path(x) == "one-cta T2048"
+    _, lse = gpu_log_softmax.forward(x)
+    grad_x = torch.full((rows, vocab), float("nan"), dtype=dtype, device=DEVICE)
+    grad = _randn(rows, vocab, dtype=torch.float32, seed=21)
+    gpu_log_softmax._backward_into(grad_x, grad, x, lse)
+    assert torch.isfinite(grad_x).all()
 
 
 def _hopper() -> bool:

@@ -189,31 +189,33 @@ def test_every_output_element_is_written(vocab, dtype):
     assert not bool(poisoned.isnan().any()) and not bool(lse_out.isnan().any())
     assert_bitwise_equal(poisoned, expected)
     assert_bitwise_equal(lse_out, lse)
+    grad = torch.randn(rows, vocab, device=DEVICE)
+    expected_grad = gpu_log_softmax.backward(grad, x, lse)
     grad_x = torch.full((rows, vocab), float("nan"), dtype=dtype, device=DEVICE)
+    _launch_one_cta_backward(grad_x, grad, x, lse)
+    assert not bool(grad_x.isnan().any())
+    assert_bitwise_equal(grad_x, expected_grad)
+
+
+def _launch_one_cta_backward(grad_x, grad, x, lse):
+    """The one-CTA backward kernel with the T the op uses (``block_threads`` of it: 1024 for
+    T = 2048), launched directly (the same bits in either form)."""
+    rows, vocab = x.shape
+    threads = gpu_log_softmax.threads_for(vocab, x.dtype, grad.dtype, backward=True)
+    suffix = f"{gpu_log_softmax._SUFFIX[x.dtype]}_{gpu_log_softmax._SUFFIX[grad.dtype]}"
     kernel = gpu_log_softmax.kernel_for(
-        "log_softmax",
-        f"log_softmax_backward_{gpu_log_softmax._SUFFIX[dtype]}_f32_t{threads}",
-        x.device,
+        "log_softmax", f"log_softmax_backward_{suffix}_t{threads}", x.device
     )
-    smem_groups, shared = gpu_log_softmax._tiering(kernel, x.device, vocab, threads, torch.float32)
+    block = gpu_log_softmax.block_threads(threads)
+    smem_groups, shared = gpu_log_softmax._tiering(kernel, x.device, vocab, block, grad.dtype)
     gpu_log_softmax.launch(
         kernel,
         x.device,
         grid=(rows,),
-        block=(threads,),
-        args=(
-            grad_x,
-            torch.randn(rows, vocab, device=DEVICE),
-            x,
-            lse,
-            rows,
-            vocab,
-            vocab,
-            smem_groups,
-        ),
+        block=(block,),
+        args=(grad_x, grad, x, lse, rows, vocab, x.stride(0), smem_groups),
         shared_mem=shared,
     )
-    assert not bool(grad_x.isnan().any())
 
 
 def test_zero_rows_and_inputs_not_mutated():
@@ -267,9 +269,10 @@ def _forward_and_grad(x, grad, out_dtype=torch.float32):
 
 
 def test_cluster_form_is_chosen_where_it_was_measured_faster():
-    # The cases of LONG_ROW_THREADS at V = 151936 take the Hopper form with their T (8 CTAs of
-    # 128 threads for 2-byte cached rows, 16 of 64 for 4-byte ones); T follows V and the dtypes
-    # only.  Other cases keep the one-CTA form's T and form.
+    # The cases of LONG_ROW_THREADS at V = 151936 take the Hopper form with their T (for
+    # T = 1024, 8 CTAs of 128 threads for 2-byte cached rows, 16 of 64 for 4-byte ones; for
+    # T = 2048, 16 of 128); T follows V and the dtypes only.  Other cases keep the one-CTA form's
+    # T and form.
     _require_cluster_form()
     device = torch.device(DEVICE)
     f32, bf16 = torch.float32, torch.bfloat16
@@ -309,6 +312,11 @@ def test_cluster_form_is_chosen_where_it_was_measured_faster():
     assert plan is None
     assert gpu_log_softmax.forward_path(x) == "cluster x8 T1024"
     assert gpu_log_softmax.forward_path(x.float()) == "cluster x16 T1024"
+    assert gpu_log_softmax.backward_path(x) == "cluster x16 T2048"
+    assert gpu_log_softmax.backward_path(x.half()) == "cluster x16 T2048"
+    assert gpu_log_softmax.backward_path(x.float()) == "cluster x16 T1024"
+    assert gpu_log_softmax.backward_path(x, bf16) == "cluster x8 T1024"
+    assert gpu_log_softmax.backward_path(shifted) == "one-cta T2048"
 
 
 def _force_cluster_form(monkeypatch, threads: int, shape: tuple[int, int] | None = None) -> None:
@@ -374,16 +382,21 @@ def test_a_card_without_the_cluster_form_gets_the_same_bits(monkeypatch):
     # the same T, chosen without looking at the card.  Every long-row case, forward and backward.
     _require_cluster_form()
     gen = torch.Generator(device=DEVICE).manual_seed(25)
-    for (direction, dtype, out_dtype), _ in gpu_log_softmax.LONG_ROW_THREADS.items():
+    table = gpu_log_softmax.LONG_ROW_THREADS
+    for (direction, dtype, out_dtype), _ in table.items():
         x = (4.0 * torch.randn(3, BIG_VOCAB, device=DEVICE, generator=gen)).to(dtype)
         x[1, ::9] = float("-inf")
         grad = torch.randn(3, BIG_VOCAB, device=DEVICE, generator=gen)
         hopper = _forward_and_grad(x, grad, out_dtype)
         if direction == "forward":  # forward_path names the forward's form only
             assert gpu_log_softmax.forward_path(x, out_dtype).startswith("cluster")
+        assert gpu_log_softmax.backward_path(x, out_dtype).startswith("cluster") or (
+            ("backward", dtype, out_dtype) not in table
+        )
         with monkeypatch.context() as m:
             m.setattr(gpu_log_softmax, "_cluster_capable", lambda index: False)
             assert gpu_log_softmax.forward_path(x, out_dtype).startswith("one-cta")
+            assert gpu_log_softmax.backward_path(x, out_dtype).startswith("one-cta")
             other_card = _forward_and_grad(x, grad, out_dtype)
         for got, expected in zip(other_card, hopper, strict=True):
             assert_bitwise_equal(got, expected)
@@ -407,6 +420,169 @@ def test_misaligned_long_rows_give_the_same_bits(offset):
         for a, b in zip(got, expected, strict=True):
             assert_bitwise_equal(a, b)
         assert_bitwise_equal(x, before)  # the input is not modified
+
+
+# T = 2048 (the backward with fp32 dy): the 16 x 128 cluster on sm_90a, elsewhere one CTA of 1024
+# threads each playing two threads of the tree.  The two must give the same bits, and the tree
+# must meet the op's contract like any other.  WIDE_VOCABS: one segment per CTA, a few, and
+# Qwen3's vocabulary; rows shorter than LONG_ROW_BYTES are forced to T = 2048.
+WIDE = gpu_log_softmax.WIDE_THREADS
+WIDE_VOCABS = (4104, 40008, BIG_VOCAB)
+
+
+def _force_wide_backward(monkeypatch) -> None:
+    """Every backward with fp32 dy and V % 8 == 0 past the 128-thread rows takes T = 2048 (the
+    forward keeps its own T)."""
+    original = gpu_log_softmax._long_row_threads
+
+    def wide(vocab, dtype, out_dtype, backward):
+        if backward and out_dtype == torch.float32 and vocab % gpu_log_softmax.GROUP == 0:
+            return WIDE
+        return original(vocab, dtype, out_dtype, backward)
+
+    monkeypatch.setattr(gpu_log_softmax, "_long_row_threads", wide)
+
+
+def _wide_rows(rows: int, vocab: int, dtype: torch.dtype, seed: int):
+    gen = torch.Generator(device=DEVICE).manual_seed(seed)
+    x = (4.0 * torch.randn(rows, vocab, device=DEVICE, generator=gen)).to(dtype)
+    x[1, ::5] = float("-inf")  # masked logits
+    x[3] = float("-inf")  # a row with no distribution
+    x[4, -1] = 80.0  # the maximum in the last group of the row
+    grad = torch.randn(rows, vocab, device=DEVICE, generator=gen)
+    return x, grad
+
+
+def _wide_grad(x, grad, lse, form: str, monkeypatch):
+    """The backward in ``form`` ("cluster" or "one-cta"), checked to be the one that ran."""
+    with monkeypatch.context() as m:
+        m.setattr(gpu_log_softmax, "USE_CLUSTER", form == "cluster")
+        assert gpu_log_softmax.backward_path(x) == (
+            f"cluster x16 T{WIDE}" if form == "cluster" else f"one-cta T{WIDE}"
+        )
+        return gpu_log_softmax.backward(grad, x, lse)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("vocab", WIDE_VOCABS)
+def test_wide_backward_one_cta_form_gives_the_bits_of_the_cluster_form(vocab, dtype, monkeypatch):
+    _require_cluster_form()
+    _force_wide_backward(monkeypatch)
+    assert gpu_log_softmax.threads_for(vocab, dtype, torch.float32, backward=True) == WIDE
+    x, grad = _wide_rows(6, vocab, dtype, seed=31)
+    _, lse = gpu_log_softmax.forward(x)
+    cluster = _wide_grad(x, grad, lse, "cluster", monkeypatch)
+    one_cta = _wide_grad(x, grad, lse, "one-cta", monkeypatch)
+    assert_bitwise_equal(one_cta, cluster)
+    assert bool((cluster[3] == 0).all())  # the row with no distribution
+    # the one-CTA form whatever share of the row stays on chip (a budget of 0 re-reads all but
+    # the register tier; 40 KiB holds one fp32 group per thread of the 1024)
+    for budget in (0, 40 * 1024):
+        with monkeypatch.context() as m:
+            m.setattr(gpu_log_softmax, "_shared_budget", lambda *args, budget=budget: budget)
+            assert_bitwise_equal(_wide_grad(x, grad, lse, "one-cta", monkeypatch), cluster)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("vocab", WIDE_VOCABS)
+def test_wide_backward_writes_every_output_element(vocab, dtype, monkeypatch):
+    _require_cluster_form()
+    _force_wide_backward(monkeypatch)
+    rows = 5
+    x, grad = _wide_rows(rows, vocab, dtype, seed=32)
+    _, lse = gpu_log_softmax.forward(x)
+    expected = gpu_log_softmax.backward(grad, x, lse)
+    for form in ("cluster", "one-cta"):
+        with monkeypatch.context() as m:
+            m.setattr(gpu_log_softmax, "USE_CLUSTER", form == "cluster")
+            poisoned = torch.full((rows, vocab), float("nan"), dtype=dtype, device=DEVICE)
+            gpu_log_softmax._backward_into(poisoned, grad, x, lse)
+            assert not bool(poisoned.isnan().any()), form
+            assert_bitwise_equal(poisoned, expected)
+    poisoned = torch.full((rows, vocab), float("nan"), dtype=dtype, device=DEVICE)
+    _launch_one_cta_backward(poisoned, grad, x, lse)  # the t2048 kernel itself
+    assert not bool(poisoned.isnan().any())
+    assert_bitwise_equal(poisoned, expected)
+
+
+@pytest.mark.parametrize("form", ("cluster", "one-cta"))
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("vocab", WIDE_VOCABS)
+def test_wide_backward_rows_are_batch_invariant(vocab, dtype, form, monkeypatch):
+    _require_cluster_form()
+    _force_wide_backward(monkeypatch)
+    monkeypatch.setattr(gpu_log_softmax, "USE_CLUSTER", form == "cluster")
+    assert gpu_log_softmax.backward_path(torch.zeros(1, vocab, dtype=dtype, device=DEVICE)) == (
+        f"cluster x16 T{WIDE}" if form == "cluster" else f"one-cta T{WIDE}"
+    )
+    reports = row_invariance_sweep(
+        lambda rows: _grad_x(*rows), _logits(vocab, dtype, grads=True), batch_sizes=(1, 3, 17)
+    )
+    assert_no_drift(reports)
+
+
+@pytest.mark.parametrize("form", ("cluster", "one-cta"))
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("vocab", (4104, BIG_VOCAB))
+def test_wide_backward_is_within_tolerance_of_fp32_reference(vocab, dtype, form, monkeypatch):
+    _require_cluster_form()
+    _force_wide_backward(monkeypatch)
+    gen = torch.Generator().manual_seed(33)
+    x = (4.0 * torch.randn(5, vocab, generator=gen)).to(dtype)
+    x[1, ::7] = float("-inf")  # masked logits
+    x[2] = float("-inf")  # a row with no distribution
+    grad = torch.randn(5, vocab, generator=gen)
+    xd = x.to(DEVICE)
+    _, lse = gpu_log_softmax.forward(xd)
+    grad_x = _wide_grad(xd, grad.to(DEVICE), lse, form, monkeypatch).cpu()
+    ref_x = x.float().clone().requires_grad_(True)
+    log_softmax_fp32(ref_x).backward(grad)
+    assert bool((grad_x[2] == 0).all())
+    assert_within_tolerance(grad_x, ref_x.grad, op_class="logprob", kind="grad")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("offset", (1, 3))
+def test_wide_backward_misaligned_rows_give_the_bits_of_the_cluster_form(
+    dtype, offset, monkeypatch
+):
+    # misaligned rows cannot take the cluster form: the one-CTA T = 2048 kernel runs instead
+    _require_cluster_form()
+    _force_wide_backward(monkeypatch)
+    rows, vocab = 3, BIG_VOCAB
+    gen = torch.Generator(device=DEVICE).manual_seed(34)
+    storage = (4.0 * torch.randn(rows * (vocab + 8) + 16, device=DEVICE, generator=gen)).to(dtype)
+    shifted = storage[offset : offset + rows * vocab].view(rows, vocab)
+    strided = storage[: rows * (vocab + 8)].view(rows, vocab + 8)[:, offset : offset + vocab]
+    grad = torch.randn(rows, vocab, device=DEVICE, generator=gen)
+    for x in (shifted, strided):
+        aligned = x.clone()  # a fresh allocation: contiguous and 16-byte aligned
+        _, lse = gpu_log_softmax.forward(aligned)
+        assert gpu_log_softmax.backward_path(x) == f"one-cta T{WIDE}"
+        got = gpu_log_softmax.backward(grad, x, lse)
+        expected = _wide_grad(aligned, grad, lse, "cluster", monkeypatch)
+        assert_bitwise_equal(got, expected)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("vocab", WIDE_VOCABS)
+def test_wide_clusters_looping_over_rows_give_the_bits_of_the_one_cta_form(
+    vocab, dtype, monkeypatch
+):
+    # the 16 x 128 exchange (each CTA's warps first, then the CTAs) over many rows per cluster
+    _require_cluster_form()
+    _force_wide_backward(monkeypatch)
+    rows = 7
+    x, grad = _wide_rows(rows, vocab, dtype, seed=35)
+    _, lse = gpu_log_softmax.forward(x)
+    expected = _wide_grad(x, grad, lse, "one-cta", monkeypatch)
+    assert gpu_log_softmax.backward_path(x) == f"cluster x16 T{WIDE}"
+    monkeypatch.setattr(gpu_log_softmax, "PERSISTENT_CASES", None)  # every case loops
+    for clusters in (1, 2, 3):
+        monkeypatch.setattr(gpu_log_softmax, "MAX_CLUSTERS", clusters)
+        poisoned = torch.full((rows, vocab), float("nan"), dtype=dtype, device=DEVICE)
+        gpu_log_softmax._backward_into(poisoned, grad, x, lse)
+        assert_bitwise_equal(poisoned, expected)
 
 
 # The Hopper form launches at most as many clusters as fit and each loops over rows, refilling

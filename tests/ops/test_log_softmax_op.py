@@ -88,8 +88,8 @@ QWEN3_VOCAB_THREADS = [
     ("forward", torch.bfloat16, torch.bfloat16, 512),
     ("forward", torch.float16, torch.float16, 512),
     ("backward", torch.bfloat16, torch.bfloat16, 1024),
-    ("backward", torch.bfloat16, torch.float32, 1024),
-    ("backward", torch.float16, torch.float32, 1024),
+    ("backward", torch.bfloat16, torch.float32, 2048),
+    ("backward", torch.float16, torch.float32, 2048),
     ("backward", torch.float32, torch.float32, 1024),
     ("backward", torch.float16, torch.float16, 512),
 ]
@@ -102,6 +102,22 @@ def test_gpu_block_size_at_the_qwen3_vocabulary(direction, dtype, out_dtype, thr
     # rows that fit one CTA on chip, or whose length is not a multiple of 8, keep T = 512
     assert gpu_log_softmax.threads_for(32000, dtype, out_dtype, backward=backward) == 512
     assert gpu_log_softmax.threads_for(151937, dtype, out_dtype, backward=backward) == 512
+
+
+def test_wide_tree_is_a_backward_with_fp32_grad_out_on_a_1024_thread_block():
+    # T = 2048 is compiled for the backward with fp32 grad_out only (a one-CTA kernel of 1024
+    # threads playing two tree threads each, and a 16 x 128 cluster): the table may not ask for
+    # it anywhere else.
+    wide = gpu_log_softmax.WIDE_THREADS
+    for (direction, dtype, out_dtype), threads in gpu_log_softmax.LONG_ROW_THREADS.items():
+        assert threads in (gpu_log_softmax.LARGE_ROW_THREADS, 1024, wide)
+        if threads == wide:
+            suffix = f"{gpu_log_softmax._SUFFIX[dtype]}_{gpu_log_softmax._SUFFIX[out_dtype]}"
+            assert direction == "backward" and suffix in gpu_log_softmax.WIDE_BACKWARD_SUFFIXES
+            assert gpu_log_softmax.cluster_shape(wide, out_dtype) == (16, 128)
+    assert gpu_log_softmax.block_threads(wide) == 1024
+    assert gpu_log_softmax.block_threads(1024) == 1024
+    assert gpu_log_softmax.block_threads(512) == 512
 
 
 def test_gpu_block_size_takes_no_device():

@@ -1,14 +1,16 @@
 """Log-softmax over the last dimension on CUDA/HIP: launches ``kernels_cu/log_softmax.cu``.
 
 One CTA per row (on sm_90, for some long-row cases, a thread-block cluster of 8 or 16 CTAs per
-row instead; clusters can also loop over rows, see PERSISTENT_CASES).  The block size, and with
-it the reduction tree, is chosen from the row length V and the dtypes alone (``threads_for``),
-so a row's bits are the same in any batch and on any card.  How much of the row stays on
-chip between the two passes (registers, then dynamic shared memory sized from the device's
-limits, then a second read from global memory) changes speed only: the arithmetic is defined
-on element indices.  The GPU's reduction order is its own fixed tree (see the kernel), not the
-reference's ``chunk_size`` order, so the two backends agree within the contract's tolerance,
-not bitwise.  No call synchronises.
+row instead; clusters can also loop over rows, see PERSISTENT_CASES).  The tree width T, and
+with it the reduction tree, is chosen from the row length V and the dtypes alone
+(``threads_for``), so a row's bits are the same in any batch and on any card; the one-CTA form
+runs T threads, or for T = 2048 (the backward only) 1024 threads playing two tree threads each
+(``block_threads``).  How much of the row stays on chip between the two passes (registers,
+then dynamic shared memory sized from the device's limits, then a second read from global
+memory) changes speed only: the arithmetic is defined on element indices.  The GPU's
+reduction order is its own fixed tree (see the kernel), not the reference's ``chunk_size``
+order, so the two backends agree within the contract's tolerance, not bitwise.  No call
+synchronises.
 """
 
 from __future__ import annotations
@@ -26,20 +28,32 @@ GROUP = 8  # kGroup: elements per group
 REGISTER_BYTES = 64  # RegGroups: bytes of a row each thread keeps in registers
 SMALL_ROW_THREADS = 128
 LARGE_ROW_THREADS = 512  # 128, 512 or 1024 are compiled; changing it changes the tree (bits)
+MAX_BLOCK_THREADS = 1024  # a CTA's limit: wider trees are played two tree threads per thread
 _CTAS_PER_SM = {128: 8, 512: 2, 1024: 1}  # the occupancy the shared-memory budget aims at
 _DRIVER_RESERVED_SHARED = 1024  # per CTA on sm_80+
 _DEFAULT_SHARED = 48 * 1024
 _MAX_GRID_X = 2**31 - 1
 _SUFFIX = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32"}
-# The Hopper form's cluster shapes: (CTAs per row, threads per CTA), T = CTAs x threads.  Keep in
-# step with the cluster kernels of kernels_cu/log_softmax.cu.  The shape changes speed only:
-# the cluster form computes the one-CTA form's tree for its T.
+# The Hopper form's cluster shapes compiled in both directions: (CTAs per row, threads per CTA),
+# T = CTAs x threads.  Keep in step with the cluster kernels of kernels_cu/log_softmax.cu.  The
+# shape changes speed only: the cluster form computes the one-CTA form's tree for its T.
 CLUSTER_SHAPES = frozenset({(8, 64), (8, 128), (16, 64)})
+# T = 2048, compiled for the backward with fp32 grad_out only (x: these kernel suffixes), as a
+# 16 x 128 cluster and as a one-CTA kernel of 1024 threads that computes the same tree.
+WIDE_THREADS = 2048
+WIDE_CLUSTER_SHAPE = (16, 128)
+WIDE_BACKWARD_SUFFIXES = frozenset({"bf16_f32", "f16_f32", "f32_f32"})
 # The shape for each T and bytes per cached element.  For T = 1024, 8 CTAs of 128 threads
 # measured faster than 16 of 64 (docs/tuning/log_softmax.md); a row of 4-byte elements is too
 # long for 8 CTAs to stay resident, so it is split over 16.
-CLUSTER_SHAPE = {(512, 2): (8, 64), (512, 4): (8, 64), (1024, 2): (8, 128), (1024, 4): (16, 64)}
-CLUSTER_THREADS = (512, 1024)  # the T compiled in the Hopper form
+CLUSTER_SHAPE = {
+    (512, 2): (8, 64),
+    (512, 4): (8, 64),
+    (1024, 2): (8, 128),
+    (1024, 4): (16, 64),
+    (WIDE_THREADS, 4): WIDE_CLUSTER_SHAPE,
+}
+CLUSTER_THREADS = (512, 1024)  # the T compiled in the Hopper form in both directions
 _PORTABLE_CLUSTER_CTAS = 8  # larger clusters need the kernel's non-portable opt-in
 USE_CLUSTER = True  # the Hopper form where it applies (tests switch it off to compare bits)
 # For the cases in PERSISTENT_CASES (None: every case) the Hopper form launches at most as many
@@ -54,16 +68,17 @@ PERSISTENT_CASES: frozenset[tuple[str, str]] | None = frozenset()
 MAX_CLUSTERS: int | None = None
 _BARRIER_BYTES = 8  # one mbarrier per shared-memory segment
 # T for long rows, by (direction, x dtype, out / grad_out dtype): T = 1024 where the Hopper form
-# with that T measured faster than the one-CTA form with T = 512 at 4096 x 151936
-# (docs/tuning/log_softmax.md).  Other cases keep LARGE_ROW_THREADS.  T is chosen from V and
-# the dtypes only, never from the card: every card computes the same tree (a card without the
-# Hopper form runs the one-CTA kernel with this T), so a row's bits are the same on every GPU.
+# with that T measured faster than the one-CTA form with T = 512 at 4096 x 151936, T = 2048
+# (16 x 128) for the backward of bf16/fp16 rows with fp32 dy, where it measured faster than
+# T = 1024 (docs/tuning/log_softmax.md).  Other cases keep LARGE_ROW_THREADS.  T is chosen from
+# V and the dtypes only, never from the card: every card computes the same tree (a card without
+# the Hopper form runs the one-CTA kernel with this T), so a row's bits are the same on every GPU.
 LONG_ROW_THREADS = {
     ("forward", torch.bfloat16, torch.float32): 1024,
     ("forward", torch.float16, torch.float32): 1024,
     ("backward", torch.bfloat16, torch.bfloat16): 1024,
-    ("backward", torch.bfloat16, torch.float32): 1024,
-    ("backward", torch.float16, torch.float32): 1024,
+    ("backward", torch.bfloat16, torch.float32): WIDE_THREADS,
+    ("backward", torch.float16, torch.float32): WIDE_THREADS,
     ("forward", torch.float32, torch.float32): 1024,
     ("backward", torch.float32, torch.float32): 1024,
 }
@@ -77,6 +92,11 @@ _MIN_CLUSTER_CTAS_PER_SM = 4  # a guard for rows far longer than measured
 
 def _register_groups(dtype: torch.dtype) -> int:
     return REGISTER_BYTES // (GROUP * dtype.itemsize)
+
+
+def block_threads(threads: int) -> int:
+    """Threads of the one-CTA form's block for a tree ``threads`` wide."""
+    return min(threads, MAX_BLOCK_THREADS)
 
 
 def threads_for(
@@ -117,6 +137,13 @@ def cluster_shape(threads: int, cached_dtype: torch.dtype) -> tuple[int, int] | 
     """``(CTAs, threads per CTA)`` of the Hopper form for T = ``threads`` keeping elements of
     ``cached_dtype`` on chip, or None where T has no cluster form."""
     return CLUSTER_SHAPE.get((threads, cached_dtype.itemsize))
+
+
+def _compiled(kind: str, suffix: str, threads: int) -> bool:
+    """Whether kernels of tree width ``threads`` exist for ``kind`` and ``suffix``."""
+    if threads != WIDE_THREADS:
+        return True
+    return kind == "backward" and suffix in WIDE_BACKWARD_SUFFIXES
 
 
 @functools.cache
@@ -176,12 +203,15 @@ def _cluster_plan(
 ) -> tuple[object, int, int, int] | None:
     """``(kernel, CTAs per cluster, shared bytes, clusters)`` of the Hopper form for this call,
     or None where it does not apply: T (``threads[0]``) is not this case's long-row T
-    (``threads[1]``, from ``_long_row_threads``), the device has no cluster form, a row start
-    is not 16-byte aligned, or too few clusters fit.  There the one-CTA form runs with the same
+    (``threads[1]``, from ``_long_row_threads``) or has no cluster kernel for ``kind`` and
+    ``suffix``, the device has no cluster form, a row start is not 16-byte aligned, or too few
+    clusters fit.  There the one-CTA form runs with the same
     T: the same bits.  ``kind`` is "forward" or "backward"."""
     threads, long_row_threads = threads
     shape = cluster_shape(threads, cached_dtype)
     if not USE_CLUSTER or shape is None or vocab % GROUP != 0 or threads != long_row_threads:
+        return None
+    if not _compiled(kind, suffix, threads):
         return None
     if any(t.data_ptr() % 16 != 0 or (t.stride(0) * t.element_size()) % 16 != 0 for t in tensors):
         return None
@@ -236,7 +266,8 @@ def _resident_clusters(kernel, device_index: int, ctas: int, cta_threads: int, s
 def _tiering(
     kernel, device: torch.device, vocab: int, threads: int, dtype: torch.dtype
 ) -> tuple[int, int]:
-    """``(smem_groups, shared bytes)``: groups per thread cached in shared memory."""
+    """``(smem_groups, shared bytes)``: groups per thread cached in shared memory, for a block
+    of ``threads`` threads (``block_threads`` of T)."""
     group_bytes = GROUP * dtype.itemsize
     groups_in_row = -(-vocab // GROUP)
     per_thread = -(-groups_in_row // threads)
@@ -348,13 +379,16 @@ def _launch_rows(
             shared_mem=shared,
         )
         return
+    if not _compiled(kind, suffix, threads):
+        raise RuntimeError(f"log_softmax: no {kind} kernel of T = {threads} for {suffix}")
     kernel = kernel_for("log_softmax", f"log_softmax_{kind}_{suffix}_t{threads}", device)
-    smem_groups, shared = _tiering(kernel, device, vocab, threads, cached_dtype)
+    block = block_threads(threads)
+    smem_groups, shared = _tiering(kernel, device, vocab, block, cached_dtype)
     launch(
         kernel,
         device,
         grid=(rows,),
-        block=(threads,),
+        block=(block,),
         args=(*args, smem_groups),
         shared_mem=shared,
     )
@@ -372,12 +406,41 @@ def backward(grad_out: Tensor, x: Tensor, lse: Tensor) -> Tensor:
     return grad_x.reshape(x.shape)
 
 
+def _backward_choice(rows_view: Tensor, grad_dtype: torch.dtype) -> tuple[int, int | None, str]:
+    """``(T, the long-row T or None, kernel suffix)`` of a backward."""
+    vocab = rows_view.shape[1]
+    threads = threads_for(vocab, rows_view.dtype, grad_dtype, backward=True)
+    long_row = _long_row_threads(vocab, rows_view.dtype, grad_dtype, True)
+    return threads, long_row, f"{_SUFFIX[rows_view.dtype]}_{_SUFFIX[grad_dtype]}"
+
+
 def _backward_into(grad_x: Tensor, grad_rows: Tensor, rows_view: Tensor, lse: Tensor) -> None:
     """Launches the backward of ``rows_view`` ``[rows, V]`` into ``grad_x``."""
     rows, vocab = rows_view.shape
-    threads = threads_for(vocab, rows_view.dtype, grad_rows.dtype, backward=True)
-    long_row = _long_row_threads(vocab, rows_view.dtype, grad_rows.dtype, True)
-    suffix = f"{_SUFFIX[rows_view.dtype]}_{_SUFFIX[grad_rows.dtype]}"
+    threads, long_row, suffix = _backward_choice(rows_view, grad_rows.dtype)
     args = (grad_x, grad_rows, rows_view, lse, rows, vocab, rows_view.stride(0))
     others = (grad_rows, grad_x)
     _launch_rows("backward", suffix, rows_view, threads, long_row, grad_rows.dtype, others, args)
+
+
+def backward_path(x: Tensor, grad_dtype: torch.dtype = torch.float32) -> str:
+    """Which form ``backward`` launches for ``x`` with a grad_out of ``grad_dtype`` whose rows
+    start 16-byte aligned (a fresh tensor's do), in ``forward_path``'s words; nothing launched.
+    grad_x is always fresh, so only ``x``'s rows (or a misaligned grad_out) can rule the
+    cluster form out."""
+    rows_view = as_rows(x, x.shape[-1])
+    rows, vocab = rows_view.shape
+    threads, long_row, suffix = _backward_choice(rows_view, grad_dtype)
+    plan = _cluster_plan(
+        "backward",
+        suffix,
+        rows_view.device,
+        vocab,
+        (threads, long_row),
+        grad_dtype,
+        (rows_view,),
+        rows,
+    )
+    if plan is not None:
+        return f"cluster x{plan[1]} T{threads}"
+    return f"one-cta T{threads}"
