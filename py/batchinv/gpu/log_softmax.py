@@ -166,6 +166,12 @@ def _static_shared(kernel, device_index: int) -> int:
     return _STATIC_SHARED[key]
 
 
+@functools.cache
+def _properties(device_index: int):
+    """The device's properties, asked once (torch builds a new object per call)."""
+    return torch.cuda.get_device_properties(device_index)
+
+
 def _cluster_capable(device_index: int) -> bool:
     """The cluster forms need an sm_90 device and the build's sm_90a image."""
     return uses_hopper(torch.device("cuda", device_index))
@@ -218,7 +224,7 @@ def _cluster_plan(
     index = _device_index(device)
     if not _cluster_capable(index):
         return None
-    props = torch.cuda.get_device_properties(index)
+    props = _properties(index)
     shared = cluster_shared_bytes(vocab, threads, cached_dtype)
     if props.shared_memory_per_multiprocessor // (shared + _DRIVER_RESERVED_SHARED) < (
         _MIN_CLUSTER_CTAS_PER_SM
@@ -290,7 +296,9 @@ def forward(
     backward (x viewed as ``[rows, V]``; None unless ``need_lse``).  Arguments are validated by
     the caller."""
     vocab = x.shape[-1]
-    rows_view = as_rows(x, vocab)
+    # A 2-D x with unit column stride is its own rows view and out needs no reshape.
+    two_d = x.dim() == 2 and (vocab <= 1 or x.stride(1) == 1)
+    rows_view = x if two_d else as_rows(x, vocab)
     rows = rows_view.shape[0]
     out = torch.empty((rows, vocab), dtype=out_dtype, device=x.device)
     lse = torch.empty(rows, dtype=torch.float32, device=x.device) if need_lse else None
@@ -298,7 +306,7 @@ def forward(
         if rows > _MAX_GRID_X:
             raise ValueError(f"x has {rows} rows; at most {_MAX_GRID_X} are supported")
         _forward_into(out, lse, rows_view)
-    return out.view(x.shape), lse
+    return (out if two_d else out.view(x.shape)), lse
 
 
 def _forward_choice(rows_view: Tensor, out_dtype: torch.dtype) -> tuple[int, int | None, str]:
