@@ -135,13 +135,17 @@ __device__ __forceinline__ void hopper_gemm(const TensorMap& map_x, const Tensor
 }
 
 // The backward's products with M/N-major operands (see the kernel families above): A K-major
-// or (kTransA) M-major, B N-major, the linear's K order over [0, K), stored without bias.
+// or (kTransA) M-major, B N-major, the linear's K order over [0, K), the linear's epilogue.
+// The bias is a kernel argument although the backward passes null: with a constant null,
+// ptxas serialises the bf16 wgmma chain (C7511, "insufficient register resources"); with a
+// run-time pointer it does not, as for the forward kernels.
 template <typename Codec, int BM, int kTransA>
 __device__ __forceinline__ void hopper_gemm_transposed(const TensorMap& map_a, const TensorMap& map_b,
-                                                       typename Codec::storage* out, int M, int N, int K) {
+                                                       typename Codec::storage* out,
+                                                       const typename Codec::storage* bias, int M, int N, int K) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     extern __shared__ uint8_t shared_raw[];
-    const StoreEpilogue<Codec> epilogue{out, nullptr, M, N};
+    const StoreEpilogue<Codec> epilogue{out, bias, M, N};
     hopper::gemm_k_range<Codec, BM, kTransposedBN, kTransposedStageK, kTransposedStages, kTransA, 1, true>(
         shared_raw, map_a, map_b, M, N, 0, K, epilogue);
 #elif defined(__CUDA_ARCH__)
@@ -423,8 +427,8 @@ __device__ __forceinline__ void mma_gemm(const typename Codec::storage* x, const
     extern "C" __global__ void __launch_bounds__(128 * (BM / 64 + 1), 1)                                         \
         linear_hopper_##LAYOUT##_##DTYPE##_bm##BM##_bn256_k64_s4(                                               \
             const __grid_constant__ batchinv::TensorMap map_a, const __grid_constant__ batchinv::TensorMap map_b, \
-            CODEC::storage* out, int M, int N, int K) {                                                          \
-        batchinv::linear::hopper_gemm_transposed<CODEC, BM, TRANS_A>(map_a, map_b, out, M, N, K);              \
+            CODEC::storage* out, const CODEC::storage* bias, int M, int N, int K) {                              \
+        batchinv::linear::hopper_gemm_transposed<CODEC, BM, TRANS_A>(map_a, map_b, out, bias, M, N, K);        \
     }
 
 // EXPERIMENTAL K-group tree kernels (partials: grid (tiles, kKGroups); then the combine).

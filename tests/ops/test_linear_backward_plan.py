@@ -304,7 +304,7 @@ def test_matmul_nn_reads_b_n_major_where_it_lies(launches):
     (launch,) = launches["launches"]
     assert launch["kernel"] == "linear_hopper_tb_bf16_bm64_bn256_k64_s4"
     assert launch["grid"] == (5 * 4,) and launch["block"] == (256,)
-    assert launch["args"][2] is out and launch["args"][3:] == (300, 1000, 4096)
+    assert launch["args"][2] is out and launch["args"][3:] == (0, 300, 1000, 4096)  # no bias
 
 
 def test_matmul_tn_reads_both_operands_where_they_lie(launches):
@@ -321,7 +321,7 @@ def test_matmul_tn_reads_both_operands_where_they_lie(launches):
     (launch,) = launches["launches"]
     assert launch["kernel"] == "linear_hopper_tab_f16_bm128_bn256_k64_s4"
     assert launch["grid"] == (32 * 4,) and launch["block"] == (384,)
-    assert launch["args"][3:] == (4096, 1000, tokens)
+    assert launch["args"][3:] == (0, 4096, 1000, tokens)
 
 
 def test_bias_gradient_reads_a_16_byte_row_of_ones(launches):
@@ -335,7 +335,7 @@ def test_bias_gradient_reads_a_16_byte_row_of_ones(launches):
     ]
     (launch,) = launches["launches"]
     assert launch["kernel"] == "linear_hopper_tb_bf16_bm64_bn256_k64_s4"
-    assert launch["args"][3:] == (1, 48, 13)
+    assert launch["args"][3:] == (0, 1, 48, 13)
 
 
 def test_operands_tma_cannot_read_are_a_clear_error(launches):

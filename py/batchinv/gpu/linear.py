@@ -489,7 +489,7 @@ def _launch_transposed(
         like.device,
         grid=(-(-m // tile.block_m) * -(-n // tile.block_n),),
         block=(tile.threads,),
-        args=(map_a, map_b, out, m, n, k),
+        args=(map_a, map_b, out, 0, m, n, k),  # no bias (kernels_cu/linear.cu says why an argument)
         shared_mem=tile.shared_bytes,
     )
     return out
