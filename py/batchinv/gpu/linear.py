@@ -597,8 +597,8 @@ def _token_major(rows: Tensor) -> Tensor:
 
 
 def _bias_gradient(grad_rows: Tensor) -> Tensor:
-    """``1ᵀ · grad_rows`` as ``[1, N]``: in place where TMA can read ``grad_rows``, the ones
-    row allocated 16-byte long (the map reads its first M entries, zeros past them)."""
+    """``1ᵀ · grad_rows`` as ``[1, N]``: in place where TMA can read ``grad_rows``, from a row
+    of ones allocated to a multiple of 8 (a 16-byte row stride) of which the map reads M."""
     m = grad_rows.shape[0]
     if not tma_readable(grad_rows):
         grad_t = _token_major(grad_rows)
