@@ -10,10 +10,15 @@ Timed per case, each against cuBLAS in the same run:
 - the public op through autograd (``scope`` "op", the rows with the goal): the output of
   ``batchinv.linear`` and of ``F.linear`` recorded once, then ``torch.autograd.grad`` of it
   for grad_x alone (only ``x`` requires grad), grad_w alone (only the weight does) and both;
-  the transposed copies batchinv's backward makes are inside these times;
-- the GEMMs alone (``scope`` "kernel", no goal): grad_x as ``matmul_rows(grad_y, Wᵀ)`` on a
-  contiguous ``Wᵀ`` against ``torch.mm(grad_y, W)``, grad_w as ``matmul_nt(grad_yᵀ, xᵀ)`` on
-  contiguous transposes against ``torch.mm(grad_yᵀ, x)``.
+  batchinv's backward runs its default route (``path`` says which: "in place" reads dY, X
+  and W where they lie, "copies" makes transposed copies first);
+- the backward launcher on each route (``scope`` "kernel", no goal): ``gpu_linear.backward``
+  for grad_x alone and grad_w alone, in place and with ``transposed_copies=True`` (the copies
+  inside the time), against the same cuBLAS autograd times;
+- the GEMMs alone (``scope`` "kernel", no goal): in place, grad_x as ``matmul_nn(grad_y, W)``
+  and grad_w as ``matmul_tn(grad_y, x)``; on copies, grad_x as ``matmul_rows(grad_y, Wᵀ)`` on
+  a contiguous ``Wᵀ`` and grad_w as ``matmul_nt(grad_yᵀ, xᵀ)`` on contiguous transposes; against
+  ``torch.mm(grad_y, W)`` and ``torch.mm(grad_yᵀ, x)``.
 
 Bits (``docs/operators/linear.md``, "Backward"): grad_x reduces over out_features per token,
 so a token's row is the same whatever other tokens are present or where they sit; grad_w
@@ -30,7 +35,9 @@ steps (16 tokens per step, 64 per pipeline tile), no split, no atomics.  The con
   permuted within each 16-token step (``grad_w_perm16_same``) and within each 64-token tile
   (``grad_w_perm64_same``); those columns are measurements, not promises.
 
-A violated contract check is printed and makes the script exit with status 1 after the tables.
+The two routes must give the same bits (``in_place_equals_copies``, grad_x and grad_w).  A
+violated contract check, or routes that differ, is printed and makes the script exit with
+status 1 after the tables.
 
     python benchmarks/bench_linear_grad.py [--json PATH]
     python benchmarks/bench_linear_grad.py --smoke     # tiny shapes, runs on the CPU too
@@ -67,6 +74,7 @@ CHECK_COLUMNS = [
     "tokens",
     "deterministic",
     "grad_x_rows_follow",
+    "in_place_equals_copies",
     "grad_w_perm16_same",
     "grad_w_perm64_same",
     "note",
@@ -143,6 +151,12 @@ def contract_checks(x, weight, grad_y) -> dict:
     gx2, gw2 = backward(x, grad_y)
     checks = {"deterministic": bitwise_equal(gx, gx2) and bitwise_equal(gw, gw2)}
     del gx2, gw2
+    if x.device.type == "cuda":
+        from batchinv.gpu import linear as gpu_linear
+
+        gx2, gw2, _ = gpu_linear.backward(grad_y, x, weight, None, transposed_copies=True)
+        checks["in_place_equals_copies"] = bitwise_equal(gx, gx2) and bitwise_equal(gw, gw2)
+        del gx2, gw2
     for block, key in ((STEP_TOKENS, "grad_w_perm16_same"), (TILE_TOKENS, "grad_w_perm64_same")):
         perm = within_blocks(tokens, block, gen).to(x.device)
         gx_p, gw_p = backward(x[perm], grad_y[perm])
@@ -163,10 +177,10 @@ def measure_case(name, k, n, tokens, device, ms) -> tuple[list[dict], list[dict]
     grad_y = torch.randn(tokens, n, device=device, generator=gen).bfloat16()
     case = f"{name} {tokens} tokens (N={n}, K={k}), bf16"
     base = {"layer": name, "tokens": tokens, "N": n, "K": k}
-    ran_x, ran_w = _ran_labels(tokens, k, n, weight, device)
+    ran_x, ran_w = _ran_labels(x, weight, grad_y)
     rows, summary = [], []
 
-    def record(grad, scope, ran, mine_ms, anchor, anchor_ms, flops, variant, goal):
+    def record(grad, scope, ran, mine_ms, anchor, anchor_ms, flops, variant, goal=None):
         for path, t in (("batchinv", mine_ms), (anchor, anchor_ms)):
             rows.append(
                 base
@@ -186,42 +200,76 @@ def measure_case(name, k, n, tokens, device, ms) -> tuple[list[dict], list[dict]
         )
 
     flops_one = 2.0 * tokens * n * k
+    anchors = {}  # cuBLAS autograd time per grad, for the launcher rows
     for which, variant in OP_VARIANTS.items():
         ran = {"x": ran_x, "w": ran_w, "x+w": f"{ran_x}; {ran_w}"}[which]
         mine = ms(timed_backward(batchinv.linear, x, weight, grad_y, which))
         anchor = ms(timed_backward(F.linear, x, weight, grad_y, which))
         flops = flops_one * (2 if which == "x+w" else 1)
         record(which, "op", ran, mine, OP_ANCHOR, anchor, flops, variant, GOAL)
-    if device.type == "cuda":  # the GEMMs alone exist on the GPU only
+        anchors[which] = anchor
+    if device.type == "cuda":  # the launcher and the GEMMs alone exist on the GPU only
         from batchinv.gpu import linear as gpu_linear
 
+        copies = dict(zip("xw", _copies_labels(x, weight), strict=True))
+        default = {"x": ran_x, "w": ran_w}
+        for transposed_copies, labels in ((False, default), (True, copies)):
+            for which, needs in (("x", (True, False, False)), ("w", (False, True, False))):
+
+                def launcher(needs=needs, transposed_copies=transposed_copies):
+                    return gpu_linear.backward(
+                        grad_y, x, weight, None, needs, transposed_copies=transposed_copies
+                    )
+
+                ran = labels[which]  # "in place: ..." or "copies: ..."
+                variant = f"{OP_VARIANTS[which]} backward, {ran.split(':')[0]}"
+                mine = ms(launcher)
+                record(which, "kernel", ran, mine, OP_ANCHOR, anchors[which], flops_one, variant)
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        in_place_x = f"in place: {gpu_linear.choose_transposed_config('tb', tokens, k, sms)}"
+        in_place_w = f"in place: {gpu_linear.choose_transposed_config('tab', n, k, sms)}"
+        mm_x, mm_w = ms(lambda: torch.mm(grad_y, weight)), ms(lambda: torch.mm(grad_y.t(), x))
+        mine = ms(lambda: gpu_linear.matmul_nn(grad_y, weight))
+        variant = KERNEL_VARIANTS["x"]
+        record("x", "kernel", in_place_x, mine, KERNEL_ANCHOR, mm_x, flops_one, variant)
+        mine = ms(lambda: gpu_linear.matmul_tn(grad_y, x))
+        variant = KERNEL_VARIANTS["w"]
+        record("w", "kernel", in_place_w, mine, KERNEL_ANCHOR, mm_w, flops_one, variant)
         weight_t = weight.t().contiguous()
         mine = ms(lambda: gpu_linear.matmul_rows(grad_y, weight_t))
-        anchor = ms(lambda: torch.mm(grad_y, weight))
-        record(
-            "x", "kernel", ran_x, mine, KERNEL_ANCHOR, anchor, flops_one, KERNEL_VARIANTS["x"], None
-        )
+        variant = f"{KERNEL_VARIANTS['x']} on copies"
+        record("x", "kernel", copies["x"], mine, KERNEL_ANCHOR, mm_x, flops_one, variant)
         del weight_t
         grad_t, x_t = grad_y.t().contiguous(), x.t().contiguous()
         mine = ms(lambda: gpu_linear.matmul_nt(grad_t, x_t))
-        anchor = ms(lambda: torch.mm(grad_y.t(), x))
-        record(
-            "w", "kernel", ran_w, mine, KERNEL_ANCHOR, anchor, flops_one, KERNEL_VARIANTS["w"], None
-        )
+        variant = f"{KERNEL_VARIANTS['w']} on copies"
+        record("w", "kernel", copies["w"], mine, KERNEL_ANCHOR, mm_w, flops_one, variant)
         del grad_t, x_t
     check = base | contract_checks(x, weight, grad_y)
     return rows, summary, check
 
 
-def _ran_labels(tokens: int, k: int, n: int, weight: torch.Tensor, device) -> tuple[str, str]:
-    """What serves grad_x (``grad_y[tokens, N] · W``: the rows path of ``Wᵀ``) and grad_w
-    (``grad_yᵀ · x``: batchinv's kernels with the tokens reduced)."""
-    if device.type != "cuda":
+def _ran_labels(x: torch.Tensor, weight: torch.Tensor, grad_y: torch.Tensor) -> tuple[str, str]:
+    """What the backward's default route runs for grad_x (``grad_y · W``) and grad_w
+    (``grad_yᵀ · x``), e.g. ``"in place: hopper tb bm128 bn256 k64 s4"``."""
+    if x.device.type != "cuda":
         return "reference", "reference"
+    from batchinv.gpu.linear import describe_backward
+
+    return describe_backward(grad_y, x, weight)
+
+
+def _copies_labels(x: torch.Tensor, weight: torch.Tensor) -> tuple[str, str]:
+    """What ``backward(..., transposed_copies=True)`` runs: grad_x on the rows path of the
+    ``Wᵀ`` copy, grad_w on batchinv's kernels over token-major copies."""
     from batchinv.gpu.linear import describe, rows_path
 
+    (tokens, k), n, device = x.shape, weight.shape[0], x.device
     path_x = rows_path(tokens, weight.t().contiguous(), False)
-    return describe(tokens, k, path_x, device), describe(n, k, "own", device)
+    return (
+        f"copies: {describe(tokens, k, path_x, device)}",
+        f"copies: {describe(n, k, 'own', device)}",
+    )
 
 
 def main(argv: list[str] | None = None) -> tuple[list[dict], list[dict], list[dict]]:
@@ -253,9 +301,8 @@ def main(argv: list[str] | None = None) -> tuple[list[dict], list[dict], list[di
             checks.append(check)
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-    violated = [
-        c for c in checks if c.get("deterministic") is False or c.get("grad_x_rows_follow") is False
-    ]
+    contract = ("deterministic", "grad_x_rows_follow", "in_place_equals_copies")
+    violated = [c for c in checks if any(c.get(key) is False for key in contract)]
     name = "linear_grad (bf16)"
     from _common import print_table, report
 

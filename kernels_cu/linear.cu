@@ -30,6 +30,19 @@
 //   with ldmatrix; the same k16 steps in the same order.  Grid ceil(N/BN) * ceil(M/8); block
 //   32 * (BN/16 + 1) threads (the last warp issues the copies); dynamic shared memory
 //   STAGES * (BN + 8) * 2 * STAGE_K + 16 * STAGES + 1024 bytes.
+// - linear_hopper_tb_* / linear_hopper_tab_*: sm_90a, the backward's products with operands
+//   read in place where they lie M- or N-major (no transposed copy): the same main loop with
+//   its transpose options (TMA boxes of 64 M/N-elements by 64 k-rows, wgmma's transpose
+//   flags), BN = 256 (the transposed wgmma is built for n256), 64-wide stages, 4 stages.
+//   "tb": out[M, N] = A[M, K] · B[K, N] with B's rows along K (B N-major): grad_x = dY · W
+//   (K = out_features, W [out, in] as it lies) and grad_bias = 1ᵀ · dY (K = tokens).
+//   "tab": A read M-major too, out[M, N] = A[K, M]ᵀ · B[K, N]: grad_W = dYᵀ · X (K = tokens,
+//   dY [tokens, out] and X [tokens, in] as they lie).  The K order is the one above (64-wide
+//   k-tiles in increasing k, four k16 steps each), so each gives the bits of the K-major
+//   kernels run on transposed copies; that wgmma's transpose flags change no bits is a
+//   measured property of the GPU, checked by tests/gpu/test_linear_backward_cuda.py.  Grid
+//   ceil(M/BM) * ceil(N/256); block 128 * (BM/64 + 1); dynamic shared memory as the Hopper
+//   kernels with BN = 256, STAGE_K = 64, STAGES = 4.
 // - linear_mma_*: sm_80 (mma.sync m16n8k16), the same k-step order; on HIP a SIMT loop (its
 //   own order, fixed the same way).  Grid (ceil(N/32), ceil(M/64)); block 128.
 #include "common/hopper_gemm.cuh"
@@ -41,6 +54,10 @@ namespace linear {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 constexpr int kTileK = hopper::kGemmTileK;  // the small-M kernel reads the same 64-wide boxes
 #endif
+// The transposed kernels' tile columns, k-columns per stage and stages (their names say so).
+constexpr int kTransposedBN = 256;
+constexpr int kTransposedStageK = 64;
+constexpr int kTransposedStages = 4;
 
 template <typename Codec>
 __device__ __forceinline__ uint16_t storage_bits(typename Codec::storage value) {
@@ -115,6 +132,25 @@ __device__ __forceinline__ void hopper_gemm(const TensorMap& map_x, const Tensor
                                             int M, int N, int K) {
     const StoreEpilogue<Codec> epilogue{out, bias, M, N};
     hopper_gemm_tiles<Codec, BM, BN, STAGE_K, STAGES>(map_x, map_w, M, N, K, epilogue);
+}
+
+// The backward's products with M/N-major operands (see the kernel families above): A K-major
+// or (kTransA) M-major, B N-major, the linear's K order over [0, K), the linear's epilogue.
+// The bias is a kernel argument although the backward passes null: with a constant null,
+// ptxas serialises the bf16 wgmma chain (C7511, "insufficient register resources"); with a
+// run-time pointer it does not, as for the forward kernels.
+template <typename Codec, int BM, int kTransA>
+__device__ __forceinline__ void hopper_gemm_transposed(const TensorMap& map_a, const TensorMap& map_b,
+                                                       typename Codec::storage* out,
+                                                       const typename Codec::storage* bias, int M, int N, int K) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    extern __shared__ uint8_t shared_raw[];
+    const StoreEpilogue<Codec> epilogue{out, bias, M, N};
+    hopper::gemm_k_range<Codec, BM, kTransposedBN, kTransposedStageK, kTransposedStages, kTransA, 1, true>(
+        shared_raw, map_a, map_b, M, N, 0, K, epilogue);
+#elif defined(__CUDA_ARCH__)
+    __trap();  // built only into sm_90a images; the host never launches it elsewhere
+#endif
 }
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -386,6 +422,15 @@ __device__ __forceinline__ void mma_gemm(const typename Codec::storage* x, const
         batchinv::linear::small_m_gemm<CODEC, BN, STAGE_K, STAGES>(map_x, map_w, out, bias, M, N, K);            \
     }
 
+// LAYOUT "tb" (TRANS_A 0) or "tab" (TRANS_A 1); B is always read N-major.
+#define BATCHINV_LINEAR_HOPPER_TRANSPOSED(LAYOUT, TRANS_A, DTYPE, CODEC, BM)                                   \
+    extern "C" __global__ void __launch_bounds__(128 * (BM / 64 + 1), 1)                                         \
+        linear_hopper_##LAYOUT##_##DTYPE##_bm##BM##_bn256_k64_s4(                                               \
+            const __grid_constant__ batchinv::TensorMap map_a, const __grid_constant__ batchinv::TensorMap map_b, \
+            CODEC::storage* out, const CODEC::storage* bias, int M, int N, int K) {                              \
+        batchinv::linear::hopper_gemm_transposed<CODEC, BM, TRANS_A>(map_a, map_b, out, bias, M, N, K);        \
+    }
+
 // EXPERIMENTAL K-group tree kernels (partials: grid (tiles, kKGroups); then the combine).
 #define BATCHINV_LINEAR_KGROUP_HOPPER(DTYPE, CODEC, BM, BN, STAGE_K, STAGES)                                   \
     extern "C" __global__ void __launch_bounds__(128 * (BM / 64 + 1), 1)                                         \
@@ -447,6 +492,14 @@ BATCHINV_LINEAR_SMALL_M(bf16, batchinv::Bf16Codec, 64, 128, 6)
 BATCHINV_LINEAR_SMALL_M(f16, batchinv::F16Codec, 16, 128, 8)
 BATCHINV_LINEAR_SMALL_M(f16, batchinv::F16Codec, 32, 128, 8)
 BATCHINV_LINEAR_SMALL_M(f16, batchinv::F16Codec, 64, 128, 6)
+BATCHINV_LINEAR_HOPPER_TRANSPOSED(tb, 0, bf16, batchinv::Bf16Codec, 64)
+BATCHINV_LINEAR_HOPPER_TRANSPOSED(tb, 0, bf16, batchinv::Bf16Codec, 128)
+BATCHINV_LINEAR_HOPPER_TRANSPOSED(tab, 1, bf16, batchinv::Bf16Codec, 64)
+BATCHINV_LINEAR_HOPPER_TRANSPOSED(tab, 1, bf16, batchinv::Bf16Codec, 128)
+BATCHINV_LINEAR_HOPPER_TRANSPOSED(tb, 0, f16, batchinv::F16Codec, 64)
+BATCHINV_LINEAR_HOPPER_TRANSPOSED(tb, 0, f16, batchinv::F16Codec, 128)
+BATCHINV_LINEAR_HOPPER_TRANSPOSED(tab, 1, f16, batchinv::F16Codec, 64)
+BATCHINV_LINEAR_HOPPER_TRANSPOSED(tab, 1, f16, batchinv::F16Codec, 128)
 BATCHINV_LINEAR_KGROUP_HOPPER(bf16, batchinv::Bf16Codec, 128, 256, 64, 4)
 BATCHINV_LINEAR_KGROUP_SMALL_M(bf16, batchinv::Bf16Codec, 32, 128, 8)
 BATCHINV_LINEAR_KGROUP_COMBINE(bf16, batchinv::Bf16Codec)

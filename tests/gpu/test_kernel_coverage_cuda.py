@@ -1,11 +1,11 @@
 """Every kernel variant added for attention (the Hopper tile and cooperative decode kernels
 included), token logprobs, the cluster log-softmax and its one-CTA 2048-wide backward, the
-small-M and K-group linear kernels, the fused RMSNorm backward and the reworked RoPE and SiLU-mul
-bodies, run once on small odd shapes (NaN in the padding where there is padding), and checked
-for finite results and exact zeros where nothing may be written.  The value and invariance
-checks live in each op's own test file; this file is the short target that `nox -s sanitize`
-runs under compute-sanitizer (memcheck is ~50x slower than a plain run, so the full op files
-would take too long)."""
+small-M, in-place backward and K-group linear kernels, the fused RMSNorm backward and the
+reworked RoPE and SiLU-mul bodies, run once on small odd shapes (NaN in the padding where there
+is padding), and checked for finite results and exact zeros where nothing may be written.  The
+value and invariance checks live in each op's own test file; this file is the short target that
+`nox -s sanitize` runs under compute-sanitizer (memcheck is ~50x slower than a plain run, so the
+full op files would take too long)."""
 
 from __future__ import annotations
 
@@ -167,6 +167,22 @@ def test_linear_small_m_variants(dtype, m):
     for config in gpu_linear.small_m_configs():
         out = gpu_linear.matmul_nt(x, weight, bias, family="small_m", config=config)
         assert out.shape == (m, 40) and torch.isfinite(out).all(), config
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens", (3, 70))
+def test_linear_in_place_backward_variants(dtype, tokens):
+    if not _hopper():
+        pytest.skip("the in-place backward kernels are sm_90a only")
+    grad = _randn(tokens, 40, dtype=dtype, seed=13)  # 40 out_features: a partial tile
+    x = _randn(tokens, 200, dtype=dtype, seed=14)  # tokens below one 64-token box
+    weight = _randn(40, 200, dtype=dtype, seed=15)
+    for config in gpu_linear.transposed_configs():
+        if config.layout == "tb":  # grad_x = dY · W
+            out, shape = gpu_linear.matmul_nn(grad, weight, config=config), (tokens, 200)
+        else:  # grad_W = dYᵀ · X
+            out, shape = gpu_linear.matmul_tn(grad, x, config=config), (40, 200)
+        assert out.shape == shape and torch.isfinite(out).all(), config
 
 
 @pytest.mark.parametrize("m", (3, 70))

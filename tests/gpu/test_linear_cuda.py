@@ -201,7 +201,8 @@ def test_gradients_match_the_reference_and_repeat_bitwise():
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("name, k, n", SHAPES, ids=[s[0] for s in SHAPES])
 def test_grad_weight_repeats_bitwise_at_qwen3_shapes(name, k, n, dtype):
-    # 257 tokens: not a multiple of 8, so the zero-padded token path is part of the check.
+    # 257 tokens: a partial 64-token tile, so the zeros read past the last token are part of
+    # the check.
     x, w = _inputs(257, k, n, dtype, seed=9)
     gen = torch.Generator(device="cuda").manual_seed(10)
     grad = torch.randn(257, n, device="cuda", generator=gen).to(dtype)

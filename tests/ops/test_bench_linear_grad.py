@@ -65,6 +65,9 @@ def test_smoke_run_rows_summary_and_checks(bench, smoke):
     for check in checks:  # the contract: bits run to run, grad_x rows follow their tokens
         assert check["deterministic"] is True
         assert check["grad_x_rows_follow"] is True
+        # the backward's two routes give the same bits (the GPU only has two)
+        assert check.get("in_place_equals_copies", True) is True
+        assert ("in_place_equals_copies" in check) == torch.cuda.is_available()
         assert isinstance(check["grad_w_perm16_same"], bool)
         assert isinstance(check["grad_w_perm64_same"], bool)
     op_rows = [r for r in summary if r["scope"] == "op"]
@@ -74,9 +77,17 @@ def test_smoke_run_rows_summary_and_checks(bench, smoke):
         assert row["anchor"] == bench.OP_ANCHOR
         assert row["ratio"] == pytest.approx(row["anchor_ms"] / row["batchinv_ms"])
     kernel_rows = [r for r in summary if r["scope"] == "kernel"]
-    if torch.cuda.is_available():
-        assert {r["variant"] for r in kernel_rows} == set(bench.KERNEL_VARIANTS.values())
-    else:  # the GEMMs alone exist on the GPU only
+    if torch.cuda.is_available():  # each route's launcher and GEMMs
+        gemms = set(bench.KERNEL_VARIANTS.values())
+        launchers = {
+            f"{bench.OP_VARIANTS[which]} backward, {route}"
+            for which in ("x", "w")
+            for route in ("in place", "copies")
+        }
+        expected = gemms | {f"{v} on copies" for v in gemms} | launchers
+        assert {r["variant"] for r in kernel_rows} == expected
+        assert all(r["ran"].startswith(("in place: ", "copies: ")) for r in kernel_rows)
+    else:  # the launcher and the GEMMs alone exist on the GPU only
         assert kernel_rows == []
     assert all(r["ms"] > 0 for r in rows)
     assert all("deterministic" in r for r in rows)

@@ -4,6 +4,16 @@
 Every configuration reduces K in the same order (see the kernel's contract), so the choice
 below may follow M freely: it is a performance decision, not a numerical one.  Tests run
 the same inputs through every configuration and both kernel families and compare bits.
+
+The backward on sm_90 reads its operands where they lie: grad_x = dY · W takes W ``[N, K]``
+as an N-major operand (``matmul_nn``), grad_weight = dYᵀ · X takes dY ``[M, N]`` and X
+``[M, K]`` as M- and N-major operands (``matmul_tn``), grad_bias = 1ᵀ · dY reads dY the same
+way; no transposed or padded copy is made.  TMA cannot read an operand in place when its row
+stride is not a multiple of 16 bytes (``out_features % 8 != 0`` for dY) or its base is not
+16-byte aligned; those products, decode-sized grad_x (``takes_small_m``: the small-M kernel
+wants ``Wᵀ``), grad_x where cuBLASLt's pinned algorithm serves (it was checked on ``Wᵀ``),
+other GPUs and HIP keep the copy-based products (``backward(..., transposed_copies=True)``
+runs those everywhere).  Both give the same bits: the same k16 steps in the same order.
 """
 
 from __future__ import annotations
@@ -30,6 +40,7 @@ from . import linear_cublaslt
 _DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "f16"}
 _HOPPER_NAME = re.compile(r"linear_hopper_(bf16|f16)_bm(\d+)_bn(\d+)_k(\d+)_s(\d+)$")
 _SMALL_M_NAME = re.compile(r"linear_small_m_(bf16|f16)_bn(\d+)_k(\d+)_s(\d+)$")
+_TRANSPOSED_NAME = re.compile(r"linear_hopper_(tb|tab)_(bf16|f16)_bm(\d+)_bn256_k64_s4$")
 _MAX_DIM = 2**31 - 1
 
 
@@ -164,8 +175,12 @@ def choose_config(m: int, n: int, multiprocessors: int) -> TileConfig:
 
 
 @functools.lru_cache(maxsize=256)
-def _tensor_map(address: int, dtype_name: str, rows: int, cols: int, box_rows: int) -> bytes:
-    return tensor_map_2d(address, dtype_name, rows, cols, cols * 2, box_rows, 64, 128)
+def _tensor_map(
+    address: int, dtype_name: str, rows: int, cols: int, box_rows: int, row_elements: int = 0
+) -> bytes:
+    """A TMA map of ``rows x cols`` elements, rows ``row_elements`` apart (0: ``cols``)."""
+    row_bytes = 2 * (row_elements or cols)
+    return tensor_map_2d(address, dtype_name, rows, cols, row_bytes, box_rows, 64, 128)
 
 
 def _aligned(t: Tensor) -> Tensor:
@@ -257,7 +272,9 @@ def _auto_choice(m: int, n: int, device_index: int) -> tuple[str, TileConfig | S
 
 
 @functools.lru_cache(maxsize=256)
-def _gemm_kernel(config: TileConfig | SmallMConfig, dtype: torch.dtype, device: torch.device):
+def _gemm_kernel(
+    config: TileConfig | SmallMConfig | TransposedConfig, dtype: torch.dtype, device: torch.device
+):
     return kernel_for("linear", config.kernel_name(dtype), device)
 
 
@@ -345,20 +362,250 @@ def matmul_rows(
     return matmul_nt(rows, weight, bias)
 
 
+# ---- the backward's products with operands read in place (sm_90) ---------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class TransposedConfig:
+    """One compiled backward kernel that reads M/N-major operands in place (``layout`` "tb":
+    B N-major, for ``matmul_nn``; "tab": A M-major too, for ``matmul_tn``) with tiles of
+    ``block_m`` rows; always 256 columns, 64-wide k stages, 4 stages (kernels_cu/linear.cu:
+    the transposed wgmma is built for n256 only)."""
+
+    layout: str
+    block_m: int
+
+    @property
+    def tile(self) -> TileConfig:
+        """The tile shape, threads and shared memory, those of the K-major kernel alike."""
+        return TileConfig(self.block_m, 256, 64, 4)
+
+    def kernel_name(self, dtype: torch.dtype) -> str:
+        return f"linear_hopper_{self.layout}_{_DTYPE_NAMES[dtype]}_bm{self.block_m}_bn256_k64_s4"
+
+    def __str__(self) -> str:
+        return f"hopper {self.layout} bm{self.block_m} bn256 k64 s4"
+
+
+TRANSPOSED_BLOCK_M = (64, 128)  # the tile rows built for each layout and dtype
+
+
+@functools.cache
+def transposed_configs() -> tuple[TransposedConfig, ...]:
+    """The transposed configurations built into this extension (read from the kernel names)."""
+    names = declared_kernels("linear")
+    configs = {
+        TransposedConfig(m[1], int(m[3])) for name in names if (m := _TRANSPOSED_NAME.match(name))
+    }
+    return tuple(sorted(configs, key=lambda c: (c.layout, c.block_m)))
+
+
+def choose_transposed_config(
+    layout: str, rows: int, cols: int, multiprocessors: int
+) -> TransposedConfig:
+    """The tile rows of least estimated time (``choose_config``'s model: waves of CTAs times
+    one tile's area over its efficiency) for a ``rows x cols`` result: a speed choice, since
+    the K order is the same for both (64-row tiles win where 128-row tiles leave SMs idle)."""
+
+    def estimated_time(block_m: int) -> float:
+        config = TileConfig(block_m, 256, 64, 4)
+        tiles = -(-rows // block_m) * -(-cols // 256)
+        return -(-tiles // multiprocessors) * block_m * 256 / _tile_efficiency(config)
+
+    return TransposedConfig(layout, min(TRANSPOSED_BLOCK_M, key=estimated_time))
+
+
+def tma_readable(t: Tensor) -> bool:
+    """Whether TMA can read the 2-D ``t`` where it lies: non-empty, unit column stride, a row
+    stride of a multiple of 16 bytes (and at least a row), a 16-byte aligned base."""
+    return (
+        t.dim() == 2
+        and t.shape[0] > 0
+        and t.shape[1] > 0
+        and t.stride(1) == 1
+        and (t.stride(0) * t.element_size()) % 16 == 0
+        and (t.shape[0] == 1 or t.stride(0) >= t.shape[1])
+        and t.data_ptr() % 16 == 0
+    )
+
+
+def _check_transposed_operands(a: Tensor, b: Tensor, depth_a: int, depth_b: int) -> None:
+    if a.dtype not in _DTYPE_NAMES or b.dtype != a.dtype:
+        raise TypeError(f"the operands must be both bf16 or both fp16, got {a.dtype}, {b.dtype}")
+    if depth_a != depth_b:
+        raise ValueError(f"the reduced dimensions differ: {depth_a} and {depth_b}")
+    for name, t in (("a", a), ("b", b)):
+        if not tma_readable(t):
+            raise ValueError(
+                f"{name} cannot be read in place by TMA (shape {tuple(t.shape)}, strides "
+                f"{t.stride()}, base {t.data_ptr() % 16} bytes past 16): see tma_readable"
+            )
+        if max(t.shape) > _MAX_DIM:
+            raise ValueError(f"{name} has a dimension above {_MAX_DIM}")
+    if not uses_hopper(a.device):
+        raise RuntimeError("the in-place backward kernels need an sm_90 GPU and a build with 90a")
+
+
+def matmul_nn(a: Tensor, b: Tensor, *, config: TransposedConfig | None = None) -> Tensor:
+    """``a[M, K] @ b[K, N]`` with ``b`` read N-major where it lies (grad_x = dY · W with
+    ``b`` the ``[out, in]`` weight, grad_bias = 1ᵀ · dY); both TMA-readable (``tma_readable``).
+    ``config`` forces a ``"tb"`` configuration (tests compare them)."""
+    _check_transposed_operands(a, b, a.shape[1], b.shape[0])
+    (m, k), n = a.shape, b.shape[1]
+    config = config or choose_transposed_config("tb", m, n, multiprocessors(a.device.index))
+    if config.layout != "tb":
+        raise ValueError(f"matmul_nn runs the 'tb' kernels, got {config}")
+    dtype_name = _DTYPE_NAMES[a.dtype]
+    map_a = _tensor_map(a.data_ptr(), dtype_name, m, k, config.block_m, a.stride(0))
+    map_b = _tensor_map(b.data_ptr(), dtype_name, k, n, 64, b.stride(0))
+    return _launch_transposed(config, map_a, map_b, m, n, k, a)
+
+
+def matmul_tn(a: Tensor, b: Tensor, *, config: TransposedConfig | None = None) -> Tensor:
+    """``a[K, M]ᵀ @ b[K, N]`` with both read where they lie, ``a`` M-major and ``b`` N-major
+    (grad_weight = dYᵀ · X, K = the tokens); both TMA-readable.  ``config`` forces a
+    ``"tab"`` configuration."""
+    _check_transposed_operands(a, b, a.shape[0], b.shape[0])
+    (k, m), n = a.shape, b.shape[1]
+    config = config or choose_transposed_config("tab", m, n, multiprocessors(a.device.index))
+    if config.layout != "tab":
+        raise ValueError(f"matmul_tn runs the 'tab' kernels, got {config}")
+    dtype_name = _DTYPE_NAMES[a.dtype]
+    map_a = _tensor_map(a.data_ptr(), dtype_name, k, m, 64, a.stride(0))
+    map_b = _tensor_map(b.data_ptr(), dtype_name, k, n, 64, b.stride(0))
+    return _launch_transposed(config, map_a, map_b, m, n, k, a)
+
+
+def _launch_transposed(
+    config: TransposedConfig, map_a: bytes, map_b: bytes, m: int, n: int, k: int, like: Tensor
+) -> Tensor:
+    """One CTA per ``block_m x 256`` tile of the ``[m, n]`` result, k reduced in order."""
+    out = torch.empty(m, n, dtype=like.dtype, device=like.device)
+    kernel = _gemm_kernel(config, like.dtype, like.device)
+    tile = config.tile
+    allow_dynamic_shared(kernel, tile.shared_bytes, like.device.index)
+    launch(
+        kernel,
+        like.device,
+        grid=(-(-m // tile.block_m) * -(-n // tile.block_n),),
+        block=(tile.threads,),
+        args=(map_a, map_b, out, 0, m, n, k),  # no bias (kernels_cu/linear.cu says why an argument)
+        shared_mem=tile.shared_bytes,
+    )
+    return out
+
+
+def _pinned_may_serve_grad_x(m: int, weight: Tensor) -> bool:
+    """Whether cuBLASLt's pinned algorithm may serve grad_x's ``[m, N] x [K, N]ᵀ`` under the
+    switch (it serves the ``Wᵀ`` layout its self-check compared): never under ``"own"`` or
+    below ``MIN_ROWS``, and not once ``"auto"`` has refused the shape (a refusal sticks for
+    the process), so a refused shape makes no copy of ``Wᵀ``."""
+    path = linear_cublaslt.configured_path()
+    if path == "own" or m < linear_cublaslt.MIN_ROWS:
+        return False
+    n, k = weight.shape
+    refused = (weight.device.index, k, n, weight.dtype) in linear_cublaslt.refusals()
+    return not (path == "auto" and refused)
+
+
+def grad_x_route(grad_rows: Tensor, weight: Tensor) -> tuple[str, Tensor | None]:
+    """How ``backward`` on sm_90 computes grad_x = ``grad_rows[M, N] · weight[N, K]``:
+    ``("in place", None)`` (``matmul_nn``), ``("cublaslt", Wᵀ)`` (the pinned algorithm on
+    the contiguous ``Wᵀ`` made for it) or ``("copies", None)`` (``matmul_rows`` on padded
+    copies: operands TMA cannot read in place, and decode-sized batches, where the small-M
+    kernel beats 64-row tiles of mostly zero rows).  A speed choice: every route gives the
+    bits of the forward kernel's K order."""
+    m = grad_rows.shape[0]
+    k = weight.shape[1]
+    if takes_small_m(m, k) or not (tma_readable(grad_rows) and tma_readable(weight)):
+        return "copies", None
+    if _pinned_may_serve_grad_x(m, weight):
+        weight_t = weight.t().contiguous()
+        if rows_path(m, weight_t, False) == "cublaslt":
+            return "cublaslt", weight_t
+    return "in place", None
+
+
 def backward(
     grad_out: Tensor,
     x: Tensor,
     weight: Tensor,
     bias_dtype: torch.dtype | None,
     needs_input_grad: tuple[bool, bool, bool] = (True, True, True),
+    *,
+    transposed_copies: bool = False,
 ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
-    """``(grad_x, grad_weight, grad_bias)`` with the forward kernel and its fixed K order.
+    """``(grad_x, grad_weight, grad_bias)`` with the forward kernel's fixed K order.
 
     grad_x = grad_y · weight reduces over out_features (per row, so batch-invariant);
     grad_weight = grad_yᵀ · x and grad_bias = 1ᵀ · grad_y reduce over the tokens in
     increasing token order (64-token tiles, k16 steps), bitwise identical run to run.
+    On sm_90 the operands are read in place where TMA can (module docstring);
+    ``transposed_copies=True`` (tests and benchmarks) runs every product on transposed,
+    padded copies instead, as other GPUs do: the same bits.
     """
-    return _backward(grad_out, x, weight, bias_dtype, needs_input_grad, matmul_rows, matmul_nt)
+    if transposed_copies or not uses_hopper(weight.device):
+        return _backward(grad_out, x, weight, bias_dtype, needs_input_grad, matmul_rows, matmul_nt)
+    n, k = weight.shape
+    grad_rows = grad_out.reshape(-1, n).to(x.dtype).contiguous()
+    grad_x = grad_weight = grad_bias = None
+    if needs_input_grad[0]:
+        route, weight_t = grad_x_route(grad_rows, weight)
+        if route == "in place":
+            grad_x = matmul_nn(grad_rows, weight)
+        elif route == "cublaslt":
+            grad_x = matmul_rows(grad_rows, weight_t)
+        else:
+            grad_x = matmul_rows(_pad_columns(grad_rows), _pad_columns(weight.t().contiguous()))
+        grad_x = grad_x.reshape(x.shape)
+    if needs_input_grad[1]:
+        x_rows = x.reshape(-1, k)
+        if tma_readable(grad_rows) and tma_readable(x_rows):
+            grad_weight = matmul_tn(grad_rows, x_rows)
+        else:
+            grad_weight = matmul_nt(_token_major(grad_rows), _token_major(x_rows))
+    if bias_dtype is not None and needs_input_grad[2]:
+        grad_bias = _bias_gradient(grad_rows).reshape(n).to(bias_dtype)
+    return grad_x, grad_weight, grad_bias
+
+
+def describe_backward(grad_rows: Tensor, x_rows: Tensor, weight: Tensor) -> tuple[str, str]:
+    """What ``backward`` runs on sm_90 for grad_x and grad_weight, e.g.
+    ``"in place: hopper tb bm128 bn256 k64 s4"`` or ``"copies: own: hopper bm128 bn256 k64 s4"``
+    (may run the pinned path's self-check on first use per shape, as the call itself would)."""
+    (m, n), k, device = grad_rows.shape, weight.shape[1], weight.device
+    sms = multiprocessors(device.index)
+    route, weight_t = grad_x_route(grad_rows, weight)
+    if route == "in place":
+        label_x = f"in place: {choose_transposed_config('tb', m, k, sms)}"
+    elif route == "cublaslt":
+        label_x = f"copies: {describe(m, k, 'cublaslt', device)}"
+    else:
+        path_x = rows_path(m, _pad_columns(weight.t().contiguous()), False)
+        label_x = f"copies: {describe(m, k, path_x, device)}"
+    if tma_readable(grad_rows) and tma_readable(x_rows):
+        label_w = f"in place: {choose_transposed_config('tab', n, k, sms)}"
+    else:
+        label_w = f"copies: {describe(n, k, 'own', device)}"
+    return label_x, label_w
+
+
+def _token_major(rows: Tensor) -> Tensor:
+    """``rows[M, C]`` as a contiguous ``[C, M]`` copy, zero-padded to a multiple of 8 tokens
+    (the copy path's operands for the products over the tokens)."""
+    return _pad_columns(rows.t().contiguous())
+
+
+def _bias_gradient(grad_rows: Tensor) -> Tensor:
+    """``1ᵀ · grad_rows`` as ``[1, N]``: in place where TMA can read ``grad_rows``, from a row
+    of ones allocated to a multiple of 8 (a 16-byte row stride) of which the map reads M."""
+    m = grad_rows.shape[0]
+    if not tma_readable(grad_rows):
+        grad_t = _token_major(grad_rows)
+        ones = torch.ones(1, grad_t.shape[1], dtype=grad_t.dtype, device=grad_t.device)
+        return matmul_nt(ones, grad_t)
+    ones = torch.ones(1, -(-m // 8) * 8, dtype=grad_rows.dtype, device=grad_rows.device)
+    return matmul_nn(ones[:, :m], grad_rows)
 
 
 def _backward(
