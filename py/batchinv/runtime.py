@@ -56,11 +56,15 @@ def tensor_map_2d(
     box_rows: int,
     box_cols: int,
     swizzle_bytes: int,
+    device: int | None = None,
 ) -> bytes:
     """An encoded TMA descriptor of a ``rows x cols`` matrix at ``address`` (rows ``row_bytes``
-    apart), read in ``box_rows x box_cols`` boxes with a ``swizzle_bytes`` swizzle."""
+    apart), read in ``box_rows x box_cols`` boxes with a ``swizzle_bytes`` swizzle.  ``device``
+    (the CUDA device the matrix is on) is made current for the encoding: the driver needs a
+    current context, which a thread PyTorch has not launched on (autograd's backward thread)
+    does not have."""
     return native().tensor_map_2d(
-        address, dtype_name, rows, cols, row_bytes, box_rows, box_cols, swizzle_bytes
+        address, dtype_name, rows, cols, row_bytes, box_rows, box_cols, swizzle_bytes, device
     )
 
 

@@ -270,7 +270,7 @@ def launches(monkeypatch):
     """sm_90 with 132 SMs whose TMA maps and launches are recorded instead of made."""
     recorded = {"maps": [], "launches": []}
 
-    def tensor_map(address, dtype_name, rows, cols, row_bytes, box_rows, box_cols, swizzle):
+    def tensor_map(address, dtype_name, rows, cols, row_bytes, box_rows, box_cols, swizzle, device):
         recorded["maps"].append(
             {"rows": rows, "cols": cols, "row_bytes": row_bytes, "box": (box_rows, box_cols)}
         )

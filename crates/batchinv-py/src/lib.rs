@@ -370,7 +370,7 @@ fn synchronize(device: i32, backend: &str) -> PyResult<()> {
 /// A 2-D TMA descriptor (128 bytes) for a row-major matrix at `address`, for kernels with a
 /// `tmap` parameter.  `dtype` is "bf16", "f16" or "f32"; the box is what one copy moves.
 #[pyfunction]
-#[pyo3(signature = (address, dtype, rows, cols, row_stride_bytes, box_rows, box_cols, swizzle_bytes=128))]
+#[pyo3(signature = (address, dtype, rows, cols, row_stride_bytes, box_rows, box_cols, swizzle_bytes=128, device=None))]
 #[allow(clippy::too_many_arguments)]
 fn tensor_map_2d<'py>(
     py: Python<'py>,
@@ -382,6 +382,7 @@ fn tensor_map_2d<'py>(
     box_rows: u32,
     box_cols: u32,
     swizzle_bytes: u32,
+    device: Option<i32>,
 ) -> PyResult<Bound<'py, PyBytes>> {
     let (data_type, element_bytes) = match dtype {
         "bf16" => (9, 2),
@@ -405,7 +406,7 @@ fn tensor_map_2d<'py>(
         swizzle_bytes,
     };
     spec.validate().map_err(to_py_err)?;
-    let map = driver_for(Backend::Cuda).and_then(|d| d.encode_tensor_map_2d(&spec)).map_err(to_py_err)?;
+    let map = driver_for(Backend::Cuda).and_then(|d| d.encode_tensor_map_2d(device, &spec)).map_err(to_py_err)?;
     Ok(PyBytes::new(py, &map))
 }
 

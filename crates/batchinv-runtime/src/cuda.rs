@@ -238,6 +238,45 @@ impl CudaDriver {
         Ok(ctx)
     }
 
+    fn encode_tensor_map(&self, spec: &TensorMapSpec) -> Result<[u8; TENSOR_MAP_BYTES]> {
+        spec.validate()?;
+        let encode = self.api.cu_tensor_map_encode_tiled.ok_or_else(|| Error::Unavailable {
+            backend: "CUDA",
+            reason: "this driver has no cuTensorMapEncodeTiled (TMA needs CUDA 12 or newer)".to_string(),
+        })?;
+        // Dimension 0 is the contiguous one for the driver.
+        let dims = [spec.cols, spec.rows];
+        let strides = [spec.row_stride_bytes];
+        let boxes = [spec.box_cols, spec.box_rows];
+        let element_strides = [1u32, 1u32];
+        let swizzle = match spec.swizzle_bytes {
+            0 => 0,
+            32 => 1,
+            64 => 2,
+            _ => 3,
+        };
+        const L2_PROMOTION_256B: c_uint = 3;
+        const OOB_FILL_ZEROS: c_uint = 0;
+        let mut map = TensorMapStorage([0u8; TENSOR_MAP_BYTES]);
+        self.check("cuTensorMapEncodeTiled", unsafe {
+            encode(
+                map.0.as_mut_ptr() as *mut c_void,
+                spec.data_type,
+                2,
+                spec.address as *mut c_void,
+                dims.as_ptr(),
+                strides.as_ptr(),
+                boxes.as_ptr(),
+                element_strides.as_ptr(),
+                0,
+                swizzle,
+                L2_PROMOTION_256B,
+                OOB_FILL_ZEROS,
+            )
+        })?;
+        Ok(map.0)
+    }
+
     /// Runs `body` with the device's primary context current, restoring the caller's after.
     fn with_context<T>(&self, ordinal: i32, body: impl FnOnce() -> Result<T>) -> Result<T> {
         let ctx = self.primary_context(ordinal)?;
@@ -501,43 +540,11 @@ impl Driver for CudaDriver {
         })
     }
 
-    fn encode_tensor_map_2d(&self, spec: &TensorMapSpec) -> Result<[u8; TENSOR_MAP_BYTES]> {
-        spec.validate()?;
-        let encode = self.api.cu_tensor_map_encode_tiled.ok_or_else(|| Error::Unavailable {
-            backend: "CUDA",
-            reason: "this driver has no cuTensorMapEncodeTiled (TMA needs CUDA 12 or newer)".to_string(),
-        })?;
-        // Dimension 0 is the contiguous one for the driver.
-        let dims = [spec.cols, spec.rows];
-        let strides = [spec.row_stride_bytes];
-        let boxes = [spec.box_cols, spec.box_rows];
-        let element_strides = [1u32, 1u32];
-        let swizzle = match spec.swizzle_bytes {
-            0 => 0,
-            32 => 1,
-            64 => 2,
-            _ => 3,
-        };
-        const L2_PROMOTION_256B: c_uint = 3;
-        const OOB_FILL_ZEROS: c_uint = 0;
-        let mut map = TensorMapStorage([0u8; TENSOR_MAP_BYTES]);
-        self.check("cuTensorMapEncodeTiled", unsafe {
-            encode(
-                map.0.as_mut_ptr() as *mut c_void,
-                spec.data_type,
-                2,
-                spec.address as *mut c_void,
-                dims.as_ptr(),
-                strides.as_ptr(),
-                boxes.as_ptr(),
-                element_strides.as_ptr(),
-                0,
-                swizzle,
-                L2_PROMOTION_256B,
-                OOB_FILL_ZEROS,
-            )
-        })?;
-        Ok(map.0)
+    fn encode_tensor_map_2d(&self, device: Option<i32>, spec: &TensorMapSpec) -> Result<[u8; TENSOR_MAP_BYTES]> {
+        match device {
+            Some(ordinal) => self.with_context(ordinal, || self.encode_tensor_map(spec)),
+            None => self.encode_tensor_map(spec),
+        }
     }
 
     fn synchronize(&self, ordinal: i32) -> Result<()> {

@@ -121,8 +121,14 @@ pub trait Driver: Send + Sync {
         params: &mut [*mut c_void],
     ) -> Result<()>;
     fn synchronize(&self, device: i32) -> Result<()>;
-    /// Encodes a TMA descriptor (Hopper and newer; an error where the driver has none).
-    fn encode_tensor_map_2d(&self, spec: &TensorMapSpec) -> Result<[u8; crate::signature::TENSOR_MAP_BYTES]>;
+    /// Encodes a TMA descriptor (Hopper and newer; an error where the driver has none), with
+    /// `device`'s primary context current where given: the driver needs a current context,
+    /// which a thread PyTorch has not launched on (autograd's backward thread) lacks.
+    fn encode_tensor_map_2d(
+        &self,
+        device: Option<i32>,
+        spec: &TensorMapSpec,
+    ) -> Result<[u8; crate::signature::TENSOR_MAP_BYTES]>;
 }
 
 static CUDA: OnceLock<std::result::Result<Arc<dyn Driver>, Error>> = OnceLock::new();

@@ -316,7 +316,7 @@ impl Driver for HipDriver {
         })
     }
 
-    fn encode_tensor_map_2d(&self, _spec: &TensorMapSpec) -> Result<[u8; TENSOR_MAP_BYTES]> {
+    fn encode_tensor_map_2d(&self, _device: Option<i32>, _spec: &TensorMapSpec) -> Result<[u8; TENSOR_MAP_BYTES]> {
         Err(Error::Invalid("tensor maps (TMA) are a CUDA feature; HIP kernels do not take them".to_string()))
     }
 

@@ -214,10 +214,12 @@ def _tma_map_spec(t: Tensor) -> tuple[str, int, int, int]:
 
 
 @functools.lru_cache(maxsize=256)
-def _encoded_tma_map(address: int, dtype_name: str, rows: int, cols: int, row_bytes: int) -> bytes:
+def _encoded_tma_map(
+    address: int, dtype_name: str, rows: int, cols: int, row_bytes: int, device_index: int
+) -> bytes:
     # A map holds only these numbers, so equal arguments give equal bytes: a KV cache's storage
     # (the same address every decode step) is encoded once.
-    return tensor_map_2d(address, dtype_name, rows, cols, row_bytes, 64, 64, 128)
+    return tensor_map_2d(address, dtype_name, rows, cols, row_bytes, 64, 64, 128, device_index)
 
 
 def coop_shared_bytes(d: int, stages: int) -> int:
@@ -579,8 +581,8 @@ def _execute(
     if plan.tma is not None:
         (k_spec, v_spec) = plan.tma
         maps = (
-            _encoded_tma_map(k.data_ptr(), *k_spec),
-            _encoded_tma_map(v.data_ptr(), *v_spec),
+            _encoded_tma_map(k.data_ptr(), *k_spec, plan.device_index),
+            _encoded_tma_map(v.data_ptr(), *v_spec, plan.device_index),
         )
     index = plan.device_index
     stream = current_raw_stream(index)

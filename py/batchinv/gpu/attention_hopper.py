@@ -84,7 +84,9 @@ def _tensor_map(t: Tensor) -> bytes:
     rows, heads, d = t.shape
     name = _DTYPE_NAMES[t.dtype]
     stride = t.stride(0) * 2
-    return tensor_map_2d(t.data_ptr(), name, rows, heads * d, stride, BLOCK_KEYS, 64, 128)
+    return tensor_map_2d(
+        t.data_ptr(), name, rows, heads * d, stride, BLOCK_KEYS, 64, 128, t.device.index
+    )
 
 
 _forced_ctas: int | None = None

@@ -176,11 +176,19 @@ def choose_config(m: int, n: int, multiprocessors: int) -> TileConfig:
 
 @functools.lru_cache(maxsize=256)
 def _tensor_map(
-    address: int, dtype_name: str, rows: int, cols: int, box_rows: int, row_elements: int = 0
+    address: int,
+    dtype_name: str,
+    rows: int,
+    cols: int,
+    box_rows: int,
+    row_elements: int,
+    device_index: int,
 ) -> bytes:
     """A TMA map of ``rows x cols`` elements, rows ``row_elements`` apart (0: ``cols``)."""
     row_bytes = 2 * (row_elements or cols)
-    return tensor_map_2d(address, dtype_name, rows, cols, row_bytes, box_rows, 64, 128)
+    return tensor_map_2d(
+        address, dtype_name, rows, cols, row_bytes, box_rows, 64, 128, device_index
+    )
 
 
 def _aligned(t: Tensor) -> Tensor:
@@ -287,8 +295,8 @@ def _launch_tma_gemm(
     n = weight.shape[0]
     dtype_name = _DTYPE_NAMES[x.dtype]
     x, weight = _aligned(x), _aligned(weight)
-    map_x = _tensor_map(x.data_ptr(), dtype_name, m, k, rows_per_cta)
-    map_w = _tensor_map(weight.data_ptr(), dtype_name, n, k, config.block_n)
+    map_x = _tensor_map(x.data_ptr(), dtype_name, m, k, rows_per_cta, 0, x.device.index)
+    map_w = _tensor_map(weight.data_ptr(), dtype_name, n, k, config.block_n, 0, x.device.index)
     kernel = _gemm_kernel(config, x.dtype, x.device)
     allow_dynamic_shared(kernel, config.shared_bytes, x.device.index)
     launch(
@@ -456,8 +464,8 @@ def matmul_nn(a: Tensor, b: Tensor, *, config: TransposedConfig | None = None) -
     if config.layout != "tb":
         raise ValueError(f"matmul_nn runs the 'tb' kernels, got {config}")
     dtype_name = _DTYPE_NAMES[a.dtype]
-    map_a = _tensor_map(a.data_ptr(), dtype_name, m, k, config.block_m, a.stride(0))
-    map_b = _tensor_map(b.data_ptr(), dtype_name, k, n, 64, b.stride(0))
+    map_a = _tensor_map(a.data_ptr(), dtype_name, m, k, config.block_m, a.stride(0), a.device.index)
+    map_b = _tensor_map(b.data_ptr(), dtype_name, k, n, 64, b.stride(0), a.device.index)
     return _launch_transposed(config, map_a, map_b, m, n, k, a)
 
 
@@ -471,8 +479,8 @@ def matmul_tn(a: Tensor, b: Tensor, *, config: TransposedConfig | None = None) -
     if config.layout != "tab":
         raise ValueError(f"matmul_tn runs the 'tab' kernels, got {config}")
     dtype_name = _DTYPE_NAMES[a.dtype]
-    map_a = _tensor_map(a.data_ptr(), dtype_name, k, m, 64, a.stride(0))
-    map_b = _tensor_map(b.data_ptr(), dtype_name, k, n, 64, b.stride(0))
+    map_a = _tensor_map(a.data_ptr(), dtype_name, k, m, 64, a.stride(0), a.device.index)
+    map_b = _tensor_map(b.data_ptr(), dtype_name, k, n, 64, b.stride(0), a.device.index)
     return _launch_transposed(config, map_a, map_b, m, n, k, a)
 
 
@@ -716,8 +724,8 @@ def matmul_nt_k_groups(x: Tensor, weight: Tensor, bias: Tensor | None = None) ->
     else:
         config, name = _K_GROUP_BIG_TILE, "linear_kgroup_hopper_bf16_bm128_bn256_k64_s4"
         box_rows_x, tiles = config.block_m, -(-n // config.block_n) * -(-m // config.block_m)
-    map_x = _tensor_map(x.data_ptr(), "bf16", m, k, box_rows_x)
-    map_w = _tensor_map(weight.data_ptr(), "bf16", n, k, config.block_n)
+    map_x = _tensor_map(x.data_ptr(), "bf16", m, k, box_rows_x, 0, x.device.index)
+    map_w = _tensor_map(weight.data_ptr(), "bf16", n, k, config.block_n, 0, x.device.index)
     kernel = kernel_for("linear", name, x.device)
     allow_dynamic_shared(kernel, config.shared_bytes, x.device.index)
     launch(

@@ -56,7 +56,9 @@ def _tensor_map(t: Tensor, rows: int, cols: int, row_stride: int, box_rows: int)
     """A TMA map of ``rows x cols`` elements of ``t`` (rows ``row_stride`` elements apart);
     reads past ``cols`` or ``rows`` arrive as zeros."""
     name = _DTYPE_NAMES[t.dtype]
-    return tensor_map_2d(t.data_ptr(), name, rows, cols, row_stride * 2, box_rows, 64, 128)
+    return tensor_map_2d(
+        t.data_ptr(), name, rows, cols, row_stride * 2, box_rows, 64, 128, t.device.index
+    )
 
 
 def _aligned(t: Tensor) -> Tensor:
