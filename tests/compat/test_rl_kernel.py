@@ -442,24 +442,19 @@ def test_reference_backend_does_not_touch_the_registry(monkeypatch):
     assert seen == []
 
 
-def test_lm_head_has_its_own_registry_entry_and_no_hip_one():
+def test_lm_head_has_its_own_registry_entry():
     ops = registry.registered_ops()
-    assert ops["lm_head"] == ("cpu", "cuda")
-    assert ops["lm_head.fp32"] == ("cpu", "cuda")
+    assert ops["lm_head"] == ("cpu", "cuda", "hip")
+    assert ops["lm_head.fp32"] == ("cpu", "cuda", "hip")
 
 
 def test_batchinv_backend_raises_on_hip_for_ops_without_hip_kernels(monkeypatch):
     monkeypatch.setattr(registry, "backend_of", lambda device: "hip")
     q, k, v = _attention_inputs(torch.float32, sq=2)
     attention = NativeAttentionOp(OpBackend.BATCHINV)
-    lm_head = NativeLMHeadOp(OpBackend.BATCHINV)
-    hidden, weight = torch.randn(2, 8), torch.randn(5, 8)
     calls = (
         lambda: attention(q, k, v),
         lambda: attention.forward_fp32(q, k, v),
-        lambda: lm_head(hidden, weight),
-        lambda: lm_head.forward_fp32(hidden, weight),
-        lambda: lm_head.token_logprobs(hidden, weight, torch.tensor([0, 1])),
     )
     for call in calls:
         with pytest.raises(BackendNotImplementedError, match="does not fall back"):
@@ -478,6 +473,7 @@ def test_batchinv_backend_raises_on_hip_for_ops_without_hip_kernels(monkeypatch)
         ("cuda", "lm_head", OpBackend.BATCHINV),
         ("cuda", "attn", OpBackend.BATCHINV),
         ("rocm", "embedding", OpBackend.BATCHINV),
+        ("rocm", "lm_head", OpBackend.BATCHINV),
     ],
 )
 def test_get_op_takes_the_first_available_backend_of_the_platform_map(platform, name, backend):
@@ -487,7 +483,7 @@ def test_get_op_takes_the_first_available_backend_of_the_platform_map(platform, 
     assert isinstance(op, expected_class.get(name, NativeAttentionOp))
 
 
-@pytest.mark.parametrize("name", ("lm_head", "attention"))
+@pytest.mark.parametrize("name", ("attention",))
 def test_get_op_on_rocm_raises_for_ops_without_hip_kernels(name):
     with pytest.raises(BackendNotImplementedError, match="backend=OpBackend.REFERENCE"):
         get_op(name, platform="rocm")
