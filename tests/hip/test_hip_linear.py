@@ -44,7 +44,7 @@ def test_linear_has_hip_entries_and_ops_without_hip_kernels_have_none():
     ops = registry.registered_ops()
     assert ops["linear.forward"] == ("cpu", "cuda", "hip")
     assert ops["linear.backward"] == ("cpu", "cuda", "hip")
-    for op in ("attention", "attention_with_kv_cache"):
+    for op in ("attention.saved_backward", "attention_varlen.saved_backward"):
         assert "hip" not in ops[op], op
 
 
@@ -55,7 +55,7 @@ def test_a_rocm_device_looks_up_the_hip_entries(monkeypatch):
     assert registry.lookup("linear.forward", device) is gpu_linear.hip_forward
     assert registry.lookup("linear.backward", device) is gpu_linear.hip_backward
     with pytest.raises(registry.BackendNotImplementedError, match="no hip implementation"):
-        registry.lookup("attention", device)
+        registry.lookup("attention.saved_backward", device)
 
 
 @pytest.mark.parametrize("dtype", sorted(_KERNELS, key=str))
