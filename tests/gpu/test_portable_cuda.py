@@ -1,6 +1,7 @@
 """HIP's kernels run on an NVIDIA GPU: the portable entries (``linear_simt_*``,
-``kernels_cu/token_logprobs_portable.cu``) are in the CUDA build too, so this is the one place
-their arithmetic runs (no AMD GPU exists for this project: docs/amd.md).
+``kernels_cu/token_logprobs_portable.cu``, ``kernels_cu/attention_portable.cu``) are in the CUDA
+build too, so this is the one place their arithmetic runs (no AMD GPU exists for this project:
+docs/amd.md).
 
 The ``hip_dispatch`` fixture makes the registry answer "hip" for CUDA tensors, so the public
 ops take their HIP entries end to end (validation, autograd, custom op), while the kernels load
@@ -25,8 +26,11 @@ from batchinv.contract import (
     deterministic_context,
     row_invariance_sweep,
 )
+from batchinv.gpu import attention as gpu_attention
 from batchinv.gpu import linear as gpu_linear
 from batchinv.gpu import token_logprobs_portable as portable
+from batchinv.kv_cache import KVCache
+from batchinv.reference.attention import attention_fp32, attention_varlen_fp32
 from batchinv.reference.linear import linear_backward, linear_fp32
 from batchinv.reference.token_logprobs import token_logprobs_fp32
 
@@ -40,6 +44,11 @@ IGNORE = -100
 PARITY_CASES = [(37, 128, 5000), (5, 64, 200), (70, 256, 9000)]
 SWEEP_BATCH_SIZES = (1, 3, 17, 257)
 QWEN3_H, QWEN3_V = 4096, 151936
+HEAD_DIMS = (64, 128)
+HEADS = ((8, 2), (2, 2))  # (Hq, Hkv): GQA 4:1 and MHA
+SPLIT = gpu_attention.SPLIT_KEYS
+LONG_CONTEXT = 2 * SPLIT + 452  # three splits: the split merges run
+CHUNK_SIZES = (1, 7, 64, 100)
 
 
 @pytest.fixture
@@ -271,3 +280,171 @@ def test_token_logprobs_bad_input_errors_as_on_cuda(hip_dispatch):
         _batchinv(hidden[:, :60], weight[:, :60].contiguous(), targets)
     with pytest.raises(TypeError, match="bf16 or fp16"):
         _batchinv(hidden.float(), weight.float(), targets)
+
+
+# ---- attention (forward) -----------------------------------------------------------------------
+
+
+def _qkv(batch, sq, sk, hq, hkv, d, dtype, seed=0):
+    q = _randn(batch, sq, hq, d, dtype=dtype, seed=seed, scale=1.5)
+    k = _randn(batch, sk, hkv, d, dtype=dtype, seed=seed + 1, scale=1.5)
+    v = _randn(batch, sk, hkv, d, dtype=dtype, seed=seed + 2)
+    return q, k, v
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("d", HEAD_DIMS)
+@pytest.mark.parametrize("heads", HEADS)
+@pytest.mark.parametrize("causal", (True, False))
+def test_attention_padded_within_tolerance(hip_dispatch, dtype, d, heads, causal):
+    hq, hkv = heads
+    q, k, v = _qkv(3, 77, 150, hq, hkv, d, dtype, seed=d + hq)
+    seqlens_q = torch.tensor([77, 40, 1], device=DEVICE)
+    seqlens_k = torch.tensor([150, 91, 64], device=DEVICE)
+    kwargs = dict(causal=causal, seqlens_q=seqlens_q, seqlens_k=seqlens_k, return_lse=True)
+    out, lse = batchinv.attention(q, k, v, **kwargs)
+    ref_out, ref_lse = attention_fp32(q, k, v, **kwargs)
+    assert_within_tolerance(out, ref_out, op_class="attention", name="out")
+    assert_within_tolerance(lse, ref_lse, op_class="attention", name="lse", dtype=dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("d", HEAD_DIMS)
+def test_attention_long_context_within_tolerance(hip_dispatch, dtype, d):
+    q, k, v = _qkv(2, 3, LONG_CONTEXT, 8, 2, d, dtype, seed=11)
+    out, lse = batchinv.attention(q, k, v, causal=True, return_lse=True)
+    ref_out, ref_lse = attention_fp32(q, k, v, causal=True, return_lse=True)
+    assert_within_tolerance(out, ref_out, op_class="attention", name="out")
+    assert_within_tolerance(lse, ref_lse, op_class="attention", name="lse", dtype=dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_attention_varlen_within_tolerance_and_softmax_scale(hip_dispatch, dtype):
+    cu_q = torch.tensor([0, 5, 5, 70], device=DEVICE, dtype=torch.int32)
+    cu_k = torch.tensor([0, 130, 131, 200], device=DEVICE, dtype=torch.int32)
+    q = _randn(70, 8, 128, dtype=dtype, seed=3)
+    k = _randn(200, 2, 128, dtype=dtype, seed=4)
+    v = _randn(200, 2, 128, dtype=dtype, seed=5)
+    kwargs = dict(causal=True, softmax_scale=0.05, return_lse=True)
+    out, lse = batchinv.attention_varlen(q, k, v, cu_q, cu_k, **kwargs)
+    ref_out, ref_lse = attention_varlen_fp32(q, k, v, cu_q, cu_k, **kwargs)
+    assert_within_tolerance(out, ref_out, op_class="attention", name="out")
+    assert_within_tolerance(lse, ref_lse, op_class="attention", name="lse", dtype=dtype)
+
+
+def _alone(q, k, v, b, lq, lk):
+    """Sequence ``b`` alone: its own padded batch of one, trimmed to its lengths."""
+    return batchinv.attention(
+        q[b : b + 1, :lq].contiguous(),
+        k[b : b + 1, :lk].contiguous(),
+        v[b : b + 1, :lk].contiguous(),
+        causal=True,
+        return_lse=True,
+    )
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads", HEADS)
+def test_attention_rows_independent_of_batch_position_neighbours_and_padding(
+    hip_dispatch, dtype, heads
+):
+    hq, hkv = heads
+    d, sq, sk = 128, 70, 140
+    lq, lk = 45, 133  # the sequence under test
+    for batch in (1, 3, 8):
+        q, k, v = _qkv(batch, sq, sk, hq, hkv, d, dtype, seed=batch)
+        b = batch - 1
+        q[b, lq:] = float("nan")  # padding is NaN: never read
+        k[b, lk:] = float("nan")
+        v[b, lk:] = float("nan")
+        lens_q = torch.randint(1, sq + 1, (batch,), generator=torch.Generator().manual_seed(batch))
+        lens_k = torch.randint(1, sk + 1, (batch,), generator=torch.Generator().manual_seed(7))
+        lens_q[b], lens_k[b] = lq, lk
+        lengths = {"seqlens_q": lens_q.to(DEVICE), "seqlens_k": lens_k.to(DEVICE)}
+        out, lse = batchinv.attention(q, k, v, causal=True, return_lse=True, **lengths)
+        alone_out, alone_lse = _alone(q, k, v, b, lq, lk)
+        assert_bitwise_equal(out[b : b + 1, :lq], alone_out, name=f"out, batch {batch}")
+        assert_bitwise_equal(lse[b : b + 1, :, :lq], alone_lse, name=f"lse, batch {batch}")
+        assert bool((out[b, lq:] == 0).all()) and bool((lse[b, :, lq:] == float("-inf")).all())
+        if batch > 1:  # other content in the neighbours
+            q[0] = _randn(sq, hq, d, dtype=dtype, seed=99)
+            k[0] = _randn(sk, hkv, d, dtype=dtype, seed=98)
+            out2, lse2 = batchinv.attention(q, k, v, causal=True, return_lse=True, **lengths)
+            assert_bitwise_equal(out2[b, :lq], out[b, :lq], name="out, neighbours changed")
+            assert_bitwise_equal(lse2[b, :, :lq], lse[b, :, :lq], name="lse, neighbours changed")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("d", HEAD_DIMS)
+def test_attention_chunked_prefill_and_decode_equal_one_prefill(hip_dispatch, dtype, d):
+    total = LONG_CONTEXT
+    q, k, v = _qkv(1, total, total, 8, 2, d, dtype, seed=12)
+    full_out, full_lse = batchinv.attention(q, k, v, causal=True, return_lse=True)
+    for chunk in CHUNK_SIZES:
+        # chunk 1 decodes the last 40 tokens one by one, after one big chunk.
+        starts = [0, *range(total - 40, total)] if chunk == 1 else list(range(0, total, chunk))
+        cache = KVCache(1, total, 2, d, dtype=dtype, device=DEVICE)
+        for i, s in enumerate(starts):
+            e = starts[i + 1] if i + 1 < len(starts) else total
+            out, lse = batchinv.attention_with_kv_cache(
+                q[:, s:e], k[:, s:e], v[:, s:e], cache, return_lse=True
+            )
+            assert_bitwise_equal(out, full_out[:, s:e], name=f"chunk {chunk}, out [{s}, {e})")
+            assert_bitwise_equal(lse, full_lse[:, :, s:e], name=f"chunk {chunk}, lse [{s}, {e})")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_attention_decode_batch_one_equals_batch_eight(hip_dispatch, dtype):
+    # Contexts past the first split, ending on it and one key into the second, block edges.
+    d, lens = 128, [SPLIT + 52, 5, 1024, 1025, 64, SPLIT, 3, SPLIT - 1]
+    ctx = max(lens) + 1
+    q, k, v = _qkv(8, ctx, ctx, 8, 2, d, dtype, seed=13)
+    big = KVCache(8, ctx, 2, d, dtype=dtype, device=DEVICE)
+    for b, n in enumerate(lens):
+        big.append(k[b : b + 1, :n], v[b : b + 1, :n], torch.tensor([b], device=DEVICE))
+    q_new = torch.stack([q[b, lens[b]] for b in range(8)])[:, None]
+    k_new = torch.stack([k[b, lens[b]] for b in range(8)])[:, None]
+    v_new = torch.stack([v[b, lens[b]] for b in range(8)])[:, None]
+    out8, lse8 = batchinv.attention_with_kv_cache(q_new, k_new, v_new, big, return_lse=True)
+    for b in (0, 3, 7):
+        one = KVCache(1, ctx, 2, d, dtype=dtype, device=DEVICE)
+        one.copy_prefix(b, 0, lens[b], source=big)
+        out1, lse1 = batchinv.attention_with_kv_cache(
+            q_new[b : b + 1], k_new[b : b + 1], v_new[b : b + 1], one, return_lse=True
+        )
+        assert_bitwise_equal((out1, lse1), (out8[b : b + 1], lse8[b : b + 1]), name=f"seq {b}")
+        n = lens[b] + 1
+        full = batchinv.attention(
+            q[b : b + 1, :n], k[b : b + 1, :n], v[b : b + 1, :n], causal=True, return_lse=True
+        )
+        assert_bitwise_equal(out1, full[0][:, -1:], name=f"decode vs prefill {b}")
+        assert_bitwise_equal(lse1, full[1][:, :, -1:], name=f"decode lse vs prefill {b}")
+
+
+def test_attention_masked_keys_and_fully_masked_rows(hip_dispatch):
+    q, k, v = _qkv(2, 30, 150, 8, 2, 128, torch.bfloat16, seed=5)
+    mask = (torch.rand(2, 150, generator=torch.Generator().manual_seed(1)) > 0.3).to(DEVICE)
+    k[~mask] = float("nan")
+    v[~mask] = float("nan")
+    out = batchinv.attention(q, k, v, causal=True, key_padding_mask=mask)
+    ref_out = attention_fp32(q, k, v, causal=True, key_padding_mask=mask)
+    assert_within_tolerance(out, ref_out, op_class="attention", name="masked out")
+    q, k, v = _qkv(2, 40, 20, 8, 2, 64, torch.bfloat16, seed=8)
+    # causal with more queries than keys: the first 20 rows see no key; sequence 1 has none.
+    seqlens_k = torch.tensor([20, 0], device=DEVICE)
+    out, lse = batchinv.attention(q, k, v, causal=True, seqlens_k=seqlens_k, return_lse=True)
+    assert bool((out[0, :20] == 0).all()) and bool((lse[0, :, :20] == float("-inf")).all())
+    assert bool((out[1] == 0).all()) and bool((lse[1] == float("-inf")).all())
+    assert not bool(torch.signbit(out[0, :20].float()).any())  # +0, not -0
+    ref = attention_fp32(q, k, v, causal=True, seqlens_k=seqlens_k)
+    assert_within_tolerance(out, ref, op_class="attention", name="out")
+
+
+def test_attention_refuses_gradients_and_bad_input(hip_dispatch):
+    q, k, v = _qkv(1, 8, 8, 2, 2, 64, torch.bfloat16, seed=14)
+    with pytest.raises(registry.BackendNotImplementedError, match="does not fall back"):
+        batchinv.attention(q.requires_grad_(True), k, v)
+    with pytest.raises(ValueError, match="head dim d=48"):
+        batchinv.attention(q[..., :48], k[..., :48], v[..., :48])
+    with pytest.raises(TypeError, match="bfloat16 or float16"):
+        batchinv.attention(q.float(), k.float(), v.float())
