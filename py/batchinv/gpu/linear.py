@@ -218,7 +218,7 @@ def matmul_nt(
             raise TypeError(f"family 'hopper' takes a TileConfig, got {type(config).__name__}")
         _launch_tma_gemm(config, config.block_m, x, weight, out, bias_arg)
     elif family == "mma":
-        if not torch.version.hip:  # on HIP these entries are the portable loop (see hip_forward)
+        if not torch.version.hip:  # on HIP these entries are the portable loop (simt_gemm)
             _require_sm80(x.device)
         launch(
             kernel_for("linear", f"linear_mma_{dtype_name}", x.device),
