@@ -45,6 +45,8 @@
 //   kernels with BN = 256, STAGE_K = 64, STAGES = 4.
 // - linear_mma_*: sm_80 (mma.sync m16n8k16), the same k-step order; on HIP a SIMT loop (its
 //   own order, fixed the same way).  Grid (ceil(N/32), ceil(M/64)); block 128.
+// - linear_simt_*: that SIMT loop in every build (CUDA and HIP): one FMA chain per output over k
+//   in increasing order.  HIP's linear runs it; on NVIDIA it lets tests run HIP's arithmetic.
 #include "common/hopper_gemm.cuh"
 #include "common/mma_sync.cuh"
 
@@ -352,16 +354,19 @@ __device__ __forceinline__ uint32_t load_pair(const typename Codec::storage* mat
     return *reinterpret_cast<const uint32_t*>(matrix + static_cast<int64_t>(row) * K + k);
 }
 
+// The portable SIMT loop (no matrix cores, no cross-lane work, so nothing depends on the
+// wavefront width): a "warp" here is a group of 32 threads owning 16 rows, and each lane owns
+// (one row, 16 columns), every output one fp32 FMA chain over k in increasing order, the bias
+// added after, rounded once.  The same geometry as mma_gemm: grid (ceil(N/32), ceil(M/64)),
+// block 128.  HIP runs it for linear_mma_*; both builds export it as linear_simt_*.
 template <typename Codec>
-__device__ __forceinline__ void mma_gemm(const typename Codec::storage* x, const typename Codec::storage* w,
-                                         typename Codec::storage* out, const typename Codec::storage* bias, int M,
-                                         int N, int K) {
+__device__ __forceinline__ void simt_gemm(const typename Codec::storage* x, const typename Codec::storage* w,
+                                          typename Codec::storage* out, const typename Codec::storage* bias, int M,
+                                          int N, int K) {
     const int lane = threadIdx.x % 32;
     const int warp = threadIdx.x / 32;
-    const int row0 = blockIdx.y * 64 + warp * 16;  // this warp's 16 rows
-    const int col0 = blockIdx.x * 32;              // the CTA's 32 columns, four n8 tiles
-#if defined(__HIPCC__) || !defined(__CUDA_ARCH__) || __CUDA_ARCH__ < 800
-    // SIMT: each lane owns (row0 + lane / 2, 16 columns), K reduced in order with FMAs.
+    const int row0 = blockIdx.y * 64 + warp * 16;  // this group's 16 rows
+    const int col0 = blockIdx.x * 32;              // the CTA's 32 columns
     const int row = row0 + lane / 2;
     for (int c = 0; c < 16; c += 2) {
         const int col = col0 + (lane % 2) * 16 + c;
@@ -375,7 +380,19 @@ __device__ __forceinline__ void mma_gemm(const typename Codec::storage* x, const
         }
         store_pair<Codec>(out, bias, row, col, M, N, v0, v1);
     }
+}
+
+template <typename Codec>
+__device__ __forceinline__ void mma_gemm(const typename Codec::storage* x, const typename Codec::storage* w,
+                                         typename Codec::storage* out, const typename Codec::storage* bias, int M,
+                                         int N, int K) {
+#if defined(__HIPCC__) || !defined(__CUDA_ARCH__) || __CUDA_ARCH__ < 800
+    simt_gemm<Codec>(x, w, out, bias, M, N, K);
 #else
+    const int lane = threadIdx.x % 32;
+    const int warp = threadIdx.x / 32;
+    const int row0 = blockIdx.y * 64 + warp * 16;  // this warp's 16 rows
+    const int col0 = blockIdx.x * 32;              // the CTA's 32 columns, four n8 tiles
     float acc[4][4] = {};
     const int group = lane / 4;       // fragment row (A, C) or column (B)
     const int pair = (lane % 4) * 2;  // fragment k (A, B) or column pair (C)
@@ -470,6 +487,14 @@ __device__ __forceinline__ void mma_gemm(const typename Codec::storage* x, const
         batchinv::linear::mma_gemm<CODEC>(x, w, out, bias, M, N, K);                                             \
     }
 
+// The portable loop under its own name in both builds, so an NVIDIA GPU can run what HIP runs.
+#define BATCHINV_LINEAR_SIMT(DTYPE, CODEC)                                                                        \
+    extern "C" __global__ void __launch_bounds__(128)                                                            \
+        linear_simt_##DTYPE(const CODEC::storage* x, const CODEC::storage* w, CODEC::storage* out,               \
+                            const CODEC::storage* bias, int M, int N, int K) {                                   \
+        batchinv::linear::simt_gemm<CODEC>(x, w, out, bias, M, N, K);                                            \
+    }
+
 // token_logprobs.cu includes this file for hopper_gemm_tiles and defines this to leave the
 // linear's own kernels out of its module.
 #if !defined(BATCHINV_LINEAR_NO_KERNELS)
@@ -507,4 +532,6 @@ BATCHINV_LINEAR_KGROUP_COMBINE(bf16, batchinv::Bf16Codec)
 
 BATCHINV_LINEAR_MMA(bf16, batchinv::Bf16Codec)
 BATCHINV_LINEAR_MMA(f16, batchinv::F16Codec)
+BATCHINV_LINEAR_SIMT(bf16, batchinv::Bf16Codec)
+BATCHINV_LINEAR_SIMT(f16, batchinv::F16Codec)
 #endif  // BATCHINV_LINEAR_NO_KERNELS

@@ -2,12 +2,14 @@
 // split and combine kernels and attention_hopper.cu's wgmma tile kernel include this one
 // definition (block and split sizes, the scaled block max, P's exponent, exp2 and rounding, the
 // split merge, finalize), so their bits cannot drift apart.  The contract they implement:
-// attention.cu's header.
-// CUDA only: included inside the kernels' !__HIPCC__ sections.
+// attention.cu's header.  attention_portable.cu (CUDA and HIP) includes it too; everything
+// but pack_pair (the mma fragments' packing, CUDA only) is portable.
 #pragma once
 
+#if !defined(__HIPCC__)
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#endif
 
 #include "approx.cuh"
 #include "portability.cuh"
@@ -74,6 +76,7 @@ __device__ __forceinline__ float p_of_score(float s, float scale_log2, float m_n
     return exp2_ftz(__fmaf_rn(s, scale_log2, -m_new));
 }
 
+#if !defined(__HIPCC__)
 // Two fp32 probabilities rounded to nearest-even into the input dtype, packed for the mma.
 template <typename Codec>
 __device__ __forceinline__ uint32_t pack_pair(float lo, float hi) {
@@ -85,6 +88,7 @@ __device__ __forceinline__ uint32_t pack_pair(float lo, float hi) {
         return *reinterpret_cast<uint32_t*>(&v);
     }
 }
+#endif
 
 }  // namespace attn
 }  // namespace batchinv

@@ -442,24 +442,25 @@ def test_reference_backend_does_not_touch_the_registry(monkeypatch):
     assert seen == []
 
 
-def test_lm_head_has_its_own_registry_entry_and_no_hip_one():
+def test_lm_head_has_its_own_registry_entry():
     ops = registry.registered_ops()
-    assert ops["lm_head"] == ("cpu", "cuda")
-    assert ops["lm_head.fp32"] == ("cpu", "cuda")
+    assert ops["lm_head"] == ("cpu", "cuda", "hip")
+    assert ops["lm_head.fp32"] == ("cpu", "cuda", "hip")
+
+
+def _without_hip_entry(monkeypatch, op: str) -> None:
+    """An op without a hip implementation (every compat op has one now)."""
+    monkeypatch.delitem(registry._IMPLEMENTATIONS[op], "hip")
 
 
 def test_batchinv_backend_raises_on_hip_for_ops_without_hip_kernels(monkeypatch):
     monkeypatch.setattr(registry, "backend_of", lambda device: "hip")
+    _without_hip_entry(monkeypatch, "attention")
     q, k, v = _attention_inputs(torch.float32, sq=2)
     attention = NativeAttentionOp(OpBackend.BATCHINV)
-    lm_head = NativeLMHeadOp(OpBackend.BATCHINV)
-    hidden, weight = torch.randn(2, 8), torch.randn(5, 8)
     calls = (
         lambda: attention(q, k, v),
         lambda: attention.forward_fp32(q, k, v),
-        lambda: lm_head(hidden, weight),
-        lambda: lm_head.forward_fp32(hidden, weight),
-        lambda: lm_head.token_logprobs(hidden, weight, torch.tensor([0, 1])),
     )
     for call in calls:
         with pytest.raises(BackendNotImplementedError, match="does not fall back"):
@@ -478,6 +479,8 @@ def test_batchinv_backend_raises_on_hip_for_ops_without_hip_kernels(monkeypatch)
         ("cuda", "lm_head", OpBackend.BATCHINV),
         ("cuda", "attn", OpBackend.BATCHINV),
         ("rocm", "embedding", OpBackend.BATCHINV),
+        ("rocm", "lm_head", OpBackend.BATCHINV),
+        ("rocm", "attention", OpBackend.BATCHINV),
     ],
 )
 def test_get_op_takes_the_first_available_backend_of_the_platform_map(platform, name, backend):
@@ -488,7 +491,8 @@ def test_get_op_takes_the_first_available_backend_of_the_platform_map(platform, 
 
 
 @pytest.mark.parametrize("name", ("lm_head", "attention"))
-def test_get_op_on_rocm_raises_for_ops_without_hip_kernels(name):
+def test_get_op_on_rocm_raises_for_ops_without_hip_kernels(monkeypatch, name):
+    _without_hip_entry(monkeypatch, name)
     with pytest.raises(BackendNotImplementedError, match="backend=OpBackend.REFERENCE"):
         get_op(name, platform="rocm")
     assert get_op(name, backend=OpBackend.REFERENCE, platform="rocm").backend is OpBackend.REFERENCE
@@ -523,10 +527,12 @@ def test_priority_maps_are_inspectable_read_only_data():
         DEFAULT_PRIORITY_MAPS["cpu"] = {}  # type: ignore[index]
 
 
-def test_a_registry_built_with_other_maps_uses_them():
+def test_a_registry_built_with_other_maps_uses_them(monkeypatch):
     custom = KernelRegistry({"rocm": {"attn": ("batchinv", "reference")}, "cuda": {}})
     assert custom.priority_maps["rocm"]["attention"] == (OpBackend.BATCHINV, OpBackend.REFERENCE)
-    # batchinv has no HIP attention, so the next entry of this map is used: asked for.
+    assert custom.get_op("attention", platform="rocm").backend is OpBackend.BATCHINV
+    # Without a HIP attention, the next entry of this map is used: asked for.
+    _without_hip_entry(monkeypatch, "attention")
     assert custom.get_op("attention", platform="rocm").backend is OpBackend.REFERENCE
     with pytest.raises(BackendNotImplementedError, match="not in the priority map"):
         custom.get_op("attention", platform="cuda")

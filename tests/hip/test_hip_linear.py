@@ -1,8 +1,8 @@
 """CPU checks of linear's HIP entries (no AMD GPU exists for this project: docs/amd.md).
 
 On HIP, ``linear.forward`` and ``linear.backward`` launch ``kernels_cu/linear.cu``'s
-``linear_mma_*`` entries, which the HIP build compiles as the portable SIMT loop, for every
-product, and never reach the CUDA-only paths (Hopper kernels, cuBLASLt).  These tests pretend
+``linear_simt_*`` entries, the portable SIMT loop, for every product, and never reach the
+CUDA-only paths (Hopper kernels, cuBLASLt).  These tests pretend
 to be a ROCm build of torch and record the launches instead of running them: they check the
 dispatch and the launch arguments, not the kernel's numbers.
 """
@@ -16,7 +16,7 @@ from batchinv import registry
 from batchinv.gpu import linear as gpu_linear
 from batchinv.gpu import linear_cublaslt
 
-_KERNELS = {torch.bfloat16: "linear_mma_bf16", torch.float16: "linear_mma_f16"}
+_KERNELS = {torch.bfloat16: "linear_simt_bf16", torch.float16: "linear_simt_f16"}
 
 
 @pytest.fixture
@@ -44,7 +44,7 @@ def test_linear_has_hip_entries_and_ops_without_hip_kernels_have_none():
     ops = registry.registered_ops()
     assert ops["linear.forward"] == ("cpu", "cuda", "hip")
     assert ops["linear.backward"] == ("cpu", "cuda", "hip")
-    for op in ("token_logprobs", "lm_head", "attention", "attention_with_kv_cache"):
+    for op in ("attention.saved_backward", "attention_varlen.saved_backward"):
         assert "hip" not in ops[op], op
 
 
@@ -55,7 +55,7 @@ def test_a_rocm_device_looks_up_the_hip_entries(monkeypatch):
     assert registry.lookup("linear.forward", device) is gpu_linear.hip_forward
     assert registry.lookup("linear.backward", device) is gpu_linear.hip_backward
     with pytest.raises(registry.BackendNotImplementedError, match="no hip implementation"):
-        registry.lookup("token_logprobs", device)
+        registry.lookup("attention.saved_backward", device)
 
 
 @pytest.mark.parametrize("dtype", sorted(_KERNELS, key=str))
@@ -68,7 +68,7 @@ def test_hip_forward_is_one_launch_of_the_portable_loop(launches, dtype, with_bi
     assert out.shape == (3, 67, 33) and out.dtype == dtype
     (launch,) = launches
     assert launch["kernel"] == ("linear", _KERNELS[dtype])
-    # 32 output columns and 64 rows per 128-thread CTA (kernels_cu/linear.cu's mma_gemm).
+    # 32 output columns and 64 rows per 128-thread CTA (kernels_cu/linear.cu's simt_gemm).
     assert launch["grid"] == (2, 4) and launch["block"] == (128,)
     rows, w, result, bias_arg, m, n, k = launch["args"]
     assert rows.shape == (201, 40) and torch.equal(rows, x.reshape(201, 40))
@@ -92,7 +92,7 @@ def test_hip_backward_runs_every_product_on_the_portable_loop(launches):
     grad_x, grad_weight, grad_bias = gpu_linear.hip_backward(grad, x, weight, torch.float16)
     assert grad_x.shape == x.shape and grad_weight.shape == weight.shape
     assert grad_bias.shape == (12,)
-    assert [launch["kernel"] for launch in launches] == [("linear", "linear_mma_f16")] * 3
+    assert [launch["kernel"] for launch in launches] == [("linear", "linear_simt_f16")] * 3
     # (M, N, K) of each product; reduced dimensions are zero-padded to a multiple of 8.
     shapes = [launch["args"][4:] for launch in launches]
     assert shapes == [

@@ -31,8 +31,8 @@ def test_lm_head_is_linear_and_fp32_is_the_strict_reference(bias, dtype):
 
 def test_registry_entries():
     ops = batchinv.registry.registered_ops()
-    assert ops["lm_head"] == ("cpu", "cuda")
-    assert ops["lm_head.fp32"] == ("cpu", "cuda")
+    assert ops["lm_head"] == ("cpu", "cuda", "hip")
+    assert ops["lm_head.fp32"] == ("cpu", "cuda", "hip")
 
 
 def test_bad_input_is_rejected_before_dispatch():

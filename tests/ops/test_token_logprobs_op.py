@@ -24,8 +24,11 @@ def _inputs(dtype, shape=(2, 3), hidden_size=8, vocab=40, seed=0):
     return hidden, weight, targets
 
 
-def test_cpu_and_cuda_are_registered():
-    assert registry.registered_ops()["token_logprobs"] == ("cpu", "cuda")
+def test_cpu_cuda_and_hip_are_registered():
+    ops = registry.registered_ops()
+    assert ops["token_logprobs"] == ("cpu", "cuda", "hip")
+    assert ops["token_logprobs.saving_forward"] == ("cuda", "hip")
+    assert ops["token_logprobs.saved_backward"] == ("cuda", "hip")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -9,9 +9,9 @@ runs on one ``OpBackend``:
 
 - ``OpBackend.BATCHINV``: batchinv's public ops (``batchinv.embedding``, ``batchinv.lm_head``,
   ``batchinv.token_logprobs``, ``batchinv.attention``).  They dispatch by the tensors'
-  device through ``batchinv.registry``: the kernels on CUDA, the strict references on the
-  CPU, and ``BackendNotImplementedError`` where batchinv has no kernel (HIP, except the
-  embedding).  Nothing falls back.
+  device through ``batchinv.registry``: the kernels on CUDA and HIP, the strict references on
+  the CPU, and ``BackendNotImplementedError`` where batchinv has no kernel (on HIP,
+  attention's backward).  Nothing falls back.
 - ``OpBackend.REFERENCE``: the strict references (``batchinv.reference``) on whatever
   device the tensors are on.  A GPU gets them only when the caller asks by name.
 

@@ -129,6 +129,14 @@ def make_layout(
 
 def check_supported(q: Tensor, k: Tensor, v: Tensor) -> None:
     """Raises for what the CUDA kernels do not cover (the reference covers more)."""
+    check_dtypes_and_head_dim(q, k, v)
+    if _capability(q.device.index or 0) < (8, 0):
+        raise RuntimeError("the CUDA attention kernels need compute capability 8.0 or newer")
+
+
+def check_dtypes_and_head_dim(q: Tensor, k: Tensor, v: Tensor) -> None:
+    """``check_supported`` without the device requirement (the portable kernel's checks, with
+    the same errors)."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.dtype not in _SUFFIX:
             raise TypeError(
@@ -141,8 +149,6 @@ def check_supported(q: Tensor, k: Tensor, v: Tensor) -> None:
             f"head dim d={d} is not supported by the CUDA attention kernels (supported: "
             f"{', '.join(map(str, HEAD_DIMS))})"
         )
-    if _capability(q.device.index or 0) < (8, 0):
-        raise RuntimeError("the CUDA attention kernels need compute capability 8.0 or newer")
 
 
 def as_rows(t: Tensor) -> Tensor:
@@ -920,12 +926,13 @@ def attention_with_kv_cache(
     causal: bool = True,
     softmax_scale: float | None = None,
     return_lse: bool = False,
+    run=run_forward,
     **tuning,
 ):
     """CUDA ``batchinv.attention_with_kv_cache``: append, then attend straight from the cache
     storage (no copy); inference only.  ``seq_ids`` and ``seqlens_new`` are host (CPU) int64
     tensors or None; with them the call makes no host sync (the cache keeps its lengths on the
-    host and the layout is uploaded from pinned memory)."""
+    host and the layout is uploaded from pinned memory).  ``run``: as in ``attention``."""
     n, s_new, hq, d = q.shape
     scale = scale_of(softmax_scale, d)
     ids, k_len = cache.append_host(k_new, v_new, seq_ids, seqlens_new)
@@ -941,14 +948,14 @@ def attention_with_kv_cache(
         device=q.device,
     )
     storage = (cache.batch * cache.max_len, cache.num_kv_heads, cache.head_dim)
-    out, lse = forward(
+    out, lse = run(
         q.reshape(n * s_new, hq, d),
         cache.k.view(storage),
         cache.v.view(storage),
         layout,
         causal,
         scale,
-        prefill_zero=seqlens_new is not None,
+        seqlens_new is not None,
         **tuning,
     )
     out = out.view(n, s_new, hq, d)

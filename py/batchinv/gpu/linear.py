@@ -212,23 +212,11 @@ def matmul_nt(
     ``config`` forces a configuration of that family (tests use both to compare bits).
     ``out``: a contiguous ``[M, N]`` tensor of ``x``'s dtype to write into (else a new one).
     """
+    out, done = _product_output(x, weight, bias, out)
+    if done:
+        return out
     m, k = x.shape
     n = weight.shape[0]
-    if k % 8 != 0:
-        raise ValueError(
-            f"the GPU linear needs in_features % 8 == 0 (rows must be 16-byte multiples), got {k}"
-        )
-    for name, value in (("rows of x", m), ("out_features", n), ("in_features", k)):
-        if value > _MAX_DIM:
-            raise ValueError(f"{name} = {value} exceeds {_MAX_DIM}")
-    if out is None:
-        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    elif out.shape != (m, n) or out.dtype != x.dtype or not out.is_contiguous():
-        raise ValueError(f"out must be a contiguous [{m}, {n}] {x.dtype} tensor")
-    if m == 0 or n == 0:
-        return out
-    if k == 0:
-        return out.zero_() if bias is None else out.copy_(bias.expand(m, n))
     bias_arg = 0 if bias is None else bias
     dtype_name = _DTYPE_NAMES[x.dtype]
     if family == "auto" and config is None:
@@ -253,7 +241,7 @@ def matmul_nt(
             raise TypeError(f"family 'hopper' takes a TileConfig, got {type(config).__name__}")
         _launch_tma_gemm(config, config.block_m, x, weight, out, bias_arg)
     elif family == "mma":
-        if not torch.version.hip:  # on HIP these entries are the portable loop (see hip_forward)
+        if not torch.version.hip:  # on HIP these entries are the portable loop (simt_gemm)
             _require_sm80(x.device)
         launch(
             kernel_for("linear", f"linear_mma_{dtype_name}", x.device),
@@ -265,6 +253,31 @@ def matmul_nt(
     else:
         raise ValueError(f"family must be 'auto', 'hopper', 'small_m' or 'mma', got {family!r}")
     return out
+
+
+def _product_output(
+    x: Tensor, weight: Tensor, bias: Tensor | None, out: Tensor | None
+) -> tuple[Tensor, bool]:
+    """The checks every GPU product makes, and its output: ``(out, True)`` when nothing is
+    left to compute (an empty product, or K = 0: the bias alone)."""
+    m, k = x.shape
+    n = weight.shape[0]
+    if k % 8 != 0:
+        raise ValueError(
+            f"the GPU linear needs in_features % 8 == 0 (rows must be 16-byte multiples), got {k}"
+        )
+    for name, value in (("rows of x", m), ("out_features", n), ("in_features", k)):
+        if value > _MAX_DIM:
+            raise ValueError(f"{name} = {value} exceeds {_MAX_DIM}")
+    if out is None:
+        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    elif out.shape != (m, n) or out.dtype != x.dtype or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous [{m}, {n}] {x.dtype} tensor")
+    if m == 0 or n == 0:
+        return out, True
+    if k == 0:
+        return (out.zero_() if bias is None else out.copy_(bias.expand(m, n))), True
+    return out, False
 
 
 @functools.lru_cache(maxsize=1024)
@@ -648,22 +661,38 @@ def _backward(
 
 
 # ---- HIP: the portable loop ---------------------------------------------------------------
-# On HIP the linear_mma_* entries are kernels_cu/linear.cu's SIMT loop (no matrix cores): each
-# output is one fp32 FMA chain over k in increasing order, rounded once, so a row's bits cannot
-# depend on the batch, and the products over tokens are bitwise identical run to run.  Neither
-# the Hopper kernels nor cuBLASLt exist there.  Compiled for gfx90a and gfx942, never run on
-# AMD hardware (docs/amd.md).
+# On HIP every product runs kernels_cu/linear.cu's SIMT loop, linear_simt_* (no matrix cores):
+# each output is one fp32 FMA chain over k in increasing order, rounded once, so a row's bits
+# cannot depend on the batch, and the products over tokens are bitwise identical run to run.
+# Neither the Hopper kernels nor cuBLASLt exist there.  Compiled for gfx90a and gfx942, never
+# run on AMD hardware (docs/amd.md).  The CUDA build exports the same loop under the same
+# names, so hip_forward and hip_backward also run on an NVIDIA GPU (the tests' only way to run
+# HIP's arithmetic).
 
 
-def _hip_matmul_nt(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-    return matmul_nt(x, weight, bias, family="mma")
+def simt_matmul_nt(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """``x[M, K] @ weight[N, K]ᵀ (+ bias)`` for contiguous 2-D bf16/fp16 GPU tensors on the
+    portable loop (``linear_simt_*``), whatever the backend."""
+    out, done = _product_output(x, weight, bias, None)
+    if done:
+        return out
+    m, k = x.shape
+    n = weight.shape[0]
+    launch(
+        kernel_for("linear", f"linear_simt_{_DTYPE_NAMES[x.dtype]}", x.device),
+        x.device,
+        grid=(-(-n // 32), -(-m // 64)),
+        block=(128,),
+        args=(x, weight, out, 0 if bias is None else bias, m, n, k),
+    )
+    return out
 
 
 def hip_forward(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """The registry's ``linear.forward`` on HIP: ``x [..., K]`` -> ``[..., N]`` (see above)."""
     check_gpu_args(x, weight, bias)
     rows = x.reshape(-1, x.shape[-1]).contiguous()
-    return _hip_matmul_nt(rows, weight, bias).reshape(*x.shape[:-1], weight.shape[0])
+    return simt_matmul_nt(rows, weight, bias).reshape(*x.shape[:-1], weight.shape[0])
 
 
 def hip_backward(
@@ -675,7 +704,7 @@ def hip_backward(
 ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
     """The registry's ``linear.backward`` on HIP: ``backward``'s products on the loop."""
     return _backward(
-        grad_out, x, weight, bias_dtype, needs_input_grad, _hip_matmul_nt, _hip_matmul_nt
+        grad_out, x, weight, bias_dtype, needs_input_grad, simt_matmul_nt, simt_matmul_nt
     )
 
 

@@ -68,6 +68,17 @@ def _aligned(t: Tensor) -> Tensor:
 
 def check_gpu_args(hidden: Tensor, weight: Tensor) -> None:
     """What only the GPU path needs; the op has already run check_token_logprobs_args."""
+    check_gpu_inputs(hidden, weight)
+    if not uses_hopper(hidden.device):
+        raise RuntimeError(
+            "the GPU token_logprobs needs an sm_90 (Hopper) GPU and a build with 90a; "
+            "batchinv does not fall back to another backend"
+        )
+
+
+def check_gpu_inputs(hidden: Tensor, weight: Tensor) -> None:
+    """``check_gpu_args`` without the device requirement: what the portable path (HIP) checks,
+    with the same errors as the CUDA path."""
     if hidden.dtype not in _DTYPE_NAMES:
         raise TypeError(
             f"the GPU token_logprobs takes bf16 or fp16 hidden and lm_head_weight, got "
@@ -84,11 +95,6 @@ def check_gpu_args(hidden: Tensor, weight: Tensor) -> None:
     for name, value in (("tokens", hidden.numel() // hidden_size), ("vocabulary", weight.shape[0])):
         if value > _MAX_DIM:
             raise ValueError(f"{name} = {value} exceeds {_MAX_DIM}")
-    if not uses_hopper(hidden.device):
-        raise RuntimeError(
-            "the GPU token_logprobs needs an sm_90 (Hopper) GPU and a build with 90a; "
-            "batchinv does not fall back to another backend"
-        )
 
 
 def prepare_targets(target_ids: Tensor, ignore_index: int, vocab: int) -> tuple[Tensor, Tensor]:
@@ -173,15 +179,21 @@ def forward(
             0 if entropy is None else entropy,
         ),
     )
-    if not check_targets:
-        return logprob, lse, entropy, targets32
-    if device_checks.deferring(logprob.device):  # CUDA-graph capture: no sync allowed
+    if check_targets:
+        raise_bad_targets(first_bad, target_ids, vocab)
+    return logprob, lse, entropy, targets32
+
+
+def raise_bad_targets(first_bad: Tensor, target_ids: Tensor, vocab: int) -> None:
+    """``IndexError`` for the first bad target (``prepare_targets``' position), after one read
+    back; under CUDA-graph capture the flag is recorded for the next check instead."""
+    tokens = target_ids.numel()
+    if device_checks.deferring(first_bad.device):  # CUDA-graph capture: no sync allowed
         device_checks.record(device_checks.TOKEN_LOGPROBS_TARGETS, first_bad != tokens)
-        return logprob, lse, entropy, targets32
+        return
     position = int(first_bad.item())  # the one synchronisation: a bad id must raise here
     if position != tokens:
         report_bad_index("target_ids", target_ids, position, vocab)
-    return logprob, lse, entropy, targets32
 
 
 def _weight_gradient_rows(rows: Tensor, targets32: Tensor) -> Tensor:

@@ -8,8 +8,9 @@ that passed to ``batchinv.gpu.attention``, which builds its layout from them.  T
 implementation is the strict reference (``batchinv.reference.attention``, fixed 128-key
 blocks at absolute positions); on CUDA, ``kernels_cu/attention.cu`` (mma.sync, fixed 128-key
 blocks and 2048-key splits at absolute positions; decode equals prefill bit for bit) with its
-own autograd (below).  Not built for HIP.  There is no fallback from a GPU tensor to the
-reference.
+own autograd (below); on HIP, the portable forward ``kernels_cu/attention_portable.cu``
+(``batchinv.gpu.attention_portable``, no backward).  There is no fallback from a GPU tensor
+to the reference.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from torch import Tensor
 
 from .. import registry
 from ..gpu import attention as gpu
+from ..gpu import attention_portable as portable
 from ..kv_cache import KVCache, host_index_copies
 from ..reference import attention as reference
 from ..validation import (
@@ -314,6 +316,9 @@ registry.register("attention_varlen", "cuda")(_gpu_attention_varlen)
 registry.register("attention_with_kv_cache", "cuda")(_gpu_attention_with_kv_cache)
 registry.register("attention.saved_backward", "cuda")(_gpu_attention_saved_backward)
 registry.register("attention_varlen.saved_backward", "cuda")(_gpu_attention_varlen_saved_backward)
+registry.register("attention", "hip")(portable.attention)
+registry.register("attention_varlen", "hip")(portable.attention_varlen)
+registry.register("attention_with_kv_cache", "hip")(portable.attention_with_kv_cache)
 
 
 # ----------------------------------------------------------------------------- custom ops

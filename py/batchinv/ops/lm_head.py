@@ -9,7 +9,8 @@
 - The fused path, ``batchinv.token_logprobs``: target-token logprobs through the lm_head
   without materialising the ``[tokens, vocab]`` logits.
 
-HIP has no entry: ``lm_head`` raises ``BackendNotImplementedError`` there, like ``linear``.
+On HIP ``lm_head`` is linear's portable loop (``linear_simt_*``, docs/amd.md) and
+``lm_head_fp32`` the same reference.
 """
 
 from __future__ import annotations
@@ -54,6 +55,8 @@ def lm_head_fp32(hidden: Tensor, weight: Tensor, bias: Tensor | None = None) -> 
 for _backend in ("cpu", "cuda"):
     registry.register("lm_head", _backend)(checked_linear)
     registry.register("lm_head.fp32", _backend)(reference.linear_fp32)
+registry.register("lm_head", "hip")(checked_linear)
+registry.register("lm_head.fp32", "hip")(reference.linear_fp32)
 
 
 # ----------------------------------------------------------------------------- custom op

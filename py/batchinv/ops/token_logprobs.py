@@ -15,6 +15,7 @@ from torch import Tensor
 
 from .. import registry
 from ..gpu import token_logprobs as gpu
+from ..gpu import token_logprobs_portable as portable
 from ..reference import token_logprobs as reference
 from ..reference.token_logprobs import DEFAULT_IGNORE_INDEX, VOCAB_CHUNK
 from ..validation import check_token_logprobs_args
@@ -115,6 +116,9 @@ def _gpu_token_logprobs(
 
 registry.register("token_logprobs", "cuda")(_gpu_token_logprobs)
 registry.register("token_logprobs", "cpu")(reference.token_logprobs)
+registry.register("token_logprobs", "hip")(portable.token_logprobs)
+registry.register("token_logprobs.saving_forward", "hip")(portable.saving_forward)
+registry.register("token_logprobs.saved_backward", "hip")(portable.saved_backward)
 
 
 # The custom op (below) saves the log-sum-exp instead of recomputing the forward in its
