@@ -1,5 +1,6 @@
-"""The chain's optional fused step ``Qwen3Ops.add_rms_norm`` on the CPU: called exactly where
-no gradient is needed, and the same bits as the steps it replaces.  The CUDA kernels' bits:
+"""The chain's optional fused steps (``Qwen3Ops.add_rms_norm`` and
+``Qwen3Ops.qk_norm_rope_attention_with_kv_cache``) on the CPU: called exactly where no gradient
+is needed, and the same bits as the steps they replace.  The CUDA kernels' bits:
 ``tests/gpu/test_decode_fusion_cuda.py``."""
 
 from __future__ import annotations
@@ -10,12 +11,15 @@ import pytest
 import torch
 
 from batchinv.contract import assert_bitwise_equal
+from batchinv.gpu import qk_norm_rope as fused_kernel
 from batchinv.models import Qwen3
+from batchinv.models.qwen3.decode import Qwen3DecodeRunner
 from batchinv.models.qwen3.ops import BATCHINV_OPS, REFERENCE_OPS, STOCK_OPS
 
 UNFUSED = dataclasses.replace(BATCHINV_OPS, add_rms_norm=None)
 IDS = torch.tensor([[3, 1, 4, 1, 5, 9, 2], [6, 5, 3, 5, 8, 9, 7]])
 SEQLENS = torch.tensor([7, 4])
+PROMPTS = [[1, 2, 3, 4, 5], [7, 8], [9, 10, 11]]
 
 
 @pytest.fixture(scope="module")
@@ -62,6 +66,7 @@ def test_training_runs_the_unfused_steps(model):
     refusing = dataclasses.replace(
         BATCHINV_OPS,
         add_rms_norm=Counting(BATCHINV_OPS.add_rms_norm, refuse=True),
+        qk_norm_rope_attention_with_kv_cache=Counting(None, refuse=True),
     )
     logits = model(IDS, seqlens=SEQLENS, ops=refusing)
     logits.float().sum().backward()
@@ -92,3 +97,38 @@ def test_batchinv_add_rms_norm_takes_mixed_dtypes_unfused():
     assert new_h.dtype == torch.bfloat16
     assert_bitwise_equal(new_h, want_h)
     assert_bitwise_equal(y, BATCHINV_OPS.rms_norm(want_h, weight, 1e-6))
+
+
+def runner_tokens(model, unfused: bool, steps: int = 4):
+    runner = Qwen3DecodeRunner(model, max_batch=4, capacity=16, temperature=0.8)
+    entry = None
+    if unfused:
+        runner._ops = dataclasses.replace(
+            runner._ops, add_rms_norm=None, qk_norm_rope_attention_with_kv_cache=None
+        )
+    else:
+        entry = Counting(runner._ops.qk_norm_rope_attention_with_kv_cache)
+        runner._ops = dataclasses.replace(runner._ops, qk_norm_rope_attention_with_kv_cache=entry)
+    slots = runner.add(PROMPTS, seeds=[1, 2, 3])
+    for _ in range(steps):
+        runner.step()
+    if entry is not None:  # the prefill and every step, in every layer
+        assert entry.calls == (1 + steps) * model.config.num_hidden_layers
+    return runner, slots
+
+
+def test_the_sampler_takes_the_fused_steps_with_the_same_bits(model):
+    fused, slots = runner_tokens(model, unfused=False)
+    plain, plain_slots = runner_tokens(model, unfused=True)
+    for a, b in zip(slots, plain_slots, strict=True):
+        assert fused.tokens(a) == plain.tokens(b)
+        assert_bitwise_equal(fused.logprobs(a), plain.logprobs(b))
+    assert_bitwise_equal(fused.cache.k, plain.cache.k)
+    assert_bitwise_equal(fused.cache.v, plain.cache.v)
+
+
+def test_the_fused_kernel_covers_every_head_dim_the_chain_accepts():
+    # Even head dims 2 .. 256 in every dtype fall in a geometry with a fused entry.
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        for head_dim in range(2, 257, 2):
+            assert fused_kernel.geometry(head_dim, dtype) in fused_kernel.GEOMETRIES

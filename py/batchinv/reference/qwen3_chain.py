@@ -289,7 +289,11 @@ class Qwen3Ops:
     of the steps they replace; None: the chain runs those steps:
 
     - ``add_rms_norm(h, delta, weight, eps) -> (rms_norm(h + delta), h + delta)``, for
-      ``residual_add`` followed by ``rms_norm``.
+      ``residual_add`` followed by ``rms_norm``;
+    - ``qk_norm_rope_attention_with_kv_cache(q, k_new, v_new, q_norm_weight, k_norm_weight,
+      eps, position_ids, cache, seq_ids, theta=, head_dim=, max_position=, seqlens_new=,
+      causal=)``, for the per-head q/k ``rms_norm``, ``rope`` and ``attention_with_kv_cache``
+      (q, k_new, v_new as projected, ``[..., heads, head_dim]``).
     """
 
     name: str
@@ -305,6 +309,7 @@ class Qwen3Ops:
     log_softmax: Callable
     token_logprobs: Callable
     add_rms_norm: Callable | None = None
+    qk_norm_rope_attention_with_kv_cache: Callable | None = None
 
 
 def add_then_rms_norm(residual_add: Callable, rms_norm: Callable) -> Callable:
@@ -529,20 +534,27 @@ def qwen3_final_hidden(
         q = ops.linear(x, w[p + "self_attn.q_proj.weight"], bias(p + "self_attn.q_proj.bias"))
         k = ops.linear(x, w[p + "self_attn.k_proj.weight"], bias(p + "self_attn.k_proj.bias"))
         v = ops.linear(x, w[p + "self_attn.v_proj.weight"], bias(p + "self_attn.v_proj.bias"))
-        q = ops.rms_norm(q.reshape(*tokens, heads, head_dim), w[p + "self_attn.q_norm.weight"], eps)
-        k = ops.rms_norm(
-            k.reshape(*tokens, kv_heads, head_dim), w[p + "self_attn.k_norm.weight"], eps
-        )
+        q = q.reshape(*tokens, heads, head_dim)
+        k = k.reshape(*tokens, kv_heads, head_dim)
         v = v.reshape(*tokens, kv_heads, head_dim)
-        q, k = ops.rope(q, k, position_ids, **rope_params)
-        if cu_seqlens is not None:
-            attn = ops.attention_varlen(q, k, v, cu_seqlens, cu_seqlens, causal=True)
-        elif caches is None:
-            attn = ops.attention(q, k, v, causal=True, seqlens_q=seqlens, seqlens_k=seqlens)
+        q_norm, k_norm = w[p + "self_attn.q_norm.weight"], w[p + "self_attn.k_norm.weight"]
+        fused = ops.qk_norm_rope_attention_with_kv_cache
+        if caches is not None and fused is not None and not _needs_grad(q, k, v, q_norm, k_norm):
+            attn = fused(
+                q, k, v, q_norm, k_norm, eps, position_ids, caches[i], seq_ids,
+                **rope_params, seqlens_new=seqlens, causal=True,
+            )  # fmt: skip
         else:
-            attn = ops.attention_with_kv_cache(
-                q, k.detach(), v.detach(), caches[i], seq_ids, seqlens_new=seqlens, causal=True
-            )
+            q, k = ops.rms_norm(q, q_norm, eps), ops.rms_norm(k, k_norm, eps)
+            q, k = ops.rope(q, k, position_ids, **rope_params)
+            if cu_seqlens is not None:
+                attn = ops.attention_varlen(q, k, v, cu_seqlens, cu_seqlens, causal=True)
+            elif caches is None:
+                attn = ops.attention(q, k, v, causal=True, seqlens_q=seqlens, seqlens_k=seqlens)
+            else:
+                attn = ops.attention_with_kv_cache(
+                    q, k.detach(), v.detach(), caches[i], seq_ids, seqlens_new=seqlens, causal=True
+                )
         o = ops.linear(
             attn.reshape(*tokens, heads * head_dim),
             w[p + "self_attn.o_proj.weight"],
