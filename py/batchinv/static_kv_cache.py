@@ -17,7 +17,9 @@ prefill, so its bits do not depend on the cache, the batch or the schedule.
 Failure atomicity: the appends of a step are predicated on a device status word
 (``DeviceStatus``): if any check of the step failed (a token id out of range, a slot past its
 capacity), every write of every layer goes to the scratch row and no length advances, so the
-cache is left exactly as it was.  The host reads the status at its next synchronisation and
+cache is left exactly as it was.  The appends (``index_copy_``, or the fused q/k norm + RoPE
+kernel of ``qk_norm_rope_attention_with_static_kv_cache``) write to the step plan's rows,
+where that predicate lives.  The host reads the status at its next synchronisation and
 raises (``DeviceStatus.raise_if_failed``).
 """
 
