@@ -90,6 +90,7 @@
 #include "common/cp_async.cuh"
 #include "common/grid_dependency.cuh"
 #include "common/portability.cuh"
+#include "common/rms_row.cuh"
 
 
 namespace batchinv {
@@ -152,87 +153,9 @@ constexpr int kT4FusedBackwardMinBlocks = 7;
 // gains a little.
 constexpr int kResidentForwardMaxThreads = 128;
 
-// A row chunk is common/chunk16.cuh's 16-byte vector (its round_chunk rounds one).
-template <typename Codec>
-using Chunk = Chunk16<Codec>;
+// A row chunk is common/rms_row.cuh's Chunk (chunk16.cuh's 16-byte vector).
 static_assert(kChunkBytes == sizeof(Chunk16<F32Codec>), "a row chunk is one 16-byte vector");
 
-template <typename Codec>
-__device__ __forceinline__ void load_chunk(Chunk<Codec>& out, const typename Codec::storage* row,
-                                           int64_t chunk, int64_t d, bool vector) {
-    constexpr int E = Chunk<Codec>::kElems;
-    const int64_t first = chunk * E;
-    if (vector) {
-        *reinterpret_cast<uint4*>(out.v) = *reinterpret_cast<const uint4*>(row + first);
-    } else {
-#pragma unroll
-        for (int e = 0; e < E; ++e) out.v[e] = first + e < d ? row[first + e] : Codec::store(0.0f);
-    }
-}
-
-template <typename Codec>
-__device__ __forceinline__ void store_chunk(typename Codec::storage* row, const Chunk<Codec>& in,
-                                            int64_t chunk, int64_t d, bool vector) {
-    constexpr int E = Chunk<Codec>::kElems;
-    const int64_t first = chunk * E;
-    if (vector) {
-        *reinterpret_cast<uint4*>(row + first) = *reinterpret_cast<const uint4*>(in.v);
-    } else {
-#pragma unroll
-        for (int e = 0; e < E; ++e) {
-            if (first + e < d) row[first + e] = in.v[e];
-        }
-    }
-}
-
-// The barrier of row_group_sum: the CTA's, or (kGroupBarrier, CUDA only) named barrier
-// 1 + group over the T threads of row group `group` alone, so that the row groups of a CTA do
-// not wait for each other (the t128k4g2 and t128k5g2 fused backward).
-template <int T, bool kGroupBarrier>
-__device__ __forceinline__ void row_group_barrier(int group) {
-#if !defined(__HIPCC__)
-    if constexpr (kGroupBarrier) {
-        asm volatile("bar.sync %0, %1;\n" ::"r"(1 + group), "n"(T) : "memory");
-        return;
-    }
-#endif
-    __syncthreads();
-}
-
-// Sum of one value per thread over the T threads of a row group (see the header).  Every
-// thread of the CTA (kGroupBarrier: of the group) must call it; all threads of a group get the
-// same bits.  kReuse = false: the caller never passes the same warp_partials to the next call
-// (it alternates two), so the barrier that lets a later call overwrite them is not needed: the
-// next call's barrier on the other buffer orders this call's reads before the call after it
-// writes here again.  Which barrier is used does not change the additions.
-template <int T, bool kReuse = true, bool kGroupBarrier = false>
-__device__ __forceinline__ float row_group_sum(float value, float* warp_partials, int group = 0) {
-    constexpr int W = BATCHINV_WARP_SIZE;
-    constexpr int kLanes = T < W ? T : W;
-#pragma unroll
-    for (int offset = kLanes / 2; offset > 0; offset >>= 1) {
-        value = ieee_add(value, BATCHINV_SHFL_XOR(value, offset));
-    }
-    if constexpr (T > W) {
-        constexpr int kWarpsPerRow = T / W;
-        const int warp = threadIdx.x / W;
-        const int first_warp = warp - warp % kWarpsPerRow;
-        if (threadIdx.x % W == 0) warp_partials[warp] = value;
-        row_group_barrier<T, kGroupBarrier>(group);
-        value = warp_partials[first_warp];
-#pragma unroll
-        for (int w = 1; w < kWarpsPerRow; ++w) value = ieee_add(value, warp_partials[first_warp + w]);
-        if constexpr (kReuse) {
-            row_group_barrier<T, kGroupBarrier>(group);  // a later reduction may reuse them
-        }
-    }
-    return value;
-}
-
-__device__ __forceinline__ float inv_rms_of(float sum_sq, int64_t d, float eps) {
-    const float mean_sq = __fdiv_rn(sum_sq, static_cast<float>(d));
-    return __fdiv_rn(1.0f, __fsqrt_rn(ieee_add(mean_sq, eps)));
-}
 
 // The partial rows of grad_weight's levels are handed on by programmatic dependent launch
 // (common/grid_dependency.cuh): the next level's launch overlaps the end of the grid that
@@ -658,7 +581,8 @@ __device__ __forceinline__ void backward_weight_grad_rows(const BackwardArgs& a,
 // ---- Rows held in registers (every geometry but the streaming one) -------------------------
 // The same per-row arithmetic and trees as forward_rows / backward_row (so the same bits), with
 // the loads moved: the weight's chunks are loaded with the row's, before the reduction instead
-// of after it (the sweep is in docs/tuning/rms_norm.md).
+// of after it (the sweep is in docs/tuning/rms_norm.md).  The forward's per-chunk steps are
+// common/rms_row.cuh's, which qk_norm_rope.cu's q/k norm runs too.
 
 // Forward: one row per group of T threads (CTA b's group g takes row b * G + g).
 template <typename Codec, int T, int K, bool kFusedAdd>
@@ -711,12 +635,7 @@ __device__ __forceinline__ void forward_rows_resident(const ForwardArgs& a, floa
             }
             round_chunk(h[k], f);
         }
-#pragma unroll
-        for (int e = 0; e < E; ++e) {
-            if (c * E + e >= d) continue;
-            const float v = Codec::load(h[k].v[e]);
-            sum_sq = ieee_add(sum_sq, ieee_mul(v, v));
-        }
+        sum_sq = add_row_squares(sum_sq, h[k], c, d);
         if constexpr (kFusedAdd) store_chunk(new_residual, h[k], c, d, vector);
     }
     const float inv_rms = inv_rms_of(row_group_sum<T>(sum_sq, warp_partials), d, a.eps);
@@ -727,13 +646,8 @@ __device__ __forceinline__ void forward_rows_resident(const ForwardArgs& a, floa
     for (int k = 0; k < K; ++k) {
         const int64_t c = lane + static_cast<int64_t>(k) * T;
         if (c >= chunks) continue;
-        float f[E];
-#pragma unroll
-        for (int e = 0; e < E; ++e) {
-            f[e] = ieee_mul(ieee_mul(Codec::load(h[k].v[e]), inv_rms), Codec::load(w[k].v[e]));
-        }
         Chunk<Codec> out;
-        round_chunk(out, f);
+        normed_chunk(out, h[k], w[k], inv_rms);
         store_chunk(y, out, c, d, vector);
     }
 }

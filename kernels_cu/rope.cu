@@ -29,10 +29,12 @@
 // (16-byte vectors when pointers, strides and half * sizeof are multiples of 16, single
 // elements otherwise; each element gets the same per-pair arithmetic) do not enter.  The vector
 // path rounds bf16 with the hardware conversion, the element path with float_to_bf16: the same
-// bits (common/chunk16.cuh).  The
-// positions are absolute, so prefill, chunked prefill and decode give a token the same bits.
+// bits (common/chunk16.cuh).  The per-element arithmetic is common/rotary.cuh's, which
+// qk_norm_rope.cu shares.  The positions are absolute, so prefill, chunked prefill and decode
+// give a token the same bits.
 #include "common/chunk16.cuh"
 #include "common/portability.cuh"
+#include "common/rotary.cuh"
 
 
 namespace batchinv {
@@ -41,14 +43,6 @@ namespace rope {
 
 constexpr int kThreads = 128;
 constexpr int kUnroll = 3;  // 16-byte pairs per thread in flight: 320 units of 32/8 heads in one pass
-
-__device__ __forceinline__ float rotate_first(float x1, float x2, float c, float s) {
-    return ieee_sub(ieee_mul(x1, c), ieee_mul(x2, s));
-}
-
-__device__ __forceinline__ float rotate_second(float x1, float x2, float c, float s) {
-    return ieee_add(ieee_mul(x2, c), ieee_mul(x1, s));
-}
 
 struct Args {
     void* q_out;
@@ -108,13 +102,7 @@ __device__ __forceinline__ void rope_token(const Args& a) {
     }
     float* cos_table = table;
     float* sin_table = table + half;
-    const float p = static_cast<float>(position);
-    for (int64_t j = threadIdx.x; j < half; j += kThreads) {
-        float s, c;
-        sincosf(ieee_mul(p, a.inv_freq[j]), &s, &c);
-        cos_table[j] = c;
-        sin_table[j] = a.inverse ? -s : s;
-    }
+    fill_rotation_table<kThreads>(cos_table, sin_table, position, a.inv_freq, half, a.inverse);
     __syncthreads();
 
     const bool vector = (half % E) == 0 && aligned16(a.q) && aligned16(a.k) && aligned16(a.q_out) &&

@@ -17,7 +17,9 @@ prefill, so its bits do not depend on the cache, the batch or the schedule.
 Failure atomicity: the appends of a step are predicated on a device status word
 (``DeviceStatus``): if any check of the step failed (a token id out of range, a slot past its
 capacity), every write of every layer goes to the scratch row and no length advances, so the
-cache is left exactly as it was.  The host reads the status at its next synchronisation and
+cache is left exactly as it was.  The appends (``index_copy_``, or the fused q/k norm + RoPE
+kernel of ``qk_norm_rope_attention_with_static_kv_cache``) write to the step plan's rows,
+where that predicate lives.  The host reads the status at its next synchronisation and
 raises (``DeviceStatus.raise_if_failed``).
 """
 
@@ -31,7 +33,13 @@ import torch
 from torch import Tensor
 
 from .registry import BackendNotImplementedError
-from .validation import check_cache_settings, check_same_device, check_tensor
+from .validation import (
+    check_cache_settings,
+    check_rms_norm_args,
+    check_rope_args,
+    check_same_device,
+    check_tensor,
+)
 
 
 class DeviceStatus:
@@ -222,14 +230,111 @@ def attention_with_static_kv_cache(
     _check_static_call(q, k_new, v_new, cache, plan, softmax_scale)
     n, s_new, hq, d = q.shape
     heads = cache.num_kv_heads
-    if q.device.type != "cpu":
-        from .gpu import attention as gpu
-
-        scale = gpu.scale_of(softmax_scale, d)  # a bad scale raises before the append
+    scale = _kernel_scale(q, softmax_scale)  # a bad scale raises before the append
     layer.k.index_copy_(0, plan.rows, k_new.reshape(n * s_new, heads, d))
     layer.v.index_copy_(0, plan.rows, v_new.reshape(n * s_new, heads, d))
+    return _attend(q, layer, plan, softmax_scale, scale)
+
+
+def qk_norm_rope_attention_with_static_kv_cache(
+    q: Tensor,
+    k_new: Tensor,
+    v_new: Tensor,
+    q_norm_weight: Tensor,
+    k_norm_weight: Tensor,
+    eps: float,
+    position_ids: Tensor,
+    layer: StaticKVLayer,
+    plan: StepPlan,
+    *,
+    theta: float,
+    max_position: int,
+    softmax_scale: float | None = None,
+) -> Tensor:
+    """``attention_with_static_kv_cache`` of the heads as projected: q and k_new are first
+    normed per head (``rms_norm`` with ``q_norm_weight`` / ``k_norm_weight``) and rotated
+    (``rope`` at ``position_ids``, which are not checked: the decode step's positions are cache
+    lengths, kept below ``max_position`` by the capacity checks).
+
+    On CUDA the norms, the rotation and the append are one kernel (``kernels_cu/
+    qk_norm_rope.cu``) with the bits of the ops it replaces: the same q, the same cache
+    contents, so the same attention output.  Elsewhere (the CPU, a head_dim or dtype without a
+    fused entry, a call that needs gradients) the unfused ops run.  No host sync.
+    """
+    cache = layer.cache
+    _check_static_call(q, k_new, v_new, cache, plan, softmax_scale)
+    check_rms_norm_args(q, q_norm_weight, eps)
+    check_rms_norm_args(k_new, k_norm_weight, eps)
+    head_dim = cache.head_dim
+    check_rope_args(
+        q,
+        k_new,
+        position_ids,
+        theta=theta,
+        head_dim=head_dim,
+        max_position=max_position,
+        check_values=False,
+    )
+    from .gpu import qk_norm_rope as fused
+
+    grad = torch.is_grad_enabled() and any(
+        t.requires_grad for t in (q, k_new, v_new, q_norm_weight, k_norm_weight)
+    )
+    if grad or not fused.supports(q):
+        import batchinv
+
+        q = batchinv.rms_norm(q, q_norm_weight, eps)
+        k_new = batchinv.rms_norm(k_new, k_norm_weight, eps)
+        q, k_new = batchinv.rope(
+            q,
+            k_new,
+            position_ids,
+            theta=theta,
+            head_dim=head_dim,
+            max_position=max_position,
+            check_positions=False,
+        )
+        return attention_with_static_kv_cache(
+            q, k_new, v_new, layer, plan, softmax_scale=softmax_scale
+        )
+    scale = _kernel_scale(q, softmax_scale)
+    q = fused.qk_norm_rope_append(
+        q,
+        k_new,
+        v_new,
+        q_norm_weight,
+        k_norm_weight,
+        eps,
+        position_ids,
+        theta,
+        max_position,
+        layer.k,
+        layer.v,
+        plan.rows,
+    )
+    return _attend(q, layer, plan, softmax_scale, scale)
+
+
+def _kernel_scale(q: Tensor, softmax_scale: float | None) -> float | None:
+    """The attention kernels' scale (None on the CPU, whose reference takes softmax_scale)."""
+    if q.device.type == "cpu":
+        return None
+    from .gpu import attention as gpu
+
+    return gpu.scale_of(softmax_scale, q.shape[-1])
+
+
+def _attend(
+    q: Tensor, layer: StaticKVLayer, plan: StepPlan, softmax_scale: float | None, scale
+) -> Tensor:
+    """Attention of ``q [n, S, Hq, d]`` against the layer's storage, after the append."""
+    cache = layer.cache
+    n, s_new, hq, d = q.shape
+    heads = cache.num_kv_heads
     if q.device.type == "cpu":
         return _reference_attend(q, layer, plan, softmax_scale)
+    from .gpu import attention as gpu
+
     layout = gpu.Layout(plan.q_start, plan.q_len, plan.k_start, plan.k_len, s_new, cache.capacity)
     rows = layer.k.shape[0]
     out, _ = gpu.forward(

@@ -66,6 +66,7 @@ from .token_logprobs import token_logprobs as reference_token_logprobs
 
 __all__ = [
     "REFERENCE_OPS",
+    "add_then_rms_norm",
     "Qwen3ChainConfig",
     "Qwen3Ops",
     "Qwen3Reference",
@@ -282,6 +283,17 @@ class Qwen3Ops:
       ``attention_with_kv_cache(q, k_new, v_new, cache, seq_ids, seqlens_new=, causal=)``;
     - ``log_softmax(x) -> fp32`` over the last dim;
     - ``token_logprobs(hidden, lm_head_weight, target_ids, ignore_index) -> fp32``.
+
+    Optional fused steps, which the chain calls only where no gradient is needed (a fused
+    op's backward may round differently from the unfused graph) and which must give the bits
+    of the steps they replace; None: the chain runs those steps:
+
+    - ``add_rms_norm(h, delta, weight, eps) -> (rms_norm(h + delta), h + delta)``, for
+      ``residual_add`` followed by ``rms_norm``;
+    - ``qk_norm_rope_attention_with_kv_cache(q, k_new, v_new, q_norm_weight, k_norm_weight,
+      eps, position_ids, cache, seq_ids, theta=, head_dim=, max_position=, seqlens_new=,
+      causal=)``, for the per-head q/k ``rms_norm``, ``rope`` and ``attention_with_kv_cache``
+      (q, k_new, v_new as projected, ``[..., heads, head_dim]``).
     """
 
     name: str
@@ -296,6 +308,18 @@ class Qwen3Ops:
     residual_add: Callable
     log_softmax: Callable
     token_logprobs: Callable
+    add_rms_norm: Callable | None = None
+    qk_norm_rope_attention_with_kv_cache: Callable | None = None
+
+
+def add_then_rms_norm(residual_add: Callable, rms_norm: Callable) -> Callable:
+    """An ``add_rms_norm`` entry made of a table's own ``residual_add`` and ``rms_norm``."""
+
+    def add_rms_norm(h: Tensor, delta: Tensor, weight: Tensor, eps: float):
+        h = residual_add(h, delta)
+        return rms_norm(h, weight, eps), h
+
+    return add_rms_norm
 
 
 def _reference_log_softmax(x: Tensor) -> Tensor:
@@ -315,6 +339,7 @@ REFERENCE_OPS = Qwen3Ops(
     residual_add=_residual_add,
     log_softmax=_reference_log_softmax,
     token_logprobs=reference_token_logprobs,
+    add_rms_norm=add_then_rms_norm(_residual_add, rms_norm),
 )
 
 
@@ -441,6 +466,23 @@ def _position_ids(
     return start[:, None] + offsets[None, :]
 
 
+def _needs_grad(*tensors: Tensor) -> bool:
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
+def _add_rms_norm(
+    ops: Qwen3Ops, h: Tensor, delta: Tensor | None, weight: Tensor, eps: float
+) -> tuple[Tensor, Tensor]:
+    """``(rms_norm(h + delta), h + delta)``, or ``(rms_norm(h), h)`` without a delta: the
+    table's fused ``add_rms_norm`` where no gradient is needed."""
+    if delta is None:
+        return ops.rms_norm(h, weight, eps), h
+    if ops.add_rms_norm is not None and not _needs_grad(h, delta, weight):
+        return ops.add_rms_norm(h, delta, weight, eps)
+    h = ops.residual_add(h, delta)
+    return ops.rms_norm(h, weight, eps), h
+
+
 def lm_head_weight(state_dict: Mapping[str, Tensor], config: Qwen3ChainConfig) -> Tensor:
     """The lm_head weight (``embed_tokens`` when the embeddings are tied)."""
     tied = config.tie_word_embeddings
@@ -481,47 +523,48 @@ def qwen3_final_hidden(
     def bias(name: str) -> Tensor | None:
         return w[name] if config.attention_bias else None
 
+    rope_params = dict(
+        theta=config.rope_theta, head_dim=head_dim, max_position=config.max_position_embeddings
+    )
     h = ops.embedding(input_ids, w["model.embed_tokens.weight"])
+    delta = None  # the last MLP output, added to h together with the next norm
     for i in range(config.num_hidden_layers):
         p = f"model.layers.{i}."
-        x = ops.rms_norm(h, w[p + "input_layernorm.weight"], eps)
+        x, h = _add_rms_norm(ops, h, delta, w[p + "input_layernorm.weight"], eps)
         q = ops.linear(x, w[p + "self_attn.q_proj.weight"], bias(p + "self_attn.q_proj.bias"))
         k = ops.linear(x, w[p + "self_attn.k_proj.weight"], bias(p + "self_attn.k_proj.bias"))
         v = ops.linear(x, w[p + "self_attn.v_proj.weight"], bias(p + "self_attn.v_proj.bias"))
-        q = ops.rms_norm(q.reshape(*tokens, heads, head_dim), w[p + "self_attn.q_norm.weight"], eps)
-        k = ops.rms_norm(
-            k.reshape(*tokens, kv_heads, head_dim), w[p + "self_attn.k_norm.weight"], eps
-        )
+        q = q.reshape(*tokens, heads, head_dim)
+        k = k.reshape(*tokens, kv_heads, head_dim)
         v = v.reshape(*tokens, kv_heads, head_dim)
-        q, k = ops.rope(
-            q,
-            k,
-            position_ids,
-            theta=config.rope_theta,
-            head_dim=head_dim,
-            max_position=config.max_position_embeddings,
-        )
-        if cu_seqlens is not None:
-            attn = ops.attention_varlen(q, k, v, cu_seqlens, cu_seqlens, causal=True)
-        elif caches is None:
-            attn = ops.attention(q, k, v, causal=True, seqlens_q=seqlens, seqlens_k=seqlens)
+        q_norm, k_norm = w[p + "self_attn.q_norm.weight"], w[p + "self_attn.k_norm.weight"]
+        fused = ops.qk_norm_rope_attention_with_kv_cache
+        if caches is not None and fused is not None and not _needs_grad(q, k, v, q_norm, k_norm):
+            attn = fused(
+                q, k, v, q_norm, k_norm, eps, position_ids, caches[i], seq_ids,
+                **rope_params, seqlens_new=seqlens, causal=True,
+            )  # fmt: skip
         else:
-            attn = ops.attention_with_kv_cache(
-                q, k.detach(), v.detach(), caches[i], seq_ids, seqlens_new=seqlens, causal=True
-            )
+            q, k = ops.rms_norm(q, q_norm, eps), ops.rms_norm(k, k_norm, eps)
+            q, k = ops.rope(q, k, position_ids, **rope_params)
+            if cu_seqlens is not None:
+                attn = ops.attention_varlen(q, k, v, cu_seqlens, cu_seqlens, causal=True)
+            elif caches is None:
+                attn = ops.attention(q, k, v, causal=True, seqlens_q=seqlens, seqlens_k=seqlens)
+            else:
+                attn = ops.attention_with_kv_cache(
+                    q, k.detach(), v.detach(), caches[i], seq_ids, seqlens_new=seqlens, causal=True
+                )
         o = ops.linear(
             attn.reshape(*tokens, heads * head_dim),
             w[p + "self_attn.o_proj.weight"],
             bias(p + "self_attn.o_proj.bias"),
         )
-        h = ops.residual_add(h, o)
-        x = ops.rms_norm(h, w[p + "post_attention_layernorm.weight"], eps)
+        x, h = _add_rms_norm(ops, h, o, w[p + "post_attention_layernorm.weight"], eps)
         gate = ops.linear(x, w[p + "mlp.gate_proj.weight"], None)
         up = ops.linear(x, w[p + "mlp.up_proj.weight"], None)
-        h = ops.residual_add(
-            h, ops.linear(ops.silu_mul(gate, up), w[p + "mlp.down_proj.weight"], None)
-        )
-    return ops.rms_norm(h, w["model.norm.weight"], eps)
+        delta = ops.linear(ops.silu_mul(gate, up), w[p + "mlp.down_proj.weight"], None)
+    return _add_rms_norm(ops, h, delta, w["model.norm.weight"], eps)[0]
 
 
 def qwen3_forward(

@@ -42,6 +42,7 @@ from ...static_kv_cache import (
     StepPlan,
     attention_with_static_kv_cache,
     plan_step,
+    qk_norm_rope_attention_with_static_kv_cache,
 )
 from ...validation import check_int, token_id_lists
 from .ops import BATCHINV_OPS
@@ -92,6 +93,21 @@ def _attention(q, k_new, v_new, layer, seq_ids, seqlens_new=None, causal=True, *
     if plan.seq_ids is not seq_ids:
         raise RuntimeError("internal: the chain ran with other slots than the step's plan")
     return attention_with_static_kv_cache(q, k_new, v_new, layer, plan)
+
+
+def _qk_norm_rope_attention(
+    q, k_new, v_new, q_norm_weight, k_norm_weight, eps, position_ids, layer, seq_ids,
+    *, theta, head_dim, max_position, seqlens_new=None, causal=True, plans,
+):  # fmt: skip
+    # The q/k norms, RoPE and the append in one kernel on CUDA (the bits of the unfused ops);
+    # positions are cache lengths, which the capacity checks keep below max_position.
+    (plan,) = plans
+    if plan.seq_ids is not seq_ids:
+        raise RuntimeError("internal: the chain ran with other slots than the step's plan")
+    return qk_norm_rope_attention_with_static_kv_cache(
+        q, k_new, v_new, q_norm_weight, k_norm_weight, eps, position_ids, layer, plan,
+        theta=theta, max_position=max_position,
+    )  # fmt: skip
 
 
 class Qwen3DecodeRunner:
@@ -171,6 +187,9 @@ class Qwen3DecodeRunner:
             embedding=_embedding,
             rope=_rope,
             attention_with_kv_cache=functools.partial(_attention, plans=self._plans),
+            qk_norm_rope_attention_with_kv_cache=functools.partial(
+                _qk_norm_rope_attention, plans=self._plans
+            ),
         )
         # Host bookkeeping: what each active slot holds (no device reads).
         self._prompts: dict[int, list[int]] = {}

@@ -2,11 +2,12 @@
 
 ``BATCHINV_OPS`` calls batchinv's public ops, which dispatch through the registry (CPU: the
 strict references; CUDA: the batch-invariant kernels; a missing kernel raises
-``BackendNotImplementedError``, never a fallback).  ``STOCK_OPS`` is what a stock PyTorch /
-Hugging Face stack runs: ``F.linear`` (cuBLAS / CPU BLAS), ``F.scaled_dot_product_attention``
-with ``enable_gqa`` and a boolean mask for padding, packing and KV caches, HF's RMSNorm and
-RoPE formulas, ``F.silu(g) * u`` and ``torch.log_softmax``.  The audit compares the two;
-stock drift across batches is expected and shown, never a failure.
+``BackendNotImplementedError``, never a fallback); where no gradient is needed it adds the
+residual and norms the sum in one ``fused_add_rms_norm`` (the same bits).  ``STOCK_OPS`` is
+what a stock PyTorch / Hugging Face stack runs: ``F.linear`` (cuBLAS / CPU BLAS),
+``F.scaled_dot_product_attention`` with ``enable_gqa`` and a boolean mask for padding, packing
+and KV caches, HF's RMSNorm and RoPE formulas, ``F.silu(g) * u`` and ``torch.log_softmax``.
+The audit compares the two; stock drift across batches is expected and shown, never a failure.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from torch import Tensor
 import batchinv
 
 from ...kv_cache import KVCache
-from ...reference.qwen3_chain import REFERENCE_OPS, Qwen3Ops
+from ...reference.qwen3_chain import REFERENCE_OPS, Qwen3Ops, add_then_rms_norm
 
 __all__ = ["BATCHINV_OPS", "OPS_BY_NAME", "REFERENCE_OPS", "STOCK_OPS", "ops_by_name"]
 
@@ -132,6 +133,25 @@ def _batchinv_residual_add(h: Tensor, delta: Tensor) -> Tensor:
     return REFERENCE_OPS.residual_add(h, delta)
 
 
+def _batchinv_rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    return batchinv.rms_norm(x, weight, eps)
+
+
+_batchinv_add_then_rms_norm = add_then_rms_norm(_batchinv_residual_add, _batchinv_rms_norm)
+
+
+def _batchinv_add_rms_norm(h: Tensor, delta: Tensor, weight: Tensor, eps: float):
+    """``residual_add`` then ``rms_norm`` as one ``fused_add_rms_norm`` (the chain calls it
+    only where no gradient is needed): ``h + delta`` added in fp32 and rounded once, then the
+    norm of the rounded sum, the bits of the two ops (on the GPU the fused and the plain
+    forward of kernels_cu/rms_norm.cu share the row tree; on the CPU both are the reference).
+    Operands the fused op does not take (mixed dtypes, shapes or devices) run the two ops."""
+    if h.dtype == delta.dtype == weight.dtype and h.shape == delta.shape:
+        if h.device == delta.device == weight.device:
+            return batchinv.fused_add_rms_norm(h, delta, weight, eps)
+    return _batchinv_add_then_rms_norm(h, delta, weight, eps)
+
+
 def _batchinv_attention(q, k, v, *, causal, seqlens_q, seqlens_k):
     return batchinv.attention(q, k, v, causal=causal, seqlens_q=seqlens_q, seqlens_k=seqlens_k)
 
@@ -150,7 +170,7 @@ BATCHINV_OPS = Qwen3Ops(
     name="batchinv",
     embedding=_batchinv_embedding,
     linear=_batchinv_linear,
-    rms_norm=lambda x, weight, eps: batchinv.rms_norm(x, weight, eps),
+    rms_norm=_batchinv_rms_norm,
     rope=_batchinv_rope,
     attention=_batchinv_attention,
     attention_varlen=_batchinv_attention_varlen,
@@ -159,6 +179,7 @@ BATCHINV_OPS = Qwen3Ops(
     residual_add=_batchinv_residual_add,  # fp32 add, one rounding: elementwise
     log_softmax=_batchinv_log_softmax,
     token_logprobs=_batchinv_token_logprobs,
+    add_rms_norm=_batchinv_add_rms_norm,
 )
 
 
@@ -272,6 +293,10 @@ def _stock_linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     return F.linear(x, weight, bias)
 
 
+def _stock_residual_add(h: Tensor, delta: Tensor) -> Tensor:
+    return h + delta
+
+
 def _stock_log_softmax(x: Tensor) -> Tensor:
     return torch.log_softmax(x.float(), dim=-1)
 
@@ -297,9 +322,10 @@ STOCK_OPS = Qwen3Ops(
     attention_varlen=_stock_attention_varlen,
     attention_with_kv_cache=_stock_attention_with_kv_cache,
     silu_mul=lambda gate, up: F.silu(gate) * up,
-    residual_add=lambda h, delta: h + delta,
+    residual_add=_stock_residual_add,
     log_softmax=_stock_log_softmax,
     token_logprobs=_stock_token_logprobs,
+    add_rms_norm=add_then_rms_norm(_stock_residual_add, _stock_rms_norm),
 )
 
 OPS_BY_NAME = {ops.name: ops for ops in (REFERENCE_OPS, BATCHINV_OPS, STOCK_OPS)}
