@@ -47,7 +47,8 @@ HIP_DEVICE_LIBS = Path("/usr/lib/x86_64-linux-gnu/amdgcn/bitcode")
 # Names of every kernel in kernels_cu/, for compute-sanitizer's kernel filter.
 CUBLASLT_TESTS = "tests/gpu/test_linear_cublaslt_cuda.py"
 OUR_KERNELS = (
-    "^(embedding|linear|rms_norm|rope|silu_mul|log_softmax|attn|attention_bwd|token_logprobs)_"
+    "^(embedding|linear|rms_norm|rope|silu_mul|log_softmax|attn|attention_bwd|token_logprobs"
+    "|qk_norm_rope)_"
 )
 
 
