@@ -1,7 +1,7 @@
 """Argument checks done once per signature: the host-light path of the public ops.
 
-A public op's checks read its arguments' metadata (shapes, strides, dtypes, devices) and its
-plain Python arguments, never a tensor's contents, so whether a call passes them, and which
+A public op's checks read its arguments' metadata (class, shape, dtype, device) and its plain
+Python arguments, never a tensor's contents, so whether a call passes them, and which
 backend's implementation it runs, is a function of that *signature*.  An op keeps a
 ``CheckedCalls`` and hands it the signature of each call: the first call with a signature runs
 the checks and the registry lookup (``resolve``), every later one goes straight to the
