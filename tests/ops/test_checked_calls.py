@@ -24,6 +24,10 @@ def _fused_add(residual):
     return batchinv.fused_add_rms_norm(torch.randn(3, 8), residual, torch.ones(8), EPS)
 
 
+def _case():
+    return torch.randn(3, 8), torch.ones(8), EPS
+
+
 def _attention(key_dim=8, **options):
     q, k, v = torch.randn(1, 2, 2, 8), torch.randn(1, 3, 1, key_dim), torch.randn(1, 3, 1, 8)
     return batchinv.attention(q, k, v, **options)
@@ -246,22 +250,26 @@ def test_id_values_are_checked_on_every_call():
         batchinv.embedding(torch.tensor([1, 5]), weight)
 
 
-@pytest.mark.parametrize(
-    "table",
-    [
-        rms_norm_op._RMS_NORM_NO_GRAD,
-        rms_norm_op._FUSED_ADD_RMS_NORM_NO_GRAD,
-        silu_mul_op._SILU_MUL_NO_GRAD,
-        silu_mul_op._SILU_MUL_FUSED_NO_GRAD,
-        embedding_op._FORWARD,
-        linear_op._FORWARD,
-        log_softmax_op._NO_GRAD,
-        attention_op._PADDED_WITHOUT_LENGTHS,
-    ],
-)
-def test_every_op_table_holds_signatures_not_tensors(table):
+# Each op's table and a call that fills it (the suite clears the tables before each test).
+TABLE_CALLS = [
+    (rms_norm_op._RMS_NORM_NO_GRAD, lambda: batchinv.rms_norm(*_case())),
+    (rms_norm_op._FUSED_ADD_RMS_NORM_NO_GRAD, lambda: _fused_add(torch.randn(3, 8))),
+    (silu_mul_op._SILU_MUL_NO_GRAD, lambda: batchinv.silu_mul(*torch.randn(2, 3, 8).unbind(0))),
+    (silu_mul_op._SILU_MUL_FUSED_NO_GRAD, lambda: batchinv.silu_mul_fused(torch.randn(3, 8))),
+    (embedding_op._FORWARD, lambda: batchinv.embedding(torch.tensor([1, 2]), torch.randn(5, 4))),
+    (linear_op._FORWARD, lambda: batchinv.linear(torch.randn(3, 8), torch.randn(4, 8))),
+    (log_softmax_op._NO_GRAD, lambda: batchinv.log_softmax(torch.randn(3, 8), -1)),
+    (attention_op._PADDED_WITHOUT_LENGTHS, lambda: _attention()),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("table, call", TABLE_CALLS)
+def test_every_op_table_holds_signatures_not_tensors(table, call):
     # A remembered entry must be the implementation alone: keeping a tensor alive would hold a
     # batch's memory for as long as the process runs.
+    assert len(table) == 0
+    call()
+    assert len(table) == 1
     for run in table._known.values():
         assert callable(run) and not isinstance(run, torch.Tensor)
         assert not any(isinstance(c.cell_contents, torch.Tensor) for c in (run.__closure__ or ()))
