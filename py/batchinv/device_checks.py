@@ -53,6 +53,22 @@ def word(device: torch.device) -> Tensor:
     return found
 
 
+_unread: dict[torch.device, Tensor] = {}
+
+
+def unread_flag(device: torch.device) -> Tensor:
+    """A first-bad-position flag (int64 ``[1]``) that a kernel may write and nobody reads: for
+    a call that skips its value check.  One per device, reused by every such call (no fill
+    launch per call); one first asked for under CUDA-graph capture is a fresh one in the
+    graph's pool and is not kept."""
+    flag = _unread.get(device)
+    if flag is None:
+        flag = torch.full((1,), -1, dtype=torch.int64, device=device)  # UINT64_MAX
+        if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+            _unread[device] = flag
+    return flag
+
+
 def deferring(device: torch.device | None = None) -> bool:
     """Whether a value check must not sync now: under CUDA-graph capture or ``deferred()``.
 

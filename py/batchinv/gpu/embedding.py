@@ -75,31 +75,20 @@ def forward(ids: Tensor, weight: Tensor, check_ids: bool = True) -> Tensor:
     return out
 
 
-# Where an unchecked call's kernel records its first bad position: nobody reads it, so one
-# buffer per device serves every such call (a launch fewer than a fresh flag per call).
-_UNREAD_FLAGS: dict[torch.device, Tensor] = {}
-
-
-def _unread_flag(device: torch.device) -> Tensor | None:
-    flag = _UNREAD_FLAGS.get(device)
-    if flag is None and not torch.cuda.is_current_stream_capturing():
-        flag = _UNREAD_FLAGS[device] = torch.full((1,), -1, dtype=torch.int64, device=device)
-    return flag
-
-
 def _launch_contiguous(ids: Tensor, weight: Tensor, check_ids: bool) -> tuple[Tensor, Tensor]:
     """``launch_forward`` for contiguous ids and weight, in fewer host steps: the output
-    allocated in its final shape, pointers passed as ints; an unchecked call's flag is the
-    device's unread one (the same kernel, hence bits)."""
+    allocated in its final shape, pointers passed as ints; an unchecked call's flag is
+    ``device_checks.unread_flag`` (the same kernel, hence bits)."""
     vocab, hidden = weight.shape
     num_ids = ids.numel()
     if num_ids > _MAX_GRID_X:
         raise ValueError(f"ids has {num_ids} elements; at most {_MAX_GRID_X} are supported")
     device = weight.device
     out = weight.new_empty((*ids.shape, hidden))
-    first_bad = None if check_ids else _unread_flag(device)
-    if first_bad is None:
+    if check_ids:
         first_bad = torch.full((1,), -1, dtype=torch.int64, device=device)  # UINT64_MAX
+    else:
+        first_bad = device_checks.unread_flag(device)
     if num_ids == 0 or hidden == 0:
         return out, first_bad
     row_bytes = hidden * weight.element_size()

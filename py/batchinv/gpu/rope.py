@@ -44,11 +44,6 @@ def _heads_view(t: Tensor, tokens: int) -> Tensor:
 
 
 @functools.cache
-def _unread_flag(device: torch.device) -> Tensor:
-    """A flag the kernel may write but nobody reads (calls that skip the position check)."""
-    return torch.full((1,), -1, dtype=torch.int64, device=device)
-
-
 def launch_rotation(
     q: Tensor,
     k: Tensor,
@@ -71,7 +66,7 @@ def launch_rotation(
     if want_flag:
         first_bad = torch.full((1,), -1, dtype=torch.int64, device=q.device)  # UINT64_MAX
     else:
-        first_bad = _unread_flag(q.device)
+        first_bad = device_checks.unread_flag(q.device)
     if tokens > 0:
         if tokens > _MAX_GRID_X:
             raise ValueError(
