@@ -856,7 +856,8 @@ def attention_varlen(
 
 # The custom ops' backward (batchinv.ops.attention): the eager autograd's kernels on the
 # forward's saved outputs, with the same layout and the same views, hence the eager bits,
-# without running the forward again.
+# without running the forward again.  ``backward`` takes ``backward_rows``'s arguments: the
+# CUDA kernels by default, the portable ones on HIP (batchinv.gpu.attention_portable).
 
 
 def attention_saved_backward(
@@ -872,12 +873,13 @@ def attention_saved_backward(
     seqlens_q: Tensor | None,
     seqlens_k: Tensor | None,
     key_padding_mask: Tensor | None,
+    backward=backward_rows,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``(dq, dk, dv)`` of ``attention`` from its ``(out, lse [B, Hq, Sq])``."""
     batch, sq, hq, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
     k_used, v_used, layout, index = _padded_layout(q, k, v, seqlens_q, seqlens_k, key_padding_mask)
-    dq, dk, dv = backward_rows(
+    dq, dk, dv = backward(
         as_rows(q.reshape(batch * sq, hq, d).contiguous()),
         as_rows(k_used.reshape(batch * sk, hkv, d).contiguous()),
         as_rows(v_used.reshape(batch * sk, hkv, d).contiguous()),
@@ -907,12 +909,13 @@ def attention_varlen_saved_backward(
     cu_seqlens_k: Tensor,
     causal: bool,
     softmax_scale: float | None,
+    backward=backward_rows,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``(dq, dk, dv)`` of ``attention_varlen`` from its ``(out, lse [Hq, Tq])``."""
     layout = _varlen_layout(cu_seqlens_q, cu_seqlens_k, q.device)
     rows = (as_rows(t.contiguous()) for t in (q, k, v))
     scale = scale_of(softmax_scale, q.shape[-1])
-    return backward_rows(*rows, out, lse, grad_out, layout, causal, scale)
+    return backward(*rows, out, lse, grad_out, layout, causal, scale)
 
 
 def attention_with_kv_cache(

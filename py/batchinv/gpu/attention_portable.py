@@ -1,13 +1,15 @@
 """Attention forward from a portable kernel: HIP's ``attention``, ``attention_varlen`` and
 ``attention_with_kv_cache`` (``kernels_cu/attention_portable.cu``: one CTA per query row and
 head, 128-key blocks and 2048-key splits at absolute positions, merged left to right with
-attention.cu's shared functions; no tensor cores or matrix cores).
+attention.cu's shared functions; no tensor cores or matrix cores), with gradients from the
+portable backward (``batchinv.gpu.attention_backward_portable``).
 
 The entry points are CUDA's (``batchinv.gpu.attention``: the same validation, layouts, KV-cache
-append and output shapes) with this module's ``run`` for the canonical-layout forward.  Forward
-only: a call that needs a gradient raises ``BackendNotImplementedError`` (the backward kernels
-are CUDA only).  A row's bits do not depend on the batch, its position in it or the other
-rows; they are not the CUDA kernels' bits (another order inside a block).
+append and output shapes) with this module's ``run`` for the canonical-layout forward (through
+``_AttentionPortable`` when a gradient is wanted) and ``backward_rows`` for the custom ops'
+saved backward.  ``attention_with_kv_cache`` is inference only, as on CUDA.  A row's bits do
+not depend on the batch, its position in it or the other rows; they are not the CUDA kernels'
+bits (another order inside a block).
 
 Nothing here asks which backend the device has: the CUDA build holds the same kernel, so these
 functions run on an NVIDIA GPU too, which is how the tests run HIP's arithmetic
@@ -20,24 +22,15 @@ import torch
 from torch import Tensor
 
 from ..kv_cache import host_index_copies
-from ..registry import BackendNotImplementedError
 from ..runtime import kernel_for, launch
 from ..validation import check_kv_cache_attention_args, check_length_values, check_seqlens_new
 from . import attention as gpu
+from . import attention_backward_portable
 
 _SUFFIX = {torch.bfloat16: "bf16", torch.float16: "f16"}
 _LOG2E = 1.4426950408889634
 _BLOCK_THREADS = 128  # kBlockKeys: one thread per key of a block, per output column
 _MAX_GRID_YZ = 65535
-
-
-def _no_gradient(*tensors: Tensor) -> None:
-    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-        raise BackendNotImplementedError(
-            "attention has no hip backward (its backward kernels are CUDA only): call it under "
-            "torch.no_grad() or with inputs that do not require grad; batchinv does not fall "
-            "back to another backend"
-        )
 
 
 def forward(
@@ -100,11 +93,39 @@ def forward(
     return out, lse
 
 
+def backward_rows(q, k, v, out, lse, grad_out, layout: gpu.Layout, causal: bool, scale: float):
+    """``(dq, dk, dv)`` by the portable backward kernels; ``gpu.backward_rows``'s arguments."""
+    return attention_backward_portable.backward(q, k, v, out, lse, grad_out, layout, causal, scale)
+
+
+class _AttentionPortable(torch.autograd.Function):
+    """The portable forward on the canonical layout; backward by the portable kernels from the
+    saved ``(out, lse)``, on the forward's layout (checked once, reused without a host sync)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, layout: gpu.Layout, causal: bool, scale: float, prefill_zero: bool):
+        out, lse = forward(q, k, v, layout, causal, scale, prefill_zero)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.layout = layout
+        ctx.causal = causal
+        ctx.scale = scale
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, grad_out, _grad_lse):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = backward_rows(q, k, v, out, lse, grad_out, ctx.layout, ctx.causal, ctx.scale)
+        return dq, dk, dv, None, None, None, None
+
+
 def run(q, k, v, layout: gpu.Layout, causal: bool, scale: float, prefill_zero: bool, **tuning):
-    """The ``run`` the CUDA entry points take: the portable forward, no gradient, no tuning."""
+    """The ``run`` the CUDA entry points take: the portable forward, through
+    ``_AttentionPortable`` when a gradient is wanted; no tuning."""
     if tuning:
         raise ValueError(f"the portable attention has no tuning options, got {sorted(tuning)}")
-    _no_gradient(q, k, v)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+        return _AttentionPortable.apply(q, k, v, layout, causal, scale, prefill_zero)
     return forward(q, k, v, layout, causal, scale, prefill_zero)
 
 
@@ -112,7 +133,6 @@ def attention(q, k, v, *, seqlens_q, seqlens_k, **options):
     """The registry's ``attention`` on HIP (arguments checked by the op)."""
     lengths = check_length_values(q, k, seqlens_q=seqlens_q, seqlens_k=seqlens_k)
     gpu.check_dtypes_and_head_dim(q, k, v)
-    _no_gradient(q, k, v)
     host = {"seqlens_q": lengths.seqlens_q, "seqlens_k": lengths.seqlens_k}
     return gpu.attention(q, k, v, **host, run=run, **options)
 
@@ -121,9 +141,33 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, **options):
     """The registry's ``attention_varlen`` on HIP (arguments checked by the op)."""
     lengths = check_length_values(q, k, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
     gpu.check_dtypes_and_head_dim(q, k, v)
-    _no_gradient(q, k, v)
     cu_q, cu_k = lengths.cu_seqlens_q, lengths.cu_seqlens_k
     return gpu.attention_varlen(q, k, v, cu_q, cu_k, run=run, **options)
+
+
+# The custom ops' backward on HIP (the registry's ``<op>.saved_backward``): the length values
+# are checked again (the op saved the caller's tensors, which may have been edited since), then
+# CUDA's entry with the portable kernels, hence the eager autograd's bits.
+
+
+def attention_saved_backward(grad_out, q, k, v, out, lse, *, seqlens_q, seqlens_k, **options):
+    """The registry's ``attention.saved_backward`` on HIP."""
+    lengths = check_length_values(q, k, seqlens_q=seqlens_q, seqlens_k=seqlens_k)
+    host = {"seqlens_q": lengths.seqlens_q, "seqlens_k": lengths.seqlens_k}
+    return gpu.attention_saved_backward(
+        grad_out, q, k, v, out, lse, **host, **options, backward=backward_rows
+    )
+
+
+def attention_varlen_saved_backward(
+    grad_out, q, k, v, out, lse, *, cu_seqlens_q, cu_seqlens_k, **options
+):
+    """The registry's ``attention_varlen.saved_backward`` on HIP."""
+    lengths = check_length_values(q, k, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
+    host = {"cu_seqlens_q": lengths.cu_seqlens_q, "cu_seqlens_k": lengths.cu_seqlens_k}
+    return gpu.attention_varlen_saved_backward(
+        grad_out, q, k, v, out, lse, **host, **options, backward=backward_rows
+    )
 
 
 def attention_with_kv_cache(

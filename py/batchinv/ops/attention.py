@@ -8,9 +8,10 @@ that passed to ``batchinv.gpu.attention``, which builds its layout from them.  T
 implementation is the strict reference (``batchinv.reference.attention``, fixed 128-key
 blocks at absolute positions); on CUDA, ``kernels_cu/attention.cu`` (mma.sync, fixed 128-key
 blocks and 2048-key splits at absolute positions; decode equals prefill bit for bit) with its
-own autograd (below); on HIP, the portable forward ``kernels_cu/attention_portable.cu``
-(``batchinv.gpu.attention_portable``, no backward).  There is no fallback from a GPU tensor
-to the reference.
+own autograd (below); on HIP, the portable forward ``kernels_cu/attention_portable.cu`` and
+backward ``kernels_cu/attention_backward_portable.cu`` with their own autograd
+(``batchinv.gpu.attention_portable``).  There is no fallback from a GPU tensor to the
+reference.
 """
 
 from __future__ import annotations
@@ -319,6 +320,10 @@ registry.register("attention_varlen.saved_backward", "cuda")(_gpu_attention_varl
 registry.register("attention", "hip")(portable.attention)
 registry.register("attention_varlen", "hip")(portable.attention_varlen)
 registry.register("attention_with_kv_cache", "hip")(portable.attention_with_kv_cache)
+registry.register("attention.saved_backward", "hip")(portable.attention_saved_backward)
+registry.register("attention_varlen.saved_backward", "hip")(
+    portable.attention_varlen_saved_backward
+)
 
 
 # ----------------------------------------------------------------------------- custom ops
