@@ -1,15 +1,16 @@
 """HIP's kernels run on an NVIDIA GPU: the portable entries (``linear_simt_*``,
 ``kernels_cu/token_logprobs_portable.cu``, ``kernels_cu/attention_portable.cu``) are in the CUDA
-build too, so this is the one place their arithmetic runs (no AMD GPU exists for this project:
-docs/amd.md).
+build too, and so is ``kernels_cu/attention_backward_portable.cu``, so this is the one place
+their arithmetic runs (no AMD GPU exists for this project: docs/amd.md).
 
 The ``hip_dispatch`` fixture makes the registry answer "hip" for CUDA tensors, so the public
 ops take their HIP entries end to end (validation, autograd, custom op), while the kernels load
 from the CUDA image, which holds the same portable sources.  Checked: accuracy against the
 strict fp32 references (the contract's table), rows bitwise invariant to the batch, the token
-reductions (grad_weight, d_W) bitwise identical run to run, bad input errors.  These are the
-portable code's bits under nvcc and libdevice; HIP's come from clang and ROCm's ocml (expf,
-logf), so they are checked here for their order, not for HIP's exact values.
+reductions (grad_weight, d_W) and attention's dK/dV bitwise identical run to run, a sequence's
+attention gradients bitwise the same alone, packed or padded among others, bad input errors.
+These are the portable code's bits under nvcc and libdevice; HIP's come from clang and ROCm's
+ocml (expf, logf), so they are checked here for their order, not for HIP's exact values.
 """
 
 from __future__ import annotations
@@ -440,11 +441,210 @@ def test_attention_masked_keys_and_fully_masked_rows(hip_dispatch):
     assert_within_tolerance(out, ref, op_class="attention", name="out")
 
 
-def test_attention_refuses_gradients_and_bad_input(hip_dispatch):
+def test_attention_bad_input_errors_as_on_cuda(hip_dispatch):
     q, k, v = _qkv(1, 8, 8, 2, 2, 64, torch.bfloat16, seed=14)
-    with pytest.raises(registry.BackendNotImplementedError, match="does not fall back"):
-        batchinv.attention(q.requires_grad_(True), k, v)
     with pytest.raises(ValueError, match="head dim d=48"):
         batchinv.attention(q[..., :48], k[..., :48], v[..., :48])
     with pytest.raises(TypeError, match="bfloat16 or float16"):
         batchinv.attention(q.float(), k.float(), v.float())
+
+
+# ---- attention (backward) ----------------------------------------------------------------------
+
+
+def _attention_grads(fn, inputs, grad_out):
+    """``(dq, dk, dv)`` of ``fn`` through autograd, from fresh leaves of ``inputs``."""
+    leaves = [t.detach().clone().requires_grad_(True) for t in inputs]
+    return torch.autograd.grad(fn(*leaves), leaves, grad_out)
+
+
+def _reference_grads(fn, inputs, grad_out):
+    """The strict fp32 reference's gradients (``batchinv.reference.attention`` by autograd)."""
+    return _attention_grads(fn, [t.float() for t in inputs], grad_out.float())
+
+
+def _assert_grads_within_tolerance(got, expected, dtype):
+    for name, g, want in zip(("dq", "dk", "dv"), got, expected, strict=True):
+        assert g.dtype == dtype
+        assert float(want.abs().max()) > 0, f"reference {name} is zero: the test would be vacuous"
+        assert_within_tolerance(g, want, op_class="attention", kind="grad", name=name)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("d", HEAD_DIMS)
+@pytest.mark.parametrize("heads", HEADS)
+@pytest.mark.parametrize("causal", (True, False))
+def test_attention_padded_gradients_within_tolerance_and_repeatable(
+    hip_dispatch, dtype, d, heads, causal
+):
+    hq, hkv = heads
+    q, k, v = _qkv(3, 77, 150, hq, hkv, d, dtype, seed=2 * d + hq)
+    grad_out = _randn(3, 77, hq, d, dtype=dtype, seed=d + 1)
+    lengths = {
+        "seqlens_q": torch.tensor([77, 40, 1], device=DEVICE),
+        "seqlens_k": torch.tensor([150, 91, 64], device=DEVICE),
+    }
+
+    def fn(*t):
+        return batchinv.attention(*t, causal=causal, **lengths)
+
+    got = _attention_grads(fn, (q, k, v), grad_out)
+    expected = _reference_grads(
+        lambda *t: attention_fp32(*t, causal=causal, **lengths), (q, k, v), grad_out
+    )
+    _assert_grads_within_tolerance(got, expected, dtype)
+    assert_bitwise_equal(_attention_grads(fn, (q, k, v), grad_out), got, name="run to run")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("causal", (True, False))
+def test_attention_varlen_gradients_within_tolerance_and_repeatable(hip_dispatch, dtype, causal):
+    # An empty query range, one key, more queries than keys (causal: rows that see nothing)
+    # and sequences over two 128-row blocks.
+    cu_q = torch.tensor([0, 5, 5, 70, 330, 331], device=DEVICE, dtype=torch.int32)
+    cu_k = torch.tensor([0, 130, 131, 171, 471, 472], device=DEVICE, dtype=torch.int32)
+    q = _randn(331, 8, 128, dtype=dtype, seed=30, scale=1.5)
+    k = _randn(472, 2, 128, dtype=dtype, seed=31, scale=1.5)
+    v = _randn(472, 2, 128, dtype=dtype, seed=32)
+    grad_out = _randn(331, 8, 128, dtype=dtype, seed=33)
+    options = {"causal": causal, "softmax_scale": 0.1}
+
+    def fn(*t):
+        return batchinv.attention_varlen(*t, cu_q, cu_k, **options)
+
+    got = _attention_grads(fn, (q, k, v), grad_out)
+    expected = _reference_grads(
+        lambda *t: attention_varlen_fp32(*t, cu_q, cu_k, **options), (q, k, v), grad_out
+    )
+    _assert_grads_within_tolerance(got, expected, dtype)
+    assert_bitwise_equal(_attention_grads(fn, (q, k, v), grad_out), got, name="run to run")
+    if causal:  # rows 5..29 of the third sequence see no key: zero gradient, written or not
+        assert bool((got[0][5:30] == 0).all())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads", HEADS)
+@pytest.mark.parametrize("causal", (True, False))
+def test_attention_varlen_sequence_gradients_alone_equal_packed(hip_dispatch, dtype, heads, causal):
+    """A sequence's dq, dk, dv are the same bits alone and packed between others, at other row
+    offsets, with NaN in every row that belongs to no sequence."""
+    hq, hkv = heads
+    d, lq, lk = 128, 45, 133
+    q1 = _randn(lq, hq, d, dtype=dtype, seed=40, scale=1.5)
+    k1 = _randn(lk, hkv, d, dtype=dtype, seed=41, scale=1.5)
+    v1 = _randn(lk, hkv, d, dtype=dtype, seed=42)
+    g1 = _randn(lq, hq, d, dtype=dtype, seed=43)
+    options = {"causal": causal}
+    alone_cu_q = torch.tensor([0, lq], device=DEVICE, dtype=torch.int32)
+    alone_cu_k = torch.tensor([0, lk], device=DEVICE, dtype=torch.int32)
+    alone = _attention_grads(
+        lambda *t: batchinv.attention_varlen(*t, alone_cu_q, alone_cu_k, **options),
+        (q1, k1, v1),
+        g1,
+    )
+    gap = 3  # the neighbours on both sides hold NaN: their gradients are theirs alone
+    for before_q, before_k, after_q, after_k in ((17, 30, 200, 257), (0, 0, 1, 3), (129, 1, 0, 0)):
+        q_lengths = torch.tensor([0, before_q, gap, lq, gap, after_q])
+        k_lengths = torch.tensor([0, before_k, gap, lk, gap, after_k])
+        cu_q = q_lengths.cumsum(0).to(DEVICE, torch.int32)
+        cu_k = k_lengths.cumsum(0).to(DEVICE, torch.int32)
+        q_at, k_at, tq, tk = before_q + gap, before_k + gap, int(cu_q[-1]), int(cu_k[-1])
+        q = _randn(tq, hq, d, dtype=dtype, seed=tq, scale=1.5)
+        k = _randn(tk, hkv, d, dtype=dtype, seed=tk, scale=1.5)
+        v = _randn(tk, hkv, d, dtype=dtype, seed=tk + 1)
+        grad_out = _randn(tq, hq, d, dtype=dtype, seed=tq + 1)
+        for t, at, n in ((q, q_at, lq), (k, k_at, lk), (v, k_at, lk), (grad_out, q_at, lq)):
+            t[at - gap : at] = float("nan")
+            t[at + n : at + n + gap] = float("nan")
+        q[q_at : q_at + lq], grad_out[q_at : q_at + lq] = q1, g1
+        k[k_at : k_at + lk], v[k_at : k_at + lk] = k1, v1
+        packed = _attention_grads(
+            lambda *t, cu_q=cu_q, cu_k=cu_k: batchinv.attention_varlen(*t, cu_q, cu_k, **options),
+            (q, k, v),
+            grad_out,
+        )
+        where = f"after {before_q} queries and {before_k} keys"
+        assert_bitwise_equal(packed[0][q_at : q_at + lq], alone[0], name=f"dq, {where}")
+        assert_bitwise_equal(packed[1][k_at : k_at + lk], alone[1], name=f"dk, {where}")
+        assert_bitwise_equal(packed[2][k_at : k_at + lk], alone[2], name=f"dv, {where}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads", HEADS)
+def test_attention_padded_gradient_rows_equal_a_smaller_batch(hip_dispatch, dtype, heads):
+    """Sequences 1 and 2 of a padded batch of 5 give the dq, dk, dv bits they give in a batch of
+    their own two, and sequence 2 the bits it gives alone at its own lengths (another max_q_len
+    and max_k_len); NaN padding is never read."""
+    hq, hkv = heads
+    d, sq, sk = 64, 70, 140
+    q, k, v = _qkv(5, sq, sk, hq, hkv, d, dtype, seed=50)
+    grad_out = _randn(5, sq, hq, d, dtype=dtype, seed=54)
+    lens_q = torch.tensor([70, 45, 1, 70, 33])
+    lens_k = torch.tensor([140, 133, 64, 12, 99])
+    for b in range(5):
+        q[b, lens_q[b] :] = float("nan")
+        k[b, lens_k[b] :] = float("nan")
+        v[b, lens_k[b] :] = float("nan")
+        grad_out[b, lens_q[b] :] = float("nan")
+
+    def grads(rows, length_rows, width_q=sq, width_k=sk):
+        lengths = {
+            "seqlens_q": lens_q[length_rows].to(DEVICE),
+            "seqlens_k": lens_k[length_rows].to(DEVICE),
+        }
+        inputs = (q[rows, :width_q], k[rows, :width_k], v[rows, :width_k])
+        return _attention_grads(
+            lambda *t: batchinv.attention(*t, causal=True, **lengths),
+            [t.contiguous() for t in inputs],
+            grad_out[rows, :width_q].contiguous(),
+        )
+
+    full = grads(slice(0, 5), slice(0, 5))
+    small = grads(slice(1, 3), slice(1, 3))
+    for b in (1, 2):
+        lq, lk = int(lens_q[b]), int(lens_k[b])
+        for name, g_full, g_small, n in zip(
+            ("dq", "dk", "dv"), full, small, (lq, lk, lk), strict=True
+        ):
+            assert_bitwise_equal(g_small[b - 1, :n], g_full[b, :n], name=f"{name}, sequence {b}")
+            assert bool((g_full[b, n:] == 0).all()), f"{name}: padding rows get zero gradients"
+    lq, lk = int(lens_q[2]), int(lens_k[2])
+    alone = grads(slice(2, 3), slice(2, 3), width_q=lq, width_k=lk)
+    for name, g_full, g_alone in zip(("dq", "dk", "dv"), full, alone, strict=True):
+        assert_bitwise_equal(g_alone[0], g_full[2, : g_alone.shape[1]], name=f"{name}, alone")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_attention_custom_op_gradients_are_the_eager_bits(hip_dispatch, dtype):
+    """The custom ops' saved backward (the registry's hip ``<op>.saved_backward``) against the
+    eager autograd, padded with a key mask and varlen."""
+    q, k, v = _qkv(2, 40, 90, 8, 2, 128, dtype, seed=60)
+    grad_out = _randn(2, 40, 8, 128, dtype=dtype, seed=63)
+    seqlens_q = torch.tensor([40, 17], device=DEVICE)
+    seqlens_k = torch.tensor([90, 51], device=DEVICE)
+    mask = (torch.rand(2, 90, generator=torch.Generator().manual_seed(2)) > 0.2).to(DEVICE)
+    options = (True, None, seqlens_q, seqlens_k, mask)
+    eager = _attention_grads(
+        lambda *t: batchinv.attention(
+            *t, causal=True, seqlens_q=seqlens_q, seqlens_k=seqlens_k, key_padding_mask=mask
+        ),
+        (q, k, v),
+        grad_out,
+    )
+    custom = _attention_grads(
+        lambda *t: torch.ops.batchinv.attention(*t, *options)[0], (q, k, v), grad_out
+    )
+    assert_bitwise_equal(custom, eager, name="padded: custom op vs eager")
+
+    cu_q = torch.tensor([0, 7, 40], device=DEVICE, dtype=torch.int32)
+    cu_k = torch.tensor([0, 50, 90], device=DEVICE, dtype=torch.int32)
+    rows = (q[0], k[0], v[0])
+    eager = _attention_grads(
+        lambda *t: batchinv.attention_varlen(*t, cu_q, cu_k, causal=False), rows, grad_out[0]
+    )
+    custom = _attention_grads(
+        lambda *t: torch.ops.batchinv.attention_varlen(*t, cu_q, cu_k, False, None)[0],
+        rows,
+        grad_out[0],
+    )
+    assert_bitwise_equal(custom, eager, name="varlen: custom op vs eager")
