@@ -9,9 +9,11 @@ compute ``d_W_chunk = d_zᵀ @ hidden`` (tokens reduced in order) straight into 
 last two GEMMs read ``W_chunk``, ``d_z`` and ``hidden`` through wgmma's transpose flags, so no
 transposed copy is made.
 
-Target ids are checked on the device (``prepare_targets``): a bad id is replaced by "ignored"
+Target ids are checked on the device (``mark_targets``): a bad id is replaced by "ignored"
 for the kernels and its first position is read back once, after the forward's launches, to
-raise ``IndexError`` (one synchronisation per forward call).
+raise ``IndexError`` (one synchronisation per forward call).  Under CUDA-graph capture or
+``device_checks.deferred()`` a bad id marks the device's persistent flag instead (two small
+launches, no sync), read by ``device_checks.raise_device_errors()``.
 """
 
 from __future__ import annotations
@@ -97,16 +99,27 @@ def check_gpu_inputs(hidden: Tensor, weight: Tensor) -> None:
             raise ValueError(f"{name} = {value} exceeds {_MAX_DIM}")
 
 
-def prepare_targets(target_ids: Tensor, ignore_index: int, vocab: int) -> tuple[Tensor, Tensor]:
-    """``(targets [T] int32 with -1 for ignored or bad ids, first bad position [] or T)``;
-    no synchronisation."""
+def mark_targets(target_ids: Tensor, ignore_index: int, vocab: int) -> tuple[Tensor, Tensor]:
+    """``(targets [T] int32 with -1 for ignored or bad ids, bad [T] bool)``; no
+    synchronisation."""
     targets = target_ids.reshape(-1)
     ignored = targets == ignore_index
     bad = ~ignored & ((targets < 0) | (targets >= vocab))
     targets32 = torch.where(ignored | bad, -1, targets).to(torch.int32)
-    positions = torch.arange(targets.numel(), device=targets.device)
-    first_bad = torch.where(bad, positions, targets.numel()).min()
-    return targets32, first_bad
+    return targets32, bad
+
+
+def prepare_targets(target_ids: Tensor, ignore_index: int, vocab: int) -> tuple[Tensor, Tensor]:
+    """``(targets [T] int32 with -1 for ignored or bad ids, first bad position [] or T)``;
+    no synchronisation."""
+    targets32, bad = mark_targets(target_ids, ignore_index, vocab)
+    return targets32, _first_position(bad)
+
+
+def _first_position(bad: Tensor) -> Tensor:
+    """The first True position of ``bad`` ``[T]``, or T (a 0-d tensor on its device)."""
+    positions = torch.arange(bad.numel(), device=bad.device)
+    return torch.where(bad, positions, bad.numel()).min()
 
 
 def forward(
@@ -131,7 +144,7 @@ def forward(
     targets32 = torch.empty(0, dtype=torch.int32, device=device)
     if tokens == 0:
         return logprob, lse, entropy, targets32
-    targets32, first_bad = prepare_targets(target_ids, ignore_index, vocab)
+    targets32, bad = mark_targets(target_ids, ignore_index, vocab)
     rows, weight = _aligned(rows.contiguous()), _aligned(weight)
     tiles = -(-vocab // VOCAB_TILE)
     part_m = torch.empty(tokens, tiles, dtype=torch.float32, device=device)
@@ -180,19 +193,19 @@ def forward(
         ),
     )
     if check_targets:
-        raise_bad_targets(first_bad, target_ids, vocab)
+        raise_bad_targets(bad, target_ids, vocab)
     return logprob, lse, entropy, targets32
 
 
-def raise_bad_targets(first_bad: Tensor, target_ids: Tensor, vocab: int) -> None:
-    """``IndexError`` for the first bad target (``prepare_targets``' position), after one read
-    back; under CUDA-graph capture the flag is recorded for the next check instead."""
-    tokens = target_ids.numel()
-    if device_checks.deferring(first_bad.device):  # CUDA-graph capture: no sync allowed
-        device_checks.record(device_checks.TOKEN_LOGPROBS_TARGETS, first_bad != tokens)
+def raise_bad_targets(bad: Tensor, target_ids: Tensor, vocab: int) -> None:
+    """``IndexError`` for the first bad target (``bad``: ``mark_targets``' mask), after one
+    read back; under CUDA-graph capture or ``device_checks.deferred()`` the device's flag is
+    marked for the next ``raise_device_errors()`` instead (no sync)."""
+    if device_checks.deferring(bad.device):
+        device_checks.record_any(device_checks.TOKEN_LOGPROBS_TARGETS, bad)
         return
-    position = int(first_bad.item())  # the one synchronisation: a bad id must raise here
-    if position != tokens:
+    position = int(_first_position(bad).item())  # the one synchronisation: bad ids raise here
+    if position != target_ids.numel():
         report_bad_index("target_ids", target_ids, position, vocab)
 
 

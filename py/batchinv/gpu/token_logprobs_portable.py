@@ -33,7 +33,7 @@ from .token_logprobs import (
     VOCAB_TILE,
     _weight_gradient_rows,
     check_gpu_inputs,
-    prepare_targets,
+    mark_targets,
     raise_bad_targets,
 )
 
@@ -78,7 +78,7 @@ def forward(
     targets32 = torch.empty(0, dtype=torch.int32, device=device)
     if tokens == 0:
         return logprob, lse, entropy, targets32
-    targets32, first_bad = prepare_targets(target_ids, ignore_index, vocab)
+    targets32, bad = mark_targets(target_ids, ignore_index, vocab)
     tiles = -(-vocab // VOCAB_TILE)
     part_m = torch.empty(tokens, tiles, dtype=torch.float32, device=device)
     part_l = torch.empty_like(part_m)
@@ -140,7 +140,7 @@ def forward(
         ),
     )
     if check_targets:
-        raise_bad_targets(first_bad, target_ids, vocab)
+        raise_bad_targets(bad, target_ids, vocab)
     return logprob, lse, entropy, targets32
 
 
@@ -319,7 +319,7 @@ def saved_backward(
 ) -> tuple[Tensor | None, Tensor | None]:
     """The registry's ``token_logprobs.saved_backward`` on HIP: ``(d_hidden, d_weight)`` from
     ``saving_forward``'s outputs (None where ``needs`` is False); the eager backward's bits."""
-    targets32, _ = prepare_targets(target_ids, ignore_index, lm_head_weight.shape[0])
+    targets32, _ = mark_targets(target_ids, ignore_index, lm_head_weight.shape[0])
     return backward(
         grad_logprob,
         grad_entropy,

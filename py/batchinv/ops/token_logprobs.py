@@ -155,7 +155,7 @@ def _gpu_saved_backward(
 ) -> tuple[Tensor | None, Tensor | None]:
     """``(d_hidden, d_weight)`` (None where ``needs`` is False) from the saving forward's
     outputs; ``grad_entropy``/``entropy`` are None when the entropy was not requested."""
-    targets32, _ = gpu.prepare_targets(target_ids, ignore_index, lm_head_weight.shape[0])
+    targets32, _ = gpu.mark_targets(target_ids, ignore_index, lm_head_weight.shape[0])
     return gpu.backward(
         grad_logprob,
         grad_entropy,
