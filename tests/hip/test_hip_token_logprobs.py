@@ -151,8 +151,11 @@ def emulated(rocm, monkeypatch):
         else:
             raise AssertionError(f"unexpected kernel {kernel}")
 
-    monkeypatch.setattr(portable, "kernel_for", kernel_for)
-    monkeypatch.setattr(portable, "launch", launch)
+    # The portable route's kernels launch from its module; the forward's finalize from the
+    # frame it shares with the CUDA route (gpu_token_logprobs.run_forward).
+    for module in (portable, gpu_token_logprobs):
+        monkeypatch.setattr(module, "kernel_for", kernel_for)
+        monkeypatch.setattr(module, "launch", launch)
     return names
 
 

@@ -3,7 +3,9 @@
 Out-of-range ids are found by the kernel itself (it never reads their rows, fills them
 with NaN and records the first bad position), so a bad id becomes a Python IndexError and
 never an illegal memory access.  Reading that flag synchronises with the device once per
-call; ``check_ids=False`` skips the read (bad rows then come back as NaN).  The backward
+call; ``check_ids=False`` skips the read (bad rows then come back as NaN), and under CUDA-graph
+capture or ``device_checks.deferred()`` the kernel writes the device's persistent flag, read
+by ``device_checks.raise_device_errors()``.  The backward
 drops the gradient of an out-of-range id (the kernel writes nothing for it), so no
 combination of flags lets it store outside ``grad_weight``.
 """
@@ -34,10 +36,13 @@ def _threads_for(row_bytes: int) -> int:
     return min(256, max(32, -(-threads // 32) * 32))
 
 
-def launch_forward(ids: Tensor, weight: Tensor) -> tuple[Tensor, Tensor]:
+def launch_forward(
+    ids: Tensor, weight: Tensor, first_bad: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
     """Launches the gather; returns ``(out [num_ids, hidden], first_bad_position [1])``
-    without reading the flag (no synchronisation).  ``forward`` is the checked op; the
-    arguments were validated by ``batchinv.embedding``."""
+    without reading the flag (no synchronisation).  ``first_bad``: the flag the kernel
+    writes (default: a fresh one).  ``forward`` is the checked op; the arguments were
+    validated by ``batchinv.embedding``."""
     if not weight.is_contiguous():
         raise ValueError("weight must be contiguous on the GPU (call .contiguous() first)")
     flat_ids = ids.reshape(-1).contiguous()  # a copy only if ids is not contiguous
@@ -45,7 +50,8 @@ def launch_forward(ids: Tensor, weight: Tensor) -> tuple[Tensor, Tensor]:
     if num_ids > _MAX_GRID_X:
         raise ValueError(f"ids has {num_ids} elements; at most {_MAX_GRID_X} are supported")
     out = torch.empty(num_ids, hidden, dtype=weight.dtype, device=weight.device)
-    first_bad = torch.full((1,), -1, dtype=torch.int64, device=weight.device)  # UINT64_MAX
+    if first_bad is None:
+        first_bad = torch.full((1,), -1, dtype=torch.int64, device=weight.device)  # UINT64_MAX
     if num_ids == 0 or hidden == 0:
         return out, first_bad
     name = "embedding_forward_i64" if flat_ids.dtype == torch.int64 else "embedding_forward_i32"
@@ -61,31 +67,38 @@ def launch_forward(ids: Tensor, weight: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def forward(ids: Tensor, weight: Tensor, check_ids: bool = True) -> Tensor:
+    # Under CUDA-graph capture or device_checks.deferred() (no sync allowed), the kernel writes
+    # the device's persistent flag, which accumulates over calls: no launch added.
+    deferred = check_ids and device_checks.deferring(weight.device)
+    flag = device_checks.flag(device_checks.EMBEDDING_IDS, weight.device) if deferred else None
     if ids.is_contiguous() and weight.is_contiguous():
-        out, first_bad = _launch_contiguous(ids, weight, check_ids)
+        out, first_bad = _launch_contiguous(ids, weight, check_ids, flag)
     else:
-        out, first_bad = launch_forward(ids, weight)
+        out, first_bad = launch_forward(ids, weight, flag)
         out = out.reshape(*ids.shape, weight.shape[1])
-    if check_ids and device_checks.deferring(out.device):  # CUDA-graph capture: no sync allowed
-        device_checks.record(device_checks.EMBEDDING_IDS, first_bad != -1)
-    elif check_ids:
+    if check_ids and not deferred:
         position = int(first_bad.item())  # the one synchronisation: bad ids must raise here
         if position != -1:
             report_bad_index("ids", ids, position, weight.shape[0])
     return out
 
 
-def _launch_contiguous(ids: Tensor, weight: Tensor, check_ids: bool) -> tuple[Tensor, Tensor]:
+def _launch_contiguous(
+    ids: Tensor, weight: Tensor, check_ids: bool, flag: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
     """``launch_forward`` for contiguous ids and weight, in fewer host steps: the output
-    allocated in its final shape, pointers passed as ints; an unchecked call's flag is
-    ``device_checks.unread_flag`` (the same kernel, hence bits)."""
+    allocated in its final shape, pointers passed as ints.  The kernel writes ``flag`` if
+    given, else a fresh flag, or ``device_checks.unread_flag`` for an unchecked call (the
+    same kernel, hence bits)."""
     vocab, hidden = weight.shape
     num_ids = ids.numel()
     if num_ids > _MAX_GRID_X:
         raise ValueError(f"ids has {num_ids} elements; at most {_MAX_GRID_X} are supported")
     device = weight.device
     out = weight.new_empty((*ids.shape, hidden))
-    if check_ids:
+    if flag is not None:
+        first_bad = flag
+    elif check_ids:
         first_bad = torch.full((1,), -1, dtype=torch.int64, device=device)  # UINT64_MAX
     else:
         first_bad = device_checks.unread_flag(device)

@@ -7,7 +7,9 @@ angle ``position * inv_freq`` and its cos/sin are computed in the kernel per tok
 Out-of-range position ids are found by the kernel itself (it never computes their angles,
 fills those tokens' outputs with NaN and records the first bad token), so a bad id becomes a
 Python IndexError.  Reading that flag synchronises with the device once per call;
-``check_positions=False`` skips the read (bad tokens then come back as NaN).
+``check_positions=False`` skips the read (bad tokens then come back as NaN), and under
+CUDA-graph capture or ``device_checks.deferred()`` the kernel writes the device's persistent
+flag, read by ``device_checks.raise_device_errors()``.
 """
 
 from __future__ import annotations
@@ -52,17 +54,21 @@ def launch_rotation(
     inverse: bool,
     *,
     want_flag: bool = True,
+    flag: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Launches the rotation (``inverse``: its transpose, the backward); returns
     ``(q_out, k_out, first_bad [1] int64)`` without reading the flag (no synchronisation).
-    ``want_flag=False`` passes a shared scratch flag instead of a fresh one (one fill kernel
-    less); its value is then meaningless."""
+    The kernel writes ``flag`` if given (a deferred check's persistent flag), else a fresh
+    one; ``want_flag=False`` passes a shared scratch flag instead (one fill kernel less),
+    whose value is then meaningless."""
     head_dim = q.shape[-1]
     tokens = position_ids.numel()
     q3, k3 = _heads_view(q, tokens), _heads_view(k, tokens)
     q_out = torch.empty(q3.shape, dtype=q.dtype, device=q.device)
     k_out = torch.empty(k3.shape, dtype=k.dtype, device=k.device)
-    if want_flag:
+    if flag is not None:
+        first_bad = flag
+    elif want_flag:
         first_bad = torch.full((1,), -1, dtype=torch.int64, device=q.device)  # UINT64_MAX
     else:
         first_bad = device_checks.unread_flag(q.device)
@@ -117,12 +123,21 @@ def forward(
 ) -> tuple[Tensor, Tensor]:
     """``(q_rot, k_rot)``, new tensors; with ``check_positions``, IndexError for a position
     outside [0, max_position) (the op validated everything else)."""
+    # Under CUDA-graph capture or device_checks.deferred() (no sync allowed), the kernel writes
+    # the device's persistent flag, which accumulates over calls: no launch added.
+    deferred = check_positions and device_checks.deferring(q.device)
+    flag = device_checks.flag(device_checks.ROPE_POSITIONS, q.device) if deferred else None
     q_rot, k_rot, first_bad = launch_rotation(
-        q, k, position_ids, theta, max_position, inverse=False, want_flag=check_positions
+        q,
+        k,
+        position_ids,
+        theta,
+        max_position,
+        inverse=False,
+        want_flag=check_positions,
+        flag=flag,
     )
-    if check_positions and position_ids.numel() > 0 and device_checks.deferring(q_rot.device):
-        device_checks.record(device_checks.ROPE_POSITIONS, first_bad != -1)
-    elif check_positions and position_ids.numel() > 0:
+    if check_positions and not deferred and position_ids.numel() > 0:
         token = int(first_bad.item())  # the one synchronisation: a bad position must raise here
         if token != -1:
             report_bad_index("position_ids", position_ids, token, max_position)

@@ -9,12 +9,17 @@ compute ``d_W_chunk = d_zᵀ @ hidden`` (tokens reduced in order) straight into 
 last two GEMMs read ``W_chunk``, ``d_z`` and ``hidden`` through wgmma's transpose flags, so no
 transposed copy is made.
 
-Target ids are checked on the device (``prepare_targets``): a bad id is replaced by "ignored"
+Target ids are checked on the device (``mark_targets``): a bad id is replaced by "ignored"
 for the kernels and its first position is read back once, after the forward's launches, to
-raise ``IndexError`` (one synchronisation per forward call).
+raise ``IndexError`` (one synchronisation per forward call).  Under CUDA-graph capture or
+``device_checks.deferred()`` a bad id marks the device's persistent flag instead (two small
+launches, no sync), read by ``device_checks.raise_device_errors()``.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from types import ModuleType
 
 import torch
 from torch import Tensor
@@ -97,16 +102,27 @@ def check_gpu_inputs(hidden: Tensor, weight: Tensor) -> None:
             raise ValueError(f"{name} = {value} exceeds {_MAX_DIM}")
 
 
-def prepare_targets(target_ids: Tensor, ignore_index: int, vocab: int) -> tuple[Tensor, Tensor]:
-    """``(targets [T] int32 with -1 for ignored or bad ids, first bad position [] or T)``;
-    no synchronisation."""
+def mark_targets(target_ids: Tensor, ignore_index: int, vocab: int) -> tuple[Tensor, Tensor]:
+    """``(targets [T] int32 with -1 for ignored or bad ids, bad [T] bool)``; no
+    synchronisation."""
     targets = target_ids.reshape(-1)
     ignored = targets == ignore_index
     bad = ~ignored & ((targets < 0) | (targets >= vocab))
     targets32 = torch.where(ignored | bad, -1, targets).to(torch.int32)
-    positions = torch.arange(targets.numel(), device=targets.device)
-    first_bad = torch.where(bad, positions, targets.numel()).min()
-    return targets32, first_bad
+    return targets32, bad
+
+
+def prepare_targets(target_ids: Tensor, ignore_index: int, vocab: int) -> tuple[Tensor, Tensor]:
+    """``(targets [T] int32 with -1 for ignored or bad ids, first bad position [] or T)``;
+    no synchronisation."""
+    targets32, bad = mark_targets(target_ids, ignore_index, vocab)
+    return targets32, _first_position(bad)
+
+
+def _first_position(bad: Tensor) -> Tensor:
+    """The first True position of ``bad`` ``[T]``, or T (a 0-d tensor on its device)."""
+    positions = torch.arange(bad.numel(), device=bad.device)
+    return torch.where(bad, positions, bad.numel()).min()
 
 
 def forward(
@@ -121,6 +137,25 @@ def forward(
     ``check_targets=False`` skips reading the bad-target flag (no host sync); a bad target's
     row then gets a logprob of 0 and reads nothing out of bounds."""
     check_gpu_args(hidden, weight)
+    return run_forward(
+        _launch_partials, hidden, weight, target_ids, ignore_index, with_entropy, check_targets
+    )
+
+
+def run_forward(
+    partials: Callable[..., None],
+    hidden: Tensor,
+    weight: Tensor,
+    target_ids: Tensor,
+    ignore_index: int,
+    with_entropy: bool,
+    check_targets: bool = True,
+) -> tuple[Tensor, Tensor, Tensor | None, Tensor]:
+    """``forward``'s frame, shared with the portable route: the outputs, the targets, the tile
+    states' buffers, ``partials(rows, weight, targets32, target_logit, part_m, part_l,
+    part_s)`` (a route's kernels: each token's target logit and the ``(m, l, s)`` state of
+    each ``VOCAB_TILE``-column tile), then ``token_logprobs_finalize``'s merge in its fixed
+    order and the target check."""
     vocab, hidden_size = weight.shape
     rows = hidden.reshape(-1, hidden_size)
     tokens = rows.shape[0]
@@ -131,13 +166,49 @@ def forward(
     targets32 = torch.empty(0, dtype=torch.int32, device=device)
     if tokens == 0:
         return logprob, lse, entropy, targets32
-    targets32, first_bad = prepare_targets(target_ids, ignore_index, vocab)
-    rows, weight = _aligned(rows.contiguous()), _aligned(weight)
+    targets32, bad = mark_targets(target_ids, ignore_index, vocab)
     tiles = -(-vocab // VOCAB_TILE)
     part_m = torch.empty(tokens, tiles, dtype=torch.float32, device=device)
     part_l = torch.empty_like(part_m)
     part_s = torch.empty_like(part_m) if with_entropy else None
     target_logit = torch.zeros(tokens, dtype=torch.float32, device=device)
+    partials(rows, weight, targets32, target_logit, part_m, part_l, part_s)
+    launch(
+        kernel_for("token_logprobs", "token_logprobs_finalize", device),
+        device,
+        grid=(-(-tokens // 4),),
+        block=(128,),
+        args=(
+            part_m,
+            part_l,
+            0 if part_s is None else part_s,
+            target_logit,
+            targets32,
+            tiles,
+            tokens,
+            logprob,
+            lse,
+            0 if entropy is None else entropy,
+        ),
+    )
+    if check_targets:
+        raise_bad_targets(bad, target_ids, vocab)
+    return logprob, lse, entropy, targets32
+
+
+def _launch_partials(
+    rows: Tensor,
+    weight: Tensor,
+    targets32: Tensor,
+    target_logit: Tensor,
+    part_m: Tensor,
+    part_l: Tensor,
+    part_s: Tensor | None,
+) -> None:
+    """``run_forward``'s ``partials`` on sm_90a: one GEMM whose epilogue reduces each tile."""
+    tokens, hidden_size = rows.shape
+    vocab, tiles, device = weight.shape[0], part_m.shape[1], rows.device
+    rows, weight = _aligned(rows.contiguous()), _aligned(weight)
     block_m = _block_m(tokens)
     dtype_name = _DTYPE_NAMES[rows.dtype]
     shared = _shared_bytes(block_m)
@@ -161,38 +232,17 @@ def forward(
         ),
         shared_mem=shared,
     )
-    launch(
-        kernel_for("token_logprobs", "token_logprobs_finalize", device),
-        device,
-        grid=(-(-tokens // 4),),
-        block=(128,),
-        args=(
-            part_m,
-            part_l,
-            0 if part_s is None else part_s,
-            target_logit,
-            targets32,
-            tiles,
-            tokens,
-            logprob,
-            lse,
-            0 if entropy is None else entropy,
-        ),
-    )
-    if check_targets:
-        raise_bad_targets(first_bad, target_ids, vocab)
-    return logprob, lse, entropy, targets32
 
 
-def raise_bad_targets(first_bad: Tensor, target_ids: Tensor, vocab: int) -> None:
-    """``IndexError`` for the first bad target (``prepare_targets``' position), after one read
-    back; under CUDA-graph capture the flag is recorded for the next check instead."""
-    tokens = target_ids.numel()
-    if device_checks.deferring(first_bad.device):  # CUDA-graph capture: no sync allowed
-        device_checks.record(device_checks.TOKEN_LOGPROBS_TARGETS, first_bad != tokens)
+def raise_bad_targets(bad: Tensor, target_ids: Tensor, vocab: int) -> None:
+    """``IndexError`` for the first bad target (``bad``: ``mark_targets``' mask), after one
+    read back; under CUDA-graph capture or ``device_checks.deferred()`` the device's flag is
+    marked for the next ``raise_device_errors()`` instead (no sync)."""
+    if device_checks.deferring(bad.device):
+        device_checks.record_any(device_checks.TOKEN_LOGPROBS_TARGETS, bad)
         return
-    position = int(first_bad.item())  # the one synchronisation: a bad id must raise here
-    if position != tokens:
+    position = int(_first_position(bad).item())  # the one synchronisation: bad ids raise here
+    if position != target_ids.numel():
         report_bad_index("target_ids", target_ids, position, vocab)
 
 
@@ -321,3 +371,117 @@ def backward(
 
 def _finish(grad_hidden: Tensor | None, hidden: Tensor) -> Tensor | None:
     return None if grad_hidden is None else grad_hidden.to(hidden.dtype).reshape(hidden.shape)
+
+
+# ------------------------------------------------------------ autograd and registry entries
+
+
+class TokenLogprobsFunction(torch.autograd.Function):
+    """The differentiable op of a GPU route: ``apply(route, hidden, lm_head_weight,
+    target_ids, ignore_index, with_entropy)``, ``route`` a module whose ``forward`` and
+    ``backward`` have this module's signatures (this module: the CUDA kernels; or
+    ``token_logprobs_portable``), looked up at each call."""
+
+    @staticmethod
+    def forward(
+        ctx,
+        route: ModuleType,
+        hidden: Tensor,
+        lm_head_weight: Tensor,
+        target_ids: Tensor,
+        ignore_index: int,
+        with_entropy: bool,
+    ):
+        ctx.route = route
+        logprob, lse, entropy, targets32 = route.forward(
+            hidden, lm_head_weight, target_ids, ignore_index, with_entropy
+        )
+        ctx.save_for_backward(hidden, lm_head_weight, targets32, lse, entropy)
+        # Unused outputs give None, so an unused entropy adds no term to the gradient.
+        ctx.set_materialize_grads(False)
+        logprob = logprob.reshape(target_ids.shape)
+        if with_entropy:
+            return logprob, entropy.reshape(target_ids.shape)
+        return logprob
+
+    @staticmethod
+    def backward(ctx, grad_logprob: Tensor | None, grad_entropy: Tensor | None = None):
+        hidden, lm_head_weight, targets32, lse, entropy = ctx.saved_tensors
+        grad_hidden, grad_weight = ctx.route.backward(
+            grad_logprob,
+            grad_entropy,
+            hidden,
+            lm_head_weight,
+            targets32,
+            lse,
+            entropy,
+            ctx.needs_input_grad[1],
+            ctx.needs_input_grad[2],
+        )
+        return None, grad_hidden, grad_weight, None, None, None
+
+
+def registry_entries(route: ModuleType) -> tuple[Callable, Callable, Callable]:
+    """``(token_logprobs, saving_forward, saved_backward)``: the registry's three entries of a
+    GPU route, around the route module's ``forward`` and ``backward`` (this module's or
+    ``token_logprobs_portable``'s), looked up at each call."""
+
+    def token_logprobs(
+        hidden: Tensor,
+        lm_head_weight: Tensor,
+        target_ids: Tensor,
+        ignore_index: int,
+        *,
+        vocab_chunk: int,
+        return_entropy: bool,
+    ) -> Tensor | tuple[Tensor, Tensor]:
+        """The registry's ``token_logprobs`` (after the op's checks), differentiable in
+        ``hidden`` and ``lm_head_weight``; ``vocab_chunk`` orders the CPU reference only."""
+        return TokenLogprobsFunction.apply(
+            route, hidden, lm_head_weight, target_ids, ignore_index, bool(return_entropy)
+        )
+
+    def saving_forward(
+        hidden: Tensor,
+        lm_head_weight: Tensor,
+        target_ids: Tensor,
+        ignore_index: int,
+        with_entropy: bool,
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """The registry's ``token_logprobs.saving_forward``: ``(logprobs, entropy or an empty
+        tensor, lse)``, each fp32 of ``target_ids.shape``; the eager forward's bits."""
+        logprob, lse, entropy, _ = route.forward(
+            hidden, lm_head_weight, target_ids, ignore_index, with_entropy
+        )
+        shape = target_ids.shape
+        entropy = entropy.reshape(shape) if with_entropy else logprob.new_empty((0,))
+        return logprob.reshape(shape), entropy, lse.reshape(shape)
+
+    def saved_backward(
+        grad_logprob: Tensor,
+        grad_entropy: Tensor | None,
+        hidden: Tensor,
+        lm_head_weight: Tensor,
+        target_ids: Tensor,
+        ignore_index: int,
+        lse: Tensor,
+        entropy: Tensor | None,
+        needs: tuple[bool, bool],
+    ) -> tuple[Tensor | None, Tensor | None]:
+        """The registry's ``token_logprobs.saved_backward``: ``(d_hidden, d_weight)`` from
+        ``saving_forward``'s outputs (None where ``needs`` is False; ``grad_entropy`` and
+        ``entropy`` None when the entropy was not requested); the eager backward's bits."""
+        targets32, _ = mark_targets(target_ids, ignore_index, lm_head_weight.shape[0])
+        return route.backward(
+            grad_logprob,
+            grad_entropy,
+            hidden,
+            lm_head_weight,
+            targets32,
+            lse.reshape(-1),
+            None if entropy is None else entropy.reshape(-1),
+            needs[0],
+            needs[1],
+        )
+
+    return token_logprobs, saving_forward, saved_backward

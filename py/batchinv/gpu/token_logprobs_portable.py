@@ -24,6 +24,8 @@ hardware (docs/amd.md).
 
 from __future__ import annotations
 
+import sys
+
 import torch
 from torch import Tensor
 
@@ -33,8 +35,8 @@ from .token_logprobs import (
     VOCAB_TILE,
     _weight_gradient_rows,
     check_gpu_inputs,
-    prepare_targets,
-    raise_bad_targets,
+    registry_entries,
+    run_forward,
 )
 
 LOGITS_CHUNK = 16 * VOCAB_TILE  # forward logits per step: memory only, never the bits
@@ -68,22 +70,25 @@ def forward(
     """``(logprob [T], lse [T], entropy [T] or None, targets32 [T])``, fp32, flat over tokens:
     ``batchinv.gpu.token_logprobs.forward``'s contract on the portable kernels."""
     check_gpu_inputs(hidden, weight)
-    vocab, hidden_size = weight.shape
-    rows = hidden.reshape(-1, hidden_size).contiguous()
-    tokens = rows.shape[0]
-    device = hidden.device
-    logprob = torch.zeros(tokens, dtype=torch.float32, device=device)
-    lse = torch.zeros(tokens, dtype=torch.float32, device=device)
-    entropy = torch.zeros(tokens, dtype=torch.float32, device=device) if with_entropy else None
-    targets32 = torch.empty(0, dtype=torch.int32, device=device)
-    if tokens == 0:
-        return logprob, lse, entropy, targets32
-    targets32, first_bad = prepare_targets(target_ids, ignore_index, vocab)
-    tiles = -(-vocab // VOCAB_TILE)
-    part_m = torch.empty(tokens, tiles, dtype=torch.float32, device=device)
-    part_l = torch.empty_like(part_m)
-    part_s = torch.empty_like(part_m) if with_entropy else None
-    target_logit = torch.zeros(tokens, dtype=torch.float32, device=device)
+    return run_forward(
+        _launch_partials, hidden, weight, target_ids, ignore_index, with_entropy, check_targets
+    )
+
+
+def _launch_partials(
+    rows: Tensor,
+    weight: Tensor,
+    targets32: Tensor,
+    target_logit: Tensor,
+    part_m: Tensor,
+    part_l: Tensor,
+    part_s: Tensor | None,
+) -> None:
+    """``run_forward``'s ``partials`` on the portable kernels: per chunk of ``LOGITS_CHUNK``
+    columns, the fp32 logits, then their tiles' states."""
+    rows = rows.contiguous()
+    tokens, hidden_size = rows.shape
+    vocab, tiles, device = weight.shape[0], part_m.shape[1], rows.device
     chunk = min(LOGITS_CHUNK, tiles * VOCAB_TILE)
     logits = torch.empty(tokens, chunk, dtype=torch.float32, device=device)
     states = kernel_for(_MODULE, "token_logprobs_tile_states", device)
@@ -120,28 +125,6 @@ def forward(
                 tiles,
             ),
         )
-    del logits
-    launch(
-        kernel_for("token_logprobs", "token_logprobs_finalize", device),
-        device,
-        grid=(-(-tokens // 4),),
-        block=(128,),
-        args=(
-            part_m,
-            part_l,
-            0 if part_s is None else part_s,
-            target_logit,
-            targets32,
-            tiles,
-            tokens,
-            logprob,
-            lse,
-            0 if entropy is None else entropy,
-        ),
-    )
-    if check_targets:
-        raise_bad_targets(first_bad, target_ids, vocab)
-    return logprob, lse, entropy, targets32
 
 
 def backward(
@@ -243,91 +226,6 @@ def backward(
     return grad_hidden.to(dtype).reshape(hidden.shape), grad_weight
 
 
-class _TokenLogprobsPortable(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, hidden, lm_head_weight, target_ids, ignore_index, with_entropy):
-        logprob, lse, entropy, targets32 = forward(
-            hidden, lm_head_weight, target_ids, ignore_index, with_entropy
-        )
-        ctx.save_for_backward(hidden, lm_head_weight, targets32, lse, entropy)
-        ctx.set_materialize_grads(False)  # an unused entropy adds no term to the gradient
-        logprob = logprob.reshape(target_ids.shape)
-        if with_entropy:
-            return logprob, entropy.reshape(target_ids.shape)
-        return logprob
-
-    @staticmethod
-    def backward(ctx, grad_logprob, grad_entropy=None):
-        hidden, lm_head_weight, targets32, lse, entropy = ctx.saved_tensors
-        grad_hidden, grad_weight = backward(
-            grad_logprob,
-            grad_entropy,
-            hidden,
-            lm_head_weight,
-            targets32,
-            lse,
-            entropy,
-            ctx.needs_input_grad[0],
-            ctx.needs_input_grad[1],
-        )
-        return grad_hidden, grad_weight, None, None, None
-
-
-def token_logprobs(
-    hidden: Tensor,
-    lm_head_weight: Tensor,
-    target_ids: Tensor,
-    ignore_index: int,
-    *,
-    vocab_chunk: int,
-    return_entropy: bool,
-) -> Tensor | tuple[Tensor, Tensor]:
-    """The registry's ``token_logprobs`` on HIP (after the op's checks), differentiable in
-    ``hidden`` and ``lm_head_weight``; ``vocab_chunk`` orders the CPU reference only."""
-    return _TokenLogprobsPortable.apply(
-        hidden, lm_head_weight, target_ids, ignore_index, bool(return_entropy)
-    )
-
-
-def saving_forward(
-    hidden: Tensor,
-    lm_head_weight: Tensor,
-    target_ids: Tensor,
-    ignore_index: int,
-    with_entropy: bool,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """The registry's ``token_logprobs.saving_forward`` on HIP: ``(logprobs, entropy or an
-    empty tensor, lse)``, each fp32 of ``target_ids.shape``; the eager forward's bits."""
-    logprob, lse, entropy, _ = forward(
-        hidden, lm_head_weight, target_ids, ignore_index, with_entropy
-    )
-    shape = target_ids.shape
-    entropy = entropy.reshape(shape) if with_entropy else logprob.new_empty((0,))
-    return logprob.reshape(shape), entropy, lse.reshape(shape)
-
-
-def saved_backward(
-    grad_logprob: Tensor,
-    grad_entropy: Tensor | None,
-    hidden: Tensor,
-    lm_head_weight: Tensor,
-    target_ids: Tensor,
-    ignore_index: int,
-    lse: Tensor,
-    entropy: Tensor | None,
-    needs: tuple[bool, bool],
-) -> tuple[Tensor | None, Tensor | None]:
-    """The registry's ``token_logprobs.saved_backward`` on HIP: ``(d_hidden, d_weight)`` from
-    ``saving_forward``'s outputs (None where ``needs`` is False); the eager backward's bits."""
-    targets32, _ = prepare_targets(target_ids, ignore_index, lm_head_weight.shape[0])
-    return backward(
-        grad_logprob,
-        grad_entropy,
-        hidden,
-        lm_head_weight,
-        targets32,
-        lse.reshape(-1),
-        None if entropy is None else entropy.reshape(-1),
-        needs[0],
-        needs[1],
-    )
+# The registry's hip entries: the autograd op and the custom op's saving forward and saved
+# backward, shared with the CUDA route.
+token_logprobs, saving_forward, saved_backward = registry_entries(sys.modules[__name__])

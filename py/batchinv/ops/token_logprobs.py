@@ -61,112 +61,19 @@ def token_logprobs(
     )
 
 
-class _TokenLogprobsGPU(torch.autograd.Function):
-    @staticmethod
-    def forward(
-        ctx,
-        hidden: Tensor,
-        lm_head_weight: Tensor,
-        target_ids: Tensor,
-        ignore_index: int,
-        with_entropy: bool,
-    ):
-        logprob, lse, entropy, targets32 = gpu.forward(
-            hidden, lm_head_weight, target_ids, ignore_index, with_entropy
-        )
-        ctx.save_for_backward(hidden, lm_head_weight, targets32, lse, entropy)
-        # Unused outputs give None, so an unused entropy adds no term to the gradient.
-        ctx.set_materialize_grads(False)
-        logprob = logprob.reshape(target_ids.shape)
-        if with_entropy:
-            return logprob, entropy.reshape(target_ids.shape)
-        return logprob
-
-    @staticmethod
-    def backward(ctx, grad_logprob: Tensor | None, grad_entropy: Tensor | None = None):
-        hidden, lm_head_weight, targets32, lse, entropy = ctx.saved_tensors
-        grad_hidden, grad_weight = gpu.backward(
-            grad_logprob,
-            grad_entropy,
-            hidden,
-            lm_head_weight,
-            targets32,
-            lse,
-            entropy,
-            ctx.needs_input_grad[0],
-            ctx.needs_input_grad[1],
-        )
-        return grad_hidden, grad_weight, None, None, None
-
-
-def _gpu_token_logprobs(
-    hidden: Tensor,
-    lm_head_weight: Tensor,
-    target_ids: Tensor,
-    ignore_index: int,
-    *,
-    vocab_chunk: int,
-    return_entropy: bool,
-) -> Tensor | tuple[Tensor, Tensor]:
-    # vocab_chunk defines the CPU reference's order; the kernel's tiles are its own constant.
-    return _TokenLogprobsGPU.apply(
-        hidden, lm_head_weight, target_ids, ignore_index, bool(return_entropy)
-    )
-
-
+# The custom op (below) saves the log-sum-exp instead of recomputing the forward in its
+# backward: each route's saving forward and saved backward run the eager autograd's forward
+# and backward kernels on the same tensors, hence its bits.  GPU only; the CPU op recomputes.
+# The CUDA and portable (HIP) routes share the autograd op and these entries
+# (``gpu.registry_entries``); vocab_chunk defines the CPU reference's order only.
+_gpu_token_logprobs, _gpu_saving_forward, _gpu_saved_backward = gpu.registry_entries(gpu)
 registry.register("token_logprobs", "cuda")(_gpu_token_logprobs)
 registry.register("token_logprobs", "cpu")(reference.token_logprobs)
 registry.register("token_logprobs", "hip")(portable.token_logprobs)
+registry.register("token_logprobs.saving_forward", "cuda")(_gpu_saving_forward)
 registry.register("token_logprobs.saving_forward", "hip")(portable.saving_forward)
+registry.register("token_logprobs.saved_backward", "cuda")(_gpu_saved_backward)
 registry.register("token_logprobs.saved_backward", "hip")(portable.saved_backward)
-
-
-# The custom op (below) saves the log-sum-exp instead of recomputing the forward in its
-# backward: these two run the eager autograd's forward and backward kernels on the same
-# tensors, hence its bits.  GPU only; the CPU op recomputes.
-@registry.register("token_logprobs.saving_forward", "cuda")
-def _gpu_saving_forward(
-    hidden: Tensor,
-    lm_head_weight: Tensor,
-    target_ids: Tensor,
-    ignore_index: int,
-    with_entropy: bool,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """``(logprobs, entropy or an empty tensor, lse)``, each fp32 of ``target_ids.shape``."""
-    logprob, lse, entropy, _ = gpu.forward(
-        hidden, lm_head_weight, target_ids, ignore_index, with_entropy
-    )
-    shape = target_ids.shape
-    entropy = entropy.reshape(shape) if with_entropy else logprob.new_empty((0,))
-    return logprob.reshape(shape), entropy, lse.reshape(shape)
-
-
-@registry.register("token_logprobs.saved_backward", "cuda")
-def _gpu_saved_backward(
-    grad_logprob: Tensor,
-    grad_entropy: Tensor | None,
-    hidden: Tensor,
-    lm_head_weight: Tensor,
-    target_ids: Tensor,
-    ignore_index: int,
-    lse: Tensor,
-    entropy: Tensor | None,
-    needs: tuple[bool, bool],
-) -> tuple[Tensor | None, Tensor | None]:
-    """``(d_hidden, d_weight)`` (None where ``needs`` is False) from the saving forward's
-    outputs; ``grad_entropy``/``entropy`` are None when the entropy was not requested."""
-    targets32, _ = gpu.prepare_targets(target_ids, ignore_index, lm_head_weight.shape[0])
-    return gpu.backward(
-        grad_logprob,
-        grad_entropy,
-        hidden,
-        lm_head_weight,
-        targets32,
-        lse.reshape(-1),
-        None if entropy is None else entropy.reshape(-1),
-        needs[0],
-        needs[1],
-    )
 
 
 # ----------------------------------------------------------------------------- custom op
