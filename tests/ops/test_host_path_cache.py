@@ -508,3 +508,9 @@ def test_the_op_tables_hold_signatures_not_tensors(attention_launches):
         for run in table._known.values():
             closure = [c.cell_contents for c in (run.__closure__ or ())]
             assert not any(isinstance(c, torch.Tensor) for c in closure)
+
+
+def test_a_non_tensor_argument_raises_the_ops_own_error_with_grad_enabled():
+    cu = torch.tensor([0, 2])
+    with pytest.raises(TypeError, match="q must be a torch.Tensor"):
+        batchinv.attention_varlen([[0.0]], torch.randn(2, 1, 8), torch.randn(2, 1, 8), cu, cu)

@@ -865,10 +865,10 @@ def attention_varlen(
 
 # The split workspace and lse share the output's allocation when they take at most this many
 # times its bytes (a one-split decode launch: about 2x), so that an output held by the caller
-# never keeps a large workspace alive; a launch of more splits is long enough on the GPU for a
-# second allocation not to count.
+# never keeps a large workspace alive; a larger workspace comes with more splits, whose GPU time
+# makes the second allocation's host time matter less.
 SHARED_SCRATCH_MAX_RATIO = 4
-_SCRATCH_ALIGN = 256  # bytes: lse and the workspace start on boundaries the kernels' vectors need
+_SCRATCH_ALIGN = 256  # bytes: lse and the workspace start at least as aligned as any access needs
 
 
 @dataclass(frozen=True)

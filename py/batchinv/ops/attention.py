@@ -157,9 +157,9 @@ def attention_varlen(
         args = (cu_seqlens_q, cu_seqlens_k, causal, softmax_scale)
         out, lse = torch.ops.batchinv.attention_varlen(q, k, v, *args)
         return (out, lse) if return_lse else out
-    if not (return_lse or _needs_grad(q, k, v)):
+    if not return_lse:
         signature = _varlen_signature(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, softmax_scale)
-        if signature is not None:
+        if signature is not None and not _needs_grad(q, k, v):
             args = (q, k, v, cu_seqlens_q, cu_seqlens_k, causal, softmax_scale)
             return _VARLEN_NO_GRAD.lookup(signature, *args)(*args, signature[-1])
     _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, softmax_scale)
