@@ -120,9 +120,9 @@ def test_varlen_attention_gives_the_general_path_bits(tile_kernel, q_lens, k_len
             assert_bitwise_equal(got, want, name=f"{tile_kernel}, causal={causal}, GPU lengths")
 
 
-def _new_values(*inputs: torch.Tensor) -> None:
+def _new_values(*inputs: torch.Tensor, seed: int = 100) -> None:
     for i, t in enumerate(inputs):
-        gen = torch.Generator(device=DEVICE).manual_seed(100 + i)
+        gen = torch.Generator(device=DEVICE).manual_seed(seed + i)
         t.copy_(torch.randn(t.shape, device=DEVICE, generator=gen).to(t.dtype))
 
 
@@ -163,7 +163,7 @@ def test_attention_replays_in_a_cuda_graph(tile_kernel, rows, dtype):
     with torch.no_grad():
         graph, captured = _capture_on_the_warm_up_stream(step)
         for replay in range(2):
-            _new_values(q, k, v, pq, pk, pv, vq, vk, vv)
+            _new_values(q, k, v, pq, pk, pv, vq, vk, vv, seed=100 + 10 * replay)
             graph.replay()
             torch.cuda.synchronize()
             want = (
@@ -203,6 +203,7 @@ def test_linear_gives_the_general_path_bits(rows, n, k, dtype, bias):
     w = _randn(n, k, dtype=dtype, seed=n) / 64
     b = _randn(n, dtype=dtype, seed=k) if bias else None
     want = gpu_linear.forward(x, w, b)
+    gpu_linear._LEAN.clear()  # below: only this test's plans
     with torch.no_grad():
         for call in ("first", "kept"):
             assert_bitwise_equal(batchinv.linear(x, w, b), want, name=call)
