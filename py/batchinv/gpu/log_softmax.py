@@ -415,8 +415,10 @@ def _launch_choice(
 # A forward that needs no lse (no gradient) on contiguous rows keeps its launch per
 # ``_lean_key``: what ``_launch_choice`` decided for the first call (kernel, grid, block, shared
 # memory, trailing arguments) is a function of the key, which holds every tuning switch the
-# choice reads, so a switch changed at run time takes effect at the next call.  A call then
-# allocates its output in its final shape and launches once with pointers as ints.
+# choice reads, so a switch changed at run time takes effect at the next call (the tables of
+# T and cluster shapes are constants of the kernels, not switches: code that edits them clears
+# ``_LEAN``).  A call then allocates its output in its final shape and launches once with
+# pointers as ints.
 
 
 @dataclasses.dataclass(frozen=True)
