@@ -98,15 +98,16 @@ def _qkv(batch, sq, sk, hq=8, hkv=2, d=64, seed=0):
     return q, k, v
 
 
-def _without_outputs(record):
-    """A launch with the output, lse and workspace pointers left out (fresh per call) and the
-    per-sequence layout pointers (a varlen general call uploads its layout afresh)."""
+def _without_outputs(record, layout=True):
+    """A launch with the output, lse and workspace pointers left out (fresh per call), and
+    without the per-sequence layout pointers unless ``layout`` (a padded call's layout is kept
+    per shape and stream; a varlen general call uploads its layout afresh)."""
     name, grid, block, args, shared, stream, programmatic = record
     if name.startswith("attn_combine"):
-        kept = args[6:]
+        kept = args[3:] if layout else args[6:]
     else:
         maps = 2 if name.endswith("_tma") else 0
-        kept = args[: maps + 3] + args[maps + 10 :]
+        kept = args[: maps + 3] + args[maps + (6 if layout else 10) :]
     return name, grid, block, kept, shared, stream, programmatic
 
 
@@ -189,11 +190,11 @@ def test_lean_varlen_attention_launches_what_the_general_path_launches(
     with torch.no_grad():
         for _ in range(2):
             out = batchinv.attention_varlen(q, k, v, cu_q, cu_k, causal=causal)
-    lean = [_without_outputs(r) for r in attention_launches]
+    lean = [_without_outputs(r, layout=False) for r in attention_launches]
     (kept,) = gpu_attention._LEAN.values()
     attention_launches.clear()
     gpu_attention.attention_varlen(q, k, v, cu_q, cu_k, causal=causal)
-    general = [_without_outputs(r) for r in attention_launches]
+    general = [_without_outputs(r, layout=False) for r in attention_launches]
     assert lean == general + general and out.shape == q.shape
     # The kept layout holds the values of a layout built afresh from the same lengths.
     fresh = gpu_attention._varlen_layout(cu_q, cu_k, "cpu")
