@@ -854,6 +854,219 @@ def attention_varlen(
     return (out, lse) if return_lse else out
 
 
+# ----------------------------------------------------------------------------- eager no-grad path
+# A call that needs no gradient, without lengths or mask (padded) or with host cu_seqlens
+# (varlen), with contiguous 16-byte aligned q, k, v and without return_lse, runs a ``_Lean``
+# plan: everything ``forward`` decides for it (the ``_Plan``, the layout, the scale, the
+# kernels' integer arguments), made once per ``_lean_key`` and reused.  A call then allocates
+# once, reads three pointers and launches with ints; the kernels and their arguments are the
+# ones ``forward`` launches, hence the same bits.  Other calls take ``attention`` /
+# ``attention_varlen``.
+
+# The split workspace and lse share the output's allocation when they take at most this many
+# times its bytes (a one-split decode launch: about 2x), so that an output held by the caller
+# never keeps a large workspace alive; a larger workspace comes with more splits, whose GPU time
+# makes the second allocation's host time matter less.
+SHARED_SCRATCH_MAX_RATIO = 4
+_SCRATCH_ALIGN = 256  # bytes: lse and the workspace start at least as aligned as any access needs
+
+
+@dataclass(frozen=True)
+class _Lean:
+    """A ``_Plan`` with everything a launch of it needs besides the three input pointers.
+
+    ``alloc``: elements of the one allocation (out's dtype), or 0 for out alone plus a
+    ``scratch`` fp32 allocation of ``scratch`` elements; ``lse_offset``/``ws_offset``: bytes
+    from the start of the buffer that holds them."""
+
+    plan: _Plan
+    layout: Layout
+    out_shape: tuple[int, ...]
+    out_strides: tuple[int, ...]
+    alloc: int
+    scratch: int
+    lse_offset: int
+    ws_offset: int
+    main_tail: tuple
+    combine_tail: tuple | None
+
+
+_LEAN: dict[tuple, _Lean | None] = {}
+_MAX_LEAN = 512
+
+
+def _align(nbytes: int) -> int:
+    return -(-nbytes // _SCRATCH_ALIGN) * _SCRATCH_ALIGN
+
+
+def _lean_plan(q, k, v, out_shape, layout: Layout, causal: bool, scale: float) -> _Lean | None:
+    """The ``_Lean`` of contiguous, aligned ``q, k, v`` on ``layout``, or None where the lean
+    launch does not apply (no rows, the Hopper tile kernel): those calls take the general path."""
+    *_, hq, d = q.shape
+    *_, hkv, _ = k.shape
+    tq, tk = math.prod(q.shape[:-2]), math.prod(k.shape[:-2])
+    # The canonical rows views ``as_rows`` passes for these tensors (no copy: aligned, d and the
+    # head counts make every stride a multiple of 8 elements).
+    rows = (
+        q.as_strided((tq, hq, d), (hq * d, d, 1)),
+        k.as_strided((tk, hkv, d), (hkv * d, d, 1)),
+        v.as_strided((tk, hkv, d), (hkv * d, d, 1)),
+    )
+    plan = _plan(*rows, layout, causal)[0]
+    if plan.kind != "kernels" or not plan.reusable:
+        return None
+    itemsize = q.element_size()
+    out_bytes = tq * hq * d * itemsize
+    lse_bytes = hq * tq * 4
+    ws_bytes = 0 if plan.ws_shape is None else math.prod(plan.ws_shape) * 4
+    scratch_bytes = _align(lse_bytes) + ws_bytes
+    if scratch_bytes <= SHARED_SCRATCH_MAX_RATIO * out_bytes:
+        lse_offset = _align(out_bytes)
+        alloc, scratch = -(-(lse_offset + scratch_bytes) // itemsize), 0
+    else:
+        lse_offset, alloc, scratch = 0, 0, scratch_bytes // 4
+    ws_offset = lse_offset + _align(lse_bytes) if ws_bytes else -1
+    out_strides = tuple(math.prod(out_shape[i + 1 :]) for i in range(len(out_shape)))
+    main, combine = plan.main, plan.combine
+    scale_log2 = float(scale) * _LOG2E
+    main_tail = (*layout.pointers, *main.args, scale_log2)
+    combine_tail = None
+    if combine is not None:
+        q_start, q_len, _, k_len = layout.pointers
+        combine_tail = (q_start, q_len, k_len, *combine.args)
+    return _Lean(
+        plan, layout, out_shape, out_strides, alloc, scratch, lse_offset, ws_offset,
+        main_tail, combine_tail,
+    )  # fmt: skip
+
+
+def _lean_key(q: Tensor, k: Tensor, index: int, stream: int, causal, softmax_scale) -> tuple:
+    """What a lean plan depends on besides the layout: shapes, dtype, device, stream (the
+    layout's upload is ordered on the stream that made it), causal and the scale.  q, k and v
+    are contiguous and aligned, and share k's shape and q's dtype (the op's checks)."""
+    return (q.shape, k.shape, q.dtype, index, stream, causal, softmax_scale)
+
+
+def _keep_lean(key: tuple, lean: _Lean | None) -> None:
+    # A layout made during a CUDA-graph capture lives in the graph's pool: not kept.
+    if torch.cuda.is_current_stream_capturing():
+        return
+    if len(_LEAN) >= _MAX_LEAN:
+        _LEAN.clear()
+    _LEAN[key] = lean
+
+
+def _run_lean(lean: _Lean, q: Tensor, pointers: tuple, index: int, stream: int) -> Tensor:
+    """Allocates and launches ``lean`` on ``q, k, v`` (their ``pointers``): what ``_execute``
+    does for its plan."""
+    plan = lean.plan
+    if lean.alloc:
+        buffer = torch.empty(lean.alloc, dtype=q.dtype, device=q.device)
+        out = buffer.as_strided(lean.out_shape, lean.out_strides)
+        out_ptr = scratch_ptr = buffer.data_ptr()
+    else:
+        out = torch.empty(lean.out_shape, dtype=q.dtype, device=q.device)
+        scratch = torch.empty(lean.scratch, dtype=torch.float32, device=q.device)
+        out_ptr, scratch_ptr = out.data_ptr(), scratch.data_ptr()
+    lse_ptr = scratch_ptr + lean.lse_offset
+    ws_ptr = 0 if lean.ws_offset < 0 else scratch_ptr + lean.ws_offset
+    q_ptr, k_ptr, v_ptr = pointers
+    maps = ()
+    if plan.tma is not None:
+        k_spec, v_spec = plan.tma
+        maps = (_encoded_tma_map(k_ptr, *k_spec, index), _encoded_tma_map(v_ptr, *v_spec, index))
+    main = plan.main
+    main.kernel(
+        main.grid,
+        main.block,
+        (*maps, q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, ws_ptr, *lean.main_tail),
+        main.shared,
+        stream,
+        index,
+        False,
+    )
+    combine = plan.combine
+    if combine is not None:
+        combine.kernel(
+            combine.grid,
+            combine.block,
+            (ws_ptr, out_ptr, lse_ptr, *lean.combine_tail),
+            0,
+            stream,
+            index,
+            combine.programmatic,
+        )
+    return out
+
+
+_NO_LEAN = object()  # ``_LEAN.get``'s default: no plan made yet (a kept None: the general path)
+
+
+def _lean_pointers(q: Tensor, k: Tensor, v: Tensor) -> tuple[int, int, int] | None:
+    """The addresses of ``q, k, v`` where the lean launch takes them (contiguous, 16-byte
+    aligned), else None."""
+    if not (q.is_contiguous() and k.is_contiguous() and v.is_contiguous()):
+        return None
+    pointers = q.data_ptr(), k.data_ptr(), v.data_ptr()
+    return None if (pointers[0] | pointers[1] | pointers[2]) & 15 else pointers
+
+
+def attention_no_grad(
+    q: Tensor, k: Tensor, v: Tensor, causal: bool, softmax_scale: float | None
+) -> Tensor:
+    """``attention(q, k, v, causal=, softmax_scale=)`` without lengths or mask, for a call
+    that needs no gradient and no lse, on arguments the op checked: lean where it applies."""
+    pointers = _lean_pointers(q, k, v)
+    if pointers is not None:
+        device = q.device
+        index = torch.cuda.current_device() if device.index is None else device.index
+        stream = current_raw_stream(index)
+        key = _lean_key(q, k, index, stream, causal, softmax_scale)
+        lean = _LEAN.get(key, _NO_LEAN)
+        if lean is _NO_LEAN:
+            check_supported(q, k, v)
+            batch, sq, hq, d = q.shape
+            layout = _full_layout(batch, sq, k.shape[1], device)
+            lean = _lean_plan(q, k, v, q.shape, layout, causal, scale_of(softmax_scale, d))
+            _keep_lean(key, lean)
+        if lean is not None:
+            return _run_lean(lean, q, pointers, index, stream)
+    return attention(q, k, v, causal=causal, softmax_scale=softmax_scale)
+
+
+def attention_varlen_no_grad(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_seqlens_q: Tensor,
+    cu_seqlens_k: Tensor,
+    causal: bool,
+    softmax_scale: float | None,
+    lengths: tuple,
+) -> Tensor:
+    """``attention_varlen(...)`` for a call that needs no gradient and no lse, on host
+    ``cu_seqlens`` the op checked, whose values ``lengths`` holds as ints (the key of the
+    layout kept for them, which is never written after it is made)."""
+    pointers = _lean_pointers(q, k, v)
+    if pointers is not None:
+        device = q.device
+        index = torch.cuda.current_device() if device.index is None else device.index
+        stream = current_raw_stream(index)
+        key = (*_lean_key(q, k, index, stream, causal, softmax_scale), lengths)
+        lean = _LEAN.get(key, _NO_LEAN)
+        if lean is _NO_LEAN:
+            check_supported(q, k, v)
+            layout = _varlen_layout(cu_seqlens_q, cu_seqlens_k, device)
+            scale = scale_of(softmax_scale, q.shape[-1])
+            lean = _lean_plan(q, k, v, q.shape, layout, causal, scale)
+            _keep_lean(key, lean)
+        if lean is not None:
+            return _run_lean(lean, q, pointers, index, stream)
+    return attention_varlen(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, causal=causal, softmax_scale=softmax_scale
+    )
+
+
 # The custom ops' backward (batchinv.ops.attention): the eager autograd's kernels on the
 # forward's saved outputs, with the same layout and the same views, hence the eager bits,
 # without running the forward again.  ``backward`` takes ``backward_rows``'s arguments: the

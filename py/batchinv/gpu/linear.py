@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import re
 from collections.abc import Callable
 
@@ -28,6 +29,7 @@ from torch import Tensor
 
 from ..runtime import (
     allow_dynamic_shared,
+    current_raw_stream,
     declared_kernels,
     kernel_for,
     launch,
@@ -262,13 +264,7 @@ def _product_output(
     left to compute (an empty product, or K = 0: the bias alone)."""
     m, k = x.shape
     n = weight.shape[0]
-    if k % 8 != 0:
-        raise ValueError(
-            f"the GPU linear needs in_features % 8 == 0 (rows must be 16-byte multiples), got {k}"
-        )
-    for name, value in (("rows of x", m), ("out_features", n), ("in_features", k)):
-        if value > _MAX_DIM:
-            raise ValueError(f"{name} = {value} exceeds {_MAX_DIM}")
+    _check_product(m, n, k)
     if out is None:
         out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     elif out.shape != (m, n) or out.dtype != x.dtype or not out.is_contiguous():
@@ -278,6 +274,16 @@ def _product_output(
     if k == 0:
         return (out.zero_() if bias is None else out.copy_(bias.expand(m, n))), True
     return out, False
+
+
+def _check_product(m: int, n: int, k: int) -> None:
+    if k % 8 != 0:
+        raise ValueError(
+            f"the GPU linear needs in_features % 8 == 0 (rows must be 16-byte multiples), got {k}"
+        )
+    for name, value in (("rows of x", m), ("out_features", n), ("in_features", k)):
+        if value > _MAX_DIM:
+            raise ValueError(f"{name} = {value} exceeds {_MAX_DIM}")
 
 
 @functools.lru_cache(maxsize=1024)
@@ -341,6 +347,112 @@ def forward(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     check_gpu_args(x, weight, bias)
     rows = x.reshape(-1, x.shape[-1]).contiguous()
     return matmul_rows(rows, weight, bias).reshape(*x.shape[:-1], weight.shape[0])
+
+
+# ----------------------------------------------------------------------------- eager no-grad path
+# A forward that needs no gradient, on contiguous 16-byte aligned operands, whose path does not
+# hang on the pinned path's self-check (a bias, the switch at "own", or fewer than
+# ``linear_cublaslt.MIN_ROWS`` rows: batchinv's kernels), keeps its launch per ``_lean_key``:
+# kernel, grid, block, shared memory and sizes, as ``matmul_nt`` chooses them with
+# ``family="auto"``.  The key holds the switch's value, read on every call, so
+# ``set_linear_path`` takes effect at once.  A TMA map holds its operand's address, so maps
+# are kept per address beside the launch.  A call allocates its output in its final shape and
+# launches once with pointers as ints: the general path's kernel and arguments, its bits.
+
+_MAX_MAPS = 64  # per launch and operand: the addresses a decode loop's activations cycle through
+
+
+@dataclasses.dataclass(frozen=True)
+class _Lean:
+    kernel: object
+    grid: tuple[int, ...]
+    block: tuple[int]
+    shared: int
+    out_shape: tuple[int, ...]
+    sizes: tuple[int, int, int]  # m, n, k
+    boxes: tuple[str, int, int] | None  # TMA maps: dtype name, box rows of x, of the weight
+    maps: tuple[dict, dict]  # address -> encoded TMA map, of x and of the weight
+
+
+_LEAN: dict[tuple, _Lean | None] = {}
+_MAX_LEAN = 1024
+_NO_LEAN = object()  # ``_LEAN.get``'s default: no plan made yet (a kept None: the general path)
+
+
+def _lean_plan(x: Tensor, weight: Tensor, bias: Tensor | None, path: str) -> _Lean | None:
+    """The launch ``forward`` makes for contiguous, aligned operands, or None where it is not
+    one launch of ``matmul_nt``'s "auto" choice (an empty product, K = 0, a path that may be
+    cuBLASLt's)."""
+    check_gpu_args(x, weight, bias)
+    k, n = x.shape[-1], weight.shape[0]
+    m = math.prod(x.shape[:-1])
+    _check_product(m, n, k)
+    if m == 0 or n == 0 or k == 0:
+        return None
+    if not (bias is not None or path == "own" or m < linear_cublaslt.MIN_ROWS):
+        return None
+    device = x.device
+    index = torch.cuda.current_device() if device.index is None else device.index
+    family, config = _auto_choice(m, n, index)
+    out_shape = (*x.shape[:-1], n)
+    if family == "mma":
+        _require_sm80(device)
+        kernel = kernel_for("linear", f"linear_mma_{_DTYPE_NAMES[x.dtype]}", device)
+        grid = (-(-n // 32), -(-m // 64))
+        return _Lean(kernel, grid, (128,), 0, out_shape, (m, n, k), None, ({}, {}))
+    rows_per_cta = config.TOKENS_PER_CTA if family == "small_m" else config.block_m
+    kernel = _gemm_kernel(config, x.dtype, device)
+    allow_dynamic_shared(kernel, config.shared_bytes, index)
+    grid = (-(-n // config.block_n) * -(-m // rows_per_cta),)
+    boxes = (_DTYPE_NAMES[x.dtype], rows_per_cta, config.block_n)
+    block = (config.threads,)
+    return _Lean(kernel, grid, block, config.shared_bytes, out_shape, (m, n, k), boxes, ({}, {}))
+
+
+def _lean_map(lean: _Lean, operand: int, address: int, rows: int, k: int, index: int) -> bytes:
+    """The TMA map of operand 0 (x) or 1 (the weight) at ``address``, kept per address."""
+    maps = lean.maps[operand]
+    encoded = maps.get(address)
+    if encoded is None:
+        dtype_name, *box_rows = lean.boxes
+        encoded = _tensor_map(address, dtype_name, rows, k, box_rows[operand], 0, index)
+        if len(maps) >= _MAX_MAPS:
+            maps.clear()
+        maps[address] = encoded
+    return encoded
+
+
+def forward_no_grad(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """``forward`` for a call that needs no gradient: the launch kept for its key where it
+    applies (see above), else ``forward``."""
+    if x.is_contiguous() and weight.is_contiguous() and (bias is None or bias.is_contiguous()):
+        x_ptr, w_ptr = x.data_ptr(), weight.data_ptr()
+        device = x.device
+        index = torch.cuda.current_device() if device.index is None else device.index
+        path = linear_cublaslt.configured_path()
+        bias_dtype = None if bias is None else bias.dtype
+        aligned = not (x_ptr | w_ptr) & 15
+        key = (x.shape, weight.shape, x.dtype, weight.dtype, bias_dtype, index, path, aligned)
+        lean = _LEAN.get(key, _NO_LEAN)
+        if lean is _NO_LEAN:
+            lean = _lean_plan(x, weight, bias, path) if aligned else None
+            if len(_LEAN) >= _MAX_LEAN:
+                _LEAN.clear()
+            _LEAN[key] = lean
+        if lean is not None:
+            out = torch.empty(lean.out_shape, dtype=x.dtype, device=device)
+            m, n, k = lean.sizes
+            b_ptr = 0 if bias is None else bias.data_ptr()
+            if lean.boxes is None:
+                args = (x_ptr, w_ptr, out.data_ptr(), b_ptr, m, n, k)
+            else:
+                map_x = _lean_map(lean, 0, x_ptr, m, k, index)
+                map_w = _lean_map(lean, 1, w_ptr, n, k, index)
+                args = (map_x, map_w, out.data_ptr(), b_ptr, m, n, k)
+            stream = current_raw_stream(index)
+            lean.kernel(lean.grid, lean.block, args, lean.shared, stream, index, False)
+            return out
+    return forward(x, weight, bias)
 
 
 def rows_path(m: int, weight: Tensor, has_bias: bool, path: str | None = None) -> str:

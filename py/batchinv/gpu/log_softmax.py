@@ -15,12 +15,13 @@ synchronises.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import torch
 from torch import Tensor
 
-from ..runtime import allow_dynamic_shared, kernel_for, launch, uses_hopper
+from ..runtime import allow_dynamic_shared, current_raw_stream, kernel_for, launch, uses_hopper
 from .rms_norm import as_rows
 
 # Keep in step with kernels_cu/log_softmax.cu.
@@ -360,10 +361,33 @@ def _launch_rows(
     args: tuple,
 ) -> None:
     """Launches the ``kind`` ("forward" or "backward") kernel over ``rows_view`` ``[rows, V]``
-    with ``args`` (its pointers, rows, V and row stride): the Hopper cluster form where
-    ``_cluster_plan`` gives one (``others``: the other tensors of rows it reads or writes, whose
-    alignment it checks), else the one-CTA form with its shared-memory tier (``cached_dtype``:
-    what the kernel keeps on chip)."""
+    with ``args`` (its pointers, rows, V and row stride), as ``_launch_choice`` decides."""
+    kernel, grid, block, shared, extra = _launch_choice(
+        kind, suffix, rows_view, threads, long_row_threads, cached_dtype, others
+    )
+    launch(
+        kernel,
+        rows_view.device,
+        grid=grid,
+        block=block,
+        args=(*args, *extra),
+        shared_mem=shared,
+    )
+
+
+def _launch_choice(
+    kind: str,
+    suffix: str,
+    rows_view: Tensor,
+    threads: int,
+    long_row_threads: int | None,
+    cached_dtype: torch.dtype,
+    others: tuple[Tensor, ...],
+) -> tuple[object, tuple[int], tuple[int], int, tuple[int, ...]]:
+    """``(kernel, grid, block, shared bytes, arguments after the row stride)`` of a launch over
+    ``rows_view``: the Hopper cluster form where ``_cluster_plan`` gives one (``others``: the
+    other tensors of rows it reads or writes, whose alignment it checks), else the one-CTA form
+    with its shared-memory tier (``cached_dtype``: what the kernel keeps on chip)."""
     rows, vocab = rows_view.shape
     device = rows_view.device
     plan = _cluster_plan(
@@ -378,28 +402,94 @@ def _launch_rows(
     )
     if plan is not None:
         kernel, ctas, shared, clusters = plan
-        launch(
-            kernel,
-            device,
-            grid=(clusters * ctas,),
-            block=(threads // ctas,),
-            args=args,
-            shared_mem=shared,
-        )
-        return
+        return kernel, (clusters * ctas,), (threads // ctas,), shared, ()
     if not _compiled(kind, suffix, threads):
         raise RuntimeError(f"log_softmax: no {kind} kernel of T = {threads} for {suffix}")
     kernel = kernel_for("log_softmax", f"log_softmax_{kind}_{suffix}_t{threads}", device)
     block = block_threads(threads)
     smem_groups, shared = _tiering(kernel, device, vocab, block, cached_dtype)
-    launch(
-        kernel,
-        device,
-        grid=(rows,),
-        block=(block,),
-        args=(*args, smem_groups),
-        shared_mem=shared,
+    return kernel, (rows,), (block,), shared, (smem_groups,)
+
+
+# ----------------------------------------------------------------------------- eager no-grad path
+# A forward that needs no lse (no gradient) on contiguous rows keeps its launch per
+# ``_lean_key``: what ``_launch_choice`` decided for the first call (kernel, grid, block, shared
+# memory, trailing arguments) is a function of the key, which holds every tuning switch the
+# choice reads, so a switch changed at run time takes effect at the next call (the tables of
+# T and cluster shapes are constants of the kernels, not switches: code that edits them clears
+# ``_LEAN``).  A call then allocates its output in its final shape and launches once with
+# pointers as ints.
+
+
+@dataclasses.dataclass(frozen=True)
+class _Lean:
+    kernel: object
+    grid: tuple[int]
+    block: tuple[int]
+    shared: int
+    tail: tuple[int, ...]  # rows, V, row stride and the form's trailing arguments
+
+
+_LEAN: dict[tuple, _Lean | None] = {}
+_MAX_LEAN = 512
+_NO_LEAN = object()  # ``_LEAN.get``'s default: no plan made yet (a kept None: the general path)
+
+
+def _lean_key(x: Tensor, out_dtype: torch.dtype, index: int, aligned: bool) -> tuple:
+    """A contiguous ``x``'s shape, dtype, base alignment and device, the output dtype and the
+    switches and hooks ``_launch_choice`` reads (tests change them at run time)."""
+    tuning = (USE_CLUSTER, PERSISTENT_CLUSTERS, PERSISTENT_CASES, MAX_CLUSTERS, _shared_budget)
+    return (x.shape, x.dtype, out_dtype, index, aligned, tuning)
+
+
+def forward_no_grad(x: Tensor, out_dtype: torch.dtype = torch.float32) -> Tensor:
+    """``forward(x, out_dtype, need_lse=False)[0]`` in as few host steps as the launch allows
+    when x is contiguous: the launch kept for its key, one allocation, pointers as ints; the
+    same kernel and arguments as ``forward``, hence the same bits."""
+    vocab = x.shape[-1]
+    if not x.is_contiguous() or vocab == 0:
+        return forward(x, out_dtype, need_lse=False)[0]
+    x_ptr = x.data_ptr()
+    device = x.device
+    index = torch.cuda.current_device() if device.index is None else device.index
+    key = _lean_key(x, out_dtype, index, not x_ptr & 15)
+    lean = _LEAN.get(key, _NO_LEAN)
+    if lean is _NO_LEAN:
+        lean = _lean_plan(x, out_dtype)
+        if len(_LEAN) >= _MAX_LEAN:
+            _LEAN.clear()
+        _LEAN[key] = lean
+    if lean is None:
+        return forward(x, out_dtype, need_lse=False)[0]
+    out = torch.empty(x.shape, dtype=out_dtype, device=device)
+    lean.kernel(
+        lean.grid,
+        lean.block,
+        (out.data_ptr(), 0, x_ptr, *lean.tail),
+        lean.shared,
+        current_raw_stream(index),
+        index,
+        False,
     )
+    return out
+
+
+def _lean_plan(x: Tensor, out_dtype: torch.dtype) -> _Lean | None:
+    """The launch ``forward`` makes for a contiguous ``x`` (None: no rows, the general path).
+    Its output is fresh, so 16-byte aligned like every output of a call with this key."""
+    vocab = x.shape[-1]
+    rows = x.numel() // vocab
+    if rows == 0:
+        return None
+    if rows > _MAX_GRID_X:
+        raise ValueError(f"x has {rows} rows; at most {_MAX_GRID_X} are supported")
+    rows_view = x.as_strided((rows, vocab), (vocab, 1))  # the rows of a contiguous x
+    out = torch.empty((rows, vocab), dtype=out_dtype, device=x.device)
+    threads, long_row, suffix = _forward_choice(rows_view, out_dtype)
+    kernel, grid, block, shared, extra = _launch_choice(
+        "forward", suffix, rows_view, threads, long_row, rows_view.dtype, (out,)
+    )
+    return _Lean(kernel, grid, block, shared, (rows, vocab, vocab, *extra))
 
 
 def backward(grad_out: Tensor, x: Tensor, lse: Tensor) -> Tensor:

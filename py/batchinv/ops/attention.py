@@ -66,21 +66,25 @@ def attention(
     if torch.compiler.is_compiling():  # one opaque node (the custom ops below)
         out, lse = torch.ops.batchinv.attention(q, k, v, *options)
         return (out, lse) if return_lse else out
-    keywords = dict(zip(_PADDED_OPTIONS, options, strict=True))
     signature = None
     if seqlens_q is None and seqlens_k is None and key_padding_mask is None:
         signature = _signature(q, k, v, causal, softmax_scale)
     if signature is not None:
-        run = _PADDED_WITHOUT_LENGTHS.lookup(signature, q, k, v, *options)
+        if not (return_lse or _needs_grad(q, k, v)):
+            run = _PADDED_WITHOUT_LENGTHS.lookup(signature, q, k, v, causal, softmax_scale)
+            return run(q, k, v, causal, softmax_scale)
+        run = _PADDED_FULL.lookup(signature, q, k, v, *options)
     else:
         _check_padded(q, k, v, *options)
         run = registry.lookup("attention", q.device)
+    keywords = dict(zip(_PADDED_OPTIONS, options, strict=True))
     return run(q, k, v, **keywords, return_lse=return_lse)
 
 
 # A padded call without length or mask tensors reads nothing but metadata and plain values in
 # its checks, so they run once per signature (``_checked``); calls with lengths check them
-# every time (their values are read).
+# every time (their values are read).  Two tables: ``_PADDED_WITHOUT_LENGTHS`` for calls that
+# need neither a gradient nor the lse (inference), ``_PADDED_FULL`` for the others.
 
 
 def _signature(q, k, v, causal, softmax_scale) -> tuple | None:
@@ -104,7 +108,33 @@ def _resolve_padded(q, k, v, *options):
     return registry.lookup("attention", q.device)
 
 
-_PADDED_WITHOUT_LENGTHS = CheckedCalls(_resolve_padded)
+_PADDED_FULL = CheckedCalls(_resolve_padded)
+
+
+def _needs_grad(q: Tensor, k: Tensor, v: Tensor) -> bool:
+    return torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+
+
+# A call that needs neither a gradient nor the lse runs, where the registry names the CUDA
+# implementation, batchinv.gpu.attention's eager no-grad path (launch plans kept per shape),
+# elsewhere the registry's implementation itself: asking the registry for the op keeps a
+# swapped or missing implementation what the call sees.
+
+
+def _resolve_padded_no_grad(q, k, v, causal, softmax_scale):
+    _check_padded(q, k, v, causal, softmax_scale, None, None, None)
+    run = registry.lookup("attention", q.device)
+    if run is _gpu_attention:
+        return gpu.attention_no_grad
+
+    def no_grad(q, k, v, causal, softmax_scale):
+        return run(q, k, v, causal=causal, softmax_scale=softmax_scale, **_NO_LENGTHS)
+
+    return no_grad
+
+
+_NO_LENGTHS = {"seqlens_q": None, "seqlens_k": None, "key_padding_mask": None}
+_PADDED_WITHOUT_LENGTHS = CheckedCalls(_resolve_padded_no_grad)
 
 
 def attention_varlen(
@@ -127,6 +157,11 @@ def attention_varlen(
         args = (cu_seqlens_q, cu_seqlens_k, causal, softmax_scale)
         out, lse = torch.ops.batchinv.attention_varlen(q, k, v, *args)
         return (out, lse) if return_lse else out
+    if not return_lse:
+        signature = _varlen_signature(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, softmax_scale)
+        if signature is not None and not _needs_grad(q, k, v):
+            args = (q, k, v, cu_seqlens_q, cu_seqlens_k, causal, softmax_scale)
+            return _VARLEN_NO_GRAD.lookup(signature, *args)(*args, signature[-1])
     _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, softmax_scale)
     return registry.lookup("attention_varlen", q.device)(
         q,
@@ -138,6 +173,48 @@ def attention_varlen(
         softmax_scale=softmax_scale,
         return_lse=return_lse,
     )
+
+
+def _varlen_signature(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, softmax_scale):
+    """What the checks of a varlen call read, the values of ``cu_seqlens`` included (as a
+    tuple of ints, its last item), or None where they must run in full: lengths on a GPU
+    (reading them is the call's one host sync either way), arguments of other types."""
+    if causal.__class__ is not bool or softmax_scale.__class__ not in (float, type(None)):
+        return None
+    try:
+        cu_q, cu_k = cu_seqlens_q, cu_seqlens_k
+        if cu_q.device.type != "cpu" or cu_k.device.type != "cpu" or cu_q.dim() != 1:
+            return None
+        if cu_k.dim() != 1:
+            return None
+        return (
+            q.__class__, q.shape, q.dtype, q.device,
+            k.__class__, k.shape, k.dtype, k.device,
+            v.__class__, v.shape, v.dtype, v.device,
+            cu_q.__class__, cu_q.dtype, cu_k.__class__, cu_k.dtype,
+            causal, softmax_scale,
+            (tuple(cu_q.tolist()), tuple(cu_k.tolist())),
+        )  # fmt: skip
+    except AttributeError:
+        return None
+
+
+def _resolve_varlen_no_grad(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, softmax_scale):
+    """The static and value checks of a varlen call (its signature holds the values)."""
+    _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, softmax_scale)
+    run = registry.lookup("attention_varlen", q.device)
+    if run is _gpu_attention_varlen:
+        check_length_values(q, k, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
+        return gpu.attention_varlen_no_grad
+
+    def no_grad(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, softmax_scale, lengths):
+        options = {"causal": causal, "softmax_scale": softmax_scale}
+        return run(q, k, v, cu_seqlens_q, cu_seqlens_k, **options)
+
+    return no_grad
+
+
+_VARLEN_NO_GRAD = CheckedCalls(_resolve_varlen_no_grad)
 
 
 def attention_with_kv_cache(

@@ -59,7 +59,9 @@ def _signature(x: Tensor, weight: Tensor, bias: Tensor | None) -> tuple | None:
 
 def _resolve_forward(x: Tensor, weight: Tensor, bias: Tensor | None):
     check_linear_args(x, weight, bias)
-    return registry.lookup("linear.forward", x.device)
+    run = registry.lookup("linear.forward", x.device)
+    # CUDA's forward without an autograd node keeps its launch per shape (the same kernels).
+    return gpu_linear.forward_no_grad if run is gpu_linear.forward else run
 
 
 _FORWARD = CheckedCalls(_resolve_forward)

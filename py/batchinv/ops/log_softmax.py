@@ -88,7 +88,7 @@ def _gpu_log_softmax(x: Tensor, dim: int, out_dtype: torch.dtype, *, chunk_size:
 
 
 def _gpu_log_softmax_no_grad(x: Tensor, dim: int, out_dtype: torch.dtype, *, chunk_size: int):
-    return gpu.forward(x, out_dtype, need_lse=False)[0]  # the same kernel, no autograd node
+    return gpu.forward_no_grad(x, out_dtype)  # the same kernel, no autograd node
 
 
 for _backend in ("cuda", "hip"):
