@@ -12,9 +12,10 @@ must not read tensor contents (no synchronisation); an op whose arguments are no
 takes (no tensor attributes, an unexpected type) builds none and runs its full checks, which
 raise its own error.
 
-Only checks and lookups are remembered, never a launch decision: the GPU modules still choose
-their kernels on every call, so a tuning switch changed at run time takes effect at once.  A
-registry lookup is remembered: code that swaps what the registry returns (tests do) calls
+Here only checks and lookups are remembered.  ``attention``, ``attention_varlen``, ``linear``
+and ``log_softmax`` also keep a launch plan per signature in their GPU modules; each plan's key
+holds the value of every run-time switch it follows, so a switch changed at run time takes
+effect at the next call.  A registry lookup is remembered: code that swaps what the registry returns (tests do) calls
 ``clear_all()`` after the swap.
 """
 
