@@ -15,8 +15,8 @@ raise its own error.
 Here only checks and lookups are remembered.  ``attention``, ``attention_varlen``, ``linear``
 and ``log_softmax`` also keep a launch plan per signature in their GPU modules; each plan's key
 holds the value of every run-time switch it follows, so a switch changed at run time takes
-effect at the next call.  A registry lookup is remembered: code that swaps what the registry returns (tests do) calls
-``clear_all()`` after the swap.
+effect at the next call.  A registry lookup is remembered: code that swaps what the registry
+returns (tests do) calls ``clear_all()`` after the swap.
 """
 
 from __future__ import annotations
