@@ -273,3 +273,13 @@ def test_every_op_table_holds_signatures_not_tensors(table, call):
     for run in table._known.values():
         assert callable(run) and not isinstance(run, torch.Tensor)
         assert not any(isinstance(c.cell_contents, torch.Tensor) for c in (run.__closure__ or ()))
+
+
+def test_clear_all_forgets_the_kept_launch_plans_too():
+    from batchinv.gpu import attention, linear, log_softmax
+
+    modules = (attention, linear, log_softmax)
+    for module in modules:
+        module._LEAN[("a key",)] = None
+    _checked.clear_all()
+    assert [len(module._LEAN) for module in modules] == [0, 0, 0]

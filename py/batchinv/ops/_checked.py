@@ -29,9 +29,14 @@ _TABLES: list[CheckedCalls] = []
 
 
 def clear_all() -> None:
-    """Forgets every op's signatures: each next call runs its checks and lookup again."""
+    """Forgets every op's signatures and kept launch plans: each next call runs its checks,
+    lookup and planning again (after a change of anything a plan's key does not hold)."""
     for table in _TABLES:
         table.clear()
+    from ..gpu import attention, linear, log_softmax  # here: the GPU modules import the ops
+
+    for module in (attention, linear, log_softmax):
+        module._LEAN.clear()
 
 
 class CheckedCalls:
