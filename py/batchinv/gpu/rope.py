@@ -43,7 +43,6 @@ def _heads_view(t: Tensor, tokens: int) -> Tensor:
     return view
 
 
-@functools.cache
 def launch_rotation(
     q: Tensor,
     k: Tensor,
