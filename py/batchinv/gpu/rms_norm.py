@@ -414,9 +414,8 @@ def run_counters_for(device: torch.device, first_level_rows: int) -> RunCounters
     # Calls on one stream run one after the other (a fused backward starts after the
     # last-levels grid before it, which ends after its own first level), so they may share
     # counters.
-    stream = torch.cuda.current_stream(device)
     index = device.index if device.index is not None else torch.cuda.current_device()
-    key = (index, stream.cuda_stream)
+    key = (index, current_raw_stream(index))  # the stream's handle, without a Stream object
     shared = _STREAM_COUNTERS.get(key)
     if shared is None:
         counters = torch.zeros(size, dtype=torch.int32, device=device)
@@ -548,11 +547,18 @@ def _check_weight_grad_width(d: int) -> None:
 
 
 def _weight_grad_separately(
-    grad_rows: Tensor, x_rows: Tensor, rstd: Tensor, groups: int, in_sequence: int
+    grad_rows: Tensor,
+    x_rows: Tensor,
+    rstd: Tensor,
+    rows: int,
+    d: int,
+    x_stride: int,
+    groups: int,
+    in_sequence: int,
 ) -> Tensor:
     """First-level partials by a column kernel that reads grad_y and x again, in the fused
-    kernel's tree (``groups`` runs of ``in_sequence`` rows per partial row)."""
-    rows, d = grad_rows.shape
+    kernel's tree (``groups`` runs of ``in_sequence`` rows per partial row): ``rows`` rows of
+    ``d``, grad_y's contiguous, x's ``x_stride`` apart."""
     device = grad_rows.device
     chunks = -(-rows // (groups * in_sequence))
     partials = torch.empty((chunks, d), dtype=torch.float32, device=device)
@@ -561,7 +567,7 @@ def _weight_grad_separately(
         device,
         grid=(chunks, -(-d // WEIGHT_GRAD_THREADS)),
         block=(WEIGHT_GRAD_THREADS,),
-        args=(partials, grad_rows, x_rows, rstd, rows, d, x_rows.stride(0), groups, in_sequence),
+        args=(partials, grad_rows, x_rows, rstd, rows, d, x_stride, groups, in_sequence),
     )
     return partials
 
@@ -590,25 +596,46 @@ def backward(
     residual) and ``rstd``; ``grad_residual`` (fused form) is added to grad_x in fp32 before
     its one rounding.  ``weight_grad=False`` skips grad_weight (returned as None)."""
     d = x.shape[-1]
-    x_rows = as_rows(x, d)
-    rows = x_rows.shape[0]
     dtype = x.dtype
-    grad_rows = grad_y.to(dtype).reshape(rows, d).contiguous()
-    extra = (
-        grad_residual.to(dtype).reshape(rows, d).contiguous() if grad_residual is not None else None
-    )
-    grad_x = torch.empty((rows, d), dtype=dtype, device=x.device)
+    if (
+        x.is_contiguous()
+        and x.numel() >= 2 * d  # two rows or more: then x's rows are exactly d apart
+        and grad_y.dtype == dtype
+        and grad_y.is_contiguous()
+        and (
+            grad_residual is None
+            or (grad_residual.dtype == dtype and grad_residual.is_contiguous())
+        )
+    ):
+        # What an autograd backward hands over: every operand already holds its rows d apart,
+        # so it is passed as it is (no reshape, cast or copy) and grad_x is allocated in its
+        # final shape; the kernels get the same pointers and strides either way.
+        rows = x.numel() // d
+        x_rows, grad_rows, extra = x, grad_y, grad_residual
+        grad_x = torch.empty_like(x)
+        x_stride = d
+    else:
+        x_rows = as_rows(x, d)
+        rows = x_rows.shape[0]
+        grad_rows = grad_y.to(dtype).reshape(rows, d).contiguous()
+        extra = (
+            grad_residual.to(dtype).reshape(rows, d).contiguous()
+            if grad_residual is not None
+            else None
+        )
+        grad_x = torch.empty((rows, d), dtype=dtype, device=x.device)
+        x_stride = x_rows.stride(0)
     if weight_grad:
         _check_weight_grad_width(d)
     args = (
         grad_rows,
         x_rows,
-        weight.contiguous(),
+        weight if weight.is_contiguous() else weight.contiguous(),
         rstd,
         extra if extra is not None else 0,
         rows,
         d,
-        x_rows.stride(0),
+        x_stride,
     )
     name, blocks, fused_cta, shape = fused_backward_plan(d, dtype, rows)
     groups, in_sequence = weight_grad_chunking(d, dtype, rows)
@@ -639,6 +666,8 @@ def backward(
     else:
         _launch_rows("rms_norm_backward", x.device, d, dtype, rows, (grad_x, *args))
         if weight_grad:
-            partials = _weight_grad_separately(grad_rows, x_rows, rstd, groups, in_sequence)
+            partials = _weight_grad_separately(
+                grad_rows, x_rows, rstd, rows, d, x_stride, groups, in_sequence
+            )
             grad_weight = _reduce_partials(partials, weight.dtype)
     return grad_x.reshape(x.shape), grad_weight
