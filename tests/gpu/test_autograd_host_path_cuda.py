@@ -120,6 +120,26 @@ def test_fused_add_rms_norm_gradients_are_the_backward_launchers_bits(rows, hidd
             )
 
 
+def test_fused_add_rms_norm_leaves_get_their_own_gradients_and_the_custom_op_the_same_bits():
+    # The node returns one tensor as the gradient of x and of residual: two leaves must still
+    # get distinct .grad tensors, and the custom op (whose outputs may not alias) the same bits.
+    gen = _seeded(31)
+    inputs = [_randn(257, 4096, dtype=torch.bfloat16, gen=gen) for _ in range(2)]
+    weight = _randn(4096, dtype=torch.bfloat16, gen=gen)
+    seeds = [_randn(257, 4096, dtype=torch.bfloat16, gen=gen) for _ in range(2)]
+    results = []
+    for op in (batchinv.fused_add_rms_norm, torch.ops.batchinv.fused_add_rms_norm):
+        x, r = (t.clone().requires_grad_() for t in inputs)
+        w = weight.clone().requires_grad_()
+        torch.autograd.backward(op(x, r, w, EPS), seeds)
+        assert x.grad.untyped_storage().data_ptr() != r.grad.untyped_storage().data_ptr()
+        assert_bitwise_equal(x.grad, r.grad, name="x and residual")
+        results.append([x.grad.clone(), r.grad.clone(), w.grad])
+        x.grad.zero_()  # one leaf's gradient written in place leaves the other's alone
+        assert_bitwise_equal(r.grad, results[-1][1], name="residual after x.grad.zero_()")
+    assert_bitwise_equal(results[1], results[0], name="custom op vs public op")
+
+
 # ----------------------------------------------------------------------------- silu_mul
 
 

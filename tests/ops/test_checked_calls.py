@@ -464,3 +464,30 @@ def test_every_op_table_holds_signatures_not_tensors(table, call):
         cells = getattr(run, "__closure__", None) or ()
         assert not any(isinstance(c.cell_contents, torch.Tensor) for c in cells)
         assert not isinstance(getattr(run, "__self__", None), torch.Tensor)
+
+
+def test_fused_add_custom_op_gradients_of_x_and_residual_do_not_alias(monkeypatch):
+    # The GPU node returns one gradient tensor for x and residual; a custom op's outputs may
+    # not alias, so the custom op's backward copies one.  A CPU stand-in returns one tensor.
+    class OneGradient(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, weight, eps, residual):
+            return x + residual, x + residual
+
+        @staticmethod
+        def backward(ctx, grad_y, grad_h):
+            grad = grad_y + grad_h
+            return grad, None, None, grad
+
+    monkeypatch.setitem(
+        registry._IMPLEMENTATIONS["fused_add_rms_norm.grad"], "cpu", OneGradient.apply
+    )
+    x, r = torch.randn(3, 8, requires_grad=True), torch.randn(3, 8, requires_grad=True)
+    w = torch.ones(8, requires_grad=True)
+    grads = (torch.randn(3, 8), torch.randn(3, 8))
+    eager = torch.autograd.grad(batchinv.fused_add_rms_norm(x, r, w, EPS), (x, r), grads)
+    assert eager[0] is eager[1]  # the stand-in is what runs
+    got = torch.autograd.grad(torch.ops.batchinv.fused_add_rms_norm(x, r, w, EPS), (x, r), grads)
+    assert got[0].untyped_storage().data_ptr() != got[1].untyped_storage().data_ptr()
+    torch.testing.assert_close(got[0], eager[0], rtol=0, atol=0)
+    torch.testing.assert_close(got[1], eager[0], rtol=0, atol=0)

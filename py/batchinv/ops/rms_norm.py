@@ -18,7 +18,7 @@ from ..gpu import rms_norm as gpu
 from ..reference import rms_norm as reference
 from ..validation import check_fused_add_rms_norm_args, check_rms_norm_args
 from ._checked import CheckedCalls
-from ._custom_op import CustomOp
+from ._custom_op import CustomOp, recompute_grads
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -156,7 +156,10 @@ class _FusedAddRMSNormGPU(torch.autograd.Function):
         grad_h, grad_weight = gpu.backward(
             grad_y, new_residual, weight, rstd, grad_new_residual, weight_grad=need_weight
         )
-        return grad_h, grad_h.clone(), grad_weight, None
+        # One tensor for both inputs, as torch's own add gives (no copy of the size of x): the
+        # engine never accumulates into a gradient another holder still reads, and two leaves'
+        # .grad end up distinct (AccumulateGrad copies one still shared).
+        return grad_h, grad_h, grad_weight, None
 
 
 def _needs_grad(x: Tensor, weight: Tensor, residual: Tensor | None = None) -> bool:
@@ -219,10 +222,26 @@ CustomOp(
     _rms_norm_fake,
     (0, 1),
 )
+
+
+def _fused_add_rms_norm_backward(grads, needs, outputs, x, residual, weight, eps):
+    got = recompute_grads(fused_add_rms_norm, (x, residual, weight, eps), (0, 1, 2), needs, grads)
+    # The GPU autograd node gives x and residual one gradient tensor; a custom op's outputs
+    # must not alias each other, so here the residual's is a copy.
+    grad_x, grad_residual = got[0], got[1]
+    if (
+        grad_x.numel()
+        and grad_x.untyped_storage().data_ptr() == grad_residual.untyped_storage().data_ptr()
+    ):
+        got[1] = grad_residual.clone()
+    return got
+
+
 CustomOp(
     "fused_add_rms_norm",
     "(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)",
     fused_add_rms_norm,
     _fused_add_rms_norm_fake,
     (0, 1, 2),
+    backward=_fused_add_rms_norm_backward,
 )
