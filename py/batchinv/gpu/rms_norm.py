@@ -547,18 +547,11 @@ def _check_weight_grad_width(d: int) -> None:
 
 
 def _weight_grad_separately(
-    grad_rows: Tensor,
-    x_rows: Tensor,
-    rstd: Tensor,
-    rows: int,
-    d: int,
-    x_stride: int,
-    groups: int,
-    in_sequence: int,
+    grad_rows: Tensor, x_rows: Tensor, rstd: Tensor, groups: int, in_sequence: int
 ) -> Tensor:
     """First-level partials by a column kernel that reads grad_y and x again, in the fused
-    kernel's tree (``groups`` runs of ``in_sequence`` rows per partial row): ``rows`` rows of
-    ``d``, grad_y's contiguous, x's ``x_stride`` apart."""
+    kernel's tree (``groups`` runs of ``in_sequence`` rows per partial row)."""
+    rows, d = grad_rows.shape
     device = grad_rows.device
     chunks = -(-rows // (groups * in_sequence))
     partials = torch.empty((chunks, d), dtype=torch.float32, device=device)
@@ -567,7 +560,7 @@ def _weight_grad_separately(
         device,
         grid=(chunks, -(-d // WEIGHT_GRAD_THREADS)),
         block=(WEIGHT_GRAD_THREADS,),
-        args=(partials, grad_rows, x_rows, rstd, rows, d, x_stride, groups, in_sequence),
+        args=(partials, grad_rows, x_rows, rstd, rows, d, x_rows.stride(0), groups, in_sequence),
     )
     return partials
 
@@ -608,10 +601,10 @@ def backward(
         )
     ):
         # What an autograd backward hands over: every operand already holds its rows d apart,
-        # so it is passed as it is (no reshape, cast or copy) and grad_x is allocated in its
-        # final shape; the kernels get the same pointers and strides either way.
+        # so it is passed as it is (a [rows, d] view, no cast or copy) and grad_x is allocated
+        # in its final shape; the kernels get the same pointers and strides either way.
         rows = x.numel() // d
-        x_rows, grad_rows, extra = x, grad_y, grad_residual
+        x_rows, grad_rows, extra = x.view(rows, d), grad_y.view(rows, d), grad_residual
         grad_x = torch.empty_like(x)
         x_stride = d
     else:
@@ -666,8 +659,6 @@ def backward(
     else:
         _launch_rows("rms_norm_backward", x.device, d, dtype, rows, (grad_x, *args))
         if weight_grad:
-            partials = _weight_grad_separately(
-                grad_rows, x_rows, rstd, rows, d, x_stride, groups, in_sequence
-            )
+            partials = _weight_grad_separately(grad_rows, x_rows, rstd, groups, in_sequence)
             grad_weight = _reduce_partials(partials, weight.dtype)
     return grad_x.reshape(x.shape), grad_weight
