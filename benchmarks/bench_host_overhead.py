@@ -14,8 +14,8 @@ and without it (``check_ids=False`` / ``check_positions=False``), each row label
 The backward rows time one ``torch.autograd.grad(out, inputs, grad_out)`` of an output
 recorded once (``retain_graph``), at ``BACKWARD_TOKENS`` tokens, against the same call on the
 torch code's output: the host time of the autograd engine and the op's backward, launch to
-launch, with the same goal.  ``embedding``'s backward reads a count back (one synchronisation
-per call, like the torch op's where it has one), so its host time includes the GPU's.
+launch, with the same goal.  ``embedding``'s backward reads its segment count back (one
+synchronisation per call), so its host time includes the GPU's work queued before it.
 
 ``--profile DIR`` also writes a cProfile table per batchinv op (the functions the host time
 goes to).
@@ -163,8 +163,9 @@ def _cases(rows: int, device: torch.device):
     ]
 
 
-# The backward rows: a trainer's micro-batch (the GPU time per call stays small beside the
-# host's; 1024 x 4096 x 4096 linear is the exception, and its row says so through the wall time).
+# The backward rows: a trainer's micro-batch.  Where the GPU time per call exceeds the host's
+# (linear's products) the wall time exceeds the host time, which stays the host's while the
+# launch queue does not fill (fewer calls per round than the forward rows).
 BACKWARD_TOKENS = 1024
 BACKWARD_VOCAB = 32000  # the embedding row: its backward zero-fills [vocab, hidden] per call
 BACKWARD_CALLS, BACKWARD_WARMUP = 50, 10
