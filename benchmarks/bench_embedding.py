@@ -2,7 +2,12 @@
 
 Goal: >= 0.85 of the copy's bandwidth at vocab 151936, hidden 4096, 16384 tokens.
 Rows: the copy (the anchor), stock ``F.embedding``, batchinv's kernel alone, and the
-whole op, which also reads the bad-id flag back (one synchronisation per call).
+whole op, which also reads the bad-id flag back (one synchronisation per call).  The backward
+rows (no goal): ``torch.autograd.grad`` of an output recorded once, for ``F.embedding`` and
+batchinv, and batchinv's backward alone (``gpu.embedding.backward``: the difference is the
+autograd engine's and the op's host time).  Their bytes are the forward's (read a gradient
+row, write a table row per token); the zero fill of the ``[vocab, hidden]`` gradient, which
+both do, is not counted.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ import torch.nn.functional as F
 from _common import copy_ms_for, median_ms, parse_args, report, require_cuda, summary_row
 
 import batchinv
+from batchinv.gpu import embedding as gpu_embedding
 from batchinv.gpu.embedding import launch_forward
 
 SHAPES = [
@@ -44,6 +50,19 @@ def main() -> None:
             "batchinv op (+id check)": lambda i=ids, w=weight: batchinv.embedding(i, w),
         }
         timings = {path: median_ms(fn) for path, fn in paths.items()}
+        grad = torch.randn(tokens, hidden, device=device, generator=gen).to(dtype)
+        leaf = weight.detach().requires_grad_()
+        outputs = {
+            "backward torch F.embedding": F.embedding(ids, leaf),
+            "backward batchinv (autograd)": batchinv.embedding(ids, leaf, check_ids=False),
+        }
+        for path, out in outputs.items():
+            timings[path] = median_ms(
+                lambda o=out, w=leaf: torch.autograd.grad(o, w, grad, retain_graph=True)
+            )
+        timings["backward batchinv kernel (no autograd)"] = median_ms(
+            lambda: gpu_embedding.backward(ids, grad, vocab, dtype)
+        )
         copy_tbs = 2 * tokens * row_bytes / timings["copy"] / 1e9  # bytes per ms / 1e9 = TB/s
         case = f"{vocab}x{hidden}, {tokens} tokens, {str(dtype).removeprefix('torch.')}"
         for path, variant in SUMMARY_PATHS.items():

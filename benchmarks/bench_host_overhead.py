@@ -14,6 +14,12 @@ measured with the check (the default), without it (``check_ids=False`` /
 timing loop runs inside ``batchinv.device_checks.deferred()``, as a decode loop would, and
 the checks are read once afterwards), each row labelled.
 
+The backward rows time one ``torch.autograd.grad(out, inputs, grad_out)`` of an output
+recorded once (``retain_graph``), at ``BACKWARD_TOKENS`` tokens, against the same call on the
+torch code's output: the host time of the autograd engine and the op's backward, launch to
+launch, with the same goal.  ``embedding``'s backward reads its segment count back (one
+synchronisation per call), so its host time includes the GPU's work queued before it.
+
 ``--profile DIR`` also writes a cProfile table per batchinv op (the functions the host time
 goes to).
 """
@@ -184,6 +190,172 @@ def _cases(rows: int, device: torch.device):
     ]
 
 
+# The backward rows: a trainer's micro-batch.  Where the GPU time per call exceeds the host's
+# (linear's products) the wall time exceeds the host time, which stays the host's while the
+# launch queue does not fill (fewer calls per round than the forward rows).
+BACKWARD_TOKENS = 1024
+BACKWARD_VOCAB = 32000  # the embedding row: its backward zero-fills [vocab, hidden] per call
+BACKWARD_CALLS, BACKWARD_WARMUP = 50, 10
+
+
+def _grad_call(forward, inputs, grads):
+    """A callable running one ``torch.autograd.grad`` of ``forward(*inputs)``, recorded once
+    (only the backward is timed)."""
+    leaves = [t.detach().requires_grad_() for t in inputs]
+    out = forward(*leaves)
+    return lambda: torch.autograd.grad(out, leaves, grads, retain_graph=True)
+
+
+def _backward_cases(tokens: int, device: torch.device):
+    """(op, variant, batchinv backward, torch backward, torch code) at ``tokens`` tokens."""
+    bf16 = dict(device=device, dtype=torch.bfloat16)
+    x, residual = torch.randn(tokens, HIDDEN, **bf16), torch.randn(tokens, HIDDEN, **bf16)
+    norm_w = torch.randn(HIDDEN, **bf16)
+    grad_x, grad_h = torch.randn_like(x), torch.randn_like(x)
+    w = torch.randn(HIDDEN, HIDDEN, **bf16) / 64
+    gate, up = torch.randn(tokens, INTERMEDIATE, **bf16), torch.randn(tokens, INTERMEDIATE, **bf16)
+    gate_up = torch.cat((gate, up), dim=-1)
+    grad_inter = torch.randn_like(gate)
+    table = torch.randn(BACKWARD_VOCAB, HIDDEN, **bf16)
+    ids = torch.randint(0, BACKWARD_VOCAB, (tokens,), device=device)
+    q = torch.randn(tokens, HEADS, HEAD_DIM, **bf16)
+    k = torch.randn(tokens, KV_HEADS, HEAD_DIM, **bf16)
+    grad_q, grad_k = torch.randn_like(q), torch.randn_like(k)
+    positions = torch.randint(0, 4096, (tokens,), device=device)
+    inv_freq = 1.0 / THETA ** (torch.arange(0, HEAD_DIM, 2, device=device).float() / HEAD_DIM)
+    angles = torch.outer(positions.float(), inv_freq)
+    cos = torch.cat((angles, angles), -1).cos().to(torch.bfloat16).unsqueeze(1)
+    sin = torch.cat((angles, angles), -1).sin().to(torch.bfloat16).unsqueeze(1)
+
+    def torch_rope(a, b):
+        return a * cos + _rotate_half(a) * sin, b * cos + _rotate_half(b) * sin
+
+    def torch_fused_add_rms_norm(a, r, b):
+        h = a + r
+        return F.rms_norm(h, (HIDDEN,), b, EPS), h
+
+    def torch_silu_mul_fused(both):
+        return F.silu(both[..., :INTERMEDIATE]) * both[..., INTERMEDIATE:]
+
+    def case(op, variant, ours, theirs, inputs, grads, anchor):
+        return (
+            op,
+            variant,
+            _grad_call(ours, inputs, grads),
+            _grad_call(theirs, inputs, grads),
+            anchor,
+        )
+
+    return [
+        case(
+            "rms_norm",
+            "",
+            lambda a, b: batchinv.rms_norm(a, b, EPS),
+            lambda a, b: F.rms_norm(a, (HIDDEN,), b, EPS),
+            (x, norm_w),
+            grad_x,
+            "F.rms_norm",
+        ),
+        case(
+            "fused_add_rms_norm",
+            "",
+            lambda a, r, b: batchinv.fused_add_rms_norm(a, r, b, EPS),
+            torch_fused_add_rms_norm,
+            (x, residual, norm_w),
+            (grad_x, grad_h),
+            "x + residual; F.rms_norm",
+        ),
+        case(
+            "linear",
+            f"{HIDDEN}x{HIDDEN}",
+            batchinv.linear,
+            F.linear,
+            (x, w),
+            grad_x,
+            "F.linear",
+        ),
+        case(
+            "silu_mul",
+            "",
+            batchinv.silu_mul,
+            lambda g, u: F.silu(g) * u,
+            (gate, up),
+            grad_inter,
+            "F.silu(gate) * up",
+        ),
+        case(
+            "silu_mul_fused",
+            "",
+            batchinv.silu_mul_fused,
+            torch_silu_mul_fused,
+            (gate_up,),
+            grad_inter,
+            "F.silu(gate_up[..., :I]) * gate_up[..., I:]",
+        ),
+        case(
+            "embedding",
+            f"vocab {BACKWARD_VOCAB}",
+            lambda t: batchinv.embedding(ids, t),
+            lambda t: F.embedding(ids, t),
+            (table,),
+            grad_x,
+            "F.embedding",
+        ),
+        case(
+            "rope",
+            "",
+            lambda a, b: batchinv.rope(a, b, positions, theta=THETA, check_positions=False),
+            torch_rope,
+            (q, k),
+            (grad_q, grad_k),
+            "HF rotate_half on gathered cos/sin",
+        ),
+    ]
+
+
+def _best_backward_host_us(fn) -> tuple[float, float]:
+    """``_best_host_us`` for the backward rows (fewer calls: a backward launches more)."""
+    runs = [
+        host_and_wall_seconds(fn, BACKWARD_CALLS, warmup=BACKWARD_WARMUP) for _ in range(ROUNDS)
+    ]
+    host, wall = min(runs)
+    return host * 1e6, wall * 1e6
+
+
+def _backward_rows(device: torch.device) -> tuple[list[dict], list[dict]]:
+    """The backward rows and their summary rows (``main``'s columns)."""
+    rows_out, summary = [], []
+    for op, variant, ours, theirs, anchor in _backward_cases(BACKWARD_TOKENS, device):
+        ours_host, ours_wall = _best_backward_host_us(ours)
+        torch_host, torch_wall = _best_backward_host_us(theirs)
+        case = f"backward, {BACKWARD_TOKENS} tokens" + (f", {variant}" if variant else "")
+        rows_out.append(
+            {
+                "op": op,
+                "case": case,
+                "batchinv_host_us": ours_host,
+                "batchinv_wall_us": ours_wall,
+                "torch_host_us": torch_host,
+                "torch_wall_us": torch_wall,
+                "torch_code": anchor,
+                "ratio": torch_host / ours_host,
+            }
+        )
+        summary.append(
+            summary_row(
+                op,
+                case,
+                "autograd.grad host time per call",
+                ours_host / 1e3,
+                f"{anchor} (host time)",
+                torch_host / 1e3,
+                GOAL,
+                scope="op",
+            )
+        )
+    return rows_out, summary
+
+
 def _path(op: str, rows: int, device: torch.device) -> str | None:
     """The GEMM path a ``linear`` row took (the op with several paths); None for the others."""
     if op != "linear":
@@ -258,6 +430,9 @@ def main() -> None:
                 name = f"{op}_{'deferred' if deferred else variant.split(' ')[0] or 'default'}"
                 with device_checks.deferred() if deferred else contextlib.nullcontext():
                     _profile(ours, args.profile / f"{name.replace('=', '_')}.txt")
+    backward_rows, backward_summary = _backward_rows(device)
+    rows_out += backward_rows
+    summary += backward_summary
     columns = ["op", "case", "batchinv_host_us", "torch_host_us", "ratio"]
     columns += ["batchinv_wall_us", "torch_wall_us", "torch_code"]
     report("host overhead per eager call", rows_out, columns, args.json, summary)

@@ -3,8 +3,9 @@
 Goal: >= 0.9 of the copy's bandwidth.  Rows per shape: the copy (the anchor,
 measured in this run), stock ``F.silu(g) * u``, Liger-Kernel's ``LigerSiLUMulFunction`` when
 importable, batchinv on two tensors and on the fused ``[.., 2I]`` layout; forward and
-backward.  Bytes: forward reads gate and up and writes out (3 tensors); backward reads dy,
-gate, up and writes two grads (5).
+backward, the backward through autograd and its kernel alone (``gpu.silu_mul.backward``: the
+difference is the autograd engine's and the op's host time per call).  Bytes: forward reads
+gate and up and writes out (3 tensors); backward reads dy, gate, up and writes two grads (5).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch.nn.functional as F
 from _common import copy_ms_for, median_ms, parse_args, report, require_cuda, summary_row
 
 import batchinv
+from batchinv.gpu import silu_mul as gpu_silu_mul
 
 SHAPES = [
     # (tokens, intermediate, dtype)
@@ -75,6 +77,18 @@ def main() -> None:
                 "batchinv silu_mul_fused",
                 5,
                 _backward_ms(batchinv.silu_mul_fused, (gate_up,), grad),
+            ),
+            (
+                "backward kernel (no autograd)",
+                "batchinv silu_mul",
+                5,
+                median_ms(lambda: gpu_silu_mul.backward(grad, gate, up)),
+            ),
+            (
+                "backward kernel (no autograd)",
+                "batchinv silu_mul_fused",
+                5,
+                median_ms(lambda: gpu_silu_mul.backward_fused(grad, gate_up)),
             ),
         ]
         if liger is not None:

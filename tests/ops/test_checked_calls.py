@@ -1,7 +1,7 @@
-"""The host-light path of the public ops (``batchinv.ops._checked``): a call that needs no
-gradient runs its checks once per signature.  These tests pin what that must never cost: a
-bad argument still raises its own error after good calls of a nearby signature, and a call
-that fails is not remembered."""
+"""The host-light path of the public ops (``batchinv.ops._checked``): a call runs its checks
+once per signature, with or without gradients.  These tests pin what that must never cost: a
+bad argument still raises its own error after good calls of a nearby signature, a call that
+fails is not remembered, and a call that needs a gradient still records one."""
 
 from __future__ import annotations
 
@@ -9,12 +9,14 @@ import pytest
 import torch
 
 import batchinv
+from batchinv import registry
 from batchinv.ops import _checked
 from batchinv.ops import attention as attention_op
 from batchinv.ops import embedding as embedding_op
 from batchinv.ops import linear as linear_op
 from batchinv.ops import log_softmax as log_softmax_op
 from batchinv.ops import rms_norm as rms_norm_op
+from batchinv.ops import rope as rope_op
 from batchinv.ops import silu_mul as silu_mul_op
 
 EPS = 1e-6
@@ -26,6 +28,20 @@ def _fused_add(residual):
 
 def _case():
     return torch.randn(3, 8), torch.ones(8), EPS
+
+
+THETA = 10000.0
+
+
+def _rope_args(tokens=3, key_dim=8, positions_shape=None, requires_grad=False):
+    q = torch.randn(tokens, 2, 8, requires_grad=requires_grad)
+    k = torch.randn(tokens, 1, key_dim, requires_grad=requires_grad)
+    positions = torch.arange(tokens) if positions_shape is None else torch.zeros(positions_shape)
+    return q, k, positions.long()
+
+
+def _grad(tensor):
+    return tensor.requires_grad_()
 
 
 def _attention(key_dim=8, **options):
@@ -86,12 +102,84 @@ def test_rms_norm_checks_a_signature_once(monkeypatch):
     assert len(seen) == 2
 
 
-def test_a_gradient_call_is_checked_every_time(monkeypatch):
+def test_a_gradient_call_is_checked_once_per_signature(monkeypatch):
     seen = _counting(monkeypatch, rms_norm_op, "check_rms_norm_args")
     x, w = torch.randn(3, 8, requires_grad=True), torch.ones(8)
     batchinv.rms_norm(x, w, EPS)
-    batchinv.rms_norm(x, w, EPS)
+    batchinv.rms_norm(x.detach().clone().requires_grad_(), w, EPS)
+    assert len(seen) == 1
+    batchinv.rms_norm(torch.randn(4, 8, requires_grad=True), w, EPS)  # another shape: checked
     assert len(seen) == 2
+
+
+def test_rope_checks_a_signature_once(monkeypatch):
+    seen = _counting(monkeypatch, rope_op, "check_rope_args")
+    for requires_grad in (False, False, True, True):
+        batchinv.rope(*_rope_args(requires_grad=requires_grad), theta=THETA)
+    # The grad and no-grad calls share one table (the implementation decides per call).
+    assert len(seen) == 1
+    batchinv.rope(*_rope_args(), theta=THETA, check_positions=False)  # another flag: checked
+    assert len(seen) == 2
+
+
+def _grad_case(name):
+    """A call of op ``name`` on inputs that require a gradient, and those inputs."""
+    leaf = lambda *shape: torch.randn(*shape).requires_grad_()  # noqa: E731
+    if name == "rms_norm":
+        x, w = leaf(3, 8), leaf(8)
+        return lambda: batchinv.rms_norm(x, w, EPS), (x, w)
+    if name == "fused_add_rms_norm":
+        x, r, w = leaf(3, 8), leaf(3, 8), leaf(8)
+        return lambda: batchinv.fused_add_rms_norm(x, r, w, EPS)[0], (x, r, w)
+    if name == "silu_mul":
+        g, u = leaf(3, 8), leaf(3, 8)
+        return lambda: batchinv.silu_mul(g, u), (g, u)
+    if name == "silu_mul_fused":
+        gu = leaf(3, 8)
+        return lambda: batchinv.silu_mul_fused(gu), (gu,)
+    if name == "embedding":
+        w = leaf(5, 4)
+        return lambda: batchinv.embedding(torch.tensor([1, 2, 1]), w), (w,)
+    if name == "linear":
+        x, w, b = leaf(3, 8), leaf(4, 8), leaf(4)
+        return lambda: batchinv.linear(x, w, b), (x, w, b)
+    q, k, positions = _rope_args(requires_grad=True)
+    return lambda: batchinv.rope(q, k, positions, theta=THETA)[0], (q, k)
+
+
+# Each op and the registry entry its no-grad calls run (the grad calls' autograd node runs it
+# too, inside its forward, where grad mode is off).
+NO_GRAD_IMPLEMENTATIONS = {
+    "rms_norm": "rms_norm.no_grad",
+    "fused_add_rms_norm": "fused_add_rms_norm.no_grad",
+    "silu_mul": "silu_mul.no_grad",
+    "silu_mul_fused": "silu_mul_fused.no_grad",
+    "embedding": "embedding.forward",
+    "linear": "linear.forward",
+}
+
+
+@pytest.mark.parametrize("name", NO_GRAD_IMPLEMENTATIONS)
+def test_a_gradient_call_never_runs_the_no_grad_entry(name, monkeypatch):
+    # Grad and no-grad calls of one signature must not share an entry: a grad call that ran
+    # the no-grad implementation would record no node on a GPU (the CPU references record
+    # one anyway, so the entry itself is watched).
+    op = NO_GRAD_IMPLEMENTATIONS[name]
+    implementation = registry._IMPLEMENTATIONS[op]["cpu"]
+
+    def watched(*args, **kwargs):
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+            raise AssertionError(f"{op} ran for a call that needs a gradient")
+        return implementation(*args, **kwargs)
+
+    monkeypatch.setitem(registry._IMPLEMENTATIONS[op], "cpu", watched)
+    call, inputs = _grad_case(name)
+    with torch.no_grad():
+        call()  # the no-grad entry of this signature first
+    out = call()
+    assert out.grad_fn is not None
+    assert all(g is not None for g in torch.autograd.grad(out, inputs, torch.ones_like(out)))
 
 
 # Each case: a good call, then calls that differ in one thing the checks read; every one must
@@ -182,6 +270,98 @@ BAD_AFTER_GOOD = [
         "bias.shape",
     ),
     (
+        "rms_norm grad weight shape",
+        lambda: batchinv.rms_norm(_grad(torch.randn(3, 8)), torch.ones(8), EPS),
+        lambda: batchinv.rms_norm(_grad(torch.randn(3, 8)), torch.ones(9), EPS),
+        ValueError,
+        "weight must have shape",
+    ),
+    (
+        "rms_norm grad eps value",
+        lambda: batchinv.rms_norm(_grad(torch.randn(3, 8)), torch.ones(8), EPS),
+        lambda: batchinv.rms_norm(_grad(torch.randn(3, 8)), torch.ones(8), -EPS),
+        ValueError,
+        "eps must be",
+    ),
+    (
+        "fused_add_rms_norm grad residual shape",
+        lambda: _fused_add(_grad(torch.randn(3, 8))),
+        lambda: _fused_add(_grad(torch.randn(2, 8))),
+        ValueError,
+        "residual must have the shape",
+    ),
+    (
+        "silu_mul grad up dtype",
+        lambda: batchinv.silu_mul(_grad(torch.randn(3, 8)), torch.randn(3, 8)),
+        lambda: batchinv.silu_mul(_grad(torch.randn(3, 8)), torch.randn(3, 8).double()),
+        TypeError,
+        "up",
+    ),
+    (
+        "silu_mul_fused grad odd width",
+        lambda: batchinv.silu_mul_fused(_grad(torch.randn(3, 8))),
+        lambda: batchinv.silu_mul_fused(_grad(torch.randn(3, 9))),
+        ValueError,
+        "even, non-empty last dimension",
+    ),
+    (
+        "embedding grad ids dtype",
+        lambda: batchinv.embedding(torch.tensor([1, 2]), _grad(torch.randn(5, 4))),
+        lambda: batchinv.embedding(torch.tensor([1.0, 2.0]), _grad(torch.randn(5, 4))),
+        TypeError,
+        "ids must have dtype",
+    ),
+    (
+        "linear grad bias shape",
+        lambda: batchinv.linear(_grad(torch.randn(3, 8)), torch.randn(4, 8), torch.randn(4)),
+        lambda: batchinv.linear(_grad(torch.randn(3, 8)), torch.randn(4, 8), torch.randn(5)),
+        ValueError,
+        "bias.shape",
+    ),
+    (
+        "rope k head dim",
+        lambda: batchinv.rope(*_rope_args(), theta=THETA),
+        lambda: batchinv.rope(*_rope_args(key_dim=6), theta=THETA),
+        ValueError,
+        "head_dim",
+    ),
+    (
+        "rope positions shape",
+        lambda: batchinv.rope(*_rope_args(), theta=THETA),
+        lambda: batchinv.rope(*_rope_args(positions_shape=(2,)), theta=THETA),
+        ValueError,
+        "position_ids must have shape",
+    ),
+    (
+        "rope theta value",
+        lambda: batchinv.rope(*_rope_args(), theta=THETA),
+        lambda: batchinv.rope(*_rope_args(), theta=-THETA),
+        ValueError,
+        "theta",
+    ),
+    (
+        "rope max_position bool",
+        # position 0 is valid for max_position=1, and True == 1: only its class tells them apart
+        lambda: batchinv.rope(*_rope_args(positions_shape=(3,)), theta=THETA, max_position=1),
+        lambda: batchinv.rope(*_rope_args(positions_shape=(3,)), theta=THETA, max_position=True),
+        TypeError,
+        "max_position",
+    ),
+    (
+        "rope check_positions type",
+        lambda: batchinv.rope(*_rope_args(), theta=THETA),
+        lambda: batchinv.rope(*_rope_args(), theta=THETA, check_positions=1),
+        TypeError,
+        "check_positions",
+    ),
+    (
+        "rope grad theta value",
+        lambda: batchinv.rope(*_rope_args(requires_grad=True), theta=THETA),
+        lambda: batchinv.rope(*_rope_args(requires_grad=True), theta=float("nan")),
+        ValueError,
+        "theta",
+    ),
+    (
         "log_softmax dim",
         lambda: batchinv.log_softmax(torch.randn(3, 8), -1),
         lambda: batchinv.log_softmax(torch.randn(3, 8), 0),
@@ -225,6 +405,7 @@ OP_CHECKS = {
     "linear": (linear_op, "check_linear_args"),
     "log_softmax": (log_softmax_op, "check_log_softmax_args"),
     "attention": (attention_op, "_check_padded"),
+    "rope": (rope_op, "check_rope_args"),
 }
 
 
@@ -260,6 +441,13 @@ TABLE_CALLS = [
     (linear_op._FORWARD, lambda: batchinv.linear(torch.randn(3, 8), torch.randn(4, 8))),
     (log_softmax_op._NO_GRAD, lambda: batchinv.log_softmax(torch.randn(3, 8), -1)),
     (attention_op._PADDED_WITHOUT_LENGTHS, lambda: _attention()),
+    (rms_norm_op._RMS_NORM_GRAD, lambda: _grad_case("rms_norm")[0]()),
+    (rms_norm_op._FUSED_ADD_RMS_NORM_GRAD, lambda: _grad_case("fused_add_rms_norm")[0]()),
+    (silu_mul_op._SILU_MUL_GRAD, lambda: _grad_case("silu_mul")[0]()),
+    (silu_mul_op._SILU_MUL_FUSED_GRAD, lambda: _grad_case("silu_mul_fused")[0]()),
+    (embedding_op._GRAD, lambda: _grad_case("embedding")[0]()),
+    (linear_op._GRAD, lambda: _grad_case("linear")[0]()),
+    (rope_op._CHECKED, lambda: _grad_case("rope")[0]()),
 ]  # fmt: skip
 
 
@@ -272,7 +460,37 @@ def test_every_op_table_holds_signatures_not_tensors(table, call):
     assert len(table) == 1
     for run in table._known.values():
         assert callable(run) and not isinstance(run, torch.Tensor)
-        assert not any(isinstance(c.cell_contents, torch.Tensor) for c in (run.__closure__ or ()))
+        # a function's closure, or a bound method's object (``Function.apply``): no tensor
+        cells = getattr(run, "__closure__", None) or ()
+        assert not any(isinstance(c.cell_contents, torch.Tensor) for c in cells)
+        assert not isinstance(getattr(run, "__self__", None), torch.Tensor)
+
+
+def test_fused_add_custom_op_gradients_of_x_and_residual_do_not_alias(monkeypatch):
+    # The GPU node returns one gradient tensor for x and residual; a custom op's outputs may
+    # not alias, so the custom op's backward copies one.  A CPU stand-in returns one tensor.
+    class OneGradient(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, weight, eps, residual):
+            return x + residual, x + residual
+
+        @staticmethod
+        def backward(ctx, grad_y, grad_h):
+            grad = grad_y + grad_h
+            return grad, None, None, grad
+
+    monkeypatch.setitem(
+        registry._IMPLEMENTATIONS["fused_add_rms_norm.grad"], "cpu", OneGradient.apply
+    )
+    x, r = torch.randn(3, 8, requires_grad=True), torch.randn(3, 8, requires_grad=True)
+    w = torch.ones(8, requires_grad=True)
+    grads = (torch.randn(3, 8), torch.randn(3, 8))
+    eager = torch.autograd.grad(batchinv.fused_add_rms_norm(x, r, w, EPS), (x, r), grads)
+    assert eager[0] is eager[1]  # the stand-in is what runs
+    got = torch.autograd.grad(torch.ops.batchinv.fused_add_rms_norm(x, r, w, EPS), (x, r), grads)
+    assert got[0].untyped_storage().data_ptr() != got[1].untyped_storage().data_ptr()
+    torch.testing.assert_close(got[0], eager[0], rtol=0, atol=0)
+    torch.testing.assert_close(got[1], eager[0], rtol=0, atol=0)
 
 
 def test_clear_all_forgets_the_kept_launch_plans_too():

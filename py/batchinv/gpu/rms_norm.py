@@ -414,9 +414,8 @@ def run_counters_for(device: torch.device, first_level_rows: int) -> RunCounters
     # Calls on one stream run one after the other (a fused backward starts after the
     # last-levels grid before it, which ends after its own first level), so they may share
     # counters.
-    stream = torch.cuda.current_stream(device)
     index = device.index if device.index is not None else torch.cuda.current_device()
-    key = (index, stream.cuda_stream)
+    key = (index, current_raw_stream(index))  # the stream's handle, without a Stream object
     shared = _STREAM_COUNTERS.get(key)
     if shared is None:
         counters = torch.zeros(size, dtype=torch.int32, device=device)
@@ -590,25 +589,46 @@ def backward(
     residual) and ``rstd``; ``grad_residual`` (fused form) is added to grad_x in fp32 before
     its one rounding.  ``weight_grad=False`` skips grad_weight (returned as None)."""
     d = x.shape[-1]
-    x_rows = as_rows(x, d)
-    rows = x_rows.shape[0]
     dtype = x.dtype
-    grad_rows = grad_y.to(dtype).reshape(rows, d).contiguous()
-    extra = (
-        grad_residual.to(dtype).reshape(rows, d).contiguous() if grad_residual is not None else None
-    )
-    grad_x = torch.empty((rows, d), dtype=dtype, device=x.device)
+    if (
+        x.is_contiguous()
+        and x.numel() >= 2 * d  # two rows or more: then x's rows are exactly d apart
+        and grad_y.dtype == dtype
+        and grad_y.is_contiguous()
+        and (
+            grad_residual is None
+            or (grad_residual.dtype == dtype and grad_residual.is_contiguous())
+        )
+    ):
+        # What an autograd backward hands over: every operand already holds its rows d apart,
+        # so it is passed as it is (a [rows, d] view, no cast or copy) and grad_x is allocated
+        # in its final shape; the kernels get the same pointers and strides either way.
+        rows = x.numel() // d
+        x_rows, grad_rows, extra = x.view(rows, d), grad_y.view(rows, d), grad_residual
+        grad_x = torch.empty_like(x)
+        x_stride = d
+    else:
+        x_rows = as_rows(x, d)
+        rows = x_rows.shape[0]
+        grad_rows = grad_y.to(dtype).reshape(rows, d).contiguous()
+        extra = (
+            grad_residual.to(dtype).reshape(rows, d).contiguous()
+            if grad_residual is not None
+            else None
+        )
+        grad_x = torch.empty((rows, d), dtype=dtype, device=x.device)
+        x_stride = x_rows.stride(0)
     if weight_grad:
         _check_weight_grad_width(d)
     args = (
         grad_rows,
         x_rows,
-        weight.contiguous(),
+        weight if weight.is_contiguous() else weight.contiguous(),
         rstd,
         extra if extra is not None else 0,
         rows,
         d,
-        x_rows.stride(0),
+        x_stride,
     )
     name, blocks, fused_cta, shape = fused_backward_plan(d, dtype, rows)
     groups, in_sequence = weight_grad_chunking(d, dtype, rows)

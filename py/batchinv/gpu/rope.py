@@ -21,7 +21,7 @@ from torch import Tensor
 
 from .. import device_checks
 from ..reference.rope import rope_inv_freq
-from ..runtime import kernel_for, launch
+from ..runtime import current_raw_stream, kernel_for, launch
 from ..validation import report_bad_index
 
 THREADS = 128  # kThreads in kernels_cu/rope.cu
@@ -144,11 +144,74 @@ def forward(
     return q_rot, k_rot
 
 
+@functools.cache
+def _rotation_kernel(
+    dtype: torch.dtype, index_dtype: torch.dtype, head_dim: int, device: torch.device
+) -> tuple:
+    """``(kernel, shared bytes)`` of a rotation of ``head_dim``-wide heads (``launch_rotation``'s
+    choice, looked up once)."""
+    shared = 2 * (head_dim // 2) * 4
+    if shared > _MAX_SHARED_BYTES:
+        raise ValueError(
+            f"head_dim must be at most {_MAX_SHARED_BYTES // 4} on the GPU, got {head_dim}"
+        )
+    name = f"rope_{_SUFFIX[dtype]}_{_INDEX_SUFFIX[index_dtype]}"
+    return kernel_for("rope", name, device), shared
+
+
 def backward(
     grad_q_rot: Tensor, grad_k_rot: Tensor, position_ids: Tensor, theta: float, max_position: int
 ) -> tuple[Tensor, Tensor]:
-    """``(grad_q, grad_k)``: the inverse rotation (positions were checked by the forward)."""
-    grad_q, grad_k, _ = launch_rotation(
-        grad_q_rot, grad_k_rot, position_ids, theta, max_position, inverse=True, want_flag=False
+    """``(grad_q, grad_k)``: the inverse rotation (positions were checked by the forward).
+
+    Contiguous gradients and positions (what a trainer's backward hands over) take one native
+    call with pointers as ints and the gradients allocated in their final shape, the same
+    kernel and arguments as ``launch_rotation``, hence the same bits; other layouts take
+    ``launch_rotation``."""
+    if not (
+        grad_q_rot.is_contiguous() and grad_k_rot.is_contiguous() and position_ids.is_contiguous()
+    ):
+        grad_q, grad_k, _ = launch_rotation(
+            grad_q_rot, grad_k_rot, position_ids, theta, max_position, inverse=True, want_flag=False
+        )
+        return grad_q, grad_k
+    grad_q = torch.empty_like(grad_q_rot)
+    grad_k = torch.empty_like(grad_k_rot)
+    tokens = position_ids.numel()
+    if tokens == 0:
+        return grad_q, grad_k
+    if tokens > _MAX_GRID_X:
+        raise ValueError(f"position_ids has {tokens} tokens; at most {_MAX_GRID_X} are supported")
+    device = grad_q_rot.device
+    head_dim = grad_q_rot.shape[-1]
+    q_heads, k_heads = grad_q_rot.shape[-2], grad_k_rot.shape[-2]
+    kernel, shared = _rotation_kernel(grad_q_rot.dtype, position_ids.dtype, head_dim, device)
+    index = device.index
+    kernel(
+        (tokens,),
+        (THREADS,),
+        (
+            grad_q.data_ptr(),
+            grad_k.data_ptr(),
+            grad_q_rot.data_ptr(),
+            grad_k_rot.data_ptr(),
+            position_ids.data_ptr(),
+            inv_freq_on(device, head_dim, float(theta)).data_ptr(),
+            device_checks.unread_flag(device).data_ptr(),
+            tokens,
+            q_heads,
+            k_heads,
+            head_dim,
+            q_heads * head_dim,  # contiguous [tokens, heads, head_dim]: the strides
+            head_dim,
+            k_heads * head_dim,
+            head_dim,
+            max_position,
+            1,  # inverse: the backward
+        ),
+        shared,
+        current_raw_stream(index),
+        index,
+        False,
     )
     return grad_q, grad_k

@@ -168,8 +168,80 @@ def _backward_rows(
     )
 
 
+@functools.cache
+def _backward_launch(inter: int, dtype: torch.dtype, device: torch.device):
+    """``(kernel, tiles per row, tile elements)`` of a backward over rows of ``inter``."""
+    _, tiles, tile = _tiling(1, inter, MAX_BACKWARD_TILE_ELEMENTS)
+    return kernel_for("silu_mul", f"silu_mul_backward_{_SUFFIX[dtype]}", device), tiles, tile
+
+
+def _launch_backward_contiguous(
+    grad_gate_ptr: int,
+    grad_up_ptr: int,
+    grad_out: Tensor,
+    gate_ptr: int,
+    up_ptr: int,
+    stride: int,
+    rows: int,
+) -> None:
+    """``_backward_rows`` with its arguments as ints: ``grad_out`` contiguous, the gradients
+    and the inputs rows ``stride`` elements apart (the same kernel and arguments)."""
+    inter = grad_out.shape[-1]
+    device = grad_out.device
+    kernel, tiles, tile = _backward_launch(inter, grad_out.dtype, device)
+    grid = rows * tiles
+    if grid > _MAX_GRID_X:
+        raise ValueError(f"{rows} rows of {inter} elements are more than one launch supports")
+    index = device.index
+    kernel(
+        (grid,),
+        (THREADS,),
+        (
+            grad_gate_ptr,
+            grad_up_ptr,
+            grad_out.data_ptr(),
+            gate_ptr,
+            up_ptr,
+            rows,
+            inter,
+            stride,
+            stride,
+            inter,
+            stride,
+            stride,
+            tiles,
+            tile,
+        ),
+        0,
+        current_raw_stream(index),
+        index,
+        False,
+    )
+
+
 def backward(grad_out: Tensor, gate: Tensor, up: Tensor) -> tuple[Tensor, Tensor]:
-    """``(grad_gate, grad_up)`` in the inputs' shape and dtype."""
+    """``(grad_gate, grad_up)`` in the inputs' shape and dtype.  Contiguous operands of one
+    dtype (the common case in a backward) take one native call with pointers as ints and the
+    gradients allocated in their final shape; other layouts reshape and copy as needed."""
+    if (
+        grad_out.dtype == gate.dtype
+        and grad_out.is_contiguous()
+        and gate.is_contiguous()
+        and up.is_contiguous()
+    ):
+        grad_gate, grad_up = torch.empty_like(gate), torch.empty_like(up)
+        rows = gate.numel() // gate.shape[-1]
+        if rows:
+            _launch_backward_contiguous(
+                grad_gate.data_ptr(),
+                grad_up.data_ptr(),
+                grad_out,
+                gate.data_ptr(),
+                up.data_ptr(),
+                gate.shape[-1],
+                rows,
+            )
+        return grad_gate, grad_up
     inter = gate.shape[-1]
     gate_rows, up_rows = as_rows(gate, inter), as_rows(up, inter)
     rows = gate_rows.shape[0]
@@ -181,7 +253,20 @@ def backward(grad_out: Tensor, gate: Tensor, up: Tensor) -> tuple[Tensor, Tensor
 
 
 def backward_fused(grad_out: Tensor, gate_up: Tensor) -> Tensor:
-    """The gradient of ``gate_up`` ``[..., 2I]``: grad_gate in the first half, grad_up after."""
+    """The gradient of ``gate_up`` ``[..., 2I]``: grad_gate in the first half, grad_up after.
+    Contiguous operands of one dtype take one native call, as in ``backward``."""
+    if grad_out.dtype == gate_up.dtype and grad_out.is_contiguous() and gate_up.is_contiguous():
+        width = gate_up.shape[-1]
+        inter = width // 2
+        grad = torch.empty_like(gate_up)
+        rows = gate_up.numel() // width
+        if rows:
+            half = inter * gate_up.element_size()
+            grad_ptr, base = grad.data_ptr(), gate_up.data_ptr()
+            _launch_backward_contiguous(
+                grad_ptr, grad_ptr + half, grad_out, base, base + half, width, rows
+            )
+        return grad
     inter = gate_up.shape[-1] // 2
     both = as_rows(gate_up, 2 * inter)
     rows = both.shape[0]

@@ -30,10 +30,11 @@ def embedding(ids: Tensor, weight: Tensor, *, check_ids: bool = True) -> Tensor:
     if torch.compiler.is_compiling():  # one opaque node (the custom op below)
         return torch.ops.batchinv.embedding(ids, weight, check_ids)
     signature = _signature(ids, weight)
-    if signature is not None and not (torch.is_grad_enabled() and weight.requires_grad):
-        # No gradient wanted: the forward without an autograd node (the same gather and
-        # check), its signature's checks run once.
-        return _FORWARD.lookup(signature, ids, weight)(ids, weight, check_ids)
+    if signature is not None:
+        # Its signature's checks run once; no gradient wanted: the forward without an
+        # autograd node (the same gather and check).
+        table = _GRAD if torch.is_grad_enabled() and weight.requires_grad else _FORWARD
+        return table.lookup(signature, ids, weight)(ids, weight, check_ids)
     check_embedding_args(ids, weight, check_values=False)
     if torch.is_grad_enabled() and weight.requires_grad:
         return _Embedding.apply(ids, weight, check_ids)
@@ -57,7 +58,13 @@ def _resolve_forward(ids: Tensor, weight: Tensor):
     return registry.lookup("embedding.forward", weight.device)
 
 
+def _resolve_grad(ids: Tensor, weight: Tensor):
+    check_embedding_args(ids, weight, check_values=False)
+    return _Embedding.apply
+
+
 _FORWARD = CheckedCalls(_resolve_forward)
+_GRAD = CheckedCalls(_resolve_grad)
 
 
 class _Embedding(torch.autograd.Function):

@@ -33,14 +33,17 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     if torch.compiler.is_compiling():  # one opaque node (the custom op below)
         return torch.ops.batchinv.linear(x, weight, bias)
     signature = _signature(x, weight, bias)
-    if signature is not None and not _needs_grad(x, weight, bias):
-        return _FORWARD.lookup(signature, x, weight, bias)(x, weight, bias)
+    if signature is not None:
+        table = _GRAD if _needs_grad(x, weight, bias) else _FORWARD
+        return table.lookup(signature, x, weight, bias)(x, weight, bias)
     check_linear_args(x, weight, bias)
     return checked_linear(x, weight, bias)
 
 
-# A call that needs no gradient runs its signature's checks once (``_checked``): what
-# ``check_linear_args`` reads is the tensors' class, shape, dtype and device.
+# Every call runs its signature's checks once (``_checked``): what ``check_linear_args``
+# reads is the tensors' class, shape, dtype and device.  A call that needs a gradient looks up
+# its own table, whose entry records the autograd node (which inputs get a gradient is the
+# node's ``needs_input_grad``, so ``requires_grad`` is not part of the signature).
 
 
 def _signature(x: Tensor, weight: Tensor, bias: Tensor | None) -> tuple | None:
@@ -64,7 +67,13 @@ def _resolve_forward(x: Tensor, weight: Tensor, bias: Tensor | None):
     return gpu_linear.forward_no_grad if run is gpu_linear.forward else run
 
 
+def _resolve_grad(x: Tensor, weight: Tensor, bias: Tensor | None):
+    check_linear_args(x, weight, bias)
+    return _Linear.apply
+
+
 _FORWARD = CheckedCalls(_resolve_forward)
+_GRAD = CheckedCalls(_resolve_grad)
 
 
 def checked_linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:

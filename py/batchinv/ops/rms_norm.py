@@ -18,7 +18,7 @@ from ..gpu import rms_norm as gpu
 from ..reference import rms_norm as reference
 from ..validation import check_fused_add_rms_norm_args, check_rms_norm_args
 from ._checked import CheckedCalls
-from ._custom_op import CustomOp
+from ._custom_op import CustomOp, recompute_grads
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -32,8 +32,9 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     if torch.compiler.is_compiling():  # one opaque node (the custom ops below)
         return torch.ops.batchinv.rms_norm(x, weight, eps)
     signature = _signature(x, weight, eps)
-    if signature is not None and not _needs_grad(x, weight):
-        return _RMS_NORM_NO_GRAD.lookup(signature, x, weight, eps)(x, weight, eps)
+    if signature is not None:
+        table = _RMS_NORM_GRAD if _needs_grad(x, weight) else _RMS_NORM_NO_GRAD
+        return table.lookup(signature, x, weight, eps)(x, weight, eps)
     check_rms_norm_args(x, weight, eps)
     return registry.lookup("rms_norm", x.device)(x, weight, eps)
 
@@ -50,16 +51,21 @@ def fused_add_rms_norm(
     if torch.compiler.is_compiling():
         return torch.ops.batchinv.fused_add_rms_norm(x, residual, weight, eps)
     signature = _signature(x, weight, eps, residual)
-    if signature is not None and not _needs_grad(x, weight, residual):
-        run = _FUSED_ADD_RMS_NORM_NO_GRAD.lookup(signature, x, residual, weight, eps)
+    if signature is not None:
+        if _needs_grad(x, weight, residual):
+            run = _FUSED_ADD_RMS_NORM_GRAD.lookup(signature, x, residual, weight, eps)
+        else:
+            run = _FUSED_ADD_RMS_NORM_NO_GRAD.lookup(signature, x, residual, weight, eps)
         return run(x, weight, eps, residual)
     check_fused_add_rms_norm_args(x, residual, weight, eps)
     return registry.lookup("fused_add_rms_norm", x.device)(x, residual, weight, eps)
 
 
 # ----------------------------------------------------------------------------- host path
-# A call that needs no gradient runs its signature's checks once (``_checked``): what the
-# checks read is the tensors' class, shape, dtype and device, and eps.
+# Every call runs its signature's checks once (``_checked``): what the checks read is the
+# tensors' class, shape, dtype and device, and eps.  A call that needs a gradient looks up its
+# own table, whose entry records the autograd node; which inputs get a gradient is the node's
+# ``needs_input_grad``, so ``requires_grad`` is not part of the signature.
 
 
 def _signature(x, weight, eps, residual=None) -> tuple | None:
@@ -89,27 +95,49 @@ def _resolve_fused_add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps
     return registry.lookup("fused_add_rms_norm.no_grad", x.device)
 
 
+def _resolve_rms_norm_grad(x: Tensor, weight: Tensor, eps: float):
+    check_rms_norm_args(x, weight, eps)
+    return registry.lookup("rms_norm.grad", x.device)
+
+
+def _resolve_fused_add_rms_norm_grad(x: Tensor, residual: Tensor, weight: Tensor, eps: float):
+    check_fused_add_rms_norm_args(x, residual, weight, eps)
+    return registry.lookup("fused_add_rms_norm.grad", x.device)
+
+
 _RMS_NORM_NO_GRAD = CheckedCalls(_resolve_rms_norm)
 _FUSED_ADD_RMS_NORM_NO_GRAD = CheckedCalls(_resolve_fused_add_rms_norm)
+_RMS_NORM_GRAD = CheckedCalls(_resolve_rms_norm_grad)
+_FUSED_ADD_RMS_NORM_GRAD = CheckedCalls(_resolve_fused_add_rms_norm_grad)
 
 
-def _reference_fused_add_no_grad(x: Tensor, weight: Tensor, eps: float, residual: Tensor):
+# The implementations take (x, weight, eps, residual): one call shape for both tables.
+def _reference_fused_add(x: Tensor, weight: Tensor, eps: float, residual: Tensor):
     return reference.fused_add_rms_norm(x, residual, weight, eps)
+
+
+def _gpu_fused_add_grad(x: Tensor, weight: Tensor, eps: float, residual: Tensor):
+    return _FusedAddRMSNormGPU.apply(x, residual, weight, eps)
 
 
 class _RMSNormGPU(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor, eps: float) -> Tensor:
-        y, _, rstd = gpu.run_forward(x, weight, eps)
-        ctx.save_for_backward(x, weight, rstd)
-        return y
+        # x as the kernels read it ([rows, d], unit stride; a copy only for a layout without
+        # one row stride) is what is saved: the backward then reads the forward's own rows
+        # instead of copying x again.
+        x_rows = gpu.as_rows(x, x.shape[-1])
+        y, _, rstd = gpu.run_forward(x_rows, weight, eps)
+        ctx.save_for_backward(x_rows, weight, rstd)
+        ctx.x_shape = x.shape
+        return y.view(x.shape)
 
     @staticmethod
     def backward(ctx, grad_y: Tensor):
-        x, weight, rstd = ctx.saved_tensors
+        x_rows, weight, rstd = ctx.saved_tensors
         need_x, need_weight, _ = ctx.needs_input_grad
-        grad_x, grad_weight = gpu.backward(grad_y, x, weight, rstd, weight_grad=need_weight)
-        return (grad_x if need_x else None), grad_weight, None
+        grad_x, grad_weight = gpu.backward(grad_y, x_rows, weight, rstd, weight_grad=need_weight)
+        return (grad_x.view(ctx.x_shape) if need_x else None), grad_weight, None
 
 
 class _FusedAddRMSNormGPU(torch.autograd.Function):
@@ -128,7 +156,10 @@ class _FusedAddRMSNormGPU(torch.autograd.Function):
         grad_h, grad_weight = gpu.backward(
             grad_y, new_residual, weight, rstd, grad_new_residual, weight_grad=need_weight
         )
-        return grad_h, grad_h.clone(), grad_weight, None
+        # One tensor for both inputs, as torch's own add gives (no copy of the size of x): the
+        # engine never accumulates into a gradient another holder still reads, and two leaves'
+        # .grad end up distinct (AccumulateGrad copies one still shared).
+        return grad_h, grad_h, grad_weight, None
 
 
 def _needs_grad(x: Tensor, weight: Tensor, residual: Tensor | None = None) -> bool:
@@ -158,10 +189,14 @@ for _backend in ("cuda", "hip"):
     registry.register("fused_add_rms_norm", _backend)(_gpu_fused_add_rms_norm)
     registry.register("rms_norm.no_grad", _backend)(gpu.forward_no_grad)
     registry.register("fused_add_rms_norm.no_grad", _backend)(gpu.forward_no_grad)
+    registry.register("rms_norm.grad", _backend)(_RMSNormGPU.apply)
+    registry.register("fused_add_rms_norm.grad", _backend)(_gpu_fused_add_grad)
 registry.register("rms_norm", "cpu")(reference.rms_norm)
 registry.register("fused_add_rms_norm", "cpu")(reference.fused_add_rms_norm)
 registry.register("rms_norm.no_grad", "cpu")(reference.rms_norm)
-registry.register("fused_add_rms_norm.no_grad", "cpu")(_reference_fused_add_no_grad)
+registry.register("fused_add_rms_norm.no_grad", "cpu")(_reference_fused_add)
+registry.register("rms_norm.grad", "cpu")(reference.rms_norm)
+registry.register("fused_add_rms_norm.grad", "cpu")(_reference_fused_add)
 
 
 # ----------------------------------------------------------------------------- custom ops
@@ -187,10 +222,26 @@ CustomOp(
     _rms_norm_fake,
     (0, 1),
 )
+
+
+def _fused_add_rms_norm_backward(grads, needs, outputs, x, residual, weight, eps):
+    got = recompute_grads(fused_add_rms_norm, (x, residual, weight, eps), (0, 1, 2), needs, grads)
+    # The GPU autograd node gives x and residual one gradient tensor; a custom op's outputs
+    # must not alias each other, so here the residual's is a copy.
+    grad_x, grad_residual = got[0], got[1]
+    if (
+        grad_x.numel()
+        and grad_x.untyped_storage().data_ptr() == grad_residual.untyped_storage().data_ptr()
+    ):
+        got[1] = grad_residual.clone()
+    return got
+
+
 CustomOp(
     "fused_add_rms_norm",
     "(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)",
     fused_add_rms_norm,
     _fused_add_rms_norm_fake,
     (0, 1, 2),
+    backward=_fused_add_rms_norm_backward,
 )

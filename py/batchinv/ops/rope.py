@@ -16,6 +16,7 @@ from .. import registry
 from ..gpu import rope as gpu
 from ..reference import rope as reference
 from ..validation import DEFAULT_MAX_POSITION, check_rope_args
+from ._checked import CheckedCalls
 from ._custom_op import CustomOp
 
 
@@ -42,10 +43,14 @@ def rope(
     if torch.compiler.is_compiling():  # one opaque node (the custom op below)
         args = (theta, head_dim, max_position, check_positions)
         return torch.ops.batchinv.rope(q, k, position_ids, *args)
-    _check_args(q, k, position_ids, theta, head_dim, max_position)
-    if not isinstance(check_positions, bool):
-        raise TypeError(f"check_positions must be a bool, got {type(check_positions).__name__}")
-    return registry.lookup("rope", q.device)(
+    signature = _signature(q, k, position_ids, theta, head_dim, max_position, check_positions)
+    if signature is None:
+        run = _resolve(q, k, position_ids, theta, head_dim, max_position, check_positions)
+    else:
+        run = _CHECKED.lookup(
+            signature, q, k, position_ids, theta, head_dim, max_position, check_positions
+        )
+    return run(
         q,
         k,
         position_ids,
@@ -70,11 +75,52 @@ def _check_args(q, k, position_ids, theta, head_dim, max_position) -> None:
     )
 
 
+# ----------------------------------------------------------------------------- host path
+# Every call runs its signature's checks once (``_checked``), with or without gradients: what
+# the checks read is the tensors' class, shape, dtype and device and the plain arguments
+# with their class (the checks tell ``1`` from ``True``).  Whether a call records an autograd
+# node is decided by the implementation on each call, so ``requires_grad`` is not part of it.
+
+
+_SCALAR_CLASSES = ({float, int}, {int, type(None)}, {int}, {bool})
+
+
+def _signature(q, k, position_ids, theta, head_dim, max_position, check_positions):
+    """What the checks read, or None where a full check must run (arguments without tensor
+    attributes, plain arguments of another type: they may not even be hashable)."""
+    scalars = (theta, head_dim, max_position, check_positions)
+    for value, classes in zip(scalars, _SCALAR_CLASSES, strict=True):
+        if value.__class__ not in classes:
+            return None
+    try:
+        return (
+            q.__class__, q.shape, q.dtype, q.device,
+            k.__class__, k.shape, k.dtype, k.device,
+            position_ids.__class__, position_ids.shape, position_ids.dtype, position_ids.device,
+            theta.__class__, theta, head_dim.__class__, head_dim,
+            max_position.__class__, max_position, check_positions.__class__, check_positions,
+        )  # fmt: skip
+    except AttributeError:
+        return None
+
+
+def _resolve(q, k, position_ids, theta, head_dim, max_position, check_positions):
+    _check_args(q, k, position_ids, theta, head_dim, max_position)
+    if not isinstance(check_positions, bool):
+        raise TypeError(f"check_positions must be a bool, got {type(check_positions).__name__}")
+    return registry.lookup("rope", q.device)
+
+
+_CHECKED = CheckedCalls(_resolve)
+
+
 class _RopeGPU(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, position_ids, theta, max_position, check_positions):
         q_rot, k_rot = gpu.forward(q, k, position_ids, theta, max_position, check_positions)
-        ctx.save_for_backward(position_ids)
+        # The positions as the kernel reads them (a view unless they were not contiguous), so
+        # the backward needs no reshape or copy of its own.
+        ctx.save_for_backward(position_ids.reshape(-1).contiguous())
         ctx.theta = theta
         ctx.max_position = max_position
         return q_rot, k_rot

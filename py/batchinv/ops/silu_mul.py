@@ -26,8 +26,9 @@ def silu_mul(gate: Tensor, up: Tensor) -> Tensor:
     if torch.compiler.is_compiling():  # one opaque node (the custom ops below)
         return torch.ops.batchinv.silu_mul(gate, up)
     signature = _signature(gate, up)
-    if signature is not None and not _needs_grad(gate, up):
-        return _SILU_MUL_NO_GRAD.lookup(signature, gate, up)(gate, up)
+    if signature is not None:
+        table = _SILU_MUL_GRAD if _needs_grad(gate, up) else _SILU_MUL_NO_GRAD
+        return table.lookup(signature, gate, up)(gate, up)
     check_silu_mul_args(gate, up)
     return registry.lookup("silu_mul", gate.device)(gate, up)
 
@@ -38,15 +39,18 @@ def silu_mul_fused(gate_up: Tensor) -> Tensor:
     if torch.compiler.is_compiling():
         return torch.ops.batchinv.silu_mul_fused(gate_up)
     signature = _signature(gate_up)
-    if signature is not None and not _needs_grad(gate_up):
-        return _SILU_MUL_FUSED_NO_GRAD.lookup(signature, gate_up)(gate_up)
+    if signature is not None:
+        table = _SILU_MUL_FUSED_GRAD if _needs_grad(gate_up) else _SILU_MUL_FUSED_NO_GRAD
+        return table.lookup(signature, gate_up)(gate_up)
     check_silu_mul_fused_args(gate_up)
     return registry.lookup("silu_mul_fused", gate_up.device)(gate_up)
 
 
 # ----------------------------------------------------------------------------- host path
-# A call that needs no gradient runs its signature's checks once (``_checked``): what the
-# checks read is the tensors' class, shape, dtype and device.
+# Every call runs its signature's checks once (``_checked``): what the checks read is the
+# tensors' class, shape, dtype and device.  A call that needs a gradient looks up its own
+# table, whose entry records the autograd node (which inputs get a gradient is the node's
+# ``needs_input_grad``, so ``requires_grad`` is not part of the signature).
 
 
 def _signature(gate: Tensor, up: Tensor | None = None) -> tuple | None:
@@ -76,8 +80,20 @@ def _resolve_silu_mul_fused(gate_up: Tensor):
     return registry.lookup("silu_mul_fused.no_grad", gate_up.device)
 
 
+def _resolve_silu_mul_grad(gate: Tensor, up: Tensor):
+    check_silu_mul_args(gate, up)
+    return registry.lookup("silu_mul.grad", gate.device)
+
+
+def _resolve_silu_mul_fused_grad(gate_up: Tensor):
+    check_silu_mul_fused_args(gate_up)
+    return registry.lookup("silu_mul_fused.grad", gate_up.device)
+
+
 _SILU_MUL_NO_GRAD = CheckedCalls(_resolve_silu_mul)
 _SILU_MUL_FUSED_NO_GRAD = CheckedCalls(_resolve_silu_mul_fused)
+_SILU_MUL_GRAD = CheckedCalls(_resolve_silu_mul_grad)
+_SILU_MUL_FUSED_GRAD = CheckedCalls(_resolve_silu_mul_fused_grad)
 
 
 class _SiluMulGPU(torch.autograd.Function):
@@ -122,10 +138,14 @@ for _backend in ("cuda", "hip"):
     registry.register("silu_mul_fused", _backend)(_gpu_silu_mul_fused)
     registry.register("silu_mul.no_grad", _backend)(gpu.forward_no_grad)
     registry.register("silu_mul_fused.no_grad", _backend)(gpu.forward_fused_no_grad)
+    registry.register("silu_mul.grad", _backend)(_SiluMulGPU.apply)
+    registry.register("silu_mul_fused.grad", _backend)(_SiluMulFusedGPU.apply)
 registry.register("silu_mul", "cpu")(reference.silu_mul)
 registry.register("silu_mul_fused", "cpu")(reference.silu_mul_fused)
 registry.register("silu_mul.no_grad", "cpu")(reference.silu_mul)
 registry.register("silu_mul_fused.no_grad", "cpu")(reference.silu_mul_fused)
+registry.register("silu_mul.grad", "cpu")(reference.silu_mul)
+registry.register("silu_mul_fused.grad", "cpu")(reference.silu_mul_fused)
 
 
 # ----------------------------------------------------------------------------- custom ops
