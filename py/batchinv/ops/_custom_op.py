@@ -21,7 +21,9 @@ What each op gives the compiler:
   their forward with autograd inside the backward op and take the registered autograd's
   gradients: the same functions, hence the same bits as eager autograd, at the cost of one
   extra forward (cheap for the memory-bound ops; the CPU attention reference recomputes P in
-  its backward anyway).
+  its backward anyway).  ``fused_add_rms_norm`` recomputes too, then copies the residual's
+  gradient where the eager node gave x and residual one tensor (a custom op's outputs may not
+  alias).
 
 Checks that read tensor values (id and position ranges, ``cu_seqlens`` / ``seqlens``
 contents) need a host sync, so under ``torch.compile`` they do not run at trace time: they run
