@@ -7,6 +7,9 @@ import torch
 
 
 def pytest_collection_modifyitems(config, items):
+    spec = config.getoption("--shard")
+    if spec:
+        _keep_shard(config, items, spec)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs an NVIDIA GPU (run `nox -s cuda_parity` on one)")
@@ -31,6 +34,28 @@ def _no_remembered_signatures():
 
 def pytest_addoption(parser):
     parser.addoption("--parity-report", default=None, help="write a JSON report of this run here")
+    parser.addoption(
+        "--shard",
+        default=None,
+        metavar="K/N",
+        help="run only the K-th of N contiguous parts of the collected tests (tests/_shards.py)",
+    )
+
+
+def _keep_shard(config, items, spec: str) -> None:
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from _shards import parse_shard, shard_bounds
+
+    try:
+        k, n = parse_shard(spec)
+    except ValueError as error:
+        raise pytest.UsageError(str(error)) from None
+    lo, hi = shard_bounds(len(items), k, n)
+    config.hook.pytest_deselected(items=items[:lo] + items[hi:])
+    items[:] = items[lo:hi]
 
 
 _OUTCOMES: dict[str, dict] = {}
