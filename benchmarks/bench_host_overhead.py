@@ -313,46 +313,35 @@ def _backward_cases(tokens: int, device: torch.device):
     ]
 
 
-def _best_backward_host_us(fn) -> tuple[float, float]:
-    """``_best_host_us`` for the backward rows (fewer calls: a backward launches more)."""
-    runs = [
-        host_and_wall_seconds(fn, BACKWARD_CALLS, warmup=BACKWARD_WARMUP) for _ in range(ROUNDS)
-    ]
-    host, wall = min(runs)
-    return host * 1e6, wall * 1e6
+def _rows_for(op, case, what, ours, theirs, anchor, ran=None) -> tuple[dict, dict]:
+    """A result row and its summary row from ``(host, wall)`` microseconds of each side."""
+    (ours_host, ours_wall), (torch_host, torch_wall) = ours, theirs
+    row = {
+        "op": op,
+        "case": case,
+        "batchinv_host_us": ours_host,
+        "batchinv_wall_us": ours_wall,
+        "torch_host_us": torch_host,
+        "torch_wall_us": torch_wall,
+        "torch_code": anchor,
+        "ratio": torch_host / ours_host,
+    }
+    summary = summary_row(
+        op, case, what, ours_host / 1e3, f"{anchor} (host time)", torch_host / 1e3, GOAL,
+        scope="op", ran=ran,
+    )  # fmt: skip
+    return row, summary
 
 
 def _backward_rows(device: torch.device) -> tuple[list[dict], list[dict]]:
     """The backward rows and their summary rows (``main``'s columns)."""
     rows_out, summary = [], []
     for op, variant, ours, theirs, anchor in _backward_cases(BACKWARD_TOKENS, device):
-        ours_host, ours_wall = _best_backward_host_us(ours)
-        torch_host, torch_wall = _best_backward_host_us(theirs)
+        timed = [_best_host_us(fn, BACKWARD_CALLS, BACKWARD_WARMUP) for fn in (ours, theirs)]
         case = f"backward, {BACKWARD_TOKENS} tokens" + (f", {variant}" if variant else "")
-        rows_out.append(
-            {
-                "op": op,
-                "case": case,
-                "batchinv_host_us": ours_host,
-                "batchinv_wall_us": ours_wall,
-                "torch_host_us": torch_host,
-                "torch_wall_us": torch_wall,
-                "torch_code": anchor,
-                "ratio": torch_host / ours_host,
-            }
-        )
-        summary.append(
-            summary_row(
-                op,
-                case,
-                "autograd.grad host time per call",
-                ours_host / 1e3,
-                f"{anchor} (host time)",
-                torch_host / 1e3,
-                GOAL,
-                scope="op",
-            )
-        )
+        row, summary_entry = _rows_for(op, case, "autograd.grad host time per call", *timed, anchor)
+        rows_out.append(row)
+        summary.append(summary_entry)
     return rows_out, summary
 
 
@@ -365,9 +354,9 @@ def _path(op: str, rows: int, device: torch.device) -> str | None:
     return batchinv.linear_path(x, w)
 
 
-def _best_host_us(fn) -> tuple[float, float]:
+def _best_host_us(fn, calls: int = CALLS, warmup: int = WARMUP) -> tuple[float, float]:
     """(host, wall) microseconds per call: the best of ``ROUNDS`` rounds (the least disturbed)."""
-    runs = [host_and_wall_seconds(fn, CALLS, warmup=WARMUP) for _ in range(ROUNDS)]
+    runs = [host_and_wall_seconds(fn, calls, warmup=warmup) for _ in range(ROUNDS)]
     host, wall = min(runs)
     return host * 1e6, wall * 1e6
 
@@ -396,35 +385,16 @@ def main() -> None:
         for op, variant, ours, theirs, anchor in _cases(rows, device):
             deferred = DEFERRED in variant
             with device_checks.deferred() if deferred else contextlib.nullcontext():
-                ours_host, ours_wall = _best_host_us(ours)
+                ours_timed = _best_host_us(ours)
             device_checks.raise_device_errors()  # the deferred checks, read once (all pass)
-            torch_host, torch_wall = _best_host_us(theirs)
+            theirs_timed = _best_host_us(theirs)
             case = f"rows {rows}" + (f", {variant}" if variant else "")
-            rows_out.append(
-                {
-                    "op": op,
-                    "case": case,
-                    "batchinv_host_us": ours_host,
-                    "batchinv_wall_us": ours_wall,
-                    "torch_host_us": torch_host,
-                    "torch_wall_us": torch_wall,
-                    "torch_code": anchor,
-                    "ratio": torch_host / ours_host,
-                }
-            )
-            summary.append(
-                summary_row(
-                    op,
-                    case,
-                    "eager host time per call",
-                    ours_host / 1e3,
-                    f"{anchor} (host time)",
-                    torch_host / 1e3,
-                    GOAL,
-                    scope="op",
-                    ran=_path(op, rows, device),
-                )
-            )
+            row, summary_entry = _rows_for(
+                op, case, "eager host time per call", ours_timed, theirs_timed, anchor,
+                ran=_path(op, rows, device),
+            )  # fmt: skip
+            rows_out.append(row)
+            summary.append(summary_entry)
             if args.profile is not None and rows == ROWS[-1]:
                 args.profile.mkdir(parents=True, exist_ok=True)
                 name = f"{op}_{'deferred' if deferred else variant.split(' ')[0] or 'default'}"
