@@ -97,6 +97,14 @@ def test_only_the_gradients_asked_for_are_computed():
     assert grad_x.shape == x.shape
 
 
+def test_partials_never_carry_a_gradient():
+    x, weight, _ = _inputs(False)
+    partials = batchinv.linear_k_group_partials(
+        x.requires_grad_(), weight.requires_grad_(), group_width=64, groups=8
+    )
+    assert not partials.requires_grad and partials.grad_fn is None
+
+
 def test_tree_sum_of_one_partial_is_a_view():
     partials = torch.randn(1, 4, 5)
     assert batchinv.k_group_tree_sum(partials).data_ptr() == partials.data_ptr()
