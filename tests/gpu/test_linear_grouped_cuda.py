@@ -214,13 +214,13 @@ def _assert_same_samples(a, a_slots, b, b_slots):
 @pytest.mark.parametrize("cuda_graph", [False, True], ids=["eager", "graph"])
 def test_sampler_grouped_and_separate_agree(model, cuda_graph, temperature, monkeypatch):
     calls = []
-    launch = gpu_linear.matmul_grouped
+    launch = gpu_linear._launch_grouped
 
-    def counting(*args, **kwargs):
-        calls.append(args[0].shape[0])
-        return launch(*args, **kwargs)
+    def counting(x, *args):
+        calls.append(x.shape[0])
+        return launch(x, *args)
 
-    monkeypatch.setattr(gpu_linear, "matmul_grouped", counting)
+    monkeypatch.setattr(gpu_linear, "_launch_grouped", counting)
     grouped, slots = _sample(model, cuda_graph=cuda_graph, temperature=temperature)
     layers = model.config.num_hidden_layers
     per_bucket = Counter(calls)  # rows of each call: the bucket

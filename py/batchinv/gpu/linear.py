@@ -634,12 +634,8 @@ def matmul_grouped(
     biases = check_grouped_args(x, weights, biases)
     if x.device.type != "cuda" or torch.version.hip or not uses_hopper(x.device):
         raise RuntimeError("the grouped small-M kernel needs an sm_90 GPU and a build with 90a")
-    m, k = x.shape
-    out_features = [w.shape[0] for w in weights]
-    shape = (m, sum(out_features))
-    if out is None:
-        out = torch.empty(shape, dtype=x.dtype, device=x.device)
-    elif (
+    shape = (x.shape[0], sum(w.shape[0] for w in weights))
+    if out is not None and (
         not isinstance(out, Tensor)
         or tuple(out.shape) != shape
         or out.dtype != x.dtype
@@ -647,11 +643,26 @@ def matmul_grouped(
         or not out.is_contiguous()
     ):
         raise ValueError(f"out must be a contiguous {list(shape)} {x.dtype} tensor on {x.device}")
+    if config is not None and not isinstance(config, SmallMConfig):
+        raise TypeError(f"config must be a SmallMConfig, got {type(config).__name__}")
+    return _launch_grouped(x, weights, biases, config, out)
+
+
+def _launch_grouped(
+    x: Tensor,
+    weights: Sequence[Tensor],
+    biases: Sequence[Tensor | None],
+    config: SmallMConfig | None,
+    out: Tensor | None,
+) -> Tensor:
+    """``matmul_grouped`` on checked arguments (one bias entry per weight)."""
+    m, k = x.shape
+    out_features = [w.shape[0] for w in weights]
+    if out is None:
+        out = torch.empty(m, sum(out_features), dtype=x.dtype, device=x.device)
     if m == 0 or out.shape[1] == 0:
         return out
     config = config or choose_small_m_config(m)
-    if not isinstance(config, SmallMConfig):
-        raise TypeError(f"config must be a SmallMConfig, got {type(config).__name__}")
     device = x.device
     index = torch.cuda.current_device() if device.index is None else device.index
     dtype_name = _DTYPE_NAMES[x.dtype]
@@ -690,28 +701,50 @@ def matmul_grouped(
     return out
 
 
+def _grouped_biases(
+    x: Tensor, weights: Sequence[Tensor], biases: Sequence[Tensor | None] | None
+) -> tuple[Tensor | None, ...] | None:
+    """``grouped_applies``' answer as the checked biases (one entry per weight), or None."""
+    try:
+        if torch.compiler.is_compiling() or not isinstance(x, Tensor) or x.dim() < 1:
+            return None
+        if x.device.type != "cuda" or torch.version.hip:
+            return None
+        tensors = [x, *weights, *(b for b in biases or () if b is not None)]
+        if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+            return None
+        if not x.is_contiguous():  # the chain's x is a norm's fresh output
+            return None
+        checked = check_grouped_args(x.reshape(-1, x.shape[-1]), weights, biases)
+        return checked if uses_hopper(x.device) else None
+    except (TypeError, ValueError, AttributeError):
+        return None
+
+
 def grouped_applies(
     x: Tensor, weights: Sequence[Tensor], biases: Sequence[Tensor | None] | None
 ) -> bool:
-    """Whether the op table's ``linear_group`` runs ``matmul_grouped`` for ``x [..., K]``: no
-    gradient needed, not tracing under ``torch.compile``, a CUDA sm_90a device, and arguments
+    """Whether ``linear_group`` runs ``matmul_grouped`` for ``x [..., K]``: no gradient
+    needed, not tracing under ``torch.compile``, a CUDA sm_90a device, and arguments
     ``matmul_grouped`` takes once x's leading dimensions are flattened (x contiguous; its
     checks, the small-M rule of every weight included).  Never raises: anything else is
-    False, and the caller runs the separate linears (which raise what they raise)."""
-    try:
-        if torch.compiler.is_compiling() or not isinstance(x, Tensor) or x.dim() < 1:
-            return False
-        if x.device.type != "cuda" or torch.version.hip:
-            return False
-        tensors = [x, *weights, *(b for b in biases or () if b is not None)]
-        if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-            return False
-        if not x.is_contiguous():  # the chain's x is a norm's fresh output
-            return False
-        check_grouped_args(x.reshape(-1, x.shape[-1]), weights, biases)
-        return uses_hopper(x.device)
-    except (TypeError, ValueError, AttributeError):
-        return False
+    False."""
+    return _grouped_biases(x, weights, biases) is not None
+
+
+def linear_group(
+    x: Tensor, weights: Sequence[Tensor], biases: Sequence[Tensor | None] | None
+) -> tuple[Tensor, ...] | None:
+    """``linear(x, weights[i], biases[i])`` for each weight as column views of one
+    ``matmul_grouped`` output ``[..., N_0 + N_1 + ...]`` (x ``[..., K]``, each view the bits of
+    ``batchinv.linear`` for its weight) where ``grouped_applies``, else None (the caller runs
+    the separate linears, which raise what they raise).  The arguments are checked once."""
+    checked = _grouped_biases(x, weights, biases)
+    if checked is None:
+        return None
+    out = _launch_grouped(x.reshape(-1, x.shape[-1]), weights, checked, None, None)
+    out = out.reshape(*x.shape[:-1], out.shape[-1])
+    return tuple(out.split([w.shape[0] for w in weights], dim=-1))
 
 
 # ---- the backward's products with operands read in place (sm_90) ---------------------------

@@ -78,11 +78,7 @@ def _batchinv_linear_group(
     sized batches): views of its ``[..., N_0 + N_1 + ...]`` output, each the bits of
     ``batchinv.linear`` for its weight (kernels_cu/linear.cu).  Elsewhere None: the chain
     calls the table's ``linear`` per weight."""
-    if not gpu_linear.grouped_applies(x, weights, biases):
-        return None
-    out = gpu_linear.matmul_grouped(x.reshape(-1, x.shape[-1]), weights, biases)
-    out = out.reshape(*x.shape[:-1], out.shape[-1])
-    return tuple(out.split([w.shape[0] for w in weights], dim=-1))
+    return gpu_linear.linear_group(x, weights, biases)
 
 
 class _CheckedPositions:
