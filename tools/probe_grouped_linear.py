@@ -3,8 +3,10 @@
 For the Qwen3-8B q/k/v (N = 4096, 1024, 1024) and gate/up (N = 12288 x 2) products of one
 ``x [M, 4096]``, M = 1, 8, 16, bf16, times in a CUDA graph:
 
-- ``separate``: one ``batchinv.linear`` per weight (what the chain ran before ``linear_group``);
+- ``separate``: one ``batchinv.linear`` per weight (the chain without ``linear_group``);
 - ``grouped``: one ``matmul_grouped`` launch (its default configuration, then each built one);
+- eagerly too, ``separate`` against the op table's entry ``gpu.linear.linear_group`` (host
+  launch costs included: what an eager decode step pays);
 
 against the copy-rate limit: the bytes the products must move (weights, x, output) over the
 rate of a device-to-device copy measured in the same run.  Each graph runs ``--layers``
@@ -37,15 +39,17 @@ GROUPS = (("qkv", (_Q, _KV, _KV)), ("gate_up", (_C["intermediate_size"],) * 2))
 K = _C["hidden_size"]
 
 
-def _median_replay_ms(graph: torch.cuda.CUDAGraph, reps: int = 50) -> float:
-    for _ in range(10):
-        graph.replay()
+def _median_ms(fn, reps: int = 50) -> float:
+    """Median time of ``fn()`` (a graph's replay, or eager calls with their host launch
+    costs) between CUDA events, after warm-up calls."""
+    for _ in range(5):
+        fn()
     torch.cuda.synchronize()
     times = []
     for _ in range(reps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        graph.replay()
+        fn()
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end))
@@ -72,7 +76,7 @@ def copy_gb_per_s() -> float:
     src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
     graph, _ = _graphed(lambda: dst.copy_(src))
-    ms = _median_replay_ms(graph, reps=20)
+    ms = _median_ms(graph.replay, reps=20)
     return 2 * src.numel() / (ms * 1e-3) / 1e9  # bytes read + written
 
 
@@ -81,7 +85,7 @@ def main() -> int:
     parser.add_argument("--layers", type=int, default=8, help="distinct weight sets per graph")
     parser.add_argument("--json", default=None, help="write the results here")
     args = parser.parse_args()
-    if not gpu_linear.uses_hopper(torch.device("cuda")):
+    if not torch.cuda.is_available() or not gpu_linear.uses_hopper(torch.device("cuda")):
         print("the grouped small-M kernel needs an sm_90a GPU and build", file=sys.stderr)
         return 2
     torch.manual_seed(0)
@@ -101,11 +105,20 @@ def main() -> int:
             nbytes = 2 * (sum(out_features) * K + m * K + m * sum(out_features))
             limit_ms = nbytes / (rate * 1e9) * 1e3
             with torch.no_grad():
-                graph, separate = _graphed(
-                    lambda x=x, layers=layers: [
-                        [batchinv.linear(x, w) for w in weights] for weights in layers
-                    ]
-                )
+                separate_fn = lambda x=x, layers=layers: [  # noqa: E731
+                    [batchinv.linear(x, w) for w in weights] for weights in layers
+                ]
+                # The op table's entry (checks, views) as a decode step calls it.
+                entry_fn = lambda x=x, layers=layers: [  # noqa: E731
+                    gpu_linear.linear_group(x, weights, None) for weights in layers
+                ]
+                if any(outputs is None for outputs in entry_fn()):
+                    raise RuntimeError("linear_group declined a case it should take")
+                eager = {
+                    "separate": _median_ms(separate_fn) / args.layers,
+                    "linear_group": _median_ms(entry_fn) / args.layers,
+                }
+                graph, separate = _graphed(separate_fn)
                 variants = [("separate", None, graph)]
                 grouped_outputs = {}
                 for config in (None, *configs):
@@ -118,7 +131,7 @@ def main() -> int:
                     label = f"grouped {config or 'default'}"
                     variants.append((label, config, graph))
                     grouped_outputs[label] = outs
-            times = {label: _median_replay_ms(g) / args.layers for label, _, g in variants}
+            times = {label: _median_ms(g.replay) / args.layers for label, _, g in variants}
             torch.cuda.synchronize()
             equal = {
                 label: all(
@@ -129,12 +142,23 @@ def main() -> int:
             }
             all_equal &= all(equal.values())
             chosen = gpu_linear.choose_small_m_config(m)
+            for label, ms in eager.items():
+                results.append(
+                    {"group": group, "M": m, "N": list(out_features), "K": K, "timing": "eager",
+                     "variant": label, "ms_per_layer": ms, "copy_limit_ms": limit_ms,
+                     "of_copy_rate": limit_ms / ms, "vs_separate": eager["separate"] / ms}
+                )  # fmt: skip
+                print(
+                    f"{group:8s} M={m:2d} eager {label:28s} {ms * 1e3:8.2f} us/layer  "
+                    f"{eager['separate'] / ms:5.2f}x separate (host launch costs included)"
+                )
             for label, ms in times.items():
                 row = {
                     "group": group,
                     "M": m,
                     "N": list(out_features),
                     "K": K,
+                    "timing": "graph",
                     "variant": label,
                     "ms_per_layer": ms,
                     "copy_limit_ms": limit_ms,
