@@ -732,6 +732,11 @@ def grouped_applies(
     return _grouped_biases(x, weights, biases) is not None
 
 
+def describe_grouped(m: int) -> str:
+    """What ``linear_group`` launches for ``m`` rows, as ``describe`` labels a path."""
+    return f"own: grouped {choose_small_m_config(m)}"
+
+
 def linear_group(
     x: Tensor, weights: Sequence[Tensor], biases: Sequence[Tensor | None] | None
 ) -> tuple[Tensor, ...] | None:
