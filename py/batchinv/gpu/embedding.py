@@ -7,7 +7,9 @@ call; ``check_ids=False`` skips the read (bad rows then come back as NaN), and u
 capture or ``device_checks.deferred()`` the kernel writes the device's persistent flag, read
 by ``device_checks.raise_device_errors()``.  The backward
 drops the gradient of an out-of-range id (the kernel writes nothing for it), so no
-combination of flags lets it store outside ``grad_weight``.
+combination of flags lets it store outside ``grad_weight``.  It reads nothing back from the
+device (its segment arrays have the token count's size), so it can be captured in a CUDA
+graph.
 """
 
 from __future__ import annotations
@@ -207,7 +209,7 @@ def static_segments(sorted_ids: Tensor, num_embeddings: int) -> tuple[Tensor, Te
     segment_offsets = torch.nonzero_static(is_start, size=n + 1, fill_value=n).view(n + 1)
     # The id at offset n (a padding segment's start) is the appended num_embeddings.
     padded_ids = torch.nn.functional.pad(sorted_ids, (0, 1), value=num_embeddings)
-    return segment_offsets, padded_ids[segment_offsets[:n]]
+    return segment_offsets, torch.index_select(padded_ids, 0, segment_offsets[:n])
 
 
 def _launch_strided(
@@ -243,9 +245,10 @@ def _launch_strided(
 
 
 def strided_grid_x(num_segments: int, hidden: int) -> int:
-    """CTAs along the segments for the strided backward: up to ``_STRIDED_CTAS`` in all, so
-    that padding (at most this many CTAs that read one offset and stop) stays cheap at 32k
-    tokens while a 128-SM GPU still gets many waves.  Only the speed depends on it."""
+    """CTAs along the segments for the strided backward, ``_STRIDED_CTAS`` in all at most:
+    a CTA that finds only padding reads two offsets and stops, so padding costs at most that
+    many such CTAs at any token count, while a 132-SM GPU still gets many waves.  Only the
+    speed depends on it, never the bits."""
     column_blocks = -(-hidden // _BACKWARD_THREADS)
     return max(1, min(num_segments, _STRIDED_CTAS // column_blocks))
 
