@@ -9,7 +9,7 @@ import torch
 
 import batchinv
 from _streams import capture_graph
-from batchinv.contract import assert_bitwise_equal
+from batchinv.contract import assert_bitwise_equal, deterministic_context
 from batchinv.gpu import embedding as gpu_embedding
 from batchinv.host_syncs import count_host_syncs, sync_debug_mode
 from batchinv.reference.embedding import embedding_backward
@@ -207,6 +207,15 @@ def test_captured_autograd_step_replays_new_ids_with_the_eager_bits():
     torch.cuda.synchronize()
     (eager,) = step()
     assert_bitwise_equal(captured, eager)
+
+
+def test_deterministic_mode_accepts_the_static_path_and_keeps_its_bits():
+    ids = _ids(1024, VOCAB, torch.int64, seed=29, out_of_range=True)
+    grad = _grad(1024, HIDDEN, torch.bfloat16, seed=30)
+    want = gpu_embedding.backward(ids, grad, VOCAB, torch.bfloat16)
+    with deterministic_context():  # raises if an op it uses has no deterministic version
+        got = gpu_embedding.backward(ids, grad, VOCAB, torch.bfloat16)
+    assert_bitwise_equal(got, want)
 
 
 def test_unknown_segments_mode_is_rejected():

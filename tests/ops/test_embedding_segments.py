@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from batchinv.contract import assert_bitwise_equal
+from batchinv.gpu import embedding as gpu_embedding
 from batchinv.gpu.embedding import static_segments, strided_grid_x
 from batchinv.reference.embedding import embedding_backward
 
@@ -109,3 +110,8 @@ def test_strided_grid_covers_the_segments_within_a_fixed_cta_budget():
     assert strided_grid_x(16384, 4096) == 1024
     assert strided_grid_x(16384, 128) == 16384
     assert strided_grid_x(10**6, 2**24) == 1  # more column blocks than the budget
+
+
+def test_unknown_segments_mode_is_rejected_before_any_work():
+    with pytest.raises(ValueError, match="segments must be 'static' or 'unique', not 'dynamic'"):
+        gpu_embedding.backward(torch.tensor([1]), torch.ones(1, 4), 10, torch.float32, "dynamic")

@@ -160,6 +160,9 @@ def backward(
     padded with empty segments, so nothing is read back to the host and the call can be
     captured in a CUDA graph; ``"unique"`` (``torch.unique_consecutive``) sizes them to the
     number of distinct ids, which costs one synchronisation per call."""
+    segments = BACKWARD_SEGMENTS if segments is None else segments
+    if segments not in ("static", "unique"):
+        raise ValueError(f"segments must be 'static' or 'unique', not {segments!r}")
     flat_ids = ids.reshape(-1).long()
     hidden = grad_out.shape[-1]
     grad_rows = grad_out.reshape(flat_ids.numel(), hidden).to(dtype).contiguous()
@@ -168,11 +171,10 @@ def backward(
         return grad_weight
     # A stable sort keeps equal ids in increasing position order: the order of the sums.
     sorted_ids, sorted_positions = torch.sort(flat_ids, stable=True)
-    segments = BACKWARD_SEGMENTS if segments is None else segments
     if segments == "static":
         segment_offsets, segment_ids = static_segments(sorted_ids, num_embeddings)
         _launch_strided(grad_weight, grad_rows, sorted_positions, segment_offsets, segment_ids)
-    elif segments == "unique":
+    else:
         segment_ids, counts = torch.unique_consecutive(sorted_ids, return_counts=True)
         segment_offsets = torch.zeros(counts.numel() + 1, dtype=torch.int64, device=grad_out.device)
         torch.cumsum(counts, 0, out=segment_offsets[1:])
@@ -192,8 +194,6 @@ def backward(
                 num_embeddings,
             ),
         )
-    else:
-        raise ValueError(f"segments must be 'static' or 'unique', not {segments!r}")
     return grad_weight
 
 
