@@ -32,8 +32,8 @@
 //                    writes nothing, and the first one ends the CTA's walk
 //   Launch: grid = (any x >= 1, ceil(hidden / block.x)), any block.x; CTA x takes the
 //   segments x, x + grid.x, ...
-//   Invariance: each (segment, column) is summed by one thread with the loop above; the
-//   grid only decides which thread, never the order of the adds.
+//   Invariance: each (segment, column) is summed by one thread with the same sequential
+//   sum as above (segment_sum); the grid only decides which thread, never the adds' order.
 #include "common/portability.cuh"
 
 namespace batchinv {
