@@ -22,8 +22,8 @@ from torch import Tensor
 
 import batchinv
 
-from ...gpu import linear as gpu_linear
 from ...kv_cache import KVCache
+from ...ops.linear import linear_group
 from ...reference.qwen3_chain import REFERENCE_OPS, Qwen3Ops, add_then_rms_norm
 
 __all__ = ["BATCHINV_OPS", "OPS_BY_NAME", "REFERENCE_OPS", "STOCK_OPS", "ops_by_name"]
@@ -78,7 +78,7 @@ def _batchinv_linear_group(
     sized batches): views of its ``[..., N_0 + N_1 + ...]`` output, each the bits of
     ``batchinv.linear`` for its weight (kernels_cu/linear.cu).  Elsewhere None: the chain
     calls the table's ``linear`` per weight."""
-    return gpu_linear.linear_group(x, weights, biases)
+    return linear_group(x, weights, biases)
 
 
 class _CheckedPositions:
