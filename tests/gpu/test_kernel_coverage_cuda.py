@@ -1,11 +1,11 @@
 """Every kernel variant added for attention (the Hopper tile and cooperative decode kernels
 included), token logprobs, the cluster log-softmax and its one-CTA 2048-wide backward, the
 small-M (single and grouped), in-place backward and K-group linear kernels, the fused RMSNorm
-backward and the reworked RoPE and SiLU-mul bodies, run once on small odd shapes (NaN in the padding where there
-is padding), and checked for finite results and exact zeros where nothing may be written.  The
-value and invariance checks live in each op's own test file; this file is the short target that
-`nox -s sanitize` runs under compute-sanitizer (memcheck is ~50x slower than a plain run, so the
-full op files would take too long)."""
+backward and the reworked RoPE and SiLU-mul bodies, run once on small odd shapes (NaN in the
+padding where there is padding), and checked for finite results and exact zeros where nothing
+may be written. The value and invariance checks live in each op's own test file; this file is
+the short target that `nox -s sanitize` runs under compute-sanitizer (memcheck is ~50x slower
+than a plain run, so the full op files would take too long)."""
 
 from __future__ import annotations
 
