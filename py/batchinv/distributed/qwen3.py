@@ -80,14 +80,9 @@ class Qwen3RankLayout:
 
 def _k_column_ranges(in_features: int, world: int) -> list[tuple[int, int]]:
     """The K columns each rank's whole groups cover (the last group may be partial)."""
-    from ..ops.linear_k_groups import K_GROUPS, k_group_width
-    from .tree import group_ranges
+    from .linear import k_range
 
-    width = k_group_width(in_features)
-    return [
-        (min(lo * width, in_features), min(hi * width, in_features))
-        for lo, hi in group_ranges(K_GROUPS, world)
-    ]
+    return [k_range(in_features, rank, world) for rank in range(world)]
 
 
 def _check_world(world: object, rank: object | None = None) -> None:
@@ -271,7 +266,7 @@ def tp_compatible_ops(base_ops: Qwen3Ops) -> Qwen3Ops:
     bits are what the vocab-parallel CPU path gives -- not the strict reference's."""
     import batchinv
 
-    from ..reference.token_logprobs import tiled_token_logprobs
+    from ..reference.token_logprobs import token_logprobs_tiled
 
     def row_parallel(x: Tensor, weight: Tensor, bias: Tensor | None, *, layer: str) -> Tensor:
         if layer not in ROW_PARALLEL_LAYERS:
@@ -283,7 +278,7 @@ def tp_compatible_ops(base_ops: Qwen3Ops) -> Qwen3Ops:
     ) -> Tensor:
         if hidden.is_cuda:
             return base_ops.token_logprobs(hidden, lm_head_weight, target_ids, ignore_index)
-        return tiled_token_logprobs(hidden, lm_head_weight, target_ids, ignore_index)
+        return token_logprobs_tiled(hidden, lm_head_weight, target_ids, ignore_index)
 
     return replace(
         base_ops,
