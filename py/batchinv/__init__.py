@@ -13,6 +13,13 @@ from .kv_cache import KVCache
 from .ops.attention import attention, attention_varlen, attention_with_kv_cache
 from .ops.embedding import embedding
 from .ops.linear import linear, linear_path, set_linear_path
+from .ops.linear_k_groups import (
+    K_GROUPS,
+    k_group_tree_sum,
+    k_group_width,
+    linear_k_group_partials,
+    linear_k_groups,
+)
 from .ops.lm_head import lm_head, lm_head_fp32
 from .ops.log_softmax import log_softmax
 from .ops.rms_norm import fused_add_rms_norm, rms_norm
@@ -34,4 +41,6 @@ __all__ = [
 ]
 __all__ += ["KVCache", "attention", "attention_varlen", "attention_with_kv_cache"]
 __all__ += ["fused_add_rms_norm", "log_softmax", "rms_norm", "rope", "silu_mul", "silu_mul_fused"]
-__all__ += ["linear_path", "lm_head", "lm_head_fp32", "set_linear_path", "token_logprobs"]
+__all__ += ["K_GROUPS", "k_group_tree_sum", "k_group_width", "linear_k_group_partials"]
+__all__ += ["linear_k_groups", "linear_path", "lm_head", "lm_head_fp32", "set_linear_path"]
+__all__ += ["token_logprobs"]

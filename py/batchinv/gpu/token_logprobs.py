@@ -234,6 +234,63 @@ def _launch_partials(
     )
 
 
+def shard_tile_states(
+    hidden: Tensor, weight_shard: Tensor, shard_targets32: Tensor
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``(part_m, part_l, target_logit)`` of a vocabulary shard (vocab-parallel lm_head):
+    ``part_m, part_l [T, ceil(V_shard / VOCAB_TILE)]`` fp32, the ``(m, l)`` state of each
+    tile of ``weight_shard [V_shard, H]``'s rows, and ``target_logit [T]`` fp32 for the tokens
+    whose ``shard_targets32`` (int32 ids into the shard's rows, -1 for none) falls in it
+    (``0.0`` elsewhere).  The same kernel as ``forward``: a shard starting on a
+    ``VOCAB_TILE`` boundary gives bitwise the full weight's states of those tiles."""
+    check_gpu_args(hidden, weight_shard)
+    vocab_shard, hidden_size = weight_shard.shape
+    rows = hidden.reshape(-1, hidden_size)
+    tokens, device = rows.shape[0], hidden.device
+    tiles = -(-vocab_shard // VOCAB_TILE)
+    part_m = torch.empty(tokens, tiles, dtype=torch.float32, device=device)
+    part_l = torch.empty_like(part_m)
+    target_logit = torch.zeros(tokens, dtype=torch.float32, device=device)
+    if tokens:
+        targets32 = shard_targets32.reshape(-1).to(torch.int32).contiguous()
+        _launch_partials(rows, weight_shard, targets32, target_logit, part_m, part_l, None)
+    return part_m, part_l, target_logit
+
+
+def finalize_tile_states(
+    part_m: Tensor, part_l: Tensor, target_logit: Tensor, targets32: Tensor
+) -> tuple[Tensor, Tensor]:
+    """``(logprob [T], lse [T])`` fp32 from the tile states of the whole vocabulary
+    (``part_m, part_l [T, tiles]`` in the global tile order), each token's target logit and
+    ``targets32 [T]`` (-1: ignored, logprob 0.0): ``token_logprobs_finalize``, the merge
+    ``forward`` runs, so the same states give ``forward``'s bits."""
+    tokens, tiles = part_m.shape
+    device = part_m.device
+    logprob = torch.zeros(tokens, dtype=torch.float32, device=device)
+    lse = torch.zeros(tokens, dtype=torch.float32, device=device)
+    if tokens == 0:
+        return logprob, lse
+    launch(
+        kernel_for("token_logprobs", "token_logprobs_finalize", device),
+        device,
+        grid=(-(-tokens // 4),),
+        block=(128,),
+        args=(
+            part_m.contiguous(),
+            part_l.contiguous(),
+            0,
+            target_logit.contiguous(),
+            targets32.to(torch.int32).contiguous(),
+            tiles,
+            tokens,
+            logprob,
+            lse,
+            0,
+        ),
+    )
+    return logprob, lse
+
+
 def raise_bad_targets(bad: Tensor, target_ids: Tensor, vocab: int) -> None:
     """``IndexError`` for the first bad target (``bad``: ``mark_targets``' mask), after one
     read back; under CUDA-graph capture or ``device_checks.deferred()`` the device's flag is

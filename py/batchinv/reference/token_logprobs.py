@@ -306,3 +306,76 @@ class TokenLogprobsReference(nn.Module):
             vocab_chunk=self.vocab_chunk,
             return_entropy=return_entropy,
         )
+
+
+# ------------------------------------------------- vocabulary tiles (vocab-parallel lm_head)
+#
+# A vocab-parallel lm_head (``batchinv.distributed.lm_head``) gives each rank whole tiles of
+# ``VOCAB_TILE`` columns; the ranks exchange each tile's ``(m, l)`` state and the target's
+# logit, and every rank merges all the tiles in the global order.  On the CPU these are the
+# tile states and the merge: the same formulas as ``_forward_rows`` with
+# ``vocab_chunk = VOCAB_TILE``, so ``token_logprobs_tiled`` is bitwise
+# ``token_logprobs(..., vocab_chunk=VOCAB_TILE)``'s forward.  It is not bitwise the default
+# chunking (``VOCAB_CHUNK``) and not the CUDA kernels' bits (another merge order); TP = T on
+# the CPU equals this function (TP = 1) bitwise.
+
+VOCAB_TILE = 256  # the CUDA forward's tile (kVocabTile in kernels_cu/token_logprobs.cu)
+
+
+def tile_states(
+    hidden32: Tensor, lm_head_weight: Tensor, targets: Tensor, tile: int = VOCAB_TILE
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``(part_m, part_l, target_logit)``: the ``(m, l)`` state ``[T, ceil(V / tile)]`` of each
+    ``tile``-column piece of ``hidden32 [T, H] @ lm_head_weight[V, H].T`` (fp32, K reduced in
+    order; the last tile may be short) and the logit of ``targets [T]`` (ids into this
+    weight's rows; an id outside ``[0, V)`` matches no column and leaves ``0.0``)."""
+    vocab = lm_head_weight.shape[0]
+    tokens = hidden32.shape[0]
+    tiles = -(-vocab // tile)
+    part_m = torch.empty(tokens, tiles, dtype=torch.float32, device=hidden32.device)
+    part_l = torch.empty_like(part_m)
+    target_logit = torch.zeros(tokens, dtype=torch.float32, device=hidden32.device)
+    for index, start in enumerate(range(0, vocab, tile)):
+        stop = min(vocab, start + tile)
+        z = _chunk_logits(hidden32, lm_head_weight, start, stop)
+        in_tile = (targets >= start) & (targets < stop)
+        column = (targets - start).clamp(0, stop - start - 1).unsqueeze(-1)
+        target_logit = torch.where(in_tile, z.gather(-1, column).squeeze(-1), target_logit)
+        part_m[:, index], part_l[:, index] = chunk_lse_state(z)
+    return part_m, part_l, target_logit
+
+
+def merge_tile_states(
+    part_m: Tensor, part_l: Tensor, target_logit: Tensor, valid: Tensor
+) -> tuple[Tensor, Tensor]:
+    """``(logprob [T], lse [T])``: the tile states merged left to right (``_forward_rows``'
+    merge), ``lse = m + log(l)``, ``logprob = target_logit - lse`` (0.0 where not ``valid``)."""
+    m, l = part_m[:, 0], part_l[:, 0]
+    for index in range(1, part_m.shape[1]):
+        m_new, scale_a, scale_b = lse_merge_scales(m, part_m[:, index])
+        l = l * scale_a + part_l[:, index] * scale_b
+        m = m_new
+    lse = m + torch.log(l)
+    logprob = torch.where(valid, target_logit - lse, torch.zeros_like(lse))
+    return logprob, lse
+
+
+def token_logprobs_tiled(
+    hidden: Tensor,
+    lm_head_weight: Tensor,
+    target_ids: Tensor,
+    ignore_index: int = DEFAULT_IGNORE_INDEX,
+) -> Tensor:
+    """fp32 logprobs ``[...]`` through ``tile_states`` and ``merge_tile_states``: the CPU's
+    single-rank form of the vocab-parallel token logprobs (no gradient).  Bitwise
+    ``token_logprobs(..., vocab_chunk=VOCAB_TILE)``; see the section comment above."""
+    check_token_logprobs_args(hidden, lm_head_weight, target_ids, ignore_index, VOCAB_TILE)
+    rows = hidden.reshape(hidden.shape[:-1].numel(), hidden.shape[-1])
+    targets = target_ids.reshape(-1).long()
+    valid = targets != ignore_index
+    if rows.shape[0] == 0:
+        return torch.zeros(target_ids.shape, dtype=torch.float32, device=hidden.device)
+    with torch.no_grad():
+        part_m, part_l, target_logit = tile_states(rows.float(), lm_head_weight, targets)
+        logprob, _ = merge_tile_states(part_m, part_l, target_logit, valid)
+    return logprob.reshape(target_ids.shape)

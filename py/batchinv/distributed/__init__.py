@@ -1,0 +1,64 @@
+"""Tensor parallelism on ``torch.distributed`` whose results are bitwise the single GPU's.
+
+What is invariant (bitwise, for every world size that divides the layer):
+- ``column_parallel_linear`` (gathered): ``batchinv.linear`` of the full weight.  Splitting
+  the output features leaves every column's K reduction as it is.
+- ``row_parallel_linear``: ``batchinv.linear_k_groups`` of the full layer (not
+  ``batchinv.linear``: the K-group tree is the K order a split K can reproduce), for world
+  sizes 1 to ``K_GROUPS``.  Ranks exchange fp32 node sums of the fixed tree; no backend adds.
+- ``vocab_parallel_logits``: ``batchinv.lm_head``; ``vocab_parallel_token_logprobs``:
+  ``batchinv.token_logprobs`` on CUDA (the CPU form equals its own TP = 1, the tiled
+  reference, not the CPU op's default chunking).
+- ``invariant_all_reduce``: the same bits on every rank, whatever the arrival order.
+
+What is not: ``invariant_all_reduce`` alone is not a single GPU's sum (the single GPU adds
+in another order); a stock row-parallel layer (``torch.mm`` per rank and
+``dist.all_reduce`` of bf16 partials) differs from one GPU.  The layers are forward-only.
+
+Transport is ``torch.distributed`` only (gloo on the CPU, NCCL on CUDA): ``all_gather``
+copies bytes, every add happens in a fixed order on every rank.
+"""
+
+from .all_reduce import gather_stacked, gather_variable, invariant_all_reduce
+from .linear import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    column_parallel_linear,
+    column_range,
+    k_range,
+    row_parallel_linear,
+    shard_columns,
+    shard_k,
+)
+from .lm_head import vocab_parallel_logits, vocab_parallel_token_logprobs, vocab_ranges
+from .tree import (
+    canonical_nodes,
+    finish_tree,
+    group_ranges,
+    node_counts,
+    rank_tree_sum,
+    reduce_range,
+)
+
+__all__ = [
+    "ColumnParallelLinear",
+    "RowParallelLinear",
+    "canonical_nodes",
+    "column_parallel_linear",
+    "column_range",
+    "finish_tree",
+    "gather_stacked",
+    "gather_variable",
+    "group_ranges",
+    "invariant_all_reduce",
+    "k_range",
+    "node_counts",
+    "rank_tree_sum",
+    "reduce_range",
+    "row_parallel_linear",
+    "shard_columns",
+    "shard_k",
+    "vocab_parallel_logits",
+    "vocab_parallel_token_logprobs",
+    "vocab_ranges",
+]
