@@ -14,8 +14,8 @@
 // wgmma (any BM/BN) and mma.sync give identical bits for the same k16 step sequence is a
 // measured property of the GPU, checked by tests/gpu/test_linear_cuda.py on every run.
 //
-// Kernel families (plus, at the end, the EXPERIMENTAL K-group tree kernels, which batchinv.linear
-// does not use):
+// Kernel families (plus, at the end, the K-group tree kernels of batchinv.linear_k_groups, which
+// reuse the Hopper and small-M main loops over one group's k-range each):
 // - linear_hopper_*: sm_90a, the main loop of common/hopper_gemm.cuh (token_logprobs.cu runs the
 //   same one).  TMA loads 64-wide k-tiles of x and weight into a ring of shared memory stages
 //   (STAGE_K = 64 or 128 k-columns each, as 64-wide boxes); one producer warpgroup issues the
@@ -108,8 +108,8 @@ struct StoreEpilogue {
 };
 
 // The main loop over the k-columns [k_begin, k_end) (k_begin a multiple of 64), both operands
-// K-major (common/hopper_gemm.cuh); the linear reduces [0, K), the experimental K-group
-// kernels one group each.
+// K-major (common/hopper_gemm.cuh); the linear reduces [0, K), the K-group kernels one group
+// each.
 template <typename Codec, int BM, int BN, int STAGE_K, int STAGES, typename Epilogue>
 __device__ __forceinline__ void hopper_gemm_k_range(const TensorMap& map_x, const TensorMap& map_w, int M, int N,
                                                     int k_begin, int k_end, const Epilogue& epilogue) {
@@ -284,19 +284,17 @@ __device__ __forceinline__ void small_m_gemm(const TensorMap& map_x, const Tenso
     small_m_k_range<Codec, BN, STAGE_K, STAGES>(map_x, map_w, M, N, 0, K, epilogue);
 }
 
-// ---- EXPERIMENTAL: the K-group tree (not used by batchinv.linear) --------------------------
-// K is cut into kKGroups groups of whole 64-wide boxes (group width a function of K only);
-// each group is reduced as above from a zero accumulator into an fp32 partial
-// partial[g][M][N], and the partials are combined in one fixed tree, ((p0 + p1) + (p2 + p3)),
-// then the bias, then one rounding.  Every M gives the same bits (the tree follows K alone),
-// but they differ from the sequential kernels' bits; a row-parallel layer on 2 or 4 GPUs
-// could reproduce them by giving each rank whole groups.
-constexpr int kKGroups = 4;
-
-__host__ __device__ __forceinline__ int k_group_width(int K) {
-    const int boxes = (K + 63) / 64;
-    return ((boxes + kKGroups - 1) / kKGroups) * 64;
-}
+// ---- the K-group tree (batchinv.linear_k_groups) -------------------------------------------
+// K is cut into groups of `width` columns (whole 64-wide boxes; the host passes
+// k_group_width(K) of the full K, so a rank's shard of whole groups cuts where the full call's
+// groups do).  Group g = blockIdx.y (gridDim.y groups) reduces [g*width, min((g+1)*width, K))
+// with the main loops above, from a zero accumulator, into partial[g][M][N] (fp32, no bias): the
+// same k16 steps in the same order as the linear over that range, whatever M.  A group that
+// starts at or past K runs no k-tile and writes +0.0.  The tree kernel then sums P = 1, 2, 4
+// or 8 partials level by level, ((p0 + p1) + (p2 + p3)) + ((p4 + p5) + (p6 + p7)), and writes
+// either that fp32 node sum or, with the dtype's codec, sum + bias in fp32 rounded once: a
+// fixed elementwise tree, so nothing depends on M or on which thread adds.
+constexpr int kKGroups = 8;
 
 struct PartialElement {
     float* partial;  // this group's [M, N] slice
@@ -325,23 +323,51 @@ struct PartialTileEpilogue {
     }
 };
 
-// Group g = blockIdx.y; empty groups (K small) write zeros, which the tree adds exactly.
-__device__ __forceinline__ void k_group_bounds(int K, int& k_begin, int& k_end) {
-    const int width = k_group_width(K);
-    k_begin = min(static_cast<int>(blockIdx.y) * width, K);
-    k_end = min(k_begin + width, K);
+// This CTA's group: its columns [k_begin, k_end) (empty past K) and its [M, N] partial.
+__device__ __forceinline__ float* k_group_bounds(float* partial, int M, int N, int K, int width, int& k_begin,
+                                                 int& k_end) {
+    const int64_t begin = static_cast<int64_t>(blockIdx.y) * width;  // no int overflow for any K
+    k_begin = static_cast<int>(min(begin, static_cast<int64_t>(K)));
+    k_end = static_cast<int>(min(begin + width, static_cast<int64_t>(K)));
+    return partial + static_cast<int64_t>(blockIdx.y) * M * N;
 }
 
-template <typename Codec>
-__device__ __forceinline__ void k_group_combine(const float* partial, const typename Codec::storage* bias,
-                                                typename Codec::storage* out, int64_t elements, int N) {
+// The fixed tree over kCount partials of one element, pairs added level by level.
+template <int kCount>
+__device__ __forceinline__ float k_group_tree_element(const float* partial, int64_t elements, int64_t i) {
+    float level[kCount];
+#pragma unroll
+    for (int p = 0; p < kCount; ++p) level[p] = partial[p * elements + i];
+#pragma unroll
+    for (int width = kCount; width > 1; width /= 2) {
+#pragma unroll
+        for (int p = 0; p < width / 2; ++p) level[p] = __fadd_rn(level[2 * p], level[2 * p + 1]);
+    }
+    return level[0];
+}
+
+// out[i] = tree(partial[0..count)[i]) (+ bias[i % N] in fp32), rounded once by OutCodec
+// (F32Codec: the node sum itself, which the host passes no bias).  Grid-stride over elements.
+template <typename OutCodec, int kCount>
+__device__ __forceinline__ void k_group_tree_loop(const float* partial, const typename OutCodec::storage* bias,
+                                                  typename OutCodec::storage* out, int64_t elements, int N) {
     const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
     for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < elements; i += stride) {
-        const float left = __fadd_rn(partial[i], partial[elements + i]);
-        const float right = __fadd_rn(partial[2 * elements + i], partial[3 * elements + i]);
-        float v = __fadd_rn(left, right);
-        if (bias != nullptr) v = __fadd_rn(v, Codec::load(bias[i % N]));
-        out[i] = Codec::store(v);
+        float v = k_group_tree_element<kCount>(partial, elements, i);
+        if (bias != nullptr) v = __fadd_rn(v, OutCodec::load(bias[i % N]));
+        out[i] = OutCodec::store(v);
+    }
+}
+
+template <typename OutCodec>
+__device__ __forceinline__ void k_group_tree(const float* partial, int count, const typename OutCodec::storage* bias,
+                                             typename OutCodec::storage* out, int64_t elements, int N) {
+    switch (count) {  // the host passes 1, 2, 4 or 8; any other count writes nothing
+        case 1: k_group_tree_loop<OutCodec, 1>(partial, bias, out, elements, N); break;
+        case 2: k_group_tree_loop<OutCodec, 2>(partial, bias, out, elements, N); break;
+        case 4: k_group_tree_loop<OutCodec, 4>(partial, bias, out, elements, N); break;
+        case kKGroups: k_group_tree_loop<OutCodec, kKGroups>(partial, bias, out, elements, N); break;
+        default: break;
     }
 }
 
@@ -448,16 +474,16 @@ __device__ __forceinline__ void mma_gemm(const typename Codec::storage* x, const
         batchinv::linear::hopper_gemm_transposed<CODEC, BM, TRANS_A>(map_a, map_b, out, bias, M, N, K);        \
     }
 
-// EXPERIMENTAL K-group tree kernels (partials: grid (tiles, kKGroups); then the combine).
+// The K-group tree: partials (grid (tiles, groups); width = the group width in columns), then
+// the tree (grid-stride over M * N elements).
 #define BATCHINV_LINEAR_KGROUP_HOPPER(DTYPE, CODEC, BM, BN, STAGE_K, STAGES)                                   \
     extern "C" __global__ void __launch_bounds__(128 * (BM / 64 + 1), 1)                                         \
         linear_kgroup_hopper_##DTYPE##_bm##BM##_bn##BN##_k##STAGE_K##_s##STAGES(                               \
             const __grid_constant__ batchinv::TensorMap map_x, const __grid_constant__ batchinv::TensorMap map_w, \
-            float* partial, int M, int N, int K) {                                                               \
+            float* partial, int M, int N, int K, int width) {                                                    \
         int k_begin, k_end;                                                                                      \
-        batchinv::linear::k_group_bounds(K, k_begin, k_end);                                                     \
-        const batchinv::linear::PartialTileEpilogue epilogue{                                                    \
-            partial + static_cast<int64_t>(blockIdx.y) * M * N, M, N};                                           \
+        float* group = batchinv::linear::k_group_bounds(partial, M, N, K, width, k_begin, k_end);                \
+        const batchinv::linear::PartialTileEpilogue epilogue{group, M, N};                                       \
         batchinv::linear::hopper_gemm_k_range<CODEC, BM, BN, STAGE_K, STAGES>(map_x, map_w, M, N, k_begin,      \
                                                                               k_end, epilogue);                  \
     }
@@ -466,18 +492,20 @@ __device__ __forceinline__ void mma_gemm(const typename Codec::storage* x, const
     extern "C" __global__ void __launch_bounds__(32 * (BN / 16 + 1))                                           \
         linear_kgroup_small_m_##DTYPE##_bn##BN##_k##STAGE_K##_s##STAGES(                                       \
             const __grid_constant__ batchinv::TensorMap map_x, const __grid_constant__ batchinv::TensorMap map_w, \
-            float* partial, int M, int N, int K) {                                                               \
+            float* partial, int M, int N, int K, int width) {                                                    \
         int k_begin, k_end;                                                                                      \
-        batchinv::linear::k_group_bounds(K, k_begin, k_end);                                                     \
-        const batchinv::linear::PartialElement epilogue{partial + static_cast<int64_t>(blockIdx.y) * M * N, N};  \
+        float* group = batchinv::linear::k_group_bounds(partial, M, N, K, width, k_begin, k_end);                \
+        const batchinv::linear::PartialElement epilogue{group, N};                                               \
         batchinv::linear::small_m_k_range<CODEC, BN, STAGE_K, STAGES>(map_x, map_w, M, N, k_begin, k_end,       \
                                                                       epilogue);                                 \
     }
 
-#define BATCHINV_LINEAR_KGROUP_COMBINE(DTYPE, CODEC)                                                             \
-    extern "C" __global__ void __launch_bounds__(256) linear_kgroup_combine_##DTYPE(                             \
-        const float* partial, const CODEC::storage* bias, CODEC::storage* out, long long elements, int N) {     \
-        batchinv::linear::k_group_combine<CODEC>(partial, bias, out, elements, N);                               \
+// DTYPE f32: the node sum (no bias, the host passes null); bf16 / f16: + bias, rounded once.
+#define BATCHINV_LINEAR_KGROUP_TREE(DTYPE, CODEC)                                                                \
+    extern "C" __global__ void __launch_bounds__(256) linear_kgroup_tree_##DTYPE(                                \
+        const float* partial, int count, const CODEC::storage* bias, CODEC::storage* out, long long elements,   \
+        int N) {                                                                                                 \
+        batchinv::linear::k_group_tree<CODEC>(partial, count, bias, out, elements, N);                           \
     }
 
 #define BATCHINV_LINEAR_MMA(DTYPE, CODEC)                                                                         \
@@ -526,8 +554,12 @@ BATCHINV_LINEAR_HOPPER_TRANSPOSED(tb, 0, f16, batchinv::F16Codec, 128)
 BATCHINV_LINEAR_HOPPER_TRANSPOSED(tab, 1, f16, batchinv::F16Codec, 64)
 BATCHINV_LINEAR_HOPPER_TRANSPOSED(tab, 1, f16, batchinv::F16Codec, 128)
 BATCHINV_LINEAR_KGROUP_HOPPER(bf16, batchinv::Bf16Codec, 128, 256, 64, 4)
+BATCHINV_LINEAR_KGROUP_HOPPER(f16, batchinv::F16Codec, 128, 256, 64, 4)
 BATCHINV_LINEAR_KGROUP_SMALL_M(bf16, batchinv::Bf16Codec, 32, 128, 8)
-BATCHINV_LINEAR_KGROUP_COMBINE(bf16, batchinv::Bf16Codec)
+BATCHINV_LINEAR_KGROUP_SMALL_M(f16, batchinv::F16Codec, 32, 128, 8)
+BATCHINV_LINEAR_KGROUP_TREE(bf16, batchinv::Bf16Codec)
+BATCHINV_LINEAR_KGROUP_TREE(f16, batchinv::F16Codec)
+BATCHINV_LINEAR_KGROUP_TREE(f32, batchinv::F32Codec)
 #endif
 
 BATCHINV_LINEAR_MMA(bf16, batchinv::Bf16Codec)

@@ -185,13 +185,23 @@ def test_linear_in_place_backward_variants(dtype, tokens):
         assert out.shape == shape and torch.isfinite(out).all(), config
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("m", (3, 70))
-def test_linear_k_group_experiment(m):
+def test_linear_k_group_kernels(dtype, m):
     if not _hopper():
-        pytest.skip("the K-group experiment is sm_90a only")
-    x = _randn(m, 200, dtype=torch.bfloat16, seed=11)
-    weight = _randn(300, 200, dtype=torch.bfloat16, seed=12)
-    assert torch.isfinite(gpu_linear.matmul_nt_k_groups(x, weight)).all()
+        pytest.skip("the K-group kernels are sm_90a only")
+    x = _randn(m, 200, dtype=dtype, seed=11)  # 4 groups of 64 columns used, the last partial
+    weight = _randn(300, 200, dtype=dtype, seed=12)  # 300 rows: a partial tile
+    bias = _randn(300, dtype=dtype, seed=13)
+    for family in ("small_m", "hopper"):
+        partials = gpu_linear.k_group_partials(x, weight, 64, 8, family=family)
+        assert torch.isfinite(partials[:4]).all(), family
+        assert (partials[4:] == 0).all() and not partials[4:].signbit().any(), family
+    for count in (1, 2, 4, 8):
+        node = gpu_linear.k_group_tree(partials[:count].contiguous())
+        assert node.shape == (m, 300) and torch.isfinite(node).all(), count
+        out = gpu_linear.k_group_tree(partials[:count].contiguous(), bias, dtype)
+        assert out.dtype == dtype and torch.isfinite(out).all(), count
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -321,27 +321,3 @@ def test_misaligned_input_view_is_handled():
     view = storage[4:].view(10, 72)  # 8-byte aligned, not 16
     view.copy_(x)
     assert_bitwise_equal(batchinv.linear(view, w), batchinv.linear(x, w))
-
-
-@pytest.mark.parametrize(
-    "m, k, n, with_bias",
-    [(257, 4096, 4096, False), (257, 12288, 4096, False), (9, 72, 40, True), (9, 200, 1000, True)],
-)
-def test_k_group_experiment_is_m_invariant_and_within_tolerance(m, k, n, with_bias):
-    # EXPERIMENTAL (not batchinv.linear): the small-M partial kernel serves M <= 8, the tile
-    # kernel above; both must give one row the same bits (K = 72: two of four groups empty).
-    if not gpu_linear.uses_hopper(torch.device("cuda")):
-        pytest.skip("the K-group experiment is built for sm_90a only")
-    x, w = _inputs(m, k, n, torch.bfloat16, seed=15)
-    bias = torch.randn(n, device="cuda").bfloat16() if with_bias else None
-    batch = gpu_linear.matmul_nt_k_groups(x, w, bias)
-    for i in (0, 5, m - 1):
-        alone = gpu_linear.matmul_nt_k_groups(x[i : i + 1], w, bias)
-        assert_bitwise_equal(alone, batch[i : i + 1], name=f"k-group row {i} alone vs M={m}")
-    rows = x[:3]
-    assert_within_tolerance(
-        gpu_linear.matmul_nt_k_groups(rows, w, bias),
-        linear_fp32(rows, w, bias),
-        op_class="reduction",
-        name=f"k-group {k}x{n}",
-    )

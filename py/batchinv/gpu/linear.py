@@ -27,6 +27,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from ..reference.linear import K_GROUPS, k_group_width
 from ..runtime import (
     allow_dynamic_shared,
     current_raw_stream,
@@ -833,57 +834,134 @@ def check_gpu_args(x: Tensor, weight: Tensor, bias: Tensor | None) -> None:
         raise ValueError("bias must be contiguous on the GPU")
 
 
-# ---- EXPERIMENTAL: the K-group tree (not used by batchinv.linear) ---------------------------
-K_GROUPS = 4  # kKGroups in kernels_cu/linear.cu
-_K_GROUP_BIG_TILE = TileConfig(128, 256, 64, 4)
-_K_GROUP_SMALL_M = SmallMConfig(32, 128, 8)
+# ---- the K-group tree (batchinv.linear_k_groups) ---------------------------------------------
+# kernels_cu/linear.cu's linear_kgroup_* kernels: the partials run the linear's main loops over
+# one group's columns each (grid (tiles, groups)), the tree sums P partials elementwise.  Which
+# family computes the partials follows M as batchinv.linear's choice does (a speed choice: both
+# give each group the same bits); the group width is an argument, so a rank's shard of whole
+# groups reduces the columns the full call's groups do.  No host sync and no host state that
+# changes between calls of one shape: capturable in a CUDA graph.
+# K_GROUPS (batchinv.reference.linear) is kKGroups in kernels_cu/linear.cu.
+K_GROUP_TILE = TileConfig(128, 256, 64, 4)
+K_GROUP_SMALL_M = SmallMConfig(32, 128, 8)
+_TREE_COUNTS = (1, 2, 4, 8)
+_TREE_BLOCK = 256
 
 
-def matmul_nt_k_groups(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-    """EXPERIMENTAL, bf16, sm_90 only: ``x @ weight.T (+ bias)`` with K cut into ``K_GROUPS``
-    groups of whole 64-wide boxes (the width follows K alone), each reduced in order into an
-    fp32 partial, combined as ``((p0 + p1) + (p2 + p3)) + bias`` and rounded once.
+def k_group_kernel_name(config: TileConfig | SmallMConfig, dtype: torch.dtype) -> str:
+    """The partials kernel of ``config`` (``K_GROUP_TILE`` or ``K_GROUP_SMALL_M``)."""
+    return config.kernel_name(dtype).replace("linear_", "linear_kgroup_", 1)
 
-    Its bits are the same for every M, but not those of ``matmul_nt`` (a different K order),
-    so ``batchinv.linear`` does not use it; it exists to measure the design's cost and gain.
-    """
-    if x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16:
-        raise TypeError(f"the K-group experiment is built for bf16 only, got {x.dtype}")
+
+def k_group_partials(
+    x: Tensor, weight: Tensor, group_width: int, groups: int, *, family: str = "auto"
+) -> Tensor:
+    """fp32 ``[groups, M, N]``: group g is ``x[:, b:e] @ weight[:, b:e]ᵀ`` over its columns
+    ``[b, e) = [g*group_width, min((g+1)*group_width, K))`` (+0.0 where ``b >= K``), for
+    contiguous 2-D bf16/fp16 CUDA tensors ``x [M, K]`` and ``weight [N, K]`` on sm_90.
+
+    ``family``: ``"auto"`` (the small-M kernel up to ``SMALL_M_MAX_ROWS`` rows, the 128x256
+    tile above), ``"small_m"`` or ``"hopper"`` (tests compare them).  The caller has checked
+    the layout (``batchinv.reference.linear.check_k_group_args``)."""
     if not uses_hopper(x.device):
-        raise RuntimeError("the K-group experiment needs an sm_90 GPU and a build with 90a")
+        raise RuntimeError("the K-group linear kernels need an sm_90 GPU and a build with 90a")
+    if group_width < 64 or group_width % 64 != 0 or not 1 <= groups <= K_GROUPS:
+        raise ValueError(
+            f"group_width must be a positive multiple of 64 and groups in [1, {K_GROUPS}], "
+            f"got group_width = {group_width}, groups = {groups}"
+        )
     m, k = x.shape
     n = weight.shape[0]
-    if k % 8 != 0 or k == 0 or m == 0 or n == 0:
-        raise ValueError(f"the K-group experiment needs K % 8 == 0 and non-empty shapes, got {k}")
-    x, weight = _aligned(x), _aligned(weight)
-    partial = torch.empty(K_GROUPS, m, n, dtype=torch.float32, device=x.device)
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    if m <= SMALL_M_MAX_ROWS:
-        config, name = _K_GROUP_SMALL_M, "linear_kgroup_small_m_bf16_bn32_k128_s8"
-        box_rows_x = config.TOKENS_PER_CTA
-        tiles = -(-n // config.block_n) * -(-m // config.TOKENS_PER_CTA)
+    _check_product(m, n, k)
+    if groups * group_width < k:
+        raise ValueError(f"groups * group_width = {groups * group_width} < in_features = {k}")
+    partials = torch.empty(groups, m, n, dtype=torch.float32, device=x.device)
+    if m == 0 or n == 0:
+        return partials
+    if family == "auto":
+        family = "small_m" if m <= SMALL_M_MAX_ROWS else "hopper"
+    if family == "small_m":
+        config, box_rows_x = K_GROUP_SMALL_M, K_GROUP_SMALL_M.TOKENS_PER_CTA
+    elif family == "hopper":
+        config, box_rows_x = K_GROUP_TILE, K_GROUP_TILE.block_m
     else:
-        config, name = _K_GROUP_BIG_TILE, "linear_kgroup_hopper_bf16_bm128_bn256_k64_s4"
-        box_rows_x, tiles = config.block_m, -(-n // config.block_n) * -(-m // config.block_m)
-    map_x = _tensor_map(x.data_ptr(), "bf16", m, k, box_rows_x, 0, x.device.index)
-    map_w = _tensor_map(weight.data_ptr(), "bf16", n, k, config.block_n, 0, x.device.index)
-    kernel = kernel_for("linear", name, x.device)
+        raise ValueError(f"family must be 'auto', 'hopper' or 'small_m', got {family!r}")
+    x, weight = _aligned(x), _aligned(weight)
+    dtype_name = _DTYPE_NAMES[x.dtype]
+    map_x = _tensor_map(x.data_ptr(), dtype_name, m, k, box_rows_x, 0, x.device.index)
+    map_w = _tensor_map(weight.data_ptr(), dtype_name, n, k, config.block_n, 0, x.device.index)
+    kernel = _k_group_kernel(config, x.dtype, x.device)
     allow_dynamic_shared(kernel, config.shared_bytes, x.device.index)
     launch(
         kernel,
         x.device,
-        grid=(tiles, K_GROUPS),
+        grid=(-(-n // config.block_n) * -(-m // box_rows_x), groups),
         block=(config.threads,),
-        args=(map_x, map_w, partial, m, n, k),
+        args=(map_x, map_w, partials, m, n, k, group_width),
         shared_mem=config.shared_bytes,
     )
-    combine = kernel_for("linear", "linear_kgroup_combine_bf16", x.device)
-    elements = m * n
+    return partials
+
+
+@functools.lru_cache(maxsize=64)
+def _k_group_kernel(config: TileConfig | SmallMConfig, dtype: torch.dtype, device: torch.device):
+    return kernel_for("linear", k_group_kernel_name(config, dtype), device)
+
+
+def k_group_tree(
+    partials: Tensor, bias: Tensor | None = None, out_dtype: torch.dtype = torch.float32
+) -> Tensor:
+    """The fixed tree over a contiguous fp32 CUDA ``partials [P, ..., N]`` (P in 1, 2, 4, 8):
+    ``((p0+p1)+(p2+p3))+((p4+p5)+(p6+p7))`` elementwise, then, for a bf16/fp16 ``out_dtype``,
+    ``+ bias[N]`` in fp32 and one rounding; for fp32, the node sum itself (no bias)."""
+    if partials.dtype != torch.float32 or not partials.is_contiguous():
+        raise TypeError("partials must be a contiguous float32 tensor")
+    if partials.dim() < 1 or partials.shape[0] not in _TREE_COUNTS:
+        raise ValueError(f"partials must be [P, ...] with P in 1, 2, 4, 8, got {partials.shape}")
+    if out_dtype == torch.float32:
+        if bias is not None:
+            raise ValueError("an fp32 node sum takes no bias (it is added once, after the tree)")
+        dtype_name = "f32"
+    elif out_dtype in _DTYPE_NAMES:
+        dtype_name = _DTYPE_NAMES[out_dtype]
+        if bias is not None and (bias.dtype != out_dtype or not bias.is_contiguous()):
+            raise ValueError(f"bias must be a contiguous {out_dtype} tensor")
+    else:
+        raise TypeError(f"out_dtype must be float32, bfloat16 or float16, got {out_dtype}")
+    count = partials.shape[0]
+    out = torch.empty(partials.shape[1:], dtype=out_dtype, device=partials.device)
+    elements = out.numel()
+    if elements == 0:
+        return out
+    index = partials.device.index
     launch(
-        combine,
-        x.device,
-        grid=(min(-(-elements // 256), 8 * multiprocessors(x.device.index)),),
-        block=(256,),
-        args=(partial, 0 if bias is None else bias, out, elements, n),
+        kernel_for("linear", f"linear_kgroup_tree_{dtype_name}", partials.device),
+        partials.device,
+        grid=(min(-(-elements // _TREE_BLOCK), 8 * multiprocessors(index)),),
+        block=(_TREE_BLOCK,),
+        args=(partials, count, 0 if bias is None else bias, out, elements, out.shape[-1:].numel()),
     )
     return out
+
+
+def k_groups_forward(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """The registry's ``linear_k_groups.forward`` on CUDA: ``x [..., K]`` -> ``[..., N]``:
+    ``K_GROUPS`` partials of ``k_group_width(K)`` columns, the tree, the bias, one rounding."""
+    check_gpu_args(x, weight, bias)
+    rows = x.reshape(-1, x.shape[-1]).contiguous()
+    partials = k_group_partials(rows, weight, k_group_width(x.shape[-1]), K_GROUPS)
+    out = k_group_tree(partials, bias, x.dtype)
+    return out.reshape(*x.shape[:-1], weight.shape[0])
+
+
+def k_group_partials_forward(x: Tensor, weight: Tensor, group_width: int, groups: int) -> Tensor:
+    """The registry's ``linear_k_groups.partials`` on CUDA: fp32 ``[groups, *x.shape[:-1], N]``."""
+    check_gpu_args(x, weight, None)
+    rows = x.reshape(-1, x.shape[-1]).contiguous()
+    partials = k_group_partials(rows, weight, group_width, groups)
+    return partials.reshape(groups, *x.shape[:-1], weight.shape[0])
+
+
+def k_group_tree_sum(partials: Tensor) -> Tensor:
+    """The registry's ``linear_k_groups.tree_sum`` on CUDA: the fp32 node sum of ``partials``."""
+    return k_group_tree(partials.contiguous())

@@ -32,6 +32,7 @@ import torch
 from torch import Tensor
 
 from .. import registry
+from ..gpu import linear as gpu_linear
 from ..reference import linear as reference
 from ..reference.linear import K_GROUPS, k_group_width
 from ..validation import check_linear_args
@@ -118,6 +119,9 @@ def _reference_forward(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor
 registry.register("linear_k_groups.forward", "cpu")(_reference_forward)
 registry.register("linear_k_groups.partials", "cpu")(reference.linear_k_group_partials)
 registry.register("linear_k_groups.tree_sum", "cpu")(reference.k_group_tree_sum)
+registry.register("linear_k_groups.forward", "cuda")(gpu_linear.k_groups_forward)
+registry.register("linear_k_groups.partials", "cuda")(gpu_linear.k_group_partials_forward)
+registry.register("linear_k_groups.tree_sum", "cuda")(gpu_linear.k_group_tree_sum)
 
 
 # ----------------------------------------------------------------------------- custom ops
