@@ -45,12 +45,16 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from ..ops.linear_k_groups import K_GROUPS, linear_k_groups
 from ..reference.qwen3_chain import (
     Qwen3ChainConfig,
     Qwen3Ops,
     check_qwen3_state_dict,
     qwen3_state_dict_shapes,
 )
+from ..reference.token_logprobs import token_logprobs_tiled
+from .linear import k_range, row_parallel_linear
+from .lm_head import vocab_parallel_logits, vocab_parallel_token_logprobs, vocab_ranges
 
 __all__ = [
     "Qwen3RankLayout",
@@ -80,14 +84,10 @@ class Qwen3RankLayout:
 
 def _k_column_ranges(in_features: int, world: int) -> list[tuple[int, int]]:
     """The K columns each rank's whole groups cover (the last group may be partial)."""
-    from .linear import k_range
-
     return [k_range(in_features, rank, world) for rank in range(world)]
 
 
 def _check_world(world: object, rank: object | None = None) -> None:
-    from ..ops.linear_k_groups import K_GROUPS
-
     if isinstance(world, bool) or not isinstance(world, int) or not 1 <= world <= K_GROUPS:
         raise ValueError(
             f"world must be an int in [1, {K_GROUPS}] (each rank holds whole K groups of the "
@@ -104,8 +104,6 @@ def qwen3_tp_layout(config: Qwen3ChainConfig, world: int) -> list[Qwen3RankLayou
 
     Raises ``ValueError`` naming ``world`` when the K-group boundaries of o_proj do not fall
     on kv-group boundaries, or a rank would hold no head or no intermediate column."""
-    from .lm_head import vocab_ranges
-
     _check_world(world)
     heads, kv_heads, head_dim = (
         config.num_attention_heads,
@@ -208,9 +206,6 @@ def tensor_parallel_ops(base_ops: Qwen3Ops, config: Qwen3ChainConfig, group=None
     table adds ``row_parallel_linear`` (o_proj, down_proj), ``logits`` and
     ``token_logprobs`` (vocab-parallel), which communicate over ``group`` (default: the
     world).  Every rank must run the same calls in the same order (collectives)."""
-    from .linear import row_parallel_linear
-    from .lm_head import vocab_parallel_logits, vocab_parallel_token_logprobs
-
     rank, world = _rank_world(group)
     layout = qwen3_tp_layout(config, world)[rank]
     in_features = {
@@ -264,14 +259,11 @@ def tp_compatible_ops(base_ops: Qwen3Ops) -> Qwen3Ops:
     logprobs: ``base_ops.token_logprobs`` on CUDA (the vocab-parallel op merges its tiles);
     on the CPU the tiled reference (``VOCAB_TILE`` tiles in the same fixed order), whose
     bits are what the vocab-parallel CPU path gives -- not the strict reference's."""
-    import batchinv
-
-    from ..reference.token_logprobs import token_logprobs_tiled
 
     def row_parallel(x: Tensor, weight: Tensor, bias: Tensor | None, *, layer: str) -> Tensor:
         if layer not in ROW_PARALLEL_LAYERS:
             raise ValueError(f"layer must be one of {ROW_PARALLEL_LAYERS}, got {layer!r}")
-        return batchinv.linear_k_groups(x, weight, bias)
+        return linear_k_groups(x, weight, bias)
 
     def token_logprobs(
         hidden: Tensor, lm_head_weight: Tensor, target_ids: Tensor, ignore_index: int

@@ -30,6 +30,8 @@ One chain, several backends: every step goes through an op table (``Qwen3Ops``).
 ``REFERENCE_OPS``, is the strict references; ``batchinv.models.qwen3.ops`` defines the batchinv
 table (public ops: CPU references, CUDA kernels) and the stock PyTorch table the audit compares
 against, so the model, the audit and these references share this one implementation.
+A table may route o_proj and down_proj through its ``row_parallel_linear`` and the logits
+through its ``logits`` (``batchinv.distributed.qwen3`` does, for tensor parallelism).
 
 Precision: ``forward`` keeps the weights' dtype between ops (each op computes in fp32 and
 rounds once, as its module documents); ``forward_fp32`` upcasts the weights and runs the same
