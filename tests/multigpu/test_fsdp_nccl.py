@@ -22,6 +22,7 @@ Run with pytest (``pytest tests/multigpu/test_fsdp_nccl.py``) or as a script:
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import sys
 from pathlib import Path
@@ -108,6 +109,8 @@ def _fsdp_checks(rank: int, world: int, device_type: str = "cuda") -> dict:
             name: p.grad.full_tensor().cpu() for name, p in model.named_parameters()
         }
     del model
+    if importlib.util.find_spec("transformers") is None:
+        return out  # the HF test skips, with its reason
 
     def hf_model():
         hf = make_hf_model("sdpa", seed=1, **CUDA_CONFIG).to(device=device, dtype=DTYPE)
@@ -131,7 +134,6 @@ def _assert_forward(result: dict, label: str) -> None:
         for i, (got, expected) in enumerate(pairs):
             assert_bitwise_equal(got, expected, name=f"{label} run {run} logprobs {i}")
         assert_bitwise_equal(result[f"fsdp{run}/loss"], result["one/loss"], name=f"{label} loss")
-    assert_bitwise_equal(result["fsdp/hf_logits"], result["one/hf_logits"], name=f"{label} HF")
 
 
 def _assert_grads_run_to_run(result: dict, label: str) -> None:
@@ -168,12 +170,29 @@ def _check(results: list[dict]) -> list[str]:
     return _grad_report(results)
 
 
-def test_fsdp_qwen3_equals_one_gpu(tmp_path):
+def _assert_hf(results: list[dict]) -> None:
+    for rank, result in enumerate(results):
+        name = f"rank {rank} HF logits"
+        assert_bitwise_equal(result["fsdp/hf_logits"], result["one/hf_logits"], name=name)
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> list[dict]:
+    """One spawn for both tests."""
     if torch.cuda.device_count() < WORLD:
         pytest.skip(f"needs {WORLD} GPUs, {torch.cuda.device_count()} present")
-    results = run_world(_fsdp_checks, WORLD, tmp_path, backend="nccl", timeout_s=600)
+    tmp = tmp_path_factory.mktemp("fsdp")
+    return run_world(_fsdp_checks, WORLD, tmp, backend="nccl", timeout_s=600)
+
+
+def test_fsdp_qwen3_equals_one_gpu(results):
     for line in _check(results):
         print(line)  # recorded, not asserted
+
+
+def test_fsdp_patched_transformers_qwen3_equals_one_gpu(results):
+    pytest.importorskip("transformers")
+    _assert_hf(results)
 
 
 if __name__ == "__main__":
@@ -191,4 +210,8 @@ if __name__ == "__main__":
         )
     for line in _check(results):
         print(line)
+    if "fsdp/hf_logits" in results[0]:
+        _assert_hf(results)
+    else:
+        print("transformers is not installed: the patched transformers Qwen3 was not run")
     print(f"world {args.world}: FSDP forward equals one device bit for bit")

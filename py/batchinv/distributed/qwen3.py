@@ -289,9 +289,11 @@ def tensor_parallel_qwen3(model, group=None, *, ops: Qwen3Ops | None = None):
     from ..models.qwen3 import Qwen3
 
     rank, world = _rank_world(group)
-    shard, shard_config = shard_qwen3_state_dict(model.hf_state_dict(), model.config, rank, world)
     table = tensor_parallel_ops(model.ops if ops is None else ops, model.config, group)
-    with torch.no_grad():
+    with torch.no_grad():  # the shard's copies are weights, not part of a graph
+        shard, shard_config = shard_qwen3_state_dict(
+            model.hf_state_dict(), model.config, rank, world
+        )
         return Qwen3(shard_config, shard, ops=table)
 
 
