@@ -5,9 +5,12 @@ Rows: the copy (the anchor), stock ``F.embedding``, batchinv's kernel alone, and
 whole op, which also reads the bad-id flag back (one synchronisation per call).  The backward
 rows (no goal): ``torch.autograd.grad`` of an output recorded once, for ``F.embedding`` and
 batchinv, and batchinv's backward alone (``gpu.embedding.backward``: the difference is the
-autograd engine's and the op's host time).  Their bytes are the forward's (read a gradient
-row, write a table row per token); the zero fill of the ``[vocab, hidden]`` gradient, which
-both do, is not counted.
+autograd engine's and the op's host time).  batchinv's backward rows come twice: with the
+default sync-free segments (static sizes, the strided kernel) and with the segments of
+``torch.unique_consecutive`` (one synchronisation per call, one CTA per distinct id); the
+gradients are the same bits.  Their bytes are the forward's (read a gradient row, write a
+table row per token); the zero fill of the ``[vocab, hidden]`` gradient, which all do, is not
+counted.
 """
 
 from __future__ import annotations
@@ -29,6 +32,20 @@ SHAPES = [
 ]
 GOAL = 0.85  # of the copy's bandwidth
 SUMMARY_PATHS = {"batchinv kernel": "kernel", "batchinv op (+id check)": "op (+id check)"}
+BACKWARD_KERNEL_PATHS = {
+    "static": "backward batchinv kernel (no autograd)",
+    "unique": "backward batchinv kernel, unique segments (no autograd)",
+}
+
+
+def _with_segments(segments: str, call):
+    """``call()`` with the registry's backward finding its segments by ``segments``."""
+    default = gpu_embedding.BACKWARD_SEGMENTS
+    gpu_embedding.BACKWARD_SEGMENTS = segments
+    try:
+        return call()
+    finally:
+        gpu_embedding.BACKWARD_SEGMENTS = default
 
 
 def main() -> None:
@@ -60,9 +77,16 @@ def main() -> None:
             timings[path] = median_ms(
                 lambda o=out, w=leaf: torch.autograd.grad(o, w, grad, retain_graph=True)
             )
-        timings["backward batchinv kernel (no autograd)"] = median_ms(
-            lambda: gpu_embedding.backward(ids, grad, vocab, dtype)
+        unique_out = outputs["backward batchinv (autograd)"]
+        timings["backward batchinv (autograd, unique segments)"] = median_ms(
+            lambda o=unique_out, w=leaf: _with_segments(
+                "unique", lambda: torch.autograd.grad(o, w, grad, retain_graph=True)
+            )
         )
+        for segments, path in BACKWARD_KERNEL_PATHS.items():
+            timings[path] = median_ms(
+                lambda s=segments: gpu_embedding.backward(ids, grad, vocab, dtype, segments=s)
+            )
         copy_tbs = 2 * tokens * row_bytes / timings["copy"] / 1e9  # bytes per ms / 1e9 = TB/s
         case = f"{vocab}x{hidden}, {tokens} tokens, {str(dtype).removeprefix('torch.')}"
         for path, variant in SUMMARY_PATHS.items():

@@ -17,8 +17,8 @@ the checks are read once afterwards), each row labelled.
 The backward rows time one ``torch.autograd.grad(out, inputs, grad_out)`` of an output
 recorded once (``retain_graph``), at ``BACKWARD_TOKENS`` tokens, against the same call on the
 torch code's output: the host time of the autograd engine and the op's backward, launch to
-launch, with the same goal.  ``embedding``'s backward reads its segment count back (one
-synchronisation per call), so its host time includes the GPU's work queued before it.
+launch, with the same goal.  ``embedding``'s backward sizes its segment arrays by the token
+count, so it reads nothing back (no synchronisation per call).
 
 ``--profile DIR`` also writes a cProfile table per batchinv op (the functions the host time
 goes to).

@@ -24,6 +24,16 @@
 //   Invariance: each output element is a sequential fp32 sum over its own occurrences in
 //   increasing position order, rounded once.  No atomics, so the result does not depend on
 //   scheduling, and no other id's occurrences change it.
+//
+// Backward, strided: the same sums over segment arrays of a static length, so that the
+// caller builds them without reading the number of distinct ids back to the host.
+//   segment_offsets  [num_segments + 1], segment_ids [num_segments]: the real segments
+//                    first, then empty ones (offset off[num_segments]); an empty segment
+//                    writes nothing, and the first one ends the CTA's walk
+//   Launch: grid = (any x >= 1, ceil(hidden / block.x)), any block.x; CTA x takes the
+//   segments x, x + grid.x, ...
+//   Invariance: each (segment, column) is summed by one thread with the same sequential
+//   sum as above (segment_sum); the grid only decides which thread, never the adds' order.
 #include "common/portability.cuh"
 
 namespace batchinv {
@@ -78,6 +88,19 @@ __device__ __forceinline__ void embedding_forward(uint8_t* out, const uint8_t* w
     }
 }
 
+// The gradient of one column of one segment: grad_out's rows at sorted_positions[begin:end],
+// added in that order in fp32 and rounded once by the caller's store.
+template <typename Codec>
+__device__ __forceinline__ float segment_sum(const typename Codec::storage* grad_out,
+                                             const int64_t* sorted_positions, int64_t begin,
+                                             int64_t end, int64_t hidden, int64_t column) {
+    float sum = 0.0f;
+    for (int64_t k = begin; k < end; ++k) {
+        sum = __fadd_rn(sum, Codec::load(grad_out[sorted_positions[k] * hidden + column]));
+    }
+    return sum;
+}
+
 template <typename Codec>
 __device__ __forceinline__ void embedding_backward(typename Codec::storage* grad_weight,
                                                    const typename Codec::storage* grad_out,
@@ -90,13 +113,27 @@ __device__ __forceinline__ void embedding_backward(typename Codec::storage* grad
     if (column >= hidden) return;
     const int64_t id = segment_ids[segment];
     if (id < 0 || id >= vocab) return;
-    const int64_t begin = segment_offsets[segment];
-    const int64_t end = segment_offsets[segment + 1];
-    float sum = 0.0f;
-    for (int64_t k = begin; k < end; ++k) {
-        sum = __fadd_rn(sum, Codec::load(grad_out[sorted_positions[k] * hidden + column]));
+    grad_weight[id * hidden + column] = Codec::store(segment_sum<Codec>(
+        grad_out, sorted_positions, segment_offsets[segment], segment_offsets[segment + 1],
+        hidden, column));
+}
+
+template <typename Codec>
+__device__ __forceinline__ void embedding_backward_strided(
+    typename Codec::storage* grad_weight, const typename Codec::storage* grad_out,
+    const int64_t* sorted_positions, const int64_t* segment_offsets, const int64_t* segment_ids,
+    int64_t num_segments, int64_t hidden, int64_t vocab) {
+    const int64_t column = static_cast<int64_t>(blockIdx.y) * blockDim.x + threadIdx.x;
+    if (column >= hidden) return;
+    for (int64_t segment = blockIdx.x; segment < num_segments; segment += gridDim.x) {
+        const int64_t begin = segment_offsets[segment];
+        const int64_t end = segment_offsets[segment + 1];
+        if (begin >= end) return;  // the padding: every later segment is empty too
+        const int64_t id = segment_ids[segment];
+        if (id < 0 || id >= vocab) continue;
+        grad_weight[id * hidden + column] = Codec::store(
+            segment_sum<Codec>(grad_out, sorted_positions, begin, end, hidden, column));
     }
-    grad_weight[id * hidden + column] = Codec::store(sum);
 }
 
 }  // namespace batchinv
@@ -127,3 +164,17 @@ extern "C" __global__ void embedding_forward_i64(uint8_t* out, const uint8_t* we
 BATCHINV_EMBEDDING_BACKWARD(bf16, batchinv::Bf16Codec)
 BATCHINV_EMBEDDING_BACKWARD(f16, batchinv::F16Codec)
 BATCHINV_EMBEDDING_BACKWARD(f32, batchinv::F32Codec)
+
+#define BATCHINV_EMBEDDING_BACKWARD_STRIDED(SUFFIX, CODEC)                                   \
+    extern "C" __global__ void embedding_backward_strided_##SUFFIX(                          \
+        CODEC::storage* grad_weight, const CODEC::storage* grad_out,                          \
+        const int64_t* sorted_positions, const int64_t* segment_offsets,                      \
+        const int64_t* segment_ids, int64_t num_segments, int64_t hidden, int64_t vocab) {    \
+        batchinv::embedding_backward_strided<CODEC>(grad_weight, grad_out, sorted_positions,  \
+                                                    segment_offsets, segment_ids,             \
+                                                    num_segments, hidden, vocab);             \
+    }
+
+BATCHINV_EMBEDDING_BACKWARD_STRIDED(bf16, batchinv::Bf16Codec)
+BATCHINV_EMBEDDING_BACKWARD_STRIDED(f16, batchinv::F16Codec)
+BATCHINV_EMBEDDING_BACKWARD_STRIDED(f32, batchinv::F32Codec)

@@ -30,6 +30,12 @@
 //   with ldmatrix; the same k16 steps in the same order.  Grid ceil(N/BN) * ceil(M/8); block
 //   32 * (BN/16 + 1) threads (the last warp issues the copies); dynamic shared memory
 //   STAGES * (BN + 8) * 2 * STAGE_K + 16 * STAGES + 1024 bytes.
+// - linear_small_m_grouped_*: sm_90a, up to three small-M products of one x in one launch
+//   (q/k/v, gate/up): out[M, N0 + N1 + N2] holds x W_g^T (+ b_g) in columns
+//   [N0 + ... + N_{g-1}, + N_g).  Grid: the small-M grids of the groups back to back
+//   (sum of ceil(N_g/BN) * ceil(M/8)); each CTA runs the small-M body above on its group's
+//   weight, so each element has the bits of the separate small-M launch.  Block and shared
+//   memory as the small-M kernel of the same BN.
 // - linear_hopper_tb_* / linear_hopper_tab_*: sm_90a, the backward's products with operands
 //   read in place where they lie M- or N-major (no transposed copy): the same main loop with
 //   its transpose options (TMA boxes of 64 M/N-elements by 64 k-rows, wgmma's transpose
@@ -167,9 +173,12 @@ __device__ __forceinline__ uint32_t swizzled_128b(int row, int chunk) {
 // rows (BN/16 consumer warps, 16 rows each) by 8 tokens per CTA; the K order is that of the
 // Hopper kernels: 64-wide boxes in increasing k, four k16 steps each, every box that starts
 // below K run whole (zeros past K), one fp32 accumulator chain per element.
+// `block`: the CTA's index among the CTAs of this product (blockIdx.x for one product; the
+// grouped kernel's index within its group).
 template <typename Codec, int BN, int STAGE_K, int STAGES, typename ElementEpilogue>
 __device__ __forceinline__ void small_m_k_range(const TensorMap& map_x, const TensorMap& map_w, int M, int N,
-                                                int k_begin, int k_end, const ElementEpilogue& epilogue) {
+                                                int k_begin, int k_end, int block,
+                                                const ElementEpilogue& epilogue) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     using namespace hopper;
     constexpr int kWarps = BN / 16;
@@ -190,8 +199,8 @@ __device__ __forceinline__ void small_m_k_range(const TensorMap& map_x, const Te
     // Token tiles of the same weight rows are neighbours in launch order, so with more than
     // 8 tokens the weight is read from HBM once and from L2 by the other token tiles.
     const int tiles_m = (M + kTokens - 1) / kTokens;
-    const int n0 = (static_cast<int>(blockIdx.x) / tiles_m) * BN;
-    const int m0 = (static_cast<int>(blockIdx.x) % tiles_m) * kTokens;
+    const int n0 = (block / tiles_m) * BN;
+    const int m0 = (block % tiles_m) * kTokens;
     const int k_tiles = (k_end - k_begin + STAGE_K - 1) / STAGE_K;
     const int warp = threadIdx.x / 32;
     const int lane = threadIdx.x % 32;
@@ -281,7 +290,59 @@ __device__ __forceinline__ void small_m_gemm(const TensorMap& map_x, const Tenso
                                              typename Codec::storage* out, const typename Codec::storage* bias,
                                              int M, int N, int K) {
     const StoreElement<Codec> epilogue{out, bias, N};
-    small_m_k_range<Codec, BN, STAGE_K, STAGES>(map_x, map_w, M, N, 0, K, epilogue);
+    const int block = static_cast<int>(blockIdx.x);
+    small_m_k_range<Codec, BN, STAGE_K, STAGES>(map_x, map_w, M, N, 0, K, block, epilogue);
+}
+
+constexpr int kSmallMTokens = 8;  // small_m_k_range's tokens per CTA (kTokens)
+
+// The grouped small-M kernel's epilogue for one element of group g: StoreElement's arithmetic
+// (bias added in fp32, rounded once) into the group's columns [offset, offset + N_g) of the
+// shared [M, row_elements] output; `out` already points at the group's first column.
+template <typename Codec>
+struct GroupStoreElement {
+    typename Codec::storage* out;
+    const typename Codec::storage* bias;
+    int row_elements;
+    __device__ __forceinline__ void operator()(int row, int col, float v) const {
+        if (bias != nullptr) v = __fadd_rn(v, Codec::load(bias[col]));
+        out[static_cast<int64_t>(row) * row_elements + col] = Codec::store(v);
+    }
+};
+
+// Up to three products of one x in one launch: out[:, off_g : off_g + N_g] = x W_g^T (+ b_g),
+// off_g = N_0 + ... + N_{g-1}.  The CTAs of group 0 come first, then group 1's, then group
+// 2's; within a group, the band/token-tile order of small_m_gemm.  Each CTA runs
+// small_m_k_range on its group's map and sizes with its index within the group, so every
+// element is computed by the code, K order and rounding of small_m_gemm: the bits of the
+// separate launches.  An unused group has N_g = 0 (no CTAs; its map is never read).
+template <typename Codec, int BN, int STAGE_K, int STAGES>
+__device__ __forceinline__ void small_m_grouped_gemm(const TensorMap& map_x, const TensorMap& map_w0,
+                                                     const TensorMap& map_w1, const TensorMap& map_w2,
+                                                     typename Codec::storage* out,
+                                                     const typename Codec::storage* bias0,
+                                                     const typename Codec::storage* bias1,
+                                                     const typename Codec::storage* bias2, int M, int N0, int N1,
+                                                     int N2, int K) {
+    const int tiles_m = (M + kSmallMTokens - 1) / kSmallMTokens;
+    const int ctas0 = (N0 + BN - 1) / BN * tiles_m;
+    const int ctas1 = (N1 + BN - 1) / BN * tiles_m;
+    const int row_elements = N0 + N1 + N2;
+    int block = static_cast<int>(blockIdx.x);
+    if (block < ctas0) {
+        const GroupStoreElement<Codec> epilogue{out, bias0, row_elements};
+        small_m_k_range<Codec, BN, STAGE_K, STAGES>(map_x, map_w0, M, N0, 0, K, block, epilogue);
+        return;
+    }
+    block -= ctas0;
+    if (block < ctas1) {
+        const GroupStoreElement<Codec> epilogue{out + N0, bias1, row_elements};
+        small_m_k_range<Codec, BN, STAGE_K, STAGES>(map_x, map_w1, M, N1, 0, K, block, epilogue);
+        return;
+    }
+    block -= ctas1;
+    const GroupStoreElement<Codec> epilogue{out + N0 + N1, bias2, row_elements};
+    small_m_k_range<Codec, BN, STAGE_K, STAGES>(map_x, map_w2, M, N2, 0, K, block, epilogue);
 }
 
 // ---- the K-group tree (batchinv.linear_k_groups) -------------------------------------------
@@ -465,6 +526,19 @@ __device__ __forceinline__ void mma_gemm(const typename Codec::storage* x, const
         batchinv::linear::small_m_gemm<CODEC, BN, STAGE_K, STAGES>(map_x, map_w, out, bias, M, N, K);            \
     }
 
+// The grouped form: up to three weights (maps, biases, N) and one [M, N0 + N1 + N2] output.
+#define BATCHINV_LINEAR_SMALL_M_GROUPED(DTYPE, CODEC, BN, STAGE_K, STAGES)                                    \
+    extern "C" __global__ void __launch_bounds__(32 * (BN / 16 + 1))                                           \
+        linear_small_m_grouped_##DTYPE##_bn##BN##_k##STAGE_K##_s##STAGES(                                      \
+            const __grid_constant__ batchinv::TensorMap map_x, const __grid_constant__ batchinv::TensorMap map_w0, \
+            const __grid_constant__ batchinv::TensorMap map_w1, const __grid_constant__ batchinv::TensorMap map_w2, \
+            CODEC::storage* out, const CODEC::storage* bias0, const CODEC::storage* bias1,                       \
+            const CODEC::storage* bias2, int M, int N0, int N1, int N2, int K) {                                 \
+        batchinv::linear::small_m_grouped_gemm<CODEC, BN, STAGE_K, STAGES>(map_x, map_w0, map_w1, map_w2, out,   \
+                                                                           bias0, bias1, bias2, M, N0, N1, N2,   \
+                                                                           K);                                   \
+    }
+
 // LAYOUT "tb" (TRANS_A 0) or "tab" (TRANS_A 1); B is always read N-major.
 #define BATCHINV_LINEAR_HOPPER_TRANSPOSED(LAYOUT, TRANS_A, DTYPE, CODEC, BM)                                   \
     extern "C" __global__ void __launch_bounds__(128 * (BM / 64 + 1), 1)                                         \
@@ -497,7 +571,7 @@ __device__ __forceinline__ void mma_gemm(const typename Codec::storage* x, const
         float* group = batchinv::linear::k_group_bounds(partial, M, N, K, width, k_begin, k_end);                \
         const batchinv::linear::PartialElement epilogue{group, N};                                               \
         batchinv::linear::small_m_k_range<CODEC, BN, STAGE_K, STAGES>(map_x, map_w, M, N, k_begin, k_end,       \
-                                                                      epilogue);                                 \
+                                                                      static_cast<int>(blockIdx.x), epilogue);   \
     }
 
 // DTYPE f32: the node sum (no bias, the host passes null); bf16 / f16: + bias, rounded once.
@@ -545,6 +619,12 @@ BATCHINV_LINEAR_SMALL_M(bf16, batchinv::Bf16Codec, 64, 128, 6)
 BATCHINV_LINEAR_SMALL_M(f16, batchinv::F16Codec, 16, 128, 8)
 BATCHINV_LINEAR_SMALL_M(f16, batchinv::F16Codec, 32, 128, 8)
 BATCHINV_LINEAR_SMALL_M(f16, batchinv::F16Codec, 64, 128, 6)
+BATCHINV_LINEAR_SMALL_M_GROUPED(bf16, batchinv::Bf16Codec, 16, 128, 8)
+BATCHINV_LINEAR_SMALL_M_GROUPED(bf16, batchinv::Bf16Codec, 32, 128, 8)
+BATCHINV_LINEAR_SMALL_M_GROUPED(bf16, batchinv::Bf16Codec, 64, 128, 6)
+BATCHINV_LINEAR_SMALL_M_GROUPED(f16, batchinv::F16Codec, 16, 128, 8)
+BATCHINV_LINEAR_SMALL_M_GROUPED(f16, batchinv::F16Codec, 32, 128, 8)
+BATCHINV_LINEAR_SMALL_M_GROUPED(f16, batchinv::F16Codec, 64, 128, 6)
 BATCHINV_LINEAR_HOPPER_TRANSPOSED(tb, 0, bf16, batchinv::Bf16Codec, 64)
 BATCHINV_LINEAR_HOPPER_TRANSPOSED(tb, 0, bf16, batchinv::Bf16Codec, 128)
 BATCHINV_LINEAR_HOPPER_TRANSPOSED(tab, 1, bf16, batchinv::Bf16Codec, 64)

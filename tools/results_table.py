@@ -88,16 +88,26 @@ def _meets(row: dict) -> bool | None:
     return ratio >= goal
 
 
+def _is_own_benchmark(data: dict, op: str) -> bool:
+    """Whether ``data`` came from ``op``'s own benchmark script (its name starts with the
+    script's stem: "linear (bf16)" from bench_linear.py)."""
+    stem = Path(PATH_VARIANTS[op]["bench"]).stem.removeprefix("bench_")
+    return str(data.get("benchmark", "")).split(" ")[0] == stem
+
+
 def _missing_variants(data: dict) -> list[tuple[str, str, str | None]]:
     """(op, variant, refusal) of every path variant that an op with several paths should
     report but this file lacks.  Expected in a file whose rows of that op time its paths (a
     path variant, or a row that names no path); ``refusal`` is the reason the benchmark
-    recorded when the path refused every case (its rows with a ``note``), else None."""
+    recorded when the path refused every case (its rows with a ``note``), else None.  Only
+    the op's own benchmark (``PATH_VARIANTS[op]["bench"]``) is expected to time its paths:
+    another file's rows of the op (host time, say) are not a path's timing."""
     present = {(row["op"], row["variant"]) for row in data["summary"]}
     timed = {
         row["op"]
         for row in data["summary"]
         if row["op"] in PATH_VARIANTS
+        and _is_own_benchmark(data, row["op"])
         and (not row.get("ran") or row["variant"] in PATH_VARIANTS[row["op"]]["variants"])
     }
     missing = []

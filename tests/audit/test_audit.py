@@ -58,7 +58,7 @@ def noisy_batchinv_ops():
         out = batchinv.linear(x, weight, bias)
         return out + 1e-2 * (x.shape[0] - 1)
 
-    return dataclasses.replace(model_ops.BATCHINV_OPS, linear=linear)
+    return dataclasses.replace(model_ops.BATCHINV_OPS, linear=linear, linear_group=None)
 
 
 @pytest.mark.slow

@@ -306,8 +306,15 @@ def _captured_cases():
     q, k = _randn(1024, 32, 128, **bf16), _randn(1024, 8, 128, **bf16)
     positions = torch.randint(0, MAX_POSITION, (1024,), device=DEVICE, generator=gen)
 
+    table = _randn(1000, 4096, **bf16)
+    ids = torch.randint(0, 1000, (1024,), device=DEVICE, generator=gen)  # repeated ids
+    rows_like = torch.empty(1024, 4096, dtype=torch.bfloat16, device=DEVICE)
+
     def rope(a, b):
         return batchinv.rope(a, b, positions, theta=THETA, check_positions=False)
+
+    def embedding(w):  # the backward sizes its segments by the token count: no read-back
+        return batchinv.embedding(ids, w, check_ids=False)
 
     return {
         "rms_norm": (lambda a, w: batchinv.rms_norm(a, w, EPS), (x, weight), (x,)),
@@ -320,10 +327,14 @@ def _captured_cases():
         "silu_mul": (batchinv.silu_mul, (gate, up), (gate,)),
         "silu_mul_fused": (batchinv.silu_mul_fused, (gate_up,), (gate_up[:, :12288],)),
         "rope": (rope, (q, k), (q, k)),
+        "embedding": (embedding, (table,), (rows_like,)),
     }
 
 
-CAPTURED = ("rms_norm", "rms_norm 16k", "fused_add_rms_norm", "silu_mul", "silu_mul_fused", "rope")
+CAPTURED = (
+    "rms_norm", "rms_norm 16k", "fused_add_rms_norm", "silu_mul", "silu_mul_fused", "rope",
+    "embedding",
+)  # fmt: skip
 
 
 @pytest.mark.parametrize("case", CAPTURED)

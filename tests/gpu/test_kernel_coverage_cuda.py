@@ -1,11 +1,11 @@
 """Every kernel variant added for attention (the Hopper tile and cooperative decode kernels
 included), token logprobs, the cluster log-softmax and its one-CTA 2048-wide backward, the
-small-M, in-place backward and K-group linear kernels, the fused RMSNorm backward and the
-reworked RoPE and SiLU-mul bodies, run once on small odd shapes (NaN in the padding where there
-is padding), and checked for finite results and exact zeros where nothing may be written.  The
-value and invariance checks live in each op's own test file; this file is the short target that
-`nox -s sanitize` runs under compute-sanitizer (memcheck is ~50x slower than a plain run, so the
-full op files would take too long)."""
+small-M (single and grouped), in-place backward and K-group linear kernels, the fused RMSNorm
+backward and the reworked RoPE and SiLU-mul bodies, run once on small odd shapes (NaN in the
+padding where there is padding), and checked for finite results and exact zeros where nothing
+may be written. The value and invariance checks live in each op's own test file; this file is
+the short target that `nox -s sanitize` runs under compute-sanitizer (memcheck is ~50x slower
+than a plain run, so the full op files would take too long)."""
 
 from __future__ import annotations
 
@@ -167,6 +167,19 @@ def test_linear_small_m_variants(dtype, m):
     for config in gpu_linear.small_m_configs():
         out = gpu_linear.matmul_nt(x, weight, bias, family="small_m", config=config)
         assert out.shape == (m, 40) and torch.isfinite(out).all(), config
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m", (1, 9))
+def test_linear_small_m_grouped_variants(dtype, m):
+    if not _hopper():
+        pytest.skip("the grouped small-M kernels are sm_90a only")
+    x = _randn(m, 200, dtype=dtype, seed=16)  # K not a multiple of the 64-wide box
+    weights = [_randn(n, 200, dtype=dtype, seed=17 + n) for n in (40, 24, 8)]  # partial bands
+    biases = [_randn(40, dtype=dtype, seed=20), None, _randn(8, dtype=dtype, seed=21)]
+    for config in gpu_linear.small_m_grouped_configs():
+        out = gpu_linear.matmul_grouped(x, weights, biases, config=config)
+        assert out.shape == (m, 72) and torch.isfinite(out).all(), config
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

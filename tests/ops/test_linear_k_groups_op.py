@@ -97,6 +97,14 @@ def test_only_the_gradients_asked_for_are_computed():
     assert grad_x.shape == x.shape
 
 
+def test_partials_never_carry_a_gradient():
+    x, weight, _ = _inputs(False)
+    partials = batchinv.linear_k_group_partials(
+        x.requires_grad_(), weight.requires_grad_(), group_width=64, groups=8
+    )
+    assert not partials.requires_grad and partials.grad_fn is None
+
+
 def test_tree_sum_of_one_partial_is_a_view():
     partials = torch.randn(1, 4, 5)
     assert batchinv.k_group_tree_sum(partials).data_ptr() == partials.data_ptr()
@@ -159,3 +167,128 @@ def test_compiles_fullgraph_with_eager_bits_and_gradients():
     graph_ops = {str(n.target) for n in counter.graphs[0].graph.nodes if n.op == "call_function"}
     assert any("batchinv.linear_k_groups" in t for t in graph_ops), graph_ops
     assert any("batchinv.linear_k_group_partials" in t for t in graph_ops), graph_ops
+
+
+# ---- the CUDA launchers, recorded on the CPU (no GPU here: the arguments, not the numbers) ----
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    """gpu/linear.py's K-group launchers with every launch recorded instead of run."""
+    from batchinv.gpu import linear as gpu_linear
+
+    recorded = []
+
+    def record(kernel, device, grid, block, args, **options):
+        recorded.append(
+            {"kernel": kernel[1], "grid": grid, "block": block, "args": args, **options}
+        )
+
+    monkeypatch.setattr(gpu_linear, "uses_hopper", lambda device: True)
+    monkeypatch.setattr(gpu_linear, "multiprocessors", lambda index: 132)
+    monkeypatch.setattr(gpu_linear, "kernel_for", lambda module, kernel, device: (module, kernel))
+    monkeypatch.setattr(gpu_linear, "launch", record)
+    monkeypatch.setattr(gpu_linear, "_tensor_map", lambda *args: ("map", *args[2:5]))
+    monkeypatch.setattr(gpu_linear, "allow_dynamic_shared", lambda *args: None)
+    gpu_linear._k_group_kernel.cache_clear()
+    yield gpu_linear, recorded
+    gpu_linear._k_group_kernel.cache_clear()
+
+
+@pytest.mark.parametrize(
+    ("m", "family", "kernel", "tiles", "threads", "box_rows"),
+    [
+        (8, "auto", "linear_kgroup_small_m_bf16_bn32_k128_s8", 10 * 1, 96, 8),
+        (9, "auto", "linear_kgroup_hopper_bf16_bm128_bn256_k64_s4", 2 * 1, 384, 128),
+        (257, "small_m", "linear_kgroup_small_m_bf16_bn32_k128_s8", 10 * 33, 96, 8),
+        (3, "hopper", "linear_kgroup_hopper_bf16_bm128_bn256_k64_s4", 2 * 1, 384, 128),
+    ],
+)
+def test_partials_launch(launches, m, family, kernel, tiles, threads, box_rows):
+    gpu_linear, recorded = launches
+    x = torch.zeros(m, 456, dtype=torch.bfloat16)
+    weight = torch.zeros(300, 456, dtype=torch.bfloat16)
+    partials = gpu_linear.k_group_partials(x, weight, 64, 8, family=family)
+    assert partials.shape == (8, m, 300) and partials.dtype == torch.float32
+    (launch,) = recorded
+    assert launch["kernel"] == kernel
+    assert launch["grid"] == (tiles, 8) and launch["block"] == (threads,)
+    map_x, map_w, out, rows, cols, k, width = launch["args"]
+    assert map_x == ("map", m, 456, box_rows) and map_w[1:3] == (300, 456)
+    assert out is partials and (rows, cols, k, width) == (m, 300, 456, 64)
+
+
+@pytest.mark.parametrize("count", (1, 2, 4, 8))
+@pytest.mark.parametrize("out_dtype", (torch.float32, torch.bfloat16, torch.float16), ids=str)
+def test_tree_launch(launches, count, out_dtype):
+    gpu_linear, recorded = launches
+    partials = torch.zeros(count, 3, 1001)
+    bias = None if out_dtype == torch.float32 else torch.zeros(1001, dtype=out_dtype)
+    out = gpu_linear.k_group_tree(partials, bias, out_dtype)
+    assert out.shape == (3, 1001) and out.dtype == out_dtype
+    (launch,) = recorded
+    name = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}[out_dtype]
+    assert launch["kernel"] == f"linear_kgroup_tree_{name}"
+    assert launch["grid"] == (-(-3003 // 256),) and launch["block"] == (256,)
+    assert launch["args"] == (partials, count, 0 if bias is None else bias, out, 3003, 1001)
+
+
+def test_forward_launches_partials_then_tree(launches):
+    gpu_linear, recorded = launches
+    x = torch.zeros(2, 5, 4096, dtype=torch.float16)
+    weight = torch.zeros(40, 4096, dtype=torch.float16)
+    bias = torch.zeros(40, dtype=torch.float16)
+    out = gpu_linear.k_groups_forward(x, weight, bias)
+    assert out.shape == (2, 5, 40) and out.dtype == torch.float16
+    partials_launch, tree_launch = recorded
+    assert partials_launch["kernel"] == "linear_kgroup_hopper_f16_bm128_bn256_k64_s4"
+    assert partials_launch["grid"] == (1, 8) and partials_launch["args"][-1] == 512
+    assert tree_launch["kernel"] == "linear_kgroup_tree_f16"
+    assert tree_launch["args"][1] == 8 and tree_launch["args"][2] is bias
+
+
+def test_launchers_reject_bad_layouts(launches):
+    gpu_linear, recorded = launches
+    x = torch.zeros(3, 200, dtype=torch.bfloat16)
+    weight = torch.zeros(40, 200, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="group_width"):
+        gpu_linear.k_group_partials(x, weight, 96, 8)
+    with pytest.raises(ValueError, match="groups"):
+        gpu_linear.k_group_partials(x, weight, 64, 9)
+    with pytest.raises(ValueError, match="in_features"):
+        gpu_linear.k_group_partials(x, weight, 64, 3)
+    with pytest.raises(ValueError, match="% 8"):
+        gpu_linear.k_group_partials(x[:, :196], weight[:, :196], 64, 4)
+    with pytest.raises(ValueError, match="family"):
+        gpu_linear.k_group_partials(x, weight, 64, 8, family="mma")
+    with pytest.raises(ValueError, match="P in 1, 2, 4, 8"):
+        gpu_linear.k_group_tree(torch.zeros(3, 4))
+    with pytest.raises(TypeError, match="float32"):
+        gpu_linear.k_group_tree(torch.zeros(2, 4, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="no bias"):
+        gpu_linear.k_group_tree(torch.zeros(2, 4), torch.zeros(4))
+    assert recorded == []
+
+
+def test_kernel_names_are_instantiated_in_linear_cu():
+    """The launchers' kernel names are the ones kernels_cu/linear.cu instantiates."""
+    from pathlib import Path
+
+    from batchinv.gpu import linear as gpu_linear
+
+    source = (Path(__file__).parents[2] / "kernels_cu" / "linear.cu").read_text()
+    for dtype, codec in ((torch.bfloat16, "Bf16Codec"), (torch.float16, "F16Codec")):
+        name = gpu_linear._DTYPE_NAMES[dtype]
+        assert (
+            f"BATCHINV_LINEAR_KGROUP_HOPPER({name}, batchinv::{codec}, 128, 256, 64, 4)" in source
+        )
+        assert f"BATCHINV_LINEAR_KGROUP_SMALL_M({name}, batchinv::{codec}, 32, 128, 8)" in source
+        assert f"BATCHINV_LINEAR_KGROUP_TREE({name}, batchinv::{codec})" in source
+        assert gpu_linear.k_group_kernel_name(gpu_linear.K_GROUP_TILE, dtype) == (
+            f"linear_kgroup_hopper_{name}_bm128_bn256_k64_s4"
+        )
+        assert gpu_linear.k_group_kernel_name(gpu_linear.K_GROUP_SMALL_M, dtype) == (
+            f"linear_kgroup_small_m_{name}_bn32_k128_s8"
+        )
+    assert "BATCHINV_LINEAR_KGROUP_TREE(f32, batchinv::F32Codec)" in source
+    assert "constexpr int kKGroups = 8;" in source and gpu_linear.K_GROUPS == 8

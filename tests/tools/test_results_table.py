@@ -69,8 +69,13 @@ def test_goal_verdicts(results_table):
     assert "| o | v | public op | copy | 0.85x-0.95x | 0.90x | 1 of 2 | G, `abcdef0` |" in table
 
 
-def _file(*summary: dict) -> dict:
-    return {"name": "x.json", "environment": {"gpu": "G", "commit": "abcdef0"}, "summary": summary}
+def _file(*summary: dict, benchmark: str = "linear (bf16)") -> dict:
+    return {
+        "name": "x.json",
+        "benchmark": benchmark,
+        "environment": {"gpu": "G", "commit": "abcdef0"},
+        "summary": summary,
+    }
 
 
 def _row(op: str, variant: str, ratio: float, **extra) -> dict:
@@ -144,3 +149,14 @@ def test_rows_of_a_multi_path_op_that_name_their_path_expect_no_other_variants(r
     data = _file(_row("linear", "eager host time per call", 0.6, scope="op", ran="own: x"))
     table = results_table.summary_table([data])
     assert "not measured" not in table and "refused" not in table
+
+
+def test_another_benchmarks_rows_of_a_multi_path_op_expect_no_path_variants(results_table):
+    # bench_host_overhead.py times linear's host side, no path: not linear's own benchmark
+    data = _file(
+        _row("linear", "autograd.grad host time per call", 0.6, scope="op"),
+        benchmark="host overhead per eager call",
+    )
+    table = results_table.summary_table([data])
+    assert "not measured" not in table and "refused" not in table
+    assert "Not measured in this file" not in results_table.full_page([data])

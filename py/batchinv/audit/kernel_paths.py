@@ -63,7 +63,8 @@ def _rows(x: Tensor) -> int:
 
 
 def recording_ops(ops: Qwen3Ops, recorder: PathRecorder) -> Qwen3Ops:
-    """``ops`` whose CUDA linear, attention and log_softmax calls note their path first."""
+    """``ops`` whose CUDA linear (grouped or not), attention and log_softmax calls note their
+    path."""
     from ..gpu import attention as gpu_attention
     from ..gpu import linear as gpu_linear
     from ..gpu import log_softmax as gpu_log_softmax
@@ -76,6 +77,17 @@ def recording_ops(ops: Qwen3Ops, recorder: PathRecorder) -> Qwen3Ops:
             label = gpu_linear.describe(rows, weight.shape[0], path, x.device)
             recorder.note("linear", label, "max_rows", rows)
         return ops.linear(x, weight, bias)
+
+    def linear_group(x, weights, biases):
+        # The grouped launch (q/k/v, gate/up at decode sizes) is a production path too; where
+        # it does not apply, the chain calls ``linear`` above, which notes its own path.
+        if ops.linear_group is None:
+            return None
+        outputs = ops.linear_group(x, weights, biases)
+        if outputs is not None and x.is_cuda:
+            rows = _rows(x)
+            recorder.note("linear", gpu_linear.describe_grouped(rows), "max_rows", rows)
+        return outputs
 
     def note_attention(bounds, hq, hkv, device, keys: int) -> None:
         path = gpu_attention.path_for(bounds, hq, hkv, device)
@@ -113,6 +125,7 @@ def recording_ops(ops: Qwen3Ops, recorder: PathRecorder) -> Qwen3Ops:
     return dataclasses.replace(
         ops,
         linear=linear,
+        linear_group=linear_group,
         attention=attention,
         attention_varlen=attention_varlen,
         attention_with_kv_cache=attention_with_kv_cache,

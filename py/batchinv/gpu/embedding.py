@@ -7,7 +7,9 @@ call; ``check_ids=False`` skips the read (bad rows then come back as NaN), and u
 capture or ``device_checks.deferred()`` the kernel writes the device's persistent flag, read
 by ``device_checks.raise_device_errors()``.  The backward
 drops the gradient of an out-of-range id (the kernel writes nothing for it), so no
-combination of flags lets it store outside ``grad_weight``.
+combination of flags lets it store outside ``grad_weight``.  It reads nothing back from the
+device (its segment arrays have the token count's size), so it can be captured in a CUDA
+graph.
 """
 
 from __future__ import annotations
@@ -27,6 +29,17 @@ _BACKWARD_KERNELS = {
     torch.float16: "embedding_backward_f16",
     torch.float32: "embedding_backward_f32",
 }
+_STRIDED_KERNELS = {
+    torch.bfloat16: "embedding_backward_strided_bf16",
+    torch.float16: "embedding_backward_strided_f16",
+    torch.float32: "embedding_backward_strided_f32",
+}
+_BACKWARD_THREADS = 128  # one thread per gradient column
+_STRIDED_CTAS = 32768
+# How ``backward`` finds the segments of equal ids: "static" (no host sync, capturable) or
+# "unique" (one sync per call); the same bits either way.  Kept switchable for the benchmark
+# and for the test that compares the two.
+BACKWARD_SEGMENTS = "static"
 
 
 def _threads_for(row_bytes: int) -> int:
@@ -132,7 +145,24 @@ def _forward_kernel(ids_dtype: torch.dtype, device: torch.device):
     return kernel_for("embedding", name, device)
 
 
-def backward(ids: Tensor, grad_out: Tensor, num_embeddings: int, dtype: torch.dtype) -> Tensor:
+def backward(
+    ids: Tensor,
+    grad_out: Tensor,
+    num_embeddings: int,
+    dtype: torch.dtype,
+    segments: str | None = None,
+) -> Tensor:
+    """``grad_weight [num_embeddings, hidden]``: each id's gradient rows summed in fp32 in
+    increasing position order, rounded once; out-of-range ids dropped.
+
+    ``segments`` (default ``BACKWARD_SEGMENTS``) picks how the runs of equal sorted ids are
+    found, with the same sums either way: ``"static"`` builds arrays of the token count,
+    padded with empty segments, so nothing is read back to the host and the call can be
+    captured in a CUDA graph; ``"unique"`` (``torch.unique_consecutive``) sizes them to the
+    number of distinct ids, which costs one synchronisation per call."""
+    segments = BACKWARD_SEGMENTS if segments is None else segments
+    if segments not in ("static", "unique"):
+        raise ValueError(f"segments must be 'static' or 'unique', not {segments!r}")
     flat_ids = ids.reshape(-1).long()
     hidden = grad_out.shape[-1]
     grad_rows = grad_out.reshape(flat_ids.numel(), hidden).to(dtype).contiguous()
@@ -141,23 +171,88 @@ def backward(ids: Tensor, grad_out: Tensor, num_embeddings: int, dtype: torch.dt
         return grad_weight
     # A stable sort keeps equal ids in increasing position order: the order of the sums.
     sorted_ids, sorted_positions = torch.sort(flat_ids, stable=True)
-    segment_ids, counts = torch.unique_consecutive(sorted_ids, return_counts=True)
-    segment_offsets = torch.zeros(counts.numel() + 1, dtype=torch.int64, device=grad_out.device)
-    torch.cumsum(counts, 0, out=segment_offsets[1:])
-    threads = 128
-    launch(
-        kernel_for("embedding", _BACKWARD_KERNELS[dtype], grad_out.device),
-        grad_out.device,
-        grid=(segment_ids.numel(), -(-hidden // threads)),
-        block=(threads,),
-        args=(
-            grad_weight,
-            grad_rows,
-            sorted_positions,
-            segment_offsets,
-            segment_ids,
-            hidden,
-            num_embeddings,
-        ),
-    )
+    if segments == "static":
+        segment_offsets, segment_ids = static_segments(sorted_ids, num_embeddings)
+        _launch_strided(grad_weight, grad_rows, sorted_positions, segment_offsets, segment_ids)
+    else:
+        segment_ids, counts = torch.unique_consecutive(sorted_ids, return_counts=True)
+        segment_offsets = torch.zeros(counts.numel() + 1, dtype=torch.int64, device=grad_out.device)
+        torch.cumsum(counts, 0, out=segment_offsets[1:])
+        threads = _BACKWARD_THREADS
+        launch(
+            kernel_for("embedding", _BACKWARD_KERNELS[dtype], grad_out.device),
+            grad_out.device,
+            grid=(segment_ids.numel(), -(-hidden // threads)),
+            block=(threads,),
+            args=(
+                grad_weight,
+                grad_rows,
+                sorted_positions,
+                segment_offsets,
+                segment_ids,
+                hidden,
+                num_embeddings,
+            ),
+        )
     return grad_weight
+
+
+def static_segments(sorted_ids: Tensor, num_embeddings: int) -> tuple[Tensor, Tensor]:
+    """``(segment_offsets [n + 1], segment_ids [n])`` of the ``n`` sorted ids, built on their
+    device without a synchronisation.  The ``d`` runs of equal ids come first, as
+    ``torch.unique_consecutive`` gives them; the ``n - d`` segments after them are empty
+    (offsets ``n``) with id ``num_embeddings``, which the kernel never writes."""
+    n = sorted_ids.numel()
+    is_start = torch.ones(n, dtype=torch.bool, device=sorted_ids.device)
+    torch.ne(sorted_ids[1:], sorted_ids[:-1], out=is_start[1:])
+    # At most n starts, so the last of the n + 1 entries is always the fill: the end offset.
+    segment_offsets = torch.nonzero_static(is_start, size=n + 1, fill_value=n).view(n + 1)
+    # The id at offset n (a padding segment's start) is the appended num_embeddings.
+    padded_ids = torch.nn.functional.pad(sorted_ids, (0, 1), value=num_embeddings)
+    return segment_offsets, torch.index_select(padded_ids, 0, segment_offsets[:n])
+
+
+def _launch_strided(
+    grad_weight: Tensor,
+    grad_rows: Tensor,
+    sorted_positions: Tensor,
+    segment_offsets: Tensor,
+    segment_ids: Tensor,
+) -> None:
+    num_segments = segment_ids.numel()
+    vocab, hidden = grad_weight.shape
+    column_blocks = -(-hidden // _BACKWARD_THREADS)
+    device = grad_weight.device
+    index = device.index
+    _strided_kernel(grad_weight.dtype, device)(
+        (strided_grid_x(num_segments, hidden), column_blocks),
+        (_BACKWARD_THREADS,),
+        (
+            grad_weight.data_ptr(),
+            grad_rows.data_ptr(),
+            sorted_positions.data_ptr(),
+            segment_offsets.data_ptr(),
+            segment_ids.data_ptr(),
+            num_segments,
+            hidden,
+            vocab,
+        ),
+        0,
+        current_raw_stream(index),
+        index,
+        False,
+    )
+
+
+def strided_grid_x(num_segments: int, hidden: int) -> int:
+    """CTAs along the segments for the strided backward, ``_STRIDED_CTAS`` in all at most:
+    a CTA that finds only padding reads two offsets and stops, so padding costs at most that
+    many such CTAs at any token count, while a 132-SM GPU still gets many waves.  Only the
+    speed depends on it, never the bits."""
+    column_blocks = -(-hidden // _BACKWARD_THREADS)
+    return max(1, min(num_segments, _STRIDED_CTAS // column_blocks))
+
+
+@functools.cache
+def _strided_kernel(dtype: torch.dtype, device: torch.device):
+    return kernel_for("embedding", _STRIDED_KERNELS[dtype], device)

@@ -22,7 +22,7 @@ import dataclasses
 import functools
 import math
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -494,6 +494,263 @@ def matmul_rows(
         out = torch.empty(rows.shape[0], weight.shape[0], dtype=rows.dtype, device=rows.device)
         return linear_cublaslt.matmul_nt(rows, weight, out)
     return matmul_nt(rows, weight, bias)
+
+
+# ---- several small-M products of one x in one launch (q/k/v, gate/up) -----------------------
+# ``matmul_grouped`` runs up to ``MAX_GROUPED`` weights in one launch of
+# ``linear_small_m_grouped_*``: the CTAs of the separate small-M launches back to back, each
+# running the small-M kernel's body on its own weight, so the columns of weight g are the bits
+# of the small-M launch for that weight alone (which ``batchinv.linear`` runs at these row
+# counts): the same k16 steps in the same order, the bias added the same way, one rounding.
+# One ramp-up and one tail instead of one per weight, and more CTAs in flight where a weight
+# alone gives few (N = 1024: 32 bands of 32 rows on a 132-SM GPU).
+
+MAX_GROUPED = 3  # the kernel's weight slots
+_SMALL_M_GROUPED_NAME = re.compile(r"linear_small_m_grouped_(bf16|f16)_bn(\d+)_k(\d+)_s(\d+)$")
+
+
+def grouped_kernel_name(config: SmallMConfig, dtype: torch.dtype) -> str:
+    """The grouped kernel of a small-M configuration (same tiles, stages and shared memory)."""
+    return (
+        f"linear_small_m_grouped_{_DTYPE_NAMES[dtype]}_bn{config.block_n}"
+        f"_k{config.stage_k}_s{config.stages}"
+    )
+
+
+@functools.cache
+def small_m_grouped_configs() -> tuple[SmallMConfig, ...]:
+    """The small-M configurations built with a grouped kernel (read from the kernel names)."""
+    names = declared_kernels("linear")
+    configs = {
+        SmallMConfig(int(m[2]), int(m[3]), int(m[4]))
+        for name in names
+        if (m := _SMALL_M_GROUPED_NAME.match(name))
+    }
+    return tuple(sorted(configs, key=lambda c: (c.block_n, c.stage_k, c.stages)))
+
+
+def takes_grouped(m: int, out_features: Sequence[int]) -> bool:
+    """Whether ``m`` rows are within the small-M rule (``takes_small_m``) of every weight."""
+    return all(takes_small_m(m, n) for n in out_features)
+
+
+def check_grouped_args(
+    x: Tensor, weights: Sequence[Tensor], biases: Sequence[Tensor | None] | None
+) -> tuple[Tensor | None, ...]:
+    """``matmul_grouped``'s checks (no device is touched); returns one bias (or None) per
+    weight."""
+    if not isinstance(x, Tensor):
+        raise TypeError(f"x must be a Tensor, got {type(x).__name__}")
+    if x.dim() != 2:
+        raise ValueError(f"x must be 2-D [M, K], got shape {tuple(x.shape)}")
+    if x.dtype not in _DTYPE_NAMES:
+        raise TypeError(f"x must be bf16 or fp16, got {x.dtype}")
+    if not x.is_contiguous():
+        raise ValueError("x must be contiguous (call .contiguous() first)")
+    if isinstance(weights, Tensor) or not isinstance(weights, Sequence):
+        raise TypeError(f"weights must be a list or tuple of tensors, got {type(weights).__name__}")
+    if not 1 <= len(weights) <= MAX_GROUPED:
+        raise ValueError(f"weights must hold 1 to {MAX_GROUPED} tensors, got {len(weights)}")
+    if biases is None:
+        biases = (None,) * len(weights)
+    elif isinstance(biases, Tensor) or not isinstance(biases, Sequence):
+        raise TypeError(
+            f"biases must be None or a list or tuple (None or a tensor per weight), "
+            f"got {type(biases).__name__}"
+        )
+    elif len(biases) != len(weights):
+        raise ValueError(
+            f"biases must hold one entry per weight ({len(weights)}), got {len(biases)}"
+        )
+    m, k = x.shape
+    if k == 0:  # as batchinv.linear: the GPU GEMM has no empty reduction
+        raise ValueError(f"in_features must be >= 1, got x of shape {tuple(x.shape)}")
+    for i, (weight, bias) in enumerate(zip(weights, biases, strict=True)):
+        name = f"weights[{i}]"
+        if not isinstance(weight, Tensor):
+            raise TypeError(f"{name} must be a Tensor, got {type(weight).__name__}")
+        if weight.dim() != 2 or weight.shape[1] != k:
+            raise ValueError(f"{name} must be [N, {k}] (x's K), got shape {tuple(weight.shape)}")
+        if weight.dtype != x.dtype:
+            raise TypeError(f"{name} has dtype {weight.dtype} but x has {x.dtype}")
+        if weight.device != x.device:
+            raise ValueError(f"{name} is on {weight.device} but x is on {x.device}")
+        if not weight.is_contiguous():
+            raise ValueError(f"{name} must be contiguous (call .contiguous() first)")
+        if bias is not None:
+            name = f"biases[{i}]"
+            if not isinstance(bias, Tensor):
+                raise TypeError(f"{name} must be a Tensor or None, got {type(bias).__name__}")
+            if tuple(bias.shape) != (weight.shape[0],):
+                raise ValueError(f"{name} must be [{weight.shape[0]}], got {tuple(bias.shape)}")
+            if bias.dtype != x.dtype:
+                raise TypeError(f"{name} has dtype {bias.dtype} but x has {x.dtype}")
+            if bias.device != x.device:
+                raise ValueError(f"{name} is on {bias.device} but x is on {x.device}")
+            if not bias.is_contiguous():
+                raise ValueError(f"{name} must be contiguous")
+        _check_product(m, weight.shape[0], k)
+    out_features = [w.shape[0] for w in weights]
+    if sum(out_features) > _MAX_DIM:
+        raise ValueError(f"the weights' out_features add up to more than {_MAX_DIM}")
+    if not takes_grouped(m, out_features):
+        raise ValueError(
+            f"x has {m} rows: the grouped small-M kernel takes at most {SMALL_M_MAX_ROWS} rows, "
+            f"or {SMALL_M_WIDE_MAX_ROWS} where every weight has at most {SMALL_M_WIDE_MAX_N} "
+            f"rows (out_features {out_features}); run separate linears"
+        )
+    return tuple(biases)
+
+
+@functools.lru_cache(maxsize=1024)
+def _grouped_weight_map(
+    address: int, dtype_name: str, rows: int, cols: int, box_rows: int, device_index: int
+) -> bytes:
+    # Its own cache: a model's q/k/v and gate/up weights (5 per layer) stay encoded.
+    return _tensor_map(address, dtype_name, rows, cols, box_rows, 0, device_index)
+
+
+@functools.lru_cache(maxsize=64)
+def _grouped_kernel(config: SmallMConfig, dtype: torch.dtype, device: torch.device):
+    return kernel_for("linear", grouped_kernel_name(config, dtype), device)
+
+
+def matmul_grouped(
+    x: Tensor,
+    weights: Sequence[Tensor],
+    biases: Sequence[Tensor | None] | None = None,
+    *,
+    config: SmallMConfig | None = None,
+    out: Tensor | None = None,
+) -> Tensor:
+    """``[x @ weights[0]ᵀ (+ biases[0]), x @ weights[1]ᵀ, ...]`` side by side: one
+    ``[M, N_0 + N_1 + ...]`` tensor from one launch, for 1 to ``MAX_GROUPED`` contiguous
+    ``[N_i, K]`` weights of ``x``'s dtype (bf16, fp16), ``x [M, K]`` contiguous on an sm_90a
+    GPU, M within the small-M rule of every weight (``takes_grouped``).  Each weight's columns
+    are the bits of ``matmul_nt(x, weights[i], biases[i])`` (see above).  ``biases``: None or
+    one entry (None or ``[N_i]``) per weight; ``config`` forces a small-M configuration (tests
+    compare them; default ``choose_small_m_config``).  ``out``: a contiguous
+    ``[M, N_0 + N_1 + ...]`` tensor of ``x``'s dtype to write into (else a new one).  No
+    autograd: for calls that need no gradient."""
+    biases = check_grouped_args(x, weights, biases)
+    if x.device.type != "cuda" or torch.version.hip or not uses_hopper(x.device):
+        raise RuntimeError("the grouped small-M kernel needs an sm_90 GPU and a build with 90a")
+    shape = (x.shape[0], sum(w.shape[0] for w in weights))
+    if out is not None and (
+        not isinstance(out, Tensor)
+        or tuple(out.shape) != shape
+        or out.dtype != x.dtype
+        or out.device != x.device
+        or not out.is_contiguous()
+    ):
+        raise ValueError(f"out must be a contiguous {list(shape)} {x.dtype} tensor on {x.device}")
+    if config is not None and not isinstance(config, SmallMConfig):
+        raise TypeError(f"config must be a SmallMConfig, got {type(config).__name__}")
+    return _launch_grouped(x, weights, biases, config, out)
+
+
+def _launch_grouped(
+    x: Tensor,
+    weights: Sequence[Tensor],
+    biases: Sequence[Tensor | None],
+    config: SmallMConfig | None,
+    out: Tensor | None,
+) -> Tensor:
+    """``matmul_grouped`` on checked arguments (one bias entry per weight)."""
+    m, k = x.shape
+    out_features = [w.shape[0] for w in weights]
+    if out is None:
+        out = torch.empty(m, sum(out_features), dtype=x.dtype, device=x.device)
+    if m == 0 or out.shape[1] == 0:
+        return out
+    config = config or choose_small_m_config(m)
+    device = x.device
+    index = torch.cuda.current_device() if device.index is None else device.index
+    dtype_name = _DTYPE_NAMES[x.dtype]
+    x, weights = _aligned(x), [_aligned(w) for w in weights]
+    maps = [
+        _grouped_weight_map(w.data_ptr(), dtype_name, n, k, config.block_n, index) if n else None
+        for w, n in zip(weights, out_features, strict=True)
+    ]
+    # A slot without rows (an empty weight, or no weight) has no CTAs: its map is never read,
+    # and any valid map fills the argument.
+    spare = next(encoded for encoded in maps if encoded is not None)
+    unused = MAX_GROUPED - len(weights)
+    maps = [spare if encoded is None else encoded for encoded in maps] + [spare] * unused
+    sizes = out_features + [0] * unused
+    bias_args = [0 if b is None else b for b in biases] + [0] * unused
+    tokens = config.TOKENS_PER_CTA
+    ctas = sum(-(-n // config.block_n) for n in sizes) * -(-m // tokens)
+    kernel = _grouped_kernel(config, x.dtype, device)
+    allow_dynamic_shared(kernel, config.shared_bytes, index)
+    launch(
+        kernel,
+        device,
+        grid=(ctas,),
+        block=(config.threads,),
+        args=(
+            _tensor_map(x.data_ptr(), dtype_name, m, k, tokens, 0, index),
+            *maps,
+            out,
+            *bias_args,
+            m,
+            *sizes,
+            k,
+        ),
+        shared_mem=config.shared_bytes,
+    )
+    return out
+
+
+def _grouped_biases(
+    x: Tensor, weights: Sequence[Tensor], biases: Sequence[Tensor | None] | None
+) -> tuple[Tensor | None, ...] | None:
+    """``grouped_applies``' answer as the checked biases (one entry per weight), or None."""
+    try:
+        if torch.compiler.is_compiling() or not isinstance(x, Tensor) or x.dim() < 1:
+            return None
+        if x.device.type != "cuda" or torch.version.hip:
+            return None
+        tensors = [x, *weights, *(b for b in biases or () if b is not None)]
+        if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+            return None
+        if not x.is_contiguous():  # the chain's x is a norm's fresh output
+            return None
+        checked = check_grouped_args(x.reshape(-1, x.shape[-1]), weights, biases)
+        return checked if uses_hopper(x.device) else None
+    except (TypeError, ValueError, AttributeError):
+        return None
+
+
+def grouped_applies(
+    x: Tensor, weights: Sequence[Tensor], biases: Sequence[Tensor | None] | None
+) -> bool:
+    """Whether ``linear_group`` runs ``matmul_grouped`` for ``x [..., K]``: no gradient
+    needed, not tracing under ``torch.compile``, a CUDA sm_90a device, and arguments
+    ``matmul_grouped`` takes once x's leading dimensions are flattened (x contiguous; its
+    checks, the small-M rule of every weight included).  Never raises: anything else is
+    False."""
+    return _grouped_biases(x, weights, biases) is not None
+
+
+def describe_grouped(m: int) -> str:
+    """What ``linear_group`` launches for ``m`` rows, as ``describe`` labels a path."""
+    return f"own: grouped {choose_small_m_config(m)}"
+
+
+def linear_group(
+    x: Tensor, weights: Sequence[Tensor], biases: Sequence[Tensor | None] | None
+) -> tuple[Tensor, ...] | None:
+    """``linear(x, weights[i], biases[i])`` for each weight as column views of one
+    ``matmul_grouped`` output ``[..., N_0 + N_1 + ...]`` (x ``[..., K]``, each view the bits of
+    ``batchinv.linear`` for its weight) where ``grouped_applies``, else None (the caller runs
+    the separate linears, which raise what they raise).  The arguments are checked once."""
+    checked = _grouped_biases(x, weights, biases)
+    if checked is None:
+        return None
+    out = _launch_grouped(x.reshape(-1, x.shape[-1]), weights, checked, None, None)
+    out = out.reshape(*x.shape[:-1], out.shape[-1])
+    return tuple(out.split([w.shape[0] for w in weights], dim=-1))
 
 
 # ---- the backward's products with operands read in place (sm_90) ---------------------------

@@ -11,6 +11,7 @@ tokens in increasing order (bitwise identical run to run).
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
@@ -83,6 +84,16 @@ def checked_linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     # No gradient wanted: the registry's forward without an autograd node (the same kernels
     # and bits); it keeps an inference call's host path short.
     return registry.lookup("linear.forward", x.device)(x, weight, bias)
+
+
+def linear_group(
+    x: Tensor, weights: Sequence[Tensor], biases: Sequence[Tensor | None] | None = None
+) -> tuple[Tensor, ...] | None:
+    """``linear(x, weights[i], biases[i])`` for every weight in one launch where the grouped
+    small-M kernel applies (no gradient, CUDA sm_90a, decode-sized batches): column views of
+    one ``[..., N_0 + N_1 + ...]`` output, each bitwise ``linear``'s result for its weight.
+    Elsewhere None, and the caller runs the separate ``linear`` calls."""
+    return gpu_linear.linear_group(x, weights, biases)
 
 
 def linear_path(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> str:

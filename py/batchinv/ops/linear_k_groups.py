@@ -17,7 +17,7 @@ Gradients are ``batchinv.linear``'s backward (the registry's ``linear.backward``
 gradient formulas do not depend on the forward's K order.
 
 - ``linear_k_group_partials(x, weight, *, group_width, groups)``: the fp32 group partials
-  ``[groups, *x.shape[:-1], out]`` of a shard of whole groups (no gradient).
+  ``[groups, *x.shape[:-1], out]`` of a shard of whole groups (never carries a gradient).
 - ``k_group_tree_sum(partials)``: the tree over ``P`` in 1, 2, 4, 8 fp32 partials.
 - ``linear_k_groups(x, weight, bias=None)``: the whole op, in ``x.dtype``.
 
@@ -37,7 +37,7 @@ from ..reference import linear as reference
 from ..reference.linear import K_GROUPS, k_group_width
 from ..validation import check_linear_args
 from ._custom_op import CustomOp
-from .linear import _custom_backward
+from .linear import _custom_backward, _needs_grad
 
 __all__ = [
     "K_GROUPS",
@@ -70,12 +70,17 @@ def linear_k_group_partials(x: Tensor, weight: Tensor, *, group_width: int, grou
     ``group_width`` must be a positive multiple of 64 and ``1 <= groups <= K_GROUPS``, with
     ``groups * group_width >= K`` (no column left over); the last non-empty group may be
     partial, so a rank passes its shard ``x[..., g_lo*w : min(g_hi*w, K)]`` with
-    ``groups = g_hi - g_lo`` and ``group_width = k_group_width(K)`` of the full K.  Not
-    differentiable (the partials are the forward's intermediate)."""
+    ``groups = g_hi - g_lo`` and ``group_width = k_group_width(K)`` of the full K.
+
+    Not differentiable: the result never carries a gradient, on any backend.  A row-parallel
+    layer's backward is ``batchinv.linear``'s on its shard (the gradients do not depend on the
+    forward's K order, and each input column's gradient is its own reduction)."""
     if torch.compiler.is_compiling():
         return torch.ops.batchinv.linear_k_group_partials(x, weight, group_width, groups)
     reference.check_k_group_args(x, weight, group_width, groups)
-    return registry.lookup("linear_k_groups.partials", x.device)(x, weight, group_width, groups)
+    run = registry.lookup("linear_k_groups.partials", x.device)
+    with torch.no_grad():  # the CPU reference's torch ops would otherwise record a graph
+        return run(x, weight, group_width, groups)
 
 
 def k_group_tree_sum(partials: Tensor) -> Tensor:
@@ -90,12 +95,6 @@ def k_group_tree_sum(partials: Tensor) -> Tensor:
     if partials.shape[0] == 1:
         return partials[0]
     return registry.lookup("linear_k_groups.tree_sum", partials.device)(partials)
-
-
-def _needs_grad(x: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
-    if not torch.is_grad_enabled():
-        return False
-    return x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
 
 
 class _LinearKGroups(torch.autograd.Function):

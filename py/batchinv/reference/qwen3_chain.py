@@ -32,6 +32,8 @@ table (public ops: CPU references, CUDA kernels) and the stock PyTorch table the
 against, so the model, the audit and these references share this one implementation.
 A table may route o_proj and down_proj through its ``row_parallel_linear`` and the logits
 through its ``logits`` (``batchinv.distributed.qwen3`` does, for tensor parallelism).
+Where no gradient is needed, the projections of one ``x`` (q/k/v, gate/up) go through the
+table's optional ``linear_group`` (batchinv's: one launch at decode sizes, the same bits).
 
 Precision: ``forward`` keeps the weights' dtype between ops (each op computes in fp32 and
 rounds once, as its module documents); ``forward_fp32`` upcasts the weights and runs the same
@@ -296,7 +298,11 @@ class Qwen3Ops:
     - ``qk_norm_rope_attention_with_kv_cache(q, k_new, v_new, q_norm_weight, k_norm_weight,
       eps, position_ids, cache, seq_ids, theta=, head_dim=, max_position=, seqlens_new=,
       causal=)``, for the per-head q/k ``rms_norm``, ``rope`` and ``attention_with_kv_cache``
-      (q, k_new, v_new as projected, ``[..., heads, head_dim]``).
+      (q, k_new, v_new as projected, ``[..., heads, head_dim]``);
+    - ``linear_group(x, weights, biases) -> tuple | None``, for ``linear`` of one ``x`` by
+      several weights (q/k/v, gate/up): the outputs ``linear(x, weights[i], biases[i])`` (views
+      of one tensor are fine), or None where it does not apply (the chain then calls
+      ``linear`` for each weight, so a table's ``linear`` serves every product it does not).
 
     Tensor-parallel hooks (``batchinv.distributed.qwen3`` fills them; None: the chain runs
     ``linear``):
@@ -324,6 +330,7 @@ class Qwen3Ops:
     token_logprobs: Callable
     add_rms_norm: Callable | None = None
     qk_norm_rope_attention_with_kv_cache: Callable | None = None
+    linear_group: Callable | None = None
     row_parallel_linear: Callable | None = None
     logits: Callable | None = None
 
@@ -515,6 +522,20 @@ def qwen3_logits(ops: Qwen3Ops, hidden: Tensor, lm_head: Tensor) -> Tensor:
     return ops.logits(hidden, lm_head)
 
 
+def _linear_group(
+    ops: Qwen3Ops, x: Tensor, weights: Sequence[Tensor], biases: Sequence[Tensor | None]
+) -> tuple[Tensor, ...]:
+    """``linear(x, weights[i], biases[i])`` for each weight: the table's ``linear_group`` where
+    no gradient is needed and it applies, else one ``linear`` per weight."""
+    if ops.linear_group is not None:
+        tensors = [b for b in biases if b is not None]
+        if not _needs_grad(x, *weights, *tensors):
+            outputs = ops.linear_group(x, weights, biases)
+            if outputs is not None:
+                return tuple(outputs)
+    return tuple(ops.linear(x, w, b) for w, b in zip(weights, biases, strict=True))
+
+
 def lm_head_weight(state_dict: Mapping[str, Tensor], config: Qwen3ChainConfig) -> Tensor:
     """The lm_head weight (``embed_tokens`` when the embeddings are tied)."""
     tied = config.tie_word_embeddings
@@ -563,9 +584,13 @@ def qwen3_final_hidden(
     for i in range(config.num_hidden_layers):
         p = f"model.layers.{i}."
         x, h = _add_rms_norm(ops, h, delta, w[p + "input_layernorm.weight"], eps)
-        q = ops.linear(x, w[p + "self_attn.q_proj.weight"], bias(p + "self_attn.q_proj.bias"))
-        k = ops.linear(x, w[p + "self_attn.k_proj.weight"], bias(p + "self_attn.k_proj.bias"))
-        v = ops.linear(x, w[p + "self_attn.v_proj.weight"], bias(p + "self_attn.v_proj.bias"))
+        projections = [p + f"self_attn.{name}_proj" for name in "qkv"]
+        q, k, v = _linear_group(
+            ops,
+            x,
+            [w[name + ".weight"] for name in projections],
+            [bias(name + ".bias") for name in projections],
+        )
         q = q.reshape(*tokens, heads, head_dim)
         k = k.reshape(*tokens, kv_heads, head_dim)
         v = v.reshape(*tokens, kv_heads, head_dim)
@@ -595,8 +620,9 @@ def qwen3_final_hidden(
             "self_attn.o_proj",
         )
         x, h = _add_rms_norm(ops, h, o, w[p + "post_attention_layernorm.weight"], eps)
-        gate = ops.linear(x, w[p + "mlp.gate_proj.weight"], None)
-        up = ops.linear(x, w[p + "mlp.up_proj.weight"], None)
+        gate, up = _linear_group(
+            ops, x, [w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]], [None, None]
+        )
         delta = _row_parallel_linear(
             ops, ops.silu_mul(gate, up), w[p + "mlp.down_proj.weight"], None, "mlp.down_proj"
         )

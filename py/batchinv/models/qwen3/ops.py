@@ -3,8 +3,9 @@
 ``BATCHINV_OPS`` calls batchinv's public ops, which dispatch through the registry (CPU: the
 strict references; CUDA: the batch-invariant kernels; a missing kernel raises
 ``BackendNotImplementedError``, never a fallback); where no gradient is needed it adds the
-residual and norms the sum in one ``fused_add_rms_norm`` (the same bits).  ``STOCK_OPS`` is
-what a stock PyTorch / Hugging Face stack runs: ``F.linear`` (cuBLAS / CPU BLAS),
+residual and norms the sum in one ``fused_add_rms_norm`` and, at decode sizes on sm_90a,
+runs q/k/v and gate/up as one launch each (``linear_group``): the same bits.  ``STOCK_OPS``
+is what a stock PyTorch / Hugging Face stack runs: ``F.linear`` (cuBLAS / CPU BLAS),
 ``F.scaled_dot_product_attention`` with ``enable_gqa`` and a boolean mask for padding, packing
 and KV caches, HF's RMSNorm and RoPE formulas, ``F.silu(g) * u`` and ``torch.log_softmax``.
 The audit compares the two; stock drift across batches is expected and shown, never a failure.
@@ -13,6 +14,7 @@ The audit compares the two; stock drift across batches is expected and shown, ne
 from __future__ import annotations
 
 import weakref
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -21,6 +23,7 @@ from torch import Tensor
 import batchinv
 
 from ...kv_cache import KVCache
+from ...ops.linear import linear_group
 from ...reference.qwen3_chain import REFERENCE_OPS, Qwen3Ops, add_then_rms_norm
 
 __all__ = ["BATCHINV_OPS", "OPS_BY_NAME", "REFERENCE_OPS", "STOCK_OPS", "ops_by_name"]
@@ -65,6 +68,17 @@ def _batchinv_token_logprobs(
 
 def _batchinv_linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     return batchinv.linear(x, weight, bias)
+
+
+def _batchinv_linear_group(
+    x: Tensor, weights: Sequence[Tensor], biases: Sequence[Tensor | None]
+) -> tuple[Tensor, ...] | None:
+    """The projections of one ``x`` (q/k/v, gate/up) as one launch of the grouped small-M
+    kernel where it applies (``gpu.linear.grouped_applies``: no gradient, CUDA sm_90a, decode-
+    sized batches): views of its ``[..., N_0 + N_1 + ...]`` output, each the bits of
+    ``batchinv.linear`` for its weight (kernels_cu/linear.cu).  Elsewhere None: the chain
+    calls the table's ``linear`` per weight."""
+    return linear_group(x, weights, biases)
 
 
 class _CheckedPositions:
@@ -180,6 +194,7 @@ BATCHINV_OPS = Qwen3Ops(
     log_softmax=_batchinv_log_softmax,
     token_logprobs=_batchinv_token_logprobs,
     add_rms_norm=_batchinv_add_rms_norm,
+    linear_group=_batchinv_linear_group,
 )
 
 
