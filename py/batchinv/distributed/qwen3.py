@@ -119,8 +119,8 @@ def qwen3_tp_layout(config: Qwen3ChainConfig, world: int) -> list[Qwen3RankLayou
                 f"world={world} does not fit the attention heads: rank {r}'s K groups of "
                 f"o_proj cover columns [{lo}, {hi}) of {heads * head_dim}, which is not a "
                 f"non-empty whole number of kv-head blocks ({group_heads} q heads x head_dim "
-                f"{head_dim} = {block} columns); with heads*head_dim a multiple of 512, "
-                "world must divide 8 and num_key_value_heads"
+                f"{head_dim} = {block} columns); a world dividing 8 and num_key_value_heads "
+                "fits whenever heads*head_dim is a multiple of 512"
             )
     inter = _k_column_ranges(config.intermediate_size, world)
     for r, (lo, hi) in enumerate(inter):
