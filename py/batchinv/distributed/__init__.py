@@ -10,6 +10,8 @@ What is invariant (bitwise, for every world size that divides the layer):
   ``batchinv.token_logprobs`` on CUDA (the CPU form equals its own TP = 1, the tiled
   reference, not the CPU op's default chunking).
 - ``invariant_all_reduce``: the same bits on every rank, whatever the arrival order.
+- A Qwen3 (``tensor_parallel_qwen3``, ``batchinv.distributed.qwen3``): logits, token
+  logprobs and eager decode of ``tp_compatible_qwen3`` on one GPU.
 
 What is not: ``invariant_all_reduce`` alone is not a single GPU's sum (the single GPU adds
 in another order); a stock row-parallel layer (``torch.mm`` per rank and
@@ -31,6 +33,15 @@ from .linear import (
     shard_k,
 )
 from .lm_head import vocab_parallel_logits, vocab_parallel_token_logprobs, vocab_ranges
+from .qwen3 import (
+    Qwen3RankLayout,
+    qwen3_tp_layout,
+    shard_qwen3_state_dict,
+    tensor_parallel_ops,
+    tensor_parallel_qwen3,
+    tp_compatible_ops,
+    tp_compatible_qwen3,
+)
 from .tree import (
     canonical_nodes,
     finish_tree,
@@ -42,6 +53,7 @@ from .tree import (
 
 __all__ = [
     "ColumnParallelLinear",
+    "Qwen3RankLayout",
     "RowParallelLinear",
     "canonical_nodes",
     "column_parallel_linear",
@@ -53,11 +65,17 @@ __all__ = [
     "invariant_all_reduce",
     "k_range",
     "node_counts",
+    "qwen3_tp_layout",
     "rank_tree_sum",
     "reduce_range",
     "row_parallel_linear",
     "shard_columns",
     "shard_k",
+    "shard_qwen3_state_dict",
+    "tensor_parallel_ops",
+    "tensor_parallel_qwen3",
+    "tp_compatible_ops",
+    "tp_compatible_qwen3",
     "vocab_parallel_logits",
     "vocab_parallel_token_logprobs",
     "vocab_ranges",

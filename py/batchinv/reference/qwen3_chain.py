@@ -30,6 +30,8 @@ One chain, several backends: every step goes through an op table (``Qwen3Ops``).
 ``REFERENCE_OPS``, is the strict references; ``batchinv.models.qwen3.ops`` defines the batchinv
 table (public ops: CPU references, CUDA kernels) and the stock PyTorch table the audit compares
 against, so the model, the audit and these references share this one implementation.
+A table may route o_proj and down_proj through its ``row_parallel_linear`` and the logits
+through its ``logits`` (``batchinv.distributed.qwen3`` does, for tensor parallelism).
 Where no gradient is needed, the projections of one ``x`` (q/k/v, gate/up) go through the
 table's optional ``linear_group`` (batchinv's: one launch at decode sizes, the same bits).
 
@@ -79,6 +81,7 @@ __all__ = [
     "qwen3_final_hidden",
     "qwen3_forward",
     "qwen3_forward_fp32",
+    "qwen3_logits",
     "qwen3_state_dict_shapes",
 ]
 
@@ -300,6 +303,17 @@ class Qwen3Ops:
       several weights (q/k/v, gate/up): the outputs ``linear(x, weights[i], biases[i])`` (views
       of one tensor are fine), or None where it does not apply (the chain then calls
       ``linear`` for each weight, so a table's ``linear`` serves every product it does not).
+
+    Tensor-parallel hooks (``batchinv.distributed.qwen3`` fills them; None: the chain runs
+    ``linear``):
+
+    - ``row_parallel_linear(x, weight, bias, *, layer) -> x.dtype``, for the two projections
+      whose K is split across ranks: ``layer`` is ``"self_attn.o_proj"`` or
+      ``"mlp.down_proj"``, so the table knows which full K a shard belongs to.  A
+      single-GPU table sets it too, to ``linear_k_groups``, to give the bits of the
+      sharded layer;
+    - ``logits(hidden, lm_head_weight) -> the weights' dtype``, for the final projection
+      (a vocab-parallel table computes its vocabulary range and gathers the rest).
     """
 
     name: str
@@ -317,6 +331,8 @@ class Qwen3Ops:
     add_rms_norm: Callable | None = None
     qk_norm_rope_attention_with_kv_cache: Callable | None = None
     linear_group: Callable | None = None
+    row_parallel_linear: Callable | None = None
+    logits: Callable | None = None
 
 
 def add_then_rms_norm(residual_add: Callable, rms_norm: Callable) -> Callable:
@@ -490,6 +506,22 @@ def _add_rms_norm(
     return ops.rms_norm(h, weight, eps), h
 
 
+def _row_parallel_linear(
+    ops: Qwen3Ops, x: Tensor, weight: Tensor, bias: Tensor | None, layer: str
+) -> Tensor:
+    if ops.row_parallel_linear is None:
+        return ops.linear(x, weight, bias)
+    return ops.row_parallel_linear(x, weight, bias, layer=layer)
+
+
+def qwen3_logits(ops: Qwen3Ops, hidden: Tensor, lm_head: Tensor) -> Tensor:
+    """The logits of the final-normed ``hidden``: the table's ``logits`` hook, else
+    ``linear(hidden, lm_head, None)``."""
+    if ops.logits is None:
+        return ops.linear(hidden, lm_head, None)
+    return ops.logits(hidden, lm_head)
+
+
 def _linear_group(
     ops: Qwen3Ops, x: Tensor, weights: Sequence[Tensor], biases: Sequence[Tensor | None]
 ) -> tuple[Tensor, ...]:
@@ -580,16 +612,20 @@ def qwen3_final_hidden(
                 attn = ops.attention_with_kv_cache(
                     q, k.detach(), v.detach(), caches[i], seq_ids, seqlens_new=seqlens, causal=True
                 )
-        o = ops.linear(
+        o = _row_parallel_linear(
+            ops,
             attn.reshape(*tokens, heads * head_dim),
             w[p + "self_attn.o_proj.weight"],
             bias(p + "self_attn.o_proj.bias"),
+            "self_attn.o_proj",
         )
         x, h = _add_rms_norm(ops, h, o, w[p + "post_attention_layernorm.weight"], eps)
         gate, up = _linear_group(
             ops, x, [w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]], [None, None]
         )
-        delta = ops.linear(ops.silu_mul(gate, up), w[p + "mlp.down_proj.weight"], None)
+        delta = _row_parallel_linear(
+            ops, ops.silu_mul(gate, up), w[p + "mlp.down_proj.weight"], None, "mlp.down_proj"
+        )
     return _add_rms_norm(ops, h, delta, w["model.norm.weight"], eps)[0]
 
 
@@ -626,7 +662,7 @@ def qwen3_forward(
         check_weights=check_weights,
         ops=ops,
     )
-    return ops.linear(h, lm_head_weight(state_dict, config), None)
+    return qwen3_logits(ops, h, lm_head_weight(state_dict, config))
 
 
 def qwen3_forward_fp32(

@@ -27,6 +27,7 @@ from ...reference.qwen3_chain import (
     lm_head_weight,
     make_kv_caches,
     qwen3_final_hidden,
+    qwen3_logits,
     qwen3_state_dict_shapes,
 )
 from ...validation import (
@@ -212,7 +213,7 @@ class Qwen3(nn.Module):
             seq_ids=seq_ids,
             ops=ops,
         )
-        return ops.linear(hidden, lm_head_weight(self.hf_state_dict(), self.config), None)
+        return qwen3_logits(ops, hidden, lm_head_weight(self.hf_state_dict(), self.config))
 
     def new_caches(self, batch: int, max_len: int) -> list[KVCache]:
         """Empty per-layer KV caches for ``batch`` sequence slots of up to ``max_len`` tokens."""
@@ -351,6 +352,15 @@ class Qwen3(nn.Module):
             )
         if ops is not None and self._ops(ops) is not ops_by_name("batchinv"):
             raise ValueError("the sampler runs batchinv's ops; ops must be None or 'batchinv'")
+        table = self._ops(ops)
+        if table.row_parallel_linear is not None or table.logits is not None:
+            # The runner runs the single-GPU batchinv table: it would drop the hooks' bits.
+            raise ValueError(
+                f"the sampler (seeds, cuda_graph, return_logprobs) runs batchinv's single-GPU "
+                f"ops; the model's table {table.name!r} has tensor-parallel hooks: generate "
+                "without seeds, cuda_graph and return_logprobs (eager decode), and take "
+                "logprobs from token_logprobs"
+            )
         runner = Qwen3DecodeRunner(
             self,
             max_batch=len(seqs),
