@@ -2,7 +2,8 @@
 
 ``run_world(fn, world, tmp_path, *args)`` starts ``world`` processes
 (``torch.multiprocessing.spawn``), each joining one process group through a ``file://``
-rendezvous in ``tmp_path`` (gloo on the CPU; ``backend="nccl"`` puts rank r on GPU r), runs
+rendezvous in ``tmp_path`` (gloo on the CPU; ``backend="nccl"`` puts rank r on GPU r; gloo
+with ``cuda=True`` puts rank r on GPU ``r % device_count``, so more ranks than GPUs), runs
 ``fn(rank, world, *args)`` and saves the dict it returns; the parent loads and returns the
 dicts in rank order, so comparisons happen in the test process.  ``fn`` must be a module-level
 function (the children import it).  A worker's exception fails the test with its traceback;
@@ -36,10 +37,13 @@ def _entry(
     out_dir: str,
     fn: Callable[..., dict],
     args: tuple,
+    cuda: bool,
 ) -> None:
     torch.set_num_threads(1)  # W processes share the machine's cores
     if backend == "nccl":
         torch.cuda.set_device(rank)
+    elif cuda:  # gloo with CUDA tensors: ranks share the GPUs round robin
+        torch.cuda.set_device(rank % torch.cuda.device_count())
     dist.init_process_group(backend, init_method=rendezvous, rank=rank, world_size=world)
     try:
         result = fn(rank, world, *args)
@@ -55,6 +59,7 @@ def run_world(
     tmp_path: Path,
     *args,
     backend: str = "gloo",
+    cuda: bool = False,
     timeout_s: float = 120.0,
 ) -> list[dict]:
     """``[fn(0, world, *args), ..., fn(world - 1, world, *args)]`` computed by ``world``
@@ -66,7 +71,7 @@ def run_world(
     rendezvous = f"file://{run_dir / 'rendezvous'}"
     context = mp.spawn(
         _entry,
-        args=(world, backend, rendezvous, str(run_dir), fn, args),
+        args=(world, backend, rendezvous, str(run_dir), fn, args, cuda),
         nprocs=world,
         join=False,
     )

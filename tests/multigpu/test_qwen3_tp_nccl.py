@@ -2,8 +2,9 @@
 ``tp_compatible_ops``, bit for bit.
 
 A Qwen3 with Qwen3-8B layer shapes (hidden 4096, 32 q / 8 kv heads of 128, intermediate
-12288, vocab 151936), 2 layers, random bf16 weights.  Per world size one spawn (each size
-skipped, with its reason, when fewer GPUs are present); rank 0 also runs the single-GPU model
+12288, vocab 151936), 2 layers, random bf16 weights.  Per world size one spawn (each NCCL size
+skipped, with its reason, when fewer GPUs are present; 4 and 8 ranks also run over gloo,
+sharing the GPUs present, the bytes through host memory); rank 0 also runs the single-GPU model
 on its own GPU and the parent compares every rank with it:
 - prefill: packed token logprobs (``Qwen3.token_logprobs``);
 - decode: a padded prefill of 3 prompts into KV caches, then 4 greedy steps at batch 3 (each
@@ -55,6 +56,7 @@ from batchinv.shapes import QWEN3_8B_CONFIG  # noqa: E402
 pytestmark = pytest.mark.cuda
 
 WORLD_SIZES = (2, 4, 8)
+SHARED_WORLD_SIZES = (4, 8)  # gloo, ranks sharing the GPUs present
 CONFIG = Qwen3Config(**QWEN3_8B_CONFIG, num_hidden_layers=2)
 DTYPE = torch.bfloat16
 SEQUENCES = ((70, 10), (33, 5), (130, 64))  # (length, prompt length), packed for logprobs
@@ -111,11 +113,22 @@ def _run(model: Qwen3) -> dict:
     return out
 
 
+def _backend_all_reduce(partial: torch.Tensor) -> None:
+    """The backend's own in-place sum (NCCL's; gloo's through host memory when ranks share
+    GPUs over gloo)."""
+    if dist.get_backend() == "gloo":
+        host = partial.cpu()
+        dist.all_reduce(host)
+        partial.copy_(host)
+    else:
+        dist.all_reduce(partial)
+
+
 def _stock_row_parallel(x, weight, bias, *, layer):
     """Megatron-style: bf16 ``F.linear`` of the K shard, NCCL's bf16 sum, then the bias."""
     del layer
     partial = F.linear(x, weight)
-    dist.all_reduce(partial)
+    _backend_all_reduce(partial)
     return partial if bias is None else partial + bias
 
 
@@ -157,6 +170,19 @@ def test_qwen3_tp_equals_one_gpu(world, tmp_path):
     one = results[0]
     for rank, result in enumerate(results):
         _assert_equal_one(result["tp"], one["one"], f"TP={world} rank {rank}")
+    print(_stock_report(one["stock_tp"], one["stock_one"], world))  # recorded, not asserted
+
+
+@pytest.mark.parametrize("world", SHARED_WORLD_SIZES)
+def test_qwen3_tp_with_ranks_sharing_gpus_equals_one_gpu(world, tmp_path):
+    """More ranks than GPUs: gloo moves the bytes (through host memory) and the ranks share
+    the GPUs round robin; every rank's arithmetic is the NCCL run's, on its shard."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    results = run_world(_rank_checks, world, tmp_path, backend="gloo", cuda=True, timeout_s=600)
+    one = results[0]
+    for rank, result in enumerate(results):
+        _assert_equal_one(result["tp"], one["one"], f"TP={world} (gloo) rank {rank}")
     print(_stock_report(one["stock_tp"], one["stock_one"], world))  # recorded, not asserted
 
 

@@ -1,6 +1,7 @@
 """Tensor-parallel layers on NCCL with the CUDA kernels, against one GPU, bit for bit.
 
-World 2, 4 and 8 (each skipped, with its reason, when fewer GPUs are present).  Per world size
+World 2, 4 and 8 on NCCL (each skipped, with its reason, when fewer GPUs are present), and 4
+and 8 ranks sharing the GPUs present over gloo (the bytes through host memory).  Per world size
 one spawn runs every check; rank 0 also computes the single-GPU results on its own GPU, and
 the parent compares every rank with them:
 - row-parallel == ``batchinv.linear_k_groups`` at the Qwen3-8B o_proj and down_proj shapes,
@@ -57,6 +58,7 @@ from batchinv.shapes import QWEN3_8B_CONFIG, QWEN3_8B_LINEAR  # noqa: E402
 pytestmark = pytest.mark.cuda
 
 WORLD_SIZES = (2, 4, 8)
+SHARED_WORLD_SIZES = (4, 8)  # gloo, ranks sharing the GPUs present
 ROW_LAYERS = tuple(layer for layer in QWEN3_8B_LINEAR if layer[0] in ("o_proj", "down_proj"))
 COLUMN_LAYER = next(layer for layer in QWEN3_8B_LINEAR if layer[0] == "qkv_proj")
 ROW_M = (1, 64, 2048)
@@ -72,10 +74,21 @@ def _randn(*shape: int, seed: int, scale: float = 1.0) -> torch.Tensor:
     return (torch.randn(*shape, generator=generator, device="cuda") * scale).to(DTYPE)
 
 
+def _backend_all_reduce(partial: torch.Tensor) -> None:
+    """The backend's own in-place sum (NCCL's; gloo's through host memory when ranks share
+    GPUs over gloo)."""
+    if dist.get_backend() == "gloo":
+        host = partial.cpu()
+        dist.all_reduce(host)
+        partial.copy_(host)
+    else:
+        dist.all_reduce(partial)
+
+
 def _stock_row_parallel(x_shard, w_shard) -> torch.Tensor:
     """Megatron-style: bf16 ``torch.mm`` of the shard, then NCCL's own bf16 sum."""
     partial = torch.mm(x_shard, w_shard.t())
-    dist.all_reduce(partial)
+    _backend_all_reduce(partial)
     return partial
 
 
@@ -164,6 +177,17 @@ def test_tensor_parallel_equals_one_gpu(world, tmp_path):
     results = run_world(_rank_checks, world, tmp_path, backend="nccl", timeout_s=600)
     for line in _compare(results, world):
         print(line)  # recorded, not asserted: the stock layer is expected to differ
+
+
+@pytest.mark.parametrize("world", SHARED_WORLD_SIZES)
+def test_tensor_parallel_with_ranks_sharing_gpus_equals_one_gpu(world, tmp_path):
+    """More ranks than GPUs: gloo moves the bytes (through host memory) and the ranks share
+    the GPUs round robin; every rank's arithmetic is the NCCL run's, on its shard."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    results = run_world(_rank_checks, world, tmp_path, backend="gloo", cuda=True, timeout_s=600)
+    for line in _compare(results, world):
+        print(line)
 
 
 def _torchrun_main() -> None:

@@ -40,7 +40,14 @@ def gather_stacked(t: Tensor, group: dist.ProcessGroup | None = None) -> Tensor:
     # that one).
     out = torch.empty(world * flat.numel(), dtype=t.dtype, device=t.device)
     if flat.numel():
-        _all_gather_single(out, flat, group=group)
+        if flat.is_cuda and dist.get_backend(group) == "gloo":
+            # gloo moves host memory: the bytes go through the CPU (several ranks may share a
+            # GPU this way); the result is the same bytes as NCCL's gather.
+            host = torch.empty(out.shape, dtype=out.dtype)
+            _all_gather_single(host, flat.cpu(), group=group)
+            out.copy_(host)
+        else:
+            _all_gather_single(out, flat, group=group)
     return out.view(world, *t.shape)
 
 
