@@ -130,26 +130,28 @@ def _uninitialised_decode(batch, ctx, hq=32, hkv=8, d=128):
 
 
 @cuda
-def test_coop_default_stages_follow_the_one_wave_rule():
-    # A cooperative decode launch of at most one CTA per SM takes
-    # COOP_ONE_WAVE_STAGES K/V stages, a larger one COOP_DEFAULT_STAGES.  A GQA 32/8 decode
-    # launch has 8 (kv heads) x B x splits CTAs: B=1 at 32768 keys is 128 CTAs (2 stages on a
-    # 132-SM H100/H200), B=64 at 4096 keys 1024 CTAs (1 stage); one-split batches on both sides
-    # of the SM count.
+def test_coop_default_stages_follow_the_few_ctas_rule():
+    # A cooperative decode launch of at most COOP_FEW_CTAS_PER_SM CTAs per SM takes
+    # COOP_FEW_CTAS_STAGES K/V stages, a larger one COOP_DEFAULT_STAGES.  A GQA 32/8 decode
+    # launch has 8 (kv heads) x B x splits CTAs: B=1 at 32769 keys is 136 CTAs and B=8 at 4097
+    # keys 192 (2 stages on a 132-SM H100/H200), B=64 at 4096 keys 1024 CTAs (1 stage);
+    # one-split batches on both sides of the threshold.
     sms = torch.cuda.get_device_properties(DEVICE).multi_processor_count
+    limit = int(gpu.COOP_FEW_CTAS_PER_SM * sms)
     one_split = gpu.SPLIT_KEYS
-    cases = [(1, 32768), (64, 4096), (sms // 8, one_split), (sms // 8 + 1, one_split)]
+    cases = [(1, 32769), (8, 4097), (64, 4096)]
+    cases += [(limit // 8, one_split), (limit // 8 + 1, one_split)]
     for batch, ctx in cases:
         rows, layout = _uninitialised_decode(batch, ctx)
         ctas = 8 * batch * -(-ctx // gpu.SPLIT_KEYS)
         plan = gpu._plan(*rows, layout, True)[0]
         grid = plan.main.grid
         assert grid[0] * grid[1] * grid[2] == ctas, (batch, ctx)
-        want = gpu.COOP_ONE_WAVE_STAGES if ctas <= sms else gpu.COOP_DEFAULT_STAGES
+        want = gpu.COOP_FEW_CTAS_STAGES if ctas <= limit else gpu.COOP_DEFAULT_STAGES
         pinned = {s: gpu._plan(*rows, layout, True, stages=s)[0].main for s in gpu.COOP_STAGES}
         chosen = [s for s, launch in pinned.items() if launch == plan.main]
         assert chosen == [want], (batch, ctx, ctas, sms, chosen)
-    assert (gpu.COOP_ONE_WAVE_STAGES, gpu.COOP_DEFAULT_STAGES) == (2, 1)
+    assert (gpu.COOP_FEW_CTAS_STAGES, gpu.COOP_DEFAULT_STAGES) == (2, 1)
 
 
 @cuda

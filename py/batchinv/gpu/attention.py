@@ -54,14 +54,17 @@ MAX_PACKED_HEADS = 16  # query heads of one kv head packed in a tile's rows
 # COOP_WARPS warps share one tile and one split, same bits as one warp per tile (the one-warp
 # kernel stays reachable with coop=False).  Its K/V pipeline depth by default: COOP_DEFAULT_STAGES
 # (a 128-key block at d = 128 is a 64 KB stage, and a second one is no faster at large
-# batches).  A launch of at most one CTA per SM (small batches: B=1 at 32768 keys is 128 CTAs)
-# takes COOP_ONE_WAVE_STAGES: with few CTAs per SM, a second block in flight hides the load
-# latency that other CTAs would otherwise hide (measurements: docs/tuning/attention.md).  The
-# stage count never changes a row's operations (tested).
+# batches).  A launch of at most COOP_FEW_CTAS_PER_SM CTAs per SM (small batches: B=1 at 32769
+# keys is 136 CTAs, B=8 at 4097 keys 192) takes COOP_FEW_CTAS_STAGES: with few CTAs per SM, a
+# second block in flight hides the load latency that other CTAs would otherwise hide (an H200,
+# graphed: 136 CTAs 41.9 us against 52.9 us with one stage, 192 CTAs 46.6 against 54.0; from
+# 272 CTAs one stage is as fast or faster; docs/tuning/attention.md).  The stage count never
+# changes a row's operations (tested).
 COOP_WARPS = 4
 COOP_STAGES = (1, 2, 3)
 COOP_DEFAULT_STAGES = 1
-COOP_ONE_WAVE_STAGES = 2
+COOP_FEW_CTAS_STAGES = 2
+COOP_FEW_CTAS_PER_SM = 1.5
 # On sm_90a the cooperative kernel copies K/V by TMA (attn_split_coop_*_tma, where
 # coop_tma_applies; same bits), which measured faster than cp.async (docs/tuning/attention.md).
 
@@ -491,8 +494,8 @@ def _plan(
     if coop:
         if stages is None:
             ctas = q_tiles * (hq // pack) * grid_z
-            one_wave = ctas <= multiprocessors(index)
-            stages = COOP_ONE_WAVE_STAGES if one_wave else COOP_DEFAULT_STAGES
+            few = ctas <= COOP_FEW_CTAS_PER_SM * multiprocessors(index)
+            stages = COOP_FEW_CTAS_STAGES if few else COOP_DEFAULT_STAGES
         if stages not in COOP_STAGES:
             raise ValueError(f"stages must be one of {COOP_STAGES} with coop; got {stages!r}")
         use_tma = coop_tma_applies(k, v) if tma is None else tma
