@@ -15,6 +15,7 @@ from .ops.embedding import embedding
 from .ops.linear import linear, linear_path, set_linear_path
 from .ops.linear_k_groups import (
     K_GROUPS,
+    k_group_tree_finish,
     k_group_tree_sum,
     k_group_width,
     linear_k_group_partials,
@@ -41,6 +42,7 @@ __all__ = [
 ]
 __all__ += ["KVCache", "attention", "attention_varlen", "attention_with_kv_cache"]
 __all__ += ["fused_add_rms_norm", "log_softmax", "rms_norm", "rope", "silu_mul", "silu_mul_fused"]
-__all__ += ["K_GROUPS", "k_group_tree_sum", "k_group_width", "linear_k_group_partials"]
+__all__ += ["K_GROUPS", "k_group_tree_finish", "k_group_tree_sum", "k_group_width"]
+__all__ += ["linear_k_group_partials"]
 __all__ += ["linear_k_groups", "linear_path", "lm_head", "lm_head_fp32", "set_linear_path"]
 __all__ += ["token_logprobs"]

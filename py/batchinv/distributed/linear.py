@@ -25,7 +25,12 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from ..ops.linear import linear
-from ..ops.linear_k_groups import K_GROUPS, k_group_width, linear_k_group_partials
+from ..ops.linear_k_groups import (
+    K_GROUPS,
+    k_group_tree_finish,
+    k_group_width,
+    linear_k_group_partials,
+)
 from .all_reduce import gather_stacked, gather_variable, world_and_rank
 from .tree import canonical_nodes, finish_tree, group_ranges, node_counts, reduce_range
 
@@ -158,22 +163,39 @@ def row_parallel_linear(
     with torch.no_grad():
         partials = _rank_partials(x_shard, weight_shard, width, hi - lo)
         sums = reduce_range(partials, lo, hi, K_GROUPS)
-        gathered = gather_variable(
-            sums,
-            node_counts(K_GROUPS, world),
-            group,
-            shape=partials.shape[1:],
-            dtype=torch.float32,
-            device=x_shard.device,
-        )
-        nodes = {}
-        for (r_lo, r_hi), rank_sums in zip(group_ranges(K_GROUPS, world), gathered, strict=True):
-            nodes.update(zip(canonical_nodes(r_lo, r_hi, K_GROUPS), rank_sums, strict=True))
-        total = finish_tree(nodes, K_GROUPS)
-        if bias is not None:
-            total = total + bias.float()
-        out = total.to(x_shard.dtype)
+        if all(count == 1 for count in node_counts(K_GROUPS, world)):
+            # T divides K_GROUPS: one aligned node per rank, so the rest of the tree is the
+            # tree over the ranks' nodes in rank order: one gather, one finishing launch.
+            out = k_group_tree_finish(gather_stacked(sums[0], group), bias, x_shard.dtype)
+        else:
+            out = _finish_from_nodes(sums, bias, x_shard, world, group)
     return _forward_only(out, x_shard, weight_shard, bias)
+
+
+def _finish_from_nodes(
+    sums: list[Tensor],
+    bias: Tensor | None,
+    x_shard: Tensor,
+    world: int,
+    group: dist.ProcessGroup | None,
+) -> Tensor:
+    """Any world size: every rank's canonical node sums gathered, the tree finished from
+    them, the bias, one rounding."""
+    gathered = gather_variable(
+        sums,
+        node_counts(K_GROUPS, world),
+        group,
+        shape=sums[0].shape,
+        dtype=torch.float32,
+        device=x_shard.device,
+    )
+    nodes = {}
+    for (r_lo, r_hi), rank_sums in zip(group_ranges(K_GROUPS, world), gathered, strict=True):
+        nodes.update(zip(canonical_nodes(r_lo, r_hi, K_GROUPS), rank_sums, strict=True))
+    total = finish_tree(nodes, K_GROUPS)
+    if bias is not None:
+        total = total + bias.float()
+    return total.to(x_shard.dtype)
 
 
 def _rank_partials(x_shard: Tensor, weight_shard: Tensor, width: int, groups: int) -> Tensor:

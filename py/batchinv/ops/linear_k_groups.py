@@ -18,7 +18,8 @@ gradient formulas do not depend on the forward's K order.
 
 - ``linear_k_group_partials(x, weight, *, group_width, groups)``: the fp32 group partials
   ``[groups, *x.shape[:-1], out]`` of a shard of whole groups (never carries a gradient).
-- ``k_group_tree_sum(partials)``: the tree over ``P`` in 1, 2, 4, 8 fp32 partials.
+- ``k_group_tree_sum(partials)``: the tree over ``P`` in 1, 2, 4, 8 fp32 partials;
+  ``k_group_tree_finish(partials, bias, out_dtype)``: the tree, the bias, one rounding.
 - ``linear_k_groups(x, weight, bias=None)``: the whole op, in ``x.dtype``.
 
 CPU runs the strict reference (``batchinv.reference.linear``); CUDA the kernels of
@@ -41,6 +42,7 @@ from .linear import _custom_backward, _needs_grad
 
 __all__ = [
     "K_GROUPS",
+    "k_group_tree_finish",
     "k_group_tree_sum",
     "k_group_width",
     "linear_k_group_partials",
@@ -97,6 +99,30 @@ def k_group_tree_sum(partials: Tensor) -> Tensor:
     return registry.lookup("linear_k_groups.tree_sum", partials.device)(partials)
 
 
+def k_group_tree_finish(partials: Tensor, bias: Tensor | None, out_dtype: torch.dtype) -> Tensor:
+    """``k_group_tree_sum(partials) + fp32(bias)`` rounded once to ``out_dtype``: how
+    ``linear_k_groups`` ends, from the node sums of a row-parallel layer's ranks (one launch on
+    CUDA).  ``partials`` fp32 ``[P, ..., out]`` with P in 1, 2, 4, 8; ``bias`` None or
+    ``[out]`` of ``out_dtype``."""
+    reference.check_k_group_partials(partials)
+    if bias is not None and (bias.shape != partials.shape[-1:] or bias.dtype != out_dtype):
+        raise ValueError(
+            f"bias must be [{partials.shape[-1]}] of {out_dtype}, got "
+            f"{tuple(bias.shape)} {bias.dtype}"
+        )
+    with torch.no_grad():
+        return registry.lookup("linear_k_groups.tree_finish", partials.device)(
+            partials, bias, out_dtype
+        )
+
+
+def _cuda_tree_finish(partials: Tensor, bias: Tensor | None, out_dtype: torch.dtype) -> Tensor:
+    if out_dtype == torch.float32:  # the fp32 node sum, then the bias: no rounding to do
+        acc = gpu_linear.k_group_tree(partials.contiguous())
+        return acc if bias is None else acc + bias
+    return gpu_linear.k_group_tree(partials.contiguous(), bias, out_dtype)
+
+
 class _LinearKGroups(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
@@ -121,6 +147,8 @@ registry.register("linear_k_groups.tree_sum", "cpu")(reference.k_group_tree_sum)
 registry.register("linear_k_groups.forward", "cuda")(gpu_linear.k_groups_forward)
 registry.register("linear_k_groups.partials", "cuda")(gpu_linear.k_group_partials_forward)
 registry.register("linear_k_groups.tree_sum", "cuda")(gpu_linear.k_group_tree_sum)
+registry.register("linear_k_groups.tree_finish", "cpu")(reference.k_group_tree_finish)
+registry.register("linear_k_groups.tree_finish", "cuda")(_cuda_tree_finish)
 
 
 # ----------------------------------------------------------------------------- custom ops

@@ -205,6 +205,15 @@ def k_group_tree_sum(partials: Tensor) -> Tensor:
     return level[0]
 
 
+def k_group_tree_finish(partials: Tensor, bias: Tensor | None, out_dtype: torch.dtype) -> Tensor:
+    """``k_group_tree_sum(partials)``, then ``+ fp32(bias)``, then one rounding to
+    ``out_dtype``: the end of ``linear_k_groups``, from node sums."""
+    acc = k_group_tree_sum(partials)
+    if bias is not None:
+        acc = acc + bias.float()
+    return acc.to(out_dtype)
+
+
 def check_k_group_partials(partials: Tensor) -> None:
     """``partials`` is an fp32 tensor ``[P, ...]`` with P in 1, 2, 4, 8."""
     if not isinstance(partials, Tensor):
