@@ -371,14 +371,24 @@ struct PartialTileEpilogue {
     int M, N;
     template <int kAcc>
     __device__ __forceinline__ void operator()(const float (&acc)[kAcc], int row, int n0, int lane) const {
+        // A thread's two adjacent columns as one 8-byte store where N is even (then every
+        // group's [M, N] block and every row start at an even element, so the pair is aligned).
+        const bool pairs = (N & 1) == 0;
 #pragma unroll
         for (int j = 0; j < kAcc / 4; ++j) {
             const int col = n0 + j * 8 + (lane % 4) * 2;
 #pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                const int r = row + 8 * (i / 2);
-                const int c = col + i % 2;
-                if (r < M && c < N) partial[static_cast<int64_t>(r) * N + c] = acc[4 * j + i];
+            for (int half = 0; half < 2; ++half) {
+                const int r = row + 8 * half;
+                if (r >= M) continue;
+                float* dst = partial + static_cast<int64_t>(r) * N + col;
+                const float first = acc[4 * j + 2 * half], second = acc[4 * j + 2 * half + 1];
+                if (pairs && col + 1 < N) {
+                    *reinterpret_cast<float2*>(dst) = make_float2(first, second);
+                } else {
+                    if (col < N) dst[0] = first;
+                    if (col + 1 < N) dst[1] = second;
+                }
             }
         }
     }
@@ -633,7 +643,13 @@ BATCHINV_LINEAR_HOPPER_TRANSPOSED(tb, 0, f16, batchinv::F16Codec, 64)
 BATCHINV_LINEAR_HOPPER_TRANSPOSED(tb, 0, f16, batchinv::F16Codec, 128)
 BATCHINV_LINEAR_HOPPER_TRANSPOSED(tab, 1, f16, batchinv::F16Codec, 64)
 BATCHINV_LINEAR_HOPPER_TRANSPOSED(tab, 1, f16, batchinv::F16Codec, 128)
+BATCHINV_LINEAR_KGROUP_HOPPER(bf16, batchinv::Bf16Codec, 64, 64, 128, 6)
+BATCHINV_LINEAR_KGROUP_HOPPER(bf16, batchinv::Bf16Codec, 64, 128, 64, 6)
+BATCHINV_LINEAR_KGROUP_HOPPER(bf16, batchinv::Bf16Codec, 128, 128, 64, 6)
 BATCHINV_LINEAR_KGROUP_HOPPER(bf16, batchinv::Bf16Codec, 128, 256, 64, 4)
+BATCHINV_LINEAR_KGROUP_HOPPER(f16, batchinv::F16Codec, 64, 64, 128, 6)
+BATCHINV_LINEAR_KGROUP_HOPPER(f16, batchinv::F16Codec, 64, 128, 64, 6)
+BATCHINV_LINEAR_KGROUP_HOPPER(f16, batchinv::F16Codec, 128, 128, 64, 6)
 BATCHINV_LINEAR_KGROUP_HOPPER(f16, batchinv::F16Codec, 128, 256, 64, 4)
 BATCHINV_LINEAR_KGROUP_SMALL_M(bf16, batchinv::Bf16Codec, 32, 128, 8)
 BATCHINV_LINEAR_KGROUP_SMALL_M(f16, batchinv::F16Codec, 32, 128, 8)
