@@ -113,8 +113,9 @@ def check_gpu_inputs(hidden: Tensor, weight: Tensor) -> None:
 
 def mark_targets(target_ids: Tensor, ignore_index: int, vocab: int) -> tuple[Tensor, Tensor]:
     """``(targets [T] int32 with -1 for ignored or bad ids, bad [T] bool)``; no
-    synchronisation.  Six elementwise launches (five for int32 ids): the range test is one
-    clamp and one compare, and whether an ignored id lies in range is known on the host."""
+    synchronisation.  Six elementwise launches (five for int32 ids; more only for an
+    ignore_index outside the ids' dtype): the range test is one clamp and one compare, and
+    whether the ignored id lies in range is known on the host."""
     targets = target_ids.reshape(-1)
     clamped = targets.clamp(0, vocab - 1)
     outside = clamped != targets  # outside [0, vocab)
@@ -257,16 +258,16 @@ def _launch_partials(
 
 # ----------------------------------------------------------------------------- eager no-grad path
 # A forward that needs no gradient, on contiguous 16-byte aligned hidden and weight, keeps its
-# launches per ``_lean_key`` (shapes, dtype, device, the entropy flag): the kernels, grids,
-# shared memory and integer arguments ``run_forward`` and ``_launch_partials`` choose for it,
-# and the TMA maps of hidden and the weight per address (a decode loop's activations cycle
-# through a few).  A call allocates its outputs once in their final shape and one fp32
+# launches per key (shapes, dtypes, device, the entropy flag): the kernels, grids, shared
+# memory and integer arguments ``run_forward`` and ``_launch_partials`` choose for it, and the
+# TMA maps of hidden and the weight per address (a decode loop's activations cycle through a
+# few).  A call allocates its outputs once in their final shape and one fp32
 # workspace for the log-sum-exp, the target logits and the tile states, marks the targets
 # (``mark_targets``), launches the two kernels with pointers as ints and checks the targets as
 # ``forward`` does: the general path's kernels and arguments, hence its bits.
 
 _MAX_MAPS = 64  # per plan and operand: the addresses a decode loop's activations cycle through
-_SEGMENT = 64  # workspace segments start 256 bytes apart, as separate allocations would
+_SEGMENT = 64  # fp32 elements: workspace segments start on 256-byte boundaries
 
 
 @dataclasses.dataclass(frozen=True)
@@ -292,7 +293,7 @@ def _segment(elements: int) -> int:
     return -(-elements // _SEGMENT) * _SEGMENT
 
 
-def _lean_plan(hidden: Tensor, weight: Tensor, with_entropy: bool, index: int) -> _Lean | None:
+def _lean_plan(hidden: Tensor, weight: Tensor, with_entropy: bool) -> _Lean | None:
     """The launches ``forward`` makes for contiguous, aligned operands (None: no tokens, the
     general path).  Raises ``check_gpu_args``' errors."""
     check_gpu_args(hidden, weight)
@@ -359,7 +360,7 @@ def forward_no_grad(
         key = (hidden.shape, weight.shape, hidden.dtype, weight.dtype, index, with_entropy, aligned)
         lean = _LEAN.get(key, _NO_LEAN)
         if lean is _NO_LEAN:
-            lean = _lean_plan(hidden, weight, with_entropy, index) if aligned else None
+            lean = _lean_plan(hidden, weight, with_entropy) if aligned else None
             if not torch.cuda.is_current_stream_capturing():
                 if len(_LEAN) >= _MAX_LEAN:
                     _LEAN.clear()
@@ -380,6 +381,7 @@ def _run_lean(
     with_entropy: bool,
     index: int,
 ) -> Tensor | tuple[Tensor, Tensor]:
+    """One call on a kept plan: two allocations, the targets marked, two launches."""
     tokens, vocab, hidden_size, tiles = lean.sizes
     device = target_ids.device
     shape = target_ids.shape
