@@ -54,6 +54,20 @@ def test_real_segments_are_unique_consecutives_then_empty_padding(name, ids):
     assert bool((offsets[1 : distinct + 1] > offsets[:distinct]).all())
 
 
+@pytest.mark.parametrize("name, ids", CASES, ids=[name for name, _ in CASES])
+def test_the_backwards_padded_buffer_gives_the_same_segments(name, ids):
+    # The backward sorts into a buffer one longer and passes it: as padding a copy does.
+    n = ids.numel()
+    padded = torch.empty(n + 1, dtype=torch.int64)
+    positions = torch.empty(n, dtype=torch.int64)
+    torch.sort(ids, stable=True, out=(padded[:n], positions))
+    padded[n:].fill_(VOCAB)
+    sorted_ids, sorted_positions = torch.sort(ids, stable=True)
+    assert_bitwise_equal((padded[:n], positions), (sorted_ids, sorted_positions))
+    got = static_segments(padded[:n], VOCAB, padded_ids=padded)
+    assert_bitwise_equal(got, static_segments(sorted_ids, VOCAB))
+
+
 def test_int32_ids_widened_as_the_backward_does_give_the_same_segments():
     ids = torch.randint(-2, VOCAB + 2, (100,), generator=torch.Generator().manual_seed(2))
     wide, _ = torch.sort(ids.to(torch.int32).long(), stable=True)

@@ -33,6 +33,7 @@ class FakeGpu:
             ("matmul_tn", lambda a, b: _exact(a).T @ _exact(b)),
             ("matmul_nt", lambda a, b: _exact(a) @ _exact(b).T),
             ("matmul_rows", lambda a, b: _exact(a) @ _exact(b).T),
+            ("_pinned_rows", lambda a, b: _exact(a) @ _exact(b).T),
         ):
             monkeypatch.setattr(gpu_linear, name, self._recording(name, product))
 
@@ -214,7 +215,8 @@ def test_where_the_pinned_path_serves_grad_x_runs_it_on_the_transposed_weight(
     route, weight_t = gpu_linear.grad_x_route(grad, w)
     assert route == "cublaslt" and torch.equal(weight_t, w.t()) and weight_t.is_contiguous()
     gpu_linear.backward(grad, x, w, None, (True, False, False))
-    assert gpu.calls == [("matmul_rows", ((lc.MIN_ROWS, 48), (64, 48)))]
+    # The pinned product itself: grad_x_route has asked rows_path, which is not asked again.
+    assert gpu.calls == [("_pinned_rows", ((lc.MIN_ROWS, 48), (64, 48)))]
 
 
 def test_below_min_rows_the_switch_is_not_consulted(gpu, monkeypatch):

@@ -169,10 +169,18 @@ def backward(
     grad_weight = torch.zeros(num_embeddings, hidden, dtype=dtype, device=grad_out.device)
     if flat_ids.numel() == 0 or hidden == 0:
         return grad_weight
-    # A stable sort keeps equal ids in increasing position order: the order of the sums.
-    sorted_ids, sorted_positions = torch.sort(flat_ids, stable=True)
+    # A stable sort keeps equal ids in increasing position order: the order of the sums.  It
+    # writes the ids into a buffer one longer, whose last entry is the padding segments' id.
+    tokens = flat_ids.numel()
+    padded_ids = torch.empty(tokens + 1, dtype=torch.int64, device=grad_out.device)
+    sorted_ids = padded_ids[:tokens]
+    sorted_positions = torch.empty(tokens, dtype=torch.int64, device=grad_out.device)
+    torch.sort(flat_ids, stable=True, out=(sorted_ids, sorted_positions))
     if segments == "static":
-        segment_offsets, segment_ids = static_segments(sorted_ids, num_embeddings)
+        padded_ids[tokens:].fill_(num_embeddings)
+        segment_offsets, segment_ids = static_segments(
+            sorted_ids, num_embeddings, padded_ids=padded_ids
+        )
         _launch_strided(grad_weight, grad_rows, sorted_positions, segment_offsets, segment_ids)
     else:
         segment_ids, counts = torch.unique_consecutive(sorted_ids, return_counts=True)
@@ -197,18 +205,22 @@ def backward(
     return grad_weight
 
 
-def static_segments(sorted_ids: Tensor, num_embeddings: int) -> tuple[Tensor, Tensor]:
+def static_segments(
+    sorted_ids: Tensor, num_embeddings: int, *, padded_ids: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
     """``(segment_offsets [n + 1], segment_ids [n])`` of the ``n`` sorted ids, built on their
     device without a synchronisation.  The ``d`` runs of equal ids come first, as
     ``torch.unique_consecutive`` gives them; the ``n - d`` segments after them are empty
-    (offsets ``n``) with id ``num_embeddings``, which the kernel never writes."""
+    (offsets ``n``) with id ``num_embeddings``, which the kernel never writes.  ``padded_ids``:
+    the sorted ids followed by ``num_embeddings`` (``n + 1``), where the caller has them."""
     n = sorted_ids.numel()
     is_start = torch.ones(n, dtype=torch.bool, device=sorted_ids.device)
     torch.ne(sorted_ids[1:], sorted_ids[:-1], out=is_start[1:])
     # At most n starts, so the last of the n + 1 entries is always the fill: the end offset.
     segment_offsets = torch.nonzero_static(is_start, size=n + 1, fill_value=n).view(n + 1)
     # The id at offset n (a padding segment's start) is the appended num_embeddings.
-    padded_ids = torch.nn.functional.pad(sorted_ids, (0, 1), value=num_embeddings)
+    if padded_ids is None:
+        padded_ids = torch.nn.functional.pad(sorted_ids, (0, 1), value=num_embeddings)
     return segment_offsets, torch.index_select(padded_ids, 0, segment_offsets[:n])
 
 

@@ -490,10 +490,15 @@ def matmul_rows(
     batches of ``linear_cublaslt.MIN_ROWS`` rows or more without bias take cuBLASLt's pinned
     algorithm, checked to give the same bits as batchinv's kernels (see that module)."""
     if rows_path(rows.shape[0], weight, bias is not None, path) == "cublaslt":
-        rows, weight = _aligned(rows), _aligned(weight)
-        out = torch.empty(rows.shape[0], weight.shape[0], dtype=rows.dtype, device=rows.device)
-        return linear_cublaslt.matmul_nt(rows, weight, out)
+        return _pinned_rows(rows, weight)
     return matmul_nt(rows, weight, bias)
+
+
+def _pinned_rows(rows: Tensor, weight: Tensor) -> Tensor:
+    """``rows @ weightᵀ`` on cuBLASLt's pinned algorithm, where ``rows_path`` chose it."""
+    rows, weight = _aligned(rows), _aligned(weight)
+    out = torch.empty(rows.shape[0], weight.shape[0], dtype=rows.dtype, device=rows.device)
+    return linear_cublaslt.matmul_nt(rows, weight, out)
 
 
 # ---- several small-M products of one x in one launch (q/k/v, gate/up) -----------------------
@@ -944,8 +949,8 @@ def backward(
         route, weight_t = grad_x_route(grad_rows, weight)
         if route == "in place":
             grad_x = matmul_nn(grad_rows, weight)
-        elif route == "cublaslt":
-            grad_x = matmul_rows(grad_rows, weight_t)
+        elif route == "cublaslt":  # grad_x_route has asked rows_path: not asked again
+            grad_x = _pinned_rows(grad_rows, weight_t)
         else:
             grad_x = matmul_rows(_pad_columns(grad_rows), _pad_columns(weight.t().contiguous()))
         grad_x = grad_x.reshape(x.shape)

@@ -631,7 +631,6 @@ def backward(
         x_stride,
     )
     name, blocks, fused_cta, shape = fused_backward_plan(d, dtype, rows)
-    groups, in_sequence = weight_grad_chunking(d, dtype, rows)
     grad_weight = None
     if rows == 0:
         grad_weight = torch.zeros(d, dtype=weight.dtype, device=x.device) if weight_grad else None
@@ -659,6 +658,7 @@ def backward(
     else:
         _launch_rows("rms_norm_backward", x.device, d, dtype, rows, (grad_x, *args))
         if weight_grad:
+            groups, in_sequence = weight_grad_chunking(d, dtype, rows)
             partials = _weight_grad_separately(grad_rows, x_rows, rstd, groups, in_sequence)
             grad_weight = _reduce_partials(partials, weight.dtype)
     return grad_x.reshape(x.shape), grad_weight

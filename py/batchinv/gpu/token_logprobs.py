@@ -18,6 +18,7 @@ launches, no sync), read by ``device_checks.raise_device_errors()``.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from types import ModuleType
 
@@ -25,7 +26,14 @@ import torch
 from torch import Tensor
 
 from .. import device_checks
-from ..runtime import allow_dynamic_shared, kernel_for, launch, tensor_map_2d, uses_hopper
+from ..runtime import (
+    allow_dynamic_shared,
+    current_raw_stream,
+    kernel_for,
+    launch,
+    tensor_map_2d,
+    uses_hopper,
+)
 from ..validation import report_bad_index
 
 VOCAB_TILE = 256  # kVocabTile in the kernel: part of the forward's definition (bits)
@@ -35,6 +43,7 @@ _STAGE_K = 64
 _STAGES = 4
 _MAX_DIM = 2**31 - 1
 _DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "f16"}
+_ID_RANGE = {torch.int32: (-(2**31), 2**31 - 1), torch.int64: (-(2**63), 2**63 - 1)}
 
 
 def _block_m(tokens: int) -> int:
@@ -104,12 +113,25 @@ def check_gpu_inputs(hidden: Tensor, weight: Tensor) -> None:
 
 def mark_targets(target_ids: Tensor, ignore_index: int, vocab: int) -> tuple[Tensor, Tensor]:
     """``(targets [T] int32 with -1 for ignored or bad ids, bad [T] bool)``; no
-    synchronisation."""
+    synchronisation.  Six elementwise launches (five for int32 ids; more only for an
+    ignore_index outside the ids' dtype): the range test is one clamp and one compare, and
+    whether the ignored id lies in range is known on the host."""
     targets = target_ids.reshape(-1)
-    ignored = targets == ignore_index
-    bad = ~ignored & ((targets < 0) | (targets >= vocab))
-    targets32 = torch.where(ignored | bad, -1, targets).to(torch.int32)
-    return targets32, bad
+    clamped = targets.clamp(0, vocab - 1)
+    outside = clamped != targets  # outside [0, vocab)
+    low, high = _ID_RANGE[targets.dtype]
+    if 0 <= ignore_index < vocab:  # the ignored id is in range: every outside id is bad
+        bad = outside
+        dropped = outside | (targets == ignore_index)
+    elif low <= ignore_index <= high:  # the ignored id is outside: the others there are bad
+        bad = outside & (targets != ignore_index)
+        dropped = outside
+    else:  # torch compares the ids with ignore_index cast to their dtype
+        ignored = targets == ignore_index
+        bad = outside & ~ignored
+        dropped = outside | ignored
+    # A kept id lies in [0, vocab), where clamping changes nothing.
+    return clamped.masked_fill_(dropped, -1).to(torch.int32), bad
 
 
 def prepare_targets(target_ids: Tensor, ignore_index: int, vocab: int) -> tuple[Tensor, Tensor]:
@@ -289,6 +311,171 @@ def finalize_tile_states(
         ),
     )
     return logprob, lse
+
+
+# ----------------------------------------------------------------------------- eager no-grad path
+# A forward that needs no gradient, on contiguous 16-byte aligned hidden and weight, keeps its
+# launches per key (shapes, dtypes, device, the entropy flag): the kernels, grids, shared
+# memory and integer arguments ``run_forward`` and ``_launch_partials`` choose for it, and the
+# TMA maps of hidden and the weight per address (a decode loop's activations cycle through a
+# few).  A call allocates its outputs once in their final shape and one fp32
+# workspace for the log-sum-exp, the target logits and the tile states, marks the targets
+# (``mark_targets``), launches the two kernels with pointers as ints and checks the targets as
+# ``forward`` does: the general path's kernels and arguments, hence its bits.
+
+_MAX_MAPS = 64  # per plan and operand: the addresses a decode loop's activations cycle through
+_SEGMENT = 64  # fp32 elements: workspace segments start on 256-byte boundaries
+
+
+@dataclasses.dataclass(frozen=True)
+class _Lean:
+    partials: object
+    finalize: object
+    grid: tuple[int]
+    block: tuple[int]
+    shared: int
+    finalize_grid: tuple[int]
+    sizes: tuple[int, int, int, int]  # tokens, vocab, hidden size, tiles
+    boxes: tuple[str, int]  # TMA maps: dtype name, box rows of hidden
+    workspace: tuple[int, int, int, int, int, int]  # fp32 offsets: lse, logit, m, l, s; size
+    maps: tuple[dict, dict]  # address -> encoded TMA map, of hidden and of the weight
+
+
+_LEAN: dict[tuple, _Lean | None] = {}
+_MAX_LEAN = 512
+_NO_LEAN = object()  # ``_LEAN.get``'s default: no plan made yet (a kept None: the general path)
+
+
+def _segment(elements: int) -> int:
+    return -(-elements // _SEGMENT) * _SEGMENT
+
+
+def _lean_plan(hidden: Tensor, weight: Tensor, with_entropy: bool) -> _Lean | None:
+    """The launches ``forward`` makes for contiguous, aligned operands (None: no tokens, the
+    general path).  Raises ``check_gpu_args``' errors."""
+    check_gpu_args(hidden, weight)
+    vocab, hidden_size = weight.shape
+    tokens = hidden.numel() // hidden_size
+    if tokens == 0:
+        return None
+    device = hidden.device
+    tiles = -(-vocab // VOCAB_TILE)
+    block_m = _block_m(tokens)
+    dtype_name = _DTYPE_NAMES[hidden.dtype]
+    shared = _shared_bytes(block_m)
+    partials = _kernel(f"token_logprobs_partials_{dtype_name}_bm{block_m}", device, shared)
+    finalize = kernel_for("token_logprobs", "token_logprobs_finalize", device)
+    states = _segment(tokens * tiles)
+    lse_at, logit_at = 0, _segment(tokens)
+    m_at = 2 * logit_at
+    l_at = m_at + states
+    s_at = l_at + states
+    size = s_at + (states if with_entropy else 0)
+    return _Lean(
+        partials,
+        finalize,
+        (-(-tokens // block_m) * tiles,),
+        (_threads(block_m),),
+        shared,
+        (-(-tokens // 4),),
+        (tokens, vocab, hidden_size, tiles),
+        (dtype_name, block_m),
+        (lse_at, logit_at, m_at, l_at, s_at, size),
+        ({}, {}),
+    )
+
+
+def _lean_map(lean: _Lean, operand: int, address: int, index: int) -> bytes:
+    """The TMA map of operand 0 (hidden) or 1 (the weight) at ``address``, kept per address:
+    ``_launch_partials``' maps."""
+    maps = lean.maps[operand]
+    encoded = maps.get(address)
+    if encoded is None:
+        tokens, vocab, hidden_size, _ = lean.sizes
+        dtype_name, block_m = lean.boxes
+        rows, box_rows = (tokens, block_m) if operand == 0 else (vocab, VOCAB_TILE)
+        encoded = tensor_map_2d(
+            address, dtype_name, rows, hidden_size, hidden_size * 2, box_rows, 64, 128, index
+        )
+        if len(maps) >= _MAX_MAPS:
+            maps.clear()
+        maps[address] = encoded
+    return encoded
+
+
+def forward_no_grad(
+    hidden: Tensor, weight: Tensor, target_ids: Tensor, ignore_index: int, with_entropy: bool
+) -> Tensor | tuple[Tensor, Tensor]:
+    """``forward``'s logprobs (and entropy with ``with_entropy``) in ``target_ids.shape``, for
+    a call that needs no gradient: the launches kept for its key where they apply (see
+    above), else ``forward``.  Bad targets raise, or are recorded, as in ``forward``."""
+    if hidden.is_contiguous() and weight.is_contiguous():
+        h_ptr, w_ptr = hidden.data_ptr(), weight.data_ptr()
+        device = hidden.device
+        index = torch.cuda.current_device() if device.index is None else device.index
+        aligned = not (h_ptr | w_ptr) & 15
+        key = (hidden.shape, weight.shape, hidden.dtype, weight.dtype, index, with_entropy, aligned)
+        lean = _LEAN.get(key, _NO_LEAN)
+        if lean is _NO_LEAN:
+            lean = _lean_plan(hidden, weight, with_entropy) if aligned else None
+            if not torch.cuda.is_current_stream_capturing():
+                if len(_LEAN) >= _MAX_LEAN:
+                    _LEAN.clear()
+                _LEAN[key] = lean
+        if lean is not None:
+            return _run_lean(lean, h_ptr, w_ptr, target_ids, ignore_index, with_entropy, index)
+    logprob, _, entropy, _ = forward(hidden, weight, target_ids, ignore_index, with_entropy)
+    shape = target_ids.shape
+    return (logprob.view(shape), entropy.view(shape)) if with_entropy else logprob.view(shape)
+
+
+def _run_lean(
+    lean: _Lean,
+    h_ptr: int,
+    w_ptr: int,
+    target_ids: Tensor,
+    ignore_index: int,
+    with_entropy: bool,
+    index: int,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """One call on a kept plan: two allocations, the targets marked, two launches."""
+    tokens, vocab, hidden_size, tiles = lean.sizes
+    device = target_ids.device
+    shape = target_ids.shape
+    # Every output element is written by the finalize kernel: no fill.
+    out = torch.empty((2, *shape) if with_entropy else shape, dtype=torch.float32, device=device)
+    lse_at, logit_at, m_at, l_at, s_at, size = lean.workspace
+    work = torch.empty(size, dtype=torch.float32, device=device)
+    targets32, bad = mark_targets(target_ids, ignore_index, vocab)
+    base, targets_ptr, out_ptr = work.data_ptr(), targets32.data_ptr(), out.data_ptr()
+    lse_ptr, logit_ptr = base + 4 * lse_at, base + 4 * logit_at
+    m_ptr, l_ptr = base + 4 * m_at, base + 4 * l_at
+    s_ptr = base + 4 * s_at if with_entropy else 0
+    entropy_ptr = out_ptr + 4 * tokens if with_entropy else 0
+    map_hidden = _lean_map(lean, 0, h_ptr, index)
+    map_weight = _lean_map(lean, 1, w_ptr, index)
+    stream = current_raw_stream(index)
+    lean.partials(
+        lean.grid,
+        lean.block,
+        (map_hidden, map_weight, targets_ptr, logit_ptr, m_ptr, l_ptr, s_ptr)
+        + (tokens, vocab, hidden_size, tiles),
+        lean.shared,
+        stream,
+        index,
+        False,
+    )
+    lean.finalize(
+        lean.finalize_grid,
+        (128,),
+        (m_ptr, l_ptr, s_ptr, logit_ptr, targets_ptr, tiles, tokens, out_ptr, lse_ptr, entropy_ptr),
+        0,
+        stream,
+        index,
+        False,
+    )
+    raise_bad_targets(bad, target_ids, vocab)
+    return (out[0], out[1]) if with_entropy else out
 
 
 def raise_bad_targets(bad: Tensor, target_ids: Tensor, vocab: int) -> None:

@@ -12,11 +12,11 @@ must not read tensor contents (no synchronisation); an op whose arguments are no
 takes (no tensor attributes, an unexpected type) builds none and runs its full checks, which
 raise its own error.
 
-Here only checks and lookups are remembered.  ``attention``, ``attention_varlen``, ``linear``
-and ``log_softmax`` also keep a launch plan per signature in their GPU modules; each plan's key
-holds the value of every run-time switch it follows, so a switch changed at run time takes
-effect at the next call.  A registry lookup is remembered: code that swaps what the registry
-returns (tests do) calls ``clear_all()`` after the swap.
+Here only checks and lookups are remembered.  ``attention``, ``attention_varlen``, ``linear``,
+``log_softmax`` and ``token_logprobs`` also keep a launch plan per signature in their GPU
+modules; each plan's key holds the value of every run-time switch it follows, so a switch
+changed at run time takes effect at the next call.  A registry lookup is remembered: code that
+swaps what the registry returns (tests do) calls ``clear_all()`` after the swap.
 """
 
 from __future__ import annotations
@@ -33,9 +33,10 @@ def clear_all() -> None:
     lookup and planning again (after a change of anything a plan's key does not hold)."""
     for table in _TABLES:
         table.clear()
-    from ..gpu import attention, linear, log_softmax  # here: the GPU modules import the ops
+    # Imported here: the GPU modules import the ops.
+    from ..gpu import attention, linear, log_softmax, token_logprobs
 
-    for module in (attention, linear, log_softmax):
+    for module in (attention, linear, log_softmax, token_logprobs):
         module._LEAN.clear()
 
 

@@ -19,6 +19,7 @@ from ..gpu import token_logprobs_portable as portable
 from ..reference import token_logprobs as reference
 from ..reference.token_logprobs import DEFAULT_IGNORE_INDEX, VOCAB_CHUNK
 from ..validation import check_token_logprobs_args
+from ._checked import CheckedCalls
 from ._custom_op import CustomOp, empty_grad
 
 
@@ -48,10 +49,18 @@ def token_logprobs(
             hidden, lm_head_weight, target_ids, *args
         )
         return (logprobs, entropy) if return_entropy else logprobs
-    check_token_logprobs_args(
-        hidden, lm_head_weight, target_ids, ignore_index, vocab_chunk, check_values=False
-    )
-    return registry.lookup("token_logprobs", hidden.device)(
+    args = (hidden, lm_head_weight, target_ids, ignore_index, vocab_chunk)
+    signature = _signature(*args)
+    if signature is None:
+        check_token_logprobs_args(
+            hidden, lm_head_weight, target_ids, ignore_index, vocab_chunk, check_values=False
+        )
+        run = registry.lookup("token_logprobs", hidden.device)
+    elif torch.is_grad_enabled() and (hidden.requires_grad or lm_head_weight.requires_grad):
+        run = _WITH_GRAD.lookup(signature, *args)
+    else:
+        run = _NO_GRAD.lookup(signature, *args)
+    return run(
         hidden,
         lm_head_weight,
         target_ids,
@@ -61,19 +70,82 @@ def token_logprobs(
     )
 
 
+def _signature(
+    hidden: Tensor, lm_head_weight: Tensor, target_ids: Tensor, ignore_index: int, vocab_chunk: int
+) -> tuple | None:
+    """What ``check_token_logprobs_args`` reads without ``check_values`` (``_checked``), or
+    None where the full checks must run (arguments of other types than the op takes)."""
+    if not (ignore_index.__class__ is int and vocab_chunk.__class__ is int):
+        return None
+    try:
+        return (
+            hidden.__class__,
+            hidden.shape,
+            hidden.dtype,
+            hidden.device,
+            lm_head_weight.__class__,
+            lm_head_weight.shape,
+            lm_head_weight.dtype,
+            lm_head_weight.device,
+            target_ids.__class__,
+            target_ids.shape,
+            target_ids.dtype,
+            target_ids.device,
+            vocab_chunk,
+        )
+    except AttributeError:
+        return None
+
+
+def _resolver(entry: str):
+    def resolve(hidden, lm_head_weight, target_ids, ignore_index, vocab_chunk):
+        check_token_logprobs_args(
+            hidden, lm_head_weight, target_ids, ignore_index, vocab_chunk, check_values=False
+        )
+        return registry.lookup(entry, hidden.device)
+
+    return resolve
+
+
 # The custom op (below) saves the log-sum-exp instead of recomputing the forward in its
 # backward: each route's saving forward and saved backward run the eager autograd's forward
 # and backward kernels on the same tensors, hence its bits.  GPU only; the CPU op recomputes.
 # The CUDA and portable (HIP) routes share the autograd op and these entries
 # (``gpu.registry_entries``); vocab_chunk defines the CPU reference's order only.
 _gpu_token_logprobs, _gpu_saving_forward, _gpu_saved_backward = gpu.registry_entries(gpu)
+
+
+def _gpu_token_logprobs_no_grad(
+    hidden: Tensor,
+    lm_head_weight: Tensor,
+    target_ids: Tensor,
+    ignore_index: int,
+    *,
+    vocab_chunk: int,
+    return_entropy: bool,
+) -> Tensor | tuple[Tensor, Tensor]:
+    # The autograd op's forward kernels without its node: the lean path of gpu.forward_no_grad.
+    return gpu.forward_no_grad(
+        hidden, lm_head_weight, target_ids, ignore_index, bool(return_entropy)
+    )
+
+
 registry.register("token_logprobs", "cuda")(_gpu_token_logprobs)
 registry.register("token_logprobs", "cpu")(reference.token_logprobs)
 registry.register("token_logprobs", "hip")(portable.token_logprobs)
+registry.register("token_logprobs.no_grad", "cuda")(_gpu_token_logprobs_no_grad)
+registry.register("token_logprobs.no_grad", "cpu")(reference.token_logprobs)
+registry.register("token_logprobs.no_grad", "hip")(portable.token_logprobs)
 registry.register("token_logprobs.saving_forward", "cuda")(_gpu_saving_forward)
 registry.register("token_logprobs.saving_forward", "hip")(portable.saving_forward)
 registry.register("token_logprobs.saved_backward", "cuda")(_gpu_saved_backward)
 registry.register("token_logprobs.saved_backward", "hip")(portable.saved_backward)
+
+
+# Checks and lookups once per signature (``_checked``); a call that records a gradient takes
+# the autograd op, one that does not the CUDA route's kept launches.
+_WITH_GRAD = CheckedCalls(_resolver("token_logprobs"))
+_NO_GRAD = CheckedCalls(_resolver("token_logprobs.no_grad"))
 
 
 # ----------------------------------------------------------------------------- custom op
