@@ -117,7 +117,9 @@ def deferring(device: torch.device | None = None) -> bool:
     torch.compile's CUDA graphs (``mode="reduce-overhead"``) run each op eagerly before
     capturing it, and the capture then finds the status it cannot allocate itself.
     """
-    capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+    # A CUDA device implies CUDA is available (is_available() reads the environment per call).
+    cuda = (device is not None and device.type == "cuda") or torch.cuda.is_available()
+    capturing = cuda and torch.cuda.is_current_stream_capturing()
     if device is not None and not capturing:
         word(device)
     return capturing or getattr(_local, "deferred", 0) > 0
