@@ -27,6 +27,10 @@ NCCL_SAFE_ENV = {
     "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
     "NVSHMEM_DISABLE_NVLS": "1",
 }
+# Set on import: the multi-GPU test files import this module before any process group exists,
+# also when they run as scripts under torchrun.
+for _key, _value in NCCL_SAFE_ENV.items():
+    os.environ.setdefault(_key, _value)
 
 
 def _entry(

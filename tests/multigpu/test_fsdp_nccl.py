@@ -17,25 +17,18 @@ registered with ``register_fsdp_forward_method``.
 
 Run with pytest (``pytest tests/multigpu/test_fsdp_nccl.py``) or as a script:
 ``python tests/multigpu/test_fsdp_nccl.py --world 2``.  NVLink multicast stays off
-(``NCCL_NVLS_ENABLE=0``, ``TORCH_SYMM_MEM_DISABLE_MULTICAST=1``, ``NVSHMEM_DISABLE_NVLS=1``).
+(``_spawn`` sets ``NCCL_NVLS_ENABLE=0``, ``TORCH_SYMM_MEM_DISABLE_MULTICAST=1`` and
+``NVSHMEM_DISABLE_NVLS=1`` on import).
 """
 
 from __future__ import annotations
 
 import importlib.util
-import os
 import sys
 from pathlib import Path
 
-for _key, _value in {
-    "NCCL_NVLS_ENABLE": "0",
-    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-    "NVSHMEM_DISABLE_NVLS": "1",
-}.items():
-    os.environ.setdefault(_key, _value)
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import pytest
+import torch
 
 _TESTS = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(_TESTS / "distributed"))

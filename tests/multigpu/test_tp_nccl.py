@@ -16,7 +16,8 @@ Run with pytest (``pytest tests/multigpu/test_tp_nccl.py``), or as a script:
 ``python tests/multigpu/test_tp_nccl.py --world 2`` (its own spawn) or
 ``torchrun --nproc-per-node 2 tests/multigpu/test_tp_nccl.py`` (each rank checks itself
 against its own GPU's single-GPU results).  NVLink multicast stays off
-(``NCCL_NVLS_ENABLE=0``, ``TORCH_SYMM_MEM_DISABLE_MULTICAST=1``, ``NVSHMEM_DISABLE_NVLS=1``).
+(``_spawn`` sets ``NCCL_NVLS_ENABLE=0``, ``TORCH_SYMM_MEM_DISABLE_MULTICAST=1`` and
+``NVSHMEM_DISABLE_NVLS=1`` on import).
 """
 
 from __future__ import annotations
@@ -25,16 +26,9 @@ import os
 import sys
 from pathlib import Path
 
-for _key, _value in {
-    "NCCL_NVLS_ENABLE": "0",
-    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-    "NVSHMEM_DISABLE_NVLS": "1",
-}.items():
-    os.environ.setdefault(_key, _value)
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
+import pytest
+import torch
+import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "distributed"))
 from _spawn import run_world  # noqa: E402
