@@ -9,8 +9,9 @@ on its own GPU and the parent compares every rank with it:
 - prefill: packed token logprobs (``Qwen3.token_logprobs``);
 - decode: a padded prefill of 3 prompts into KV caches, then 4 greedy steps at batch 3 (each
   step's last-position logits and the picked tokens);
-- recorded, not asserted: a stock TP layer (``F.linear`` of the K shard + NCCL's bf16
-  ``all_reduce``, the ``STOCK_OPS`` table otherwise) against the stock single GPU.
+- recorded, not asserted: the stock TP model (``stock_tensor_parallel_qwen3``: ``F.linear``
+  of the K shard + NCCL's bf16 ``all_reduce``, column-parallel logits gathered, the
+  ``STOCK_OPS`` table otherwise) against the stock single GPU.
 
 Run with pytest (``pytest tests/multigpu/test_qwen3_tp_nccl.py``), or as a script:
 ``python tests/multigpu/test_qwen3_tp_nccl.py --world 2`` (its own spawn) or
@@ -25,20 +26,18 @@ from __future__ import annotations
 import math
 import os
 import sys
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "distributed"))
 from _spawn import run_world  # noqa: E402
 
 from batchinv.contract import assert_bitwise_equal  # noqa: E402
 from batchinv.distributed.qwen3 import (  # noqa: E402
-    shard_qwen3_state_dict,
+    stock_tensor_parallel_qwen3,
     tensor_parallel_qwen3,
     tp_compatible_qwen3,
 )
@@ -107,32 +106,10 @@ def _run(model: Qwen3) -> dict:
     return out
 
 
-def _backend_all_reduce(partial: torch.Tensor) -> None:
-    """The backend's own in-place sum (NCCL's; gloo's through host memory when ranks share
-    GPUs over gloo)."""
-    if dist.get_backend() == "gloo":
-        host = partial.cpu()
-        dist.all_reduce(host)
-        partial.copy_(host)
-    else:
-        dist.all_reduce(partial)
-
-
-def _stock_row_parallel(x, weight, bias, *, layer):
-    """Megatron-style: bf16 ``F.linear`` of the K shard, NCCL's bf16 sum, then the bias."""
-    del layer
-    partial = F.linear(x, weight)
-    _backend_all_reduce(partial)
-    return partial if bias is None else partial + bias
-
-
 def _rank_checks(rank: int, world: int, every_rank_single: bool = False) -> dict:
     whole = Qwen3(CONFIG, _weights())
     out = {"tp": _run(tensor_parallel_qwen3(whole))}
-    shard, shard_config = shard_qwen3_state_dict(whole.hf_state_dict(), CONFIG, rank, world)
-    stock_table = replace(STOCK_OPS, name="stock-tp", row_parallel_linear=_stock_row_parallel)
-    out["stock_tp"] = _run(Qwen3(shard_config, shard, ops=stock_table))
-    del shard
+    out["stock_tp"] = _run(stock_tensor_parallel_qwen3(whole))
     if every_rank_single or rank == 0:
         out["one"] = _run(tp_compatible_qwen3(whole))
         out["stock_one"] = _run(Qwen3(CONFIG, whole.hf_state_dict(), ops=STOCK_OPS))

@@ -34,6 +34,10 @@ Supported under TP: ``Qwen3.forward`` (prefill, padded, packed, with KV caches),
 a ``generator`` seeded alike on every rank).  The decode runner (``seeds``, ``cuda_graph``,
 ``return_logprobs``) runs the single-GPU table and raises under TP.  Forward only: the
 row-parallel and vocab-parallel steps do not take gradients.
+
+The anchor that batchinv's TP is measured and compared against is ``stock_tensor_parallel_ops``
+(Megatron-style, over ``STOCK_OPS``): the same shards, bf16 partials summed by the backend's
+``all_reduce`` -- not one GPU's bits.
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import Tensor
 
 from ..ops.linear_k_groups import K_GROUPS, linear_k_groups
@@ -53,6 +58,7 @@ from ..reference.qwen3_chain import (
     qwen3_state_dict_shapes,
 )
 from ..reference.token_logprobs import token_logprobs_tiled
+from .all_reduce import gather_stacked
 from .linear import k_range, row_parallel_linear
 from .lm_head import vocab_parallel_logits, vocab_parallel_token_logprobs, vocab_ranges
 
@@ -60,6 +66,8 @@ __all__ = [
     "Qwen3RankLayout",
     "qwen3_tp_layout",
     "shard_qwen3_state_dict",
+    "stock_tensor_parallel_ops",
+    "stock_tensor_parallel_qwen3",
     "tensor_parallel_ops",
     "tensor_parallel_qwen3",
     "tp_compatible_ops",
@@ -198,6 +206,18 @@ def _rank_world(group) -> tuple[int, int]:
     return dist.get_rank(group), dist.get_world_size(group)
 
 
+def _vocab_rows(weight: Tensor, vocab: int, rows: tuple[int, int]) -> Tensor:
+    """This rank's ``rows`` of the whole lm_head ``weight`` (checked to be whole)."""
+    lo, hi = rows
+    if weight.shape[0] != vocab:
+        raise ValueError(
+            f"lm_head_weight must be the whole [{vocab}, hidden] weight (every rank holds "
+            f"it; the vocab-parallel ops take rows [{lo}, {hi})), got shape "
+            f"{tuple(weight.shape)}"
+        )
+    return weight[lo:hi]
+
+
 def tensor_parallel_ops(base_ops: Qwen3Ops, config: Qwen3ChainConfig, group=None) -> Qwen3Ops:
     """This rank's op table for the chain over its shard (``shard_qwen3_state_dict``).
 
@@ -213,19 +233,12 @@ def tensor_parallel_ops(base_ops: Qwen3Ops, config: Qwen3ChainConfig, group=None
         "mlp.down_proj": config.intermediate_size,
     }
     vocab = config.vocab_size
-    v_lo, v_hi = layout.vocab
 
     def row_parallel(x: Tensor, weight: Tensor, bias: Tensor | None, *, layer: str) -> Tensor:
         return row_parallel_linear(x, weight, bias, in_features=in_features[layer], group=group)
 
     def local_rows(weight: Tensor) -> Tensor:
-        if weight.shape[0] != vocab:
-            raise ValueError(
-                f"lm_head_weight must be the whole [{vocab}, hidden] weight (every rank holds "
-                f"it; the vocab-parallel ops take rows [{v_lo}, {v_hi})), got shape "
-                f"{tuple(weight.shape)}"
-            )
-        return weight[v_lo:v_hi]
+        return _vocab_rows(weight, vocab, layout.vocab)
 
     def logits(hidden: Tensor, lm_head_weight: Tensor) -> Tensor:
         return vocab_parallel_logits(hidden, local_rows(lm_head_weight), vocab=vocab, group=group)
@@ -305,3 +318,66 @@ def tp_compatible_qwen3(model, *, ops: Qwen3Ops | None = None):
     table = tp_compatible_ops(model.ops if ops is None else ops)
     with torch.no_grad():
         return Qwen3(model.config, model.hf_state_dict(), ops=table)
+
+
+def _backend_all_reduce(t: Tensor, group) -> None:
+    """The backend's own in-place sum: NCCL's, or gloo's through host memory for a CUDA
+    tensor (ranks sharing GPUs over gloo)."""
+    if t.is_cuda and dist.get_backend(group) == "gloo":
+        host = t.cpu()
+        dist.all_reduce(host, group=group)
+        t.copy_(host)
+    else:
+        dist.all_reduce(t, group=group)
+
+
+def stock_tensor_parallel_ops(config: Qwen3ChainConfig, group=None) -> Qwen3Ops:
+    """This rank's stock (Megatron-style) TP table over ``STOCK_OPS``, for the shard of
+    ``shard_qwen3_state_dict``: the anchor a batchinv TP model is compared and timed against.
+
+    - o_proj, down_proj (``row_parallel_linear``): ``F.linear`` of the rank's K shard, the
+      backend's ``all_reduce`` of the partials in the model dtype (NCCL picks the order, bf16
+      partials are rounded before the sum), then the bias;
+    - logits: ``F.linear`` of the rank's vocabulary rows (``vocab_ranges``, the batchinv
+      table's split), gathered in rank order (``all_gather``, bytes only);
+    - token logprobs: ``STOCK_OPS``' on the whole lm_head, on every rank.
+    Not bitwise one GPU's.  ``config`` is the full model's; every rank must run the same
+    calls in the same order (collectives)."""
+    from ..models.qwen3.ops import STOCK_OPS
+
+    rank, world = _rank_world(group)
+    vocab = config.vocab_size
+    ranges = vocab_ranges(vocab, world)
+    widest = max(hi - lo for lo, hi in ranges)
+
+    def row_parallel(x: Tensor, weight: Tensor, bias: Tensor | None, *, layer: str) -> Tensor:
+        del layer  # the stock layer needs no K layout: the backend sums whatever arrives
+        partial = F.linear(x, weight)
+        _backend_all_reduce(partial, group)
+        return partial if bias is None else partial + bias
+
+    def logits(hidden: Tensor, lm_head_weight: Tensor) -> Tensor:
+        local = F.linear(hidden, _vocab_rows(lm_head_weight, vocab, ranges[rank]))
+        if local.shape[-1] != widest:  # all_gather takes equal shapes: pad the short ranges
+            local = F.pad(local, (0, widest - local.shape[-1]))
+        stacked = gather_stacked(local, group)
+        return torch.cat([stacked[r, ..., : hi - lo] for r, (lo, hi) in enumerate(ranges)], -1)
+
+    return replace(
+        STOCK_OPS, name=f"stock-tp{world}", row_parallel_linear=row_parallel, logits=logits
+    )
+
+
+def stock_tensor_parallel_qwen3(model, group=None):
+    """This rank's ``Qwen3`` of the stock TP model (``stock_tensor_parallel_ops`` over
+    ``group``) built from a whole ``model`` (every rank passes the same weights): the same
+    shards as ``tensor_parallel_qwen3``."""
+    from ..models.qwen3 import Qwen3
+
+    rank, world = _rank_world(group)
+    table = stock_tensor_parallel_ops(model.config, group)
+    with torch.no_grad():
+        shard, shard_config = shard_qwen3_state_dict(
+            model.hf_state_dict(), model.config, rank, world
+        )
+        return Qwen3(shard_config, shard, ops=table)
