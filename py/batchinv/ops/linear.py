@@ -130,18 +130,29 @@ def _needs_grad(x: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
     return x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
 
 
-class _Linear(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
-        ctx.save_for_backward(x, weight)
-        ctx.bias_dtype = None if bias is None else bias.dtype
-        return registry.lookup("linear.forward", x.device)(x, weight, bias)
+def linear_function(forward_op: str) -> type[torch.autograd.Function]:
+    """An autograd Function whose forward is the registry's ``forward_op`` (``x, weight,
+    bias``) and whose backward is ``linear.backward``: every op computing ``x · weightᵀ +
+    bias`` in some fixed K order shares the linear's gradients (their formulas do not depend
+    on the forward's K order)."""
 
-    @staticmethod
-    def backward(ctx, grad_out: Tensor):
-        x, weight = ctx.saved_tensors
-        backward = registry.lookup("linear.backward", grad_out.device)
-        return backward(grad_out, x, weight, ctx.bias_dtype, ctx.needs_input_grad)
+    class _LinearFunction(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+            ctx.save_for_backward(x, weight)
+            ctx.bias_dtype = None if bias is None else bias.dtype
+            return registry.lookup(forward_op, x.device)(x, weight, bias)
+
+        @staticmethod
+        def backward(ctx, grad_out: Tensor):
+            x, weight = ctx.saved_tensors
+            backward = registry.lookup("linear.backward", grad_out.device)
+            return backward(grad_out, x, weight, ctx.bias_dtype, ctx.needs_input_grad)
+
+    return _LinearFunction
+
+
+_Linear = linear_function("linear.forward")
 
 
 def _reference_forward(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:

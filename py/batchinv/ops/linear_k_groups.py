@@ -38,7 +38,7 @@ from ..reference import linear as reference
 from ..reference.linear import K_GROUPS, k_group_width
 from ..validation import check_linear_args
 from ._custom_op import CustomOp
-from .linear import _custom_backward, _needs_grad
+from .linear import _custom_backward, _fake, _needs_grad, linear_function
 
 __all__ = [
     "K_GROUPS",
@@ -123,18 +123,7 @@ def _cuda_tree_finish(partials: Tensor, bias: Tensor | None, out_dtype: torch.dt
     return gpu_linear.k_group_tree(partials.contiguous(), bias, out_dtype)
 
 
-class _LinearKGroups(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
-        ctx.save_for_backward(x, weight)
-        ctx.bias_dtype = None if bias is None else bias.dtype
-        return registry.lookup("linear_k_groups.forward", x.device)(x, weight, bias)
-
-    @staticmethod
-    def backward(ctx, grad_out: Tensor):
-        x, weight = ctx.saved_tensors
-        backward = registry.lookup("linear.backward", grad_out.device)
-        return backward(grad_out, x, weight, ctx.bias_dtype, ctx.needs_input_grad)
+_LinearKGroups = linear_function("linear_k_groups.forward")
 
 
 def _reference_forward(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
@@ -152,11 +141,6 @@ registry.register("linear_k_groups.tree_finish", "cuda")(_cuda_tree_finish)
 
 
 # ----------------------------------------------------------------------------- custom ops
-
-
-def _fake(x, weight, bias):
-    check_linear_args(x, weight, bias)
-    return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
 def _partials_eager(x, weight, group_width, groups):
