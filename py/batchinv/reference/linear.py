@@ -79,17 +79,26 @@ def linear_backward(
     return grad_x, grad_weight, grad_bias
 
 
-class _LinearFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
-        ctx.save_for_backward(x, weight)
-        ctx.bias_dtype = bias.dtype if bias is not None else None
-        return linear_forward_fp32(x, weight, bias).to(x.dtype)
+def _rounded_linear_function(forward_fp32) -> type[torch.autograd.Function]:
+    """An autograd Function: ``forward_fp32(x, weight, bias)`` rounded once to ``x.dtype``,
+    with ``linear_backward`` (the gradients do not depend on the forward's K order)."""
 
-    @staticmethod
-    def backward(ctx, grad_out: Tensor):
-        x, weight = ctx.saved_tensors
-        return linear_backward(grad_out, x, weight, ctx.bias_dtype, ctx.needs_input_grad)
+    class _Function(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+            ctx.save_for_backward(x, weight)
+            ctx.bias_dtype = bias.dtype if bias is not None else None
+            return forward_fp32(x, weight, bias).to(x.dtype)
+
+        @staticmethod
+        def backward(ctx, grad_out: Tensor):
+            x, weight = ctx.saved_tensors
+            return linear_backward(grad_out, x, weight, ctx.bias_dtype, ctx.needs_input_grad)
+
+    return _Function
+
+
+_LinearFunction = _rounded_linear_function(linear_forward_fp32)
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
@@ -241,17 +250,7 @@ def linear_k_groups_fp32(x: Tensor, weight: Tensor, bias: Tensor | None = None) 
     return acc
 
 
-class _LinearKGroupsFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
-        ctx.save_for_backward(x, weight)
-        ctx.bias_dtype = bias.dtype if bias is not None else None
-        return linear_k_groups_fp32(x, weight, bias).to(x.dtype)
-
-    @staticmethod
-    def backward(ctx, grad_out: Tensor):
-        x, weight = ctx.saved_tensors
-        return linear_backward(grad_out, x, weight, ctx.bias_dtype, ctx.needs_input_grad)
+_LinearKGroupsFunction = _rounded_linear_function(linear_k_groups_fp32)
 
 
 def linear_k_groups(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
