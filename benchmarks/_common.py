@@ -27,6 +27,7 @@ import argparse
 import datetime
 import importlib.metadata
 import json
+import os
 import platform
 import subprocess
 from pathlib import Path
@@ -74,6 +75,21 @@ def positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
     return value
+
+
+# NVLink multicast stays off on machines with several GPUs (a program using it can take a
+# shared host's GPUs out of service): set before any NCCL process group is created.
+NCCL_SAFE_ENV = {
+    "NCCL_NVLS_ENABLE": "0",
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+    "NVSHMEM_DISABLE_NVLS": "1",
+}
+
+
+def keep_nvlink_multicast_off() -> None:
+    """Sets ``NCCL_SAFE_ENV`` where the environment does not already set those variables."""
+    for key, value in NCCL_SAFE_ENV.items():
+        os.environ.setdefault(key, value)
 
 
 def median_ms(fn, *, warmup_ms: float = 100, rep_ms: float = 500) -> float:

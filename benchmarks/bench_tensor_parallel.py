@@ -16,37 +16,40 @@ JSON (``world`` in every row).  NVLink multicast stays off (``NCCL_NVLS_ENABLE=0
 
 from __future__ import annotations
 
+import argparse
 import os
+import tempfile
+from pathlib import Path
 
-for _key, _value in {
-    "NCCL_NVLS_ENABLE": "0",
-    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-    "NVSHMEM_DISABLE_NVLS": "1",
-}.items():
-    os.environ.setdefault(_key, _value)
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from _common import keep_nvlink_multicast_off, report, summary_row
 
-import argparse  # noqa: E402
-import tempfile  # noqa: E402
-from pathlib import Path  # noqa: E402
-
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
-from _common import report, summary_row  # noqa: E402
-
-from batchinv.distributed import (  # noqa: E402
+from batchinv import K_GROUPS
+from batchinv.distributed import (
     invariant_all_reduce,
     k_range,
+    node_counts,
     row_parallel_linear,
     shard_k,
 )
-from batchinv.shapes import QWEN3_8B_CONFIG, QWEN3_8B_LINEAR  # noqa: E402
+from batchinv.shapes import QWEN3_8B_CONFIG, QWEN3_8B_LINEAR
+
+keep_nvlink_multicast_off()  # before any process group
 
 REDUCE_ROWS = (1, 8, 64, 2048)
 HIDDEN = QWEN3_8B_CONFIG["hidden_size"]
 ROW_LAYERS = tuple(layer for layer in QWEN3_8B_LINEAR if layer[0] in ("o_proj", "down_proj"))
 ROW_M = (1, 64, 2048)
 WARMUP, REPS = 10, 50
+
+
+def _row_parallel_path(world: int) -> str:
+    """Which path ``row_parallel_linear`` takes at ``world`` ranks (the row's label)."""
+    if all(count == 1 for count in node_counts(K_GROUPS, world)):
+        return "K-group partials + one gather + tree kernel"
+    return "K-group partials + node gather + tree"
 
 
 def _median_ms(fn) -> float:
@@ -112,7 +115,7 @@ def _bench(rank: int, world: int) -> tuple[list[dict], list[dict]]:
                 summary_row(
                     "row_parallel_linear",
                     case,
-                    "K-group partials + node gather + tree",
+                    _row_parallel_path(world),
                     ours,
                     "torch.mm + dist.all_reduce (bf16)",
                     theirs,

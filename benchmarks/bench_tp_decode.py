@@ -31,38 +31,32 @@ and writes the JSON (``--json``); summary ratio = stock TP / batchinv TP (no goa
 
 from __future__ import annotations
 
+import argparse
+import gc
 import os
+import sys
+import tempfile
+import time
+from functools import partial
+from pathlib import Path
 
-for _key, _value in {
-    "NCCL_NVLS_ENABLE": "0",
-    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-    "NVSHMEM_DISABLE_NVLS": "1",
-}.items():
-    os.environ.setdefault(_key, _value)
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from _common import keep_nvlink_multicast_off, positive_int, report, summary_row
+from bench_decode import random_weights
 
-import argparse  # noqa: E402
-import gc  # noqa: E402
-import sys  # noqa: E402
-import tempfile  # noqa: E402
-import time  # noqa: E402
-from functools import partial  # noqa: E402
-from pathlib import Path  # noqa: E402
-
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
-from _common import positive_int, report, summary_row  # noqa: E402
-from bench_decode import random_weights  # noqa: E402
-
-from batchinv.contract import bitwise_equal  # noqa: E402
-from batchinv.distributed.qwen3 import (  # noqa: E402
+from batchinv.contract import bitwise_equal
+from batchinv.distributed.qwen3 import (
     qwen3_tp_layout,
     stock_tensor_parallel_qwen3,
     tensor_parallel_qwen3,
     tp_compatible_qwen3,
 )
-from batchinv.models.qwen3 import Qwen3, Qwen3Config  # noqa: E402
-from batchinv.shapes import QWEN3_8B_CONFIG as QWEN3_8B  # noqa: E402
+from batchinv.models.qwen3 import Qwen3, Qwen3Config
+from batchinv.shapes import QWEN3_8B_CONFIG as QWEN3_8B
+
+keep_nvlink_multicast_off()  # before any process group
 
 BATCHES = (1, 8, 64)
 CONTEXT = 4096
