@@ -206,11 +206,10 @@ def test_linear_k_group_kernels(dtype, m):
     x = _randn(m, 200, dtype=dtype, seed=11)  # 4 groups of 64 columns used, the last partial
     weight = _randn(300, 200, dtype=dtype, seed=12)  # 300 rows: a partial tile
     bias = _randn(300, dtype=dtype, seed=13)
-    runs = [("small_m", None)] + [("hopper", c) for c in gpu_linear.k_group_tile_configs()]
-    for family, config in runs:
-        partials = gpu_linear.k_group_partials(x, weight, 64, 8, family=family, config=config)
-        assert torch.isfinite(partials[:4]).all(), (family, config)
-        assert (partials[4:] == 0).all() and not partials[4:].signbit().any(), (family, config)
+    for family in ("small_m", "hopper"):
+        partials = gpu_linear.k_group_partials(x, weight, 64, 8, family=family)
+        assert torch.isfinite(partials[:4]).all(), family
+        assert (partials[4:] == 0).all() and not partials[4:].signbit().any(), family
     for count in (1, 2, 4, 8):
         node = gpu_linear.k_group_tree(partials[:count].contiguous())
         assert node.shape == (m, 300) and torch.isfinite(node).all(), count

@@ -1115,37 +1115,16 @@ def k_group_kernel_name(config: TileConfig | SmallMConfig, dtype: torch.dtype) -
     return config.kernel_name(dtype).replace("linear_", "linear_kgroup_", 1)
 
 
-_K_GROUP_HOPPER_NAME = re.compile(r"linear_kgroup_hopper_(bf16|f16)_bm(\d+)_bn(\d+)_k(\d+)_s(\d+)$")
-
-
-@functools.cache
-def k_group_tile_configs() -> tuple[TileConfig, ...]:
-    """The Hopper tiles built with a K-group partials kernel (read from the kernel names)."""
-    configs = {
-        TileConfig(int(m[2]), int(m[3]), int(m[4]), int(m[5]))
-        for name in declared_kernels("linear")
-        if (m := _K_GROUP_HOPPER_NAME.match(name))
-    }
-    return tuple(sorted(configs, key=lambda c: (c.block_m, c.block_n, c.stage_k, c.stages)))
-
-
 def k_group_partials(
-    x: Tensor,
-    weight: Tensor,
-    group_width: int,
-    groups: int,
-    *,
-    family: str = "auto",
-    config: TileConfig | None = None,
+    x: Tensor, weight: Tensor, group_width: int, groups: int, *, family: str = "auto"
 ) -> Tensor:
     """fp32 ``[groups, M, N]``: group g is ``x[:, b:e] @ weight[:, b:e]ᵀ`` over its columns
     ``[b, e) = [g*group_width, min((g+1)*group_width, K))`` (+0.0 where ``b >= K``), for
     contiguous 2-D bf16/fp16 CUDA tensors ``x [M, K]`` and ``weight [N, K]`` on sm_90.
 
     ``family``: ``"auto"`` (the small-M kernel up to ``SMALL_M_MAX_ROWS`` rows, the 128x256
-    tile above), ``"small_m"`` or ``"hopper"`` (tests compare them); ``config`` forces one of
-    ``k_group_tile_configs()`` on the Hopper family (every tile gives each group the same
-    bits).  The caller has checked the layout (``batchinv.reference.linear.check_k_group_args``)."""
+    tile above), ``"small_m"`` or ``"hopper"`` (tests compare them).  The caller has checked
+    the layout (``batchinv.reference.linear.check_k_group_args``)."""
     if not uses_hopper(x.device):
         raise RuntimeError("the K-group linear kernels need an sm_90 GPU and a build with 90a")
     if group_width < 64 or group_width % 64 != 0 or not 1 <= groups <= K_GROUPS:
@@ -1164,14 +1143,9 @@ def k_group_partials(
     if family == "auto":
         family = "small_m" if m <= SMALL_M_MAX_ROWS else "hopper"
     if family == "small_m":
-        if config is not None:
-            raise ValueError("config names a Hopper tile; the small-M family has one kernel")
         config, box_rows_x = K_GROUP_SMALL_M, K_GROUP_SMALL_M.TOKENS_PER_CTA
     elif family == "hopper":
-        config = K_GROUP_TILE if config is None else config
-        if config not in k_group_tile_configs():
-            raise ValueError(f"config must be one of {k_group_tile_configs()}, got {config}")
-        box_rows_x = config.block_m
+        config, box_rows_x = K_GROUP_TILE, K_GROUP_TILE.block_m
     else:
         raise ValueError(f"family must be 'auto', 'hopper' or 'small_m', got {family!r}")
     x, weight = _aligned(x), _aligned(weight)
