@@ -36,6 +36,7 @@ from _spawn import run_world  # noqa: E402
 import batchinv  # noqa: E402
 from batchinv.contract import assert_bitwise_equal  # noqa: E402
 from batchinv.distributed import (  # noqa: E402
+    backend_all_reduce,
     column_parallel_linear,
     invariant_all_reduce,
     k_range,
@@ -68,21 +69,10 @@ def _randn(*shape: int, seed: int, scale: float = 1.0) -> torch.Tensor:
     return (torch.randn(*shape, generator=generator, device="cuda") * scale).to(DTYPE)
 
 
-def _backend_all_reduce(partial: torch.Tensor) -> None:
-    """The backend's own in-place sum (NCCL's; gloo's through host memory when ranks share
-    GPUs over gloo)."""
-    if dist.get_backend() == "gloo":
-        host = partial.cpu()
-        dist.all_reduce(host)
-        partial.copy_(host)
-    else:
-        dist.all_reduce(partial)
-
-
 def _stock_row_parallel(x_shard, w_shard) -> torch.Tensor:
     """Megatron-style: bf16 ``torch.mm`` of the shard, then NCCL's own bf16 sum."""
     partial = torch.mm(x_shard, w_shard.t())
-    _backend_all_reduce(partial)
+    backend_all_reduce(partial)
     return partial
 
 

@@ -21,7 +21,7 @@ Transport is ``torch.distributed`` only (gloo on the CPU, NCCL on CUDA): ``all_g
 copies bytes, every add happens in a fixed order on every rank.
 """
 
-from .all_reduce import gather_stacked, gather_variable, invariant_all_reduce
+from .all_reduce import backend_all_reduce, gather_stacked, gather_variable, invariant_all_reduce
 from .linear import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -57,6 +57,7 @@ __all__ = [
     "ColumnParallelLinear",
     "Qwen3RankLayout",
     "RowParallelLinear",
+    "backend_all_reduce",
     "canonical_nodes",
     "column_parallel_linear",
     "column_range",

@@ -51,6 +51,18 @@ def gather_stacked(t: Tensor, group: dist.ProcessGroup | None = None) -> Tensor:
     return out.view(world, *t.shape)
 
 
+def backend_all_reduce(t: Tensor, group: dist.ProcessGroup | None = None) -> None:
+    """The backend's own in-place sum of ``t`` over the ranks (its order, its arithmetic: not
+    invariant; the stock layers' anchor).  On a gloo group a CUDA ``t`` goes through host
+    memory, as in ``gather_stacked``."""
+    if t.is_cuda and dist.get_backend(group) == "gloo":
+        host = t.cpu()
+        dist.all_reduce(host, group=group)
+        t.copy_(host)
+    else:
+        dist.all_reduce(t, group=group)
+
+
 def invariant_all_reduce(t: Tensor, group: dist.ProcessGroup | None = None) -> Tensor:
     """The sum of every rank's ``t`` (fp32, same shape on every rank), bitwise identical on
     every rank and whatever the order in which contributions arrive.
@@ -111,4 +123,10 @@ def gather_variable(
     return [list(gathered[r, : counts[r]].unbind(0)) for r in range(world)]
 
 
-__all__ = ["gather_stacked", "gather_variable", "invariant_all_reduce", "world_and_rank"]
+__all__ = [
+    "backend_all_reduce",
+    "gather_stacked",
+    "gather_variable",
+    "invariant_all_reduce",
+    "world_and_rank",
+]

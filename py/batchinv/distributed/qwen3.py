@@ -58,7 +58,7 @@ from ..reference.qwen3_chain import (
     qwen3_state_dict_shapes,
 )
 from ..reference.token_logprobs import token_logprobs_tiled
-from .all_reduce import gather_stacked
+from .all_reduce import backend_all_reduce, gather_stacked
 from .linear import k_range, row_parallel_linear
 from .lm_head import vocab_parallel_logits, vocab_parallel_token_logprobs, vocab_ranges
 
@@ -320,17 +320,6 @@ def tp_compatible_qwen3(model, *, ops: Qwen3Ops | None = None):
         return Qwen3(model.config, model.hf_state_dict(), ops=table)
 
 
-def _backend_all_reduce(t: Tensor, group) -> None:
-    """The backend's own in-place sum: NCCL's, or gloo's through host memory for a CUDA
-    tensor (ranks sharing GPUs over gloo)."""
-    if t.is_cuda and dist.get_backend(group) == "gloo":
-        host = t.cpu()
-        dist.all_reduce(host, group=group)
-        t.copy_(host)
-    else:
-        dist.all_reduce(t, group=group)
-
-
 def stock_tensor_parallel_ops(config: Qwen3ChainConfig, group=None) -> Qwen3Ops:
     """This rank's stock (Megatron-style) TP table over ``STOCK_OPS``, for the shard of
     ``shard_qwen3_state_dict``: the anchor a batchinv TP model is compared and timed against.
@@ -353,7 +342,7 @@ def stock_tensor_parallel_ops(config: Qwen3ChainConfig, group=None) -> Qwen3Ops:
     def row_parallel(x: Tensor, weight: Tensor, bias: Tensor | None, *, layer: str) -> Tensor:
         del layer  # the stock layer needs no K layout: the backend sums whatever arrives
         partial = F.linear(x, weight)
-        _backend_all_reduce(partial, group)
+        backend_all_reduce(partial, group)
         return partial if bias is None else partial + bias
 
     def logits(hidden: Tensor, lm_head_weight: Tensor) -> Tensor:
