@@ -3,7 +3,8 @@
 At 1-64 rows a kernel takes a few microseconds and an eager call's time is the host's: Python
 checks, dispatch and the launches.  Each row times ``CALLS`` back-to-back calls without a
 synchronisation; the time until the calls return, per call, is the host time launch to
-launch (the GPU never holds the host back: fewer launches than the queue holds).  The wall
+launch (the GPU never holds the host back: fewer launches than the queue holds; the
+``token_logprobs`` rows time fewer calls, ``CALLS_PER_OP``, for that reason).  The wall
 time (after the final synchronize) is printed beside it.  Goal: a batchinv call costs at most
 1.5x the host time of the torch code a user would write instead (ratio >= 1 / 1.5).
 
@@ -20,8 +21,8 @@ torch code's output: the host time of the autograd engine and the op's backward,
 launch, with the same goal.  ``embedding``'s backward sizes its segment arrays by the token
 count, so it reads nothing back (no synchronisation per call).
 
-``--profile DIR`` also writes a cProfile table per batchinv op (the functions the host time
-goes to).
+``--profile DIR`` also writes a cProfile table per batchinv op and backward (the functions
+the host time goes to).
 """
 
 from __future__ import annotations
@@ -47,6 +48,9 @@ CONTEXT = 256  # keys per sequence in the attention rows: small, so the host dom
 THETA = 1_000_000.0
 EPS = 1e-6
 CALLS, WARMUP, ROUNDS = 200, 50, 5
+# token_logprobs reads the whole lm_head per call (~0.35 ms on an H200): 200 calls would queue
+# more launches than CUDA's launch queue holds, and the host would then wait for the GPU.
+CALLS_PER_OP = {"token_logprobs": 40}
 GOAL = 1 / 1.5
 DEFERRED = "check deferred (device_checks.deferred())"
 
@@ -333,11 +337,14 @@ def _rows_for(op, case, what, ours, theirs, anchor, ran=None) -> tuple[dict, dic
     return row, summary
 
 
-def _backward_rows(device: torch.device) -> tuple[list[dict], list[dict]]:
+def _backward_rows(device: torch.device, profile: Path | None) -> tuple[list[dict], list[dict]]:
     """The backward rows and their summary rows (``main``'s columns)."""
     rows_out, summary = [], []
     for op, variant, ours, theirs, anchor in _backward_cases(BACKWARD_TOKENS, device):
         timed = [_best_host_us(fn, BACKWARD_CALLS, BACKWARD_WARMUP) for fn in (ours, theirs)]
+        if profile is not None:
+            profile.mkdir(parents=True, exist_ok=True)
+            _profile(ours, profile / f"{op}_backward.txt", BACKWARD_CALLS)
         case = f"backward, {BACKWARD_TOKENS} tokens" + (f", {variant}" if variant else "")
         row, summary_entry = _rows_for(op, case, "autograd.grad host time per call", *timed, anchor)
         rows_out.append(row)
@@ -361,15 +368,17 @@ def _best_host_us(fn, calls: int = CALLS, warmup: int = WARMUP) -> tuple[float, 
     return host * 1e6, wall * 1e6
 
 
-def _profile(fn, path: Path) -> None:
+def _profile(fn, path: Path, calls: int) -> None:
     profiler = cProfile.Profile()
     profiler.enable()
-    for _ in range(CALLS):
+    for _ in range(calls):
         fn()
     profiler.disable()
     torch.cuda.synchronize()
     text = io.StringIO()
-    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(25)
+    stats = pstats.Stats(profiler, stream=text)
+    stats.sort_stats("tottime").print_stats(25)
+    stats.sort_stats("cumulative").print_stats(40)
     path.write_text(text.getvalue())
 
 
@@ -385,9 +394,9 @@ def main() -> None:
         for op, variant, ours, theirs, anchor in _cases(rows, device):
             deferred = DEFERRED in variant
             with device_checks.deferred() if deferred else contextlib.nullcontext():
-                ours_timed = _best_host_us(ours)
+                ours_timed = _best_host_us(ours, CALLS_PER_OP.get(op, CALLS))
             device_checks.raise_device_errors()  # the deferred checks, read once (all pass)
-            theirs_timed = _best_host_us(theirs)
+            theirs_timed = _best_host_us(theirs, CALLS_PER_OP.get(op, CALLS))
             case = f"rows {rows}" + (f", {variant}" if variant else "")
             row, summary_entry = _rows_for(
                 op, case, "eager host time per call", ours_timed, theirs_timed, anchor,
@@ -399,8 +408,9 @@ def main() -> None:
                 args.profile.mkdir(parents=True, exist_ok=True)
                 name = f"{op}_{'deferred' if deferred else variant.split(' ')[0] or 'default'}"
                 with device_checks.deferred() if deferred else contextlib.nullcontext():
-                    _profile(ours, args.profile / f"{name.replace('=', '_')}.txt")
-    backward_rows, backward_summary = _backward_rows(device)
+                    path = args.profile / f"{name.replace('=', '_')}.txt"
+                    _profile(ours, path, CALLS_PER_OP.get(op, CALLS))
+    backward_rows, backward_summary = _backward_rows(device, args.profile)
     rows_out += backward_rows
     summary += backward_summary
     columns = ["op", "case", "batchinv_host_us", "torch_host_us", "ratio"]

@@ -4,8 +4,8 @@
 //
 //   hidden   [T, H]  bf16 or fp16, row-major, read through a TMA map (H % 8 == 0)
 //   weight   [V, H]  same dtype (Hugging Face lm_head layout), through a TMA map
-//   targets  [T]     int32: the target id, or -1 for an ignored token (the host maps
-//                    ignore_index and checks the range before the launch)
+//   targets  [T]     int32: the target id, or -1 for an ignored or out-of-range token
+//                    (token_logprobs_mark_targets_*, which also records the first bad one)
 //
 // Invariance contract.  The logits come from linear.cu's main loop (hopper_gemm_tiles): each
 // z[t, v] is one K reduction in a constant order, the same bits whatever M and tile shape.
@@ -296,6 +296,38 @@ extern "C" __global__ void __launch_bounds__(128)
     if (row >= rows) return;
     batchinv::token_logprobs::finalize_row(part_m, part_l, part_s, target_logit, targets, tiles, row, logprob, lse,
                                            entropy);
+}
+
+// The targets the kernels read, from the user's ids in one launch: the id, or -1 where it is
+// ignore_index or outside [0, vocab); the smallest position of an outside id that is not
+// ignore_index goes to first_bad (atomicMin; the caller presets UINT64_MAX and reads it, or
+// leaves it to a deferred check).  The host launches it only where ignore_index fits the ids'
+// dtype, so comparing after widening both to int64 is the comparison torch makes.
+namespace batchinv {
+namespace token_logprobs {
+template <typename Id>
+__device__ __forceinline__ void mark_target(const Id* ids, int64_t count, int64_t vocab, int64_t ignore_index,
+                                            int32_t* targets, unsigned long long* first_bad) {
+    const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+    if (i >= count) return;
+    const int64_t id = static_cast<int64_t>(ids[i]);
+    const bool outside = id < 0 || id >= vocab;
+    targets[i] = outside || id == ignore_index ? -1 : static_cast<int32_t>(id);
+    if (outside && id != ignore_index) atomicMin(first_bad, static_cast<unsigned long long>(i));
+}
+}  // namespace token_logprobs
+}  // namespace batchinv
+
+extern "C" __global__ void __launch_bounds__(256)
+    token_logprobs_mark_targets_i32(const int32_t* ids, int64_t count, int64_t vocab, int64_t ignore_index,
+                                    int32_t* targets, unsigned long long* first_bad) {
+    batchinv::token_logprobs::mark_target(ids, count, vocab, ignore_index, targets, first_bad);
+}
+
+extern "C" __global__ void __launch_bounds__(256)
+    token_logprobs_mark_targets_i64(const int64_t* ids, int64_t count, int64_t vocab, int64_t ignore_index,
+                                    int32_t* targets, unsigned long long* first_bad) {
+    batchinv::token_logprobs::mark_target(ids, count, vocab, ignore_index, targets, first_bad);
 }
 
 // BN is fixed at kVocabTile for the forward (the tile is part of the definition); BM is free.

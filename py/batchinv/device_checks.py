@@ -11,9 +11,9 @@ Each device holds one int64 status tensor, allocated outside any graph: a word o
 (``flag()``, -1 while that check passed).  The embedding and RoPE kernels write their
 first-bad flag with ``atomicMin`` of an unsigned position, preset to UINT64_MAX (-1): given
 the persistent flag instead of a fresh one, a failed call leaves it below UINT64_MAX and no
-later call raises it again, so the flag accumulates over calls at no launch cost.  A check no
-kernel writes (token_logprobs' targets, found by torch ops) marks its flag with two small
-launches (``record_any``); any other check ORs its bit into the word (``record``).
+later call raises it again, so the flag accumulates over calls at no launch cost
+(token_logprobs' target-marking kernel writes its flag the same way).  Any other check ORs its
+bit into the word (``record``).
 ``raise_device_errors()`` reads the whole status tensor (one sync), clears it and raises the
 first failed check's error, naming the op and the argument.  Outside capture and
 ``deferred()``, ops check at once as before.
@@ -142,12 +142,6 @@ def record(bit: int, failed: Tensor) -> None:
         raise ValueError(f"unknown device check bit {bit}")
     target = word(failed.device)
     target.bitwise_or_(failed.any().to(torch.int64) * bit)
-
-
-def record_any(bit: int, failed: Tensor) -> None:
-    """Marks check ``bit`` (one of ``FLAGGED``) failed on ``failed``'s device where the bool
-    tensor has any True: for a check no kernel writes, two small launches and no sync."""
-    flag(bit, failed.device).masked_fill_(failed.any(), 0)
 
 
 def raise_device_errors(device: torch.device | str | None = None) -> None:

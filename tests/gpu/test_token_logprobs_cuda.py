@@ -20,6 +20,7 @@ from batchinv.contract import (
     deterministic_context,
     row_invariance_sweep,
 )
+from batchinv.gpu import token_logprobs as gpu_token_logprobs
 from batchinv.reference.token_logprobs import token_logprobs_fp32
 
 pytestmark = pytest.mark.cuda
@@ -258,3 +259,39 @@ def test_bad_gpu_arguments():
         _batchinv(odd_hidden, odd_weight, targets)
     with pytest.raises(ValueError, match="contiguous"):
         _batchinv(hidden[:, :32], weight.t().contiguous().t()[:, :32], targets)
+
+
+@pytest.mark.parametrize("id_dtype", (torch.int32, torch.int64))
+@pytest.mark.parametrize("ignore_index", (IGNORE, 7, 5000, -(2**40)))
+@pytest.mark.parametrize("count", (1, 255, 257, 4099))
+def test_target_marking_kernel_matches_its_reference(id_dtype, ignore_index, count):
+    # Ids inside and outside [0, vocab), ignore_index among them; one beyond int32 is taken by
+    # the torch route (torch's comparison).  Several CTAs, so the first bad position is an
+    # atomicMin across them.
+    vocab = 5000
+    gen = torch.Generator().manual_seed(count)
+    ids = torch.randint(-3, vocab + 3, (count,), generator=gen)
+    ids[torch.rand(count, generator=gen) < 0.2] = ignore_index
+    ids = ids.to(id_dtype).to(DEVICE)
+    want, bad = gpu_token_logprobs.mark_targets_reference(ids, ignore_index, vocab)
+    flag = torch.full((1,), -1, dtype=torch.int64, device=DEVICE)
+    got = gpu_token_logprobs.mark_targets(ids, ignore_index, vocab, flag)
+    assert_bitwise_equal(got, want)
+    first = int(bad.nonzero()[0, 0]) if bad.any() else -1
+    assert flag.item() == first
+    clean = torch.where(bad, 0, ids)  # no bad id: the flag stays UINT64_MAX
+    flag.fill_(-1)
+    gpu_token_logprobs.mark_targets(clean, ignore_index, vocab, flag)
+    assert flag.item() == -1
+    if count > 1:  # a flag already below a later call's first bad position keeps its value
+        flag.fill_(0)
+        gpu_token_logprobs.mark_targets(ids, ignore_index, vocab, flag)
+        assert flag.item() == 0
+
+
+def test_target_marking_reads_strided_ids_as_the_op_does():
+    ids = torch.arange(20, device=DEVICE).reshape(4, 5)[:, ::2]  # [4, 3], strided
+    flag = torch.full((1,), -1, dtype=torch.int64, device=DEVICE)
+    got = gpu_token_logprobs.mark_targets(ids, IGNORE, 11, flag)
+    assert got.tolist() == [0, 2, 4, 5, 7, 9, 10, -1, -1, -1, -1, -1]
+    assert flag.item() == 7

@@ -127,6 +127,14 @@ def _finalize(args):
         entropy.copy_(torch.where(valid, torch.log(total) - s / total, 0.0))
 
 
+def _mark_targets(args):
+    ids, _count, vocab, ignore_index, targets32, first_bad = args
+    marked, bad = gpu_token_logprobs.mark_targets_reference(ids, ignore_index, vocab)
+    targets32.copy_(marked)
+    if bad.any() and (first_bad.item() == -1 or bad.nonzero()[0, 0] < first_bad.item()):
+        first_bad.fill_(int(bad.nonzero()[0, 0]))
+
+
 @pytest.fixture
 def emulated(rocm, monkeypatch):
     """Runs the portable host code with each launch emulated on the CPU; records the names."""
@@ -148,11 +156,13 @@ def emulated(rocm, monkeypatch):
             _grad_logits(args)
         elif kernel == "token_logprobs_finalize":
             _finalize(args)
+        elif kernel.startswith("token_logprobs_mark_targets_"):
+            _mark_targets(args)
         else:
             raise AssertionError(f"unexpected kernel {kernel}")
 
-    # The portable route's kernels launch from its module; the forward's finalize from the
-    # frame it shares with the CUDA route (gpu_token_logprobs.run_forward).
+    # The portable route's kernels launch from its module; the forward's target marking and
+    # finalize from the frame it shares with the CUDA route (gpu_token_logprobs.run_forward).
     for module in (portable, gpu_token_logprobs):
         monkeypatch.setattr(module, "kernel_for", kernel_for)
         monkeypatch.setattr(module, "launch", launch)

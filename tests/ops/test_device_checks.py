@@ -65,18 +65,6 @@ def test_flags_and_word_share_one_status_tensor_per_device():
     )
 
 
-def test_record_any_marks_the_flag_and_accumulates_over_calls():
-    cpu = torch.device("cpu")
-    bit = device_checks.TOKEN_LOGPROBS_TARGETS
-    device_checks.record_any(bit, torch.tensor([False, True, False]))
-    device_checks.record_any(bit, torch.tensor([False, False]))  # a good call after a bad one
-    device_checks.record_any(bit, torch.zeros(0, dtype=torch.bool))
-    with pytest.raises(IndexError, match="token_logprobs: target_ids"):
-        device_checks.raise_device_errors(cpu)
-    device_checks.record_any(bit, torch.tensor([False, False]))
-    device_checks.raise_device_errors(cpu)
-
-
 def test_the_first_failed_check_in_bit_order_raises_and_everything_is_cleared():
     cpu = torch.device("cpu")
     device_checks.record(device_checks.DECODE_ATTENTION_MASK, torch.tensor([True]))

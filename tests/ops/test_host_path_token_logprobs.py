@@ -23,6 +23,7 @@ from batchinv.ops import _checked
 DTYPE = torch.bfloat16
 IGNORE = -100
 FINALIZE = "token_logprobs_finalize"
+MARK = "token_logprobs_mark_targets_"
 
 
 def _address(value) -> int:
@@ -33,9 +34,25 @@ def _floats(address: int, count: int):
     return (ctypes.c_float * count).from_address(address)
 
 
+def _mark(name, args):
+    """The marking kernel on the CPU: each id or -1 into the targets, the first bad position
+    into the flag (an unsigned minimum); returns the marked targets."""
+    ids_at, count, vocab, ignore_index, targets_at, flag_at = args
+    id_type = ctypes.c_int32 if name.endswith("i32") else ctypes.c_int64
+    ids = list((id_type * count).from_address(ids_at))
+    marked = [-1 if i == ignore_index or not 0 <= i < vocab else i for i in ids]
+    (ctypes.c_int32 * count).from_address(targets_at)[:] = marked
+    flag = ctypes.c_uint64.from_address(flag_at)
+    for position, i in enumerate(ids):
+        if not 0 <= i < vocab and i != ignore_index:
+            flag.value = min(flag.value, position)
+    return marked
+
+
 class FakeKernel:
-    """Records each launch with its pointers as ints and the int32 targets it is handed; as
-    the finalize kernel, writes ``logprob[r] = target`` and ``entropy[r] = r``."""
+    """Records each launch with its pointers as ints and the int32 targets it is handed (the
+    marking kernel: the targets it writes, as ``_mark`` does); as the finalize kernel, writes
+    ``logprob[r] = target`` and ``entropy[r] = r``."""
 
     def __init__(self, name: str, launches: list):
         self.name = name
@@ -45,8 +62,11 @@ class FakeKernel:
         self, grid, block, args, shared_mem=0, stream=None, device=None, programmatic=False
     ):
         args = tuple(_address(a) for a in args)
-        targets_at, rows = (args[4], args[6]) if self.name == FINALIZE else (args[2], args[7])
-        targets = list((ctypes.c_int32 * rows).from_address(targets_at))
+        if self.name.startswith(MARK):
+            targets = _mark(self.name, args)
+        else:
+            at, rows = (args[4], args[6]) if self.name == FINALIZE else (args[2], args[7])
+            targets = list((ctypes.c_int32 * rows).from_address(at))
         if self.name == FINALIZE:
             logprob, entropy = _floats(args[7], rows), args[9] and _floats(args[9], rows)
             for row, target in enumerate(targets):
@@ -101,14 +121,18 @@ def _general(hidden, weight, targets, entropy=False):
     return (logprob.view(shape), ent.view(shape)) if entropy else logprob.view(shape)
 
 
-# Pointer arguments (fresh buffers, so different addresses on each path): the partials
-# kernel's 2..6, the finalize kernel's 0..4 and 7..9.
-_POINTERS = {"partials": range(2, 7), FINALIZE: (*range(5), 7, 8, 9)}
+# Pointer arguments (fresh buffers, so different addresses on each path): the marking
+# kernel's 0, 4 and 5, the partials kernel's 2..6, the finalize kernel's 0..4 and 7..9.
+_POINTERS = {MARK: (0, 4, 5), "partials": range(2, 7), FINALIZE: (*range(5), 7, 8, 9)}
+
+
+def _kind(name):
+    return MARK if name.startswith(MARK) else FINALIZE if name == FINALIZE else "partials"
 
 
 def _without_pointers(entry):
     (name, grid, block, args, shared, stream, programmatic), targets = entry
-    pointers = _POINTERS[FINALIZE if name == FINALIZE else "partials"]
+    pointers = _POINTERS[_kind(name)]
     kept = tuple(0 if (i in pointers and a != 0) else a for i, a in enumerate(args))
     return name, grid, block, kept, shared, stream, programmatic, targets
 
@@ -131,9 +155,12 @@ def test_lean_call_launches_what_the_general_path_launches(launches, rows, vocab
     for got in (first, again):
         assert_bitwise_equal(got, want, name="outputs where the general path puts them")
     marked = [t if t != IGNORE else -1 for t in targets.view(-1).tolist()]
-    assert general[0][-1] == marked  # what the kernels were handed
-    # The partials kernel and the finalize kernel share the targets, target logits and states.
-    (_, partials), (_, finalize) = (entry[0][2:4] for entry in launches[:2])
+    assert general[0][0] == MARK + ("i32" if ids == torch.int32 else "i64")
+    assert general[0][-1] == general[1][-1] == marked  # what the kernels were handed
+    # The marking kernel writes the targets the partials and finalize kernels read; those two
+    # share the target logits and states.
+    (_, mark), (_, partials), (_, finalize) = (entry[0][2:4] for entry in launches[:3])
+    assert mark[4] == partials[2] == finalize[4]
     assert partials[2:6] == (finalize[4], finalize[3], finalize[0], finalize[1])
     assert (partials[6] == 0) == (finalize[2] == 0) == (not entropy)
 
@@ -143,11 +170,11 @@ def test_lean_workspace_segments_do_not_overlap(launches):
     hidden, weight, targets = _case(rows, vocab)
     with torch.no_grad():
         batchinv.token_logprobs(hidden, weight, targets, return_entropy=True)
-    (_, _, _, finalize, *_), _ = launches[1]
+    (_, _, _, finalize, *_), _ = launches[2]
     tiles = -(-vocab // 256)
-    m, l, s, logit, _, _, _, logprob, lse, entropy = finalize
+    m, l, s, logit, targets32, _, _, logprob, lse, entropy = finalize
     extents = sorted([(m, 4 * rows * tiles), (l, 4 * rows * tiles), (s, 4 * rows * tiles)])
-    extents += sorted([(logit, 4 * rows), (lse, 4 * rows)])
+    extents += sorted([(logit, 4 * rows), (lse, 4 * rows), (targets32, 4 * rows)])
     spans = sorted((start, start + size) for start, size in extents)
     assert all(end <= start for (_, end), (start, _) in zip(spans, spans[1:], strict=False))
     assert entropy == logprob + 4 * rows  # one output allocation: logprobs, then entropy
@@ -160,14 +187,14 @@ def test_tma_maps_follow_the_operands_address(launches):
     with torch.no_grad():
         for h, w in ((hidden, weight), (other, weight), (hidden, weight), (hidden, other_weight)):
             batchinv.token_logprobs(h, w, targets)
-    maps = [entry[0][3][:2] for entry in launches if entry[0][0] != FINALIZE]
+    maps = [entry[0][3][:2] for entry in launches if _kind(entry[0][0]) == "partials"]
     assert maps[0] == maps[2] and maps[0][0] != maps[1][0] and maps[0][1] == maps[1][1]
     assert maps[3][0] == maps[0][0] and maps[3][1] != maps[0][1]
     assert str(other.data_ptr()).encode() in maps[1][0]
     general = []
     launches.clear()
     _general(other, other_weight, targets)
-    general = [entry[0][3][:2] for entry in launches if entry[0][0] != FINALIZE]
+    general = [entry[0][3][:2] for entry in launches if _kind(entry[0][0]) == "partials"]
     assert general == [(maps[1][0], maps[3][1])]  # the general path's maps, byte for byte
 
 
@@ -189,7 +216,7 @@ def test_a_plan_made_during_a_graph_capture_is_not_kept(launches, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     with torch.no_grad():
         batchinv.token_logprobs(hidden, weight, targets)
-    assert len(gpu_token_logprobs._LEAN) == 0 and len(launches) == 2
+    assert len(gpu_token_logprobs._LEAN) == 0 and len(launches) == 3
 
 
 def test_misaligned_or_strided_operands_take_the_general_path(launches):

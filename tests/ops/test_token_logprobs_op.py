@@ -88,15 +88,16 @@ def test_inputs_are_not_mutated():
     assert_bitwise_equal((hidden, weight, targets), before)
 
 
-def test_gpu_target_preparation_marks_ignored_and_bad_ids():
-    # Runs on CPU tensors: the preparation is plain torch, the kernels never see a bad id.
-    targets = torch.tensor([[3, IGNORE, 9], [10, -1, 2**40]])
-    targets32, first_bad = gpu_token_logprobs.prepare_targets(targets, IGNORE, vocab=10)
+def test_target_marking_reference_marks_ignored_and_bad_ids():
+    # The semantics the marking kernel is tested against on the GPU; the kernels never see a
+    # bad id.
+    mark = gpu_token_logprobs.mark_targets_reference
+    targets32, bad = mark(torch.tensor([[3, IGNORE, 9], [10, -1, 2**40]]), IGNORE, vocab=10)
     assert targets32.dtype == torch.int32
     assert targets32.tolist() == [3, -1, 9, -1, -1, -1]
-    assert int(first_bad) == 3
-    clean, none_bad = gpu_token_logprobs.prepare_targets(torch.tensor([0, 5]), 5, vocab=6)
-    assert clean.tolist() == [0, -1] and int(none_bad) == 2
+    assert bad.tolist() == [False, False, False, True, True, True]
+    clean, none_bad = mark(torch.tensor([0, 5]), 5, vocab=6)  # an ignored id inside the vocab
+    assert clean.tolist() == [0, -1] and not none_bad.any()
 
 
 def test_gpu_arguments_are_checked_before_any_launch():

@@ -120,8 +120,7 @@ def vocab_parallel_token_logprobs(
         targets = target_ids.reshape(-1).long()
         targets = torch.where(targets == ignore_index, -1, targets)
     else:
-        targets32, bad = gpu.mark_targets(target_ids, ignore_index, vocab)
-        gpu.raise_bad_targets(bad, target_ids, vocab)  # one read back, like the op's
+        targets32 = gpu.checked_targets(target_ids, ignore_index, vocab)  # as the op checks
         targets = targets32.long()
     tokens = targets.numel()
     if tokens == 0:

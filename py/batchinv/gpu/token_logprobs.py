@@ -9,11 +9,11 @@ compute ``d_W_chunk = d_zᵀ @ hidden`` (tokens reduced in order) straight into 
 last two GEMMs read ``W_chunk``, ``d_z`` and ``hidden`` through wgmma's transpose flags, so no
 transposed copy is made.
 
-Target ids are checked on the device (``mark_targets``): a bad id is replaced by "ignored"
-for the kernels and its first position is read back once, after the forward's launches, to
-raise ``IndexError`` (one synchronisation per forward call).  Under CUDA-graph capture or
-``device_checks.deferred()`` a bad id marks the device's persistent flag instead (two small
-launches, no sync), read by ``device_checks.raise_device_errors()``.
+Target ids are checked on the device (``mark_targets``, one launch): a bad id is replaced by
+"ignored" for the kernels and its first position is read back once, after the forward's
+launches, to raise ``IndexError`` (one synchronisation per forward call).  Under CUDA-graph
+capture or ``device_checks.deferred()`` the same launch marks the device's persistent flag
+instead (no sync), read by ``device_checks.raise_device_errors()``.
 """
 
 from __future__ import annotations
@@ -44,6 +44,11 @@ _STAGES = 4
 _MAX_DIM = 2**31 - 1
 _DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "f16"}
 _ID_RANGE = {torch.int32: (-(2**31), 2**31 - 1), torch.int64: (-(2**63), 2**63 - 1)}
+_MARK_KERNELS = {
+    torch.int32: "token_logprobs_mark_targets_i32",
+    torch.int64: "token_logprobs_mark_targets_i64",
+}
+_MARK_THREADS = 256
 
 
 def _block_m(tokens: int) -> int:
@@ -111,11 +116,12 @@ def check_gpu_inputs(hidden: Tensor, weight: Tensor) -> None:
             raise ValueError(f"{name} = {value} exceeds {_MAX_DIM}")
 
 
-def mark_targets(target_ids: Tensor, ignore_index: int, vocab: int) -> tuple[Tensor, Tensor]:
-    """``(targets [T] int32 with -1 for ignored or bad ids, bad [T] bool)``; no
-    synchronisation.  Six elementwise launches (five for int32 ids; more only for an
-    ignore_index outside the ids' dtype): the range test is one clamp and one compare, and
-    whether the ignored id lies in range is known on the host."""
+def mark_targets_reference(
+    target_ids: Tensor, ignore_index: int, vocab: int
+) -> tuple[Tensor, Tensor]:
+    """``(targets [T] int32 with -1 for ignored or bad ids, bad [T] bool)`` in torch ops: what
+    ``token_logprobs_mark_targets_*`` computes, and the route for an ``ignore_index`` the ids'
+    dtype cannot hold (torch's comparison then is not the kernel's)."""
     targets = target_ids.reshape(-1)
     clamped = targets.clamp(0, vocab - 1)
     outside = clamped != targets  # outside [0, vocab)
@@ -134,11 +140,61 @@ def mark_targets(target_ids: Tensor, ignore_index: int, vocab: int) -> tuple[Ten
     return clamped.masked_fill_(dropped, -1).to(torch.int32), bad
 
 
-def prepare_targets(target_ids: Tensor, ignore_index: int, vocab: int) -> tuple[Tensor, Tensor]:
-    """``(targets [T] int32 with -1 for ignored or bad ids, first bad position [] or T)``;
-    no synchronisation."""
-    targets32, bad = mark_targets(target_ids, ignore_index, vocab)
-    return targets32, _first_position(bad)
+def mark_targets(
+    target_ids: Tensor,
+    ignore_index: int,
+    vocab: int,
+    first_bad: Tensor,
+    targets32: Tensor | None = None,
+) -> Tensor:
+    """``targets [T]`` int32 (``targets32`` if given), -1 for ignored or bad ids, in one launch
+    of ``token_logprobs_mark_targets_*``; the first bad position goes into ``first_bad``
+    (int64 ``[1]``, ``atomicMin`` of an unsigned position: -1 stays where no id is bad).
+    No synchronisation."""
+    flat = target_ids.reshape(-1).contiguous()  # a copy only if the ids are strided
+    count, device = flat.numel(), flat.device
+    if targets32 is None:
+        targets32 = torch.empty(count, dtype=torch.int32, device=device)
+    low, high = _ID_RANGE[flat.dtype]
+    if not low <= ignore_index <= high:  # rare: torch ops, with torch's comparison
+        marked, bad = mark_targets_reference(flat, ignore_index, vocab)
+        targets32.copy_(marked)
+        found = torch.where(bad.any(), _first_position(bad), -1)
+        # -1 is UINT64_MAX to the kernels: the unsigned minimum of the flag and the position.
+        first_bad.copy_(
+            torch.where((first_bad < 0) | ((found >= 0) & (found < first_bad)), found, first_bad)
+        )
+        return targets32
+    if count:
+        launch(
+            kernel_for("token_logprobs", _MARK_KERNELS[flat.dtype], device),
+            device,
+            grid=(-(-count // _MARK_THREADS),),
+            block=(_MARK_THREADS,),
+            args=(flat, count, vocab, ignore_index, targets32, first_bad),
+        )
+    return targets32
+
+
+def targets_flag(device: torch.device, check: bool, deferred: bool) -> Tensor:
+    """The flag ``mark_targets`` writes: the device's persistent one for a deferred check, a
+    fresh one for a check read at once, the unread scratch flag for no check."""
+    if deferred:
+        return device_checks.flag(device_checks.TOKEN_LOGPROBS_TARGETS, device)
+    if check:
+        return torch.full((1,), -1, dtype=torch.int64, device=device)  # UINT64_MAX
+    return device_checks.unread_flag(device)
+
+
+def checked_targets(target_ids: Tensor, ignore_index: int, vocab: int) -> Tensor:
+    """``mark_targets`` with the op's target check: ``IndexError`` for the first bad id after
+    one read back, or the device's flag marked where the check is deferred."""
+    deferred = device_checks.deferring(target_ids.device)
+    first_bad = targets_flag(target_ids.device, True, deferred)
+    targets32 = mark_targets(target_ids, ignore_index, vocab, first_bad)
+    if not deferred:
+        raise_bad_targets(first_bad, target_ids, vocab)
+    return targets32
 
 
 def _first_position(bad: Tensor) -> Tensor:
@@ -188,7 +244,9 @@ def run_forward(
     targets32 = torch.empty(0, dtype=torch.int32, device=device)
     if tokens == 0:
         return logprob, lse, entropy, targets32
-    targets32, bad = mark_targets(target_ids, ignore_index, vocab)
+    deferred = check_targets and device_checks.deferring(device)
+    first_bad = targets_flag(device, check_targets, deferred)
+    targets32 = mark_targets(target_ids, ignore_index, vocab, first_bad)
     tiles = -(-vocab // VOCAB_TILE)
     part_m = torch.empty(tokens, tiles, dtype=torch.float32, device=device)
     part_l = torch.empty_like(part_m)
@@ -213,8 +271,8 @@ def run_forward(
             0 if entropy is None else entropy,
         ),
     )
-    if check_targets:
-        raise_bad_targets(bad, target_ids, vocab)
+    if check_targets and not deferred:
+        raise_bad_targets(first_bad, target_ids, vocab)
     return logprob, lse, entropy, targets32
 
 
@@ -318,10 +376,10 @@ def finalize_tile_states(
 # launches per key (shapes, dtypes, device, the entropy flag): the kernels, grids, shared
 # memory and integer arguments ``run_forward`` and ``_launch_partials`` choose for it, and the
 # TMA maps of hidden and the weight per address (a decode loop's activations cycle through a
-# few).  A call allocates its outputs once in their final shape and one fp32
-# workspace for the log-sum-exp, the target logits and the tile states, marks the targets
-# (``mark_targets``), launches the two kernels with pointers as ints and checks the targets as
-# ``forward`` does: the general path's kernels and arguments, hence its bits.
+# few).  A call allocates its outputs once in their final shape and one workspace for the
+# marked targets, the log-sum-exp, the target logits and the tile states, launches the three
+# kernels (``mark_targets``' one, the partials, the merge) with pointers as ints and checks the
+# targets as ``forward`` does: the general path's kernels and arguments, hence its bits.
 
 _MAX_MAPS = 64  # per plan and operand: the addresses a decode loop's activations cycle through
 _SEGMENT = 64  # fp32 elements: workspace segments start on 256-byte boundaries
@@ -329,6 +387,8 @@ _SEGMENT = 64  # fp32 elements: workspace segments start on 256-byte boundaries
 
 @dataclasses.dataclass(frozen=True)
 class _Lean:
+    marks: dict  # ids dtype -> token_logprobs_mark_targets_* kernel
+    mark_grid: tuple[int]
     partials: object
     finalize: object
     grid: tuple[int]
@@ -337,7 +397,7 @@ class _Lean:
     finalize_grid: tuple[int]
     sizes: tuple[int, int, int, int]  # tokens, vocab, hidden size, tiles
     boxes: tuple[str, int]  # TMA maps: dtype name, box rows of hidden
-    workspace: tuple[int, int, int, int, int, int]  # fp32 offsets: lse, logit, m, l, s; size
+    workspace: tuple[int, ...]  # 4-byte offsets: targets, lse, logit, m, l, s; size
     maps: tuple[dict, dict]  # address -> encoded TMA map, of hidden and of the weight
 
 
@@ -366,12 +426,17 @@ def _lean_plan(hidden: Tensor, weight: Tensor, with_entropy: bool) -> _Lean | No
     partials = _kernel(f"token_logprobs_partials_{dtype_name}_bm{block_m}", device, shared)
     finalize = kernel_for("token_logprobs", "token_logprobs_finalize", device)
     states = _segment(tokens * tiles)
-    lse_at, logit_at = 0, _segment(tokens)
-    m_at = 2 * logit_at
+    rows = _segment(tokens)  # targets (int32), lse, target logits: a row's 4 bytes each
+    targets_at, lse_at, logit_at, m_at = 0, rows, 2 * rows, 3 * rows
     l_at = m_at + states
     s_at = l_at + states
     size = s_at + (states if with_entropy else 0)
+    marks = {
+        dtype: kernel_for("token_logprobs", name, device) for dtype, name in _MARK_KERNELS.items()
+    }
     return _Lean(
+        marks,
+        (-(-tokens // _MARK_THREADS),),
         partials,
         finalize,
         (-(-tokens // block_m) * tiles,),
@@ -380,7 +445,7 @@ def _lean_plan(hidden: Tensor, weight: Tensor, with_entropy: bool) -> _Lean | No
         (-(-tokens // 4),),
         (tokens, vocab, hidden_size, tiles),
         (dtype_name, block_m),
-        (lse_at, logit_at, m_at, l_at, s_at, size),
+        (targets_at, lse_at, logit_at, m_at, l_at, s_at, size),
         ({}, {}),
     )
 
@@ -438,23 +503,34 @@ def _run_lean(
     with_entropy: bool,
     index: int,
 ) -> Tensor | tuple[Tensor, Tensor]:
-    """One call on a kept plan: two allocations, the targets marked, two launches."""
+    """One call on a kept plan: two allocations, three launches (targets, partials, merge)."""
     tokens, vocab, hidden_size, tiles = lean.sizes
     device = target_ids.device
     shape = target_ids.shape
     # Every output element is written by the finalize kernel: no fill.
     out = torch.empty((2, *shape) if with_entropy else shape, dtype=torch.float32, device=device)
-    lse_at, logit_at, m_at, l_at, s_at, size = lean.workspace
+    targets_at, lse_at, logit_at, m_at, l_at, s_at, size = lean.workspace
     work = torch.empty(size, dtype=torch.float32, device=device)
-    targets32, bad = mark_targets(target_ids, ignore_index, vocab)
-    base, targets_ptr, out_ptr = work.data_ptr(), targets32.data_ptr(), out.data_ptr()
+    deferred = device_checks.deferring(device)
+    first_bad = targets_flag(device, True, deferred)
+    base, out_ptr = work.data_ptr(), out.data_ptr()
+    targets_ptr = base + 4 * targets_at
+    stream = current_raw_stream(index)
+    ids = target_ids if target_ids.is_contiguous() else target_ids.contiguous()
+    mark = lean.marks.get(ids.dtype)
+    low, high = _ID_RANGE[ids.dtype]
+    if low <= ignore_index <= high:  # mark_targets' launch, pointers as ints
+        args = (ids.data_ptr(), tokens, vocab, ignore_index, targets_ptr, first_bad.data_ptr())
+        mark(lean.mark_grid, (_MARK_THREADS,), args, 0, stream, index, False)
+    else:
+        targets32 = work[targets_at : targets_at + tokens].view(torch.int32)
+        mark_targets(target_ids, ignore_index, vocab, first_bad, targets32)
     lse_ptr, logit_ptr = base + 4 * lse_at, base + 4 * logit_at
     m_ptr, l_ptr = base + 4 * m_at, base + 4 * l_at
     s_ptr = base + 4 * s_at if with_entropy else 0
     entropy_ptr = out_ptr + 4 * tokens if with_entropy else 0
     map_hidden = _lean_map(lean, 0, h_ptr, index)
     map_weight = _lean_map(lean, 1, w_ptr, index)
-    stream = current_raw_stream(index)
     lean.partials(
         lean.grid,
         lean.block,
@@ -474,19 +550,16 @@ def _run_lean(
         index,
         False,
     )
-    raise_bad_targets(bad, target_ids, vocab)
+    if not deferred:
+        raise_bad_targets(first_bad, target_ids, vocab)
     return (out[0], out[1]) if with_entropy else out
 
 
-def raise_bad_targets(bad: Tensor, target_ids: Tensor, vocab: int) -> None:
-    """``IndexError`` for the first bad target (``bad``: ``mark_targets``' mask), after one
-    read back; under CUDA-graph capture or ``device_checks.deferred()`` the device's flag is
-    marked for the next ``raise_device_errors()`` instead (no sync)."""
-    if device_checks.deferring(bad.device):
-        device_checks.record_any(device_checks.TOKEN_LOGPROBS_TARGETS, bad)
-        return
-    position = int(_first_position(bad).item())  # the one synchronisation: bad ids raise here
-    if position != target_ids.numel():
+def raise_bad_targets(first_bad: Tensor, target_ids: Tensor, vocab: int) -> None:
+    """``IndexError`` for the first bad target (``first_bad``: the flag ``mark_targets``
+    wrote), after one read back: for a check not deferred."""
+    position = int(first_bad.item())  # the one synchronisation: bad ids raise here
+    if position != -1:
         report_bad_index("target_ids", target_ids, position, vocab)
 
 
@@ -715,7 +788,10 @@ def registry_entries(route: ModuleType) -> tuple[Callable, Callable, Callable]:
         """The registry's ``token_logprobs.saved_backward``: ``(d_hidden, d_weight)`` from
         ``saving_forward``'s outputs (None where ``needs`` is False; ``grad_entropy`` and
         ``entropy`` None when the entropy was not requested); the eager backward's bits."""
-        targets32, _ = mark_targets(target_ids, ignore_index, lm_head_weight.shape[0])
+        device = target_ids.device  # the forward checked the targets
+        targets32 = mark_targets(
+            target_ids, ignore_index, lm_head_weight.shape[0], device_checks.unread_flag(device)
+        )
         return route.backward(
             grad_logprob,
             grad_entropy,
