@@ -226,6 +226,48 @@ def test_linear_replays_in_a_cuda_graph(rows):
     assert_bitwise_equal(captured, gpu_linear.forward(x, w), name="replay")
 
 
+def _general_backward(monkeypatch, *args):
+    with monkeypatch.context() as patch:
+        patch.setattr(gpu_linear, "_lean_backward", lambda *a: None)
+        return gpu_linear.backward(*args)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", (64, 1024, 1000))
+@pytest.mark.parametrize(("n", "k"), LINEAR_SHAPES)
+def test_linear_backward_gives_the_general_path_bits(rows, n, k, dtype, monkeypatch):
+    x = _randn(rows, k, dtype=dtype, seed=rows).requires_grad_(True)
+    w = (_randn(n, k, dtype=dtype, seed=n) / 64).requires_grad_(True)
+    grad = _randn(rows, n, dtype=dtype, seed=k)
+    gpu_linear._LEAN_BACKWARD.clear()  # below: only this test's plans
+    for needs in ((True, True, False), (True, False, False), (False, True, False)):
+        want = _general_backward(monkeypatch, grad, x.detach(), w.detach(), None, needs)
+        for call in ("first", "kept"):
+            got = gpu_linear.backward(grad, x.detach(), w.detach(), None, needs)
+            assert_bitwise_equal(
+                [g for g in got if g is not None], [g for g in want if g is not None], name=call
+            )
+    out = batchinv.linear(x, w)  # through autograd: the kept launches
+    got = torch.autograd.grad(out, (x, w), grad)
+    want = _general_backward(monkeypatch, grad, x.detach(), w.detach(), None, (True, True, False))
+    assert_bitwise_equal(list(got), list(want[:2]), name="autograd")
+    assert None not in gpu_linear._LEAN_BACKWARD.values()
+
+
+def test_linear_backward_replays_in_a_cuda_graph(monkeypatch):
+    x = _randn(256, 4096, dtype=torch.bfloat16, seed=1)
+    w = _randn(4096, 4096, dtype=torch.bfloat16, seed=2) / 64
+    grad = _randn(256, 4096, dtype=torch.bfloat16, seed=3)
+    needs = (True, True, False)
+    gpu_linear.backward(grad, x, w, None, needs)  # the plan, made outside the capture
+    graph, captured = capture_graph(lambda: gpu_linear.backward(grad, x, w, None, needs)[:2])
+    _new_values(grad)
+    graph.replay()
+    torch.cuda.synchronize()
+    want = _general_backward(monkeypatch, grad, x, w, None, needs)
+    assert_bitwise_equal(list(captured), list(want[:2]), name="replay")
+
+
 # ----------------------------------------------------------------------------- log_softmax
 
 

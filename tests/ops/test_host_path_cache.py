@@ -325,6 +325,7 @@ def linear_launches(monkeypatch):
     launches = []
     monkeypatch.setattr(registry, "backend_of", lambda device: "cuda")
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     monkeypatch.setattr(gpu_linear, "current_raw_stream", lambda index: 7)
     monkeypatch.setattr(gpu_linear, "uses_hopper", lambda device: True)
     monkeypatch.setattr(gpu_linear, "multiprocessors", lambda index: 132)
@@ -343,6 +344,7 @@ def linear_launches(monkeypatch):
 
 def _clear_linear_caches():
     gpu_linear._LEAN.clear()
+    gpu_linear._LEAN_BACKWARD.clear()
     for cached in (gpu_linear._auto_choice, gpu_linear._gemm_kernel, gpu_linear._tensor_map):
         cached.cache_clear()
 
@@ -410,6 +412,63 @@ def test_linear_tma_maps_follow_the_operands_address(linear_launches):
     assert maps[0] == maps[2] != maps[1]
     assert str(x.data_ptr()).encode() in maps[0] and str(other.data_ptr()).encode() in maps[1]
     assert len({record[3][1] for record in linear_launches}) == 1  # the weight's map, kept
+
+
+def _without_output(record):
+    name, grid, block, args, shared, stream, programmatic = record
+    return name, grid, block, (*args[:2], 0, *args[3:]), shared, stream, programmatic
+
+
+# (rows, out, in): small batches, and one whose products take 128-row tiles.
+BACKWARD_SHAPES = [(1, 256, 512), (8, 256, 512), (64, 256, 512), (1024, 256, 512)]
+BACKWARD_SHAPES += [(2048, 2048, 2048)]
+
+
+@pytest.mark.parametrize(("rows", "n", "k"), BACKWARD_SHAPES)
+@pytest.mark.parametrize("needs", [(True, True), (True, False), (False, True)])
+@pytest.mark.parametrize("path", ["auto", "own"])
+def test_lean_linear_backward_launches_what_the_general_path_launches(
+    linear_launches, monkeypatch, rows, n, k, needs, path
+):
+    # The maps without their device index (a CPU tensor has none; the lean path asks for it).
+    monkeypatch.setattr(gpu_linear, "tensor_map_2d", lambda *args: repr(args[:-1]).encode())
+    x, w, _ = _linear_case(rows, n, k)
+    grad = torch.randn(rows, n).to(DTYPE)
+    batchinv.set_linear_path(path)
+    try:
+        got = [gpu_linear.backward(grad, x, w, None, (*needs, False)) for _ in range(2)]
+        lean = list(linear_launches)
+        linear_launches.clear()
+        monkeypatch.setattr(gpu_linear, "_lean_backward", lambda *args: None)
+        want = gpu_linear.backward(grad, x, w, None, (*needs, False))
+    finally:
+        batchinv.set_linear_path(None)
+    general = list(linear_launches)
+    # Small batches take the copies route for grad_x: no plan where grad_x is needed there
+    # (the general path's padded copies get new addresses per call: compared without maps).
+    planned = not (needs[0] and gpu_linear.takes_small_m(rows, k))
+    if rows == 2048:  # 128-row tiles: grad_x's map boxes then differ from the weight gradient's
+        names = {r[0] for r in general}
+        assert any("_tb_" in name and "bm128" in name for name in names) == needs[0]
+    assert (None not in gpu_linear._LEAN_BACKWARD.values()) == planned
+    strip = _without_output if planned else (lambda r: _without_pointers(r, 3))
+    assert [strip(r) for r in lean] == [strip(r) for r in general + general]
+    for result in got:
+        for ours, theirs in zip(result, want, strict=True):
+            assert (ours is None) == (theirs is None)
+            if ours is not None:
+                assert ours.shape == theirs.shape and ours.dtype == theirs.dtype
+    assert _holds_no_tensor(gpu_linear._LEAN_BACKWARD)
+
+
+def test_lean_linear_backward_leaves_a_bias_gradient_to_the_general_path(linear_launches):
+    x, w, b = _linear_case(64, bias=True)
+    grad = torch.randn(64, 256).to(DTYPE)
+    grad_x, grad_w, grad_b = gpu_linear.backward(grad, x, w, b.dtype, (True, True, True))
+    assert grad_b is not None and grad_b.shape == (256,)
+    assert len(gpu_linear._LEAN_BACKWARD) == 0
+    gpu_linear.backward(grad, x, w, b.dtype, (True, True, False))  # no bias gradient asked
+    assert list(gpu_linear._LEAN_BACKWARD.values()) != [None]
 
 
 # ----------------------------------------------------------------------------- bad after good

@@ -942,6 +942,10 @@ def backward(
     """
     if transposed_copies or not uses_hopper(weight.device):
         return _backward(grad_out, x, weight, bias_dtype, needs_input_grad, matmul_rows, matmul_nt)
+    if grad_out.is_contiguous() and x.is_contiguous() and weight.is_contiguous():
+        done = _lean_backward(grad_out, x, weight, bias_dtype, needs_input_grad)
+        if done is not None:
+            return done
     n, k = weight.shape
     grad_rows = grad_out.reshape(-1, n).to(x.dtype).contiguous()
     grad_x = grad_weight = grad_bias = None
@@ -963,6 +967,150 @@ def backward(
     if bias_dtype is not None and needs_input_grad[2]:
         grad_bias = _bias_gradient(grad_rows).reshape(n).to(bias_dtype)
     return grad_x, grad_weight, grad_bias
+
+
+# ----------------------------------------------------------------------------- lean backward
+# A backward whose grad_x (if needed) takes the in-place route and whose weight gradient reads
+# its operands in place, on contiguous 16-byte aligned operands with the output's dtype and no
+# bias gradient to compute, keeps its launches per ``_backward_key``: ``matmul_nn``'s and
+# ``matmul_tn``'s configurations, kernels, grids and sizes, and their TMA maps per operand
+# address, as ``backward`` chooses them (the switch of the pinned path is in the key).  A call
+# allocates the gradients and launches with the maps it finds: the general path's kernels and
+# arguments, hence its bits.
+
+
+@dataclasses.dataclass(frozen=True)
+class _BackwardLaunch:
+    kernel: object
+    grid: tuple[int]
+    block: tuple[int]
+    shared: int
+    sizes: tuple[int, int, int]  # the product's m, n, k (matmul_nn's / matmul_tn's names)
+    boxes: tuple[tuple[int, int, int], tuple[int, int, int]]  # per operand: rows, cols, box rows
+    maps: tuple[dict, dict]  # address -> encoded TMA map, of operand a and of operand b
+
+
+@dataclasses.dataclass(frozen=True)
+class _LeanBackward:
+    dtype_name: str
+    grad_x: _BackwardLaunch | None  # matmul_nn(grad_rows, weight)
+    grad_weight: _BackwardLaunch | None  # matmul_tn(grad_rows, x_rows)
+
+
+_LEAN_BACKWARD: dict[tuple, _LeanBackward | None] = {}
+
+
+def _backward_launch(
+    layout: str, m: int, n: int, k: int, a_rows_cols: tuple[int, int], a_box: int,
+    b_rows_cols: tuple[int, int], dtype: torch.dtype, device: torch.device,
+) -> _BackwardLaunch:  # fmt: skip
+    """What ``matmul_nn`` (``"tb"``) or ``matmul_tn`` (``"tab"``) launches for an ``[m, n]``
+    result reduced over ``k``; operand maps of ``rows x cols`` with the given box rows."""
+    config = choose_transposed_config(layout, m, n, multiprocessors(device.index))
+    tile = config.tile
+    kernel = _gemm_kernel(config, dtype, device)
+    allow_dynamic_shared(kernel, tile.shared_bytes, device.index)
+    box_a = config.block_m if layout == "tb" else a_box
+    return _BackwardLaunch(
+        kernel,
+        (-(-m // tile.block_m) * -(-n // tile.block_n),),
+        (tile.threads,),
+        tile.shared_bytes,
+        (m, n, k),
+        ((*a_rows_cols, box_a), (*b_rows_cols, 64)),
+        ({}, {}),
+    )
+
+
+def _lean_backward_plan(
+    grad_rows: Tensor, x_rows: Tensor, weight: Tensor, needs: tuple[bool, bool]
+) -> _LeanBackward | None:
+    """The launches ``backward`` makes, or None where it takes another route for grad_x
+    (copies, cuBLASLt) or copies for the weight gradient."""
+    (m, n), k = grad_rows.shape, weight.shape[1]
+    if m == 0 or n == 0 or k == 0:
+        return None
+    readable = tma_readable(grad_rows) and tma_readable(x_rows) and tma_readable(weight)
+    if not readable or (needs[0] and grad_x_route(grad_rows, weight)[0] != "in place"):
+        return None
+    dtype, device = grad_rows.dtype, grad_rows.device
+    grad_x = grad_weight = None
+    if needs[0]:  # matmul_nn(grad_rows, weight): [m, k] reduced over n
+        _check_transposed_operands(grad_rows, weight, n, n)
+        grad_x = _backward_launch("tb", m, k, n, (m, n), 0, (n, k), dtype, device)
+    if needs[1]:  # matmul_tn(grad_rows, x_rows): [n, k] reduced over the m tokens
+        _check_transposed_operands(grad_rows, x_rows, m, m)
+        grad_weight = _backward_launch("tab", n, k, m, (m, n), 64, (m, k), dtype, device)
+    return _LeanBackward(_DTYPE_NAMES[dtype], grad_x, grad_weight)
+
+
+def _backward_map(
+    launch_plan: _BackwardLaunch, operand: int, address: int, index: int, dtype_name: str
+) -> bytes:
+    """The TMA map of operand 0 (a) or 1 (b) at ``address``, kept per address."""
+    maps = launch_plan.maps[operand]
+    encoded = maps.get(address)
+    if encoded is None:
+        rows, cols, box_rows = launch_plan.boxes[operand]
+        encoded = _tensor_map(address, dtype_name, rows, cols, box_rows, cols, index)
+        if len(maps) >= _MAX_MAPS:
+            maps.clear()
+        maps[address] = encoded
+    return encoded
+
+
+def _run_backward_launch(
+    launch_plan: _BackwardLaunch, a_ptr: int, b_ptr: int, out: Tensor, index: int, name: str
+) -> None:
+    map_a = _backward_map(launch_plan, 0, a_ptr, index, name)
+    map_b = _backward_map(launch_plan, 1, b_ptr, index, name)
+    m, n, k = launch_plan.sizes
+    stream = current_raw_stream(index)
+    args = (map_a, map_b, out.data_ptr(), 0, m, n, k)
+    launch_plan.kernel(
+        launch_plan.grid, launch_plan.block, args, launch_plan.shared, stream, index, False
+    )
+
+
+def _lean_backward(
+    grad_out: Tensor,
+    x: Tensor,
+    weight: Tensor,
+    bias_dtype: torch.dtype | None,
+    needs_input_grad: tuple[bool, bool, bool],
+) -> tuple[Tensor | None, Tensor | None, None] | None:
+    """``backward`` from the launches kept for its key, or None where no plan applies."""
+    needs_x, needs_weight = bool(needs_input_grad[0]), bool(needs_input_grad[1])
+    if (bias_dtype is not None and needs_input_grad[2]) or grad_out.dtype != x.dtype:
+        return None
+    g_ptr, x_ptr, w_ptr = grad_out.data_ptr(), x.data_ptr(), weight.data_ptr()
+    device = weight.device
+    index = torch.cuda.current_device() if device.index is None else device.index
+    aligned = not (g_ptr | x_ptr | w_ptr) & 15
+    path = linear_cublaslt.configured_path()
+    key = (grad_out.shape, x.shape, weight.shape, x.dtype, index, path, needs_x, needs_weight)
+    key += (aligned,)
+    plan = _LEAN_BACKWARD.get(key, _NO_LEAN)
+    if plan is _NO_LEAN:
+        plan = None
+        if aligned and (needs_x or needs_weight):
+            n, k = weight.shape
+            rows = grad_out.reshape(-1, n)
+            plan = _lean_backward_plan(rows, x.reshape(-1, k), weight, (needs_x, needs_weight))
+        if not torch.cuda.is_current_stream_capturing():
+            if len(_LEAN_BACKWARD) >= _MAX_LEAN:
+                _LEAN_BACKWARD.clear()
+            _LEAN_BACKWARD[key] = plan
+    if plan is None:
+        return None
+    grad_x = grad_weight = None
+    if plan.grad_x is not None:
+        grad_x = torch.empty(x.shape, dtype=x.dtype, device=device)
+        _run_backward_launch(plan.grad_x, g_ptr, w_ptr, grad_x, index, plan.dtype_name)
+    if plan.grad_weight is not None:
+        grad_weight = torch.empty(weight.shape, dtype=x.dtype, device=device)
+        _run_backward_launch(plan.grad_weight, g_ptr, x_ptr, grad_weight, index, plan.dtype_name)
+    return grad_x, grad_weight, None
 
 
 def describe_backward(grad_rows: Tensor, x_rows: Tensor, weight: Tensor) -> tuple[str, str]:
