@@ -156,6 +156,25 @@ def test_linear_group_returns_views_of_one_output_with_the_linear_bits(m):
         assert_bitwise_equal(view, want, name=f"weight {i}")
 
 
+@pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
+@pytest.mark.parametrize("m", (1, 8, 16))
+@pytest.mark.parametrize("name, k, out_features", GROUPS, ids=[g[0] for g in GROUPS])
+def test_kept_linear_group_launch_gives_the_separate_linears_bits(name, k, out_features, m, bias):
+    # The first call plans, the next replay the kept launch (TMA maps per address): a new x at
+    # another address and new values must still give the separate linears' bits.
+    gpu_linear._LEAN_GROUPED.clear()
+    x, weights, biases = _case(k, out_features, m, torch.bfloat16, bias)
+    with torch.no_grad():
+        for seed in (0, 1, 2):
+            fresh, _, _ = _case(k, out_features, m, torch.bfloat16, bias=False, seed=50 + seed)
+            for label, rows in (("same x", x.copy_(fresh)), ("new x", fresh.clone())):
+                views = gpu_linear.linear_group(rows, weights, biases)
+                expected = _separate(rows, weights, biases)
+                for i, (view, want) in enumerate(zip(views, expected, strict=True)):
+                    assert_bitwise_equal(view, want, name=f"{name} {label} {seed} weight {i}")
+    assert [type(p) for p in gpu_linear._LEAN_GROUPED.values()] == [gpu_linear._LeanGrouped]
+
+
 def test_linear_group_declines_with_gradients_and_beyond_the_small_m_rule():
     _, k, out_features = GROUPS[0]
     x, weights, biases = _case(k, out_features, 4, torch.bfloat16, bias=False)

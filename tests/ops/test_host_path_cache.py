@@ -345,7 +345,10 @@ def linear_launches(monkeypatch):
 def _clear_linear_caches():
     gpu_linear._LEAN.clear()
     gpu_linear._LEAN_BACKWARD.clear()
-    for cached in (gpu_linear._auto_choice, gpu_linear._gemm_kernel, gpu_linear._tensor_map):
+    gpu_linear._LEAN_GROUPED.clear()
+    cached_functions = (gpu_linear._auto_choice, gpu_linear._gemm_kernel, gpu_linear._tensor_map)
+    cached_functions += (gpu_linear._grouped_kernel, gpu_linear._grouped_weight_map)
+    for cached in cached_functions:
         cached.cache_clear()
 
 
@@ -469,6 +472,90 @@ def test_lean_linear_backward_leaves_a_bias_gradient_to_the_general_path(linear_
     assert len(gpu_linear._LEAN_BACKWARD) == 0
     gpu_linear.backward(grad, x, w, b.dtype, (True, True, False))  # no bias gradient asked
     assert list(gpu_linear._LEAN_BACKWARD.values()) != [None]
+
+
+@pytest.fixture
+def grouped_launches(linear_launches, monkeypatch):
+    """``linear_launches`` with ``linear_group`` taking CPU tensors: its device test passes
+    (the rest of ``_grouped_biases`` runs)."""
+
+    def on_any_device(x, weights, biases):
+        tensors = [x, *weights, *(b for b in biases or () if b is not None)]
+        if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+            return None
+        try:
+            return gpu_linear.check_grouped_args(x.reshape(-1, x.shape[-1]), weights, biases)
+        except (TypeError, ValueError):
+            return None
+
+    monkeypatch.setattr(gpu_linear, "_grouped_biases", on_any_device)
+    # The maps without their device index (a CPU tensor has none; the kept path asks for it).
+    monkeypatch.setattr(gpu_linear, "tensor_map_2d", lambda *args: repr(args[:-1]).encode())
+    return linear_launches
+
+
+def _without_grouped_output(record):
+    name, grid, block, args, shared, stream, programmatic = record
+    out_at = 1 + gpu_linear.MAX_GROUPED  # after x's map and one map per slot
+    return name, grid, block, (*args[:out_at], 0, *args[out_at + 1 :]), shared, stream, programmatic
+
+
+def _grouped_case(lead, out_features=(512, 128, 128), bias=False, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(*lead, 256, generator=gen).to(DTYPE)
+    weights = [torch.randn(n, 256, generator=gen).to(DTYPE) for n in out_features]
+    biases = [torch.randn(n, generator=gen).to(DTYPE) if bias and i != 1 else None
+              for i, n in enumerate(out_features)]  # fmt: skip
+    return x, weights, biases if bias else None
+
+
+@pytest.mark.parametrize("lead", [(1,), (8,), (16,), (2, 3)])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("out_features", [(512, 128, 128), (256, 0, 128), (1024, 1024)])
+def test_kept_linear_group_launches_what_the_checked_path_launches(
+    grouped_launches, monkeypatch, lead, bias, out_features
+):
+    x, weights, biases = _grouped_case(lead, out_features, bias)
+    with torch.no_grad():
+        got = [gpu_linear.linear_group(x, weights, biases) for _ in range(2)]
+        kept = list(grouped_launches)
+        grouped_launches.clear()
+        monkeypatch.setattr(gpu_linear, "_grouped_signature", lambda *args: None)
+        want = gpu_linear.linear_group(x, weights, biases)
+    general = list(grouped_launches)
+    assert len(general) == 1 and "_grouped_" in general[0][0]
+    assert [_without_grouped_output(r) for r in kept] == [
+        _without_grouped_output(r) for r in general + general
+    ]
+    plans = list(gpu_linear._LEAN_GROUPED.values())
+    assert len(plans) == 1 and isinstance(plans[0], gpu_linear._LeanGrouped)
+    assert _holds_no_tensor(gpu_linear._LEAN_GROUPED)
+    for views in got:
+        assert [v.shape for v in views] == [w.shape for w in want]
+        assert views[0].data_ptr() == views[0]._base.data_ptr()  # views of one output
+
+
+def test_kept_linear_group_declines_what_the_checked_path_declines(grouped_launches):
+    x, weights, biases = _grouped_case((8,))
+    weights[0].requires_grad_(True)
+    for _ in range(2):
+        assert gpu_linear.linear_group(x, weights, biases) is None
+    assert list(gpu_linear._LEAN_GROUPED.values()) == [None] and grouped_launches == []
+    x = torch.randn(1024, 256).to(DTYPE)  # beyond the small-M rule
+    with torch.no_grad():
+        assert gpu_linear.linear_group(x, weights, biases) is None
+
+
+def test_linear_group_on_misaligned_or_empty_operands_takes_the_checked_path(grouped_launches):
+    x, weights, _ = _grouped_case((8,))
+    shifted = torch.empty(8 * 256 + 1, dtype=DTYPE)[1:].view(8, 256)  # 2 bytes past alignment
+    shifted.copy_(x)
+    with torch.no_grad():
+        assert len(gpu_linear.linear_group(shifted, weights, None)) == 3
+        assert len(gpu_linear._LEAN_GROUPED) == 0  # no key for a misaligned operand
+        empty = gpu_linear.linear_group(x[:0], weights, None)
+    assert [v.shape for v in empty] == [(0, 512), (0, 128), (0, 128)]
+    assert list(gpu_linear._LEAN_GROUPED.values()) == [gpu_linear._GENERAL]
 
 
 # ----------------------------------------------------------------------------- bad after good

@@ -749,13 +749,163 @@ def linear_group(
     """``linear(x, weights[i], biases[i])`` for each weight as column views of one
     ``matmul_grouped`` output ``[..., N_0 + N_1 + ...]`` (x ``[..., K]``, each view the bits of
     ``batchinv.linear`` for its weight) where ``grouped_applies``, else None (the caller runs
-    the separate linears, which raise what they raise).  The arguments are checked once."""
+    the separate linears, which raise what they raise).  The arguments are checked once per
+    signature (``_grouped_signature``), whose launch is then kept."""
+    signature = _grouped_signature(x, weights, biases)
+    plan = _GENERAL
+    if signature is not None and not torch.compiler.is_compiling():
+        plan = _LEAN_GROUPED.get(signature, _NO_LEAN)
+        if plan is _NO_LEAN:
+            plan = _grouped_plan(x, weights, biases)
+            if not (x.device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+                if len(_LEAN_GROUPED) >= _MAX_LEAN:
+                    _LEAN_GROUPED.clear()
+                _LEAN_GROUPED[signature] = plan
+    if plan is None:
+        return None
+    if plan is _GENERAL:
+        checked = _grouped_biases(x, weights, biases)
+        if checked is None:
+            return None
+        out = _launch_grouped(x.reshape(-1, x.shape[-1]), weights, checked, None, None)
+    else:
+        out = _run_grouped(plan, x, weights, biases)
+    out = out.reshape(*x.shape[:-1], out.shape[-1])
+    return tuple(out.split([w.shape[0] for w in weights], dim=-1))
+
+
+# ---- linear_group's kept launch ----------------------------------------------------------
+# What ``_grouped_biases`` reads is the signature: the classes, shapes, dtypes, devices,
+# contiguity and gradient flags of x, the weights and the biases, whether gradients are
+# recorded, and whether every pointer is 16-byte aligned (``_launch_grouped`` copies one that
+# is not).  A signature seen before replays ``_launch_grouped``'s kernel, grid and integer
+# arguments with the pointers as ints and TMA maps kept per address: its bits.
+
+
+@dataclasses.dataclass(frozen=True)
+class _LeanGrouped:
+    kernel: object
+    grid: tuple[int]
+    block: tuple[int]
+    shared: int
+    m: int
+    k: int
+    sizes: tuple[int, ...]  # out_features, then zeros for the unused slots
+    total: int  # the output's columns
+    boxes: tuple[str, int, int]  # TMA maps: dtype name, box rows of x, of a weight
+    maps: dict  # (operand slot, address) -> encoded TMA map (slot -1: x)
+
+
+_LEAN_GROUPED: dict[tuple, object] = {}  # signature -> _LeanGrouped, None or _GENERAL
+_GENERAL = object()  # a kept answer: the checked path (no rows, no columns)
+
+
+def _grouped_signature(
+    x: Tensor, weights: Sequence[Tensor], biases: Sequence[Tensor | None] | None
+) -> tuple | None:
+    """The key of a kept grouped launch, or None where the arguments are not plain tensors
+    (or parameters) in lists or tuples, or a pointer is not 16-byte aligned: the checked path
+    then decides (and copies a misaligned operand)."""
+    try:
+        if not isinstance(weights, (list, tuple)) or not (
+            biases is None or isinstance(biases, (list, tuple))
+        ):
+            return None
+        tensors = (x, *weights, *(b for b in biases or () if b is not None))
+        pointers = 0
+        described = []
+        for t in tensors:
+            if t.__class__ not in _PLAIN_TENSORS:
+                return None
+            pointers |= t.data_ptr()
+            described.append(
+                (t.__class__, t.shape, t.dtype, t.device, t.is_contiguous(), t.requires_grad)
+            )
+        if pointers & 15:
+            return None
+        pattern = None if biases is None else tuple(b is not None for b in biases)
+        return len(weights), pattern, tuple(described), torch.is_grad_enabled()
+    except AttributeError:
+        return None
+
+
+_PLAIN_TENSORS = (Tensor, torch.nn.Parameter)
+
+
+def _grouped_plan(
+    x: Tensor, weights: Sequence[Tensor], biases: Sequence[Tensor | None] | None
+) -> object:
+    """``_launch_grouped``'s launch for these (aligned) arguments; None where ``linear_group``
+    returns None, ``_GENERAL`` for an empty product (the checked path returns its output)."""
     checked = _grouped_biases(x, weights, biases)
     if checked is None:
         return None
-    out = _launch_grouped(x.reshape(-1, x.shape[-1]), weights, checked, None, None)
-    out = out.reshape(*x.shape[:-1], out.shape[-1])
-    return tuple(out.split([w.shape[0] for w in weights], dim=-1))
+    rows = x.reshape(-1, x.shape[-1])
+    m, k = rows.shape
+    out_features = [w.shape[0] for w in weights]
+    if m == 0 or sum(out_features) == 0:
+        return _GENERAL
+    config = choose_small_m_config(m)
+    device = x.device
+    index = torch.cuda.current_device() if device.index is None else device.index
+    unused = MAX_GROUPED - len(weights)
+    sizes = tuple(out_features) + (0,) * unused
+    tokens = config.TOKENS_PER_CTA
+    ctas = sum(-(-n // config.block_n) for n in sizes) * -(-m // tokens)
+    kernel = _grouped_kernel(config, x.dtype, device)
+    allow_dynamic_shared(kernel, config.shared_bytes, index)
+    boxes = (_DTYPE_NAMES[x.dtype], tokens, config.block_n)
+    total = sum(out_features)
+    return _LeanGrouped(
+        kernel, (ctas,), (config.threads,), config.shared_bytes, m, k, sizes, total, boxes, {}
+    )
+
+
+def _grouped_map(plan: _LeanGrouped, address: int, rows: int, box: int, index: int) -> bytes:
+    """A TMA map of ``rows x K`` at ``address`` (x: box rows ``boxes[1]``, a weight:
+    ``boxes[2]``), kept per address and shape."""
+    key = (address, rows, box)
+    encoded = plan.maps.get(key)
+    if encoded is None:
+        encoded = _tensor_map(address, plan.boxes[0], rows, plan.k, box, 0, index)
+        if len(plan.maps) >= 4 * _MAX_MAPS:
+            plan.maps.clear()
+        plan.maps[key] = encoded
+    return encoded
+
+
+def _run_grouped(
+    plan: _LeanGrouped,
+    x: Tensor,
+    weights: Sequence[Tensor],
+    biases: Sequence[Tensor | None] | None,
+) -> Tensor:
+    """One grouped launch from ``plan``: ``_launch_grouped``'s arguments, pointers as ints."""
+    device = x.device
+    index = torch.cuda.current_device() if device.index is None else device.index
+    out = torch.empty(plan.m, plan.total, dtype=x.dtype, device=device)
+    _, x_box, w_box = plan.boxes
+    maps = [
+        _grouped_map(plan, w.data_ptr(), n, w_box, index) if n else None
+        for w, n in zip(weights, plan.sizes, strict=False)
+    ]
+    spare = next(encoded for encoded in maps if encoded is not None)
+    maps = [spare if encoded is None else encoded for encoded in maps]
+    maps += [spare] * (MAX_GROUPED - len(weights))
+    bias_args = [0 if b is None else b.data_ptr() for b in biases or (None,) * len(weights)]
+    bias_args += [0] * (MAX_GROUPED - len(weights))
+    args = (
+        _grouped_map(plan, x.data_ptr(), plan.m, x_box, index),
+        *maps,
+        out.data_ptr(),
+        *bias_args,
+        plan.m,
+        *plan.sizes,
+        plan.k,
+    )
+    stream = current_raw_stream(index)
+    plan.kernel(plan.grid, plan.block, args, plan.shared, stream, index, False)
+    return out
 
 
 # ---- the backward's products with operands read in place (sm_90) ---------------------------

@@ -39,6 +39,7 @@ def clear_all() -> None:
     for module in (attention, linear, log_softmax, token_logprobs):
         module._LEAN.clear()
     linear._LEAN_BACKWARD.clear()
+    linear._LEAN_GROUPED.clear()
 
 
 class CheckedCalls:
