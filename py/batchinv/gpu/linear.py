@@ -751,9 +751,11 @@ def linear_group(
     ``batchinv.linear`` for its weight) where ``grouped_applies``, else None (the caller runs
     the separate linears, which raise what they raise).  The arguments are checked once per
     signature (``_grouped_signature``), whose launch is then kept."""
-    signature = _grouped_signature(x, weights, biases)
+    # Under torch.compile the checked path declines before anything reads a pointer.
+    compiling = torch.compiler.is_compiling()
+    signature = None if compiling else _grouped_signature(x, weights, biases)
     plan = _GENERAL
-    if signature is not None and not torch.compiler.is_compiling():
+    if signature is not None:
         plan = _LEAN_GROUPED.get(signature, _NO_LEAN)
         if plan is _NO_LEAN:
             plan = _grouped_plan(x, weights, biases)
