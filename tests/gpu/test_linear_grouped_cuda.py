@@ -233,13 +233,18 @@ def _assert_same_samples(a, a_slots, b, b_slots):
 @pytest.mark.parametrize("cuda_graph", [False, True], ids=["eager", "graph"])
 def test_sampler_grouped_and_separate_agree(model, cuda_graph, temperature, monkeypatch):
     calls = []
-    launch = gpu_linear._launch_grouped
+    launch, run_kept = gpu_linear._launch_grouped, gpu_linear._run_grouped
 
-    def counting(x, *args):
+    def counting(x, *args):  # the checked path's launch
         calls.append(x.shape[0])
         return launch(x, *args)
 
+    def counting_kept(plan, *args):  # a kept launch
+        calls.append(plan.m)
+        return run_kept(plan, *args)
+
     monkeypatch.setattr(gpu_linear, "_launch_grouped", counting)
+    monkeypatch.setattr(gpu_linear, "_run_grouped", counting_kept)
     grouped, slots = _sample(model, cuda_graph=cuda_graph, temperature=temperature)
     layers = model.config.num_hidden_layers
     per_bucket = Counter(calls)  # rows of each call: the bucket
