@@ -1,11 +1,18 @@
 """Merges cuda_parity reports of one tree run in parts (for example ``tests/gpu`` and the rest,
 where one machine session cannot run the whole suite) into one report.
 
-    python tools/merge_parity_reports.py OUT.json PART.json [PART.json ...]
+    python tools/merge_parity_reports.py [--reruns] OUT.json PART.json [PART.json ...]
 
 The parts must name the same commit, build, versions and card model; a test id in two parts
 is an error.  The merged report keeps each part's date and pytest exit status under
 ``parts`` and sums the outcomes.
+
+``--reruns``: the parts may name different commits of one branch (tests re-run after a fix,
+or a part a time limit cut short run again on a later commit).  They are taken in date order,
+a test in a later part replaces its earlier entry, every test entry names the commit it ran
+at, ``commit`` is the newest part's and ``parts`` lists each part's commit and test count; the
+exit status is that of the outcomes kept (1 if any failed or errored).  What changed between
+the commits must be said where the report is described (``reports/README.md``).
 """
 
 from __future__ import annotations
@@ -15,14 +22,18 @@ import sys
 from pathlib import Path
 
 SAME = ("commit", "build", "versions")
+FAILED = ("failed", "error")
 
 
-def merge(parts: list[dict]) -> dict:
+def merge(parts: list[dict], *, reruns: bool = False) -> dict:
     if not parts:
         raise ValueError("no reports given")
+    if reruns:
+        parts = sorted(parts, key=lambda part: part["date_utc"])
     first = parts[0]
+    same = [key for key in SAME if not (reruns and key == "commit")]
     for i, part in enumerate(parts[1:], start=1):
-        for key in SAME:
+        for key in same:
             if part[key] != first[key]:
                 raise ValueError(f"part {i} has another {key}: {part[key]!r} vs {first[key]!r}")
         if part["gpu"]["name"] != first["gpu"]["name"]:
@@ -30,33 +41,42 @@ def merge(parts: list[dict]) -> dict:
     tests: dict[str, dict] = {}
     for part in parts:
         for entry in part["tests"]:
-            if entry["id"] in tests:
+            if entry["id"] in tests and not reruns:
                 raise ValueError(f"{entry['id']} is in two parts")
-            tests[entry["id"]] = entry
+            tests[entry["id"]] = {**entry, "commit": part["commit"]} if reruns else entry
     summary: dict[str, int] = {}
     for entry in tests.values():
         summary[entry["outcome"]] = summary.get(entry["outcome"], 0) + 1
-    statuses = [part["pytest_exit_status"] for part in parts]
+    if reruns:
+        status = int(any(summary.get(outcome, 0) for outcome in FAILED))
+    else:
+        status = max((part["pytest_exit_status"] for part in parts), key=abs)
+    described = []
+    for part in parts:
+        entry = {"date_utc": part["date_utc"], "pytest_exit_status": part["pytest_exit_status"]}
+        if reruns:
+            entry.update(commit=part["commit"], tests=len(part["tests"]))
+        described.append(entry)
     return {
-        **{key: first[key] for key in ("commit", "gpu", "versions", "build")},
+        **{key: first[key] for key in ("gpu", "versions", "build")},
+        "commit": parts[-1]["commit"],
         "date_utc": max(part["date_utc"] for part in parts),
-        "pytest_exit_status": max(statuses, key=abs),
-        "parts": [
-            {"date_utc": p["date_utc"], "pytest_exit_status": p["pytest_exit_status"]}
-            for p in parts
-        ],
+        "pytest_exit_status": status,
+        "parts": described,
         "summary": summary,
         "tests": [tests[key] for key in sorted(tests)],
     }
 
 
 def main(argv: list[str]) -> int:
+    reruns = "--reruns" in argv
+    argv = [arg for arg in argv if arg != "--reruns"]
     if len(argv) < 2:
         print(__doc__.strip(), file=sys.stderr)
         return 2
     out, *paths = argv
     try:
-        merged = merge([json.loads(Path(p).read_text()) for p in paths])
+        merged = merge([json.loads(Path(p).read_text()) for p in paths], reruns=reruns)
     except (OSError, ValueError, KeyError) as exc:
         print(f"merge_parity_reports: {exc}", file=sys.stderr)
         return 1

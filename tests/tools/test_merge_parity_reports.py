@@ -1,4 +1,5 @@
-"""Parity reports of one tree run in parts merge into one; parts of other trees do not."""
+"""Parity reports of one tree run in parts merge into one; parts of other trees do not, unless
+merged as re-runs (later parts replace earlier entries, each entry names its commit)."""
 
 from __future__ import annotations
 
@@ -82,3 +83,36 @@ def test_cli_writes_the_merged_file(tool, tmp_path):
     assert json.loads(out.read_text())["summary"] == {"passed": 2}
     assert tool.main([str(out)]) == 2
     assert tool.main([str(out), str(tmp_path / "missing.json")]) == 1
+
+
+def test_reruns_replace_earlier_entries_and_name_their_commits(tool):
+    a = _part("2026-01-01T01:00:00+00:00", 1, {"t::x": "failed", "t::y": "passed"})
+    b = _part("2026-01-01T02:00:00+00:00", 0, {"t::x": "passed", "t::z": "skipped"})
+    b["commit"] = "def5678"
+    with pytest.raises(ValueError, match="commit"):
+        tool.merge([a, b])
+    merged = tool.merge([b, a], reruns=True)  # taken in date order, whatever the order given
+    assert merged["summary"] == {"passed": 2, "skipped": 1}
+    assert merged["pytest_exit_status"] == 0 and merged["commit"] == "def5678"
+    commits = {t["id"]: t["commit"] for t in merged["tests"]}
+    assert commits == {"t::x": "def5678", "t::y": "abc1234", "t::z": "def5678"}
+    assert [(p["commit"], p["tests"]) for p in merged["parts"]] == [("abc1234", 2), ("def5678", 2)]
+    c = _part("2026-01-01T03:00:00+00:00", 1, {"t::y": "failed"})
+    assert tool.merge([a, b, c], reruns=True)["pytest_exit_status"] == 1  # a later failure stays
+    b["versions"] = {"torch": "2.10"}
+    with pytest.raises(ValueError, match="versions"):
+        tool.merge([a, b], reruns=True)
+
+
+def test_cli_takes_reruns(tool, tmp_path):
+    paths = []
+    for i, outcome in enumerate(("failed", "passed")):
+        part = _part(f"d{i}", int(outcome == "failed"), {"t::x": outcome})
+        part["commit"] = f"c{i}"
+        path = tmp_path / f"part{i}.json"
+        path.write_text(json.dumps(part))
+        paths.append(str(path))
+    out = tmp_path / "merged.json"
+    assert tool.main([str(out), *paths]) == 1
+    assert tool.main(["--reruns", str(out), *paths]) == 0
+    assert json.loads(out.read_text())["summary"] == {"passed": 1}
