@@ -40,6 +40,7 @@ from _common import report, require_cuda, summary_row
 
 import batchinv
 from batchinv import device_checks
+from batchinv.gpu import linear as gpu_linear
 from batchinv.host_syncs import host_and_wall_seconds
 
 ROWS = (1, 8, 64)
@@ -346,10 +347,24 @@ def _backward_rows(device: torch.device, profile: Path | None) -> tuple[list[dic
             profile.mkdir(parents=True, exist_ok=True)
             _profile(ours, profile / f"{op}_backward.txt", BACKWARD_CALLS)
         case = f"backward, {BACKWARD_TOKENS} tokens" + (f", {variant}" if variant else "")
-        row, summary_entry = _rows_for(op, case, "autograd.grad host time per call", *timed, anchor)
+        what = "autograd.grad host time per call"
+        ran = _backward_path(op, BACKWARD_TOKENS, device)
+        row, summary_entry = _rows_for(op, case, what, *timed, anchor, ran=ran)
         rows_out.append(row)
         summary.append(summary_entry)
     return rows_out, summary
+
+
+def _backward_path(op: str, tokens: int, device: torch.device) -> str | None:
+    """The products a ``linear`` backward row ran (``describe_backward``: in place or on
+    copies, each with its kernel); None for the other ops."""
+    if op != "linear":
+        return None
+    grad = torch.empty(tokens, HIDDEN, device=device, dtype=torch.bfloat16)
+    x = torch.empty(tokens, HIDDEN, device=device, dtype=torch.bfloat16)
+    w = torch.empty(HIDDEN, HIDDEN, device=device, dtype=torch.bfloat16)
+    label_x, label_w = gpu_linear.describe_backward(grad, x, w)
+    return f"grad_x {label_x}; grad_w {label_w}"
 
 
 def _path(op: str, rows: int, device: torch.device) -> str | None:

@@ -32,6 +32,23 @@ def _no_remembered_signatures():
 # every test's outcome.  `nox -s cuda_parity` uses it; the JSON is committed under reports/.
 
 
+def pytest_configure(config):
+    if config.getoption("--parity-report"):
+        _interrupt_on_sigterm()
+
+
+def _interrupt_on_sigterm() -> None:
+    """A time limit (``timeout``) ends a parity run with SIGTERM, which would kill pytest before
+    it writes the report.  Taken as an interrupt instead, pytest stops after the running test
+    and still writes the report of every test that ran (exit status 2, interrupted)."""
+    import signal
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt(f"stopped by signal {signum}")
+
+    signal.signal(signal.SIGTERM, interrupt)
+
+
 def pytest_addoption(parser):
     parser.addoption("--parity-report", default=None, help="write a JSON report of this run here")
     parser.addoption(
@@ -62,13 +79,17 @@ _OUTCOMES: dict[str, dict] = {}
 
 
 def pytest_runtest_logreport(report):
-    entry = _OUTCOMES.setdefault(report.nodeid, {"outcome": "passed", "duration_s": 0.0})
+    # "interrupted" until the call phase reports: a run stopped inside a test (its time limit)
+    # records that test as interrupted, not as passed.
+    entry = _OUTCOMES.setdefault(report.nodeid, {"outcome": "interrupted", "duration_s": 0.0})
     entry["duration_s"] = round(entry["duration_s"] + report.duration, 4)
     if report.failed:
         entry["outcome"] = "failed" if report.when == "call" else "error"
     elif report.skipped:
         entry["outcome"] = "skipped"
         entry["reason"] = str(report.longrepr[-1]) if isinstance(report.longrepr, tuple) else ""
+    elif report.when == "call" and entry["outcome"] == "interrupted":
+        entry["outcome"] = "passed"
 
 
 def pytest_sessionfinish(session, exitstatus):

@@ -11,7 +11,8 @@ is an error.  The merged report keeps each part's date and pytest exit status un
 or a part a time limit cut short run again on a later commit).  They are taken in date order,
 a test in a later part replaces its earlier entry, every test entry names the commit it ran
 at, ``commit`` is the newest part's and ``parts`` lists each part's commit and test count; the
-exit status is that of the outcomes kept (1 if any failed or errored).  What changed between
+exit status is that of the outcomes kept (1 if any failed or errored, else 2 if a test is
+"interrupted": a part's time limit stopped it, see ``tests/conftest.py``).  What changed between
 the commits must be said where the report is described (``reports/README.md``).
 """
 
@@ -47,8 +48,9 @@ def merge(parts: list[dict], *, reruns: bool = False) -> dict:
     summary: dict[str, int] = {}
     for entry in tests.values():
         summary[entry["outcome"]] = summary.get(entry["outcome"], 0) + 1
-    if reruns:
-        status = int(any(summary.get(outcome, 0) for outcome in FAILED))
+    if reruns:  # 1 for a failure kept, else 2 for a test a time limit stopped in, else 0
+        status = 1 if any(summary.get(outcome) for outcome in FAILED) else 0
+        status = status or (2 if summary.get("interrupted") else 0)
     else:
         status = max((part["pytest_exit_status"] for part in parts), key=abs)
     described = []

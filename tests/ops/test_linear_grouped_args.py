@@ -119,6 +119,17 @@ def test_grouped_applies_is_false_on_the_cpu_and_never_raises():
     assert not gpu_linear.grouped_applies(x.float(), weights, None)
 
 
+def test_linear_group_traces_under_torch_compile_without_reading_pointers():
+    # Under torch.compile linear_group declines (the chain then runs the separate linears)
+    # before anything reads a data pointer, which dynamo cannot trace: fullgraph must hold.
+    x, weights = _qkv()
+    with torch.no_grad():
+        got = torch.compile(
+            lambda t: gpu_linear.linear_group(t, weights, None), fullgraph=True, backend="eager"
+        )(x)
+    assert got is None
+
+
 def test_every_small_m_configuration_has_a_grouped_kernel():
     pytest.importorskip("batchinv._native", reason="the extension is built by `nox -s tests`")
     configs = gpu_linear.small_m_configs()

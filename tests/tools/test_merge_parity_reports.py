@@ -99,6 +99,8 @@ def test_reruns_replace_earlier_entries_and_name_their_commits(tool):
     assert [(p["commit"], p["tests"]) for p in merged["parts"]] == [("abc1234", 2), ("def5678", 2)]
     c = _part("2026-01-01T03:00:00+00:00", 1, {"t::y": "failed"})
     assert tool.merge([a, b, c], reruns=True)["pytest_exit_status"] == 1  # a later failure stays
+    d = _part("2026-01-01T04:00:00+00:00", 2, {"t::y": "passed", "t::w": "interrupted"})
+    assert tool.merge([a, b, d], reruns=True)["pytest_exit_status"] == 2
     b["versions"] = {"torch": "2.10"}
     with pytest.raises(ValueError, match="versions"):
         tool.merge([a, b], reruns=True)
