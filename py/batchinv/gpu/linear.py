@@ -795,7 +795,7 @@ class _LeanGrouped:
     sizes: tuple[int, ...]  # out_features, then zeros for the unused slots
     total: int  # the output's columns
     boxes: tuple[str, int, int]  # TMA maps: dtype name, box rows of x, of a weight
-    maps: dict  # (operand slot, address) -> encoded TMA map (slot -1: x)
+    maps: dict  # (address, rows, box rows) -> encoded TMA map, of x and of each weight
 
 
 _LEAN_GROUPED: dict[tuple, object] = {}  # signature -> _LeanGrouped, None or _GENERAL
@@ -1124,11 +1124,11 @@ def backward(
 # ----------------------------------------------------------------------------- lean backward
 # A backward whose grad_x (if needed) takes the in-place route and whose weight gradient reads
 # its operands in place, on contiguous 16-byte aligned operands with the output's dtype and no
-# bias gradient to compute, keeps its launches per ``_backward_key``: ``matmul_nn``'s and
-# ``matmul_tn``'s configurations, kernels, grids and sizes, and their TMA maps per operand
-# address, as ``backward`` chooses them (the switch of the pinned path is in the key).  A call
-# allocates the gradients and launches with the maps it finds: the general path's kernels and
-# arguments, hence its bits.
+# bias gradient to compute, keeps its launches per key (shapes, dtype, device, the pinned
+# path's switch, the gradients asked for, alignment): ``matmul_nn``'s and ``matmul_tn``'s
+# configurations, kernels, grids and sizes, and their TMA maps per operand address, as
+# ``backward`` chooses them.  A call allocates the gradients and launches with the maps it
+# finds: the general path's kernels and arguments, hence its bits.
 
 
 @dataclasses.dataclass(frozen=True)
