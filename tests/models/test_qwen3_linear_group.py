@@ -10,34 +10,19 @@ import dataclasses
 
 import pytest
 import torch
+from _chain_entries import IDS, PROMPTS, SEQLENS, Counting, forwards
 
 from batchinv.contract import assert_bitwise_equal
 from batchinv.models import Qwen3, Qwen3Config
 from batchinv.models.qwen3.decode import Qwen3DecodeRunner
 from batchinv.models.qwen3.ops import BATCHINV_OPS, REFERENCE_OPS, STOCK_OPS
 
-IDS = torch.tensor([[3, 1, 4, 1, 5, 9, 2], [6, 5, 3, 5, 8, 9, 7]])
-SEQLENS = torch.tensor([7, 4])
-PROMPTS = [[1, 2, 3, 4, 5], [7, 8], [9, 10, 11]]
 SEPARATE = dataclasses.replace(BATCHINV_OPS, linear_group=None)
 
 
 @pytest.fixture(scope="module")
 def model():
     return Qwen3.from_config(seed=0, dtype=torch.bfloat16)
-
-
-class Counting:
-    """An op table entry that counts its calls (or refuses them)."""
-
-    def __init__(self, fn, *, refuse: bool = False):
-        self.fn, self.refuse, self.calls = fn, refuse, 0
-
-    def __call__(self, *args, **kwargs):
-        if self.refuse:
-            raise AssertionError("linear_group ran where a gradient is needed")
-        self.calls += 1
-        return self.fn(*args, **kwargs)
 
 
 def one_output_views(linear):
@@ -50,15 +35,6 @@ def one_output_views(linear):
         return tuple(out.split([w.shape[0] for w in weights], dim=-1))
 
     return linear_group
-
-
-def forwards(model, ops):
-    """Logits of a padded prefill, a packed (varlen) prefill and a chunked prefill."""
-    padded = model(IDS, seqlens=SEQLENS, ops=ops)
-    cu_seqlens = torch.tensor([0, 7, 11])
-    packed = model(torch.cat([IDS[0], IDS[1, :4]]), cu_seqlens=cu_seqlens, ops=ops)
-    chunked = model.prefill_chunked(IDS, [3, 1, 3], ops=ops)
-    return padded, packed, chunked
 
 
 def test_reference_and_stock_run_separate_linears():
