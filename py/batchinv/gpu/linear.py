@@ -751,9 +751,9 @@ def linear_group(
     ``batchinv.linear`` for its weight) where ``grouped_applies``, else None (the caller runs
     the separate linears, which raise what they raise).  The arguments are checked once per
     signature (``_grouped_signature``), whose launch is then kept."""
-    # Under torch.compile the checked path declines before anything reads a pointer.
-    compiling = torch.compiler.is_compiling()
-    signature = None if compiling else _grouped_signature(x, weights, biases)
+    if torch.compiler.is_compiling():  # declined before any pointer is read (dynamo cannot)
+        return None
+    signature = _grouped_signature(x, weights, biases)
     plan = _GENERAL
     if signature is not None:
         plan = _LEAN_GROUPED.get(signature, _NO_LEAN)
