@@ -13,6 +13,7 @@ again, so the host path of a call is the launch alone.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import threading
 
@@ -592,6 +593,19 @@ def backward(
     dtype = x.dtype
     if (
         x.is_contiguous()
+        and grad_y.is_contiguous()
+        and weight.is_contiguous()
+        and grad_y.dtype == dtype
+        and (
+            grad_residual is None
+            or (grad_residual.dtype == dtype and grad_residual.is_contiguous())
+        )
+    ):
+        done = _lean_backward(grad_y, x, weight, rstd, grad_residual, weight_grad)
+        if done is not None:
+            return done
+    if (
+        x.is_contiguous()
         and x.numel() >= 2 * d  # two rows or more: then x's rows are exactly d apart
         and grad_y.dtype == dtype
         and grad_y.is_contiguous()
@@ -662,3 +676,182 @@ def backward(
             partials = _weight_grad_separately(grad_rows, x_rows, rstd, groups, in_sequence)
             grad_weight = _reduce_partials(partials, weight.dtype)
     return grad_x.reshape(x.shape), grad_weight
+
+
+# ----------------------------------------------------------------------------- lean backward
+# A backward on contiguous operands whose weight gradient (if asked) takes the separate route
+# (the row kernel, the column partials, the reduce levels: no fused kernel, so no run
+# counters) keeps its launches per key: kernels, grids, integer arguments and programmatic
+# flags as ``backward`` chooses them (the module's tuning switches that decide them are in the
+# key).  A call allocates grad_x, one fp32 workspace for every partial level and grad_weight,
+# and launches with pointers as ints: the general path's kernels and arguments, hence its bits.
+
+_LEAN_SEGMENT = 64  # fp32 elements: each partial level starts on a 256-byte boundary
+
+
+@dataclasses.dataclass(frozen=True)
+class _Launch:
+    kernel: object
+    grid: tuple[int, ...]
+    block: tuple[int]
+    programmatic: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class _LeanBackward:
+    rows: int
+    d: int
+    row_launch: _Launch  # rms_norm_backward: grad_x
+    partials: _Launch | None  # rms_norm_weight_grad_partials: (chunks, groups, in_sequence)
+    chunking: tuple[int, int, int]  # chunks, groups, rows in sequence
+    reduces: tuple[tuple[_Launch, int, int], ...]  # (launch, rows read, rows written)
+    last_levels: _Launch | None
+    levels: tuple[int, ...]  # fp32 offset of each partial level in the workspace, then its size
+
+
+_LEAN_BACKWARD: dict[tuple, _LeanBackward | None] = {}
+_MAX_LEAN_BACKWARD = 1024
+
+
+def _switches() -> tuple:
+    # What decides the route and the reduce tree besides the shapes (tests change some).
+    return (
+        FUSED_WEIGHT_GRAD_MIN_BLOCKS,
+        WEIGHT_GRAD_CHUNK_ROWS,
+        WEIGHT_GRAD_REDUCE_ROWS,
+        WEIGHT_GRAD_LAST_LEVELS_ROWS,
+    )
+
+
+def _lean_backward_plan(
+    x: Tensor, weight: Tensor, residual_grad: bool, weight_grad: bool
+) -> _LeanBackward | None:
+    """``backward``'s launches for contiguous operands, or None where it takes the fused
+    kernel (or has no rows)."""
+    d = x.shape[-1]
+    dtype, device = x.dtype, x.device
+    rows = x.numel() // d
+    if rows == 0 or x.numel() < 2 * d:
+        return None
+    _, blocks, fused_cta, _ = fused_backward_plan(d, dtype, rows)
+    if (
+        weight_grad
+        and fused_backward_fits(d, dtype)
+        and blocks * fused_cta >= FUSED_WEIGHT_GRAD_MIN_BLOCKS * MIN_CTA_THREADS
+    ):
+        return None
+    geometry_name_, threads, cta = backward_geometry(d, dtype)
+    grid = -(-rows // (cta // threads))
+    if grid > _MAX_GRID_X:
+        return None  # the general path raises
+    row_launch = _Launch(
+        kernel_for("rms_norm", f"rms_norm_backward_{_SUFFIX[dtype]}_{geometry_name_}", device),
+        (grid,),
+        (cta,),
+        False,
+    )
+    if not weight_grad:
+        return _LeanBackward(rows, d, row_launch, None, (0, 0, 0), (), None, (0,))
+    _check_weight_grad_width(d)
+    groups, in_sequence = weight_grad_chunking(d, dtype, rows)
+    chunks = -(-rows // (groups * in_sequence))
+    columns = -(-d // WEIGHT_GRAD_THREADS)
+    partials = _Launch(
+        kernel_for("rms_norm", f"rms_norm_weight_grad_partials_{_SUFFIX[dtype]}", device),
+        (chunks, columns),
+        (WEIGHT_GRAD_THREADS,),
+        False,
+    )
+    programmatic = _programmatic(device)
+    levels = [0]
+    size = _lean_segment(chunks * d)
+    reduces = []
+    count = chunks
+    while count > WEIGHT_GRAD_LAST_LEVELS_ROWS:
+        written = -(-count // WEIGHT_GRAD_REDUCE_ROWS)
+        launch_ = _Launch(
+            kernel_for("rms_norm", "rms_norm_weight_grad_reduce", device),
+            (written, columns),
+            (WEIGHT_GRAD_THREADS,),
+            programmatic,
+        )
+        reduces.append((launch_, count, written))
+        levels.append(size)
+        size += _lean_segment(written * d)
+        count = written
+    last_levels = _Launch(
+        kernel_for("rms_norm", f"rms_norm_weight_grad_last_levels_{_SUFFIX[weight.dtype]}", device),
+        (-(-d // LAST_LEVELS_COLUMNS),),
+        (LAST_LEVELS_THREADS,),
+        programmatic,
+    )
+    return _LeanBackward(
+        rows,
+        d,
+        row_launch,
+        partials,
+        (chunks, groups, in_sequence),
+        tuple(reduces),
+        last_levels,
+        (*levels, size),
+    )
+
+
+def _lean_segment(elements: int) -> int:
+    return -(-elements // _LEAN_SEGMENT) * _LEAN_SEGMENT
+
+
+def _lean_backward(
+    grad_y: Tensor,
+    x: Tensor,
+    weight: Tensor,
+    rstd: Tensor,
+    grad_residual: Tensor | None,
+    weight_grad: bool,
+) -> tuple[Tensor, Tensor | None] | None:
+    """``backward`` from the launches kept for its key, or None where no plan applies."""
+    device = x.device
+    index = torch.cuda.current_device() if device.index is None else device.index
+    key = (x.shape, x.dtype, weight.shape, weight.dtype, grad_residual is not None)
+    key += (weight_grad, index, _switches())
+    plan = _LEAN_BACKWARD.get(key, _NO_PLAN)
+    if plan is _NO_PLAN:
+        plan = _lean_backward_plan(x, weight, grad_residual is not None, weight_grad)
+        if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+            if len(_LEAN_BACKWARD) >= _MAX_LEAN_BACKWARD:
+                _LEAN_BACKWARD.clear()
+            _LEAN_BACKWARD[key] = plan
+    if plan is None:
+        return None
+    rows, d = plan.rows, plan.d
+    grad_x = torch.empty_like(x)
+    g_ptr, x_ptr, w_ptr, r_ptr = grad_y.data_ptr(), x.data_ptr(), weight.data_ptr(), rstd.data_ptr()
+    extra = 0 if grad_residual is None else grad_residual.data_ptr()
+    stream = current_raw_stream(index)
+    step = plan.row_launch
+    args = (grad_x.data_ptr(), g_ptr, x_ptr, w_ptr, r_ptr, extra, rows, d, d)
+    step.kernel(step.grid, step.block, args, 0, stream, index, step.programmatic)
+    if plan.partials is None:
+        return grad_x, None
+    work = torch.empty(plan.levels[-1], dtype=torch.float32, device=device)
+    base = work.data_ptr()
+    chunks, groups, in_sequence = plan.chunking
+    step = plan.partials
+    args = (base, g_ptr, x_ptr, r_ptr, rows, d, d, groups, in_sequence)
+    step.kernel(step.grid, step.block, args, 0, stream, index, step.programmatic)
+    count = chunks
+    for level, (step, read, written) in enumerate(plan.reduces, start=1):
+        source, target = base + 4 * plan.levels[level - 1], base + 4 * plan.levels[level]
+        step.kernel(
+            step.grid, step.block, (target, source, read, d), 0, stream, index, step.programmatic
+        )
+        count = written
+    grad_weight = torch.empty(d, dtype=weight.dtype, device=device)
+    step = plan.last_levels
+    source = base + 4 * plan.levels[len(plan.reduces)]
+    args = (grad_weight.data_ptr(), source, count, d, 0, 0)
+    step.kernel(step.grid, step.block, args, 0, stream, index, step.programmatic)
+    return grad_x, grad_weight
+
+
+_NO_PLAN = object()

@@ -34,12 +34,13 @@ def clear_all() -> None:
     for table in _TABLES:
         table.clear()
     # Imported here: the GPU modules import the ops.
-    from ..gpu import attention, linear, log_softmax, token_logprobs
+    from ..gpu import attention, linear, log_softmax, rms_norm, token_logprobs
 
     for module in (attention, linear, log_softmax, token_logprobs):
         module._LEAN.clear()
     linear._LEAN_BACKWARD.clear()
     linear._LEAN_GROUPED.clear()
+    rms_norm._LEAN_BACKWARD.clear()
 
 
 class CheckedCalls:
