@@ -12,12 +12,12 @@ from ``token_logprobs`` instead, and refuses TP tables).  Three rows per case, o
   vocab-parallel logits), bitwise one GPU running ``tp_compatible_ops``;
 - stock TP: ``stock_tensor_parallel_qwen3`` (``STOCK_OPS``; o_proj and down_proj are
   ``F.linear`` of the K shard + NCCL's bf16 ``all_reduce``; the logits column-parallel and
-  all_gathered), the same shards, SDPA pinned to one backend on CUDA (``stock_sdpa_backend``:
-  mem-efficient where it takes the masked GQA decode call, else math; the ``stock_attention``
-  column names it).  SDPA's own pick for that call on Hopper is cuDNN, which builds a new
-  plan for every key length, so every decode step pays a plan build that a serving engine's
-  decode kernel does not; that step is timed too (``stock_tp_sdpa_default_ms``, CUDA only)
-  but is not the anchor;
+  all_gathered), the same shards, its cached attention as transformers runs SDPA with a mask
+  (kv heads repeated: ``with_repeated_kv_heads``) and, on CUDA, pinned to SDPA's
+  mem-efficient backend.  SDPA's own pick for that call on Hopper is cuDNN, which builds a
+  new plan for every key length, so every decode step would pay a plan build that a serving
+  engine's decode kernel does not; ``STOCK_OPS`` as it is (``enable_gqa``, SDPA's own pick)
+  is timed too (``stock_tp_sdpa_default_ms``, CUDA only) but is not the anchor;
 - batchinv on one GPU with ``tp_compatible_ops`` (rank 0 only), for reference.
 
 Every step is eager: the CUDA-graph decode runner (``Qwen3DecodeRunner``) runs the single-GPU
@@ -49,7 +49,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-import torch.nn.functional as F
 from _common import keep_nvlink_multicast_off, positive_int, report, summary_row
 from bench_decode import random_weights
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -62,6 +61,7 @@ from batchinv.distributed.qwen3 import (
     tp_compatible_qwen3,
 )
 from batchinv.models.qwen3 import Qwen3, Qwen3Config
+from batchinv.models.qwen3.ops import with_repeated_kv_heads
 from batchinv.shapes import QWEN3_8B_CONFIG as QWEN3_8B
 
 keep_nvlink_multicast_off()  # before any process group
@@ -138,22 +138,9 @@ def decode_step(model: Qwen3, caches, tokens: torch.Tensor):
 
 
 def stock_sdpa_backend(device: torch.device) -> SDPBackend | None:
-    """The SDPA backend the stock step runs under on CUDA: the first of mem-efficient and
-    math that takes a masked GQA decode call (one query, bf16, ``enable_gqa``); ``None``
+    """The SDPA backend the stock step runs under: mem-efficient on CUDA; ``None``
     elsewhere (SDPA's own pick)."""
-    if device.type != "cuda":
-        return None
-    q = torch.zeros(1, 4, 1, 128, device=device, dtype=torch.bfloat16)
-    kv = torch.zeros(1, 2, 8, 128, device=device, dtype=torch.bfloat16)
-    mask = torch.ones(1, 1, 1, 8, device=device, dtype=torch.bool)
-    for backend in (SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH):
-        try:
-            with sdpa_kernel([backend]):
-                F.scaled_dot_product_attention(q, kv, kv, attn_mask=mask, enable_gqa=True)
-        except RuntimeError:
-            continue
-        return backend
-    raise RuntimeError("neither SDPA's mem-efficient nor its math backend takes a GQA decode call")
+    return SDPBackend.EFFICIENT_ATTENTION if device.type == "cuda" else None
 
 
 def pinned_step(backend: SDPBackend | None, step):
@@ -204,6 +191,8 @@ def measure(rank: int, world: int, args, device: torch.device, config=None):
         whole = Qwen3(config, random_weights(config, device, seed=0))  # the same on every rank
         tp = tensor_parallel_qwen3(whole)
         stock = stock_tensor_parallel_qwen3(whole)
+        stock_default_ops = stock.ops
+        stock_anchor_ops = with_repeated_kv_heads(stock.ops)
         one = tp_compatible_qwen3(whole) if rank == 0 else None
         del whole
     backend = stock_sdpa_backend(device)
@@ -238,11 +227,13 @@ def measure(rank: int, world: int, args, device: torch.device, config=None):
             tp_ms = median_ms(partial(decode_step, tp, tp_caches, tp_tokens), device)
             del tp_caches
             stock_caches, stock_tokens = prepared(stock, layout.kv_heads)
+            stock.ops = stock_anchor_ops
             stock_step = partial(decode_step, stock, stock_caches, stock_tokens)
             stock_ms = median_ms(pinned_step(backend, stock_step), device)
             del stock_caches, stock_step
             default_ms = None
             if backend is not None:
+                stock.ops = stock_default_ops
                 stock_caches, stock_tokens = prepared(stock, layout.kv_heads)
                 default_ms = median_ms(
                     partial(decode_step, stock, stock_caches, stock_tokens), device
@@ -270,7 +261,8 @@ def measure(rank: int, world: int, args, device: torch.device, config=None):
                 "context": args.context,
                 "batchinv_tp_ms": tp_ms,
                 "stock_tp_ms": stock_ms,
-                "stock_attention": "SDPA default" if backend is None else f"SDPA {backend.name}",
+                "stock_attention": "SDPA, kv heads repeated, "
+                + ("its own pick" if backend is None else backend.name),
                 "stock_tp_sdpa_default_ms": default_ms,
                 "batchinv_one_gpu_ms": one_ms,
                 "stock_tp_vs_batchinv_tp": stock_ms / tp_ms,

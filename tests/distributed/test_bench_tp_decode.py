@@ -86,9 +86,9 @@ def test_measure_on_gloo(tmp_path):
         assert row["batchinv_tp_ms"] > 0 and row["stock_tp_ms"] > 0
         assert row["batchinv_one_gpu_ms"] > 0
         # on CPU the stock step keeps SDPA's own pick, and no second stock step is timed
-        assert row["stock_attention"] == "SDPA default"
+        assert row["stock_attention"] == "SDPA, kv heads repeated, its own pick"
         assert row["stock_tp_sdpa_default_ms"] is None
-        assert "SDPA default" in summary["anchor"]
+        assert "kv heads repeated" in summary["anchor"]
         assert row["stock_tp_vs_batchinv_tp"] == row["stock_tp_ms"] / row["batchinv_tp_ms"]
         assert summary["ratio"] == row["stock_tp_vs_batchinv_tp"]
         assert summary["goal"] is None

@@ -137,6 +137,38 @@ def test_stock_ops_are_a_different_path():
     )
 
 
+def test_stock_decode_with_repeated_kv_heads(monkeypatch):
+    """``with_repeated_kv_heads``: the stock cached attention hands SDPA one kv head per query
+    head (no ``enable_gqa``), as transformers does with a mask, and decodes the same logits."""
+    from batchinv.models.qwen3 import ops as qwen3_ops
+
+    model = Qwen3.from_config(seed=0, dtype=torch.float32)
+    table = qwen3_ops.with_repeated_kv_heads(qwen3_ops.STOCK_OPS)
+    assert table.name == "stock-repeat-kv"
+    seen = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(q, k, v, **kwargs):
+        seen.append((q.shape[1], k.shape[1], kwargs["enable_gqa"]))
+        return sdpa(q, k, v, **kwargs)
+
+    ids = token_ids(2, 9, seed=1)
+    logits = {}
+    with torch.no_grad():
+        for name, ops in (("gqa", qwen3_ops.STOCK_OPS), ("repeat", table)):
+            caches = model.new_caches(2, 16)
+            model(ids[:, :8], caches=caches, ops=ops)
+            seen.clear()
+            monkeypatch.setattr(qwen3_ops.F, "scaled_dot_product_attention", spy)
+            logits[name] = model(ids[:, 8:], caches=caches, ops=ops)
+            monkeypatch.undo()
+            heads = CONFIG.num_attention_heads
+            kv_heads = CONFIG.num_key_value_heads
+            want = (heads, heads, False) if name == "repeat" else (heads, kv_heads, True)
+            assert seen and all(call == want for call in seen), (name, seen)
+    assert_within_tolerance(logits["repeat"], logits["gqa"], op_class=LOGITS_CLASS)
+
+
 @pytest.mark.parametrize("sharded", [False, True])
 def test_from_pretrained_round_trip(tmp_path, sharded):
     model = Qwen3.from_config(seed=1, dtype=torch.bfloat16)

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Sequence
+from dataclasses import replace
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -225,15 +227,22 @@ def _stock_rope(q, k, position_ids, *, theta, head_dim, max_position):
     return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 
-def _sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool) -> Tensor:
-    """SDPA on ``[B, S, H, d]`` layouts (GQA through ``enable_gqa``)."""
+def _sdpa(
+    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool, repeat_kv: bool = False
+) -> Tensor:
+    """SDPA on ``[B, S, H, d]`` layouts: GQA through ``enable_gqa``, or with ``repeat_kv``
+    each kv head repeated for its query heads first (transformers' SDPA path where a mask is
+    given: ``enable_gqa`` with a mask leaves SDPA only its math backend)."""
+    if repeat_kv and k.shape[2] != q.shape[2]:
+        group = q.shape[2] // k.shape[2]
+        k, v = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
     out = F.scaled_dot_product_attention(
         q.transpose(1, 2),
         k.transpose(1, 2),
         v.transpose(1, 2),
         attn_mask=mask,
         is_causal=causal and mask is None,
-        enable_gqa=True,
+        enable_gqa=not repeat_kv,
     )
     return out.transpose(1, 2)
 
@@ -282,8 +291,11 @@ def _stock_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal):
     return out[0]
 
 
-def _stock_attention_with_kv_cache(q, k_new, v_new, cache, seq_ids, *, seqlens_new, causal):
-    """Append to the cache, then SDPA over the cached keys with a length/causal mask."""
+def _stock_attention_with_kv_cache(
+    q, k_new, v_new, cache, seq_ids, *, seqlens_new, causal, repeat_kv=False
+):
+    """Append to the cache, then SDPA over the cached keys with a length/causal mask
+    (``repeat_kv``: see ``_sdpa``)."""
     if not isinstance(cache, KVCache):
         raise TypeError(f"cache must be a batchinv KVCache, got {type(cache).__name__}")
     ids = seq_ids if seq_ids is not None else torch.arange(cache.batch, device=cache.k.device)
@@ -301,7 +313,19 @@ def _stock_attention_with_kv_cache(q, k_new, v_new, cache, seq_ids, *, seqlens_n
         k = torch.where(valid, k, torch.zeros((), dtype=k.dtype, device=k.device))
         v = torch.where(valid, v, torch.zeros((), dtype=v.dtype, device=v.device))
     positions = before[:, None] + torch.arange(q.shape[1], device=q.device)[None, :]
-    return _sdpa(q, k, v, _visibility_mask(positions, lengths, longest, causal), causal)
+    mask = _visibility_mask(positions, lengths, longest, causal)
+    return _sdpa(q, k, v, mask, causal, repeat_kv=repeat_kv)
+
+
+def with_repeated_kv_heads(table: Qwen3Ops) -> Qwen3Ops:
+    """``table`` (a stock table) with its cached attention repeating each kv head for its
+    query heads before SDPA, as transformers does: the form SDPA's mem-efficient backend
+    takes (``enable_gqa`` with a mask leaves only the math backend)."""
+    return replace(
+        table,
+        name=f"{table.name}-repeat-kv",
+        attention_with_kv_cache=partial(_stock_attention_with_kv_cache, repeat_kv=True),
+    )
 
 
 def _stock_linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
