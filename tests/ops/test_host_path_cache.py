@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import batchinv
+from _fake_kernels import FakeKernel
 from batchinv import registry
 from batchinv.gpu import attention as gpu_attention
 from batchinv.gpu import attention_hopper, linear_cublaslt
@@ -19,28 +20,6 @@ from batchinv.gpu import linear as gpu_linear
 from batchinv.gpu import log_softmax as gpu_log_softmax
 
 DTYPE = torch.bfloat16
-
-
-class FakeKernel:
-    """A kernel that records each launch with its pointers as ints (the general path passes
-    tensors, the lean path their addresses)."""
-
-    def __init__(self, name: str, launches: list):
-        self.name = name
-        self._launches = launches
-
-    def __call__(
-        self, grid, block, args, shared_mem=0, stream=None, device=None, programmatic=False
-    ):
-        args = tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args)
-        record = (self.name, tuple(grid), tuple(block), args, shared_mem, stream, programmatic)
-        self._launches.append(record)
-
-    def attributes(self, device_index):
-        return {"max_dynamic_shared_bytes": 1 << 20, "static_shared_bytes": 0}
-
-    def set_max_dynamic_shared_memory(self, nbytes, device=None):
-        pass
 
 
 def _walk(value):

@@ -10,21 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from _fake_kernels import FakeKernel
 from batchinv.gpu import rms_norm as gpu_rms_norm
-
-
-class FakeKernel:
-    def __init__(self, name: str, launches: list):
-        self.name = name
-        self._launches = launches
-
-    def __call__(
-        self, grid, block, args, shared_mem=0, stream=None, device=None, programmatic=False
-    ):
-        args = tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args)
-        self._launches.append(
-            (self.name, tuple(grid), tuple(block), args, shared_mem, programmatic)
-        )
 
 
 @pytest.fixture
@@ -64,7 +51,7 @@ def _kind(name: str) -> str:
 
 
 def _without_fresh(record):
-    name, grid, block, args, shared, programmatic = record
+    name, grid, block, args, shared, _stream, programmatic = record
     fresh = _FRESH[_kind(name)]
     kept = tuple(0 if i in fresh else a for i, a in enumerate(args))
     return name, grid, block, kept, shared, programmatic
@@ -73,7 +60,7 @@ def _without_fresh(record):
 def _chain(records) -> list[tuple[str, int]]:
     """Each weight-gradient launch's input buffer as the index of the launch that wrote it."""
     written, chain = {}, []
-    for i, (name, _, _, args, _, _) in enumerate(records):
+    for i, (name, _, _, args, _, _, _) in enumerate(records):
         kind = _kind(name)
         if kind in ("rms_norm_weight_grad_reduce", "rms_norm_weight_grad_last_levels"):
             chain.append((kind, written[args[1]]))
@@ -145,7 +132,7 @@ def test_reduce_levels_are_kept_and_launched_programmatically(launches, monkeypa
     kinds = [_kind(r[0]) for r in launches]
     assert kinds.count("rms_norm_weight_grad_reduce") >= 2
     reduce_and_last = [r for r in launches if _kind(r[0]).endswith(("reduce", "last_levels"))]
-    assert all(r[5] for r in reduce_and_last)  # programmatic, as the general path launches them
+    assert all(r[6] for r in reduce_and_last)  # programmatic, as the general path launches them
     assert None not in gpu_rms_norm._LEAN_BACKWARD.values()
 
 

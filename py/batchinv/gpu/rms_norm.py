@@ -723,9 +723,7 @@ def _switches() -> tuple:
     )
 
 
-def _lean_backward_plan(
-    x: Tensor, weight: Tensor, residual_grad: bool, weight_grad: bool
-) -> _LeanBackward | None:
+def _lean_backward_plan(x: Tensor, weight: Tensor, weight_grad: bool) -> _LeanBackward | None:
     """``backward``'s launches for contiguous operands, or None where it takes the fused
     kernel (or has no rows)."""
     d = x.shape[-1]
@@ -816,7 +814,7 @@ def _lean_backward(
     key += (weight_grad, index, _switches())
     plan = _LEAN_BACKWARD.get(key, _NO_PLAN)
     if plan is _NO_PLAN:
-        plan = _lean_backward_plan(x, weight, grad_residual is not None, weight_grad)
+        plan = _lean_backward_plan(x, weight, weight_grad)
         if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
             if len(_LEAN_BACKWARD) >= _MAX_LEAN_BACKWARD:
                 _LEAN_BACKWARD.clear()
