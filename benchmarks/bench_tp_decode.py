@@ -14,10 +14,11 @@ from ``token_logprobs`` instead, and refuses TP tables).  Three rows per case, o
   ``F.linear`` of the K shard + NCCL's bf16 ``all_reduce``; the logits column-parallel and
   all_gathered), the same shards, its cached attention as transformers runs SDPA with a mask
   (kv heads repeated: ``with_repeated_kv_heads``) and, on CUDA, pinned to SDPA's
-  mem-efficient backend.  SDPA's own pick for that call on Hopper is cuDNN, which builds a
-  new plan for every key length, so every decode step would pay a plan build that a serving
-  engine's decode kernel does not; ``STOCK_OPS`` as it is (``enable_gqa``, SDPA's own pick)
-  is timed too (``stock_tp_sdpa_default_ms``, CUDA only) but is not the anchor;
+  mem-efficient backend.  SDPA's own pick for that call on Hopper is cuDNN, whose forward
+  took tens of milliseconds of host time per decode step in torch's profiler (the key length
+  changes every step; a new plan per length would explain it, not checked), a cost a serving
+  engine's decode kernel does not pay; ``STOCK_OPS`` as it is (``enable_gqa``, SDPA's own
+  pick) is timed too (``stock_tp_sdpa_default_ms``, CUDA only) but is not the anchor;
 - batchinv on one GPU with ``tp_compatible_ops`` (rank 0 only), for reference.
 
 Every step is eager: the CUDA-graph decode runner (``Qwen3DecodeRunner``) runs the single-GPU
