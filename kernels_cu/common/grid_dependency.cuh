@@ -8,6 +8,8 @@
 // silu_mul's forward, attention's combine) let it launch early.
 #pragma once
 
+#include "portability.cuh"
+
 namespace batchinv {
 
 __device__ __forceinline__ void grid_launch_dependents() {
