@@ -823,6 +823,7 @@ template <typename Codec, int D>
 __device__ __forceinline__ void attn_combine(const float* ws, void* out, float* lse, const int* q_start,
                                              const int* q_len, const int* k_len, int64_t out_row, int64_t out_head,
                                              int tq, int hq, int causal) {
+    grid_launch_dependents();  // a prefetching small-M linear (o_proj) may start
     const int qi = blockIdx.x;
     const int h = blockIdx.y;
     const int b = blockIdx.z;

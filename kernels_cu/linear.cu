@@ -53,6 +53,7 @@
 //   own order, fixed the same way).  Grid (ceil(N/32), ceil(M/64)); block 128.
 // - linear_simt_*: that SIMT loop in every build (CUDA and HIP): one FMA chain per output over k
 //   in increasing order.  HIP's linear runs it; on NVIDIA it lets tests run HIP's arithmetic.
+#include "common/grid_dependency.cuh"
 #include "common/hopper_gemm.cuh"
 #include "common/mma_sync.cuh"
 
@@ -216,10 +217,31 @@ __device__ __forceinline__ void small_m_k_range(const TensorMap& map_x, const Te
 
     if (warp == kWarps) {  // the producer warp
         if (lane == 0) {
-            for (int kt = 0; kt < k_tiles; ++kt) {
+            // The weight's first stages are requested before griddepcontrol.wait, x's only after
+            // it: with a programmatic launch (the host's weight prefetch, gpu/linear.py) the
+            // weight streams in while the previous kernel, which writes x, still runs.  Without
+            // one the wait returns at once; the stages hold the same bytes either way.
+            const int first = k_tiles < STAGES ? k_tiles : STAGES;
+            for (int kt = 0; kt < first; ++kt) {
+                barrier_expect_bytes(&full[kt], kStageWBytes + kStageXBytes);
+#pragma unroll
+                for (int b = 0; b < kBoxes; ++b) {
+                    const int k = k_begin + kt * STAGE_K + b * kTileK;  // past K the box arrives as zeros
+                    tma_load_2d(tiles_w + kt * kStageWBytes + b * kBoxWBytes, map_w, &full[kt], k, n0);
+                }
+            }
+            grid_wait_primary();
+            for (int kt = 0; kt < first; ++kt) {
+#pragma unroll
+                for (int b = 0; b < kBoxes; ++b) {
+                    const int k = k_begin + kt * STAGE_K + b * kTileK;
+                    tma_load_2d(tiles_x + kt * kStageXBytes + b * kBoxXBytes, map_x, &full[kt], k, m0);
+                }
+            }
+            for (int kt = first; kt < k_tiles; ++kt) {
                 const int s = kt % STAGES;
                 const int round = kt / STAGES;
-                if (round > 0) barrier_wait(&empty[s], (round - 1) & 1);
+                barrier_wait(&empty[s], (round - 1) & 1);
                 barrier_expect_bytes(&full[s], kStageWBytes + kStageXBytes);
 #pragma unroll
                 for (int b = 0; b < kBoxes; ++b) {
@@ -231,6 +253,9 @@ __device__ __forceinline__ void small_m_k_range(const TensorMap& map_x, const Te
         }
         return;
     }
+    // The epilogue reads the bias and writes out, which the previous kernel may still read
+    // under a programmatic launch (see the producer above).
+    grid_wait_primary();
 
     // ldmatrix addresses: x4 gives the A fragment (rows 0-7 / 8-15 by k 0-7 / 8-15 of the
     // warp's 16 weight rows), x2 the B fragment (8 tokens by k 0-7 / 8-15).

@@ -159,7 +159,9 @@ static_assert(kChunkBytes == sizeof(Chunk16<F32Codec>), "a row chunk is one 16-b
 
 // The partial rows of grad_weight's levels are handed on by programmatic dependent launch
 // (common/grid_dependency.cuh): the next level's launch overlaps the end of the grid that
-// writes them.
+// writes them.  The forward entries let the next grid launch at once: only a grid that
+// waits (griddepcontrol.wait) before it reads their output is ever launched that way after
+// them (the small-M linear under a weight prefetch, linear.cu).
 
 struct ForwardArgs {
     void* y;
@@ -1354,6 +1356,7 @@ __device__ __forceinline__ void weight_grad_last_levels(typename Codec::storage*
         const batchinv::rms::ForwardArgs args{y,        new_residual, rstd, x,        residual,  \
                                               weight,   rows,         d,    x_stride,            \
                                               residual_stride, eps};                             \
+        batchinv::grid_launch_dependents(); /* a prefetching small-M linear may start */         \
         batchinv::rms::forward_kernel<CODEC, T, K, STREAMING, FUSED>(args);                      \
     }
 
@@ -1382,6 +1385,7 @@ __device__ __forceinline__ void weight_grad_last_levels(typename Codec::storage*
         const batchinv::rms::ForwardArgs args{y,        new_residual, rstd, x,        residual,  \
                                               weight,   rows,         d,    x_stride,            \
                                               residual_stride, eps};                             \
+        batchinv::grid_launch_dependents(); /* a prefetching small-M linear may start */         \
         batchinv::rms::forward_vector_kernel<CODEC, T, K, FUSED>(args);                          \
     }
 

@@ -39,6 +39,7 @@
 // value on an H200; tests/gpu/test_silu_mul_cuda.py checks them side by side).
 #include "common/approx.cuh"
 #include "common/chunk16.cuh"
+#include "common/grid_dependency.cuh"
 #include "common/portability.cuh"
 
 
@@ -363,6 +364,7 @@ __device__ __forceinline__ void backward(const BackwardArgs& a) {
         const batchinv::silu::ForwardArgs args{out,        gate,        up,        rows,        \
                                                inter,      out_stride,  gate_stride, up_stride, \
                                                tiles_per_row, tile_elements};                      \
+        batchinv::grid_launch_dependents(); /* a prefetching small-M linear may start */       \
         batchinv::silu::forward<CODEC>(args);                                                   \
     }                                                                                           \
     extern "C" __global__ void __launch_bounds__(batchinv::silu::kThreads, batchinv::silu::kBackwardMinCtasPerSm) silu_mul_backward_##SUFFIX(              \

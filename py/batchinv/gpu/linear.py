@@ -18,11 +18,13 @@ runs those everywhere).  Both give the same bits: the same k16 steps in the same
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
 import re
-from collections.abc import Callable, Sequence
+import threading
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 from torch import Tensor
@@ -199,6 +201,31 @@ def _aligned(t: Tensor) -> Tensor:
     return t if t.data_ptr() % 16 == 0 else t.clone()
 
 
+_prefetch = threading.local()
+
+
+@contextlib.contextmanager
+def prefetching_weights() -> Iterator[None]:
+    """Inside (this thread), small-M products (``matmul_nt``'s small-M family, ``linear``'s
+    kept launch of it, ``matmul_grouped``) are launched with programmatic dependent launch:
+    their CTAs may start while the previous kernel on the stream runs, request the weight's
+    first stages, and wait for that kernel (griddepcontrol.wait) before they read x, the bias
+    or write the output (kernels_cu/linear.cu).  The same bits.
+
+    Only for code in which the kernel before each such product writes none of its weight
+    (nor its bias): the decode runner's steps, where the model's weights are read-only."""
+    _prefetch.depth = getattr(_prefetch, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _prefetch.depth -= 1
+
+
+def prefetches_weights() -> bool:
+    """Whether small-M launches on this thread prefetch their weight (``prefetching_weights``)."""
+    return getattr(_prefetch, "depth", 0) > 0
+
+
 def matmul_nt(
     x: Tensor,
     weight: Tensor,
@@ -326,6 +353,7 @@ def _launch_tma_gemm(
         block=(config.threads,),
         args=(map_x, map_w, out, bias_arg, m, n, k),
         shared_mem=config.shared_bytes,
+        programmatic=isinstance(config, SmallMConfig) and prefetches_weights(),
     )
 
 
@@ -373,6 +401,7 @@ class _Lean:
     sizes: tuple[int, int, int]  # m, n, k
     boxes: tuple[str, int, int] | None  # TMA maps: dtype name, box rows of x, of the weight
     maps: tuple[dict, dict]  # address -> encoded TMA map, of x and of the weight
+    small_m: bool = False  # the small-M kernel (may prefetch its weight: prefetching_weights)
 
 
 _LEAN: dict[tuple, _Lean | None] = {}
@@ -407,7 +436,8 @@ def _lean_plan(x: Tensor, weight: Tensor, bias: Tensor | None, path: str) -> _Le
     grid = (-(-n // config.block_n) * -(-m // rows_per_cta),)
     boxes = (_DTYPE_NAMES[x.dtype], rows_per_cta, config.block_n)
     block = (config.threads,)
-    return _Lean(kernel, grid, block, config.shared_bytes, out_shape, (m, n, k), boxes, ({}, {}))
+    shared, small_m = config.shared_bytes, family == "small_m"
+    return _Lean(kernel, grid, block, shared, out_shape, (m, n, k), boxes, ({}, {}), small_m)
 
 
 def _lean_map(lean: _Lean, operand: int, address: int, rows: int, k: int, index: int) -> bytes:
@@ -451,7 +481,8 @@ def forward_no_grad(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Te
                 map_w = _lean_map(lean, 1, w_ptr, n, k, index)
                 args = (map_x, map_w, out.data_ptr(), b_ptr, m, n, k)
             stream = current_raw_stream(index)
-            lean.kernel(lean.grid, lean.block, args, lean.shared, stream, index, False)
+            programmatic = lean.small_m and prefetches_weights()
+            lean.kernel(lean.grid, lean.block, args, lean.shared, stream, index, programmatic)
             return out
     return forward(x, weight, bias)
 
@@ -703,6 +734,7 @@ def _launch_grouped(
             k,
         ),
         shared_mem=config.shared_bytes,
+        programmatic=prefetches_weights(),
     )
     return out
 
@@ -906,7 +938,7 @@ def _run_grouped(
         plan.k,
     )
     stream = current_raw_stream(index)
-    plan.kernel(plan.grid, plan.block, args, plan.shared, stream, index, False)
+    plan.kernel(plan.grid, plan.block, args, plan.shared, stream, index, prefetches_weights())
     return out
 
 

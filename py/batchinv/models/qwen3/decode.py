@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
+from contextlib import nullcontext
 from dataclasses import replace
 
 import torch
@@ -35,6 +36,7 @@ from torch import Tensor
 import batchinv
 
 from ... import device_checks
+from ...gpu import linear as gpu_linear
 from ...reference.qwen3_chain import lm_head_weight, qwen3_final_hidden
 from ...static_kv_cache import (
     DeviceStatus,
@@ -117,7 +119,9 @@ class Qwen3DecodeRunner:
     first token; ``step(slots)`` samples the next token of those slots (default: every active
     one); ``tokens(slot)`` / ``logprobs(slot)`` read a slot's sequence and its sampled tokens'
     fp32 logprobs; ``release(slot)`` frees it.  ``cuda_graph`` (default: on CUDA) replays steps
-    from graphs captured on first use of each bucket.
+    from graphs captured on first use of each bucket.  ``prefetch_weights`` (default True): a
+    step's small-M products start streaming their weight while the kernel before them runs
+    (``gpu.linear.prefetching_weights``; the same bits, False to launch them in stream order).
     """
 
     def __init__(
@@ -129,6 +133,7 @@ class Qwen3DecodeRunner:
         temperature: float | None = None,
         buckets: Sequence[int] | None = None,
         cuda_graph: bool | None = None,
+        prefetch_weights: bool = True,
     ):
         config = model.config
         for name, value in (("max_batch", max_batch), ("capacity", capacity)):
@@ -148,6 +153,9 @@ class Qwen3DecodeRunner:
             cuda_graph = device.type == "cuda"
         if cuda_graph and device.type != "cuda":
             raise ValueError(f"cuda_graph=True needs a model on a CUDA device, got {device}")
+        if not isinstance(prefetch_weights, bool):
+            kind = type(prefetch_weights).__name__
+            raise TypeError(f"prefetch_weights must be a bool, got {kind}")
         buckets = tuple(sorted(set(default_buckets(max_batch) if buckets is None else buckets)))
         if not buckets or any(not isinstance(b, int) or b <= 0 for b in buckets):
             raise ValueError(f"buckets must be positive ints, got {buckets!r}")
@@ -161,6 +169,7 @@ class Qwen3DecodeRunner:
         self.temperature = temperature
         self.buckets = buckets
         self.cuda_graph = cuda_graph
+        self.prefetch_weights = prefetch_weights
         self.cache = StaticKVCache(
             config.num_hidden_layers,
             max_batch,
@@ -303,7 +312,10 @@ class Qwen3DecodeRunner:
         raise ValueError(f"{n} slots exceed the largest bucket ({self.buckets[-1]})")
 
     def _step_body(self, bucket: int) -> None:
-        with device_checks.deferred():  # the public ops' value checks: no sync in a step
+        # The public ops' value checks: no sync in a step.  The weights are read-only in a
+        # step, so the small-M products may stream theirs while the kernel before them runs.
+        prefetch = gpu_linear.prefetching_weights() if self.prefetch_weights else nullcontext()
+        with device_checks.deferred(), prefetch:
             self._run_step(bucket)
 
     def _run_step(self, bucket: int) -> None:
