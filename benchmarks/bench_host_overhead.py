@@ -19,8 +19,8 @@ the checks are read once afterwards), each row labelled.
 The backward rows time one ``torch.autograd.grad(out, inputs, grad_out)`` of an output
 recorded once (``retain_graph``), at ``BACKWARD_TOKENS`` tokens, against the same call on the
 torch code's output: the host time of the autograd engine and the op's backward, launch to
-launch, with the same goal.  ``embedding``'s backward sizes its segment arrays by the token
-count, so it reads nothing back (no synchronisation per call).
+launch, with the same goal.  ``embedding``'s backward finds the runs of equal ids in its
+kernel, so it reads nothing back (no synchronisation per call).
 
 ``--profile DIR`` also writes a cProfile table per batchinv op and backward (the functions
 the host time goes to).

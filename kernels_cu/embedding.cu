@@ -25,15 +25,16 @@
 //   increasing position order, rounded once.  No atomics, so the result does not depend on
 //   scheduling, and no other id's occurrences change it.
 //
-// Backward, strided: the same sums over segment arrays of a static length, so that the
-// caller builds them without reading the number of distinct ids back to the host.
-//   segment_offsets  [num_segments + 1], segment_ids [num_segments]: the real segments
-//                    first, then empty ones (offset off[num_segments]); an empty segment
-//                    writes nothing, and the first one ends the CTA's walk
-//   Launch: grid = (any x >= 1, ceil(hidden / block.x)), any block.x; CTA x takes the
-//   segments x, x + grid.x, ...
-//   Invariance: each (segment, column) is summed by one thread with the same sequential
-//   sum as above (segment_sum); the grid only decides which thread, never the adds' order.
+// Backward, runs: the same sums, with the runs of equal ids found in the sorted ids
+// themselves, so the caller builds no segment arrays and reads nothing back to the host.
+//   sorted_ids       [num_ids] i64   the ids in sorted order (the stable sort's keys)
+//   sorted_positions [num_ids] i64   their positions, as above
+//   The run [begin, end) of one id is summed where the walk reaches `begin` (begin = 0, or
+//   sorted_ids[begin - 1] differs); an id outside [0, vocab) writes nothing.
+//   Launch: grid = (any x >= 1, ceil(hidden / block.x)), any block.x; CTA x takes the sorted
+//   positions x, x + grid.x, ... and sums the runs that start there.
+//   Invariance: each (run, column) is summed by one thread with segment_sum, as above; the
+//   grid only decides which thread, never the adds' order.
 #include "common/portability.cuh"
 
 namespace batchinv {
@@ -119,18 +120,20 @@ __device__ __forceinline__ void embedding_backward(typename Codec::storage* grad
 }
 
 template <typename Codec>
-__device__ __forceinline__ void embedding_backward_strided(
-    typename Codec::storage* grad_weight, const typename Codec::storage* grad_out,
-    const int64_t* sorted_positions, const int64_t* segment_offsets, const int64_t* segment_ids,
-    int64_t num_segments, int64_t hidden, int64_t vocab) {
+__device__ __forceinline__ void embedding_backward_runs(typename Codec::storage* grad_weight,
+                                                        const typename Codec::storage* grad_out,
+                                                        const int64_t* sorted_ids,
+                                                        const int64_t* sorted_positions,
+                                                        int64_t num_ids, int64_t hidden,
+                                                        int64_t vocab) {
     const int64_t column = static_cast<int64_t>(blockIdx.y) * blockDim.x + threadIdx.x;
     if (column >= hidden) return;
-    for (int64_t segment = blockIdx.x; segment < num_segments; segment += gridDim.x) {
-        const int64_t begin = segment_offsets[segment];
-        const int64_t end = segment_offsets[segment + 1];
-        if (begin >= end) return;  // the padding: every later segment is empty too
-        const int64_t id = segment_ids[segment];
+    for (int64_t begin = blockIdx.x; begin < num_ids; begin += gridDim.x) {
+        const int64_t id = sorted_ids[begin];
+        if (begin > 0 && sorted_ids[begin - 1] == id) continue;  // inside a run: its start sums it
         if (id < 0 || id >= vocab) continue;
+        int64_t end = begin + 1;
+        while (end < num_ids && sorted_ids[end] == id) ++end;
         grad_weight[id * hidden + column] = Codec::store(
             segment_sum<Codec>(grad_out, sorted_positions, begin, end, hidden, column));
     }
@@ -165,16 +168,14 @@ BATCHINV_EMBEDDING_BACKWARD(bf16, batchinv::Bf16Codec)
 BATCHINV_EMBEDDING_BACKWARD(f16, batchinv::F16Codec)
 BATCHINV_EMBEDDING_BACKWARD(f32, batchinv::F32Codec)
 
-#define BATCHINV_EMBEDDING_BACKWARD_STRIDED(SUFFIX, CODEC)                                   \
-    extern "C" __global__ void embedding_backward_strided_##SUFFIX(                          \
-        CODEC::storage* grad_weight, const CODEC::storage* grad_out,                          \
-        const int64_t* sorted_positions, const int64_t* segment_offsets,                      \
-        const int64_t* segment_ids, int64_t num_segments, int64_t hidden, int64_t vocab) {    \
-        batchinv::embedding_backward_strided<CODEC>(grad_weight, grad_out, sorted_positions,  \
-                                                    segment_offsets, segment_ids,             \
-                                                    num_segments, hidden, vocab);             \
+#define BATCHINV_EMBEDDING_BACKWARD_RUNS(SUFFIX, CODEC)                                      \
+    extern "C" __global__ void embedding_backward_runs_##SUFFIX(                             \
+        CODEC::storage* grad_weight, const CODEC::storage* grad_out, const int64_t* sorted_ids, \
+        const int64_t* sorted_positions, int64_t num_ids, int64_t hidden, int64_t vocab) {    \
+        batchinv::embedding_backward_runs<CODEC>(grad_weight, grad_out, sorted_ids,           \
+                                                 sorted_positions, num_ids, hidden, vocab);   \
     }
 
-BATCHINV_EMBEDDING_BACKWARD_STRIDED(bf16, batchinv::Bf16Codec)
-BATCHINV_EMBEDDING_BACKWARD_STRIDED(f16, batchinv::F16Codec)
-BATCHINV_EMBEDDING_BACKWARD_STRIDED(f32, batchinv::F32Codec)
+BATCHINV_EMBEDDING_BACKWARD_RUNS(bf16, batchinv::Bf16Codec)
+BATCHINV_EMBEDDING_BACKWARD_RUNS(f16, batchinv::F16Codec)
+BATCHINV_EMBEDDING_BACKWARD_RUNS(f32, batchinv::F32Codec)

@@ -1,6 +1,6 @@
-"""The embedding backward's sync-free path (static segments, the strided kernel): bitwise the
-``torch.unique_consecutive`` path it replaces, no host sync, and captured in a CUDA graph,
-replayed with new ids, the eager bits."""
+"""The embedding backward's sync-free path (the runs kernel, which finds the runs of equal ids
+in the sorted ids): bitwise the ``torch.unique_consecutive`` path, no host sync, and captured
+in a CUDA graph, replayed with new ids, the eager bits."""
 
 from __future__ import annotations
 
@@ -79,8 +79,8 @@ def test_out_of_range_ids_are_dropped_as_on_the_unique_path(dtype, id_dtype, tok
 @pytest.mark.parametrize(
     "ids",
     (
-        [5] * 4096,  # one segment, 4095 padding ones
-        list(range(EXTREME_VOCAB)),  # no padding at all
+        [5] * 4096,  # one run: one position starts it, 4095 are inside it
+        list(range(EXTREME_VOCAB)),  # every position starts a run
         [-1, EXTREME_VOCAB, 2**40, -1],  # only out-of-range ids: nothing written
     ),
     ids=("all equal", "all distinct", "only out of range"),
@@ -105,10 +105,10 @@ def test_full_vocabulary_at_16k_tokens():
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_ctas_that_walk_several_segments_give_the_same_bits(dtype):
-    # hidden 4097: 33 column blocks, so 992 CTAs along ~6500 distinct ids, 6 or 7 each.
+def test_ctas_that_walk_several_runs_give_the_same_bits(dtype):
+    # hidden 4097: 33 column blocks, so 992 CTAs along 8192 sorted ids, 8 or 9 each.
     vocab, hidden, tokens = 50000, 4097, 8192
-    assert gpu_embedding.strided_grid_x(tokens, hidden) == 992
+    assert gpu_embedding.runs_grid_x(tokens, hidden) == 992
     ids = torch.randperm(vocab, device=DEVICE, generator=_seeded(27))[:tokens]
     ids[::5] = 7
     grad = _grad(tokens, hidden, dtype, seed=28)
@@ -123,19 +123,19 @@ def test_autograd_uses_the_static_path_and_matches_the_unique_one(dtype, monkeyp
     grad = _grad(1024, HIDDEN, dtype, seed=9).view(4, 256, HIDDEN)
     leaf = torch.randn(VOCAB, HIDDEN, device=DEVICE, generator=_seeded(10)).to(dtype)
     leaf.requires_grad_()
-    strided_launches = []
-    launch_strided = gpu_embedding._launch_strided
+    runs_launches = []
+    launch_runs = gpu_embedding._launch_runs
 
     def counted(*args):
-        strided_launches.append(1)
-        launch_strided(*args)
+        runs_launches.append(1)
+        launch_runs(*args)
 
-    monkeypatch.setattr(gpu_embedding, "_launch_strided", counted)
+    monkeypatch.setattr(gpu_embedding, "_launch_runs", counted)
     (static,) = torch.autograd.grad(batchinv.embedding(ids, leaf), leaf, grad)
-    assert len(strided_launches) == 1  # the default
+    assert len(runs_launches) == 1  # the default
     monkeypatch.setattr(gpu_embedding, "BACKWARD_SEGMENTS", "unique")
     (unique,) = torch.autograd.grad(batchinv.embedding(ids, leaf), leaf, grad)
-    assert len(strided_launches) == 1
+    assert len(runs_launches) == 1
     assert_bitwise_equal(static, unique)
 
 

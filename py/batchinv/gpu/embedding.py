@@ -8,8 +8,8 @@ capture or ``device_checks.deferred()`` the kernel writes the device's persisten
 by ``device_checks.raise_device_errors()``.  The backward
 drops the gradient of an out-of-range id (the kernel writes nothing for it), so no
 combination of flags lets it store outside ``grad_weight``.  It reads nothing back from the
-device (its segment arrays have the token count's size), so it can be captured in a CUDA
-graph.
+device (its kernel finds the runs of equal ids in the sorted ids), so it can be captured in a
+CUDA graph.
 """
 
 from __future__ import annotations
@@ -29,13 +29,13 @@ _BACKWARD_KERNELS = {
     torch.float16: "embedding_backward_f16",
     torch.float32: "embedding_backward_f32",
 }
-_STRIDED_KERNELS = {
-    torch.bfloat16: "embedding_backward_strided_bf16",
-    torch.float16: "embedding_backward_strided_f16",
-    torch.float32: "embedding_backward_strided_f32",
+_RUNS_KERNELS = {
+    torch.bfloat16: "embedding_backward_runs_bf16",
+    torch.float16: "embedding_backward_runs_f16",
+    torch.float32: "embedding_backward_runs_f32",
 }
 _BACKWARD_THREADS = 128  # one thread per gradient column
-_STRIDED_CTAS = 32768
+_RUNS_CTAS = 32768
 # How ``backward`` finds the segments of equal ids: "static" (no host sync, capturable) or
 # "unique" (one sync per call); the same bits either way.  Kept switchable for the benchmark
 # and for the test that compares the two.
@@ -156,10 +156,11 @@ def backward(
     increasing position order, rounded once; out-of-range ids dropped.
 
     ``segments`` (default ``BACKWARD_SEGMENTS``) picks how the runs of equal sorted ids are
-    found, with the same sums either way: ``"static"`` builds arrays of the token count,
-    padded with empty segments, so nothing is read back to the host and the call can be
-    captured in a CUDA graph; ``"unique"`` (``torch.unique_consecutive``) sizes them to the
-    number of distinct ids, which costs one synchronisation per call."""
+    found, with the same sums either way: ``"static"`` lets the kernel find them in the
+    sorted ids (``embedding_backward_runs``), so nothing is read back to the host and the
+    call can be captured in a CUDA graph; ``"unique"`` (``torch.unique_consecutive``) sizes
+    the segment arrays to the number of distinct ids, which costs one synchronisation per
+    call."""
     segments = BACKWARD_SEGMENTS if segments is None else segments
     if segments not in ("static", "unique"):
         raise ValueError(f"segments must be 'static' or 'unique', not {segments!r}")
@@ -169,19 +170,10 @@ def backward(
     grad_weight = torch.zeros(num_embeddings, hidden, dtype=dtype, device=grad_out.device)
     if flat_ids.numel() == 0 or hidden == 0:
         return grad_weight
-    # A stable sort keeps equal ids in increasing position order: the order of the sums.  It
-    # writes the ids into a buffer one longer, whose last entry is the padding segments' id.
-    tokens = flat_ids.numel()
-    padded_ids = torch.empty(tokens + 1, dtype=torch.int64, device=grad_out.device)
-    sorted_ids = padded_ids[:tokens]
-    sorted_positions = torch.empty(tokens, dtype=torch.int64, device=grad_out.device)
-    torch.sort(flat_ids, stable=True, out=(sorted_ids, sorted_positions))
+    # A stable sort keeps equal ids in increasing position order: the order of the sums.
+    sorted_ids, sorted_positions = torch.sort(flat_ids, stable=True)
     if segments == "static":
-        padded_ids[tokens:].fill_(num_embeddings)
-        segment_offsets, segment_ids = static_segments(
-            sorted_ids, num_embeddings, padded_ids=padded_ids
-        )
-        _launch_strided(grad_weight, grad_rows, sorted_positions, segment_offsets, segment_ids)
+        _launch_runs(grad_weight, grad_rows, sorted_ids, sorted_positions)
     else:
         segment_ids, counts = torch.unique_consecutive(sorted_ids, return_counts=True)
         segment_offsets = torch.zeros(counts.numel() + 1, dtype=torch.int64, device=grad_out.device)
@@ -205,47 +197,23 @@ def backward(
     return grad_weight
 
 
-def static_segments(
-    sorted_ids: Tensor, num_embeddings: int, *, padded_ids: Tensor | None = None
-) -> tuple[Tensor, Tensor]:
-    """``(segment_offsets [n + 1], segment_ids [n])`` of the ``n`` sorted ids, built on their
-    device without a synchronisation.  The ``d`` runs of equal ids come first, as
-    ``torch.unique_consecutive`` gives them; the ``n - d`` segments after them are empty
-    (offsets ``n``) with id ``num_embeddings``, which the kernel never writes.  ``padded_ids``:
-    the sorted ids followed by ``num_embeddings`` (``n + 1``), where the caller has them."""
-    n = sorted_ids.numel()
-    is_start = torch.ones(n, dtype=torch.bool, device=sorted_ids.device)
-    torch.ne(sorted_ids[1:], sorted_ids[:-1], out=is_start[1:])
-    # At most n starts, so the last of the n + 1 entries is always the fill: the end offset.
-    segment_offsets = torch.nonzero_static(is_start, size=n + 1, fill_value=n).view(n + 1)
-    # The id at offset n (a padding segment's start) is the appended num_embeddings.
-    if padded_ids is None:
-        padded_ids = torch.nn.functional.pad(sorted_ids, (0, 1), value=num_embeddings)
-    return segment_offsets, torch.index_select(padded_ids, 0, segment_offsets[:n])
-
-
-def _launch_strided(
-    grad_weight: Tensor,
-    grad_rows: Tensor,
-    sorted_positions: Tensor,
-    segment_offsets: Tensor,
-    segment_ids: Tensor,
+def _launch_runs(
+    grad_weight: Tensor, grad_rows: Tensor, sorted_ids: Tensor, sorted_positions: Tensor
 ) -> None:
-    num_segments = segment_ids.numel()
+    num_ids = sorted_ids.numel()
     vocab, hidden = grad_weight.shape
     column_blocks = -(-hidden // _BACKWARD_THREADS)
     device = grad_weight.device
     index = device.index
-    _strided_kernel(grad_weight.dtype, device)(
-        (strided_grid_x(num_segments, hidden), column_blocks),
+    _runs_kernel(grad_weight.dtype, device)(
+        (runs_grid_x(num_ids, hidden), column_blocks),
         (_BACKWARD_THREADS,),
         (
             grad_weight.data_ptr(),
             grad_rows.data_ptr(),
+            sorted_ids.data_ptr(),
             sorted_positions.data_ptr(),
-            segment_offsets.data_ptr(),
-            segment_ids.data_ptr(),
-            num_segments,
+            num_ids,
             hidden,
             vocab,
         ),
@@ -256,15 +224,15 @@ def _launch_strided(
     )
 
 
-def strided_grid_x(num_segments: int, hidden: int) -> int:
-    """CTAs along the segments for the strided backward, ``_STRIDED_CTAS`` in all at most:
-    a CTA that finds only padding reads two offsets and stops, so padding costs at most that
-    many such CTAs at any token count, while a 132-SM GPU still gets many waves.  Only the
-    speed depends on it, never the bits."""
+def runs_grid_x(num_ids: int, hidden: int) -> int:
+    """CTAs along the sorted ids for the runs backward, ``_RUNS_CTAS`` in all at most: a CTA
+    walks the positions x, x + grid.x, ... and sums the runs that start there, so any count
+    covers them, while a 132-SM GPU still gets many waves.  Only the speed depends on it,
+    never the bits."""
     column_blocks = -(-hidden // _BACKWARD_THREADS)
-    return max(1, min(num_segments, _STRIDED_CTAS // column_blocks))
+    return max(1, min(num_ids, _RUNS_CTAS // column_blocks))
 
 
 @functools.cache
-def _strided_kernel(dtype: torch.dtype, device: torch.device):
-    return kernel_for("embedding", _STRIDED_KERNELS[dtype], device)
+def _runs_kernel(dtype: torch.dtype, device: torch.device):
+    return kernel_for("embedding", _RUNS_KERNELS[dtype], device)
