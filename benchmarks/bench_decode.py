@@ -10,6 +10,8 @@ decode step per token, in ms, each path in the same process:
 - batchinv graphed: ``Qwen3DecodeRunner.step()`` replaying its CUDA graph (host time included:
   wall time of consecutive steps, one sync at the end);
 - batchinv eager: the same runner with ``cuda_graph=False``;
+- batchinv graphed, in order: a runner with ``prefetch_weights=False`` (every launch in stream
+  order: what the weight prefetch of the small-M products buys, docs/decode.md);
 - stock graphed / eager: cuBLAS (``F.linear``), ``F.rms_norm``, rotate-half RoPE, SDPA over a
   static ``[B, Hkv, capacity, d]`` cache with a key mask (what a PyTorch user writes for a
   static cache), captured in a CUDA graph, and eager;
@@ -208,12 +210,38 @@ def check_graph_equals_eager(runner, slots, steps: int = 3) -> bool:
     )
 
 
+def time_runner(model, batch, capacity, context, prefetch):
+    """(graphed steps bitwise equal to eager ones, graphed ms, eager ms) of a runner whose cache
+    starts as after a prefill of ``context`` tokens; eager ms only with ``prefetch``."""
+    from batchinv.models.qwen3.decode import Qwen3DecodeRunner
+
+    runner = Qwen3DecodeRunner(
+        model, max_batch=batch, capacity=capacity, buckets=[batch], prefetch_weights=prefetch
+    )
+    slots = runner.add([[1]] * batch)
+    with torch.no_grad():  # the cache as after a prefill of `context` tokens
+        runner.cache.k.normal_()
+        runner.cache.v.normal_()
+        runner.cache.lengths[torch.tensor(slots, device=runner.device)] = context
+    for s in slots:
+        runner._lengths[s] = context
+    bitwise = check_graph_equals_eager(runner, slots)
+    graphed = wall_ms_per_step(runner.step)
+    eager = None
+    if prefetch:
+        runner.cuda_graph = False
+        eager = wall_ms_per_step(runner.step, steps=10)
+    del runner
+    gc.collect()
+    torch.cuda.empty_cache()
+    return bitwise, graphed, eager
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     from _common import report, require_cuda, summary_row
 
     from batchinv.models.qwen3 import Qwen3, Qwen3Config
-    from batchinv.models.qwen3.decode import Qwen3DecodeRunner
 
     device = require_cuda()
     rate = copy_gb_per_s(device)
@@ -224,22 +252,8 @@ def main(argv=None) -> None:
         config = Qwen3Config(num_hidden_layers=layers, **QWEN3_8B)
         model = Qwen3(config, random_weights(config, device, seed=0))  # holds its own copy
         weights = model.hf_state_dict()
-        runner = Qwen3DecodeRunner(model, max_batch=batch, capacity=capacity, buckets=[batch])
-        slots = runner.add([[1]] * batch)
-        with torch.no_grad():  # the cache as after a prefill of `context` tokens
-            runner.cache.k.normal_()
-            runner.cache.v.normal_()
-            runner.cache.lengths[torch.tensor(slots, device=device)] = context
-        for s in slots:
-            runner._lengths[s] = context
-        bitwise = check_graph_equals_eager(runner, slots)
-        graphed = wall_ms_per_step(runner.step)
-        runner.cuda_graph = False
-        eager = wall_ms_per_step(runner.step, steps=10)
-        runner.cuda_graph = True
-        del runner
-        gc.collect()
-        torch.cuda.empty_cache()
+        in_order = time_runner(model, batch, capacity, context, prefetch=False)[1]
+        bitwise, graphed, eager = time_runner(model, batch, capacity, context, prefetch=True)
 
         stock = StockDecoder(weights, config, layers, batch, capacity, context, device)
         with torch.no_grad():
@@ -272,6 +286,7 @@ def main(argv=None) -> None:
                 "limit_ms": limit,
                 "batchinv_graphed_ms": graphed,
                 "batchinv_eager_ms": eager,
+                "batchinv_graphed_in_order_ms": in_order,
                 "stock_graphed_ms": stock_graphed,
                 "stock_eager_ms": stock_eager,
                 "graphed_vs_stock_graphed": stock_graphed / graphed,
@@ -286,6 +301,9 @@ def main(argv=None) -> None:
             )
         )
         summary.append(summary_row("decode", case, "eager step", eager, "stock eager", stock_eager))
+        summary.append(
+            summary_row("decode", case, "graphed step", graphed, "graphed, in order", in_order)
+        )
         summary.append(
             summary_row("decode", case, "graphed step", graphed, "copy-rate limit", limit)
         )
@@ -303,6 +321,7 @@ def main(argv=None) -> None:
             "limit_ms",
             "batchinv_graphed_ms",
             "batchinv_eager_ms",
+            "batchinv_graphed_in_order_ms",
             "stock_graphed_ms",
             "stock_eager_ms",
             "graphed_vs_stock_graphed",
