@@ -35,6 +35,18 @@
 //   positions x, x + grid.x, ... and sums the runs that start there.
 //   Invariance: each (run, column) is summed by one thread with segment_sum, as above; the
 //   grid only decides which thread, never the adds' order.
+//
+// Backward, the sort of the ids (num_ids <= the host's SORT_MAX_IDS): one CTA sorts the keys
+// (id << 32) + position with a bitonic network in shared memory and writes them back split.
+//   ids              [num_ids] i64
+//   sorted_ids       [num_ids] i64   the ids in increasing order, an id outside [0, vocab)
+//                                    replaced by -1 (the runs kernel drops both alike)
+//   sorted_positions [num_ids] i64   positions in the order of their keys: equal ids keep
+//                                    increasing position order, torch.sort(stable=True)'s
+//   Launch: grid = (1), block = (any power of two <= 1024), dynamic shared memory 8 * keys
+//   bytes, keys = the power of two >= max(num_ids, 2) (padding keys INT64_MAX sort last).
+//   Every key is distinct (its low 32 bits are its position), so the sorted order is the one
+//   total order of the keys whatever the network or the thread count: one result.
 #include "common/portability.cuh"
 
 namespace batchinv {
@@ -139,7 +151,56 @@ __device__ __forceinline__ void embedding_backward_runs(typename Codec::storage*
     }
 }
 
+// Bitonic sort of `keys` ascending in shared memory by the CTA's threads (a power of two).
+__device__ __forceinline__ void bitonic_sort(long long* keys, int keys_count) {
+    for (int size = 2; size <= keys_count; size <<= 1) {
+        for (int stride = size >> 1; stride > 0; stride >>= 1) {
+            for (int i = threadIdx.x; i < keys_count; i += blockDim.x) {
+                const int partner = i ^ stride;
+                if (partner > i) {
+                    const long long a = keys[i];
+                    const long long b = keys[partner];
+                    const bool ascending = (i & size) == 0;
+                    if ((a > b) == ascending) {
+                        keys[i] = b;
+                        keys[partner] = a;
+                    }
+                }
+            }
+            __syncthreads();
+        }
+    }
+}
+
+__device__ __forceinline__ void embedding_sort_ids(const int64_t* ids, int64_t num_ids, int64_t vocab,
+                                                   int64_t* sorted_ids, int64_t* sorted_positions,
+                                                   int keys_count) {
+    extern __shared__ long long keys[];  // [keys_count]
+    for (int i = threadIdx.x; i < keys_count; i += blockDim.x) {
+        long long key = 0x7fffffffffffffffLL;  // padding: after every real key
+        if (i < num_ids) {
+            const int64_t id = ids[i];
+            const long long row = (id >= 0 && id < vocab) ? static_cast<long long>(id) : -1LL;
+            key = static_cast<long long>(static_cast<unsigned long long>(row) << 32) + i;
+        }
+        keys[i] = key;
+    }
+    __syncthreads();
+    bitonic_sort(keys, keys_count);
+    for (int64_t i = threadIdx.x; i < num_ids; i += blockDim.x) {
+        const long long key = keys[i];
+        sorted_ids[i] = key >> 32;  // arithmetic: -1 stays -1
+        sorted_positions[i] = key & 0xffffffffLL;
+    }
+}
+
 }  // namespace batchinv
+
+extern "C" __global__ void __launch_bounds__(1024)
+    embedding_sort_ids(const int64_t* ids, int64_t num_ids, int64_t vocab, int64_t* sorted_ids,
+                       int64_t* sorted_positions, int keys_count) {
+    batchinv::embedding_sort_ids(ids, num_ids, vocab, sorted_ids, sorted_positions, keys_count);
+}
 
 extern "C" __global__ void embedding_forward_i32(uint8_t* out, const uint8_t* weight,
                                                  const int32_t* ids, int64_t num_ids,

@@ -19,7 +19,9 @@ pytestmark = pytest.mark.cuda
 DEVICE = "cuda"
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 ID_DTYPES = (torch.int32, torch.int64)
-TOKENS = (1, 1024, 16384)
+# 1 and 1024 ids: the one-CTA sort kernel; SORT_MAX_IDS its largest case; one more and 16384:
+# torch.sort.
+TOKENS = (1, 1024, gpu_embedding.SORT_MAX_IDS, gpu_embedding.SORT_MAX_IDS + 1, 16384)
 VOCAB, HIDDEN = 3000, 257  # three column blocks, the last one partial
 EXTREME_VOCAB = 4096
 
@@ -43,6 +45,30 @@ def _ids(tokens, vocab, id_dtype, seed, out_of_range=False):
 
 def _grad(tokens, hidden, dtype, seed):
     return torch.randn(tokens, hidden, device=DEVICE, generator=_seeded(seed)).to(dtype)
+
+
+@pytest.mark.parametrize("tokens", (1, 2, 3, 33, 1000, 1024, 1025, 4097, 8192))
+def test_sort_kernel_gives_the_stable_sort(tokens):
+    # embedding_sort_ids against torch.sort(stable=True) of the same ids with every id outside
+    # [0, vocab) written as -1: the same ids and positions (heavy repeats, out-of-range ids on
+    # both sides, sizes on both sides of powers of two), and for strided ids.
+    assert tokens <= gpu_embedding.SORT_MAX_IDS
+    ids = _ids(tokens, VOCAB, torch.int64, seed=20 + tokens, out_of_range=True)
+    for case, view in (("contiguous", ids), ("strided", torch.stack([ids, -ids], 1)[:, 0])):
+        assert gpu_embedding.sort_ids_applies(view.numel(), VOCAB)
+        got_ids, got_positions = gpu_embedding.sort_ids(view, VOCAB)
+        valid = (view >= 0) & (view < VOCAB)
+        want_ids, want_positions = torch.sort(torch.where(valid, view, -1), stable=True)
+        assert torch.equal(got_ids, want_ids), case
+        assert torch.equal(got_positions, want_positions), case
+
+
+def test_sort_kernel_takes_only_what_fits():
+    limit = gpu_embedding.SORT_MAX_IDS
+    assert gpu_embedding.sort_ids_applies(limit, 2**31)
+    assert not gpu_embedding.sort_ids_applies(limit + 1, VOCAB)
+    assert not gpu_embedding.sort_ids_applies(0, VOCAB)
+    assert not gpu_embedding.sort_ids_applies(8, 2**31 + 1)  # ids past the key's 32 bits
 
 
 def _both(ids, grad, vocab, dtype):

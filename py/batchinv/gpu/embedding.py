@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from .. import device_checks
-from ..runtime import current_raw_stream, kernel_for, launch
+from ..runtime import allow_dynamic_shared, current_raw_stream, kernel_for, launch
 from ..validation import report_bad_index
 
 _MAX_GRID_X = 2**31 - 1
@@ -36,6 +36,11 @@ _RUNS_KERNELS = {
 }
 _BACKWARD_THREADS = 128  # one thread per gradient column
 _RUNS_CTAS = 32768
+# The backward sorts at most SORT_MAX_IDS ids with its own one-CTA kernel (embedding_sort_ids:
+# 8 bytes of shared memory per key, 64 KB here) instead of torch.sort: the same order in one
+# launch, where torch.sort's radix sort of int64 keys makes several (host time per call).
+SORT_MAX_IDS = 8192
+_SORT_THREADS = 1024
 # How ``backward`` finds the segments of equal ids: "static" (no host sync, capturable) or
 # "unique" (one sync per call); the same bits either way.  Kept switchable for the benchmark
 # and for the test that compares the two.
@@ -171,7 +176,10 @@ def backward(
     if flat_ids.numel() == 0 or hidden == 0:
         return grad_weight
     # A stable sort keeps equal ids in increasing position order: the order of the sums.
-    sorted_ids, sorted_positions = torch.sort(flat_ids, stable=True)
+    if segments == "static" and sort_ids_applies(flat_ids.numel(), num_embeddings):
+        sorted_ids, sorted_positions = sort_ids(flat_ids, num_embeddings)
+    else:
+        sorted_ids, sorted_positions = torch.sort(flat_ids, stable=True)
     if segments == "static":
         _launch_runs(grad_weight, grad_rows, sorted_ids, sorted_positions)
     else:
@@ -195,6 +203,43 @@ def backward(
             ),
         )
     return grad_weight
+
+
+def sort_ids_applies(num_ids: int, num_embeddings: int) -> bool:
+    """Whether ``sort_ids`` takes these ids: at most ``SORT_MAX_IDS`` (one CTA's shared memory)
+    and ids that fit the key's upper 32 bits."""
+    return 0 < num_ids <= SORT_MAX_IDS and num_embeddings <= 2**31
+
+
+def sort_ids(flat_ids: Tensor, num_embeddings: int) -> tuple[Tensor, Tensor]:
+    """``(sorted_ids, sorted_positions)`` of the int64 ``flat_ids`` in one launch
+    (``embedding_sort_ids``): the order of ``torch.sort(flat_ids, stable=True)``, with every id
+    outside ``[0, num_embeddings)`` replaced by -1 (the runs kernel drops both alike).  Only
+    where ``sort_ids_applies``."""
+    flat_ids = flat_ids.contiguous()  # the kernel reads them by address
+    num_ids = flat_ids.numel()
+    keys = max(2, 1 << (num_ids - 1).bit_length())  # a power of two >= num_ids
+    shared = 8 * keys
+    device = flat_ids.device
+    index = device.index
+    kernel = _sort_kernel(device)
+    allow_dynamic_shared(kernel, shared, index)
+    out = torch.empty(2, num_ids, dtype=torch.int64, device=device)
+    kernel(
+        (1,),
+        (min(_SORT_THREADS, keys),),
+        (flat_ids.data_ptr(), num_ids, num_embeddings, out[0].data_ptr(), out[1].data_ptr(), keys),
+        shared,
+        current_raw_stream(index),
+        index,
+        False,
+    )
+    return out[0], out[1]
+
+
+@functools.cache
+def _sort_kernel(device: torch.device):
+    return kernel_for("embedding", "embedding_sort_ids", device)
 
 
 def _launch_runs(
