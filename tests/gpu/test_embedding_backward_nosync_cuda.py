@@ -63,14 +63,6 @@ def test_sort_kernel_gives_the_stable_sort(tokens):
         assert torch.equal(got_positions, want_positions), case
 
 
-def test_sort_kernel_takes_only_what_fits():
-    limit = gpu_embedding.SORT_MAX_IDS
-    assert gpu_embedding.sort_ids_applies(limit, 2**31)
-    assert not gpu_embedding.sort_ids_applies(limit + 1, VOCAB)
-    assert not gpu_embedding.sort_ids_applies(0, VOCAB)
-    assert not gpu_embedding.sort_ids_applies(8, 2**31 + 1)  # ids past the key's 32 bits
-
-
 def _both(ids, grad, vocab, dtype):
     static = gpu_embedding.backward(ids, grad, vocab, dtype, segments="static")
     unique = gpu_embedding.backward(ids, grad, vocab, dtype, segments="unique")
