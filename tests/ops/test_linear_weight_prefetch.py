@@ -15,20 +15,23 @@ import threading
 import pytest
 import torch
 
+from _fake_kernels import FakeKernel
 from batchinv.gpu import linear as gpu_linear
 
 
 class Recorder:
-    """A kernel or ``launch`` stand-in: records the ``programmatic`` flag of each call."""
+    """A ``launch`` stand-in: records the ``programmatic`` flag of each call."""
 
     def __init__(self):
         self.programmatic = []
 
-    def kernel(self, grid, block, args, shared, stream, index, programmatic):
-        self.programmatic.append(programmatic)
-
     def launch(self, kernel, device, grid, block, args, shared_mem=0, programmatic=False):
         self.programmatic.append(programmatic)
+
+
+def programmatic_flags(launches: list) -> list[bool]:
+    """The ``programmatic`` flag of each launch a ``FakeKernel`` recorded."""
+    return [record[6] for record in launches]
 
 
 @pytest.fixture
@@ -88,14 +91,15 @@ def test_grouped_launches_are_programmatic_inside_only(recorder):
 
 def test_kept_grouped_launches_are_programmatic_inside_only(recorder):
     x, w, _ = operands()
-    rec = Recorder()
+    launches = []
     plan = gpu_linear._LeanGrouped(
-        rec.kernel, (4,), (96,), 0, 1, 128, (64, 64, 0), 128, ("bf16", 8, 32), {}
-    )
+        FakeKernel("grouped", launches), (4,), (96,), 0, 1, 128, (64, 64, 0), 128,
+        ("bf16", 8, 32), {},
+    )  # fmt: skip
     gpu_linear._run_grouped(plan, x, [w, w], None)
     with gpu_linear.prefetching_weights():
         gpu_linear._run_grouped(plan, x, [w, w], None)
-    assert rec.programmatic == [False, True]
+    assert programmatic_flags(launches) == [False, True]
 
 
 @pytest.mark.parametrize("small_m", [True, False])
@@ -103,16 +107,17 @@ def test_kept_linear_launches_are_programmatic_for_small_m_inside_only(
     recorder, monkeypatch, small_m
 ):
     x, w, _ = operands()
-    rec = Recorder()
+    launches = []
     lean = gpu_linear._Lean(
-        rec.kernel, (2,), (96,), 0, (1, 64), (1, 64, 128), None, ({}, {}), small_m
-    )
+        FakeKernel("linear", launches), (2,), (96,), 0, (1, 64), (1, 64, 128), None, ({}, {}),
+        small_m,
+    )  # fmt: skip
     monkeypatch.setattr(gpu_linear, "_LEAN", {})
     monkeypatch.setattr(gpu_linear, "_lean_plan", lambda *args: lean)
     gpu_linear.forward_no_grad(x, w)
     with gpu_linear.prefetching_weights():
         gpu_linear.forward_no_grad(x, w)
-    assert rec.programmatic == [False, small_m]
+    assert programmatic_flags(launches) == [False, small_m]
 
 
 def test_the_decode_runner_prefetches_in_its_steps_unless_told_not_to(monkeypatch):
