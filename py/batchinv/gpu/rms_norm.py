@@ -738,12 +738,12 @@ def _lean_backward_plan(x: Tensor, weight: Tensor, weight_grad: bool) -> _LeanBa
         and blocks * fused_cta >= FUSED_WEIGHT_GRAD_MIN_BLOCKS * MIN_CTA_THREADS
     ):
         return None
-    geometry_name_, threads, cta = backward_geometry(d, dtype)
+    geometry, threads, cta = backward_geometry(d, dtype)
     grid = -(-rows // (cta // threads))
     if grid > _MAX_GRID_X:
         return None  # the general path raises
     row_launch = _Launch(
-        kernel_for("rms_norm", f"rms_norm_backward_{_SUFFIX[dtype]}_{geometry_name_}", device),
+        kernel_for("rms_norm", f"rms_norm_backward_{_SUFFIX[dtype]}_{geometry}", device),
         (grid,),
         (cta,),
         False,
