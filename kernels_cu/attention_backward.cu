@@ -38,12 +38,12 @@
 //     grid (Hq, B, ceil(max_q_len / 128)), block 128, 128 query rows per CTA (32 per warp) and
 //     key blocks of 32 absolute positions.  Their grids put the block index slowest so that
 //     the heaviest causal blocks go first (tiled_cta_place).  See the "tiled" section below.
-//     On sm_90 devices with the sm_90a image, at D = 128, the host launches
-//     attention_bwd_dkdv_*_d128_wgmma_pair instead of _wide: grid (Hkv, B, ceil(max_k_len / 128)),
+//     On sm_90 devices with the sm_90a image (D = 64 and 128), the host launches
+//     attention_bwd_dkdv_*_wgmma_pair instead of _wide: grid (Hkv, B, ceil(max_k_len / 128)),
 //     two warpgroups per CTA, each doing for its 64 keys exactly what one CTA of _wide does,
 //     sharing the Q / dO tiles; wgmma, bitwise the same dk and dv (see the "wgmma pair"
 //     section at the end); and
-//     attention_bwd_dq_*_d128_wgmma instead of _tiled: grid (Hq, B, ceil(max_q_len / 64)),
+//     attention_bwd_dq_*_wgmma instead of _tiled: grid (Hq, B, ceil(max_q_len / 64)),
 //     one warpgroup per 64 queries, wgmma, bitwise the same dq (the k16 key chunks of _tiled).
 //
 // Invariance contract: a sequence's dq, dk and dv are bitwise the same whatever batch it is in,
@@ -1025,33 +1025,39 @@ __device__ __forceinline__ void dq_tiled_kernel(const uint16_t* q, const uint16_
 #endif
 }
 
-// ---- wgmma kernels (sm_90a, D = 128): constants and helpers of the pair dK/dV and dQ kernels ---
+// ---- wgmma kernels (sm_90a, D = 64, 128): constants and helpers of the pair dK/dV and dQ kernels
 
 [[maybe_unused]] constexpr int kWgKeys = 64;                // keys per warpgroup (16 per warp)
 [[maybe_unused]] constexpr int kWgRows = 64;                // queries per step
 [[maybe_unused]] constexpr int kWgThreads = 128;
 [[maybe_unused]] constexpr int kWgBoxBytes = 64 * 128;      // 64 rows x 64 columns of 2 bytes
-[[maybe_unused]] constexpr int kWgTileBytes = 2 * kWgBoxBytes;  // 64 rows x 128 columns
+// A 64-row tile of D columns (D = 64 or 128): D / 64 boxes of 64 columns.
+template <int D>
+constexpr int kWgTileBytesOf = kWgRows * D * 2;
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 
-// Rows [first_row, first_row + valid) of a [rows, heads, 128] tensor (base at the head's first
-// element) into a swizzled 64 x 128 tile, by the 128 threads tid = 0..127 of one warpgroup:
+// Rows [first_row, first_row + valid) of a [rows, heads, D] tensor (base at the head's first
+// element) into a swizzled 64 x D tile, by the 128 threads tid = 0..127 of one warpgroup:
 // 16-byte chunk ch of row r at box ch / 8, chunk (ch % 8) ^ (r % 8).  Thread tid copies chunk
-// tid % 16 of rows tid / 16 + 8 n (n = 0..7): its swizzled column is the same for all eight.
-// Rows >= valid are zero-filled, never read.  Tid: the caller's type (threadIdx.x's unsigned, or
-// int), kept because the index arithmetic, and so the kernel's code, differs between the two.
-template <typename Tid>
+// tid % (D / 8) of rows tid / (D / 8) + (1024 / D) n: its swizzled column is the same for all
+// of them.  Rows >= valid are zero-filled, never read.  Tid: the caller's type (threadIdx.x's
+// unsigned, or int), kept because the index arithmetic, and so the kernel's code, differs
+// between the two.
+template <int D, typename Tid>
 __device__ __forceinline__ void wg_load_tile(uint8_t* tile, const uint16_t* base, int64_t row_stride, int first_row,
                                              int valid, Tid tid) {
-    const int ch = tid % 16;
-    const int r0 = tid / 16;
-    const uint32_t dst = smem_address(tile + (ch / 8) * kWgBoxBytes + r0 * 128 + (((ch % 8) ^ r0) << 4));
+    constexpr int kChunks = D / 8;               // 16-byte chunks per row
+    constexpr int kPassRows = kWgThreads / kChunks;  // rows per pass of the 128 threads: 8 or 16
+    const int ch = tid % kChunks;
+    const int r0 = tid / kChunks;
+    const int swizzle = kPassRows == 8 ? r0 : r0 % 8;  // r0 % 8 (r0 < 8 at D = 128)
+    const uint32_t dst = smem_address(tile + (ch / 8) * kWgBoxBytes + r0 * 128 + (((ch % 8) ^ swizzle) << 4));
     const uint16_t* src = base + static_cast<int64_t>(first_row + r0) * row_stride + ch * 8;
 #pragma unroll
-    for (int n = 0; n < 8; ++n) {
-        const bool ok = r0 + 8 * n < valid;
-        cp_async16_zfill(dst + n * 8 * 128, ok ? src + n * 8 * row_stride : base, ok);
+    for (int n = 0; n < kWgRows / kPassRows; ++n) {
+        const bool ok = r0 + kPassRows * n < valid;
+        cp_async16_zfill(dst + n * kPassRows * 128, ok ? src + n * kPassRows * row_stride : base, ok);
     }
 }
 
@@ -1088,11 +1094,11 @@ __device__ __forceinline__ void wg_wait_staged() {
     __syncthreads();             // every thread's copies landed; the other buffer is free
 }
 
-// A step's two score products over d = 128 (S and dP, or their transposes): each from a zero
-// accumulator in eight increasing k16 steps (32 bytes along a swizzled row, box ks / 4), the
+// A step's two score products over d = D (S and dP, or their transposes): each from a zero
+// accumulator in D / 16 increasing k16 steps (32 bytes along a swizzled row, box ks / 4), the
 // mma.sync chain whose bits they must match; one commit group each, so that the caller can
 // wait for the first while the second runs.  A descriptors are the caller's, B tiles K-major.
-template <typename Codec>
+template <typename Codec, int D>
 __device__ __forceinline__ void wg_issue_score_products(float (&first)[32], uint64_t desc_a_first,
                                                         const uint8_t* tile_b_first, float (&second)[32],
                                                         uint64_t desc_a_second, const uint8_t* tile_b_second) {
@@ -1104,13 +1110,13 @@ __device__ __forceinline__ void wg_issue_score_products(float (&first)[32], uint
     fence_operands<32>(second);
     hopper::wgmma_fence();
 #pragma unroll
-    for (int ks = 0; ks < 8; ++ks) {
+    for (int ks = 0; ks < D / 16; ++ks) {
         const int off = ((ks / 4) * kWgBoxBytes + (ks % 4) * 32) >> 4;
         wgmma::mma<Codec>(first, desc_a_first + off, desc_b_first + off);
     }
     hopper::wgmma_commit();
 #pragma unroll
-    for (int ks = 0; ks < 8; ++ks) {
+    for (int ks = 0; ks < D / 16; ++ks) {
         const int off = ((ks / 4) * kWgBoxBytes + (ks % 4) * 32) >> 4;
         wgmma::mma<Codec>(second, desc_a_second + off, desc_b_second + off);
     }
@@ -1144,9 +1150,10 @@ __device__ __forceinline__ void wg_select_ds(float (&dp)[32], const float (&p)[3
 }
 
 // acc += A B over the first `Chunks` k16 steps in increasing order (B N-major: step t is 16
-// rows of 128 bytes further), one commit group.
-template <typename Codec, int Chunks>
-__device__ __forceinline__ void wg_issue_grad_product(float (&acc)[64], const uint32_t (&a)[4][4], uint64_t ndesc_b) {
+// rows of 128 bytes further; N = 2 * Acc, the product's shape chosen by the array), one commit
+// group.
+template <typename Codec, int Chunks, int Acc>
+__device__ __forceinline__ void wg_issue_grad_product(float (&acc)[Acc], const uint32_t (&a)[4][4], uint64_t ndesc_b) {
     hopper::wgmma_fence();
 #pragma unroll
     for (int t = 0; t < Chunks; ++t) wgmma::mma_rs<Codec>(acc, a[t], ndesc_b + ((t * 16 * 128) >> 4));
@@ -1155,7 +1162,7 @@ __device__ __forceinline__ void wg_issue_grad_product(float (&acc)[64], const ui
 
 #endif
 
-// ---- "wgmma pair" dK/dV kernel (sm_90a, D = 128): `_wide`'s arithmetic on wgmma -------------
+// ---- "wgmma pair" dK/dV kernel (sm_90a, D = 64 and 128): `_wide`'s arithmetic on wgmma ---
 //
 // Replaces the `_wide` dK/dV launch of the "tiled" variant on sm_90 devices with the sm_90a
 // image (py/batchinv/gpu/attention_backward.py; USE_WGMMA_DKDV = False forces `_wide`); dk and
@@ -1166,7 +1173,7 @@ __device__ __forceinline__ void wg_issue_grad_product(float (&acc)[64], const ui
 //   - The walk: the group's query heads in increasing order, for each the query blocks of 64
 //     from the first that sees the warpgroup's first key (causal), in increasing position.
 //   - Shared memory: K and V of each warpgroup (loaded once) and two buffers of Q and dO (64
-//     rows each, prefetched one step ahead with cp.async) as 128-byte-swizzled tiles of two
+//     rows each, prefetched one step ahead with cp.async) as 128-byte-swizzled tiles of D / 64
 //     64-column boxes (the layout of attention_hopper.cu's K/V stages); rows past the sequence
 //     are zero-filled (cp.async with source size 0), never read.  lse and delta of the step's
 //     rows likewise (zero-filled past the rows; the selection treats those rows as lse = -inf,
@@ -1180,7 +1187,7 @@ __device__ __forceinline__ void wg_issue_grad_product(float (&acc)[64], const ui
 //     passes: p first, then ds, with the visibility kept as a bit mask).
 //   - P^T and dS^T rounded to the input dtype become the register A operand (a_from_acc's
 //     packing, the bits `_wide` writes to shared memory and reads back with ldmatrix) of
-//     dV += P^T dO and dK += dS^T Q: wgmma m64n128k16 with dO / Q N-major from shared memory,
+//     dV += P^T dO and dK += dS^T Q: wgmma m64nDk16 with dO / Q N-major from shared memory,
 //     the four k16 query steps in increasing order.  The dV product is issued before dS is
 //     computed and runs meanwhile.
 //   - dk = round(acc_dk * scale), dv = round(acc_dv): `_wide`'s final step.
@@ -1193,14 +1200,16 @@ __device__ __forceinline__ void wg_issue_grad_product(float (&acc)[64], const ui
 // dO, and a warpgroup whose keys cannot see a step's queries (causal: the steps before its own
 // first block; or it has no keys in the sequence) only copies and waits at the barrier: it
 // skips the step, it never adds zero chunks.  Shared memory: K and V of each warpgroup, two
-// buffers of Q, dO, lse and delta: 133 120 bytes, one CTA (8 warps) per SM.
+// buffers of Q, dO, lse and delta: 133 120 bytes at D = 128 (67 584 at D = 64), one CTA (8
+// warps) per SM.
 
 [[maybe_unused]] constexpr int kWgPairThreads = 256;
 [[maybe_unused]] constexpr int kWgPairKeys = 128;  // keys per CTA (64 per warpgroup)
 // K and V of both warpgroups, two buffers of Q and dO, two of lse and delta, 1024 of alignment.
-[[maybe_unused]] constexpr int kWgPairSharedBytes = 8 * kWgTileBytes + 2 * 2 * kWgRows * 4 + 1024;
+template <int D>
+constexpr int kWgPairSharedBytes = 8 * kWgTileBytesOf<D> + 2 * 2 * kWgRows * 4 + 1024;
 
-template <typename Codec>
+template <typename Codec, int D>
 __device__ __forceinline__ void dkdv_wgmma_pair_kernel(const uint16_t* q, const uint16_t* k, const uint16_t* v,
                                                        const uint16_t* dout, const float* lse, const float* delta,
                                                        const int* q_start_of, const int* q_len_of,
@@ -1209,7 +1218,7 @@ __device__ __forceinline__ void dkdv_wgmma_pair_kernel(const uint16_t* q, const 
                                                        int64_t total_q, int causal, float scale) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     using namespace hopper;
-    constexpr int D = 128;
+    constexpr int kTile = kWgTileBytesOf<D>;
     int seq, kv_head, key_block;
     tiled_cta_place(seq, kv_head, key_block, false);
     const int k_len = k_len_of[seq];
@@ -1229,16 +1238,16 @@ __device__ __forceinline__ void dkdv_wgmma_pair_kernel(const uint16_t* q, const 
     extern __shared__ __align__(16) uint16_t smem[];
     uint8_t* raw = reinterpret_cast<uint8_t*>(smem);
     uint8_t* shared = raw + wg_bytes_to_1024(raw);
-    uint8_t* s_k = shared + wg * kWgTileBytes;            // this warpgroup's K
-    uint8_t* s_v = shared + (2 + wg) * kWgTileBytes;      // and V
-    uint8_t* s_q = shared + 4 * kWgTileBytes;             // 2 buffers
-    uint8_t* s_do = s_q + 2 * kWgTileBytes;               // 2 buffers
-    float* s_stats = reinterpret_cast<float*>(s_do + 2 * kWgTileBytes);  // [2][lse 64, delta 64]
+    uint8_t* s_k = shared + wg * kTile;            // this warpgroup's K
+    uint8_t* s_v = shared + (2 + wg) * kTile;      // and V
+    uint8_t* s_q = shared + 4 * kTile;             // 2 buffers
+    uint8_t* s_do = s_q + 2 * kTile;               // 2 buffers
+    float* s_stats = reinterpret_cast<float*>(s_do + 2 * kTile);  // [2][lse 64, delta 64]
 
     // Keys past the sequence (all of warpgroup 1's when k_len <= key0) are zero-filled.
     const int key_rows = min(kWgKeys, k_len - key0);
-    wg_load_tile(s_k, k + kv_head * D, kv_stride, k_start + key0, key_rows, t);
-    wg_load_tile(s_v, v + kv_head * D, kv_stride, k_start + key0, key_rows, t);
+    wg_load_tile<D>(s_k, k + kv_head * D, kv_stride, k_start + key0, key_rows, t);
+    wg_load_tile<D>(s_v, v + kv_head * D, kv_stride, k_start + key0, key_rows, t);
 
     // The CTA walks warpgroup 0's steps (`_wide`'s walk for key cta_key0); this warpgroup's
     // own walk is the subsequence of steps whose block is >= its own first block.
@@ -1256,7 +1265,7 @@ __device__ __forceinline__ void dkdv_wgmma_pair_kernel(const uint16_t* q, const 
         const int i0 = block * kWgRows;
         const int rows = min(kWgRows, q_len - i0);
         if (threadIdx.x < kWgThreads) {
-            wg_load_tile(s_q + buffer * kWgTileBytes, q + head * D, q_stride, q_start + i0, rows,
+            wg_load_tile<D>(s_q + buffer * kTile, q + head * D, q_stride, q_start + i0, rows,
                          static_cast<int>(threadIdx.x));
             const int r = threadIdx.x % kWgRows;
             const bool ok = r < rows;
@@ -1264,7 +1273,7 @@ __device__ __forceinline__ void dkdv_wgmma_pair_kernel(const uint16_t* q, const 
             const int64_t at = static_cast<int64_t>(head) * total_q + q_start + i0 + r;
             cp_async4_zfill(smem_address(s_stats + buffer * 2 * kWgRows + threadIdx.x), ok ? src + at : src, ok);
         } else {
-            wg_load_tile(s_do + buffer * kWgTileBytes, dout + head * D, q_stride, q_start + i0, rows,
+            wg_load_tile<D>(s_do + buffer * kTile, dout + head * D, q_stride, q_start + i0, rows,
                          static_cast<int>(threadIdx.x - kWgThreads));
         }
     };
@@ -1276,9 +1285,10 @@ __device__ __forceinline__ void dkdv_wgmma_pair_kernel(const uint16_t* q, const 
     const uint64_t desc_k = smem_descriptor_128b(s_k);
     const uint64_t desc_v = smem_descriptor_128b(s_v);
 
-    float acc_dk[64], acc_dv[64];
+    constexpr int kAcc = D / 2;  // accumulators of a 64 x D product per thread
+    float acc_dk[kAcc], acc_dv[kAcc];
 #pragma unroll
-    for (int i = 0; i < 64; ++i) acc_dk[i] = acc_dv[i] = 0.0f;
+    for (int i = 0; i < kAcc; ++i) acc_dk[i] = acc_dv[i] = 0.0f;
 
     // The CTA's walk as (head, block) carried from step to step (no division per step: fewer
     // live registers); `advance` moves to the next step and stages it into the other buffer.
@@ -1311,8 +1321,8 @@ __device__ __forceinline__ void dkdv_wgmma_pair_kernel(const uint16_t* q, const 
         const int buffer = step & 1;
         wg_wait_staged();  // both warpgroups: this buffer landed, the other one is free
 
-        const uint8_t* tq = s_q + buffer * kWgTileBytes;
-        const uint8_t* tdo = s_do + buffer * kWgTileBytes;
+        const uint8_t* tq = s_q + buffer * kTile;
+        const uint8_t* tdo = s_do + buffer * kTile;
         const float* s_lse = s_stats + buffer * 2 * kWgRows;
         const float* s_delta = s_lse + kWgRows;
         const int i0 = block * kWgRows;
@@ -1320,7 +1330,7 @@ __device__ __forceinline__ void dkdv_wgmma_pair_kernel(const uint16_t* q, const 
 
         // From here on the warpgroup's own step, as for 64 keys alone.
         float st[32], dpt[32];
-        wg_issue_score_products<Codec>(st, desc_k, tq, dpt, desc_v, tdo);
+        wg_issue_score_products<Codec, D>(st, desc_k, tq, dpt, desc_v, tdo);
         advance(step);  // the next step's Q, dO, lse and delta while the products run
         wgmma_wait<1>();  // S^T is complete; dP^T may still run
         fence_operands<32>(st);
@@ -1348,7 +1358,7 @@ __device__ __forceinline__ void dkdv_wgmma_pair_kernel(const uint16_t* q, const 
         wg_pack_a<Codec>(a_p, st);
         const uint64_t ndesc_do = wg_desc_nmajor(tdo);
         const uint64_t ndesc_q = wg_desc_nmajor(tq);
-        fence_operands<64>(acc_dv);
+        fence_operands<kAcc>(acc_dv);
         fence_registers(a_p);
         wg_issue_grad_product<Codec, 4>(acc_dv, a_p, ndesc_do);
         wgmma_wait<1>();  // dP^T is complete; dV may still run
@@ -1356,12 +1366,12 @@ __device__ __forceinline__ void dkdv_wgmma_pair_kernel(const uint16_t* q, const 
 
         wg_select_ds(dpt, st, visible_mask, [=](int i) { return s_delta[8 * (i / 4) + c + (i % 2)]; });
         wg_pack_a<Codec>(a_ds, dpt);
-        fence_operands<64>(acc_dk);
+        fence_operands<kAcc>(acc_dk);
         fence_registers(a_ds);
         wg_issue_grad_product<Codec, 4>(acc_dk, a_ds, ndesc_q);
         wgmma_wait<0>();  // this buffer is restaged after the next barrier
-        fence_operands<64>(acc_dv);
-        fence_operands<64>(acc_dk);
+        fence_operands<kAcc>(acc_dv);
+        fence_operands<kAcc>(acc_dk);
         fence_registers(a_p);
         fence_registers(a_ds);
     }
@@ -1372,7 +1382,7 @@ __device__ __forceinline__ void dkdv_wgmma_pair_kernel(const uint16_t* q, const 
     // from reusing the first read): one register fewer live through the loop.
     const int k_start_out = k_start_of[seq];
 #pragma unroll
-    for (int i = 0; i < 64; i += 2) {
+    for (int i = 0; i < kAcc; i += 2) {
         const int key = warp_key0 + g + ((i / 2) % 2) * 8;
         if (key >= k_len) continue;
         const int64_t at = (static_cast<int64_t>(k_start_out) + key) * kv_stride + kv_head * D + 8 * (i / 4) + c;
@@ -1385,7 +1395,7 @@ __device__ __forceinline__ void dkdv_wgmma_pair_kernel(const uint16_t* q, const 
 #endif
 }
 
-// ---- "wgmma" dQ kernel (sm_90a, D = 128): the `_tiled` dQ kernel's arithmetic on wgmma -------
+// ---- "wgmma" dQ kernel (sm_90a, D = 64 and 128): the `_tiled` dQ kernel's arithmetic on wgmma
 //
 // Replaces the `_tiled` dQ launch of the "tiled" variant where the wgmma dK/dV kernel runs
 // (py/batchinv/gpu/attention_backward.py); dq is bitwise that of `_tiled` (tested).  One
@@ -1394,12 +1404,12 @@ __device__ __forceinline__ void dkdv_wgmma_pair_kernel(const uint16_t* q, const 
 // (Hq, B, ceil(max_q_len / 64)) heavy-first.
 //   - Q and dO of the rows loaded once; K and V in blocks of 64 absolute key positions,
 //     double buffered with cp.async (the next block copied while this one's products run),
-//     128-byte-swizzled 64 x 128 tiles as in the dK/dV kernel, rows past the sequence zero-filled.
+//     128-byte-swizzled 64 x D tiles as in the dK/dV kernel, rows past the sequence zero-filled.
 //   - S = Q K^T and dP = dO V^T: wgmma m64n64k16 (A = Q / dO, B = K / V, K-major) over d in
 //     increasing k16 steps from zero, the mma.sync chains of `_tiled`; p and ds are
 //     probability_and_grad's steps with the same visibility, computed for every element and
 //     then selected (as in the dK/dV kernel).
-//   - dS rounded to the input dtype is the register A operand of dQ += dS K (m64n128k16, K
+//   - dS rounded to the input dtype is the register A operand of dQ += dS K (m64nDk16, K
 //     N-major from shared memory), the key block's k16 chunks in increasing order.
 //   - The k16 key chunks are exactly `_tiled`'s: that kernel walks 128-row blocks in 32-key
 //     steps up to the last key its 128 rows can see, so a row of this CTA takes the chunks
@@ -1410,9 +1420,10 @@ __device__ __forceinline__ void dkdv_wgmma_pair_kernel(const uint16_t* q, const 
 
 [[maybe_unused]] constexpr int kWgDqRows = 64;  // queries per CTA (one warpgroup, 16 per warp)
 // Q, dO, two buffers of K and V, 1024 bytes of alignment.
-[[maybe_unused]] constexpr int kWgDqSharedBytes = 6 * kWgTileBytes + 1024;
+template <int D>
+constexpr int kWgDqSharedBytes = 6 * kWgTileBytesOf<D> + 1024;
 
-template <typename Codec>
+template <typename Codec, int D>
 __device__ __forceinline__ void dq_wgmma_kernel(const uint16_t* q, const uint16_t* k, const uint16_t* v,
                                                 const uint16_t* dout, const float* lse, const float* delta,
                                                 const int* q_start_of, const int* q_len_of, const int* k_start_of,
@@ -1420,7 +1431,7 @@ __device__ __forceinline__ void dq_wgmma_kernel(const uint16_t* q, const uint16_
                                                 int num_kv_heads, int64_t total_q, int causal, float scale) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     using namespace hopper;
-    constexpr int D = 128;
+    constexpr int kTile = kWgTileBytesOf<D>;
     int seq, head, query_block;
     tiled_cta_place(seq, head, query_block, true);
     const int q_len = q_len_of[seq];
@@ -1439,12 +1450,12 @@ __device__ __forceinline__ void dq_wgmma_kernel(const uint16_t* q, const uint16_
     uint8_t* raw = reinterpret_cast<uint8_t*>(smem);
     uint8_t* shared = raw + wg_bytes_to_1024(raw);
     uint8_t* s_q = shared;
-    uint8_t* s_do = s_q + kWgTileBytes;
-    uint8_t* s_k = s_do + kWgTileBytes;      // 2 buffers
-    uint8_t* s_v = s_k + 2 * kWgTileBytes;   // 2 buffers
+    uint8_t* s_do = s_q + kTile;
+    uint8_t* s_k = s_do + kTile;      // 2 buffers
+    uint8_t* s_v = s_k + 2 * kTile;   // 2 buffers
 
-    wg_load_tile(s_q, q + head * D, q_stride, q_start + i0, rows, threadIdx.x);
-    wg_load_tile(s_do, dout + head * D, q_stride, q_start + i0, rows, threadIdx.x);
+    wg_load_tile<D>(s_q, q + head * D, q_stride, q_start + i0, rows, threadIdx.x);
+    wg_load_tile<D>(s_do, dout + head * D, q_stride, q_start + i0, rows, threadIdx.x);
 
     // `_tiled`'s key chunks: 32-key steps up to the last key its 128-row block can see.
     int chunks;
@@ -1463,8 +1474,8 @@ __device__ __forceinline__ void dq_wgmma_kernel(const uint16_t* q, const uint16_
     auto stage = [&](int block, int buffer) {
         const int key0 = block * kWgKeys;
         const int valid = min(kWgKeys, k_len - key0);
-        wg_load_tile(s_k + buffer * kWgTileBytes, k + kv_head * D, kv_stride, k_start + key0, valid, threadIdx.x);
-        wg_load_tile(s_v + buffer * kWgTileBytes, v + kv_head * D, kv_stride, k_start + key0, valid, threadIdx.x);
+        wg_load_tile<D>(s_k + buffer * kTile, k + kv_head * D, kv_stride, k_start + key0, valid, threadIdx.x);
+        wg_load_tile<D>(s_v + buffer * kTile, v + kv_head * D, kv_stride, k_start + key0, valid, threadIdx.x);
     };
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -1487,9 +1498,10 @@ __device__ __forceinline__ void dq_wgmma_kernel(const uint16_t* q, const uint16_
     const uint64_t desc_q = smem_descriptor_128b(s_q);
     const uint64_t desc_do = smem_descriptor_128b(s_do);
 
-    float acc_dq[64];
+    constexpr int kAcc = D / 2;  // accumulators of a 64 x D product per thread
+    float acc_dq[kAcc];
 #pragma unroll
-    for (int i = 0; i < 64; ++i) acc_dq[i] = 0.0f;
+    for (int i = 0; i < kAcc; ++i) acc_dq[i] = 0.0f;
 
     if (blocks > 0) stage(0, 0);
     cp_async_commit();
@@ -1497,13 +1509,13 @@ __device__ __forceinline__ void dq_wgmma_kernel(const uint16_t* q, const uint16_
         const int buffer = block & 1;
         wg_wait_staged();
 
-        const uint8_t* tk = s_k + buffer * kWgTileBytes;
-        const uint8_t* tv = s_v + buffer * kWgTileBytes;
+        const uint8_t* tk = s_k + buffer * kTile;
+        const uint8_t* tv = s_v + buffer * kTile;
         const int key0 = block * kWgKeys;
 
         // S and dP over d in increasing k16 steps (32 bytes along a swizzled row).
         float s[32], dp[32];
-        wg_issue_score_products<Codec>(s, desc_q, tk, dp, desc_do, tv);
+        wg_issue_score_products<Codec, D>(s, desc_q, tk, dp, desc_do, tv);
         // The next key block into the other buffer while the products run.
         if (block + 1 < blocks) stage(block + 1, buffer ^ 1);
         cp_async_commit();
@@ -1530,21 +1542,21 @@ __device__ __forceinline__ void dq_wgmma_kernel(const uint16_t* q, const uint16_
 
         // dQ += dS K over the block's k16 chunks in increasing order (`_tiled`'s chunks only).
         const uint64_t ndesc_k = wg_desc_nmajor(tk);
-        fence_operands<64>(acc_dq);
+        fence_operands<kAcc>(acc_dq);
         fence_registers(a_ds);
         if (chunks - 4 * block >= 4)
             wg_issue_grad_product<Codec, 4>(acc_dq, a_ds, ndesc_k);
         else
             wg_issue_grad_product<Codec, 2>(acc_dq, a_ds, ndesc_k);
         wgmma_wait<0>();  // this buffer is restaged after the next barrier
-        fence_operands<64>(acc_dq);
+        fence_operands<kAcc>(acc_dq);
         fence_registers(a_ds);
     }
     cp_async_wait<0>();
 
     // Accumulator i: row 16 * warp + g + 8 * ((i / 2) % 2), column 8 * (i / 4) + c + i % 2.
 #pragma unroll
-    for (int i = 0; i < 64; i += 2) {
+    for (int i = 0; i < kAcc; i += 2) {
         const int r = 16 * warp + g + ((i / 2) % 2) * 8;
         if (r >= rows) continue;
         const int64_t at = (static_cast<int64_t>(q_start) + i0 + r) * q_stride + head * D + 8 * (i / 4) + c;
@@ -1631,32 +1643,36 @@ BATCHINV_ATTN_BWD_ALL(bf16, batchinv::Bf16Codec, 128)
 BATCHINV_ATTN_BWD_ALL(f16, batchinv::F16Codec, 64)
 BATCHINV_ATTN_BWD_ALL(f16, batchinv::F16Codec, 128)
 
-#define BATCHINV_ATTN_BWD_DKDV_WGMMA_PAIR(DTYPE, CODEC)                                                        \
+#define BATCHINV_ATTN_BWD_DKDV_WGMMA_PAIR(DTYPE, CODEC, D)                                                     \
     extern "C" __global__ void __launch_bounds__(batchinv::attn_bwd::kWgPairThreads, 1)                        \
-        attention_bwd_dkdv_##DTYPE##_d128_wgmma_pair(                                                           \
+        attention_bwd_dkdv_##DTYPE##_d##D##_wgmma_pair(                                                         \
         const uint16_t* q, const uint16_t* k, const uint16_t* v, const uint16_t* dout, const float* lse,        \
         const float* delta, const int* q_start, const int* q_len, const int* k_start, const int* k_len,         \
         uint16_t* dk, uint16_t* dv, int num_q_heads, int num_kv_heads, int64_t total_q, int causal,             \
         float scale) {                                                                                          \
-        batchinv::attn_bwd::dkdv_wgmma_pair_kernel<CODEC>(q, k, v, dout, lse, delta, q_start, q_len, k_start,   \
+        batchinv::attn_bwd::dkdv_wgmma_pair_kernel<CODEC, D>(q, k, v, dout, lse, delta, q_start, q_len, k_start, \
                                                           k_len, dk, dv, num_q_heads, num_kv_heads, total_q,    \
                                                           causal, scale);                                       \
     }
 
-BATCHINV_ATTN_BWD_DKDV_WGMMA_PAIR(bf16, batchinv::Bf16Codec)
-BATCHINV_ATTN_BWD_DKDV_WGMMA_PAIR(f16, batchinv::F16Codec)
+BATCHINV_ATTN_BWD_DKDV_WGMMA_PAIR(bf16, batchinv::Bf16Codec, 64)
+BATCHINV_ATTN_BWD_DKDV_WGMMA_PAIR(bf16, batchinv::Bf16Codec, 128)
+BATCHINV_ATTN_BWD_DKDV_WGMMA_PAIR(f16, batchinv::F16Codec, 64)
+BATCHINV_ATTN_BWD_DKDV_WGMMA_PAIR(f16, batchinv::F16Codec, 128)
 
-#define BATCHINV_ATTN_BWD_DQ_WGMMA(DTYPE, CODEC)                                                               \
+#define BATCHINV_ATTN_BWD_DQ_WGMMA(DTYPE, CODEC, D)                                                            \
     extern "C" __global__ void __launch_bounds__(batchinv::attn_bwd::kWgThreads, 2)                            \
-        attention_bwd_dq_##DTYPE##_d128_wgmma(                                                                  \
+        attention_bwd_dq_##DTYPE##_d##D##_wgmma(                                                                \
         const uint16_t* q, const uint16_t* k, const uint16_t* v, const uint16_t* dout, const float* lse,        \
         const float* delta, const int* q_start, const int* q_len, const int* k_start, const int* k_len,         \
         uint16_t* dq, int num_q_heads, int num_kv_heads, int64_t total_q, int causal, float scale) {            \
-        batchinv::attn_bwd::dq_wgmma_kernel<CODEC>(q, k, v, dout, lse, delta, q_start, q_len, k_start, k_len,   \
+        batchinv::attn_bwd::dq_wgmma_kernel<CODEC, D>(q, k, v, dout, lse, delta, q_start, q_len, k_start, k_len, \
                                                    dq, num_q_heads, num_kv_heads, total_q, causal, scale);      \
     }
 
-BATCHINV_ATTN_BWD_DQ_WGMMA(bf16, batchinv::Bf16Codec)
-BATCHINV_ATTN_BWD_DQ_WGMMA(f16, batchinv::F16Codec)
+BATCHINV_ATTN_BWD_DQ_WGMMA(bf16, batchinv::Bf16Codec, 64)
+BATCHINV_ATTN_BWD_DQ_WGMMA(bf16, batchinv::Bf16Codec, 128)
+BATCHINV_ATTN_BWD_DQ_WGMMA(f16, batchinv::F16Codec, 64)
+BATCHINV_ATTN_BWD_DQ_WGMMA(f16, batchinv::F16Codec, 128)
 
 #endif  // !__HIPCC__

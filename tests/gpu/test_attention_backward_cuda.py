@@ -10,7 +10,7 @@
   the same bits, and every GPU test runs on each variant.  Long sequences (up to 19 key
   blocks, q_len > k_len, k_len - q_len not a multiple of 64) are checked against the
   reference and across batches too.  On sm_90a the "tiled" variant's dK/dV kernel is the
-  two-warpgroup ("pair") wgmma one (d = 128): its dk/dv are checked bitwise against the
+  two-warpgroup ("pair") wgmma one (d = 64 and 128): its dk/dv are checked bitwise against the
   mma.sync kernel ``_wide`` on two varlen packs with NaN padding, empty sequences, q_len >
   k_len, long sequences, CTAs whose second warpgroup has no keys and, causal, second warpgroups
   that skip a query block per head (a CPU test checks that the packs hold those cases);
@@ -450,7 +450,9 @@ def _wgmma_and_mma_sync_grads(pack, causal, scale, monkeypatch, switch, uses_wgm
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("config", [c for c in CONFIGS if c[1] == 128], ids=_config_id)
+@pytest.mark.parametrize(
+    "config", [c for c in CONFIGS if c[1] in gpu_attention_backward.WGMMA_HEAD_DIMS], ids=_config_id
+)
 @pytest.mark.parametrize("kernel_variant", ["tiled"], indirect=True)  # the only one it replaces
 @pytest.mark.parametrize(
     ("first_seed", "q_pad_shift", "k_pad_shift"), [(500, 0, 1), (900, 1, 2)], ids=("a", "b")
@@ -482,7 +484,9 @@ def test_wgmma_dkdv_gives_the_bits_of_the_wide_kernel(
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("config", [c for c in CONFIGS if c[1] == 128], ids=_config_id)
+@pytest.mark.parametrize(
+    "config", [c for c in CONFIGS if c[1] in gpu_attention_backward.WGMMA_HEAD_DIMS], ids=_config_id
+)
 @pytest.mark.parametrize("kernel_variant", ["tiled"], indirect=True)  # the only one it replaces
 def test_wgmma_dq_gives_the_bits_of_the_tiled_kernel(config, kernel_variant, monkeypatch):
     """On sm_90a the "tiled" variant's dQ launch is the wgmma kernel: its dq is bitwise that of

@@ -50,23 +50,17 @@ WIDE_THREADS = 256
 TILED_DQ_ROWS = 128  # "tiled" dQ: query rows per CTA (4 warps of 32)
 TILED_DQ_KEYS = 32  # "tiled" dQ: keys per step
 _PAD = 8  # shared-memory row padding, elements
-WGMMA_HEAD_DIM = 128  # the wgmma kernels (sm_90a) exist for d = 128 only
+WGMMA_HEAD_DIMS = (64, 128)  # the head dims the wgmma kernels (sm_90a) exist for
 WGMMA_THREADS = 128  # one warpgroup
-# "tiled" dK/dV on sm_90a ("_wgmma_pair", d = 128), the `_wide` kernel's bits: two warpgroups
-# per CTA, 128 keys (64 per warpgroup), one copy of each step's Q / dO / lse / delta shared by
-# both.  Shared memory: K and V of each warpgroup, two buffers of Q and dO (64 x 128 swizzled
-# tiles), two of lse and delta (64 floats each), 1024 bytes of alignment (one CTA per SM).
+# "tiled" dK/dV on sm_90a ("_wgmma_pair"), the `_wide` kernel's bits: two warpgroups per CTA,
+# 128 keys (64 per warpgroup), one copy of each step's Q / dO / lse / delta shared by both.
 WGMMA_PAIR_KEYS = 128
 WGMMA_PAIR_THREADS = 256
-WGMMA_PAIR_SHARED_BYTES = 8 * 64 * 128 * 2 + 2 * 2 * 64 * 4 + 1024
 # Tests and the benchmark only: False forces the `_wide` dK/dV kernel where the wgmma one would
 # run (same bits).
 USE_WGMMA_DKDV = True
-# "tiled" dQ on sm_90a ("_wgmma", d = 128): one warpgroup per 64 queries, the `_tiled` kernel's
-# bits.  Shared memory: Q, dO, two buffers of K and V (64 x 128 swizzled tiles), 1024 bytes to
-# align them.
+# "tiled" dQ on sm_90a ("_wgmma"): one warpgroup per 64 queries, the `_tiled` kernel's bits.
 WGMMA_DQ_ROWS = 64
-WGMMA_DQ_SHARED_BYTES = 6 * 64 * 128 * 2 + 1024
 # Tests and the benchmark only: False forces the `_tiled` dQ kernel (same bits).
 USE_WGMMA_DQ = True
 _FLOAT_BYTES = 4
@@ -131,28 +125,45 @@ def dq_shared_bytes(head_dim: int, variant: str) -> int:
     )
 
 
+def _wgmma_tile_bytes(head_dim: int) -> int:
+    """A 64-row tile of the wgmma kernels: 64 x d elements of 2 bytes (128-byte-swizzled)."""
+    return 64 * head_dim * 2
+
+
+def wgmma_pair_shared_bytes(head_dim: int) -> int:
+    """The pair dK/dV kernel's shared memory: K and V of each warpgroup, two buffers of Q and
+    dO, two of lse and delta (64 floats each), 1024 bytes of alignment (one CTA per SM)."""
+    return 8 * _wgmma_tile_bytes(head_dim) + 2 * 2 * 64 * _FLOAT_BYTES + 1024
+
+
+def wgmma_dq_shared_bytes(head_dim: int) -> int:
+    """The wgmma dQ kernel's shared memory: Q, dO, two buffers of K and V, 1024 bytes to align
+    them."""
+    return 6 * _wgmma_tile_bytes(head_dim) + 1024
+
+
 def _uses_wgmma(q: Tensor, variant: str | None, switch: bool) -> bool:
-    """The condition both wgmma kernels share: the "tiled" variant, d = 128, an sm_90 device
-    with the sm_90a image, and the kernel's own switch (passed in, read at call time so that a
-    test can turn one kernel off)."""
+    """The condition both wgmma kernels share: the "tiled" variant, d = 64 or 128, an sm_90
+    device with the sm_90a image, and the kernel's own switch (passed in, read at call time so
+    that a test can turn one kernel off)."""
     return (
         (variant or KERNEL_VARIANT) == "tiled"
         and switch
-        and q.shape[-1] == WGMMA_HEAD_DIM
+        and q.shape[-1] in WGMMA_HEAD_DIMS
         and uses_hopper(q.device)
     )
 
 
 def dkdv_uses_wgmma(q: Tensor, variant: str | None = None) -> bool:
     """Whether the dK/dV launch for ``q`` takes the sm_90a wgmma kernel (``_wgmma_pair``, two
-    warpgroups): the "tiled" variant, d = 128, an sm_90 device with the sm_90a image, and
+    warpgroups): the "tiled" variant, d = 64 or 128, an sm_90 device with the sm_90a image, and
     ``USE_WGMMA_DKDV``."""
     return _uses_wgmma(q, variant, USE_WGMMA_DKDV)
 
 
 def dq_uses_wgmma(q: Tensor, variant: str | None = None) -> bool:
     """Whether the dQ launch for ``q`` takes the sm_90a wgmma kernel: the "tiled" variant,
-    d = 128, an sm_90 device with the sm_90a image, and ``USE_WGMMA_DQ``."""
+    d = 64 or 128, an sm_90 device with the sm_90a image, and ``USE_WGMMA_DQ``."""
     return _uses_wgmma(q, variant, USE_WGMMA_DQ)
 
 
@@ -428,7 +439,7 @@ def kernel_launches(
         # The wgmma kernel: 128 keys per CTA (two warpgroups), heavy-first grid like `_wide`'s.
         if dkdv_uses_wgmma(q, variant):
             name = f"attention_bwd_dkdv_{_SUFFIX[q.dtype]}_d{head_dim}_wgmma_pair"
-            shared, kv_threads = WGMMA_PAIR_SHARED_BYTES, WGMMA_PAIR_THREADS
+            shared, kv_threads = wgmma_pair_shared_bytes(head_dim), WGMMA_PAIR_THREADS
             keys = WGMMA_PAIR_KEYS
         else:
             name = _kernel_name("dkdv", q.dtype, head_dim, variant)
@@ -440,7 +451,8 @@ def kernel_launches(
         # The wgmma kernel: 64 queries per CTA, heavy-first grid like `_tiled`.
         if dq_uses_wgmma(q, variant):
             name = f"attention_bwd_dq_{_SUFFIX[q.dtype]}_d{head_dim}_wgmma"
-            shared, dq_rows, dq_threads = WGMMA_DQ_SHARED_BYTES, WGMMA_DQ_ROWS, WGMMA_THREADS
+            shared = wgmma_dq_shared_bytes(head_dim)
+            dq_rows, dq_threads = WGMMA_DQ_ROWS, WGMMA_THREADS
         else:
             name = _kernel_name("dq", q.dtype, head_dim, variant)
             shared, dq_rows = dq_shared_bytes(head_dim, variant), geometry["rows"]
