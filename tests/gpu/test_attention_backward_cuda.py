@@ -605,14 +605,17 @@ def test_bad_lengths_raise_clear_errors(change, error, text):
 def test_key_blocks_past_the_grid_z_limit(kernel_variant):
     """The heavy-first kernels put the key (query) block on the grid's z axis (at most 65535)
     and refuse more; the other variants keep it on x, where the same call runs and gives the
-    bits of a call with a tight max_k_len (the extra CTAs see no key)."""
+    bits of a call with a tight max_k_len (the extra CTAs see no key).  The key block is the
+    dK/dV CTA's: 128 keys for the sm_90a pair kernel, 64 for the others."""
     args = _valid_args(device=DEVICE)
     gen = torch.Generator(device=DEVICE).manual_seed(5)
     for name in ("q", "k", "v", "out", "grad_out", "lse"):
         like = args[name]
         args[name] = torch.randn(like.shape, generator=gen, device=DEVICE).to(like.dtype)
     tight = _call(args)
-    args["max_k_len"] = 64 * 65535 + 1
+    pair = gpu_attention_backward.dkdv_uses_wgmma(args["q"], kernel_variant)
+    keys = gpu_attention_backward.WGMMA_PAIR_KEYS if pair else 64
+    args["max_k_len"] = keys * 65535 + 1
     if kernel_variant in gpu_attention_backward._HEAVY_FIRST:
         with pytest.raises(ValueError, match="exceed the grid's z limit"):
             _call(args)
