@@ -1054,10 +1054,11 @@ __device__ __forceinline__ void wg_load_tile(uint8_t* tile, const uint16_t* base
     const int swizzle = kPassRows == 8 ? r0 : r0 % 8;  // r0 % 8 (r0 < 8 at D = 128)
     const uint32_t dst = smem_address(tile + (ch / 8) * kWgBoxBytes + r0 * 128 + (((ch % 8) ^ swizzle) << 4));
     const uint16_t* src = base + static_cast<int64_t>(first_row + r0) * row_stride + ch * 8;
+    const int64_t pass_stride = kPassRows * row_stride;  // one add per pass, no multiply
 #pragma unroll
-    for (int n = 0; n < kWgRows / kPassRows; ++n) {
+    for (int n = 0; n < kWgRows / kPassRows; ++n, src += pass_stride) {
         const bool ok = r0 + kPassRows * n < valid;
-        cp_async16_zfill(dst + n * kPassRows * 128, ok ? src + n * kPassRows * row_stride : base, ok);
+        cp_async16_zfill(dst + n * kPassRows * 128, ok ? src : base, ok);
     }
 }
 
@@ -1069,6 +1070,15 @@ __device__ __forceinline__ uint64_t wg_desc_nmajor(const void* tile) {
     desc |= static_cast<uint64_t>(1024 >> 4) << 32;
     desc |= 1ull << 62;
     return desc;
+}
+
+// `desc` with its start address moved by `offset` 16-byte units: a 32-bit add on the low word,
+// which holds the address field (bits 0-13; shared-memory addresses < 256 KB never carry into
+// the next field), so that no 64-bit add is issued per wgmma.
+__device__ __forceinline__ uint64_t wg_desc_offset(uint64_t desc, uint32_t offset) {
+    uint64_t moved;
+    asm("mov.b64 %0, {%1, %2};" : "=l"(moved) : "r"(static_cast<uint32_t>(desc) + offset), "r"(static_cast<uint32_t>(desc >> 32)));
+    return moved;
 }
 
 using hopper::fence_operands;  // register fences around wgmma (common/hopper.cuh)
@@ -1112,15 +1122,29 @@ __device__ __forceinline__ void wg_issue_score_products(float (&first)[32], uint
 #pragma unroll
     for (int ks = 0; ks < D / 16; ++ks) {
         const int off = ((ks / 4) * kWgBoxBytes + (ks % 4) * 32) >> 4;
-        wgmma::mma<Codec>(first, desc_a_first + off, desc_b_first + off);
+        wgmma::mma<Codec>(first, wg_desc_offset(desc_a_first, off), wg_desc_offset(desc_b_first, off));
     }
     hopper::wgmma_commit();
 #pragma unroll
     for (int ks = 0; ks < D / 16; ++ks) {
         const int off = ((ks / 4) * kWgBoxBytes + (ks % 4) * 32) >> 4;
-        wgmma::mma<Codec>(second, desc_a_second + off, desc_b_second + off);
+        wgmma::mma<Codec>(second, wg_desc_offset(desc_a_second, off), wg_desc_offset(desc_b_second, off));
     }
     hopper::wgmma_commit();
+}
+
+// pack_floats<Codec>(lo, hi) in one instruction: cvt.rn rounds to nearest even, as pack_floats'
+// software rounding does, so every non-NaN value gives the same bits.  A NaN may get another NaN
+// pattern, which only ever feeds a wgmma (NaN in, NaN out; outputs are rounded by pack_floats).
+template <typename Codec>
+__device__ __forceinline__ uint32_t wg_pack_rn(float lo, float hi) {
+    uint32_t packed;
+    if constexpr (Codec::kIsBf16) {
+        asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(packed) : "f"(hi), "f"(lo));
+    } else {
+        asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(packed) : "f"(hi), "f"(lo));
+    }
+    return packed;
 }
 
 // Accumulator pairs rounded to the input dtype as the register A operand of four k16 steps:
@@ -1130,7 +1154,7 @@ __device__ __forceinline__ void wg_pack_a(uint32_t (&a)[4][4], const float (&x)[
 #pragma unroll
     for (int t = 0; t < 4; ++t)
 #pragma unroll
-        for (int j = 0; j < 4; ++j) a[t][j] = pack_floats<Codec>(x[8 * t + 2 * j], x[8 * t + 2 * j + 1]);
+        for (int j = 0; j < 4; ++j) a[t][j] = wg_pack_rn<Codec>(x[8 * t + 2 * j], x[8 * t + 2 * j + 1]);
 }
 
 // ds = p * (dp - delta) (probability_and_grad's second line) in place of dp, computed for every
@@ -1149,6 +1173,13 @@ __device__ __forceinline__ void wg_select_ds(float (&dp)[32], const float (&p)[3
     }
 }
 
+// wg_select_ds where every element is visible: the same expression, no selection.
+template <typename DeltaOf>
+__device__ __forceinline__ void wg_grad_ds(float (&dp)[32], const float (&p)[32], DeltaOf delta_of) {
+#pragma unroll
+    for (int i = 0; i < 32; ++i) dp[i] = ieee_mul(p[i], ieee_sub(dp[i], delta_of(i)));
+}
+
 // acc += A B over the first `Chunks` k16 steps in increasing order (B N-major: step t is 16
 // rows of 128 bytes further; N = 2 * Acc, the product's shape chosen by the array), one commit
 // group.
@@ -1156,7 +1187,7 @@ template <typename Codec, int Chunks, int Acc>
 __device__ __forceinline__ void wg_issue_grad_product(float (&acc)[Acc], const uint32_t (&a)[4][4], uint64_t ndesc_b) {
     hopper::wgmma_fence();
 #pragma unroll
-    for (int t = 0; t < Chunks; ++t) wgmma::mma_rs<Codec>(acc, a[t], ndesc_b + ((t * 16 * 128) >> 4));
+    for (int t = 0; t < Chunks; ++t) wgmma::mma_rs<Codec>(acc, a[t], wg_desc_offset(ndesc_b, (t * 16 * 128) >> 4));
     hopper::wgmma_commit();
 }
 
@@ -1184,7 +1215,8 @@ __device__ __forceinline__ void wg_issue_grad_product(float (&acc)[Acc], const u
 //     runs.  Warp w' holds keys 16w'..16w'+15 of the warpgroup's tile exactly as mma.sync holds
 //     a 16-row tile (accumulator i = element i % 4 of n8 tile i / 4), so p and ds are the same
 //     selection and the same IEEE steps (probability_and_grad's expressions, split in two
-//     passes: p first, then ds, with the visibility kept as a bit mask).
+//     passes: p first, then ds, with the visibility kept as a bit mask).  Where the warp's 16
+//     keys are visible to every row of the step (most steps), both passes skip the selection.
 //   - P^T and dS^T rounded to the input dtype become the register A operand (a_from_acc's
 //     packing, the bits `_wide` writes to shared memory and reads back with ldmatrix) of
 //     dV += P^T dO and dK += dS^T Q: wgmma m64nDk16 with dO / Q N-major from shared memory,
@@ -1198,16 +1230,24 @@ __device__ __forceinline__ void wg_issue_grad_product(float (&acc)[Acc], const u
 // memory (half the fill traffic per key of one warpgroup per CTA): the CTA walks warpgroup 0's
 // steps (its first block is <= warpgroup 1's), warpgroup 0 copies Q, lse and delta, warpgroup 1
 // dO, and a warpgroup whose keys cannot see a step's queries (causal: the steps before its own
-// first block; or it has no keys in the sequence) only copies and waits at the barrier: it
-// skips the step, it never adds zero chunks.  Shared memory: K and V of each warpgroup, two
-// buffers of Q, dO, lse and delta: 133 120 bytes at D = 128 (67 584 at D = 64), one CTA (8
-// warps) per SM.
+// first block; or it has no keys in the sequence) only copies and releases the buffer: it skips
+// the step, it never adds zero chunks.  Per buffer, a "full" mbarrier completes when every
+// thread's copies into it landed (cp.async arrivals) and an "empty" one when both warpgroups
+// are done with it, so the warpgroups meet only through the buffers, not at a barrier per step.
+// Shared memory: K and V of each warpgroup, two buffers of Q, dO, lse and delta, four
+// mbarriers: 133 152 bytes at D = 128 (67 616 at D = 64), one CTA (8 warps) per SM.
 
 [[maybe_unused]] constexpr int kWgPairThreads = 256;
 [[maybe_unused]] constexpr int kWgPairKeys = 128;  // keys per CTA (64 per warpgroup)
-// K and V of both warpgroups, two buffers of Q and dO, two of lse and delta, 1024 of alignment.
+// Buffers of a step's Q, dO, lse and delta, each released by an mbarrier rather than a CTA
+// barrier: a warpgroup starts a step's products as soon as the step's copies landed, while the
+// other may still finish the previous step (three buffers measured no faster).
+[[maybe_unused]] constexpr int kWgPairStages = 2;
+// K and V of both warpgroups, the stages' Q, dO, lse and delta, a full and an empty mbarrier
+// per stage, 1024 of alignment.
 template <int D>
-constexpr int kWgPairSharedBytes = 8 * kWgTileBytesOf<D> + 2 * 2 * kWgRows * 4 + 1024;
+constexpr int kWgPairSharedBytes =
+    (4 + 2 * kWgPairStages) * kWgTileBytesOf<D> + kWgPairStages * (2 * kWgRows * 4 + 2 * 8) + 1024;
 
 template <typename Codec, int D>
 __device__ __forceinline__ void dkdv_wgmma_pair_kernel(const uint16_t* q, const uint16_t* k, const uint16_t* v,
@@ -1231,7 +1271,9 @@ __device__ __forceinline__ void dkdv_wgmma_pair_kernel(const uint16_t* q, const 
     const int group = num_q_heads / num_kv_heads;
     const int64_t q_stride = static_cast<int64_t>(num_q_heads) * D;
     const int64_t kv_stride = static_cast<int64_t>(num_kv_heads) * D;
-    const int wg = threadIdx.x / kWgThreads;  // warpgroup
+    // The warpgroup, broadcast from lane 0 so that the compiler knows it is warp-uniform (the
+    // wgmma descriptors derived from it then live in uniform registers).
+    const int wg = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x / kWgThreads), 0);
     const int t = threadIdx.x % kWgThreads;   // thread within the warpgroup
     const int key0 = cta_key0 + wg * kWgKeys;  // this warpgroup's first key (absolute position)
 
@@ -1240,11 +1282,24 @@ __device__ __forceinline__ void dkdv_wgmma_pair_kernel(const uint16_t* q, const 
     uint8_t* shared = raw + wg_bytes_to_1024(raw);
     uint8_t* s_k = shared + wg * kTile;            // this warpgroup's K
     uint8_t* s_v = shared + (2 + wg) * kTile;      // and V
-    uint8_t* s_q = shared + 4 * kTile;             // 2 buffers
-    uint8_t* s_do = s_q + 2 * kTile;               // 2 buffers
-    float* s_stats = reinterpret_cast<float*>(s_do + 2 * kTile);  // [2][lse 64, delta 64]
+    uint8_t* s_q = shared + 4 * kTile;                          // kWgPairStages buffers
+    uint8_t* s_do = s_q + kWgPairStages * kTile;                // kWgPairStages buffers
+    float* s_stats = reinterpret_cast<float*>(s_do + kWgPairStages * kTile);  // [stage][lse 64, delta 64]
+    // full[b]: every thread's copies into buffer b landed (each thread arrives once its own
+    // copies did); empty[b]: every thread is done reading buffer b (its products retired).
+    uint64_t* full = reinterpret_cast<uint64_t*>(s_stats + kWgPairStages * 2 * kWgRows);
+    uint64_t* empty = full + kWgPairStages;
+    if (threadIdx.x == 0) {
+#pragma unroll
+        for (int b = 0; b < kWgPairStages; ++b) {
+            barrier_init(full + b, kWgPairThreads);
+            barrier_init(empty + b, kWgPairThreads);
+        }
+    }
+    __syncthreads();  // the barriers exist before any thread arrives on them
 
-    // Keys past the sequence (all of warpgroup 1's when k_len <= key0) are zero-filled.
+    // Keys past the sequence (all of warpgroup 1's when k_len <= key0) are zero-filled.  Their
+    // copies land before the first step's full barrier completes (it counts every earlier copy).
     const int key_rows = min(kWgKeys, k_len - key0);
     wg_load_tile<D>(s_k, k + kv_head * D, kv_stride, k_start + key0, key_rows, t);
     wg_load_tile<D>(s_v, v + kv_head * D, kv_stride, k_start + key0, key_rows, t);
@@ -1259,9 +1314,13 @@ __device__ __forceinline__ void dkdv_wgmma_pair_kernel(const uint16_t* q, const 
     const int blocks_per_head = max(0, blocks - cta_first_block);
     const int steps = group * blocks_per_head;
 
-    // Warpgroup 0 copies Q (and lse, delta), warpgroup 1 dO.  Everything from the kernel's
-    // parameters and threadIdx (no derived pointers: the step already takes all 255 registers).
-    auto stage = [&](int head, int block, int buffer) {
+    // Step `step`'s copies into its buffer, once the step that used the buffer before is done
+    // in both warpgroups: warpgroup 0 copies Q (and lse, delta), warpgroup 1 dO.  Everything
+    // from the kernel's parameters and threadIdx (no derived pointers: the step already takes
+    // all 255 registers).
+    auto stage = [&](int head, int block, int step) {
+        const int buffer = step % kWgPairStages;
+        if (step >= kWgPairStages) barrier_wait(empty + buffer, (step / kWgPairStages - 1) & 1);
         const int i0 = block * kWgRows;
         const int rows = min(kWgRows, q_len - i0);
         if (threadIdx.x < kWgThreads) {
@@ -1276,6 +1335,7 @@ __device__ __forceinline__ void dkdv_wgmma_pair_kernel(const uint16_t* q, const 
             wg_load_tile<D>(s_do + buffer * kTile, dout + head * D, q_stride, q_start + i0, rows,
                          static_cast<int>(threadIdx.x - kWgThreads));
         }
+        barrier_arrive_on_copies(full + buffer);
     };
 
     const int lane = threadIdx.x % 32;
@@ -1291,35 +1351,35 @@ __device__ __forceinline__ void dkdv_wgmma_pair_kernel(const uint16_t* q, const 
     for (int i = 0; i < kAcc; ++i) acc_dk[i] = acc_dv[i] = 0.0f;
 
     // The CTA's walk as (head, block) carried from step to step (no division per step: fewer
-    // live registers); `advance` moves to the next step and stages it into the other buffer.
+    // live registers); `advance` moves to the next step and stages it.
     int head = kv_head * group, block = cta_first_block;
     auto advance = [&](int step) {
         if (++block == blocks) {
             block = cta_first_block;
             ++head;
         }
-        if (step + 1 < steps) stage(head, block, (step & 1) ^ 1);
-        cp_async_commit();
+        if (step + 1 < steps) stage(head, block, step + 1);
     };
     // Steps this warpgroup's keys cannot see (causal: before its own first block; all of them
     // when it has no keys) are skipped, as its own walk (that of `_wide`'s CTA for these keys)
-    // never takes them: the warpgroup only copies and waits at the barrier.  Warpgroup-uniform.
-    // (A `continue` inside the step loop instead makes ptxas spill in the bf16 build.)
+    // never takes them: the warpgroup only stages the next step and releases the buffer.
+    // Warpgroup-uniform.  (A `continue` inside the step loop instead makes ptxas spill in the
+    // bf16 build.)
     auto skip_invisible = [&](int& step) {
         while (step < steps && block < own_first_block) {
-            wg_wait_staged();
             advance(step);
+            barrier_arrive(empty + step % kWgPairStages);
             ++step;
         }
     };
 
     if (steps > 0) stage(head, block, 0);
-    cp_async_commit();
     int step = 0;
     skip_invisible(step);
     for (; step < steps; ++step, skip_invisible(step)) {
-        const int buffer = step & 1;
-        wg_wait_staged();  // both warpgroups: this buffer landed, the other one is free
+        const int buffer = step % kWgPairStages;
+        barrier_wait(full + buffer, (step / kWgPairStages) & 1);  // both warpgroups' copies landed
+        fence_proxy_async_shared();  // the cp.async writes before the wgmma (async proxy) reads
 
         const uint8_t* tq = s_q + buffer * kTile;
         const uint8_t* tdo = s_do + buffer * kTile;
@@ -1335,25 +1395,51 @@ __device__ __forceinline__ void dkdv_wgmma_pair_kernel(const uint16_t* q, const 
         wgmma_wait<1>();  // S^T is complete; dP^T may still run
         fence_operands<32>(st);
 
+        // Interior steps (most of them): the warp's 16 keys are visible to all 64 rows (a full
+        // block, before the first row's position and the sequence's end, every row with an lse),
+        // so p and ds need no selection: the visible elements' expressions, hence their bits.
+        const int warp_last_key = warp_key0 + 15;
+        bool interior = rows == kWgRows && warp_last_key < k_len && (!causal || warp_last_key <= offset + i0);
+        if (interior) {
+#pragma unroll
+            for (int j = 0; j < 8; ++j)
+#pragma unroll
+                for (int e = 0; e < 2; ++e) interior &= s_lse[8 * j + c + e] != -INFINITY;
+        }
+        interior = __all_sync(0xffffffffu, interior);
         uint32_t visible_mask = 0u;
+        if (interior) {
 #pragma unroll
-        for (int j = 0; j < 8; ++j)
+            for (int j = 0; j < 8; ++j)
 #pragma unroll
-            for (int e = 0; e < 2; ++e) {
-                const int r = 8 * j + c + e;
-                const float row_lse = r < rows ? s_lse[r] : -INFINITY;
-                const int last_seen =
-                    row_lse == -INFINITY ? -1 : (causal ? min(k_len - 1, offset + i0 + r) : k_len - 1);
+                for (int e = 0; e < 2; ++e) {
+                    const float row_lse = s_lse[8 * j + c + e];
 #pragma unroll
-                for (int h = 0; h < 2; ++h) {
-                    const int i = 4 * j + 2 * h + e;
-                    const bool visible = warp_key0 + g + 8 * h <= last_seen;
-                    visible_mask |= static_cast<uint32_t>(visible) << i;
-                    float p = expf(ieee_sub(ieee_mul(st[i], scale), row_lse));
-                    asm volatile("" : "+f"(p));  // computed unconditionally, then selected
-                    st[i] = visible ? p : 0.0f;
+                    for (int h = 0; h < 2; ++h) {
+                        const int i = 4 * j + 2 * h + e;
+                        st[i] = expf(ieee_sub(ieee_mul(st[i], scale), row_lse));
+                    }
                 }
-            }
+        } else {
+#pragma unroll
+            for (int j = 0; j < 8; ++j)
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const int r = 8 * j + c + e;
+                    const float row_lse = r < rows ? s_lse[r] : -INFINITY;
+                    const int last_seen =
+                        row_lse == -INFINITY ? -1 : (causal ? min(k_len - 1, offset + i0 + r) : k_len - 1);
+#pragma unroll
+                    for (int h = 0; h < 2; ++h) {
+                        const int i = 4 * j + 2 * h + e;
+                        const bool visible = warp_key0 + g + 8 * h <= last_seen;
+                        visible_mask |= static_cast<uint32_t>(visible) << i;
+                        float p = expf(ieee_sub(ieee_mul(st[i], scale), row_lse));
+                        asm volatile("" : "+f"(p));  // computed unconditionally, then selected
+                        st[i] = visible ? p : 0.0f;
+                    }
+                }
+        }
         uint32_t a_p[4][4], a_ds[4][4];
         wg_pack_a<Codec>(a_p, st);
         const uint64_t ndesc_do = wg_desc_nmajor(tdo);
@@ -1364,17 +1450,22 @@ __device__ __forceinline__ void dkdv_wgmma_pair_kernel(const uint16_t* q, const 
         wgmma_wait<1>();  // dP^T is complete; dV may still run
         fence_operands<32>(dpt);
 
-        wg_select_ds(dpt, st, visible_mask, [=](int i) { return s_delta[8 * (i / 4) + c + (i % 2)]; });
+        if (interior)
+            wg_grad_ds(dpt, st, [=](int i) { return s_delta[8 * (i / 4) + c + (i % 2)]; });
+        else
+            wg_select_ds(dpt, st, visible_mask, [=](int i) { return s_delta[8 * (i / 4) + c + (i % 2)]; });
         wg_pack_a<Codec>(a_ds, dpt);
         fence_operands<kAcc>(acc_dk);
         fence_registers(a_ds);
         wg_issue_grad_product<Codec, 4>(acc_dk, a_ds, ndesc_q);
-        wgmma_wait<0>();  // this buffer is restaged after the next barrier
+        wgmma_wait<0>();
         fence_operands<kAcc>(acc_dv);
         fence_operands<kAcc>(acc_dk);
         fence_registers(a_p);
         fence_registers(a_ds);
+        barrier_arrive(empty + buffer);  // this warpgroup's reads of the buffer retired
     }
+    cp_async_commit();  // (the copies were never committed in groups)
     cp_async_wait<0>();
 
     // Accumulator i: key 16 * warp + g + 8 * ((i / 2) % 2), column 8 * (i / 4) + c + i % 2.
@@ -1523,21 +1614,32 @@ __device__ __forceinline__ void dq_wgmma_kernel(const uint16_t* q, const uint16_
         fence_operands<32>(s);
 
         // p: accumulator i is row 16 warp + g + 8 ((i / 2) % 2), key key0 + 8 (i / 4) + c + i % 2.
+        // Interior blocks (the whole block visible to the warp's 16 rows; most blocks) take p
+        // and ds with no selection: the visible elements' expressions, hence their bits.
+        const bool interior = __all_sync(0xffffffffu, key0 + kWgKeys - 1 <= min(last_seen[0], last_seen[1]));
         uint32_t visible_mask = 0u;
+        if (interior) {
 #pragma unroll
-        for (int i = 0; i < 32; ++i) {
-            const int h = (i / 2) % 2;
-            const int key = key0 + 8 * (i / 4) + c + (i % 2);
-            const bool visible = key <= last_seen[h];
-            visible_mask |= static_cast<uint32_t>(visible) << i;
-            float p = expf(ieee_sub(ieee_mul(s[i], scale), row_lse[h]));
-            asm volatile("" : "+f"(p));  // computed unconditionally, then selected
-            s[i] = visible ? p : 0.0f;
+            for (int i = 0; i < 32; ++i) s[i] = expf(ieee_sub(ieee_mul(s[i], scale), row_lse[(i / 2) % 2]));
+        } else {
+#pragma unroll
+            for (int i = 0; i < 32; ++i) {
+                const int h = (i / 2) % 2;
+                const int key = key0 + 8 * (i / 4) + c + (i % 2);
+                const bool visible = key <= last_seen[h];
+                visible_mask |= static_cast<uint32_t>(visible) << i;
+                float p = expf(ieee_sub(ieee_mul(s[i], scale), row_lse[h]));
+                asm volatile("" : "+f"(p));  // computed unconditionally, then selected
+                s[i] = visible ? p : 0.0f;
+            }
         }
         wgmma_wait<0>();  // dP is complete
         fence_operands<32>(dp);
         uint32_t a_ds[4][4];
-        wg_select_ds(dp, s, visible_mask, [=](int i) { return row_delta[(i / 2) % 2]; });
+        if (interior)
+            wg_grad_ds(dp, s, [=](int i) { return row_delta[(i / 2) % 2]; });
+        else
+            wg_select_ds(dp, s, visible_mask, [=](int i) { return row_delta[(i / 2) % 2]; });
         wg_pack_a<Codec>(a_ds, dp);
 
         // dQ += dS K over the block's k16 chunks in increasing order (`_tiled`'s chunks only).

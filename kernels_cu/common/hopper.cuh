@@ -55,6 +55,12 @@ __device__ __forceinline__ void barrier_wait(uint64_t* barrier, uint32_t phase) 
         : "memory");
 }
 
+// Arrives on `barrier` once every cp.async this thread issued before has landed.  .noinc: the
+// arrival is one of the barrier's expected arrivals (counted at init), not an extra one.
+__device__ __forceinline__ void barrier_arrive_on_copies(uint64_t* barrier) {
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(smem_address(barrier)) : "memory");
+}
+
 // Copies the box at (column, row) of a 2-D tensor map into shared memory; completion is
 // counted in bytes on `barrier`.  Out-of-bounds elements arrive as zeros.
 __device__ __forceinline__ void tma_load_2d(void* destination, const TensorMap& map, uint64_t* barrier,

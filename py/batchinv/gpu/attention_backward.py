@@ -132,8 +132,9 @@ def _wgmma_tile_bytes(head_dim: int) -> int:
 
 def wgmma_pair_shared_bytes(head_dim: int) -> int:
     """The pair dK/dV kernel's shared memory: K and V of each warpgroup, two buffers of Q and
-    dO, two of lse and delta (64 floats each), 1024 bytes of alignment (one CTA per SM)."""
-    return 8 * _wgmma_tile_bytes(head_dim) + 2 * 2 * 64 * _FLOAT_BYTES + 1024
+    dO, two of lse and delta (64 floats each), a full and an empty mbarrier (8 bytes) per
+    buffer, 1024 bytes of alignment (one CTA per SM)."""
+    return 8 * _wgmma_tile_bytes(head_dim) + 2 * (2 * 64 * _FLOAT_BYTES + 2 * 8) + 1024
 
 
 def wgmma_dq_shared_bytes(head_dim: int) -> int:
