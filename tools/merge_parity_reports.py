@@ -12,8 +12,10 @@ or a part a time limit cut short run again on a later commit).  They are taken i
 a test in a later part replaces its earlier entry, every test entry names the commit it ran
 at, ``commit`` is the newest part's and ``parts`` lists each part's commit and test count; the
 exit status is that of the outcomes kept (1 if any failed or errored, else 2 if a test is
-"interrupted": a part's time limit stopped it, see ``tests/conftest.py``).  What changed between
-the commits must be said where the report is described (``reports/README.md``).
+"interrupted": a part's time limit stopped it, see ``tests/conftest.py``).  A part may be a
+merged report itself (the committed one, with re-runs to add): its entries keep the commits
+they name and its parts are listed in its place.  What changed between the commits must be said
+where the report is described (``reports/README.md``).
 """
 
 from __future__ import annotations
@@ -44,7 +46,9 @@ def merge(parts: list[dict], *, reruns: bool = False) -> dict:
         for entry in part["tests"]:
             if entry["id"] in tests and not reruns:
                 raise ValueError(f"{entry['id']} is in two parts")
-            tests[entry["id"]] = {**entry, "commit": part["commit"]} if reruns else entry
+            # An entry of a merged report already names the commit it ran at.
+            commit = entry.get("commit", part["commit"])
+            tests[entry["id"]] = {**entry, "commit": commit} if reruns else entry
     summary: dict[str, int] = {}
     for entry in tests.values():
         summary[entry["outcome"]] = summary.get(entry["outcome"], 0) + 1
@@ -55,6 +59,9 @@ def merge(parts: list[dict], *, reruns: bool = False) -> dict:
         status = max((part["pytest_exit_status"] for part in parts), key=abs)
     described = []
     for part in parts:
+        if reruns and "parts" in part:  # a merged report: its own parts
+            described.extend(part["parts"])
+            continue
         entry = {"date_utc": part["date_utc"], "pytest_exit_status": part["pytest_exit_status"]}
         if reruns:
             entry.update(commit=part["commit"], tests=len(part["tests"]))

@@ -106,6 +106,24 @@ def test_reruns_replace_earlier_entries_and_name_their_commits(tool):
         tool.merge([a, b], reruns=True)
 
 
+def test_a_merged_report_takes_more_reruns_keeping_its_commits_and_parts(tool):
+    a = _part("2026-01-01T01:00:00+00:00", 0, {"t::x": "passed", "t::y": "passed"})
+    b = _part("2026-01-01T02:00:00+00:00", 0, {"t::x": "passed"})
+    b["commit"] = "def5678"
+    merged = tool.merge([a, b], reruns=True)
+    c = _part("2026-01-01T03:00:00+00:00", 0, {"t::x": "passed", "t::z": "passed"})
+    c["commit"] = "9abcdef"
+    again = tool.merge([merged, c], reruns=True)
+    commits = {t["id"]: t["commit"] for t in again["tests"]}
+    assert commits == {"t::x": "9abcdef", "t::y": "abc1234", "t::z": "9abcdef"}
+    assert [(p["commit"], p["tests"]) for p in again["parts"]] == [
+        ("abc1234", 2),
+        ("def5678", 1),
+        ("9abcdef", 2),
+    ]
+    assert again["commit"] == "9abcdef" and again["summary"] == {"passed": 3}
+
+
 def test_cli_takes_reruns(tool, tmp_path):
     paths = []
     for i, outcome in enumerate(("failed", "passed")):
