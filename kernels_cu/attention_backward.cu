@@ -1494,7 +1494,8 @@ __device__ __forceinline__ void dkdv_wgmma_pair_kernel(const uint16_t* q, const 
 // first query; warp w holds rows 16w..16w+15 as mma.sync holds a 16-row tile), grid
 // (Hq, B, ceil(max_q_len / 64)) heavy-first.
 //   - Q and dO of the rows loaded once; K and V in blocks of 64 absolute key positions,
-//     double buffered with cp.async (the next block copied while this one's products run),
+//     copied with cp.async at the top of each block into one buffer (no prefetch: three CTAs per
+//     SM, which one buffer allows, hide the copies better than two CTAs with a prefetch did),
 //     128-byte-swizzled 64 x D tiles as in the dK/dV kernel, rows past the sequence zero-filled.
 //   - S = Q K^T and dP = dO V^T: wgmma m64n64k16 (A = Q / dO, B = K / V, K-major) over d in
 //     increasing k16 steps from zero, the mma.sync chains of `_tiled`; p and ds are
@@ -1510,9 +1511,10 @@ __device__ __forceinline__ void dkdv_wgmma_pair_kernel(const uint16_t* q, const 
 //   - dq = round(acc * scale): `_tiled`'s final step.
 
 [[maybe_unused]] constexpr int kWgDqRows = 64;  // queries per CTA (one warpgroup, 16 per warp)
-// Q, dO, two buffers of K and V, 1024 bytes of alignment.
+[[maybe_unused]] constexpr int kWgDqCtasPerSm = 3;  // 168 registers; the shared memory below fits
+// Q, dO, one buffer of K and V, 1024 bytes of alignment.
 template <int D>
-constexpr int kWgDqSharedBytes = 6 * kWgTileBytesOf<D> + 1024;
+constexpr int kWgDqSharedBytes = 4 * kWgTileBytesOf<D> + 1024;
 
 template <typename Codec, int D>
 __device__ __forceinline__ void dq_wgmma_kernel(const uint16_t* q, const uint16_t* k, const uint16_t* v,
@@ -1542,8 +1544,8 @@ __device__ __forceinline__ void dq_wgmma_kernel(const uint16_t* q, const uint16_
     uint8_t* shared = raw + wg_bytes_to_1024(raw);
     uint8_t* s_q = shared;
     uint8_t* s_do = s_q + kTile;
-    uint8_t* s_k = s_do + kTile;      // 2 buffers
-    uint8_t* s_v = s_k + 2 * kTile;   // 2 buffers
+    uint8_t* s_k = s_do + kTile;
+    uint8_t* s_v = s_k + kTile;
 
     wg_load_tile<D>(s_q, q + head * D, q_stride, q_start + i0, rows, threadIdx.x);
     wg_load_tile<D>(s_do, dout + head * D, q_stride, q_start + i0, rows, threadIdx.x);
@@ -1562,11 +1564,11 @@ __device__ __forceinline__ void dq_wgmma_kernel(const uint16_t* q, const uint16_
     }
     const int blocks = (chunks + 3) / 4;  // key blocks of 64 (four k16 chunks)
 
-    auto stage = [&](int block, int buffer) {
+    auto stage = [&](int block) {
         const int key0 = block * kWgKeys;
         const int valid = min(kWgKeys, k_len - key0);
-        wg_load_tile<D>(s_k + buffer * kTile, k + kv_head * D, kv_stride, k_start + key0, valid, threadIdx.x);
-        wg_load_tile<D>(s_v + buffer * kTile, v + kv_head * D, kv_stride, k_start + key0, valid, threadIdx.x);
+        wg_load_tile<D>(s_k, k + kv_head * D, kv_stride, k_start + key0, valid, threadIdx.x);
+        wg_load_tile<D>(s_v, v + kv_head * D, kv_stride, k_start + key0, valid, threadIdx.x);
     };
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -1594,22 +1596,19 @@ __device__ __forceinline__ void dq_wgmma_kernel(const uint16_t* q, const uint16_
 #pragma unroll
     for (int i = 0; i < kAcc; ++i) acc_dq[i] = 0.0f;
 
-    if (blocks > 0) stage(0, 0);
-    cp_async_commit();
+    cp_async_commit();  // Q and dO (waited for with the first block)
     for (int block = 0; block < blocks; ++block) {
-        const int buffer = block & 1;
+        stage(block);
+        cp_async_commit();
         wg_wait_staged();
 
-        const uint8_t* tk = s_k + buffer * kTile;
-        const uint8_t* tv = s_v + buffer * kTile;
+        const uint8_t* tk = s_k;
+        const uint8_t* tv = s_v;
         const int key0 = block * kWgKeys;
 
         // S and dP over d in increasing k16 steps (32 bytes along a swizzled row).
         float s[32], dp[32];
         wg_issue_score_products<Codec, D>(s, desc_q, tk, dp, desc_do, tv);
-        // The next key block into the other buffer while the products run.
-        if (block + 1 < blocks) stage(block + 1, buffer ^ 1);
-        cp_async_commit();
         wgmma_wait<1>();  // S is complete; dP may still run
         fence_operands<32>(s);
 
@@ -1650,9 +1649,10 @@ __device__ __forceinline__ void dq_wgmma_kernel(const uint16_t* q, const uint16_
             wg_issue_grad_product<Codec, 4>(acc_dq, a_ds, ndesc_k);
         else
             wg_issue_grad_product<Codec, 2>(acc_dq, a_ds, ndesc_k);
-        wgmma_wait<0>();  // this buffer is restaged after the next barrier
+        wgmma_wait<0>();
         fence_operands<kAcc>(acc_dq);
         fence_registers(a_ds);
+        __syncthreads();  // every warp's products read the buffer before the next block's copies
     }
     cp_async_wait<0>();
 
@@ -1763,7 +1763,8 @@ BATCHINV_ATTN_BWD_DKDV_WGMMA_PAIR(f16, batchinv::F16Codec, 64)
 BATCHINV_ATTN_BWD_DKDV_WGMMA_PAIR(f16, batchinv::F16Codec, 128)
 
 #define BATCHINV_ATTN_BWD_DQ_WGMMA(DTYPE, CODEC, D)                                                            \
-    extern "C" __global__ void __launch_bounds__(batchinv::attn_bwd::kWgThreads, 2)                            \
+    extern "C" __global__ void __launch_bounds__(batchinv::attn_bwd::kWgThreads,                               \
+                                                 batchinv::attn_bwd::kWgDqCtasPerSm)                           \
         attention_bwd_dq_##DTYPE##_d##D##_wgmma(                                                                \
         const uint16_t* q, const uint16_t* k, const uint16_t* v, const uint16_t* dout, const float* lse,        \
         const float* delta, const int* q_start, const int* q_len, const int* k_start, const int* k_len,         \

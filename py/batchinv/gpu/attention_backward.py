@@ -138,9 +138,9 @@ def wgmma_pair_shared_bytes(head_dim: int) -> int:
 
 
 def wgmma_dq_shared_bytes(head_dim: int) -> int:
-    """The wgmma dQ kernel's shared memory: Q, dO, two buffers of K and V, 1024 bytes to align
-    them."""
-    return 6 * _wgmma_tile_bytes(head_dim) + 1024
+    """The wgmma dQ kernel's shared memory: Q, dO, one buffer of K and V, 1024 bytes to align
+    them (three CTAs per SM)."""
+    return 4 * _wgmma_tile_bytes(head_dim) + 1024
 
 
 def _uses_wgmma(q: Tensor, variant: str | None, switch: bool) -> bool:
