@@ -1077,7 +1077,9 @@ __device__ __forceinline__ uint64_t wg_desc_nmajor(const void* tile) {
 // the next field), so that no 64-bit add is issued per wgmma.
 __device__ __forceinline__ uint64_t wg_desc_offset(uint64_t desc, uint32_t offset) {
     uint64_t moved;
-    asm("mov.b64 %0, {%1, %2};" : "=l"(moved) : "r"(static_cast<uint32_t>(desc) + offset), "r"(static_cast<uint32_t>(desc >> 32)));
+    asm("mov.b64 %0, {%1, %2};"
+        : "=l"(moved)
+        : "r"(static_cast<uint32_t>(desc) + offset), "r"(static_cast<uint32_t>(desc >> 32)));
     return moved;
 }
 
@@ -1096,12 +1098,12 @@ __device__ __forceinline__ uint32_t wg_bytes_to_1024(const void* raw) {
     return (1024u - (smem_address(raw) & 1023u)) & 1023u;
 }
 
-// The head of a step: this buffer's cp.async copies landed in every thread and are visible to
-// the wgmma (async proxy); after the barrier the other buffer is free to restage.
+// The head of a dQ key block: the block's cp.async copies landed in every thread and are
+// visible to the wgmma (async proxy).
 __device__ __forceinline__ void wg_wait_staged() {
     cp_async_wait<0>();
     hopper::fence_proxy_async_shared();  // the cp.async writes before the wgmma (async proxy) reads
-    __syncthreads();             // every thread's copies landed; the other buffer is free
+    __syncthreads();                     // every thread's copies landed
 }
 
 // A step's two score products over d = D (S and dP, or their transposes): each from a zero
