@@ -8,10 +8,12 @@
 // Query i of sequence b is row q_start[b] + i at absolute position p = (k_len[b] - q_len[b]) + i;
 // its keys are rows k_start[b] + j, j < k_len[b] (causal: j <= p).  q head h reads kv head h / G.
 //
-// Formula (fp32 throughout, each step an explicit IEEE operation, no fast math):
+// Formula (fp32 throughout, each step an explicit IEEE operation or the one exp2_ftz, no fast math):
 //   delta[h, r] = sum over d = 0..D-1 in order of dout[r, h, d] * out[r, h, d]
-//   s  = (q . k) * scale            mma.sync m16n8k16, fp32 accumulation over d in k16 steps
-//   p  = expf(s - lse)              on visible keys of rows with lse != -inf; exactly 0 elsewhere
+//   s  = q . k                      mma.sync m16n8k16, fp32 accumulation over d in k16 steps
+//   p  = exp2_ftz(fma(s, scale log2 e, -(lse log2 e)))   (the forward's exponent form; each
+//                                   product rounded to fp32) on visible keys of rows with
+//                                   lse != -inf; exactly 0 elsewhere
 //   dp = dout . v                   mma, as s
 //   ds = p * (dp - delta)           0 where p is 0 by selection (never a product with a mask)
 //   dv = sum of p * dout,  dk = (sum of ds * q) * scale,  dq = (sum of ds * k) * scale
@@ -57,6 +59,7 @@
 // and the other sequences only change how many CTAs run (and the order the hardware schedules
 // them in, which no result depends on).  Shared-memory fragment loads use ldmatrix or plain
 // loads (kLdmatrix); both give the mma the same operand bits, so the same results.
+#include "common/approx.cuh"
 #include "common/hopper.cuh"
 #include "common/mma_sync.cuh"
 #include "common/portability.cuh"
@@ -228,10 +231,19 @@ __device__ __forceinline__ void load_row_stats(float* s_lse, float* s_delta, con
     }
 }
 
+constexpr float kLog2e = 1.44269502162933349609375f;  // log2(e) rounded to fp32
+
+// p of one score in the forward's exponent form: 2^(s c - lse log2 e), c = scale log2 e, one
+// rounding of the FMA, then the special function unit's 2^x (two instructions where expf
+// takes eight; both products are loop-invariant and hoisted).
+__device__ __forceinline__ float score_probability(float s, float scale, float lse) {
+    return exp2_ftz(__fmaf_rn(s, ieee_mul(scale, kLog2e), -ieee_mul(lse, kLog2e)));
+}
+
 // p and ds of one score, the one formula both kernels use.
 __device__ __forceinline__ void probability_and_grad(float& s_in_p_out, float& dp_in_ds_out, bool visible,
                                                      float lse, float delta, float scale) {
-    const float p = visible ? expf(ieee_sub(ieee_mul(s_in_p_out, scale), lse)) : 0.0f;
+    const float p = visible ? score_probability(s_in_p_out, scale, lse) : 0.0f;
     dp_in_ds_out = visible ? ieee_mul(p, ieee_sub(dp_in_ds_out, delta)) : 0.0f;
     s_in_p_out = p;
 }
@@ -1419,7 +1431,7 @@ __device__ __forceinline__ void dkdv_wgmma_pair_kernel(const uint16_t* q, const 
 #pragma unroll
                     for (int h = 0; h < 2; ++h) {
                         const int i = 4 * j + 2 * h + e;
-                        st[i] = expf(ieee_sub(ieee_mul(st[i], scale), row_lse));
+                        st[i] = score_probability(st[i], scale, row_lse);
                     }
                 }
         } else {
@@ -1436,7 +1448,7 @@ __device__ __forceinline__ void dkdv_wgmma_pair_kernel(const uint16_t* q, const 
                         const int i = 4 * j + 2 * h + e;
                         const bool visible = warp_key0 + g + 8 * h <= last_seen;
                         visible_mask |= static_cast<uint32_t>(visible) << i;
-                        float p = expf(ieee_sub(ieee_mul(st[i], scale), row_lse));
+                        float p = score_probability(st[i], scale, row_lse);
                         asm volatile("" : "+f"(p));  // computed unconditionally, then selected
                         st[i] = visible ? p : 0.0f;
                     }
@@ -1621,7 +1633,7 @@ __device__ __forceinline__ void dq_wgmma_kernel(const uint16_t* q, const uint16_
         uint32_t visible_mask = 0u;
         if (interior) {
 #pragma unroll
-            for (int i = 0; i < 32; ++i) s[i] = expf(ieee_sub(ieee_mul(s[i], scale), row_lse[(i / 2) % 2]));
+            for (int i = 0; i < 32; ++i) s[i] = score_probability(s[i], scale, row_lse[(i / 2) % 2]);
         } else {
 #pragma unroll
             for (int i = 0; i < 32; ++i) {
@@ -1629,7 +1641,7 @@ __device__ __forceinline__ void dq_wgmma_kernel(const uint16_t* q, const uint16_
                 const int key = key0 + 8 * (i / 4) + c + (i % 2);
                 const bool visible = key <= last_seen[h];
                 visible_mask |= static_cast<uint32_t>(visible) << i;
-                float p = expf(ieee_sub(ieee_mul(s[i], scale), row_lse[h]));
+                float p = score_probability(s[i], scale, row_lse[h]);
                 asm volatile("" : "+f"(p));  // computed unconditionally, then selected
                 s[i] = visible ? p : 0.0f;
             }
