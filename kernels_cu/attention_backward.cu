@@ -9,7 +9,8 @@
 // its keys are rows k_start[b] + j, j < k_len[b] (causal: j <= p).  q head h reads kv head h / G.
 //
 // Formula (fp32 throughout, each step an explicit IEEE operation or the one exp2_ftz, no fast math):
-//   delta[h, r] = sum over d = 0..D-1 in order of dout[r, h, d] * out[r, h, d]
+//   delta[h, r] = sum over d of dout[r, h, d] * out[r, h, d]: D / 8 chains of 8 elements in
+//                 order, then a fixed pairwise tree over the chains (delta_kernel)
 //   s  = q . k                      mma.sync m16n8k16, fp32 accumulation over d in k16 steps
 //   p  = exp2_ftz(fma(s, scale log2 e, -(lse log2 e)))   (the forward's exponent form; each
 //                                   product rounded to fp32) on visible keys of rows with
@@ -22,8 +23,8 @@
 // tile slots are zero-filled in shared memory), so NaN padding cannot leak in.
 //
 // Kernels and launch geometry:
-//   attention_bwd_delta_*: grid (ceil(max_q_len * Hq / 128), B), block 128; one thread per
-//     (query row, head) of a sequence, sums over d sequentially.
+//   attention_bwd_delta_*: grid (ceil(max_q_len * Hq * D / 8 / 128), B), block 128; D / 8
+//     lanes per (query row, head) of a sequence, 8 elements each, then a butterfly.
 //   attention_bwd_dkdv_*: grid (ceil(max_k_len / 64), Hkv, B), block 128 (4 warps).  One CTA
 //     owns the 64 keys [64 j, 64 j + 64) of a sequence (absolute key positions; warp w owns 16)
 //     for one kv head, and walks the group's query heads in increasing order, and for each the
@@ -250,29 +251,39 @@ __device__ __forceinline__ void probability_and_grad(float& s_in_p_out, float& d
 
 // ---- delta = rowsum(dO * O) ------------------------------------------------------------------
 
+// delta of one (query row, head): kDeltaLanes(D) = D / 8 adjacent lanes, lane j adding the
+// products of elements 8 j .. 8 j + 7 in order from +0, then the lanes' sums added by an xor
+// butterfly, a fixed tree ((c0 + c1) + (c2 + c3)) + ...; each lane adds the same two values at
+// every level (fp32 addition commutes), so every lane ends with the tree's bits.  A row's 16-byte
+// loads are adjacent: a warp reads 512 contiguous bytes of out and of dout.
+template <int D>
+constexpr int kDeltaLanes = D / 8;
+
 template <typename Codec, int D>
 __device__ __forceinline__ void delta_kernel(const uint16_t* out, const uint16_t* dout, const int* q_start,
                                              const int* q_len, float* delta, int num_q_heads, int64_t total_q) {
+    constexpr int kLanes = kDeltaLanes<D>;
+    static_assert(kLanes <= 32 && 32 % kLanes == 0 && kThreads % kLanes == 0, "a lane group within a warp");
     const int seq = blockIdx.y;
-    const int64_t idx = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
-    const int64_t i = idx / num_q_heads;
-    const int head = static_cast<int>(idx % num_q_heads);
-    if (i >= q_len[seq]) return;
+    const int64_t pair = (static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x) / kLanes;
+    const int part = threadIdx.x % kLanes;
+    const int64_t i = pair / num_q_heads;
+    const int head = static_cast<int>(pair % num_q_heads);
+    if (i >= q_len[seq]) return;  // the group's lanes share i: they leave together
     const int64_t row = q_start[seq] + i;
-    const int64_t base = (row * num_q_heads + head) * D;
+    const int64_t at = (row * num_q_heads + head) * D + 8 * part;
+    const uint4 o4 = *reinterpret_cast<const uint4*>(out + at);
+    const uint4 g4 = *reinterpret_cast<const uint4*>(dout + at);
+    const uint16_t* o = reinterpret_cast<const uint16_t*>(&o4);
+    const uint16_t* g = reinterpret_cast<const uint16_t*>(&g4);
     float sum = 0.0f;
-#pragma unroll 4
-    for (int col = 0; col < D; col += 8) {
-        const uint4 o4 = *reinterpret_cast<const uint4*>(out + base + col);
-        const uint4 g4 = *reinterpret_cast<const uint4*>(dout + base + col);
-        const uint16_t* o = reinterpret_cast<const uint16_t*>(&o4);
-        const uint16_t* g = reinterpret_cast<const uint16_t*>(&g4);
 #pragma unroll
-        for (int e = 0; e < 8; ++e) {
-            sum = ieee_add(sum, ieee_mul(load_bits<Codec>(g[e]), load_bits<Codec>(o[e])));
-        }
-    }
-    delta[head * total_q + row] = sum;
+    for (int e = 0; e < 8; ++e) sum = ieee_add(sum, ieee_mul(load_bits<Codec>(g[e]), load_bits<Codec>(o[e])));
+    const unsigned group = ((1u << kLanes) - 1u) << (threadIdx.x % 32 / kLanes * kLanes);
+#pragma unroll
+    for (int offset = 1; offset < kLanes; offset *= 2)
+        sum = ieee_add(sum, __shfl_xor_sync(group, sum, offset, kLanes));
+    if (part == 0) delta[head * total_q + row] = sum;
 }
 
 // ---- dK, dV ------------------------------------------------------------------------------------

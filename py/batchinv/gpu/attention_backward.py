@@ -88,6 +88,11 @@ _MAX_GRID_YZ = 65535
 _MAX_GRID_X = 2**31 - 1
 
 
+def delta_lanes(head_dim: int) -> int:
+    """Threads per (query row, head) of the delta kernel: 8 elements each (kDeltaLanes)."""
+    return head_dim // 8
+
+
 def kv_query_rows(head_dim: int) -> int:
     """Query rows per step of the 16-row dK/dV kernels (speed only; the kernel's KvQueryRows)."""
     return 32 if head_dim >= 128 else 64
@@ -420,9 +425,9 @@ def kernel_launches(
 
     if max_q_len > 0:
         name = _kernel_name("delta", q.dtype, head_dim, variant)
-        blocks = -(-max_q_len * num_q_heads // THREADS)
+        blocks = -(-max_q_len * num_q_heads * delta_lanes(head_dim) // THREADS)
         if blocks > _MAX_GRID_X:
-            raise ValueError(f"max_q_len * Hq = {max_q_len * num_q_heads} is too large")
+            raise ValueError(f"max_q_len * Hq = {max_q_len * num_q_heads} is too large for the delta grid")
         launches.append(
             (
                 "delta",
