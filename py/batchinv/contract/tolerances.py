@@ -391,12 +391,12 @@ _TABLE: dict[tuple[str, str, str], tuple[float, float, str]] = {
         "2.65e-06 + 0.00388*|ref| (attention causal/out0, attention decode/out0)",
     ),
     ("attention", "bfloat16", "grad"): (
-        0.048,
-        0.026,
-        "4x atol and 2x rtol of the joint bound 0.012 + 0.0129*|ref| (chosen at |ref| = "
-        "0.0867). NVIDIA H200 op vs fp32 reference: max abs 0.0292, fit 0.0112 + 0.0314*|ref|"
-        " (attention prefill causal/grad_k, attention prefill causal/grad_q, attention "
-        "prefill causal/grad_v). CPU reference vs float64: max abs 0.0195, fit 2.04e-07 + "
+        0.031,
+        0.063,
+        "4x atol and 2x rtol of the joint bound 0.00766 + 0.0312*|ref| (chosen at |ref| = "
+        "0.0867). NVIDIA H200 op vs fp32 reference: max abs 0.0345, fit 0.0082 + 0.066*|ref| "
+        "(attention prefill causal/grad_k, attention prefill causal/grad_q, attention prefill"
+        " causal/grad_v). CPU reference vs float64: max abs 0.0195, fit 2.04e-07 + "
         "0.00389*|ref| (attention causal/grad0, attention causal/grad1, attention "
         "causal/grad2)",
     ),
@@ -410,11 +410,11 @@ _TABLE: dict[tuple[str, str, str], tuple[float, float, str]] = {
         "1.45e-07 + 0.000485*|ref| (attention causal/out0, attention decode/out0)",
     ),
     ("attention", "float16", "grad"): (
-        0.0064,
-        0.0049,
-        "4x atol and 2x rtol of the joint bound 0.00158 + 0.00243*|ref| (chosen at |ref| = "
-        "0.0867). NVIDIA H200 op vs fp32 reference: max abs 0.00373, fit 0.00102 + "
-        "0.0108*|ref| (attention prefill causal/grad_k, attention prefill causal/grad_q, "
+        0.0033,
+        0.016,
+        "4x atol and 2x rtol of the joint bound 0.000819 + 0.00781*|ref| (chosen at |ref| = "
+        "0.0867). NVIDIA H200 op vs fp32 reference: max abs 0.00334, fit 0.000745 + "
+        "0.0135*|ref| (attention prefill causal/grad_k, attention prefill causal/grad_q, "
         "attention prefill causal/grad_v). CPU reference vs float64: max abs 0.00194, fit "
         "1.03e-06 + 0.000487*|ref| (attention causal/grad0, attention causal/grad1, attention"
         " causal/grad2)",
