@@ -165,6 +165,21 @@ def attention_causal_off_by_one(q, k, v):
     return torch.cat((shifted, last), dim=1)
 
 
+def attention_delta_dropped(q, k, v):
+    """The backward forgets delta = rowsum(dO * O) (ds = p * dp): the forward's value, with the
+    gradient taken through p = exp(s - lse) as if lse were a constant (torch ops, fp32)."""
+    out, lse = batchinv.attention(q, k, v, causal=True, return_lse=True)
+    group = q.shape[2] // k.shape[2]
+    keys = k.float().repeat_interleave(group, dim=2)
+    values = v.float().repeat_interleave(group, dim=2)
+    s = torch.einsum("bqhd,bkhd->bhqk", q.float(), keys) * q.shape[-1] ** -0.5
+    n, m = q.shape[1], k.shape[1]
+    visible = torch.ones(n, m, dtype=torch.bool, device=q.device).tril(m - n)
+    p = torch.where(visible, torch.exp(s - lse.detach().float()[..., None]), 0.0)
+    unnormalised = torch.einsum("bhqk,bkhd->bqhd", p, values).to(out.dtype)
+    return out.detach() + (unnormalised - unnormalised.detach())
+
+
 # ----- linear: an fp16 accumulator ---------------------------------------------------------------
 
 
@@ -290,6 +305,13 @@ GRAD_MUTANTS = {
         token_logprobs_op,
         token_logprobs_without_target_term,
     ),
+    "delta dropped from ds (attention backward)": (
+        "attention",
+        lambda sizes, dtype, device: attention_inputs(sizes, dtype, device, queries=sizes.context),
+        attention_reference,
+        attention_op,
+        attention_delta_dropped,
+    ),
 }
 
 
@@ -310,8 +332,9 @@ def assert_grads_pass_and_mutant_fails(mutant: str, dtype: torch.dtype, sizes, d
     ``sizes``; the mutant's are not (at least one gradient fails)."""
     op, make_inputs, reference_fn, op_fn, mutant_fn = GRAD_MUTANTS[mutant]
     inputs = make_inputs(sizes, dtype, device)
-    rows = inputs[0].shape[0]
-    cotangent = torch.randn(rows, generator=torch.Generator().manual_seed(9)).to(device)
+    with torch.no_grad():
+        shape = reference_fn(*inputs).shape
+    cotangent = torch.randn(shape, generator=torch.Generator().manual_seed(9)).to(device)
     reference = _input_grads(reference_fn, inputs, cotangent, torch.float32)
 
     def failures(grads) -> list[str]:

@@ -427,7 +427,8 @@ def kernel_launches(
         name = _kernel_name("delta", q.dtype, head_dim, variant)
         blocks = -(-max_q_len * num_q_heads * delta_lanes(head_dim) // THREADS)
         if blocks > _MAX_GRID_X:
-            raise ValueError(f"max_q_len * Hq = {max_q_len * num_q_heads} is too large for the delta grid")
+            rows = max_q_len * num_q_heads
+            raise ValueError(f"max_q_len * Hq = {rows} is too large for the delta grid")
         launches.append(
             (
                 "delta",
