@@ -251,7 +251,7 @@ __device__ __forceinline__ void probability_and_grad(float& s_in_p_out, float& d
 
 // ---- delta = rowsum(dO * O) ------------------------------------------------------------------
 
-// delta of one (query row, head): kDeltaLanes(D) = D / 8 adjacent lanes, lane j adding the
+// delta of one (query row, head): kDeltaLanes<D> = D / 8 adjacent lanes, lane j adding the
 // products of elements 8 j .. 8 j + 7 in order from +0, then the lanes' sums added by an xor
 // butterfly, a fixed tree ((c0 + c1) + (c2 + c3)) + ...; each lane adds the same two values at
 // every level (fp32 addition commutes), so every lane ends with the tree's bits.  A row's 16-byte
