@@ -232,20 +232,23 @@ __device__ __forceinline__ void load_row_stats(float* s_lse, float* s_delta, con
     }
 }
 
-constexpr float kLog2e = 1.44269502162933349609375f;  // log2(e) rounded to fp32
-
 // p of one score in the forward's exponent form: 2^(s c - lse log2 e), c = scale log2 e, one
-// rounding of the FMA, then the special function unit's 2^x (two instructions where expf
-// takes eight; both products are loop-invariant and hoisted).
+// rounding of the FMA, then the special function unit's 2^x (two instructions per score where
+// expf takes eight; the two products depend on the row, not on the key).
 __device__ __forceinline__ float score_probability(float s, float scale, float lse) {
     return exp2_ftz(__fmaf_rn(s, ieee_mul(scale, kLog2e), -ieee_mul(lse, kLog2e)));
+}
+
+// ds of one visible score.
+__device__ __forceinline__ float score_grad(float p, float dp, float delta) {
+    return ieee_mul(p, ieee_sub(dp, delta));
 }
 
 // p and ds of one score, the one formula both kernels use.
 __device__ __forceinline__ void probability_and_grad(float& s_in_p_out, float& dp_in_ds_out, bool visible,
                                                      float lse, float delta, float scale) {
     const float p = visible ? score_probability(s_in_p_out, scale, lse) : 0.0f;
-    dp_in_ds_out = visible ? ieee_mul(p, ieee_sub(dp_in_ds_out, delta)) : 0.0f;
+    dp_in_ds_out = visible ? score_grad(p, dp_in_ds_out, delta) : 0.0f;
     s_in_p_out = p;
 }
 
@@ -1192,7 +1195,7 @@ __device__ __forceinline__ void wg_select_ds(float (&dp)[32], const float (&p)[3
 #pragma unroll
     for (int i = 0; i < 32; ++i) {
         const bool visible = (visible_mask >> i) & 1u;
-        float ds = ieee_mul(p[i], ieee_sub(dp[i], delta_of(i)));
+        float ds = score_grad(p[i], dp[i], delta_of(i));
         asm volatile("" : "+f"(ds));  // computed unconditionally, then selected
         dp[i] = visible ? ds : 0.0f;
     }
@@ -1202,7 +1205,7 @@ __device__ __forceinline__ void wg_select_ds(float (&dp)[32], const float (&p)[3
 template <typename DeltaOf>
 __device__ __forceinline__ void wg_grad_ds(float (&dp)[32], const float (&p)[32], DeltaOf delta_of) {
 #pragma unroll
-    for (int i = 0; i < 32; ++i) dp[i] = ieee_mul(p[i], ieee_sub(dp[i], delta_of(i)));
+    for (int i = 0; i < 32; ++i) dp[i] = score_grad(p[i], dp[i], delta_of(i));
 }
 
 // acc += A B over the first `Chunks` k16 steps in increasing order (B N-major: step t is 16
@@ -1536,7 +1539,7 @@ __device__ __forceinline__ void dkdv_wgmma_pair_kernel(const uint16_t* q, const 
 //   - dq = round(acc * scale): `_tiled`'s final step.
 
 [[maybe_unused]] constexpr int kWgDqRows = 64;  // queries per CTA (one warpgroup, 16 per warp)
-[[maybe_unused]] constexpr int kWgDqCtasPerSm = 3;  // 168 registers; the shared memory below fits
+[[maybe_unused]] constexpr int kWgDqCtasPerSm = 3;  // registers and the shared memory below fit three
 // Q, dO, one buffer of K and V, 1024 bytes of alignment.
 template <int D>
 constexpr int kWgDqSharedBytes = 4 * kWgTileBytesOf<D> + 1024;

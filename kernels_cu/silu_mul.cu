@@ -92,7 +92,6 @@ __device__ __forceinline__ float silu_div(float n, float d) {
     return __fdiv_rn(n, d);
 }
 
-constexpr float kMinusLog2e = -1.44269502162933349609375f;  // -log2(e) rounded to fp32
 
 // The forward's function of one element, on every path (vector body, element loop, any CTA):
 //   e   = exp2_ftz(g * -log2(e))         2^x of the rounded product (e^-g, x rounded once)
@@ -112,7 +111,7 @@ constexpr float kMinusLog2e = -1.44269502162933349609375f;  // -log2(e) rounded 
 // elementwise fp32 tolerance (docs/operators/silu_mul.md).  7 instructions per element, where
 // expf and IEEE division take 19.
 __device__ __forceinline__ float silu_mul_value(float g, float u) {
-    const float e = exp2_ftz(ieee_mul(g, kMinusLog2e));
+    const float e = exp2_ftz(ieee_mul(g, -kLog2e));
     const float quarter_d = __fmaf_rn(e, 0.25f, 0.25f);
     const float s = ieee_mul(rcp_ftz(quarter_d), 0.25f);
     return ieee_mul(ieee_mul(g, s), u);

@@ -16,6 +16,8 @@
 
 namespace batchinv {
 
+constexpr float kLog2e = 1.44269502162933349609375f;  // log2(e) rounded to fp32: e^x = 2^(x log2 e)
+
 __device__ __forceinline__ float exp2_ftz(float x) {
     float y;
 #if defined(__HIPCC__)
